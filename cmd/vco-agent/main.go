@@ -1,0 +1,57 @@
+// Command vco-agent is the whitesky.cloud node storage daemon and its
+// operator CLI. Every subcommand lives in its own file of this package and
+// is listed once in the table below.
+package main
+
+import (
+	"fmt"
+	"os"
+	"sort"
+)
+
+// version is set at link time by the Makefile.
+var version = "dev"
+
+// command is one subcommand: it receives the arguments after its name and
+// returns the process exit code.
+type command struct {
+	summary string
+	run     func(args []string) int
+}
+
+func commands() map[string]command {
+	return map[string]command{
+		"version": {"print the agent version", func([]string) int { fmt.Println(version); return 0 }},
+	}
+}
+
+func usage() {
+	fmt.Fprintln(os.Stderr, "usage: vco-agent <command> [flags]\n\ncommands:")
+	cmds := commands()
+	names := make([]string, 0, len(cmds))
+	for n := range cmds {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		fmt.Fprintf(os.Stderr, "  %-10s %s\n", n, cmds[n].summary)
+	}
+	fmt.Fprintln(os.Stderr, "\nRun 'vco-agent <command> --help' for a command's flags.")
+}
+
+func main() {
+	if len(os.Args) < 2 || os.Args[1] == "-h" || os.Args[1] == "--help" || os.Args[1] == "help" {
+		usage()
+		if len(os.Args) < 2 {
+			os.Exit(2)
+		}
+		return
+	}
+	cmd, ok := commands()[os.Args[1]]
+	if !ok {
+		fmt.Fprintf(os.Stderr, "vco-agent: unknown command %q\n\n", os.Args[1])
+		usage()
+		os.Exit(2)
+	}
+	os.Exit(cmd.run(os.Args[2:]))
+}
