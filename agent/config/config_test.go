@@ -83,12 +83,12 @@ func TestUnknownFieldNamesFieldAndLine(t *testing.T) {
 
 func TestBadValuesAreNamed(t *testing.T) {
 	cases := map[string]string{
-		"log:\n  level: loud\n":          "log.level",
-		"socket:\n  path: rel.sock\n":    "socket.path",
-		"events:\n  ring_size: 0\n":      "events.ring_size",
-		"state_dir: var\n":               "state_dir",
-		"events:\n  ring_size: lots\n":   "line 2",
-		"socket: [\n":                    "line",
+		"log:\n  level: loud\n":         "log.level",
+		"socket:\n  path: rel.sock\n":   "socket.path",
+		"events:\n  ring_size: 0\n":     "events.ring_size",
+		"state_dir: var\n":              "state_dir",
+		"events:\n  ring_size: lots\n":  "line 2",
+		"socket: [\n":                   "line",
 		"dbus:\n  enabled: sometimes\n": "line 2",
 	}
 	for body, want := range cases {

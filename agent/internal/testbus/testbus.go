@@ -5,8 +5,8 @@
 package testbus
 
 import (
-	"bytes"
 	"bufio"
+	"bytes"
 	"fmt"
 	"os"
 	"os/exec"
