@@ -583,6 +583,86 @@ func (x *WatchEventsRequest) GetReplayRecent() bool {
 	return false
 }
 
+type ListRecentEventsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListRecentEventsRequest) Reset() {
+	*x = ListRecentEventsRequest{}
+	mi := &file_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListRecentEventsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListRecentEventsRequest) ProtoMessage() {}
+
+func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListRecentEventsRequest.ProtoReflect.Descriptor instead.
+func (*ListRecentEventsRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{6}
+}
+
+type ListRecentEventsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Events        []*Event               `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListRecentEventsResponse) Reset() {
+	*x = ListRecentEventsResponse{}
+	mi := &file_agent_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListRecentEventsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListRecentEventsResponse) ProtoMessage() {}
+
+func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListRecentEventsResponse.ProtoReflect.Descriptor instead.
+func (*ListRecentEventsResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *ListRecentEventsResponse) GetEvents() []*Event {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
 type Event struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Type  EventType              `protobuf:"varint,1,opt,name=type,proto3,enum=vco.agent.v1.EventType" json:"type,omitempty"`
@@ -605,7 +685,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -617,7 +697,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -630,7 +710,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{6}
+	return file_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Event) GetType() EventType {
@@ -753,7 +833,10 @@ const file_agent_proto_rawDesc = "" +
 	"\vsocket_path\x18\r \x01(\tR\n" +
 	"socketPath\"9\n" +
 	"\x12WatchEventsRequest\x12#\n" +
-	"\rreplay_recent\x18\x01 \x01(\bR\freplayRecent\"\xd6\x02\n" +
+	"\rreplay_recent\x18\x01 \x01(\bR\freplayRecent\"\x19\n" +
+	"\x17ListRecentEventsRequest\"G\n" +
+	"\x18ListRecentEventsResponse\x12+\n" +
+	"\x06events\x18\x01 \x03(\v2\x13.vco.agent.v1.EventR\x06events\"\xd6\x02\n" +
 	"\x05Event\x12+\n" +
 	"\x04type\x18\x01 \x01(\x0e2\x17.vco.agent.v1.EventTypeR\x04type\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -781,11 +864,12 @@ const file_agent_proto_rawDesc = "" +
 	"\x17EVENT_TYPE_DISK_REFUSED\x10\x04\x12\x1a\n" +
 	"\x16EVENT_TYPE_DISK_FENCED\x10\x05\x12\x1c\n" +
 	"\x18EVENT_TYPE_DISK_RELEASED\x10\x06\x12\x1f\n" +
-	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\xdb\x01\n" +
+	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\xbe\x02\n" +
 	"\x05Agent\x12G\n" +
 	"\vGetIdentity\x12 .vco.agent.v1.GetIdentityRequest\x1a\x16.vco.agent.v1.Identity\x12A\n" +
 	"\tGetStatus\x12\x1e.vco.agent.v1.GetStatusRequest\x1a\x14.vco.agent.v1.Status\x12F\n" +
-	"\vWatchEvents\x12 .vco.agent.v1.WatchEventsRequest\x1a\x13.vco.agent.v1.Event0\x01B1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
+	"\vWatchEvents\x12 .vco.agent.v1.WatchEventsRequest\x1a\x13.vco.agent.v1.Event0\x01\x12a\n" +
+	"\x10ListRecentEvents\x12%.vco.agent.v1.ListRecentEventsRequest\x1a&.vco.agent.v1.ListRecentEventsResponseB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
 
 var (
 	file_agent_proto_rawDescOnce sync.Once
@@ -800,38 +884,43 @@ func file_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_agent_proto_goTypes = []any{
-	(FencingMethod)(0),            // 0: vco.agent.v1.FencingMethod
-	(EventType)(0),                // 1: vco.agent.v1.EventType
-	(*GetIdentityRequest)(nil),    // 2: vco.agent.v1.GetIdentityRequest
-	(*FencingCapability)(nil),     // 3: vco.agent.v1.FencingCapability
-	(*Identity)(nil),              // 4: vco.agent.v1.Identity
-	(*GetStatusRequest)(nil),      // 5: vco.agent.v1.GetStatusRequest
-	(*Status)(nil),                // 6: vco.agent.v1.Status
-	(*WatchEventsRequest)(nil),    // 7: vco.agent.v1.WatchEventsRequest
-	(*Event)(nil),                 // 8: vco.agent.v1.Event
-	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 10: google.protobuf.Duration
+	(FencingMethod)(0),               // 0: vco.agent.v1.FencingMethod
+	(EventType)(0),                   // 1: vco.agent.v1.EventType
+	(*GetIdentityRequest)(nil),       // 2: vco.agent.v1.GetIdentityRequest
+	(*FencingCapability)(nil),        // 3: vco.agent.v1.FencingCapability
+	(*Identity)(nil),                 // 4: vco.agent.v1.Identity
+	(*GetStatusRequest)(nil),         // 5: vco.agent.v1.GetStatusRequest
+	(*Status)(nil),                   // 6: vco.agent.v1.Status
+	(*WatchEventsRequest)(nil),       // 7: vco.agent.v1.WatchEventsRequest
+	(*ListRecentEventsRequest)(nil),  // 8: vco.agent.v1.ListRecentEventsRequest
+	(*ListRecentEventsResponse)(nil), // 9: vco.agent.v1.ListRecentEventsResponse
+	(*Event)(nil),                    // 10: vco.agent.v1.Event
+	(*timestamppb.Timestamp)(nil),    // 11: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 12: google.protobuf.Duration
 }
 var file_agent_proto_depIdxs = []int32{
 	0,  // 0: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
 	3,  // 1: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
-	9,  // 2: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
-	10, // 3: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
-	1,  // 4: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
-	9,  // 5: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
-	2,  // 6: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
-	5,  // 7: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
-	7,  // 8: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
-	4,  // 9: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
-	6,  // 10: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
-	8,  // 11: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
-	9,  // [9:12] is the sub-list for method output_type
-	6,  // [6:9] is the sub-list for method input_type
-	6,  // [6:6] is the sub-list for extension type_name
-	6,  // [6:6] is the sub-list for extension extendee
-	0,  // [0:6] is the sub-list for field type_name
+	11, // 2: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
+	12, // 3: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
+	10, // 4: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
+	1,  // 5: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
+	11, // 6: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
+	2,  // 7: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
+	5,  // 8: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
+	7,  // 9: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
+	8,  // 10: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
+	4,  // 11: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
+	6,  // 12: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
+	10, // 13: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
+	9,  // 14: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
+	11, // [11:15] is the sub-list for method output_type
+	7,  // [7:11] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -845,7 +934,7 @@ func file_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   7,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -23,9 +23,10 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Agent_GetIdentity_FullMethodName = "/vco.agent.v1.Agent/GetIdentity"
-	Agent_GetStatus_FullMethodName   = "/vco.agent.v1.Agent/GetStatus"
-	Agent_WatchEvents_FullMethodName = "/vco.agent.v1.Agent/WatchEvents"
+	Agent_GetIdentity_FullMethodName      = "/vco.agent.v1.Agent/GetIdentity"
+	Agent_GetStatus_FullMethodName        = "/vco.agent.v1.Agent/GetStatus"
+	Agent_WatchEvents_FullMethodName      = "/vco.agent.v1.Agent/WatchEvents"
+	Agent_ListRecentEvents_FullMethodName = "/vco.agent.v1.Agent/ListRecentEvents"
 )
 
 // AgentClient is the client API for Agent service.
@@ -40,6 +41,8 @@ type AgentClient interface {
 	// WatchEvents streams events as they happen, optionally after replaying
 	// the recent ones the agent still holds.
 	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[Event], error)
+	// ListRecentEvents returns the events the agent still holds, oldest first.
+	ListRecentEvents(ctx context.Context, in *ListRecentEventsRequest, opts ...grpc.CallOption) (*ListRecentEventsResponse, error)
 }
 
 type agentClient struct {
@@ -89,6 +92,16 @@ func (c *agentClient) WatchEvents(ctx context.Context, in *WatchEventsRequest, o
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Agent_WatchEventsClient = grpc.ServerStreamingClient[Event]
 
+func (c *agentClient) ListRecentEvents(ctx context.Context, in *ListRecentEventsRequest, opts ...grpc.CallOption) (*ListRecentEventsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListRecentEventsResponse)
+	err := c.cc.Invoke(ctx, Agent_ListRecentEvents_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AgentServer is the server API for Agent service.
 // All implementations must embed UnimplementedAgentServer
 // for forward compatibility.
@@ -101,6 +114,8 @@ type AgentServer interface {
 	// WatchEvents streams events as they happen, optionally after replaying
 	// the recent ones the agent still holds.
 	WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[Event]) error
+	// ListRecentEvents returns the events the agent still holds, oldest first.
+	ListRecentEvents(context.Context, *ListRecentEventsRequest) (*ListRecentEventsResponse, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -119,6 +134,9 @@ func (UnimplementedAgentServer) GetStatus(context.Context, *GetStatusRequest) (*
 }
 func (UnimplementedAgentServer) WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[Event]) error {
 	return status.Error(codes.Unimplemented, "method WatchEvents not implemented")
+}
+func (UnimplementedAgentServer) ListRecentEvents(context.Context, *ListRecentEventsRequest) (*ListRecentEventsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListRecentEvents not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -188,6 +206,24 @@ func _Agent_WatchEvents_Handler(srv interface{}, stream grpc.ServerStream) error
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type Agent_WatchEventsServer = grpc.ServerStreamingServer[Event]
 
+func _Agent_ListRecentEvents_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListRecentEventsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).ListRecentEvents(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_ListRecentEvents_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).ListRecentEvents(ctx, req.(*ListRecentEventsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Agent_ServiceDesc is the grpc.ServiceDesc for Agent service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -202,6 +238,10 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetStatus",
 			Handler:    _Agent_GetStatus_Handler,
+		},
+		{
+			MethodName: "ListRecentEvents",
+			Handler:    _Agent_ListRecentEvents_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

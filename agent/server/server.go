@@ -175,6 +175,16 @@ func (s *Server) WatchEvents(req *api.WatchEventsRequest, stream grpc.ServerStre
 	}
 }
 
+// ListRecentEvents implements api.AgentServer.
+func (s *Server) ListRecentEvents(context.Context, *api.ListRecentEventsRequest) (*api.ListRecentEventsResponse, error) {
+	recent := s.o.Bus.Recent()
+	out := &api.ListRecentEventsResponse{Events: make([]*api.Event, 0, len(recent))}
+	for _, e := range recent {
+		out.Events = append(out.Events, EventToProto(e))
+	}
+	return out, nil
+}
+
 // EventToProto converts a bus event to its API form.
 func EventToProto(e events.Event) *api.Event {
 	return &api.Event{

@@ -196,6 +196,13 @@ func TestWatchEventsReplayThenLive(t *testing.T) {
 		e.HolderKey != "5643000000000abc" || e.HolderNode != "node-b" || e.Reason != "held-elsewhere" || e.Message != "held by node-b" {
 		t.Fatalf("live event %+v", e)
 	}
+	recent, err := f.c.ListRecentEvents(ctx, &api.ListRecentEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(recent.Events) != 3 || recent.Events[0].Sequence != 1 || recent.Events[2].HolderNode != "node-b" {
+		t.Fatalf("recent events %+v", recent.Events)
+	}
 	// Stopping the bus (agent shutdown) ends the stream cleanly.
 	f.bus.Close()
 	if _, err := stream.Recv(); err == nil {
