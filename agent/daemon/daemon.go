@@ -97,7 +97,11 @@ func Run(ctx context.Context, o Options) error {
 	if err != nil {
 		return err
 	}
-	log, logMode := logging.New(level, o.Stderr)
+	log, toJournal := logging.New(level, o.Stderr)
+	logMode := "text"
+	if toJournal {
+		logMode = "journal"
+	}
 	started := time.Now()
 
 	notify("STATUS=reading the node identity under " + cfg.SysfsRoot)
@@ -116,7 +120,7 @@ func Run(ctx context.Context, o Options) error {
 	defer sock.cleanup()
 
 	bus := events.NewBus(cfg.Events.RingSize, cfg.Events.SubscriberBuffer, log)
-	bus.AddSink(logging.EventSink(log))
+	bus.AddSink(logging.EventSink(log, toJournal))
 	rt := server.Runtime{SocketActivated: sock.activated, SocketPath: sock.path}
 	if cfg.DBus.Enabled {
 		notify("STATUS=connecting to D-Bus")

@@ -3,6 +3,7 @@ package daemon
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -21,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/agent/dbussignal"
 	"github.com/whitesky-cloud/vco-storage/agent/internal/testbus"
+	"github.com/whitesky-cloud/vco-storage/agent/internal/testjournal"
 )
 
 // The test binary is also the agent under test, in two helper modes:
@@ -465,5 +467,66 @@ func TestRefusesWhenAnotherAgentServes(t *testing.T) {
 	}
 	if _, err := os.Lstat(sock); err != nil {
 		t.Fatal("the other process's socket was removed")
+	}
+}
+
+// Under systemd stderr is the journal's stream: the agent then logs and
+// records events natively, with fields.
+func TestLogsAndEventsGoToJournalWhenStderrIsItsStream(t *testing.T) {
+	j := testjournal.Listen(t)
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stream := os.NewFile(uintptr(fds[0]), "journal-stream")
+	peer := os.NewFile(uintptr(fds[1]), "journal-stream-peer")
+	defer stream.Close()
+	defer peer.Close()
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fds[0], &st); err != nil {
+		t.Fatal(err)
+	}
+	n := listenNotify(t)
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	cmd := exec.Command(os.Args[0], "-test.run=^$", "--", "--config", emptyConfig(t), "--socket", sock,
+		"--sysfs-root", sysfsFixture(t), "--dbus=false", "--node-name", "node-j")
+	cmd.Env = append(os.Environ(), "VCO_AGENT_MODE=serve", "NOTIFY_SOCKET="+n.path, fmt.Sprintf("JOURNAL_STREAM=%d:%d", st.Dev, st.Ino))
+	cmd.Stderr = stream
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	defer func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			<-done
+		}
+	}()
+	n.wait(t, "READY=1")
+	serving := j.Wait("MESSAGE", "vco-agent serving", 10*time.Second)
+	if serving == nil {
+		t.Fatalf("start-up line not in the journal: %v", j.Entries())
+	}
+	if serving["SOCKET"] != sock || serving["NODE"] != "node-j" || serving["SYSTEM_UUID"] != fixtureUUID || serving["LOG"] != "journal" || serving["PRIORITY"] != "6" {
+		t.Errorf("start-up entry fields %v", serving)
+	}
+	started := j.Wait("VCO_EVENT", "AgentStarted", 10*time.Second)
+	if started == nil || started["MESSAGE_ID"] != "629e5f31feb4e51d950ea18f50c43f0d" || started["VCO_SEQ"] != "1" {
+		t.Errorf("AgentStarted entry %v", started)
+	}
+	cmd.Process.Signal(syscall.SIGTERM)
+	if err := <-done; err != nil {
+		t.Fatalf("agent exit %v", err)
+	}
+	if j.Wait("VCO_EVENT", "AgentStopping", 5*time.Second) == nil {
+		t.Error("AgentStopping not in the journal")
+	}
+	// Nothing went to the stream as text.
+	stream.Close()
+	peer.SetReadDeadline(time.Now().Add(time.Second))
+	buf := make([]byte, 4096)
+	if k, _ := peer.Read(buf); k > 0 {
+		t.Errorf("text on stderr although it is the journal stream: %q", buf[:k])
 	}
 }

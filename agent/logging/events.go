@@ -80,9 +80,11 @@ func (s LogSink) Emit(e events.Event) error {
 	return nil
 }
 
-// EventSink picks the journal when its socket answers, else the log.
-func EventSink(log *slog.Logger) events.Sink {
-	if sdjournal.Enabled() {
+// EventSink puts events where the log goes: natively into the journal
+// when the agent logs there (under systemd), else into the text log, so an
+// operator reading the agent's output always sees them.
+func EventSink(log *slog.Logger, journal bool) events.Sink {
+	if journal {
 		return JournalSink{}
 	}
 	return LogSink{Log: log}

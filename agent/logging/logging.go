@@ -9,7 +9,6 @@ import (
 	"context"
 	"io"
 	"log/slog"
-	"os"
 	"strings"
 	"sync"
 
@@ -29,12 +28,12 @@ func StderrIsJournal() bool {
 
 // New returns the agent's logger: journal-native when stderr is a journal
 // stream and the journal socket answers, plain text on w otherwise. The
-// second result says which, for the start-up log line.
-func New(level slog.Leveler, w io.Writer) (*slog.Logger, string) {
+// second result is true for the journal.
+func New(level slog.Leveler, w io.Writer) (*slog.Logger, bool) {
 	if StderrIsJournal() && sdjournal.Enabled() {
-		return slog.New(NewJournalHandler(level)), "journal"
+		return slog.New(NewJournalHandler(level)), true
 	}
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level})), "text"
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: level})), false
 }
 
 // JournalHandler is a slog.Handler that sends each record to the journal
@@ -146,7 +145,3 @@ func Priority(l slog.Level) sdjournal.Priority {
 		return sdjournal.PriDebug
 	}
 }
-
-// Stderr is where the text logger writes; a variable so the daemon's tests
-// can capture it.
-var Stderr io.Writer = os.Stderr

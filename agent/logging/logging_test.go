@@ -2,22 +2,18 @@ package logging
 
 import (
 	"bytes"
-	"encoding/binary"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/agent/internal/testjournal"
 )
-
-const journalSocket = "/run/systemd/journal/socket"
 
 // TestMain doubles as a child process that reports whether it sees its
 // stderr as a journal stream.
@@ -73,81 +69,24 @@ func socketPair() (*os.File, *os.File, error) {
 	return os.NewFile(uintptr(fds[0]), "a"), os.NewFile(uintptr(fds[1]), "b"), nil
 }
 
-// listenJournal binds the journal's native socket path, which exists only
-// where no journald runs (as in this build container).
-func listenJournal(t *testing.T) *net.UnixConn {
+func entry(t *testing.T, j *testjournal.Journal, key, val string) map[string]string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("binding the journal socket path needs root")
+	e := j.Wait(key, val, 5*time.Second)
+	if e == nil {
+		t.Fatalf("no journal entry with %s=%s; got %v", key, val, j.Entries())
 	}
-	if _, err := os.Stat(journalSocket); err == nil {
-		t.Skip("a journald owns " + journalSocket + " here; this test needs the path free to listen on it")
-	}
-	var made []string
-	for d := filepath.Dir(journalSocket); ; d = filepath.Dir(d) {
-		if _, err := os.Stat(d); err == nil {
-			break
-		}
-		made = append([]string{d}, made...)
-	}
-	for _, d := range made {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	c, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: journalSocket, Net: "unixgram"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		c.Close()
-		os.Remove(journalSocket)
-		for i := len(made) - 1; i >= 0; i-- {
-			os.Remove(made[i])
-		}
-	})
-	return c
-}
-
-// readEntry reads one datagram in the journal native protocol.
-func readEntry(t *testing.T, c *net.UnixConn) map[string]string {
-	t.Helper()
-	buf := make([]byte, 1<<16)
-	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	n, err := c.Read(buf)
-	if err != nil {
-		t.Fatalf("no journal entry arrived: %v", err)
-	}
-	data := buf[:n]
-	f := map[string]string{}
-	for len(data) > 0 {
-		nl := bytes.IndexByte(data, '\n')
-		if nl < 0 {
-			t.Fatalf("truncated entry %q", data)
-		}
-		line := data[:nl]
-		if eq := bytes.IndexByte(line, '='); eq >= 0 {
-			f[string(line[:eq])] = string(line[eq+1:])
-			data = data[nl+1:]
-			continue
-		}
-		// KEY\n<64-bit LE length><value>\n
-		l := binary.LittleEndian.Uint64(data[nl+1 : nl+9])
-		f[string(line)] = string(data[nl+9 : nl+9+int(l)])
-		data = data[nl+9+int(l)+1:]
-	}
-	return f
+	return e
 }
 
 func TestJournalSinkSendsMessageIDAndFields(t *testing.T) {
-	c := listenJournal(t)
+	j := testjournal.Listen(t)
 	e := events.Event{Type: events.DiskRefused, Seq: 7, Volume: "ch-lug-1/disk-42", Device: "/dev/sdb",
 		Serial: "0QEMU_disk42", HolderKey: 0x5643aabbccddeeff, HolderNode: "node-b", Reason: "held-elsewhere",
 		Message: "disk 42 is reserved by node-b\nrefusing it"}
 	if err := (JournalSink{}).Emit(e); err != nil {
 		t.Fatal(err)
 	}
-	f := readEntry(t, c)
+	f := entry(t, j, "VCO_SEQ", "7")
 	want := map[string]string{
 		"MESSAGE_ID": "4aa8a0fc1a4a92cec915055d97daeec3", "PRIORITY": "4", "SYSLOG_IDENTIFIER": "vco-agent",
 		"VCO_EVENT": "DiskRefused", "VCO_SEQ": "7", "VCO_VOLUME": "ch-lug-1/disk-42", "VCO_DEVICE": "/dev/sdb",
@@ -162,11 +101,14 @@ func TestJournalSinkSendsMessageIDAndFields(t *testing.T) {
 }
 
 func TestJournalHandlerMapsAttrsAndGroups(t *testing.T) {
-	c := listenJournal(t)
+	j := testjournal.Listen(t)
 	log := slog.New(NewJournalHandler(slog.LevelInfo)).With("node", "n1").WithGroup("grpc")
 	log.Debug("not sent")
 	log.Warn("caller refused", "uid", 65534, slog.Group("peer", "pid", 12))
-	f := readEntry(t, c)
+	f := entry(t, j, "MESSAGE", "caller refused")
+	if j.Wait("MESSAGE", "not sent", 0) != nil {
+		t.Error("a debug record passed an info-level handler")
+	}
 	want := map[string]string{"MESSAGE": "caller refused", "PRIORITY": "4", "NODE": "n1", "GRPC_UID": "65534", "GRPC_PEER_PID": "12", "SYSLOG_IDENTIFIER": "vco-agent"}
 	for k, v := range want {
 		if f[k] != v {
