@@ -123,3 +123,13 @@ func TestFlagsOverrideFileOnlyWhenGiven(t *testing.T) {
 		t.Fatalf("bad flag value: %v", err)
 	}
 }
+
+func TestExampleFileIsTheDefaults(t *testing.T) {
+	cfg, err := Load("example.yaml", true)
+	if err != nil {
+		t.Fatalf("the shipped example does not load: %v", err)
+	}
+	if cfg != Default() {
+		t.Fatalf("example.yaml drifted from the defaults:\n%+v\n%+v", cfg, Default())
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/dbussignal"
 	"github.com/whitesky-cloud/vco-storage/agent/internal/testbus"
 	"github.com/whitesky-cloud/vco-storage/agent/internal/testjournal"
@@ -528,5 +530,51 @@ func TestLogsAndEventsGoToJournalWhenStderrIsItsStream(t *testing.T) {
 	buf := make([]byte, 4096)
 	if k, _ := peer.Read(buf); k > 0 {
 		t.Errorf("text on stderr although it is the journal stream: %q", buf[:k])
+	}
+}
+
+func TestSocketBelongsToConfiguredGroup(t *testing.T) {
+	g, err := user.LookupGroup("users")
+	if err != nil {
+		t.Skip("no group 'users' on this host")
+	}
+	gid, _ := strconv.Atoi(g.Gid)
+	run := filepath.Join(t.TempDir(), "run")
+	cfg := config.Default()
+	cfg.Socket.Path = filepath.Join(run, "agent.sock")
+	cfg.Socket.Group = "users"
+	cfg.SysfsRoot = sysfsFixture(t)
+	cfg.DBus.Enabled = false
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	var logs bytes.Buffer
+	go func() { done <- Run(ctx, Options{Config: cfg, Version: "v", Stderr: &logs}) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if c, err := client.Dial(cfg.Socket.Path); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			cancel()
+			t.Fatalf("agent not serving: %s", logs.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for path, mode := range map[string]os.FileMode{run: 0o750, cfg.Socket.Path: 0o660} {
+		var st syscall.Stat_t
+		if err := syscall.Stat(path, &st); err != nil {
+			t.Fatal(err)
+		}
+		if int(st.Gid) != gid || os.FileMode(st.Mode).Perm() != mode {
+			t.Errorf("%s: gid %d mode %o, want gid %d mode %o", path, st.Gid, os.FileMode(st.Mode).Perm(), gid, mode)
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(run); err == nil {
+		t.Error("socket directory left behind")
 	}
 }
