@@ -1,7 +1,9 @@
 // Package config is the vco-agent's configuration: one YAML file in which
 // every field has a default, plus command-line flags that override it. Later
-// capabilities (fencing, claim checks, mounts) add their own sections to
-// Config; each section owns its defaults and its validation.
+// capabilities (fencing, claim checks, mounts) add their own section: a
+// struct field of Config with a yaml tag, its defaults in Default, its
+// checks in Validate, a line in example.yaml, and flags only where an
+// operator needs them on the command line.
 package config
 
 import (
@@ -14,6 +16,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"strings"
 
@@ -142,21 +145,19 @@ func decode(data []byte, cfg *Config) error {
 }
 
 // sectionName turns a Go type name from the YAML decoder into the section
-// an operator sees in the file.
+// an operator sees in the file, from Config's own yaml tags, so that a new
+// section needs no entry here.
 func sectionName(goType string) string {
-	switch strings.TrimPrefix(goType, "config.") {
-	case "Config":
+	name := strings.TrimPrefix(goType, "config.")
+	if name == "Config" {
 		return "the top level"
-	case "Socket":
-		return "section socket"
-	case "Node":
-		return "section node"
-	case "Log":
-		return "section log"
-	case "DBus":
-		return "section dbus"
-	case "Events":
-		return "section events"
+	}
+	t := reflect.TypeFor[Config]()
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		if f.Type.Name() == name {
+			return "section " + strings.Split(f.Tag.Get("yaml"), ",")[0]
+		}
 	}
 	return goType
 }
