@@ -678,7 +678,10 @@ type Event struct {
 	Reason     string `protobuf:"bytes,9,opt,name=reason,proto3" json:"reason,omitempty"`
 	Message    string `protobuf:"bytes,10,opt,name=message,proto3" json:"message,omitempty"`
 	// replayed is true for events sent from the recent ring.
-	Replayed      bool `protobuf:"varint,11,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	Replayed bool `protobuf:"varint,11,opt,name=replayed,proto3" json:"replayed,omitempty"`
+	// missed_before counts events this stream missed just before this one
+	// because the reader fell behind (WatchEvents only).
+	MissedBefore  uint64 `protobuf:"varint,12,opt,name=missed_before,json=missedBefore,proto3" json:"missed_before,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -790,6 +793,13 @@ func (x *Event) GetReplayed() bool {
 	return false
 }
 
+func (x *Event) GetMissedBefore() uint64 {
+	if x != nil {
+		return x.MissedBefore
+	}
+	return 0
+}
+
 var File_agent_proto protoreflect.FileDescriptor
 
 const file_agent_proto_rawDesc = "" +
@@ -836,7 +846,7 @@ const file_agent_proto_rawDesc = "" +
 	"\rreplay_recent\x18\x01 \x01(\bR\freplayRecent\"\x19\n" +
 	"\x17ListRecentEventsRequest\"G\n" +
 	"\x18ListRecentEventsResponse\x12+\n" +
-	"\x06events\x18\x01 \x03(\v2\x13.vco.agent.v1.EventR\x06events\"\xd6\x02\n" +
+	"\x06events\x18\x01 \x03(\v2\x13.vco.agent.v1.EventR\x06events\"\xfb\x02\n" +
 	"\x05Event\x12+\n" +
 	"\x04type\x18\x01 \x01(\x0e2\x17.vco.agent.v1.EventTypeR\x04type\x12\x1a\n" +
 	"\bsequence\x18\x02 \x01(\x04R\bsequence\x12.\n" +
@@ -851,7 +861,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x06reason\x18\t \x01(\tR\x06reason\x12\x18\n" +
 	"\amessage\x18\n" +
 	" \x01(\tR\amessage\x12\x1a\n" +
-	"\breplayed\x18\v \x01(\bR\breplayed*k\n" +
+	"\breplayed\x18\v \x01(\bR\breplayed\x12#\n" +
+	"\rmissed_before\x18\f \x01(\x04R\fmissedBefore*k\n" +
 	"\rFencingMethod\x12\x1e\n" +
 	"\x1aFENCING_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17FENCING_METHOD_SCSI3_PR\x10\x01\x12\x1d\n" +

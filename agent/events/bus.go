@@ -78,9 +78,13 @@ func (b *Bus) Publish(e Event) Event {
 	}
 	b.next = (b.next + 1) % cap(b.ring)
 	for s := range b.subs {
+		se := e
+		se.MissedBefore = s.pending
 		select {
-		case s.c <- e:
+		case s.c <- se:
+			s.pending = 0
 		default:
+			s.pending++
 			s.dropped.Add(1)
 			b.dropped.Add(1)
 		}
@@ -143,6 +147,7 @@ type Subscription struct {
 	// replay was asked for; C then continues right after the last of them.
 	Replay  []Event
 	dropped atomic.Uint64
+	pending uint64 // drops not yet reported on a delivered event; under bus.mu
 }
 
 // Subscribe registers a reader. With replay, the recent events are captured

@@ -189,3 +189,24 @@ func TestSubscribeAfterCloseGetsClosedChannel(t *testing.T) {
 		t.Fatal("published after close")
 	}
 }
+
+func TestNextDeliveryReportsMissedEvents(t *testing.T) {
+	b := NewBus(4, 2, nil)
+	s := b.Subscribe(false)
+	for i := 0; i < 7; i++ {
+		b.Publish(Event{Type: DiskClaimed})
+	}
+	for _, want := range []uint64{1, 2} {
+		if e := <-s.C(); e.Seq != want || e.MissedBefore != 0 {
+			t.Fatalf("buffered event %+v", e)
+		}
+	}
+	b.Publish(Event{Type: DiskReleased})
+	e := <-s.C()
+	if e.Seq != 8 || e.MissedBefore != 5 {
+		t.Fatalf("got seq %d missed %d, want seq 8 after 5 missed", e.Seq, e.MissedBefore)
+	}
+	if r := b.Recent(); r[len(r)-1].MissedBefore != 0 {
+		t.Fatal("a subscriber's miss count leaked into the ring")
+	}
+}

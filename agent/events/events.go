@@ -89,6 +89,9 @@ type Event struct {
 	Reason string
 	// Message is the sentence an operator reads.
 	Message string
+	// MissedBefore is set only on a subscriber's copy: how many events that
+	// subscriber missed right before this one because its buffer was full.
+	MissedBefore uint64
 }
 
 // HolderKeyString is HolderKey as 16 hex digits, or "" when unset.

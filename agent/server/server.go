@@ -190,6 +190,6 @@ func EventToProto(e events.Event) *api.Event {
 	return &api.Event{
 		Type: api.EventType(e.Type), Sequence: e.Seq, Time: timestamppb.New(e.Time),
 		Volume: e.Volume, Device: e.Device, Serial: e.Serial, HolderKey: e.HolderKeyString(),
-		HolderNode: e.HolderNode, Reason: e.Reason, Message: e.Message,
+		HolderNode: e.HolderNode, Reason: e.Reason, Message: e.Message, MissedBefore: e.MissedBefore,
 	}
 }

@@ -249,3 +249,92 @@ func TestDialExplainsAgentNotRunning(t *testing.T) {
 		t.Fatalf("stale socket: %v", err)
 	}
 }
+
+// A stream reader that stops reading must not hold up the bus: its
+// events are dropped and counted, and it is told how many it missed.
+func TestStalledStreamDoesNotBlockBus(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("runs as root to be the allowed caller")
+	}
+	f := serve(t, peercred.Policy{GID: -1})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	stream, err := f.c.WatchEvents(ctx, &api.WatchEventsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for f.bus.Stats().Subscribers == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	// Far more than the subscriber buffer (8) plus what gRPC's flow-control
+	// windows absorb; each event carries a 1 KiB message.
+	msg := strings.Repeat("x", 1024)
+	done := make(chan struct{})
+	go func() {
+		for i := 0; i < 20000; i++ {
+			f.bus.Publish(events.Event{Type: events.DiskClaimed, Message: msg})
+		}
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("Publish blocked behind a stream nobody reads")
+	}
+	st, err := f.c.GetStatus(ctx, &api.GetStatusRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.EventsDropped == 0 {
+		t.Fatal("no drops counted for a stalled reader")
+	}
+	// Read what was queued, then publish one more event: it arrives
+	// carrying the count of everything missed since the last delivery.
+	type recv struct {
+		e   *api.Event
+		err error
+	}
+	in := make(chan recv, 64)
+	go func() {
+		for {
+			e, err := stream.Recv()
+			in <- recv{e, err}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	var got, missed, last uint64
+	marker := false
+	for {
+		select {
+		case r := <-in:
+			if r.err != nil {
+				t.Fatalf("after %d received and %d missed: %v", got, missed, r.err)
+			}
+			e := r.e
+			got++
+			missed += e.MissedBefore
+			if e.Sequence != last+1+e.MissedBefore {
+				t.Fatalf("sequence %d after %d with %d reported missed", e.Sequence, last, e.MissedBefore)
+			}
+			last = e.Sequence
+		case <-time.After(300 * time.Millisecond):
+			if marker {
+				t.Fatalf("marker event never arrived; got %d, missed %d, last seq %d", got, missed, last)
+			}
+			f.bus.Publish(events.Event{Type: events.DiskReleased})
+			marker = true
+			continue
+		}
+		if last == 20001 {
+			break
+		}
+	}
+	if got+missed != 20001 {
+		t.Fatalf("received %d + missed %d != 20001 published", got, missed)
+	}
+	if missed == 0 || missed != st.EventsDropped {
+		t.Fatalf("reader told of %d missed events, status counts %d dropped", missed, st.EventsDropped)
+	}
+}

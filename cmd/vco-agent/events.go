@@ -68,6 +68,9 @@ func printEvent(e *api.Event, asJSON bool) {
 		fmt.Fprintln(stdout, string(protoJSON(e)))
 		return
 	}
+	if e.MissedBefore > 0 {
+		fmt.Fprintf(stdout, "(%d events missed here: this reader fell behind the agent)\n", e.MissedBefore)
+	}
 	var b strings.Builder
 	name := eventName(e.Type)
 	fmt.Fprintf(&b, "%s #%d %s", e.Time.AsTime().Local().Format(time.RFC3339), e.Sequence, name)
