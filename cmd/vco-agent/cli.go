@@ -8,6 +8,7 @@ import (
 	"os"
 	"strings"
 
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
@@ -74,4 +75,11 @@ func printJSON(v any) {
 func fail(cmd string, err error) int {
 	fmt.Fprintf(stderr, "vco-agent %s: %s\n", cmd, strings.ReplaceAll(err.Error(), "\n", " "))
 	return 1
+}
+
+// apiError is a failed call as a sentence: the agent's own message and the
+// status code, without the gRPC wrapping.
+func apiError(socket string, err error) error {
+	s := status.Convert(err)
+	return fmt.Errorf("the agent at %s answered %s: %s", socket, s.Code(), s.Message())
 }

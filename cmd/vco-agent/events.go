@@ -31,7 +31,7 @@ func runEvents(args []string) int {
 		defer cancel()
 		r, err := c.ListRecentEvents(ctx, &api.ListRecentEventsRequest{})
 		if err != nil {
-			return fail("events", fmt.Errorf("the agent at %s answered with an error: %w", f.socket, err))
+			return fail("events", apiError(f.socket, err))
 		}
 		for _, e := range r.Events {
 			printEvent(e, f.json)
@@ -42,7 +42,7 @@ func runEvents(args []string) int {
 	defer stop()
 	stream, err := c.WatchEvents(ctx, &api.WatchEventsRequest{ReplayRecent: true})
 	if err != nil {
-		return fail("events", err)
+		return fail("events", apiError(f.socket, err))
 	}
 	for {
 		e, err := stream.Recv()

@@ -37,7 +37,7 @@ func runIdentity(args []string) int {
 		defer cancel()
 		id, err = c.GetIdentity(ctx, &api.GetIdentityRequest{})
 		if err != nil {
-			return fail("identity", fmt.Errorf("the agent at %s answered with an error: %w", f.socket, err))
+			return fail("identity", apiError(f.socket, err))
 		}
 		source = "agent"
 	} else {

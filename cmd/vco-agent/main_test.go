@@ -20,6 +20,17 @@ import (
 // arguments after "--".
 func TestMain(m *testing.M) {
 	if os.Getenv("VCO_AGENT_MAIN") == "1" {
+		if os.Getenv("VCO_AGENT_AS_NOBODY") == "1" {
+			if err := syscall.Setgroups(nil); err != nil {
+				panic(err)
+			}
+			if err := syscall.Setgid(65534); err != nil {
+				panic(err)
+			}
+			if err := syscall.Setuid(65534); err != nil {
+				panic(err)
+			}
+		}
 		for i, a := range os.Args {
 			if a == "--" {
 				os.Args = append([]string{"vco-agent"}, os.Args[i+1:]...)
@@ -120,35 +131,80 @@ func TestIdentityReadsLocallyWithoutAgent(t *testing.T) {
 	}
 }
 
-func TestCommandsAgainstRunningAgent(t *testing.T) {
-	dir := t.TempDir()
-	sock := filepath.Join(dir, "agent.sock")
+// startAgent runs `vco-agent serve` on sock until the test ends and
+// waits for it to answer.
+func startAgent(t *testing.T, sock string) (*exec.Cmd, chan error, *bytes.Buffer) {
+	t.Helper()
 	agent := vcoAgent("serve", "--config", emptyConfig(t), "--socket", sock, "--sysfs-root", sysfs(t), "--dbus=false")
-	var agentErr bytes.Buffer
-	agent.Stderr = &agentErr
+	agentErr := &bytes.Buffer{}
+	agent.Stderr = agentErr
 	if err := agent.Start(); err != nil {
 		t.Fatal(err)
 	}
 	agentDone := make(chan error, 1)
 	go func() { agentDone <- agent.Wait() }()
-	defer func() {
+	t.Cleanup(func() {
 		if agent.ProcessState == nil {
 			agent.Process.Kill()
 			<-agentDone
 		}
-	}()
+	})
 	deadline := time.Now().Add(20 * time.Second)
 	for {
 		c, err := client.Dial(sock)
 		if err == nil {
 			c.Close()
-			break
+			return agent, agentDone, agentErr
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+func TestPermissionSentences(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to run the CLI as another user")
+	}
+	dir, err := os.MkdirTemp("", "vco-cli-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	os.Chmod(dir, 0o755)
+	sock := filepath.Join(dir, "run", "agent.sock")
+	startAgent(t, sock)
+	asNobody := func(args ...string) (string, int) {
+		cmd := vcoAgent(args...)
+		cmd.Env = append(cmd.Env, "VCO_AGENT_AS_NOBODY=1")
+		var errb bytes.Buffer
+		cmd.Stderr = &errb
+		err := cmd.Run()
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return errb.String(), ee.ExitCode()
+		}
+		return errb.String(), 0
+	}
+	// The socket's own mode (0660 in a 0750 directory) keeps nobody out.
+	errs, code := asNobody("status", "--socket", sock)
+	if code != 1 || !strings.Contains(errs, "cannot open the vco-agent socket "+sock+": permission denied; run as root or as a member of the agent's socket group") {
+		t.Errorf("exit %d: %q", code, errs)
+	}
+	// With the file modes opened up, the peer check still refuses.
+	os.Chmod(filepath.Dir(sock), 0o755)
+	os.Chmod(sock, 0o666)
+	errs, code = asNobody("status", "--socket", sock)
+	if code != 1 || !strings.Contains(errs, "the agent at "+sock+" answered PermissionDenied: permission denied: uid 65534 is not root, and no socket group is configured") {
+		t.Errorf("exit %d: %q", code, errs)
+	}
+}
+
+func TestCommandsAgainstRunningAgent(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	agent, agentDone, agentErr := startAgent(t, sock)
 
 	out, errs, code := run(t, "identity", "--socket", sock)
 	if code != 0 || !strings.Contains(out, "Answered by the running agent at "+sock) || !strings.Contains(out, uuid) || !strings.Contains(out, "cli-node") {

@@ -24,7 +24,7 @@ func runStatus(args []string) int {
 	defer cancel()
 	st, err := c.GetStatus(ctx, &api.GetStatusRequest{})
 	if err != nil {
-		return fail("status", fmt.Errorf("the agent at %s answered with an error: %w", f.socket, err))
+		return fail("status", apiError(f.socket, err))
 	}
 	if f.json {
 		fmt.Fprintln(stdout, string(protoJSON(st)))
