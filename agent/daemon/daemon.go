@@ -158,7 +158,7 @@ func Run(ctx context.Context, o Options) error {
 	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", o.Version, sock.path, ident.NodeName)})
 
 	wdDone := make(chan struct{})
-	wdStopped := startWatchdog(log, wdDone)
+	wdStopped := startWatchdog(log, wdDone, func() { bus.Stats() })
 
 	var serveErr error
 	select {
@@ -193,9 +193,11 @@ func notify(state string) {
 	_, _ = sddaemon.SdNotify(false, state)
 }
 
-// startWatchdog pings systemd at half the interval it asked for. The
-// pings come from the goroutine that also proves the bus is not wedged.
-func startWatchdog(log *slog.Logger, done <-chan struct{}) <-chan struct{} {
+// startWatchdog pings systemd at half the interval it asked for. Before
+// each ping it runs alive, which blocks if the agent's core is wedged (the
+// event bus's lock held forever): then the pings stop and systemd restarts
+// the agent.
+func startWatchdog(log *slog.Logger, done <-chan struct{}, alive func()) <-chan struct{} {
 	stopped := make(chan struct{})
 	interval, err := sddaemon.SdWatchdogEnabled(false)
 	if err != nil {
@@ -215,6 +217,7 @@ func startWatchdog(log *slog.Logger, done <-chan struct{}) <-chan struct{} {
 			case <-done:
 				return
 			case <-t.C:
+				alive()
 				notify("WATCHDOG=1")
 			}
 		}
@@ -238,7 +241,7 @@ func readIdentity(cfg config.Config) (server.NodeIdentity, error) {
 		SystemUUID: info.UUID, Manufacturer: info.Manufacturer, ProductName: info.ProductName,
 		Serial: info.Serial, SMBIOSVersion: info.SMBIOSVersion, Source: info.Source,
 		NodeName: cfg.Node.Name, Location: cfg.Node.Location,
-		Fencing: fencecaps.Detect(root),
+		Fencing: func() []fencecaps.Capability { return fencecaps.Detect(root) },
 	}, nil
 }
 

@@ -25,7 +25,9 @@ import (
 type NodeIdentity struct {
 	SystemUUID, Manufacturer, ProductName, Serial, SMBIOSVersion, Source string
 	NodeName, Location                                                   string
-	Fencing                                                              []fencecaps.Capability
+	// Fencing reports the fencing methods as the host is now; disks come
+	// and go, so it is asked on every GetIdentity.
+	Fencing func() []fencecaps.Capability
 }
 
 // Runtime reports the daemon's own state for GetStatus.
@@ -114,7 +116,11 @@ func (s *Server) GetIdentity(context.Context, *api.GetIdentityRequest) (*api.Ide
 		Serial: id.Serial, SmbiosVersion: id.SMBIOSVersion, IdentitySource: id.Source,
 		NodeName: id.NodeName, Location: id.Location, AgentVersion: s.o.Version,
 	}
-	for _, c := range id.Fencing {
+	var caps []fencecaps.Capability
+	if id.Fencing != nil {
+		caps = id.Fencing()
+	}
+	for _, c := range caps {
 		out.Fencing = append(out.Fencing, &api.FencingCapability{
 			Method: fencingMethod(c.Method), Available: c.Available, Detail: c.Detail,
 		})

@@ -88,7 +88,9 @@ func serve(t *testing.T, policy peercred.Policy) *fixture {
 		Version: "1.2.3-test", Bus: bus, Policy: policy,
 		Log: slog.New(slog.NewTextHandler(logs, nil)),
 		Identity: NodeIdentity{SystemUUID: "4c4c4544-0042-3510-8052-b4c04f4e4d32", NodeName: "node-a", Location: "ch-lug-1",
-			Source: "sysfs", Fencing: []fencecaps.Capability{{Method: fencecaps.SCSI3PR, Available: true, Detail: "SG_IO-capable SCSI disks: sdb"}}},
+			Source: "sysfs", Fencing: func() []fencecaps.Capability {
+				return []fencecaps.Capability{{Method: fencecaps.SCSI3PR, Available: true, Detail: "SG_IO-capable SCSI disks: sdb"}}
+			}},
 		Runtime: Runtime{SocketPath: sock},
 	})
 	g := s.NewGRPC()
