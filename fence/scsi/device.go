@@ -116,14 +116,17 @@ func (d *Device) exec(ctx context.Context, name string, cdb []byte, dir Directio
 			return n, nil
 		}
 		var ce *CommandError
-		if attempt < retries && errors.As(cerr, &ce) {
+		if !errors.As(cerr, &ce) {
+			return 0, cerr
+		}
+		if errors.Is(ce, ErrUnitAttention) && d.OnUnitAttention != nil {
+			if herr := d.OnUnitAttention(name, *ce.Sense); herr != nil {
+				return 0, herr
+			}
+		}
+		if attempt < retries {
 			switch {
 			case errors.Is(ce, ErrUnitAttention):
-				if d.OnUnitAttention != nil {
-					if herr := d.OnUnitAttention(name, *ce.Sense); herr != nil {
-						return 0, herr
-					}
-				}
 				continue
 			case ce.Status == StatusBusy || ce.Status == StatusTaskSetFull:
 				select {
