@@ -22,7 +22,7 @@ import (
 // The fence subcommands run the reservation engine directly against a
 // device, the way sg_persist does, with or without a running agent.
 
-const fenceUsage = `usage: vco-agent fence <show|acquire|release|check|find> DEVICE [flags]
+const fenceUsage = `usage: vco-agent fence <show|acquire|release|check|find|cycle> DEVICE [flags]
 
 DEVICE is a device path (/dev/sdb, /dev/disk/by-id/...; only its major:minor
 is used) or a locator: pci=00:07[,serial=S][,wwn=naa.X]. 'find' takes a
@@ -33,6 +33,8 @@ locator or nothing (list every disk).
            unless --grant names the holder's key
   release  release the reservation and unregister this node's key
   check    exit 0 when this node's claim is intact, 1 when it is lost
+  find     list disks, or the one a locator names
+  cycle    acquire and release a free disk --count times; print latencies
 
 flags:
 `
@@ -48,6 +50,7 @@ type fenceOptions struct {
 	nodes     multiFlag
 	timeout   time.Duration
 	verbose   bool
+	count     int
 }
 
 type multiFlag []string
@@ -115,6 +118,7 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
 	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "bound on the whole operation")
 	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
+	fs.IntVar(&o.count, "count", 20, "cycle: number of acquire/release cycles")
 	// Flags may come before or after DEVICE.
 	var pos []string
 	rest := args[1:]
@@ -138,7 +142,7 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 			return 2
 		}
 		return fenceFind(&o, pos, out)
-	case "show", "acquire", "release", "check":
+	case "show", "acquire", "release", "check", "cycle":
 	default:
 		fmt.Fprintf(stderr, "vco-agent fence: unknown subcommand %q\n\n", sub)
 		fs.Usage()
@@ -198,6 +202,13 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 			return out.fail(err)
 		}
 		return out.ok(fmt.Sprintf("%s: claim of key %s is intact", t.disk.DevPath, cfg.Key), nil)
+	case "cycle":
+		st, err := pr.Cycle(ctx, e, o.count)
+		if err != nil {
+			return out.fail(err)
+		}
+		return out.ok(fmt.Sprintf("%s: %d cycles, median acquire %v, median release %v", t.disk.DevPath, st.Cycles,
+			pr.Median(st.Acquire), pr.Median(st.Release)), map[string]any{"stats": st})
 	}
 	return 2
 }

@@ -109,6 +109,10 @@ func TestFenceCommands(t *testing.T) {
 	if _, ok := tgt.Registered(cliUUIDB); ok {
 		t.Fatal("B still registered")
 	}
+	code, out, errs = run(t, "cycle", "/dev/sdb", "--uuid", cliUUIDA, "--count", "3")
+	if code != 0 || !strings.Contains(out, "3 cycles, median acquire") {
+		t.Fatalf("cycle: %d %q %q", code, out, errs)
+	}
 }
 
 func TestFenceCommandErrors(t *testing.T) {

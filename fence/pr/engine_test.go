@@ -568,3 +568,20 @@ func TestContextBoundsWaiting(t *testing.T) {
 		t.Fatal("reserved despite cancelled context")
 	}
 }
+
+func TestCycle(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{})
+	a := newNode(t, tgt, "a", uuidA)
+	st, err := Cycle(ctx(t), a.e, 5)
+	if err != nil || st.Cycles != 5 || len(st.Acquire) != 5 || len(st.Release) != 5 || Median(st.Acquire) <= 0 {
+		t.Fatalf("cycle: %+v, %v", st, err)
+	}
+	if _, _, _, ok := tgt.Reservation(); ok {
+		t.Fatal("reservation left after cycles")
+	}
+	b := newNode(t, tgt, "b", uuidB)
+	mustAcquire(t, b, nil)
+	if st, err := Cycle(ctx(t), a.e, 3); err == nil || st.Cycles != 0 {
+		t.Fatalf("cycle on a held disk: %+v, %v", st, err)
+	}
+}

@@ -87,14 +87,14 @@ func ParseReadReservation(b []byte) (Reservation, error) {
 // PTPL_C (bit 0); byte 3 TMV (bit 7), ALLOW COMMANDS (bits 6-4), PTPL_A
 // (bit 0); bytes 4-5 PERSISTENT RESERVATION TYPE MASK.
 type Capabilities struct {
-	ReplaceLostReservation bool // RLR_C
-	CompatibleReservation  bool // CRH
-	SpecifyInitiatorPorts  bool // SIP_C
-	AllTargetPorts         bool // ATP_C
-	PTPLCapable            bool // PTPL_C
-	TypeMaskValid          bool // TMV
-	AllowCommands          uint8
-	PTPLActivated          bool // PTPL_A
+	ReplaceLostReservation bool  `json:"rlr_c"`
+	CompatibleReservation  bool  `json:"crh"`
+	SpecifyInitiatorPorts  bool  `json:"sip_c"`
+	AllTargetPorts         bool  `json:"atp_c"`
+	PTPLCapable            bool  `json:"ptpl_c"`
+	TypeMaskValid          bool  `json:"tmv"`
+	AllowCommands          uint8 `json:"allow_commands"`
+	PTPLActivated          bool  `json:"ptpl_a"`
 	// TypeMask is the raw PERSISTENT RESERVATION TYPE MASK: byte 4 WR_EX_AR
 	// (bit 7), EX_AC_RO (6), WR_EX_RO (5), EX_AC (3), WR_EX (1); byte 5
 	// EX_AC_AR (bit 0).
