@@ -62,6 +62,7 @@ func (m *multiFlag) Set(v string) error { *m = append(*m, v); return nil }
 type fenceTarget struct {
 	disk      discovery.Disk
 	transport scsi.Transport
+	verify    func(context.Context) error
 	close     func() error
 }
 
@@ -93,7 +94,7 @@ var openFenceTarget = func(ctx context.Context, o *fenceOptions, device string) 
 		// Not SCSI as far as sysfs knows; SG_IO will say so precisely.
 		t = scsi.NewSGIO(opened.File)
 	}
-	return &fenceTarget{disk: d, transport: t, close: opened.Close}, nil
+	return &fenceTarget{disk: d, transport: t, verify: opened.Verify, close: opened.Close}, nil
 }
 
 func runFence(args []string) int { return fenceMain(args, os.Stdout, os.Stderr) }
@@ -164,6 +165,7 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 		return out.fail(err)
 	}
 	defer t.close()
+	cfg.Verify = t.verify
 	e, err := pr.New(t.disk.DevPath, t.transport, cfg)
 	if err != nil {
 		return out.fail(err)

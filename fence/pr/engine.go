@@ -52,6 +52,10 @@ type Config struct {
 	// and 200ms.
 	ReadyAttempts int
 	ReadyDelay    time.Duration
+	// Verify, if set, runs before every operation and aborts it on error:
+	// wire it to discovery's Opened.Verify so the engine never acts on a
+	// device node that is no longer the disk it was opened as.
+	Verify func(ctx context.Context) error
 }
 
 // Engine fences one device for one node. It is safe for concurrent use;
@@ -196,8 +200,21 @@ func (e *Engine) waitReady(ctx context.Context) error {
 func (e *Engine) Probe(ctx context.Context) (fence.Support, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if err := e.verify(ctx); err != nil {
+		return fence.Support{}, err
+	}
 	s, _, err := e.probe(ctx)
 	return s, err
+}
+
+func (e *Engine) verify(ctx context.Context) error {
+	if e.cfg.Verify == nil {
+		return nil
+	}
+	if err := e.cfg.Verify(ctx); err != nil {
+		return fmt.Errorf("%s: not acting on the device: %w", e.name, err)
+	}
+	return nil
 }
 
 func (e *Engine) probe(ctx context.Context) (fence.Support, scsi.Capabilities, error) {
@@ -333,6 +350,9 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		if err := grant.ForNode(e.cfg.Node, e.cfg.Disk); err != nil {
 			return fence.Claim{}, fmt.Errorf("%s: takeover grant rejected: %w", e.name, err)
 		}
+	}
+	if err := e.verify(ctx); err != nil {
+		return fence.Claim{}, err
 	}
 	sup, _, err := e.probe(ctx)
 	if err != nil {
@@ -529,6 +549,9 @@ func (e *Engine) Release(ctx context.Context) error {
 	// A loss noticed during release is already recorded; release goes on.
 	e.watch = false
 	mine := e.cfg.Key
+	if err := e.verify(ctx); err != nil {
+		return err
+	}
 	if err := e.waitReady(ctx); err != nil {
 		return err
 	}
@@ -568,6 +591,9 @@ func (e *Engine) Check(ctx context.Context) error {
 	}
 	e.watch = true
 	mine := e.cfg.Key
+	if err := e.verify(ctx); err != nil {
+		return err
+	}
 	if err := e.waitReady(ctx); err != nil {
 		return err
 	}
@@ -630,6 +656,9 @@ func (e *Engine) Status(ctx context.Context) (Status, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := Status{Device: e.name, OwnKey: e.cfg.Key}
+	if err := e.verify(ctx); err != nil {
+		return s, err
+	}
 	sup, caps, err := e.probe(ctx)
 	if err != nil {
 		return s, err

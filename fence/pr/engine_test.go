@@ -585,3 +585,43 @@ func TestCycle(t *testing.T) {
 		t.Fatalf("cycle on a held disk: %+v, %v", st, err)
 	}
 }
+
+func TestVerifyRunsBeforeEveryOperation(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{})
+	bad := errors.New("serial changed")
+	var fail bool
+	calls := 0
+	a := newNode(t, tgt, "a", uuidA, func(c *Config) {
+		c.Verify = func(context.Context) error {
+			calls++
+			if fail {
+				return bad
+			}
+			return nil
+		}
+	})
+	mustAcquire(t, a, nil)
+	if err := a.e.Check(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 2 {
+		t.Fatalf("verify ran %d times for 2 operations", calls)
+	}
+	fail = true
+	n := len(tgt.Log())
+	for name, op := range map[string]func() error{
+		"acquire": func() error { _, err := a.e.Acquire(ctx(t), nil); return err },
+		"release": func() error { return a.e.Release(ctx(t)) },
+		"check":   func() error { return a.e.Check(ctx(t)) },
+		"probe":   func() error { _, err := a.e.Probe(ctx(t)); return err },
+		"status":  func() error { _, err := a.e.Status(ctx(t)); return err },
+	} {
+		if err := op(); !errors.Is(err, bad) {
+			t.Errorf("%s with a failing identity check: %v", name, err)
+		}
+	}
+	if len(tgt.Log()) != n {
+		t.Fatalf("commands reached the device after the identity check failed: %v", tgt.Log()[n:])
+	}
+	assertHolder(t, tgt, "a", a.key, fence.WriteExclusive)
+}
