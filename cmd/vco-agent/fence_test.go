@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -163,5 +164,42 @@ func TestFenceKeyFromSysfs(t *testing.T) {
 	keyA, _ := fence.KeyFromUUID(cliUUIDA)
 	if code, out, errs := run(t, "acquire", "/dev/sdb", "--sysfs-root", root); code != 0 || !strings.Contains(out, keyA.String()) {
 		t.Fatalf("key from sysfs: %d %q %q", code, out, errs)
+	}
+}
+
+// TestFenceOnLoopDevice runs the real path (sysfs discovery, open, identity
+// check, SG_IO) on a loop device: the host has no SCSI, and a loop device
+// answers SG_IO the way virtio-blk does, so the disk has no PR.
+func TestFenceOnLoopDevice(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to attach a loop device")
+	}
+	img := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	b, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, b)
+	}
+	loop := strings.TrimSpace(string(b))
+	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
+
+	code, out, errs := run(t, "show", loop, "--uuid", cliUUIDA, "--json")
+	var show struct {
+		OK   bool `json:"ok"`
+		Disk struct {
+			DevPath string `json:"dev_path"`
+		} `json:"disk"`
+		Status struct {
+			Support fence.Support `json:"support"`
+		} `json:"status"`
+	}
+	if err := json.Unmarshal([]byte(out), &show); err != nil || code != 0 || show.Disk.DevPath != loop ||
+		show.Status.Support.Method != fence.MethodNone || !strings.Contains(show.Status.Support.Reason, "not a SCSI device") {
+		t.Fatalf("show on %s: %d %q %q", loop, code, out, errs)
+	}
+	if code, _, errs := run(t, "acquire", loop, "--uuid", cliUUIDA); code != 1 || !strings.Contains(errs, "not supported") {
+		t.Fatalf("acquire on %s: %d %q", loop, code, errs)
 	}
 }
