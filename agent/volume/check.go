@@ -11,6 +11,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/pr"
 )
 
 // Reconcile re-verifies every recorded claim at start: a claim still ours
@@ -140,6 +141,17 @@ func (m *Manager) checkFence(ctx context.Context, c *Claim, dev *Device, f fence
 		}
 	case errors.As(err, &lost):
 		m.o.Metrics.checks.WithLabelValues("lost").Inc()
+		if lost.Holder == 0 {
+			// A unit attention says the claim is gone but not to whom;
+			// the reservation says, for the event and the operator.
+			if e, ok := f.(*pr.Engine); ok {
+				if st, err := e.Status(ctx); err == nil && st.Reservation != nil && st.Reservation.Key != c.Key {
+					cp := *lost
+					cp.Holder, cp.HolderNode = st.Reservation.Key, st.Reservation.Node
+					lost = &cp
+				}
+			}
+		}
 		m.lose(c, dev, lost)
 	default:
 		m.o.Metrics.checks.WithLabelValues("error").Inc()

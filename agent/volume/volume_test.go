@@ -56,6 +56,11 @@ type env struct {
 }
 
 func newEnv(t *testing.T) *env {
+	key, _ := fence.KeyFromUUID(nodeA)
+	return newEnvWith(t, &Fencing{Key: key, Node: nodeA})
+}
+
+func newEnvWith(t *testing.T, fencers FencerFactory) *env {
 	needRoot(t)
 	dir := t.TempDir()
 	e := &env{t: t, kubelet: filepath.Join(dir, "kubelet"), state: filepath.Join(dir, "state")}
@@ -69,8 +74,7 @@ func newEnv(t *testing.T) *env {
 	// devices' cleanup has been registered... and before it runs.
 	t.Cleanup(func() { unmountUnder(t, dir) })
 	e.cfg = config.Volumes{KubeletRoot: e.kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowUnfenced: true, AllowLoopDevices: true}
-	key, _ := fence.KeyFromUUID(nodeA)
-	e.fencers = &Fencing{Key: key, Node: nodeA}
+	e.fencers = fencers
 	e.bus = events.NewBus(64, 64, nil)
 	e.sub = e.bus.Subscribe(false)
 	t.Cleanup(e.sub.Close)
