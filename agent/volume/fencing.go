@@ -63,7 +63,7 @@ func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string) (Choic
 	if sup.Method == fence.MethodPR {
 		return Choice{Fencer: e, Method: fence.MethodPR}, nil
 	}
-	reason := sup.Reason
+	var reason string
 	if f.Lease != nil {
 		l, err := f.Lease(ctx, dev, volume)
 		if err == nil {
