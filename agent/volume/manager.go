@@ -284,6 +284,9 @@ func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, e
 			if r.Grant == nil {
 				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
 			}
+			if len(c.Publications) > 0 {
+				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
+			}
 			if err := m.dropLost(c); err != nil {
 				return res, err
 			}
@@ -385,7 +388,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		}
 		m.setLive(c.Volume, nil)
 		dev.Close()
-		if isNew && !c.Formatted {
+		if isNew && !c.Formatted && !c.LUKSFormatted {
 			if derr := m.store.Delete(c.Volume); derr != nil {
 				m.log.Error("could not remove the claim record of a failed stage", "volume", c.Volume, "err", derr)
 			}
@@ -462,12 +465,12 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
 		}
-		mapped, formatted, err := m.o.Crypt.Open(ctx, dev.Path, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.Formatted, r.ReadOnly)
+		mapped, formatted, err := m.o.Crypt.Open(ctx, dev.Path, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
 		if err != nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, dev.Path, err)
 		}
 		if formatted {
-			c.Formatted = true
+			c.LUKSFormatted = true
 			res.Formatted = true
 		}
 		c.Mapper, target = mapped, mapped

@@ -80,10 +80,12 @@ type Claim struct {
 	Detail      string       `json:"detail,omitempty"`
 	HolderKey   fence.Key    `json:"holder_key,omitempty"`
 	HolderNode  string       `json:"holder_node,omitempty"`
-	// Formatted is set once this agent made the filesystem (or LUKS2
-	// header): from then on a device that looks blank is a fault to
-	// report, never a device to format (DESIGN.md P5).
-	Formatted bool `json:"formatted,omitempty"`
+	// Formatted is set once this agent made the filesystem, and
+	// LUKSFormatted once it made the LUKS2 header: from then on a device
+	// that looks blank is a fault to report, never a device to format
+	// (DESIGN.md P5).
+	Formatted     bool `json:"formatted,omitempty"`
+	LUKSFormatted bool `json:"luks_formatted,omitempty"`
 	// Publications are the target paths the volume is bind-mounted at.
 	Publications []string  `json:"publications,omitempty"`
 	Updated      time.Time `json:"updated"`

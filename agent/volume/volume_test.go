@@ -2,6 +2,8 @@ package volume
 
 import (
 	"bufio"
+	"bytes"
+	"log/slog"
 	"context"
 	"errors"
 	"os"
@@ -52,7 +54,9 @@ type env struct {
 	sub     *events.Subscription
 	m       *Manager
 	fencers FencerFactory
+	crypt   Encryption
 	cfg     config.Volumes
+	logs    *bytes.Buffer
 }
 
 func newEnv(t *testing.T) *env {
@@ -62,6 +66,10 @@ func newEnv(t *testing.T) *env {
 
 func newEnvWith(t *testing.T, fencers FencerFactory) *env {
 	needRoot(t)
+	if fencers == nil {
+		key, _ := fence.KeyFromUUID(nodeA)
+		fencers = &Fencing{Key: key, Node: nodeA}
+	}
 	dir := t.TempDir()
 	e := &env{t: t, kubelet: filepath.Join(dir, "kubelet"), state: filepath.Join(dir, "state")}
 	for _, d := range []string{e.kubelet, e.state} {
@@ -89,7 +97,11 @@ func (e *env) start() {
 	if e.m != nil {
 		e.m.Close()
 	}
-	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: "/sys", Fencers: e.fencers, Bus: e.bus})
+	if e.logs == nil {
+		e.logs = &bytes.Buffer{}
+	}
+	log := slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: "/sys", Fencers: e.fencers, Crypt: e.crypt, Bus: e.bus, Log: log})
 	if err != nil {
 		e.t.Fatal(err)
 	}
