@@ -3,9 +3,9 @@ package volume
 import (
 	"bufio"
 	"bytes"
-	"log/slog"
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
