@@ -254,3 +254,39 @@ func clearRO(dev string) {
 		f.Close()
 	}
 }
+
+// Issue 4's restart scenario: the claim is preempted while the agent is
+// down; the agent reports DiskFenced at start and stops I/O.
+func TestClaimLostWhileTheAgentWasDownIsFencedAtStart(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	req := e.stageReq("vol-d", img, "staging/d")
+	req.AllowUnfenced = false
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	e.m.Close()
+	if _, err := nodeBEngine(t, tgt, "vol-d").Acquire(ctx, &fence.Grant{Disk: "vol-d", Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	e.m.Reconcile(ctx)
+	ev := e.event(events.DiskFenced)
+	if ev.Volume != "vol-d" || !strings.Contains(ev.Message, "lost") {
+		t.Fatalf("fenced event at start: %+v", ev)
+	}
+	if !deviceReadOnly(t, dev) {
+		t.Fatal("disk lost while the agent was down is writable")
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "x"), []byte("x"), 0o644); err == nil {
+		t.Fatal("filesystem writable after the loss was found at start")
+	}
+	if st, _ := e.m.Stats(ctx, "vol-d", ""); !st.Abnormal {
+		t.Fatal("volume not abnormal")
+	}
+	if _, ok := tgt.Registered(nodeA); ok {
+		t.Fatal("the agent registered again at start")
+	}
+}

@@ -84,6 +84,8 @@ func fromClaim(di *DiskInfo, c *Claim) {
 	switch {
 	case c.Phase != PhaseStaged:
 		di.State = string(c.Phase)
+	case c.Missing && c.State != StateLost:
+		di.State = "gone"
 	default:
 		di.State = string(c.State)
 	}

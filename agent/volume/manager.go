@@ -119,14 +119,18 @@ func (m *Manager) count(op string, err *error) {
 
 func (m *Manager) updateGauge() {
 	cs, _ := m.store.List()
-	n := map[State]float64{StateHeld: 0, StateUnfenced: 0, StateLost: 0, StateGone: 0}
+	n := map[string]float64{"held": 0, "unfenced": 0, "lost": 0, "missing": 0}
 	for _, c := range cs {
-		if c.Phase == PhaseStaged {
-			n[c.State]++
+		switch {
+		case c.Phase != PhaseStaged:
+		case c.Missing && c.State != StateLost:
+			n["missing"]++
+		default:
+			n[string(c.State)]++
 		}
 	}
 	for s, v := range n {
-		m.o.Metrics.claims.WithLabelValues(string(s)).Set(v)
+		m.o.Metrics.claims.WithLabelValues(s).Set(v)
 	}
 }
 

@@ -25,11 +25,11 @@ func NewMetrics() *Metrics {
 		reg: prometheus.NewRegistry(),
 		claims: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: "vco_agent", Name: "claims",
-			Help: "Volumes this agent has claimed, by fence state (held, unfenced, lost, gone).",
+			Help: "Volumes this agent has claimed, by state (held, unfenced, lost, missing).",
 		}, []string{"state"}),
 		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "vco_agent", Name: "claim_checks_total",
-			Help: "Checks of claims, by result (ok, lost, error, gone).",
+			Help: "Checks of claims, by result (ok, lost, error, missing).",
 		}, []string{"result"}),
 		refusals: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "vco_agent", Name: "refusals_total",

@@ -138,7 +138,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is not staged on this node; stage it first", r.Volume)
 	case c.StagingPath != staging:
 		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged at %s, not %s", r.Volume, c.StagingPath, staging)
-	case c.State == StateLost || c.State == StateGone:
+	case c.Abnormal():
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", r.Volume, c.Detail)
 	case c.Block != r.Block:
 		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged as a %s volume; it cannot be published as a %s volume", r.Volume, kindName(c.Block), kindName(r.Block))
@@ -271,7 +271,7 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	if _, err := m.volumePath(c, path); err != nil {
 		return 0, err
 	}
-	if c.State == StateLost || c.State == StateGone {
+	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
 	}
 	if c.Mapper != "" {
@@ -332,8 +332,7 @@ func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error)
 		return st, err
 	}
 	st.Block = c.Block
-	switch c.State {
-	case StateLost, StateGone:
+	if c.Abnormal() {
 		st.Abnormal, st.Message = true, c.Detail
 	}
 	if c.Block {

@@ -38,7 +38,6 @@ const (
 	StateHeld     State = "held"
 	StateUnfenced State = "unfenced"
 	StateLost     State = "lost"
-	StateGone     State = "gone"
 )
 
 // Locator is how a claim's disk is found again, in a form that survives
@@ -78,6 +77,9 @@ type Claim struct {
 	Phase       Phase        `json:"phase"`
 	State       State        `json:"state"`
 	Detail      string       `json:"detail,omitempty"`
+	// Missing is set while the claimed device cannot be found or is no
+	// longer the disk it was staged on; the volume is then abnormal.
+	Missing bool `json:"missing,omitempty"`
 	HolderKey   fence.Key    `json:"holder_key,omitempty"`
 	HolderNode  string       `json:"holder_node,omitempty"`
 	// Formatted is set once this agent made the filesystem, and
@@ -90,6 +92,9 @@ type Claim struct {
 	Publications []string  `json:"publications,omitempty"`
 	Updated      time.Time `json:"updated"`
 }
+
+// Abnormal reports whether the volume cannot be used as staged.
+func (c *Claim) Abnormal() bool { return c.State == StateLost || c.Missing }
 
 // MountDevice is the device the filesystem sits on: the dm-crypt mapping
 // for an encrypted volume.
