@@ -1,3 +1,3 @@
 module github.com/whitesky-cloud/vco-storage
 
-go 1.26
+go 1.26.0
