@@ -61,7 +61,10 @@ type Options struct {
 	Seed    Seed
 	Backend Backend
 	Faults  Faults
-	Logger  *slog.Logger
+	// MaxDisksPerVM is how many data disks a VM takes (PCI hot-plug
+	// slots). Default 24.
+	MaxDisksPerVM int
+	Logger        *slog.Logger
 }
 
 // Server is the simulator. It is an http.Handler: API under /api/1, admin
@@ -83,6 +86,9 @@ func New(opts Options) (*Server, error) {
 	}
 	if opts.Backend == nil {
 		opts.Backend = BookkeepingBackend{}
+	}
+	if opts.MaxDisksPerVM <= 0 {
+		opts.MaxDisksPerVM = 24
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.New(slog.DiscardHandler)
@@ -667,6 +673,9 @@ func (st *State) sortedDisksAll() []*DiskState {
 	return out
 }
 
+// firstSlot is the first PCI slot data disks get.
+const firstSlot = 6
+
 // freeSlot picks the lowest free PCI slot on bus 0, from 6 up (the slots
 // below are the VM's own devices), as a hot-plugging hypervisor would.
 func (st *State) freeSlot(vmID int64) (int, int) {
@@ -678,7 +687,7 @@ func (st *State) freeSlot(vmID int64) (int, int) {
 			}
 		}
 	}
-	for slot := 6; ; slot++ {
+	for slot := firstSlot; ; slot++ {
 		if !used[slot] {
 			return 0, slot
 		}
@@ -707,11 +716,14 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) (any, *httpError
 			return nil, errf(409, "disk %d is attached to VM %d", id, a.VMID)
 		}
 	}
+	bus, slot := s.st.freeSlot(vm.ID)
+	if slot >= firstSlot+s.opts.MaxDisksPerVM {
+		return nil, errf(409, "VM %d has no free PCI slot for disk %d: it has %d data disks", vm.ID, id, s.opts.MaxDisksPerVM)
+	}
 	dev, err := s.opts.Backend.Attach(vm, id)
 	if err != nil {
 		return nil, errf(500, "%v", err)
 	}
-	bus, slot := s.st.freeSlot(vm.ID)
 	d.Attachments = append(d.Attachments, &Attachment{VMID: vm.ID, PCIBus: bus, PCISlot: slot, Device: dev})
 	return success, nil
 }
