@@ -168,8 +168,12 @@ func (d *Driver) pickLocation(ctx context.Context, req *csi.TopologyRequirement)
 		}
 	}
 	if len(req.GetPreferred())+len(req.GetRequisite()) > 0 {
-		return "", failf(ErrNoCapacity, "none of the requested topologies names a location this customer has (%s); known: %s",
-			TopologyKey, strings.Join(known, ", "))
+		var asked []string
+		for _, t := range append(req.GetPreferred(), req.GetRequisite()...) {
+			asked = append(asked, t.GetSegments()[TopologyKey])
+		}
+		return "", failf(ErrNoCapacity, "none of the requested locations (%s: %s) is one this customer has: %s",
+			TopologyKey, strings.Join(asked, ", "), strings.Join(known, ", "))
 	}
 	if d.cfg.DefaultLocation != "" {
 		return d.cfg.DefaultLocation, nil
