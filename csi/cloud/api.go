@@ -294,6 +294,11 @@ func (c *Client) SetDiskNote(ctx context.Context, loc string, diskID int64, titl
 	if err != nil {
 		return err
 	}
+	return c.SetDiskNoteIn(ctx, loc, diskID, notes, title, content)
+}
+
+// SetDiskNoteIn is SetDiskNote for a caller that has just listed the notes.
+func (c *Client) SetDiskNoteIn(ctx context.Context, loc string, diskID int64, notes []Note, title, content string) error {
 	body := map[string]string{"title": title, "content": content}
 	for _, n := range notes {
 		if n.Title == title {

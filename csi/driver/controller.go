@@ -145,7 +145,7 @@ func parseParams(p map[string]string) (createParams, error) {
 // pickLocation chooses where a new disk goes: the first preferred
 // location, else the first requisite one, else the default.
 func (d *Driver) pickLocation(ctx context.Context, req *csi.TopologyRequirement) (string, error) {
-	known, err := d.cfg.Cloud.ListLocations(ctx)
+	known, err := d.locations(ctx)
 	if err != nil {
 		return "", err
 	}
@@ -327,9 +327,12 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, fmt.Errorf("creating volume %q in %s: %w", name, loc, err)
 	}
-	disk, err := d.cfg.Cloud.GetDisk(ctx, loc, id)
-	if err != nil {
-		return nil, err
+	disk := &cloud.Disk{ID: id, Name: name, SizeGiB: size}
+	if srcLoc != "" {
+		// A copy has its source's size, which may be less than asked.
+		if disk, err = d.cfg.Cloud.GetDisk(ctx, loc, id); err != nil {
+			return nil, err
+		}
 	}
 	if disk.SizeGiB < size {
 		if err := d.cfg.Cloud.ResizeDisk(ctx, loc, id, size); err != nil {
@@ -448,10 +451,11 @@ type listedVolume struct {
 }
 
 func (d *Driver) allVolumes(ctx context.Context) ([]listedVolume, error) {
-	locs, err := d.cfg.Cloud.ListLocations(ctx)
+	known, err := d.locations(ctx)
 	if err != nil {
 		return nil, err
 	}
+	locs := append([]string(nil), known...)
 	sort.Strings(locs)
 	var out []listedVolume
 	for _, l := range locs {

@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -35,7 +36,7 @@ type Cloud interface {
 	DeleteSnapshot(ctx context.Context, loc string, diskID int64, snapID string) error
 	CloneSnapshot(ctx context.Context, loc string, diskID int64, snapID, name, description string) (int64, error)
 	ListDiskNotes(ctx context.Context, loc string, diskID int64) ([]cloud.Note, error)
-	SetDiskNote(ctx context.Context, loc string, diskID int64, title, content string) error
+	SetDiskNoteIn(ctx context.Context, loc string, diskID int64, notes []cloud.Note, title, content string) error
 	ListCloudspaces(ctx context.Context) ([]cloud.Cloudspace, error)
 	ListVMs(ctx context.Context, cloudspace string) ([]cloud.VM, error)
 	ListVMDisks(ctx context.Context, cloudspace string, vm int64) ([]cloud.VMDisk, error)
@@ -98,6 +99,26 @@ type Driver struct {
 	cfg   Config
 	locks *inflight
 	vms   *vmIndex
+
+	// Locations change rarely (a customer is granted a new one); they are
+	// listed at most once a minute.
+	locMu      sync.Mutex
+	locs       []string
+	locFetched time.Time
+}
+
+func (d *Driver) locations(ctx context.Context) ([]string, error) {
+	d.locMu.Lock()
+	defer d.locMu.Unlock()
+	if d.locs != nil && time.Since(d.locFetched) < time.Minute {
+		return d.locs, nil
+	}
+	locs, err := d.cfg.Cloud.ListLocations(ctx)
+	if err != nil {
+		return nil, err
+	}
+	d.locs, d.locFetched = locs, time.Now()
+	return locs, nil
 }
 
 // New checks the configuration for the mode.

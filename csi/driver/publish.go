@@ -85,13 +85,14 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		return nil, d.attachedElsewhere(ctx, id, disk.VMID, node)
 	}
 
-	previous, err := d.previousHolders(ctx, loc, diskID, node)
+	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
 	if err != nil {
 		return nil, err
 	}
+	previous := previousHolders(notes, node)
 	// Record the new holder before attaching: if the attach happens and
 	// the controller dies, the next grant still knows who may hold a key.
-	if err := d.cfg.Cloud.SetDiskNote(ctx, loc, diskID, holderNote, canonicalUUID(node)); err != nil {
+	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, canonicalUUID(node)); err != nil {
 		return nil, fmt.Errorf("recording node %s as holder of volume %s: %w", node, id, err)
 	}
 	if disk.VMID == 0 {
@@ -147,18 +148,14 @@ func (d *Driver) attachedElsewhere(ctx context.Context, id string, vmID int64, n
 
 // previousHolders returns the earlier holder recorded on the disk, if it
 // is not this node.
-func (d *Driver) previousHolders(ctx context.Context, loc string, diskID int64, node string) ([]string, error) {
-	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
-	if err != nil {
-		return nil, err
-	}
+func previousHolders(notes []cloud.Note, node string) []string {
 	var out []string
 	for _, n := range notes {
 		if n.Title == holderNote && n.Content != "" && !cloud.SameReference(n.Content, node) {
 			out = append(out, canonicalUUID(n.Content))
 		}
 	}
-	return out, nil
+	return out
 }
 
 // waitAttached polls the VM's disks until the disk shows with its PCI

@@ -217,7 +217,7 @@ func (st *State) save(path string) error {
 	if path == "" {
 		return nil
 	}
-	b, err := json.MarshalIndent(st, "", " ")
+	b, err := json.Marshal(st)
 	if err != nil {
 		return err
 	}
