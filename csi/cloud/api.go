@@ -48,14 +48,15 @@ type VMDisk struct {
 }
 
 // VM is a virtual machine. ReferenceID is the SMBIOS system UUID the guest
-// sees, which is how a node finds itself in the API.
+// sees, which is how a node finds itself in the API. (The listing's
+// cloudspace_id is left out: the spec types it as an integer where every
+// other shape has a string, and the caller knows the cloudspace it listed.)
 type VM struct {
-	ID           int64   `json:"vm_id"`
-	Name         string  `json:"name"`
-	CloudspaceID int64   `json:"cloudspace_id"`
-	Status       string  `json:"status"`
-	ReferenceID  string  `json:"reference_id"`
-	Disks        []int64 `json:"disks"`
+	ID          int64   `json:"vm_id"`
+	Name        string  `json:"name"`
+	Status      string  `json:"status"`
+	ReferenceID string  `json:"reference_id"`
+	Disks       []int64 `json:"disks"`
 }
 
 // Cloudspace is a customer's virtual network, which lives in one location.
