@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
 // runSim serves the whitesky.cloud API simulator on a loopback address.
@@ -55,8 +56,10 @@ func runSim(args []string) int {
 	}
 	seed.HostVM.ReferenceID, seed.HostVM.Location = *hostUUID, *hostLoc
 	if seed.HostVM.ReferenceID == "" {
-		if b, err := os.ReadFile("/sys/class/dmi/id/product_uuid"); err == nil {
-			seed.HostVM.ReferenceID = strings.TrimSpace(string(b))
+		if info, err := smbios.Read(""); err == nil {
+			seed.HostVM.ReferenceID = info.UUID
+		} else {
+			log.Warn("no VM stands for this machine: its SMBIOS UUID is unreadable; pass --host-vm-uuid", "error", err)
 		}
 	}
 	opts := sim.Options{Customer: *customer, StateFile: filepath.Join(*dir, "state.json"), Seed: seed, Logger: log,
