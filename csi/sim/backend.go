@@ -20,9 +20,12 @@ type Backend interface {
 	DeleteSnapshot(snapID string) error
 	// CloneSnapshot makes disk newID from a snapshot.
 	CloneSnapshot(snapID string, newID int64) error
-	// Attach makes disk id visible in vm; it returns the host device it
-	// made, or "" when the VM is not one this backend can show it in.
-	Attach(vm *VMState, id int64) (device string, err error)
+	// Attach makes disk id visible in vm at PCI bus/slot, the address the
+	// API reports and the controller hands the node. A backend that shows
+	// disks to real guests gives the device the serial "<disk id>" (the
+	// publish context's cloud.whitesky/serial). It returns the host device
+	// it made, or "" when there is none.
+	Attach(vm *VMState, id int64, bus, slot int) (device string, err error)
 	Detach(vm *VMState, id int64, device string) error
 }
 
@@ -111,7 +114,7 @@ func (h *HostBackend) CloneSnapshot(snapID string, newID int64) error {
 }
 
 // Attach makes a loop device when the VM is this machine.
-func (h *HostBackend) Attach(vm *VMState, id int64) (string, error) {
+func (h *HostBackend) Attach(vm *VMState, id int64, _, _ int) (string, error) {
 	if !vm.Local {
 		return "", nil
 	}
@@ -142,11 +145,11 @@ func (h *HostBackend) Detach(vm *VMState, id int64, device string) error {
 // state. It is for measuring the API path without disk I/O.
 type BookkeepingBackend struct{}
 
-func (BookkeepingBackend) CreateDisk(int64, int64) error          { return nil }
-func (BookkeepingBackend) DeleteDisk(int64) error                 { return nil }
-func (BookkeepingBackend) ResizeDisk(int64, int64) error          { return nil }
-func (BookkeepingBackend) Snapshot(int64, string) error           { return nil }
-func (BookkeepingBackend) DeleteSnapshot(string) error            { return nil }
-func (BookkeepingBackend) CloneSnapshot(string, int64) error      { return nil }
-func (BookkeepingBackend) Attach(*VMState, int64) (string, error) { return "", nil }
-func (BookkeepingBackend) Detach(*VMState, int64, string) error   { return nil }
+func (BookkeepingBackend) CreateDisk(int64, int64) error                    { return nil }
+func (BookkeepingBackend) DeleteDisk(int64) error                           { return nil }
+func (BookkeepingBackend) ResizeDisk(int64, int64) error                    { return nil }
+func (BookkeepingBackend) Snapshot(int64, string) error                     { return nil }
+func (BookkeepingBackend) DeleteSnapshot(string) error                      { return nil }
+func (BookkeepingBackend) CloneSnapshot(string, int64) error                { return nil }
+func (BookkeepingBackend) Attach(*VMState, int64, int, int) (string, error) { return "", nil }
+func (BookkeepingBackend) Detach(*VMState, int64, string) error             { return nil }

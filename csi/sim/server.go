@@ -720,7 +720,7 @@ func (s *Server) attach(w http.ResponseWriter, r *http.Request) (any, *httpError
 	if slot >= firstSlot+s.opts.MaxDisksPerVM {
 		return nil, errf(409, "VM %d has no free PCI slot for disk %d: it has %d data disks", vm.ID, id, s.opts.MaxDisksPerVM)
 	}
-	dev, err := s.opts.Backend.Attach(vm, id)
+	dev, err := s.opts.Backend.Attach(vm, id, bus, slot)
 	if err != nil {
 		return nil, errf(500, "%v", err)
 	}
