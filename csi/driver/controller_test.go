@@ -389,3 +389,51 @@ func TestNameFromPortal(t *testing.T) {
 		}
 	}
 }
+
+// TestFlakyAPI: with a fifth of all API requests answered 503, concurrent
+// creates and publishes still succeed through the client's retries, and
+// no name yields two disks.
+func TestFlakyAPI(t *testing.T) {
+	e := newTestEnv(t, envOpts{faults: sim.Faults{ErrorRate: 0.2}})
+	ctx := context.Background()
+	vms := vmsOf(t, e, hostLoc)
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("flaky-%d", i), VolumeCapabilities: rwo})
+			if err == nil {
+				_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.Volume.VolumeId,
+					NodeId: vms[i%len(vms)].ReferenceID, VolumeCapability: rwo[0]})
+			}
+			if err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if e.sim.Calls()["createDisk"] == 0 {
+		t.Fatal("no create reached the simulator")
+	}
+	names := map[string]int{}
+	for _, d := range e.sim.Snapshot().Disks {
+		names[d.Name]++
+		if len(d.Attachments) != 1 {
+			t.Errorf("disk %s has %d attachments", d.Name, len(d.Attachments))
+		}
+	}
+	if len(names) != 20 {
+		t.Fatalf("%d distinct disks, want 20", len(names))
+	}
+	for n, c := range names {
+		if c != 1 {
+			t.Errorf("%d disks named %s", c, n)
+		}
+	}
+}

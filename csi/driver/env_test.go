@@ -133,7 +133,7 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 		t.Fatal(err)
 	}
 	api, err := cloud.New(cloud.Config{BaseURL: hs.URL + "/api/1", Customer: "acme", TokenFile: tok,
-		BackoffBase: time.Millisecond, BackoffMax: 10 * time.Millisecond})
+		BackoffBase: time.Millisecond, BackoffMax: 10 * time.Millisecond, MaxAttempts: 12})
 	if err != nil {
 		t.Fatal(err)
 	}
