@@ -75,6 +75,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
 			Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
@@ -289,8 +290,8 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: n}, nil
 }
 
-// NodeGetVolumeStats reports usage; a volume whose fence or device the
-// agent says was lost is an error.
+// NodeGetVolumeStats reports usage. (The volume's condition is reported by
+// NodeGetVolumeHealth: CSI 1.13 removed VolumeCondition from this call.)
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeGetVolumeStats needs a volume id")
@@ -303,15 +304,39 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err != nil {
 		return nil, fmt.Errorf("volume %s at %s: %w", req.GetVolumeId(), p, err)
 	}
-	// The generated spec package carries no VolumeCondition message, so an
-	// abnormal volume is reported as an error with the agent's words.
-	if st.Abnormal {
-		return nil, failf(ErrPrecondition, "volume %s at %s is abnormal: %s", req.GetVolumeId(), p, st.Message)
-	}
 	resp := &csi.NodeGetVolumeStatsResponse{}
 	resp.Usage = append(resp.Usage, &csi.VolumeUsage{Unit: csi.VolumeUsage_BYTES, Total: st.TotalBytes, Used: st.UsedBytes, Available: st.AvailableBytes})
 	if !st.Block {
 		resp.Usage = append(resp.Usage, &csi.VolumeUsage{Unit: csi.VolumeUsage_INODES, Total: st.TotalInodes, Used: st.UsedInodes, Available: st.AvailableInodes})
 	}
 	return resp, nil
+}
+
+// NodeGetVolumeHealth reports a volume the agent says lost its fence or its
+// device as INACCESSIBLE from this node, with the agent's words; the
+// replacement, since CSI 1.13, for VOLUME_CONDITION on the stats call.
+func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeGetVolumeHealth needs a volume id")
+	}
+	p := req.GetVolumePublishPath()
+	if p == "" {
+		p = req.GetStagingTargetPath()
+	}
+	if p != "" {
+		var err error
+		if p, err = d.underRoot("volume path", p); err != nil {
+			return nil, err
+		}
+	}
+	st, err := d.cfg.Agent.Stats(ctx, req.GetVolumeId(), p)
+	if err != nil {
+		return nil, fmt.Errorf("health of volume %s: %w", req.GetVolumeId(), err)
+	}
+	h := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
+	if st.Abnormal {
+		h.HealthStatuses = append(h.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "FenceLost", Message: st.Message})
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
 }
