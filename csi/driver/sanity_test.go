@@ -42,7 +42,6 @@ func TestSanity(t *testing.T) {
 	cfg.StagingPath = filepath.Join(e.kubelet, "plugins", "staging")
 	os.MkdirAll(filepath.Dir(cfg.TargetPath), 0o750)
 	os.MkdirAll(filepath.Dir(cfg.StagingPath), 0o750)
-	cfg.IdempotentCount = 3
 	cfg.TestNodeVolumeAttachLimit = true
 	cfg.TestVolumeSize = 1 << 30
 	cfg.TestVolumeExpandSize = 2 << 30
