@@ -9,7 +9,3 @@ import (
 func newAgent(socket string) (driver.NodeAgent, error) {
 	return agentnode.Dial(socket)
 }
-
-// fenceKey is the fence key derivation shared with the agent; nil until
-// the fence package provides it, so grants name superseded nodes only.
-var fenceKey driver.FenceKeyFunc

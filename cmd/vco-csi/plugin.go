@@ -39,7 +39,7 @@ func runPlugin(args []string) int {
 		return 1
 	}
 	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
-		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols, FenceKey: fenceKey}
+		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols}
 	if cfg.Mode != driver.ModeNode {
 		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile})
 		if err != nil {

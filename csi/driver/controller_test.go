@@ -2,7 +2,6 @@ package driver_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
@@ -18,6 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 var rwo = []*csi.VolumeCapability{{
@@ -156,18 +156,8 @@ func vmsOf(t *testing.T, e *testEnv, loc string) []cloud.VM {
 	return vms
 }
 
-// fakeFenceKey stands in for the fence package's derivation, which is
-// another part's to provide; the test checks that the controller asks for
-// the earlier holder's key and puts it in the grant.
-func fakeFenceKey(uuid string) (string, error) {
-	if uuid == "" {
-		return "", errors.New("empty uuid")
-	}
-	return "key-of-" + uuid, nil
-}
-
 func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
-	e := newTestEnv(t, envOpts{fenceKey: fakeFenceKey})
+	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	vol, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "shared", VolumeCapabilities: rwo})
 	if err != nil {
@@ -185,12 +175,8 @@ func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
 	if pc[driver.PubPCISlot] != "6" || pc[driver.PubPCIBus] != "0" || pc[driver.PubDiskID] == "" {
 		t.Fatalf("publish context %v lacks the device address", pc)
 	}
-	var g driver.Grant
-	if err := json.Unmarshal([]byte(pc[driver.PubFenceGrant]), &g); err != nil {
-		t.Fatal(err)
-	}
-	if g.Disk != id || g.Node != a.ReferenceID || len(g.Supersedes) != 0 {
-		t.Fatalf("first grant = %+v", g)
+	if g, ok := pc[driver.PubFenceGrant]; ok {
+		t.Fatalf("first publish carries a grant %s; there was no earlier holder", g)
 	}
 	// Publishing again to the same node is the same answer.
 	if again, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a.ReferenceID, VolumeCapability: rwo[0]}); err != nil || again.PublishContext[driver.PubPCISlot] != "6" {
@@ -216,10 +202,22 @@ func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g = driver.Grant{}
-	json.Unmarshal([]byte(pb.PublishContext[driver.PubFenceGrant]), &g)
-	if g.Node != b.ReferenceID || len(g.Supersedes) != 1 || g.Supersedes[0].Node != a.ReferenceID || g.Supersedes[0].Key != "key-of-"+a.ReferenceID {
-		t.Fatalf("takeover grant = %+v, want it to supersede %s", g, a.ReferenceID)
+	// The agent's own parser accepts the grant, for node b and this volume,
+	// superseding exactly a's key.
+	g, err := fence.ParseGrant(pb.PublishContext[driver.PubFenceGrant])
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyA, _ := fence.KeyFromUUID(a.ReferenceID)
+	keyB, _ := fence.KeyFromUUID(b.ReferenceID)
+	if err := g.ForNode(b.ReferenceID, id); err != nil {
+		t.Fatal(err)
+	}
+	if !g.Names(keyA) || g.Names(keyB) || len(g.Supersedes) != 1 {
+		t.Fatalf("takeover grant = %+v, want it to supersede only %s (node %s)", g, keyA, a.ReferenceID)
+	}
+	if g.ForNode(a.ReferenceID, id) == nil {
+		t.Fatal("the grant for node b is accepted by node a")
 	}
 
 	// Published nodes show in ListVolumes and ControllerGetVolume.

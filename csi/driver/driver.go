@@ -44,10 +44,6 @@ type Cloud interface {
 	DetachDisk(ctx context.Context, cloudspace string, vm, diskID int64) error
 }
 
-// FenceKeyFunc derives a node's fence key (hex) from its SMBIOS UUID, the
-// same way the agent does (DESIGN.md §4).
-type FenceKeyFunc func(smbiosUUID string) (string, error)
-
 // Mode says which services a process serves.
 type Mode string
 
@@ -73,9 +69,6 @@ type Config struct {
 	AttachTimeout time.Duration
 	// AttachPoll is the interval between looks. Default 500ms.
 	AttachPoll time.Duration
-	// FenceKey derives superseded fence keys for grants. Nil leaves keys
-	// out of the grant; it still names the superseded nodes.
-	FenceKey FenceKeyFunc
 
 	// Node.
 	Agent NodeAgent

@@ -107,10 +107,9 @@ type testEnv struct {
 }
 
 type envOpts struct {
-	backend  sim.Backend // default: bookkeeping
-	fenceKey driver.FenceKeyFunc
-	faults   sim.Faults
-	attach   time.Duration
+	backend sim.Backend // default: bookkeeping
+	faults  sim.Faults
+	attach  time.Duration
 }
 
 func newTestEnv(t testing.TB, o envOpts) *testEnv {
@@ -141,7 +140,7 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 	os.MkdirAll(kubelet, 0o750)
 	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeAll,
 		Cloud: api, DefaultLocation: hostLoc, Agent: identityAgent{hostUUID, hostLoc}, KubeletRoot: kubelet,
-		FenceKey: o.fenceKey, AttachPoll: 5 * time.Millisecond, AttachTimeout: o.attach})
+		AttachPoll: 5 * time.Millisecond, AttachTimeout: o.attach})
 	if err != nil {
 		t.Fatal(err)
 	}

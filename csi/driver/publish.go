@@ -2,7 +2,6 @@ package driver
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -12,10 +11,13 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 // Publish context keys: where the node finds the disk, and what it may do
-// to take it over.
+// to take it over. The grant is fence.Grant's JSON ({"disk": volume id,
+// "node": SMBIOS UUID, "supersedes": ["0x..."]}), the keys derived with
+// fence.KeyFromUUID from the earlier holders' reference_ids.
 const (
 	PubDiskID     = "cloud.whitesky/disk-id"
 	PubPCIBus     = "cloud.whitesky/pci-bus"
@@ -30,21 +32,6 @@ const (
 // detaches the disk first and publishes it elsewhere later, and by then the
 // cloud no longer says who had it.
 const holderNote = "vco-csi/holder"
-
-// Grant is the controller's permission for a node to take a disk over from
-// earlier holders. The agent preempts only a key named here.
-type Grant struct {
-	Disk       string       `json:"disk"` // volume id
-	Node       string       `json:"node"` // SMBIOS UUID of the node it is for
-	Supersedes []Superseded `json:"supersedes,omitempty"`
-}
-
-// Superseded is an earlier holder: its node id and its fence key (16 hex
-// digits) when the controller was built with the key derivation.
-type Superseded struct {
-	Node string `json:"node"`
-	Key  string `json:"key,omitempty"`
-}
 
 // canonicalUUID is the form node ids and fence keys are derived from.
 func canonicalUUID(s string) string { return strings.ToLower(strings.TrimSpace(s)) }
@@ -117,24 +104,26 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err != nil {
 		return nil, fmt.Errorf("volume %s on node %s: %w", id, node, err)
 	}
-	grant := Grant{Disk: id, Node: canonicalUUID(node)}
-	for _, p := range previous {
-		s := Superseded{Node: p}
-		if d.cfg.FenceKey != nil {
-			if s.Key, err = d.cfg.FenceKey(p); err != nil {
-				return nil, fmt.Errorf("deriving the fence key of earlier holder %s of volume %s: %w", p, id, err)
-			}
-		}
-		grant.Supersedes = append(grant.Supersedes, s)
+	pc := map[string]string{
+		PubDiskID:  strconv.FormatInt(diskID, 10),
+		PubPCIBus:  strconv.Itoa(vd.PCIBus),
+		PubPCISlot: strconv.Itoa(vd.PCISlot),
+		PubSerial:  strconv.FormatInt(diskID, 10),
 	}
-	g, _ := json.Marshal(grant)
-	return &csi.ControllerPublishVolumeResponse{PublishContext: map[string]string{
-		PubDiskID:     strconv.FormatInt(diskID, 10),
-		PubPCIBus:     strconv.Itoa(vd.PCIBus),
-		PubPCISlot:    strconv.Itoa(vd.PCISlot),
-		PubSerial:     strconv.FormatInt(diskID, 10),
-		PubFenceGrant: string(g),
-	}}, nil
+	// A grant only when there is someone to take over from: the agent
+	// refuses a grant that supersedes nothing.
+	if len(previous) > 0 {
+		grant := fence.Grant{Disk: id, Node: canonicalUUID(node)}
+		for _, p := range previous {
+			k, err := fence.KeyFromUUID(p)
+			if err != nil {
+				return nil, failf(ErrPrecondition, "volume %s: the earlier holder recorded in its %q note is not a node id: %v", id, holderNote, err)
+			}
+			grant.Supersedes = append(grant.Supersedes, k)
+		}
+		pc[PubFenceGrant] = grant.Encode()
+	}
+	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
 }
 
 // attachedElsewhere builds the refusal that names the VM holding the disk.
