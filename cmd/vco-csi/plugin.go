@@ -63,7 +63,7 @@ func runPlugin(args []string) int {
 		cfg.Agent = a
 	}
 	if cfg.Name == "" {
-		return fail("the node service needs --driver-name or --api-url to know its driver name")
+		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
 	}
 	d, err := driver.New(cfg)
 	if err != nil {
