@@ -269,23 +269,23 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(300 * time.Millisecond)})
-	var wg sync.WaitGroup
-	errs := make([]error, 2)
-	for i := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if i == 1 {
-				time.Sleep(100 * time.Millisecond)
-			}
-			_, errs[i] = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
-		}()
+	first := make(chan error, 1)
+	go func() {
+		_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
+		first <- err
+	}()
+	// Once the simulator has seen the first call's lookup, that call holds
+	// the name's lock (it is taken before any API request).
+	for deadline := time.Now().Add(10 * time.Second); sum(e.sim.Calls()) == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the first CreateVolume never reached the simulator")
+		}
 	}
-	wg.Wait()
-	if errs[0] != nil {
-		t.Fatalf("first call: %v", errs[0])
+	_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
+	wantCode(t, err, codes.Aborted, "same", "in progress")
+	if err := <-first; err != nil {
+		t.Fatalf("first call: %v", err)
 	}
-	wantCode(t, errs[1], codes.Aborted, "same", "in progress")
 }
 
 func TestListVolumesPagingAndSnapshots(t *testing.T) {
