@@ -642,6 +642,17 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		return nil, err
 	}
 	loc, _, _ := parseVolumeID(src)
+	// A repeated call finds its snapshot on the source disk; only a new
+	// name costs the scan that keeps names unique across volumes.
+	own, err := d.snapshotsOf(ctx, loc, *disk)
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range own {
+		if e.snap.Name == name {
+			return &csi.CreateSnapshotResponse{Snapshot: e.csi()}, nil
+		}
+	}
 	all, err := d.allSnapshots(ctx)
 	if err != nil {
 		return nil, err
