@@ -625,3 +625,21 @@ func TestVerifyRunsBeforeEveryOperation(t *testing.T) {
 	}
 	assertHolder(t, tgt, "a", a.key, fence.WriteExclusive)
 }
+
+func TestNotReadyIsWaitedOutBounded(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{})
+	a := newNode(t, tgt, "a", uuidA, func(c *Config) { c.ReadyAttempts = 5 })
+	tgt.QueueNotReady("a", 3, 0x04, 0x01) // becoming ready
+	mustAcquire(t, a, nil)
+	if err := a.e.Release(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	tgt.QueueNotReady("a", 100, 0x04, 0x03) // manual intervention required
+	_, err := a.e.Acquire(ctx(t), nil)
+	if !errors.Is(err, scsi.ErrNotReady) || !strings.Contains(err.Error(), "after 5 attempts") {
+		t.Fatalf("acquire on a unit that stays not ready: %v", err)
+	}
+	if _, reg := tgt.Registered("a"); reg {
+		t.Fatal("registered on a unit that was not ready")
+	}
+}
