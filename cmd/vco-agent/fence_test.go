@@ -38,7 +38,7 @@ func withModel(t *testing.T, opts scsitest.Options) *scsitest.Target {
 	return tgt
 }
 
-func run(t *testing.T, args ...string) (int, string, string) {
+func runFenceCLI(t *testing.T, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errb bytes.Buffer
 	code := fenceMain(args, &out, &errb)
@@ -51,16 +51,16 @@ func TestFenceCommands(t *testing.T) {
 	keyB, _ := fence.KeyFromUUID(cliUUIDB)
 	names := []string{"--node", "node-a=" + cliUUIDA, "--node", "node-b=" + cliUUIDB}
 
-	code, out, errs := run(t, "acquire", "/dev/sdb", "--uuid", cliUUIDA)
+	code, out, errs := runFenceCLI(t, "acquire", "/dev/sdb", "--uuid", cliUUIDA)
 	if code != 0 || !strings.Contains(out, "claimed with key "+keyA.String()) {
 		t.Fatalf("acquire A: %d %q %q", code, out, errs)
 	}
-	code, out, errs = run(t, append([]string{"acquire", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
+	code, out, errs = runFenceCLI(t, append([]string{"acquire", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
 	if code != 1 || !strings.Contains(errs, keyA.String()) || !strings.Contains(errs, "node-a") {
 		t.Fatalf("acquire B: %d %q %q", code, out, errs)
 	}
 	// JSON refusal carries the holder.
-	code, out, _ = run(t, append([]string{"acquire", "--json", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
+	code, out, _ = runFenceCLI(t, append([]string{"acquire", "--json", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
 	var refusal struct {
 		OK         bool      `json:"ok"`
 		Refused    bool      `json:"refused"`
@@ -70,30 +70,30 @@ func TestFenceCommands(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &refusal); err != nil || code != 1 || refusal.OK || !refusal.Refused || refusal.Holder != keyA || refusal.HolderNode != "node-a" {
 		t.Fatalf("json refusal %d %q: %+v %v", code, out, refusal, err)
 	}
-	code, out, errs = run(t, append([]string{"show", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
+	code, out, errs = runFenceCLI(t, append([]string{"show", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
 	for _, want := range []string{keyA.String() + " node node-a initiator " + cliUUIDA + " [holder]", "Write Exclusive, held by key " + keyA.String() + " (node node-a)", "this node:    key " + keyB.String()} {
 		if code != 0 || !strings.Contains(out, want) {
 			t.Fatalf("show lacks %q: %d %q %q", want, code, out, errs)
 		}
 	}
-	if code, out, errs = run(t, "check", "/dev/sdb", "--uuid", cliUUIDA); code != 0 {
+	if code, out, errs = runFenceCLI(t, "check", "/dev/sdb", "--uuid", cliUUIDA); code != 0 {
 		t.Fatalf("check A: %d %q %q", code, out, errs)
 	}
 	// Takeover with a grant (the model, like tgt, lacks PREEMPT AND ABORT).
 	grant := (&fence.Grant{Disk: "disk-9", Node: cliUUIDB, Supersedes: []fence.Key{keyA}}).Encode()
-	code, out, errs = run(t, "acquire", "/dev/sdb", "--uuid", cliUUIDB, "--disk", "disk-9", "--grant", grant)
+	code, out, errs = runFenceCLI(t, "acquire", "/dev/sdb", "--uuid", cliUUIDB, "--disk", "disk-9", "--grant", grant)
 	if code != 0 || !strings.Contains(out, "took over") || !strings.Contains(out, "PREEMPT (the target rejects PREEMPT AND ABORT)") {
 		t.Fatalf("takeover: %d %q %q", code, out, errs)
 	}
-	code, out, errs = run(t, append([]string{"check", "/dev/sdb", "--uuid", cliUUIDA}, names...)...)
+	code, out, errs = runFenceCLI(t, append([]string{"check", "/dev/sdb", "--uuid", cliUUIDA}, names...)...)
 	if code != 1 || !strings.Contains(errs, "lost") {
 		t.Fatalf("check A after takeover: %d %q %q", code, out, errs)
 	}
 	// Release by B, then show --json has no reservation.
-	if code, out, errs = run(t, "release", "/dev/sdb", "--uuid", cliUUIDB); code != 0 {
+	if code, out, errs = runFenceCLI(t, "release", "/dev/sdb", "--uuid", cliUUIDB); code != 0 {
 		t.Fatalf("release: %d %q %q", code, out, errs)
 	}
-	code, out, _ = run(t, "show", "--json", "/dev/sdb", "--uuid", cliUUIDB)
+	code, out, _ = runFenceCLI(t, "show", "--json", "/dev/sdb", "--uuid", cliUUIDB)
 	var show struct {
 		OK     bool `json:"ok"`
 		Status struct {
@@ -110,7 +110,7 @@ func TestFenceCommands(t *testing.T) {
 	if _, ok := tgt.Registered(cliUUIDB); ok {
 		t.Fatal("B still registered")
 	}
-	code, out, errs = run(t, "cycle", "/dev/sdb", "--uuid", cliUUIDA, "--count", "3")
+	code, out, errs = runFenceCLI(t, "cycle", "/dev/sdb", "--uuid", cliUUIDA, "--count", "3")
 	if code != 0 || !strings.Contains(out, "3 cycles, median acquire") {
 		t.Fatalf("cycle: %d %q %q", code, out, errs)
 	}
@@ -118,10 +118,10 @@ func TestFenceCommands(t *testing.T) {
 
 func TestFenceCommandErrors(t *testing.T) {
 	withModel(t, scsitest.Options{NotSCSI: true})
-	if code, _, errs := run(t, "acquire", "/dev/vdb", "--uuid", cliUUIDA); code != 1 || !strings.Contains(errs, "not a SCSI device") {
+	if code, _, errs := runFenceCLI(t, "acquire", "/dev/vdb", "--uuid", cliUUIDA); code != 1 || !strings.Contains(errs, "not a SCSI device") {
 		t.Fatalf("acquire on virtio-blk: %d %q", code, errs)
 	}
-	if code, out, _ := run(t, "show", "/dev/vdb", "--uuid", cliUUIDA); code != 0 || !strings.Contains(out, "not supported") {
+	if code, out, _ := runFenceCLI(t, "show", "/dev/vdb", "--uuid", cliUUIDA); code != 0 || !strings.Contains(out, "not supported") {
 		t.Fatalf("show on virtio-blk: %d %q", code, out)
 	}
 	for _, args := range [][]string{
@@ -130,7 +130,7 @@ func TestFenceCommandErrors(t *testing.T) {
 		{"show", "/dev/sdb", "/dev/sdc"},
 		{"show", "/dev/sdb", "--no-such-flag"},
 	} {
-		if code, _, _ := run(t, args...); code != 2 {
+		if code, _, _ := runFenceCLI(t, args...); code != 2 {
 			t.Errorf("%v: exit %d, want 2", args, code)
 		}
 	}
@@ -141,7 +141,7 @@ func TestFenceCommandErrors(t *testing.T) {
 		{"acquire", "/dev/sdb", "--uuid", cliUUIDA, "--type", "wero"},
 		{"acquire", "/dev/sdb", "--uuid", cliUUIDA, "--node", "x"},
 	} {
-		if code, _, errs := run(t, args...); code != 1 || errs == "" {
+		if code, _, errs := runFenceCLI(t, args...); code != 1 || errs == "" {
 			t.Errorf("%v: exit %d %q, want 1 with a message", args, code, errs)
 		}
 	}
@@ -152,7 +152,7 @@ func TestFenceKeyFromSysfs(t *testing.T) {
 	root := t.TempDir()
 	// Without --uuid the key comes from the SMBIOS UUID under --sysfs-root;
 	// an unreadable identity is an error naming --uuid.
-	if code, _, errs := run(t, "acquire", "/dev/sdb", "--sysfs-root", root); code != 1 || !strings.Contains(errs, "--uuid") {
+	if code, _, errs := runFenceCLI(t, "acquire", "/dev/sdb", "--sysfs-root", root); code != 1 || !strings.Contains(errs, "--uuid") {
 		t.Fatalf("no identity: %d %q", code, errs)
 	}
 	if err := os.MkdirAll(filepath.Join(root, "class/dmi/id"), 0o755); err != nil {
@@ -162,7 +162,7 @@ func TestFenceKeyFromSysfs(t *testing.T) {
 		t.Fatal(err)
 	}
 	keyA, _ := fence.KeyFromUUID(cliUUIDA)
-	if code, out, errs := run(t, "acquire", "/dev/sdb", "--sysfs-root", root); code != 0 || !strings.Contains(out, keyA.String()) {
+	if code, out, errs := runFenceCLI(t, "acquire", "/dev/sdb", "--sysfs-root", root); code != 0 || !strings.Contains(out, keyA.String()) {
 		t.Fatalf("key from sysfs: %d %q %q", code, out, errs)
 	}
 }
@@ -185,7 +185,7 @@ func TestFenceOnLoopDevice(t *testing.T) {
 	loop := strings.TrimSpace(string(b))
 	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
 
-	code, out, errs := run(t, "show", loop, "--uuid", cliUUIDA, "--json")
+	code, out, errs := runFenceCLI(t, "show", loop, "--uuid", cliUUIDA, "--json")
 	var show struct {
 		OK   bool `json:"ok"`
 		Disk struct {
@@ -199,7 +199,7 @@ func TestFenceOnLoopDevice(t *testing.T) {
 		show.Status.Support.Method != fence.MethodNone || !strings.Contains(show.Status.Support.Reason, "not a SCSI device") {
 		t.Fatalf("show on %s: %d %q %q", loop, code, out, errs)
 	}
-	if code, _, errs := run(t, "acquire", loop, "--uuid", cliUUIDA); code != 1 || !strings.Contains(errs, "not supported") {
+	if code, _, errs := runFenceCLI(t, "acquire", loop, "--uuid", cliUUIDA); code != 1 || !strings.Contains(errs, "not supported") {
 		t.Fatalf("acquire on %s: %d %q", loop, code, errs)
 	}
 }
