@@ -60,12 +60,14 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 		if err := m.unmountIfMounted(c.StagingPath); err != nil {
 			log.Error("unmounting an interrupted stage", "err", err)
 		}
-		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume); err == nil && ch.Fencer != nil {
+		l := &live{dev: dev}
+		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
+			l.fencer = ch.Fencer
 			if err := ch.Fencer.Release(ctx); err != nil {
 				log.Warn("releasing the fence of an interrupted stage", "err", err)
 			}
 		}
-		dev.Close()
+		l.close()
 		c.Phase, c.State = PhaseInterrupted, ""
 		if err := m.store.Put(c); err != nil {
 			log.Error("recording the interrupted stage", "err", err)
@@ -85,7 +87,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 		log.Info("unfenced claim kept (explicit opt-in)")
 		return
 	}
-	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume)
+	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		m.setLive(c.Volume, &live{dev: dev})
 		log.Error("cannot check the fence of a recorded claim; the periodic check retries", "err", err)
@@ -119,6 +121,9 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
 			log.Error("closing the mapping of a vanished disk", "err", err)
 		}
+	}
+	if err := dropDataMapping(c.DataDevice); err != nil {
+		log.Error("detaching the data mapping of a vanished disk", "err", err)
 	}
 	m.setLive(c.Volume, nil)
 	if err := m.store.Delete(c.Volume); err != nil {

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 	mount "k8s.io/mount-utils"
@@ -134,11 +136,20 @@ func (m *Manager) updateGauge() {
 	}
 }
 
+func (l *live) close() {
+	// A fencer that holds resources of its own (the lease's O_DIRECT
+	// descriptor and renewal timer) lets them go.
+	if c, ok := l.fencer.(io.Closer); ok {
+		c.Close()
+	}
+	l.dev.Close()
+}
+
 func (m *Manager) setLive(volume string, l *live) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if old := m.live[volume]; old != nil && old != l {
-		old.dev.Close()
+		old.close()
 	}
 	if l == nil {
 		delete(m.live, volume)
@@ -159,7 +170,7 @@ func (m *Manager) Close() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for v, l := range m.live {
-		l.dev.Close()
+		l.close()
 		delete(m.live, v)
 	}
 }
@@ -392,7 +403,10 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		}
 		m.setLive(c.Volume, nil)
 		dev.Close()
-		if isNew && !c.Formatted && !c.LUKSFormatted {
+		if isNew && !c.Formatted && !c.LUKSFormatted && !c.FenceFormatted {
+			if err := dropDataMapping(c.DataDevice); err != nil {
+				m.log.Error("could not detach the data mapping of a failed stage", "volume", c.Volume, "err", err)
+			}
 			if derr := m.store.Delete(c.Volume); derr != nil {
 				m.log.Error("could not remove the claim record of a failed stage", "volume", c.Volume, "err", derr)
 			}
@@ -412,7 +426,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		return res, err
 	}
 
-	choice, err := m.o.Fencers.Choose(ctx, dev, c.Volume)
+	choice, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		return res, agenterr.New(agenterr.Unavailable, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
 	}
@@ -427,6 +441,19 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			"volume", c.Volume, "device", dev.Path, "reason", choice.Reason)
 		c.Method, c.State, c.Key = fence.MethodNone, StateUnfenced, 0
 	} else {
+		if choice.Prepare != nil {
+			wrote, err := choice.Prepare(ctx)
+			if err != nil {
+				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: preparing %s for %s fencing: %v", c.Volume, dev.Path, choice.Method, err)
+			}
+			if wrote {
+				c.FenceFormatted = true
+				m.log.Info("wrote the fencing metadata on a blank disk", "volume", c.Volume, "device", dev.Path, "fence", choice.Method)
+				if err := m.store.Put(c); err != nil {
+					return res, err
+				}
+			}
+		}
 		claim, err := fencer.Acquire(ctx, r.Grant)
 		var held *fence.HeldError
 		switch {
@@ -460,18 +487,24 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		m.log.Info("cleared the read-only flag of a disk now claimed by this node", "volume", c.Volume, "device", dev.Path)
 	}
 	m.setLive(c.Volume, &live{dev: dev, fencer: fencer})
+	c.DataOffset, c.DataDevice = choice.DataOffset, ""
+	if choice.DataOffset > 0 {
+		if c.DataDevice, err = m.dataMapping(dev.Path, choice.DataOffset); err != nil {
+			return res, fmt.Errorf("volume %s: %w", c.Volume, err)
+		}
+	}
 	if err := m.store.Put(c); err != nil {
 		return res, err
 	}
 
-	target := dev.Path
+	target := c.BaseDevice()
 	if r.Encrypted {
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
 		}
-		mapped, formatted, err := m.o.Crypt.Open(ctx, dev.Path, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
+		mapped, formatted, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
 		if err != nil {
-			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, dev.Path, err)
+			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, target, err)
 		}
 		if formatted {
 			c.LUKSFormatted = true
@@ -589,6 +622,51 @@ func (m *Manager) refuse(c *Claim, dev *Device, held *fence.HeldError) {
 		HolderKey: uint64(held.Holder), HolderNode: held.HolderNode, Reason: "held-by-another-node",
 		Message: fmt.Sprintf("volume %s: %v", c.Volume, held)})
 	m.log.Warn("disk refused", "volume", c.Volume, "device", dev.Path, "holder", held.Holder.String(), "holder_node", held.HolderNode)
+}
+
+// onLost is given to fencers that notice a loss by themselves. I/O stops
+// at once, without waiting for the volume's lock (an API call may hold
+// it); the loss is then recorded and announced under the lock.
+func (m *Manager) onLost(volume string) func(*fence.LostError) {
+	return func(lost *fence.LostError) {
+		if l := m.getLive(volume); l != nil {
+			if err := setReadOnly(l.dev.File, true); err != nil {
+				m.log.Error("could not set a fenced disk read-only", "volume", volume, "err", err)
+			}
+		}
+		if c, err := m.store.Get(volume); err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
+			if err := stopFilesystem(c.StagingPath); err != nil {
+				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
+			}
+		}
+		go m.recordLoss(volume, lost)
+	}
+}
+
+func (m *Manager) recordLoss(volume string, lost *fence.LostError) {
+	var release func()
+	for i := 0; ; i++ {
+		var err error
+		if release, err = m.locks.try(volume, "recording a lost claim"); err == nil {
+			break
+		}
+		if i > 600 {
+			m.log.Error("the volume stayed busy; its loss is recorded by the next claim check", "volume", volume)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	defer release()
+	c, err := m.store.Get(volume)
+	if err != nil || c == nil || c.State == StateLost {
+		return
+	}
+	var dev *Device
+	if l := m.getLive(volume); l != nil {
+		dev = l.dev
+	}
+	m.lose(c, dev, lost)
+	m.updateGauge()
 }
 
 // lose is P4: stop I/O at once, say so, and remember it.

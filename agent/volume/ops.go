@@ -61,13 +61,16 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			return err
 		}
 	}
+	if err := dropDataMapping(c.DataDevice); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+	}
 	l := m.getLive(volume)
 	if c.State == StateHeld {
 		if l == nil {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
 			if dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices); err == nil {
-				if ch, err := m.o.Fencers.Choose(ctx, dev, volume); err == nil && ch.Fencer != nil {
+				if ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil); err == nil && ch.Fencer != nil {
 					l = &live{dev: dev, fencer: ch.Fencer}
 				} else {
 					dev.Close()
@@ -83,8 +86,8 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			}
 		}
 	}
-	if l != nil {
-		l.dev.Close()
+	if l != nil && l != m.getLive(volume) {
+		l.close()
 	}
 	m.setLive(volume, nil)
 	if err := m.store.Delete(volume); err != nil {
@@ -273,6 +276,11 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	}
 	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
+	}
+	if c.DataDevice != "" {
+		if err := growDataMapping(c.DataDevice); err != nil {
+			return 0, agenterr.New(agenterr.Internal, "volume %s: %v", volume, err)
+		}
 	}
 	if c.Mapper != "" {
 		// The hook for package crypt: the mapping grows first, then the
