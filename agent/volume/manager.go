@@ -330,6 +330,11 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 	if err := l.dev.Verify(ctx); err != nil {
 		return false, nil
 	}
+	if c.State == StateHeld && l.fencer == nil {
+		// Opened at start without its fencer (the check failed then): the
+		// stage runs again and claims it afresh.
+		return false, nil
+	}
 	if l.fencer != nil {
 		if err := l.fencer.Check(ctx); err != nil {
 			var lost *fence.LostError

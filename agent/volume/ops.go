@@ -93,8 +93,12 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if err := m.store.Delete(volume); err != nil {
 		return err
 	}
+	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)
+	if c.State == StateLost {
+		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", volume, staging, c.Device)
+	}
 	m.publish(events.Event{Type: events.DiskReleased, Volume: volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
-		Reason: "unstaged", Message: fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)})
+		Reason: "unstaged", Message: msg})
 	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
 	return nil
 }
