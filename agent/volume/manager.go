@@ -584,6 +584,11 @@ func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
 	if c.ReadOnly {
 		opts = append(opts, "ro")
 	}
+	if c.FsType == "xfs" && !slices.Contains(opts, "nouuid") {
+		// A volume cloned from a snapshot carries its source's xfs UUID;
+		// without nouuid the second of the two would not mount here.
+		opts = append(opts, "nouuid")
+	}
 	if err := m.mounter.FormatAndMount(device, c.StagingPath, c.FsType, opts); err != nil {
 		return false, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
 	}
