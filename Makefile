@@ -21,7 +21,7 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz
+.PHONY: all build test unit lint bench lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz
 
 all: build
 
@@ -30,7 +30,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit
+test: deps lint build unit test-lab
 
 unit:
 	$(GO) test -count=1 ./...
@@ -40,7 +40,13 @@ lint: deps-go
 	$(TOOLS)/staticcheck ./...
 
 bench: deps build
-	$(GO) run ./cmd/vco-lab bench
+	$(BIN)/vco-lab bench
+
+# The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
+# 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
+LAB_TIMEOUT ?= 60m
+test-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) ./integration/...
 
 lab: deps build
 	$(BIN)/vco-lab run
@@ -56,7 +62,13 @@ proto: deps
 	  --go-grpc_out=agent/api --go-grpc_opt=paths=source_relative \
 	  agent/api/agent.proto
 
-deps: deps-apt deps-go
+deps: deps-apt deps-go deps-lab
+
+# The lab's guest kernel: Debian's linux-image-amd64, unpacked into
+# /var/cache/vco-lab (or $$VCO_LAB_CACHE) once.
+deps-lab: deps-apt
+	@apt-cache show linux-image-amd64 >/dev/null 2>&1 || apt-get update -qq
+	@$(GO) run ./cmd/vco-lab prepare
 
 deps-apt:
 	@missing=""; \
