@@ -72,7 +72,7 @@ func (s *Server) ServePort(ctx context.Context, path string) error {
 		}
 		err = s.Serve(ctx, f)
 		f.Close()
-		if err != nil && !errors.Is(err, io.EOF) {
+		if !errors.Is(err, io.EOF) {
 			log.Printf("guestexec: %s: %v; reopening", path, err)
 		}
 		// A closed host end reads as EOF at once; do not spin.

@@ -44,7 +44,10 @@ func TestBinaries() (string, error) {
 		if buildErr != nil {
 			return
 		}
-		gobin := filepath.Join(runtime.GOROOT(), "bin", "go")
+		gobin, err := exec.LookPath("go")
+		if err != nil {
+			gobin = "/usr/local/go/bin/go"
+		}
 		cmd := exec.Command(gobin, "build", "-trimpath", "-o", buildDir+"/", "./cmd/vco-lab", "./cmd/vco-agent")
 		cmd.Dir = root
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
