@@ -117,7 +117,7 @@ func New(ctx context.Context, cfg Config) (_ *Lab, err error) {
 	if err != nil {
 		return nil, err
 	}
-	l.Target, err = StartTarget(ctx, cfg.Dir)
+	l.Target, err = startTarget(ctx, cfg.Dir, l.spawn)
 	if err != nil {
 		return nil, err
 	}

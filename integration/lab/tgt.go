@@ -67,6 +67,10 @@ func ctlPortFree(n int) bool {
 // answers tgtadm. Control port and portal are chosen free; a start that
 // loses a race for either is retried with new ones.
 func StartTarget(ctx context.Context, dir string) (*Target, error) {
+	return startTarget(ctx, dir, spawner{})
+}
+
+func startTarget(ctx context.Context, dir string, spawn spawner) (*Target, error) {
 	tgtd, err := exec.LookPath("tgtd")
 	if err != nil {
 		return nil, fmt.Errorf("tgtd not found (install Debian package tgt): %w", err)
@@ -90,7 +94,7 @@ func StartTarget(ctx context.Context, dir string) (*Target, error) {
 		}
 		cmd := exec.Command(tgtd, "-f", "-C", strconv.Itoa(ctl), "--iscsi", fmt.Sprintf("portal=127.0.0.1:%d", port))
 		cmd.Stdout, cmd.Stderr = logf, logf
-		p, err := startProc("tgtd", cmd, filepath.Join(dir, "pids"))
+		p, err := spawn.start("tgtd", cmd, PIDDir(dir))
 		logf.Close()
 		if err != nil {
 			return nil, err
