@@ -65,9 +65,9 @@ func main() {
 	case "down":
 		code = down(args)
 	case "run":
-		code = run(args, false)
+		code = run(args)
 	case "bench":
-		code = run(args, true)
+		code = bench(args)
 	case "-h", "--help", "help":
 		usage()
 	default:
@@ -314,12 +314,8 @@ func down(args []string) int {
 	return 0
 }
 
-func run(args []string, benchOnly bool) int {
-	name := "run"
-	if benchOnly {
-		name = "bench"
-	}
-	c, _ := flags(name, args, nil)
+func run(args []string) int {
+	c, _ := flags("run", args, nil)
 	cfg, err := labConfig(c, false)
 	if err != nil {
 		return fail("%v", err)
@@ -336,20 +332,14 @@ func run(args []string, benchOnly bool) int {
 			fmt.Fprintln(os.Stderr, "vco-lab: teardown:", err)
 		}
 	}()
-	var serr error
-	if !benchOnly {
-		serr = lab.Smoke(ctx, l, lun, os.Stdout)
-	}
+	serr := lab.Smoke(ctx, l, lun, os.Stdout)
 	fmt.Println()
-	fmt.Println("benchmark                      value      ratio")
 	var boot time.Duration
 	for _, g := range l.Guests {
 		boot = max(boot, g.BootTime)
-		fmt.Printf("guest boot (%s)            %8.2fs\n", g.Name, g.BootTime.Seconds())
+		fmt.Printf("guest boot (%s)      %8.2fs\n", g.Name, g.BootTime.Seconds())
 	}
-	// The reference is the slowest guest's boot: set-up beyond it is what
-	// the kernel cache, initramfs build and tgtd cost.
-	fmt.Printf("lab set-up (2 guests)          %8.2fs   %.2fx slowest guest boot\n", setup.Seconds(), setup.Seconds()/boot.Seconds())
+	fmt.Printf("lab set-up (2 guests)    %8.2fs\n", setup.Seconds())
 	if serr != nil {
 		return fail("smoke scenario failed: %v", serr)
 	}
