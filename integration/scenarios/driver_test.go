@@ -13,7 +13,10 @@ import (
 type outcome struct {
 	Won    bool
 	Holder string // the key holding the disk afterwards, 0x-prefixed lower-case hex
-	Output string // what the tool printed, for failure messages
+	// HolderNode is the holder's node name, from drivers that map keys to
+	// nodes (NamesNodes).
+	HolderNode string
+	Output     string // what the tool printed, for failure messages
 }
 
 // fenceDriver drives a fencing implementation inside a guest. The
@@ -21,6 +24,8 @@ type outcome struct {
 // reference tool (sg_persist) and with the project's engine.
 type fenceDriver interface {
 	Name() string
+	// NamesNodes says whether refusals name the holder's node as well.
+	NamesNodes() bool
 	// Key is the reservation key the driver uses for guest g.
 	Key(g *lab.Guest) string
 	// Probe reports whether the disk supports persistent reservations.
@@ -40,6 +45,8 @@ type fenceDriver interface {
 type sgPersistDriver struct{}
 
 func (sgPersistDriver) Name() string { return "sg_persist" }
+
+func (sgPersistDriver) NamesNodes() bool { return false }
 
 func (sgPersistDriver) Key(g *lab.Guest) string {
 	h := sha256.Sum256([]byte(strings.ToLower(g.UUID)))

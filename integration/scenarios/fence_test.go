@@ -156,18 +156,24 @@ func mustAcquire(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest,
 	}
 }
 
-func mustRefuse(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest, dev, holder string, grant ...string) {
+// mustRefuse asserts that g's acquire is refused and that the refusal names
+// the holder's key (and node, where the driver maps keys to nodes).
+func mustRefuse(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest, dev string, holder *lab.Guest, grant ...string) {
 	t.Helper()
 	o, err := d.Acquire(ctx, g, dev, grant...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if o.Won {
-		t.Fatalf("%s: acquire of %s succeeded while %s holds it: %s", g.Name, dev, holder, o.Output)
+		t.Fatalf("%s: acquire of %s succeeded while %s holds it: %s", g.Name, dev, holder.Name, o.Output)
 	}
-	if o.Holder != holder {
-		t.Fatalf("%s: refusal names holder %q, want %q: %s", g.Name, o.Holder, holder, o.Output)
+	if want := d.Key(holder); o.Holder != want {
+		t.Fatalf("%s: refusal names holder key %q, want %s's key %s: %s", g.Name, o.Holder, holder.Name, want, o.Output)
 	}
+	if d.NamesNodes() && o.HolderNode != holder.Name {
+		t.Fatalf("%s: refusal names holder node %q, want %s: %s", g.Name, o.HolderNode, holder.Name, o.Output)
+	}
+	t.Logf("%s: refused: %s", g.Name, strings.TrimSpace(o.Output))
 }
 
 func drivers() []fenceDriver { return []fenceDriver{sgPersistDriver{}} }
@@ -193,7 +199,7 @@ func TestFenceScenarios(t *testing.T) {
 			mustWrite(t, ctx, a, devA, 0, "L1-data-of-node-a")
 			// The same disk now attached to B as well.
 			devB := attach(t, ctx, b, lun)
-			mustRefuse(t, ctx, d, b, devB, ka)
+			mustRefuse(t, ctx, d, b, devB, a)
 			mustNotWrite(t, ctx, b, devB, 0, "L1-data-of-node-b")
 			mustNotWrite(t, ctx, b, devB, 1, "L1-data-of-node-b")
 			if got := backing(t, lun, 0); got != "L1-data-of-node-a" {
@@ -238,7 +244,7 @@ func TestFenceScenarios(t *testing.T) {
 			mustAcquire(t, ctx, d, a, devA)
 			mustWrite(t, ctx, a, devA, 0, "L3-before-of-node-a")
 			// A grant that names some other key does not let B in.
-			mustRefuse(t, ctx, d, b, devB, ka, "0x5643000000000001")
+			mustRefuse(t, ctx, d, b, devB, a, "0x5643000000000001")
 			mustAcquire(t, ctx, d, b, devB, ka)
 			mustNotWrite(t, ctx, a, devA, 1, "L3-after-of-node-a")
 			if ok, detail, err := d.Check(ctx, a, devA); err != nil || ok {
@@ -292,8 +298,8 @@ func TestFenceScenarios(t *testing.T) {
 				if ob.Won {
 					winner, wdev, loser = b, devB, oa
 				}
-				if loser.Holder != d.Key(winner) {
-					t.Fatalf("round %d: the loser's refusal names %q, want the winner %s's key %s", round, loser.Holder, winner.Name, d.Key(winner))
+				if loser.Holder != d.Key(winner) || (d.NamesNodes() && loser.HolderNode != winner.Name) {
+					t.Fatalf("round %d: the loser's refusal names %q (node %q), want the winner %s's key %s", round, loser.Holder, loser.HolderNode, winner.Name, d.Key(winner))
 				}
 				wins[winner.Name]++
 				if err := d.Release(ctx, winner, wdev); err != nil {
