@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 )
 
@@ -22,6 +23,15 @@ while [ $i -lt $n ]; do
 	sg_persist -n -o -I -S $k $dev >/dev/null && sg_persist -n -o -R -T 1 -K $k $dev >/dev/null &&
 	sg_persist -n -i -r $dev >/dev/null &&
 	sg_persist -n -o -L -T 1 -K $k $dev >/dev/null && sg_persist -n -o -G -K $k -S 0 $dev >/dev/null || exit 1
+	i=$((i+1))
+done`
+
+// agentSequence is the same acquire and release through the project's
+// engine, `vco-agent fence`.
+const agentSequence = `dev=$1; n=$2
+i=0
+while [ $i -lt $n ]; do
+	/bin/vco-agent fence acquire $dev >/dev/null && /bin/vco-agent fence release $dev >/dev/null || exit 1
 	i=$((i+1))
 done`
 
@@ -87,6 +97,26 @@ func bench(args []string) int {
 	}
 	sg := time.Since(start) / prRounds
 	rows = append(rows, benchRow{"PR acquire+release, sg_persist (reference)", ms(sg), "1.00x"})
+
+	// The engine's row, when the guest's vco-agent has it.
+	probe, err := g.Sh(ctx, "/bin/vco-agent fence --help 2>&1")
+	if err != nil {
+		return fail("%v", err)
+	}
+	if strings.Contains(probe.Stdout, "usage: vco-agent fence") {
+		start = time.Now()
+		r, err = g.Exec().Run(ctx, 0, "/bin/sh", "-c", agentSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
+		if err != nil {
+			return fail("%v", err)
+		}
+		if r.Exit != 0 {
+			return fail("vco-agent fence sequence failed in %s: %s", g.Name, r)
+		}
+		engine := time.Since(start) / prRounds
+		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", ms(engine), ratio(engine, sg)})
+	} else {
+		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", "n/a", "(no fence command in this vco-agent)"})
+	}
 
 	fmt.Printf("%-48s %10s %8s\n", "benchmark", "value", "ratio")
 	for _, r := range rows {
