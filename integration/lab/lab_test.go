@@ -192,7 +192,16 @@ func TestLab(t *testing.T) {
 			if err != nil {
 				t.Fatalf("after hot-plug of %s (%s): %v", d.ID, d.Kind, err)
 			}
-			t.Logf("%s appeared in %s as /dev/%s", d.ID, b.Name, gd.Name)
+			t.Logf("%s appeared in %s as /dev/%s (wwid %q)", d.ID, b.Name, gd.Name, gd.WWID)
+			if d.LUN != nil {
+				sd, err := b.DiskBySerial(ctx, shared.Serial)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if gd.WWID == "" || gd.WWID == sd.WWID {
+					t.Errorf("LUNs %s and %s have WWIDs %q and %q; each LUN needs its own", d.ID, shared.Serial, gd.WWID, sd.WWID)
+				}
+			}
 			if err := b.DetachDisk(ctx, d.ID); err != nil {
 				t.Fatal(err)
 			}

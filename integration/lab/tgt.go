@@ -156,7 +156,11 @@ func (t *Target) Portal() string { return fmt.Sprintf("127.0.0.1:%d", t.Port) }
 // (VPD 0x80) and SCSI ID (VPD 0x83). Every initiator may log in: the
 // portal is on loopback only.
 func (t *Target) AddLUN(ctx context.Context, iqn, file string, size int64, serial, scsiID string) (*LUN, error) {
-	f, err := os.OpenFile(file, os.O_CREATE|os.O_RDWR, 0o644)
+	// A fresh file: a LUN never starts with an earlier run's data.
+	if err := os.Remove(file); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("removing old LUN backing file: %w", err)
+	}
+	f, err := os.OpenFile(file, os.O_CREATE|os.O_EXCL|os.O_RDWR, 0o644)
 	if err != nil {
 		return nil, err
 	}
