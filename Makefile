@@ -21,7 +21,7 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz
+.PHONY: all build test unit lint bench bench-agent bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz
 
 all: build
 
@@ -39,14 +39,24 @@ lint: deps-go
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck ./...
 
-bench: deps build
-	$(BIN)/vco-lab bench
-
 # The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
 # 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
 LAB_TIMEOUT ?= 60m
 test-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) ./integration/...
+
+# Benchmarks print one table of figures against named references; they
+# are never asserted. Each part adds a bench-* target as a prerequisite.
+bench: bench-agent bench-lab
+
+# Guest boot and lab set-up against a guest booting alone; reservation
+# latency of the engine against sg_persist, in a guest.
+bench-lab: deps build
+	$(BIN)/vco-lab bench
+
+bench-agent: deps build
+	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
 
 lab: deps build
 	$(BIN)/vco-lab run
