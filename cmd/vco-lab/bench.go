@@ -45,7 +45,14 @@ type benchRow struct {
 // booting alone is the reference for boot and set-up times; sg_persist is
 // the reference for reservation latency.
 func bench(args []string) int {
-	c, _ := flags("bench", args, nil)
+	c, err := oneShotFlags("bench", args)
+	if err != nil {
+		return fail("%v", err)
+	}
+	return c.finish(benchIn(c))
+}
+
+func benchIn(c *common) int {
 	cfg, err := labConfig(c, false)
 	if err != nil {
 		return fail("%v", err)

@@ -37,7 +37,8 @@ commands:
   version                  print the version
 
 Flags common to up, status, exec, down, run, bench:
-  -dir DIR    lab directory (default $VCO_LAB_DIR or /var/tmp/vco-lab)
+  -dir DIR    lab directory (default $VCO_LAB_DIR or /var/tmp/vco-lab; run and
+              bench make a fresh one under /var/tmp unless told)
   -bin DIR    directory with static vco-lab and vco-agent (default: this binary's)
 `)
 }
@@ -80,6 +81,9 @@ func main() {
 
 type common struct {
 	dir, bin string
+	// scratch is set when run or bench made a directory of their own; it
+	// is removed after a successful run and kept (for its logs) otherwise.
+	scratch bool
 }
 
 func flags(name string, args []string, extra func(*flag.FlagSet)) (*common, []string) {
@@ -97,6 +101,42 @@ func flags(name string, args []string, extra func(*flag.FlagSet)) (*common, []st
 	}
 	_ = fs.Parse(args)
 	return c, fs.Args()
+}
+
+// oneShotFlags are the flags of run and bench. Without -dir they work in a
+// fresh directory, so that they never touch a lab someone keeps up (or
+// another run) in the shared default directory.
+func oneShotFlags(name string, args []string) (*common, error) {
+	explicit := false
+	for _, a := range args {
+		if a == "-dir" || a == "--dir" || strings.HasPrefix(a, "-dir=") || strings.HasPrefix(a, "--dir=") {
+			explicit = true
+		}
+	}
+	c, _ := flags(name, args, nil)
+	if explicit || os.Getenv("VCO_LAB_DIR") != "" {
+		return c, nil
+	}
+	d, err := os.MkdirTemp("/var/tmp", "vco-lab-"+name+"-")
+	if err != nil {
+		return nil, err
+	}
+	c.dir, c.scratch = d, true
+	return c, nil
+}
+
+// finish removes a scratch directory after success, or says where its
+// logs are.
+func (c *common) finish(code int) int {
+	if !c.scratch {
+		return code
+	}
+	if code == 0 {
+		_ = os.RemoveAll(c.dir)
+	} else {
+		fmt.Fprintf(os.Stderr, "vco-lab: logs are in %s\n", c.dir)
+	}
+	return code
 }
 
 func fail(format string, a ...any) int {
@@ -315,7 +355,14 @@ func down(args []string) int {
 }
 
 func run(args []string) int {
-	c, _ := flags("run", args, nil)
+	c, err := oneShotFlags("run", args)
+	if err != nil {
+		return fail("%v", err)
+	}
+	return c.finish(runIn(c))
+}
+
+func runIn(c *common) int {
 	cfg, err := labConfig(c, false)
 	if err != nil {
 		return fail("%v", err)
