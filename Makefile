@@ -21,7 +21,7 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz
+.PHONY: all build test unit lint bench bench-agent bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence
 
 all: build
 
@@ -63,6 +63,18 @@ lab: deps build
 
 fuzz:
 	@echo "fuzz targets are listed per package; see docs/testing.md"
+
+# Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
+# in `make unit`).
+FUZZTIME   ?= 30s
+FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
+  fence/discovery:FuzzParseLocator fence/discovery:FuzzParsePCIAddress fence/discovery:FuzzParseDevnum \
+  fence/scsi:FuzzParseSense fence/scsi:FuzzParseReadKeys fence/scsi:FuzzParseReadReservation \
+  fence/scsi:FuzzParseReportCapabilities fence/scsi:FuzzParseReadFullStatus fence/scsi:FuzzParseInquiry \
+  fence/scsi:FuzzParseUnitSerial fence/scsi:FuzzParseDeviceID
+fuzz-fence:
+	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
+	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./$$pkg; done
 
 proto: deps
 	protoc --proto_path=agent/api \

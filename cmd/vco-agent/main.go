@@ -26,6 +26,7 @@ func commands() map[string]command {
 		"identity": {"print this node's identity (from the agent, or read locally)", runIdentity},
 		"status":   {"print the running agent's status", runStatus},
 		"events":   {"print recent agent events; --follow for new ones", runEvents},
+		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
 	}
 }
 
