@@ -16,7 +16,9 @@ type outcome struct {
 	// HolderNode is the holder's node name, from drivers that map keys to
 	// nodes (NamesNodes).
 	HolderNode string
-	Output     string // what the tool printed, for failure messages
+	// Preempted lists the keys a granted takeover removed (engine only).
+	Preempted []string
+	Output    string // what the tool printed, for failure messages
 }
 
 // fenceDriver drives a fencing implementation inside a guest. The

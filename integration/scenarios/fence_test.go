@@ -101,7 +101,9 @@ func mustWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n in
 	}
 }
 
-// mustNotWrite asserts that the target refuses g's write.
+// mustNotWrite asserts that the target refuses g's write with a
+// reservation conflict, which the kernel reports as EBADE ("Invalid
+// exchange"); any other I/O error would not prove the fence.
 func mustNotWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n int, marker string) {
 	t.Helper()
 	r, err := writeBlock(ctx, g, dev, n, marker)
@@ -110,6 +112,9 @@ func mustNotWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n
 	}
 	if r.Exit == 0 {
 		t.Fatalf("%s: write of %q to block %d of %s succeeded; the target should have refused it: %s", g.Name, marker, n, dev, r)
+	}
+	if !strings.Contains(r.Stdout, "Invalid exchange") {
+		t.Fatalf("%s: write to %s failed, but not with a reservation conflict (EBADE): %s", g.Name, dev, r)
 	}
 	t.Logf("%s: write refused: %s", g.Name, strings.TrimSpace(r.Stdout))
 }
@@ -145,7 +150,7 @@ func backingHas(t *testing.T, lun *lab.LUN, marker string) bool {
 	return bytes.Contains(f, []byte(marker))
 }
 
-func mustAcquire(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest, dev string, grant ...string) {
+func mustAcquire(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest, dev string, grant ...string) outcome {
 	t.Helper()
 	o, err := d.Acquire(ctx, g, dev, grant...)
 	if err != nil {
@@ -154,6 +159,7 @@ func mustAcquire(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest,
 	if !o.Won {
 		t.Fatalf("%s: acquire of %s refused (holder %s): %s", g.Name, dev, o.Holder, o.Output)
 	}
+	return o
 }
 
 // mustRefuse asserts that g's acquire is refused and that the refusal names
@@ -176,7 +182,32 @@ func mustRefuse(t *testing.T, ctx context.Context, d fenceDriver, g *lab.Guest, 
 	t.Logf("%s: refused: %s", g.Name, strings.TrimSpace(o.Output))
 }
 
-func drivers() []fenceDriver { return []fenceDriver{sgPersistDriver{}} }
+// drivers are the fencing implementations the scenarios run with: the
+// project's engine, and sg_persist as the reference it must agree with.
+// reservationAsSeenBy reads dev's reservation with sg_persist in g and
+// returns the holder key and the type, so every driver's claim is checked
+// by the reference tool from the other node.
+func reservationAsSeenBy(t *testing.T, ctx context.Context, g *lab.Guest, dev string) (key, typ string) {
+	t.Helper()
+	out, err := g.MustSh(ctx, "sg_persist -n -i -r "+dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(out, "\n") {
+		line = strings.TrimSpace(line)
+		if k, ok := strings.CutPrefix(line, "Key="); ok {
+			key = k
+		}
+		if _, ty, ok := strings.Cut(line, "type: "); ok {
+			typ = ty
+		}
+	}
+	return key, typ
+}
+
+func drivers(nodes ...*lab.Guest) []fenceDriver {
+	return []fenceDriver{agentDriver{nodes: nodes}, sgPersistDriver{}}
+}
 
 // TestFenceScenarios runs the fencing scenarios of DESIGN.md §3 (P1-P4) on
 // two guests, once per driver.
@@ -185,7 +216,7 @@ func TestFenceScenarios(t *testing.T) {
 	defer cancel()
 	p := newPair(t, ctx)
 	a, b := p.a, p.b
-	for _, d := range drivers() {
+	for _, d := range drivers(a, b) {
 		ka, kb := d.Key(a), d.Key(b)
 		if ka == kb {
 			t.Fatalf("%s gives both nodes key %s", d.Name(), ka)
@@ -199,6 +230,10 @@ func TestFenceScenarios(t *testing.T) {
 			mustWrite(t, ctx, a, devA, 0, "L1-data-of-node-a")
 			// The same disk now attached to B as well.
 			devB := attach(t, ctx, b, lun)
+			// A type under which a registered non-holder cannot write.
+			if key, typ := reservationAsSeenBy(t, ctx, b, devB); key != ka || (typ != "Write Exclusive" && typ != "Exclusive Access") {
+				t.Fatalf("node-b sees reservation key %q type %q; want node-a's key %s, Write Exclusive or Exclusive Access", key, typ, ka)
+			}
 			mustRefuse(t, ctx, d, b, devB, a)
 			mustNotWrite(t, ctx, b, devB, 0, "L1-data-of-node-b")
 			mustNotWrite(t, ctx, b, devB, 1, "L1-data-of-node-b")
@@ -245,7 +280,16 @@ func TestFenceScenarios(t *testing.T) {
 			mustWrite(t, ctx, a, devA, 0, "L3-before-of-node-a")
 			// A grant that names some other key does not let B in.
 			mustRefuse(t, ctx, d, b, devB, a, "0x5643000000000001")
-			mustAcquire(t, ctx, d, b, devB, ka)
+			o := mustAcquire(t, ctx, d, b, devB, ka)
+			if d.NamesNodes() && (len(o.Preempted) != 1 || o.Preempted[0] != ka) {
+				t.Errorf("the takeover reports preempted keys %v, want node-a's %s: %s", o.Preempted, ka, o.Output)
+			}
+			// Read on node-b: a read on node-a would consume the unit
+			// attention (reservations preempted) that node-a's own fencing
+			// is to notice.
+			if key, _ := reservationAsSeenBy(t, ctx, b, devB); key != kb {
+				t.Errorf("the reservation key after the takeover is %q, want node-b's %s", key, kb)
+			}
 			mustNotWrite(t, ctx, a, devA, 1, "L3-after-of-node-a")
 			if ok, detail, err := d.Check(ctx, a, devA); err != nil || ok {
 				t.Errorf("node-a's check does not report the claim lost (%v): %s", err, detail)
