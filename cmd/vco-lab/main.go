@@ -380,6 +380,9 @@ func runIn(c *common) int {
 		}
 	}()
 	serr := lab.Smoke(ctx, l, lun, os.Stdout)
+	if serr == nil {
+		serr = fenceDemo(ctx, l, lun, os.Stdout)
+	}
 	fmt.Println()
 	var boot time.Duration
 	for _, g := range l.Guests {
@@ -388,7 +391,7 @@ func runIn(c *common) int {
 	}
 	fmt.Printf("lab set-up (2 guests)    %8.2fs\n", setup.Seconds())
 	if serr != nil {
-		return fail("smoke scenario failed: %v", serr)
+		return fail("lab scenario failed: %v", serr)
 	}
 	return 0
 }
