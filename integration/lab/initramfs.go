@@ -26,8 +26,14 @@ var DefaultModules = []string{
 
 // DefaultHostTools are dynamically linked host programs copied into the
 // guest with their libraries: sg3-utils is the reference implementation
-// the lab checks reservations against.
-var DefaultHostTools = []string{"/usr/bin/sg_persist", "/usr/bin/sg_inq", "/usr/bin/sg_turs", "/usr/bin/sg_readcap"}
+// the lab checks reservations against, cryptsetup the one for LUKS2, and
+// the filesystem tools are what the agent runs on a node.
+var DefaultHostTools = []string{
+	"/usr/bin/sg_persist", "/usr/bin/sg_inq", "/usr/bin/sg_turs", "/usr/bin/sg_readcap",
+	"/usr/sbin/cryptsetup", "/usr/sbin/dmsetup",
+	"/usr/sbin/mkfs.ext4", "/usr/sbin/resize2fs", "/usr/sbin/mkfs.xfs", "/usr/sbin/xfs_growfs",
+	"/usr/sbin/blkid", "/usr/sbin/wipefs",
+}
 
 // InitramfsSpec says what goes into a guest's initramfs.
 type InitramfsSpec struct {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -59,7 +60,8 @@ func TestLab(t *testing.T) {
 	if err := os.WriteFile(plain, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Truncate(plain, 64<<20); err != nil {
+	// Big enough for LUKS2's 16 MiB header plus the 300 MiB XFS minimum.
+	if err := os.Truncate(plain, 400<<20); err != nil {
 		t.Fatal(err)
 	}
 	guests, err := l.StartGuests(ctx,
@@ -160,6 +162,47 @@ func TestLab(t *testing.T) {
 			if r.Exit == 0 {
 				t.Errorf("sg_persist READ KEYS succeeded on %s (/dev/%s), which should have no PR: %s", serial, d.Name, r)
 			}
+		}
+	})
+
+	t.Run("dm-crypt and filesystems", func(t *testing.T) {
+		vd, err := a.DiskBySerial(ctx, "vblk0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		hd, err := a.DiskBySerial(ctx, "hd0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Cheap PBKDF settings: the guest has 384 MiB and an emulated CPU.
+		script := fmt.Sprintf(`set -e
+dev=/dev/%s
+printf lab-secret | cryptsetup luksFormat --type luks2 --pbkdf pbkdf2 --pbkdf-force-iterations 1000 --batch-mode $dev -
+printf lab-secret | cryptsetup open $dev labcrypt -
+mkfs.xfs -q /dev/mapper/labcrypt
+mkdir -p /mnt/x && mount /dev/mapper/labcrypt /mnt/x
+echo through-dm-crypt >/mnt/x/file
+umount /mnt/x
+cryptsetup close labcrypt
+printf lab-secret | cryptsetup open $dev labcrypt -
+mount /dev/mapper/labcrypt /mnt/x
+cat /mnt/x/file
+umount /mnt/x
+cryptsetup close labcrypt
+mkfs.ext4 -q /dev/%s
+mkdir -p /mnt/e && mount /dev/%s /mnt/e && echo on-ext4 >/mnt/e/file && cat /mnt/e/file && umount /mnt/e
+blkid -o value -s TYPE /dev/%s`, vd.Name, hd.Name, hd.Name, hd.Name)
+		out, err := a.MustSh(ctx, script)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if out != "through-dm-crypt\non-ext4\next4\n" {
+			t.Fatalf("unexpected output from the dm-crypt/xfs/ext4 round trip: %q", out)
+		}
+		// The host's cryptsetup reads the header the guest wrote.
+		dump, err := exec.CommandContext(ctx, "cryptsetup", "luksDump", plain).CombinedOutput()
+		if err != nil || !strings.Contains(string(dump), "Version:       	2") {
+			t.Fatalf("host cryptsetup luksDump of %s: %v\n%s", plain, err, dump)
 		}
 	})
 
