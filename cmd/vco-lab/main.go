@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
@@ -144,8 +145,15 @@ func fail(format string, a ...any) int {
 	return 1
 }
 
-// guestExec is PID 1's last act in a guest: serve the exec channel.
+// guestExec serves the exec channel in a guest. Started as PID 1 (the
+// initramfs's init execs it), it first becomes a plain init: it runs the
+// server as its child and reaps every orphan the guest's commands leave,
+// which the server itself, busy with its own children through os/exec,
+// must not do.
 func guestExec() int {
+	if os.Getpid() == 1 {
+		return guestInit()
+	}
 	ctx := context.Background()
 	var port string
 	for i := 0; ; i++ {
@@ -168,6 +176,41 @@ func guestExec() int {
 	}
 	fmt.Fprintf(os.Stderr, "vco-lab guest-exec: serving on %s\n", port)
 	return exitErr(guestexec.NewServer().ServePort(ctx, port))
+}
+
+// guestInit runs the exec server as its child, restarting it if it dies,
+// and reaps all other children.
+func guestInit() int {
+	start := func() (int, error) {
+		cmd := exec.Command("/proc/self/exe", "guest-exec")
+		cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+		if err := cmd.Start(); err != nil {
+			return 0, err
+		}
+		return cmd.Process.Pid, nil
+	}
+	server, err := start()
+	if err != nil {
+		return exitErr(err)
+	}
+	for {
+		var ws syscall.WaitStatus
+		pid, err := syscall.Wait4(-1, &ws, 0, nil)
+		if err != nil {
+			if err == syscall.EINTR {
+				continue
+			}
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		if pid == server {
+			fmt.Fprintf(os.Stderr, "vco-lab guest-exec: server exited (%v); restarting it\n", ws)
+			time.Sleep(time.Second)
+			if server, err = start(); err != nil {
+				return exitErr(err)
+			}
+		}
+	}
 }
 
 func exitErr(err error) int {
