@@ -31,6 +31,15 @@ const Namespace = "csi-driver"
 // whitesky.cloud location.
 const TopologyKey = "cloud.whitesky/location"
 
+// ImageUID is the unprivileged user (and group) the vco-csi image runs
+// as, the conventional "nonroot" of distroless images.
+const ImageUID = 65532
+
+// KeyBackendDir is where the node plugin finds the key backend's
+// settings (ConfigMap csi-key-backend-config), its CA (ConfigMap
+// openbao-ca, key ca.crt) and a projected service account token (token).
+const KeyBackendDir = "/etc/vco-csi/key-backend"
+
 //go:embed manifests/*.yaml
 var manifests embed.FS
 
