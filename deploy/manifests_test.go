@@ -474,7 +474,9 @@ func checkSidecars(t *testing.T, a *addon, w workload, want []string) {
 			continue
 		}
 		sm, _ := mountFor(t, w, c, addr)
-		rel := func(m corev1.VolumeMount, p string) string { return strings.TrimPrefix(p, strings.TrimSuffix(m.MountPath, "/")) }
+		rel := func(m corev1.VolumeMount, p string) string {
+			return strings.TrimPrefix(p, strings.TrimSuffix(m.MountPath, "/"))
+		}
 		if sm.Name != pm.Name || rel(sm, addr) != rel(pm, sock) {
 			t.Errorf("%s %s: %s dials %s on volume %s; the plugin listens on %s on volume %s", w.kind, w.name, c.Name, addr, sm.Name, sock, pm.Name)
 		}
