@@ -510,7 +510,8 @@ func TestWorkloadsAgree(t *testing.T) {
 			}
 			// The plugin's health port is the one livenessprobe serves.
 			lp := container(t, w, "liveness-probe")
-			hp, _ := flag(lp.Args, "health-port")
+			ep, _ := flag(lp.Args, "http-endpoint")
+			_, hp, _ := strings.Cut(ep, ":")
 			if p.LivenessProbe == nil || p.LivenessProbe.HTTPGet == nil {
 				t.Errorf("%s %s: the plugin has no HTTP liveness probe", w.kind, w.name)
 			} else {
