@@ -136,3 +136,35 @@ func TestDocumentedFormats(t *testing.T) {
 		t.Errorf("example class %s does not pin %s: %+v", c.Name, TopologyKey, c.AllowedTopologies)
 	}
 }
+
+// TestDocumentedSidecarReleases keeps the page's table of sidecar images
+// equal to the images the manifests run.
+func TestDocumentedSidecarReleases(t *testing.T) {
+	doc, err := os.ReadFile(addonDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, m := range regexp.MustCompile("\\| `(registry\\.k8s\\.io/sig-storage/[^`]+)` \\|").FindAllSubmatch(doc, -1) {
+		documented[string(m[1])] = true
+	}
+	a := decode(t, renderings[0].Image, renderings[0].DriverName)
+	used := map[string]bool{}
+	for _, w := range a.workloads() {
+		for _, c := range w.pod.Spec.Containers {
+			if c.Image != a.image {
+				used[c.Image] = true
+			}
+		}
+	}
+	for img := range used {
+		if !documented[img] {
+			t.Errorf("the manifests run %s; %s does not list it", img, addonDoc)
+		}
+	}
+	for img := range documented {
+		if !used[img] {
+			t.Errorf("%s lists %s, which no manifest runs", addonDoc, img)
+		}
+	}
+}
