@@ -62,6 +62,25 @@ func newUUID() (string, error) {
 // header), then the key material is written, then the secondary header,
 // and the primary header last, with a sync after each step.
 func Format(path string, o FormatOptions) (*Volume, error) {
+	flag := os.O_RDWR
+	if st, err := os.Stat(path); err == nil && st.Mode()&os.ModeDevice != 0 {
+		// An exclusive open of a block device fails while it is mounted or
+		// mapped, which keeps a busy device from being formatted.
+		flag |= os.O_EXCL
+	}
+	f, err := os.OpenFile(path, flag, 0)
+	if err != nil {
+		return nil, fmt.Errorf("format: open %s: %w", path, err)
+	}
+	v, err := format(f, path, o)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return v, nil
+}
+
+func format(f device, path string, o FormatOptions) (*Volume, error) {
 	if len(o.Passphrase) == 0 {
 		return nil, fmt.Errorf("format %s: empty passphrase", path)
 	}
@@ -83,25 +102,6 @@ func Format(path string, o FormatOptions) (*Volume, error) {
 	if o.VolumeKey != nil && len(o.VolumeKey) != o.KeySize {
 		return nil, fmt.Errorf("format %s: volume key of %d bytes for key size %d", path, len(o.VolumeKey), o.KeySize)
 	}
-	flag := os.O_RDWR
-	if st, err := os.Stat(path); err == nil && st.Mode()&os.ModeDevice != 0 {
-		// An exclusive open of a block device fails while it is mounted or
-		// mapped, which keeps a busy device from being formatted.
-		flag |= os.O_EXCL
-	}
-	f, err := os.OpenFile(path, flag, 0)
-	if err != nil {
-		return nil, fmt.Errorf("format: open %s: %w", path, err)
-	}
-	v, err := format(f, path, o)
-	if err != nil {
-		f.Close()
-		return nil, err
-	}
-	return v, nil
-}
-
-func format(f device, path string, o FormatOptions) (*Volume, error) {
 	size, err := deviceSize(f)
 	if err != nil {
 		return nil, fmt.Errorf("format %s: size: %w", path, err)

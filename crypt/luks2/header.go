@@ -99,6 +99,10 @@ func allZero(b []byte) bool {
 func readCopy(r io.ReaderAt, off uint64) (*headerCopy, error) {
 	bin := make([]byte, binHeaderSize)
 	if _, err := r.ReadAt(bin, int64(off)); err != nil {
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			// The device ends before this copy could start.
+			return nil, errNoMagic
+		}
 		return nil, fmt.Errorf("read binary header at %d: %w", off, err)
 	}
 	primary := off == 0

@@ -35,11 +35,11 @@ func (u *U64) UnmarshalJSON(b []byte) error {
 // Metadata is the JSON area (spec §3). Only the fields of the layout this
 // package supports exist here; the validator refuses anything else.
 type Metadata struct {
-	Keyslots map[string]*Keyslot       `json:"keyslots"`
+	Keyslots map[string]*Keyslot        `json:"keyslots"`
 	Tokens   map[string]json.RawMessage `json:"tokens"`
-	Segments map[string]*Segment       `json:"segments"`
-	Digests  map[string]*Digest        `json:"digests"`
-	Config   Config                    `json:"config"`
+	Segments map[string]*Segment        `json:"segments"`
+	Digests  map[string]*Digest         `json:"digests"`
+	Config   Config                     `json:"config"`
 }
 
 // Keyslot is one luks2 keyslot.
