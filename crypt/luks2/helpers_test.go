@@ -3,7 +3,6 @@ package luks2
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"os"
@@ -143,20 +142,6 @@ func rewriteJSON(t testing.TB, p string, bump uint64, copies []bool, edit func(m
 			t.Fatal(err)
 		}
 	}
-}
-
-func seqidAt(t testing.TB, p string, off int64) uint64 {
-	t.Helper()
-	f, err := os.Open(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var b [8]byte
-	if _, err := f.ReadAt(b[:], off+offSeqid); err != nil {
-		t.Fatal(err)
-	}
-	return binary.BigEndian.Uint64(b[:])
 }
 
 func jsonUnmarshalNumbers(b []byte, v any) error {
