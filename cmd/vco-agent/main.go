@@ -22,6 +22,7 @@ type command struct {
 func commands() map[string]command {
 	return map[string]command{
 		"version": {"print the agent version", func([]string) int { fmt.Println(version); return 0 }},
+		"luks":    {"LUKS2 volumes: format, dump, test-passphrase, open, close, resize, add-key, remove-key", runLuks},
 	}
 }
 
