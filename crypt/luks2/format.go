@@ -37,6 +37,10 @@ type FormatOptions struct {
 	// VolumeKey, when set, is used instead of a random key (tests and
 	// recovery from a backed-up key only).
 	VolumeKey []byte
+	// TransitToken, when set, is stored as token 0 (bound to keyslot 0) in
+	// the very first header, so no crash can leave a volume whose wrapped
+	// passphrase was never recorded.
+	TransitToken *TransitToken
 	// Force formats over an existing signature. Only for tests and for an
 	// operator who has checked the device by hand: it destroys data.
 	Force bool
@@ -157,6 +161,15 @@ func format(f device, path string, o FormatOptions) (*Volume, error) {
 	}
 	if o.AllowDiscards {
 		meta.Config.Flags = []string{"allow-discards"}
+	}
+	if o.TransitToken != nil {
+		t := *o.TransitToken
+		t.Keyslots = []int{0}
+		raw, err := t.marshal()
+		if err != nil {
+			return nil, fmt.Errorf("format %s: %w", path, err)
+		}
+		meta.Tokens["0"] = raw
 	}
 	raw, err := json.Marshal(meta)
 	if err != nil {

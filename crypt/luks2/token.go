@@ -78,17 +78,9 @@ func (v *Volume) TransitToken() (int, *TransitToken, error) {
 // SetTransitToken stores t, replacing the volume's existing vco-transit
 // token if there is one, and returns the token id.
 func (v *Volume) SetTransitToken(t TransitToken) (int, error) {
-	if t.KeyName == "" || t.Ciphertext == "" || t.KeyVersion < 1 || len(t.Keyslots) == 0 {
-		return -1, fmt.Errorf("%s: a transit token needs keyslots, key name, key version and ciphertext", v.path)
-	}
-	j := transitTokenJSON{Type: TransitTokenType, Mount: t.Mount, KeyName: t.KeyName, KeyVersion: t.KeyVersion, Ciphertext: t.Ciphertext}
-	sort.Ints(t.Keyslots)
-	for _, s := range t.Keyslots {
-		j.Keyslots = append(j.Keyslots, strconv.Itoa(s))
-	}
-	raw, err := json.Marshal(j)
+	raw, err := t.marshal()
 	if err != nil {
-		return -1, err
+		return -1, fmt.Errorf("%s: %w", v.path, err)
 	}
 	id, _, err := v.TransitToken()
 	if err != nil {
@@ -111,6 +103,19 @@ func (v *Volume) SetTransitToken(t TransitToken) (int, error) {
 		return -1, err
 	}
 	return id, nil
+}
+
+func (t TransitToken) marshal() (json.RawMessage, error) {
+	if t.KeyName == "" || t.Ciphertext == "" || t.KeyVersion < 1 || len(t.Keyslots) == 0 {
+		return nil, fmt.Errorf("a transit token needs keyslots, key name, key version and ciphertext")
+	}
+	j := transitTokenJSON{Type: TransitTokenType, Mount: t.Mount, KeyName: t.KeyName, KeyVersion: t.KeyVersion, Ciphertext: t.Ciphertext}
+	slots := append([]int(nil), t.Keyslots...)
+	sort.Ints(slots)
+	for _, s := range slots {
+		j.Keyslots = append(j.Keyslots, strconv.Itoa(s))
+	}
+	return json.Marshal(j)
 }
 
 // RemoveToken deletes token id.

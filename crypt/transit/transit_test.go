@@ -12,13 +12,15 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 )
 
 // tlsFake starts the fake transit engine behind TLS with its own CA and
 // returns a config trusting that CA and logging in with Kubernetes auth.
-func tlsFake(t *testing.T) (*fakeVault, Config) {
+func tlsFake(t *testing.T) (*transittest.Fake, Config) {
 	t.Helper()
-	f := newFakeVault()
+	f := transittest.New()
 	srv := httptest.NewTLSServer(f)
 	t.Cleanup(srv.Close)
 	dir := t.TempDir()
@@ -28,11 +30,11 @@ func tlsFake(t *testing.T) (*fakeVault, Config) {
 		t.Fatal(err)
 	}
 	sa := filepath.Join(dir, "token")
-	if err := os.WriteFile(sa, []byte(f.jwt+"\n"), 0o600); err != nil {
+	if err := os.WriteFile(sa, []byte(f.JWT+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	f.rotate("volumes")
-	return f, Config{Address: srv.URL, CACertFile: ca, KubernetesRole: f.role, ServiceAccountTokenFile: sa, Timeout: 5 * time.Second}
+	f.Rotate("volumes")
+	return f, Config{Address: srv.URL, CACertFile: ca, KubernetesRole: f.Role, ServiceAccountTokenFile: sa, Timeout: 5 * time.Second}
 }
 
 func TestWrapUnwrapRewrapWithKubernetesAuth(t *testing.T) {
@@ -54,23 +56,23 @@ func TestWrapUnwrapRewrapWithKubernetesAuth(t *testing.T) {
 	if err != nil || !bytes.Equal(pt, secret) {
 		t.Fatalf("Decrypt: %q %v", pt, err)
 	}
-	f.rotate("volumes")
+	f.Rotate("volumes")
 	re, err := c.Rewrap(ctx, "volumes", ct.Text)
 	if err != nil || re.Version != 2 || !strings.HasPrefix(re.Text, "vault:v2:") {
 		t.Fatalf("Rewrap: %+v %v", re, err)
 	}
-	f.minDec["volumes"] = 2
+	f.MinDecryptionVersion["volumes"] = 2
 	if _, err := c.Decrypt(ctx, "volumes", ct.Text); err == nil || !strings.Contains(err.Error(), "disallowed by policy") {
 		t.Fatalf("old ciphertext after min_decryption_version: %v", err)
 	}
 	if pt, err := c.Decrypt(ctx, "volumes", re.Text); err != nil || !bytes.Equal(pt, secret) {
 		t.Fatalf("rewrapped: %v", err)
 	}
-	if f.logins != 1 {
-		t.Fatalf("%d logins for one client", f.logins)
+	if f.Logins != 1 {
+		t.Fatalf("%d logins for one client", f.Logins)
 	}
-	if f.requests[0] != "POST /v1/auth/kubernetes/login" {
-		t.Fatalf("first request %s", f.requests[0])
+	if f.Requests[0] != "POST /v1/auth/kubernetes/login" {
+		t.Fatalf("first request %s", f.Requests[0])
 	}
 }
 
@@ -80,7 +82,7 @@ func TestTokenRenewalAndRelogin(t *testing.T) {
 	now := time.Unix(1_800_000_000, 0)
 	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
-	f.now = clock
+	f.Now = clock
 	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -95,27 +97,27 @@ func TestTokenRenewalAndRelogin(t *testing.T) {
 	if _, err := c.Encrypt(ctx, "volumes", []byte("a")); err != nil {
 		t.Fatal(err)
 	}
-	if f.renewals != 1 || f.logins != 1 {
-		t.Fatalf("renewals %d logins %d", f.renewals, f.logins)
+	if f.Renewals != 1 || f.Logins != 1 {
+		t.Fatalf("renewals %d logins %d", f.Renewals, f.Logins)
 	}
 	// Past the whole lease: a fresh login.
 	advance(2 * time.Hour)
 	if _, err := c.Encrypt(ctx, "volumes", []byte("a")); err != nil {
 		t.Fatal(err)
 	}
-	if f.logins != 2 {
-		t.Fatalf("logins %d after expiry", f.logins)
+	if f.Logins != 2 {
+		t.Fatalf("logins %d after expiry", f.Logins)
 	}
 	// Revoked on the server while the client thinks it valid: one re-login
 	// and a retry.
-	f.mu.Lock()
-	f.tokens = map[string]time.Time{}
-	f.mu.Unlock()
+	f.Mu.Lock()
+	f.Tokens = map[string]time.Time{}
+	f.Mu.Unlock()
 	if _, err := c.Encrypt(ctx, "volumes", []byte("a")); err != nil {
 		t.Fatal(err)
 	}
-	if f.logins != 3 {
-		t.Fatalf("logins %d after revocation", f.logins)
+	if f.Logins != 3 {
+		t.Fatalf("logins %d after revocation", f.Logins)
 	}
 }
 
@@ -162,15 +164,15 @@ func TestErrorsNameAddressAndKeyNeverSecrets(t *testing.T) {
 		t.Fatalf("bad static token: %v", err)
 	}
 	all := strings.Join([]string{msg, err.Error()}, "\n")
-	for _, s := range []string{string(secret), f.jwt, "eyJ.other-jwt.sig", "hvs.not-a-real-token", "hvs.fake"} {
+	for _, s := range []string{string(secret), f.JWT, "eyJ.other-jwt.sig", "hvs.not-a-real-token", "hvs.fake"} {
 		if strings.Contains(all, s) {
 			t.Fatalf("an error text carries a secret %q: %s", s, all)
 		}
 	}
 	// The JWT did go to the login endpoint, and only there.
-	for i, b := range f.bodies {
-		if strings.Contains(b, f.jwt) && f.requests[i] != "POST /v1/auth/kubernetes/login" {
-			t.Fatalf("JWT sent to %s", f.requests[i])
+	for i, b := range f.Bodies {
+		if strings.Contains(b, f.JWT) && f.Requests[i] != "POST /v1/auth/kubernetes/login" {
+			t.Fatalf("JWT sent to %s", f.Requests[i])
 		}
 	}
 }
@@ -190,10 +192,10 @@ func TestUntrustedCAIsRefused(t *testing.T) {
 
 func TestTimeout(t *testing.T) {
 	f, cfg := tlsFake(t)
-	f.delay = 2 * time.Second
+	f.Delay = 2 * time.Second
 	cfg.Timeout = 200 * time.Millisecond
 	cfg.Token, cfg.KubernetesRole = "hvs.static", ""
-	f.staticToken("hvs.static")
+	f.StaticToken("hvs.static")
 	c, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)

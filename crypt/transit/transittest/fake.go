@@ -1,4 +1,9 @@
-package transit
+// Package transittest is a FAKE Vault/OpenBao transit engine for tests.
+// No Vault or OpenBao server can run on the build machines, so the transit
+// client and the code that stores wrapped passphrases in LUKS2 tokens are
+// tested against this fake; a real server is used when VCO_TEST_VAULT_ADDR
+// is set. It is never linked into a binary.
+package transittest
 
 import (
 	"crypto/aes"
@@ -15,45 +20,48 @@ import (
 	"time"
 )
 
-// fakeVault is a FAKE transit engine for tests: no Vault or OpenBao server
-// can run on the build machines. It implements the few endpoints the client
+// Fake is a FAKE transit engine. It implements the few endpoints the client
 // uses the way the real engine behaves: AES-256-GCM keys with versions,
 // "vault:vN:base64(nonce|ciphertext)" ciphertexts, Kubernetes auth that
 // checks the ServiceAccount JWT and role, token TTLs and renew-self, and
 // Vault-style error bodies {"errors":[...]}.
-type fakeVault struct {
-	mu       sync.Mutex
-	keys     map[string][][]byte // name -> versions (index 0 = v1)
-	minDec   map[string]int
-	tokens   map[string]time.Time // token -> expiry (zero: never)
-	ttl      time.Duration
-	jwt      string
-	role     string
-	logins   int
-	renewals int
-	delay    time.Duration
-	now      func() time.Time
-	requests []string // method+path of every request, for assertions
-	bodies   []string // raw request bodies, to check what was sent
+type Fake struct {
+	Mu                   sync.Mutex
+	Keys                 map[string][][]byte // name -> versions (index 0 = v1)
+	MinDecryptionVersion map[string]int
+	Tokens               map[string]time.Time // token -> expiry (zero: never)
+	TTL                  time.Duration
+	JWT                  string
+	Role                 string
+	Logins               int
+	Renewals             int
+	Delay                time.Duration
+	Now                  func() time.Time
+	Requests             []string // method+path of every request, for assertions
+	Bodies               []string // raw request bodies, to check what was sent
 }
 
-func newFakeVault() *fakeVault {
-	return &fakeVault{keys: map[string][][]byte{}, minDec: map[string]int{}, tokens: map[string]time.Time{},
-		ttl: time.Hour, jwt: "eyJhbGciOiJSUzI1NiJ9.sa-token.sig", role: "vco-node", now: time.Now}
+// New makes a fake with no keys, a one-hour token TTL, and a Kubernetes
+// role "vco-node" that accepts the JWT in Fake.JWT.
+func New() *Fake {
+	return &Fake{Keys: map[string][][]byte{}, MinDecryptionVersion: map[string]int{}, Tokens: map[string]time.Time{},
+		TTL: time.Hour, JWT: "eyJhbGciOiJSUzI1NiJ9.sa-token.sig", Role: "vco-node", Now: time.Now}
 }
 
-func (f *fakeVault) rotate(name string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
+// Rotate adds a new version of key name (creating the key).
+func (f *Fake) Rotate(name string) {
+	f.Mu.Lock()
+	defer f.Mu.Unlock()
 	k := make([]byte, 32)
 	rand.Read(k)
-	f.keys[name] = append(f.keys[name], k)
+	f.Keys[name] = append(f.Keys[name], k)
 }
 
-func (f *fakeVault) staticToken(tok string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.tokens[tok] = time.Time{}
+// StaticToken registers a token that never expires.
+func (f *Fake) StaticToken(tok string) {
+	f.Mu.Lock()
+	defer f.Mu.Unlock()
+	f.Tokens[tok] = time.Time{}
 }
 
 func vaultErr(w http.ResponseWriter, code int, msgs ...string) {
@@ -62,20 +70,21 @@ func vaultErr(w http.ResponseWriter, code int, msgs ...string) {
 	json.NewEncoder(w).Encode(map[string]any{"errors": msgs})
 }
 
-func (f *fakeVault) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	if f.delay > 0 {
+// ServeHTTP answers the transit, Kubernetes auth and renew-self endpoints.
+func (f *Fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if f.Delay > 0 {
 		select {
-		case <-time.After(f.delay):
+		case <-time.After(f.Delay):
 		case <-r.Context().Done():
 			return
 		}
 	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
+	f.Mu.Lock()
+	defer f.Mu.Unlock()
 	var body map[string]any
 	raw, _ := io.ReadAll(r.Body)
-	f.requests = append(f.requests, r.Method+" "+r.URL.Path)
-	f.bodies = append(f.bodies, string(raw))
+	f.Requests = append(f.Requests, r.Method+" "+r.URL.Path)
+	f.Bodies = append(f.Bodies, string(raw))
 	if err := json.Unmarshal(raw, &body); err != nil && len(raw) > 0 {
 		vaultErr(w, 400, "failed to parse JSON input: "+err.Error())
 		return
@@ -85,29 +94,29 @@ func (f *fakeVault) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if r.URL.Path == "/v1/auth/kubernetes/login" {
-		if body["role"] != f.role {
+		if body["role"] != f.Role {
 			vaultErr(w, 400, fmt.Sprintf("invalid role name %q", body["role"]))
 			return
 		}
-		if body["jwt"] != f.jwt {
+		if body["jwt"] != f.JWT {
 			vaultErr(w, 403, "permission denied")
 			return
 		}
-		f.logins++
-		tok := fmt.Sprintf("hvs.fake-%d", f.logins)
-		f.tokens[tok] = f.now().Add(f.ttl)
+		f.Logins++
+		tok := fmt.Sprintf("hvs.fake-%d", f.Logins)
+		f.Tokens[tok] = f.Now().Add(f.TTL)
 		f.writeAuth(w, tok)
 		return
 	}
 	tok := r.Header.Get("X-Vault-Token")
-	exp, ok := f.tokens[tok]
-	if !ok || (!exp.IsZero() && !f.now().Before(exp)) {
+	exp, ok := f.Tokens[tok]
+	if !ok || (!exp.IsZero() && !f.Now().Before(exp)) {
 		vaultErr(w, 403, "permission denied")
 		return
 	}
 	if r.URL.Path == "/v1/auth/token/renew-self" {
-		f.renewals++
-		f.tokens[tok] = f.now().Add(f.ttl)
+		f.Renewals++
+		f.Tokens[tok] = f.Now().Add(f.TTL)
 		f.writeAuth(w, tok)
 		return
 	}
@@ -117,7 +126,7 @@ func (f *fakeVault) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	op, name := parts[0], parts[1]
-	versions := f.keys[name]
+	versions := f.Keys[name]
 	if len(versions) == 0 {
 		vaultErr(w, 400, "encryption key not found")
 		return
@@ -136,7 +145,7 @@ func (f *fakeVault) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			vaultErr(w, 400, err.Error())
 			return
 		}
-		if ver < f.minDec[name] {
+		if ver < f.MinDecryptionVersion[name] {
 			vaultErr(w, 400, "ciphertext or signature version is disallowed by policy (too old)")
 			return
 		}
@@ -150,13 +159,13 @@ func (f *fakeVault) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func (f *fakeVault) writeAuth(w http.ResponseWriter, tok string) {
+func (f *Fake) writeAuth(w http.ResponseWriter, tok string) {
 	json.NewEncoder(w).Encode(map[string]any{"auth": map[string]any{
-		"client_token": tok, "lease_duration": int(f.ttl / time.Second), "renewable": true,
+		"client_token": tok, "lease_duration": int(f.TTL / time.Second), "renewable": true,
 	}})
 }
 
-func (f *fakeVault) writeData(w http.ResponseWriter, data map[string]any) {
+func (f *Fake) writeData(w http.ResponseWriter, data map[string]any) {
 	json.NewEncoder(w).Encode(map[string]any{"data": data})
 }
 
@@ -169,7 +178,7 @@ func seal(versions [][]byte, v int, pt []byte) string {
 }
 
 func open(versions [][]byte, ct string) ([]byte, int, error) {
-	v, err := ParseVersion(ct)
+	v, err := parseVersion(ct)
 	if err != nil || v > len(versions) {
 		return nil, 0, fmt.Errorf("invalid ciphertext: no prefix or unknown key version")
 	}
@@ -187,4 +196,16 @@ func open(versions [][]byte, ct string) ([]byte, int, error) {
 		return nil, 0, fmt.Errorf("cipher: message authentication failed")
 	}
 	return pt, v, nil
+}
+
+func parseVersion(ct string) (int, error) {
+	parts := strings.SplitN(ct, ":", 3)
+	if len(parts) != 3 || parts[0] != "vault" || !strings.HasPrefix(parts[1], "v") {
+		return 0, fmt.Errorf("no vault:vN: prefix")
+	}
+	n, err := strconv.Atoi(parts[1][1:])
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("bad version")
+	}
+	return n, nil
 }
