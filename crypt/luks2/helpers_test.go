@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -73,12 +74,16 @@ func cryptsetup(t testing.TB, stdin []byte, args ...string) (string, string, err
 
 func fileHash(t testing.TB, p string) string {
 	t.Helper()
-	b, err := os.ReadFile(p)
+	f, err := os.Open(p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := sha256.Sum256(b)
-	return hex.EncodeToString(s[:])
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(h.Sum(nil))
 }
 
 var mkRe = regexp.MustCompile(`(?s)MK dump:\s*(.*)`)
