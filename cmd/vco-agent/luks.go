@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/dmcrypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
@@ -34,6 +35,7 @@ const luksUsage = `usage: vco-agent luks <subcommand> [flags] <args>
   test-passphrase <device>         check a passphrase; no device-mapper needed
   open            <device> <name>  unlock and map as /dev/mapper/<name>
   close           <name>           remove the mapping
+  status          <name>           the mapping's state and table (key hidden), as JSON
   resize          <name>           grow the mapping to its grown backing device, online
   add-key         <device>         add a keyslot for a new passphrase
   remove-key      <device>         remove a keyslot, proving another one works
@@ -95,7 +97,7 @@ func (c luksCLI) run(args []string) int {
 	case "close":
 		npos = 1
 		timeout = fs.Duration("timeout", crypt.CloseTimeout, "how long to retry while the mapping is busy")
-	case "resize":
+	case "resize", "status":
 		npos = 1
 	case "add-key":
 		npos = 1
@@ -150,6 +152,13 @@ func (c luksCLI) run(args []string) int {
 		var n uint64
 		if n, err = crypt.Resize(pos[0]); err == nil {
 			fmt.Fprintf(c.stdout, "%s: %d bytes\n", pos[0], n)
+		}
+	case "status":
+		var st *dmcrypt.Status
+		if st, err = dmcrypt.GetStatus(pos[0]); err == nil {
+			enc := json.NewEncoder(c.stdout)
+			enc.SetIndent("", "  ")
+			err = enc.Encode(st)
 		}
 	case "add-key":
 		err = c.addKey(pos[0], *passFile, *newPassFile, kdf())

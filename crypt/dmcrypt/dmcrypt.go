@@ -165,16 +165,16 @@ func ensureNode(name string) error {
 
 // Status is what the kernel reports about a mapping.
 type Status struct {
-	Name      string
-	UUID      string
-	DevNo     uint64
-	OpenCount int32
-	ReadOnly  bool
-	Suspended bool
+	Name      string `json:"name"`
+	UUID      string `json:"uuid"`
+	DevNo     uint64 `json:"devno"`
+	OpenCount int32  `json:"open_count"`
+	ReadOnly  bool   `json:"read_only"`
+	Suspended bool   `json:"suspended"`
 	// Length is the mapping's size in bytes.
-	Length uint64
+	Length uint64 `json:"length"`
 	// Table is the crypt target's parameters with the key replaced by "-".
-	Table string
+	Table string `json:"table"`
 }
 
 // GetStatus reads the mapping's state and table (without its key).
