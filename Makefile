@@ -21,7 +21,7 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz test-crypt-lab bench-crypt
+.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz
 
 all: build
 
@@ -30,7 +30,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-crypt-lab
+test: deps lint build unit
 
 unit:
 	$(GO) test -count=1 ./...
@@ -48,6 +48,8 @@ lab: deps build
 # dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, about 70 s):
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU
 # guest. It needs the lab in integration/lab and says so until it is there.
+.PHONY: test-crypt-lab bench-crypt
+test: test-crypt-lab
 test-crypt-lab: deps build
 	@if [ -d integration/lab ]; then \
 	  VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -tags lab -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/; \
