@@ -55,6 +55,12 @@ test-crypt-lab: deps build
 	  VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -tags lab -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/; \
 	else echo "test-crypt-lab: skipped: needs the QEMU lab (integration/lab)"; fi
 
+# The LUKS2 header reader and metadata validator under the fuzzer.
+.PHONY: fuzz-crypt
+fuzz-crypt:
+	$(GO) test -run '^$$' -fuzz FuzzReadHeader -fuzztime 60s ./crypt/luks2/
+	$(GO) test -run '^$$' -fuzz FuzzParseMetadata -fuzztime 60s ./crypt/luks2/
+
 # LUKS2 unlock and format against cryptsetup, as ratios (ours/cryptsetup).
 bench-crypt: deps
 	$(GO) test -run '^$$' -bench . -benchtime 5x ./crypt/luks2/

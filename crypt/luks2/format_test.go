@@ -35,6 +35,11 @@ func TestFormatRefusesExistingData(t *testing.T) {
 		{"btrfs magic", "btrfs", func(t *testing.T, p string) { corrupt(t, p, 64<<10+64, []byte("_BHRfS_M")) }},
 		{"swap", "swap", func(t *testing.T, p string) { run(t, "mkswap", p) }},
 		{"gpt backup only", "GPT backup", func(t *testing.T, p string) { corrupt(t, p, 48<<20-512, []byte("EFI PART")) }},
+		{"registered magic", "test lease", func(t *testing.T, p string) {
+			ExtraSignatures = append(ExtraSignatures, Signature{Name: "test lease", Offset: 8192, Magic: []byte("VCOLEASE")})
+			t.Cleanup(func() { ExtraSignatures = nil })
+			corrupt(t, p, 8192, []byte("VCOLEASE"))
+		}},
 		{"random data", "unrecognised", func(t *testing.T, p string) { corrupt(t, p, 40000, []byte{7}) }},
 	}
 	for _, c := range cases {
@@ -246,5 +251,42 @@ func TestRemoveKeyslotDropsItsTokens(t *testing.T) {
 	}
 	if id, tok, err := v.TransitToken(); err != nil || tok != nil || id != -1 {
 		t.Fatalf("token of a removed slot survives: %d %+v %v", id, tok, err)
+	}
+}
+
+// A keyslot or token change interrupted at any write leaves a volume that
+// opens with the passphrase it had before, and after the last header write
+// also with the new one.
+func TestHeaderUpdateCrash(t *testing.T) {
+	for budget := 0; ; budget++ {
+		p, v := formatImage(t, 32<<20, FormatOptions{Passphrase: []byte("one")})
+		f := v.f.(*os.File)
+		v.f = &crashDevice{File: f, budget: budget}
+		_, addErr := v.AddKeyslot([]byte("one"), []byte("two"), testKDF)
+		v.f = f
+		v.Close()
+
+		v2, err := Open(p, false)
+		if err != nil {
+			t.Fatalf("after %d writes: %v", budget, err)
+		}
+		if _, _, err := v2.Unlock([]byte("one")); err != nil {
+			t.Fatalf("after %d writes: the old passphrase fails: %v", budget, err)
+		}
+		_, _, newErr := v2.Unlock([]byte("two"))
+		newSlot := len(v2.Header.Meta.Keyslots) == 2
+		v2.Close()
+		if newSlot != (newErr == nil) {
+			t.Fatalf("after %d writes: keyslot 1 listed %v but the new passphrase gives %v", budget, newSlot, newErr)
+		}
+		if addErr == nil {
+			if !newSlot {
+				t.Fatal("AddKeyslot succeeded but the slot is not there")
+			}
+			return
+		}
+		if budget > 20 {
+			t.Fatal("AddKeyslot never completes")
+		}
 	}
 }

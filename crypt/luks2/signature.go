@@ -43,13 +43,17 @@ func init() {
 	}
 }
 
-// ExtraSignatures lets other parts of the project (the fencing lease, for
-// example) add their own on-disk magic to the check.
-var ExtraSignatures []struct {
-	Name  string
-	Off   int
-	Magic []byte
+// Signature is an on-disk magic at a fixed offset from the device start.
+type Signature struct {
+	Name   string
+	Offset int
+	Magic  []byte
 }
+
+// ExtraSignatures lets other parts of the project (an on-disk fencing
+// lease, for example) add their own magic to the check. Offsets beyond the
+// first 1 MiB are not probed.
+var ExtraSignatures []Signature
 
 const probeLen = 1 << 20
 
@@ -74,7 +78,7 @@ func DetectSignature(r io.ReaderAt, size uint64) (string, error) {
 		}
 	}
 	for _, s := range ExtraSignatures {
-		if d := check(s.Name, s.Off, s.Magic); d != "" {
+		if d := check(s.Name, s.Offset, s.Magic); d != "" {
 			return d, nil
 		}
 	}
