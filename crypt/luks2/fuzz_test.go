@@ -6,7 +6,6 @@ import (
 	"testing"
 )
 
-
 // FuzzReadHeader feeds arbitrary bytes as a header area: reading must never
 // panic, and whatever is accepted must have passed validation.
 func FuzzReadHeader(f *testing.F) {
