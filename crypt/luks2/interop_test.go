@@ -100,6 +100,7 @@ func TestCryptsetupFormattedVolumesUnlock(t *testing.T) {
 		{"pbkdf2-4096-sha512", []string{"--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--sector-size", "4096", "--hash", "sha512"}},
 		{"argon2id-512", []string{"--pbkdf", "argon2id", "--pbkdf-force-iterations", "4", "--pbkdf-memory", "8192", "--pbkdf-parallel", "1", "--sector-size", "512"}},
 		{"argon2id-4096-aes256", []string{"--pbkdf", "argon2id", "--pbkdf-force-iterations", "4", "--pbkdf-memory", "8192", "--pbkdf-parallel", "2", "--sector-size", "4096", "--key-size", "256"}},
+		{"pbkdf2-512-metadata64k", []string{"--pbkdf", "pbkdf2", "--pbkdf-force-iterations", "1000", "--sector-size", "512", "--luks2-metadata-size", "65536", "--luks2-keyslots-size", "2097152"}},
 		{"argon2i-4096-token", []string{"--pbkdf", "argon2i", "--pbkdf-force-iterations", "4", "--pbkdf-memory", "8192", "--pbkdf-parallel", "1", "--sector-size", "4096"}},
 	}
 	for _, c := range cases {
@@ -153,6 +154,28 @@ func TestCryptsetupFormattedVolumesUnlock(t *testing.T) {
 			}
 			if fileHash(t, p) != before {
 				t.Fatal("reading and unlocking changed the image")
+			}
+			v.Close()
+
+			// A keyslot we add to cryptsetup's volume works in cryptsetup.
+			w, err := Open(p, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer w.Close()
+			n, err := w.AddKeyslot(pass, []byte("added by us"), testKDF)
+			if err != nil {
+				t.Fatalf("AddKeyslot: %v", err)
+			}
+			edited := fileHash(t, p)
+			if _, errs, err := cryptsetup(t, []byte("added by us"), "open", "--test-passphrase", "--key-slot", fmt.Sprint(n), "--key-file", "-", p); err != nil {
+				t.Fatalf("cryptsetup rejects the keyslot we added: %v %s", err, errs)
+			}
+			if got := dumpVolumeKey(t, p, []byte("added by us")); !bytes.Equal(got, want) {
+				t.Fatal("the added keyslot holds another volume key")
+			}
+			if fileHash(t, p) != edited {
+				t.Fatal("cryptsetup rewrote the header we edited")
 			}
 		})
 	}
