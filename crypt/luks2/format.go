@@ -202,5 +202,5 @@ func format(f device, path string, o FormatOptions) (*Volume, error) {
 	if len(h.Damaged) != 0 {
 		return nil, fmt.Errorf("format %s: new header reads back damaged: %v", path, h.Damaged)
 	}
-	return &Volume{path: path, f: f, writable: true, size: size, Header: h}, nil
+	return &Volume{path: path, f: f, writable: true, Header: h}, nil
 }

@@ -22,7 +22,7 @@ type KDFParams struct {
 	MemoryKiB int
 	// Threads is the argon2 parallelism.
 	Threads int
-	// Iterations is the pbkdf2 iteration count.
+	// Iterations is the pbkdf2 iteration count (default 1,000,000).
 	Iterations int
 	// Hash is the pbkdf2 hash (default sha256).
 	Hash string

@@ -259,9 +259,7 @@ func (m *Metadata) validate(hdrSize uint64) error {
 	if len(m.Digests) != 1 {
 		return invalid("digests", "%d digests, exactly one is supported", len(m.Digests))
 	}
-	var dg *Digest
 	for id, d := range m.Digests {
-		dg = d
 		if d.Type != "pbkdf2" {
 			return invalid("digests."+id+".type", "digest type %q is not supported", d.Type)
 		}
@@ -339,7 +337,6 @@ func (m *Metadata) validate(hdrSize uint64) error {
 			return invalid("keyslots", "areas of keyslots %s and %s overlap", spans[i-1].id, spans[i].id)
 		}
 	}
-	_ = dg
 
 	if len(m.Tokens) > maxTokens {
 		return invalid("tokens", "%d tokens, at most %d", len(m.Tokens), maxTokens)

@@ -42,7 +42,6 @@ type Volume struct {
 	path     string
 	f        device
 	writable bool
-	size     uint64
 	Header   *Header
 }
 
@@ -62,10 +61,6 @@ func Open(path string, writable bool) (*Volume, error) {
 		return nil, fmt.Errorf("open LUKS2 volume: %w", err)
 	}
 	v := &Volume{path: path, f: f, writable: writable}
-	if v.size, err = deviceSize(f); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("%s: size: %w", path, err)
-	}
 	if v.Header, err = readHeader(f, path); err != nil {
 		f.Close()
 		return nil, err
