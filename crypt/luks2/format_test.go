@@ -131,9 +131,17 @@ func (c *crashDevice) Sync() error {
 // complete new volume that opens with the new passphrase.
 func TestFormatCrashLeavesNoHalfHeader(t *testing.T) {
 	complete, sawGone, sawNew := false, false, false
+	tmpl, v := formatImage(t, 32<<20, FormatOptions{Passphrase: []byte("old")})
+	v.Close()
+	old, err := os.ReadFile(tmpl)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for budget := 0; !complete; budget++ {
-		p, v := formatImage(t, 32<<20, FormatOptions{Passphrase: []byte("old")})
-		v.Close()
+		p := newImage(t, 32<<20)
+		if err := os.WriteFile(p, old, 0o600); err != nil {
+			t.Fatal(err)
+		}
 		f, err := os.OpenFile(p, os.O_RDWR, 0)
 		if err != nil {
 			t.Fatal(err)
