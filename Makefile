@@ -50,14 +50,15 @@ bench-agent: deps build
 lab: deps build
 	$(BIN)/vco-lab run
 
-# dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, about 70 s):
+# dm-crypt on a real guest kernel (crypt/dmcrypt/testdata/guest, about 70 s):
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU
 # guest. It needs the lab in integration/lab and says so until it is there.
 .PHONY: test-crypt-lab bench-crypt
 test: test-crypt-lab
 test-crypt-lab: deps build
 	@if [ -d integration/lab ]; then \
-	  VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -tags lab,ignore -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/; \
+	  $(GO) vet ./crypt/dmcrypt/testdata/guest/ && \
+	  VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m ./crypt/dmcrypt/testdata/guest/; \
 	else echo "test-crypt-lab: skipped: needs the QEMU lab (integration/lab)"; fi
 
 # The LUKS2 header reader and metadata validator under the fuzzer.
