@@ -136,6 +136,14 @@ func TestDMCryptInGuest(t *testing.T) {
 		t.Fatalf("status %+v", st)
 	}
 	c.sh("test -b /dev/mapper/ours")
+	// The same name twice, a wrong passphrase: refused, nothing left behind.
+	if errs := c.shFail(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw", dev)); !strings.Contains(errs, "already exists") {
+		t.Fatalf("second open under the same name: %s", errs)
+	}
+	if errs := c.shFail(fmt.Sprintf("vco-agent luks open %s other --passphrase-file /tmp/pw2", dev)); !strings.Contains(errs, "no keyslot accepts") {
+		t.Fatalf("open with a wrong passphrase: %s", errs)
+	}
+	c.sh("! test -e /dev/mapper/other && vco-agent luks close other")
 	c.sh("/usr/sbin/mke2fs -q -t ext4 /dev/mapper/ours && mount /dev/mapper/ours /mnt/a && dd if=/dev/urandom of=/mnt/a/data bs=1M count=4 2>/dev/null && sync")
 	sum := c.sh("sha256sum /mnt/a/data | cut -d' ' -f1")
 
@@ -190,6 +198,15 @@ func TestDMCryptInGuest(t *testing.T) {
 	}
 	c.sh("dd if=/dev/urandom of=/tmp/blob bs=1M count=3 2>/dev/null && dd if=/tmp/blob of=/dev/mapper/theirs bs=1M conv=fsync 2>/dev/null")
 	c.sh("vco-agent luks close theirs")
+	c.sh(fmt.Sprintf("vco-agent luks open %s ro --passphrase-file /tmp/pw2 --readonly", theirDev))
+	var ro struct {
+		ReadOnly bool `json:"read_only"`
+	}
+	if err := json.Unmarshal([]byte(c.sh("vco-agent luks status ro")), &ro); err != nil || !ro.ReadOnly {
+		t.Fatalf("read-only mapping: %+v %v", ro, err)
+	}
+	c.shFail("dd if=/dev/zero of=/dev/mapper/ro bs=4096 count=1 conv=fsync 2>/dev/null")
+	c.sh("vco-agent luks close ro")
 	c.sh(fmt.Sprintf("/usr/sbin/cryptsetup open --disable-locks --key-file /tmp/pw2 %s cs2", theirDev))
 	if c.sh("head -c 3145728 /dev/mapper/cs2 | sha256sum | cut -d' ' -f1") != c.sh("sha256sum /tmp/blob | cut -d' ' -f1") {
 		t.Fatal("cryptsetup reads different data from the volume we mapped")
