@@ -146,6 +146,9 @@ func invalid(field, format string, args ...any) error {
 // integrity, reencryption, more segments) name the feature, then decodes
 // strictly: an unknown field anywhere is refused too.
 func parseMetadata(raw []byte, hdrSize uint64) (*Metadata, error) {
+	if err := noDuplicateKeys(raw); err != nil {
+		return nil, err
+	}
 	var generic struct {
 		Segments map[string]map[string]json.RawMessage `json:"segments"`
 		Config   map[string]json.RawMessage            `json:"config"`
@@ -183,6 +186,61 @@ func parseMetadata(raw []byte, hdrSize uint64) (*Metadata, error) {
 		return nil, err
 	}
 	return &m, nil
+}
+
+// noDuplicateKeys refuses JSON objects that repeat a key: parsers differ
+// on which copy wins, so such a header could mean one thing to cryptsetup
+// and another here. Nesting deeper than any LUKS2 header needs is refused
+// too.
+func noDuplicateKeys(raw []byte) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	return checkJSONValue(dec, "", 0)
+}
+
+func checkJSONValue(dec *json.Decoder, path string, depth int) error {
+	if depth > 16 {
+		return invalid(path, "JSON nested too deeply")
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		return invalid("json", "%v", err)
+	}
+	d, ok := tok.(json.Delim)
+	if !ok {
+		return nil
+	}
+	switch d {
+	case '{':
+		seen := map[string]bool{}
+		for dec.More() {
+			kt, err := dec.Token()
+			if err != nil {
+				return invalid("json", "%v", err)
+			}
+			k, _ := kt.(string)
+			p := k
+			if path != "" {
+				p = path + "." + k
+			}
+			if seen[k] {
+				return invalid(p, "key appears more than once")
+			}
+			seen[k] = true
+			if err := checkJSONValue(dec, p, depth+1); err != nil {
+				return err
+			}
+		}
+	case '[':
+		for i := 0; dec.More(); i++ {
+			if err := checkJSONValue(dec, fmt.Sprintf("%s[%d]", path, i), depth+1); err != nil {
+				return err
+			}
+		}
+	}
+	if _, err := dec.Token(); err != nil {
+		return invalid("json", "%v", err)
+	}
+	return nil
 }
 
 func emptyRequirements(raw json.RawMessage) bool {

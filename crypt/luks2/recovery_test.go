@@ -193,6 +193,40 @@ func TestTamperedHeadersRefused(t *testing.T) {
 	}
 }
 
+// A key given twice (which copy wins differs between JSON parsers) is
+// refused, even when both copies are valid.
+func TestDuplicateJSONKeyRefused(t *testing.T) {
+	p, v := formatImage(t, 32<<20, FormatOptions{})
+	v.Close()
+	f, err := os.OpenFile(p, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for _, off := range []uint64{0, formatHdrSize} {
+		hc, err := readCopy(f, off)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hc.json = bytes.Replace(hc.json, []byte(`"encryption":"aes-xts-plain64","sector_size"`), []byte(`"encryption":"aes-xts-plain64","encryption":"cipher_null-ecb","sector_size"`), 1)
+		if !bytes.Contains(hc.json, []byte("cipher_null")) {
+			t.Fatalf("segment not found in %s", hc.json)
+		}
+		buf, err := encodeCopy(hc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt(buf, int64(off)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err = Open(p, false)
+	var ve *ValidationError
+	if !errors.As(err, &ve) || ve.Field != "segments.0.encryption" || !strings.Contains(err.Error(), "more than once") {
+		t.Fatalf("Open: %v", err)
+	}
+}
+
 func seg(m map[string]any) map[string]any {
 	return m["segments"].(map[string]any)["0"].(map[string]any)
 }
