@@ -27,7 +27,7 @@ func commands() map[string]command {
 		"status":   {"print the running agent's status", runStatus},
 		"events":   {"print recent agent events; --follow for new ones", runEvents},
 		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
-		"luks":     {"LUKS2 volumes: format, dump, test-passphrase, open, close, resize, add-key, remove-key", runLuks},
+		"luks":     {"LUKS2 volumes: format, dump, test-passphrase, open, close, status, resize, add-key, remove-key, repair", runLuks},
 	}
 }
 
