@@ -12,14 +12,14 @@ import (
 // managers and partition tables; the list is short and conservative, and any
 // other non-zero byte in the first 64 KiB is reported as unrecognised data.
 
-// signature is one magic at a fixed offset.
-type signature struct {
-	name  string
-	off   int
-	magic []byte
+// Signature is an on-disk magic at a fixed offset from the device start.
+type Signature struct {
+	Name   string
+	Offset int
+	Magic  []byte
 }
 
-var signatures = []signature{
+var signatures = []Signature{
 	{"LUKS", 0, magicPrimary},
 	{"ext2/ext3/ext4", 1024 + 56, []byte{0x53, 0xef}},
 	{"xfs", 0, []byte("XFSB")},
@@ -39,15 +39,8 @@ var signatures = []signature{
 
 func init() {
 	for _, off := range validHdrSizes {
-		signatures = append(signatures, signature{"LUKS2 secondary header", int(off), magicSecondary})
+		signatures = append(signatures, Signature{"LUKS2 secondary header", int(off), magicSecondary})
 	}
-}
-
-// Signature is an on-disk magic at a fixed offset from the device start.
-type Signature struct {
-	Name   string
-	Offset int
-	Magic  []byte
 }
 
 // ExtraSignatures lets other parts of the project (an on-disk fencing
@@ -72,12 +65,7 @@ func DetectSignature(r io.ReaderAt, size uint64) (string, error) {
 		}
 		return ""
 	}
-	for _, s := range signatures {
-		if d := check(s.name, s.off, s.magic); d != "" {
-			return d, nil
-		}
-	}
-	for _, s := range ExtraSignatures {
+	for _, s := range append(signatures, ExtraSignatures...) {
 		if d := check(s.Name, s.Offset, s.Magic); d != "" {
 			return d, nil
 		}
