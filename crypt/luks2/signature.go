@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"io"
+	"slices"
 )
 
 // Signature checks guard safety property P5: nothing is formatted over data
@@ -65,7 +66,7 @@ func DetectSignature(r io.ReaderAt, size uint64) (string, error) {
 		}
 		return ""
 	}
-	for _, s := range append(signatures, ExtraSignatures...) {
+	for _, s := range slices.Concat(signatures, ExtraSignatures) {
 		if d := check(s.Name, s.Offset, s.Magic); d != "" {
 			return d, nil
 		}
