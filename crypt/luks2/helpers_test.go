@@ -156,3 +156,26 @@ func jsonUnmarshalNumbers(b []byte, v any) error {
 }
 
 func jsonMarshal(v any) ([]byte, error) { return json.Marshal(v) }
+
+// memDevice is a device in memory: fuzz seeds and crash simulations need
+// the write order, not a disk.
+type memDevice struct{ b []byte }
+
+func (m *memDevice) ReadAt(p []byte, off int64) (int, error) {
+	if off >= int64(len(m.b)) {
+		return 0, io.EOF
+	}
+	n := copy(p, m.b[off:])
+	if n < len(p) {
+		return n, io.EOF
+	}
+	return n, nil
+}
+
+func (m *memDevice) WriteAt(p []byte, off int64) (int, error) {
+	return copy(m.b[off:], p), nil
+}
+
+func (m *memDevice) Seek(off int64, whence int) (int64, error) { return int64(len(m.b)), nil }
+func (m *memDevice) Close() error                              { return nil }
+func (m *memDevice) Sync() error                               { return nil }
