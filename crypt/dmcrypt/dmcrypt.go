@@ -8,6 +8,7 @@
 package dmcrypt
 
 import (
+	"bytes"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -194,11 +195,16 @@ func GetStatus(name string) (*Status, error) {
 		ReadOnly: info.Flags&unix.DM_READONLY_FLAG != 0, Suspended: info.Flags&unix.DM_SUSPEND_FLAG != 0}
 	for _, t := range tt {
 		s.Length += t.Length * 512
-		f := strings.Fields(t.Params)
-		if t.Type == "crypt" && len(f) > 1 {
-			f[1] = "-"
+		parts := []string{t.Type}
+		for i, f := range bytes.Fields(t.Params) {
+			if t.Type == "crypt" && i == 1 {
+				parts = append(parts, "-")
+				continue
+			}
+			parts = append(parts, string(f))
 		}
-		s.Table = strings.TrimSpace(s.Table + " " + t.Type + " " + strings.Join(f, " "))
+		clear(t.Params)
+		s.Table = strings.TrimSpace(s.Table + " " + strings.Join(parts, " "))
 	}
 	return s, nil
 }
@@ -219,15 +225,9 @@ func Resize(name string, newLength uint64) error {
 	if len(tt) != 1 || tt[0].Type != "crypt" {
 		return fmt.Errorf("dm-crypt %s: not a single crypt target", name)
 	}
-	params := []byte(tt[0].Params)
-	tt[0].Params = ""
+	params := tt[0].Params
 	defer clear(params)
-	sector := 512
-	for _, f := range strings.Fields(string(params)) {
-		if v, ok := strings.CutPrefix(f, "sector_size:"); ok {
-			sector, _ = strconv.Atoi(v)
-		}
-	}
+	_, _, sector := cryptTableFields(params)
 	if newLength == 0 || newLength%uint64(sector) != 0 {
 		return fmt.Errorf("dm-crypt %s: new length %d is not a positive multiple of the %d-byte sector", name, newLength, sector)
 	}
@@ -351,18 +351,10 @@ func GrowToDevice(name string) (uint64, error) {
 	if len(full) != 1 || full[0].Type != "crypt" {
 		return 0, fmt.Errorf("dm-crypt %s: not a single crypt target", name)
 	}
-	f := strings.Fields(full[0].Params)
-	full[0].Params = ""
-	if len(f) < 5 {
+	backing, offSectors, sector := cryptTableFields(full[0].Params)
+	clear(full[0].Params)
+	if backing == "" {
 		return 0, fmt.Errorf("dm-crypt %s: unexpected crypt table", name)
-	}
-	backing, offSectors := f[3], f[4]
-	sector := uint64(512)
-	for _, o := range f[5:] {
-		if v, ok := strings.CutPrefix(o, "sector_size:"); ok {
-			n, _ := strconv.ParseUint(v, 10, 32)
-			sector = n
-		}
 	}
 	off, err := strconv.ParseUint(offSectors, 10, 64)
 	if err != nil {
@@ -377,9 +369,28 @@ func GrowToDevice(name string) (uint64, error) {
 		return 0, fmt.Errorf("dm-crypt %s: backing device %s has %d sectors, data starts at %d", name, backing, sectors, off)
 	}
 	length := (sectors - off) * 512
-	length -= length % sector
+	length -= length % uint64(sector)
 	if err := Resize(name, length); err != nil {
 		return 0, err
 	}
 	return length, nil
+}
+
+// cryptTableFields picks the backing device, the data offset (in 512-byte
+// sectors) and the sector size out of a crypt table line without copying
+// the key that sits in it.
+func cryptTableFields(params []byte) (backing, offset string, sector int) {
+	f := bytes.Fields(params)
+	sector = 512
+	if len(f) < 5 {
+		return "", "", sector
+	}
+	for _, o := range f[5:] {
+		if v, ok := bytes.CutPrefix(o, []byte("sector_size:")); ok {
+			if n, err := strconv.Atoi(string(v)); err == nil {
+				sector = n
+			}
+		}
+	}
+	return string(f[3]), string(f[4]), sector
 }

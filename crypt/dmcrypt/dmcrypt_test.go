@@ -89,3 +89,16 @@ func TestNoDeviceMapper(t *testing.T) {
 		t.Fatalf("Create without device-mapper: %v", err)
 	}
 }
+
+func TestCryptTableFields(t *testing.T) {
+	b, off, sector := cryptTableFields([]byte("aes-xts-plain64 0011 0 253:16 32768 2 allow_discards sector_size:4096"))
+	if b != "253:16" || off != "32768" || sector != 4096 {
+		t.Fatalf("%q %q %d", b, off, sector)
+	}
+	if b, _, sector := cryptTableFields([]byte("aes-xts-plain64 0011 0 8:0 4096")); b != "8:0" || sector != 512 {
+		t.Fatalf("%q %d", b, sector)
+	}
+	if b, _, _ := cryptTableFields([]byte("short")); b != "" {
+		t.Fatal("a short table parsed")
+	}
+}

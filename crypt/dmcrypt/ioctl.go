@@ -91,7 +91,9 @@ func clearInactive(name string) error {
 type tableTarget struct {
 	Start, Length uint64 // sectors
 	Type          string
-	Params        string
+	// Params holds the target's parameters; for crypt they include the
+	// key, so callers clear it when done.
+	Params []byte
 }
 
 // readTable returns the active table of device name. table asks for the
@@ -134,7 +136,7 @@ func readTable(name string, table bool) ([]tableTarget, error) {
 			if j := bytes.IndexByte(tt, 0); j >= 0 {
 				tt = tt[:j]
 			}
-			out = append(out, tableTarget{Start: spec.Sector_start, Length: spec.Length, Type: string(tt), Params: string(p)})
+			out = append(out, tableTarget{Start: spec.Sector_start, Length: spec.Length, Type: string(tt), Params: bytes.Clone(p)})
 			off = base + int(spec.Next)
 		}
 		clear(data)
