@@ -1,8 +1,4 @@
-// Package guest_test runs crypt/dmcrypt on a real guest kernel through the
-// QEMU lab (integration/lab). It lives under testdata so that ./... patterns
-// and go mod tidy pass it by while the lab is not in the tree; make
-// test-crypt-lab names it explicitly once integration/lab exists.
-package guest_test
+package dmcrypt_test
 
 import (
 	"context"
@@ -63,13 +59,14 @@ func (c *cryptGuest) disk(serial string) string {
 	return "/dev/" + d.Name
 }
 
-// Real dm-crypt in a guest kernel: format and open with vco-agent, use a
-// filesystem, check cryptsetup reads the same data through its own
+// Real dm-crypt in a guest kernel of the QEMU lab (the guest tier: skipped
+// unless VCO_LAB is set, as make test-crypt-lab does): format and open with
+// vco-agent, use a filesystem, check cryptsetup reads the same data through its own
 // mapping, grow the disk and the mapping online, and open a volume
 // cryptsetup formatted.
 func TestDMCryptInGuest(t *testing.T) {
-	if ok, why := lab.GuestTierEnabled(); !ok {
-		t.Skip(why)
+	if ok, _ := lab.GuestTierEnabled(); !ok {
+		t.Skip("guest tier: boots a QEMU guest; run it with 'make test-crypt-lab' (sets " + lab.GuestTierEnv + "=1)")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
