@@ -36,10 +36,11 @@ func TestFormatRefusesExistingData(t *testing.T) {
 		{"swap", "swap", func(t *testing.T, p string) { run(t, "mkswap", p) }},
 		{"gpt backup only", "GPT backup", func(t *testing.T, p string) { corrupt(t, p, 48<<20-512, []byte("EFI PART")) }},
 		{"registered magic", "test lease", func(t *testing.T, p string) {
-			ExtraSignatures = append(ExtraSignatures, Signature{Name: "test lease", Offset: 8192, Magic: []byte("VCOLEASE")})
+			ExtraSignatures = append(ExtraSignatures, Signature{Name: "test lease", Offset: 8192, Magic: []byte("TESTMAGC")})
 			t.Cleanup(func() { ExtraSignatures = nil })
-			corrupt(t, p, 8192, []byte("VCOLEASE"))
+			corrupt(t, p, 8192, []byte("TESTMAGC"))
 		}},
+		{"disk lease", "vco-agent disk lease", func(t *testing.T, p string) { corrupt(t, p, 0, []byte("VCOLEASE\x00\x00\x00\x01")) }},
 		{"random data", "unrecognised", func(t *testing.T, p string) { corrupt(t, p, 40000, []byte{7}) }},
 	}
 	for _, c := range cases {

@@ -22,6 +22,10 @@ type Signature struct {
 
 var signatures = []Signature{
 	{"LUKS", 0, magicPrimary},
+	// The on-disk lease of fence/lease owns the start of a disk without
+	// SCSI-3 reservations; LUKS2 then goes on the mapping after it, never on
+	// the raw disk.
+	{"vco-agent disk lease", 0, []byte("VCOLEASE")},
 	{"ext2/ext3/ext4", 1024 + 56, []byte{0x53, 0xef}},
 	{"xfs", 0, []byte("XFSB")},
 	{"btrfs", 64<<10 + 64, []byte("_BHRfS_M")},
