@@ -369,7 +369,13 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 		readAt := time.Now()
 		a2, err := e.read(ctx)
 		if err != nil {
-			return nil, time.Time{}, err
+			// A missed observation loses nothing (changes are compared
+			// with the first read), but the wait cannot end on one.
+			if !errors.Is(err, errIOTimeout) || time.Since(began) >= 2*bound {
+				return nil, time.Time{}, err
+			}
+			e.log.Warn("lease read failed while waiting for expiry; continuing", "error", err)
+			continue
 		}
 		if o := a2.Owner(); o >= 0 && o != victim && a2.Slots[o].Key != e.cfg.Key {
 			return nil, time.Time{}, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
@@ -412,6 +418,13 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, a *Area) error {
 			return fmt.Errorf("%s: waiting for key %s to let go of the lease: %w", e.dev.name, vs.Key, err)
 		}
 		a2, err := e.read(ctx)
+		if errors.Is(err, errIOTimeout) {
+			if l := e.deadline(); l != nil {
+				return l
+			}
+			e.log.Warn("lease read failed while waiting for the superseded holder; continuing", "error", err)
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -523,6 +536,11 @@ func (e *Engine) renewLocked(ctx context.Context, a *Area) error {
 	if lerr := e.verifyOwn(a); lerr != nil {
 		return lerr
 	}
+	// Never write past our own deadline: a taker may be about to
+	// conclude that we expired.
+	if lerr := e.deadline(); lerr != nil {
+		return lerr
+	}
 	s := e.mine
 	s.Counter++
 	s.Written = time.Now().UnixNano()
@@ -620,17 +638,18 @@ func (e *Engine) Check(ctx context.Context) error {
 	if err := e.verify(ctx); err != nil {
 		return err
 	}
+	// Read before looking at the deadline, so that a loss names the new
+	// holder when there is one.
+	a, err := e.read(ctx)
+	if err == nil {
+		if lerr := e.verifyOwn(a); lerr != nil {
+			return lerr
+		}
+	}
 	if lerr := e.deadline(); lerr != nil {
 		return lerr
 	}
-	a, err := e.read(ctx)
-	if err != nil {
-		return err
-	}
-	if lerr := e.verifyOwn(a); lerr != nil {
-		return lerr
-	}
-	return nil
+	return err
 }
 
 func (e *Engine) deadline() *fence.LostError {
@@ -716,16 +735,15 @@ func (e *Engine) renew(r *renewer) {
 		}
 		next := e.cfg.Timing.Renew
 		if !e.paused {
-			if e.deadline() != nil {
-				e.mu.Unlock()
-				return
-			}
 			ctx, cancel := context.WithTimeout(context.Background(), 2*e.cfg.Timing.IOTimeout)
 			a, err := e.read(ctx)
 			if err == nil {
 				err = e.renewLocked(ctx, a)
 			} else {
 				e.stats.RenewFailures++
+				if l := e.deadline(); l != nil {
+					err = l
+				}
 			}
 			cancel()
 			var lost *fence.LostError
