@@ -799,3 +799,30 @@ func ReadStatus(ctx context.Context, d *Device, own fence.Key, timeout time.Dura
 	}
 	return st, a, nil
 }
+
+// Inspect reads the lease area of path once, through its own O_DIRECT
+// descriptor, and returns the owning slot: nil when nobody holds the
+// lease, an error wrapping ErrNoLease when the disk has no lease area.
+// It is the quick look a hot-plug refusal needs: one read, no waiting. An
+// owner found here may have expired; refusing it is still right, since
+// only a stage request (Acquire, which waits) may take the disk.
+func Inspect(ctx context.Context, path string, timeout time.Duration) (*Slot, error) {
+	d, err := OpenDevice(path)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	b, err := d.ReadArea(ctx, timeout)
+	if err != nil {
+		return nil, err
+	}
+	a, err := DecodeArea(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if o := a.Owner(); o >= 0 {
+		s := a.Slots[o]
+		return &s, nil
+	}
+	return nil, nil
+}
