@@ -115,8 +115,16 @@ func (e *Engine) verify(ctx context.Context) error {
 	return nil
 }
 
+// read reads the area, trying again when a read times out: nothing is
+// decided on a read that did not complete. Callers that time their reads
+// start the clock before calling, so a retry only makes them more
+// cautious.
 func (e *Engine) read(ctx context.Context) (*Area, error) {
 	b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
+	for i := 0; i < 2 && errors.Is(err, errIOTimeout); i++ {
+		e.log.Warn("lease read timed out; reading again", "error", err)
+		b, err = e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -103,13 +103,18 @@ type node struct {
 
 func newNode(t testing.TB, dev string, uuid string, name string) *node {
 	t.Helper()
+	return newNodeTiming(t, dev, uuid, name, testTiming)
+}
+
+func newNodeTiming(t testing.TB, dev string, uuid string, name string, tm Timing) *node {
+	t.Helper()
 	k, err := fence.KeyFromUUID(uuid)
 	if err != nil {
 		t.Fatal(err)
 	}
 	n := &node{lost: make(chan *fence.LostError, 1)}
 	n.e, err = New(openDev(t, dev), Config{Key: k, Node: uuid, NodeName: name, Disk: "disk-1", Resolver: nodes,
-		Timing: testTiming, OnLost: func(l *fence.LostError) { n.lost <- l }})
+		Timing: tm, OnLost: func(l *fence.LostError) { n.lost <- l }})
 	if err != nil {
 		t.Fatal(err)
 	}
