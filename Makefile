@@ -21,7 +21,7 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench bench-agent lab deps deps-apt deps-go proto clean fuzz fuzz-fence
+.PHONY: all build test unit lint bench bench-agent bench-csi lab deps deps-apt deps-go proto clean fuzz fuzz-fence
 
 all: build
 
@@ -41,11 +41,16 @@ lint: deps-go
 
 # Benchmarks print one table of figures against named references; they
 # are never asserted. Each part adds a bench-* target as a prerequisite.
-bench: bench-agent
+bench: bench-agent bench-csi
 
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
+
+# 100 concurrent CreateVolume+ControllerPublish against the simulator,
+# reported as a ratio to the bare API calls for the same work.
+bench-csi: deps
+	$(GO) test -count=1 -run '^$$' -bench CreatePublish100 -benchtime 5x ./csi/driver
 
 lab: deps build
 	$(BIN)/vco-lab run

@@ -528,3 +528,27 @@ func (o *Opened) Verify(ctx context.Context) error {
 func fmtDevnum(ma, mi uint32) string {
 	return strconv.FormatUint(uint64(ma), 10) + ":" + strconv.FormatUint(uint64(mi), 10)
 }
+
+// SetReadOnly sets or clears the kernel's read-only flag of the whole disk
+// (BLKROSET), the refusal of DESIGN.md P2: once set, the kernel rejects
+// writes to the disk from this host, whatever the target allows. It needs
+// CAP_SYS_ADMIN.
+func (o *Opened) SetReadOnly(ro bool) error {
+	v := 0
+	if ro {
+		v = 1
+	}
+	if err := unix.IoctlSetPointerInt(int(o.File.Fd()), unix.BLKROSET, v); err != nil {
+		return fmt.Errorf("setting %s read-only=%v: %w", o.Disk.DevPath, ro, err)
+	}
+	return nil
+}
+
+// ReadOnly reports the kernel's read-only flag of the disk (BLKROGET).
+func (o *Opened) ReadOnly() (bool, error) {
+	v, err := unix.IoctlGetInt(int(o.File.Fd()), unix.BLKROGET)
+	if err != nil {
+		return false, fmt.Errorf("reading the read-only flag of %s: %w", o.Disk.DevPath, err)
+	}
+	return v != 0, nil
+}

@@ -342,3 +342,51 @@ func TestOpenVerifiesSCSIIdentityOverTheDevice(t *testing.T) {
 		t.Fatalf("WWN from device differs: %v", err)
 	}
 }
+
+func TestSetReadOnly(t *testing.T) {
+	loop, ma, mi := loopDevice(t)
+	name := filepath.Base(loop)
+	s := newSysfs(t)
+	bdir := s.block(name, "pci0000:00/0000:00:05.0/virtio2", fmt.Sprintf("%d:%d", ma, mi), name)
+	s.write(filepath.Join(bdir, "serial"), "vol-1\n")
+	f := Finder{SysfsRoot: s.root, DevRoot: "/dev"}
+	d, err := f.Find(Locator{Serial: "vol-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	o, err := f.Open(context.Background(), d, Locator{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer o.Close()
+	if err := o.SetReadOnly(true); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { o.SetReadOnly(false) })
+	if ro, err := o.ReadOnly(); err != nil || !ro {
+		t.Fatalf("ReadOnly() = %v, %v", ro, err)
+	}
+	// The kernel now refuses writes to the node (at open or at write,
+	// depending on the kernel version).
+	if w, err := os.OpenFile(loop, os.O_WRONLY, 0); err == nil {
+		_, werr := w.Write(make([]byte, 512))
+		w.Close()
+		if werr == nil {
+			t.Fatal("write to a read-only disk succeeded")
+		}
+	}
+	if b, _ := os.ReadFile(filepath.Join("/sys/block", name, "ro")); strings.TrimSpace(string(b)) != "1" {
+		t.Fatalf("sysfs ro = %q", b)
+	}
+	if err := o.SetReadOnly(false); err != nil {
+		t.Fatal(err)
+	}
+	w, err := os.OpenFile(loop, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatalf("writable open after clearing read-only: %v", err)
+	}
+	defer w.Close()
+	if _, err := w.Write(make([]byte, 512)); err != nil {
+		t.Fatalf("write after clearing read-only: %v", err)
+	}
+}

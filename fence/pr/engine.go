@@ -374,6 +374,15 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		if !t.Exclusive() {
 			return fence.Claim{}, fmt.Errorf("%s: this node already holds a %s reservation, under which other registrants may write; run 'vco-agent fence release' and acquire again", e.name, t)
 		}
+		here, err := e.holdsHere(ctx, t)
+		if err != nil {
+			return fence.Claim{}, err
+		}
+		if !here {
+			if err := e.moveHere(ctx, t); err != nil {
+				return fence.Claim{}, err
+			}
+		}
 		e.held, e.watch = true, true
 		e.log.Info("disk already claimed by this node", "type", t.String())
 		return fence.Claim{Method: fence.MethodPR, Key: mine, Type: t, Already: true}, nil
@@ -392,6 +401,54 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		return e.takeover(ctx, st, typ, grant)
 	}
 	return e.claimFree(ctx, typ, grant)
+}
+
+// holdsHere asks whether this I_T nexus (not merely our key) holds the
+// reservation: a RESERVE of the same type by the holder is a no-op that
+// answers GOOD, while any other nexus gets RESERVATION CONFLICT. Call it only
+// when a read showed the reservation held by our key, so that it can never
+// create a reservation that was not there.
+func (e *Engine) holdsHere(ctx context.Context, t fence.ReservationType) (bool, error) {
+	err := e.out(ctx, scsi.PROut{Action: scsi.Reserve, Type: uint8(t), Key: uint64(e.cfg.Key)})
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, scsi.ErrReservationConflict):
+		return false, nil
+	}
+	return false, fmt.Errorf("%s: checking that this path holds the reservation: %w", e.name, err)
+}
+
+// moveHere moves a reservation held by our key through another I_T nexus
+// (an earlier iSCSI session of this node, e.g. before a reboot) to this one:
+// register here, then PREEMPT naming our own key, which removes the other
+// nexuses' registrations and makes this one the holder (SPC-4: the
+// preempting nexus keeps its registration). The key is ours, so no grant is
+// involved.
+func (e *Engine) moveHere(ctx context.Context, t fence.ReservationType) error {
+	mine := e.cfg.Key
+	e.log.Warn("this node's key holds the disk through another path or session; moving the reservation here", "type", t.String())
+	if _, err := e.register(ctx); err != nil {
+		return err
+	}
+	if err := e.out(ctx, scsi.PROut{Action: scsi.Preempt, Type: uint8(t), Key: uint64(mine), ServiceActionKey: uint64(mine)}); err != nil {
+		return fmt.Errorf("%s: moving this node's reservation to this path: %w", e.name, err)
+	}
+	st, err := e.read(ctx)
+	if err != nil {
+		return err
+	}
+	if !st.res.Present || st.allRegistrants() || st.holder() != mine || !st.registered(mine) {
+		return e.verifyErr("PREEMPT of this node's own key", st)
+	}
+	here, err := e.holdsHere(ctx, t)
+	if err != nil {
+		return err
+	}
+	if !here {
+		return e.verifyErr("PREEMPT of this node's own key (this path still does not hold the reservation)", st)
+	}
+	return nil
 }
 
 // register registers our key on this I_T nexus and verifies it.
@@ -618,6 +675,13 @@ func (e *Engine) Check(ctx context.Context) error {
 		return lost("the reservation is held by another key")
 	case !fence.ReservationType(st.res.Type).Exclusive():
 		return lost(fmt.Sprintf("our reservation has type %s, which lets other registrants write", fence.ReservationType(st.res.Type)))
+	}
+	here, err := e.holdsHere(ctx, fence.ReservationType(st.res.Type))
+	if err != nil {
+		return err
+	}
+	if !here {
+		return lost("this path to the disk does not hold the reservation (our key holds it through another path or session)")
 	}
 	e.held = true
 	return nil

@@ -625,3 +625,53 @@ func TestVerifyRunsBeforeEveryOperation(t *testing.T) {
 	}
 	assertHolder(t, tgt, "a", a.key, fence.WriteExclusive)
 }
+
+func TestNotReadyIsWaitedOutBounded(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{})
+	a := newNode(t, tgt, "a", uuidA, func(c *Config) { c.ReadyAttempts = 5 })
+	tgt.QueueNotReady("a", 3, 0x04, 0x01) // becoming ready
+	mustAcquire(t, a, nil)
+	if err := a.e.Release(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	tgt.QueueNotReady("a", 100, 0x04, 0x03) // manual intervention required
+	_, err := a.e.Acquire(ctx(t), nil)
+	if !errors.Is(err, scsi.ErrNotReady) || !strings.Contains(err.Error(), "after 5 attempts") {
+		t.Fatalf("acquire on a unit that stays not ready: %v", err)
+	}
+	if _, reg := tgt.Registered("a"); reg {
+		t.Fatal("registered on a unit that was not ready")
+	}
+}
+
+func TestReservationMovesFromAnEarlierSessionOfThisNode(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{})
+	old := newNode(t, tgt, "iqn.a,isid=1", uuidA)
+	mustAcquire(t, old, nil)
+	// The node comes back through a new I_T nexus (new iSCSI session): its
+	// key holds the disk, but this path neither is registered nor holds
+	// the reservation, so its writes would fail.
+	now := newNode(t, tgt, "iqn.a,isid=2", uuidA)
+	if err := now.e.Check(ctx(t)); err == nil {
+		t.Fatal("check on a path that does not hold the reservation passed")
+	}
+	now = newNode(t, tgt, "iqn.a,isid=2", uuidA)
+	c := mustAcquire(t, now, nil)
+	if !c.Already {
+		t.Fatalf("claim %+v", c)
+	}
+	assertHolder(t, tgt, "iqn.a,isid=2", now.key, fence.WriteExclusive)
+	if !tgt.CanWrite("iqn.a,isid=2") || tgt.CanWrite("iqn.a,isid=1") {
+		t.Fatal("write permissions after moving the reservation")
+	}
+	if _, reg := tgt.Registered("iqn.a,isid=1"); reg {
+		t.Fatal("the earlier session is still registered")
+	}
+	if err := now.e.Check(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	var le *fence.LostError
+	if err := old.e.Check(ctx(t)); !errors.As(err, &le) {
+		t.Fatalf("check on the earlier session: %v", err)
+	}
+}

@@ -69,12 +69,16 @@ type Target struct {
 	res   *reservation
 	gen   uint32
 	ua    map[string][][2]uint8
-	log   []string
+	// notReady counts commands per initiator still to be answered NOT
+	// READY (ASC/ASCQ in notReadyCode).
+	notReady     map[string]int
+	notReadyCode [2]uint8
+	log          []string
 }
 
 // New returns a target with no registrations.
 func New(o Options) *Target {
-	return &Target{Opts: o, regs: map[string]uint64{}, ua: map[string][][2]uint8{}}
+	return &Target{Opts: o, regs: map[string]uint64{}, ua: map[string][][2]uint8{}, notReady: map[string]int{}}
 }
 
 // Port is one initiator's I_T nexus to the target; it is a scsi.Transport.
@@ -93,6 +97,15 @@ func (t *Target) QueueUnitAttention(initiator string, asc, ascq uint8) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.ua[initiator] = append(t.ua[initiator], [2]uint8{asc, ascq})
+}
+
+// QueueNotReady makes the next n commands from initiator (INQUIRY
+// excepted) fail with NOT READY asc/ascq, e.g. 04/01 "becoming ready".
+func (t *Target) QueueNotReady(initiator string, n int, asc, ascq uint8) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.notReady[initiator] = n
+	t.notReadyCode = [2]uint8{asc, ascq}
 }
 
 // Registered returns the key an initiator is registered with.
@@ -223,6 +236,10 @@ func (t *Target) execute(ini string, cdb []byte, dir scsi.Direction, data []byte
 		if q := t.ua[ini]; len(q) > 0 {
 			t.ua[ini] = q[1:]
 			return check(scsi.UnitAttention, q[0][0], q[0][1])
+		}
+		if t.notReady[ini] > 0 {
+			t.notReady[ini]--
+			return check(scsi.NotReady, t.notReadyCode[0], t.notReadyCode[1])
 		}
 	}
 	switch cdb[0] {
