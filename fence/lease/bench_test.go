@@ -11,7 +11,11 @@ import (
 // BenchmarkTakeoverExpired measures a takeover from a frozen holder
 // against its documented bound, Expiry + Settle (plus a renewal interval
 // of polling granularity at most).
-func BenchmarkTakeoverExpired(b *testing.B) {
+func BenchmarkLeaseTakeoverExpired(b *testing.B) {
+	b.Run("vs=expiry+settle-bound", benchTakeoverExpired)
+}
+
+func benchTakeoverExpired(b *testing.B) {
 	ctx := context.Background()
 	dev := formattedLoop(b, 4096)
 	var total time.Duration
@@ -36,15 +40,19 @@ func BenchmarkTakeoverExpired(b *testing.B) {
 	}
 	mean := total / time.Duration(b.N)
 	bound := testTiming.Expiry() + testTiming.Settle()
-	b.ReportMetric(float64(mean.Milliseconds()), "ms/takeover")
-	b.ReportMetric(float64(bound.Milliseconds()), "ms-bound")
-	b.ReportMetric(float64(mean)/float64(bound), "of-bound")
+	b.ReportMetric(float64(mean.Milliseconds()), "ms")
+	b.ReportMetric(float64(bound.Milliseconds()), "ref-ms")
+	b.ReportMetric(float64(mean)/float64(bound), "x-ref")
 }
 
 // BenchmarkTakeoverGrantedLive measures a granted takeover from a live
 // holder, which lets go at its next renewal; reference: one renewal
 // interval plus Settle.
-func BenchmarkTakeoverGrantedLive(b *testing.B) {
+func BenchmarkLeaseTakeoverGrantedLive(b *testing.B) {
+	b.Run("vs=renew+settle", benchTakeoverGrantedLive)
+}
+
+func benchTakeoverGrantedLive(b *testing.B) {
 	ctx := context.Background()
 	dev := formattedLoop(b, 4096)
 	grant := &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{keyA}}
@@ -70,15 +78,19 @@ func BenchmarkTakeoverGrantedLive(b *testing.B) {
 	}
 	mean := total / time.Duration(b.N)
 	ref := testTiming.Renew + testTiming.Settle()
-	b.ReportMetric(float64(mean.Milliseconds()), "ms/takeover")
-	b.ReportMetric(float64(ref.Milliseconds()), "ms-reference")
-	b.ReportMetric(float64(mean)/float64(ref), "of-reference")
+	b.ReportMetric(float64(mean.Milliseconds()), "ms")
+	b.ReportMetric(float64(ref.Milliseconds()), "ref-ms")
+	b.ReportMetric(float64(mean)/float64(ref), "x-ref")
 }
 
 // BenchmarkCheck64 measures one periodic check of 64 claims (64 loop
 // devices, each renewing in the background as in the agent), against the
 // floor: one raw O_DIRECT read of the same lease area per device.
-func BenchmarkCheck64(b *testing.B) {
+func BenchmarkLeaseCheck64Claims(b *testing.B) {
+	b.Run("vs=raw-odirect-reads", benchCheck64)
+}
+
+func benchCheck64(b *testing.B) {
 	ctx := context.Background()
 	const claims = 64
 	engines := make([]*Engine, claims)
@@ -119,7 +131,7 @@ func BenchmarkCheck64(b *testing.B) {
 	}
 	b.StopTimer()
 	per := b.Elapsed() / time.Duration(b.N)
-	b.ReportMetric(float64(per.Microseconds()), "µs/check-of-64")
-	b.ReportMetric(float64(ref.Microseconds()), "µs-raw-reads")
-	b.ReportMetric(float64(per)/float64(ref), "of-raw")
+	b.ReportMetric(float64(per.Microseconds()), "us")
+	b.ReportMetric(float64(ref.Microseconds()), "ref-us")
+	b.ReportMetric(float64(per)/float64(ref), "x-ref")
 }

@@ -81,8 +81,19 @@ func watch(t testing.TB, mine fence.Key, name func() string) (<-chan Decision, <
 		Groups:     GroupKernel,
 		Classify:   leaseClassifier(mine),
 		Match:      func(ev Event) bool { return ev.Disk() && ev.DevName == name() },
-		OnDecision: func(d Decision) { decisions <- d },
-		OnRemove:   func(ev Event) { removals <- ev },
+		OnDecision: func(d Decision) {
+			select {
+			case decisions <- d:
+			default:
+				t.Errorf("decision nobody waits for: %+v", d)
+			}
+		},
+		OnRemove: func(ev Event) {
+			select {
+			case removals <- ev:
+			default:
+			}
+		},
 	}
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -218,6 +229,10 @@ func TestWatcherLeavesFreeDisks(t *testing.T) {
 // refusal done (classified from the lease area, BLKROSET set and read
 // back). Reference: the one-second budget of the requirement.
 func BenchmarkRefusalLatency(b *testing.B) {
+	b.Run("vs=one-second-budget", benchRefusalLatency)
+}
+
+func benchRefusalLatency(b *testing.B) {
 	lc := openLoopControl(b)
 	img := heldImage(b)
 	keyB, _ := fence.KeyFromUUID(uuidB)
@@ -237,12 +252,12 @@ func BenchmarkRefusalLatency(b *testing.B) {
 		}
 		select {
 		case d := <-decisions:
-			if !d.ReadOnly {
+			if !d.ReadOnly || d.Event.DevName != name {
 				b.Fatalf("not refused: %+v", d)
 			}
 			total += d.Done.Sub(d.Received)
 		case <-time.After(5 * time.Second):
-			b.Fatal("no decision")
+			b.Fatalf("no decision about %s", dev)
 		}
 		SetReadOnly(dev, 0, 0, false)
 		exec.Command("losetup", "-d", dev).Run()
@@ -251,6 +266,7 @@ func BenchmarkRefusalLatency(b *testing.B) {
 		}
 	}
 	mean := total / time.Duration(b.N)
-	b.ReportMetric(float64(mean.Microseconds()), "µs/refusal")
-	b.ReportMetric(float64(mean)/float64(time.Second), "of-1s-budget")
+	b.ReportMetric(float64(mean)/float64(time.Millisecond), "ms")
+	b.ReportMetric(1000, "ref-ms")
+	b.ReportMetric(float64(mean)/float64(time.Second), "x-ref")
 }
