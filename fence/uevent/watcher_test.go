@@ -78,9 +78,9 @@ func watch(t testing.TB, mine fence.Key, name func() string) (<-chan Decision, <
 	removals := make(chan Event, 16)
 	ctx, cancel := context.WithCancel(context.Background())
 	w := &Watcher{
-		Groups:     GroupKernel,
-		Classify:   leaseClassifier(mine),
-		Match:      func(ev Event) bool { return ev.Disk() && ev.DevName == name() },
+		Groups:   GroupKernel,
+		Classify: leaseClassifier(mine),
+		Match:    func(ev Event) bool { return ev.Disk() && ev.DevName == name() },
 		OnDecision: func(d Decision) {
 			select {
 			case decisions <- d:
