@@ -27,6 +27,7 @@ func commands() map[string]command {
 		"status":   {"print the running agent's status", runStatus},
 		"events":   {"print recent agent events; --follow for new ones", runEvents},
 		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
+		"lease":    {"show, format, acquire, release or check a disk's on-disk lease directly", runLease},
 	}
 }
 
