@@ -33,17 +33,19 @@
 // # Using the data area
 //
 // Anything the agent puts on the volume lives at DataOffset, seen through
-// a mapping that starts there: the agent's dm-linear table where the host
-// has device-mapper, else a loop device with an offset (LOOP_CONFIGURE,
-// lo_offset = DataOffset, no size limit; present on every Linux host).
+// a mapping that starts there. MapData makes it a loop device with an
+// offset (LOOP_CONFIGURE, lo_offset = DataOffset, no size limit, direct
+// I/O, autoclear), which every Linux host has; where the agent has
+// device-mapper it may use a dm-linear table over the same range instead.
 // A filesystem is made on, and mounted from, that mapping; a LUKS2 volume
 // puts its header at the start of the mapping (dm-crypt may also map the
 // raw disk directly with its segment offset plus DataOffset); a raw block
 // volume is the mapping itself. Online expansion grows the disk, then the
-// mapping (dm table reload, or LOOP_SET_CAPACITY), then dm-crypt and the
-// filesystem as usual; the lease area never moves, because it is at the
-// start. Tools run on the raw disk see our header and no filesystem, so
-// nothing on the host mounts a lease volume by accident.
+// mapping (Data.Resize: LOOP_SET_CAPACITY; or a dm table reload), then
+// dm-crypt and the filesystem as usual; the lease area never moves,
+// because it is at the start. FindData finds the mapping again after an
+// agent restart. Tools run on the raw disk see our header and no
+// filesystem, so nothing on the host mounts a lease volume by accident.
 //
 // # Algorithm
 //
