@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 )
 
 // udevTools is a udevadm and the stock rules it comes with: the system's
@@ -83,7 +85,7 @@ func udevTest(t *testing.T, u udevTools, dev string, extra string, claimed bool)
 	}
 	marker := ""
 	if claimed {
-		marker = "mkdir -p /run/vco-agent/claimed && touch /run/vco-agent/claimed/" + name
+		marker = fmt.Sprintf("mkdir -p %[1]s && touch %[1]s/%[2]s", uevent.ClaimedDir, name)
 	}
 	script := fmt.Sprintf(`set -e
 mount --make-rprivate /
@@ -145,6 +147,17 @@ func loop(t *testing.T) string {
 // from an earlier rules file) stands in for the virtio/SCSI match here;
 // that match itself is exercised against real virtio-blk and virtio-scsi
 // disks in the QEMU lab.
+// The rules look for the claim marks where the agent writes them.
+func TestRulesUseTheAgentsClaimMarks(t *testing.T) {
+	b, err := os.ReadFile(RulesFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `TEST=="` + uevent.ClaimedDir + `/%k"`; !strings.Contains(string(b), want) {
+		t.Fatalf("%s does not test %s", RulesFile, want)
+	}
+}
+
 func TestRulesWithUdevadm(t *testing.T) {
 	u := findUdev(t)
 	dev := loop(t)
