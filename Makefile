@@ -77,7 +77,7 @@ FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
   fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/uevent:FuzzParse
 fuzz-fence:
 	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
-	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./$$pkg; done
+	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s -parallel 1 ./$$pkg; done
 
 proto: deps
 	protoc --proto_path=agent/api \

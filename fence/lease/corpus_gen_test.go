@@ -42,11 +42,14 @@ func TestWriteCorpus(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	write("FuzzDecodeArea", "held", held.bytes())
-	write("FuzzDecodeArea", "tie", tie.bytes())
-	write("FuzzDecodeArea", "taken-over", taken.bytes())
-	write("FuzzDecodeArea", "torn-slot", torn)
-	write("FuzzDecodeArea", "foreign-geometry", geometry)
+	blocks := func(b []byte) [][]byte {
+		return [][]byte{b[:BlockSize], b[BlockSize : 2*BlockSize], b[2*BlockSize : 3*BlockSize]}
+	}
+	write("FuzzDecodeArea", "held", blocks(held.bytes())...)
+	write("FuzzDecodeArea", "tie", blocks(tie.bytes())...)
+	write("FuzzDecodeArea", "taken-over", blocks(taken.bytes())...)
+	write("FuzzDecodeArea", "torn-slot", blocks(torn)...)
+	write("FuzzDecodeArea", "foreign-geometry", blocks(geometry)...)
 	ext4 := make([]byte, 2048)
 	ext4[1080], ext4[1081] = 0x53, 0xef
 	write("FuzzClassify", "ext4", ext4, nil)
