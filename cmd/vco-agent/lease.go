@@ -120,7 +120,11 @@ func leaseMainReady(args []string, stdout, stderr io.Writer, interrupt <-chan os
 	if err := o.setup(); err != nil {
 		return o.fail(err)
 	}
-	dev, err := lease.OpenDevice(pos[0])
+	open := lease.OpenDevice
+	if sub == "show" || sub == "check" {
+		open = lease.OpenDeviceReadOnly
+	}
+	dev, err := open(pos[0])
 	if err != nil {
 		return o.fail(err)
 	}

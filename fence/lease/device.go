@@ -28,7 +28,17 @@ type Device struct {
 // OpenDevice opens path for lease I/O. It rejects devices whose logical
 // block size is above BlockSize (no lease I/O could be aligned).
 func OpenDevice(path string) (*Device, error) {
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_DIRECT|unix.O_DSYNC|unix.O_CLOEXEC, 0)
+	return openDevice(path, unix.O_RDWR|unix.O_DSYNC)
+}
+
+// OpenDeviceReadOnly opens path for reading the lease only: it works on a
+// device that was set read-only (a refused disk), and cannot write.
+func OpenDeviceReadOnly(path string) (*Device, error) {
+	return openDevice(path, unix.O_RDONLY)
+}
+
+func openDevice(path string, mode int) (*Device, error) {
+	fd, err := unix.Open(path, mode|unix.O_DIRECT|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("opening %s for lease I/O (O_DIRECT): %w", path, err)
 	}

@@ -284,7 +284,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 
 	idx := e.pickSlot(a, victim)
 	if idx < 0 {
-		return fence.Claim{}, fmt.Errorf("%s: every lease slot is in use by other hosts; list them with 'vco-agent lease show' and clear stale ones", e.dev.name)
+		return fence.Claim{}, fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
 	}
 	s := Slot{Key: mine, Epoch: a.MaxEpoch() + 1, Counter: a.Slots[idx].Counter + 1, State: StateHeld,
 		Timing: t, Node: e.cfg.NodeName}
@@ -815,7 +815,7 @@ func ReadStatus(ctx context.Context, d *Device, own fence.Key, timeout time.Dura
 // owner found here may have expired; refusing it is still right, since
 // only a stage request (Acquire, which waits) may take the disk.
 func Inspect(ctx context.Context, path string, timeout time.Duration) (*Slot, error) {
-	d, err := OpenDevice(path)
+	d, err := OpenDeviceReadOnly(path)
 	if err != nil {
 		return nil, err
 	}

@@ -152,6 +152,10 @@ func TestWatcherRefusesHeldDisk(t *testing.T) {
 	if ro, err := ReadOnly(dev); err != nil || !ro {
 		t.Fatalf("refused device read-only: %v %v", ro, err)
 	}
+	// The refused device can still be inspected, and names the holder.
+	if s, err := lease.Inspect(context.Background(), dev, time.Second); err != nil || s == nil || s.Key != keyA {
+		t.Fatalf("inspecting the refused device: %+v %v", s, err)
+	}
 	// Node A's path to the disk is untouched and A keeps renewing.
 	if out, err := exec.Command("losetup", "-j", img).CombinedOutput(); err != nil || len(out) == 0 {
 		t.Fatalf("losetup -j: %v %s", err, out)
