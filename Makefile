@@ -14,14 +14,16 @@ export PATH  := $(TOOLS):$(PATH)
 
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
-        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux
+        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
+        skopeo umoci gettext-base
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi lab deps deps-apt deps-go proto clean fuzz fuzz-fence
+.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence \
+        image csi-yaml csi-addon test-deploy
 
 all: build
 
@@ -30,7 +32,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit
+test: deps lint build unit test-deploy test-lab
 
 unit:
 	$(GO) test -count=1 ./...
@@ -39,13 +41,25 @@ lint: deps-go
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck ./...
 
+# The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
+# 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
+LAB_TIMEOUT ?= 60m
+test-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) ./integration/...
+
 # Benchmarks print one table of figures against named references; they
 # are never asserted. Each part adds a bench-* target as a prerequisite.
-bench: bench-agent bench-csi
+bench: bench-agent bench-csi bench-lab
+
+# Guest boot and lab set-up against a guest booting alone; reservation
+# latency of the engine against sg_persist, in a guest.
+bench-lab: deps build
+	$(BIN)/vco-lab bench
 
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
-	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ && \
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./agent/volume/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
 
 # 100 concurrent CreateVolume+ControllerPublish against the simulator,
 # reported as a ratio to the bare API calls for the same work.
@@ -55,13 +69,65 @@ bench-csi: deps
 # Lease takeover against its bound, a check of 64 claims against raw
 # reads, refusal latency from the kernel's uevent against the 1 s budget
 # (real loop devices; root).
+.PHONY: bench-fence deps-udev
+bench: bench-fence
 bench-fence: deps
 	@mkdir -p $(BIN)
 	@{ $(GO) test -count=1 -run '^$$' -bench . -benchtime 3x ./fence/lease/ && \
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 20x ./fence/uevent/ ; } | tee $(BIN)/bench-fence.txt | $(GO) run ./agent/internal/benchtable
 
+# The vco-csi container image as an OCI image layout tarball, built
+# without a container daemon: dist/vco-csi-$(VERSION).oci.tar.
+IMAGE_ARCHS ?= amd64 arm64
+image:
+	@mkdir -p $(BIN)/image dist
+	for a in $(IMAGE_ARCHS); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/image/vco-csi-$$a ./cmd/vco-csi; done
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) \
+	  $(GO) run ./cmd/vco-addon image $(foreach a,$(IMAGE_ARCHS),-binary $(a)=$(BIN)/image/vco-csi-$(a)) \
+	  -version $(VERSION) -o dist/vco-csi-$(VERSION).oci.tar
+
+# deploy/csi.yaml, the add-on bundle with its two placeholders, from
+# deploy/manifests (make test fails when it is stale).
+csi-yaml:
+	$(GO) run ./cmd/vco-addon bundle -o deploy/csi.yaml
+
+# The add-on for one image: make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag>
+# [VCO_CSI_DRIVER_NAME=...]; the driver name defaults to one derived from
+# the image's registry host (docs/csi-addon.md).
+VCO_CSI_IMAGE       ?=
+VCO_CSI_DRIVER_NAME ?=
+csi-addon:
+	@test -n "$(VCO_CSI_IMAGE)" || { echo "make csi-addon: set VCO_CSI_IMAGE=<host>/<path>:<tag>" >&2; exit 2; }
+	$(GO) run ./cmd/vco-addon bundle -o dist/csi.yaml
+	$(GO) run ./cmd/vco-addon render -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o dist/csi-addon.yaml
+
+# Manifests decoded strictly and cross-checked; the image built, read back
+# and opened with skopeo and umoci (installed by deps).
+test-deploy: deps
+	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/...
+
 lab: deps build
 	$(BIN)/vco-lab run
+
+# dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
+# vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
+# of the lab. Plain go test skips it unless VCO_LAB is set.
+.PHONY: test-crypt-lab bench-crypt
+test: test-crypt-lab
+test-crypt-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/
+
+# The LUKS2 header reader and metadata validator under the fuzzer.
+.PHONY: fuzz-crypt
+fuzz-crypt:
+	$(GO) test -run '^$$' -fuzz FuzzReadHeader -fuzztime 60s ./crypt/luks2/
+	$(GO) test -run '^$$' -fuzz FuzzParseMetadata -fuzztime 60s ./crypt/luks2/
+
+# LUKS2 unlock and format against cryptsetup with the same KDF cost.
+bench: bench-crypt
+bench-crypt: deps build
+	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ | tee $(BIN)/bench-crypt.txt | $(GO) run ./agent/internal/benchtable
 
 fuzz:
 	@echo "fuzz targets are listed per package; see docs/testing.md"
@@ -87,16 +153,23 @@ proto: deps
 	  --go-grpc_out=agent/api --go-grpc_opt=paths=source_relative \
 	  agent/api/agent.proto
 
-deps: deps-apt deps-go deps-udev
+deps: deps-apt deps-go deps-lab deps-udev
 
 # A udevadm for the rules test, unpacked from Debian's packages into
 # .tools/udev without installing them: installing udev would start a
 # daemon that reacts to every loop device the tests attach.
 UDEV_ROOT := $(CURDIR)/.tools/udev
-deps-udev:
-	@test -x $(UDEV_ROOT)/bin/udevadm || { d=$$(mktemp -d) && cd $$d && \
+deps-udev: deps-apt
+	@test -x $(UDEV_ROOT)/bin/udevadm || { apt-cache show udev >/dev/null 2>&1 || apt-get update -qq; \
+	  d=$$(mktemp -d) && cd $$d && \
 	  apt-get download -q udev libsystemd-shared >/dev/null && \
 	  mkdir -p $(UDEV_ROOT) && for f in *.deb; do dpkg-deb -x $$f $(UDEV_ROOT); done && rm -rf $$d; }
+
+# The lab's guest kernel: Debian's linux-image-amd64, unpacked into
+# /var/cache/vco-lab (or $$VCO_LAB_CACHE) once.
+deps-lab: deps-apt
+	@apt-cache show linux-image-amd64 >/dev/null 2>&1 || apt-get update -qq
+	@$(GO) run ./cmd/vco-lab prepare
 
 deps-apt:
 	@missing=""; \
