@@ -155,7 +155,14 @@ proto: deps
 
 deps: deps-apt deps-go deps-lab deps-udev
 
-# A udevadm for the rules test, unpacked from Debian's packages into
+# The udev rules against real virtio-blk and QEMU SCSI disks in a lab guest
+# (packaging/udev/lab_test.go, about 30 s).
+.PHONY: test-udev-lab
+test: test-udev-lab
+test-udev-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestRulesInGuest ./packaging/udev/
+
+# A udevadm for the rules tests, unpacked from Debian's packages into
 # .tools/udev without installing them: installing udev would start a
 # daemon that reacts to every loop device the tests attach.
 UDEV_ROOT := $(CURDIR)/.tools/udev

@@ -109,16 +109,22 @@ exec %[6]s test --action=add /sys/class/block/%[3]s
 	if err != nil {
 		t.Fatalf("udevadm test: %v\n%s", err, out)
 	}
-	props := map[string]string{}
-	for _, l := range strings.Split(string(out), "\n") {
-		if k, v, ok := strings.Cut(l, "="); ok && k != "" && strings.ToUpper(k) == k && !strings.ContainsAny(k, " :/") {
-			props[k] = v
-		}
-	}
+	props := parseProps(string(out))
 	if props["DEVNAME"] != "/dev/"+name {
 		t.Fatalf("udevadm test printed no properties for %s:\n%s", name, out)
 	}
 	return props, string(out)
+}
+
+// parseProps reads the KEY=VALUE lines udevadm test prints at its end.
+func parseProps(out string) map[string]string {
+	props := map[string]string{}
+	for _, l := range strings.Split(out, "\n") {
+		if k, v, ok := strings.Cut(l, "="); ok && k != "" && strings.ToUpper(k) == k && !strings.ContainsAny(k, " :/") {
+			props[k] = v
+		}
+	}
+	return props
 }
 
 func loop(t *testing.T) string {
