@@ -155,6 +155,13 @@ proto: deps
 
 deps: deps-apt deps-go deps-lab deps-udev
 
+# L1-L4 with the on-disk lease between two lab guests sharing one
+# virtio-blk disk, through vco-agent lease (fence/lease/lab_test.go, 80 s).
+.PHONY: test-lease-lab
+test: test-lease-lab
+test-lease-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestLeaseBetweenGuests ./fence/lease/
+
 # The udev rules against real virtio-blk and QEMU SCSI disks in a lab guest
 # (packaging/udev/lab_test.go, about 30 s).
 .PHONY: test-udev-lab
