@@ -15,6 +15,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
@@ -33,6 +34,9 @@ DEVICE is a block device path (/dev/vdb, /dev/disk/by-id/...).
            exit 3 when the claim is lost while held
   release  mark this node's slot released
   check    exit 0 when this node owns the lease, 1 otherwise
+  watch    (no DEVICE) refuse every disk that appears held by another
+           node's lease, as the agent does: read-only at the block layer;
+           one line per decision, until interrupted or --hold-for ends
 
 flags:
 `
@@ -47,11 +51,14 @@ type leaseOptions struct {
 	name                              string
 	interrupt                         <-chan os.Signal
 	ready                             func()
-	resolver                          fence.Resolver
-	grantParsed                       *fence.Grant
-	key                               fence.Key
-	timing                            lease.Timing
-	stdout, stderr                    io.Writer
+	// match narrows watch to some devices (tests: their own loop device,
+	// never a neighbour's).
+	match          func(uevent.Event) bool
+	resolver       fence.Resolver
+	grantParsed    *fence.Grant
+	key            fence.Key
+	timing         lease.Timing
+	stdout, stderr io.Writer
 }
 
 func runLease(args []string) int {
@@ -61,18 +68,23 @@ func runLease(args []string) int {
 }
 
 func leaseMain(args []string, stdout, stderr io.Writer, interrupt <-chan os.Signal) int {
-	return leaseMainReady(args, stdout, stderr, interrupt, nil)
+	return leaseMainWith(args, stdout, stderr, interrupt, leaseHooks{})
 }
 
-// leaseMainReady is leaseMain with a hook called once acquire holds the
-// disk (tests wait on it).
-func leaseMainReady(args []string, stdout, stderr io.Writer, interrupt <-chan os.Signal, ready func()) int {
+// leaseHooks let tests see when acquire holds the disk or watch listens,
+// and keep watch to their own devices.
+type leaseHooks struct {
+	ready func()
+	match func(uevent.Event) bool
+}
+
+func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.Signal, h leaseHooks) int {
 	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
 		fmt.Fprint(stderr, leaseUsage)
 		return 2
 	}
 	sub := args[0]
-	o := leaseOptions{interrupt: interrupt, ready: ready, stdout: stdout, stderr: stderr}
+	o := leaseOptions{interrupt: interrupt, ready: h.ready, match: h.match, stdout: stdout, stderr: stderr}
 	def := lease.DefaultTiming()
 	fs := flag.NewFlagSet("lease "+sub, flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -85,7 +97,7 @@ func leaseMainReady(args []string, stdout, stderr io.Writer, interrupt <-chan os
 	fs.StringVar(&o.grant, "grant", "", "takeover grant from the controller: JSON, or @FILE")
 	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
 	fs.DurationVar(&o.timeout, "timeout", 0, "bound on acquiring (default: the holder's expiry bound plus a minute)")
-	fs.DurationVar(&o.holdFor, "hold-for", 0, "acquire: release after this long (default: hold until interrupted)")
+	fs.DurationVar(&o.holdFor, "hold-for", 0, "acquire: release after this long; watch: stop after this long (default: until interrupted)")
 	fs.DurationVar(&o.ioTimeout, "io-timeout", def.IOTimeout, "lease timing: bound on one lease I/O (d)")
 	fs.DurationVar(&o.renew, "renew", def.Renew, "lease timing: renewal interval (R)")
 	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
@@ -104,18 +116,28 @@ func leaseMainReady(args []string, stdout, stderr io.Writer, interrupt <-chan os
 		rest = fs.Args()[1:]
 	}
 	switch sub {
-	case "show", "format", "acquire", "release", "check":
+	case "show", "format", "acquire", "release", "check", "watch":
 	default:
 		fmt.Fprintf(stderr, "vco-agent lease: unknown subcommand %q\n\n", sub)
 		fs.Usage()
 		return 2
+	}
+	if sub == "watch" {
+		if len(pos) != 0 {
+			fs.Usage()
+			return 2
+		}
+		if err := o.setup(); err != nil {
+			return o.fail(err)
+		}
+		return o.watch()
 	}
 	if len(pos) != 1 {
 		fs.Usage()
 		return 2
 	}
 	if sub != "acquire" && (o.grant != "" || o.holdFor != 0) {
-		return o.fail(errors.New("--grant and --hold-for only apply to acquire"))
+		return o.fail(errors.New("--grant and --hold-for only apply to acquire and watch"))
 	}
 	if err := o.setup(); err != nil {
 		return o.fail(err)
@@ -323,6 +345,74 @@ func (o *leaseOptions) show(st lease.Status) int {
 		age := time.Since(time.Unix(0, s.Written)).Round(time.Millisecond)
 		fmt.Fprintf(w, "slot %2d:    key %s node %q %s epoch %d counter %d, written %s ago (writer's clock), timing %s\n",
 			s.Index, s.Key, o.nodeName(&s.Slot), s.State, s.Epoch, s.Counter, age, s.Timing)
+	}
+	return 0
+}
+
+// watch runs the hot-plug Watcher with a classifier that looks at the
+// lease area only (the agent's also asks the reservation engine).
+func (o *leaseOptions) watch() int {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	w := &uevent.Watcher{
+		Groups: uevent.GroupKernel,
+		Match:  o.match,
+		Classify: func(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
+			s, err := lease.Inspect(ctx, ev.Node(), o.timing.IOTimeout)
+			if errors.Is(err, lease.ErrNoLease) {
+				return uevent.Verdict{Reason: "no lease area"}, nil
+			}
+			if err != nil {
+				return uevent.Verdict{}, err
+			}
+			if s == nil {
+				return uevent.Verdict{Method: lease.Method, Reason: "lease free"}, nil
+			}
+			if s.Key == o.key {
+				return uevent.Verdict{Method: lease.Method, Holder: s.Key, Reason: "lease held by this node"}, nil
+			}
+			node := o.nodeName(s)
+			return uevent.Verdict{Refuse: true, Method: lease.Method, Holder: s.Key, HolderNode: node,
+				Reason: fmt.Sprintf("disk lease held by key %s (node %s)", s.Key, node)}, nil
+		},
+		OnDecision: func(d uevent.Decision) {
+			lat := d.Done.Sub(d.Received).Round(10 * time.Microsecond)
+			switch {
+			case d.Err != nil:
+				fmt.Fprintf(o.stdout, "error %s: %v\n", d.Event.Node(), d.Err)
+			case d.Verdict.Refuse:
+				fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set %s after the kernel's %s event\n",
+					d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, lat, d.Event.Action)
+			default:
+				fmt.Fprintf(o.stdout, "accepted %s (%d:%d): %s\n", d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason)
+			}
+		},
+		OnRemove: func(ev uevent.Event) { fmt.Fprintf(o.stdout, "removed %s (%d:%d)\n", ev.Node(), ev.Major, ev.Minor) },
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- w.Run(ctx) }()
+	select {
+	case <-w.Ready():
+		fmt.Fprintln(o.stdout, "watching for disks")
+	case err := <-errc:
+		return o.fail(err)
+	}
+	if o.ready != nil {
+		o.ready()
+	}
+	var hold <-chan time.Time
+	if o.holdFor > 0 {
+		hold = time.After(o.holdFor)
+	}
+	select {
+	case <-o.interrupt:
+	case <-hold:
+	case err := <-errc:
+		return o.fail(err)
+	}
+	cancel()
+	if err := <-errc; err != nil {
+		return o.fail(err)
 	}
 	return 0
 }

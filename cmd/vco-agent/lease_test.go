@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 )
 
 // leaseLoop attaches a loop device to a sparse image (in memory where
@@ -78,7 +79,7 @@ func TestLeaseCommands(t *testing.T) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		codeA = leaseMainReady(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &outA, &errA, interrupt, func() { close(claimed) })
+		codeA = leaseMainWith(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &outA, &errA, interrupt, leaseHooks{ready: func() { close(claimed) }})
 	}()
 	select {
 	case <-claimed:
@@ -134,5 +135,78 @@ func TestLeaseFormatRefusesData(t *testing.T) {
 	code, _, errs := runLeaseCLI(t, nil, "format", dev, "--uuid", cliUUIDA)
 	if code != 1 || !strings.Contains(errs, "ext2/3/4 superblock") || !strings.Contains(errs, "not formatted") {
 		t.Fatalf("format over ext4: %d %q", code, errs)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for the watcher's goroutine.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
+
+// lease watch refuses a loop device whose lease another node holds the
+// moment its contents appear (the kernel's change event), and says so.
+func TestLeaseWatch(t *testing.T) {
+	img := ""
+	holder := leaseLoop(t, func(p string) { img = p })
+	if code, _, errs := runLeaseCLI(t, nil, "format", holder, "--uuid", cliUUIDA); code != 0 {
+		t.Fatal(errs)
+	}
+	stopA := make(chan os.Signal, 1)
+	claimed := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var o, e bytes.Buffer
+		leaseMainWith(append([]string{"acquire", holder, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &o, &e, stopA, leaseHooks{ready: func() { close(claimed) }})
+	}()
+	defer func() { stopA <- os.Interrupt; wg.Wait() }()
+	<-claimed
+
+	// The second device is picked before it exists, so the watcher can be
+	// told to look at it alone.
+	out, err := exec.Command("losetup", "--find").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := strings.TrimSpace(string(out))
+	stopW := make(chan os.Signal, 1)
+	listening := make(chan struct{})
+	var wout syncBuffer
+	var werr bytes.Buffer
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		leaseMainWith(append([]string{"watch", "--uuid", cliUUIDB, "--node", "node-a=" + cliUUIDA}, fastLease...), &wout, &werr, stopW,
+			leaseHooks{ready: func() { close(listening) }, match: func(ev uevent.Event) bool { return ev.Disk() && "/dev/"+ev.DevName == dev }})
+	}()
+	<-listening
+	if out, err := exec.Command("losetup", dev, img).CombinedOutput(); err != nil {
+		stopW <- os.Interrupt
+		t.Skipf("losetup %s (taken by a neighbour meanwhile?): %v %s", dev, err, out)
+	}
+	t.Cleanup(func() {
+		exec.Command("blockdev", "--setrw", dev).Run()
+		exec.Command("losetup", "-d", dev).Run()
+	})
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(wout.String(), "refused "+dev) && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	stopW <- os.Interrupt
+	line := wout.String()
+	if !strings.Contains(line, "refused "+dev) || !strings.Contains(line, "node node-a") || !strings.Contains(line, "read-only set") {
+		t.Fatalf("watch output: %q %q", line, werr.String())
+	}
+	if ro, err := os.ReadFile("/sys/block/" + filepath.Base(dev) + "/ro"); err != nil || strings.TrimSpace(string(ro)) != "1" {
+		t.Fatalf("refused device not read-only: %q %v", ro, err)
 	}
 }
