@@ -98,7 +98,8 @@ func (n *labNode) wait(job int) (int, string) {
 // test-lease-lab does): L1 a second claim is refused naming the holder,
 // L2 handover by release, L3 takeover from a frozen guest after the
 // expiry bound, which on resuming reports the loss and stops, L4 both
-// guests claiming at once, exactly one winner each round.
+// guests claiming at once, exactly one winner each round; then a disk A
+// holds is hot-plugged into B, whose watcher refuses it unasked.
 func TestLeaseBetweenGuests(t *testing.T) {
 	if ok, why := lab.GuestTierEnabled(); !ok {
 		t.Skip(why)
@@ -245,4 +246,99 @@ func TestLeaseBetweenGuests(t *testing.T) {
 		}
 		t.Logf("L4 round %d: %s won", round, won[0])
 	}
+
+	// Hot-plug: a disk A holds is plugged into B, whose watcher refuses
+	// it on the kernel's add event, with no request: read-only on B.
+	hotImg := filepath.Join(t.TempDir(), "hot.img")
+	if err := os.WriteFile(hotImg, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(hotImg, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	hot := lab.Disk{ID: "hot", Kind: lab.VirtioBlk, File: hotImg, Serial: "5002"}
+	if err := a.g.AttachDisk(ctx, hot); err != nil {
+		t.Fatal(err)
+	}
+	wctx, wcancel := context.WithTimeout(ctx, time.Minute)
+	hd, err := a.g.WaitDiskBySerial(wctx, "5002")
+	wcancel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	aHot := &labNode{t: t, ctx: ctx, g: a.g, uuid: labUUIDA, name: a.name, dev: "/dev/" + hd.Name}
+	if code, out := aHot.run("format"); code != 0 {
+		t.Fatalf("hot-plug: format on A: %d %s", code, out)
+	}
+	jobA, ok, code, out = aHot.hold()
+	if !ok {
+		t.Fatalf("hot-plug: A acquire: %d %s", code, out)
+	}
+	watch, err := b.g.Exec().Start(ctx, append([]string{"/bin/vco-agent", "lease", "watch", "--uuid", labUUIDB,
+		"--node", "node-a=" + labUUIDA, "--hold-for", "2m"}, labTiming...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; ; i++ {
+		r, err := b.g.Exec().Wait(ctx, watch, 500*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !r.TimedOut {
+			t.Fatalf("hot-plug: B's watcher ended: %d %s %s", r.Exit, r.Stdout, r.Stderr)
+		}
+		if strings.Contains(r.Stdout, "watching") {
+			break
+		}
+		if i > 60 {
+			t.Fatal("hot-plug: B's watcher did not start")
+		}
+	}
+	if err := b.g.AttachDisk(ctx, hot); err != nil {
+		t.Fatal(err)
+	}
+	var refused string
+	for i := 0; refused == "" && i < 120; i++ {
+		r, err := b.g.Exec().Wait(ctx, watch, 500*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(r.Stdout, "\n") {
+			if strings.HasPrefix(line, "refused ") {
+				refused = line
+			}
+		}
+		if !r.TimedOut {
+			break
+		}
+	}
+	if refused == "" || !strings.Contains(refused, "node node-a") || !strings.Contains(refused, "add event") {
+		t.Fatalf("hot-plug: B's watcher did not refuse the disk: %q", refused)
+	}
+	t.Logf("hot-plug: B: %s", refused)
+	bHot := strings.Fields(refused)[1]
+	if got := strings.TrimSpace(mustSh(t, ctx, b.g, "cat /sys/block/"+filepath.Base(bHot)+"/ro")); got != "1" {
+		t.Fatalf("hot-plug: %s on B is not read-only (ro=%s)", bHot, got)
+	}
+	if r, err := b.g.Exec().Run(ctx, time.Minute, "/bin/sh", "-c", "dd if=/dev/zero of="+bHot+" bs=4096 count=1 seek=1000 oflag=direct"); err != nil || r.Exit == 0 {
+		t.Fatalf("hot-plug: a write to the refused disk on B succeeded: %v %v", r, err)
+	}
+	if err := b.g.Exec().Kill(ctx, watch, syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code, out := aHot.run("check"); code != 0 {
+		t.Fatalf("hot-plug: A lost the disk: %d %s", code, out)
+	}
+	if code, out := aHot.stop(jobA); code != 0 {
+		t.Fatalf("hot-plug: A's release: %d %s", code, out)
+	}
+}
+
+func mustSh(t *testing.T, ctx context.Context, g *lab.Guest, script string) string {
+	t.Helper()
+	out, err := g.MustSh(ctx, script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
