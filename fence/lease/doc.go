@@ -71,8 +71,9 @@
 // counter. Check does the same reads without the write.
 //
 // Lose: a foreign owner above us, our slot changed, or no successful
-// renewal for F (a timer fires at that deadline even while I/O hangs)
-// marks the claim lost for good (fence.LostError): renewals stop, Config.
+// renewal for F (a timer fires at that deadline; while a renewal I/O is
+// in flight, at most d later, which Expiry allows for) marks the claim
+// lost for good (fence.LostError): renewals stop, Config.
 // OnLost is called to stop I/O at once, and then our slot is marked
 // fenced. The engine never acquires again; a new stage request makes a new
 // Engine.

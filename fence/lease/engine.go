@@ -120,8 +120,18 @@ func (e *Engine) verify(ctx context.Context) error {
 // start the clock before calling, so a retry only makes them more
 // cautious.
 func (e *Engine) read(ctx context.Context) (*Area, error) {
+	return e.readTries(ctx, 3)
+}
+
+// readOnce is one read, for the renewer and Check: they run against the
+// fail deadline, which a retried read could overshoot by more than d.
+func (e *Engine) readOnce(ctx context.Context) (*Area, error) {
+	return e.readTries(ctx, 1)
+}
+
+func (e *Engine) readTries(ctx context.Context, tries int) (*Area, error) {
 	b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
-	for i := 0; i < 2 && errors.Is(err, errIOTimeout); i++ {
+	for i := 1; i < tries && errors.Is(err, errIOTimeout); i++ {
 		e.log.Warn("lease read timed out; reading again", "error", err)
 		b, err = e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
 	}
@@ -648,7 +658,7 @@ func (e *Engine) Check(ctx context.Context) error {
 	}
 	// Read before looking at the deadline, so that a loss names the new
 	// holder when there is one.
-	a, err := e.read(ctx)
+	a, err := e.readOnce(ctx)
 	if err == nil {
 		if lerr := e.verifyOwn(a); lerr != nil {
 			return lerr
@@ -744,7 +754,7 @@ func (e *Engine) renew(r *renewer) {
 		next := e.cfg.Timing.Renew
 		if !e.paused {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*e.cfg.Timing.IOTimeout)
-			a, err := e.read(ctx)
+			a, err := e.readOnce(ctx)
 			if err == nil {
 				err = e.renewLocked(ctx, a)
 			} else {
