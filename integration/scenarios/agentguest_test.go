@@ -12,12 +12,19 @@ import (
 
 // agentConfig is the configuration the scenarios run the agent daemon
 // with in a guest: no D-Bus (the guests have none), a short claim check,
-// and unfenced disks allowed only where the request opts in too.
+// unfenced disks allowed only where the request opts in too, and a lease
+// timing scaled down from the defaults' proportions so that a takeover
+// after expiry (max(fail+watchdog+io, renew+6*io) = 9s) fits a test.
 const agentConfig = `dbus:
   enabled: false
 volumes:
   check_interval: 1s
   allow_unfenced: true
+  lease:
+    io_timeout: 1s
+    renew: 2s
+    fail: 8s
+    watchdog: 0s
 `
 
 // startAgent runs `vco-agent serve` in g in the background, as systemd
