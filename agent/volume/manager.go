@@ -405,10 +405,15 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	// Whatever fails from here leaves no device open, no fence held and,
 	// for a first attempt, no record.
 	var fencer fence.Fencer
-	acquired, mapped, mounted := false, false, false
+	acquired, mapped, mounted, roCleared := false, false, false, false
 	defer func() {
 		if err == nil {
 			return
+		}
+		if roCleared && !acquired {
+			if rerr := setReadOnly(dev.File, true); rerr != nil {
+				m.log.Error("could not set a disk read-only again after a failed claim", "volume", c.Volume, "device", dev.Path, "err", rerr)
+			}
 		}
 		// Undo in reverse: nothing stays mounted or mapped on a disk whose
 		// fence this node gives back.
@@ -468,6 +473,17 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			"volume", c.Volume, "device", dev.Path, "reason", choice.Reason)
 		c.Method, c.State, c.Key = fence.MethodNone, StateUnfenced, 0
 	} else {
+		if choice.Method == MethodLease {
+			// The lease is taken by writing this node's slot on the disk:
+			// a disk refused earlier (read-only) must take that write. A
+			// refusal now sets it read-only again.
+			if ro, rerr := readOnly(dev.File); rerr == nil && ro {
+				if err := setReadOnly(dev.File, false); err != nil {
+					return res, fmt.Errorf("volume %s: %w", c.Volume, err)
+				}
+				roCleared = true
+			}
+		}
 		if choice.Prepare != nil {
 			wrote, err := choice.Prepare(ctx)
 			if err != nil {

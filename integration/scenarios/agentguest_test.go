@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
@@ -68,6 +69,12 @@ func agentJSON(ctx context.Context, g *lab.Guest, v any, argv ...string) error {
 	full := append([]string{"/bin/vco-agent"}, argv...)
 	full = append(full, "--json")
 	r, err := g.Exec().Run(ctx, 0, full...)
+	// A call that meets another on the same volume (the agent's periodic
+	// claim check) is ABORTED; kubelet retries it, and so does this.
+	for i := 0; err == nil && r.Exit != 0 && strings.Contains(r.Stderr, "answered Aborted") && i < 30; i++ {
+		time.Sleep(200 * time.Millisecond)
+		r, err = g.Exec().Run(ctx, 0, full...)
+	}
 	if err != nil {
 		return err
 	}
