@@ -63,6 +63,10 @@ type Volumes struct {
 	// Lease is the timing of the on-disk lease that fences disks without
 	// SCSI-3 reservations (package fence/lease documents each bound).
 	Lease LeaseTiming `yaml:"lease"`
+	// ClaimedDir is where the agent marks the disks it has claimed for
+	// the packaged udev rules, which hide unclaimed data disks; empty
+	// turns the marks off.
+	ClaimedDir string `yaml:"claimed_dir"`
 	// WatchDisks runs the uevent watcher that refuses a disk held by
 	// another node the moment it appears.
 	WatchDisks bool `yaml:"watch_disks"`
@@ -143,7 +147,7 @@ func Default() Config {
 		Log:       Log{Level: "info"},
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
-		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true,
+		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true, ClaimedDir: "/run/vco-agent/claimed",
 			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog}},
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"path/filepath"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -155,6 +156,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 	if err := m.store.Delete(c.Volume); err != nil {
 		log.Error("removing the claim of a vanished disk", "err", err)
 	}
+	m.clearClaimed(filepath.Base(c.Device))
 	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, Reason: "device-gone",
 		Message: fmt.Sprintf("volume %s: its disk %s is gone (%v); the claim was cleaned up", c.Volume, c.Device, why)})
 	log.Warn("claimed disk is gone; claim cleaned up", "why", why)

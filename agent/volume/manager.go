@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -583,6 +584,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	} else {
 		msg += fmt.Sprintf(", fenced with %s key %s", c.Method, c.Key)
 	}
+	m.markClaimed(dev.Name)
 	m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
 		HolderKey: uint64(c.Key), Reason: "staged", Message: msg})
 	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "staging", c.StagingPath,
@@ -736,6 +738,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
 		}
 	}
+	m.clearClaimed(filepath.Base(c.Device))
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	if err := m.store.Put(c); err != nil {
 		m.log.Error("could not record a lost claim", "volume", c.Volume, "err", err)

@@ -116,6 +116,7 @@ func (m *Manager) Removed(ev uevent.Event) {
 				m.log.Error("recording a removed disk", "volume", now.Volume, "err", err)
 			}
 			m.log.Error("claimed disk removed", "volume", now.Volume, "device", now.Device)
+			m.clearClaimed(ev.DevName)
 		}
 		release()
 	}
@@ -128,4 +129,42 @@ func (m *Manager) serialOf(node string) string {
 		return d.Serial
 	}
 	return ""
+}
+
+// The packaged udev rules hide a data disk from systemd and udisks
+// (SYSTEMD_READY=0, UDISKS_IGNORE=1) until the agent marks it claimed;
+// a change uevent makes udev apply the mark at once.
+
+// markClaimed marks dev claimed for the udev rules.
+func (m *Manager) markClaimed(name string) {
+	m.claimMark(name, true)
+}
+
+// clearClaimed removes the mark on release, loss or removal.
+func (m *Manager) clearClaimed(name string) {
+	m.claimMark(name, false)
+}
+
+func (m *Manager) claimMark(name string, claimed bool) {
+	dir := m.o.Config.ClaimedDir
+	if dir == "" || name == "" {
+		return
+	}
+	var err error
+	if claimed {
+		err = uevent.MarkClaimed(dir, name)
+	} else {
+		err = uevent.ClearClaimed(dir, name)
+	}
+	if err == nil {
+		root := sysfsRoot(m.finder)
+		if target, lerr := filepath.EvalSymlinks(filepath.Join(root, "class", "block", name)); lerr == nil {
+			if rel, rerr := filepath.Rel(root, target); rerr == nil {
+				err = uevent.Trigger(root, "/"+rel, "change")
+			}
+		}
+	}
+	if err != nil {
+		m.log.Warn("could not update the udev claim mark of a disk", "device", name, "claimed", claimed, "err", err)
+	}
 }

@@ -67,8 +67,8 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	// (and refuse) the loop devices of other tests running beside this
 	// one; the lab's scenarios test it on real hot-plugged disks.
 	cfg := filepath.Join(dir, "config.yaml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  lease: {io_timeout: 100ms, renew: 200ms, fail: 2s, watchdog: 0s}\nmetrics:\n  listen: %s\n",
-		filepath.Join(dir, "state"), kubelet, metricsAddr)), 0o644)
+	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 100ms, renew: 200ms, fail: 2s, watchdog: 0s}\nmetrics:\n  listen: %s\n",
+		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"), metricsAddr)), 0o644)
 	sock := filepath.Join(dir, "agent.sock")
 	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
 	var agentErr bytes.Buffer
@@ -115,6 +115,11 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(img); !bytes.HasPrefix(b, []byte("VCOLEASE")) {
 		t.Fatal("no lease area at the start of the disk")
+	}
+	// The claim mark the udev rules look for.
+	mark := filepath.Join(dir, "claimed", filepath.Base(dev))
+	if _, err := os.Stat(mark); err != nil {
+		t.Fatalf("no udev claim mark for the staged disk: %v", err)
 	}
 
 	out2, errs, code := run(t, "disks", "--socket", sock)
@@ -184,6 +189,9 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 
 	if _, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-cli", StagingPath: staging}); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := os.Stat(mark); err == nil {
+		t.Fatal("the udev claim mark stayed after unstage")
 	}
 	out2, _, _ = run(t, "disks", "--socket", sock)
 	if strings.Contains(out2, "vol-cli") {
