@@ -179,3 +179,33 @@ func TestForeignDiskWithoutReservationsNeedsTheOptIn(t *testing.T) {
 		t.Fatal("the opt-in is not logged")
 	}
 }
+
+// A claimed disk that goes away is marked missing (abnormal) at its
+// remove uevent, without waiting for the periodic check; a remove of a
+// disk the agent holds nothing of changes nothing.
+func TestRemovedDiskMarksItsClaimMissing(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := e.stageReq("vol-r", img, "staging/r")
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	_, other := loop(t, 16)
+	gone := devEvent(t, other)
+	gone.Action = "remove"
+	e.m.Removed(gone)
+	if st, _ := e.m.Stats(ctx, "vol-r", ""); st.Abnormal {
+		t.Fatal("another disk's removal made the volume abnormal")
+	}
+	ev := devEvent(t, dev)
+	ev.Action = "remove"
+	e.m.Removed(ev)
+	st, err := e.m.Stats(ctx, "vol-r", "")
+	if err != nil || !st.Abnormal || !strings.Contains(st.Message, "removed") {
+		t.Fatalf("stats after the disk's removal: %+v %v", st, err)
+	}
+	if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
