@@ -27,7 +27,7 @@ import (
 // refused by the loop device, so the on-disk lease is chosen, with short
 // timing. The lab repeats this across real guests.
 
-var testTiming = lease.Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: time.Second, Watchdog: 0}
+var testTiming = lease.Timing{IOTimeout: 250 * time.Millisecond, Renew: 500 * time.Millisecond, Fail: 2500 * time.Millisecond, Watchdog: 0}
 
 func leaseFencing(node, name string) *Fencing {
 	key, _ := fence.KeyFromUUID(node)
