@@ -14,14 +14,15 @@ export PATH  := $(TOOLS):$(PATH)
 
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
-        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux
+        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
+        lintian rpmlint rpm debootstrap cloud-init man-db
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz
+.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz packages test-packages
 
 all: build
 
@@ -30,7 +31,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit
+test: deps lint build unit test-packages
 
 unit:
 	$(GO) test -count=1 ./...
@@ -74,6 +75,26 @@ deps-go:
 	@test -x $(TOOLS)/staticcheck || GOBIN=$(TOOLS) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	@test -x $(TOOLS)/protoc-gen-go || GOBIN=$(TOOLS) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
 	@test -x $(TOOLS)/protoc-gen-go-grpc || GOBIN=$(TOOLS) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GRPC_VERSION)
+
+# Node-image packages: dist/vco-agent_<version>_<arch>.deb and
+# dist/vco-agent-<version>.<arch>.rpm for each of PKG_ARCHES.
+PKG_ARCHES     := amd64 arm64
+PKG_MAINTAINER ?= whitesky.cloud <vco-storage@whitesky.cloud>
+comma          := ,
+space          := $(subst x,,x x)
+
+packages: build
+	@rm -f dist/vco-agent_*.deb dist/vco-agent-*.rpm
+	@for a in $(PKG_ARCHES); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/linux_$$a/ ./cmd/vco-agent; \
+	done
+	$(GO) run ./packaging/cmd/vco-pkg -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
+	  -bin-dir '$(BIN)/linux_%s' -help-from $(BIN)/vco-agent -out dist -maintainer '$(PKG_MAINTAINER)'
+
+# lintian, rpmlint, systemd-analyze, cloud-init schema, and install,
+# upgrade, remove and purge in a debootstrap chroot and an rpm --root.
+test-packages: deps packages
+	packaging/test/check-packages.sh dist
 
 clean:
 	rm -rf $(BIN) dist
