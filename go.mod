@@ -2,7 +2,11 @@ module github.com/whitesky-cloud/vco-storage
 
 go 1.26
 
-require github.com/goreleaser/nfpm/v2 v2.45.2
+require (
+	github.com/coreos/go-systemd/v22 v22.7.0
+	github.com/goreleaser/nfpm/v2 v2.45.2
+	go.yaml.in/yaml/v3 v3.0.6
+)
 
 require (
 	dario.cat/mergo v1.0.2 // indirect
@@ -41,7 +45,6 @@ require (
 	github.com/ulikunitz/xz v0.5.15 // indirect
 	github.com/xanzy/ssh-agent v0.3.3 // indirect
 	gitlab.com/digitalxero/go-conventional-commit v1.0.7 // indirect
-	go.yaml.in/yaml/v3 v3.0.4 // indirect
 	golang.org/x/crypto v0.45.0 // indirect
 	golang.org/x/net v0.47.0 // indirect
 	golang.org/x/sys v0.38.0 // indirect
