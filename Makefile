@@ -15,14 +15,14 @@ export PATH  := $(TOOLS):$(PATH)
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
         cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
-        lintian rpmlint rpm debootstrap cloud-init man-db
+        lintian rpmlint rpm debootstrap cloud-init man-db skopeo ca-certificates
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz packages test-packages
+.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz packages image test-packages
 
 all: build
 
@@ -91,9 +91,20 @@ packages: build
 	$(GO) run ./packaging/cmd/vco-pkg -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
 	  -bin-dir '$(BIN)/linux_%s' -help-from $(BIN)/vco-agent -out dist -maintainer '$(PKG_MAINTAINER)'
 
+# The vco-csi container image: dist/vco-csi-<version>.oci.tar (an OCI
+# layout with an index over PKG_ARCHES), built without a container daemon.
+image: build
+	@rm -f dist/vco-csi-*.oci.tar
+	@for a in $(PKG_ARCHES); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/linux_$$a/ ./cmd/vco-csi; \
+	done
+	$(GO) run ./packaging/cmd/vco-image -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
+	  -bin-dir '$(BIN)/linux_%s' -out dist
+
 # lintian, rpmlint, systemd-analyze, cloud-init schema, and install,
-# upgrade, remove and purge in a debootstrap chroot and an rpm --root.
-test-packages: deps packages
+# upgrade, remove and purge in a debootstrap chroot and an rpm --root;
+# then the image loads with skopeo.
+test-packages: deps packages image
 	packaging/test/check-packages.sh dist
 
 clean:
