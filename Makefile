@@ -22,7 +22,7 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz packages image test-packages
+.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz packages image test-packages csi-yaml csi-addon
 
 all: build
 
@@ -100,6 +100,17 @@ image: build
 	done
 	$(GO) run ./packaging/cmd/vco-image -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
 	  -bin-dir '$(BIN)/linux_%s' -out dist
+
+# The Kubernetes add-on: dist/csi.yaml keeps ${VCO_CSI_IMAGE} and
+# ${VCO_CSI_DRIVER_NAME} for envsubst (the release artifact);
+# `make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag>` renders
+# dist/csi-addon.yaml with the driver name derived from the image host.
+csi-yaml:
+	$(GO) run ./deploy/cmd/vco-csi-addon -out dist/csi.yaml
+
+csi-addon:
+	@test -n "$(VCO_CSI_IMAGE)" || { echo "usage: make csi-addon VCO_CSI_IMAGE=<registry host>/<path>:<tag>" >&2; exit 2; }
+	$(GO) run ./deploy/cmd/vco-csi-addon -image '$(VCO_CSI_IMAGE)' -out dist/csi-addon.yaml
 
 # lintian, rpmlint, systemd-analyze, cloud-init schema, and install,
 # upgrade, remove and purge in a debootstrap chroot and an rpm --root;
