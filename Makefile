@@ -22,7 +22,8 @@ STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
-.PHONY: all build test unit lint bench lab deps deps-apt deps-go proto clean fuzz packages image test-packages csi-yaml csi-addon
+.PHONY: all build test unit lint bench bench-agent bench-csi lab deps deps-apt deps-go proto clean fuzz fuzz-fence
+.PHONY: packages image test-packages csi-yaml csi-addon
 
 all: build
 
@@ -40,14 +41,36 @@ lint: deps-go
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck ./...
 
-bench: deps build
-	$(GO) run ./cmd/vco-lab bench
+# Benchmarks print one table of figures against named references; they
+# are never asserted. Each part adds a bench-* target as a prerequisite.
+bench: bench-agent bench-csi
+
+bench-agent: deps build
+	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
+
+# 100 concurrent CreateVolume+ControllerPublish against the simulator,
+# reported as a ratio to the bare API calls for the same work.
+bench-csi: deps
+	$(GO) test -count=1 -run '^$$' -bench CreatePublish100 -benchtime 5x ./csi/driver
 
 lab: deps build
 	$(BIN)/vco-lab run
 
 fuzz:
 	@echo "fuzz targets are listed per package; see docs/testing.md"
+
+# Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
+# in `make unit`).
+FUZZTIME   ?= 30s
+FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
+  fence/discovery:FuzzParseLocator fence/discovery:FuzzParsePCIAddress fence/discovery:FuzzParseDevnum \
+  fence/scsi:FuzzParseSense fence/scsi:FuzzParseReadKeys fence/scsi:FuzzParseReadReservation \
+  fence/scsi:FuzzParseReportCapabilities fence/scsi:FuzzParseReadFullStatus fence/scsi:FuzzParseInquiry \
+  fence/scsi:FuzzParseUnitSerial fence/scsi:FuzzParseDeviceID
+fuzz-fence:
+	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
+	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./$$pkg; done
 
 proto: deps
 	protoc --proto_path=agent/api \

@@ -21,7 +21,12 @@ type command struct {
 
 func commands() map[string]command {
 	return map[string]command{
-		"version": {"print the agent version", func([]string) int { fmt.Println(version); return 0 }},
+		"version":  {"print the agent version", func([]string) int { fmt.Println(version); return 0 }},
+		"serve":    {"run the agent daemon (started by systemd)", runServe},
+		"identity": {"print this node's identity (from the agent, or read locally)", runIdentity},
+		"status":   {"print the running agent's status", runStatus},
+		"events":   {"print recent agent events; --follow for new ones", runEvents},
+		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
 	}
 }
 

@@ -1,6 +1,6 @@
 // Command vco-csi is the whitesky.cloud CSI plugin. Its controller talks to
 // the whitesky.cloud API; its node side delegates every privileged operation
-// to vco-agent over a unix socket.
+// to vco-agent over a unix socket. `vco-csi sim` runs the API simulator.
 package main
 
 import (
@@ -12,10 +12,14 @@ import (
 var version = "dev"
 
 func main() {
-	if len(os.Args) > 1 && (os.Args[1] == "version" || os.Args[1] == "--version") {
-		fmt.Println(version)
-		return
+	if len(os.Args) > 1 {
+		switch os.Args[1] {
+		case "version", "--version":
+			fmt.Println(version)
+			return
+		case "sim":
+			os.Exit(runSim(os.Args[2:]))
+		}
 	}
-	fmt.Fprintln(os.Stderr, "vco-csi: the CSI plugin is not built yet; only 'vco-csi version' works")
-	os.Exit(2)
+	os.Exit(runPlugin(os.Args[1:]))
 }

@@ -11,6 +11,10 @@ import (
 
 	"github.com/coreos/go-systemd/v22/unit"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/agent/daemon"
 )
 
 // unitOptions parses a unit file into section -> name -> values.
@@ -191,5 +195,53 @@ func TestPackagedFilesAgree(t *testing.T) {
 	}
 	if !slices.Contains(svc["Unit"]["Requires"], "vco-agent.socket") {
 		t.Error("service does not require its socket")
+	}
+}
+
+// The packaged files must be what the agent itself expects: its config
+// loader (which refuses unknown keys) accepts the default config and the
+// one cloud-init writes, and the socket unit matches the daemon's
+// activation name and the CLI's default socket.
+func TestPackagedFilesMatchTheAgent(t *testing.T) {
+	root := repoRoot(t)
+	cfg, err := config.Load(filepath.Join(root, "packaging", "config.yaml"), true)
+	if err != nil {
+		t.Fatalf("the agent refuses the packaged config.yaml: %v", err)
+	}
+	sock := unitOptions(t, "vco-agent.socket")
+	if got := one(t, sock, "Socket", "FileDescriptorName"); got != daemon.ActivationName {
+		t.Errorf("FileDescriptorName=%s, the daemon takes %q", got, daemon.ActivationName)
+	}
+	if got := one(t, sock, "Socket", "ListenStream"); got != client.DefaultSocket || got != cfg.Socket.Path {
+		t.Errorf("ListenStream=%s; the CLI defaults to %s, the config says %s", got, client.DefaultSocket, cfg.Socket.Path)
+	}
+	if got := one(t, sock, "Socket", "SocketGroup"); got != cfg.Socket.Group {
+		t.Errorf("SocketGroup=%s, the agent admits group %q", got, cfg.Socket.Group)
+	}
+
+	ud, err := os.ReadFile(filepath.Join(root, "packaging", "cloud-init", "user-data.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var userData struct {
+		WriteFiles []struct {
+			Path    string `yaml:"path"`
+			Content string `yaml:"content"`
+		} `yaml:"write_files"`
+	}
+	if err := yaml.Unmarshal(ud, &userData); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range userData.WriteFiles {
+		if f.Path != config.DefaultPath {
+			continue
+		}
+		p := filepath.Join(t.TempDir(), "config.yaml")
+		if err := os.WriteFile(p, []byte(f.Content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := config.Load(p, true); err != nil {
+			t.Errorf("the agent refuses the config cloud-init writes: %v", err)
+		}
 	}
 }

@@ -1,0 +1,274 @@
+// Package config is the vco-agent's configuration: one YAML file in which
+// every field has a default, plus command-line flags that override it. Later
+// capabilities (fencing, claim checks, mounts) add their own section: a
+// struct field of Config with a yaml tag, its defaults in Default, its
+// checks in Validate, a line in example.yaml, and flags only where an
+// operator needs them on the command line.
+package config
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// DefaultPath is where the packaged agent looks for its configuration.
+const DefaultPath = "/etc/vco-agent/config.yaml"
+
+// Config is the whole agent configuration. The YAML keys are the `yaml` tags.
+type Config struct {
+	Socket    Socket `yaml:"socket"`
+	Node      Node   `yaml:"node"`
+	StateDir  string `yaml:"state_dir"`
+	SysfsRoot string `yaml:"sysfs_root"`
+	Log       Log    `yaml:"log"`
+	DBus      DBus   `yaml:"dbus"`
+	Events    Events `yaml:"events"`
+}
+
+// Socket is the API's unix socket. Under socket activation systemd owns the
+// socket's path and mode; Group still decides who may call.
+type Socket struct {
+	Path string `yaml:"path"`
+	// Group may call the API besides root. Empty means root only.
+	Group string `yaml:"group"`
+}
+
+// Node names this host to the rest of the cluster.
+type Node struct {
+	// Name defaults to the host name.
+	Name string `yaml:"name"`
+	// Location is the whitesky.cloud location (topology key
+	// cloud.whitesky/location) this node runs in.
+	Location string `yaml:"location"`
+}
+
+// Log controls the agent's own log output.
+type Log struct {
+	// Level is one of debug, info, warn, error.
+	Level string `yaml:"level"`
+}
+
+// DBus controls the event signals on the system bus.
+type DBus struct {
+	Enabled bool `yaml:"enabled"`
+	// Address overrides the system bus address (a D-Bus address string such
+	// as unix:path=/run/dbus/system_bus_socket). Empty means the system bus
+	// as libdbus finds it (DBUS_SYSTEM_BUS_ADDRESS, else the default path).
+	Address string `yaml:"address"`
+}
+
+// Events sizes the in-memory event buffers.
+type Events struct {
+	// RingSize is how many recent events the agent keeps for status and replay.
+	RingSize int `yaml:"ring_size"`
+	// SubscriberBuffer is how many events a slow WatchEvents subscriber may
+	// fall behind before further events are dropped for it.
+	SubscriberBuffer int `yaml:"subscriber_buffer"`
+}
+
+// Default returns the configuration used when no file sets anything.
+func Default() Config {
+	host, err := os.Hostname()
+	if err != nil {
+		host = ""
+	}
+	return Config{
+		Socket:    Socket{Path: "/run/vco-agent/agent.sock"},
+		Node:      Node{Name: host},
+		StateDir:  "/var/lib/vco-agent",
+		SysfsRoot: "/sys",
+		Log:       Log{Level: "info"},
+		DBus:      DBus{Enabled: true},
+		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
+	}
+}
+
+// Load reads the file at path over the defaults. A missing file is fine when
+// the path was not chosen by the operator (explicit false): the packaged
+// default file is optional. The result is validated.
+func Load(path string, explicit bool) (Config, error) {
+	cfg := Default()
+	data, err := os.ReadFile(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist) && !explicit:
+		return cfg, cfg.Validate()
+	case errors.Is(err, fs.ErrNotExist):
+		return cfg, fmt.Errorf("config file %s does not exist: create it or drop --config to use the defaults", path)
+	case err != nil:
+		return cfg, fmt.Errorf("reading config file %s: %w", path, err)
+	}
+	if err := decode(data, &cfg); err != nil {
+		return cfg, fmt.Errorf("config file %s: %w", path, err)
+	}
+	if err := cfg.Validate(); err != nil {
+		return cfg, fmt.Errorf("config file %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+var unknownField = regexp.MustCompile(`line (\d+): field (\S+) not found in type (\S+)`)
+
+func decode(data []byte, cfg *Config) error {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	dec.KnownFields(true)
+	err := dec.Decode(cfg)
+	if errors.Is(err, io.EOF) {
+		return nil // an empty file keeps every default
+	}
+	var te *yaml.TypeError
+	if errors.As(err, &te) {
+		msgs := make([]string, 0, len(te.Errors))
+		for _, e := range te.Errors {
+			if m := unknownField.FindStringSubmatch(e); m != nil {
+				e = fmt.Sprintf("line %s: unknown field %q (in %s)", m[1], m[2], sectionName(m[3]))
+			}
+			msgs = append(msgs, e)
+		}
+		return errors.New(strings.Join(msgs, "; "))
+	}
+	if err != nil {
+		return errors.New(strings.TrimPrefix(err.Error(), "yaml: "))
+	}
+	return nil
+}
+
+// sectionName turns a Go type name from the YAML decoder into the section
+// an operator sees in the file, from Config's own yaml tags, so that a new
+// section needs no entry here.
+func sectionName(goType string) string {
+	name := strings.TrimPrefix(goType, "config.")
+	if name == "Config" {
+		return "the top level"
+	}
+	t := reflect.TypeFor[Config]()
+	for i := 0; i < t.NumField(); i++ {
+		f := t.Field(i)
+		if f.Type.Name() == name {
+			return "section " + strings.Split(f.Tag.Get("yaml"), ",")[0]
+		}
+	}
+	return goType
+}
+
+// Validate checks the values an operator can get wrong, naming the field.
+func (c *Config) Validate() error {
+	var errs []error
+	if !filepath.IsAbs(c.Socket.Path) {
+		errs = append(errs, fmt.Errorf("socket.path %q must be an absolute path", c.Socket.Path))
+	}
+	if !filepath.IsAbs(c.StateDir) {
+		errs = append(errs, fmt.Errorf("state_dir %q must be an absolute path", c.StateDir))
+	}
+	if c.SysfsRoot == "" {
+		errs = append(errs, errors.New("sysfs_root must not be empty"))
+	}
+	if c.Node.Name == "" {
+		errs = append(errs, errors.New("node.name is empty and the host name could not be read: set node.name"))
+	}
+	if _, err := c.SlogLevel(); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Events.RingSize < 1 || c.Events.RingSize > 1<<20 {
+		errs = append(errs, fmt.Errorf("events.ring_size %d must be between 1 and 1048576", c.Events.RingSize))
+	}
+	if c.Events.SubscriberBuffer < 1 || c.Events.SubscriberBuffer > 1<<20 {
+		errs = append(errs, fmt.Errorf("events.subscriber_buffer %d must be between 1 and 1048576", c.Events.SubscriberBuffer))
+	}
+	return errors.Join(errs...)
+}
+
+// SlogLevel is Log.Level as a slog level.
+func (c *Config) SlogLevel() (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(c.Log.Level)); err != nil {
+		return 0, fmt.Errorf("log.level %q must be one of debug, info, warn, error", c.Log.Level)
+	}
+	return l, nil
+}
+
+// Flags are the command-line overrides of `vco-agent serve`. Only flags the
+// operator actually gave override the file.
+type Flags struct {
+	fs         *flag.FlagSet
+	ConfigPath string
+	socket     string
+	group      string
+	nodeName   string
+	location   string
+	stateDir   string
+	sysfsRoot  string
+	logLevel   string
+	dbus       bool
+	dbusAddr   string
+}
+
+// RegisterFlags adds the configuration flags to fs.
+func RegisterFlags(fs *flag.FlagSet) *Flags {
+	d := Default()
+	f := &Flags{fs: fs}
+	fs.StringVar(&f.ConfigPath, "config", DefaultPath, "configuration file (YAML); a missing default file means all defaults")
+	fs.StringVar(&f.socket, "socket", d.Socket.Path, "API socket path (ignored under socket activation)")
+	fs.StringVar(&f.group, "socket-group", d.Socket.Group, "group allowed to call the API besides root")
+	fs.StringVar(&f.nodeName, "node-name", "", "node name (default: the host name)")
+	fs.StringVar(&f.location, "location", d.Node.Location, "whitesky.cloud location of this node")
+	fs.StringVar(&f.stateDir, "state-dir", d.StateDir, "directory for the agent's state")
+	fs.StringVar(&f.sysfsRoot, "sysfs-root", d.SysfsRoot, "where sysfs is mounted (for tests: a fixture tree)")
+	fs.StringVar(&f.logLevel, "log-level", d.Log.Level, "debug, info, warn or error")
+	fs.BoolVar(&f.dbus, "dbus", d.DBus.Enabled, "emit events as D-Bus signals on the system bus")
+	fs.StringVar(&f.dbusAddr, "dbus-address", d.DBus.Address, "D-Bus address to use instead of the system bus")
+	return f
+}
+
+// ConfigExplicit reports whether --config was given.
+func (f *Flags) ConfigExplicit() bool { return f.set("config") }
+
+func (f *Flags) set(name string) bool {
+	found := false
+	f.fs.Visit(func(fl *flag.Flag) {
+		if fl.Name == name {
+			found = true
+		}
+	})
+	return found
+}
+
+// Load reads the configuration file the flags name and applies the flags
+// given on the command line over it.
+func (f *Flags) Load() (Config, error) {
+	cfg, err := Load(f.ConfigPath, f.ConfigExplicit())
+	if err != nil {
+		return cfg, err
+	}
+	over := map[string]func(){
+		"socket":       func() { cfg.Socket.Path = f.socket },
+		"socket-group": func() { cfg.Socket.Group = f.group },
+		"node-name":    func() { cfg.Node.Name = f.nodeName },
+		"location":     func() { cfg.Node.Location = f.location },
+		"state-dir":    func() { cfg.StateDir = f.stateDir },
+		"sysfs-root":   func() { cfg.SysfsRoot = f.sysfsRoot },
+		"log-level":    func() { cfg.Log.Level = f.logLevel },
+		"dbus":         func() { cfg.DBus.Enabled = f.dbus },
+		"dbus-address": func() { cfg.DBus.Address = f.dbusAddr },
+	}
+	f.fs.Visit(func(fl *flag.Flag) {
+		if apply, ok := over[fl.Name]; ok {
+			apply()
+		}
+	})
+	if err := cfg.Validate(); err != nil {
+		return cfg, fmt.Errorf("after command-line flags: %w", err)
+	}
+	return cfg, nil
+}

@@ -1,0 +1,135 @@
+package config
+
+import (
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func write(t *testing.T, body string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestMissingDefaultFileGivesDefaults(t *testing.T) {
+	cfg, err := Load(filepath.Join(t.TempDir(), "absent.yaml"), false)
+	if err != nil {
+		t.Fatalf("missing default file: %v", err)
+	}
+	if cfg.Socket.Path != "/run/vco-agent/agent.sock" || cfg.SysfsRoot != "/sys" || cfg.StateDir != "/var/lib/vco-agent" || !cfg.DBus.Enabled {
+		t.Fatalf("defaults not applied: %+v", cfg)
+	}
+	host, _ := os.Hostname()
+	if cfg.Node.Name != host {
+		t.Fatalf("node name %q, want host name %q", cfg.Node.Name, host)
+	}
+}
+
+func TestMissingExplicitFileIsAnError(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "absent.yaml")
+	_, err := Load(p, true)
+	if err == nil || !strings.Contains(err.Error(), p) || !strings.Contains(err.Error(), "does not exist") {
+		t.Fatalf("got %v, want an error naming %s", err, p)
+	}
+}
+
+func TestFileOverridesDefaults(t *testing.T) {
+	p := write(t, "socket:\n  path: /tmp/x.sock\n  group: storage\nnode:\n  name: n1\n  location: ch-lug-1\nlog:\n  level: debug\ndbus:\n  enabled: false\nevents:\n  ring_size: 8\n")
+	cfg, err := Load(p, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Socket.Path != "/tmp/x.sock" || cfg.Socket.Group != "storage" || cfg.Node.Name != "n1" ||
+		cfg.Node.Location != "ch-lug-1" || cfg.Log.Level != "debug" || cfg.DBus.Enabled || cfg.Events.RingSize != 8 {
+		t.Fatalf("file not applied: %+v", cfg)
+	}
+	if cfg.Events.SubscriberBuffer != Default().Events.SubscriberBuffer || cfg.SysfsRoot != "/sys" {
+		t.Fatalf("unset fields lost their defaults: %+v", cfg)
+	}
+}
+
+func TestEmptyFileKeepsDefaults(t *testing.T) {
+	cfg, err := Load(write(t, ""), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Socket.Path != Default().Socket.Path {
+		t.Fatalf("got %+v", cfg)
+	}
+}
+
+func TestUnknownFieldNamesFieldAndLine(t *testing.T) {
+	p := write(t, "socket:\n  path: /tmp/x.sock\n  gruop: storage\n")
+	_, err := Load(p, true)
+	if err == nil {
+		t.Fatal("unknown field accepted")
+	}
+	for _, want := range []string{p, "line 3", `"gruop"`, "section socket"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q lacks %q", err, want)
+		}
+	}
+	_, err = Load(write(t, "log:\n  level: info\nsysfs: /x\n"), true)
+	if err == nil || !strings.Contains(err.Error(), "line 3") || !strings.Contains(err.Error(), `"sysfs"`) {
+		t.Fatalf("top-level unknown field: %v", err)
+	}
+}
+
+func TestBadValuesAreNamed(t *testing.T) {
+	cases := map[string]string{
+		"log:\n  level: loud\n":         "log.level",
+		"socket:\n  path: rel.sock\n":   "socket.path",
+		"events:\n  ring_size: 0\n":     "events.ring_size",
+		"state_dir: var\n":              "state_dir",
+		"events:\n  ring_size: lots\n":  "line 2",
+		"socket: [\n":                   "line",
+		"dbus:\n  enabled: sometimes\n": "line 2",
+	}
+	for body, want := range cases {
+		_, err := Load(write(t, body), true)
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%q: got %v, want mention of %q", body, err, want)
+		}
+	}
+}
+
+func TestFlagsOverrideFileOnlyWhenGiven(t *testing.T) {
+	p := write(t, "socket:\n  path: /tmp/file.sock\nnode:\n  location: from-file\n")
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	f := RegisterFlags(fs)
+	if err := fs.Parse([]string{"--config", p, "--sysfs-root", "/tmp/sys", "--dbus=false", "--node-name", "n9"}); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := f.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Socket.Path != "/tmp/file.sock" || cfg.Node.Location != "from-file" {
+		t.Fatalf("flag defaults overrode the file: %+v", cfg)
+	}
+	if cfg.SysfsRoot != "/tmp/sys" || cfg.DBus.Enabled || cfg.Node.Name != "n9" {
+		t.Fatalf("given flags not applied: %+v", cfg)
+	}
+	fs = flag.NewFlagSet("serve", flag.ContinueOnError)
+	f = RegisterFlags(fs)
+	_ = fs.Parse([]string{"--config", p, "--log-level", "chatty"})
+	if _, err := f.Load(); err == nil || !strings.Contains(err.Error(), "log.level") {
+		t.Fatalf("bad flag value: %v", err)
+	}
+}
+
+func TestExampleFileIsTheDefaults(t *testing.T) {
+	cfg, err := Load("example.yaml", true)
+	if err != nil {
+		t.Fatalf("the shipped example does not load: %v", err)
+	}
+	if cfg != Default() {
+		t.Fatalf("example.yaml drifted from the defaults:\n%+v\n%+v", cfg, Default())
+	}
+}

@@ -1,0 +1,380 @@
+// Package daemon runs `vco-agent serve`: it reads the node's identity,
+// opens the API socket (handed over by systemd, or created here), wires the
+// event bus to its sinks, serves the gRPC API, and speaks the sd_notify
+// protocol (READY, STATUS, WATCHDOG, STOPPING) so that systemd knows when
+// the agent is really up. It stops on SIGTERM or SIGINT and leaves nothing
+// behind: no socket it created, no directory it created, no goroutine.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/coreos/go-systemd/v22/activation"
+	sddaemon "github.com/coreos/go-systemd/v22/daemon"
+
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/agent/dbussignal"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/agent/fencecaps"
+	"github.com/whitesky-cloud/vco-storage/agent/logging"
+	"github.com/whitesky-cloud/vco-storage/agent/peercred"
+	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/smbios"
+)
+
+// ActivationName is the FileDescriptorName= of the API socket in
+// vco-agent.socket.
+const ActivationName = "api"
+
+// stopTimeout bounds how long open calls may delay the exit after SIGTERM.
+const stopTimeout = 5 * time.Second
+
+// Main is `vco-agent serve`: it parses args, runs the agent until SIGTERM
+// or SIGINT, and returns the exit code. Errors are printed to stderr.
+func Main(args []string, version string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	flags := config.RegisterFlags(fs)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: vco-agent serve [flags]\n\nRuns the agent daemon (normally started by systemd).\n\nflags:")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "vco-agent serve: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	cfg, err := flags.Load()
+	if err != nil {
+		fmt.Fprintf(stderr, "vco-agent: %v\n", err)
+		return 1
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := Run(ctx, Options{Config: cfg, Version: version, Stderr: stderr}); err != nil {
+		fmt.Fprintf(stderr, "vco-agent: %v\n", err)
+		notify("STATUS=failed: " + oneLine(err.Error()))
+		return 1
+	}
+	return 0
+}
+
+// Options are what Run needs besides the configuration.
+type Options struct {
+	Config  config.Config
+	Version string
+	// Stderr receives the text log when stderr is not the journal.
+	Stderr io.Writer
+}
+
+// Run serves until ctx ends, then stops gracefully.
+func Run(ctx context.Context, o Options) error {
+	cfg := o.Config
+	if o.Stderr == nil {
+		o.Stderr = os.Stderr
+	}
+	level, err := cfg.SlogLevel()
+	if err != nil {
+		return err
+	}
+	log, toJournal := logging.New(level, o.Stderr)
+	logMode := "text"
+	if toJournal {
+		logMode = "journal"
+	}
+	started := time.Now()
+
+	notify("STATUS=reading the node identity under " + cfg.SysfsRoot)
+	ident, err := readIdentity(cfg)
+	if err != nil {
+		return err
+	}
+	policy, err := socketPolicy(cfg.Socket.Group)
+	if err != nil {
+		return err
+	}
+	sock, err := openSocket(cfg.Socket, policy)
+	if err != nil {
+		return err
+	}
+	defer sock.cleanup()
+
+	bus := events.NewBus(cfg.Events.RingSize, cfg.Events.SubscriberBuffer, log)
+	bus.AddSink(logging.EventSink(log, toJournal))
+	rt := server.Runtime{SocketActivated: sock.activated, SocketPath: sock.path}
+	if cfg.DBus.Enabled {
+		notify("STATUS=connecting to D-Bus")
+		ds, err := dbussignal.Connect(ctx, cfg.DBus.Address)
+		if err != nil {
+			rt.DBusDetail = err.Error()
+			log.Warn("D-Bus event signals are off; the journal and the API stream still carry every event", "err", err)
+		} else {
+			defer ds.Close()
+			bus.AddSink(ds)
+			rt.DBusConnected = true
+			rt.DBusDetail = "connected to " + ds.Address
+			if !ds.OwnsName {
+				rt.DBusDetail += ", without the name " + dbussignal.BusName
+				log.Warn("the bus did not give the agent its name; signals go out from its unique name", "name", dbussignal.BusName,
+					"hint", "install the D-Bus policy cloud.whitesky.VcoAgent1.conf and check that no other agent runs")
+			}
+		}
+	} else {
+		rt.DBusDetail = "disabled in the configuration"
+	}
+
+	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy})
+	g := srv.NewGRPC()
+	served := make(chan error, 1)
+	go func() { served <- g.Serve(sock.l) }()
+
+	how := "created by the agent"
+	if sock.activated {
+		how = "from systemd socket activation"
+	}
+	log.Info("vco-agent serving", "version", o.Version, "socket", sock.path, "socket_origin", how, "node", ident.NodeName,
+		"system_uuid", ident.SystemUUID, "identity_source", ident.Source, "log", logMode, "dbus", rt.DBusDetail)
+	notify(fmt.Sprintf("READY=1\nSTATUS=serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID))
+	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", o.Version, sock.path, ident.NodeName)})
+
+	wdDone := make(chan struct{})
+	wdStopped := startWatchdog(log, wdDone, func() { bus.Stats() })
+
+	var serveErr error
+	select {
+	case <-ctx.Done():
+	case serveErr = <-served:
+		if serveErr != nil {
+			serveErr = fmt.Errorf("the API server on %s stopped: %w", sock.path, serveErr)
+		}
+	}
+
+	notify("STOPPING=1\nSTATUS=stopping")
+	log.Info("vco-agent stopping")
+	close(wdDone)
+	<-wdStopped
+	bus.Publish(events.Event{Type: events.AgentStopping, Message: "vco-agent stopping on node " + ident.NodeName})
+	bus.Close() // ends WatchEvents streams so GracefulStop can finish
+	stopped := make(chan struct{})
+	go func() { g.GracefulStop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(stopTimeout):
+		log.Warn("API calls still open after the stop timeout; closing them", "timeout", stopTimeout)
+		g.Stop()
+		<-stopped
+	}
+	log.Info("vco-agent stopped")
+	return serveErr
+}
+
+func notify(state string) {
+	// Without NOTIFY_SOCKET this is a no-op; errors are not actionable here.
+	_, _ = sddaemon.SdNotify(false, state)
+}
+
+// startWatchdog pings systemd at half the interval it asked for. Before
+// each ping it runs alive, which blocks if the agent's core is wedged (the
+// event bus's lock held forever): then the pings stop and systemd restarts
+// the agent.
+func startWatchdog(log *slog.Logger, done <-chan struct{}, alive func()) <-chan struct{} {
+	stopped := make(chan struct{})
+	interval, err := sddaemon.SdWatchdogEnabled(false)
+	if err != nil {
+		log.Warn("ignoring a malformed systemd watchdog setting", "err", err)
+	}
+	if interval <= 0 {
+		close(stopped)
+		return stopped
+	}
+	log.Debug("systemd watchdog on", "interval", interval, "ping_every", interval/2)
+	go func() {
+		defer close(stopped)
+		t := time.NewTicker(interval / 2)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				alive()
+				notify("WATCHDOG=1")
+			}
+		}
+	}()
+	return stopped
+}
+
+func readIdentity(cfg config.Config) (server.NodeIdentity, error) {
+	root := cfg.SysfsRoot
+	if st, err := os.Stat(root); err != nil || !st.IsDir() {
+		if err == nil {
+			err = errors.New("not a directory")
+		}
+		return server.NodeIdentity{}, fmt.Errorf("sysfs root %s is not usable (%v): mount sysfs there or point --sysfs-root / sysfs_root at it", root, unwrapPath(err))
+	}
+	info, err := smbios.Read(root)
+	if err != nil {
+		return server.NodeIdentity{}, fmt.Errorf("cannot read this node's SMBIOS identity under %s, which the agent needs to derive its fence keys: %w", root, err)
+	}
+	return server.NodeIdentity{
+		SystemUUID: info.UUID, Manufacturer: info.Manufacturer, ProductName: info.ProductName,
+		Serial: info.Serial, SMBIOSVersion: info.SMBIOSVersion, Source: info.Source,
+		NodeName: cfg.Node.Name, Location: cfg.Node.Location,
+		Fencing: func() []fencecaps.Capability { return fencecaps.Detect(root) },
+	}, nil
+}
+
+func unwrapPath(err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
+}
+
+func socketPolicy(group string) (peercred.Policy, error) {
+	if group == "" {
+		return peercred.Policy{GID: -1}, nil
+	}
+	g, err := user.LookupGroup(group)
+	if err != nil {
+		if _, nerr := strconv.Atoi(group); nerr == nil {
+			g, err = user.LookupGroupId(group)
+		}
+	}
+	if err != nil {
+		return peercred.Policy{}, fmt.Errorf("socket.group %q does not exist on this host: create it (groupadd %s) or change socket.group", group, group)
+	}
+	gid, err := strconv.ParseInt(g.Gid, 10, 64)
+	if err != nil {
+		return peercred.Policy{}, fmt.Errorf("group %s has a non-numeric gid %q", group, g.Gid)
+	}
+	return peercred.Policy{GID: gid, GroupName: g.Name}, nil
+}
+
+type apiSocket struct {
+	l         net.Listener
+	path      string
+	activated bool
+	cleanup   func()
+}
+
+// openSocket takes the socket systemd passed as "api", or creates one.
+func openSocket(c config.Socket, p peercred.Policy) (*apiSocket, error) {
+	named, err := activation.ListenersWithNames()
+	if err != nil {
+		return nil, fmt.Errorf("taking the sockets systemd passed: %w", err)
+	}
+	if len(named) > 0 {
+		ls := named[ActivationName]
+		if len(ls) != 1 {
+			var names []string
+			for n := range named {
+				names = append(names, n)
+			}
+			return nil, fmt.Errorf("systemd passed sockets named %s but not exactly one named %q: set FileDescriptorName=%s in vco-agent.socket",
+				strings.Join(names, ", "), ActivationName, ActivationName)
+		}
+		for n, extra := range named {
+			if n != ActivationName {
+				for _, l := range extra {
+					l.Close()
+				}
+			}
+		}
+		path := ls[0].Addr().String()
+		return &apiSocket{l: ls[0], path: path, activated: true, cleanup: func() {}}, nil
+	}
+	return createSocket(c.Path, p)
+}
+
+func createSocket(path string, p peercred.Policy) (*apiSocket, error) {
+	dir := filepath.Dir(path)
+	gid := -1
+	if p.GID >= 0 {
+		gid = int(p.GID)
+	}
+	var madeDir bool
+	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return nil, fmt.Errorf("creating the socket directory %s: %w", dir, err)
+		}
+		madeDir = true
+		if err := os.Chmod(dir, 0o750); err != nil {
+			return nil, err
+		}
+		if err := os.Chown(dir, -1, gid); err != nil {
+			return nil, fmt.Errorf("giving %s to group %s: %w", dir, p.GroupName, err)
+		}
+	}
+	removeDir := func() {
+		if madeDir {
+			os.Remove(dir)
+		}
+	}
+	if st, err := os.Lstat(path); err == nil {
+		if st.Mode().Type() != fs.ModeSocket {
+			removeDir()
+			return nil, fmt.Errorf("%s exists and is not a socket: move it away or set socket.path", path)
+		}
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			removeDir()
+			return nil, fmt.Errorf("another process already serves %s: stop it (systemctl stop vco-agent) or set socket.path", path)
+		}
+		// A socket nobody answers on is left over from a crash.
+		if err := os.Remove(path); err != nil {
+			removeDir()
+			return nil, fmt.Errorf("removing the stale socket %s: %w", path, err)
+		}
+	}
+	// The umask closes the window between bind and chmod in which the
+	// socket would have the process's default mode.
+	old := syscall.Umask(0o117)
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	syscall.Umask(old)
+	if err != nil {
+		removeDir()
+		return nil, fmt.Errorf("listening on %s: %w", path, err)
+	}
+	l.SetUnlinkOnClose(true)
+	fail := func(err error) (*apiSocket, error) {
+		l.Close()
+		removeDir()
+		return nil, err
+	}
+	if err := os.Chmod(path, 0o660); err != nil {
+		return fail(fmt.Errorf("chmod %s: %w", path, err))
+	}
+	if err := os.Chown(path, -1, gid); err != nil {
+		return fail(fmt.Errorf("giving %s to group %s: %w", path, p.GroupName, err))
+	}
+	return &apiSocket{l: l, path: path, cleanup: func() {
+		l.Close() // unlinks the socket
+		os.Remove(path)
+		removeDir()
+	}}, nil
+}
+
+func oneLine(s string) string { return strings.ReplaceAll(s, "\n", " ") }

@@ -1,0 +1,141 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/agent/fencecaps"
+	"github.com/whitesky-cloud/vco-storage/smbios"
+)
+
+const identitySummary = `Prints this node's identity. Asks the running agent; when it cannot be
+reached, reads SMBIOS and the agent's configuration itself, and says so.`
+
+func runIdentity(args []string) int {
+	f := newClientFlags("identity", identitySummary)
+	cfgPath := f.fs.String("config", config.DefaultPath, "agent configuration, for the node name and location when reading locally")
+	sysfs := f.fs.String("sysfs-root", "", "sysfs root when reading locally (default: from the configuration, else /sys)")
+	if code := f.parse(args); code >= 0 {
+		return code
+	}
+	var (
+		id      *api.Identity
+		source  string
+		whyHere string
+	)
+	c, err := client.Dial(f.socket)
+	if err == nil {
+		defer c.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		id, err = c.GetIdentity(ctx, &api.GetIdentityRequest{})
+		if err != nil {
+			return fail("identity", apiError(f.socket, err))
+		}
+		source = "agent"
+	} else {
+		whyHere = err.Error()
+		id, err = localIdentity(*cfgPath, flagGiven(f, "config"), *sysfs)
+		if err != nil {
+			return fail("identity", fmt.Errorf("%s; reading it locally failed too: %w", whyHere, err))
+		}
+		source = "local"
+	}
+	if f.json {
+		out := map[string]any{"answered_by": source, "socket": f.socket, "identity": protoJSON(id)}
+		if whyHere != "" {
+			out["agent_unreachable"] = whyHere
+		}
+		printJSON(out)
+		return 0
+	}
+	if source == "agent" {
+		fmt.Fprintf(stdout, "Answered by the running agent at %s.\n\n", f.socket)
+	} else {
+		fmt.Fprintf(stdout, "Read locally from SMBIOS and the configuration: the agent could not be asked (%s).\n\n", whyHere)
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	row := func(k, v string) {
+		if v == "" {
+			v = "-"
+		}
+		fmt.Fprintf(tw, "%s:\t%s\n", k, v)
+	}
+	row("System UUID", id.SystemUuid)
+	row("Identity source", id.IdentitySource)
+	row("SMBIOS version", id.SmbiosVersion)
+	row("Manufacturer", id.Manufacturer)
+	row("Product", id.ProductName)
+	row("Serial", id.Serial)
+	row("Node name", id.NodeName)
+	row("Location", id.Location)
+	row("Agent version", id.AgentVersion)
+	for i, fc := range id.Fencing {
+		k := ""
+		if i == 0 {
+			k = "Fencing"
+		}
+		state := "not available"
+		if fc.Available {
+			state = "available"
+		}
+		name := strings.ToLower(strings.ReplaceAll(strings.TrimPrefix(fc.Method.String(), "FENCING_METHOD_"), "_", "-"))
+		fmt.Fprintf(tw, "%s\t%s: %s (%s)\n", colon(k), name, state, fc.Detail)
+	}
+	tw.Flush()
+	return 0
+}
+
+func colon(k string) string {
+	if k == "" {
+		return ""
+	}
+	return k + ":"
+}
+
+func flagGiven(f *clientFlags, name string) bool {
+	given := false
+	f.fs.Visit(func(fl *flag.Flag) {
+		if fl.Name == name {
+			given = true
+		}
+	})
+	return given
+}
+
+func localIdentity(cfgPath string, explicit bool, sysfs string) (*api.Identity, error) {
+	cfg, err := config.Load(cfgPath, explicit)
+	if err != nil {
+		return nil, err
+	}
+	if sysfs != "" {
+		cfg.SysfsRoot = sysfs
+	}
+	info, err := smbios.Read(cfg.SysfsRoot)
+	if err != nil {
+		return nil, err
+	}
+	id := &api.Identity{
+		SystemUuid: info.UUID, Manufacturer: info.Manufacturer, ProductName: info.ProductName,
+		Serial: info.Serial, SmbiosVersion: info.SMBIOSVersion, IdentitySource: info.Source,
+		NodeName: cfg.Node.Name, Location: cfg.Node.Location, AgentVersion: version,
+	}
+	for _, c := range fencecaps.Detect(cfg.SysfsRoot) {
+		m := api.FencingMethod_FENCING_METHOD_UNSPECIFIED
+		switch c.Method {
+		case fencecaps.SCSI3PR:
+			m = api.FencingMethod_FENCING_METHOD_SCSI3_PR
+		case fencecaps.DiskLease:
+			m = api.FencingMethod_FENCING_METHOD_DISK_LEASE
+		}
+		id.Fencing = append(id.Fencing, &api.FencingCapability{Method: m, Available: c.Available, Detail: c.Detail})
+	}
+	return id, nil
+}

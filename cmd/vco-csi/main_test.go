@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+func TestSimServesLoopbackOnly(t *testing.T) {
+	for _, addr := range []string{"0.0.0.0:0", "[::]:0", "localhost:0"} {
+		if rc := runSim([]string{"--listen", addr, "--dir", t.TempDir()}); rc != 2 {
+			t.Errorf("--listen %s: exit %d, want 2 (refused)", addr, rc)
+		}
+	}
+}
+
+// TestBinaryControllerAgainstSim builds vco-csi, runs `vco-csi sim` and
+// `vco-csi --mode=controller` as processes, and drives the controller over
+// its unix socket.
+func TestBinaryControllerAgainstSim(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the binary")
+	}
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "vco-csi")
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		goTool = "/usr/local/go/bin/go"
+	}
+	if out, err := exec.Command(goTool, "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+
+	start := func(args ...string) {
+		cmd := exec.Command(bin, args...)
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	}
+	start("sim", "--listen", addr, "--dir", filepath.Join(dir, "sim"), "--backend", "bookkeeping", "--customer", "acme",
+		"--host-vm-uuid", "0a0b0c0d-0000-4000-8000-00000000abcd")
+	waitFor(t, func() bool {
+		r, err := http.Get("http://" + addr + "/admin/faults")
+		if err == nil {
+			r.Body.Close()
+		}
+		return err == nil
+	})
+	tok := filepath.Join(dir, "token")
+	os.WriteFile(tok, []byte("a.b.c"), 0o600)
+	sock := filepath.Join(dir, "csi.sock")
+	start("--mode=controller", "--endpoint", "unix://"+sock, "--api-url", "http://"+addr+"/api/1",
+		"--customer", "acme", "--token-file", tok, "--driver-name", "cloud.whitesky.csi")
+	waitFor(t, func() bool { _, err := os.Stat(sock); return err == nil })
+
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	id := csi.NewIdentityClient(conn)
+	info, err := id.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+	if err != nil || info.Name != "cloud.whitesky.csi" {
+		t.Fatalf("plugin info: %v %v", info, err)
+	}
+	if p, err := id.Probe(ctx, &csi.ProbeRequest{}); err != nil || !p.GetReady().GetValue() {
+		t.Fatalf("probe: %v %v", p, err)
+	}
+	v, err := csi.NewControllerClient(conn).CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "bin",
+		VolumeCapabilities: []*csi.VolumeCapability{{
+			AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}}})
+	if err != nil || !strings.HasPrefix(v.Volume.VolumeId, "ch-lug-1/") {
+		t.Fatalf("create: %v %v", v, err)
+	}
+	// With the API gone, Probe says not ready.
+	req, _ := http.NewRequest(http.MethodPut, "http://"+addr+"/admin/faults", strings.NewReader(`{"error_rate":1}`))
+	if r, err := http.DefaultClient.Do(req); err == nil {
+		r.Body.Close()
+	}
+	if _, err := id.Probe(ctx, &csi.ProbeRequest{}); err == nil {
+		t.Fatal("probe succeeded while every API call fails")
+	}
+}
+
+func waitFor(t *testing.T, ok func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if ok() {
+			return
+		}
+	}
+	t.Fatal("timed out waiting for a process to come up")
+}

@@ -1,0 +1,85 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+)
+
+// runPlugin serves the CSI services of the chosen mode.
+func runPlugin(args []string) int {
+	fs := flag.NewFlagSet("vco-csi", flag.ContinueOnError)
+	mode := fs.String("mode", "all", "controller, node or all")
+	endpoint := fs.String("endpoint", "unix:///csi/csi.sock", "CSI endpoint")
+	name := fs.String("driver-name", "", "CSI driver name (default: derived from the portal host, try.whitesky.cloud -> cloud.whitesky.csi)")
+	apiURL := fs.String("api-url", "", "whitesky.cloud API root, e.g. https://try.whitesky.cloud/api/1 (controller)")
+	customer := fs.String("customer", "", "customer id (controller)")
+	tokenFile := fs.String("token-file", "/etc/vco-csi/token", "file holding the API's JWT; re-read when it changes (controller)")
+	caFile := fs.String("ca-file", "", "PEM CA bundle for the API instead of the system roots (controller)")
+	defLoc := fs.String("default-location", "", "location for volumes requested without topology (controller; default: the first listed)")
+	attachWait := fs.Duration("attach-timeout", 2*time.Minute, "longest wait for an attached disk to appear on its VM (controller)")
+	agentSock := fs.String("agent-socket", "/run/vco-agent/agent.sock", "vco-agent socket (node)")
+	kubelet := fs.String("kubelet-root", "/var/lib/kubelet", "staging and target paths must lie under this directory (node)")
+	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(os.Stderr, "vco-csi: "+format+"\n", a...)
+		return 1
+	}
+	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
+		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols}
+	if cfg.Mode != driver.ModeNode {
+		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile})
+		if err != nil {
+			return fail("%v", err)
+		}
+		cfg.Cloud = c
+		if cfg.Name == "" {
+			cfg.Name = driver.NameFromPortal(c.Host())
+		}
+	}
+	if cfg.Name == "" && *apiURL != "" {
+		if u, err := url.Parse(*apiURL); err == nil {
+			cfg.Name = driver.NameFromPortal(u.Hostname())
+		}
+	}
+	if cfg.Mode != driver.ModeController {
+		a, err := newAgent(*agentSock)
+		if err != nil {
+			return fail("%v", err)
+		}
+		cfg.Agent = a
+	}
+	if cfg.Name == "" {
+		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
+	}
+	d, err := driver.New(cfg)
+	if err != nil {
+		return fail("%v", err)
+	}
+	ln, err := driver.Listen(*endpoint)
+	if err != nil {
+		return fail("%v", err)
+	}
+	srv := d.NewGRPCServer(log)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	go func() { <-ctx.Done(); srv.GracefulStop() }()
+	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version)
+	if err := srv.Serve(ln); err != nil {
+		return fail("%v", err)
+	}
+	return 0
+}

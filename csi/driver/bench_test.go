@@ -1,0 +1,157 @@
+package driver_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+)
+
+// BenchmarkCreatePublish100 runs 100 concurrent CreateVolume +
+// ControllerPublishVolume calls against the simulator, each volume to one
+// of ten VMs, and compares them with the reference: the bare API calls
+// (create disk, attach, list the VM's disks) made concurrently by the same
+// client. The simulator adds 2ms per request so that the ratio reflects
+// round trips, as against a real API, rather than loopback speed.
+//
+// Reported: ms per batch for the reference and the driver, their ratio,
+// and API requests per volume. Each batch checks that no name produced
+// two disks and every disk is attached exactly once.
+func BenchmarkCreatePublish100(b *testing.B) {
+	const n, vmCount = 100, 10
+	e := newTestEnv(b, envOpts{attach: time.Minute})
+	ctx := context.Background()
+	var vms []cloud.VM
+	for i := range vmCount {
+		ref := fmt.Sprintf("be0c0000-0000-4000-8000-%012d", i)
+		id, err := e.sim.AddVM("cs-"+hostLoc, fmt.Sprintf("bench-%d", i), ref, false)
+		if err != nil {
+			b.Fatal(err)
+		}
+		vms = append(vms, cloud.VM{ID: id, ReferenceID: ref})
+	}
+	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(2 * time.Millisecond)})
+	var refTotal, drvTotal time.Duration
+	var drvCalls int
+	b.ResetTimer()
+	for iter := 0; iter < b.N; iter++ {
+		// Reference: the API's own cost for the same work.
+		start := time.Now()
+		runN(b, n, func(i int) error {
+			id, err := e.api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: fmt.Sprintf("ref-%d-%d", iter, i), Description: "ref", SizeGiB: 1})
+			if err != nil {
+				return err
+			}
+			vm := vms[i%vmCount]
+			if err := e.api.AttachDisk(ctx, "cs-"+hostLoc, vm.ID, id); err != nil {
+				return err
+			}
+			_, err = e.api.ListVMDisks(ctx, "cs-"+hostLoc, vm.ID)
+			return err
+		})
+		refTotal += time.Since(start)
+
+		before := sum(e.sim.Calls())
+		start = time.Now()
+		ids := make([]string, n)
+		runN(b, n, func(i int) error {
+			v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("drv-%d-%d", iter, i), VolumeCapabilities: rwo})
+			if err != nil {
+				return err
+			}
+			ids[i] = v.Volume.VolumeId
+			_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+				VolumeId: v.Volume.VolumeId, NodeId: vms[i%vmCount].ReferenceID, VolumeCapability: rwo[0]})
+			return err
+		})
+		drvTotal += time.Since(start)
+		drvCalls += sum(e.sim.Calls()) - before
+
+		b.StopTimer()
+		checkNoDuplicates(b, e, iter, ids)
+		cleanup(b, e)
+		b.StartTimer()
+	}
+	batches := float64(b.N)
+	ref := float64(refTotal.Milliseconds()) / batches
+	drv := float64(drvTotal.Milliseconds()) / batches
+	b.ReportMetric(ref, "ref-ms/batch")
+	b.ReportMetric(drv, "drv-ms/batch")
+	b.ReportMetric(drv/ref, "drv/ref")
+	b.ReportMetric(float64(drvCalls)/batches/n, "api-req/vol")
+}
+
+func runN(b *testing.B, n int, f func(i int) error) {
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := f(i); err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		b.Fatal(err)
+	}
+}
+
+func sum(m map[string]int) int {
+	t := 0
+	for _, v := range m {
+		t += v
+	}
+	return t
+}
+
+func checkNoDuplicates(b *testing.B, e *testEnv, iter int, ids []string) {
+	st := e.sim.Snapshot()
+	byName := map[string]int{}
+	for _, d := range st.Disks {
+		byName[d.Name]++
+		if len(d.Attachments) > 1 {
+			b.Fatalf("disk %d attached %d times", d.ID, len(d.Attachments))
+		}
+	}
+	seen := map[string]bool{}
+	for i, id := range ids {
+		name := fmt.Sprintf("drv-%d-%d", iter, i)
+		if byName[name] != 1 || seen[id] {
+			b.Fatalf("volume %s (%s): %d disks of that name", name, id, byName[name])
+		}
+		seen[id] = true
+	}
+}
+
+// cleanup detaches and deletes every disk so the next batch finds free
+// PCI slots.
+func cleanup(b *testing.B, e *testEnv) {
+	ctx := context.Background()
+	e.sim.SetFaults(sim.Faults{})
+	defer e.sim.SetFaults(sim.Faults{Latency: sim.Duration(2 * time.Millisecond)})
+	st := e.sim.Snapshot()
+	for _, d := range st.Disks {
+		for _, a := range d.Attachments {
+			for _, vm := range st.VMs {
+				if vm.ID == a.VMID {
+					if err := e.api.DetachDisk(ctx, vm.Cloudspace, vm.ID, d.ID); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+		}
+		if err := e.api.DeleteDisk(ctx, d.Location, d.ID); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

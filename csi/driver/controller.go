@@ -1,0 +1,762 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+)
+
+const gib = int64(1) << 30
+
+// StorageClass parameters.
+const (
+	paramType       = "type"       // standard (default) | physical
+	paramIOPS       = "iops"       // positive integer
+	paramEncryption = "encryption" // "true" | "false"
+)
+
+// Volume context keys handed to the node service.
+const (
+	ctxEncrypted = "cloud.whitesky/encrypted"
+	ctxLocation  = TopologyKey
+)
+
+var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
+	csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+	csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+	csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
+	csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+	csi.ControllerServiceCapability_RPC_GET_VOLUME,
+	csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+	csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+	csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+	csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
+}
+
+// ControllerGetCapabilities lists what the controller does.
+func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, c := range controllerCaps {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
+			Rpc: &csi.ControllerServiceCapability_RPC{Type: c}}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// checkCapabilities accepts single-node access in mount or block mode: a
+// whitesky.cloud disk is attached to one VM at a time.
+func checkCapabilities(caps []*csi.VolumeCapability) error {
+	if len(caps) == 0 {
+		return failf(ErrInvalid, "volume capabilities are required")
+	}
+	for _, c := range caps {
+		if c.GetBlock() == nil && c.GetMount() == nil {
+			return failf(ErrInvalid, "a volume capability needs an access type (mount or block)")
+		}
+		if c.GetAccessMode() == nil {
+			return failf(ErrInvalid, "a volume capability needs an access mode")
+		}
+		if m := c.GetMount(); m != nil && m.FsType != "" && m.FsType != "ext4" && m.FsType != "xfs" {
+			return failf(ErrInvalid, "filesystem %q is not supported; use ext4 or xfs", m.FsType)
+		}
+		switch c.GetAccessMode().GetMode() {
+		case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+			csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+			csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+			csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
+		default:
+			return failf(ErrInvalid, "access mode %s is not supported: a whitesky.cloud disk is attached to one VM at a time", c.GetAccessMode().GetMode())
+		}
+	}
+	return nil
+}
+
+// sizeGiB turns a capacity range into whole GiB, rounding up.
+func sizeGiB(r *csi.CapacityRange, floor int64) (int64, error) {
+	req, lim := r.GetRequiredBytes(), r.GetLimitBytes()
+	if req < 0 || lim < 0 {
+		return 0, failf(ErrInvalid, "capacity must not be negative")
+	}
+	if lim > 0 && req > lim {
+		return 0, failf(ErrInvalid, "required capacity %d exceeds the limit %d", req, lim)
+	}
+	n := (req + gib - 1) / gib
+	if n < floor {
+		n = floor
+	}
+	if n < 1 {
+		n = 1
+	}
+	if lim > 0 && n*gib > lim {
+		return 0, failf(ErrOutOfRange, "disks come in whole GiB; %d GiB exceeds the limit of %d bytes", n, lim)
+	}
+	return n, nil
+}
+
+type createParams struct {
+	diskType  string
+	iops      int64
+	encrypted bool
+}
+
+func parseParams(p map[string]string) (createParams, error) {
+	out := createParams{diskType: cloud.DiskTypeData}
+	for k, v := range p {
+		switch {
+		case k == paramType:
+			switch strings.ToLower(v) {
+			case "", "standard":
+				out.diskType = cloud.DiskTypeData
+			case "physical":
+				out.diskType = cloud.DiskTypePhysical
+			default:
+				return out, failf(ErrInvalid, "parameter type=%q: use standard or physical", v)
+			}
+		case k == paramIOPS:
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil || n < 1 {
+				return out, failf(ErrInvalid, "parameter iops=%q is not a positive integer", v)
+			}
+			out.iops = n
+		case k == paramEncryption:
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return out, failf(ErrInvalid, "parameter encryption=%q is not true or false", v)
+			}
+			out.encrypted = b
+		case strings.HasPrefix(k, "csi.storage.k8s.io/"):
+			// Passed by the provisioner for its own use.
+		default:
+			return out, failf(ErrInvalid, "unknown parameter %q; known: type, iops, encryption", k)
+		}
+	}
+	return out, nil
+}
+
+// pickLocation chooses where a new disk goes: the first preferred
+// location, else the first requisite one, else the default.
+func (d *Driver) pickLocation(ctx context.Context, req *csi.TopologyRequirement) (string, error) {
+	known, err := d.locations(ctx)
+	if err != nil {
+		return "", err
+	}
+	has := func(l string) bool {
+		for _, k := range known {
+			if k == l {
+				return true
+			}
+		}
+		return false
+	}
+	for _, set := range [][]*csi.Topology{req.GetPreferred(), req.GetRequisite()} {
+		for _, t := range set {
+			if l, ok := t.GetSegments()[TopologyKey]; ok {
+				if !has(l) {
+					continue
+				}
+				return l, nil
+			}
+		}
+	}
+	if len(req.GetPreferred())+len(req.GetRequisite()) > 0 {
+		var asked []string
+		for _, t := range append(req.GetPreferred(), req.GetRequisite()...) {
+			asked = append(asked, t.GetSegments()[TopologyKey])
+		}
+		return "", failf(ErrNoCapacity, "none of the requested locations (%s: %s) is one this customer has: %s",
+			TopologyKey, strings.Join(asked, ", "), strings.Join(known, ", "))
+	}
+	if d.cfg.DefaultLocation != "" {
+		return d.cfg.DefaultLocation, nil
+	}
+	if len(known) == 0 {
+		return "", failf(ErrPrecondition, "the customer has no location to create disks in")
+	}
+	return known[0], nil
+}
+
+func (d *Driver) volume(loc string, disk *cloud.Disk, meta diskMeta) *csi.Volume {
+	v := &csi.Volume{
+		VolumeId:           volumeID(loc, disk.ID),
+		CapacityBytes:      disk.SizeGiB * gib,
+		VolumeContext:      map[string]string{ctxLocation: loc},
+		AccessibleTopology: []*csi.Topology{{Segments: map[string]string{TopologyKey: loc}}},
+	}
+	if meta.Encrypted {
+		v.VolumeContext[ctxEncrypted] = "true"
+	}
+	if kind, id, ok := strings.Cut(meta.Source, ":"); ok {
+		switch kind {
+		case "snapshot":
+			v.ContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: id}}}
+		case "volume":
+			v.ContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{
+				Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}}
+		}
+	}
+	return v
+}
+
+// CreateVolume creates a disk in the chosen location, or returns the one
+// an earlier call with the same name made.
+func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	name := req.GetName()
+	if name == "" {
+		return nil, failf(ErrInvalid, "CreateVolume needs a name")
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return nil, err
+	}
+	params, err := parseParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume name " + name)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+
+	meta := diskMeta{Encrypted: params.encrypted}
+	var loc string
+	var srcLoc string
+	var srcDisk int64
+	var srcSnap string
+	var floorGiB int64
+	switch {
+	case req.GetVolumeContentSource().GetSnapshot() != nil:
+		id := req.GetVolumeContentSource().GetSnapshot().GetSnapshotId()
+		l, disk, snap, ok := parseSnapshotID(id)
+		if !ok {
+			return nil, failf(ErrNotFound, "source snapshot %q does not exist", id)
+		}
+		snaps, err := d.cfg.Cloud.ListSnapshots(ctx, l, disk)
+		if errors.Is(err, cloud.ErrNotFound) {
+			return nil, failf(ErrNotFound, "source snapshot %s does not exist (its disk is gone)", id)
+		}
+		if err != nil {
+			return nil, err
+		}
+		found := false
+		for _, s := range snaps {
+			found = found || s.ID == snap
+		}
+		if !found {
+			return nil, failf(ErrNotFound, "source snapshot %s does not exist", id)
+		}
+		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+		if err != nil {
+			return nil, err
+		}
+		srcLoc, srcDisk, srcSnap, floorGiB = l, disk, snap, src.SizeGiB
+		meta.Source = "snapshot:" + id
+	case req.GetVolumeContentSource().GetVolume() != nil:
+		id := req.GetVolumeContentSource().GetVolume().GetVolumeId()
+		l, disk, ok := parseVolumeID(id)
+		if !ok {
+			return nil, failf(ErrNotFound, "source volume %q does not exist", id)
+		}
+		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+		if err != nil {
+			return nil, fmt.Errorf("source volume %s: %w", id, err)
+		}
+		srcLoc, srcDisk, floorGiB = l, disk, src.SizeGiB
+		meta.Source = "volume:" + id
+	}
+	size, err := sizeGiB(req.GetCapacityRange(), 0)
+	if err != nil {
+		return nil, err
+	}
+	if srcLoc != "" {
+		// A copy lives where its source is; the topology must allow that.
+		if t := req.GetAccessibilityRequirements(); len(t.GetRequisite()) > 0 && !topologyAllows(t, srcLoc) {
+			return nil, failf(ErrInvalid, "the source is in location %s, which the requested topology does not allow", srcLoc)
+		}
+		loc = srcLoc
+		if size < floorGiB {
+			if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && floorGiB*gib > lim {
+				return nil, failf(ErrOutOfRange, "the source is %d GiB, more than the limit of %d bytes", floorGiB, lim)
+			}
+			size = floorGiB
+		}
+	} else if loc, err = d.pickLocation(ctx, req.GetAccessibilityRequirements()); err != nil {
+		return nil, err
+	}
+
+	// Idempotency: a disk of this name in this location is the answer to
+	// an earlier call, if it matches.
+	existing, err := d.cfg.Cloud.FindDiskByName(ctx, loc, name)
+	if err != nil {
+		return nil, err
+	}
+	if existing != nil {
+		m, ours := parseDescription(existing.Description)
+		switch {
+		case !ours:
+			return nil, failf(ErrAlreadyExists, "a disk named %q (id %d in %s) exists that this driver did not create", name, existing.ID, loc)
+		case existing.SizeGiB != size:
+			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, not the requested %d GiB", name, existing.SizeGiB, size)
+		case m != meta:
+			return nil, failf(ErrAlreadyExists, "volume %q exists with other parameters (encryption or source differ)", name)
+		case existing.Type != params.diskType:
+			return nil, failf(ErrAlreadyExists, "volume %q exists as disk type %s, not %s", name, existing.Type, params.diskType)
+		}
+		return &csi.CreateVolumeResponse{Volume: d.volume(loc, existing, meta)}, nil
+	}
+
+	var id int64
+	switch {
+	case srcSnap != "":
+		id, err = d.cfg.Cloud.CloneSnapshot(ctx, loc, srcDisk, srcSnap, name, meta.description())
+	case srcDisk != 0:
+		id, err = d.cloneVolume(ctx, loc, srcDisk, name, meta.description())
+	default:
+		id, err = d.cfg.Cloud.CreateDisk(ctx, loc, cloud.DiskSpec{Name: name, Description: meta.description(),
+			SizeGiB: size, IOPS: params.iops, Type: params.diskType})
+	}
+	if err != nil {
+		return nil, fmt.Errorf("creating volume %q in %s: %w", name, loc, err)
+	}
+	disk := &cloud.Disk{ID: id, Name: name, SizeGiB: size}
+	if srcLoc != "" {
+		// A copy has its source's size, which may be less than asked.
+		if disk, err = d.cfg.Cloud.GetDisk(ctx, loc, id); err != nil {
+			return nil, err
+		}
+	}
+	if disk.SizeGiB < size {
+		if err := d.cfg.Cloud.ResizeDisk(ctx, loc, id, size); err != nil {
+			return nil, fmt.Errorf("growing new volume %s to %d GiB: %w", volumeID(loc, id), size, err)
+		}
+		disk.SizeGiB = size
+	}
+	return &csi.CreateVolumeResponse{Volume: d.volume(loc, disk, meta)}, nil
+}
+
+func topologyAllows(t *csi.TopologyRequirement, loc string) bool {
+	for _, x := range t.GetRequisite() {
+		if x.GetSegments()[TopologyKey] == loc {
+			return true
+		}
+	}
+	return false
+}
+
+// cloneVolume copies a disk through a temporary snapshot, which the API
+// needs as the clone's source, and removes the snapshot afterwards.
+func (d *Driver) cloneVolume(ctx context.Context, loc string, src int64, name, desc string) (int64, error) {
+	tmp := "vco-csi-clone-" + name
+	snap, err := d.cfg.Cloud.CreateSnapshot(ctx, loc, src, tmp)
+	if err != nil {
+		return 0, err
+	}
+	id, err := d.cfg.Cloud.CloneSnapshot(ctx, loc, src, snap, name, desc)
+	if derr := d.cfg.Cloud.DeleteSnapshot(ctx, loc, src, snap); derr != nil && err == nil && !errors.Is(derr, cloud.ErrNotFound) {
+		return id, fmt.Errorf("clone made, but removing its temporary snapshot %s of disk %d failed: %w", snap, src, derr)
+	}
+	return id, err
+}
+
+// DeleteVolume deletes the disk; a disk that is already gone is success.
+func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "DeleteVolume needs a volume id")
+	}
+	loc, disk, ok := parseVolumeID(id)
+	if !ok {
+		return &csi.DeleteVolumeResponse{}, nil // no such volume can exist
+	}
+	release, err := d.locks.try("volume " + id)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	err = d.cfg.Cloud.DeleteDisk(ctx, loc, disk)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return &csi.DeleteVolumeResponse{}, nil
+	}
+	if errors.Is(err, cloud.ErrConflict) {
+		return nil, failf(ErrPrecondition, "volume %s cannot be deleted now: %v", id, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("deleting volume %s: %w", id, err)
+	}
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+// ValidateVolumeCapabilities confirms the capabilities the driver supports.
+func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "ValidateVolumeCapabilities needs a volume id")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, failf(ErrInvalid, "ValidateVolumeCapabilities needs volume capabilities")
+	}
+	if _, err := d.getDisk(ctx, id); err != nil {
+		return nil, err
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil
+	}
+	if _, err := parseParams(req.GetParameters()); err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: err.Error()}, nil
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext: req.GetVolumeContext(), VolumeCapabilities: req.GetVolumeCapabilities(), Parameters: req.GetParameters()}}, nil
+}
+
+func (d *Driver) getDisk(ctx context.Context, id string) (*cloud.Disk, error) {
+	loc, disk, ok := parseVolumeID(id)
+	if !ok {
+		return nil, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver)", id)
+	}
+	dk, err := d.cfg.Cloud.GetDisk(ctx, loc, disk)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return nil, failf(ErrNotFound, "volume %s does not exist", id)
+	}
+	return dk, err
+}
+
+// publishedNodes names the node (reference_id) a disk is attached to.
+func (d *Driver) publishedNodes(ctx context.Context, disk *cloud.Disk) ([]string, error) {
+	if disk.VMID == 0 {
+		return nil, nil
+	}
+	vm, ok, err := d.vms.byVMID(ctx, disk.VMID)
+	if err != nil {
+		return nil, err
+	}
+	if !ok || vm.ReferenceID == "" {
+		return []string{fmt.Sprintf("vm-%d", disk.VMID)}, nil
+	}
+	return []string{canonicalUUID(vm.ReferenceID)}, nil
+}
+
+type listedVolume struct {
+	loc  string
+	disk cloud.Disk
+	meta diskMeta
+}
+
+func (d *Driver) allVolumes(ctx context.Context) ([]listedVolume, error) {
+	known, err := d.locations(ctx)
+	if err != nil {
+		return nil, err
+	}
+	locs := append([]string(nil), known...)
+	sort.Strings(locs)
+	var out []listedVolume
+	for _, l := range locs {
+		disks, err := d.cfg.Cloud.ListDisks(ctx, l)
+		if err != nil {
+			return nil, err
+		}
+		sort.Slice(disks, func(i, j int) bool { return disks[i].ID < disks[j].ID })
+		for _, dk := range disks {
+			if m, ok := parseDescription(dk.Description); ok {
+				out = append(out, listedVolume{loc: l, disk: dk, meta: m})
+			}
+		}
+	}
+	return out, nil
+}
+
+// page cuts a list by a starting token (an index) and a maximum.
+func page(n int, token string, max int32) (start, end int, next string, err error) {
+	if token != "" {
+		i, perr := strconv.Atoi(token)
+		if perr != nil || i < 0 || i > n {
+			return 0, 0, "", failf(ErrBadToken, "starting token %q is not one this driver gave out", token)
+		}
+		start = i
+	}
+	end = n
+	if max < 0 {
+		return 0, 0, "", failf(ErrInvalid, "max_entries must not be negative")
+	}
+	if max > 0 && start+int(max) < n {
+		end = start + int(max)
+		next = strconv.Itoa(end)
+	}
+	return start, end, next, nil
+}
+
+// ListVolumes lists the driver's disks in every location, with the node
+// each is published to.
+func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	all, err := d.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	start, end, next, err := page(len(all), req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csi.ListVolumesResponse{NextToken: next}
+	for _, v := range all[start:end] {
+		nodes, err := d.publishedNodes(ctx, &v.disk)
+		if err != nil {
+			return nil, err
+		}
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: d.volume(v.loc, &v.disk, v.meta),
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: nodes},
+		})
+	}
+	return resp, nil
+}
+
+// ControllerGetVolume reports one volume and where it is published.
+func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "ControllerGetVolume needs a volume id")
+	}
+	disk, err := d.getDisk(ctx, req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	nodes, err := d.publishedNodes(ctx, disk)
+	if err != nil {
+		return nil, err
+	}
+	loc, _, _ := parseVolumeID(req.GetVolumeId())
+	meta, _ := parseDescription(disk.Description)
+	return &csi.ControllerGetVolumeResponse{
+		Volume: d.volume(loc, disk, meta),
+		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: nodes},
+	}, nil
+}
+
+// ControllerExpandVolume grows the disk to whole GiB; the filesystem and
+// any dm-crypt mapping are grown by the node.
+func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "ControllerExpandVolume needs a volume id")
+	}
+	if req.GetCapacityRange() == nil {
+		return nil, failf(ErrInvalid, "ControllerExpandVolume needs a capacity range")
+	}
+	size, err := sizeGiB(req.GetCapacityRange(), 0)
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + id)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	disk, err := d.getDisk(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	nodeExpand := req.GetVolumeCapability().GetBlock() == nil
+	if disk.SizeGiB >= size {
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: disk.SizeGiB * gib, NodeExpansionRequired: nodeExpand}, nil
+	}
+	loc, diskID, _ := parseVolumeID(id)
+	if err := d.cfg.Cloud.ResizeDisk(ctx, loc, diskID, size); err != nil {
+		return nil, fmt.Errorf("growing volume %s to %d GiB: %w", id, size, err)
+	}
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: size * gib, NodeExpansionRequired: nodeExpand}, nil
+}
+
+// snapshotEntry is a snapshot with the disk it belongs to.
+type snapshotEntry struct {
+	loc  string
+	disk cloud.Disk
+	snap cloud.Snapshot
+}
+
+func (e snapshotEntry) csi() *csi.Snapshot {
+	return &csi.Snapshot{
+		SnapshotId:     snapshotID(e.loc, e.disk.ID, e.snap.ID),
+		SourceVolumeId: volumeID(e.loc, e.disk.ID),
+		SizeBytes:      e.disk.SizeGiB * gib,
+		CreationTime:   timestamppb.New(time.Unix(e.snap.CreationTime, 0)),
+		ReadyToUse:     true,
+	}
+}
+
+func (d *Driver) snapshotsOf(ctx context.Context, loc string, disk cloud.Disk) ([]snapshotEntry, error) {
+	snaps, err := d.cfg.Cloud.ListSnapshots(ctx, loc, disk.ID)
+	if err != nil {
+		return nil, err
+	}
+	sort.Slice(snaps, func(i, j int) bool { return snaps[i].ID < snaps[j].ID })
+	var out []snapshotEntry
+	for _, s := range snaps {
+		if strings.HasPrefix(s.Name, "vco-csi-clone-") {
+			continue // a clone's temporary snapshot, not a user's
+		}
+		out = append(out, snapshotEntry{loc: loc, disk: disk, snap: s})
+	}
+	return out, nil
+}
+
+func (d *Driver) allSnapshots(ctx context.Context) ([]snapshotEntry, error) {
+	vols, err := d.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []snapshotEntry
+	for _, v := range vols {
+		s, err := d.snapshotsOf(ctx, v.loc, v.disk)
+		if errors.Is(err, cloud.ErrNotFound) {
+			continue // deleted while listing
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s...)
+	}
+	return out, nil
+}
+
+// CreateSnapshot snapshots a volume; the snapshot name is unique across
+// the driver's volumes.
+func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
+	name, src := req.GetName(), req.GetSourceVolumeId()
+	if name == "" || src == "" {
+		return nil, failf(ErrInvalid, "CreateSnapshot needs a name and a source volume id")
+	}
+	release, err := d.locks.try("snapshot name " + name)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	disk, err := d.getDisk(ctx, src)
+	if err != nil {
+		return nil, err
+	}
+	loc, _, _ := parseVolumeID(src)
+	// A repeated call finds its snapshot on the source disk; only a new
+	// name costs the scan that keeps names unique across volumes.
+	own, err := d.snapshotsOf(ctx, loc, *disk)
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range own {
+		if e.snap.Name == name {
+			return &csi.CreateSnapshotResponse{Snapshot: e.csi()}, nil
+		}
+	}
+	all, err := d.allSnapshots(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range all {
+		if e.snap.Name != name {
+			continue
+		}
+		if e.disk.ID != disk.ID || e.loc != loc {
+			return nil, failf(ErrAlreadyExists, "snapshot %q exists for volume %s, not %s", name, volumeID(e.loc, e.disk.ID), src)
+		}
+		return &csi.CreateSnapshotResponse{Snapshot: e.csi()}, nil
+	}
+	sid, err := d.cfg.Cloud.CreateSnapshot(ctx, loc, disk.ID, name)
+	if err != nil {
+		return nil, fmt.Errorf("snapshotting volume %s: %w", src, err)
+	}
+	snaps, err := d.cfg.Cloud.ListSnapshots(ctx, loc, disk.ID)
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range snaps {
+		if s.ID == sid {
+			return &csi.CreateSnapshotResponse{Snapshot: snapshotEntry{loc: loc, disk: *disk, snap: s}.csi()}, nil
+		}
+	}
+	return nil, fmt.Errorf("snapshot %s of volume %s was taken but is not listed", sid, src)
+}
+
+// DeleteSnapshot deletes a snapshot; one already gone is success.
+func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "DeleteSnapshot needs a snapshot id")
+	}
+	loc, disk, snap, ok := parseSnapshotID(id)
+	if !ok {
+		return &csi.DeleteSnapshotResponse{}, nil
+	}
+	release, err := d.locks.try("snapshot " + id)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	err = d.cfg.Cloud.DeleteSnapshot(ctx, loc, disk, snap)
+	if err != nil && !errors.Is(err, cloud.ErrNotFound) {
+		return nil, fmt.Errorf("deleting snapshot %s: %w", id, err)
+	}
+	return &csi.DeleteSnapshotResponse{}, nil
+}
+
+// ListSnapshots lists snapshots, all or by id or by source volume.
+func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
+	var all []snapshotEntry
+	switch {
+	case req.GetSnapshotId() != "":
+		loc, diskID, snap, ok := parseSnapshotID(req.GetSnapshotId())
+		if !ok {
+			return &csi.ListSnapshotsResponse{}, nil
+		}
+		disk, err := d.cfg.Cloud.GetDisk(ctx, loc, diskID)
+		if errors.Is(err, cloud.ErrNotFound) {
+			return &csi.ListSnapshotsResponse{}, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		es, err := d.snapshotsOf(ctx, loc, *disk)
+		if err != nil {
+			return nil, err
+		}
+		for _, e := range es {
+			if e.snap.ID == snap {
+				all = append(all, e)
+			}
+		}
+	case req.GetSourceVolumeId() != "":
+		loc, diskID, ok := parseVolumeID(req.GetSourceVolumeId())
+		if !ok {
+			return &csi.ListSnapshotsResponse{}, nil
+		}
+		disk, err := d.cfg.Cloud.GetDisk(ctx, loc, diskID)
+		if errors.Is(err, cloud.ErrNotFound) {
+			return &csi.ListSnapshotsResponse{}, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		if all, err = d.snapshotsOf(ctx, loc, *disk); err != nil {
+			return nil, err
+		}
+	default:
+		var err error
+		if all, err = d.allSnapshots(ctx); err != nil {
+			return nil, err
+		}
+	}
+	start, end, next, err := page(len(all), req.GetStartingToken(), req.GetMaxEntries())
+	if err != nil {
+		return nil, err
+	}
+	resp := &csi.ListSnapshotsResponse{NextToken: next}
+	for _, e := range all[start:end] {
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: e.csi()})
+	}
+	return resp, nil
+}

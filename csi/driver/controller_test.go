@@ -1,0 +1,437 @@
+package driver_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+var rwo = []*csi.VolumeCapability{{
+	AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+}}
+
+func topo(loc string) *csi.Topology {
+	return &csi.Topology{Segments: map[string]string{driver.TopologyKey: loc}}
+}
+
+func wantCode(t *testing.T, err error, code codes.Code, words ...string) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("got %v, want %s", err, code)
+	}
+	for _, w := range words {
+		if !strings.Contains(err.Error(), w) {
+			t.Fatalf("error %q does not say %q", err, w)
+		}
+	}
+}
+
+func TestCreateVolumeTopology(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	cases := []struct {
+		name string
+		req  *csi.TopologyRequirement
+		want string
+	}{
+		{"preferred-wins", &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("ch-gen-1"), topo("nl-ams-1")},
+			Preferred: []*csi.Topology{topo("nl-ams-1")}}, "nl-ams-1"},
+		{"requisite-only", &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("ch-gen-1")}}, "ch-gen-1"},
+		{"unknown-preferred-falls-to-requisite", &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("ch-gen-1")},
+			Preferred: []*csi.Topology{topo("xx-nowhere-1")}}, "ch-gen-1"},
+		{"none-uses-default", nil, hostLoc},
+	}
+	for _, c := range cases {
+		resp, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: c.name, VolumeCapabilities: rwo,
+			AccessibilityRequirements: c.req})
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		v := resp.GetVolume()
+		if !strings.HasPrefix(v.VolumeId, c.want+"/") || len(v.AccessibleTopology) != 1 ||
+			v.AccessibleTopology[0].Segments[driver.TopologyKey] != c.want {
+			t.Fatalf("%s: volume %s with topology %v, want location %s", c.name, v.VolumeId, v.AccessibleTopology, c.want)
+		}
+	}
+	_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "nowhere", VolumeCapabilities: rwo,
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("xx-nowhere-1")}}})
+	wantCode(t, err, codes.ResourceExhausted, "xx-nowhere-1")
+}
+
+func TestCreateVolumeSizingParametersAndIdempotency(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	req := &csi.CreateVolumeRequest{Name: "pvc-a", VolumeCapabilities: rwo,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 3*(1<<30) + 1},
+		Parameters:    map[string]string{"type": "physical", "iops": "700", "encryption": "true", "csi.storage.k8s.io/pvc/name": "data"}}
+	first, err := e.ctrl.CreateVolume(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := first.GetVolume()
+	if v.CapacityBytes != 4<<30 {
+		t.Fatalf("capacity %d, want 4 GiB (rounded up)", v.CapacityBytes)
+	}
+	if v.VolumeContext["cloud.whitesky/encrypted"] != "true" {
+		t.Fatalf("volume context %v lacks encryption", v.VolumeContext)
+	}
+	loc, id := splitID(t, v.VolumeId)
+	disk, err := e.api.GetDisk(ctx, loc, id)
+	if err != nil || disk.Type != cloud.DiskTypePhysical || disk.IOTune.IOPS != 700 || disk.SizeGiB != 4 {
+		t.Fatalf("disk = %+v, %v", disk, err)
+	}
+	again, err := e.ctrl.CreateVolume(ctx, req)
+	if err != nil || again.GetVolume().VolumeId != v.VolumeId {
+		t.Fatalf("repeat: %v, %v; want the same volume %s", again, err, v.VolumeId)
+	}
+	other := proto.Clone(req).(*csi.CreateVolumeRequest)
+	other.CapacityRange = &csi.CapacityRange{RequiredBytes: 8 << 30}
+	_, err = e.ctrl.CreateVolume(ctx, other)
+	wantCode(t, err, codes.AlreadyExists, "pvc-a", "4 GiB")
+	other = proto.Clone(req).(*csi.CreateVolumeRequest)
+	other.Parameters = map[string]string{"type": "physical", "iops": "700"}
+	_, err = e.ctrl.CreateVolume(ctx, other)
+	wantCode(t, err, codes.AlreadyExists, "encryption")
+
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "bad", VolumeCapabilities: rwo, Parameters: map[string]string{"type": "fast"}})
+	wantCode(t, err, codes.InvalidArgument, "type")
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "bad", VolumeCapabilities: rwo, Parameters: map[string]string{"colour": "red"}})
+	wantCode(t, err, codes.InvalidArgument, "colour")
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "small", VolumeCapabilities: rwo,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 100 << 20, LimitBytes: 500 << 20}})
+	wantCode(t, err, codes.OutOfRange, "whole GiB")
+	rwx := []*csi.VolumeCapability{{AccessType: rwo[0].AccessType,
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER}}}
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "rwx", VolumeCapabilities: rwx})
+	wantCode(t, err, codes.InvalidArgument, "one VM at a time")
+}
+
+func splitID(t *testing.T, id string) (string, int64) {
+	t.Helper()
+	var n int64
+	i := strings.IndexByte(id, '/')
+	if _, err := fmt.Sscan(id[i+1:], &n); err != nil {
+		t.Fatalf("volume id %q: %v", id, err)
+	}
+	return id[:i], n
+}
+
+func TestForbiddenCreateIsPermissionDeniedWithoutCredential(t *testing.T) {
+	e := newTestEnv(t, envOpts{faults: sim.Faults{ForbidCreate: true}})
+	_, err := e.ctrl.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "x", VolumeCapabilities: rwo})
+	wantCode(t, err, codes.PermissionDenied, "location-scoped grant", hostLoc)
+	sig := testJWT[strings.LastIndexByte(testJWT, '.')+1:]
+	for _, text := range []string{err.Error(), e.logs.String()} {
+		if strings.Contains(text, testJWT) || strings.Contains(text, sig) {
+			t.Fatalf("credential leaked into %q", text)
+		}
+	}
+	if !strings.Contains(e.logs.String(), "CreateVolume") {
+		t.Fatalf("the failed call was not logged: %q", e.logs.String())
+	}
+}
+
+// vmsOf returns the simulator's VMs in a location, this host's first.
+func vmsOf(t *testing.T, e *testEnv, loc string) []cloud.VM {
+	t.Helper()
+	vms, err := e.api.ListVMs(context.Background(), "cs-"+loc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return vms
+}
+
+func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	vol, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "shared", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.GetVolume().VolumeId
+	vms := vmsOf(t, e, hostLoc)
+	a, b := vms[0], vms[1]
+
+	pa, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: strings.ToUpper(a.ReferenceID), VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc := pa.GetPublishContext()
+	if pc[driver.PubPCISlot] != "6" || pc[driver.PubPCIBus] != "0" || pc[driver.PubDiskID] == "" {
+		t.Fatalf("publish context %v lacks the device address", pc)
+	}
+	if g, ok := pc[driver.PubFenceGrant]; ok {
+		t.Fatalf("first publish carries a grant %s; there was no earlier holder", g)
+	}
+	// Publishing again to the same node is the same answer.
+	if again, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a.ReferenceID, VolumeCapability: rwo[0]}); err != nil || again.PublishContext[driver.PubPCISlot] != "6" {
+		t.Fatalf("repeat publish: %v %v", again, err)
+	}
+
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.FailedPrecondition, a.Name, a.ReferenceID)
+
+	// Unpublish from a node that does not have it changes nothing.
+	if _, err := e.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID}); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := e.api.GetDisk(ctx, hostLoc, mustDisk(t, id)); d.VMID != a.ID {
+		t.Fatalf("disk moved to VM %d by an unpublish from another node", d.VMID)
+	}
+	for range 2 { // idempotent
+		if _, err := e.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a.ReferenceID}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pb, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The agent's own parser accepts the grant, for node b and this volume,
+	// superseding exactly a's key.
+	g, err := fence.ParseGrant(pb.PublishContext[driver.PubFenceGrant])
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyA, _ := fence.KeyFromUUID(a.ReferenceID)
+	keyB, _ := fence.KeyFromUUID(b.ReferenceID)
+	if err := g.ForNode(b.ReferenceID, id); err != nil {
+		t.Fatal(err)
+	}
+	if !g.Names(keyA) || g.Names(keyB) || len(g.Supersedes) != 1 {
+		t.Fatalf("takeover grant = %+v, want it to supersede only %s (node %s)", g, keyA, a.ReferenceID)
+	}
+	if g.ForNode(a.ReferenceID, id) == nil {
+		t.Fatal("the grant for node b is accepted by node a")
+	}
+
+	// Published nodes show in ListVolumes and ControllerGetVolume.
+	gv, err := e.ctrl.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: id})
+	if err != nil || len(gv.Status.PublishedNodeIds) != 1 || gv.Status.PublishedNodeIds[0] != b.ReferenceID {
+		t.Fatalf("get volume: %v %v", gv, err)
+	}
+	// Delete while attached is refused, naming the volume.
+	_, err = e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+	wantCode(t, err, codes.FailedPrecondition, id)
+	// Unknown node.
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "00000000-0000-0000-0000-000000000000", VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.NotFound, "reference_id")
+}
+
+func mustDisk(t *testing.T, id string) int64 { _, n := splitID(t, id); return n }
+
+func TestPublishAcrossLocationsRefused(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	vol, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "far", VolumeCapabilities: rwo,
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{topo("nl-ams-1")}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.Volume.VolumeId, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.FailedPrecondition, "nl-ams-1", hostLoc)
+}
+
+func TestPublishWaitIsBounded(t *testing.T) {
+	// Every API call takes 100ms, longer than the 50ms attach wait allows
+	// for looking at the VM's disks.
+	e := newTestEnv(t, envOpts{attach: 50 * time.Millisecond})
+	ctx := context.Background()
+	vol, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "slow", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(100 * time.Millisecond)})
+	start := time.Now()
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol.Volume.VolumeId, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.DeadlineExceeded, vol.Volume.VolumeId)
+	if time.Since(start) > 5*time.Second {
+		t.Fatalf("publish took %v despite a 50ms attach wait", time.Since(start))
+	}
+}
+
+func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(300 * time.Millisecond)})
+	first := make(chan error, 1)
+	go func() {
+		_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
+		first <- err
+	}()
+	// Once the simulator has seen the first call's lookup, that call holds
+	// the name's lock (it is taken before any API request).
+	for deadline := time.Now().Add(10 * time.Second); sum(e.sim.Calls()) == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the first CreateVolume never reached the simulator")
+		}
+	}
+	_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
+	wantCode(t, err, codes.Aborted, "same", "in progress")
+	if err := <-first; err != nil {
+		t.Fatalf("first call: %v", err)
+	}
+}
+
+func TestListVolumesPagingAndSnapshots(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	var ids []string
+	for i := range 5 {
+		v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("v%d", i), VolumeCapabilities: rwo})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, v.Volume.VolumeId)
+	}
+	// A disk the driver did not make is not listed.
+	if _, err := e.api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: "foreign", Description: "someone else's", SizeGiB: 1}); err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	token := ""
+	pages := 0
+	for {
+		r, err := e.ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{MaxEntries: 2, StartingToken: token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pages++
+		for _, en := range r.Entries {
+			if seen[en.Volume.VolumeId] {
+				t.Fatalf("volume %s listed twice", en.Volume.VolumeId)
+			}
+			seen[en.Volume.VolumeId] = true
+		}
+		if token = r.NextToken; token == "" {
+			break
+		}
+	}
+	if len(seen) != 5 || pages != 3 {
+		t.Fatalf("listed %d volumes in %d pages, want 5 in 3", len(seen), pages)
+	}
+	_, err := e.ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "nonsense"})
+	wantCode(t, err, codes.Aborted, "nonsense")
+
+	// Snapshot, restore a bigger volume from it, expand.
+	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: ids[0]})
+	if err != nil || !s.Snapshot.ReadyToUse || s.Snapshot.SourceVolumeId != ids[0] {
+		t.Fatalf("snapshot: %v %v", s, err)
+	}
+	_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: ids[1]})
+	wantCode(t, err, codes.AlreadyExists, ids[0])
+	r, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "restored", VolumeCapabilities: rwo,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 3 << 30},
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: s.Snapshot.SnapshotId}}}})
+	if err != nil || r.Volume.CapacityBytes != 3<<30 || r.Volume.ContentSource.GetSnapshot().GetSnapshotId() != s.Snapshot.SnapshotId {
+		t.Fatalf("restore: %v %v", r, err)
+	}
+	x, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: r.Volume.VolumeId,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 5<<30 - 10}})
+	if err != nil || x.CapacityBytes != 5<<30 || !x.NodeExpansionRequired {
+		t.Fatalf("expand: %v %v", x, err)
+	}
+	ls, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: ids[0]})
+	if err != nil || len(ls.Entries) != 1 {
+		t.Fatalf("list snapshots: %v %v", ls, err)
+	}
+}
+
+func TestCodeForError(t *testing.T) {
+	cases := []struct {
+		err  error
+		want codes.Code
+	}{
+		{&cloud.APIError{Kind: cloud.ErrNotFound}, codes.NotFound},
+		{&cloud.APIError{Kind: cloud.ErrConflict}, codes.FailedPrecondition},
+		{&cloud.APIError{Kind: cloud.ErrForbidden}, codes.PermissionDenied},
+		{&cloud.APIError{Kind: cloud.ErrUnauthorized}, codes.Unauthenticated},
+		{&cloud.APIError{Kind: cloud.ErrRateLimited}, codes.Unavailable},
+		{&cloud.APIError{Kind: cloud.ErrUnavailable}, codes.Unavailable},
+		{fmt.Errorf("wrapped: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
+		{fmt.Errorf("agent said: %w", status.Error(codes.FailedPrecondition, "disk held by node x")), codes.FailedPrecondition},
+		{errors.New("anything else"), codes.Internal},
+	}
+	for _, c := range cases {
+		if got := driver.CodeForError(c.err); got != c.want {
+			t.Errorf("CodeForError(%v) = %s, want %s", c.err, got, c.want)
+		}
+	}
+}
+
+func TestNameFromPortal(t *testing.T) {
+	for in, want := range map[string]string{
+		"try.whitesky.cloud":     "cloud.whitesky.csi",
+		"portal.example.com:443": "com.example.csi",
+		"cloud.acme.co.uk":       "uk.co.acme.csi",
+		"Try.WhiteSky.Cloud.":    "cloud.whitesky.csi",
+	} {
+		if got := driver.NameFromPortal(in); got != want {
+			t.Errorf("NameFromPortal(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// TestFlakyAPI: with a fifth of all API requests answered 503, concurrent
+// creates and publishes still succeed through the client's retries, and
+// no name yields two disks.
+func TestFlakyAPI(t *testing.T) {
+	e := newTestEnv(t, envOpts{faults: sim.Faults{ErrorRate: 0.2}})
+	ctx := context.Background()
+	vms := vmsOf(t, e, hostLoc)
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for i := range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("flaky-%d", i), VolumeCapabilities: rwo})
+			if err == nil {
+				_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: v.Volume.VolumeId,
+					NodeId: vms[i%len(vms)].ReferenceID, VolumeCapability: rwo[0]})
+			}
+			if err != nil {
+				errs <- err
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if e.sim.Calls()["createDisk"] == 0 {
+		t.Fatal("no create reached the simulator")
+	}
+	names := map[string]int{}
+	for _, d := range e.sim.Snapshot().Disks {
+		names[d.Name]++
+		if len(d.Attachments) != 1 {
+			t.Errorf("disk %s has %d attachments", d.Name, len(d.Attachments))
+		}
+	}
+	if len(names) != 20 {
+		t.Fatalf("%d distinct disks, want 20", len(names))
+	}
+	for n, c := range names {
+		if c != 1 {
+			t.Errorf("%d disks named %s", c, n)
+		}
+	}
+}

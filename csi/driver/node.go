@@ -1,0 +1,342 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+)
+
+// NodeIdentity is what the agent knows about the machine it runs on.
+type NodeIdentity struct {
+	// UUID is the SMBIOS system UUID, which is the VM's reference_id.
+	UUID string
+	// Location is the whitesky.cloud location, from the agent's config.
+	Location string
+}
+
+// StageRequest is everything the agent needs to make a volume ready at a
+// staging path: find and verify the device, fence it, open LUKS2 when
+// encrypted, make a filesystem only on a blank device, mount.
+type StageRequest struct {
+	VolumeID       string
+	StagingPath    string
+	PublishContext map[string]string
+	VolumeContext  map[string]string
+	Block          bool
+	FsType         string
+	MountFlags     []string
+	ReadOnly       bool
+	// Passphrase for an encrypted volume; never logged.
+	Passphrase []byte
+}
+
+// PublishRequest binds a staged volume into a pod's target path.
+type PublishRequest struct {
+	VolumeID    string
+	StagingPath string
+	TargetPath  string
+	Block       bool
+	ReadOnly    bool
+	MountFlags  []string
+}
+
+// VolumeStats is a staged volume's usage and health.
+type VolumeStats struct {
+	TotalBytes, UsedBytes, AvailableBytes    int64
+	TotalInodes, UsedInodes, AvailableInodes int64
+	Block                                    bool
+	// Abnormal with Message when the volume lost its fence or its device.
+	Abnormal bool
+	Message  string
+}
+
+// NodeAgent is the host daemon as the node service sees it. Every
+// privileged step is one call; errors carry the agent's gRPC status, whose
+// code the driver passes on unchanged.
+type NodeAgent interface {
+	Identity(ctx context.Context) (NodeIdentity, error)
+	Stage(ctx context.Context, req StageRequest) error
+	Unstage(ctx context.Context, volumeID, stagingPath string) error
+	Publish(ctx context.Context, req PublishRequest) error
+	Unpublish(ctx context.Context, volumeID, targetPath string) error
+	Expand(ctx context.Context, volumeID, path string, bytes int64) (int64, error)
+	Stats(ctx context.Context, volumeID, path string) (VolumeStats, error)
+}
+
+// NodeGetCapabilities lists what the node service does.
+func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+	var caps []*csi.NodeServiceCapability
+	for _, c := range []csi.NodeServiceCapability_RPC_Type{
+		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
+		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+		csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
+	} {
+		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{
+			Rpc: &csi.NodeServiceCapability_RPC{Type: c}}})
+	}
+	return &csi.NodeGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// NodeGetInfo reports the node id (the SMBIOS UUID, which the controller
+// maps to a VM through its reference_id) and the node's location.
+func (d *Driver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+	id, err := d.cfg.Agent.Identity(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("asking the node agent who this node is: %w", err)
+	}
+	if id.UUID == "" {
+		return nil, failf(ErrAgent, "the node agent reports no SMBIOS UUID for this machine")
+	}
+	resp := &csi.NodeGetInfoResponse{NodeId: canonicalUUID(id.UUID), MaxVolumesPerNode: d.cfg.MaxVolumesPerNode}
+	if id.Location != "" {
+		resp.AccessibleTopology = &csi.Topology{Segments: map[string]string{TopologyKey: id.Location}}
+	}
+	return resp, nil
+}
+
+// underRoot checks that p lies inside the kubelet root once cleaned and
+// with every existing symlink along it resolved, so neither ".." nor a
+// planted symlink can point a mount elsewhere on the host.
+func (d *Driver) underRoot(what, p string) (string, error) {
+	if p == "" {
+		return "", failf(ErrInvalid, "%s is required", what)
+	}
+	if !filepath.IsAbs(p) {
+		return "", failf(ErrInvalid, "%s %q is not an absolute path", what, p)
+	}
+	for _, part := range strings.Split(p, "/") {
+		if part == ".." {
+			return "", failf(ErrInvalid, "%s %q contains '..'", what, p)
+		}
+	}
+	root, err := filepath.EvalSymlinks(d.cfg.KubeletRoot)
+	if err != nil {
+		return "", failf(ErrPrecondition, "kubelet root %s: %v", d.cfg.KubeletRoot, err)
+	}
+	resolved, err := resolveExisting(filepath.Clean(p))
+	if err != nil {
+		return "", failf(ErrInvalid, "%s %q: %v", what, p, err)
+	}
+	if resolved != root && !strings.HasPrefix(resolved, root+"/") {
+		return "", failf(ErrInvalid, "%s %q is outside the kubelet directory %s", what, p, d.cfg.KubeletRoot)
+	}
+	return resolved, nil
+}
+
+// resolveExisting resolves symlinks in the longest existing prefix of p and
+// appends the part that does not exist yet.
+func resolveExisting(p string) (string, error) {
+	rest := ""
+	cur := p
+	for {
+		r, err := filepath.EvalSymlinks(cur)
+		if err == nil {
+			return filepath.Join(r, rest), nil
+		}
+		if !errors.Is(err, os.ErrNotExist) {
+			return "", err
+		}
+		parent := filepath.Dir(cur)
+		if parent == cur {
+			return "", err
+		}
+		rest = filepath.Join(filepath.Base(cur), rest)
+		cur = parent
+	}
+}
+
+func accessType(c *csi.VolumeCapability) (block bool, fs string, flags []string, err error) {
+	if c == nil {
+		return false, "", nil, failf(ErrInvalid, "a volume capability is required")
+	}
+	if err := checkCapabilities([]*csi.VolumeCapability{c}); err != nil {
+		return false, "", nil, err
+	}
+	if c.GetBlock() != nil {
+		return true, "", nil, nil
+	}
+	fs = c.GetMount().GetFsType()
+	if fs == "" {
+		fs = "ext4"
+	}
+	return false, fs, c.GetMount().GetMountFlags(), nil
+}
+
+func readOnlyMode(c *csi.VolumeCapability) bool {
+	return c.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
+}
+
+// NodeStageVolume asks the agent to make the volume ready at the staging path.
+func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeStageVolume needs a volume id")
+	}
+	staging, err := d.underRoot("staging path", req.GetStagingTargetPath())
+	if err != nil {
+		return nil, err
+	}
+	block, fs, flags, err := accessType(req.GetVolumeCapability())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	sr := StageRequest{VolumeID: req.GetVolumeId(), StagingPath: staging, PublishContext: req.GetPublishContext(),
+		VolumeContext: req.GetVolumeContext(), Block: block, FsType: fs, MountFlags: flags,
+		ReadOnly: readOnlyMode(req.GetVolumeCapability())}
+	if err := d.cfg.Agent.Stage(ctx, sr); err != nil {
+		return nil, fmt.Errorf("staging volume %s at %s: %w", req.GetVolumeId(), staging, err)
+	}
+	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// NodeUnstageVolume asks the agent to unmount, close and release the volume.
+func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeUnstageVolume needs a volume id")
+	}
+	staging, err := d.underRoot("staging path", req.GetStagingTargetPath())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	if err := d.cfg.Agent.Unstage(ctx, req.GetVolumeId(), staging); err != nil {
+		return nil, fmt.Errorf("unstaging volume %s from %s: %w", req.GetVolumeId(), staging, err)
+	}
+	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// NodePublishVolume asks the agent to bind the staged volume into the pod.
+func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodePublishVolume needs a volume id")
+	}
+	staging, err := d.underRoot("staging path", req.GetStagingTargetPath())
+	if err != nil {
+		return nil, err
+	}
+	target, err := d.underRoot("target path", req.GetTargetPath())
+	if err != nil {
+		return nil, err
+	}
+	block, _, flags, err := accessType(req.GetVolumeCapability())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + req.GetVolumeId() + " at " + target)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	pr := PublishRequest{VolumeID: req.GetVolumeId(), StagingPath: staging, TargetPath: target, Block: block,
+		ReadOnly: req.GetReadonly() || readOnlyMode(req.GetVolumeCapability()), MountFlags: flags}
+	if err := d.cfg.Agent.Publish(ctx, pr); err != nil {
+		return nil, fmt.Errorf("publishing volume %s at %s: %w", req.GetVolumeId(), target, err)
+	}
+	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// NodeUnpublishVolume asks the agent to remove the pod's bind mount.
+func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeUnpublishVolume needs a volume id")
+	}
+	target, err := d.underRoot("target path", req.GetTargetPath())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + req.GetVolumeId() + " at " + target)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	if err := d.cfg.Agent.Unpublish(ctx, req.GetVolumeId(), target); err != nil {
+		return nil, fmt.Errorf("unpublishing volume %s from %s: %w", req.GetVolumeId(), target, err)
+	}
+	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+// NodeExpandVolume asks the agent to grow dm-crypt and the filesystem.
+func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeExpandVolume needs a volume id")
+	}
+	p, err := d.underRoot("volume path", req.GetVolumePath())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	n, err := d.cfg.Agent.Expand(ctx, req.GetVolumeId(), p, req.GetCapacityRange().GetRequiredBytes())
+	if err != nil {
+		return nil, fmt.Errorf("expanding volume %s at %s: %w", req.GetVolumeId(), p, err)
+	}
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: n}, nil
+}
+
+// NodeGetVolumeStats reports usage. (The volume's condition is reported by
+// NodeGetVolumeHealth: CSI 1.13 removed VolumeCondition from this call.)
+func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeGetVolumeStats needs a volume id")
+	}
+	p, err := d.underRoot("volume path", req.GetVolumePath())
+	if err != nil {
+		return nil, err
+	}
+	st, err := d.cfg.Agent.Stats(ctx, req.GetVolumeId(), p)
+	if err != nil {
+		return nil, fmt.Errorf("volume %s at %s: %w", req.GetVolumeId(), p, err)
+	}
+	resp := &csi.NodeGetVolumeStatsResponse{}
+	resp.Usage = append(resp.Usage, &csi.VolumeUsage{Unit: csi.VolumeUsage_BYTES, Total: st.TotalBytes, Used: st.UsedBytes, Available: st.AvailableBytes})
+	if !st.Block {
+		resp.Usage = append(resp.Usage, &csi.VolumeUsage{Unit: csi.VolumeUsage_INODES, Total: st.TotalInodes, Used: st.UsedInodes, Available: st.AvailableInodes})
+	}
+	return resp, nil
+}
+
+// NodeGetVolumeHealth reports a volume the agent says lost its fence or its
+// device as INACCESSIBLE from this node, with the agent's words; the
+// replacement, since CSI 1.13, for VOLUME_CONDITION on the stats call.
+func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, failf(ErrInvalid, "NodeGetVolumeHealth needs a volume id")
+	}
+	p := req.GetVolumePublishPath()
+	if p == "" {
+		p = req.GetStagingTargetPath()
+	}
+	if p != "" {
+		var err error
+		if p, err = d.underRoot("volume path", p); err != nil {
+			return nil, err
+		}
+	}
+	st, err := d.cfg.Agent.Stats(ctx, req.GetVolumeId(), p)
+	if err != nil {
+		return nil, fmt.Errorf("health of volume %s: %w", req.GetVolumeId(), err)
+	}
+	h := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
+	if st.Abnormal {
+		h.HealthStatuses = append(h.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "FenceLost", Message: st.Message})
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
+}

@@ -1,0 +1,216 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// Publish context keys: where the node finds the disk, and what it may do
+// to take it over. The grant is fence.Grant's JSON ({"disk": volume id,
+// "node": SMBIOS UUID, "supersedes": ["0x..."]}), the keys derived with
+// fence.KeyFromUUID from the earlier holders' reference_ids.
+const (
+	PubDiskID     = "cloud.whitesky/disk-id"
+	PubPCIBus     = "cloud.whitesky/pci-bus"
+	PubPCISlot    = "cloud.whitesky/pci-slot"
+	PubSerial     = "cloud.whitesky/serial"
+	PubFenceGrant = "cloud.whitesky/fence-grant"
+)
+
+// holderNote is the disk note in which the controller records the node the
+// disk was last published to. It survives controller restarts and detaches,
+// which is what a takeover grant needs: after a node dies, Kubernetes
+// detaches the disk first and publishes it elsewhere later, and by then the
+// cloud no longer says who had it.
+const holderNote = "vco-csi/holder"
+
+// canonicalUUID is the form node ids and fence keys are derived from.
+func canonicalUUID(s string) string { return strings.ToLower(strings.TrimSpace(s)) }
+
+// ControllerPublishVolume attaches the disk to the node's VM.
+func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	if id == "" || node == "" {
+		return nil, failf(ErrInvalid, "ControllerPublishVolume needs a volume id and a node id")
+	}
+	if req.GetVolumeCapability() == nil {
+		return nil, failf(ErrInvalid, "ControllerPublishVolume needs a volume capability")
+	}
+	if err := checkCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
+		return nil, err
+	}
+	release, err := d.locks.try("volume " + id)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	disk, err := d.getDisk(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	loc, diskID, _ := parseVolumeID(id)
+	vm, ok, err := d.vms.byNode(ctx, node)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		return nil, failf(ErrNotFound, "node %s is not a VM of this customer (no VM has reference_id %s)", node, node)
+	}
+	if vm.Location != loc {
+		return nil, failf(ErrPrecondition, "volume %s is in location %s but node %s (VM %s) is in %s", id, loc, node, vm.Name, vm.Location)
+	}
+	if disk.VMID != 0 && disk.VMID != vm.ID {
+		return nil, d.attachedElsewhere(ctx, id, disk.VMID, node)
+	}
+
+	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
+	if err != nil {
+		return nil, err
+	}
+	previous := previousHolders(notes, node)
+	// Record the new holder before attaching: if the attach happens and
+	// the controller dies, the next grant still knows who may hold a key.
+	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, canonicalUUID(node)); err != nil {
+		return nil, fmt.Errorf("recording node %s as holder of volume %s: %w", node, id, err)
+	}
+	if disk.VMID == 0 {
+		err := d.cfg.Cloud.AttachDisk(ctx, vm.Cloudspace, vm.ID, diskID)
+		if errors.Is(err, cloud.ErrConflict) {
+			// Lost a race, or the first try of a retried call worked.
+			now, gerr := d.getDisk(ctx, id)
+			if gerr != nil {
+				return nil, gerr
+			}
+			if now.VMID == 0 {
+				return nil, failf(ErrNoCapacity, "attaching volume %s to node %s (VM %s): %v", id, node, vm.Name, err)
+			}
+			if now.VMID != vm.ID {
+				return nil, d.attachedElsewhere(ctx, id, now.VMID, node)
+			}
+		} else if err != nil {
+			return nil, fmt.Errorf("attaching volume %s to node %s (VM %d): %w", id, node, vm.ID, err)
+		}
+	}
+	vd, err := d.waitAttached(ctx, vm, diskID)
+	if err != nil {
+		return nil, fmt.Errorf("volume %s on node %s: %w", id, node, err)
+	}
+	pc := map[string]string{
+		PubDiskID:  strconv.FormatInt(diskID, 10),
+		PubPCIBus:  strconv.Itoa(vd.PCIBus),
+		PubPCISlot: strconv.Itoa(vd.PCISlot),
+		PubSerial:  strconv.FormatInt(diskID, 10),
+	}
+	// A grant only when there is someone to take over from: the agent
+	// refuses a grant that supersedes nothing.
+	if len(previous) > 0 {
+		grant := fence.Grant{Disk: id, Node: canonicalUUID(node)}
+		for _, p := range previous {
+			k, err := fence.KeyFromUUID(p)
+			if err != nil {
+				return nil, failf(ErrPrecondition, "volume %s: the earlier holder recorded in its %q note is not a node id: %v", id, holderNote, err)
+			}
+			grant.Supersedes = append(grant.Supersedes, k)
+		}
+		pc[PubFenceGrant] = grant.Encode()
+	}
+	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
+}
+
+// attachedElsewhere builds the refusal that names the VM holding the disk.
+func (d *Driver) attachedElsewhere(ctx context.Context, id string, vmID int64, node string) error {
+	other := fmt.Sprintf("VM %d", vmID)
+	if r, ok, err := d.vms.byVMID(ctx, vmID); err == nil && ok {
+		other = fmt.Sprintf("VM %s (id %d, node %s)", r.Name, vmID, canonicalUUID(r.ReferenceID))
+	}
+	return failf(ErrPrecondition, "volume %s is attached to %s; it must be unpublished there before node %s can have it", id, other, node)
+}
+
+// previousHolders returns the earlier holder recorded on the disk, if it
+// is not this node.
+func previousHolders(notes []cloud.Note, node string) []string {
+	var out []string
+	for _, n := range notes {
+		if n.Title == holderNote && n.Content != "" && !cloud.SameReference(n.Content, node) {
+			out = append(out, canonicalUUID(n.Content))
+		}
+	}
+	return out
+}
+
+// waitAttached polls the VM's disks until the disk shows with its PCI
+// address, within AttachTimeout and the request's deadline.
+func (d *Driver) waitAttached(ctx context.Context, vm vmRef, diskID int64) (cloud.VMDisk, error) {
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.AttachTimeout)
+	defer cancel()
+	for {
+		disks, err := d.cfg.Cloud.ListVMDisks(ctx, vm.Cloudspace, vm.ID)
+		if err != nil && ctx.Err() == nil {
+			return cloud.VMDisk{}, err
+		}
+		for _, x := range disks {
+			if x.ID == diskID {
+				return x, nil
+			}
+		}
+		t := time.NewTimer(d.cfg.AttachPoll)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return cloud.VMDisk{}, fmt.Errorf("disk %d did not show up on VM %s within the attach wait: %w", diskID, vm.Name, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// ControllerUnpublishVolume detaches the disk from the node's VM. A disk or
+// node that is gone, or a disk not attached there, is success.
+func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "ControllerUnpublishVolume needs a volume id")
+	}
+	loc, diskID, ok := parseVolumeID(id)
+	if !ok {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	release, err := d.locks.try("volume " + id)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	disk, err := d.cfg.Cloud.GetDisk(ctx, loc, diskID)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if disk.VMID == 0 {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	vm, found, err := d.vms.byVMID(ctx, disk.VMID)
+	if err != nil {
+		return nil, err
+	}
+	if !found {
+		return nil, failf(ErrNotFound, "volume %s is attached to VM %d, which is not listed in any cloudspace", id, disk.VMID)
+	}
+	if node != "" && !cloud.SameReference(vm.ReferenceID, node) {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil // attached elsewhere, so not to this node
+	}
+	err = d.cfg.Cloud.DetachDisk(ctx, vm.Cloudspace, vm.ID, diskID)
+	if err != nil && !errors.Is(err, cloud.ErrNotFound) {
+		return nil, fmt.Errorf("detaching volume %s from node %s (VM %d): %w", id, node, vm.ID, err)
+	}
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}

@@ -1,0 +1,117 @@
+package scsitest
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/whitesky-cloud/vco-storage/fence/scsi"
+)
+
+// The model's own rules, checked against SPC-4's descriptions of the PR OUT
+// service actions, so that engine tests do not rest on a wrong model.
+
+func dev(t *Target, ini string) *scsi.Device {
+	d := scsi.NewDevice(ini, t.Initiator(ini))
+	d.UnitAttentionRetries = -1
+	return d
+}
+
+func TestModelFollowsSPC4(t *testing.T) {
+	ctx := context.Background()
+	tgt := New(Options{})
+	a, b := dev(tgt, "a"), dev(tgt, "b")
+	out := func(d *scsi.Device, p scsi.PROut) error { return d.PersistentReserveOut(ctx, p) }
+
+	// REGISTER from an unregistered nexus with a non-zero RESERVATION KEY
+	// conflicts; with zero it registers.
+	if err := out(a, scsi.PROut{Action: scsi.Register, Key: 5, ServiceActionKey: 1}); !errors.Is(err, scsi.ErrReservationConflict) {
+		t.Fatalf("register with wrong key: %v", err)
+	}
+	if err := out(a, scsi.PROut{Action: scsi.Register, ServiceActionKey: 1}); err != nil {
+		t.Fatal(err)
+	}
+	// RESERVE needs the registered key; an invalid type is ILLEGAL REQUEST.
+	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 2}); !errors.Is(err, scsi.ErrReservationConflict) {
+		t.Fatalf("reserve with wrong key: %v", err)
+	}
+	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 2, Key: 1}); !errors.Is(err, scsi.ErrIllegalRequest) {
+		t.Fatalf("reserve type 2: %v", err)
+	}
+	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}); err != nil {
+		t.Fatal(err)
+	}
+	// Same type again is GOOD, another type conflicts.
+	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 3, Key: 1}); !errors.Is(err, scsi.ErrReservationConflict) {
+		t.Fatalf("reserve other type: %v", err)
+	}
+	// Another registrant's RESERVE conflicts; its RELEASE is a no-op.
+	if err := out(b, scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if err := out(b, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 2}); !errors.Is(err, scsi.ErrReservationConflict) {
+		t.Fatalf("second reserve: %v", err)
+	}
+	if err := out(b, scsi.PROut{Action: scsi.Release, Type: 1, Key: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if _, k, _, ok := tgt.Reservation(); !ok || k != 1 {
+		t.Fatal("non-holder's RELEASE released")
+	}
+	// RELEASE by the holder with the wrong type: INVALID RELEASE (26/04).
+	err := out(a, scsi.PROut{Action: scsi.Release, Type: 3, Key: 1})
+	var ce *scsi.CommandError
+	if !errors.As(err, &ce) || ce.Sense == nil || ce.Sense.ASC != 0x26 || ce.Sense.ASCQ != 0x04 {
+		t.Fatalf("release with wrong type: %v", err)
+	}
+	// PREEMPT of a key nobody holds conflicts; PREEMPT with SA key 0 and no
+	// all-registrants reservation is ILLEGAL REQUEST.
+	if err := out(b, scsi.PROut{Action: scsi.Preempt, Type: 1, Key: 2, ServiceActionKey: 9}); !errors.Is(err, scsi.ErrReservationConflict) {
+		t.Fatalf("preempt unknown key: %v", err)
+	}
+	if err := out(b, scsi.PROut{Action: scsi.Preempt, Type: 1, Key: 2}); !errors.Is(err, scsi.ErrIllegalRequest) {
+		t.Fatalf("preempt key 0: %v", err)
+	}
+	// PREEMPT of the holder moves the reservation and tells the preempted
+	// nexus REGISTRATIONS PREEMPTED (2A/05) on its next command.
+	if err := out(b, scsi.PROut{Action: scsi.Preempt, Type: 3, Key: 2, ServiceActionKey: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if h, k, ty, _ := tgt.Reservation(); h != "b" || k != 2 || ty != 3 {
+		t.Fatalf("after preempt: %s %d %d", h, k, ty)
+	}
+	if asc, ascq, ok := scsi.UnitAttentionCode(a.TestUnitReady(ctx)); !ok || asc != 0x2a || ascq != 0x05 {
+		t.Fatal("no REGISTRATIONS PREEMPTED unit attention")
+	}
+	// Exclusive Access: a can neither read nor write; unregistering the
+	// holder releases the reservation.
+	if tgt.CanRead("a") || tgt.CanWrite("a") || !tgt.CanWrite("b") {
+		t.Fatal("Exclusive Access access rules")
+	}
+	if err := out(b, scsi.PROut{Action: scsi.Register, Key: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, _, ok := tgt.Reservation(); ok {
+		t.Fatal("unregistering holder kept the reservation")
+	}
+	// APTPL is rejected by default (tgt does so) and the parameter list
+	// length must be 24.
+	if err := out(a, scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: 1, APTPL: true}); !errors.Is(err, scsi.ErrIllegalRequest) {
+		t.Fatalf("APTPL: %v", err)
+	}
+	r, err := tgt.Initiator("a").Execute(ctx, scsi.PROut{Action: scsi.Register}.CDB(), scsi.DirToDevice, make([]byte, 23), 0)
+	if s, serr := scsi.ParseSense(r.Sense); err != nil || r.Status != scsi.StatusCheckCondition || serr != nil || s.ASC != 0x1a {
+		t.Fatalf("23-byte parameter list: %+v, %v", r, err)
+	}
+	// INQUIRY does not consume a pending unit attention.
+	tgt.QueueUnitAttention("a", 0x29, 0)
+	if _, err := a.Inquiry(ctx); err != nil {
+		t.Fatalf("inquiry with pending UA: %v", err)
+	}
+	if _, _, ok := scsi.UnitAttentionCode(a.TestUnitReady(ctx)); !ok {
+		t.Fatal("unit attention consumed by INQUIRY")
+	}
+}
