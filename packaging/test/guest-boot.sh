@@ -43,6 +43,8 @@ mirror() {
 }
 
 base=$CACHE/$SUITE-guest.tar
+# python3-cffi-backend is named because debootstrap's resolver does not
+# follow the virtual package python3-cryptography depends on.
 if [ ! -s "$base" ]; then
 	step "debootstrap the guest root (systemd, udev, dbus, cloud-init, kernel; cached in $base)"
 	mkdir -p "$CACHE"
@@ -92,6 +94,9 @@ say "agent=$(systemctl is-active vco-agent.service) enabled=$(systemctl is-enabl
 say "socket=$(stat -c '%a %G %F' /run/vco-agent/agent.sock 2>&1)"
 say "identity=$(vco-agent identity 2>&1 | tr '\n' ' ')"
 say "config=$(grep -c 'location: "guest-check-location"' /etc/vco-agent/config.yaml)"
+if ! systemctl is-active --quiet vco-agent.service; then
+	journalctl -b -u vco-agent.service --no-pager -n 20 2>&1 | while IFS= read -r l; do say "journal: $l"; done
+fi
 if [ "$n" -eq 1 ]; then
 	say "rebooting"
 	systemctl reboot
