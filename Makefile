@@ -15,7 +15,7 @@ export PATH  := $(TOOLS):$(PATH)
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
         cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
-        lintian rpmlint rpm debootstrap cloud-init man-db skopeo ca-certificates
+        lintian rpmlint rpm debootstrap cloud-init man-db groff-base skopeo ca-certificates gettext-base
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
