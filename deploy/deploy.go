@@ -2,17 +2,18 @@
 // renders them. The release artifact csi.yaml keeps the placeholders
 // ${VCO_CSI_IMAGE} and ${VCO_CSI_DRIVER_NAME} for envsubst (CAPVCO delivers
 // it with a ClusterResourceSet); Render fills them in, deriving the driver
-// name from the image's registry host the way the plugin derives it from
-// the portal host.
+// name from the image's registry host with the rule the plugin applies to
+// the portal host (driver.NameFromPortal).
 package deploy
 
 import (
 	"embed"
 	"fmt"
 	"io/fs"
-	"net"
 	"sort"
 	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
 
 //go:embed [0-9][0-9]-*.yaml
@@ -48,28 +49,6 @@ func Bundle() (string, error) {
 	return b.String(), nil
 }
 
-// DriverName derives the CSI driver name from a host: the domain reversed
-// with its leaf replaced by "csi" (registry.whitesky.cloud ->
-// cloud.whitesky.csi). It returns "" for an IP address or a single label.
-func DriverName(host string) string {
-	host = strings.TrimSuffix(strings.ToLower(host), ".")
-	if h, _, err := net.SplitHostPort(host); err == nil {
-		host = h
-	}
-	if net.ParseIP(strings.Trim(host, "[]")) != nil {
-		return ""
-	}
-	parts := strings.Split(host, ".")
-	if len(parts) < 2 {
-		return ""
-	}
-	out := []string{}
-	for i := len(parts) - 1; i >= 1; i-- {
-		out = append(out, parts[i])
-	}
-	return strings.Join(append(out, "csi"), ".")
-}
-
 // ImageHost returns the registry host of an image reference.
 func ImageHost(image string) (string, error) {
 	host, _, ok := strings.Cut(image, "/")
@@ -85,7 +64,7 @@ func Render(image string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	name := DriverName(host)
+	name := driver.NameFromPortal(host)
 	if name == "" {
 		return "", fmt.Errorf("image %q: cannot derive a driver name from host %q (want a DNS name such as registry.whitesky.cloud)", image, host)
 	}

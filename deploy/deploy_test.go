@@ -13,6 +13,8 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
 
 const (
@@ -133,19 +135,22 @@ func rendered(t *testing.T) objects {
 	return decode(t, out)
 }
 
-func TestDriverName(t *testing.T) {
-	for host, want := range map[string]string{
-		"try.whitesky.cloud":          "cloud.whitesky.csi",
-		"registry.whitesky.cloud":     "cloud.whitesky.csi",
-		"registry.whitesky.cloud:443": "cloud.whitesky.csi",
-		"Portal.Example.COM.":         "com.example.csi",
-		"a.b.c.d":                     "d.c.b.csi",
-		"localhost":                   "",
-		"10.0.0.1":                    "",
-		"[::1]:5000":                  "",
+func TestRenderDerivesTheDriverName(t *testing.T) {
+	for image, want := range map[string]string{
+		"registry.whitesky.cloud/vco/vco-csi:v1":        "cloud.whitesky.csi",
+		"registry.whitesky.cloud:5000/vco-csi@sha256:0": "cloud.whitesky.csi",
+		"Reg.Example.COM/a/b/c:v2":                      "com.example.csi",
 	} {
-		if got := DriverName(host); got != want {
-			t.Errorf("DriverName(%q) = %q, want %q", host, got, want)
+		out, err := Render(image)
+		if err != nil {
+			t.Fatalf("Render(%q): %v", image, err)
+		}
+		o := decode(t, out)
+		if len(o.drivers) != 1 || o.drivers[0].Name != want {
+			t.Errorf("Render(%q) names the driver %v, want %s", image, o.drivers, want)
+		}
+		if !strings.Contains(out, "image: "+image+"\n") {
+			t.Errorf("Render(%q) does not use the image as given", image)
 		}
 	}
 }
@@ -188,6 +193,9 @@ func TestBundleIsEnvsubstCompatible(t *testing.T) {
 
 func TestManifests(t *testing.T) {
 	o := rendered(t)
+	if got := driver.NameFromPortal("registry.whitesky.cloud"); got != testDriver {
+		t.Fatalf("the plugin derives %s from the test image's host, the test expects %s", got, testDriver)
+	}
 
 	if len(o.namespaces) != 1 || o.namespaces[0].Name != Namespace {
 		t.Errorf("namespaces %v", o.namespaces)
