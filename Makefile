@@ -23,7 +23,7 @@ PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
 .PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence
-.PHONY: packages image test-packages csi-yaml csi-addon
+.PHONY: packages image test-packages csi-yaml csi-addon fuzz-smbios
 
 all: build
 
@@ -82,6 +82,11 @@ FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
 fuzz-fence:
 	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
 	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./$$pkg; done
+
+# The SMBIOS table walker and parser, each for FUZZTIME.
+fuzz-smbios:
+	@for fn in FuzzParseTable FuzzParseStructures; do echo "== smbios $$fn"; \
+	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./smbios; done
 
 proto: deps
 	protoc --proto_path=agent/api \
