@@ -161,7 +161,7 @@ csi-addon:
 # upgrade, remove and purge in a debootstrap chroot and an rpm --root;
 # then the image loads with skopeo; then a Debian guest boots with the
 # .deb and the cloud-init seed (first run: a debootstrap of about 900 MB,
-# cached in .cache/packaging; each run: two boots under TCG).
+# cached in /var/cache/vco-packaging; each run: two boots under TCG).
 test-packages: deps packages image
 	packaging/test/check-packages.sh dist
 	packaging/test/guest-boot.sh dist/vco-agent_*_amd64.deb

@@ -9,7 +9,8 @@ set -euo pipefail
 
 DIST=$(realpath "${1:-dist}")
 ROOT=$(pwd)
-CACHE=$ROOT/.cache/packaging
+# Kept outside the work tree so fresh clones on this machine reuse it.
+CACHE=${VCO_PKG_CACHE:-/var/cache/vco-packaging}
 SUITE=bookworm
 WORK=$(mktemp -d /tmp/vco-pkgcheck.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT

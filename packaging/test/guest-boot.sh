@@ -10,7 +10,8 @@ set -euo pipefail
 
 DEB=$(realpath "$1")
 ROOT=$(pwd)
-CACHE=$ROOT/.cache/packaging
+# Kept outside the work tree so fresh clones on this machine reuse it.
+CACHE=${VCO_PKG_CACHE:-/var/cache/vco-packaging}
 SUITE=bookworm
 UUID=5b1c8e3a-9f2d-4c61-8a0e-3d7f6b2a9c14
 LOCATION=guest-check-location
