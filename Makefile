@@ -15,7 +15,7 @@ export PATH  := $(TOOLS):$(PATH)
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
         cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
-        lintian rpmlint rpm debootstrap cloud-init man-db groff-base skopeo ca-certificates gettext-base
+        lintian rpmlint rpm debootstrap cloud-init man-db groff-base
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
@@ -23,7 +23,7 @@ PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 
 .PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence
-.PHONY: packages image test-packages csi-yaml csi-addon fuzz-smbios
+.PHONY: packages test-packages fuzz-smbios
 
 all: build
 
@@ -136,33 +136,12 @@ packages: build
 	$(GO) run ./packaging/cmd/vco-pkg -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
 	  -bin-dir '$(BIN)/linux_%s' -help-from $(BIN)/vco-agent -out dist -maintainer '$(PKG_MAINTAINER)'
 
-# The vco-csi container image: dist/vco-csi-<version>.oci.tar (an OCI
-# layout with an index over PKG_ARCHES), built without a container daemon.
-image: build
-	@rm -f dist/vco-csi-*.oci.tar
-	@for a in $(PKG_ARCHES); do \
-	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/linux_$$a/ ./cmd/vco-csi; \
-	done
-	$(GO) run ./packaging/cmd/vco-image -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
-	  -bin-dir '$(BIN)/linux_%s' -out dist
-
-# The Kubernetes add-on: dist/csi.yaml keeps ${VCO_CSI_IMAGE} and
-# ${VCO_CSI_DRIVER_NAME} for envsubst (the release artifact);
-# `make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag>` renders
-# dist/csi-addon.yaml with the driver name derived from the image host.
-csi-yaml:
-	$(GO) run ./deploy/cmd/vco-csi-addon -out dist/csi.yaml
-
-csi-addon:
-	@test -n "$(VCO_CSI_IMAGE)" || { echo "usage: make csi-addon VCO_CSI_IMAGE=<registry host>/<path>:<tag>" >&2; exit 2; }
-	$(GO) run ./deploy/cmd/vco-csi-addon -image '$(VCO_CSI_IMAGE)' -out dist/csi-addon.yaml
-
 # lintian, rpmlint, systemd-analyze, cloud-init schema, and install,
 # upgrade, remove and purge in a debootstrap chroot and an rpm --root;
-# then the image loads with skopeo; then a Debian guest boots with the
+# then a Debian guest boots with the
 # .deb and the cloud-init seed (first run: a debootstrap of about 900 MB,
 # cached in /var/cache/vco-packaging; each run: two boots under TCG).
-test-packages: deps packages image
+test-packages: deps packages
 	packaging/test/check-packages.sh dist
 	packaging/test/guest-boot.sh dist/vco-agent_*_amd64.deb
 
