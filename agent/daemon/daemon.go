@@ -15,17 +15,20 @@ import (
 	"io/fs"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/coreos/go-systemd/v22/activation"
 	sddaemon "github.com/coreos/go-systemd/v22/daemon"
+	"k8s.io/klog/v2"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/dbussignal"
@@ -34,6 +37,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/logging"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
@@ -143,7 +148,14 @@ func Run(ctx context.Context, o Options) error {
 		rt.DBusDetail = "disabled in the configuration"
 	}
 
-	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy})
+	notify("STATUS=re-verifying recorded volume claims")
+	vols, err := startVolumes(ctx, cfg, ident, bus, log)
+	if err != nil {
+		return err
+	}
+	defer vols.close()
+
+	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy, Volumes: vols.m})
 	g := srv.NewGRPC()
 	served := make(chan error, 1)
 	go func() { served <- g.Serve(sock.l) }()
@@ -173,6 +185,9 @@ func Run(ctx context.Context, o Options) error {
 	log.Info("vco-agent stopping")
 	close(wdDone)
 	<-wdStopped
+	// The claim checks stop before the bus closes, so that no loss found
+	// during shutdown goes unannounced.
+	vols.stopChecks()
 	bus.Publish(events.Event{Type: events.AgentStopping, Message: "vco-agent stopping on node " + ident.NodeName})
 	bus.Close() // ends WatchEvents streams so GracefulStop can finish
 	stopped := make(chan struct{})
@@ -186,6 +201,60 @@ func Run(ctx context.Context, o Options) error {
 	}
 	log.Info("vco-agent stopped")
 	return serveErr
+}
+
+type volumes struct {
+	m *volume.Manager
+	// stopChecks ends the periodic claim check and the metrics listener;
+	// close (after the API has stopped) also closes the devices.
+	stopChecks, close func()
+}
+
+// startVolumes opens the claim store, re-verifies every recorded claim,
+// and starts the periodic claim check and, when configured, the metrics
+// listener.
+func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdentity, bus *events.Bus, log *slog.Logger) (*volumes, error) {
+	// mount-utils logs through klog; its lines join the agent's own log.
+	klog.SetSlogLogger(log.With("part", "mount"))
+	key, err := fence.KeyFromUUID(ident.SystemUUID)
+	if err != nil {
+		return nil, fmt.Errorf("deriving this node's fence key from its SMBIOS UUID: %w", err)
+	}
+	m, err := volume.New(volume.Options{
+		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
+		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence")},
+	})
+	if err != nil {
+		return nil, err
+	}
+	m.Reconcile(ctx)
+	var srv *http.Server
+	if cfg.Metrics.Listen != "" {
+		l, err := net.Listen("tcp", cfg.Metrics.Listen)
+		if err != nil {
+			m.Close()
+			return nil, fmt.Errorf("metrics.listen %s: %w", cfg.Metrics.Listen, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", m.Metrics().Handler())
+		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go srv.Serve(l)
+		log.Info("metrics served", "address", l.Addr().String())
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); m.Run(cctx) }()
+	var once sync.Once
+	stopChecks := func() {
+		once.Do(func() {
+			cancel()
+			<-done
+			if srv != nil {
+				srv.Close()
+			}
+		})
+	}
+	return &volumes{m: m, stopChecks: stopChecks, close: func() { stopChecks(); m.Close() }}, nil
 }
 
 func notify(state string) {

@@ -27,6 +27,8 @@ func commands() map[string]command {
 		"status":   {"print the running agent's status", runStatus},
 		"events":   {"print recent agent events; --follow for new ones", runEvents},
 		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
+		"disks":    {"list the disks the agent sees with fencing method, state and holder", runDisks},
+		"luks":     {"LUKS2 volumes: format, dump, test-passphrase, open, close, status, resize, add-key, remove-key, repair", runLuks},
 	}
 }
 
