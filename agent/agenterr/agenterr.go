@@ -33,6 +33,9 @@ const (
 	Unavailable
 	// Aborted: a concurrent operation on the same object won.
 	Aborted
+	// AlreadyExists: the object exists with different, incompatible
+	// parameters (a volume staged with another filesystem or path).
+	AlreadyExists
 )
 
 // codes is the single mapping from kinds to gRPC codes.
@@ -44,6 +47,7 @@ var codeOf = map[Kind]codes.Code{
 	PermissionDenied:   codes.PermissionDenied,
 	Unavailable:        codes.Unavailable,
 	Aborted:            codes.Aborted,
+	AlreadyExists:      codes.AlreadyExists,
 }
 
 // Error is an error with a kind.

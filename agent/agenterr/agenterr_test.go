@@ -20,6 +20,8 @@ func TestStatusCodes(t *testing.T) {
 		{fmt.Errorf("staging volume v1: %w", held), codes.FailedPrecondition},
 		{New(PermissionDenied, "uid 5 refused"), codes.PermissionDenied},
 		{New(NotFound, "no device"), codes.NotFound},
+		{New(AlreadyExists, "staged as xfs"), codes.AlreadyExists},
+		{New(Aborted, "busy"), codes.Aborted},
 		{errors.New("surprise"), codes.Internal},
 		{fmt.Errorf("waiting: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
 		{context.Canceled, codes.Canceled},
@@ -37,7 +39,7 @@ func TestStatusCodes(t *testing.T) {
 	if Status(nil) != nil {
 		t.Error("nil error became a status")
 	}
-	for k := Internal; k <= Aborted; k++ {
+	for k := Internal; k <= AlreadyExists; k++ {
 		if _, ok := codeOf[k]; !ok {
 			t.Errorf("kind %d has no code", k)
 		}

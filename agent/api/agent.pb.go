@@ -27,6 +27,69 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type ClaimState int32
+
+const (
+	ClaimState_CLAIM_STATE_UNSPECIFIED ClaimState = 0
+	// No volume of this agent uses the disk.
+	ClaimState_CLAIM_STATE_UNCLAIMED ClaimState = 1
+	// Staged and fenced by this node.
+	ClaimState_CLAIM_STATE_HELD ClaimState = 2
+	// Staged without fencing, by explicit opt-in.
+	ClaimState_CLAIM_STATE_UNFENCED ClaimState = 3
+	// The claim was lost: I/O stopped, not re-claimed without a grant.
+	ClaimState_CLAIM_STATE_LOST ClaimState = 4
+	// The device of a recorded claim is no longer present.
+	ClaimState_CLAIM_STATE_GONE ClaimState = 5
+)
+
+// Enum value maps for ClaimState.
+var (
+	ClaimState_name = map[int32]string{
+		0: "CLAIM_STATE_UNSPECIFIED",
+		1: "CLAIM_STATE_UNCLAIMED",
+		2: "CLAIM_STATE_HELD",
+		3: "CLAIM_STATE_UNFENCED",
+		4: "CLAIM_STATE_LOST",
+		5: "CLAIM_STATE_GONE",
+	}
+	ClaimState_value = map[string]int32{
+		"CLAIM_STATE_UNSPECIFIED": 0,
+		"CLAIM_STATE_UNCLAIMED":   1,
+		"CLAIM_STATE_HELD":        2,
+		"CLAIM_STATE_UNFENCED":    3,
+		"CLAIM_STATE_LOST":        4,
+		"CLAIM_STATE_GONE":        5,
+	}
+)
+
+func (x ClaimState) Enum() *ClaimState {
+	p := new(ClaimState)
+	*p = x
+	return p
+}
+
+func (x ClaimState) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ClaimState) Descriptor() protoreflect.EnumDescriptor {
+	return file_agent_proto_enumTypes[0].Descriptor()
+}
+
+func (ClaimState) Type() protoreflect.EnumType {
+	return &file_agent_proto_enumTypes[0]
+}
+
+func (x ClaimState) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ClaimState.Descriptor instead.
+func (ClaimState) EnumDescriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{0}
+}
+
 type FencingMethod int32
 
 const (
@@ -35,6 +98,8 @@ const (
 	FencingMethod_FENCING_METHOD_SCSI3_PR FencingMethod = 1
 	// An on-disk lease with self-fencing, for disks without reservations.
 	FencingMethod_FENCING_METHOD_DISK_LEASE FencingMethod = 2
+	// No fencing: the disk offers none and was staged by explicit opt-in.
+	FencingMethod_FENCING_METHOD_NONE FencingMethod = 3
 )
 
 // Enum value maps for FencingMethod.
@@ -43,11 +108,13 @@ var (
 		0: "FENCING_METHOD_UNSPECIFIED",
 		1: "FENCING_METHOD_SCSI3_PR",
 		2: "FENCING_METHOD_DISK_LEASE",
+		3: "FENCING_METHOD_NONE",
 	}
 	FencingMethod_value = map[string]int32{
 		"FENCING_METHOD_UNSPECIFIED": 0,
 		"FENCING_METHOD_SCSI3_PR":    1,
 		"FENCING_METHOD_DISK_LEASE":  2,
+		"FENCING_METHOD_NONE":        3,
 	}
 )
 
@@ -62,11 +129,11 @@ func (x FencingMethod) String() string {
 }
 
 func (FencingMethod) Descriptor() protoreflect.EnumDescriptor {
-	return file_agent_proto_enumTypes[0].Descriptor()
+	return file_agent_proto_enumTypes[1].Descriptor()
 }
 
 func (FencingMethod) Type() protoreflect.EnumType {
-	return &file_agent_proto_enumTypes[0]
+	return &file_agent_proto_enumTypes[1]
 }
 
 func (x FencingMethod) Number() protoreflect.EnumNumber {
@@ -75,7 +142,7 @@ func (x FencingMethod) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FencingMethod.Descriptor instead.
 func (FencingMethod) EnumDescriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{0}
+	return file_agent_proto_rawDescGZIP(), []int{1}
 }
 
 type EventType int32
@@ -126,11 +193,11 @@ func (x EventType) String() string {
 }
 
 func (EventType) Descriptor() protoreflect.EnumDescriptor {
-	return file_agent_proto_enumTypes[1].Descriptor()
+	return file_agent_proto_enumTypes[2].Descriptor()
 }
 
 func (EventType) Type() protoreflect.EnumType {
-	return &file_agent_proto_enumTypes[1]
+	return &file_agent_proto_enumTypes[2]
 }
 
 func (x EventType) Number() protoreflect.EnumNumber {
@@ -139,7 +206,1225 @@ func (x EventType) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use EventType.Descriptor instead.
 func (EventType) EnumDescriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{2}
+}
+
+// DeviceLocator says how to find a volume's disk on this node; every field
+// that is set must match. It is built from the controller's publish context.
+type DeviceLocator struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// pci_address is [domain:]bus:slot[.function] in hexadecimal, as lspci
+	// prints it.
+	PciAddress string `protobuf:"bytes,1,opt,name=pci_address,json=pciAddress,proto3" json:"pci_address,omitempty"`
+	// pci_bus and pci_slot are the cloud API's decimal numbers; used when
+	// has_pci is true and pci_address is empty.
+	HasPci  bool   `protobuf:"varint,2,opt,name=has_pci,json=hasPci,proto3" json:"has_pci,omitempty"`
+	PciBus  uint32 `protobuf:"varint,3,opt,name=pci_bus,json=pciBus,proto3" json:"pci_bus,omitempty"`
+	PciSlot uint32 `protobuf:"varint,4,opt,name=pci_slot,json=pciSlot,proto3" json:"pci_slot,omitempty"`
+	Serial  string `protobuf:"bytes,5,opt,name=serial,proto3" json:"serial,omitempty"`
+	Wwn     string `protobuf:"bytes,6,opt,name=wwn,proto3" json:"wwn,omitempty"`
+	// loop_backing_file names a loop device by its backing file. Only for
+	// hosts whose configuration sets volumes.allow_loop_devices (the
+	// simulator's host mode and host tests).
+	LoopBackingFile string `protobuf:"bytes,7,opt,name=loop_backing_file,json=loopBackingFile,proto3" json:"loop_backing_file,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *DeviceLocator) Reset() {
+	*x = DeviceLocator{}
+	mi := &file_agent_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeviceLocator) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeviceLocator) ProtoMessage() {}
+
+func (x *DeviceLocator) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeviceLocator.ProtoReflect.Descriptor instead.
+func (*DeviceLocator) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *DeviceLocator) GetPciAddress() string {
+	if x != nil {
+		return x.PciAddress
+	}
+	return ""
+}
+
+func (x *DeviceLocator) GetHasPci() bool {
+	if x != nil {
+		return x.HasPci
+	}
+	return false
+}
+
+func (x *DeviceLocator) GetPciBus() uint32 {
+	if x != nil {
+		return x.PciBus
+	}
+	return 0
+}
+
+func (x *DeviceLocator) GetPciSlot() uint32 {
+	if x != nil {
+		return x.PciSlot
+	}
+	return 0
+}
+
+func (x *DeviceLocator) GetSerial() string {
+	if x != nil {
+		return x.Serial
+	}
+	return ""
+}
+
+func (x *DeviceLocator) GetWwn() string {
+	if x != nil {
+		return x.Wwn
+	}
+	return ""
+}
+
+func (x *DeviceLocator) GetLoopBackingFile() string {
+	if x != nil {
+		return x.LoopBackingFile
+	}
+	return ""
+}
+
+// TakeoverGrant is the controller's permission to preempt the named fence
+// keys on this disk (DESIGN.md §4).
+type TakeoverGrant struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// disk is what the grant is for; it must equal the volume id.
+	Disk string `protobuf:"bytes,1,opt,name=disk,proto3" json:"disk,omitempty"`
+	// node is the SMBIOS UUID of the node the grant is for.
+	Node string `protobuf:"bytes,2,opt,name=node,proto3" json:"node,omitempty"`
+	// supersedes lists fence keys (16 hexadecimal digits, 0x optional).
+	Supersedes    []string `protobuf:"bytes,3,rep,name=supersedes,proto3" json:"supersedes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TakeoverGrant) Reset() {
+	*x = TakeoverGrant{}
+	mi := &file_agent_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TakeoverGrant) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TakeoverGrant) ProtoMessage() {}
+
+func (x *TakeoverGrant) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TakeoverGrant.ProtoReflect.Descriptor instead.
+func (*TakeoverGrant) Descriptor() ([]byte, []int) {
 	return file_agent_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *TakeoverGrant) GetDisk() string {
+	if x != nil {
+		return x.Disk
+	}
+	return ""
+}
+
+func (x *TakeoverGrant) GetNode() string {
+	if x != nil {
+		return x.Node
+	}
+	return ""
+}
+
+func (x *TakeoverGrant) GetSupersedes() []string {
+	if x != nil {
+		return x.Supersedes
+	}
+	return nil
+}
+
+type Encryption struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// passphrase unlocks the LUKS2 volume. The agent never logs or stores it.
+	Passphrase []byte `protobuf:"bytes,1,opt,name=passphrase,proto3" json:"passphrase,omitempty"`
+	// format_if_blank makes a LUKS2 header on a device with no signature.
+	FormatIfBlank bool `protobuf:"varint,2,opt,name=format_if_blank,json=formatIfBlank,proto3" json:"format_if_blank,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Encryption) Reset() {
+	*x = Encryption{}
+	mi := &file_agent_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Encryption) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Encryption) ProtoMessage() {}
+
+func (x *Encryption) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Encryption.ProtoReflect.Descriptor instead.
+func (*Encryption) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Encryption) GetPassphrase() []byte {
+	if x != nil {
+		return x.Passphrase
+	}
+	return nil
+}
+
+func (x *Encryption) GetFormatIfBlank() bool {
+	if x != nil {
+		return x.FormatIfBlank
+	}
+	return false
+}
+
+type StageVolumeRequest struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId    string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	Device      *DeviceLocator         `protobuf:"bytes,2,opt,name=device,proto3" json:"device,omitempty"`
+	StagingPath string                 `protobuf:"bytes,3,opt,name=staging_path,json=stagingPath,proto3" json:"staging_path,omitempty"`
+	// fs_type is ext4 or xfs; empty with block set means a raw block volume,
+	// empty without it means ext4.
+	FsType     string         `protobuf:"bytes,4,opt,name=fs_type,json=fsType,proto3" json:"fs_type,omitempty"`
+	Block      bool           `protobuf:"varint,5,opt,name=block,proto3" json:"block,omitempty"`
+	MountFlags []string       `protobuf:"bytes,6,rep,name=mount_flags,json=mountFlags,proto3" json:"mount_flags,omitempty"`
+	ReadOnly   bool           `protobuf:"varint,7,opt,name=read_only,json=readOnly,proto3" json:"read_only,omitempty"`
+	Grant      *TakeoverGrant `protobuf:"bytes,8,opt,name=grant,proto3" json:"grant,omitempty"`
+	// encryption is set for an encrypted volume.
+	Encryption *Encryption `protobuf:"bytes,9,opt,name=encryption,proto3" json:"encryption,omitempty"`
+	// allow_unfenced stages a disk that offers no fencing method. Refused
+	// unless the agent's configuration also allows it; always logged.
+	AllowUnfenced bool `protobuf:"varint,10,opt,name=allow_unfenced,json=allowUnfenced,proto3" json:"allow_unfenced,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StageVolumeRequest) Reset() {
+	*x = StageVolumeRequest{}
+	mi := &file_agent_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StageVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StageVolumeRequest) ProtoMessage() {}
+
+func (x *StageVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StageVolumeRequest.ProtoReflect.Descriptor instead.
+func (*StageVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *StageVolumeRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *StageVolumeRequest) GetDevice() *DeviceLocator {
+	if x != nil {
+		return x.Device
+	}
+	return nil
+}
+
+func (x *StageVolumeRequest) GetStagingPath() string {
+	if x != nil {
+		return x.StagingPath
+	}
+	return ""
+}
+
+func (x *StageVolumeRequest) GetFsType() string {
+	if x != nil {
+		return x.FsType
+	}
+	return ""
+}
+
+func (x *StageVolumeRequest) GetBlock() bool {
+	if x != nil {
+		return x.Block
+	}
+	return false
+}
+
+func (x *StageVolumeRequest) GetMountFlags() []string {
+	if x != nil {
+		return x.MountFlags
+	}
+	return nil
+}
+
+func (x *StageVolumeRequest) GetReadOnly() bool {
+	if x != nil {
+		return x.ReadOnly
+	}
+	return false
+}
+
+func (x *StageVolumeRequest) GetGrant() *TakeoverGrant {
+	if x != nil {
+		return x.Grant
+	}
+	return nil
+}
+
+func (x *StageVolumeRequest) GetEncryption() *Encryption {
+	if x != nil {
+		return x.Encryption
+	}
+	return nil
+}
+
+func (x *StageVolumeRequest) GetAllowUnfenced() bool {
+	if x != nil {
+		return x.AllowUnfenced
+	}
+	return false
+}
+
+type StageVolumeResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// device is the block device the volume was found at (the dm-crypt
+	// mapping for an encrypted volume).
+	Device  string        `protobuf:"bytes,1,opt,name=device,proto3" json:"device,omitempty"`
+	Fencing FencingMethod `protobuf:"varint,2,opt,name=fencing,proto3,enum=vco.agent.v1.FencingMethod" json:"fencing,omitempty"`
+	// formatted is true when this call made the filesystem.
+	Formatted     bool `protobuf:"varint,3,opt,name=formatted,proto3" json:"formatted,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StageVolumeResponse) Reset() {
+	*x = StageVolumeResponse{}
+	mi := &file_agent_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StageVolumeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StageVolumeResponse) ProtoMessage() {}
+
+func (x *StageVolumeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StageVolumeResponse.ProtoReflect.Descriptor instead.
+func (*StageVolumeResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *StageVolumeResponse) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *StageVolumeResponse) GetFencing() FencingMethod {
+	if x != nil {
+		return x.Fencing
+	}
+	return FencingMethod_FENCING_METHOD_UNSPECIFIED
+}
+
+func (x *StageVolumeResponse) GetFormatted() bool {
+	if x != nil {
+		return x.Formatted
+	}
+	return false
+}
+
+type UnstageVolumeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	StagingPath   string                 `protobuf:"bytes,2,opt,name=staging_path,json=stagingPath,proto3" json:"staging_path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnstageVolumeRequest) Reset() {
+	*x = UnstageVolumeRequest{}
+	mi := &file_agent_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnstageVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnstageVolumeRequest) ProtoMessage() {}
+
+func (x *UnstageVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnstageVolumeRequest.ProtoReflect.Descriptor instead.
+func (*UnstageVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *UnstageVolumeRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *UnstageVolumeRequest) GetStagingPath() string {
+	if x != nil {
+		return x.StagingPath
+	}
+	return ""
+}
+
+type UnstageVolumeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnstageVolumeResponse) Reset() {
+	*x = UnstageVolumeResponse{}
+	mi := &file_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnstageVolumeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnstageVolumeResponse) ProtoMessage() {}
+
+func (x *UnstageVolumeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnstageVolumeResponse.ProtoReflect.Descriptor instead.
+func (*UnstageVolumeResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{6}
+}
+
+type PublishVolumeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	StagingPath   string                 `protobuf:"bytes,2,opt,name=staging_path,json=stagingPath,proto3" json:"staging_path,omitempty"`
+	TargetPath    string                 `protobuf:"bytes,3,opt,name=target_path,json=targetPath,proto3" json:"target_path,omitempty"`
+	Block         bool                   `protobuf:"varint,4,opt,name=block,proto3" json:"block,omitempty"`
+	ReadOnly      bool                   `protobuf:"varint,5,opt,name=read_only,json=readOnly,proto3" json:"read_only,omitempty"`
+	MountFlags    []string               `protobuf:"bytes,6,rep,name=mount_flags,json=mountFlags,proto3" json:"mount_flags,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishVolumeRequest) Reset() {
+	*x = PublishVolumeRequest{}
+	mi := &file_agent_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishVolumeRequest) ProtoMessage() {}
+
+func (x *PublishVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishVolumeRequest.ProtoReflect.Descriptor instead.
+func (*PublishVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *PublishVolumeRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *PublishVolumeRequest) GetStagingPath() string {
+	if x != nil {
+		return x.StagingPath
+	}
+	return ""
+}
+
+func (x *PublishVolumeRequest) GetTargetPath() string {
+	if x != nil {
+		return x.TargetPath
+	}
+	return ""
+}
+
+func (x *PublishVolumeRequest) GetBlock() bool {
+	if x != nil {
+		return x.Block
+	}
+	return false
+}
+
+func (x *PublishVolumeRequest) GetReadOnly() bool {
+	if x != nil {
+		return x.ReadOnly
+	}
+	return false
+}
+
+func (x *PublishVolumeRequest) GetMountFlags() []string {
+	if x != nil {
+		return x.MountFlags
+	}
+	return nil
+}
+
+type PublishVolumeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PublishVolumeResponse) Reset() {
+	*x = PublishVolumeResponse{}
+	mi := &file_agent_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PublishVolumeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PublishVolumeResponse) ProtoMessage() {}
+
+func (x *PublishVolumeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PublishVolumeResponse.ProtoReflect.Descriptor instead.
+func (*PublishVolumeResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{8}
+}
+
+type UnpublishVolumeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	TargetPath    string                 `protobuf:"bytes,2,opt,name=target_path,json=targetPath,proto3" json:"target_path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnpublishVolumeRequest) Reset() {
+	*x = UnpublishVolumeRequest{}
+	mi := &file_agent_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnpublishVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnpublishVolumeRequest) ProtoMessage() {}
+
+func (x *UnpublishVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnpublishVolumeRequest.ProtoReflect.Descriptor instead.
+func (*UnpublishVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *UnpublishVolumeRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *UnpublishVolumeRequest) GetTargetPath() string {
+	if x != nil {
+		return x.TargetPath
+	}
+	return ""
+}
+
+type UnpublishVolumeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UnpublishVolumeResponse) Reset() {
+	*x = UnpublishVolumeResponse{}
+	mi := &file_agent_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UnpublishVolumeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UnpublishVolumeResponse) ProtoMessage() {}
+
+func (x *UnpublishVolumeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UnpublishVolumeResponse.ProtoReflect.Descriptor instead.
+func (*UnpublishVolumeResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{10}
+}
+
+type ExpandVolumeRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	// volume_path is the staging or a target path of the volume.
+	VolumePath string `protobuf:"bytes,2,opt,name=volume_path,json=volumePath,proto3" json:"volume_path,omitempty"`
+	// required_bytes is what the controller grew the disk to; 0 means grow
+	// to whatever the device now holds.
+	RequiredBytes int64 `protobuf:"varint,3,opt,name=required_bytes,json=requiredBytes,proto3" json:"required_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExpandVolumeRequest) Reset() {
+	*x = ExpandVolumeRequest{}
+	mi := &file_agent_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExpandVolumeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExpandVolumeRequest) ProtoMessage() {}
+
+func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
+func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ExpandVolumeRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *ExpandVolumeRequest) GetVolumePath() string {
+	if x != nil {
+		return x.VolumePath
+	}
+	return ""
+}
+
+func (x *ExpandVolumeRequest) GetRequiredBytes() int64 {
+	if x != nil {
+		return x.RequiredBytes
+	}
+	return 0
+}
+
+type ExpandVolumeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	CapacityBytes int64                  `protobuf:"varint,1,opt,name=capacity_bytes,json=capacityBytes,proto3" json:"capacity_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ExpandVolumeResponse) Reset() {
+	*x = ExpandVolumeResponse{}
+	mi := &file_agent_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ExpandVolumeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ExpandVolumeResponse) ProtoMessage() {}
+
+func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
+func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ExpandVolumeResponse) GetCapacityBytes() int64 {
+	if x != nil {
+		return x.CapacityBytes
+	}
+	return 0
+}
+
+type GetVolumeStatsRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	// volume_path is the staging or a target path; empty means the staging
+	// path the agent recorded.
+	VolumePath    string `protobuf:"bytes,2,opt,name=volume_path,json=volumePath,proto3" json:"volume_path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetVolumeStatsRequest) Reset() {
+	*x = GetVolumeStatsRequest{}
+	mi := &file_agent_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetVolumeStatsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetVolumeStatsRequest) ProtoMessage() {}
+
+func (x *GetVolumeStatsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetVolumeStatsRequest.ProtoReflect.Descriptor instead.
+func (*GetVolumeStatsRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *GetVolumeStatsRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *GetVolumeStatsRequest) GetVolumePath() string {
+	if x != nil {
+		return x.VolumePath
+	}
+	return ""
+}
+
+type VolumeStats struct {
+	state           protoimpl.MessageState `protogen:"open.v1"`
+	TotalBytes      int64                  `protobuf:"varint,1,opt,name=total_bytes,json=totalBytes,proto3" json:"total_bytes,omitempty"`
+	UsedBytes       int64                  `protobuf:"varint,2,opt,name=used_bytes,json=usedBytes,proto3" json:"used_bytes,omitempty"`
+	AvailableBytes  int64                  `protobuf:"varint,3,opt,name=available_bytes,json=availableBytes,proto3" json:"available_bytes,omitempty"`
+	TotalInodes     int64                  `protobuf:"varint,4,opt,name=total_inodes,json=totalInodes,proto3" json:"total_inodes,omitempty"`
+	UsedInodes      int64                  `protobuf:"varint,5,opt,name=used_inodes,json=usedInodes,proto3" json:"used_inodes,omitempty"`
+	AvailableInodes int64                  `protobuf:"varint,6,opt,name=available_inodes,json=availableInodes,proto3" json:"available_inodes,omitempty"`
+	Block           bool                   `protobuf:"varint,7,opt,name=block,proto3" json:"block,omitempty"`
+	// abnormal is true when the volume lost its fence or its device;
+	// message says what happened and what to do.
+	Abnormal      bool   `protobuf:"varint,8,opt,name=abnormal,proto3" json:"abnormal,omitempty"`
+	Message       string `protobuf:"bytes,9,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VolumeStats) Reset() {
+	*x = VolumeStats{}
+	mi := &file_agent_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VolumeStats) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VolumeStats) ProtoMessage() {}
+
+func (x *VolumeStats) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VolumeStats.ProtoReflect.Descriptor instead.
+func (*VolumeStats) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *VolumeStats) GetTotalBytes() int64 {
+	if x != nil {
+		return x.TotalBytes
+	}
+	return 0
+}
+
+func (x *VolumeStats) GetUsedBytes() int64 {
+	if x != nil {
+		return x.UsedBytes
+	}
+	return 0
+}
+
+func (x *VolumeStats) GetAvailableBytes() int64 {
+	if x != nil {
+		return x.AvailableBytes
+	}
+	return 0
+}
+
+func (x *VolumeStats) GetTotalInodes() int64 {
+	if x != nil {
+		return x.TotalInodes
+	}
+	return 0
+}
+
+func (x *VolumeStats) GetUsedInodes() int64 {
+	if x != nil {
+		return x.UsedInodes
+	}
+	return 0
+}
+
+func (x *VolumeStats) GetAvailableInodes() int64 {
+	if x != nil {
+		return x.AvailableInodes
+	}
+	return 0
+}
+
+func (x *VolumeStats) GetBlock() bool {
+	if x != nil {
+		return x.Block
+	}
+	return false
+}
+
+func (x *VolumeStats) GetAbnormal() bool {
+	if x != nil {
+		return x.Abnormal
+	}
+	return false
+}
+
+func (x *VolumeStats) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
+type ListDisksRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListDisksRequest) Reset() {
+	*x = ListDisksRequest{}
+	mi := &file_agent_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListDisksRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListDisksRequest) ProtoMessage() {}
+
+func (x *ListDisksRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListDisksRequest.ProtoReflect.Descriptor instead.
+func (*ListDisksRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{15}
+}
+
+type Disk struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Device      string                 `protobuf:"bytes,1,opt,name=device,proto3" json:"device,omitempty"`
+	Name        string                 `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	Kind        string                 `protobuf:"bytes,3,opt,name=kind,proto3" json:"kind,omitempty"`
+	PciAddress  string                 `protobuf:"bytes,4,opt,name=pci_address,json=pciAddress,proto3" json:"pci_address,omitempty"`
+	Serial      string                 `protobuf:"bytes,5,opt,name=serial,proto3" json:"serial,omitempty"`
+	Wwns        []string               `protobuf:"bytes,6,rep,name=wwns,proto3" json:"wwns,omitempty"`
+	Fencing     FencingMethod          `protobuf:"varint,7,opt,name=fencing,proto3,enum=vco.agent.v1.FencingMethod" json:"fencing,omitempty"`
+	State       ClaimState             `protobuf:"varint,8,opt,name=state,proto3,enum=vco.agent.v1.ClaimState" json:"state,omitempty"`
+	VolumeId    string                 `protobuf:"bytes,9,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	StagingPath string                 `protobuf:"bytes,10,opt,name=staging_path,json=stagingPath,proto3" json:"staging_path,omitempty"`
+	// holder_key is the fence key holding the disk (16 hex digits), where
+	// known; holder_node names its node where known.
+	HolderKey  string `protobuf:"bytes,11,opt,name=holder_key,json=holderKey,proto3" json:"holder_key,omitempty"`
+	HolderNode string `protobuf:"bytes,12,opt,name=holder_node,json=holderNode,proto3" json:"holder_node,omitempty"`
+	// detail says why a disk has no fencing, or why a claim was lost.
+	Detail        string `protobuf:"bytes,13,opt,name=detail,proto3" json:"detail,omitempty"`
+	FsType        string `protobuf:"bytes,14,opt,name=fs_type,json=fsType,proto3" json:"fs_type,omitempty"`
+	Encrypted     bool   `protobuf:"varint,15,opt,name=encrypted,proto3" json:"encrypted,omitempty"`
+	ReadOnly      bool   `protobuf:"varint,16,opt,name=read_only,json=readOnly,proto3" json:"read_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Disk) Reset() {
+	*x = Disk{}
+	mi := &file_agent_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Disk) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Disk) ProtoMessage() {}
+
+func (x *Disk) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Disk.ProtoReflect.Descriptor instead.
+func (*Disk) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *Disk) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *Disk) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Disk) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *Disk) GetPciAddress() string {
+	if x != nil {
+		return x.PciAddress
+	}
+	return ""
+}
+
+func (x *Disk) GetSerial() string {
+	if x != nil {
+		return x.Serial
+	}
+	return ""
+}
+
+func (x *Disk) GetWwns() []string {
+	if x != nil {
+		return x.Wwns
+	}
+	return nil
+}
+
+func (x *Disk) GetFencing() FencingMethod {
+	if x != nil {
+		return x.Fencing
+	}
+	return FencingMethod_FENCING_METHOD_UNSPECIFIED
+}
+
+func (x *Disk) GetState() ClaimState {
+	if x != nil {
+		return x.State
+	}
+	return ClaimState_CLAIM_STATE_UNSPECIFIED
+}
+
+func (x *Disk) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *Disk) GetStagingPath() string {
+	if x != nil {
+		return x.StagingPath
+	}
+	return ""
+}
+
+func (x *Disk) GetHolderKey() string {
+	if x != nil {
+		return x.HolderKey
+	}
+	return ""
+}
+
+func (x *Disk) GetHolderNode() string {
+	if x != nil {
+		return x.HolderNode
+	}
+	return ""
+}
+
+func (x *Disk) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *Disk) GetFsType() string {
+	if x != nil {
+		return x.FsType
+	}
+	return ""
+}
+
+func (x *Disk) GetEncrypted() bool {
+	if x != nil {
+		return x.Encrypted
+	}
+	return false
+}
+
+func (x *Disk) GetReadOnly() bool {
+	if x != nil {
+		return x.ReadOnly
+	}
+	return false
+}
+
+type ListDisksResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Disks         []*Disk                `protobuf:"bytes,1,rep,name=disks,proto3" json:"disks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListDisksResponse) Reset() {
+	*x = ListDisksResponse{}
+	mi := &file_agent_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListDisksResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListDisksResponse) ProtoMessage() {}
+
+func (x *ListDisksResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListDisksResponse.ProtoReflect.Descriptor instead.
+func (*ListDisksResponse) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ListDisksResponse) GetDisks() []*Disk {
+	if x != nil {
+		return x.Disks
+	}
+	return nil
 }
 
 type GetIdentityRequest struct {
@@ -150,7 +1435,7 @@ type GetIdentityRequest struct {
 
 func (x *GetIdentityRequest) Reset() {
 	*x = GetIdentityRequest{}
-	mi := &file_agent_proto_msgTypes[0]
+	mi := &file_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -162,7 +1447,7 @@ func (x *GetIdentityRequest) String() string {
 func (*GetIdentityRequest) ProtoMessage() {}
 
 func (x *GetIdentityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[0]
+	mi := &file_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -175,7 +1460,7 @@ func (x *GetIdentityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetIdentityRequest.ProtoReflect.Descriptor instead.
 func (*GetIdentityRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{0}
+	return file_agent_proto_rawDescGZIP(), []int{18}
 }
 
 type FencingCapability struct {
@@ -191,7 +1476,7 @@ type FencingCapability struct {
 
 func (x *FencingCapability) Reset() {
 	*x = FencingCapability{}
-	mi := &file_agent_proto_msgTypes[1]
+	mi := &file_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -203,7 +1488,7 @@ func (x *FencingCapability) String() string {
 func (*FencingCapability) ProtoMessage() {}
 
 func (x *FencingCapability) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[1]
+	mi := &file_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -216,7 +1501,7 @@ func (x *FencingCapability) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FencingCapability.ProtoReflect.Descriptor instead.
 func (*FencingCapability) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{1}
+	return file_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *FencingCapability) GetMethod() FencingMethod {
@@ -260,7 +1545,7 @@ type Identity struct {
 
 func (x *Identity) Reset() {
 	*x = Identity{}
-	mi := &file_agent_proto_msgTypes[2]
+	mi := &file_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -272,7 +1557,7 @@ func (x *Identity) String() string {
 func (*Identity) ProtoMessage() {}
 
 func (x *Identity) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[2]
+	mi := &file_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -285,7 +1570,7 @@ func (x *Identity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Identity.ProtoReflect.Descriptor instead.
 func (*Identity) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{2}
+	return file_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Identity) GetSystemUuid() string {
@@ -366,7 +1651,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_agent_proto_msgTypes[3]
+	mi := &file_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -378,7 +1663,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[3]
+	mi := &file_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -391,7 +1676,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{3}
+	return file_agent_proto_rawDescGZIP(), []int{21}
 }
 
 type Status struct {
@@ -419,7 +1704,7 @@ type Status struct {
 
 func (x *Status) Reset() {
 	*x = Status{}
-	mi := &file_agent_proto_msgTypes[4]
+	mi := &file_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -431,7 +1716,7 @@ func (x *Status) String() string {
 func (*Status) ProtoMessage() {}
 
 func (x *Status) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[4]
+	mi := &file_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -444,7 +1729,7 @@ func (x *Status) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Status.ProtoReflect.Descriptor instead.
 func (*Status) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{4}
+	return file_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Status) GetAgentVersion() string {
@@ -548,7 +1833,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_agent_proto_msgTypes[5]
+	mi := &file_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -560,7 +1845,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[5]
+	mi := &file_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -573,7 +1858,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{5}
+	return file_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *WatchEventsRequest) GetReplayRecent() bool {
@@ -591,7 +1876,7 @@ type ListRecentEventsRequest struct {
 
 func (x *ListRecentEventsRequest) Reset() {
 	*x = ListRecentEventsRequest{}
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -603,7 +1888,7 @@ func (x *ListRecentEventsRequest) String() string {
 func (*ListRecentEventsRequest) ProtoMessage() {}
 
 func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -616,7 +1901,7 @@ func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{6}
+	return file_agent_proto_rawDescGZIP(), []int{24}
 }
 
 type ListRecentEventsResponse struct {
@@ -628,7 +1913,7 @@ type ListRecentEventsResponse struct {
 
 func (x *ListRecentEventsResponse) Reset() {
 	*x = ListRecentEventsResponse{}
-	mi := &file_agent_proto_msgTypes[7]
+	mi := &file_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -640,7 +1925,7 @@ func (x *ListRecentEventsResponse) String() string {
 func (*ListRecentEventsResponse) ProtoMessage() {}
 
 func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[7]
+	mi := &file_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -653,7 +1938,7 @@ func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{7}
+	return file_agent_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListRecentEventsResponse) GetEvents() []*Event {
@@ -688,7 +1973,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_agent_proto_msgTypes[8]
+	mi := &file_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -700,7 +1985,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[8]
+	mi := &file_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -713,7 +1998,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{8}
+	return file_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Event) GetType() EventType {
@@ -804,7 +2089,114 @@ var File_agent_proto protoreflect.FileDescriptor
 
 const file_agent_proto_rawDesc = "" +
 	"\n" +
-	"\vagent.proto\x12\fvco.agent.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/duration.proto\"\x14\n" +
+	"\vagent.proto\x12\fvco.agent.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/duration.proto\"\xd3\x01\n" +
+	"\rDeviceLocator\x12\x1f\n" +
+	"\vpci_address\x18\x01 \x01(\tR\n" +
+	"pciAddress\x12\x17\n" +
+	"\ahas_pci\x18\x02 \x01(\bR\x06hasPci\x12\x17\n" +
+	"\apci_bus\x18\x03 \x01(\rR\x06pciBus\x12\x19\n" +
+	"\bpci_slot\x18\x04 \x01(\rR\apciSlot\x12\x16\n" +
+	"\x06serial\x18\x05 \x01(\tR\x06serial\x12\x10\n" +
+	"\x03wwn\x18\x06 \x01(\tR\x03wwn\x12*\n" +
+	"\x11loop_backing_file\x18\a \x01(\tR\x0floopBackingFile\"W\n" +
+	"\rTakeoverGrant\x12\x12\n" +
+	"\x04disk\x18\x01 \x01(\tR\x04disk\x12\x12\n" +
+	"\x04node\x18\x02 \x01(\tR\x04node\x12\x1e\n" +
+	"\n" +
+	"supersedes\x18\x03 \x03(\tR\n" +
+	"supersedes\"T\n" +
+	"\n" +
+	"Encryption\x12\x1e\n" +
+	"\n" +
+	"passphrase\x18\x01 \x01(\fR\n" +
+	"passphrase\x12&\n" +
+	"\x0fformat_if_blank\x18\x02 \x01(\bR\rformatIfBlank\"\x8a\x03\n" +
+	"\x12StageVolumeRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x123\n" +
+	"\x06device\x18\x02 \x01(\v2\x1b.vco.agent.v1.DeviceLocatorR\x06device\x12!\n" +
+	"\fstaging_path\x18\x03 \x01(\tR\vstagingPath\x12\x17\n" +
+	"\afs_type\x18\x04 \x01(\tR\x06fsType\x12\x14\n" +
+	"\x05block\x18\x05 \x01(\bR\x05block\x12\x1f\n" +
+	"\vmount_flags\x18\x06 \x03(\tR\n" +
+	"mountFlags\x12\x1b\n" +
+	"\tread_only\x18\a \x01(\bR\breadOnly\x121\n" +
+	"\x05grant\x18\b \x01(\v2\x1b.vco.agent.v1.TakeoverGrantR\x05grant\x128\n" +
+	"\n" +
+	"encryption\x18\t \x01(\v2\x18.vco.agent.v1.EncryptionR\n" +
+	"encryption\x12%\n" +
+	"\x0eallow_unfenced\x18\n" +
+	" \x01(\bR\rallowUnfenced\"\x82\x01\n" +
+	"\x13StageVolumeResponse\x12\x16\n" +
+	"\x06device\x18\x01 \x01(\tR\x06device\x125\n" +
+	"\afencing\x18\x02 \x01(\x0e2\x1b.vco.agent.v1.FencingMethodR\afencing\x12\x1c\n" +
+	"\tformatted\x18\x03 \x01(\bR\tformatted\"V\n" +
+	"\x14UnstageVolumeRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12!\n" +
+	"\fstaging_path\x18\x02 \x01(\tR\vstagingPath\"\x17\n" +
+	"\x15UnstageVolumeResponse\"\xcb\x01\n" +
+	"\x14PublishVolumeRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12!\n" +
+	"\fstaging_path\x18\x02 \x01(\tR\vstagingPath\x12\x1f\n" +
+	"\vtarget_path\x18\x03 \x01(\tR\n" +
+	"targetPath\x12\x14\n" +
+	"\x05block\x18\x04 \x01(\bR\x05block\x12\x1b\n" +
+	"\tread_only\x18\x05 \x01(\bR\breadOnly\x12\x1f\n" +
+	"\vmount_flags\x18\x06 \x03(\tR\n" +
+	"mountFlags\"\x17\n" +
+	"\x15PublishVolumeResponse\"V\n" +
+	"\x16UnpublishVolumeRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1f\n" +
+	"\vtarget_path\x18\x02 \x01(\tR\n" +
+	"targetPath\"\x19\n" +
+	"\x17UnpublishVolumeResponse\"z\n" +
+	"\x13ExpandVolumeRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1f\n" +
+	"\vvolume_path\x18\x02 \x01(\tR\n" +
+	"volumePath\x12%\n" +
+	"\x0erequired_bytes\x18\x03 \x01(\x03R\rrequiredBytes\"=\n" +
+	"\x14ExpandVolumeResponse\x12%\n" +
+	"\x0ecapacity_bytes\x18\x01 \x01(\x03R\rcapacityBytes\"U\n" +
+	"\x15GetVolumeStatsRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1f\n" +
+	"\vvolume_path\x18\x02 \x01(\tR\n" +
+	"volumePath\"\xb1\x02\n" +
+	"\vVolumeStats\x12\x1f\n" +
+	"\vtotal_bytes\x18\x01 \x01(\x03R\n" +
+	"totalBytes\x12\x1d\n" +
+	"\n" +
+	"used_bytes\x18\x02 \x01(\x03R\tusedBytes\x12'\n" +
+	"\x0favailable_bytes\x18\x03 \x01(\x03R\x0eavailableBytes\x12!\n" +
+	"\ftotal_inodes\x18\x04 \x01(\x03R\vtotalInodes\x12\x1f\n" +
+	"\vused_inodes\x18\x05 \x01(\x03R\n" +
+	"usedInodes\x12)\n" +
+	"\x10available_inodes\x18\x06 \x01(\x03R\x0favailableInodes\x12\x14\n" +
+	"\x05block\x18\a \x01(\bR\x05block\x12\x1a\n" +
+	"\babnormal\x18\b \x01(\bR\babnormal\x12\x18\n" +
+	"\amessage\x18\t \x01(\tR\amessage\"\x12\n" +
+	"\x10ListDisksRequest\"\xe6\x03\n" +
+	"\x04Disk\x12\x16\n" +
+	"\x06device\x18\x01 \x01(\tR\x06device\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12\x12\n" +
+	"\x04kind\x18\x03 \x01(\tR\x04kind\x12\x1f\n" +
+	"\vpci_address\x18\x04 \x01(\tR\n" +
+	"pciAddress\x12\x16\n" +
+	"\x06serial\x18\x05 \x01(\tR\x06serial\x12\x12\n" +
+	"\x04wwns\x18\x06 \x03(\tR\x04wwns\x125\n" +
+	"\afencing\x18\a \x01(\x0e2\x1b.vco.agent.v1.FencingMethodR\afencing\x12.\n" +
+	"\x05state\x18\b \x01(\x0e2\x18.vco.agent.v1.ClaimStateR\x05state\x12\x1b\n" +
+	"\tvolume_id\x18\t \x01(\tR\bvolumeId\x12!\n" +
+	"\fstaging_path\x18\n" +
+	" \x01(\tR\vstagingPath\x12\x1d\n" +
+	"\n" +
+	"holder_key\x18\v \x01(\tR\tholderKey\x12\x1f\n" +
+	"\vholder_node\x18\f \x01(\tR\n" +
+	"holderNode\x12\x16\n" +
+	"\x06detail\x18\r \x01(\tR\x06detail\x12\x17\n" +
+	"\afs_type\x18\x0e \x01(\tR\x06fsType\x12\x1c\n" +
+	"\tencrypted\x18\x0f \x01(\bR\tencrypted\x12\x1b\n" +
+	"\tread_only\x18\x10 \x01(\bR\breadOnly\"=\n" +
+	"\x11ListDisksResponse\x12(\n" +
+	"\x05disks\x18\x01 \x03(\v2\x12.vco.agent.v1.DiskR\x05disks\"\x14\n" +
 	"\x12GetIdentityRequest\"~\n" +
 	"\x11FencingCapability\x123\n" +
 	"\x06method\x18\x01 \x01(\x0e2\x1b.vco.agent.v1.FencingMethodR\x06method\x12\x1c\n" +
@@ -862,11 +2254,20 @@ const file_agent_proto_rawDesc = "" +
 	"\amessage\x18\n" +
 	" \x01(\tR\amessage\x12\x1a\n" +
 	"\breplayed\x18\v \x01(\bR\breplayed\x12#\n" +
-	"\rmissed_before\x18\f \x01(\x04R\fmissedBefore*k\n" +
+	"\rmissed_before\x18\f \x01(\x04R\fmissedBefore*\xa0\x01\n" +
+	"\n" +
+	"ClaimState\x12\x1b\n" +
+	"\x17CLAIM_STATE_UNSPECIFIED\x10\x00\x12\x19\n" +
+	"\x15CLAIM_STATE_UNCLAIMED\x10\x01\x12\x14\n" +
+	"\x10CLAIM_STATE_HELD\x10\x02\x12\x18\n" +
+	"\x14CLAIM_STATE_UNFENCED\x10\x03\x12\x14\n" +
+	"\x10CLAIM_STATE_LOST\x10\x04\x12\x14\n" +
+	"\x10CLAIM_STATE_GONE\x10\x05*\x84\x01\n" +
 	"\rFencingMethod\x12\x1e\n" +
 	"\x1aFENCING_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17FENCING_METHOD_SCSI3_PR\x10\x01\x12\x1d\n" +
-	"\x19FENCING_METHOD_DISK_LEASE\x10\x02*\xf9\x01\n" +
+	"\x19FENCING_METHOD_DISK_LEASE\x10\x02\x12\x17\n" +
+	"\x13FENCING_METHOD_NONE\x10\x03*\xf9\x01\n" +
 	"\tEventType\x12\x1a\n" +
 	"\x16EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18EVENT_TYPE_AGENT_STARTED\x10\x01\x12\x1d\n" +
@@ -875,12 +2276,19 @@ const file_agent_proto_rawDesc = "" +
 	"\x17EVENT_TYPE_DISK_REFUSED\x10\x04\x12\x1a\n" +
 	"\x16EVENT_TYPE_DISK_FENCED\x10\x05\x12\x1c\n" +
 	"\x18EVENT_TYPE_DISK_RELEASED\x10\x06\x12\x1f\n" +
-	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\xbe\x02\n" +
+	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\x9d\a\n" +
 	"\x05Agent\x12G\n" +
 	"\vGetIdentity\x12 .vco.agent.v1.GetIdentityRequest\x1a\x16.vco.agent.v1.Identity\x12A\n" +
 	"\tGetStatus\x12\x1e.vco.agent.v1.GetStatusRequest\x1a\x14.vco.agent.v1.Status\x12F\n" +
 	"\vWatchEvents\x12 .vco.agent.v1.WatchEventsRequest\x1a\x13.vco.agent.v1.Event0\x01\x12a\n" +
-	"\x10ListRecentEvents\x12%.vco.agent.v1.ListRecentEventsRequest\x1a&.vco.agent.v1.ListRecentEventsResponseB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
+	"\x10ListRecentEvents\x12%.vco.agent.v1.ListRecentEventsRequest\x1a&.vco.agent.v1.ListRecentEventsResponse\x12R\n" +
+	"\vStageVolume\x12 .vco.agent.v1.StageVolumeRequest\x1a!.vco.agent.v1.StageVolumeResponse\x12X\n" +
+	"\rUnstageVolume\x12\".vco.agent.v1.UnstageVolumeRequest\x1a#.vco.agent.v1.UnstageVolumeResponse\x12X\n" +
+	"\rPublishVolume\x12\".vco.agent.v1.PublishVolumeRequest\x1a#.vco.agent.v1.PublishVolumeResponse\x12^\n" +
+	"\x0fUnpublishVolume\x12$.vco.agent.v1.UnpublishVolumeRequest\x1a%.vco.agent.v1.UnpublishVolumeResponse\x12U\n" +
+	"\fExpandVolume\x12!.vco.agent.v1.ExpandVolumeRequest\x1a\".vco.agent.v1.ExpandVolumeResponse\x12P\n" +
+	"\x0eGetVolumeStats\x12#.vco.agent.v1.GetVolumeStatsRequest\x1a\x19.vco.agent.v1.VolumeStats\x12L\n" +
+	"\tListDisks\x12\x1e.vco.agent.v1.ListDisksRequest\x1a\x1f.vco.agent.v1.ListDisksResponseB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
 
 var (
 	file_agent_proto_rawDescOnce sync.Once
@@ -894,44 +2302,84 @@ func file_agent_proto_rawDescGZIP() []byte {
 	return file_agent_proto_rawDescData
 }
 
-var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
+var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_agent_proto_goTypes = []any{
-	(FencingMethod)(0),               // 0: vco.agent.v1.FencingMethod
-	(EventType)(0),                   // 1: vco.agent.v1.EventType
-	(*GetIdentityRequest)(nil),       // 2: vco.agent.v1.GetIdentityRequest
-	(*FencingCapability)(nil),        // 3: vco.agent.v1.FencingCapability
-	(*Identity)(nil),                 // 4: vco.agent.v1.Identity
-	(*GetStatusRequest)(nil),         // 5: vco.agent.v1.GetStatusRequest
-	(*Status)(nil),                   // 6: vco.agent.v1.Status
-	(*WatchEventsRequest)(nil),       // 7: vco.agent.v1.WatchEventsRequest
-	(*ListRecentEventsRequest)(nil),  // 8: vco.agent.v1.ListRecentEventsRequest
-	(*ListRecentEventsResponse)(nil), // 9: vco.agent.v1.ListRecentEventsResponse
-	(*Event)(nil),                    // 10: vco.agent.v1.Event
-	(*timestamppb.Timestamp)(nil),    // 11: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 12: google.protobuf.Duration
+	(ClaimState)(0),                  // 0: vco.agent.v1.ClaimState
+	(FencingMethod)(0),               // 1: vco.agent.v1.FencingMethod
+	(EventType)(0),                   // 2: vco.agent.v1.EventType
+	(*DeviceLocator)(nil),            // 3: vco.agent.v1.DeviceLocator
+	(*TakeoverGrant)(nil),            // 4: vco.agent.v1.TakeoverGrant
+	(*Encryption)(nil),               // 5: vco.agent.v1.Encryption
+	(*StageVolumeRequest)(nil),       // 6: vco.agent.v1.StageVolumeRequest
+	(*StageVolumeResponse)(nil),      // 7: vco.agent.v1.StageVolumeResponse
+	(*UnstageVolumeRequest)(nil),     // 8: vco.agent.v1.UnstageVolumeRequest
+	(*UnstageVolumeResponse)(nil),    // 9: vco.agent.v1.UnstageVolumeResponse
+	(*PublishVolumeRequest)(nil),     // 10: vco.agent.v1.PublishVolumeRequest
+	(*PublishVolumeResponse)(nil),    // 11: vco.agent.v1.PublishVolumeResponse
+	(*UnpublishVolumeRequest)(nil),   // 12: vco.agent.v1.UnpublishVolumeRequest
+	(*UnpublishVolumeResponse)(nil),  // 13: vco.agent.v1.UnpublishVolumeResponse
+	(*ExpandVolumeRequest)(nil),      // 14: vco.agent.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),     // 15: vco.agent.v1.ExpandVolumeResponse
+	(*GetVolumeStatsRequest)(nil),    // 16: vco.agent.v1.GetVolumeStatsRequest
+	(*VolumeStats)(nil),              // 17: vco.agent.v1.VolumeStats
+	(*ListDisksRequest)(nil),         // 18: vco.agent.v1.ListDisksRequest
+	(*Disk)(nil),                     // 19: vco.agent.v1.Disk
+	(*ListDisksResponse)(nil),        // 20: vco.agent.v1.ListDisksResponse
+	(*GetIdentityRequest)(nil),       // 21: vco.agent.v1.GetIdentityRequest
+	(*FencingCapability)(nil),        // 22: vco.agent.v1.FencingCapability
+	(*Identity)(nil),                 // 23: vco.agent.v1.Identity
+	(*GetStatusRequest)(nil),         // 24: vco.agent.v1.GetStatusRequest
+	(*Status)(nil),                   // 25: vco.agent.v1.Status
+	(*WatchEventsRequest)(nil),       // 26: vco.agent.v1.WatchEventsRequest
+	(*ListRecentEventsRequest)(nil),  // 27: vco.agent.v1.ListRecentEventsRequest
+	(*ListRecentEventsResponse)(nil), // 28: vco.agent.v1.ListRecentEventsResponse
+	(*Event)(nil),                    // 29: vco.agent.v1.Event
+	(*timestamppb.Timestamp)(nil),    // 30: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 31: google.protobuf.Duration
 }
 var file_agent_proto_depIdxs = []int32{
-	0,  // 0: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
-	3,  // 1: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
-	11, // 2: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
-	12, // 3: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
-	10, // 4: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
-	1,  // 5: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
-	11, // 6: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
-	2,  // 7: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
-	5,  // 8: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
-	7,  // 9: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
-	8,  // 10: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
-	4,  // 11: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
-	6,  // 12: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
-	10, // 13: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
-	9,  // 14: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
-	11, // [11:15] is the sub-list for method output_type
-	7,  // [7:11] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	3,  // 0: vco.agent.v1.StageVolumeRequest.device:type_name -> vco.agent.v1.DeviceLocator
+	4,  // 1: vco.agent.v1.StageVolumeRequest.grant:type_name -> vco.agent.v1.TakeoverGrant
+	5,  // 2: vco.agent.v1.StageVolumeRequest.encryption:type_name -> vco.agent.v1.Encryption
+	1,  // 3: vco.agent.v1.StageVolumeResponse.fencing:type_name -> vco.agent.v1.FencingMethod
+	1,  // 4: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
+	0,  // 5: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
+	19, // 6: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
+	1,  // 7: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
+	22, // 8: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
+	30, // 9: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
+	31, // 10: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
+	29, // 11: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
+	2,  // 12: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
+	30, // 13: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
+	21, // 14: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
+	24, // 15: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
+	26, // 16: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
+	27, // 17: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
+	6,  // 18: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
+	8,  // 19: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
+	10, // 20: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
+	12, // 21: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
+	14, // 22: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
+	16, // 23: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
+	18, // 24: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
+	23, // 25: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
+	25, // 26: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
+	29, // 27: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
+	28, // 28: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
+	7,  // 29: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
+	9,  // 30: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
+	11, // 31: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
+	13, // 32: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
+	15, // 33: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
+	17, // 34: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
+	20, // 35: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
+	25, // [25:36] is the sub-list for method output_type
+	14, // [14:25] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -944,8 +2392,8 @@ func file_agent_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   9,
+			NumEnums:      3,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -27,6 +27,13 @@ const (
 	Agent_GetStatus_FullMethodName        = "/vco.agent.v1.Agent/GetStatus"
 	Agent_WatchEvents_FullMethodName      = "/vco.agent.v1.Agent/WatchEvents"
 	Agent_ListRecentEvents_FullMethodName = "/vco.agent.v1.Agent/ListRecentEvents"
+	Agent_StageVolume_FullMethodName      = "/vco.agent.v1.Agent/StageVolume"
+	Agent_UnstageVolume_FullMethodName    = "/vco.agent.v1.Agent/UnstageVolume"
+	Agent_PublishVolume_FullMethodName    = "/vco.agent.v1.Agent/PublishVolume"
+	Agent_UnpublishVolume_FullMethodName  = "/vco.agent.v1.Agent/UnpublishVolume"
+	Agent_ExpandVolume_FullMethodName     = "/vco.agent.v1.Agent/ExpandVolume"
+	Agent_GetVolumeStats_FullMethodName   = "/vco.agent.v1.Agent/GetVolumeStats"
+	Agent_ListDisks_FullMethodName        = "/vco.agent.v1.Agent/ListDisks"
 )
 
 // AgentClient is the client API for Agent service.
@@ -43,6 +50,29 @@ type AgentClient interface {
 	WatchEvents(ctx context.Context, in *WatchEventsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[Event], error)
 	// ListRecentEvents returns the events the agent still holds, oldest first.
 	ListRecentEvents(ctx context.Context, in *ListRecentEventsRequest, opts ...grpc.CallOption) (*ListRecentEventsResponse, error)
+	// StageVolume finds and verifies the volume's device, fences it, opens
+	// LUKS2 when encrypted, makes a filesystem only on a blank device, and
+	// mounts it at the staging path. A retry with the same arguments
+	// succeeds without formatting again. A disk held by another node is
+	// refused with FAILED_PRECONDITION naming the holder.
+	StageVolume(ctx context.Context, in *StageVolumeRequest, opts ...grpc.CallOption) (*StageVolumeResponse, error)
+	// UnstageVolume unmounts the staging path, closes LUKS2 and releases the
+	// fence. Unstaging a volume the agent does not know is not an error.
+	UnstageVolume(ctx context.Context, in *UnstageVolumeRequest, opts ...grpc.CallOption) (*UnstageVolumeResponse, error)
+	// PublishVolume bind-mounts a staged volume (or its block device) at the
+	// target path.
+	PublishVolume(ctx context.Context, in *PublishVolumeRequest, opts ...grpc.CallOption) (*PublishVolumeResponse, error)
+	// UnpublishVolume removes the bind mount at the target path.
+	UnpublishVolume(ctx context.Context, in *UnpublishVolumeRequest, opts ...grpc.CallOption) (*UnpublishVolumeResponse, error)
+	// ExpandVolume grows the dm-crypt mapping (encrypted volumes) and the
+	// filesystem online to the size of the device.
+	ExpandVolume(ctx context.Context, in *ExpandVolumeRequest, opts ...grpc.CallOption) (*ExpandVolumeResponse, error)
+	// GetVolumeStats reports usage and whether the volume is abnormal (its
+	// fence was lost or its device is gone).
+	GetVolumeStats(ctx context.Context, in *GetVolumeStatsRequest, opts ...grpc.CallOption) (*VolumeStats, error)
+	// ListDisks lists every disk the agent sees and every volume it has
+	// claimed, with the fence method, state and holder.
+	ListDisks(ctx context.Context, in *ListDisksRequest, opts ...grpc.CallOption) (*ListDisksResponse, error)
 }
 
 type agentClient struct {
@@ -102,6 +132,76 @@ func (c *agentClient) ListRecentEvents(ctx context.Context, in *ListRecentEvents
 	return out, nil
 }
 
+func (c *agentClient) StageVolume(ctx context.Context, in *StageVolumeRequest, opts ...grpc.CallOption) (*StageVolumeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(StageVolumeResponse)
+	err := c.cc.Invoke(ctx, Agent_StageVolume_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) UnstageVolume(ctx context.Context, in *UnstageVolumeRequest, opts ...grpc.CallOption) (*UnstageVolumeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnstageVolumeResponse)
+	err := c.cc.Invoke(ctx, Agent_UnstageVolume_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) PublishVolume(ctx context.Context, in *PublishVolumeRequest, opts ...grpc.CallOption) (*PublishVolumeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(PublishVolumeResponse)
+	err := c.cc.Invoke(ctx, Agent_PublishVolume_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) UnpublishVolume(ctx context.Context, in *UnpublishVolumeRequest, opts ...grpc.CallOption) (*UnpublishVolumeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UnpublishVolumeResponse)
+	err := c.cc.Invoke(ctx, Agent_UnpublishVolume_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) ExpandVolume(ctx context.Context, in *ExpandVolumeRequest, opts ...grpc.CallOption) (*ExpandVolumeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ExpandVolumeResponse)
+	err := c.cc.Invoke(ctx, Agent_ExpandVolume_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) GetVolumeStats(ctx context.Context, in *GetVolumeStatsRequest, opts ...grpc.CallOption) (*VolumeStats, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VolumeStats)
+	err := c.cc.Invoke(ctx, Agent_GetVolumeStats_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *agentClient) ListDisks(ctx context.Context, in *ListDisksRequest, opts ...grpc.CallOption) (*ListDisksResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListDisksResponse)
+	err := c.cc.Invoke(ctx, Agent_ListDisks_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AgentServer is the server API for Agent service.
 // All implementations must embed UnimplementedAgentServer
 // for forward compatibility.
@@ -116,6 +216,29 @@ type AgentServer interface {
 	WatchEvents(*WatchEventsRequest, grpc.ServerStreamingServer[Event]) error
 	// ListRecentEvents returns the events the agent still holds, oldest first.
 	ListRecentEvents(context.Context, *ListRecentEventsRequest) (*ListRecentEventsResponse, error)
+	// StageVolume finds and verifies the volume's device, fences it, opens
+	// LUKS2 when encrypted, makes a filesystem only on a blank device, and
+	// mounts it at the staging path. A retry with the same arguments
+	// succeeds without formatting again. A disk held by another node is
+	// refused with FAILED_PRECONDITION naming the holder.
+	StageVolume(context.Context, *StageVolumeRequest) (*StageVolumeResponse, error)
+	// UnstageVolume unmounts the staging path, closes LUKS2 and releases the
+	// fence. Unstaging a volume the agent does not know is not an error.
+	UnstageVolume(context.Context, *UnstageVolumeRequest) (*UnstageVolumeResponse, error)
+	// PublishVolume bind-mounts a staged volume (or its block device) at the
+	// target path.
+	PublishVolume(context.Context, *PublishVolumeRequest) (*PublishVolumeResponse, error)
+	// UnpublishVolume removes the bind mount at the target path.
+	UnpublishVolume(context.Context, *UnpublishVolumeRequest) (*UnpublishVolumeResponse, error)
+	// ExpandVolume grows the dm-crypt mapping (encrypted volumes) and the
+	// filesystem online to the size of the device.
+	ExpandVolume(context.Context, *ExpandVolumeRequest) (*ExpandVolumeResponse, error)
+	// GetVolumeStats reports usage and whether the volume is abnormal (its
+	// fence was lost or its device is gone).
+	GetVolumeStats(context.Context, *GetVolumeStatsRequest) (*VolumeStats, error)
+	// ListDisks lists every disk the agent sees and every volume it has
+	// claimed, with the fence method, state and holder.
+	ListDisks(context.Context, *ListDisksRequest) (*ListDisksResponse, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -137,6 +260,27 @@ func (UnimplementedAgentServer) WatchEvents(*WatchEventsRequest, grpc.ServerStre
 }
 func (UnimplementedAgentServer) ListRecentEvents(context.Context, *ListRecentEventsRequest) (*ListRecentEventsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListRecentEvents not implemented")
+}
+func (UnimplementedAgentServer) StageVolume(context.Context, *StageVolumeRequest) (*StageVolumeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method StageVolume not implemented")
+}
+func (UnimplementedAgentServer) UnstageVolume(context.Context, *UnstageVolumeRequest) (*UnstageVolumeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UnstageVolume not implemented")
+}
+func (UnimplementedAgentServer) PublishVolume(context.Context, *PublishVolumeRequest) (*PublishVolumeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method PublishVolume not implemented")
+}
+func (UnimplementedAgentServer) UnpublishVolume(context.Context, *UnpublishVolumeRequest) (*UnpublishVolumeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UnpublishVolume not implemented")
+}
+func (UnimplementedAgentServer) ExpandVolume(context.Context, *ExpandVolumeRequest) (*ExpandVolumeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ExpandVolume not implemented")
+}
+func (UnimplementedAgentServer) GetVolumeStats(context.Context, *GetVolumeStatsRequest) (*VolumeStats, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetVolumeStats not implemented")
+}
+func (UnimplementedAgentServer) ListDisks(context.Context, *ListDisksRequest) (*ListDisksResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListDisks not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -224,6 +368,132 @@ func _Agent_ListRecentEvents_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_StageVolume_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StageVolumeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).StageVolume(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_StageVolume_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).StageVolume(ctx, req.(*StageVolumeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_UnstageVolume_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnstageVolumeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).UnstageVolume(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_UnstageVolume_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).UnstageVolume(ctx, req.(*UnstageVolumeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_PublishVolume_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PublishVolumeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).PublishVolume(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_PublishVolume_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).PublishVolume(ctx, req.(*PublishVolumeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_UnpublishVolume_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UnpublishVolumeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).UnpublishVolume(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_UnpublishVolume_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).UnpublishVolume(ctx, req.(*UnpublishVolumeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_ExpandVolume_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ExpandVolumeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).ExpandVolume(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_ExpandVolume_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).ExpandVolume(ctx, req.(*ExpandVolumeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_GetVolumeStats_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetVolumeStatsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).GetVolumeStats(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_GetVolumeStats_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).GetVolumeStats(ctx, req.(*GetVolumeStatsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Agent_ListDisks_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListDisksRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).ListDisks(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_ListDisks_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).ListDisks(ctx, req.(*ListDisksRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Agent_ServiceDesc is the grpc.ServiceDesc for Agent service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -242,6 +512,34 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListRecentEvents",
 			Handler:    _Agent_ListRecentEvents_Handler,
+		},
+		{
+			MethodName: "StageVolume",
+			Handler:    _Agent_StageVolume_Handler,
+		},
+		{
+			MethodName: "UnstageVolume",
+			Handler:    _Agent_UnstageVolume_Handler,
+		},
+		{
+			MethodName: "PublishVolume",
+			Handler:    _Agent_PublishVolume_Handler,
+		},
+		{
+			MethodName: "UnpublishVolume",
+			Handler:    _Agent_UnpublishVolume_Handler,
+		},
+		{
+			MethodName: "ExpandVolume",
+			Handler:    _Agent_ExpandVolume_Handler,
+		},
+		{
+			MethodName: "GetVolumeStats",
+			Handler:    _Agent_GetVolumeStats_Handler,
+		},
+		{
+			MethodName: "ListDisks",
+			Handler:    _Agent_ListDisks_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

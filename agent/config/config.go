@@ -14,11 +14,14 @@ import (
 	"io"
 	"io/fs"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"strconv"
 	"strings"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -28,13 +31,39 @@ const DefaultPath = "/etc/vco-agent/config.yaml"
 
 // Config is the whole agent configuration. The YAML keys are the `yaml` tags.
 type Config struct {
-	Socket    Socket `yaml:"socket"`
-	Node      Node   `yaml:"node"`
-	StateDir  string `yaml:"state_dir"`
-	SysfsRoot string `yaml:"sysfs_root"`
-	Log       Log    `yaml:"log"`
-	DBus      DBus   `yaml:"dbus"`
-	Events    Events `yaml:"events"`
+	Socket    Socket  `yaml:"socket"`
+	Node      Node    `yaml:"node"`
+	StateDir  string  `yaml:"state_dir"`
+	SysfsRoot string  `yaml:"sysfs_root"`
+	Log       Log     `yaml:"log"`
+	DBus      DBus    `yaml:"dbus"`
+	Events    Events  `yaml:"events"`
+	Volumes   Volumes `yaml:"volumes"`
+	Metrics   Metrics `yaml:"metrics"`
+}
+
+// Volumes controls how the agent stages volumes for the CSI node plugin.
+type Volumes struct {
+	// KubeletRoot is the only directory under which staging and target
+	// paths may lie.
+	KubeletRoot string `yaml:"kubelet_root"`
+	// DevRoot is where device nodes live.
+	DevRoot string `yaml:"dev_root"`
+	// CheckInterval is how often every claim is checked (reservation still
+	// ours, device still there).
+	CheckInterval time.Duration `yaml:"check_interval"`
+	// AllowUnfenced lets a stage request that asks for it use a disk that
+	// offers no fencing method. Without it such a disk is refused.
+	AllowUnfenced bool `yaml:"allow_unfenced"`
+	// AllowLoopDevices lets a locator name a loop device by its backing
+	// file: for the simulator's host mode and host tests, never on a node.
+	AllowLoopDevices bool `yaml:"allow_loop_devices"`
+}
+
+// Metrics is the optional Prometheus endpoint.
+type Metrics struct {
+	// Listen is a loopback host:port to serve /metrics on; empty is off.
+	Listen string `yaml:"listen"`
 }
 
 // Socket is the API's unix socket. Under socket activation systemd owns the
@@ -92,6 +121,7 @@ func Default() Config {
 		Log:       Log{Level: "info"},
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
+		Volumes:   Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second},
 	}
 }
 
@@ -186,7 +216,42 @@ func (c *Config) Validate() error {
 	if c.Events.SubscriberBuffer < 1 || c.Events.SubscriberBuffer > 1<<20 {
 		errs = append(errs, fmt.Errorf("events.subscriber_buffer %d must be between 1 and 1048576", c.Events.SubscriberBuffer))
 	}
+	if !filepath.IsAbs(c.Volumes.KubeletRoot) || filepath.Clean(c.Volumes.KubeletRoot) == "/" {
+		errs = append(errs, fmt.Errorf("volumes.kubelet_root %q must be an absolute path other than /", c.Volumes.KubeletRoot))
+	}
+	if !filepath.IsAbs(c.Volumes.DevRoot) {
+		errs = append(errs, fmt.Errorf("volumes.dev_root %q must be an absolute path", c.Volumes.DevRoot))
+	}
+	if c.Volumes.CheckInterval < 100*time.Millisecond || c.Volumes.CheckInterval > time.Hour {
+		errs = append(errs, fmt.Errorf("volumes.check_interval %s must be between 100ms and 1h", c.Volumes.CheckInterval))
+	}
+	if c.Metrics.Listen != "" {
+		if err := loopbackAddr(c.Metrics.Listen); err != nil {
+			errs = append(errs, fmt.Errorf("metrics.listen %q: %v", c.Metrics.Listen, err))
+		}
+	}
 	return errors.Join(errs...)
+}
+
+// loopbackAddr accepts host:port where host is a loopback IP or
+// "localhost": the metrics carry volume names and must not leave the node
+// unless an operator puts a proxy in front.
+func loopbackAddr(a string) error {
+	host, port, err := net.SplitHostPort(a)
+	if err != nil {
+		return fmt.Errorf("want host:port, e.g. 127.0.0.1:9465")
+	}
+	if _, err := strconv.ParseUint(port, 10, 16); err != nil {
+		return fmt.Errorf("port %q is not a number", port)
+	}
+	if host == "localhost" {
+		return nil
+	}
+	ip := net.ParseIP(host)
+	if ip == nil || !ip.IsLoopback() {
+		return fmt.Errorf("host must be a loopback address (127.0.0.1, ::1 or localhost)")
+	}
+	return nil
 }
 
 // SlogLevel is Log.Level as a slog level.
@@ -212,6 +277,8 @@ type Flags struct {
 	logLevel   string
 	dbus       bool
 	dbusAddr   string
+	kubelet    string
+	metrics    string
 }
 
 // RegisterFlags adds the configuration flags to fs.
@@ -228,6 +295,8 @@ func RegisterFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.logLevel, "log-level", d.Log.Level, "debug, info, warn or error")
 	fs.BoolVar(&f.dbus, "dbus", d.DBus.Enabled, "emit events as D-Bus signals on the system bus")
 	fs.StringVar(&f.dbusAddr, "dbus-address", d.DBus.Address, "D-Bus address to use instead of the system bus")
+	fs.StringVar(&f.kubelet, "kubelet-root", d.Volumes.KubeletRoot, "directory under which staging and target paths must lie")
+	fs.StringVar(&f.metrics, "metrics-listen", d.Metrics.Listen, "loopback host:port for Prometheus /metrics (empty: off)")
 	return f
 }
 
@@ -252,15 +321,17 @@ func (f *Flags) Load() (Config, error) {
 		return cfg, err
 	}
 	over := map[string]func(){
-		"socket":       func() { cfg.Socket.Path = f.socket },
-		"socket-group": func() { cfg.Socket.Group = f.group },
-		"node-name":    func() { cfg.Node.Name = f.nodeName },
-		"location":     func() { cfg.Node.Location = f.location },
-		"state-dir":    func() { cfg.StateDir = f.stateDir },
-		"sysfs-root":   func() { cfg.SysfsRoot = f.sysfsRoot },
-		"log-level":    func() { cfg.Log.Level = f.logLevel },
-		"dbus":         func() { cfg.DBus.Enabled = f.dbus },
-		"dbus-address": func() { cfg.DBus.Address = f.dbusAddr },
+		"socket":         func() { cfg.Socket.Path = f.socket },
+		"socket-group":   func() { cfg.Socket.Group = f.group },
+		"node-name":      func() { cfg.Node.Name = f.nodeName },
+		"location":       func() { cfg.Node.Location = f.location },
+		"state-dir":      func() { cfg.StateDir = f.stateDir },
+		"sysfs-root":     func() { cfg.SysfsRoot = f.sysfsRoot },
+		"log-level":      func() { cfg.Log.Level = f.logLevel },
+		"dbus":           func() { cfg.DBus.Enabled = f.dbus },
+		"dbus-address":   func() { cfg.DBus.Address = f.dbusAddr },
+		"kubelet-root":   func() { cfg.Volumes.KubeletRoot = f.kubelet },
+		"metrics-listen": func() { cfg.Metrics.Listen = f.metrics },
 	}
 	f.fs.Visit(func(fl *flag.Flag) {
 		if apply, ok := over[fl.Name]; ok {

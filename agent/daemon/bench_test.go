@@ -22,7 +22,7 @@ func agentCmd(b *testing.B, notify, sock, sysfs string) *exec.Cmd {
 	if err := os.WriteFile(cfg, nil, 0o644); err != nil {
 		b.Fatal(err)
 	}
-	args := []string{"--config", cfg, "--socket", sock, "--sysfs-root", sysfs, "--dbus=false"}
+	args := []string{"--config", cfg, "--socket", sock, "--sysfs-root", sysfs, "--dbus=false", "--state-dir", b.TempDir()}
 	var cmd *exec.Cmd
 	if bin := os.Getenv("VCO_AGENT_BIN"); bin != "" {
 		cmd = exec.Command(bin, append([]string{"serve"}, args...)...)

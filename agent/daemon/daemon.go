@@ -15,6 +15,7 @@ import (
 	"io/fs"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"os/user"
@@ -34,6 +35,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/logging"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
@@ -143,7 +146,14 @@ func Run(ctx context.Context, o Options) error {
 		rt.DBusDetail = "disabled in the configuration"
 	}
 
-	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy})
+	notify("STATUS=re-verifying recorded volume claims")
+	vols, err := startVolumes(ctx, cfg, ident, bus, log)
+	if err != nil {
+		return err
+	}
+	defer vols.stop()
+
+	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy, Volumes: vols.m})
 	g := srv.NewGRPC()
 	served := make(chan error, 1)
 	go func() { served <- g.Serve(sock.l) }()
@@ -186,6 +196,53 @@ func Run(ctx context.Context, o Options) error {
 	}
 	log.Info("vco-agent stopped")
 	return serveErr
+}
+
+type volumes struct {
+	m    *volume.Manager
+	stop func()
+}
+
+// startVolumes opens the claim store, re-verifies every recorded claim,
+// and starts the periodic claim check and, when configured, the metrics
+// listener.
+func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdentity, bus *events.Bus, log *slog.Logger) (*volumes, error) {
+	key, err := fence.KeyFromUUID(ident.SystemUUID)
+	if err != nil {
+		return nil, fmt.Errorf("deriving this node's fence key from its SMBIOS UUID: %w", err)
+	}
+	m, err := volume.New(volume.Options{
+		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
+		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence")},
+	})
+	if err != nil {
+		return nil, err
+	}
+	m.Reconcile(ctx)
+	var srv *http.Server
+	if cfg.Metrics.Listen != "" {
+		l, err := net.Listen("tcp", cfg.Metrics.Listen)
+		if err != nil {
+			m.Close()
+			return nil, fmt.Errorf("metrics.listen %s: %w", cfg.Metrics.Listen, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", m.Metrics().Handler())
+		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go srv.Serve(l)
+		log.Info("metrics served", "address", l.Addr().String())
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); m.Run(cctx) }()
+	return &volumes{m: m, stop: func() {
+		cancel()
+		<-done
+		if srv != nil {
+			srv.Close()
+		}
+		m.Close()
+	}}, nil
 }
 
 func notify(state string) {

@@ -185,9 +185,12 @@ func (p *agentProc) stop(t *testing.T) {
 	}
 }
 
+// emptyConfig is a configuration with every default but the state
+// directory, which is the test's own so that no test touches the host's.
 func emptyConfig(t *testing.T) string {
-	p := filepath.Join(t.TempDir(), "config.yaml")
-	if err := os.WriteFile(p, nil, 0o644); err != nil {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(p, []byte("state_dir: "+filepath.Join(dir, "state")+"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return p
@@ -545,6 +548,7 @@ func TestSocketBelongsToConfiguredGroup(t *testing.T) {
 	cfg.Socket.Group = "users"
 	cfg.SysfsRoot = sysfsFixture(t)
 	cfg.DBus.Enabled = false
+	cfg.StateDir = t.TempDir()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	var logs bytes.Buffer

@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/fencecaps"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
 )
 
 // NodeIdentity is what the agent learnt about the machine at start.
@@ -47,6 +48,8 @@ type Options struct {
 	Runtime  Runtime
 	Log      *slog.Logger
 	Policy   peercred.Policy
+	// Volumes does the volume methods; nil makes them answer Unavailable.
+	Volumes *volume.Manager
 }
 
 // Server is the Agent service.

@@ -79,8 +79,9 @@ func sysfs(t *testing.T) string {
 }
 
 func emptyConfig(t *testing.T) string {
-	p := filepath.Join(t.TempDir(), "config.yaml")
-	os.WriteFile(p, []byte("node:\n  name: cli-node\n  location: loc-cli\n"), 0o644)
+	dir := t.TempDir()
+	p := filepath.Join(dir, "config.yaml")
+	os.WriteFile(p, []byte("node:\n  name: cli-node\n  location: loc-cli\nstate_dir: "+filepath.Join(dir, "state")+"\n"), 0o644)
 	return p
 }
 

@@ -1,0 +1,218 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+)
+
+// The volume methods translate between the API and package volume.
+
+func (s *Server) volumes() (*volume.Manager, error) {
+	if s.o.Volumes == nil {
+		return nil, agenterr.New(agenterr.Unavailable, "this agent serves no volume methods (started without a volume manager)")
+	}
+	return s.o.Volumes, nil
+}
+
+// LocatorFromAPI turns the API's device locator into the form claims
+// record.
+func LocatorFromAPI(l *api.DeviceLocator) (volume.Locator, error) {
+	if l == nil {
+		return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "the request names no device")
+	}
+	var parts []string
+	switch {
+	case l.GetPciAddress() != "":
+		a, err := discovery.ParsePCIAddress(l.GetPciAddress())
+		if err != nil {
+			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
+		}
+		parts = append(parts, "pci="+a.String())
+	case l.GetHasPci():
+		a, err := discovery.PCIFromAPI(int(l.GetPciBus()), int(l.GetPciSlot()))
+		if err != nil {
+			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
+		}
+		parts = append(parts, "pci="+a.String())
+	}
+	for k, v := range map[string]string{"serial": l.GetSerial(), "wwn": l.GetWwn()} {
+		if strings.ContainsAny(v, ",=") {
+			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "device %s %q holds a comma or '='", k, v)
+		}
+	}
+	if l.GetSerial() != "" {
+		parts = append(parts, "serial="+l.GetSerial())
+	}
+	if l.GetWwn() != "" {
+		parts = append(parts, "wwn="+l.GetWwn())
+	}
+	return volume.Locator{Disk: strings.Join(parts, ","), BackingFile: l.GetLoopBackingFile()}, nil
+}
+
+// GrantFromAPI checks and converts a takeover grant; nil stays nil.
+func GrantFromAPI(g *api.TakeoverGrant) (*fence.Grant, error) {
+	if g == nil {
+		return nil, nil
+	}
+	out := &fence.Grant{Disk: g.GetDisk()}
+	node, err := fence.CanonicalUUID(g.GetNode())
+	if err != nil {
+		return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant: %v", err)
+	}
+	out.Node = node
+	for _, k := range g.GetSupersedes() {
+		key, err := fence.ParseKey(k)
+		if err != nil {
+			return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant: %v", err)
+		}
+		out.Supersedes = append(out.Supersedes, key)
+	}
+	if out.Disk == "" || len(out.Supersedes) == 0 {
+		return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant must name the disk and at least one superseded key")
+	}
+	return out, nil
+}
+
+// StageVolume implements api.AgentServer.
+func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (*api.StageVolumeResponse, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	loc, err := LocatorFromAPI(req.GetDevice())
+	if err != nil {
+		return nil, fmt.Errorf("volume %s: %w", req.GetVolumeId(), err)
+	}
+	grant, err := GrantFromAPI(req.GetGrant())
+	if err != nil {
+		return nil, fmt.Errorf("volume %s: %w", req.GetVolumeId(), err)
+	}
+	r := volume.StageRequest{
+		Volume: req.GetVolumeId(), Locator: loc, StagingPath: req.GetStagingPath(), FsType: req.GetFsType(),
+		Block: req.GetBlock(), MountFlags: req.GetMountFlags(), ReadOnly: req.GetReadOnly(), Grant: grant,
+		AllowUnfenced: req.GetAllowUnfenced(),
+	}
+	if e := req.GetEncryption(); e != nil {
+		r.Encrypted, r.Passphrase, r.FormatLUKS = true, e.GetPassphrase(), e.GetFormatIfBlank()
+	}
+	res, err := m.Stage(ctx, r)
+	if err != nil {
+		return nil, err
+	}
+	return &api.StageVolumeResponse{Device: res.Device, Fencing: methodToAPI(res.Method), Formatted: res.Formatted}, nil
+}
+
+func methodToAPI(m fence.Method) api.FencingMethod {
+	switch m {
+	case fence.MethodPR:
+		return api.FencingMethod_FENCING_METHOD_SCSI3_PR
+	case volume.MethodLease:
+		return api.FencingMethod_FENCING_METHOD_DISK_LEASE
+	case fence.MethodNone:
+		return api.FencingMethod_FENCING_METHOD_NONE
+	}
+	return api.FencingMethod_FENCING_METHOD_UNSPECIFIED
+}
+
+// UnstageVolume implements api.AgentServer.
+func (s *Server) UnstageVolume(ctx context.Context, req *api.UnstageVolumeRequest) (*api.UnstageVolumeResponse, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	return &api.UnstageVolumeResponse{}, m.Unstage(ctx, req.GetVolumeId(), req.GetStagingPath())
+}
+
+// PublishVolume implements api.AgentServer.
+func (s *Server) PublishVolume(ctx context.Context, req *api.PublishVolumeRequest) (*api.PublishVolumeResponse, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	return &api.PublishVolumeResponse{}, m.Publish(ctx, volume.PublishRequest{
+		Volume: req.GetVolumeId(), StagingPath: req.GetStagingPath(), TargetPath: req.GetTargetPath(),
+		Block: req.GetBlock(), ReadOnly: req.GetReadOnly(), MountFlags: req.GetMountFlags(),
+	})
+}
+
+// UnpublishVolume implements api.AgentServer.
+func (s *Server) UnpublishVolume(ctx context.Context, req *api.UnpublishVolumeRequest) (*api.UnpublishVolumeResponse, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	return &api.UnpublishVolumeResponse{}, m.Unpublish(ctx, req.GetVolumeId(), req.GetTargetPath())
+}
+
+// ExpandVolume implements api.AgentServer.
+func (s *Server) ExpandVolume(ctx context.Context, req *api.ExpandVolumeRequest) (*api.ExpandVolumeResponse, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	n, err := m.Expand(ctx, req.GetVolumeId(), req.GetVolumePath(), req.GetRequiredBytes())
+	if err != nil {
+		return nil, err
+	}
+	return &api.ExpandVolumeResponse{CapacityBytes: n}, nil
+}
+
+// GetVolumeStats implements api.AgentServer.
+func (s *Server) GetVolumeStats(ctx context.Context, req *api.GetVolumeStatsRequest) (*api.VolumeStats, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	st, err := m.Stats(ctx, req.GetVolumeId(), req.GetVolumePath())
+	if err != nil {
+		return nil, err
+	}
+	return &api.VolumeStats{
+		TotalBytes: st.TotalBytes, UsedBytes: st.UsedBytes, AvailableBytes: st.AvailableBytes,
+		TotalInodes: st.TotalInodes, UsedInodes: st.UsedInodes, AvailableInodes: st.AvailableInodes,
+		Block: st.Block, Abnormal: st.Abnormal, Message: st.Message,
+	}, nil
+}
+
+var claimStates = map[string]api.ClaimState{
+	"unclaimed": api.ClaimState_CLAIM_STATE_UNCLAIMED,
+	"held":      api.ClaimState_CLAIM_STATE_HELD,
+	"unfenced":  api.ClaimState_CLAIM_STATE_UNFENCED,
+	"lost":      api.ClaimState_CLAIM_STATE_LOST,
+	"gone":      api.ClaimState_CLAIM_STATE_GONE,
+}
+
+// ListDisks implements api.AgentServer.
+func (s *Server) ListDisks(ctx context.Context, _ *api.ListDisksRequest) (*api.ListDisksResponse, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	ds, err := m.Disks(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := &api.ListDisksResponse{}
+	for _, d := range ds {
+		pd := &api.Disk{
+			Device: d.Device, Name: d.Name, Kind: d.Kind, PciAddress: d.PCI, Serial: d.Serial, Wwns: d.WWNs,
+			Fencing: methodToAPI(d.Method), State: claimStates[d.State], VolumeId: d.Volume, StagingPath: d.Staging,
+			HolderNode: d.HolderNode, Detail: d.Detail, FsType: d.FsType, Encrypted: d.Encrypted, ReadOnly: d.ReadOnly,
+		}
+		if d.HolderKey != 0 {
+			pd.HolderKey = fmt.Sprintf("%016x", uint64(d.HolderKey))
+		}
+		if pd.State == api.ClaimState_CLAIM_STATE_UNSPECIFIED && d.Detail == "" {
+			pd.Detail = "stage in progress or interrupted (" + d.State + ")"
+		}
+		out.Disks = append(out.Disks, pd)
+	}
+	return out, nil
+}

@@ -1,0 +1,222 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/pr"
+)
+
+// Reconcile re-verifies every recorded claim at start: a claim still ours
+// is kept (its device opened and its fence watched), a lost one is fenced
+// (P4), and one whose device is gone is cleaned up. A stage cut short by a
+// crash has its partial fence released and stays recorded, so its retry
+// never formats twice.
+func (m *Manager) Reconcile(ctx context.Context) {
+	claims, errs := m.store.List()
+	for _, err := range errs {
+		m.log.Error("a claim record cannot be read; its volume is left alone", "err", err)
+	}
+	for _, c := range claims {
+		release, err := m.locks.try(c.Volume, "start-up check")
+		if err != nil {
+			continue
+		}
+		m.reconcile(ctx, c)
+		release()
+	}
+	m.updateGauge()
+}
+
+func (m *Manager) reconcile(ctx context.Context, c *Claim) {
+	log := m.log.With("volume", c.Volume, "device", c.Device)
+	dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices)
+	if err != nil {
+		if agenterr.KindOf(err) == agenterr.NotFound {
+			m.cleanupGone(c, err)
+			return
+		}
+		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err)
+		c.State, c.Detail = StateGone, fmt.Sprintf("the agent could not find its disk again at start: %v", err)
+		if err := m.store.Put(c); err != nil {
+			log.Error("recording the claim", "err", err)
+		}
+		return
+	}
+	if c.DevNum != dev.DevNum() || c.Device != dev.Path {
+		log.Info("the claimed disk has a new device node", "now", dev.Path, "devnum", dev.DevNum())
+		c.Device, c.DevNum = dev.Path, dev.DevNum()
+	}
+	if c.Phase != PhaseStaged {
+		// Interrupted: drop the partial fence and mount; keep the record.
+		if err := m.unmountIfMounted(c.StagingPath); err != nil {
+			log.Error("unmounting an interrupted stage", "err", err)
+		}
+		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume); err == nil && ch.Fencer != nil {
+			if err := ch.Fencer.Release(ctx); err != nil {
+				log.Warn("releasing the fence of an interrupted stage", "err", err)
+			}
+		}
+		dev.Close()
+		c.Phase, c.State = PhaseInterrupted, ""
+		if err := m.store.Put(c); err != nil {
+			log.Error("recording the interrupted stage", "err", err)
+		}
+		log.Info("found a stage cut short; its retry will finish it")
+		return
+	}
+	switch c.State {
+	case StateLost:
+		if err := setReadOnly(dev.File, true); err != nil {
+			log.Error("keeping a fenced disk read-only", "err", err)
+		}
+		m.setLive(c.Volume, &live{dev: dev})
+		return
+	case StateUnfenced:
+		m.setLive(c.Volume, &live{dev: dev})
+		log.Info("unfenced claim kept (explicit opt-in)")
+		return
+	}
+	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume)
+	if err != nil {
+		m.setLive(c.Volume, &live{dev: dev})
+		log.Error("cannot check the fence of a recorded claim; the periodic check retries", "err", err)
+		return
+	}
+	if ch.Fencer == nil {
+		m.setLive(c.Volume, &live{dev: dev})
+		m.lose(c, dev, &fence.LostError{Device: dev.Path, Reason: "the disk no longer offers the fencing it was claimed with (" + ch.Reason + ")"})
+		return
+	}
+	m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
+	m.checkFence(ctx, c, dev, ch.Fencer)
+	if c.State == StateHeld && c.Detail == "" {
+		log.Info("claim re-verified at start")
+	}
+}
+
+// cleanupGone forgets a claim whose disk is no longer attached: whatever
+// is still mounted of it is detached, the mapping closed, the record
+// removed.
+func (m *Manager) cleanupGone(c *Claim, why error) {
+	log := m.log.With("volume", c.Volume, "device", c.Device)
+	for _, p := range append(append([]string(nil), c.Publications...), c.StagingPath) {
+		if mp, _ := m.mounter.IsMountPoint(p); mp {
+			if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {
+				log.Error("detaching a mount of a vanished disk", "path", p, "err", err)
+			}
+		}
+	}
+	if c.Mapper != "" && m.o.Crypt != nil {
+		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
+			log.Error("closing the mapping of a vanished disk", "err", err)
+		}
+	}
+	m.setLive(c.Volume, nil)
+	if err := m.store.Delete(c.Volume); err != nil {
+		log.Error("removing the claim of a vanished disk", "err", err)
+	}
+	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, Reason: "device-gone",
+		Message: fmt.Sprintf("volume %s: its disk %s is gone (%v); the claim was cleaned up", c.Volume, c.Device, why)})
+	log.Warn("claimed disk is gone; claim cleaned up", "why", why)
+}
+
+// checkFence runs one fence check and acts on a loss.
+func (m *Manager) checkFence(ctx context.Context, c *Claim, dev *Device, f fence.Fencer) {
+	err := f.Check(ctx)
+	var lost *fence.LostError
+	switch {
+	case err == nil:
+		m.o.Metrics.checks.WithLabelValues("ok").Inc()
+		if c.Detail != "" {
+			c.Detail = ""
+			_ = m.store.Put(c)
+		}
+	case errors.As(err, &lost):
+		m.o.Metrics.checks.WithLabelValues("lost").Inc()
+		if lost.Holder == 0 {
+			// A unit attention says the claim is gone but not to whom;
+			// the reservation says, for the event and the operator.
+			if e, ok := f.(*pr.Engine); ok {
+				if st, err := e.Status(ctx); err == nil && st.Reservation != nil && st.Reservation.Key != c.Key {
+					cp := *lost
+					cp.Holder, cp.HolderNode = st.Reservation.Key, st.Reservation.Node
+					lost = &cp
+				}
+			}
+		}
+		m.lose(c, dev, lost)
+	default:
+		m.o.Metrics.checks.WithLabelValues("error").Inc()
+		m.log.Warn("claim check failed; retried at the next interval", "volume", c.Volume, "device", dev.Path, "err", err)
+	}
+}
+
+// CheckAll checks every staged claim once: the fence of fenced ones, the
+// device of unfenced ones. A volume busy with an API call is skipped.
+func (m *Manager) CheckAll(ctx context.Context) {
+	start := time.Now()
+	claims, _ := m.store.List()
+	for _, c := range claims {
+		if c.Phase != PhaseStaged || (c.State != StateHeld && c.State != StateUnfenced) {
+			continue
+		}
+		release, err := m.locks.try(c.Volume, "claim check")
+		if err != nil {
+			continue
+		}
+		// Re-read under the lock: an API call may have changed it.
+		if now, err := m.store.Get(c.Volume); err == nil && now != nil {
+			m.checkOne(ctx, now)
+		}
+		release()
+	}
+	m.o.Metrics.checkTime.Observe(time.Since(start).Seconds())
+	m.updateGauge()
+}
+
+func (m *Manager) checkOne(ctx context.Context, c *Claim) {
+	if c.Phase != PhaseStaged || (c.State != StateHeld && c.State != StateUnfenced) {
+		return
+	}
+	l := m.getLive(c.Volume)
+	if l == nil {
+		m.reconcile(ctx, c)
+		return
+	}
+	if err := l.dev.Verify(ctx); err != nil {
+		m.o.Metrics.checks.WithLabelValues("gone").Inc()
+		if c.State != StateGone {
+			c.State, c.Detail = StateGone, fmt.Sprintf("the disk %s of volume %s is no longer the device it was staged on: %v", c.Device, c.Volume, err)
+			_ = m.store.Put(c)
+			m.log.Error("claimed disk vanished or changed", "volume", c.Volume, "device", c.Device, "err", err)
+		}
+		return
+	}
+	if l.fencer == nil {
+		m.o.Metrics.checks.WithLabelValues("ok").Inc()
+		return
+	}
+	m.checkFence(ctx, c, l.dev, l.fencer)
+}
+
+// Run checks every claim at the configured interval until ctx ends.
+func (m *Manager) Run(ctx context.Context) {
+	t := time.NewTicker(m.o.Config.CheckInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			m.CheckAll(ctx)
+		}
+	}
+}

@@ -1,0 +1,256 @@
+package volume
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	dto "github.com/prometheus/client_model/go"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/pr"
+	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+)
+
+// The host has no SCSI, so these tests put the real reservation engine in
+// front of a real loop device, its commands answered by scsitest (a model
+// SPC-4 target, one I_T nexus per node). Mounts, BLKROSET, the remount and
+// every agent decision are real; the lab repeats this against tgt.
+
+const nodeB = "8f2d6a1e-9b3c-4d5e-a6f7-0123456789ab"
+
+var (
+	keyA, _ = fence.KeyFromUUID(nodeA)
+	keyB, _ = fence.KeyFromUUID(nodeB)
+	names   = fence.Directory{keyA: "node-a", keyB: "node-b"}
+)
+
+// modelFencing fences every disk through the model target as node.
+type modelFencing struct {
+	tgt  *scsitest.Target
+	node string
+}
+
+func (f *modelFencing) Choose(_ context.Context, dev *Device, volume string) (Choice, error) {
+	key, _ := fence.KeyFromUUID(f.node)
+	e, err := pr.New(dev.Path, f.tgt.Initiator(f.node), pr.Config{Key: key, Node: f.node, Disk: volume, Resolver: names, Verify: dev.Verify})
+	if err != nil {
+		return Choice{}, err
+	}
+	return Choice{Fencer: e, Method: fence.MethodPR}, nil
+}
+
+func newFencedEnv(t *testing.T) (*env, *scsitest.Target) {
+	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
+	e := newEnvWith(t, &modelFencing{tgt: tgt, node: nodeA})
+	e.cfg.AllowUnfenced = false
+	e.start()
+	return e, tgt
+}
+
+// nodeBEngine is the other node's engine on the same model target.
+func nodeBEngine(t *testing.T, tgt *scsitest.Target, volume string) *pr.Engine {
+	e, err := pr.New("/dev/sdb", tgt.Initiator(nodeB), pr.Config{Key: keyB, Node: nodeB, Disk: volume, Resolver: names})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func deviceReadOnly(t *testing.T, dev string) bool {
+	f, err := os.Open(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ro, err := readOnly(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ro
+}
+
+func metric(t *testing.T, m *Manager, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := m.Metrics().Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, mm := range mf.GetMetric() {
+			for i := 0; i+1 < len(labels); i += 2 {
+				if !hasLabel(mm, labels[i], labels[i+1]) {
+					continue next
+				}
+			}
+			if mm.GetCounter() != nil {
+				return mm.GetCounter().GetValue()
+			}
+			return mm.GetGauge().GetValue()
+		}
+	}
+	return 0
+}
+
+func hasLabel(m *dto.Metric, k, v string) bool {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == k && l.GetValue() == v {
+			return true
+		}
+	}
+	return false
+}
+
+func TestHeldDiskIsRefusedReadOnlyAndTakenOverOnlyWithAGrant(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	if _, err := nodeBEngine(t, tgt, "vol-h").Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	req := e.stageReq("vol-h", img, "staging/h")
+	req.AllowUnfenced = false
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "held by another node", keyB.String(), "node-b")
+	if !deviceReadOnly(t, dev) || isMounted(t, req.StagingPath) || blkid(t, dev, "TYPE") != "" {
+		t.Fatalf("refused disk: read-only %v, mounted %v, type %q", deviceReadOnly(t, dev), isMounted(t, req.StagingPath), blkid(t, dev, "TYPE"))
+	}
+	ev := e.event(events.DiskRefused)
+	if ev.Volume != "vol-h" || ev.HolderKey != uint64(keyB) || ev.HolderNode != "node-b" || !strings.Contains(ev.Message, keyB.String()) {
+		t.Fatalf("refusal event: %+v", ev)
+	}
+	if metric(t, e.m, "vco_agent_refusals_total") != 1 {
+		t.Fatal("refusal not counted")
+	}
+	if c, _ := e.m.Store().Get("vol-h"); c != nil {
+		t.Fatalf("refused first stage left a record: %+v", c)
+	}
+	// A grant for another key does not help.
+	req.Grant = &fence.Grant{Disk: "vol-h", Node: nodeA, Supersedes: []fence.Key{keyA + 1}}
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "does not name this key")
+	// The controller's grant naming node B's key: taken over.
+	req.Grant = &fence.Grant{Disk: "vol-h", Node: nodeA, Supersedes: []fence.Key{keyB}}
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Method != fence.MethodPR || !res.Formatted {
+		t.Fatalf("granted stage: %+v %v", res, err)
+	}
+	if ev := e.event(events.TakeoverGranted); ev.HolderKey != uint64(keyB) {
+		t.Fatalf("takeover event: %+v", ev)
+	}
+	if deviceReadOnly(t, dev) || !isMounted(t, req.StagingPath) {
+		t.Fatal("the disk taken over is still read-only or not mounted")
+	}
+	if holder, key, _, ok := tgt.Reservation(); !ok || holder != nodeA || key != uint64(keyA) {
+		t.Fatalf("reservation after takeover: %s %x %v", holder, key, ok)
+	}
+}
+
+func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	req := e.stageReq("vol-l", img, "staging/l")
+	req.AllowUnfenced = false
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != fence.MethodPR {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	target := e.path("pods/p/vol")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-l", StagingPath: req.StagingPath, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "data"), []byte("before"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// An intact claim passes the periodic check.
+	e.m.CheckAll(ctx)
+	if metric(t, e.m, "vco_agent_claim_checks_total", "result", "ok") != 1 || metric(t, e.m, "vco_agent_claims", "state", "held") != 1 {
+		t.Fatal("intact claim not counted as checked and held")
+	}
+	// A restarted agent re-verifies and keeps it.
+	e.start()
+	e.m.Reconcile(ctx)
+	if c, _ := e.m.Store().Get("vol-l"); c == nil || c.State != StateHeld {
+		t.Fatalf("claim after restart: %+v", c)
+	}
+
+	// Node B takes the disk over with its own grant: node A's claim is lost.
+	if _, err := nodeBEngine(t, tgt, "vol-l").Acquire(ctx, &fence.Grant{Disk: "vol-l", Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	e.m.CheckAll(ctx)
+	ev := e.event(events.DiskFenced)
+	if ev.Volume != "vol-l" || ev.HolderKey != uint64(keyB) || ev.Reason != "claim-lost" {
+		t.Fatalf("fenced event: %+v", ev)
+	}
+	if !deviceReadOnly(t, dev) {
+		t.Fatal("lost disk not set read-only")
+	}
+	for _, p := range []string{req.StagingPath, target} {
+		if err := os.WriteFile(filepath.Join(p, "after"), []byte("x"), 0o644); err == nil {
+			t.Fatalf("write through %s succeeded after the claim was lost", p)
+		}
+	}
+	st, err := e.m.Stats(ctx, "vol-l", target)
+	if err != nil || !st.Abnormal || !strings.Contains(st.Message, "lost") || !strings.Contains(st.Message, keyB.String()) {
+		t.Fatalf("stats of a lost volume: %+v %v", st, err)
+	}
+	if metric(t, e.m, "vco_agent_fences_total") != 1 || metric(t, e.m, "vco_agent_claims", "state", "lost") != 1 {
+		t.Fatal("loss not counted")
+	}
+	// Never re-claimed by itself: not by the check, not by a restart, not
+	// by a stage without a grant.
+	e.m.CheckAll(ctx)
+	e.start()
+	e.m.Reconcile(ctx)
+	if _, ok := tgt.Registered(nodeA); ok {
+		t.Fatal("node A registered again by itself")
+	}
+	if st, _ := e.m.Stats(ctx, "vol-l", ""); !st.Abnormal {
+		t.Fatal("lost volume reported healthy after restart")
+	}
+	wantCode(t, e.m.Unpublish(ctx, "vol-l", target), codes.OK)
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "needs a takeover grant")
+
+	// With the controller's grant naming node B, node A gets it back, and
+	// the data written before the loss is there.
+	req.Grant = &fence.Grant{Disk: "vol-l", Node: nodeA, Supersedes: []fence.Key{keyB}}
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Formatted {
+		t.Fatalf("granted restage: %+v %v", res, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(req.StagingPath, "data")); err != nil || string(b) != "before" {
+		t.Fatalf("data after restage: %q %v", b, err)
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "after"), []byte("x"), 0o644); err != nil {
+		t.Fatalf("write after the granted restage: %v", err)
+	}
+	if err := e.m.Unstage(ctx, "vol-l", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := tgt.Registered(nodeA); ok {
+		t.Fatal("unstage left node A registered")
+	}
+	if _, _, _, ok := tgt.Reservation(); ok {
+		t.Fatal("unstage left the reservation")
+	}
+}
+
+func clearRO(dev string) {
+	if f, err := os.Open(dev); err == nil {
+		unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0)
+		f.Close()
+	}
+}

@@ -1,0 +1,77 @@
+package volume
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/pr"
+	"github.com/whitesky-cloud/vco-storage/fence/scsi"
+)
+
+// MethodLease names the on-disk lease in claims and listings.
+const MethodLease fence.Method = "disk-lease"
+
+// Choice is the fencing a factory picked for a disk.
+type Choice struct {
+	// Fencer is nil when the disk supports no method the agent has.
+	Fencer fence.Fencer
+	Method fence.Method
+	// Reason says why there is no fencer, for the refusal's text.
+	Reason string
+}
+
+// FencerFactory chooses how a disk is fenced. Choose must not change
+// anything on the disk.
+type FencerFactory interface {
+	Choose(ctx context.Context, dev *Device, volume string) (Choice, error)
+}
+
+// LeaseFactory makes the on-disk lease fencer for a disk without
+// reservations; it reports fence.ErrNotSupported (wrapped) when the disk
+// cannot carry a lease (a foreign layout).
+type LeaseFactory func(ctx context.Context, dev *Device, volume string) (fence.Fencer, error)
+
+// Fencing is the agent's FencerFactory: SCSI-3 PR when the disk's target
+// supports it, else the lease when one is plugged in, else nothing.
+type Fencing struct {
+	Key      fence.Key
+	Node     string
+	Resolver fence.Resolver
+	Lease    LeaseFactory
+	Log      *slog.Logger
+}
+
+// Choose implements FencerFactory.
+func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string) (Choice, error) {
+	t := dev.SCSI
+	if t == nil {
+		// Not SCSI as far as sysfs knows; SG_IO on the node says so
+		// precisely (a virtio-blk or loop device rejects it).
+		t = scsi.NewSGIO(dev.File)
+	}
+	e, err := pr.New(dev.Path, t, pr.Config{Key: f.Key, Node: f.Node, Disk: volume, Resolver: f.Resolver,
+		Logger: f.Log, Verify: dev.Verify})
+	if err != nil {
+		return Choice{}, err
+	}
+	sup, err := e.Probe(ctx)
+	if err != nil {
+		return Choice{}, fmt.Errorf("probing %s for persistent reservations: %w", dev.Path, err)
+	}
+	if sup.Method == fence.MethodPR {
+		return Choice{Fencer: e, Method: fence.MethodPR}, nil
+	}
+	reason := sup.Reason
+	if f.Lease != nil {
+		l, err := f.Lease(ctx, dev, volume)
+		if err == nil {
+			return Choice{Fencer: l, Method: MethodLease}, nil
+		}
+		reason = fmt.Sprintf("no persistent reservations (%s) and no lease: %v", sup.Reason, err)
+	} else {
+		reason = fmt.Sprintf("no persistent reservations (%s), and this agent has no on-disk lease", sup.Reason)
+	}
+	return Choice{Method: fence.MethodNone, Reason: reason}, nil
+}

@@ -1,0 +1,63 @@
+package volume
+
+import (
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Metrics are the volume manager's Prometheus series.
+type Metrics struct {
+	reg       *prometheus.Registry
+	claims    *prometheus.GaugeVec
+	checks    *prometheus.CounterVec
+	refusals  prometheus.Counter
+	fences    prometheus.Counter
+	stages    *prometheus.CounterVec
+	checkTime prometheus.Histogram
+}
+
+// NewMetrics registers the series on a registry of their own.
+func NewMetrics() *Metrics {
+	m := &Metrics{
+		reg: prometheus.NewRegistry(),
+		claims: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: "vco_agent", Name: "claims",
+			Help: "Volumes this agent has claimed, by fence state (held, unfenced, lost, gone).",
+		}, []string{"state"}),
+		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "vco_agent", Name: "claim_checks_total",
+			Help: "Checks of claims, by result (ok, lost, error, gone).",
+		}, []string{"result"}),
+		refusals: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "vco_agent", Name: "refusals_total",
+			Help: "Disks refused because another node holds them.",
+		}),
+		fences: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "vco_agent", Name: "fences_total",
+			Help: "Claims found lost; I/O to the disk was stopped.",
+		}),
+		stages: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "vco_agent", Name: "volume_operations_total",
+			Help: "Volume API operations, by operation and gRPC-facing result kind.",
+		}, []string{"op", "result"}),
+		checkTime: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: "vco_agent", Name: "claim_check_seconds",
+			Help:    "Time to check every claim once.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
+		}),
+	}
+	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.stages, m.checkTime,
+		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+	return m
+}
+
+// Handler serves the series in the Prometheus text format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
+}
+
+// Registry is the registry the series live in (for tests and for adding
+// the daemon's own series).
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }

@@ -1,0 +1,362 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"golang.org/x/sys/unix"
+	mount "k8s.io/mount-utils"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// Unstage implements UnstageVolume: unmount, close LUKS2, release the
+// fence, forget the claim. A volume the agent does not know is unstaged.
+func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err error) {
+	defer m.count("unstage", &err)
+	if volume == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	staging, err := confine(m.o.Config.KubeletRoot, "staging path", stagingPath)
+	if err != nil {
+		return err
+	}
+	release, err := m.locks.try(volume, "unstage")
+	if err != nil {
+		return err
+	}
+	defer release()
+	c, err := m.store.Get(volume)
+	if err != nil {
+		return err
+	}
+	if c == nil {
+		return nil
+	}
+	if c.StagingPath != staging {
+		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged at %s, not %s", volume, c.StagingPath, staging)
+	}
+	if len(c.Publications) > 0 {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is still published at %v; unpublish it first", volume, c.Publications)
+	}
+	if err := m.unmountIfMounted(staging); err != nil {
+		return fmt.Errorf("volume %s: %w", volume, err)
+	}
+	if c.Mapper != "" {
+		if m.o.Crypt == nil {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", volume, c.Mapper)
+		}
+		if err := m.o.Crypt.Close(ctx, mapperName(volume)); err != nil {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping: %v", volume, err)
+		}
+		c.Mapper = ""
+		if err := m.store.Put(c); err != nil {
+			return err
+		}
+	}
+	l := m.getLive(volume)
+	if c.State == StateHeld {
+		if l == nil {
+			// Not opened since start (the device went away, or reconcile
+			// failed): open it now to release, if it is there.
+			if dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices); err == nil {
+				if ch, err := m.o.Fencers.Choose(ctx, dev, volume); err == nil && ch.Fencer != nil {
+					l = &live{dev: dev, fencer: ch.Fencer}
+				} else {
+					dev.Close()
+				}
+			}
+		}
+		if l != nil && l.fencer != nil {
+			if err := l.fencer.Release(ctx); err != nil {
+				var lost *fence.LostError
+				if !errors.As(err, &lost) {
+					return agenterr.New(agenterr.Unavailable, "volume %s: releasing the fence of %s: %v; the claim stays recorded, retry", volume, c.Device, err)
+				}
+			}
+		}
+	}
+	if l != nil {
+		l.dev.Close()
+	}
+	m.setLive(volume, nil)
+	if err := m.store.Delete(volume); err != nil {
+		return err
+	}
+	m.publish(events.Event{Type: events.DiskReleased, Volume: volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
+		Reason: "unstaged", Message: fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)})
+	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
+	return nil
+}
+
+// PublishRequest is PublishVolume's input.
+type PublishRequest struct {
+	Volume      string
+	StagingPath string
+	TargetPath  string
+	Block       bool
+	ReadOnly    bool
+	MountFlags  []string
+}
+
+// Publish implements PublishVolume: a bind mount of the staging path (or,
+// for a raw block volume, of the device node onto a file) at the target.
+func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
+	defer m.count("publish", &err)
+	if r.Volume == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	staging, err := confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath)
+	if err != nil {
+		return err
+	}
+	target, err := confine(m.o.Config.KubeletRoot, "target path", r.TargetPath)
+	if err != nil {
+		return err
+	}
+	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
+		return err
+	}
+	release, err := m.locks.try(r.Volume, "publish")
+	if err != nil {
+		return err
+	}
+	defer release()
+	c, err := m.store.Get(r.Volume)
+	if err != nil {
+		return err
+	}
+	switch {
+	case c == nil || c.Phase != PhaseStaged:
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is not staged on this node; stage it first", r.Volume)
+	case c.StagingPath != staging:
+		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged at %s, not %s", r.Volume, c.StagingPath, staging)
+	case c.State == StateLost || c.State == StateGone:
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", r.Volume, c.Detail)
+	case c.Block != r.Block:
+		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged as a %s volume; it cannot be published as a %s volume", r.Volume, kindName(c.Block), kindName(r.Block))
+	case c.ReadOnly && !r.ReadOnly:
+		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged read-only; it can only be published read-only", r.Volume)
+	case target == staging:
+		return agenterr.New(agenterr.InvalidArgument, "volume %s: the target path is the staging path", r.Volume)
+	}
+	if mp, _ := m.mounter.IsMountPoint(target); mp {
+		src, _ := m.mountSource(target)
+		want := c.MountDevice()
+		if !sameDevice(src, want) {
+			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", r.Volume, target, src)
+		}
+	} else {
+		opts := []string{"bind"}
+		if r.ReadOnly {
+			opts = append(opts, "ro")
+		}
+		src := staging
+		if c.Block {
+			src = c.MountDevice()
+			if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
+				return fmt.Errorf("volume %s: %w", r.Volume, err)
+			}
+			f, err := os.OpenFile(target, os.O_CREATE|os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+			if err != nil {
+				return agenterr.New(agenterr.InvalidArgument, "volume %s: creating the block target file %s: %v", r.Volume, target, err)
+			}
+			f.Close()
+		} else {
+			opts = append(opts, r.MountFlags...)
+			if err := os.MkdirAll(target, 0o750); err != nil {
+				return agenterr.New(agenterr.InvalidArgument, "volume %s: creating the target directory %s: %v", r.Volume, target, err)
+			}
+		}
+		if err := m.mounter.Mount(src, target, "", opts); err != nil {
+			return agenterr.New(agenterr.Internal, "volume %s: bind-mounting %s at %s: %v", r.Volume, src, target, err)
+		}
+	}
+	if !slices.Contains(c.Publications, target) {
+		c.Publications = append(c.Publications, target)
+		if err := m.store.Put(c); err != nil {
+			return err
+		}
+	}
+	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
+	return nil
+}
+
+func kindName(block bool) string {
+	if block {
+		return "raw block"
+	}
+	return "filesystem"
+}
+
+// Unpublish implements UnpublishVolume: unmount the target and remove it.
+func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err error) {
+	defer m.count("unpublish", &err)
+	if volume == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	target, err := confine(m.o.Config.KubeletRoot, "target path", targetPath)
+	if err != nil {
+		return err
+	}
+	release, err := m.locks.try(volume, "unpublish")
+	if err != nil {
+		return err
+	}
+	defer release()
+	if err := mount.CleanupMountPoint(target, m.mounter, true); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: unmounting %s: %v", volume, target, err)
+	}
+	if _, err := os.Lstat(target); err == nil {
+		// A raw block target is a file, which CleanupMountPoint leaves.
+		if err := os.Remove(target); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("volume %s: removing %s: %w", volume, target, err)
+		}
+	}
+	c, err := m.store.Get(volume)
+	if err != nil || c == nil {
+		return err
+	}
+	if i := slices.Index(c.Publications, target); i >= 0 {
+		c.Publications = slices.Delete(c.Publications, i, i+1)
+		if err := m.store.Put(c); err != nil {
+			return err
+		}
+	}
+	m.log.Info("volume unpublished", "volume", volume, "target", target)
+	return nil
+}
+
+// volumePath checks that p is the staging path or a target of c.
+func (m *Manager) volumePath(c *Claim, p string) (string, error) {
+	if p == "" {
+		return c.StagingPath, nil
+	}
+	rp, err := confine(m.o.Config.KubeletRoot, "volume path", p)
+	if err != nil {
+		return "", err
+	}
+	if rp != c.StagingPath && !slices.Contains(c.Publications, rp) {
+		return "", agenterr.New(agenterr.NotFound, "volume %s is not staged or published at %s", c.Volume, p)
+	}
+	return rp, nil
+}
+
+// Expand implements ExpandVolume: grow the dm-crypt mapping (encrypted
+// volumes) and the filesystem to the device's size, online.
+func (m *Manager) Expand(ctx context.Context, volume, path string, required int64) (n int64, err error) {
+	defer m.count("expand", &err)
+	if volume == "" {
+		return 0, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	release, err := m.locks.try(volume, "expand")
+	if err != nil {
+		return 0, err
+	}
+	defer release()
+	c, err := m.store.Get(volume)
+	if err != nil {
+		return 0, err
+	}
+	if c == nil || c.Phase != PhaseStaged {
+		return 0, agenterr.New(agenterr.NotFound, "volume %s is not staged on this node", volume)
+	}
+	if _, err := m.volumePath(c, path); err != nil {
+		return 0, err
+	}
+	if c.State == StateLost || c.State == StateGone {
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
+	}
+	if c.Mapper != "" {
+		// The hook for package crypt: the mapping grows first, then the
+		// filesystem on it.
+		if m.o.Crypt == nil {
+			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support to grow its mapping", volume)
+		}
+		if err := m.o.Crypt.Resize(ctx, mapperName(volume)); err != nil {
+			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", volume, err)
+		}
+	}
+	dev := c.MountDevice()
+	size, err := deviceSize(dev)
+	if err != nil {
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+	}
+	if required > 0 && size < required {
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s holds %d bytes, less than the %d asked for; the grown disk has not reached this node yet, retry",
+			volume, dev, size, required)
+	}
+	if !c.Block {
+		if c.ReadOnly {
+			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is staged read-only; its filesystem cannot be grown", volume)
+		}
+		if _, err := mount.NewResizeFs(m.exec).Resize(dev, c.StagingPath); err != nil {
+			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the %s filesystem on %s: %v", volume, c.FsType, dev, err)
+		}
+	}
+	m.log.Info("volume expanded", "volume", volume, "device", dev, "bytes", size)
+	return size, nil
+}
+
+// Stats is GetVolumeStats's answer.
+type Stats struct {
+	TotalBytes, UsedBytes, AvailableBytes    int64
+	TotalInodes, UsedInodes, AvailableInodes int64
+	Block                                    bool
+	Abnormal                                 bool
+	Message                                  string
+}
+
+// Stats implements GetVolumeStats. It takes no lock: it only reads.
+func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error) {
+	var st Stats
+	if volume == "" {
+		return st, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	c, err := m.store.Get(volume)
+	if err != nil {
+		return st, err
+	}
+	if c == nil || c.Phase != PhaseStaged {
+		return st, agenterr.New(agenterr.NotFound, "volume %s is not staged on this node", volume)
+	}
+	p, err := m.volumePath(c, path)
+	if err != nil {
+		return st, err
+	}
+	st.Block = c.Block
+	switch c.State {
+	case StateLost, StateGone:
+		st.Abnormal, st.Message = true, c.Detail
+	}
+	if c.Block {
+		n, err := deviceSize(c.MountDevice())
+		if err != nil && !st.Abnormal {
+			return st, agenterr.New(agenterr.NotFound, "volume %s: %v", volume, err)
+		}
+		st.TotalBytes = n
+		return st, nil
+	}
+	var s unix.Statfs_t
+	if err := unix.Statfs(p, &s); err != nil {
+		if st.Abnormal {
+			return st, nil
+		}
+		return st, agenterr.New(agenterr.NotFound, "volume %s: statfs %s: %v", volume, p, err)
+	}
+	bs := int64(s.Bsize)
+	st.TotalBytes = int64(s.Blocks) * bs
+	st.AvailableBytes = int64(s.Bavail) * bs
+	st.UsedBytes = (int64(s.Blocks) - int64(s.Bfree)) * bs
+	st.TotalInodes = int64(s.Files)
+	st.AvailableInodes = int64(s.Ffree)
+	st.UsedInodes = int64(s.Files) - int64(s.Ffree)
+	return st, nil
+}

@@ -1,0 +1,246 @@
+package volume
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// Phase is how far a stage got.
+type Phase string
+
+const (
+	// PhaseClaiming: recorded before the fence is taken; nothing is
+	// mounted yet.
+	PhaseClaiming Phase = "claiming"
+	// PhaseStaged: fenced, opened, formatted when needed, and mounted.
+	PhaseStaged Phase = "staged"
+	// PhaseInterrupted: the agent found the stage cut short at start and
+	// undid the partial steps; the retried stage carries on from here.
+	PhaseInterrupted Phase = "interrupted"
+)
+
+// State is the claim's fence state.
+type State string
+
+const (
+	StateHeld     State = "held"
+	StateUnfenced State = "unfenced"
+	StateLost     State = "lost"
+	StateGone     State = "gone"
+)
+
+// Locator is how a claim's disk is found again, in a form that survives
+// the JSON round trip (discovery's locator string and a loop backing file).
+type Locator struct {
+	Disk        string `json:"disk,omitempty"`
+	BackingFile string `json:"loop_backing_file,omitempty"`
+}
+
+func (l Locator) String() string {
+	if l.BackingFile != "" {
+		if l.Disk != "" {
+			return l.Disk + ",loop=" + l.BackingFile
+		}
+		return "loop=" + l.BackingFile
+	}
+	return l.Disk
+}
+
+// Claim is the record of one staged (or being staged) volume. It holds no
+// secret: the passphrase of an encrypted volume is never stored.
+type Claim struct {
+	Volume      string       `json:"volume"`
+	Locator     Locator      `json:"locator"`
+	Device      string       `json:"device"`
+	DevNum      string       `json:"devnum"`
+	Serial      string       `json:"serial,omitempty"`
+	StagingPath string       `json:"staging_path"`
+	FsType      string       `json:"fs_type,omitempty"`
+	Block       bool         `json:"block,omitempty"`
+	MountFlags  []string     `json:"mount_flags,omitempty"`
+	ReadOnly    bool         `json:"read_only,omitempty"`
+	Encrypted   bool         `json:"encrypted,omitempty"`
+	Mapper      string       `json:"mapper,omitempty"`
+	Method      fence.Method `json:"fence_method"`
+	Key         fence.Key    `json:"key,omitempty"`
+	Phase       Phase        `json:"phase"`
+	State       State        `json:"state"`
+	Detail      string       `json:"detail,omitempty"`
+	HolderKey   fence.Key    `json:"holder_key,omitempty"`
+	HolderNode  string       `json:"holder_node,omitempty"`
+	// Formatted is set once this agent made the filesystem (or LUKS2
+	// header): from then on a device that looks blank is a fault to
+	// report, never a device to format (DESIGN.md P5).
+	Formatted bool `json:"formatted,omitempty"`
+	// Publications are the target paths the volume is bind-mounted at.
+	Publications []string  `json:"publications,omitempty"`
+	Updated      time.Time `json:"updated"`
+}
+
+// MountDevice is the device the filesystem sits on: the dm-crypt mapping
+// for an encrypted volume.
+func (c *Claim) MountDevice() string {
+	if c.Mapper != "" {
+		return c.Mapper
+	}
+	return c.Device
+}
+
+// Store keeps one JSON file per claim under dir. Writes are atomic (write a
+// temporary file, fsync, rename, fsync the directory) so a crash leaves
+// either the old or the new record; the directory and files must not be
+// symlinks, so nothing else on the host can redirect the agent's writes.
+type Store struct {
+	dir string
+}
+
+// OpenStore makes (or checks) the claims directory under stateDir.
+func OpenStore(stateDir string) (*Store, error) {
+	for _, d := range []string{stateDir, filepath.Join(stateDir, "volumes")} {
+		st, err := os.Lstat(d)
+		if errors.Is(err, fs.ErrNotExist) {
+			if err := os.Mkdir(d, 0o700); err != nil {
+				return nil, fmt.Errorf("creating the state directory %s: %w", d, err)
+			}
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("state directory %s: %w", d, err)
+		}
+		if st.Mode()&fs.ModeSymlink != 0 {
+			return nil, fmt.Errorf("state directory %s is a symlink; the agent refuses to follow it: replace it with a directory", d)
+		}
+		if !st.IsDir() {
+			return nil, fmt.Errorf("state directory %s is not a directory", d)
+		}
+	}
+	return &Store{dir: filepath.Join(stateDir, "volumes")}, nil
+}
+
+// Dir is where claims are kept.
+func (s *Store) Dir() string { return s.dir }
+
+func (s *Store) file(volume string) string {
+	return filepath.Join(s.dir, base64.RawURLEncoding.EncodeToString([]byte(volume))+".json")
+}
+
+// Get returns the claim of volume, or nil when there is none.
+func (s *Store) Get(volume string) (*Claim, error) {
+	return s.read(s.file(volume))
+}
+
+func (s *Store) read(p string) (*Claim, error) {
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil, nil
+	}
+	if errors.Is(err, unix.ELOOP) {
+		return nil, fmt.Errorf("claim record %s is a symlink; the agent refuses to follow it: remove it", p)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading claim record %s: %w", p, err)
+	}
+	f := os.NewFile(uintptr(fd), p)
+	defer f.Close()
+	var c Claim
+	dec := json.NewDecoder(f)
+	if err := dec.Decode(&c); err != nil {
+		return nil, fmt.Errorf("claim record %s is damaged (%v): inspect it; the volume's disk is left alone until it is fixed or removed", p, err)
+	}
+	return &c, nil
+}
+
+// Put writes c atomically.
+func (s *Store) Put(c *Claim) error {
+	c.Updated = time.Now().UTC()
+	b, err := json.MarshalIndent(c, "", "  ")
+	if err != nil {
+		return err
+	}
+	final := s.file(c.Volume)
+	tmp := final + ".tmp"
+	_ = unix.Unlink(tmp) // left over from a crash mid-write; never a symlink target
+	fd, err := unix.Open(tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("writing claim of volume %s: %w", c.Volume, err)
+	}
+	f := os.NewFile(uintptr(fd), tmp)
+	if _, err := f.Write(append(b, '\n')); err != nil {
+		f.Close()
+		os.Remove(tmp)
+		return fmt.Errorf("writing claim of volume %s: %w", c.Volume, err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		os.Remove(tmp)
+		return fmt.Errorf("syncing claim of volume %s: %w", c.Volume, err)
+	}
+	if err := f.Close(); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	if st, err := os.Lstat(final); err == nil && st.Mode()&fs.ModeSymlink != 0 {
+		os.Remove(tmp)
+		return fmt.Errorf("claim record %s is a symlink; the agent refuses to replace it: remove it", final)
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("saving claim of volume %s: %w", c.Volume, err)
+	}
+	return s.syncDir()
+}
+
+func (s *Store) syncDir() error {
+	d, err := os.Open(s.dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// Delete removes the claim of volume; a missing one is fine.
+func (s *Store) Delete(volume string) error {
+	if err := os.Remove(s.file(volume)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("removing claim of volume %s: %w", volume, err)
+	}
+	return s.syncDir()
+}
+
+// List returns every claim, ordered by volume. A damaged record is
+// reported, not skipped silently.
+func (s *Store) List() ([]*Claim, []error) {
+	ents, err := os.ReadDir(s.dir)
+	if err != nil {
+		return nil, []error{fmt.Errorf("listing claims in %s: %w", s.dir, err)}
+	}
+	var out []*Claim
+	var errs []error
+	for _, e := range ents {
+		if !strings.HasSuffix(e.Name(), ".json") {
+			continue
+		}
+		c, err := s.read(filepath.Join(s.dir, e.Name()))
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if c != nil {
+			out = append(out, c)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Volume < out[j].Volume })
+	return out, errs
+}

@@ -1,0 +1,710 @@
+package volume
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// These tests run on this host with real loop devices, real mkfs, blkid and
+// mounts. A loop device has no persistent reservations and the on-disk
+// lease is not part of this agent yet, so the tests that stage through the
+// agent's own fencer factory use the explicit opt-in for unfenced disks
+// (allow_unfenced in both the request and the configuration), exactly as
+// an operator would have to. The fence-loss tests put the real reservation
+// engine in front of the loop device, talking to fence/scsi/scsitest, the
+// model SPC-4 target, because this host has no SCSI.
+
+const nodeA = "4c4c4544-0042-3610-8052-b4c04f4e3332"
+
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop devices and mounts")
+	}
+	for _, tool := range []string{"losetup", "blkid", "mkfs.ext4", "mkfs.xfs"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s is not installed (make deps installs it)", tool)
+		}
+	}
+}
+
+type env struct {
+	t       *testing.T
+	kubelet string
+	state   string
+	bus     *events.Bus
+	sub     *events.Subscription
+	m       *Manager
+	fencers FencerFactory
+	cfg     config.Volumes
+}
+
+func newEnv(t *testing.T) *env {
+	key, _ := fence.KeyFromUUID(nodeA)
+	return newEnvWith(t, &Fencing{Key: key, Node: nodeA})
+}
+
+func newEnvWith(t *testing.T, fencers FencerFactory) *env {
+	needRoot(t)
+	dir := t.TempDir()
+	e := &env{t: t, kubelet: filepath.Join(dir, "kubelet"), state: filepath.Join(dir, "state")}
+	for _, d := range []string{e.kubelet, e.state} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Every mount made under the test's kubelet root goes, even when the
+	// test fails half-way; registered first, so it runs after the loop
+	// devices' cleanup has been registered... and before it runs.
+	t.Cleanup(func() { unmountUnder(t, dir) })
+	e.cfg = config.Volumes{KubeletRoot: e.kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowUnfenced: true, AllowLoopDevices: true}
+	e.fencers = fencers
+	e.bus = events.NewBus(64, 64, nil)
+	e.sub = e.bus.Subscribe(false)
+	t.Cleanup(e.sub.Close)
+	e.start()
+	return e
+}
+
+// start makes a new manager over the same state directory, as a restarted
+// agent does.
+func (e *env) start() {
+	e.t.Helper()
+	if e.m != nil {
+		e.m.Close()
+	}
+	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: "/sys", Fencers: e.fencers, Bus: e.bus})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	e.m = m
+	e.t.Cleanup(m.Close)
+}
+
+func (e *env) path(p string) string { return filepath.Join(e.kubelet, p) }
+
+// event waits for the next event of type typ.
+func (e *env) event(typ events.Type) events.Event {
+	e.t.Helper()
+	deadline := time.After(5 * time.Second)
+	for {
+		select {
+		case ev := <-e.sub.C():
+			if ev.Type == typ {
+				return ev
+			}
+		case <-deadline:
+			e.t.Fatalf("no %s event", typ)
+		}
+	}
+}
+
+func unmountUnder(t *testing.T, dir string) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	var mps []string
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		fs := strings.Fields(s.Text())
+		if len(fs) > 4 && strings.HasPrefix(fs[4], dir+"/") {
+			mps = append(mps, fs[4])
+		}
+	}
+	f.Close()
+	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
+	for _, p := range mps {
+		if err := unix.Unmount(p, 0); err != nil {
+			unix.Unmount(p, unix.MNT_DETACH)
+		}
+	}
+}
+
+// loop attaches a sparse image of size MiB and returns its backing file
+// and device; both go when the test ends.
+func loop(t *testing.T, mib int64) (string, string) {
+	t.Helper()
+	img := filepath.Join(t.TempDir(), "disk.img")
+	f, err := os.Create(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(mib << 20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() {
+		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
+			t.Logf("losetup -d %s: %v: %s", dev, err, out)
+		}
+	})
+	return img, dev
+}
+
+func blkid(t *testing.T, dev, tag string) string {
+	t.Helper()
+	out, _ := exec.Command("blkid", "-p", "-s", tag, "-o", "value", dev).Output()
+	return strings.TrimSpace(string(out))
+}
+
+func isMounted(t *testing.T, p string) bool {
+	t.Helper()
+	var st, parent unix.Stat_t
+	if unix.Stat(p, &st) != nil || unix.Stat(filepath.Dir(p), &parent) != nil {
+		return false
+	}
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(b), "\n") {
+		fs := strings.Fields(line)
+		if len(fs) > 4 && fs[4] == p {
+			return true
+		}
+	}
+	return false
+}
+
+func wantCode(t *testing.T, err error, c codes.Code, words ...string) {
+	t.Helper()
+	if got := agenterr.Code(err); got != c {
+		t.Fatalf("got %v (%v), want %v", got, err, c)
+	}
+	for _, w := range words {
+		if !strings.Contains(err.Error(), w) {
+			t.Fatalf("error %q lacks %q", err, w)
+		}
+	}
+}
+
+func (e *env) stageReq(vol, img, staging string) StageRequest {
+	return StageRequest{Volume: vol, Locator: Locator{BackingFile: img}, StagingPath: e.path(staging), FsType: "ext4", AllowUnfenced: true}
+}
+
+func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
+	e := newEnv(t)
+	img, dev := loop(t, 64)
+	ctx := context.Background()
+	req := e.stageReq("vol-1", img, "staging/vol-1")
+
+	res, err := e.m.Stage(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !res.Formatted || res.Device != dev || res.Method != fence.MethodNone {
+		t.Fatalf("first stage: %+v", res)
+	}
+	if blkid(t, dev, "TYPE") != "ext4" || !isMounted(t, req.StagingPath) {
+		t.Fatalf("after stage: type %q, mounted %v", blkid(t, dev, "TYPE"), isMounted(t, req.StagingPath))
+	}
+	uuid := blkid(t, dev, "UUID")
+	if ev := e.event(events.DiskClaimed); ev.Volume != "vol-1" || ev.Device != dev || !strings.Contains(ev.Message, "without fencing") {
+		t.Fatalf("claimed event: %+v", ev)
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	// A retry is idempotent and never formats again.
+	res, err = e.m.Stage(ctx, req)
+	if err != nil || res.Formatted {
+		t.Fatalf("retried stage: %+v %v", res, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(req.StagingPath, "data")); err != nil || string(b) != "kept" || blkid(t, dev, "UUID") != uuid {
+		t.Fatalf("data after retried stage: %q %v (uuid %s, was %s)", b, err, blkid(t, dev, "UUID"), uuid)
+	}
+	// Conflicting stages are refused, naming the difference.
+	xfs := req
+	xfs.FsType = "xfs"
+	_, err = e.m.Stage(ctx, xfs)
+	wantCode(t, err, codes.AlreadyExists, `filesystem "ext4", not "xfs"`)
+	other := req
+	other.StagingPath = e.path("staging/elsewhere")
+	_, err = e.m.Stage(ctx, other)
+	wantCode(t, err, codes.AlreadyExists, "staging path")
+
+	// Publish read-write and read-only.
+	rw, ro := e.path("pods/a/vol"), e.path("pods/b/vol")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-1", StagingPath: req.StagingPath, TargetPath: rw}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-1", StagingPath: req.StagingPath, TargetPath: ro, ReadOnly: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-1", StagingPath: req.StagingPath, TargetPath: rw}); err != nil {
+		t.Fatalf("retried publish: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(rw, "data")); err != nil || string(b) != "kept" {
+		t.Fatalf("published data: %q %v", b, err)
+	}
+	if err := os.WriteFile(filepath.Join(rw, "new"), []byte("x"), 0o644); err != nil {
+		t.Fatalf("write through the read-write target: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(ro, "nope"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {
+		t.Fatalf("write through the read-only target: %v, want EROFS", err)
+	}
+	st, err := e.m.Stats(ctx, "vol-1", rw)
+	if err != nil || st.TotalBytes < 50<<20 || st.UsedBytes <= 0 || st.TotalInodes <= 0 || st.UsedInodes <= 0 || st.Abnormal {
+		t.Fatalf("stats: %+v %v", st, err)
+	}
+	_, err = e.m.Stats(ctx, "vol-1", e.path("pods/c/vol"))
+	wantCode(t, err, codes.NotFound)
+
+	// Unstage before unpublish is refused; then the right order works.
+	wantCode(t, e.m.Unstage(ctx, "vol-1", req.StagingPath), codes.FailedPrecondition, "unpublish")
+	for _, p := range []string{rw, ro} {
+		if err := e.m.Unpublish(ctx, "vol-1", p); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Fatalf("target %s still there: %v", p, err)
+		}
+	}
+	if err := e.m.Unpublish(ctx, "vol-1", rw); err != nil {
+		t.Fatalf("retried unpublish: %v", err)
+	}
+	if err := e.m.Unstage(ctx, "vol-1", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if isMounted(t, req.StagingPath) {
+		t.Fatal("staging path still mounted after unstage")
+	}
+	if c, err := e.m.Store().Get("vol-1"); c != nil || err != nil {
+		t.Fatalf("claim still recorded: %+v %v", c, err)
+	}
+	if ev := e.event(events.DiskReleased); ev.Volume != "vol-1" || ev.Reason != "unstaged" {
+		t.Fatalf("released event: %+v", ev)
+	}
+	if err := e.m.Unstage(ctx, "vol-1", req.StagingPath); err != nil {
+		t.Fatalf("retried unstage: %v", err)
+	}
+	// Staged again later: the filesystem and its data are still there.
+	res, err = e.m.Stage(ctx, req)
+	if err != nil || res.Formatted {
+		t.Fatalf("stage after unstage: %+v %v", res, err)
+	}
+	if _, err := os.Stat(filepath.Join(req.StagingPath, "new")); err != nil {
+		t.Fatalf("data written through the target: %v", err)
+	}
+}
+
+func TestForeignFilesystemIsMountedNeverFormatted(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+
+	img, dev := loop(t, 64)
+	if out, err := exec.Command("mkfs.ext4", "-q", "-L", "foreign", dev).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs: %v %s", err, out)
+	}
+	uuid := blkid(t, dev, "UUID")
+	req := e.stageReq("vol-ext4", img, "staging/ext4")
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Formatted {
+		t.Fatalf("stage of an existing ext4: %+v %v", res, err)
+	}
+	if blkid(t, dev, "UUID") != uuid || blkid(t, dev, "LABEL") != "foreign" {
+		t.Fatal("the existing filesystem was replaced")
+	}
+
+	// xfs where ext4 is asked for: neither formatted nor mounted.
+	img2, dev2 := loop(t, 320)
+	if out, err := exec.Command("mkfs.xfs", "-q", dev2).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.xfs: %v %s", err, out)
+	}
+	uuid2 := blkid(t, dev2, "UUID")
+	req2 := e.stageReq("vol-xfs", img2, "staging/xfs")
+	_, err = e.m.Stage(ctx, req2)
+	wantCode(t, err, codes.FailedPrecondition, `carries "xfs"`, "neither formats")
+	if blkid(t, dev2, "TYPE") != "xfs" || blkid(t, dev2, "UUID") != uuid2 || isMounted(t, req2.StagingPath) {
+		t.Fatal("a device with another filesystem was touched")
+	}
+	if c, _ := e.m.Store().Get("vol-xfs"); c != nil {
+		t.Fatalf("a refused first stage left a record: %+v", c)
+	}
+	// Asked for as xfs, it mounts as it is.
+	req2.FsType = "xfs"
+	if res, err := e.m.Stage(ctx, req2); err != nil || res.Formatted {
+		t.Fatalf("stage of an existing xfs: %+v %v", res, err)
+	}
+
+	// A partition table is data too: an MBR with one Linux partition.
+	img3, dev3 := loop(t, 64)
+	mbr := make([]byte, 512)
+	copy(mbr[446:], []byte{0, 0, 0, 0, 0x83, 0, 0, 0, 0, 0x08, 0, 0, 0, 0xf8, 0x01, 0})
+	mbr[510], mbr[511] = 0x55, 0xaa
+	if f, err := os.OpenFile(dev3, os.O_WRONLY, 0); err != nil {
+		t.Fatal(err)
+	} else {
+		_, werr := f.Write(mbr)
+		f.Close()
+		if werr != nil {
+			t.Fatal(werr)
+		}
+	}
+	_, err = e.m.Stage(ctx, e.stageReq("vol-mbr", img3, "staging/mbr"))
+	wantCode(t, err, codes.FailedPrecondition, "probably partitions")
+	if blkid(t, dev3, "PTTYPE") != "dos" {
+		t.Fatal("the partition table was overwritten")
+	}
+}
+
+func TestBlockVolumePublishesTheDevice(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 16)
+	req := StageRequest{Volume: "vol-b", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/b"), Block: true, AllowUnfenced: true}
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if blkid(t, dev, "TYPE") != "" {
+		t.Fatal("a raw block volume was formatted")
+	}
+	target := e.path("pods/p/dev")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+		t.Fatal(err)
+	}
+	var st, want unix.Stat_t
+	if err := unix.Stat(target, &st); err != nil || unix.Stat(dev, &want) != nil || st.Rdev != want.Rdev || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		t.Fatalf("target %s is not %s: %v", target, dev, err)
+	}
+	s, err := e.m.Stats(ctx, "vol-b", "")
+	if err != nil || !s.Block || s.TotalBytes != 16<<20 {
+		t.Fatalf("block stats: %+v %v", s, err)
+	}
+	// Grow the backing file and the loop device: expand reports the size.
+	if err := os.Truncate(img, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v %s", err, out)
+	}
+	if n, err := e.m.Expand(ctx, "vol-b", "", 32<<20); err != nil || n != 32<<20 {
+		t.Fatalf("expand block: %d %v", n, err)
+	}
+	if err := e.m.Unpublish(ctx, "vol-b", target); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Unstage(ctx, "vol-b", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestExpandGrowsTheFilesystemOnline(t *testing.T) {
+	for _, fs := range []struct {
+		name     string
+		from, to int64 // MiB
+	}{{"ext4", 64, 128}, {"xfs", 320, 640}} {
+		t.Run(fs.name, func(t *testing.T) {
+			if fs.name == "ext4" && !hasCap(unix.CAP_SYS_RESOURCE) {
+				// resize2fs' online ioctl (EXT4_IOC_RESIZE_FS) needs it; some
+				// containers drop it even for root.
+				t.Skip("online ext4 resize needs CAP_SYS_RESOURCE, which this process lacks")
+			}
+			e := newEnv(t)
+			ctx := context.Background()
+			img, dev := loop(t, fs.from)
+			req := e.stageReq("vol-g", img, "staging/g")
+			req.FsType = fs.name
+			if _, err := e.m.Stage(ctx, req); err != nil {
+				t.Fatal(err)
+			}
+			before, _ := e.m.Stats(ctx, "vol-g", "")
+			_, err := e.m.Expand(ctx, "vol-g", "", fs.to<<20)
+			wantCode(t, err, codes.FailedPrecondition, "has not reached this node")
+			if err := os.Truncate(img, fs.to<<20); err != nil {
+				t.Fatal(err)
+			}
+			if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+				t.Fatalf("losetup -c: %v %s", err, out)
+			}
+			n, err := e.m.Expand(ctx, "vol-g", req.StagingPath, fs.to<<20)
+			if err != nil || n != fs.to<<20 {
+				t.Fatalf("expand: %d %v", n, err)
+			}
+			after, _ := e.m.Stats(ctx, "vol-g", "")
+			if after.TotalBytes < before.TotalBytes*3/2 {
+				t.Fatalf("filesystem did not grow: %d -> %d bytes", before.TotalBytes, after.TotalBytes)
+			}
+		})
+	}
+}
+
+func hasCap(c int) bool {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			var mask uint64
+			for _, r := range strings.TrimSpace(v) {
+				mask <<= 4
+				switch {
+				case r >= '0' && r <= '9':
+					mask |= uint64(r - '0')
+				case r >= 'a' && r <= 'f':
+					mask |= uint64(r - 'a' + 10)
+				}
+			}
+			return mask&(1<<uint(c)) != 0
+		}
+	}
+	return false
+}
+
+func TestUnfencedDiskNeedsBothOptIns(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 16)
+	req := e.stageReq("vol-u", img, "staging/u")
+	req.AllowUnfenced = false
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "not a SCSI device", "allow_unfenced")
+	if blkid(t, dev, "TYPE") != "" || isMounted(t, req.StagingPath) {
+		t.Fatal("a refused disk was formatted or mounted")
+	}
+	e.cfg.AllowUnfenced = false
+	e.start()
+	req.AllowUnfenced = true
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "offers no fencing")
+	// Loop devices themselves need the configuration's consent.
+	e.cfg.AllowLoopDevices = false
+	e.start()
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.InvalidArgument, "allow_loop_devices")
+}
+
+func TestPathsMustStayUnderTheKubeletRoot(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	outside := t.TempDir()
+	if err := os.MkdirAll(e.path("plugins"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, e.path("plugins/escape")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, e.path("link-target")); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{
+		e.path("../elsewhere/x"),
+		e.path("a/../../x"),
+		outside + "/x",
+		e.path("plugins/escape/x"),
+		e.path("plugins/escape/deeper/x"),
+		e.path("link-target"),
+		e.kubelet,
+		"relative/x",
+		"",
+	} {
+		req := StageRequest{Volume: "v", Locator: Locator{BackingFile: "/nonexistent"}, StagingPath: p, AllowUnfenced: true}
+		if _, err := e.m.Stage(ctx, req); agenterr.Code(err) != codes.InvalidArgument {
+			t.Errorf("stage at %q: %v, want InvalidArgument", p, err)
+		}
+		if err := e.m.Publish(ctx, PublishRequest{Volume: "v", StagingPath: e.path("staging/v"), TargetPath: p}); agenterr.Code(err) != codes.InvalidArgument {
+			t.Errorf("publish at %q: %v, want InvalidArgument", p, err)
+		}
+		if err := e.m.Unpublish(ctx, "v", p); agenterr.Code(err) != codes.InvalidArgument {
+			t.Errorf("unpublish at %q: %v, want InvalidArgument", p, err)
+		}
+	}
+	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
+		t.Fatalf("something was created outside the kubelet root: %v", entries)
+	}
+}
+
+func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, _ := loop(t, 64)
+	req := e.stageReq("vol-c", img, "staging/c")
+	release, err := e.m.locks.try("vol-c", "stage")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.Aborted, "vol-c", "in progress")
+	wantCode(t, e.m.Unstage(ctx, "vol-c", req.StagingPath), codes.Aborted)
+	wantCode(t, e.m.Publish(ctx, PublishRequest{Volume: "vol-c", StagingPath: req.StagingPath, TargetPath: e.path("t")}), codes.Aborted)
+	_, err = e.m.Expand(ctx, "vol-c", "", 0)
+	wantCode(t, err, codes.Aborted)
+	release()
+
+	// Really concurrent: of several stages of one volume racing, those
+	// that do not win are aborted, and the disk is formatted exactly once.
+	const n = 4
+	errs := make(chan error, n)
+	formatted := make(chan bool, n)
+	start := make(chan struct{})
+	for i := 0; i < n; i++ {
+		go func() {
+			<-start
+			res, err := e.m.Stage(ctx, req)
+			formatted <- res.Formatted
+			errs <- err
+		}()
+	}
+	close(start)
+	var ok, aborted, formats int
+	for i := 0; i < n; i++ {
+		if <-formatted {
+			formats++
+		}
+		switch err := <-errs; agenterr.Code(err) {
+		case codes.OK:
+			ok++
+		case codes.Aborted:
+			aborted++
+		default:
+			t.Fatalf("racing stage: %v", err)
+		}
+	}
+	if ok < 1 || ok+aborted != n || formats != 1 {
+		t.Fatalf("racing stages: %d ok, %d aborted, %d formats", ok, aborted, formats)
+	}
+}
+
+func TestRestartReconcilesFromTheStateFile(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, _ := loop(t, 64)
+	req := e.stageReq("vol-r", img, "staging/r")
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// Block volume whose disk will be gone when the agent comes back.
+	imgB, devB := loop(t, 16)
+	reqB := StageRequest{Volume: "vol-gone", Locator: Locator{BackingFile: imgB}, StagingPath: e.path("staging/gone"), Block: true, AllowUnfenced: true}
+	if _, err := e.m.Stage(ctx, reqB); err != nil {
+		t.Fatal(err)
+	}
+	// A stage cut short after its record was written (crash before any
+	// mount), on a disk the agent had already formatted once.
+	imgC, devC := loop(t, 16)
+	if err := e.m.Store().Put(&Claim{Volume: "vol-cut", Locator: Locator{BackingFile: imgC}, StagingPath: e.path("staging/cut"),
+		FsType: "ext4", Phase: PhaseClaiming, Formatted: true}); err != nil {
+		t.Fatal(err)
+	}
+
+	e.m.Close() // the agent stops (or crashes): claims stay recorded
+	if out, err := exec.Command("losetup", "-d", devB).CombinedOutput(); err != nil {
+		t.Fatalf("detaching %s: %v %s", devB, err, out)
+	}
+	e.start()
+	e.m.Reconcile(ctx)
+
+	if c, _ := e.m.Store().Get("vol-gone"); c != nil {
+		t.Fatalf("claim of a vanished disk kept: %+v", c)
+	}
+	if ev := e.event(events.DiskReleased); ev.Volume != "vol-gone" || ev.Reason != "device-gone" {
+		t.Fatalf("gone event: %+v", ev)
+	}
+	c, _ := e.m.Store().Get("vol-r")
+	if c == nil || c.Phase != PhaseStaged || c.State != StateUnfenced {
+		t.Fatalf("kept claim: %+v", c)
+	}
+	if st, err := e.m.Stats(ctx, "vol-r", ""); err != nil || st.Abnormal {
+		t.Fatalf("stats after restart: %+v %v", st, err)
+	}
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Formatted {
+		t.Fatalf("stage after restart: %+v %v", res, err)
+	}
+	if _, err := os.Stat(filepath.Join(req.StagingPath, "data")); err != nil {
+		t.Fatal(err)
+	}
+	cut, _ := e.m.Store().Get("vol-cut")
+	if cut == nil || cut.Phase != PhaseInterrupted || !cut.Formatted {
+		t.Fatalf("interrupted claim: %+v", cut)
+	}
+	// Its retry finds the disk blank although the agent formatted it: the
+	// wrong disk, or its data lost elsewhere. Never formatted again.
+	_, err := e.m.Stage(ctx, StageRequest{Volume: "vol-cut", Locator: Locator{BackingFile: imgC}, StagingPath: e.path("staging/cut"), FsType: "ext4", AllowUnfenced: true})
+	wantCode(t, err, codes.FailedPrecondition, "will not format it again")
+	if blkid(t, devC, "TYPE") != "" {
+		t.Fatal("formatted twice")
+	}
+	disks, err := e.m.Disks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, d := range disks {
+		if d.Volume == "vol-r" {
+			found = d.State == "unfenced" && d.Method == fence.MethodNone && d.Staging == req.StagingPath
+		}
+	}
+	if !found {
+		t.Fatalf("vol-r not listed as an unfenced claim: %+v", disks)
+	}
+}
+
+func TestStateFilesAreNotFollowedThroughSymlinks(t *testing.T) {
+	dir := t.TempDir()
+	target := t.TempDir()
+	if err := os.Symlink(target, filepath.Join(dir, "state")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := OpenStore(filepath.Join(dir, "state")); err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Fatalf("state dir through a symlink: %v", err)
+	}
+	s, err := OpenStore(filepath.Join(dir, "real"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	victim := filepath.Join(target, "victim")
+	if err := os.WriteFile(victim, []byte("keep"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(victim, s.file("v")); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Put(&Claim{Volume: "v"}); err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Fatalf("put over a symlink: %v", err)
+	}
+	if _, err := s.Get("v"); err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Fatalf("get through a symlink: %v", err)
+	}
+	if b, _ := os.ReadFile(victim); string(b) != "keep" {
+		t.Fatal("the symlink's target was overwritten")
+	}
+	// A round trip keeps every field and leaves no temporary file.
+	c := &Claim{Volume: "loc/42", Locator: Locator{Disk: "pci=0000:00:07,serial=42"}, Phase: PhaseStaged, State: StateHeld, Key: 0x7663000000000001, Formatted: true, Publications: []string{"/a"}}
+	if err := s.Put(c); err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Get("loc/42")
+	if err != nil || got == nil || got.Locator != c.Locator || got.Key != c.Key || !got.Formatted || got.Publications[0] != "/a" {
+		t.Fatalf("round trip: %+v %v", got, err)
+	}
+	ents, _ := os.ReadDir(s.Dir())
+	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".tmp") {
+			t.Fatalf("temporary file left: %s", e.Name())
+		}
+	}
+}
