@@ -205,7 +205,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		// The passphrase is wrapped by the key service (crypt/transit),
 		// which this version cannot call: staging the volume unencrypted
 		// would write plaintext to a disk the user asked to be encrypted.
-		return nil, failf(ErrPrecondition, "volume %s is encrypted, and encryption is not available in this version of vco-csi "+
+		return nil, failf(ErrPrecondition, "volume %s is encrypted: encryption not available in this version of vco-csi "+
 			"(it cannot unwrap the volume's passphrase); upgrade vco-csi, or use a StorageClass with encryption=false for new volumes",
 			req.GetVolumeId())
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/onsi/ginkgo/v2"
 	"github.com/onsi/gomega"
 
+	"github.com/whitesky-cloud/vco-storage/csi/sanityreport"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 )
 
@@ -42,5 +43,19 @@ func TestSanity(t *testing.T) {
 	}
 	reporter.Succinct = os.Getenv("SANITY_VERBOSE") == ""
 	reporter.Verbose = !reporter.Succinct
+	reporter.JSONReport = filepath.Join(t.TempDir(), "sanity.json")
 	ginkgo.RunSpecs(t, "vco-csi sanity", suite, reporter)
+	if os.Getenv("SANITY_FOCUS") != "" {
+		return
+	}
+	passed, problems, err := sanityreport.Check(reporter.JSONReport)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Error(p)
+	}
+	if passed == 0 {
+		t.Fatal("the sanity report has no passed spec")
+	}
 }
