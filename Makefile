@@ -20,8 +20,9 @@ DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
 STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
+CSI_SANITY_VERSION      := v5.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence
+.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab test-csi-sanity lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence
 
 all: build
 
@@ -30,10 +31,15 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-lab
+test: deps lint build unit test-csi-sanity test-lab
 
 unit:
 	$(GO) test -count=1 ./...
+
+# The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
+# backend) and `vco-csi --mode=all`, the agent mounting real loop devices.
+test-csi-sanity: deps build
+	VCO_CSI_SANITY=$(TOOLS)/csi-sanity VCO_BIN=$(BIN) $(GO) test -count=1 -run '^TestCSISanityBinary$$' ./cmd/vco-csi
 
 lint: deps-go
 	$(GO) vet ./...
@@ -114,6 +120,7 @@ deps-go:
 	@test -x $(TOOLS)/staticcheck || GOBIN=$(TOOLS) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	@test -x $(TOOLS)/protoc-gen-go || GOBIN=$(TOOLS) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
 	@test -x $(TOOLS)/protoc-gen-go-grpc || GOBIN=$(TOOLS) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GRPC_VERSION)
+	@test -x $(TOOLS)/csi-sanity || GOBIN=$(TOOLS) $(GO) install github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$(CSI_SANITY_VERSION)
 
 clean:
 	rm -rf $(BIN) dist

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
@@ -29,6 +30,8 @@ func runPlugin(args []string) int {
 	attachWait := fs.Duration("attach-timeout", 2*time.Minute, "longest wait for an attached disk to appear on its VM (controller)")
 	agentSock := fs.String("agent-socket", "/run/vco-agent/agent.sock", "vco-agent socket (node)")
 	kubelet := fs.String("kubelet-root", "/var/lib/kubelet", "staging and target paths must lie under this directory (node)")
+	allowUnfenced := fs.Bool("allow-unfenced", false, "ask the agent to stage disks that offer no fencing method, e.g. loop devices; the agent must allow it too (node; tests and the simulator only)")
+	loopDir := fs.String("sim-disk-dir", "", "find volumes as loop devices of this `vco-csi sim` host backend's disk directory (<sim --dir>/disks) instead of by PCI address and serial (node; simulator only)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -56,7 +59,7 @@ func runPlugin(args []string) int {
 		}
 	}
 	if cfg.Mode != driver.ModeController {
-		a, err := newAgent(*agentSock)
+		a, err := newAgent(*agentSock, agentnode.Options{AllowUnfenced: *allowUnfenced, LoopDiskDir: *loopDir})
 		if err != nil {
 			return fail("%v", err)
 		}

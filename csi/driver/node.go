@@ -129,6 +129,22 @@ func (d *Driver) underRoot(what, p string) (string, error) {
 	return resolved, nil
 }
 
+// volumePath checks the path a stats or expand call names. Such a call
+// only reads or grows a volume already there, so a path that cannot hold
+// one of our volumes (relative, or outside the kubelet root) means no
+// volume is at it: NOT_FOUND, as for a path the agent does not know. An
+// empty path is still a malformed request.
+func (d *Driver) volumePath(volumeID, p string) (string, error) {
+	if p == "" {
+		return "", failf(ErrInvalid, "a volume path is required")
+	}
+	r, err := d.underRoot("volume path", p)
+	if errors.Is(err, ErrInvalid) {
+		return "", failf(ErrNotFound, "volume %s is not at %q: %v", volumeID, p, err)
+	}
+	return r, err
+}
+
 // resolveExisting resolves symlinks in the longest existing prefix of p and
 // appends the part that does not exist yet.
 func resolveExisting(p string) (string, error) {
@@ -184,6 +200,14 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	block, fs, flags, err := accessType(req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
+	}
+	if req.GetVolumeContext()[ctxEncrypted] == "true" {
+		// The passphrase is wrapped by the key service (crypt/transit),
+		// which this version cannot call: staging the volume unencrypted
+		// would write plaintext to a disk the user asked to be encrypted.
+		return nil, failf(ErrPrecondition, "volume %s is encrypted: encryption not available in this version of vco-csi "+
+			"(it cannot unwrap the volume's passphrase); upgrade vco-csi, or use a StorageClass with encryption=false for new volumes",
+			req.GetVolumeId())
 	}
 	release, err := d.locks.try("volume " + req.GetVolumeId())
 	if err != nil {
@@ -274,7 +298,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeExpandVolume needs a volume id")
 	}
-	p, err := d.underRoot("volume path", req.GetVolumePath())
+	p, err := d.volumePath(req.GetVolumeId(), req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}
@@ -296,7 +320,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeGetVolumeStats needs a volume id")
 	}
-	p, err := d.underRoot("volume path", req.GetVolumePath())
+	p, err := d.volumePath(req.GetVolumeId(), req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}
