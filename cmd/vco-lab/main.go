@@ -32,7 +32,13 @@ commands:
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run                      the lab smoke scenario (make lab), with timings
+  run [-kind K] [-skip-e4] [-report DIR]
+                           the RWO story (make lab): simulator in lab mode, tgtd,
+                           two guests with vco-agent and vco-csi; CSI calls in
+                           Kubernetes' order; report per safety property; writes
+                           DIR/lab-report.txt and .html (default: bin/ or .)
+  smoke                    the reservation smoke scenario on one shared LUN
+  csi-call METHOD JSON     (inside a guest) one CSI node call to the local plugin
   bench                    guest boot time and lab set-up time
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
@@ -68,6 +74,10 @@ func main() {
 		code = down(args)
 	case "run":
 		code = run(args)
+	case "smoke":
+		code = smoke(args)
+	case "csi-call":
+		code = csiCall(args)
 	case "bench":
 		code = bench(args)
 	case "-h", "--help", "help":
@@ -107,14 +117,14 @@ func flags(name string, args []string, extra func(*flag.FlagSet)) (*common, []st
 // oneShotFlags are the flags of run and bench. Without -dir they work in a
 // fresh directory, so that they never touch a lab someone keeps up (or
 // another run) in the shared default directory.
-func oneShotFlags(name string, args []string) (*common, error) {
+func oneShotFlags(name string, args []string, extra func(*flag.FlagSet)) (*common, error) {
 	explicit := false
 	for _, a := range args {
 		if a == "-dir" || a == "--dir" || strings.HasPrefix(a, "-dir=") || strings.HasPrefix(a, "--dir=") {
 			explicit = true
 		}
 	}
-	c, _ := flags(name, args, nil)
+	c, _ := flags(name, args, extra)
 	if explicit || os.Getenv("VCO_LAB_DIR") != "" {
 		return c, nil
 	}
@@ -398,7 +408,24 @@ func down(args []string) int {
 }
 
 func run(args []string) int {
-	c, err := oneShotFlags("run", args)
+	var kind, report string
+	var skipE4 bool
+	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests: scsi-block (SCSI-3 PR) or virtio-blk")
+		fs.BoolVar(&skipE4, "skip-e4", false, "leave out the node-death scenario")
+		fs.StringVar(&report, "report", "", "directory for lab-report.txt and lab-report.html (default: the -bin directory)")
+	})
+	if err != nil {
+		return fail("%v", err)
+	}
+	if report == "" {
+		report = c.bin
+	}
+	return c.finish(runStory(c, kind, skipE4, report))
+}
+
+func smoke(args []string) int {
+	c, err := oneShotFlags("smoke", args, nil)
 	if err != nil {
 		return fail("%v", err)
 	}

@@ -1,0 +1,716 @@
+// Package e2e drives the multi-node ReadWriteOnce story end to end, the way
+// a Kubernetes cluster would: controller calls from the host against the
+// vco-csi controller talking to the whitesky.cloud simulator in lab mode,
+// node calls to the vco-csi node plugin in each QEMU guest (through the
+// exec channel, as the kubelet on that node), platform misbehaviour
+// through the simulator's faults, and checks of the disk's backing file on
+// the host. It turns what happened into a Report with a verdict per safety
+// property (DESIGN.md §3); `vco-lab run` (make lab) and the guest-tier
+// tests both run it.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// Options configure a run.
+type Options struct {
+	Env *simlab.Env
+	// Progress receives a line per step as it finishes (may be nil).
+	Progress io.Writer
+	// SkipE4 leaves out the node-death scenario.
+	SkipE4 bool
+}
+
+type story struct {
+	o    Options
+	env  *simlab.Env
+	r    *Report
+	ctl  csi.ControllerClient
+	a, b *lab.Guest
+	// node ids (SMBIOS UUIDs) by guest name
+	ids map[string]string
+
+	volID  string
+	diskID int64
+	kind   lab.DiskKind
+}
+
+const (
+	volName = "pvc-e2e-rwo"
+	fsType  = "ext4"
+)
+
+func stagingPath(vol string) string {
+	h := sha256.Sum256([]byte(vol))
+	return fmt.Sprintf("%s/plugins/kubernetes.io/csi/%s/%x/globalmount", simlab.KubeletRoot, simlab.DriverName, h[:8])
+}
+
+func targetPath(pod string) string {
+	return fmt.Sprintf("%s/pods/%s/volumes/kubernetes.io~csi/pv-e2e/mount", simlab.KubeletRoot, pod)
+}
+
+func volCap() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// Run runs the story on a started Env and returns its report. The error
+// is for failures of the harness itself; a property that did not hold is
+// in the report.
+func Run(ctx context.Context, o Options) *Report {
+	s := &story{o: o, env: o.Env, r: &Report{Started: time.Now(), Kind: string(lab.SCSIBlock)}, ids: map[string]string{}}
+	if o.Env.Backend.Kind != "" {
+		s.r.Kind = string(o.Env.Backend.Kind)
+	}
+	s.kind = lab.DiskKind(s.r.Kind)
+	err := s.run(ctx)
+	s.r.Err = err
+	s.collectEvents(context.WithoutCancel(ctx))
+	s.r.Finished = time.Now()
+	return s.r
+}
+
+func (s *story) progress(format string, a ...any) {
+	if s.o.Progress != nil {
+		fmt.Fprintf(s.o.Progress, format+"\n", a...)
+	}
+}
+
+// step runs f as one step of the report.
+func (s *story) step(scenario, node, name string, f func() (string, error)) error {
+	st := Step{Scenario: scenario, Node: node, Name: name, Start: time.Now()}
+	detail, err := f()
+	st.Duration = time.Since(st.Start)
+	st.OK = err == nil
+	st.Detail = detail
+	if err != nil {
+		if st.Detail != "" {
+			st.Detail += "\n"
+		}
+		st.Detail += err.Error()
+	}
+	s.r.Steps = append(s.r.Steps, st)
+	mark := "ok  "
+	if err != nil {
+		mark = "FAIL"
+	}
+	s.progress("%s %-8s %-11s %s (%.2fs)", mark, scenario, node, name, st.Duration.Seconds())
+	return err
+}
+
+func (s *story) check(p Property, scenario string, held bool, format string, a ...any) {
+	s.r.Checks = append(s.r.Checks, Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
+}
+
+// startController serves the vco-csi controller in this process on a
+// unix socket in the lab directory and dials it, so controller calls go
+// through the same gRPC server (and error-code mapping) as in a cluster.
+func (s *story) startController(ctx context.Context) (func(), error) {
+	d, err := driver.New(driver.Config{Name: simlab.DriverName, Version: "lab", Mode: driver.ModeController,
+		Cloud: s.env.Cloud, AttachTimeout: 2 * time.Minute})
+	if err != nil {
+		return nil, err
+	}
+	sock := filepath.Join(s.env.Lab.Dir(), "controller.sock")
+	_ = os.Remove(sock)
+	ln, err := driver.Listen("unix://" + sock)
+	if err != nil {
+		return nil, err
+	}
+	srv := d.NewGRPCServer(slog.New(slog.DiscardHandler))
+	go func() { _ = srv.Serve(ln) }()
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		srv.Stop()
+		return nil, err
+	}
+	s.ctl = csi.NewControllerClient(conn)
+	return func() { conn.Close(); srv.Stop() }, nil
+}
+
+func (s *story) run(ctx context.Context) error {
+	if len(s.env.Lab.Guests) < 2 {
+		return errors.New("the story needs two guests")
+	}
+	s.a, s.b = s.env.Lab.Guests[0], s.env.Lab.Guests[1]
+	stop, err := s.startController(ctx)
+	if err != nil {
+		return fmt.Errorf("starting the controller: %w", err)
+	}
+	defer stop()
+
+	for _, g := range []*lab.Guest{s.a, s.b} {
+		g := g
+		if err := s.step("setup", g.Name, "NodeGetInfo", func() (string, error) {
+			var resp csi.NodeGetInfoResponse
+			if err := simlab.NodeCall(ctx, g, "NodeGetInfo", &csi.NodeGetInfoRequest{}, &resp); err != nil {
+				return "", err
+			}
+			if !strings.EqualFold(resp.NodeId, g.UUID) {
+				return "", fmt.Errorf("node id %s is not the guest's SMBIOS UUID %s", resp.NodeId, g.UUID)
+			}
+			s.ids[g.Name] = resp.NodeId
+			return fmt.Sprintf("node id %s, topology %v", resp.NodeId, resp.GetAccessibleTopology().GetSegments()), nil
+		}); err != nil {
+			return err
+		}
+	}
+	if err := s.create(ctx); err != nil {
+		return err
+	}
+	sumA, err := s.firstUse(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.e1(ctx); err != nil {
+		return err
+	}
+	if err := s.e2(ctx, sumA); err != nil {
+		return err
+	}
+	if err := s.e3(ctx, sumA); err != nil {
+		return err
+	}
+	if s.o.SkipE4 {
+		s.r.NotRun = append(s.r.NotRun, "E4 node death: left out by request")
+	} else if err := s.e4(ctx, sumA); err != nil {
+		return err
+	}
+	return s.cleanup(ctx)
+}
+
+func (s *story) create(ctx context.Context) error {
+	return s.step("create", "controller", "CreateVolume "+volName+" (1 GiB, preferred "+simlab.Location+")", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: volName, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		s.volID = resp.Volume.VolumeId
+		_, rest, _ := strings.Cut(s.volID, "/")
+		if s.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
+			return "", fmt.Errorf("volume id %q names no disk id", s.volID)
+		}
+		s.env.Backend.SetKind(s.diskID, s.kind)
+		return fmt.Sprintf("volume %s, topology %v, LUN file %s", s.volID, resp.Volume.AccessibleTopology, s.env.Backend.DiskFile(s.diskID)), nil
+	})
+}
+
+func (s *story) publish(ctx context.Context, scenario string, g *lab.Guest) (map[string]string, error) {
+	var pc map[string]string
+	err := s.step(scenario, "controller", "ControllerPublishVolume to "+g.Name, func() (string, error) {
+		resp, err := s.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: s.volID, NodeId: s.ids[g.Name], VolumeCapability: volCap()})
+		if err != nil {
+			return "", err
+		}
+		pc = resp.PublishContext
+		return fmt.Sprintf("publish context %v", pc), nil
+	})
+	return pc, err
+}
+
+func (s *story) unpublish(ctx context.Context, scenario string, g *lab.Guest) error {
+	return s.step(scenario, "controller", "ControllerUnpublishVolume from "+g.Name, func() (string, error) {
+		_, err := s.ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: s.volID, NodeId: s.ids[g.Name]})
+		return "", err
+	})
+}
+
+// kubeletDirs makes the directories the kubelet makes before it calls the
+// plugin: the staging path itself and the target path's parent.
+func kubeletDirs(ctx context.Context, g *lab.Guest, pod string) error {
+	_, err := g.MustSh(ctx, "mkdir -p "+stagingPath(volName)+" "+filepath.Dir(targetPath(pod)))
+	return err
+}
+
+func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) error {
+	if err := kubeletDirs(ctx, g, "pod-"+g.Name); err != nil {
+		return err
+	}
+	return simlab.NodeCall(ctx, g, "NodeStageVolume", &csi.NodeStageVolumeRequest{
+		VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(volName), VolumeCapability: volCap()}, nil)
+}
+
+func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Guest, pc map[string]string) error {
+	if err := s.step(scenario, g.Name, "NodeStageVolume", func() (string, error) { return "", s.stage(ctx, g, pc) }); err != nil {
+		return err
+	}
+	return s.step(scenario, g.Name, "NodePublishVolume into pod-"+g.Name, func() (string, error) {
+		return "", simlab.NodeCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
+			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(volName),
+			TargetPath: targetPath("pod-" + g.Name), VolumeCapability: volCap()}, nil)
+	})
+}
+
+func (s *story) unpublishAndUnstage(ctx context.Context, scenario string, g *lab.Guest) error {
+	if err := s.step(scenario, g.Name, "NodeUnpublishVolume", func() (string, error) {
+		return "", simlab.NodeCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
+			VolumeId: s.volID, TargetPath: targetPath("pod-" + g.Name)}, nil)
+	}); err != nil {
+		return err
+	}
+	return s.step(scenario, g.Name, "NodeUnstageVolume", func() (string, error) {
+		return "", simlab.NodeCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
+			VolumeId: s.volID, StagingTargetPath: stagingPath(volName)}, nil)
+	})
+}
+
+// writeFile writes size MiB of random data to the pod's volume, syncs it
+// and returns its sha256.
+func writeFile(ctx context.Context, g *lab.Guest, pod, name string, mib int) (string, error) {
+	p := targetPath(pod) + "/" + name
+	out, err := g.MustSh(ctx, fmt.Sprintf("dd if=/dev/urandom of=%s bs=1M count=%d 2>/dev/null && sync && sha256sum %s", p, mib, p))
+	if err != nil {
+		return "", err
+	}
+	return strings.Fields(out + " x")[0], nil
+}
+
+func readSum(ctx context.Context, g *lab.Guest, pod, name string) (string, error) {
+	p := targetPath(pod) + "/" + name
+	out, err := g.MustSh(ctx, "echo 3 > /proc/sys/vm/drop_caches; sha256sum "+p)
+	if err != nil {
+		return "", err
+	}
+	return strings.Fields(out + " x")[0], nil
+}
+
+func (s *story) firstUse(ctx context.Context) (string, error) {
+	const sc = "first use"
+	pc, err := s.publish(ctx, sc, s.a)
+	if err != nil {
+		return "", err
+	}
+	if err := s.stageAndPublish(ctx, sc, s.a, pc); err != nil {
+		return "", err
+	}
+	var sum string
+	err = s.step(sc, s.a.Name, "write 8 MiB to data.bin in pod-"+s.a.Name, func() (string, error) {
+		var err error
+		sum, err = writeFile(ctx, s.a, "pod-"+s.a.Name, "data.bin", 8)
+		return "sha256 " + sum, err
+	})
+	return sum, err
+}
+
+// e1: the second ControllerPublish is refused, naming the first VM.
+func (s *story) e1(ctx context.Context) error {
+	const sc = "E1"
+	return s.step(sc, "controller", "ControllerPublishVolume to "+s.b.Name+" while on "+s.a.Name, func() (string, error) {
+		cctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		_, err := s.ctl.ControllerPublishVolume(cctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: s.volID, NodeId: s.ids[s.b.Name], VolumeCapability: volCap()})
+		st, _ := status.FromError(err)
+		named := strings.Contains(st.Message(), s.a.Name) || strings.Contains(st.Message(), strconv.FormatInt(s.env.VMs[s.a.Name], 10))
+		held := err != nil && st.Code() == codes.FailedPrecondition && named
+		s.check(P1, sc, held, "second ControllerPublish answered %s: %q", st.Code(), st.Message())
+		if !held {
+			return "", fmt.Errorf("expected FAILED_PRECONDITION naming %s's VM, got %v", s.a.Name, err)
+		}
+		return fmt.Sprintf("%s: %s", st.Code(), st.Message()), nil
+	})
+}
+
+// marker is what a node that must not write tries to write; finding any
+// of it in the backing file means a write got through.
+func marker(node string) []byte {
+	unit := []byte(fmt.Sprintf("VCO-LAB-FORBIDDEN-WRITE-FROM-%s-", node))
+	return bytes.Repeat(unit, 4096/len(unit)+1)[:4096]
+}
+
+// fileContains reports whether the backing file holds the first 64 bytes
+// of the marker anywhere.
+func fileContains(path string, m []byte) (bool, error) {
+	needle := m[:64]
+	f, err := os.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	buf := make([]byte, 4<<20)
+	var tail []byte
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			chunk := append(tail, buf[:n]...)
+			if bytes.Contains(chunk, needle) {
+				return true, nil
+			}
+			tail = append([]byte(nil), chunk[max(0, len(chunk)-len(needle)):]...)
+		}
+		if err == io.EOF {
+			return false, nil
+		}
+		if err != nil {
+			return false, err
+		}
+	}
+}
+
+// forbiddenWrites has g try to write its marker to the raw device dev:
+// once as it is, once after clearing the block layer's read-only flag
+// (so the write meets the target's reservation). Each attempt must fail.
+func forbiddenWrites(ctx context.Context, g *lab.Guest, dev string) (attempts []string, anySucceeded bool, err error) {
+	m := marker(g.Name)
+	if _, err := g.MustSh(ctx, fmt.Sprintf("printf '%%s' '%s' > /tmp/marker", m)); err != nil {
+		return nil, false, err
+	}
+	for _, try := range []struct{ what, script string }{
+		{"dd to " + dev, fmt.Sprintf("dd if=/tmp/marker of=%s bs=4096 count=1 seek=256 oflag=direct conv=fsync", dev)},
+		{"blockdev --setrw then dd to " + dev, fmt.Sprintf("ro=$(cat /sys/block/%s/ro); blockdev --setrw %s; dd if=/tmp/marker of=%s bs=4096 count=1 seek=512 oflag=direct conv=fsync; rc=$?; [ \"$ro\" = 1 ] && blockdev --setro %s; exit $rc", filepath.Base(dev), dev, dev, dev)},
+	} {
+		r, err := g.Sh(ctx, try.script)
+		if err != nil {
+			return attempts, anySucceeded, err
+		}
+		res := "refused: " + strings.TrimSpace(lastLine(r.Stderr))
+		if r.Exit == 0 {
+			res, anySucceeded = "SUCCEEDED", true
+		}
+		attempts = append(attempts, try.what+": "+res)
+	}
+	return attempts, anySucceeded, nil
+}
+
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return lines[len(lines)-1]
+}
+
+// e2: the platform attaches the disk to B anyway; B's node stack refuses.
+func (s *story) e2(ctx context.Context, sumA string) error {
+	const sc = "E2"
+	vmB := s.env.VMs[s.b.Name]
+	cs := "cs-" + simlab.Location
+	var pc map[string]string
+	if err := s.step(sc, "platform", "fault allow_multi_attach; attach disk to "+s.b.Name+"'s VM too", func() (string, error) {
+		s.env.Sim.SetFaults(sim.Faults{AllowMultiAttach: true})
+		if err := s.env.Cloud.AttachDisk(ctx, cs, vmB, s.diskID); err != nil {
+			return "", err
+		}
+		disks, err := s.env.Cloud.ListVMDisks(ctx, cs, vmB)
+		if err != nil {
+			return "", err
+		}
+		for _, d := range disks {
+			if d.ID == s.diskID {
+				// What a publish context for B would carry; no controller
+				// would issue it, and it carries no grant.
+				pc = map[string]string{driver.PubDiskID: strconv.FormatInt(d.ID, 10), driver.PubPCIBus: strconv.Itoa(d.PCIBus),
+					driver.PubPCISlot: strconv.Itoa(d.PCISlot), driver.PubSerial: strconv.FormatInt(d.ID, 10)}
+			}
+		}
+		if pc == nil {
+			return "", fmt.Errorf("disk %d not listed on VM %d after attach", s.diskID, vmB)
+		}
+		return fmt.Sprintf("disk %d on VM %d at PCI %s:%s", s.diskID, vmB, pc[driver.PubPCIBus], pc[driver.PubPCISlot]), nil
+	}); err != nil {
+		return err
+	}
+	var dev string
+	if err := s.step(sc, s.b.Name, "wait for the disk to appear (serial "+strconv.FormatInt(s.diskID, 10)+")", func() (string, error) {
+		wctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		d, err := s.b.WaitDiskBySerial(wctx, strconv.FormatInt(s.diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		dev = "/dev/" + d.Name
+		return dev, nil
+	}); err != nil {
+		return err
+	}
+	s.r.NotRun = append(s.r.NotRun, "E2 refusal on the uevent, before any NodeStage: the agent has no udev/netlink watcher yet; the refusal shown is NodeStage's")
+	if err := s.step(sc, s.b.Name, "NodeStageVolume without a grant", func() (string, error) {
+		err := s.stage(ctx, s.b, pc)
+		st, _ := status.FromError(err)
+		named := strings.Contains(st.Message(), s.a.Name) || strings.Contains(strings.ToLower(st.Message()), strings.ToLower(s.a.UUID))
+		held := err != nil && st.Code() == codes.FailedPrecondition
+		s.check(P2, sc, held && named, "NodeStage on %s answered %s: %q", s.b.Name, st.Code(), st.Message())
+		s.check(P3, sc, err != nil, "%s, holding no grant, did not take the disk over from %s", s.b.Name, s.a.Name)
+		if !held {
+			return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
+		}
+		return fmt.Sprintf("%s: %s", st.Code(), st.Message()), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "refused disk is read-only and not mounted", func() (string, error) {
+		out, err := s.b.MustSh(ctx, fmt.Sprintf("cat /sys/block/%s/ro; grep -c ' %s ' /proc/mounts || true", filepath.Base(dev), stagingPath(volName)))
+		if err != nil {
+			return "", err
+		}
+		f := strings.Fields(out)
+		ro, mounted := len(f) > 0 && f[0] == "1", len(f) > 1 && f[1] != "0"
+		s.check(P2, sc, ro, "%s's %s read-only flag after the refusal: %v", s.b.Name, dev, ro)
+		s.check(P2, sc, !mounted, "nothing mounted at %s's staging path: %v", s.b.Name, !mounted)
+		return fmt.Sprintf("ro=%v mounted=%v", ro, mounted), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "DiskRefused event names the holder", func() (string, error) {
+		evs, err := simlab.Events(ctx, s.b)
+		if err != nil {
+			return "", err
+		}
+		for _, ev := range evs {
+			if ev.Name() == "DiskRefused" && (ev.HolderNode == s.a.Name || strings.EqualFold(ev.HolderNode, s.a.UUID) || strings.Contains(ev.Message, s.a.Name)) {
+				s.check(P2, sc, true, "%s emitted DiskRefused holder_node=%s holder_key=%s", s.b.Name, ev.HolderNode, ev.HolderKey)
+				return eventFields(ev), nil
+			}
+		}
+		s.check(P2, sc, false, "%s emitted no DiskRefused naming %s (%d events)", s.b.Name, s.a.Name, len(evs))
+		return "", fmt.Errorf("no DiskRefused naming %s among %d events", s.a.Name, len(evs))
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "try to write to the raw device anyway", func() (string, error) {
+		attempts, ok, err := forbiddenWrites(ctx, s.b, dev)
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, !ok, "%s's raw writes while %s holds the disk: %s", s.b.Name, s.a.Name, strings.Join(attempts, "; "))
+		return strings.Join(attempts, "\n"), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, "host", "no byte from "+s.b.Name+" in the backing file; "+s.a.Name+"'s data intact", func() (string, error) {
+		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(s.b.Name))
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, !found, "backing file %s holds %s's marker: %v", s.env.Backend.DiskFile(s.diskID), s.b.Name, found)
+		sum, err := readSum(ctx, s.a, "pod-"+s.a.Name, "data.bin")
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, sum == sumA, "%s reads data.bin back with sha256 %s (wrote %s)", s.a.Name, sum, sumA)
+		if found || sum != sumA {
+			return "", fmt.Errorf("marker found=%v, data.bin %s want %s", found, sum, sumA)
+		}
+		return "", nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "platform", "detach the disk from "+s.b.Name+"'s VM; fault off", func() (string, error) {
+		defer s.env.Sim.SetFaults(sim.Faults{})
+		return "", s.env.Cloud.DetachDisk(ctx, cs, vmB, s.diskID)
+	})
+}
+
+// e3: graceful move from A to B.
+func (s *story) e3(ctx context.Context, sumA string) error {
+	const sc = "E3"
+	if err := s.unpublishAndUnstage(ctx, sc, s.a); err != nil {
+		return err
+	}
+	if err := s.unpublish(ctx, sc, s.a); err != nil {
+		return err
+	}
+	pc, err := s.publish(ctx, sc, s.b)
+	if err != nil {
+		return err
+	}
+	if err := s.stageAndPublish(ctx, sc, s.b, pc); err != nil {
+		return err
+	}
+	return s.step(sc, s.b.Name, "read data.bin written on "+s.a.Name, func() (string, error) {
+		sum, err := readSum(ctx, s.b, "pod-"+s.b.Name, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "%s cannot read data.bin after the move: %v", s.b.Name, err)
+			return "", err
+		}
+		s.check(P5, sc, sum == sumA, "after the move %s reads data.bin with sha256 %s (written %s): staging found the filesystem and did not format", s.b.Name, sum, sumA)
+		if sum != sumA {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
+		}
+		return "sha256 " + sum, nil
+	})
+}
+
+// e4: B (the holder now) stops without releasing; the disk moves to A with
+// a grant; B resumes and is fenced.
+func (s *story) e4(ctx context.Context, sumA string) error {
+	const sc = "E4"
+	dead, live := s.b, s.a
+	var dev string
+	if err := s.step(sc, dead.Name, "find the device; stop the guest (QMP stop)", func() (string, error) {
+		d, err := dead.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		dev = "/dev/" + d.Name
+		return dev, dead.Pause(ctx)
+	}); err != nil {
+		return err
+	}
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = dead.Resume(context.WithoutCancel(ctx))
+		}
+	}()
+	if err := s.unpublish(ctx, sc+" (force detach)", dead); err != nil {
+		return err
+	}
+	pc, err := s.publish(ctx, sc, live)
+	if err != nil {
+		return err
+	}
+	grant := pc[driver.PubFenceGrant]
+	s.check(P3, sc, grant != "", "the controller's publish to %s carries a grant: %s", live.Name, grant)
+	if err := s.stageAndPublish(ctx, sc, live, pc); err != nil {
+		return err
+	}
+	var sum2 string
+	if err := s.step(sc, live.Name, "write after.bin; data.bin intact", func() (string, error) {
+		var err error
+		if sum2, err = writeFile(ctx, live, "pod-"+live.Name, "after.bin", 4); err != nil {
+			return "", err
+		}
+		sum, err := readSum(ctx, live, "pod-"+live.Name, "data.bin")
+		if err != nil {
+			return "", err
+		}
+		s.check(P5, sc, sum == sumA, "after the takeover %s reads data.bin with sha256 %s (written %s)", live.Name, sum, sumA)
+		return "after.bin sha256 " + sum2, nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
+		if err := dead.Resume(ctx); err != nil {
+			return "", err
+		}
+		resumed = true
+		m := marker(dead.Name)
+		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo rc=$?",
+			m, targetPath("pod-"+dead.Name), dev)
+		r, err := dead.Sh(ctx, script)
+		if err != nil {
+			return "", err
+		}
+		return strings.TrimSpace(r.Stdout), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
+		deadline := time.Now().Add(60 * time.Second)
+		for {
+			evs, err := simlab.Events(ctx, dead)
+			if err != nil {
+				return "", err
+			}
+			for _, ev := range evs {
+				if ev.Name() == "DiskFenced" {
+					s.check(P4, sc, true, "%s emitted DiskFenced: %s", dead.Name, eventFields(ev))
+					return eventFields(ev), nil
+				}
+			}
+			if time.Now().After(deadline) {
+				s.check(P4, sc, false, "%s emitted no DiskFenced within 60s of resuming", dead.Name)
+				return "", errors.New("no DiskFenced")
+			}
+			time.Sleep(2 * time.Second)
+		}
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
+		var resp csi.NodeGetVolumeHealthResponse
+		err := simlab.NodeCall(ctx, dead, "NodeGetVolumeHealth", &csi.NodeGetVolumeHealthRequest{VolumeId: s.volID,
+			StagingTargetPath: stagingPath(volName), VolumePublishPath: targetPath("pod-" + dead.Name)}, &resp)
+		if err != nil {
+			return "", err
+		}
+		var got []string
+		for _, h := range resp.GetVolumeHealth().GetHealthStatuses() {
+			got = append(got, fmt.Sprintf("%s %s: %s", h.Status, h.Reason, h.Message))
+		}
+		s.check(P4, sc, len(got) > 0, "volume health on fenced %s: %v", dead.Name, got)
+		return strings.Join(got, "; "), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "host", "none of "+dead.Name+"'s late writes landed; "+live.Name+"'s data intact", func() (string, error) {
+		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(dead.Name))
+		if err != nil {
+			return "", err
+		}
+		s.check(P4, sc, !found, "backing file holds %s's marker written after resuming: %v", dead.Name, found)
+		s.check(P1, sc, !found, "no write from fenced %s reached the disk while %s holds it", dead.Name, live.Name)
+		sum, err := readSum(ctx, live, "pod-"+live.Name, "after.bin")
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, sum == sum2, "%s reads after.bin back with sha256 %s (wrote %s)", live.Name, sum, sum2)
+		if found || sum != sum2 {
+			return "", fmt.Errorf("marker found=%v, after.bin %s want %s", found, sum, sum2)
+		}
+		return "", nil
+	})
+}
+
+// cleanup unpublishes everywhere and deletes the volume, as Kubernetes does
+// when the claim goes.
+func (s *story) cleanup(ctx context.Context) error {
+	const sc = "cleanup"
+	holder := s.b
+	if !s.o.SkipE4 {
+		holder = s.a
+	}
+	if err := s.unpublishAndUnstage(ctx, sc, holder); err != nil {
+		return err
+	}
+	if err := s.unpublish(ctx, sc, holder); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume", func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: s.volID})
+		return "", err
+	})
+}
+
+func (s *story) collectEvents(ctx context.Context) {
+	cctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for _, g := range s.env.Lab.Guests {
+		evs, err := simlab.Events(cctx, g)
+		if err != nil {
+			s.r.NotRun = append(s.r.NotRun, fmt.Sprintf("events of %s: %v", g.Name, err))
+			continue
+		}
+		s.r.Events = append(s.r.Events, evs...)
+	}
+}
