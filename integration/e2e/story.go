@@ -31,6 +31,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -258,8 +259,23 @@ func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) e
 	if err := kubeletDirs(ctx, g, "pod-"+g.Name); err != nil {
 		return err
 	}
-	return simlab.NodeCall(ctx, g, "NodeStageVolume", &csi.NodeStageVolumeRequest{
-		VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(volName), VolumeCapability: volCap()}, nil)
+	// The kubelet retries a failed stage with backoff; a disk that the
+	// guest has not finished probing after a hot-plug answers NOT_FOUND
+	// until it has.
+	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(volName), VolumeCapability: volCap()}
+	deadline := time.Now().Add(90 * time.Second)
+	wait := 500 * time.Millisecond
+	for tries := 1; ; tries++ {
+		err := simlab.NodeCall(ctx, g, "NodeStageVolume", req, nil)
+		if status.Code(err) != codes.NotFound || time.Now().After(deadline) {
+			if tries > 1 && err == nil {
+				s.progress("         %s: NodeStageVolume succeeded on try %d (the disk was still being probed)", g.Name, tries)
+			}
+			return err
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 8*time.Second)
+	}
 }
 
 func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Guest, pc map[string]string) error {
@@ -343,6 +359,23 @@ func (s *story) e1(ctx context.Context) error {
 	})
 }
 
+// keyHex is the fence key of guest g as the agent prints it (16 hex
+// digits, no prefix).
+func keyHex(g *lab.Guest) string {
+	k, err := fence.KeyFromUUID(g.UUID)
+	if err != nil {
+		return "(no key: " + err.Error() + ")"
+	}
+	return strings.TrimPrefix(k.String(), "0x")
+}
+
+// namesHolder reports whether text names guest g: by node name, SMBIOS
+// UUID or fence key.
+func namesHolder(text string, g *lab.Guest) bool {
+	t := strings.ToLower(text)
+	return strings.Contains(t, strings.ToLower(g.Name)) || strings.Contains(t, strings.ToLower(g.UUID)) || strings.Contains(t, keyHex(g))
+}
+
 // marker is what a node that must not write tries to write; finding any
 // of it in the backing file means a write got through.
 func marker(node string) []byte {
@@ -404,8 +437,15 @@ func forbiddenWrites(ctx context.Context, g *lab.Guest, dev string) (attempts []
 	return attempts, anySucceeded, nil
 }
 
+// lastLine is the line of a failed command's output that says why: dd's
+// own complaint if there is one.
 func lastLine(s string) string {
 	lines := strings.Split(strings.TrimSpace(s), "\n")
+	for _, l := range lines {
+		if strings.HasPrefix(l, "dd:") {
+			return l
+		}
+	}
 	return lines[len(lines)-1]
 }
 
@@ -456,7 +496,7 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 	if err := s.step(sc, s.b.Name, "NodeStageVolume without a grant", func() (string, error) {
 		err := s.stage(ctx, s.b, pc)
 		st, _ := status.FromError(err)
-		named := strings.Contains(st.Message(), s.a.Name) || strings.Contains(strings.ToLower(st.Message()), strings.ToLower(s.a.UUID))
+		named := namesHolder(st.Message(), s.a)
 		held := err != nil && st.Code() == codes.FailedPrecondition
 		s.check(P2, sc, held && named, "NodeStage on %s answered %s: %q", s.b.Name, st.Code(), st.Message())
 		s.check(P3, sc, err != nil, "%s, holding no grant, did not take the disk over from %s", s.b.Name, s.a.Name)
@@ -486,12 +526,12 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 			return "", err
 		}
 		for _, ev := range evs {
-			if ev.Name() == "DiskRefused" && (ev.HolderNode == s.a.Name || strings.EqualFold(ev.HolderNode, s.a.UUID) || strings.Contains(ev.Message, s.a.Name)) {
+			if ev.Name() == "DiskRefused" && (namesHolder(ev.HolderNode, s.a) || namesHolder(ev.HolderKey, s.a)) {
 				s.check(P2, sc, true, "%s emitted DiskRefused holder_node=%s holder_key=%s", s.b.Name, ev.HolderNode, ev.HolderKey)
 				return eventFields(ev), nil
 			}
 		}
-		s.check(P2, sc, false, "%s emitted no DiskRefused naming %s (%d events)", s.b.Name, s.a.Name, len(evs))
+		s.check(P2, sc, false, "%s emitted no DiskRefused naming %s (node or key %s) among %d events", s.b.Name, s.a.Name, keyHex(s.a), len(evs))
 		return "", fmt.Errorf("no DiskRefused naming %s among %d events", s.a.Name, len(evs))
 	}); err != nil {
 		return err
@@ -621,7 +661,7 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		if err != nil {
 			return "", err
 		}
-		return strings.TrimSpace(r.Stdout), nil
+		return strings.TrimSpace(r.Stdout + r.Stderr), nil
 	}); err != nil {
 		return err
 	}

@@ -324,16 +324,29 @@ func (b *Backend) Detach(vm *sim.VMState, id int64, _ string) error {
 	return nil
 }
 
+// unplug removes the disk's devices and then its block node. Each part
+// that is already gone is skipped, so a retried detach finishes the work
+// of one that failed half-way.
 func (b *Backend) unplug(ctx context.Context, g *lab.Guest, id int64) error {
-	top := devID(id)
-	if b.hasDevice(ctx, g, ctlID(id)) {
-		top = ctlID(id)
+	for _, dev := range []string{ctlID(id), devID(id)} {
+		if !b.hasDevice(ctx, g, dev) {
+			continue
+		}
+		if err := b.delDevice(ctx, g, dev); err != nil {
+			return fmt.Errorf("detaching disk %d from %s: %w", id, g.Name, err)
+		}
 	}
-	if err := b.delDevice(ctx, g, top); err != nil {
-		return fmt.Errorf("detaching disk %d from %s: %w", id, g.Name, err)
-	}
-	if _, err := g.QMP().Execute(ctx, "blockdev-del", map[string]any{"node-name": nodeName(id)}); err != nil {
-		return fmt.Errorf("detaching disk %d from %s: %w", id, g.Name, err)
+	// QEMU lets go of the block node a moment after the device is gone.
+	for {
+		_, err := g.QMP().Execute(ctx, "blockdev-del", map[string]any{"node-name": nodeName(id)})
+		if err == nil || strings.Contains(err.Error(), "not found") || strings.Contains(err.Error(), "Cannot find") {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("detaching disk %d from %s: %w", id, g.Name, err)
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
 	b.mu.Lock()
 	delete(b.detached, g.Name+"/"+devID(id))
