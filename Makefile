@@ -22,7 +22,7 @@ PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 CSI_SANITY_VERSION      := v5.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab test-csi-sanity lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence
+.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab test-csi-sanity lab deps deps-apt deps-go deps-lab test-lab test-e2e proto clean fuzz fuzz-fence
 
 all: build
 
@@ -31,7 +31,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-csi-sanity test-lab
+test: deps lint build unit test-csi-sanity test-lab test-e2e
 
 unit:
 	$(GO) test -count=1 ./...
@@ -48,8 +48,15 @@ lint: deps-go
 # The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
 # 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
 LAB_TIMEOUT ?= 60m
+E2E_PKGS := ./integration/simlab ./integration/e2e
 test-lab: deps build
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) ./integration/...
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) \
+	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e)
+
+# The end-to-end tier (guest tier too): the simulator in lab mode and the
+# RWO story on two guests running vco-agent and the vco-csi node plugin.
+test-e2e: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) $(E2E_PKGS)
 
 # Benchmarks print one table of figures against named references; they
 # are never asserted. Each part adds a bench-* target as a prerequisite.
@@ -70,8 +77,11 @@ bench-agent: deps build
 bench-csi: deps
 	$(GO) test -count=1 -run '^$$' -bench CreatePublish100 -benchtime 5x ./csi/driver
 
+# The RWO story on the simulator in lab mode and two guests; the text
+# report goes to the terminal and bin/lab-report.txt, the timeline to
+# bin/lab-report.html. Exits non-zero unless every safety property held.
 lab: deps build
-	$(BIN)/vco-lab run
+	$(BIN)/vco-lab run -report $(BIN)
 
 fuzz:
 	@echo "fuzz targets are listed per package; see docs/testing.md"
