@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -29,6 +30,8 @@ func usage() {
 commands:
   prepare                  fetch and unpack the guest kernel into the cache
   up [-guests N]           start tgtd and N guests sharing one LUN; leave them running
+  up -sim [-kind K]        start the simulator in lab mode, tgtd and N guests running
+                           vco-agent and the vco-csi node plugin; leave them running
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
@@ -76,6 +79,8 @@ func main() {
 		code = run(args)
 	case "smoke":
 		code = smoke(args)
+	case "sim-serve":
+		code = simServe(args)
 	case "csi-call":
 		code = csiCall(args)
 	case "bench":
@@ -300,7 +305,16 @@ func startShared(ctx context.Context, cfg lab.Config, guests int) (*lab.Lab, *la
 
 func up(args []string) int {
 	var guests int
-	c, _ := flags("up", args, func(fs *flag.FlagSet) { fs.IntVar(&guests, "guests", 2, "number of guests") })
+	var withSim bool
+	var kind string
+	c, _ := flags("up", args, func(fs *flag.FlagSet) {
+		fs.IntVar(&guests, "guests", 2, "number of guests")
+		fs.BoolVar(&withSim, "sim", false, "run the whitesky.cloud simulator in lab mode with the agent and node plugin in every guest")
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "with -sim: how disks are shown, scsi-block or virtio-blk")
+	})
+	if withSim {
+		return upSim(c, guests, kind)
+	}
 	cfg, err := labConfig(c, true)
 	if err != nil {
 		return fail("%v", err)
@@ -327,6 +341,12 @@ func status(args []string) int {
 		return fail("%v", err)
 	}
 	fmt.Printf("lab in %s: tgtd pid %d on %s (control port %d)\n", c.dir, s.TargetPID, s.Portal, s.TargetCtlPort)
+	if b, err := os.ReadFile(simInfoPath(c.dir)); err == nil {
+		var si simInfo
+		if json.Unmarshal(b, &si) == nil {
+			printSimInfo(c.dir, &si)
+		}
+	}
 	for _, l := range s.LUNs {
 		fmt.Printf("  LUN %s  serial %s  file %s\n", l.IQN, l.Serial, l.File)
 	}
