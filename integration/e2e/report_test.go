@@ -37,7 +37,7 @@ func TestVerdicts(t *testing.T) {
 func TestReportsShowEventsAndVerdicts(t *testing.T) {
 	t0 := time.Date(2026, 11, 29, 22, 0, 0, 0, time.UTC)
 	r := &Report{Started: t0, Finished: t0.Add(time.Minute), Kind: "scsi-block",
-		Steps: []Step{{Scenario: "E2", Node: "node-b", Name: "NodeStageVolume", Start: t0.Add(time.Second), Duration: time.Second, OK: true}},
+		Steps:  []Step{{Scenario: "E2", Node: "node-b", Name: "NodeStageVolume", Start: t0.Add(time.Second), Duration: time.Second, OK: true}},
 		Checks: []Check{{Property: P2, Scenario: "E2", Held: true, Evidence: "refused <naming> node-a"}},
 		Events: []simlab.Event{{Node: "node-b", Type: "EVENT_TYPE_DISK_REFUSED", Time: t0.Add(2 * time.Second), HolderKey: "7663"}},
 	}

@@ -57,6 +57,9 @@ type story struct {
 	volID  string
 	diskID int64
 	kind   lab.DiskKind
+	// name is the volume's name (its staging path derives from it) and
+	// pod the prefix of the pods' names that use it.
+	name, pod string
 }
 
 const (
@@ -84,7 +87,8 @@ func volCap() *csi.VolumeCapability {
 // is for failures of the harness itself; a property that did not hold is
 // in the report.
 func Run(ctx context.Context, o Options) *Report {
-	s := &story{o: o, env: o.Env, r: &Report{Started: time.Now(), Kind: string(lab.SCSIBlock)}, ids: map[string]string{}}
+	s := &story{o: o, env: o.Env, r: &Report{Started: time.Now(), Kind: string(lab.SCSIBlock)}, ids: map[string]string{},
+		name: volName, pod: "pod-"}
 	if o.Env.Backend.Kind != "" {
 		s.r.Kind = string(o.Env.Backend.Kind)
 	}
@@ -197,6 +201,12 @@ func (s *story) run(ctx context.Context) error {
 	if err := s.e3(ctx, sumA); err != nil {
 		return err
 	}
+	if err := s.e5(ctx); err != nil {
+		return err
+	}
+	if err := s.e8(ctx, sumA); err != nil {
+		return err
+	}
 	if s.o.SkipE4 {
 		s.r.NotRun = append(s.r.NotRun, "E4 node death: left out by request")
 	} else if err := s.e4(ctx, sumA); err != nil {
@@ -250,19 +260,19 @@ func (s *story) unpublish(ctx context.Context, scenario string, g *lab.Guest) er
 
 // kubeletDirs makes the directories the kubelet makes before it calls the
 // plugin: the staging path itself and the target path's parent.
-func kubeletDirs(ctx context.Context, g *lab.Guest, pod string) error {
-	_, err := g.MustSh(ctx, "mkdir -p "+stagingPath(volName)+" "+filepath.Dir(targetPath(pod)))
+func (s *story) kubeletDirs(ctx context.Context, g *lab.Guest, pod string) error {
+	_, err := g.MustSh(ctx, "mkdir -p "+stagingPath(s.name)+" "+filepath.Dir(targetPath(pod)))
 	return err
 }
 
 func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) error {
-	if err := kubeletDirs(ctx, g, "pod-"+g.Name); err != nil {
+	if err := s.kubeletDirs(ctx, g, s.pod+g.Name); err != nil {
 		return err
 	}
 	// The kubelet retries a failed stage with backoff; a disk that the
 	// guest has not finished probing after a hot-plug answers NOT_FOUND
 	// until it has.
-	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(volName), VolumeCapability: volCap()}
+	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name), VolumeCapability: volCap()}
 	deadline := time.Now().Add(90 * time.Second)
 	wait := 500 * time.Millisecond
 	for tries := 1; ; tries++ {
@@ -279,26 +289,26 @@ func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) e
 }
 
 func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Guest, pc map[string]string) error {
-	if err := s.step(scenario, g.Name, "NodeStageVolume", func() (string, error) { return "", s.stage(ctx, g, pc) }); err != nil {
+	if err := s.step(scenario, g.Name, "NodeStageVolume "+s.name, func() (string, error) { return "", s.stage(ctx, g, pc) }); err != nil {
 		return err
 	}
-	return s.step(scenario, g.Name, "NodePublishVolume into pod-"+g.Name, func() (string, error) {
+	return s.step(scenario, g.Name, "NodePublishVolume "+s.name+" into "+s.pod+g.Name, func() (string, error) {
 		return "", simlab.NodeCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
-			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(volName),
-			TargetPath: targetPath("pod-" + g.Name), VolumeCapability: volCap()}, nil)
+			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name),
+			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap()}, nil)
 	})
 }
 
 func (s *story) unpublishAndUnstage(ctx context.Context, scenario string, g *lab.Guest) error {
 	if err := s.step(scenario, g.Name, "NodeUnpublishVolume", func() (string, error) {
 		return "", simlab.NodeCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
-			VolumeId: s.volID, TargetPath: targetPath("pod-" + g.Name)}, nil)
+			VolumeId: s.volID, TargetPath: targetPath(s.pod + g.Name)}, nil)
 	}); err != nil {
 		return err
 	}
 	return s.step(scenario, g.Name, "NodeUnstageVolume", func() (string, error) {
 		return "", simlab.NodeCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
-			VolumeId: s.volID, StagingTargetPath: stagingPath(volName)}, nil)
+			VolumeId: s.volID, StagingTargetPath: stagingPath(s.name)}, nil)
 	})
 }
 
@@ -332,9 +342,9 @@ func (s *story) firstUse(ctx context.Context) (string, error) {
 		return "", err
 	}
 	var sum string
-	err = s.step(sc, s.a.Name, "write 8 MiB to data.bin in pod-"+s.a.Name, func() (string, error) {
+	err = s.step(sc, s.a.Name, "write 8 MiB to data.bin in "+s.pod+s.a.Name, func() (string, error) {
 		var err error
-		sum, err = writeFile(ctx, s.a, "pod-"+s.a.Name, "data.bin", 8)
+		sum, err = writeFile(ctx, s.a, s.pod+s.a.Name, "data.bin", 8)
 		return "sha256 " + sum, err
 	})
 	return sum, err
@@ -508,7 +518,7 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 		return err
 	}
 	if err := s.step(sc, s.b.Name, "refused disk is read-only and not mounted", func() (string, error) {
-		out, err := s.b.MustSh(ctx, fmt.Sprintf("cat /sys/block/%s/ro; grep -c ' %s ' /proc/mounts || true", filepath.Base(dev), stagingPath(volName)))
+		out, err := s.b.MustSh(ctx, fmt.Sprintf("cat /sys/block/%s/ro; grep -c ' %s ' /proc/mounts || true", filepath.Base(dev), stagingPath(s.name)))
 		if err != nil {
 			return "", err
 		}
@@ -552,7 +562,7 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 			return "", err
 		}
 		s.check(P1, sc, !found, "backing file %s holds %s's marker: %v", s.env.Backend.DiskFile(s.diskID), s.b.Name, found)
-		sum, err := readSum(ctx, s.a, "pod-"+s.a.Name, "data.bin")
+		sum, err := readSum(ctx, s.a, s.pod+s.a.Name, "data.bin")
 		if err != nil {
 			return "", err
 		}
@@ -587,7 +597,7 @@ func (s *story) e3(ctx context.Context, sumA string) error {
 		return err
 	}
 	return s.step(sc, s.b.Name, "read data.bin written on "+s.a.Name, func() (string, error) {
-		sum, err := readSum(ctx, s.b, "pod-"+s.b.Name, "data.bin")
+		sum, err := readSum(ctx, s.b, s.pod+s.b.Name, "data.bin")
 		if err != nil {
 			s.check(P5, sc, false, "%s cannot read data.bin after the move: %v", s.b.Name, err)
 			return "", err
@@ -597,6 +607,123 @@ func (s *story) e3(ctx context.Context, sumA string) error {
 			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
 		}
 		return "sha256 " + sum, nil
+	})
+}
+
+// e5: a volume asked for in another location lands there, and a node of
+// this location cannot have it.
+func (s *story) e5(ctx context.Context) error {
+	const sc = "E5"
+	const other = "ch-gen-1"
+	var id string
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-elsewhere (requisite "+other+")", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: "pvc-e2e-elsewhere", CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: other}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		id = resp.Volume.VolumeId
+		segs := resp.Volume.GetAccessibleTopology()
+		if len(segs) != 1 || segs[0].Segments[driver.TopologyKey] != other || !strings.HasPrefix(id, other+"/") {
+			return "", fmt.Errorf("volume %s with topology %v, want location %s", id, segs, other)
+		}
+		return fmt.Sprintf("volume %s, topology %v: the PV's node affinity keeps pods off %s", id, segs, simlab.Location), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, "controller", "ControllerPublishVolume to "+s.a.Name+" ("+simlab.Location+")", func() (string, error) {
+		_, err := s.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: id, NodeId: s.ids[s.a.Name], VolumeCapability: volCap()})
+		st, _ := status.FromError(err)
+		if st.Code() != codes.FailedPrecondition {
+			return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
+		}
+		return st.Message(), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume "+id, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+		return "", err
+	})
+}
+
+// e8: a snapshot of the volume (in use on B), a new volume from it staged
+// on A: the data is there, and staging did not format it.
+func (s *story) e8(ctx context.Context, sumA string) error {
+	const sc = "E8"
+	var snapID string
+	if err := s.step(sc, "controller", "CreateSnapshot of "+s.volID, func() (string, error) {
+		if _, err := s.b.MustSh(ctx, "sync"); err != nil {
+			return "", err
+		}
+		resp, err := s.ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: s.volID, Name: "snap-e2e"})
+		if err != nil {
+			return "", err
+		}
+		snapID = resp.Snapshot.SnapshotId
+		return "snapshot " + snapID, nil
+	}); err != nil {
+		return err
+	}
+	c := *s
+	c.name, c.pod = "pvc-e2e-clone", "pod-clone-"
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-clone from the snapshot", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		c.volID = resp.Volume.VolumeId
+		return "volume " + c.volID, nil
+	}); err != nil {
+		return err
+	}
+	pc, err := c.publish(ctx, sc, s.a)
+	if err != nil {
+		return err
+	}
+	if err := c.stageAndPublish(ctx, sc, s.a, pc); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.a.Name, "read data.bin on the new volume", func() (string, error) {
+		sum, err := readSum(ctx, s.a, c.pod+s.a.Name, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "the volume made from a snapshot has no readable data.bin on %s: %v", s.a.Name, err)
+			return "", err
+		}
+		s.check(P5, sc, sum == sumA, "the volume made from a snapshot reads data.bin with sha256 %s (written %s): staging did not format it", sum, sumA)
+		if sum != sumA {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
+		}
+		return "sha256 " + sum, nil
+	}); err != nil {
+		return err
+	}
+	if err := c.unpublishAndUnstage(ctx, sc, s.a); err != nil {
+		return err
+	}
+	if err := c.unpublish(ctx, sc, s.a); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume "+c.volID+", DeleteSnapshot "+snapID, func() (string, error) {
+		if _, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID}); err != nil {
+			return "", err
+		}
+		_, err := s.ctl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snapID})
+		return "", err
 	})
 }
 
@@ -637,10 +764,10 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 	var sum2 string
 	if err := s.step(sc, live.Name, "write after.bin; data.bin intact", func() (string, error) {
 		var err error
-		if sum2, err = writeFile(ctx, live, "pod-"+live.Name, "after.bin", 4); err != nil {
+		if sum2, err = writeFile(ctx, live, s.pod+live.Name, "after.bin", 4); err != nil {
 			return "", err
 		}
-		sum, err := readSum(ctx, live, "pod-"+live.Name, "data.bin")
+		sum, err := readSum(ctx, live, s.pod+live.Name, "data.bin")
 		if err != nil {
 			return "", err
 		}
@@ -656,7 +783,7 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		resumed = true
 		m := marker(dead.Name)
 		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo rc=$?",
-			m, targetPath("pod-"+dead.Name), dev)
+			m, targetPath(s.pod+dead.Name), dev)
 		r, err := dead.Sh(ctx, script)
 		if err != nil {
 			return "", err
@@ -690,7 +817,7 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 	if err := s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
 		var resp csi.NodeGetVolumeHealthResponse
 		err := simlab.NodeCall(ctx, dead, "NodeGetVolumeHealth", &csi.NodeGetVolumeHealthRequest{VolumeId: s.volID,
-			StagingTargetPath: stagingPath(volName), VolumePublishPath: targetPath("pod-" + dead.Name)}, &resp)
+			StagingTargetPath: stagingPath(s.name), VolumePublishPath: targetPath(s.pod + dead.Name)}, &resp)
 		if err != nil {
 			return "", err
 		}
@@ -710,7 +837,7 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		}
 		s.check(P4, sc, !found, "backing file holds %s's marker written after resuming: %v", dead.Name, found)
 		s.check(P1, sc, !found, "no write from fenced %s reached the disk while %s holds it", dead.Name, live.Name)
-		sum, err := readSum(ctx, live, "pod-"+live.Name, "after.bin")
+		sum, err := readSum(ctx, live, s.pod+live.Name, "after.bin")
 		if err != nil {
 			return "", err
 		}
