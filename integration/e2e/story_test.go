@@ -24,7 +24,8 @@ func (w testWriter) Write(b []byte) (int, error) {
 // TestRWOStory runs the whole story on two guests with scsi-block disks:
 // first use on node-a, E1 (second publish refused naming node-a's VM), E2
 // (platform multi-attach: node-b refuses, nothing of it reaches the
-// backing file), E3 (graceful move, data intact), E4 (node-b stopped,
+// backing file), E3 (graceful move, data intact), E5 (a volume in another location
+// stays there), E8 (a volume from a snapshot holds the data), E4 (node-b stopped,
 // force detach, takeover by node-a with a grant, node-b fenced on resume,
 // none of its late writes land). Every step must succeed and every
 // property be shown to hold.
