@@ -59,9 +59,13 @@ type Report struct {
 	Started  time.Time
 	Finished time.Time
 	Kind     string
-	Steps    []Step
-	Checks   []Check
-	Events   []simlab.Event
+	// Setup is the lab's set-up time (tgtd, initramfs, guests booted with
+	// their node stacks), Boot each guest's boot time.
+	Setup  time.Duration
+	Boot   map[string]time.Duration
+	Steps  []Step
+	Checks []Check
+	Events []simlab.Event
 	// NotRun lists scenarios or checks that did not run, with the reason.
 	NotRun []string
 	// Err is the error that ended the story early, if any.
@@ -103,6 +107,14 @@ func (r *Report) AllHeld() bool {
 // WriteText prints the report for a terminal.
 func (r *Report) WriteText(w io.Writer) {
 	fmt.Fprintf(w, "\n== vco-storage lab: RWO volume on two nodes (%s disks), %s\n\n", r.Kind, r.Finished.Sub(r.Started).Round(time.Second))
+	if r.Setup > 0 {
+		fmt.Fprintf(w, "lab set-up %.1fs (tgtd, initramfs, guests, agents and node plugins);", r.Setup.Seconds())
+		for _, n := range sortedKeys(r.Boot) {
+			fmt.Fprintf(w, " %s booted in %.1fs", n, r.Boot[n].Seconds())
+		}
+		fmt.Fprintln(w)
+		fmt.Fprintln(w)
+	}
 	fmt.Fprintf(w, "%-4s %-10s %-11s %-58s %9s\n", "", "scenario", "where", "step", "duration")
 	for _, s := range r.Steps {
 		mark := "ok"
@@ -153,6 +165,15 @@ func (r *Report) WriteText(w io.Writer) {
 	} else {
 		fmt.Fprintf(w, "\nverdict: NOT every property was shown to hold\n")
 	}
+}
+
+func sortedKeys(m map[string]time.Duration) []string {
+	var ks []string
+	for k := range m {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	return ks
 }
 
 func eventFields(ev simlab.Event) string {

@@ -93,6 +93,11 @@ func Run(ctx context.Context, o Options) *Report {
 		s.r.Kind = string(o.Env.Backend.Kind)
 	}
 	s.kind = lab.DiskKind(s.r.Kind)
+	s.r.Setup = o.Env.Lab.SetupTime()
+	s.r.Boot = map[string]time.Duration{}
+	for _, g := range o.Env.Lab.Guests {
+		s.r.Boot[g.Name] = g.BootTime
+	}
 	err := s.run(ctx)
 	s.r.Err = err
 	s.collectEvents(context.WithoutCancel(ctx))
@@ -422,6 +427,27 @@ func fileContains(path string, m []byte) (bool, error) {
 	}
 }
 
+// targetOffsets are the 4 KiB blocks forbiddenWrites aims at.
+var targetOffsets = []int64{256 * 4096, 512 * 4096}
+
+// targetSums is the sha256 of the backing file's blocks at targetOffsets.
+func targetSums(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	buf := make([]byte, 4096)
+	for _, off := range targetOffsets {
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return "", fmt.Errorf("reading %s at %d: %w", path, off, err)
+		}
+		h.Write(buf)
+	}
+	return fmt.Sprintf("%x", h.Sum(nil))[:16], nil
+}
+
 // forbiddenWrites has g try to write its marker to the raw device dev:
 // once as it is, once after clearing the block layer's read-only flag
 // (so the write meets the target's reservation). Each attempt must fail.
@@ -431,8 +457,8 @@ func forbiddenWrites(ctx context.Context, g *lab.Guest, dev string) (attempts []
 		return nil, false, err
 	}
 	for _, try := range []struct{ what, script string }{
-		{"dd to " + dev, fmt.Sprintf("dd if=/tmp/marker of=%s bs=4096 count=1 seek=256 oflag=direct conv=fsync", dev)},
-		{"blockdev --setrw then dd to " + dev, fmt.Sprintf("ro=$(cat /sys/block/%s/ro); blockdev --setrw %s; dd if=/tmp/marker of=%s bs=4096 count=1 seek=512 oflag=direct conv=fsync; rc=$?; [ \"$ro\" = 1 ] && blockdev --setro %s; exit $rc", filepath.Base(dev), dev, dev, dev)},
+		{"dd to " + dev, fmt.Sprintf("dd if=/tmp/marker of=%s bs=4096 count=1 seek=%d oflag=direct conv=fsync", dev, targetOffsets[0]/4096)},
+		{"blockdev --setrw then dd to " + dev, fmt.Sprintf("ro=$(cat /sys/block/%s/ro); blockdev --setrw %s; dd if=/tmp/marker of=%s bs=4096 count=1 seek=%d oflag=direct conv=fsync; rc=$?; [ \"$ro\" = 1 ] && blockdev --setro %s; exit $rc", filepath.Base(dev), dev, dev, targetOffsets[1]/4096, dev)},
 	} {
 		r, err := g.Sh(ctx, try.script)
 		if err != nil {
@@ -547,11 +573,21 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 		return err
 	}
 	if err := s.step(sc, s.b.Name, "try to write to the raw device anyway", func() (string, error) {
+		file := s.env.Backend.DiskFile(s.diskID)
+		before, err := targetSums(file)
+		if err != nil {
+			return "", err
+		}
 		attempts, ok, err := forbiddenWrites(ctx, s.b, dev)
 		if err != nil {
 			return "", err
 		}
+		after, err := targetSums(file)
+		if err != nil {
+			return "", err
+		}
 		s.check(P1, sc, !ok, "%s's raw writes while %s holds the disk: %s", s.b.Name, s.a.Name, strings.Join(attempts, "; "))
+		s.check(P1, sc, before == after, "sha256 of the backing file's blocks %s aimed at: before %s, after %s", s.b.Name, before, after)
 		return strings.Join(attempts, "\n"), nil
 	}); err != nil {
 		return err
