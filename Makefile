@@ -22,7 +22,7 @@ PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 CSI_SANITY_VERSION      := v5.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi test-csi-sanity lab deps deps-apt deps-go proto clean fuzz fuzz-fence
+.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab test-csi-sanity proto clean fuzz fuzz-fence
 
 all: build
 
@@ -31,7 +31,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-csi-sanity
+test: deps lint build unit test-csi-sanity test-lab
 
 unit:
 	$(GO) test -count=1 ./...
@@ -45,9 +45,20 @@ lint: deps-go
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck ./...
 
+# The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
+# 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
+LAB_TIMEOUT ?= 60m
+test-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) ./integration/...
+
 # Benchmarks print one table of figures against named references; they
 # are never asserted. Each part adds a bench-* target as a prerequisite.
-bench: bench-agent bench-csi
+bench: bench-agent bench-csi bench-lab
+
+# Guest boot and lab set-up against a guest booting alone; reservation
+# latency of the engine against sg_persist, in a guest.
+bench-lab: deps build
+	$(BIN)/vco-lab bench
 
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
@@ -85,7 +96,13 @@ proto: deps
 	  --go-grpc_out=agent/api --go-grpc_opt=paths=source_relative \
 	  agent/api/agent.proto
 
-deps: deps-apt deps-go
+deps: deps-apt deps-go deps-lab
+
+# The lab's guest kernel: Debian's linux-image-amd64, unpacked into
+# /var/cache/vco-lab (or $$VCO_LAB_CACHE) once.
+deps-lab: deps-apt
+	@apt-cache show linux-image-amd64 >/dev/null 2>&1 || apt-get update -qq
+	@$(GO) run ./cmd/vco-lab prepare
 
 deps-apt:
 	@missing=""; \

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+)
+
+// prRounds is how many acquire/release sequences one timing runs; the
+// sequence is timed from the host as one exec call, so the channel's
+// round trip is spread over all rounds.
+const prRounds = 20
+
+// sgPersistSequence is DESIGN.md §4's acquire and release done with
+// sg_persist: read keys and reservation, register and ignore existing
+// key, reserve Write Exclusive, re-read; then release and unregister.
+const sgPersistSequence = `dev=$1; n=$2; k=0x5643000000b0b0b0
+i=0
+while [ $i -lt $n ]; do
+	sg_persist -n -i -k $dev >/dev/null && sg_persist -n -i -r $dev >/dev/null &&
+	sg_persist -n -o -I -S $k $dev >/dev/null && sg_persist -n -o -R -T 1 -K $k $dev >/dev/null &&
+	sg_persist -n -i -r $dev >/dev/null &&
+	sg_persist -n -o -L -T 1 -K $k $dev >/dev/null && sg_persist -n -o -G -K $k -S 0 $dev >/dev/null || exit 1
+	i=$((i+1))
+done`
+
+// agentSequence is the same acquire and release through the project's
+// engine, `vco-agent fence`.
+const agentSequence = `dev=$1; n=$2
+i=0
+while [ $i -lt $n ]; do
+	/bin/vco-agent fence acquire $dev >/dev/null && /bin/vco-agent fence release $dev >/dev/null || exit 1
+	i=$((i+1))
+done`
+
+type benchRow struct {
+	name  string
+	value string
+	ratio string
+}
+
+// bench prints the lab's timings as ratios against a reference: a guest
+// booting alone is the reference for boot and set-up times; sg_persist is
+// the reference for reservation latency.
+func bench(args []string) int {
+	c, err := oneShotFlags("bench", args)
+	if err != nil {
+		return fail("%v", err)
+	}
+	return c.finish(benchIn(c))
+}
+
+func benchIn(c *common) int {
+	cfg, err := labConfig(c, false)
+	if err != nil {
+		return fail("%v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+
+	l1, _, err := startShared(ctx, cfg, 1)
+	if err != nil {
+		return fail("%v", err)
+	}
+	alone, setup1 := l1.Guests[0].BootTime, l1.SetupTime()
+	if err := l1.Close(); err != nil {
+		return fail("teardown: %v", err)
+	}
+
+	l2, lun, err := startShared(ctx, cfg, 2)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer func() {
+		if err := l2.Close(); err != nil {
+			fmt.Fprintln(os.Stderr, "vco-lab: teardown:", err)
+		}
+	}()
+	setup2 := l2.SetupTime()
+	ratio := func(d, ref time.Duration) string { return fmt.Sprintf("%.2fx", d.Seconds()/ref.Seconds()) }
+	rows := []benchRow{
+		{"guest boot, alone (reference)", secs(alone), "1.00x"},
+		{"lab set-up, 1 guest", secs(setup1), ratio(setup1, alone)},
+	}
+	for _, g := range l2.Guests {
+		rows = append(rows, benchRow{"guest boot, 2 in parallel (" + g.Name + ")", secs(g.BootTime), ratio(g.BootTime, alone)})
+	}
+	rows = append(rows, benchRow{"lab set-up, 2 guests", secs(setup2), ratio(setup2, alone)})
+
+	g := l2.Guests[0]
+	d, err := g.DiskBySerial(ctx, lun.Serial)
+	if err != nil {
+		return fail("%v", err)
+	}
+	start := time.Now()
+	r, err := g.Exec().Run(ctx, 0, "/bin/sh", "-c", sgPersistSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
+	if err != nil {
+		return fail("%v", err)
+	}
+	if r.Exit != 0 {
+		return fail("sg_persist sequence failed in %s: %s", g.Name, r)
+	}
+	sg := time.Since(start) / prRounds
+	rows = append(rows, benchRow{"PR acquire+release, sg_persist (reference)", ms(sg), "1.00x"})
+
+	// The engine's row, when the guest's vco-agent has it.
+	probe, err := g.Sh(ctx, "/bin/vco-agent fence --help 2>&1")
+	if err != nil {
+		return fail("%v", err)
+	}
+	if strings.Contains(probe.Stdout, "usage: vco-agent fence") {
+		start = time.Now()
+		r, err = g.Exec().Run(ctx, 0, "/bin/sh", "-c", agentSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
+		if err != nil {
+			return fail("%v", err)
+		}
+		if r.Exit != 0 {
+			return fail("vco-agent fence sequence failed in %s: %s", g.Name, r)
+		}
+		engine := time.Since(start) / prRounds
+		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", ms(engine), ratio(engine, sg)})
+	} else {
+		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", "n/a", "(no fence command in this vco-agent)"})
+	}
+
+	fmt.Printf("%-48s %10s %8s\n", "benchmark", "value", "ratio")
+	for _, r := range rows {
+		fmt.Printf("%-48s %10s %8s\n", r.name, r.value, r.ratio)
+	}
+	return 0
+}
+
+func secs(d time.Duration) string { return fmt.Sprintf("%.2fs", d.Seconds()) }
+func ms(d time.Duration) string   { return fmt.Sprintf("%.1fms", float64(d.Microseconds())/1000) }

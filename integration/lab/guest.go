@@ -1,0 +1,312 @@
+package lab
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
+)
+
+// DiskKind is how a disk is presented to a guest.
+type DiskKind string
+
+const (
+	// SCSIBlock passes SCSI commands through to the iSCSI target, so
+	// persistent reservations reach tgt: the cloud's shared disks.
+	SCSIBlock DiskKind = "scsi-block"
+	// SCSIHD is a SCSI disk emulated by QEMU; it answers PR commands with
+	// "invalid opcode", like a disk without PR.
+	SCSIHD DiskKind = "scsi-hd"
+	// VirtioBlk is a virtio-blk-pci disk: no SCSI, no PR.
+	VirtioBlk DiskKind = "virtio-blk"
+)
+
+// Disk is a disk to give a guest, backed by an iSCSI LUN or a host file.
+type Disk struct {
+	ID     string // QEMU device id; the block node is "bd-"+ID
+	Kind   DiskKind
+	LUN    *LUN   // iSCSI backend, or
+	File   string // a host file (raw)
+	Serial string // for scsi-hd and virtio-blk; scsi-block shows the target's
+}
+
+// GuestConfig describes one guest.
+type GuestConfig struct {
+	Name      string
+	UUID      string // SMBIOS system UUID
+	Initiator string // iSCSI initiator name
+	MemMB     int
+	CPUs      int
+	Disks     []Disk
+}
+
+// Guest is a running QEMU guest.
+type Guest struct {
+	GuestConfig
+	Dir        string
+	QMPSocket  string
+	ExecSocket string
+	Console    string
+	Proc       *Proc
+	// BootTime is from starting QEMU until the guest's exec server answered.
+	BootTime time.Duration
+
+	qmp  *QMP
+	exec *guestexec.Client
+}
+
+// qemuArgs is the guest's command line. The machine starts paused (-S) so
+// disks are added through the same QMP path hot-plug uses, then resumed.
+func qemuArgs(cfg GuestConfig, k *Kernel, initrd, dir string) []string {
+	return []string{
+		"-name", cfg.Name,
+		"-machine", "pc", "-accel", "tcg", "-cpu", "max",
+		"-m", strconv.Itoa(cfg.MemMB), "-smp", strconv.Itoa(cfg.CPUs),
+		"-nodefaults", "-no-user-config", "-display", "none", "-vga", "none",
+		"-no-reboot", "-S",
+		"-kernel", k.Vmlinuz, "-initrd", initrd,
+		"-append", "console=ttyS0 panic=-1 loglevel=4 vco.node=" + cfg.Name,
+		"-chardev", "file,id=con,path=" + filepath.Join(dir, "console.log"),
+		"-serial", "chardev:con",
+		"-qmp", "unix:" + filepath.Join(dir, "qmp.sock") + ",server=on,wait=off",
+		"-chardev", "socket,id=exec,path=" + filepath.Join(dir, "exec.sock") + ",server=on,wait=off",
+		"-device", "virtio-serial-pci,id=vser",
+		"-device", "virtserialport,bus=vser.0,chardev=exec,name=" + guestexec.PortName,
+		"-device", "virtio-scsi-pci,id=scsi0",
+		"-smbios", "type=1,uuid=" + cfg.UUID,
+		"-nic", "none",
+	}
+}
+
+// startGuest starts QEMU paused, attaches the disks, resumes it and waits
+// for the exec server. On error the QEMU process is killed.
+func startGuest(ctx context.Context, cfg GuestConfig, k *Kernel, initrd, dir, pidDir string, spawn spawner) (_ *Guest, err error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	for _, s := range []string{"qmp.sock", "exec.sock"} {
+		_ = os.Remove(filepath.Join(dir, s))
+	}
+	g := &Guest{
+		GuestConfig: cfg, Dir: dir,
+		QMPSocket:  filepath.Join(dir, "qmp.sock"),
+		ExecSocket: filepath.Join(dir, "exec.sock"),
+		Console:    filepath.Join(dir, "console.log"),
+	}
+	logf, err := os.Create(filepath.Join(dir, "qemu.log"))
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	cmd := exec.Command("qemu-system-x86_64", qemuArgs(cfg, k, initrd, dir)...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	started := time.Now()
+	g.Proc, err = spawn.start("qemu-"+cfg.Name, cmd, pidDir)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			g.Stop()
+			err = fmt.Errorf("guest %s: %w (QEMU log %s, console %s)", cfg.Name, err, filepath.Join(dir, "qemu.log"), g.Console)
+		}
+	}()
+	qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	g.qmp, err = DialQMP(qctx, g.QMPSocket)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range cfg.Disks {
+		if err := g.AttachDisk(ctx, d); err != nil {
+			return nil, err
+		}
+	}
+	if _, err := g.qmp.Execute(ctx, "cont", nil); err != nil {
+		return nil, err
+	}
+	bctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	type dialed struct {
+		c   *guestexec.Client
+		err error
+	}
+	ch := make(chan dialed, 1)
+	go func() {
+		c, err := guestexec.Dial(bctx, g.ExecSocket)
+		ch <- dialed{c, err}
+	}()
+	select {
+	case d := <-ch:
+		if d.err != nil {
+			return nil, fmt.Errorf("guest did not come up: %w", d.err)
+		}
+		g.exec = d.c
+	case <-g.Proc.Exited():
+		cancel()
+		return nil, fmt.Errorf("QEMU exited during boot: %v", g.Proc.exitErr)
+	}
+	g.BootTime = time.Since(started)
+	return g, nil
+}
+
+func (d Disk) nodeName() string { return "bd-" + d.ID }
+
+// blockdev is the QMP blockdev-add argument for the disk's backend.
+func (d Disk) blockdev(initiator string) (map[string]any, error) {
+	switch {
+	case d.LUN != nil:
+		return map[string]any{
+			"driver": "iscsi", "node-name": d.nodeName(),
+			"transport": "tcp", "portal": d.LUN.Portal, "target": d.LUN.IQN, "lun": 1,
+			"initiator-name": initiator,
+		}, nil
+	case d.File != "":
+		return map[string]any{
+			"driver": "raw", "node-name": d.nodeName(),
+			"file": map[string]any{"driver": "file", "filename": d.File, "locking": "off"},
+		}, nil
+	}
+	return nil, fmt.Errorf("disk %s has neither a LUN nor a file", d.ID)
+}
+
+// device is the QMP device_add argument for the disk's frontend.
+func (d Disk) device() (map[string]any, error) {
+	dev := map[string]any{"id": d.ID, "drive": d.nodeName()}
+	switch d.Kind {
+	case SCSIBlock:
+		if d.LUN == nil {
+			return nil, fmt.Errorf("disk %s: scsi-block needs an iSCSI LUN", d.ID)
+		}
+		dev["driver"] = "scsi-block"
+		dev["bus"] = "scsi0.0"
+	case SCSIHD:
+		dev["driver"] = "scsi-hd"
+		dev["bus"] = "scsi0.0"
+		dev["share-rw"] = true
+	case VirtioBlk:
+		dev["driver"] = "virtio-blk-pci"
+		dev["share-rw"] = true
+	default:
+		return nil, fmt.Errorf("disk %s: unknown kind %q", d.ID, d.Kind)
+	}
+	if d.Serial != "" && d.Kind != SCSIBlock {
+		dev["serial"] = d.Serial
+	}
+	return dev, nil
+}
+
+// AttachDisk adds the disk's backend and device (hot-plug if the guest runs).
+func (g *Guest) AttachDisk(ctx context.Context, d Disk) error {
+	bd, err := d.blockdev(g.Initiator)
+	if err != nil {
+		return err
+	}
+	dev, err := d.device()
+	if err != nil {
+		return err
+	}
+	if _, err := g.qmp.Execute(ctx, "blockdev-add", bd); err != nil {
+		return fmt.Errorf("attaching disk %s to %s: %w", d.ID, g.Name, err)
+	}
+	if _, err := g.qmp.Execute(ctx, "device_add", dev); err != nil {
+		_, _ = g.qmp.Execute(ctx, "blockdev-del", map[string]any{"node-name": d.nodeName()})
+		return fmt.Errorf("attaching disk %s to %s: %w", d.ID, g.Name, err)
+	}
+	return nil
+}
+
+// DetachDisk unplugs the device, waits for QEMU to report it gone (for PCI
+// devices that takes the guest's cooperation), and drops its backend.
+func (g *Guest) DetachDisk(ctx context.Context, id string) error {
+	if _, err := g.qmp.Execute(ctx, "device_del", map[string]any{"id": id}); err != nil {
+		return fmt.Errorf("detaching disk %s from %s: %w", id, g.Name, err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	_, err := g.qmp.WaitEvent(wctx, "DEVICE_DELETED", func(data json.RawMessage) bool {
+		var d struct {
+			Device string `json:"device"`
+		}
+		return json.Unmarshal(data, &d) == nil && d.Device == id
+	})
+	if err != nil {
+		return fmt.Errorf("detaching disk %s from %s: guest did not release the device: %w", id, g.Name, err)
+	}
+	if _, err := g.qmp.Execute(ctx, "blockdev-del", map[string]any{"node-name": Disk{ID: id}.nodeName()}); err != nil {
+		return fmt.Errorf("detaching disk %s from %s: %w", id, g.Name, err)
+	}
+	return nil
+}
+
+// Pause stops the guest's CPUs (QMP stop): a node that hangs.
+func (g *Guest) Pause(ctx context.Context) error {
+	_, err := g.qmp.Execute(ctx, "stop", nil)
+	return err
+}
+
+// Resume restarts the guest's CPUs (QMP cont).
+func (g *Guest) Resume(ctx context.Context) error {
+	_, err := g.qmp.Execute(ctx, "cont", nil)
+	return err
+}
+
+// QMP gives direct access to the guest's QMP connection.
+func (g *Guest) QMP() *QMP { return g.qmp }
+
+// Exec is the guest's command channel.
+func (g *Guest) Exec() *guestexec.Client { return g.exec }
+
+// Run runs argv in the guest (see guestexec.Client.Run).
+func (g *Guest) Run(ctx context.Context, argv ...string) (*guestexec.Result, error) {
+	return g.exec.Run(ctx, 0, argv...)
+}
+
+// Sh runs a shell command line in the guest.
+func (g *Guest) Sh(ctx context.Context, script string) (*guestexec.Result, error) {
+	return g.exec.Sh(ctx, script)
+}
+
+// MustSh runs a shell command line and fails unless it exits 0; the error
+// carries the command's output.
+func (g *Guest) MustSh(ctx context.Context, script string) (string, error) {
+	r, err := g.exec.Sh(ctx, script)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", g.Name, err)
+	}
+	if r.Exit != 0 {
+		return r.Stdout, fmt.Errorf("%s: %q: %s", g.Name, script, r)
+	}
+	return r.Stdout, nil
+}
+
+// ConsoleTail returns the end of the guest's console log (diagnostics).
+func (g *Guest) ConsoleTail(n int) string {
+	b, _ := os.ReadFile(g.Console)
+	lines := strings.Split(string(b), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// Stop kills QEMU and closes the channels.
+func (g *Guest) Stop() error {
+	if g.exec != nil {
+		g.exec.Close()
+	}
+	if g.qmp != nil {
+		g.qmp.Close()
+	}
+	if g.Proc == nil {
+		return nil
+	}
+	return g.Proc.Kill()
+}
