@@ -62,7 +62,8 @@ bench-lab: deps build
 
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
-	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ && \
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./agent/volume/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
 
 # 100 concurrent CreateVolume+ControllerPublish against the simulator,
 # reported as a ratio to the bare API calls for the same work; a node

@@ -83,13 +83,21 @@ func TestUnknownFieldNamesFieldAndLine(t *testing.T) {
 
 func TestBadValuesAreNamed(t *testing.T) {
 	cases := map[string]string{
-		"log:\n  level: loud\n":         "log.level",
-		"socket:\n  path: rel.sock\n":   "socket.path",
-		"events:\n  ring_size: 0\n":     "events.ring_size",
-		"state_dir: var\n":              "state_dir",
-		"events:\n  ring_size: lots\n":  "line 2",
-		"socket: [\n":                   "line",
-		"dbus:\n  enabled: sometimes\n": "line 2",
+		"log:\n  level: loud\n":                "log.level",
+		"socket:\n  path: rel.sock\n":          "socket.path",
+		"events:\n  ring_size: 0\n":            "events.ring_size",
+		"state_dir: var\n":                     "state_dir",
+		"events:\n  ring_size: lots\n":         "line 2",
+		"socket: [\n":                          "line",
+		"dbus:\n  enabled: sometimes\n":        "line 2",
+		"volumes:\n  kubelet_root: /\n":        "volumes.kubelet_root",
+		"volumes:\n  kubelet_root: kubelet\n":  "volumes.kubelet_root",
+		"volumes:\n  check_interval: 1ms\n":    "volumes.check_interval",
+		"volumes:\n  check_interval: often\n":  "line 2",
+		"metrics:\n  listen: 0.0.0.0:9465\n":   "loopback",
+		"metrics:\n  listen: 10.0.0.1:9465\n":  "loopback",
+		"metrics:\n  listen: 127.0.0.1\n":      "host:port",
+		"metrics:\n  listen: localhost:http\n": "port",
 	}
 	for body, want := range cases {
 		_, err := Load(write(t, body), true)
@@ -121,6 +129,26 @@ func TestFlagsOverrideFileOnlyWhenGiven(t *testing.T) {
 	_ = fs.Parse([]string{"--config", p, "--log-level", "chatty"})
 	if _, err := f.Load(); err == nil || !strings.Contains(err.Error(), "log.level") {
 		t.Fatalf("bad flag value: %v", err)
+	}
+}
+
+func TestVolumesAndMetricsSections(t *testing.T) {
+	p := write(t, "volumes:\n  kubelet_root: /srv/kubelet\n  check_interval: 2s\n  allow_unfenced: true\nmetrics:\n  listen: \"[::1]:9465\"\n")
+	cfg, err := Load(p, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Volumes.KubeletRoot != "/srv/kubelet" || cfg.Volumes.CheckInterval.Seconds() != 2 || !cfg.Volumes.AllowUnfenced ||
+		cfg.Volumes.AllowLoopDevices || cfg.Volumes.DevRoot != "/dev" || cfg.Metrics.Listen != "[::1]:9465" {
+		t.Fatalf("volumes/metrics not applied: %+v %+v", cfg.Volumes, cfg.Metrics)
+	}
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	f := RegisterFlags(fs)
+	if err := fs.Parse([]string{"--config", p, "--kubelet-root", "/k", "--metrics-listen", "127.0.0.1:1"}); err != nil {
+		t.Fatal(err)
+	}
+	if cfg, err = f.Load(); err != nil || cfg.Volumes.KubeletRoot != "/k" || cfg.Metrics.Listen != "127.0.0.1:1" {
+		t.Fatalf("flags: %+v %v", cfg, err)
 	}
 }
 

@@ -27,6 +27,7 @@ import (
 
 	"github.com/coreos/go-systemd/v22/activation"
 	sddaemon "github.com/coreos/go-systemd/v22/daemon"
+	"k8s.io/klog/v2"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/dbussignal"
@@ -207,6 +208,8 @@ type volumes struct {
 // and starts the periodic claim check and, when configured, the metrics
 // listener.
 func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdentity, bus *events.Bus, log *slog.Logger) (*volumes, error) {
+	// mount-utils logs through klog; its lines join the agent's own log.
+	klog.SetSlogLogger(log.With("part", "mount"))
 	key, err := fence.KeyFromUUID(ident.SystemUUID)
 	if err != nil {
 		return nil, fmt.Errorf("deriving this node's fence key from its SMBIOS UUID: %w", err)

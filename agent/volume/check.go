@@ -44,12 +44,13 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 			return
 		}
 		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err)
-		c.State, c.Detail = StateGone, fmt.Sprintf("the agent could not find its disk again at start: %v", err)
+		c.Missing, c.Detail = true, fmt.Sprintf("the agent could not find its disk again at start: %v", err)
 		if err := m.store.Put(c); err != nil {
 			log.Error("recording the claim", "err", err)
 		}
 		return
 	}
+	c.Missing = false
 	if c.DevNum != dev.DevNum() || c.Device != dev.Path {
 		log.Info("the claimed disk has a new device node", "now", dev.Path, "devnum", dev.DevNum())
 		c.Device, c.DevNum = dev.Path, dev.DevNum()
@@ -59,12 +60,14 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 		if err := m.unmountIfMounted(c.StagingPath); err != nil {
 			log.Error("unmounting an interrupted stage", "err", err)
 		}
-		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume); err == nil && ch.Fencer != nil {
+		l := &live{dev: dev}
+		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
+			l.fencer = ch.Fencer
 			if err := ch.Fencer.Release(ctx); err != nil {
 				log.Warn("releasing the fence of an interrupted stage", "err", err)
 			}
 		}
-		dev.Close()
+		l.close()
 		c.Phase, c.State = PhaseInterrupted, ""
 		if err := m.store.Put(c); err != nil {
 			log.Error("recording the interrupted stage", "err", err)
@@ -84,7 +87,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 		log.Info("unfenced claim kept (explicit opt-in)")
 		return
 	}
-	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume)
+	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		m.setLive(c.Volume, &live{dev: dev})
 		log.Error("cannot check the fence of a recorded claim; the periodic check retries", "err", err)
@@ -118,6 +121,9 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
 			log.Error("closing the mapping of a vanished disk", "err", err)
 		}
+	}
+	if err := dropDataMapping(c.DataDevice); err != nil {
+		log.Error("detaching the data mapping of a vanished disk", "err", err)
 	}
 	m.setLive(c.Volume, nil)
 	if err := m.store.Delete(c.Volume); err != nil {
@@ -165,7 +171,7 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	start := time.Now()
 	claims, _ := m.store.List()
 	for _, c := range claims {
-		if c.Phase != PhaseStaged || (c.State != StateHeld && c.State != StateUnfenced) {
+		if c.Phase != PhaseStaged || c.State == StateLost {
 			continue
 		}
 		release, err := m.locks.try(c.Volume, "claim check")
@@ -183,7 +189,7 @@ func (m *Manager) CheckAll(ctx context.Context) {
 }
 
 func (m *Manager) checkOne(ctx context.Context, c *Claim) {
-	if c.Phase != PhaseStaged || (c.State != StateHeld && c.State != StateUnfenced) {
+	if c.Phase != PhaseStaged || c.State == StateLost {
 		return
 	}
 	l := m.getLive(c.Volume)
@@ -192,13 +198,18 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim) {
 		return
 	}
 	if err := l.dev.Verify(ctx); err != nil {
-		m.o.Metrics.checks.WithLabelValues("gone").Inc()
-		if c.State != StateGone {
-			c.State, c.Detail = StateGone, fmt.Sprintf("the disk %s of volume %s is no longer the device it was staged on: %v", c.Device, c.Volume, err)
+		m.o.Metrics.checks.WithLabelValues("missing").Inc()
+		if !c.Missing {
+			c.Missing, c.Detail = true, fmt.Sprintf("the disk %s of volume %s is no longer the device it was staged on: %v", c.Device, c.Volume, err)
 			_ = m.store.Put(c)
 			m.log.Error("claimed disk vanished or changed", "volume", c.Volume, "device", c.Device, "err", err)
 		}
 		return
+	}
+	if c.Missing {
+		c.Missing, c.Detail = false, ""
+		_ = m.store.Put(c)
+		m.log.Info("claimed disk is back", "volume", c.Volume, "device", c.Device)
 	}
 	if l.fencer == nil {
 		m.o.Metrics.checks.WithLabelValues("ok").Inc()

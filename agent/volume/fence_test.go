@@ -1,10 +1,12 @@
 package volume
 
 import (
+	"bytes"
 	"context"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	dto "github.com/prometheus/client_model/go"
@@ -30,19 +32,30 @@ var (
 	names   = fence.Directory{keyA: "node-a", keyB: "node-b"}
 )
 
-// modelFencing fences every disk through the model target as node.
+// modelFencing fences every disk through the model target as node. With
+// offset set it also behaves like a method that keeps metadata on the
+// disk (as the lease does): the volume's data starts at offset, and the
+// manager's onLost callback is kept for the test to call.
 type modelFencing struct {
-	tgt  *scsitest.Target
-	node string
+	tgt    *scsitest.Target
+	node   string
+	offset int64
+	mu     sync.Mutex
+	onLost func(*fence.LostError)
 }
 
-func (f *modelFencing) Choose(_ context.Context, dev *Device, volume string) (Choice, error) {
+func (f *modelFencing) Choose(_ context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error) {
 	key, _ := fence.KeyFromUUID(f.node)
 	e, err := pr.New(dev.Path, f.tgt.Initiator(f.node), pr.Config{Key: key, Node: f.node, Disk: volume, Resolver: names, Verify: dev.Verify})
 	if err != nil {
 		return Choice{}, err
 	}
-	return Choice{Fencer: e, Method: fence.MethodPR}, nil
+	if onLost != nil {
+		f.mu.Lock()
+		f.onLost = onLost
+		f.mu.Unlock()
+	}
+	return Choice{Fencer: e, Method: fence.MethodPR, DataOffset: f.offset}, nil
 }
 
 func newFencedEnv(t *testing.T) (*env, *scsitest.Target) {
@@ -251,6 +264,127 @@ func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
 func clearRO(dev string) {
 	if f, err := os.Open(dev); err == nil {
 		unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0)
+		f.Close()
+	}
+}
+
+// Issue 4's restart scenario: the claim is preempted while the agent is
+// down; the agent reports DiskFenced at start and stops I/O.
+func TestClaimLostWhileTheAgentWasDownIsFencedAtStart(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	req := e.stageReq("vol-d", img, "staging/d")
+	req.AllowUnfenced = false
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	e.m.Close()
+	if _, err := nodeBEngine(t, tgt, "vol-d").Acquire(ctx, &fence.Grant{Disk: "vol-d", Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	e.m.Reconcile(ctx)
+	ev := e.event(events.DiskFenced)
+	if ev.Volume != "vol-d" || !strings.Contains(ev.Message, "lost") {
+		t.Fatalf("fenced event at start: %+v", ev)
+	}
+	if !deviceReadOnly(t, dev) {
+		t.Fatal("disk lost while the agent was down is writable")
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "x"), []byte("x"), 0o644); err == nil {
+		t.Fatal("filesystem writable after the loss was found at start")
+	}
+	if st, _ := e.m.Stats(ctx, "vol-d", ""); !st.Abnormal {
+		t.Fatal("volume not abnormal")
+	}
+	if _, ok := tgt.Registered(nodeA); ok {
+		t.Fatal("the agent registered again at start")
+	}
+}
+
+// A fencing method with metadata at the start of the disk: the volume is
+// staged on a mapping past it, the metadata is never written, and a loss
+// the fencer notices by itself stops I/O through the callback.
+func TestDataAreaPastFencingMetadataAndSelfReportedLoss(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{})
+	mf := &modelFencing{tgt: tgt, node: nodeA, offset: 1 << 20}
+	e := newEnvWith(t, mf)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	meta := bytes.Repeat([]byte("METADATA"), 512)
+	if err := os.WriteFile(img, meta, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	req := e.stageReq("vol-m", img, "staging/m")
+	req.AllowUnfenced = false
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Device == dev || !res.Formatted {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	t.Cleanup(func() { dropDataMapping(res.Device) })
+	if b, _ := os.ReadFile("/sys/block/" + filepath.Base(res.Device) + "/loop/offset"); strings.TrimSpace(string(b)) != "1048576" {
+		t.Fatalf("mapping %s offset %q", res.Device, b)
+	}
+	if blkid(t, res.Device, "TYPE") != "ext4" {
+		t.Fatal("no filesystem on the data mapping")
+	}
+	os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644)
+	syncFS(req.StagingPath)
+	head := make([]byte, len(meta))
+	if f, err := os.Open(img); err == nil {
+		f.ReadAt(head, 0)
+		f.Close()
+	}
+	if !bytes.Equal(head, meta) {
+		t.Fatal("the fencing metadata area was written")
+	}
+	// Retry, unstage (mapping goes), restage (same filesystem).
+	if r2, err := e.m.Stage(ctx, req); err != nil || r2.Formatted || r2.Device != res.Device {
+		t.Fatalf("retried stage: %+v %v", r2, err)
+	}
+	if err := e.m.Unstage(ctx, "vol-m", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if p, ok := e.m.findDataMapping(dev, 1<<20); ok {
+		t.Fatalf("data mapping %s left after unstage", p)
+	}
+	res, err = e.m.Stage(ctx, req)
+	if err != nil || res.Formatted {
+		t.Fatalf("restage: %+v %v", res, err)
+	}
+	t.Cleanup(func() { dropDataMapping(res.Device) })
+	if _, err := os.Stat(filepath.Join(req.StagingPath, "data")); err != nil {
+		t.Fatal(err)
+	}
+
+	// The fencer reports the loss itself: I/O stops before anything else.
+	mf.mu.Lock()
+	onLost := mf.onLost
+	mf.mu.Unlock()
+	onLost(&fence.LostError{Device: dev, Reason: "lease taken by key " + keyB.String(), Holder: keyB, HolderNode: "node-b"})
+	if !deviceReadOnly(t, dev) {
+		t.Fatal("not read-only right after the loss was reported")
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "after"), []byte("x"), 0o644); err == nil {
+		t.Fatal("filesystem writable right after the loss was reported")
+	}
+	if ev := e.event(events.DiskFenced); ev.Volume != "vol-m" || ev.HolderNode != "node-b" {
+		t.Fatalf("fenced event: %+v", ev)
+	}
+	if st, _ := e.m.Stats(ctx, "vol-m", ""); !st.Abnormal || !strings.Contains(st.Message, "lease taken") {
+		t.Fatalf("stats: %+v", st)
+	}
+}
+
+func syncFS(p string) {
+	if f, err := os.Open(p); err == nil {
+		unix.Syncfs(int(f.Fd()))
 		f.Close()
 	}
 }

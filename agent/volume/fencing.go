@@ -20,18 +20,29 @@ type Choice struct {
 	Method fence.Method
 	// Reason says why there is no fencer, for the refusal's text.
 	Reason string
+	// DataOffset, when not 0, is where the volume's data begins: the
+	// method keeps metadata before it (the lease area). The manager then
+	// stages the volume on a mapping of the disk from that offset.
+	DataOffset int64
+	// Prepare, when set, runs before the first Acquire of a stage: it
+	// writes the method's metadata on a blank disk (never over data) and
+	// reports whether it wrote anything.
+	Prepare func(ctx context.Context) (wrote bool, err error)
 }
 
 // FencerFactory chooses how a disk is fenced. Choose must not change
-// anything on the disk.
+// anything on the disk. onLost is for fencers that notice a loss by
+// themselves (the lease's renewal timer): they call it, from any
+// goroutine, the moment the claim is lost, and the manager stops I/O.
 type FencerFactory interface {
-	Choose(ctx context.Context, dev *Device, volume string) (Choice, error)
+	Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error)
 }
 
-// LeaseFactory makes the on-disk lease fencer for a disk without
-// reservations; it reports fence.ErrNotSupported (wrapped) when the disk
-// cannot carry a lease (a foreign layout).
-type LeaseFactory func(ctx context.Context, dev *Device, volume string) (fence.Fencer, error)
+// LeaseFactory makes the on-disk lease fencer (package fence/lease) for a
+// disk without reservations: Fencer, Method (MethodLease), DataOffset and
+// Prepare (format the lease area on a blank disk) set; or no Fencer and a
+// Reason when the disk cannot carry a lease (a foreign layout).
+type LeaseFactory func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error)
 
 // Fencing is the agent's FencerFactory: SCSI-3 PR when the disk's target
 // supports it, else the lease when one is plugged in, else nothing.
@@ -44,7 +55,7 @@ type Fencing struct {
 }
 
 // Choose implements FencerFactory.
-func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string) (Choice, error) {
+func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error) {
 	t := dev.SCSI
 	if t == nil {
 		// Not SCSI as far as sysfs knows; SG_IO on the node says so
@@ -63,13 +74,16 @@ func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string) (Choic
 	if sup.Method == fence.MethodPR {
 		return Choice{Fencer: e, Method: fence.MethodPR}, nil
 	}
-	reason := sup.Reason
+	var reason string
 	if f.Lease != nil {
-		l, err := f.Lease(ctx, dev, volume)
-		if err == nil {
-			return Choice{Fencer: l, Method: MethodLease}, nil
+		ch, err := f.Lease(ctx, dev, volume, onLost)
+		if err != nil {
+			return Choice{}, fmt.Errorf("no persistent reservations (%s), and the lease could not be set up: %w", sup.Reason, err)
 		}
-		reason = fmt.Sprintf("no persistent reservations (%s) and no lease: %v", sup.Reason, err)
+		if ch.Fencer != nil {
+			return ch, nil
+		}
+		reason = fmt.Sprintf("no persistent reservations (%s), and no lease: %s", sup.Reason, ch.Reason)
 	} else {
 		reason = fmt.Sprintf("no persistent reservations (%s), and this agent has no on-disk lease", sup.Reason)
 	}

@@ -84,6 +84,8 @@ func fromClaim(di *DiskInfo, c *Claim) {
 	switch {
 	case c.Phase != PhaseStaged:
 		di.State = string(c.Phase)
+	case c.Missing && c.State != StateLost:
+		di.State = "gone"
 	default:
 		di.State = string(c.State)
 	}
@@ -105,7 +107,7 @@ func (m *Manager) probe(ctx context.Context, d discovery.Disk, di *DiskInfo) {
 	}
 	defer o.Close()
 	dev := &Device{Path: d.DevPath, Name: d.Name, Major: d.Major, Minor: d.Minor, Kind: d.Kind, File: o.File, SCSI: o.SCSI, Verify: o.Verify}
-	ch, err := m.o.Fencers.Choose(ctx, dev, "")
+	ch, err := m.o.Fencers.Choose(ctx, dev, "", nil)
 	if err != nil {
 		di.Detail = err.Error()
 		return

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 	mount "k8s.io/mount-utils"
@@ -119,22 +121,35 @@ func (m *Manager) count(op string, err *error) {
 
 func (m *Manager) updateGauge() {
 	cs, _ := m.store.List()
-	n := map[State]float64{StateHeld: 0, StateUnfenced: 0, StateLost: 0, StateGone: 0}
+	n := map[string]float64{"held": 0, "unfenced": 0, "lost": 0, "missing": 0}
 	for _, c := range cs {
-		if c.Phase == PhaseStaged {
-			n[c.State]++
+		switch {
+		case c.Phase != PhaseStaged:
+		case c.Missing && c.State != StateLost:
+			n["missing"]++
+		default:
+			n[string(c.State)]++
 		}
 	}
 	for s, v := range n {
-		m.o.Metrics.claims.WithLabelValues(string(s)).Set(v)
+		m.o.Metrics.claims.WithLabelValues(s).Set(v)
 	}
+}
+
+func (l *live) close() {
+	// A fencer that holds resources of its own (the lease's O_DIRECT
+	// descriptor and renewal timer) lets them go.
+	if c, ok := l.fencer.(io.Closer); ok {
+		c.Close()
+	}
+	l.dev.Close()
 }
 
 func (m *Manager) setLive(volume string, l *live) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if old := m.live[volume]; old != nil && old != l {
-		old.dev.Close()
+		old.close()
 	}
 	if l == nil {
 		delete(m.live, volume)
@@ -155,7 +170,7 @@ func (m *Manager) Close() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for v, l := range m.live {
-		l.dev.Close()
+		l.close()
 		delete(m.live, v)
 	}
 }
@@ -284,6 +299,9 @@ func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, e
 			if r.Grant == nil {
 				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
 			}
+			if len(c.Publications) > 0 {
+				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
+			}
 			if err := m.dropLost(c); err != nil {
 				return res, err
 			}
@@ -310,6 +328,11 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 		return false, nil
 	}
 	if err := l.dev.Verify(ctx); err != nil {
+		return false, nil
+	}
+	if c.State == StateHeld && l.fencer == nil {
+		// Opened at start without its fencer (the check failed then): the
+		// stage runs again and claims it afresh.
 		return false, nil
 	}
 	if l.fencer != nil {
@@ -385,7 +408,10 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		}
 		m.setLive(c.Volume, nil)
 		dev.Close()
-		if isNew && !c.Formatted {
+		if isNew && !c.Formatted && !c.LUKSFormatted && !c.FenceFormatted {
+			if err := dropDataMapping(c.DataDevice); err != nil {
+				m.log.Error("could not detach the data mapping of a failed stage", "volume", c.Volume, "err", err)
+			}
 			if derr := m.store.Delete(c.Volume); derr != nil {
 				m.log.Error("could not remove the claim record of a failed stage", "volume", c.Volume, "err", derr)
 			}
@@ -405,7 +431,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		return res, err
 	}
 
-	choice, err := m.o.Fencers.Choose(ctx, dev, c.Volume)
+	choice, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		return res, agenterr.New(agenterr.Unavailable, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
 	}
@@ -420,6 +446,19 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			"volume", c.Volume, "device", dev.Path, "reason", choice.Reason)
 		c.Method, c.State, c.Key = fence.MethodNone, StateUnfenced, 0
 	} else {
+		if choice.Prepare != nil {
+			wrote, err := choice.Prepare(ctx)
+			if err != nil {
+				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: preparing %s for %s fencing: %v", c.Volume, dev.Path, choice.Method, err)
+			}
+			if wrote {
+				c.FenceFormatted = true
+				m.log.Info("wrote the fencing metadata on a blank disk", "volume", c.Volume, "device", dev.Path, "fence", choice.Method)
+				if err := m.store.Put(c); err != nil {
+					return res, err
+				}
+			}
+		}
 		claim, err := fencer.Acquire(ctx, r.Grant)
 		var held *fence.HeldError
 		switch {
@@ -453,21 +492,27 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		m.log.Info("cleared the read-only flag of a disk now claimed by this node", "volume", c.Volume, "device", dev.Path)
 	}
 	m.setLive(c.Volume, &live{dev: dev, fencer: fencer})
+	c.DataOffset, c.DataDevice = choice.DataOffset, ""
+	if choice.DataOffset > 0 {
+		if c.DataDevice, err = m.dataMapping(dev.Path, choice.DataOffset); err != nil {
+			return res, fmt.Errorf("volume %s: %w", c.Volume, err)
+		}
+	}
 	if err := m.store.Put(c); err != nil {
 		return res, err
 	}
 
-	target := dev.Path
+	target := c.BaseDevice()
 	if r.Encrypted {
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
 		}
-		mapped, formatted, err := m.o.Crypt.Open(ctx, dev.Path, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.Formatted, r.ReadOnly)
+		mapped, formatted, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
 		if err != nil {
-			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, dev.Path, err)
+			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, target, err)
 		}
 		if formatted {
-			c.Formatted = true
+			c.LUKSFormatted = true
 			res.Formatted = true
 		}
 		c.Mapper, target = mapped, mapped
@@ -539,6 +584,11 @@ func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
 	if c.ReadOnly {
 		opts = append(opts, "ro")
 	}
+	if c.FsType == "xfs" && !slices.Contains(opts, "nouuid") {
+		// A volume cloned from a snapshot carries its source's xfs UUID;
+		// without nouuid the second of the two would not mount here.
+		opts = append(opts, "nouuid")
+	}
 	if err := m.mounter.FormatAndMount(device, c.StagingPath, c.FsType, opts); err != nil {
 		return false, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
 	}
@@ -582,6 +632,51 @@ func (m *Manager) refuse(c *Claim, dev *Device, held *fence.HeldError) {
 		HolderKey: uint64(held.Holder), HolderNode: held.HolderNode, Reason: "held-by-another-node",
 		Message: fmt.Sprintf("volume %s: %v", c.Volume, held)})
 	m.log.Warn("disk refused", "volume", c.Volume, "device", dev.Path, "holder", held.Holder.String(), "holder_node", held.HolderNode)
+}
+
+// onLost is given to fencers that notice a loss by themselves. I/O stops
+// at once, without waiting for the volume's lock (an API call may hold
+// it); the loss is then recorded and announced under the lock.
+func (m *Manager) onLost(volume string) func(*fence.LostError) {
+	return func(lost *fence.LostError) {
+		if l := m.getLive(volume); l != nil {
+			if err := setReadOnly(l.dev.File, true); err != nil {
+				m.log.Error("could not set a fenced disk read-only", "volume", volume, "err", err)
+			}
+		}
+		if c, err := m.store.Get(volume); err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
+			if err := stopFilesystem(c.StagingPath); err != nil {
+				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
+			}
+		}
+		go m.recordLoss(volume, lost)
+	}
+}
+
+func (m *Manager) recordLoss(volume string, lost *fence.LostError) {
+	var release func()
+	for i := 0; ; i++ {
+		var err error
+		if release, err = m.locks.try(volume, "recording a lost claim"); err == nil {
+			break
+		}
+		if i > 600 {
+			m.log.Error("the volume stayed busy; its loss is recorded by the next claim check", "volume", volume)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	defer release()
+	c, err := m.store.Get(volume)
+	if err != nil || c == nil || c.State == StateLost {
+		return
+	}
+	var dev *Device
+	if l := m.getLive(volume); l != nil {
+		dev = l.dev
+	}
+	m.lose(c, dev, lost)
+	m.updateGauge()
 }
 
 // lose is P4: stop I/O at once, say so, and remember it.

@@ -4,6 +4,7 @@ import (
 	"net/http"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
@@ -24,11 +25,11 @@ func NewMetrics() *Metrics {
 		reg: prometheus.NewRegistry(),
 		claims: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: "vco_agent", Name: "claims",
-			Help: "Volumes this agent has claimed, by fence state (held, unfenced, lost, gone).",
+			Help: "Volumes this agent has claimed, by state (held, unfenced, lost, missing).",
 		}, []string{"state"}),
 		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "vco_agent", Name: "claim_checks_total",
-			Help: "Checks of claims, by result (ok, lost, error, gone).",
+			Help: "Checks of claims, by result (ok, lost, error, missing).",
 		}, []string{"result"}),
 		refusals: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: "vco_agent", Name: "refusals_total",
@@ -49,7 +50,7 @@ func NewMetrics() *Metrics {
 		}),
 	}
 	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.stages, m.checkTime,
-		prometheus.NewGoCollector(), prometheus.NewProcessCollector(prometheus.ProcessCollectorOpts{}))
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 

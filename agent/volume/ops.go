@@ -61,13 +61,16 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			return err
 		}
 	}
+	if err := dropDataMapping(c.DataDevice); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+	}
 	l := m.getLive(volume)
 	if c.State == StateHeld {
 		if l == nil {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
 			if dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices); err == nil {
-				if ch, err := m.o.Fencers.Choose(ctx, dev, volume); err == nil && ch.Fencer != nil {
+				if ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil); err == nil && ch.Fencer != nil {
 					l = &live{dev: dev, fencer: ch.Fencer}
 				} else {
 					dev.Close()
@@ -83,15 +86,19 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			}
 		}
 	}
-	if l != nil {
-		l.dev.Close()
+	if l != nil && l != m.getLive(volume) {
+		l.close()
 	}
 	m.setLive(volume, nil)
 	if err := m.store.Delete(volume); err != nil {
 		return err
 	}
+	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)
+	if c.State == StateLost {
+		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", volume, staging, c.Device)
+	}
 	m.publish(events.Event{Type: events.DiskReleased, Volume: volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
-		Reason: "unstaged", Message: fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)})
+		Reason: "unstaged", Message: msg})
 	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
 	return nil
 }
@@ -138,7 +145,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is not staged on this node; stage it first", r.Volume)
 	case c.StagingPath != staging:
 		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged at %s, not %s", r.Volume, c.StagingPath, staging)
-	case c.State == StateLost || c.State == StateGone:
+	case c.Abnormal():
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", r.Volume, c.Detail)
 	case c.Block != r.Block:
 		return agenterr.New(agenterr.InvalidArgument, "volume %s is staged as a %s volume; it cannot be published as a %s volume", r.Volume, kindName(c.Block), kindName(r.Block))
@@ -271,8 +278,13 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	if _, err := m.volumePath(c, path); err != nil {
 		return 0, err
 	}
-	if c.State == StateLost || c.State == StateGone {
+	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
+	}
+	if c.DataDevice != "" {
+		if err := growDataMapping(c.DataDevice); err != nil {
+			return 0, agenterr.New(agenterr.Internal, "volume %s: %v", volume, err)
+		}
 	}
 	if c.Mapper != "" {
 		// The hook for package crypt: the mapping grows first, then the
@@ -332,8 +344,7 @@ func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error)
 		return st, err
 	}
 	st.Block = c.Block
-	switch c.State {
-	case StateLost, StateGone:
+	if c.Abnormal() {
 		st.Abnormal, st.Message = true, c.Detail
 	}
 	if c.Block {

@@ -38,7 +38,6 @@ const (
 	StateHeld     State = "held"
 	StateUnfenced State = "unfenced"
 	StateLost     State = "lost"
-	StateGone     State = "gone"
 )
 
 // Locator is how a claim's disk is found again, in a form that survives
@@ -61,39 +60,63 @@ func (l Locator) String() string {
 // Claim is the record of one staged (or being staged) volume. It holds no
 // secret: the passphrase of an encrypted volume is never stored.
 type Claim struct {
-	Volume      string       `json:"volume"`
-	Locator     Locator      `json:"locator"`
-	Device      string       `json:"device"`
-	DevNum      string       `json:"devnum"`
-	Serial      string       `json:"serial,omitempty"`
-	StagingPath string       `json:"staging_path"`
-	FsType      string       `json:"fs_type,omitempty"`
-	Block       bool         `json:"block,omitempty"`
-	MountFlags  []string     `json:"mount_flags,omitempty"`
-	ReadOnly    bool         `json:"read_only,omitempty"`
-	Encrypted   bool         `json:"encrypted,omitempty"`
-	Mapper      string       `json:"mapper,omitempty"`
-	Method      fence.Method `json:"fence_method"`
-	Key         fence.Key    `json:"key,omitempty"`
-	Phase       Phase        `json:"phase"`
-	State       State        `json:"state"`
-	Detail      string       `json:"detail,omitempty"`
-	HolderKey   fence.Key    `json:"holder_key,omitempty"`
-	HolderNode  string       `json:"holder_node,omitempty"`
-	// Formatted is set once this agent made the filesystem (or LUKS2
-	// header): from then on a device that looks blank is a fault to
-	// report, never a device to format (DESIGN.md P5).
-	Formatted bool `json:"formatted,omitempty"`
+	Volume      string   `json:"volume"`
+	Locator     Locator  `json:"locator"`
+	Device      string   `json:"device"`
+	DevNum      string   `json:"devnum"`
+	Serial      string   `json:"serial,omitempty"`
+	StagingPath string   `json:"staging_path"`
+	FsType      string   `json:"fs_type,omitempty"`
+	Block       bool     `json:"block,omitempty"`
+	MountFlags  []string `json:"mount_flags,omitempty"`
+	ReadOnly    bool     `json:"read_only,omitempty"`
+	Encrypted   bool     `json:"encrypted,omitempty"`
+	Mapper      string   `json:"mapper,omitempty"`
+	// DataOffset and DataDevice: the fencing keeps metadata before
+	// DataOffset, and the volume lives on DataDevice, a mapping of the
+	// disk from there.
+	DataOffset int64        `json:"data_offset,omitempty"`
+	DataDevice string       `json:"data_device,omitempty"`
+	Method     fence.Method `json:"fence_method"`
+	Key        fence.Key    `json:"key,omitempty"`
+	Phase      Phase        `json:"phase"`
+	State      State        `json:"state"`
+	Detail     string       `json:"detail,omitempty"`
+	// Missing is set while the claimed device cannot be found or is no
+	// longer the disk it was staged on; the volume is then abnormal.
+	Missing    bool      `json:"missing,omitempty"`
+	HolderKey  fence.Key `json:"holder_key,omitempty"`
+	HolderNode string    `json:"holder_node,omitempty"`
+	// Formatted is set once this agent made the filesystem, and
+	// LUKSFormatted once it made the LUKS2 header: from then on a device
+	// that looks blank is a fault to report, never a device to format
+	// (DESIGN.md P5).
+	Formatted     bool `json:"formatted,omitempty"`
+	LUKSFormatted bool `json:"luks_formatted,omitempty"`
+	// FenceFormatted: the fencing wrote its metadata (the lease area).
+	FenceFormatted bool `json:"fence_formatted,omitempty"`
 	// Publications are the target paths the volume is bind-mounted at.
 	Publications []string  `json:"publications,omitempty"`
 	Updated      time.Time `json:"updated"`
 }
+
+// Abnormal reports whether the volume cannot be used as staged.
+func (c *Claim) Abnormal() bool { return c.State == StateLost || c.Missing }
 
 // MountDevice is the device the filesystem sits on: the dm-crypt mapping
 // for an encrypted volume.
 func (c *Claim) MountDevice() string {
 	if c.Mapper != "" {
 		return c.Mapper
+	}
+	return c.BaseDevice()
+}
+
+// BaseDevice is what LUKS2 or the filesystem is put on: the data mapping
+// when the fencing keeps metadata on the disk, else the disk.
+func (c *Claim) BaseDevice() string {
+	if c.DataDevice != "" {
+		return c.DataDevice
 	}
 	return c.Device
 }

@@ -2,8 +2,11 @@ package volume
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -52,7 +55,9 @@ type env struct {
 	sub     *events.Subscription
 	m       *Manager
 	fencers FencerFactory
+	crypt   Encryption
 	cfg     config.Volumes
+	logs    *bytes.Buffer
 }
 
 func newEnv(t *testing.T) *env {
@@ -62,6 +67,10 @@ func newEnv(t *testing.T) *env {
 
 func newEnvWith(t *testing.T, fencers FencerFactory) *env {
 	needRoot(t)
+	if fencers == nil {
+		key, _ := fence.KeyFromUUID(nodeA)
+		fencers = &Fencing{Key: key, Node: nodeA}
+	}
 	dir := t.TempDir()
 	e := &env{t: t, kubelet: filepath.Join(dir, "kubelet"), state: filepath.Join(dir, "state")}
 	for _, d := range []string{e.kubelet, e.state} {
@@ -89,7 +98,11 @@ func (e *env) start() {
 	if e.m != nil {
 		e.m.Close()
 	}
-	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: "/sys", Fencers: e.fencers, Bus: e.bus})
+	if e.logs == nil {
+		e.logs = &bytes.Buffer{}
+	}
+	log := slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: "/sys", Fencers: e.fencers, Crypt: e.crypt, Bus: e.bus, Log: log})
 	if err != nil {
 		e.t.Fatal(err)
 	}
@@ -150,6 +163,12 @@ func loop(t *testing.T, mib int64) (string, string) {
 		t.Fatal(err)
 	}
 	f.Close()
+	return img, attach(t, img)
+}
+
+// attach makes a loop device of img, detached when the test ends.
+func attach(t *testing.T, img string) string {
+	t.Helper()
 	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
 	if err != nil {
 		t.Fatalf("losetup: %v: %s", err, out)
@@ -160,7 +179,7 @@ func loop(t *testing.T, mib int64) (string, string) {
 			t.Logf("losetup -d %s: %v: %s", dev, err, out)
 		}
 	})
-	return img, dev
+	return dev
 }
 
 func blkid(t *testing.T, dev, tag string) string {
@@ -705,6 +724,58 @@ func TestStateFilesAreNotFollowedThroughSymlinks(t *testing.T) {
 	for _, e := range ents {
 		if strings.HasSuffix(e.Name(), ".tmp") {
 			t.Fatalf("temporary file left: %s", e.Name())
+		}
+	}
+}
+
+func TestReadOnlyStage(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := e.stageReq("vol-ro", img, "staging/ro")
+	req.ReadOnly = true
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "blank", "read-only")
+	if blkid(t, dev, "TYPE") != "" {
+		t.Fatal("a read-only stage formatted the disk")
+	}
+	if out, err := exec.Command("mkfs.ext4", "-q", dev).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs: %v %s", err, out)
+	}
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(req.StagingPath, "x"), nil, 0o644); !errors.Is(err, unix.EROFS) {
+		t.Fatalf("write to a read-only stage: %v", err)
+	}
+	err = e.m.Publish(ctx, PublishRequest{Volume: "vol-ro", StagingPath: req.StagingPath, TargetPath: e.path("pods/x")})
+	wantCode(t, err, codes.InvalidArgument, "read-only")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-ro", StagingPath: req.StagingPath, TargetPath: e.path("pods/x"), ReadOnly: true}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.m.Expand(ctx, "vol-ro", "", 0)
+	wantCode(t, err, codes.FailedPrecondition, "read-only")
+}
+
+// Two xfs volumes with one filesystem UUID (a clone of a snapshot) are
+// both staged on one node.
+func TestClonedXFSVolumesMountSideBySide(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 320)
+	if out, err := exec.Command("mkfs.xfs", "-q", dev).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.xfs: %v %s", err, out)
+	}
+	img2 := filepath.Join(t.TempDir(), "clone.img")
+	if out, err := exec.Command("cp", "--sparse=always", img, img2).CombinedOutput(); err != nil {
+		t.Fatalf("cp: %v %s", err, out)
+	}
+	attach(t, img2)
+	for i, im := range []string{img, img2} {
+		req := e.stageReq(fmt.Sprintf("vol-x%d", i), im, fmt.Sprintf("staging/x%d", i))
+		req.FsType = "xfs"
+		if res, err := e.m.Stage(ctx, req); err != nil || res.Formatted {
+			t.Fatalf("stage %d: %+v %v", i, res, err)
 		}
 	}
 }

@@ -27,6 +27,7 @@ func commands() map[string]command {
 		"status":   {"print the running agent's status", runStatus},
 		"events":   {"print recent agent events; --follow for new ones", runEvents},
 		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
+		"disks":    {"list the disks the agent sees with fencing method, state and holder", runDisks},
 	}
 }
 

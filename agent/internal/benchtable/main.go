@@ -18,12 +18,16 @@ var titles = map[string]string{
 	"ExecToReady":           "exec to READY=1",
 	"IdleRSS":               "idle RSS 1 s after READY=1",
 	"EventsTo10Subscribers": "events/s delivered to each of 10 subscribers",
+	"StageUnstage":          "stage+unstage of an ext4 volume on a loop device",
+	"Check64Claims":         "one periodic check of 64 claims",
 }
 
 var refTitles = map[string]string{
 	"bin-true":        "exec to exit of /bin/true",
 	"idle-go-process": "a static Go program that only sleeps",
 	"channel-fanout":  "bare Go channel fan-out to 10 readers",
+	"mount-umount":    "mount(2)+umount(2) of the same ext4",
+	"engine-checks":   "the 64 reservation engines' own Check",
 }
 
 var line = regexp.MustCompile(`^Benchmark([^/\s]+)/vs=(\S+?)(-\d+)?\s+\d+\s+(.*)$`)

@@ -1,0 +1,74 @@
+package volume
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// A fencing method that keeps metadata at the start of the disk (the
+// on-disk lease) reports where the volume's data begins; everything the
+// agent puts on the volume (LUKS2, filesystem, raw block) then lives on a
+// loop device over the disk from that offset, so nothing ever writes the
+// metadata area. Loop devices are present on every Linux host, unlike
+// device-mapper.
+
+// dataMapping returns the loop device over disk at offset, attaching one
+// when there is none.
+func (m *Manager) dataMapping(disk string, offset int64) (string, error) {
+	if p, ok := m.findDataMapping(disk, offset); ok {
+		return p, nil
+	}
+	out, err := exec.Command("losetup", "--find", "--show", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("mapping the data area of %s from byte %d (losetup): %v: %s", disk, offset, err, strings.TrimSpace(string(out)))
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+// findDataMapping looks for a loop device over disk at offset in sysfs.
+func (m *Manager) findDataMapping(disk string, offset int64) (string, bool) {
+	root := sysfsRoot(m.finder)
+	ents, err := os.ReadDir(filepath.Join(root, "block"))
+	if err != nil {
+		return "", false
+	}
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), "loop") {
+			continue
+		}
+		dir := filepath.Join(root, "block", e.Name(), "loop")
+		b, err1 := os.ReadFile(filepath.Join(dir, "backing_file"))
+		o, err2 := os.ReadFile(filepath.Join(dir, "offset"))
+		if err1 != nil || err2 != nil || strings.TrimSpace(string(b)) != disk || strings.TrimSpace(string(o)) != strconv.FormatInt(offset, 10) {
+			continue
+		}
+		return filepath.Join(devRoot(m.finder), e.Name()), true
+	}
+	return "", false
+}
+
+// dropDataMapping detaches the loop device of a claim's data area.
+func dropDataMapping(p string) error {
+	if p == "" {
+		return nil
+	}
+	if _, err := os.Stat(p); err != nil {
+		return nil
+	}
+	if out, err := exec.Command("losetup", "-d", p).CombinedOutput(); err != nil {
+		return fmt.Errorf("detaching the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// growDataMapping makes the loop device see a grown disk.
+func growDataMapping(p string) error {
+	if out, err := exec.Command("losetup", "-c", p).CombinedOutput(); err != nil {
+		return fmt.Errorf("growing the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}

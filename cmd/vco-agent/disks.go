@@ -1,0 +1,79 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
+)
+
+func runDisks(args []string) int {
+	f := newClientFlags("disks", "Lists every disk the running agent sees and every volume it has claimed,\nwith the fencing method, the claim's state and the disk's holder.")
+	if code := f.parse(args); code >= 0 {
+		return code
+	}
+	c, err := client.Dial(f.socket)
+	if err != nil {
+		return fail("disks", err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	resp, err := c.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		return fail("disks", apiError(f.socket, err))
+	}
+	if f.json {
+		fmt.Fprintln(stdout, string(protoJSON(resp)))
+		return 0
+	}
+	if len(resp.Disks) == 0 {
+		fmt.Fprintln(stdout, "no disks")
+		return 0
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "DEVICE\tKIND\tSERIAL\tFENCING\tSTATE\tVOLUME\tHOLDER\tDETAIL")
+	for _, d := range resp.Disks {
+		holder := "-"
+		if d.HolderKey != "" {
+			holder = "0x" + d.HolderKey
+			if d.HolderNode != "" {
+				holder += " (" + d.HolderNode + ")"
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", dash(d.Device), dash(d.Kind), dash(d.Serial), fencingName(d.Fencing),
+			stateName(d.State), dash(d.VolumeId), holder, dash(d.Detail))
+	}
+	tw.Flush()
+	return 0
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return strings.ReplaceAll(s, "\n", " ")
+}
+
+func fencingName(m api.FencingMethod) string {
+	switch m {
+	case api.FencingMethod_FENCING_METHOD_SCSI3_PR:
+		return "scsi-pr"
+	case api.FencingMethod_FENCING_METHOD_DISK_LEASE:
+		return "disk-lease"
+	case api.FencingMethod_FENCING_METHOD_NONE:
+		return "none"
+	}
+	return "-"
+}
+
+func stateName(s api.ClaimState) string {
+	if s == api.ClaimState_CLAIM_STATE_UNSPECIFIED {
+		return "staging"
+	}
+	return strings.ToLower(strings.TrimPrefix(s.String(), "CLAIM_STATE_"))
+}

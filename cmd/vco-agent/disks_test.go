@@ -1,0 +1,180 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
+)
+
+// TestVolumeAPIAndDisksCommand drives the built agent over its socket: a
+// real loop device is staged (unfenced, by the explicit opt-in in both the
+// configuration and the request, since a loop device has no reservations
+// and this agent has no lease), listed by `vco-agent disks`, counted on
+// the metrics endpoint, and unstaged.
+func TestVolumeAPIAndDisksCommand(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop devices and mounts")
+	}
+	dir := t.TempDir()
+	kubelet := filepath.Join(dir, "kubelet")
+	os.MkdirAll(kubelet, 0o755)
+	t.Cleanup(func() {
+		unix.Unmount(filepath.Join(kubelet, "staging"), unix.MNT_DETACH)
+	})
+	img := filepath.Join(dir, "disk.img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Truncate(img, 64<<20)
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+
+	// The identity comes from a fixture; disks from the real sysfs.
+	root := sysfs(t)
+	for _, d := range []string{"block", "dev"} {
+		if err := os.Symlink("/sys/"+d, filepath.Join(root, d)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metricsAddr := l.Addr().String()
+	l.Close()
+	cfg := filepath.Join(dir, "config.yaml")
+	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  check_interval: 200ms\nmetrics:\n  listen: %s\n",
+		filepath.Join(dir, "state"), kubelet, metricsAddr)), 0o644)
+	sock := filepath.Join(dir, "agent.sock")
+	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
+	var agentErr bytes.Buffer
+	agent.Stderr = &agentErr
+	if err := agent.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		agent.Process.Signal(unix.SIGTERM)
+		agent.Wait()
+		if t.Failed() {
+			t.Logf("agent log:\n%s", agentErr.String())
+		}
+	})
+	var c *client.Client
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if c, err = client.Dial(sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	staging := filepath.Join(kubelet, "staging")
+	req := &api.StageVolumeRequest{VolumeId: "vol-cli", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: staging, FsType: "ext4"}
+	// Without the request's opt-in: refused, with the reason on the wire.
+	_, err = c.StageVolume(ctx, req)
+	if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "offers no fencing") {
+		t.Fatalf("stage without opt-in: %v", err)
+	}
+	// A path outside the kubelet root is an invalid argument.
+	bad := &api.StageVolumeRequest{VolumeId: "vol-cli", Device: req.Device, StagingPath: kubelet + "/../x", AllowUnfenced: true}
+	if _, err := c.StageVolume(ctx, bad); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("stage outside the kubelet root: %v", err)
+	}
+	req.AllowUnfenced = true
+	res, err := c.StageVolume(ctx, req)
+	if err != nil || res.Device != dev || !res.Formatted || res.Fencing != api.FencingMethod_FENCING_METHOD_NONE {
+		t.Fatalf("stage: %v %v", res, err)
+	}
+
+	out2, errs, code := run(t, "disks", "--socket", sock)
+	if code != 0 {
+		t.Fatalf("disks: exit %d %s", code, errs)
+	}
+	var line string
+	for _, l := range strings.Split(out2, "\n") {
+		if strings.Contains(l, "vol-cli") {
+			line = l
+		}
+	}
+	if !strings.HasPrefix(out2, "DEVICE") || !strings.Contains(line, dev) || !strings.Contains(line, " none ") || !strings.Contains(line, " unfenced ") {
+		t.Fatalf("disks output:\n%s", out2)
+	}
+	out2, _, code = run(t, "disks", "--json", "--socket", sock)
+	var j struct {
+		Disks []struct {
+			Device      string `json:"device"`
+			VolumeID    string `json:"volume_id"`
+			State       string `json:"state"`
+			Fencing     string `json:"fencing"`
+			StagingPath string `json:"staging_path"`
+		} `json:"disks"`
+	}
+	if err := json.Unmarshal([]byte(out2), &j); err != nil || code != 0 {
+		t.Fatalf("disks --json: %v %q", err, out2)
+	}
+	found := false
+	for _, d := range j.Disks {
+		if d.VolumeID == "vol-cli" {
+			found = d.Device == dev && d.State == "CLAIM_STATE_UNFENCED" && d.Fencing == "FENCING_METHOD_NONE" && d.StagingPath == staging
+		}
+	}
+	if !found {
+		t.Fatalf("disks --json lacks the unfenced claim: %s", out2)
+	}
+
+	st, err := c.GetVolumeStats(ctx, &api.GetVolumeStatsRequest{VolumeId: "vol-cli"})
+	if err != nil || st.TotalBytes <= 0 || st.Abnormal {
+		t.Fatalf("stats: %v %v", st, err)
+	}
+	// The periodic check runs every 200ms; its counter shows on /metrics.
+	var body string
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		resp, err := http.Get("http://" + metricsAddr + "/metrics")
+		if err != nil {
+			continue
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		body = string(b)
+		if strings.Contains(body, `vco_agent_claims{state="unfenced"} 1`) && strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
+			break
+		}
+	}
+	if !strings.Contains(body, `vco_agent_claims{state="unfenced"} 1`) || !strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
+		t.Fatalf("metrics lack the claim and its checks:\n%s", body)
+	}
+
+	if _, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-cli", StagingPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	out2, _, _ = run(t, "disks", "--socket", sock)
+	if strings.Contains(out2, "vol-cli") {
+		t.Fatalf("volume still listed after unstage:\n%s", out2)
+	}
+}
