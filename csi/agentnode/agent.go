@@ -196,9 +196,35 @@ func (a *Agent) Stats(ctx context.Context, volumeID, path string) (driver.Volume
 	if err != nil {
 		return driver.VolumeStats{}, a.answer(err)
 	}
-	return driver.VolumeStats{
+	st := driver.VolumeStats{
 		TotalBytes: s.GetTotalBytes(), UsedBytes: s.GetUsedBytes(), AvailableBytes: s.GetAvailableBytes(),
 		TotalInodes: s.GetTotalInodes(), UsedInodes: s.GetUsedInodes(), AvailableInodes: s.GetAvailableInodes(),
 		Block: s.GetBlock(), Abnormal: s.GetAbnormal(), Message: s.GetMessage(),
-	}, nil
+	}
+	if st.Abnormal {
+		st.Reason = a.abnormalReason(ctx, volumeID)
+	}
+	return st, nil
+}
+
+// abnormalReason tells a lost fence from a missing device by the claim's
+// state in the agent's disk list (the stats answer has only a flag and
+// words). Asked only for an abnormal volume; "" when the list does not say.
+func (a *Agent) abnormalReason(ctx context.Context, volumeID string) string {
+	ds, err := a.c.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		return ""
+	}
+	for _, d := range ds.GetDisks() {
+		if d.GetVolumeId() != volumeID {
+			continue
+		}
+		switch d.GetState() {
+		case api.ClaimState_CLAIM_STATE_LOST:
+			return driver.ReasonFenceLost
+		case api.ClaimState_CLAIM_STATE_GONE:
+			return driver.ReasonDeviceGone
+		}
+	}
+	return ""
 }

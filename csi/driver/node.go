@@ -53,7 +53,19 @@ type VolumeStats struct {
 	// Abnormal with Message when the volume lost its fence or its device.
 	Abnormal bool
 	Message  string
+	// Reason is the abnormal volume's condition in one word, ReasonFenceLost
+	// or ReasonDeviceGone; empty when the agent did not say which.
+	Reason string
 }
+
+// Reasons NodeGetVolumeHealth gives for an INACCESSIBLE volume.
+const (
+	ReasonFenceLost  = "FenceLost"
+	ReasonDeviceGone = "DeviceGone"
+	// ReasonAbnormal is for an abnormal volume whose cause the agent did
+	// not name; its message still says what happened.
+	ReasonAbnormal = "Abnormal"
+)
 
 // NodeAgent is the host daemon as the node service sees it. Every
 // privileged step is one call; errors carry the agent's gRPC status, whose
@@ -337,8 +349,9 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 }
 
 // NodeGetVolumeHealth reports a volume the agent says lost its fence or its
-// device as INACCESSIBLE from this node, with the agent's words; the
-// replacement, since CSI 1.13, for VOLUME_CONDITION on the stats call.
+// device as INACCESSIBLE from this node, reason FenceLost or DeviceGone,
+// with the agent's words; the replacement, since CSI 1.13, for
+// VOLUME_CONDITION on the stats call.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeGetVolumeHealth needs a volume id")
@@ -359,8 +372,12 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 	}
 	h := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
 	if st.Abnormal {
+		reason := st.Reason
+		if reason == "" {
+			reason = ReasonAbnormal
+		}
 		h.HealthStatuses = append(h.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
-			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "FenceLost", Message: st.Message})
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason, Message: st.Message})
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
 }

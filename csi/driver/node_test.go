@@ -65,8 +65,14 @@ func TestNodePathsMustStayUnderKubeletRoot(t *testing.T) {
 type fencedAgent struct{ identityAgent }
 
 func (fencedAgent) Stats(_ context.Context, id, _ string) (driver.VolumeStats, error) {
-	return driver.VolumeStats{TotalBytes: 1 << 30, Abnormal: id == "ch-lug-1/7",
-		Message: "DiskFenced: reservation key 0x5643000000000001 preempted by node 11111111-2222-4333-8444-555555555555"}, nil
+	switch id {
+	case "ch-lug-1/7":
+		return driver.VolumeStats{TotalBytes: 1 << 30, Abnormal: true, Reason: driver.ReasonFenceLost,
+			Message: "DiskFenced: reservation key 0x5643000000000001 preempted by node 11111111-2222-4333-8444-555555555555"}, nil
+	case "ch-lug-1/9":
+		return driver.VolumeStats{Abnormal: true, Message: "the disk is not attached to this node any more"}, nil
+	}
+	return driver.VolumeStats{TotalBytes: 1 << 30}, nil
 }
 
 func TestNodeGetVolumeHealthReportsLostFence(t *testing.T) {
@@ -84,6 +90,13 @@ func TestNodeGetVolumeHealthReportsLostFence(t *testing.T) {
 	if len(hs) != 1 || hs[0].Status != csi.VolumeHealthErrorType_INACCESSIBLE || hs[0].Reason != "FenceLost" ||
 		!strings.Contains(hs[0].Message, "DiskFenced") {
 		t.Fatalf("health = %v", r)
+	}
+	// Abnormal without a named cause: INACCESSIBLE, the agent's words kept.
+	r, err = d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "ch-lug-1/9"})
+	hs = r.GetVolumeHealth().GetHealthStatuses()
+	if err != nil || len(hs) != 1 || hs[0].Status != csi.VolumeHealthErrorType_INACCESSIBLE || hs[0].Reason != driver.ReasonAbnormal ||
+		!strings.Contains(hs[0].Message, "not attached") {
+		t.Fatalf("health of a volume abnormal for no named reason: %v %v", r, err)
 	}
 	r, err = d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "ch-lug-1/8"})
 	if err != nil || len(r.GetVolumeHealth().GetHealthStatuses()) != 0 || r.GetVolumeHealth().GetVolumeId() != "ch-lug-1/8" {
