@@ -14,7 +14,8 @@ export PATH  := $(TOOLS):$(PATH)
 
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
-        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux
+        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
+        skopeo umoci gettext-base
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
@@ -22,7 +23,8 @@ PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 CSI_SANITY_VERSION      := v5.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab test-csi-sanity proto clean fuzz fuzz-fence
+.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab test-csi-sanity proto clean fuzz fuzz-fence \
+        image csi-yaml csi-addon test-deploy
 
 all: build
 
@@ -31,7 +33,7 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-csi-sanity test-lab
+test: deps lint build unit test-csi-sanity test-deploy test-lab
 
 unit:
 	$(GO) test -count=1 ./...
@@ -70,6 +72,37 @@ bench-agent: deps build
 # stage+unstage cycle on a loop device against plain mount+umount of it.
 bench-csi: deps
 	$(GO) test -count=1 -run '^$$' -bench 'CreatePublish100|NodeStageUnstage' -benchtime 5x ./csi/driver
+
+# The vco-csi container image as an OCI image layout tarball, built
+# without a container daemon: dist/vco-csi-$(VERSION).oci.tar.
+IMAGE_ARCHS ?= amd64 arm64
+image:
+	@mkdir -p $(BIN)/image dist
+	for a in $(IMAGE_ARCHS); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/image/vco-csi-$$a ./cmd/vco-csi; done
+	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) \
+	  $(GO) run ./cmd/vco-addon image $(foreach a,$(IMAGE_ARCHS),-binary $(a)=$(BIN)/image/vco-csi-$(a)) \
+	  -version $(VERSION) -o dist/vco-csi-$(VERSION).oci.tar
+
+# deploy/csi.yaml, the add-on bundle with its two placeholders, from
+# deploy/manifests (make test fails when it is stale).
+csi-yaml:
+	$(GO) run ./cmd/vco-addon bundle -o deploy/csi.yaml
+
+# The add-on for one image: make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag>
+# [VCO_CSI_DRIVER_NAME=...]; the driver name defaults to one derived from
+# the image's registry host (docs/csi-addon.md).
+VCO_CSI_IMAGE       ?=
+VCO_CSI_DRIVER_NAME ?=
+csi-addon:
+	@test -n "$(VCO_CSI_IMAGE)" || { echo "make csi-addon: set VCO_CSI_IMAGE=<host>/<path>:<tag>" >&2; exit 2; }
+	$(GO) run ./cmd/vco-addon bundle -o dist/csi.yaml
+	$(GO) run ./cmd/vco-addon render -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o dist/csi-addon.yaml
+
+# Manifests decoded strictly and cross-checked; the image built, read back
+# and opened with skopeo and umoci (installed by deps).
+test-deploy: deps
+	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/...
 
 lab: deps build
 	$(BIN)/vco-lab run

@@ -1,0 +1,57 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/whitesky-cloud/vco-storage/deploy"
+)
+
+func TestRenderDerivesOrTakesTheDriverName(t *testing.T) {
+	tmpl, err := deploy.Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		args []string
+		name string
+	}{
+		{[]string{"-image", "registry.try.whitesky.cloud/vco/csi:1.0"}, "cloud.whitesky.try.csi"},
+		{[]string{"-image", "registry.try.whitesky.cloud/vco/csi:1.0", "-driver-name", "cloud.whitesky.csi"}, "cloud.whitesky.csi"},
+		{[]string{"-image", "localhost:5000/vco/csi:1.0", "-driver-name", "cloud.whitesky.csi"}, "cloud.whitesky.csi"},
+	} {
+		out := filepath.Join(t.TempDir(), "addon.yaml")
+		if err := runRender(append(tc.args, "-o", out)); err != nil {
+			t.Fatalf("render %q: %v", tc.args, err)
+		}
+		got, _ := os.ReadFile(out)
+		want, err := deploy.Render(tmpl, deploy.Values{Image: tc.args[1], DriverName: tc.name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("render %q is not the bundle rendered for driver %s", tc.args, tc.name)
+		}
+	}
+	err = runRender([]string{"-image", "localhost:5000/vco/csi:1.0", "-o", filepath.Join(t.TempDir(), "x")})
+	if err == nil || !strings.Contains(err.Error(), "VCO_CSI_DRIVER_NAME") {
+		t.Errorf("render for an image on localhost: %v; want an error asking for VCO_CSI_DRIVER_NAME", err)
+	}
+}
+
+func TestCreationTime(t *testing.T) {
+	t.Setenv("SOURCE_DATE_EPOCH", "1764417600")
+	if got, err := creationTime(""); err != nil || got.Unix() != 1764417600 {
+		t.Errorf("from SOURCE_DATE_EPOCH: %v, %v", got, err)
+	}
+	if got, err := creationTime("2026-11-29T12:00:00+01:00"); err != nil || got.Format("15:04Z07:00") != "11:00Z" {
+		t.Errorf("from -created: %v, %v", got, err)
+	}
+	t.Setenv("SOURCE_DATE_EPOCH", "yesterday")
+	if _, err := creationTime(""); err == nil {
+		t.Error("accepted SOURCE_DATE_EPOCH=yesterday")
+	}
+}

@@ -1,0 +1,208 @@
+// Package deploy holds the Kubernetes manifests of the vco-csi add-on and
+// renders them. The manifests under manifests/ are templates with exactly
+// two placeholders, ${VCO_CSI_IMAGE} and ${VCO_CSI_DRIVER_NAME}, so that
+// the release artifact csi.yaml (their concatenation) can be filled in
+// with envsubst by CAPVCO's ClusterResourceSet tooling, and by
+// `make csi-addon` through Render. The package exists so that the
+// bundle, the rendering and the checks on both share one definition.
+package deploy
+
+import (
+	"bytes"
+	"embed"
+	"fmt"
+	"io/fs"
+	"net"
+	"regexp"
+	"sort"
+	"strings"
+)
+
+// The placeholders the manifests carry, in envsubst's ${NAME} form.
+const (
+	ImageVar      = "VCO_CSI_IMAGE"
+	DriverNameVar = "VCO_CSI_DRIVER_NAME"
+)
+
+// Namespace holds every namespaced object of the add-on.
+const Namespace = "csi-driver"
+
+// TopologyKey is the node label and CSI topology segment naming a
+// whitesky.cloud location.
+const TopologyKey = "cloud.whitesky/location"
+
+// ImageUID is the unprivileged user (and group) the vco-csi image runs
+// as, the conventional "nonroot" of distroless images.
+const ImageUID = 65532
+
+// KeyBackendDir is where the node plugin finds the key backend's
+// settings (ConfigMap csi-key-backend-config), its CA (ConfigMap
+// openbao-ca, key ca.crt) and a projected service account token (token).
+const KeyBackendDir = "/etc/vco-csi/key-backend"
+
+//go:embed manifests/*.yaml
+var manifests embed.FS
+
+// header opens csi.yaml; it says how to fill the placeholders.
+const header = `# vco-csi add-on for whitesky.cloud Kubernetes clusters.
+# Generated from deploy/manifests by ` + "`make csi-yaml`" + `; do not edit.
+# Two placeholders, VCO_CSI_IMAGE and VCO_CSI_DRIVER_NAME, are filled in
+# by envsubst (or make csi-addon); no other variable appears. The Secret
+# and ConfigMaps the add-on reads are described in docs/csi-addon.md.
+`
+
+// Files lists the manifest templates in the order they are applied.
+func Files() ([]string, error) {
+	names, err := fs.Glob(manifests, "manifests/*.yaml")
+	if err != nil {
+		return nil, err
+	}
+	sort.Strings(names)
+	return names, nil
+}
+
+// Bundle returns csi.yaml: every manifest template, in order, as one
+// multi-document YAML stream with the placeholders still in it.
+func Bundle() ([]byte, error) {
+	names, err := Files()
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	b.WriteString(header)
+	for _, n := range names {
+		data, err := manifests.ReadFile(n)
+		if err != nil {
+			return nil, err
+		}
+		data = bytes.TrimPrefix(data, []byte("---\n"))
+		fmt.Fprintf(&b, "---\n# Source: deploy/%s\n", n)
+		b.Write(data)
+		if !bytes.HasSuffix(data, []byte("\n")) {
+			b.WriteByte('\n')
+		}
+	}
+	return b.Bytes(), nil
+}
+
+// Values fill the placeholders.
+type Values struct {
+	Image      string
+	DriverName string
+}
+
+// Render substitutes the placeholders in a template such as Bundle's
+// output, as envsubst restricted to the two names would. It refuses
+// values that would not survive in the YAML unquoted, and a template that
+// still holds any other ${...} or $NAME reference, which envsubst without
+// a name list would blank.
+func Render(template []byte, v Values) ([]byte, error) {
+	if err := ValidateImage(v.Image); err != nil {
+		return nil, err
+	}
+	if err := ValidateDriverName(v.DriverName); err != nil {
+		return nil, err
+	}
+	if refs := ForeignRefs(template); len(refs) > 0 {
+		return nil, fmt.Errorf("template refers to %s; only ${%s} and ${%s} are filled in", strings.Join(refs, ", "), ImageVar, DriverNameVar)
+	}
+	out := bytes.ReplaceAll(template, []byte("${"+ImageVar+"}"), []byte(v.Image))
+	out = bytes.ReplaceAll(out, []byte("${"+DriverNameVar+"}"), []byte(v.DriverName))
+	return out, nil
+}
+
+var shellRef = regexp.MustCompile(`\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*`)
+
+// ForeignRefs lists the shell-style variable references in a template
+// other than the two placeholders. Kubernetes' own $(NAME) references
+// are not shell-style and are left alone.
+func ForeignRefs(template []byte) []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, m := range shellRef.FindAll(template, -1) {
+		s := string(m)
+		if s == "${"+ImageVar+"}" || s == "${"+DriverNameVar+"}" || seen[s] {
+			continue
+		}
+		seen[s] = true
+		out = append(out, s)
+	}
+	return out
+}
+
+var (
+	// A CSI driver name: a DNS subdomain of at most 63 characters.
+	driverNameRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$`)
+	// An image reference as YAML can carry it unquoted.
+	imageRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9._:/]*[a-zA-Z0-9_])?(@sha256:[0-9a-f]{64})?$`)
+)
+
+// ValidateDriverName checks a name as Kubernetes checks a CSIDriver's.
+func ValidateDriverName(name string) error {
+	if name == "" {
+		return fmt.Errorf("driver name is empty: set %s", DriverNameVar)
+	}
+	if len(name) > 63 || !driverNameRE.MatchString(name) {
+		return fmt.Errorf("driver name %q is not a DNS subdomain of at most 63 lowercase characters", name)
+	}
+	return nil
+}
+
+// ValidateImage checks that an image reference names a repository on a
+// registry host and, optionally, a tag or digest.
+func ValidateImage(image string) error {
+	if image == "" {
+		return fmt.Errorf("image is empty: set %s, e.g. try.whitesky.cloud/vco/csi:1.0", ImageVar)
+	}
+	repo := image
+	if i := strings.Index(repo, "@"); i >= 0 {
+		repo = repo[:i]
+	}
+	if !imageRE.MatchString(strings.ToLower(repo)) || strings.Contains(image, "//") {
+		return fmt.Errorf("image %q is not an image reference like host/path/name:tag", image)
+	}
+	return nil
+}
+
+// ImageHost returns the registry host of an image reference, without a
+// port: the part before the first slash, when that part names a host
+// (it holds a dot or a port, or is localhost), as container tools read
+// it. A reference without one (vco/csi:1.0) has no host.
+func ImageHost(image string) (string, error) {
+	first, _, ok := strings.Cut(image, "/")
+	if !ok || !(strings.ContainsAny(first, ".:") || first == "localhost") {
+		return "", fmt.Errorf("image %q names no registry host; give one (host/path/name:tag) or set %s", image, DriverNameVar)
+	}
+	host := first
+	if h, _, err := net.SplitHostPort(first); err == nil {
+		host = h
+	}
+	return strings.ToLower(strings.Trim(host, "[]")), nil
+}
+
+// DriverNameFromImage derives the CSI driver name from the image's
+// registry host the way the portal host gives it: reverse the domain and
+// replace the leaf (the leftmost label) with "csi", so an image on
+// try.whitesky.cloud gives cloud.whitesky.csi and one on
+// registry.try.whitesky.cloud gives cloud.whitesky.try.csi. A host that is
+// an IP address, localhost or a single label has no domain to derive
+// from.
+func DriverNameFromImage(image string) (string, error) {
+	host, err := ImageHost(image)
+	if err != nil {
+		return "", err
+	}
+	labels := strings.Split(host, ".")
+	if net.ParseIP(host) != nil || len(labels) < 2 {
+		return "", fmt.Errorf("image host %q is not a domain name, so no driver name follows from it; set %s", host, DriverNameVar)
+	}
+	out := make([]string, 0, len(labels))
+	for i := len(labels) - 1; i >= 1; i-- {
+		out = append(out, labels[i])
+	}
+	name := strings.Join(append(out, "csi"), ".")
+	if err := ValidateDriverName(name); err != nil {
+		return "", fmt.Errorf("image host %q: %w; set %s", host, err, DriverNameVar)
+	}
+	return name, nil
+}

@@ -1,0 +1,170 @@
+package deploy
+
+import (
+	"os"
+	"path"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+)
+
+const addonDoc = "../docs/csi-addon.md"
+
+var yamlBlock = regexp.MustCompile("(?s)```yaml\n(.*?)```")
+
+// TestDocumentedFormats decodes the examples of docs/csi-addon.md
+// strictly and checks them against what the manifests read.
+func TestDocumentedFormats(t *testing.T) {
+	doc, err := os.ReadFile(addonDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := decode(t, renderings[0].Image, renderings[0].DriverName)
+	var secrets []corev1.Secret
+	configMaps := map[string]corev1.ConfigMap{}
+	var classes []storagev1.StorageClass
+	for _, m := range yamlBlock.FindAllSubmatch(doc, -1) {
+		var tm metav1.TypeMeta
+		if err := yaml.Unmarshal(m[1], &tm); err != nil {
+			t.Fatalf("example in %s: %v\n%s", addonDoc, err, m[1])
+		}
+		switch tm.Kind {
+		case "Secret":
+			var s corev1.Secret
+			strict(t, m[1], &s)
+			secrets = append(secrets, s)
+		case "ConfigMap":
+			var c corev1.ConfigMap
+			strict(t, m[1], &c)
+			configMaps[c.Name] = c
+		case "StorageClass":
+			var c storagev1.StorageClass
+			strict(t, m[1], &c)
+			classes = append(classes, c)
+		default:
+			t.Errorf("example of kind %q in %s has no check", tm.Kind, addonDoc)
+		}
+	}
+
+	// The Secret holds every key the controller reads from it.
+	if len(secrets) != 1 || secrets[0].Name != "csi-driver-secret" || secrets[0].Namespace != Namespace {
+		t.Fatalf("want one example Secret csi-driver-secret in %s, have %d", Namespace, len(secrets))
+	}
+	d := a.deployments[0]
+	w := workload{"Deployment", d.Name, d.Spec.Selector, d.Spec.Template}
+	p := a.plugin(t, w)
+	var read []string
+	for _, e := range p.Env {
+		if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil {
+			read = append(read, e.ValueFrom.SecretKeyRef.Key)
+		}
+	}
+	tf, _ := flag(p.Args, "token-file")
+	read = append(read, path.Base(tf))
+	for _, k := range append(read, "cloudspace") {
+		if _, ok := secrets[0].StringData[k]; !ok {
+			t.Errorf("example Secret lacks key %q", k)
+		}
+		if !strings.Contains(string(doc), "| `"+k+"` |") {
+			t.Errorf("%s does not document the Secret key %q", addonDoc, k)
+		}
+	}
+	if u := secrets[0].StringData["url"]; strings.HasSuffix(u, "/") || strings.Count(u, "/") != 2 {
+		t.Errorf("example url %q is not scheme://host, which --api-url=$(VCO_PORTAL_URL)/api/1 needs", u)
+	}
+
+	// The key backend: documented keys, none shadowing a projected file.
+	kb, ok := configMaps["csi-key-backend-config"]
+	if !ok {
+		t.Fatal("no example ConfigMap csi-key-backend-config")
+	}
+	for _, k := range []string{"address", "transit_key", "role"} {
+		if kb.Data[k] == "" {
+			t.Errorf("example csi-key-backend-config lacks required key %q", k)
+		}
+	}
+	for k := range kb.Data {
+		if k == "token" || k == "ca.crt" {
+			t.Errorf("csi-key-backend-config key %q collides with a file of the projected volume", k)
+		}
+		if !strings.Contains(string(doc), "| `"+k+"` |") {
+			t.Errorf("%s does not document the key-backend key %q", addonDoc, k)
+		}
+	}
+	// The CA key is the one the DaemonSet projects.
+	ca, ok := configMaps["openbao-ca"]
+	if !ok {
+		t.Fatal("no example ConfigMap openbao-ca")
+	}
+	ds := a.daemonSets[0]
+	var projected []string
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Projected == nil {
+			continue
+		}
+		for _, s := range v.Projected.Sources {
+			if s.ConfigMap != nil && s.ConfigMap.Name == "openbao-ca" {
+				for _, it := range s.ConfigMap.Items {
+					projected = append(projected, it.Key)
+				}
+			}
+		}
+	}
+	for k := range ca.Data {
+		if !slices.Contains(projected, k) {
+			t.Errorf("openbao-ca key %q is not projected into the node plugin (projected: %v)", k, projected)
+		}
+	}
+	if !strings.Contains(ca.Data["ca.crt"], "BEGIN CERTIFICATE") {
+		t.Error("example openbao-ca holds no PEM certificate under ca.crt")
+	}
+
+	// The pinned class names the topology key.
+	if len(classes) != 1 {
+		t.Fatalf("want one example StorageClass, have %d", len(classes))
+	}
+	c := classes[0]
+	checkPluginParams(t, c.Name, c.Parameters)
+	if len(c.AllowedTopologies) == 0 || len(c.AllowedTopologies[0].MatchLabelExpressions) == 0 ||
+		c.AllowedTopologies[0].MatchLabelExpressions[0].Key != TopologyKey {
+		t.Errorf("example class %s does not pin %s: %+v", c.Name, TopologyKey, c.AllowedTopologies)
+	}
+}
+
+// TestDocumentedSidecarReleases keeps the page's table of sidecar images
+// equal to the images the manifests run.
+func TestDocumentedSidecarReleases(t *testing.T) {
+	doc, err := os.ReadFile(addonDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, m := range regexp.MustCompile("\\| `(registry\\.k8s\\.io/sig-storage/[^`]+)` \\|").FindAllSubmatch(doc, -1) {
+		documented[string(m[1])] = true
+	}
+	a := decode(t, renderings[0].Image, renderings[0].DriverName)
+	used := map[string]bool{}
+	for _, w := range a.workloads() {
+		for _, c := range w.pod.Spec.Containers {
+			if c.Image != a.image {
+				used[c.Image] = true
+			}
+		}
+	}
+	for img := range used {
+		if !documented[img] {
+			t.Errorf("the manifests run %s; %s does not list it", img, addonDoc)
+		}
+	}
+	for img := range documented {
+		if !used[img] {
+			t.Errorf("%s lists %s, which no manifest runs", addonDoc, img)
+		}
+	}
+}

@@ -1,0 +1,844 @@
+package deploy
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"sigs.k8s.io/yaml"
+
+	"github.com/whitesky-cloud/vco-storage/agent/client"
+)
+
+// volumeSnapshotClass is snapshot.storage.k8s.io/v1 VolumeSnapshotClass
+// with the fields of external-snapshotter's client type, for strict
+// decoding without that module.
+type volumeSnapshotClass struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+	Driver            string            `json:"driver"`
+	Parameters        map[string]string `json:"parameters,omitempty"`
+	DeletionPolicy    string            `json:"deletionPolicy"`
+}
+
+// addon is a decoded rendering of the bundle.
+type addon struct {
+	image, driver string
+
+	namespaces      []corev1.Namespace
+	drivers         []storagev1.CSIDriver
+	classes         []storagev1.StorageClass
+	snapshotClasses []volumeSnapshotClass
+	accounts        []corev1.ServiceAccount
+	clusterRoles    []rbacv1.ClusterRole
+	clusterBindings []rbacv1.ClusterRoleBinding
+	roles           []rbacv1.Role
+	bindings        []rbacv1.RoleBinding
+	deployments     []appsv1.Deployment
+	daemonSets      []appsv1.DaemonSet
+}
+
+// splitDocs splits a YAML stream at its "---" lines and drops documents
+// that hold only comments.
+func splitDocs(b []byte) [][]byte {
+	var docs [][]byte
+	var cur bytes.Buffer
+	flush := func() {
+		content := false
+		for _, l := range strings.Split(cur.String(), "\n") {
+			if t := strings.TrimSpace(l); t != "" && !strings.HasPrefix(t, "#") {
+				content = true
+			}
+		}
+		if content {
+			docs = append(docs, bytes.Clone(cur.Bytes()))
+		}
+		cur.Reset()
+	}
+	for _, l := range strings.SplitAfter(string(b), "\n") {
+		if strings.TrimRight(l, "\n") == "---" {
+			flush()
+			continue
+		}
+		cur.WriteString(l)
+	}
+	flush()
+	return docs
+}
+
+func strict[T any](t *testing.T, doc []byte, into *T) {
+	t.Helper()
+	if err := yaml.UnmarshalStrict(doc, into); err != nil {
+		t.Fatalf("strict decoding into %T: %v\n%s", *into, err, doc)
+	}
+}
+
+// decode renders the bundle and decodes every document strictly into its
+// Kubernetes type; an unknown kind fails.
+func decode(t *testing.T, image, driver string) *addon {
+	t.Helper()
+	b, err := Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := Render(b, Values{Image: image, DriverName: driver})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(r, []byte("${")) {
+		t.Fatalf("rendered bundle still holds a placeholder")
+	}
+	a := &addon{image: image, driver: driver}
+	for _, doc := range splitDocs(r) {
+		var tm metav1.TypeMeta
+		if err := yaml.Unmarshal(doc, &tm); err != nil {
+			t.Fatalf("reading kind: %v\n%s", err, doc)
+		}
+		switch tm.APIVersion + " " + tm.Kind {
+		case "v1 Namespace":
+			var o corev1.Namespace
+			strict(t, doc, &o)
+			a.namespaces = append(a.namespaces, o)
+		case "storage.k8s.io/v1 CSIDriver":
+			var o storagev1.CSIDriver
+			strict(t, doc, &o)
+			a.drivers = append(a.drivers, o)
+		case "storage.k8s.io/v1 StorageClass":
+			var o storagev1.StorageClass
+			strict(t, doc, &o)
+			a.classes = append(a.classes, o)
+		case "snapshot.storage.k8s.io/v1 VolumeSnapshotClass":
+			var o volumeSnapshotClass
+			strict(t, doc, &o)
+			a.snapshotClasses = append(a.snapshotClasses, o)
+		case "v1 ServiceAccount":
+			var o corev1.ServiceAccount
+			strict(t, doc, &o)
+			a.accounts = append(a.accounts, o)
+		case "rbac.authorization.k8s.io/v1 ClusterRole":
+			var o rbacv1.ClusterRole
+			strict(t, doc, &o)
+			a.clusterRoles = append(a.clusterRoles, o)
+		case "rbac.authorization.k8s.io/v1 ClusterRoleBinding":
+			var o rbacv1.ClusterRoleBinding
+			strict(t, doc, &o)
+			a.clusterBindings = append(a.clusterBindings, o)
+		case "rbac.authorization.k8s.io/v1 Role":
+			var o rbacv1.Role
+			strict(t, doc, &o)
+			a.roles = append(a.roles, o)
+		case "rbac.authorization.k8s.io/v1 RoleBinding":
+			var o rbacv1.RoleBinding
+			strict(t, doc, &o)
+			a.bindings = append(a.bindings, o)
+		case "apps/v1 Deployment":
+			var o appsv1.Deployment
+			strict(t, doc, &o)
+			a.deployments = append(a.deployments, o)
+		case "apps/v1 DaemonSet":
+			var o appsv1.DaemonSet
+			strict(t, doc, &o)
+			a.daemonSets = append(a.daemonSets, o)
+		default:
+			t.Fatalf("unexpected object %s %s in the bundle", tm.APIVersion, tm.Kind)
+		}
+	}
+	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 || len(a.snapshotClasses) != 1 ||
+		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
+		t.Fatalf("bundle holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d VolumeSnapshotClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1, 1",
+			len(a.namespaces), len(a.drivers), len(a.classes), len(a.snapshotClasses), len(a.deployments), len(a.daemonSets))
+	}
+	return a
+}
+
+// The driver names are deliberately unlike the default so that nothing
+// can agree with them by being hard-coded.
+var renderings = []Values{
+	{Image: "try.whitesky.cloud/vco/csi:1.2.3", DriverName: "cloud.whitesky.csi"},
+	{Image: "registry.example.test:5000/storage/vco-csi@sha256:" + strings.Repeat("ab", 32), DriverName: "test.example.csi"},
+}
+
+func forEachRendering(t *testing.T, f func(t *testing.T, a *addon)) {
+	for _, v := range renderings {
+		t.Run(v.DriverName, func(t *testing.T) { f(t, decode(t, v.Image, v.DriverName)) })
+	}
+}
+
+func TestCommittedBundleIsCurrent(t *testing.T) {
+	want, err := Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile("csi.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("deploy/csi.yaml differs from the concatenation of deploy/manifests; run `make csi-yaml`")
+	}
+}
+
+func TestBundleCarriesOnlyTheTwoPlaceholders(t *testing.T) {
+	b, err := Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if refs := ForeignRefs(b); len(refs) > 0 {
+		t.Errorf("bundle refers to %v, which envsubst would blank", refs)
+	}
+	for _, p := range []string{"${" + ImageVar + "}", "${" + DriverNameVar + "}"} {
+		if !bytes.Contains(b, []byte(p)) {
+			t.Errorf("bundle lacks %s", p)
+		}
+	}
+}
+
+func TestNamespaces(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		if a.namespaces[0].Name != Namespace {
+			t.Errorf("namespace %q, want %q", a.namespaces[0].Name, Namespace)
+		}
+		type obj struct {
+			kind string
+			meta metav1.ObjectMeta
+		}
+		var namespaced, cluster []obj
+		for _, o := range a.accounts {
+			namespaced = append(namespaced, obj{"ServiceAccount", o.ObjectMeta})
+		}
+		for _, o := range a.roles {
+			namespaced = append(namespaced, obj{"Role", o.ObjectMeta})
+		}
+		for _, o := range a.bindings {
+			namespaced = append(namespaced, obj{"RoleBinding", o.ObjectMeta})
+		}
+		for _, o := range a.deployments {
+			namespaced = append(namespaced, obj{"Deployment", o.ObjectMeta})
+		}
+		for _, o := range a.daemonSets {
+			namespaced = append(namespaced, obj{"DaemonSet", o.ObjectMeta})
+		}
+		for _, o := range a.drivers {
+			cluster = append(cluster, obj{"CSIDriver", o.ObjectMeta})
+		}
+		for _, o := range a.classes {
+			cluster = append(cluster, obj{"StorageClass", o.ObjectMeta})
+		}
+		for _, o := range a.snapshotClasses {
+			cluster = append(cluster, obj{"VolumeSnapshotClass", o.ObjectMeta})
+		}
+		for _, o := range a.clusterRoles {
+			cluster = append(cluster, obj{"ClusterRole", o.ObjectMeta})
+		}
+		for _, o := range a.clusterBindings {
+			cluster = append(cluster, obj{"ClusterRoleBinding", o.ObjectMeta})
+		}
+		for _, o := range namespaced {
+			if o.meta.Namespace != Namespace {
+				t.Errorf("%s %s is in namespace %q, want %q", o.kind, o.meta.Name, o.meta.Namespace, Namespace)
+			}
+		}
+		for _, o := range cluster {
+			if o.meta.Namespace != "" {
+				t.Errorf("cluster-scoped %s %s names namespace %q", o.kind, o.meta.Name, o.meta.Namespace)
+			}
+		}
+	})
+}
+
+func TestCSIDriver(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.drivers[0]
+		if d.Name != a.driver {
+			t.Errorf("CSIDriver %q, want %q", d.Name, a.driver)
+		}
+		s := d.Spec
+		if s.AttachRequired == nil || !*s.AttachRequired {
+			t.Error("attachRequired is not true: Kubernetes would not track attachments")
+		}
+		if s.PodInfoOnMount == nil || !*s.PodInfoOnMount {
+			t.Error("podInfoOnMount is not true")
+		}
+		if s.FSGroupPolicy == nil || *s.FSGroupPolicy != storagev1.FileFSGroupPolicy {
+			t.Errorf("fsGroupPolicy %v, want File", s.FSGroupPolicy)
+		}
+		if !slices.Equal(s.VolumeLifecycleModes, []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent}) {
+			t.Errorf("volumeLifecycleModes %v, want [Persistent]", s.VolumeLifecycleModes)
+		}
+	})
+}
+
+// pluginParams mirrors the StorageClass parameters vco-csi's controller
+// accepts (csi/driver parseParams): anything else fails CreateVolume.
+func checkPluginParams(t *testing.T, class string, p map[string]string) {
+	t.Helper()
+	for k, v := range p {
+		switch {
+		case k == "type":
+			if v != "standard" && v != "physical" {
+				t.Errorf("StorageClass %s: type=%q; the plugin takes standard or physical", class, v)
+			}
+		case k == "iops":
+			if n, err := strconv.ParseInt(v, 10, 64); err != nil || n < 1 {
+				t.Errorf("StorageClass %s: iops=%q is not a positive integer", class, v)
+			}
+		case k == "encryption":
+			if _, err := strconv.ParseBool(v); err != nil {
+				t.Errorf("StorageClass %s: encryption=%q is not a boolean", class, v)
+			}
+		case strings.HasPrefix(k, "csi.storage.k8s.io/"):
+		default:
+			t.Errorf("StorageClass %s: parameter %q is unknown to the plugin", class, k)
+		}
+	}
+}
+
+func TestStorageClasses(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		byName := map[string]storagev1.StorageClass{}
+		var defaults []string
+		for _, c := range a.classes {
+			byName[c.Name] = c
+			if c.Provisioner != a.driver {
+				t.Errorf("StorageClass %s: provisioner %q, want the driver name %q", c.Name, c.Provisioner, a.driver)
+			}
+			if c.VolumeBindingMode == nil || *c.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
+				t.Errorf("StorageClass %s: volumeBindingMode is not WaitForFirstConsumer; disks would be made before the node is known", c.Name)
+			}
+			if c.AllowVolumeExpansion == nil || !*c.AllowVolumeExpansion {
+				t.Errorf("StorageClass %s: allowVolumeExpansion is not true", c.Name)
+			}
+			if c.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
+				defaults = append(defaults, c.Name)
+			}
+			checkPluginParams(t, c.Name, c.Parameters)
+		}
+		if !slices.Equal(defaults, []string{"vco-csi"}) {
+			t.Errorf("default classes %v, want [vco-csi]", defaults)
+		}
+		for name, want := range map[string]map[string]string{
+			"vco-csi":                 {"type": "standard"},
+			"vco-csi-physical":        {"type": "physical"},
+			"vco-csi-encrypted-vault": {"encryption": "true"},
+		} {
+			c, ok := byName[name]
+			if !ok {
+				t.Errorf("no StorageClass %s", name)
+				continue
+			}
+			for k, v := range want {
+				if c.Parameters[k] != v {
+					t.Errorf("StorageClass %s: %s=%q, want %q", name, k, c.Parameters[k], v)
+				}
+			}
+			if name != "vco-csi-encrypted-vault" {
+				if b, _ := strconv.ParseBool(c.Parameters["encryption"]); b {
+					t.Errorf("StorageClass %s asks for encryption", name)
+				}
+			}
+		}
+	})
+}
+
+func TestVolumeSnapshotClass(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		c := a.snapshotClasses[0]
+		if c.Driver != a.driver {
+			t.Errorf("VolumeSnapshotClass %s: driver %q, want %q", c.Name, c.Driver, a.driver)
+		}
+		if c.DeletionPolicy != "Delete" && c.DeletionPolicy != "Retain" {
+			t.Errorf("VolumeSnapshotClass %s: deletionPolicy %q", c.Name, c.DeletionPolicy)
+		}
+	})
+}
+
+// workload is a pod template with the name of what runs it.
+type workload struct {
+	kind, name string
+	selector   *metav1.LabelSelector
+	pod        corev1.PodTemplateSpec
+}
+
+func (a *addon) workloads() []workload {
+	var w []workload
+	for _, d := range a.deployments {
+		w = append(w, workload{"Deployment", d.Name, d.Spec.Selector, d.Spec.Template})
+	}
+	for _, d := range a.daemonSets {
+		w = append(w, workload{"DaemonSet", d.Name, d.Spec.Selector, d.Spec.Template})
+	}
+	return w
+}
+
+// flag returns the value of --name=value in args, and whether it is there.
+func flag(args []string, name string) (string, bool) {
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, "--"+name+"="); ok {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+func container(t *testing.T, w workload, name string) corev1.Container {
+	t.Helper()
+	for _, c := range w.pod.Spec.Containers {
+		if c.Name == name {
+			return c
+		}
+	}
+	t.Fatalf("%s %s has no container %s", w.kind, w.name, name)
+	return corev1.Container{}
+}
+
+func (a *addon) plugin(t *testing.T, w workload) corev1.Container {
+	t.Helper()
+	var found []corev1.Container
+	for _, c := range w.pod.Spec.Containers {
+		if c.Image == a.image {
+			found = append(found, c)
+		}
+	}
+	if len(found) != 1 {
+		t.Fatalf("%s %s runs the plugin image in %d containers, want 1", w.kind, w.name, len(found))
+	}
+	return found[0]
+}
+
+// mountFor returns the mount in c whose path holds file, and its volume.
+func mountFor(t *testing.T, w workload, c corev1.Container, file string) (corev1.VolumeMount, corev1.Volume) {
+	t.Helper()
+	var best corev1.VolumeMount
+	for _, m := range c.VolumeMounts {
+		if (file == m.MountPath || strings.HasPrefix(file, strings.TrimSuffix(m.MountPath, "/")+"/")) && len(m.MountPath) > len(best.MountPath) {
+			best = m
+		}
+	}
+	if best.Name == "" {
+		t.Fatalf("%s %s: container %s has no volume mounted over %s", w.kind, w.name, c.Name, file)
+	}
+	for _, v := range w.pod.Spec.Volumes {
+		if v.Name == best.Name {
+			return best, v
+		}
+	}
+	t.Fatalf("%s %s: container %s mounts volume %s, which the pod does not define", w.kind, w.name, c.Name, best.Name)
+	return best, corev1.Volume{}
+}
+
+func socketPath(t *testing.T, endpoint string) string {
+	t.Helper()
+	p, ok := strings.CutPrefix(endpoint, "unix://")
+	if !ok || !path.IsAbs(p) {
+		t.Fatalf("endpoint %q is not unix:///absolute/path", endpoint)
+	}
+	return p
+}
+
+var pinnedSidecar = regexp.MustCompile(`^registry\.k8s\.io/sig-storage/([a-z-]+):v\d+\.\d+\.\d+$`)
+
+// checkSidecars checks that each named sidecar runs a pinned release and
+// reaches the plugin's socket through the same volume.
+func checkSidecars(t *testing.T, a *addon, w workload, want []string) {
+	t.Helper()
+	plugin := a.plugin(t, w)
+	ep, _ := flag(plugin.Args, "endpoint")
+	sock := socketPath(t, ep)
+	pm, _ := mountFor(t, w, plugin, sock)
+	var have []string
+	for _, c := range w.pod.Spec.Containers {
+		if c.Name == plugin.Name {
+			continue
+		}
+		m := pinnedSidecar.FindStringSubmatch(c.Image)
+		if m == nil {
+			t.Errorf("%s %s: container %s runs %q, not a pinned registry.k8s.io/sig-storage release", w.kind, w.name, c.Name, c.Image)
+			continue
+		}
+		have = append(have, m[1])
+		addr, ok := flag(c.Args, "csi-address")
+		if !ok {
+			t.Errorf("%s %s: %s has no --csi-address", w.kind, w.name, c.Name)
+			continue
+		}
+		sm, _ := mountFor(t, w, c, addr)
+		rel := func(m corev1.VolumeMount, p string) string {
+			return strings.TrimPrefix(p, strings.TrimSuffix(m.MountPath, "/"))
+		}
+		if sm.Name != pm.Name || rel(sm, addr) != rel(pm, sock) {
+			t.Errorf("%s %s: %s dials %s on volume %s; the plugin listens on %s on volume %s", w.kind, w.name, c.Name, addr, sm.Name, sock, pm.Name)
+		}
+	}
+	slices.Sort(have)
+	slices.Sort(want)
+	if !slices.Equal(have, want) {
+		t.Errorf("%s %s runs sidecars %v, want %v", w.kind, w.name, have, want)
+	}
+}
+
+func TestWorkloadsAgree(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		accounts := map[string]bool{}
+		for _, sa := range a.accounts {
+			accounts[sa.Name] = true
+		}
+		for _, w := range a.workloads() {
+			sel, err := metav1.LabelSelectorAsSelector(w.selector)
+			if err != nil || sel.Empty() {
+				t.Errorf("%s %s: selector %v: %v", w.kind, w.name, w.selector, err)
+			} else if !sel.Matches(labels.Set(w.pod.Labels)) {
+				t.Errorf("%s %s: selector %v does not match its pod labels %v", w.kind, w.name, w.selector, w.pod.Labels)
+			}
+			if !accounts[w.pod.Spec.ServiceAccountName] {
+				t.Errorf("%s %s: service account %q is not in the bundle", w.kind, w.name, w.pod.Spec.ServiceAccountName)
+			}
+			p := a.plugin(t, w)
+			if n, _ := flag(p.Args, "driver-name"); n != a.driver {
+				t.Errorf("%s %s: plugin --driver-name=%q, want %q (= CSIDriver = provisioner)", w.kind, w.name, n, a.driver)
+			}
+			// The plugin's health port is the one livenessprobe serves.
+			lp := container(t, w, "liveness-probe")
+			ep, _ := flag(lp.Args, "http-endpoint")
+			_, hp, _ := strings.Cut(ep, ":")
+			if p.LivenessProbe == nil || p.LivenessProbe.HTTPGet == nil {
+				t.Errorf("%s %s: the plugin has no HTTP liveness probe", w.kind, w.name)
+			} else {
+				port := p.LivenessProbe.HTTPGet.Port.String()
+				for _, cp := range p.Ports {
+					if cp.Name == port {
+						port = strconv.Itoa(int(cp.ContainerPort))
+					}
+				}
+				if port != hp {
+					t.Errorf("%s %s: the plugin's liveness probe asks port %s; livenessprobe serves %s", w.kind, w.name, port, hp)
+				}
+			}
+			vols := map[string]bool{}
+			for _, v := range w.pod.Spec.Volumes {
+				vols[v.Name] = true
+			}
+			for _, c := range w.pod.Spec.Containers {
+				for _, m := range c.VolumeMounts {
+					if !vols[m.Name] {
+						t.Errorf("%s %s: %s mounts undefined volume %s", w.kind, w.name, c.Name, m.Name)
+					}
+				}
+			}
+		}
+	})
+}
+
+func TestController(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.deployments[0]
+		w := workload{"Deployment", d.Name, d.Spec.Selector, d.Spec.Template}
+		p := a.plugin(t, w)
+		if m, _ := flag(p.Args, "mode"); m != "controller" {
+			t.Errorf("controller plugin --mode=%q", m)
+		}
+		checkSidecars(t, a, w, []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "livenessprobe"})
+		prov := container(t, w, "csi-provisioner")
+		if !slices.Contains(prov.Args, "--feature-gates=Topology=true") {
+			t.Errorf("csi-provisioner lacks --feature-gates=Topology=true: PVs would carry no node affinity for %s", TopologyKey)
+		}
+		for _, c := range w.pod.Spec.Containers {
+			if c.Name != p.Name {
+				if le, _ := flag(c.Args, "leader-election"); le != "true" && c.Name != "liveness-probe" {
+					t.Errorf("%s runs without leader election; two controller pods would both act during a rollout", c.Name)
+				}
+			}
+		}
+		// The token file lies in the mounted Secret.
+		tf, _ := flag(p.Args, "token-file")
+		_, v := mountFor(t, w, p, tf)
+		if v.Secret == nil || v.Secret.SecretName != "csi-driver-secret" {
+			t.Errorf("--token-file=%s is not in the Secret csi-driver-secret (volume %s)", tf, v.Name)
+		}
+		// Unprivileged user; group for the Secret's files.
+		sc := w.pod.Spec.SecurityContext
+		if sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot || sc.RunAsUser == nil || *sc.RunAsUser != ImageUID ||
+			sc.FSGroup == nil || *sc.FSGroup != ImageUID {
+			t.Errorf("controller pod does not run as the image's user %d with fsGroup %d: %+v", ImageUID, ImageUID, sc)
+		}
+	})
+}
+
+func TestNodePlugin(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.daemonSets[0]
+		w := workload{"DaemonSet", d.Name, d.Spec.Selector, d.Spec.Template}
+		p := a.plugin(t, w)
+		if m, _ := flag(p.Args, "mode"); m != "node" {
+			t.Errorf("node plugin --mode=%q", m)
+		}
+		checkSidecars(t, a, w, []string{"csi-node-driver-registrar", "livenessprobe"})
+
+		spec := w.pod.Spec
+		if spec.HostNetwork || spec.HostPID || spec.HostIPC {
+			t.Error("node pod shares a host namespace")
+		}
+		for _, c := range spec.Containers {
+			sc := c.SecurityContext
+			switch {
+			case sc == nil:
+				t.Errorf("node container %s has no securityContext", c.Name)
+			case sc.Privileged != nil && *sc.Privileged:
+				t.Errorf("node container %s is privileged", c.Name)
+			case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
+				t.Errorf("node container %s allows privilege escalation", c.Name)
+			case sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) > 0:
+				t.Errorf("node container %s does not drop all capabilities: %+v", c.Name, sc.Capabilities)
+			}
+		}
+
+		// The plugin's socket: where the registrar tells kubelet to find it.
+		ep, _ := flag(p.Args, "endpoint")
+		sock := socketPath(t, ep)
+		m, v := mountFor(t, w, p, sock)
+		if v.HostPath == nil {
+			t.Fatalf("plugin socket volume %s is not a hostPath", v.Name)
+		}
+		hostSock := path.Join(v.HostPath.Path, strings.TrimPrefix(sock, m.MountPath))
+		if want := "/var/lib/kubelet/plugins/" + a.driver + "/csi.sock"; hostSock != want {
+			t.Errorf("plugin socket on the host is %s, want %s", hostSock, want)
+		}
+		reg := container(t, w, "node-driver-registrar")
+		if rp, _ := flag(reg.Args, "kubelet-registration-path"); rp != hostSock {
+			t.Errorf("registrar tells kubelet %s; the plugin listens on host path %s", rp, hostSock)
+		}
+		_, rv := mountFor(t, w, reg, "/registration")
+		if rv.HostPath == nil || rv.HostPath.Path != "/var/lib/kubelet/plugins_registry" {
+			t.Errorf("registrar's /registration is %+v, want host /var/lib/kubelet/plugins_registry", rv.VolumeSource)
+		}
+
+		// Kubelet's directory, with the agent's mounts propagated in.
+		root, _ := flag(p.Args, "kubelet-root")
+		km, kv := mountFor(t, w, p, root)
+		if km.MountPath != root || kv.HostPath == nil || kv.HostPath.Path != root {
+			t.Errorf("--kubelet-root=%s is mounted from %+v at %s", root, kv.VolumeSource, km.MountPath)
+		}
+		if km.MountPropagation == nil || *km.MountPropagation != corev1.MountPropagationHostToContainer {
+			t.Errorf("kubelet directory propagation %v, want HostToContainer", km.MountPropagation)
+		}
+
+		// The agent's socket, at the path the agent package listens on.
+		as, _ := flag(p.Args, "agent-socket")
+		if as != client.DefaultSocket {
+			t.Errorf("--agent-socket=%s; the agent listens on %s", as, client.DefaultSocket)
+		}
+		am, av := mountFor(t, w, p, as)
+		if av.HostPath == nil || path.Join(av.HostPath.Path, strings.TrimPrefix(as, am.MountPath)) != as {
+			t.Errorf("agent socket %s is not the host's: mount %s from %+v", as, am.MountPath, av.VolumeSource)
+		}
+		if am.MountPropagation == nil || *am.MountPropagation != corev1.MountPropagationHostToContainer {
+			t.Errorf("agent socket directory propagation %v, want HostToContainer", am.MountPropagation)
+		}
+	})
+}
+
+// secretRefs lists which containers of which workloads read which Secret
+// (through a volume they mount, or an env reference).
+func secretRefs(w workload) map[string][]string {
+	vol := map[string][]string{}
+	for _, v := range w.pod.Spec.Volumes {
+		if v.Secret != nil {
+			vol[v.Name] = append(vol[v.Name], v.Secret.SecretName)
+		}
+		if v.Projected != nil {
+			for _, s := range v.Projected.Sources {
+				if s.Secret != nil {
+					vol[v.Name] = append(vol[v.Name], s.Secret.Name)
+				}
+			}
+		}
+	}
+	out := map[string][]string{}
+	all := append(slices.Clone(w.pod.Spec.InitContainers), w.pod.Spec.Containers...)
+	for _, c := range all {
+		who := fmt.Sprintf("%s %s/%s", w.kind, w.name, c.Name)
+		for _, m := range c.VolumeMounts {
+			for _, s := range vol[m.Name] {
+				out[s] = append(out[s], who)
+			}
+		}
+		for _, e := range c.Env {
+			if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil {
+				out[e.ValueFrom.SecretKeyRef.Name] = append(out[e.ValueFrom.SecretKeyRef.Name], who)
+			}
+		}
+		for _, e := range c.EnvFrom {
+			if e.SecretRef != nil {
+				out[e.SecretRef.Name] = append(out[e.SecretRef.Name], who)
+			}
+		}
+	}
+	return out
+}
+
+func TestOnlyTheControllerPluginReadsTheCloudCredential(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		readers := map[string]bool{}
+		for _, w := range a.workloads() {
+			for s, who := range secretRefs(w) {
+				if s != "csi-driver-secret" {
+					t.Errorf("%v read Secret %s, which the add-on does not document", who, s)
+					continue
+				}
+				for _, x := range who {
+					readers[x] = true
+				}
+			}
+		}
+		want := "Deployment vco-csi-controller/vco-csi"
+		if len(readers) != 1 || !readers[want] {
+			t.Errorf("csi-driver-secret is read by %v, want only %s", readers, want)
+		}
+	})
+}
+
+func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.daemonSets[0]
+		w := workload{"DaemonSet", d.Name, d.Spec.Selector, d.Spec.Template}
+		p := a.plugin(t, w)
+		m, v := mountFor(t, w, p, KeyBackendDir+"/token")
+		if m.MountPath != KeyBackendDir || v.Projected == nil {
+			t.Fatalf("%s is not a projected volume mount: %+v", KeyBackendDir, v.VolumeSource)
+		}
+		got := map[string]bool{}
+		for _, s := range v.Projected.Sources {
+			switch {
+			case s.ConfigMap != nil:
+				if s.ConfigMap.Optional == nil || !*s.ConfigMap.Optional {
+					t.Errorf("ConfigMap %s is required: clusters without encrypted volumes would have no node plugin", s.ConfigMap.Name)
+				}
+				got[s.ConfigMap.Name] = true
+			case s.ServiceAccountToken != nil:
+				if s.ServiceAccountToken.Audience == "" || s.ServiceAccountToken.Path != "token" {
+					t.Errorf("key backend token: %+v", s.ServiceAccountToken)
+				}
+				got["token"] = true
+			}
+		}
+		for _, want := range []string{"csi-key-backend-config", "openbao-ca", "token"} {
+			if !got[want] {
+				t.Errorf("the node plugin's key backend volume lacks %s", want)
+			}
+		}
+		for _, w := range a.workloads() {
+			if w.kind == "Deployment" {
+				for _, v := range w.pod.Spec.Volumes {
+					if v.ConfigMap != nil || v.Projected != nil {
+						t.Errorf("the controller mounts %s; it has no use for the key backend", v.Name)
+					}
+				}
+			}
+		}
+	})
+}
+
+// granted reports whether the rules give verb on group/resource.
+func granted(rules []rbacv1.PolicyRule, group, resource, verb string) bool {
+	for _, r := range rules {
+		if (slices.Contains(r.APIGroups, group) || slices.Contains(r.APIGroups, "*")) &&
+			(slices.Contains(r.Resources, resource) || slices.Contains(r.Resources, "*")) &&
+			(slices.Contains(r.Verbs, verb) || slices.Contains(r.Verbs, "*")) {
+			return true
+		}
+	}
+	return false
+}
+
+func TestControllerRBAC(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		sa := a.deployments[0].Spec.Template.Spec.ServiceAccountName
+		isSA := func(subjects []rbacv1.Subject) bool {
+			for _, s := range subjects {
+				if s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace {
+					return true
+				}
+			}
+			return false
+		}
+		var cluster, local []rbacv1.PolicyRule
+		for _, b := range a.clusterBindings {
+			if !isSA(b.Subjects) {
+				continue
+			}
+			i := slices.IndexFunc(a.clusterRoles, func(r rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name })
+			if b.RoleRef.Kind != "ClusterRole" || i < 0 {
+				t.Errorf("ClusterRoleBinding %s refers to %s %s, not in the bundle", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+				continue
+			}
+			cluster = append(cluster, a.clusterRoles[i].Rules...)
+		}
+		for _, b := range a.bindings {
+			if !isSA(b.Subjects) {
+				continue
+			}
+			i := slices.IndexFunc(a.roles, func(r rbacv1.Role) bool { return r.Name == b.RoleRef.Name && r.Namespace == b.Namespace })
+			if b.RoleRef.Kind != "Role" || i < 0 {
+				t.Errorf("RoleBinding %s refers to %s %s, not in the bundle", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+				continue
+			}
+			local = append(local, a.roles[i].Rules...)
+		}
+		// What the sidecars' own deployment examples ask for.
+		need := map[string][][3]string{
+			"csi-provisioner": {
+				{"", "persistentvolumes", "create"}, {"", "persistentvolumes", "delete"}, {"", "persistentvolumes", "watch"},
+				{"", "persistentvolumeclaims", "watch"}, {"", "persistentvolumeclaims", "update"},
+				{"storage.k8s.io", "storageclasses", "list"}, {"storage.k8s.io", "csinodes", "get"},
+				{"", "nodes", "get"}, {"", "events", "create"}, {"snapshot.storage.k8s.io", "volumesnapshots", "get"},
+			},
+			"csi-attacher": {
+				{"", "persistentvolumes", "patch"}, {"storage.k8s.io", "volumeattachments", "patch"},
+				{"storage.k8s.io", "volumeattachments/status", "patch"}, {"storage.k8s.io", "csinodes", "watch"},
+			},
+			"csi-resizer": {
+				{"", "persistentvolumes", "patch"}, {"", "persistentvolumeclaims/status", "patch"}, {"", "pods", "list"},
+			},
+			"csi-snapshotter": {
+				{"snapshot.storage.k8s.io", "volumesnapshotclasses", "list"},
+				{"snapshot.storage.k8s.io", "volumesnapshotcontents", "update"},
+				{"snapshot.storage.k8s.io", "volumesnapshotcontents/status", "patch"},
+			},
+		}
+		for sidecar, perms := range need {
+			for _, p := range perms {
+				if !granted(cluster, p[0], p[1], p[2]) {
+					t.Errorf("%s needs %s on %s.%s; the controller's ClusterRole does not grant it", sidecar, p[2], p[1], p[0])
+				}
+			}
+		}
+		for _, verb := range []string{"get", "create", "update"} {
+			if !granted(local, "coordination.k8s.io", "leases", verb) {
+				t.Errorf("leader election needs %s on leases in %s", verb, Namespace)
+			}
+		}
+		if granted(cluster, "", "secrets", "get") || granted(local, "", "secrets", "get") {
+			t.Error("the controller may read Secrets through the API; it only needs its mounted one")
+		}
+		// The node's account has no bindings at all.
+		nodeSA := a.daemonSets[0].Spec.Template.Spec.ServiceAccountName
+		for _, b := range a.clusterBindings {
+			for _, s := range b.Subjects {
+				if s.Name == nodeSA {
+					t.Errorf("ClusterRoleBinding %s binds the node account", b.Name)
+				}
+			}
+		}
+	})
+}

@@ -1,0 +1,145 @@
+package deploy
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+)
+
+// buildPlugin compiles this module's vco-csi.
+func buildPlugin(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "vco-csi")
+	cmd := exec.Command("go", "build", "-o", bin, "./cmd/vco-csi")
+	cmd.Dir = ".."
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building vco-csi: %v\n%s", err, out)
+	}
+	return bin
+}
+
+var kubeRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
+// expand resolves $(NAME) in args as kubelet does, from env.
+func expand(args []string, env map[string]string) []string {
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = kubeRef.ReplaceAllStringFunc(a, func(m string) string {
+			if v, ok := env[m[2:len(m)-1]]; ok {
+				return v
+			}
+			return m
+		})
+	}
+	return out
+}
+
+// relocate points an absolute path flag somewhere under dir.
+func relocate(args []string, name, to string) []string {
+	for i, a := range args {
+		if strings.HasPrefix(a, "--"+name+"=") {
+			args[i] = "--" + name + "=" + to
+		}
+	}
+	return args
+}
+
+// TestPluginAcceptsTheManifestArguments runs this module's vco-csi with the
+// controller's arguments and environment, filled from the documented
+// example Secret, and asks it its name over the socket the sidecars dial:
+// it must be the CSIDriver's. The node's arguments must get past flag
+// parsing to the point where the plugin looks for the agent.
+func TestPluginAcceptsTheManifestArguments(t *testing.T) {
+	bin := buildPlugin(t)
+	a := decode(t, renderings[1].Image, renderings[1].DriverName)
+	doc, err := os.ReadFile(addonDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var secret corev1.Secret
+	for _, m := range yamlBlock.FindAllSubmatch(doc, -1) {
+		if strings.Contains(string(m[1]), "name: csi-driver-secret") {
+			strict(t, m[1], &secret)
+		}
+	}
+	dir := t.TempDir()
+
+	t.Run("controller", func(t *testing.T) {
+		d := a.deployments[0]
+		w := workload{"Deployment", d.Name, d.Spec.Selector, d.Spec.Template}
+		p := a.plugin(t, w)
+		env := map[string]string{}
+		for _, e := range p.Env {
+			if r := e.ValueFrom.SecretKeyRef; r != nil {
+				env[e.Name] = secret.StringData[r.Key]
+			}
+		}
+		tf, _ := flag(p.Args, "token-file")
+		if err := os.WriteFile(filepath.Join(dir, "jwt"), []byte(secret.StringData[filepath.Base(tf)]), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		sock := filepath.Join(dir, "c.sock")
+		args := relocate(relocate(expand(p.Args, env), "endpoint", "unix://"+sock), "token-file", filepath.Join(dir, "jwt"))
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, bin, args...)
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		exited := make(chan error, 1)
+		go func() { exited <- cmd.Wait() }()
+		defer func() { _ = cmd.Process.Kill(); <-exited }()
+		for {
+			if _, err := os.Stat(sock); err == nil {
+				break
+			}
+			select {
+			case err := <-exited:
+				exited <- err
+				t.Fatalf("vco-csi %q exited: %v\n%s", args, err, stderr.String())
+			case <-ctx.Done():
+				t.Fatalf("vco-csi %q made no socket:\n%s", args, stderr.String())
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		info, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+		if err != nil {
+			t.Fatalf("GetPluginInfo: %v\n%s", err, stderr.String())
+		}
+		if info.GetName() != a.drivers[0].Name {
+			t.Errorf("the controller plugin calls itself %q; the CSIDriver is %q", info.GetName(), a.drivers[0].Name)
+		}
+	})
+
+	t.Run("node", func(t *testing.T) {
+		ds := a.daemonSets[0]
+		w := workload{"DaemonSet", ds.Name, ds.Spec.Selector, ds.Spec.Template}
+		p := a.plugin(t, w)
+		missing := filepath.Join(dir, "no-agent", "agent.sock")
+		args := relocate(relocate(expand(p.Args, nil), "endpoint", "unix://"+filepath.Join(dir, "n.sock")), "agent-socket", missing)
+		out, err := exec.Command(bin, args...).CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), missing) {
+			t.Errorf("vco-csi %q without an agent: %v\n%s\nwant exit 1 naming the agent socket", args, err, out)
+		}
+	})
+}
