@@ -22,6 +22,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -152,7 +153,7 @@ func Run(ctx context.Context, o Options) error {
 	if err != nil {
 		return err
 	}
-	defer vols.stop()
+	defer vols.close()
 
 	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy, Volumes: vols.m})
 	g := srv.NewGRPC()
@@ -184,6 +185,9 @@ func Run(ctx context.Context, o Options) error {
 	log.Info("vco-agent stopping")
 	close(wdDone)
 	<-wdStopped
+	// The claim checks stop before the bus closes, so that no loss found
+	// during shutdown goes unannounced.
+	vols.stopChecks()
 	bus.Publish(events.Event{Type: events.AgentStopping, Message: "vco-agent stopping on node " + ident.NodeName})
 	bus.Close() // ends WatchEvents streams so GracefulStop can finish
 	stopped := make(chan struct{})
@@ -200,8 +204,10 @@ func Run(ctx context.Context, o Options) error {
 }
 
 type volumes struct {
-	m    *volume.Manager
-	stop func()
+	m *volume.Manager
+	// stopChecks ends the periodic claim check and the metrics listener;
+	// close (after the API has stopped) also closes the devices.
+	stopChecks, close func()
 }
 
 // startVolumes opens the claim store, re-verifies every recorded claim,
@@ -238,14 +244,17 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); m.Run(cctx) }()
-	return &volumes{m: m, stop: func() {
-		cancel()
-		<-done
-		if srv != nil {
-			srv.Close()
-		}
-		m.Close()
-	}}, nil
+	var once sync.Once
+	stopChecks := func() {
+		once.Do(func() {
+			cancel()
+			<-done
+			if srv != nil {
+				srv.Close()
+			}
+		})
+	}
+	return &volumes{m: m, stopChecks: stopChecks, close: func() { stopChecks(); m.Close() }}, nil
 }
 
 func notify(state string) {

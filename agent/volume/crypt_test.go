@@ -173,6 +173,20 @@ func TestEncryptedVolumeOpensLUKSBeforeTheFilesystem(t *testing.T) {
 		t.Fatalf("record does not say the volume is encrypted: %s", b)
 	}
 
+	// A failure after the mapping was opened closes it again: here the
+	// volume comes back asking for ext4 on the xfs inside.
+	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	closed := crypt.closed
+	wrongFS := req
+	wrongFS.FsType = "ext4"
+	_, err = e.m.Stage(ctx, wrongFS)
+	wantCode(t, err, codes.FailedPrecondition, `carries "xfs"`)
+	if crypt.closed != closed+1 || len(crypt.maps) != 0 || isMounted(t, req.StagingPath) {
+		t.Fatalf("after a failed stage: %d closes (was %d), mappings %v", crypt.closed, closed, crypt.maps)
+	}
+
 	// A disk with a filesystem is never given a LUKS2 header.
 	img2, dev2 := loop(t, 64)
 	exec.Command("mkfs.ext4", "-q", dev2).Run()

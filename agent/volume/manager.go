@@ -396,10 +396,23 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	// Whatever fails from here leaves no device open, no fence held and,
 	// for a first attempt, no record.
 	var fencer fence.Fencer
-	acquired := false
+	acquired, mapped, mounted := false, false, false
 	defer func() {
 		if err == nil {
 			return
+		}
+		// Undo in reverse: nothing stays mounted or mapped on a disk whose
+		// fence this node gives back.
+		if mounted {
+			if uerr := m.unmountIfMounted(c.StagingPath); uerr != nil {
+				m.log.Error("could not unmount after a failed stage", "volume", c.Volume, "err", uerr)
+			}
+		}
+		if mapped {
+			if cerr := m.o.Crypt.Close(context.WithoutCancel(ctx), mapperName(c.Volume)); cerr != nil {
+				m.log.Error("could not close the dm-crypt mapping after a failed stage", "volume", c.Volume, "err", cerr)
+			}
+			c.Mapper = ""
 		}
 		if acquired && fencer != nil {
 			if rerr := fencer.Release(context.WithoutCancel(ctx)); rerr != nil {
@@ -507,15 +520,16 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
 		}
-		mapped, formatted, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
+		dmPath, formatted, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
 		if err != nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, target, err)
 		}
+		mapped = true
 		if formatted {
 			c.LUKSFormatted = true
 			res.Formatted = true
 		}
-		c.Mapper, target = mapped, mapped
+		c.Mapper, target = dmPath, dmPath
 		if err := m.store.Put(c); err != nil {
 			return res, err
 		}
@@ -526,6 +540,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		if err != nil {
 			return res, err
 		}
+		mounted = true
 		res.Formatted = res.Formatted || made
 	}
 	c.Phase, c.Detail = PhaseStaged, ""
