@@ -107,6 +107,25 @@ test-deploy: deps
 lab: deps build
 	$(BIN)/vco-lab run
 
+# dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
+# vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
+# of the lab. Plain go test skips it unless VCO_LAB is set.
+.PHONY: test-crypt-lab bench-crypt
+test: test-crypt-lab
+test-crypt-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/
+
+# The LUKS2 header reader and metadata validator under the fuzzer.
+.PHONY: fuzz-crypt
+fuzz-crypt:
+	$(GO) test -run '^$$' -fuzz FuzzReadHeader -fuzztime 60s ./crypt/luks2/
+	$(GO) test -run '^$$' -fuzz FuzzParseMetadata -fuzztime 60s ./crypt/luks2/
+
+# LUKS2 unlock and format against cryptsetup with the same KDF cost.
+bench: bench-crypt
+bench-crypt: deps build
+	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ | tee $(BIN)/bench-crypt.txt | $(GO) run ./agent/internal/benchtable
+
 fuzz:
 	@echo "fuzz targets are listed per package; see docs/testing.md"
 

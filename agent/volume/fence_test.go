@@ -3,6 +3,7 @@ package volume
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -386,5 +387,39 @@ func syncFS(p string) {
 	if f, err := os.Open(p); err == nil {
 		unix.Syncfs(int(f.Fd()))
 		f.Close()
+	}
+}
+
+// A raw block volume has no filesystem to remount: the block layer's
+// read-only flag refuses writes even through a descriptor the pod opened
+// before the loss.
+func TestLostRawBlockVolumeRefusesWritesOnOpenDescriptors(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 16)
+	t.Cleanup(func() { clearRO(dev) })
+	req := StageRequest{Volume: "vol-rb", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/rb"), Block: true}
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	target := e.path("pods/p/dev")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-rb", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(target, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt([]byte("before"), 0); err != nil {
+		t.Fatalf("write before the loss: %v", err)
+	}
+	if _, err := nodeBEngine(t, tgt, "vol-rb").Acquire(ctx, &fence.Grant{Disk: "vol-rb", Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	e.m.CheckAll(ctx)
+	e.event(events.DiskFenced)
+	if _, err := f.WriteAt([]byte("after"), 0); !errors.Is(err, unix.EPERM) {
+		t.Fatalf("write after the loss: %v, want EPERM", err)
 	}
 }
