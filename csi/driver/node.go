@@ -31,8 +31,45 @@ type StageRequest struct {
 	FsType         string
 	MountFlags     []string
 	ReadOnly       bool
-	// Passphrase for an encrypted volume; never logged.
+	// Encryption is set for an encrypted volume.
+	Encryption *StageEncryption
+}
+
+// StageEncryption is how the agent opens (or first formats) an encrypted
+// volume's LUKS2 header.
+type StageEncryption struct {
+	// Passphrase unlocks the volume; never logged, cleared after the call.
 	Passphrase []byte
+	// FormatIfBlank lets the agent write a new header, with Token, on a
+	// device that holds nothing at all.
+	FormatIfBlank bool
+	Token         *TransitToken
+}
+
+// TransitToken is a volume's passphrase wrapped by the transit engine, as
+// kept in its LUKS2 header.
+type TransitToken struct {
+	Mount, KeyName string
+	KeyVersion     int
+	Ciphertext     string
+}
+
+// What a volume's device holds where its LUKS2 header goes.
+const (
+	ContentBlank = "blank"
+	ContentLUKS2 = "luks2"
+	ContentOther = "other"
+)
+
+// VolumeToken is what the agent read where the volume's LUKS2 header goes.
+type VolumeToken struct {
+	// Content is ContentBlank, ContentLUKS2 or ContentOther.
+	Content string
+	// Token is the header's wrapped passphrase; nil when it has none.
+	Token *TransitToken
+	// Detail names what the device holds when it is not blank or LUKS2.
+	Detail string
+	Device string
 }
 
 // PublishRequest binds a staged volume into a pod's target path.
@@ -78,6 +115,9 @@ type NodeAgent interface {
 	Unpublish(ctx context.Context, volumeID, targetPath string) error
 	Expand(ctx context.Context, volumeID, path string, bytes int64) (int64, error)
 	Stats(ctx context.Context, volumeID, path string) (VolumeStats, error)
+	// VolumeToken reads, changing nothing, what the volume's device holds
+	// where its LUKS2 header goes.
+	VolumeToken(ctx context.Context, volumeID string, publishContext map[string]string) (VolumeToken, error)
 }
 
 // NodeGetCapabilities lists what the node service does.
@@ -213,12 +253,10 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
-	if req.GetVolumeContext()[ctxEncrypted] == "true" {
-		// The passphrase is wrapped by the key service (crypt/transit),
-		// which this version cannot call: staging the volume unencrypted
-		// would write plaintext to a disk the user asked to be encrypted.
-		return nil, failf(ErrPrecondition, "volume %s is encrypted: encryption not available in this version of vco-csi "+
-			"(it cannot unwrap the volume's passphrase); upgrade vco-csi, or use a StorageClass with encryption=false for new volumes",
+	encrypted := req.GetVolumeContext()[ctxEncrypted] == "true"
+	if encrypted && d.cfg.Transit == nil {
+		return nil, failf(ErrPrecondition, "volume %s is encrypted, and this node plugin has no transit engine to unwrap its passphrase "+
+			"(encryption not available without --vault-addr); configure the node plugin's Vault/OpenBao transit settings",
 			req.GetVolumeId())
 	}
 	release, err := d.locks.try("volume " + req.GetVolumeId())
@@ -229,6 +267,14 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	sr := StageRequest{VolumeID: req.GetVolumeId(), StagingPath: staging, PublishContext: req.GetPublishContext(),
 		VolumeContext: req.GetVolumeContext(), Block: block, FsType: fs, MountFlags: flags,
 		ReadOnly: readOnlyMode(req.GetVolumeCapability())}
+	if encrypted {
+		enc, err := d.passphrase(ctx, req.GetVolumeId(), req.GetPublishContext())
+		if err != nil {
+			return nil, err
+		}
+		defer clear(enc.Passphrase)
+		sr.Encryption = enc
+	}
 	if err := d.cfg.Agent.Stage(ctx, sr); err != nil {
 		return nil, fmt.Errorf("staging volume %s at %s: %w", req.GetVolumeId(), staging, err)
 	}
