@@ -206,8 +206,8 @@ func TestStackOnThisHost(t *testing.T) {
 		t.Fatalf("disk file after delete: %v", err)
 	}
 
-	// An encrypted volume is refused, saying why, until the plugin can
-	// unwrap its passphrase.
+	// Without a transit engine configured, an encrypted volume is refused,
+	// saying why.
 	ev, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack-enc", VolumeCapabilities: []*csi.VolumeCapability{capab},
 		Parameters: map[string]string{"encryption": "true"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
 		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{ni.AccessibleTopology}}})
@@ -216,7 +216,7 @@ func TestStackOnThisHost(t *testing.T) {
 	}
 	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: ev.Volume.VolumeId, PublishContext: pub.PublishContext,
 		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: ev.Volume.VolumeContext})
-	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "encryption not available in this version") {
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "no transit engine") {
 		t.Fatalf("stage of an encrypted volume: %v", err)
 	}
 	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: ev.Volume.VolumeId}); err != nil {

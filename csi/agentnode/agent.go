@@ -154,11 +154,41 @@ func (a *Agent) Stage(ctx context.Context, r driver.StageRequest) error {
 	if !r.Block {
 		req.FsType = r.FsType
 	}
-	if r.Passphrase != nil {
-		req.Encryption = &api.Encryption{Passphrase: r.Passphrase, FormatIfBlank: true}
+	if e := r.Encryption; e != nil {
+		req.Encryption = &api.Encryption{Passphrase: e.Passphrase, FormatIfBlank: e.FormatIfBlank}
+		if t := e.Token; t != nil {
+			req.Encryption.TransitToken = &api.TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: uint32(t.KeyVersion), Ciphertext: t.Ciphertext}
+		}
 	}
 	_, err = a.c.StageVolume(ctx, req)
 	return a.answer(err)
+}
+
+var contents = map[api.VolumeContent]string{
+	api.VolumeContent_VOLUME_CONTENT_BLANK: driver.ContentBlank,
+	api.VolumeContent_VOLUME_CONTENT_LUKS2: driver.ContentLUKS2,
+	api.VolumeContent_VOLUME_CONTENT_OTHER: driver.ContentOther,
+}
+
+// VolumeToken asks the agent what the volume's device holds where its
+// LUKS2 header goes.
+func (a *Agent) VolumeToken(ctx context.Context, volumeID string, pc map[string]string) (driver.VolumeToken, error) {
+	loc, err := a.locator(volumeID, pc)
+	if err != nil {
+		return driver.VolumeToken{}, err
+	}
+	r, err := a.c.GetVolumeToken(ctx, &api.GetVolumeTokenRequest{VolumeId: volumeID, Device: loc})
+	if err != nil {
+		return driver.VolumeToken{}, a.answer(err)
+	}
+	out := driver.VolumeToken{Content: contents[r.GetContent()], Detail: r.GetDetail(), Device: r.GetDevice()}
+	if out.Content == "" {
+		out.Content, out.Detail = driver.ContentOther, fmt.Sprintf("content the agent calls %s (%s)", r.GetContent(), r.GetDetail())
+	}
+	if t := r.GetTransitToken(); t != nil {
+		out.Token = &driver.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
+	}
+	return out, nil
 }
 
 // Unstage asks the agent to unmount, close and release the volume.
@@ -196,9 +226,35 @@ func (a *Agent) Stats(ctx context.Context, volumeID, path string) (driver.Volume
 	if err != nil {
 		return driver.VolumeStats{}, a.answer(err)
 	}
-	return driver.VolumeStats{
+	st := driver.VolumeStats{
 		TotalBytes: s.GetTotalBytes(), UsedBytes: s.GetUsedBytes(), AvailableBytes: s.GetAvailableBytes(),
 		TotalInodes: s.GetTotalInodes(), UsedInodes: s.GetUsedInodes(), AvailableInodes: s.GetAvailableInodes(),
 		Block: s.GetBlock(), Abnormal: s.GetAbnormal(), Message: s.GetMessage(),
-	}, nil
+	}
+	if st.Abnormal {
+		st.Reason = a.abnormalReason(ctx, volumeID)
+	}
+	return st, nil
+}
+
+// abnormalReason tells a lost fence from a missing device by the claim's
+// state in the agent's disk list (the stats answer has only a flag and
+// words). Asked only for an abnormal volume; "" when the list does not say.
+func (a *Agent) abnormalReason(ctx context.Context, volumeID string) string {
+	ds, err := a.c.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		return ""
+	}
+	for _, d := range ds.GetDisks() {
+		if d.GetVolumeId() != volumeID {
+			continue
+		}
+		switch d.GetState() {
+		case api.ClaimState_CLAIM_STATE_LOST:
+			return driver.ReasonFenceLost
+		case api.ClaimState_CLAIM_STATE_GONE:
+			return driver.ReasonDeviceGone
+		}
+	}
+	return ""
 }

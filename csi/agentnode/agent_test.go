@@ -121,13 +121,14 @@ func TestDialNamesTheSocket(t *testing.T) {
 // modelFencing fences every disk with the real reservation engine, its
 // SCSI commands answered by scsitest's model target: this host has no
 // SCSI, so the model stands in for the disk's reservation logic while the
-// loop device, mounts and every agent and plugin decision are real.
+// loop device, mounts and every agent and plugin decision are real. The
+// engine reports a lost claim when checked, so the loss callback is unused.
 type modelFencing struct {
 	tgt  *scsitest.Target
 	node string
 }
 
-func (f *modelFencing) Choose(_ context.Context, dev *volume.Device, vol string) (volume.Choice, error) {
+func (f *modelFencing) Choose(_ context.Context, dev *volume.Device, vol string, _ func(*fence.LostError)) (volume.Choice, error) {
 	key, _ := fence.KeyFromUUID(f.node)
 	e, err := pr.New(dev.Path, f.tgt.Initiator(f.node), pr.Config{Key: key, Node: f.node, Disk: vol, Resolver: names, Verify: dev.Verify})
 	if err != nil {

@@ -89,6 +89,9 @@ func (identityAgent) Expand(context.Context, string, string, int64) (int64, erro
 func (identityAgent) Stats(context.Context, string, string) (driver.VolumeStats, error) {
 	return driver.VolumeStats{}, errNoVolumeMethods
 }
+func (identityAgent) VolumeToken(context.Context, string, map[string]string) (driver.VolumeToken, error) {
+	return driver.VolumeToken{}, errNoVolumeMethods
+}
 
 type syncBuffer struct {
 	mu sync.Mutex
