@@ -866,6 +866,39 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 	}); err != nil {
 		return err
 	}
+	if err := s.step(sc, dead.Name, "the kubelet cleans up on the fenced node: NodeUnpublishVolume, NodeUnstageVolume", func() (string, error) {
+		// Past one periodic check of the agent (10 s), so a re-registration
+		// it might make by itself would have happened.
+		time.Sleep(12 * time.Second)
+		if err := simlab.NodeCall(ctx, dead, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
+			VolumeId: s.volID, TargetPath: targetPath(s.pod + dead.Name)}, nil); err != nil {
+			return "", err
+		}
+		err := simlab.NodeCall(ctx, dead, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{VolumeId: s.volID, StagingTargetPath: stagingPath(s.name)}, nil)
+		if err != nil {
+			return "", err
+		}
+		return "", nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
+		d, err := live.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		out, err := live.MustSh(ctx, "sg_persist --in --read-keys /dev/"+d.Name+"; sg_persist --in --read-reservation /dev/"+d.Name)
+		if err != nil {
+			return "", err
+		}
+		low := strings.ToLower(out)
+		deadKey, liveKey := keyHex(dead), keyHex(live)
+		s.check(P4, sc, !strings.Contains(low, deadKey), "fenced %s's key %s is not registered again after resuming, a periodic check and its cleanup", dead.Name, deadKey)
+		s.check(P1, sc, strings.Contains(low, liveKey), "the reservation is %s's (key %s)", live.Name, liveKey)
+		return strings.TrimSpace(out), nil
+	}); err != nil {
+		return err
+	}
 	return s.step(sc, "host", "none of "+dead.Name+"'s late writes landed; "+live.Name+"'s data intact", func() (string, error) {
 		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(dead.Name))
 		if err != nil {
