@@ -212,6 +212,9 @@ func (r *Report) nodes() []string {
 }
 
 type htmlItem struct {
+	// Row alternates 0 and 1 along a lane so labels of close items do not
+	// overlap.
+	Row          int
 	Left, Width  float64
 	Label, Title string
 	Class        string
@@ -244,7 +247,7 @@ func (r *Report) WriteHTML(w io.Writer) error {
 		if !s.OK {
 			cls = "step fail"
 		}
-		steps.Items = append(steps.Items, htmlItem{Left: pos(s.Start), Width: max(100*float64(s.Duration)/float64(span), 0.3),
+		steps.Items = append(steps.Items, htmlItem{Row: len(steps.Items) % 2, Left: pos(s.Start), Width: max(100*float64(s.Duration)/float64(span), 0.3),
 			Label: s.Scenario, Title: fmt.Sprintf("%s %s on %s: %.2fs %s", s.Scenario, s.Name, s.Node, s.Duration.Seconds(), s.Detail), Class: cls})
 	}
 	lanes := []htmlLane{steps}
@@ -254,7 +257,7 @@ func (r *Report) WriteHTML(w io.Writer) error {
 			if ev.Node != n {
 				continue
 			}
-			l.Items = append(l.Items, htmlItem{Left: pos(ev.Time), Width: 0.4, Label: ev.Name(),
+			l.Items = append(l.Items, htmlItem{Row: len(l.Items) % 2, Left: pos(ev.Time), Width: 0.4, Label: ev.Name(),
 				Title: ev.Time.UTC().Format("15:04:05.000") + " " + ev.Name() + " " + eventFields(ev), Class: "ev " + ev.Name()})
 		}
 		lanes = append(lanes, l)
@@ -289,9 +292,9 @@ var reportPage = template.Must(template.New("report").Funcs(template.FuncMap{
 <html><head><meta charset="utf-8"><title>vco-storage lab report</title>
 <style>
 body{font-family:sans-serif;margin:1.5em;color:#222}
-.lane{position:relative;height:2.2em;border-bottom:1px solid #ddd;margin-left:9em}
+.lane{position:relative;height:3.6em;border-bottom:1px solid #ddd;margin-left:9em}
 .lane .name{position:absolute;left:-9em;width:8.5em;top:.5em;font-weight:bold;font-size:.9em}
-.item{position:absolute;top:.3em;height:1.6em;font-size:.7em;overflow:visible;white-space:nowrap;border-radius:3px}
+.item{position:absolute;height:1.5em;font-size:.7em;overflow:visible;white-space:nowrap;border-radius:3px}
 .step{background:#cfe3ff;border:1px solid #69c}
 .fail{background:#f99;border-color:#c00}
 .ev{background:#666;color:#fff;padding:0 .3em;width:auto!important}
@@ -303,7 +306,7 @@ table{border-collapse:collapse;margin-top:1em}td,th{border:1px solid #ccc;paddin
 <p>Started {{.Started}}, {{.Span}}, {{.Kind}} disks. Verdict: {{if .AllHeld}}<span class="held">every property held</span>{{else}}<span class="bad">not every property was shown to hold</span>{{end}}</p>
 {{if .Err}}<p class="bad">The story stopped early: {{.Err}}</p>{{end}}
 <h2>Timeline</h2>
-{{range .Lanes}}<div class="lane"><span class="name">{{.Name}}</span>{{range .Items}}<div class="item {{.Class}}" style="left:{{printf "%.2f" .Left}}%;width:{{printf "%.2f" .Width}}%" title="{{.Title}}">{{.Label}}</div>{{end}}</div>
+{{range .Lanes}}<div class="lane"><span class="name">{{.Name}}</span>{{range .Items}}<div class="item {{.Class}}" style="top:{{if .Row}}1.9em{{else}}.2em{{end}};left:{{printf "%.2f" .Left}}%;width:{{printf "%.2f" .Width}}%" title="{{.Title}}">{{.Label}}</div>{{end}}</div>
 {{end}}
 <h2>Safety properties</h2>
 <table><tr><th></th><th>verdict</th><th>property and evidence</th></tr>
