@@ -451,15 +451,21 @@ func targetSums(path string) (string, error) {
 // forbiddenWrites has g try to write its marker to the raw device dev:
 // once as it is, once after clearing the block layer's read-only flag
 // (so the write meets the target's reservation). Each attempt must fail.
-func forbiddenWrites(ctx context.Context, g *lab.Guest, dev string) (attempts []string, anySucceeded bool, err error) {
+func forbiddenWrites(ctx context.Context, g *lab.Guest, dev string, targetEnforces bool) (attempts []string, anySucceeded bool, err error) {
 	m := marker(g.Name)
 	if _, err := g.MustSh(ctx, fmt.Sprintf("printf '%%s' '%s' > /tmp/marker", m)); err != nil {
 		return nil, false, err
 	}
-	for _, try := range []struct{ what, script string }{
+	tries := []struct{ what, script string }{
 		{"dd to " + dev, fmt.Sprintf("dd if=/tmp/marker of=%s bs=4096 count=1 seek=%d oflag=direct conv=fsync", dev, targetOffsets[0]/4096)},
 		{"blockdev --setrw then dd to " + dev, fmt.Sprintf("ro=$(cat /sys/block/%s/ro); blockdev --setrw %s; dd if=/tmp/marker of=%s bs=4096 count=1 seek=%d oflag=direct conv=fsync; rc=$?; [ \"$ro\" = 1 ] && blockdev --setro %s; exit $rc", filepath.Base(dev), dev, dev, targetOffsets[1]/4096, dev)},
-	} {
+	}
+	if !targetEnforces {
+		// Without reservations nothing below the node stops a write that
+		// bypasses its agent; the lease protects only through the agent.
+		tries = tries[:1]
+	}
+	for _, try := range tries {
 		r, err := g.Sh(ctx, try.script)
 		if err != nil {
 			return attempts, anySucceeded, err
@@ -528,7 +534,31 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 	}); err != nil {
 		return err
 	}
-	s.r.NotRun = append(s.r.NotRun, "E2 refusal on the uevent, before any NodeStage: the agent has no udev/netlink watcher yet; the refusal shown is NodeStage's")
+	if err := s.step(sc, s.b.Name, "watch for DiskRefused on arrival, before any NodeStage (10s)", func() (string, error) {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			evs, err := simlab.Events(ctx, s.b)
+			if err != nil {
+				return "", err
+			}
+			for _, ev := range evs {
+				if ev.Name() == "DiskRefused" {
+					s.check(P2, sc, namesHolder(ev.HolderKey, s.a) || namesHolder(ev.HolderNode, s.a),
+						"%s refused the disk on its arrival: %s", s.b.Name, eventFields(ev))
+					return eventFields(ev), nil
+				}
+			}
+			if time.Now().After(deadline) {
+				// Not a property violation by itself: the refusal at
+				// NodeStage below still guards the disk.
+				s.r.NotRun = append(s.r.NotRun, "E2 refusal on arrival: "+s.b.Name+"'s agent emitted no DiskRefused within 10s of the disk appearing (no uevent watcher in this agent); the refusal shown is NodeStage's")
+				return "no refusal on arrival", nil
+			}
+			time.Sleep(time.Second)
+		}
+	}); err != nil {
+		return err
+	}
 	if err := s.step(sc, s.b.Name, "NodeStageVolume without a grant", func() (string, error) {
 		err := s.stage(ctx, s.b, pc)
 		st, _ := status.FromError(err)
@@ -578,7 +608,7 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 		if err != nil {
 			return "", err
 		}
-		attempts, ok, err := forbiddenWrites(ctx, s.b, dev)
+		attempts, ok, err := forbiddenWrites(ctx, s.b, dev, s.kind == lab.SCSIBlock)
 		if err != nil {
 			return "", err
 		}
@@ -882,7 +912,9 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 	}); err != nil {
 		return err
 	}
-	if err := s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
+	if s.kind != lab.SCSIBlock {
+		s.r.NotRun = append(s.r.NotRun, "E4 registered keys: "+string(s.kind)+" disks have no reservations to read")
+	} else if err := s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
 		d, err := live.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
 		if err != nil {
 			return "", err
