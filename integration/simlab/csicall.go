@@ -67,10 +67,9 @@ func CallLocal(ctx context.Context, endpoint, method, reqJSON string) (*CallRepl
 	}
 	defer conn.Close()
 	if err := conn.Invoke(ctx, m.full, req, resp); err != nil {
+		// The plugin's own refusals and a plugin that does not answer
+		// (UNAVAILABLE, "connection error") both come back as a status.
 		st, _ := status.FromError(err)
-		if st.Code() == codes.Unavailable {
-			return nil, fmt.Errorf("%s: the plugin at %s does not answer: %w", method, endpoint, err)
-		}
 		return &CallReply{Code: st.Code().String(), Message: st.Message()}, nil
 	}
 	b, err := protojson.Marshal(resp)

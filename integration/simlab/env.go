@@ -80,6 +80,11 @@ func Start(ctx context.Context, o Options) (_ *Env, err error) {
 	if o.Log == nil {
 		o.Log = io.Discard
 	}
+	if o.Lab.HostTools == nil {
+		// util-linux losetup (busybox's lacks --find and offsets): the
+		// agent maps a leased disk's data area past the lease with it.
+		o.Lab.HostTools = append(append([]string(nil), lab.DefaultHostTools...), "/usr/sbin/losetup")
+	}
 	e := &Env{VMs: map[string]int64{}, log: o.Log}
 	defer func() {
 		if err != nil {
