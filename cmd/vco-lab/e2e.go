@@ -55,7 +55,7 @@ func simLabConfig(c *common, detached bool) (lab.Config, error) {
 // runStory is `vco-lab run` (make lab): the simulator in lab mode, tgtd,
 // two guests with the agent and the node plugin, the RWO story, its text
 // report on stdout and report.txt/report.html in the report directory.
-func runStory(c *common, kind string, skipE4 bool, reportDir string) int {
+func runStory(c *common, kind string, skip map[string]bool, reportDir string) int {
 	cfg, err := simLabConfig(c, false)
 	if err != nil {
 		return fail("%v", err)
@@ -66,7 +66,7 @@ func runStory(c *common, kind string, skipE4 bool, reportDir string) int {
 	if err != nil {
 		return fail("starting the lab: %v", err)
 	}
-	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: os.Stdout, SkipE4: skipE4})
+	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: os.Stdout, Skip: skip})
 	if err := env.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, "vco-lab: teardown:", err)
 	}

@@ -35,7 +35,7 @@ commands:
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run [-kind K] [-skip-e4] [-report DIR]
+  run [-kind K] [-skip E4,E8] [-report DIR]
                            the RWO story (make lab): simulator in lab mode, tgtd,
                            two guests with vco-agent and vco-csi; CSI calls in
                            Kubernetes' order; report per safety property; writes
@@ -429,10 +429,10 @@ func down(args []string) int {
 
 func run(args []string) int {
 	var kind, report string
-	var skipE4 bool
+	var skipList string
 	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests: scsi-block (SCSI-3 PR) or virtio-blk")
-		fs.BoolVar(&skipE4, "skip-e4", false, "leave out the node-death scenario")
+		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E8")
 		fs.StringVar(&report, "report", "", "directory for lab-report.txt and lab-report.html (default: the -bin directory)")
 	})
 	if err != nil {
@@ -441,7 +441,13 @@ func run(args []string) int {
 	if report == "" {
 		report = c.bin
 	}
-	return c.finish(runStory(c, kind, skipE4, report))
+	skip := map[string]bool{}
+	for _, sc := range strings.Split(skipList, ",") {
+		if sc = strings.ToUpper(strings.TrimSpace(sc)); sc != "" {
+			skip[sc] = true
+		}
+	}
+	return c.finish(runStory(c, kind, skip, report))
 }
 
 func smoke(args []string) int {
