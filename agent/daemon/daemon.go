@@ -223,6 +223,7 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	m, err := volume.New(volume.Options{
 		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
 		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence")},
+		Crypt:   &volume.LUKS{},
 	})
 	if err != nil {
 		return nil, err

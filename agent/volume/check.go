@@ -60,6 +60,13 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 		if err := m.unmountIfMounted(c.StagingPath); err != nil {
 			log.Error("unmounting an interrupted stage", "err", err)
 		}
+		if c.Mapper != "" && m.o.Crypt != nil {
+			if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+				log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
+			} else {
+				c.Mapper = ""
+			}
+		}
 		l := &live{dev: dev}
 		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
 			l.fencer = ch.Fencer

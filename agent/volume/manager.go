@@ -19,20 +19,26 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
 
-// Encryption opens and closes LUKS2 volumes (package crypt). The
-// passphrase is used for the call only; implementations never keep or log
-// it.
+// Encryption formats, opens and closes LUKS2 volumes (LUKS, built on
+// package crypt). The passphrase is used for the call only;
+// implementations never keep or log it.
 type Encryption interface {
+	// Inspect reads what device holds where the LUKS2 header goes: nothing,
+	// a LUKS2 header (with its transit token), or other data. It changes
+	// nothing.
+	Inspect(ctx context.Context, device string) (Content, error)
+	// Format writes a new LUKS2 header with one keyslot for passphrase and
+	// tok as its vco-transit token. Without force a device that carries
+	// any signature is refused.
+	Format(ctx context.Context, device string, passphrase []byte, tok TransitToken, force bool) error
 	// Open unlocks the LUKS2 volume on device and maps it as name,
-	// returning the mapped device's path. With formatIfBlank, a device that
-	// carries no signature at all is first given a LUKS2 header
-	// (formatted reports that); a device with any other signature is
-	// never formatted.
-	Open(ctx context.Context, device, name string, passphrase []byte, formatIfBlank, readOnly bool) (mapped string, formatted bool, err error)
+	// returning the mapped device's path.
+	Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (mapped string, err error)
 	// Close removes the mapping; a missing mapping is not an error.
 	Close(ctx context.Context, name string) error
 	// Resize grows the mapping to its backing device, online.
@@ -186,9 +192,12 @@ type StageRequest struct {
 	ReadOnly    bool
 	Grant       *fence.Grant
 	// Encrypted volumes carry the passphrase (never stored or logged).
-	Encrypted     bool
-	Passphrase    []byte
+	Encrypted  bool
+	Passphrase []byte
+	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
+	// passphrase wrapped by the transit engine.
 	FormatLUKS    bool
+	Token         *TransitToken
 	AllowUnfenced bool
 }
 
@@ -421,7 +430,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		}
 		m.setLive(c.Volume, nil)
 		dev.Close()
-		if isNew && !c.Formatted && !c.LUKSFormatted && !c.FenceFormatted {
+		if isNew && !c.Formatted && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted {
 			if err := dropDataMapping(c.DataDevice); err != nil {
 				m.log.Error("could not detach the data mapping of a failed stage", "volume", c.Volume, "err", err)
 			}
@@ -520,15 +529,20 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
 		}
-		dmPath, formatted, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
+		formatted, err := m.prepareLUKS(ctx, c, target, r)
 		if err != nil {
-			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, target, err)
+			return res, err
+		}
+		res.Formatted = formatted
+		dmPath, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.ReadOnly)
+		if err != nil {
+			hint := ""
+			if errors.Is(err, luks2.ErrWrongPassphrase) {
+				hint = "; the node plugin must unwrap the passphrase kept in the header's transit token (GetVolumeToken)"
+			}
+			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v%s", c.Volume, target, err, hint)
 		}
 		mapped = true
-		if formatted {
-			c.LUKSFormatted = true
-			res.Formatted = true
-		}
 		c.Mapper, target = dmPath, dmPath
 		if err := m.store.Put(c); err != nil {
 			return res, err
