@@ -26,7 +26,7 @@ import (
 
 // row is one line of the table.
 type row struct {
-	measure, value, ref, refValue, ratio, source string
+	measure, value, ref, refValue, ratio, source, notes string
 }
 
 // titles say in words what a Go benchmark measures.
@@ -110,7 +110,7 @@ func parse(r io.Reader, source string) (rows []row, failed bool) {
 			// Not measured (the row says why in its ratio column).
 			value, ratio = "n/a", ""
 		}
-		rows = append(rows, row{name, value, labRef, labRefValue, ratio, source})
+		rows = append(rows, row{name, value, labRef, labRefValue, ratio, source, ""})
 	}
 	return rows, failed
 }
@@ -146,6 +146,14 @@ func goRow(name, vs, metrics string) (row, bool) {
 	if r.value == "" || vs == "" {
 		return row{}, false
 	}
+	var notes []string
+	for _, u := range units {
+		used := u == "ns/op" || u == "x-ref" || u == "drv/ref" || strings.HasPrefix(u, "ref-") || strings.HasPrefix(u, "drv-")
+		if !used && r.value != vals[u]+" "+u {
+			notes = append(notes, vals[u]+" "+u)
+		}
+	}
+	r.notes = strings.Join(notes, ", ")
 	r.ref = vs
 	if t := refTitles[vs]; t != "" {
 		r.ref = t
@@ -182,9 +190,9 @@ func main() {
 		all = append(all, rows...)
 	}
 	tw := tabwriter.NewWriter(os.Stdout, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "measure\tvalue\treference\treference value\tratio\tpart")
+	fmt.Fprintln(tw, "measure\tvalue\treference\treference value\tratio\tpart\tnotes")
 	for _, r := range all {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.measure, r.value, r.ref, r.refValue, r.ratio, r.source)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.measure, r.value, r.ref, r.refValue, r.ratio, r.source, r.notes)
 	}
 	tw.Flush()
 	if bad {

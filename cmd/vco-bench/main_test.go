@@ -7,7 +7,7 @@ import (
 
 // Lines as the bench-* targets write them.
 const sample = `goos: linux
-BenchmarkExecToReady/vs=bin-true-2         	      10	         0 ns/op	        12.5 ms	         1.1 ref-ms	        11.36 x-ref
+BenchmarkExecToReady/vs=bin-true-2         	      10	         0 ns/op	        12.5 ms	         1.1 ref-ms	        11.36 x-ref	 71.68 %dropped
 BenchmarkCreatePublish100-2   	       5	 812345678 ns/op	       120.0 api-req/vol	       400.0 drv-ms/batch	       390.0 ref-ms/batch	         1.026 drv/ref
 BenchmarkNoReference-2   	       5	 100 ns/op
 PASS
@@ -24,10 +24,10 @@ func TestParse(t *testing.T) {
 		t.Fatal("reported a failure in passing output")
 	}
 	want := []row{
-		{"agent exec to READY=1", "12.5 ms", "exec to exit of /bin/true", "1.1 ms", "11.36x", "x"},
-		{"100 concurrent CreateVolume+ControllerPublish", "400.0 ms/batch", "the same API calls made bare", "390.0 ms/batch", "1.026x", "x"},
-		{"lab set-up, 1 guest", "9.00s", "guest boot, alone", "8.10s", "1.11x", "x"},
-		{"PR acquire+release, vco-agent fence", "20.0ms", "PR acquire+release, sg_persist", "40.0ms", "0.50x", "x"},
+		{"agent exec to READY=1", "12.5 ms", "exec to exit of /bin/true", "1.1 ms", "11.36x", "x", "71.68 %dropped"},
+		{"100 concurrent CreateVolume+ControllerPublish", "400.0 ms/batch", "the same API calls made bare", "390.0 ms/batch", "1.026x", "x", "120.0 api-req/vol"},
+		{"lab set-up, 1 guest", "9.00s", "guest boot, alone", "8.10s", "1.11x", "x", ""},
+		{"PR acquire+release, vco-agent fence", "20.0ms", "PR acquire+release, sg_persist", "40.0ms", "0.50x", "x", ""},
 	}
 	if len(rows) != len(want) {
 		t.Fatalf("got %d rows, want %d: %+v", len(rows), len(want), rows)
