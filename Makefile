@@ -63,13 +63,18 @@ test-e2e: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) $(E2E_PKGS)
 
 # Benchmarks print one table of figures against named references; they
-# are never asserted. Each part adds a bench-* target as a prerequisite.
+# are never asserted. Each part adds a bench-* target as a prerequisite and
+# keeps its raw output in $(BIN)/bench-<part>.txt; the last step prints them
+# all as one table (cmd/vco-bench; docs/benchmarks.md).
+BENCH_PARTS := agent csi lab fence crypt
 bench: bench-agent bench-csi bench-lab
+	@echo; echo "== make bench: all parts, $$(date -u +%Y-%m-%d), $$(nproc) cores"
+	@$(GO) run ./cmd/vco-bench $(foreach p,$(BENCH_PARTS),$(BIN)/bench-$(p).txt)
 
 # Guest boot and lab set-up against a guest booting alone; reservation
 # latency of the engine against sg_persist, in a guest.
 bench-lab: deps build
-	$(BIN)/vco-lab bench
+	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
 
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
@@ -80,7 +85,8 @@ bench-agent: deps build
 # reported as a ratio to the bare API calls for the same work; a node
 # stage+unstage cycle on a loop device against plain mount+umount of it.
 bench-csi: deps
-	$(GO) test -count=1 -run '^$$' -bench 'CreatePublish100|NodeStageUnstage' -benchtime 5x ./csi/driver
+	@mkdir -p $(BIN)
+	$(GO) test -count=1 -run '^$$$$' -bench 'CreatePublish100|NodeStageUnstage' -benchtime 5x ./csi/driver | tee $(BIN)/bench-csi.txt
 
 # Lease takeover against its bound, a check of 64 claims against raw
 # reads, refusal latency from the kernel's uevent against the 1 s budget
