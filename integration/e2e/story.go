@@ -41,9 +41,12 @@ type Options struct {
 	Env *simlab.Env
 	// Progress receives a line per step as it finishes (may be nil).
 	Progress io.Writer
-	// Skip names scenarios to leave out: E4, E5, E8 (E1-E3 are the
+	// Skip names scenarios to leave out: E4, E5, E7, E8 (E1-E3 are the
 	// story's spine and always run).
 	Skip map[string]bool
+	// Only, if set, runs just the setup and that one self-contained
+	// scenario (E7), on a volume of its own.
+	Only string
 }
 
 type story struct {
@@ -191,6 +194,13 @@ func (s *story) run(ctx context.Context) error {
 			return err
 		}
 	}
+	switch s.o.Only {
+	case "":
+	case "E7":
+		return s.e7(ctx)
+	default:
+		return fmt.Errorf("scenario %s cannot run on its own", s.o.Only)
+	}
 	if err := s.create(ctx); err != nil {
 		return err
 	}
@@ -215,6 +225,11 @@ func (s *story) run(ctx context.Context) error {
 	if s.o.Skip["E8"] {
 		s.r.NotRun = append(s.r.NotRun, "E8 volume from a snapshot: left out by request")
 	} else if err := s.e8(ctx, sumA); err != nil {
+		return err
+	}
+	if s.o.Skip["E7"] {
+		s.r.NotRun = append(s.r.NotRun, "E7 online expansion: left out by request")
+	} else if err := s.e7(ctx); err != nil {
 		return err
 	}
 	if s.o.Skip["E4"] {

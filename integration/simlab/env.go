@@ -154,18 +154,51 @@ func (e *Env) logf(format string, a ...any) {
 // Guest returns the lab guest of the given name.
 func (e *Env) Guest(name string) *lab.Guest { return e.Lab.Guest(name) }
 
+// StackOptions change how StartNodeStackWith starts a guest's node stack.
+type StackOptions struct {
+	// AllowUnfenced is the explicit opt-in, on both the agent
+	// (volumes.allow_unfenced) and the node plugin (--allow-unfenced), to
+	// stage disks that offer no fencing method. For scenarios that are
+	// about something other than fencing on such disks, and only those.
+	AllowUnfenced bool
+}
+
 // StartNodeStack starts vco-agent and the vco-csi node plugin in g, in the
 // background of the guest, and waits for both sockets.
 func StartNodeStack(ctx context.Context, g *lab.Guest) error {
+	return StartNodeStackWith(ctx, g, StackOptions{})
+}
+
+// StartNodeStackWith is StartNodeStack with options.
+func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error {
+	agentArgs, csiArgs := "", ""
+	if o.AllowUnfenced {
+		agentArgs = " --config /run/vco-agent/allow-unfenced.yaml"
+		csiArgs = " --allow-unfenced"
+	}
 	script := fmt.Sprintf(`set -e
 mkdir -p /run/vco-agent /run/csi /var/lib/vco-agent %[1]s /var/log
-( /bin/vco-agent serve --dbus=false --location %[2]s --node-name %[3]s --socket %[4]s --kubelet-root %[1]s >/var/log/vco-agent.log 2>&1 & )
+printf 'volumes:\n  allow_unfenced: true\n' >/run/vco-agent/allow-unfenced.yaml
+( /bin/vco-agent serve --dbus=false --location %[2]s --node-name %[3]s --socket %[4]s --kubelet-root %[1]s%[7]s >>/var/log/vco-agent.log 2>&1 & )
 i=0; while [ ! -S %[4]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-agent.log; exit 1; }; sleep 0.1; done
-( /bin/vco-csi --mode=node --driver-name %[5]s --endpoint unix://%[6]s --agent-socket %[4]s --kubelet-root %[1]s >/var/log/vco-csi.log 2>&1 & )
+( /bin/vco-csi --mode=node --driver-name %[5]s --endpoint unix://%[6]s --agent-socket %[4]s --kubelet-root %[1]s%[8]s >>/var/log/vco-csi.log 2>&1 & )
 i=0; while [ ! -S %[6]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-csi.log; exit 1; }; sleep 0.1; done
-`, KubeletRoot, Location, g.Name, AgentSocket, DriverName, CSISocket)
+`, KubeletRoot, Location, g.Name, AgentSocket, DriverName, CSISocket, agentArgs, csiArgs)
 	if _, err := g.MustSh(ctx, script); err != nil {
 		return fmt.Errorf("starting the node stack in %s: %w", g.Name, err)
+	}
+	return nil
+}
+
+// StopNodeStack stops g's vco-agent and vco-csi (SIGTERM, as systemd
+// stops them) and removes their sockets, so the next start waits for
+// fresh ones.
+func StopNodeStack(ctx context.Context, g *lab.Guest) error {
+	script := fmt.Sprintf(`for p in $(pidof vco-csi vco-agent); do kill $p; done
+i=0; while pidof vco-csi vco-agent >/dev/null; do i=$((i+1)); [ $i -lt 300 ] || { echo still running: $(pidof vco-csi vco-agent); exit 1; }; sleep 0.1; done
+rm -f %s %s`, AgentSocket, CSISocket)
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("stopping the node stack in %s: %w", g.Name, err)
 	}
 	return nil
 }
