@@ -3,12 +3,16 @@ package e2e_test
 import (
 	"bytes"
 	"context"
+	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
@@ -100,7 +104,7 @@ func TestRWOStory(t *testing.T) {
 
 // runOnly starts a two-guest lab and runs one self-contained scenario of
 // the story; every step must succeed and every check it makes hold.
-func runOnly(t *testing.T, scenario string) *e2e.Report {
+func runOnly(t *testing.T, scenario string, opts ...func(*lab.Config, *e2e.Options)) *e2e.Report {
 	if ok, why := lab.GuestTierEnabled(); !ok {
 		t.Skip(why)
 	}
@@ -108,13 +112,18 @@ func runOnly(t *testing.T, scenario string) *e2e.Report {
 	if err != nil {
 		t.Fatal(err)
 	}
+	o := e2e.Options{Progress: testWriter{t}, Only: scenario}
+	for _, f := range opts {
+		f(&cfg, &o)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	env, err := simlab.Start(ctx, simlab.Options{Lab: cfg, Log: testWriter{t}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: testWriter{t}, Only: scenario})
+	o.Env = env
+	rep := e2e.Run(ctx, o)
 	if err := env.Close(); err != nil {
 		t.Errorf("teardown: %v", err)
 	}
@@ -142,5 +151,47 @@ func TestOnlineExpansion(t *testing.T) {
 	held, checks := rep.Verdict(e2e.P5)
 	if len(checks) == 0 || !held {
 		t.Errorf("E7 did not show P5 holding: %+v", checks)
+	}
+}
+
+// TestAgentKilledDuringStage is E9: node-a's agent is killed with SIGKILL
+// at each step of NodeStage and NodeUnstage (a shell loop restarts it, as
+// systemd's Restart=on-failure would); every retried call succeeds, the
+// filesystem is never made again and the data reads back.
+func TestAgentKilledDuringStage(t *testing.T) {
+	rep := runOnly(t, "E9")
+	held, checks := rep.Verdict(e2e.P5)
+	if len(checks) == 0 || !held {
+		t.Errorf("E9 did not show P5 holding: %+v", checks)
+	}
+}
+
+// TestEncryptedVolume is E6 against a FAKE transit engine
+// (crypt/transit/transittest: no Vault or OpenBao can run here) on
+// 127.0.0.1, which the guests reach only through a restricted user-network
+// NIC forwarding to it: first use on node-a formats LUKS2 with a wrapped
+// passphrase, the data reads back on node-b, and cryptsetup there accepts
+// the unwrapped passphrase and refuses another.
+func TestEncryptedVolume(t *testing.T) {
+	fake := transittest.New()
+	fake.Rotate("vco-volumes")
+	fake.StaticToken("e2e-static-token")
+	srv := httptest.NewServer(fake)
+	defer srv.Close()
+	u, err := url.Parse(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, err := strconv.Atoi(u.Port())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := runOnly(t, "E6", func(c *lab.Config, o *e2e.Options) {
+		c.Modules = append(append([]string{}, lab.DefaultModules...), "virtio_net")
+		o.TransitPort, o.TransitToken = port, "e2e-static-token"
+	})
+	held, checks := rep.Verdict(e2e.P5)
+	if len(checks) == 0 || !held {
+		t.Errorf("E6 did not show P5 holding: %+v", checks)
 	}
 }
