@@ -143,23 +143,23 @@ func (s *story) e6(ctx context.Context) (err error) {
 		if dev == "" {
 			return "", fmt.Errorf("no dm-crypt mapping in %s names its disk", s.b.Name)
 		}
-		try := func(p []byte) (bool, error) {
-			r, err := s.b.Sh(ctx, "umask 077; echo "+base64.StdEncoding.EncodeToString(p)+" | base64 -d >/run/e6-key; cryptsetup open --test-passphrase --key-file /run/e6-key "+dev+"; rc=$?; rm -f /run/e6-key; exit $rc")
+		try := func(p []byte) (bool, string, error) {
+			r, err := s.b.Sh(ctx, "umask 077; echo "+base64.StdEncoding.EncodeToString(p)+" | base64 -d >/run/e6-key; cryptsetup open --test-passphrase --key-file /run/e6-key "+dev+" 2>&1; rc=$?; rm -f /run/e6-key; exit $rc")
 			if err != nil {
-				return false, err
+				return false, "", err
 			}
-			return r.Exit == 0 && !r.TimedOut, nil
+			return r.Exit == 0 && !r.TimedOut, strings.TrimSpace(r.Stdout + r.Stderr), nil
 		}
-		ok, err := try(pass)
+		ok, okOut, err := try(pass)
 		if err != nil {
 			return "", err
 		}
-		bad, err := try(append([]byte("not-"), pass...))
+		bad, badOut, err := try(append([]byte("not-"), pass...))
 		if err != nil {
 			return "", err
 		}
 		if !ok || bad {
-			return "", fmt.Errorf("cryptsetup on %s: unwrapped passphrase accepted %v, another accepted %v", dev, ok, bad)
+			return "", fmt.Errorf("cryptsetup on %s: unwrapped passphrase accepted %v (%s), another accepted %v (%s)", dev, ok, okOut, bad, badOut)
 		}
 		return fmt.Sprintf("token key %s version %d; %s opens with the unwrapped passphrase, not with another", tok.KeyName, tok.KeyVersion, dev), nil
 	}); err != nil {

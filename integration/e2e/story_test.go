@@ -47,7 +47,9 @@ func TestRWOStory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: testWriter{t}})
+	// E6, E7 and E9 have tests of their own below (E6 needs a transit
+	// engine, which only tests carry); `make lab` runs E7 and E9 in the story.
+	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: testWriter{t}, Skip: map[string]bool{"E7": true, "E9": true}})
 	if err := env.Close(); err != nil {
 		t.Errorf("teardown: %v", err)
 	}
@@ -104,7 +106,7 @@ func TestRWOStory(t *testing.T) {
 
 // runOnly starts a two-guest lab and runs one self-contained scenario of
 // the story; every step must succeed and every check it makes hold.
-func runOnly(t *testing.T, scenario string, opts ...func(*lab.Config, *e2e.Options)) *e2e.Report {
+func runOnly(t *testing.T, scenario string, opts ...func(*simlab.Options, *e2e.Options)) *e2e.Report {
 	if ok, why := lab.GuestTierEnabled(); !ok {
 		t.Skip(why)
 	}
@@ -113,12 +115,13 @@ func runOnly(t *testing.T, scenario string, opts ...func(*lab.Config, *e2e.Optio
 		t.Fatal(err)
 	}
 	o := e2e.Options{Progress: testWriter{t}, Only: scenario}
+	so := simlab.Options{Lab: cfg, Log: testWriter{t}}
 	for _, f := range opts {
-		f(&cfg, &o)
+		f(&so, &o)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	env, err := simlab.Start(ctx, simlab.Options{Lab: cfg, Log: testWriter{t}})
+	env, err := simlab.Start(ctx, so)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -186,8 +189,15 @@ func TestEncryptedVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rep := runOnly(t, "E6", func(c *lab.Config, o *e2e.Options) {
-		c.Modules = append(append([]string{}, lab.DefaultModules...), "virtio_net")
+	rep := runOnly(t, "E6", func(so *simlab.Options, o *e2e.Options) {
+		so.Lab.Modules = append(append([]string{}, lab.DefaultModules...), "virtio_net")
+		// cryptsetup's argon2 threads need libgcc_s at pthread_exit; it
+		// is loaded at run time, so the copied tools' libraries miss it.
+		so.Lab.Binaries["/lib/x86_64-linux-gnu/libgcc_s.so.1"] = "/lib/x86_64-linux-gnu/libgcc_s.so.1"
+		// Unlocking LUKS2 (argon2id, 64 MiB) beside the guest's RAM-backed
+		// root needs more than the story's 320 MiB: the agent is
+		// OOM-killed there.
+		so.MemMB = 512
 		o.TransitPort, o.TransitToken = port, "e2e-static-token"
 	})
 	held, checks := rep.Verdict(e2e.P5)
