@@ -35,7 +35,7 @@ commands:
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run [-kind K] [-skip E4,E8] [-report DIR]
+  run [-kind K] [-skip E4,E7,E8,E9] [-report DIR]
                            the RWO story (make lab): simulator in lab mode, tgtd,
                            two guests with vco-agent and vco-csi; CSI calls in
                            Kubernetes' order; report per safety property; writes
@@ -432,7 +432,7 @@ func run(args []string) int {
 	var skipList string
 	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests: scsi-block (SCSI-3 PR) or virtio-blk")
-		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E8")
+		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E7, E8, E9")
 		fs.StringVar(&report, "report", "", "directory for lab-report.txt and lab-report.html (default: the -bin directory)")
 	})
 	if err != nil {

@@ -41,9 +41,17 @@ type Options struct {
 	Env *simlab.Env
 	// Progress receives a line per step as it finishes (may be nil).
 	Progress io.Writer
-	// Skip names scenarios to leave out: E4, E5, E8 (E1-E3 are the
+	// Skip names scenarios to leave out: E4, E5, E7, E8, E9 (E1-E3 are the
 	// story's spine and always run).
 	Skip map[string]bool
+	// Only, if set, runs just the setup and that one self-contained
+	// scenario (E6, E7 or E9), on a volume of its own.
+	Only string
+	// TransitPort is the port on 127.0.0.1 of the transit engine E6 wraps
+	// passphrases with, and TransitToken a token it accepts. E6 runs only
+	// when it is set (the story's binaries carry no transit engine).
+	TransitPort  int
+	TransitToken string
 }
 
 type story struct {
@@ -57,6 +65,9 @@ type story struct {
 
 	volID  string
 	diskID int64
+	// volCtx is the volume context CreateVolume answered (the node calls
+	// carry it, as the kubelet passes the PV's).
+	volCtx map[string]string
 	kind   lab.DiskKind
 	// name is the volume's name (its staging path derives from it) and
 	// pod the prefix of the pods' names that use it.
@@ -191,6 +202,17 @@ func (s *story) run(ctx context.Context) error {
 			return err
 		}
 	}
+	switch s.o.Only {
+	case "":
+	case "E7":
+		return s.e7(ctx)
+	case "E9":
+		return s.e9(ctx)
+	case "E6":
+		return s.e6(ctx)
+	default:
+		return fmt.Errorf("scenario %s cannot run on its own", s.o.Only)
+	}
 	if err := s.create(ctx); err != nil {
 		return err
 	}
@@ -215,6 +237,21 @@ func (s *story) run(ctx context.Context) error {
 	if s.o.Skip["E8"] {
 		s.r.NotRun = append(s.r.NotRun, "E8 volume from a snapshot: left out by request")
 	} else if err := s.e8(ctx, sumA); err != nil {
+		return err
+	}
+	if s.o.TransitPort == 0 {
+		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: needs a transit engine (Vault/OpenBao); the guest tier runs it against a fake one (TestEncryptedVolume)")
+	} else if err := s.e6(ctx); err != nil {
+		return err
+	}
+	if s.o.Skip["E7"] {
+		s.r.NotRun = append(s.r.NotRun, "E7 online expansion: left out by request")
+	} else if err := s.e7(ctx); err != nil {
+		return err
+	}
+	if s.o.Skip["E9"] {
+		s.r.NotRun = append(s.r.NotRun, "E9 agent killed during stage and unstage: left out by request")
+	} else if err := s.e9(ctx); err != nil {
 		return err
 	}
 	if s.o.Skip["E4"] {
@@ -282,7 +319,7 @@ func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) e
 	// The kubelet retries a failed stage with backoff; a disk that the
 	// guest has not finished probing after a hot-plug answers NOT_FOUND
 	// until it has.
-	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name), VolumeCapability: volCap()}
+	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name), VolumeCapability: volCap(), VolumeContext: s.volCtx}
 	deadline := time.Now().Add(90 * time.Second)
 	wait := 500 * time.Millisecond
 	for tries := 1; ; tries++ {
@@ -305,7 +342,7 @@ func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Gue
 	return s.step(scenario, g.Name, "NodePublishVolume "+s.name+" into "+s.pod+g.Name, func() (string, error) {
 		return "", simlab.NodeCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
 			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name),
-			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap()}, nil)
+			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap(), VolumeContext: s.volCtx}, nil)
 	})
 }
 

@@ -48,6 +48,14 @@ type Backend struct {
 	detached map[string]bool // devices left in a paused guest by Detach
 }
 
+// FileVirtioBlk shows a disk as virtio-blk-pci over its backing file
+// directly (QEMU's raw-over-file driver) instead of over iSCSI. tgtd fixes
+// a LUN's size when it opens it and QEMU cannot grow an iSCSI disk, so
+// this is the lab's way to grow a disk a running guest is using: QMP
+// block_resize grows the file and the guest sees the capacity change, as
+// a cloud's hypervisor would show it.
+const FileVirtioBlk lab.DiskKind = "virtio-blk-file"
+
 // Timeout bounds each backend operation (the simulator gives it no context).
 const Timeout = 2 * time.Minute
 
@@ -150,6 +158,9 @@ func (b *Backend) DeleteDisk(id int64) error {
 // ResizeDisk grows the file. tgtd learns a LUN's size when it opens the
 // file, so the LUN is served afresh; that drops the sessions of guests
 // using it, which is why a disk attached to a running guest is refused.
+//
+// A FileVirtioBlk disk attached to running guests is grown online instead:
+// block_resize in each of them.
 func (b *Backend) ResizeDisk(id, sizeGiB int64) error {
 	lun := b.LUN(id)
 	if lun == nil {
@@ -157,6 +168,11 @@ func (b *Backend) ResizeDisk(id, sizeGiB int64) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), Timeout)
 	defer cancel()
+	if b.kind(id) == FileVirtioBlk {
+		if grown, err := b.resizeOnline(ctx, id, sizeGiB); grown || err != nil {
+			return err
+		}
+	}
 	if out, _ := b.Lab.Target.Show(ctx); targetHasSession(out, lun.IQN) {
 		return fmt.Errorf("lab mode cannot grow disk %d while a guest is logged in to it (tgtd fixes a LUN's size when it opens it); detach it first", id)
 	}
@@ -167,6 +183,23 @@ func (b *Backend) ResizeDisk(id, sizeGiB int64) error {
 		return err
 	}
 	return b.serve(id)
+}
+
+// resizeOnline grows a file-backed disk with block_resize in every guest
+// that has it plugged in; it reports false when no guest has.
+func (b *Backend) resizeOnline(ctx context.Context, id, sizeGiB int64) (bool, error) {
+	grown := false
+	for _, g := range b.Lab.Guests {
+		if !b.hasDevice(ctx, g, devID(id)) {
+			continue
+		}
+		if _, err := g.QMP().Execute(ctx, "block_resize", map[string]any{"node-name": nodeName(id), "size": sizeGiB << 30}); err != nil {
+			return grown, fmt.Errorf("growing disk %d in %s (block_resize): %w", id, g.Name, err)
+		}
+		grown = true
+		b.logf("disk %d grown to %d GiB in %s (block_resize)", id, sizeGiB, g.Name)
+	}
+	return grown, nil
 }
 
 // targetHasSession reads tgtadm's target listing: the block of the target
@@ -263,6 +296,12 @@ func (b *Backend) Attach(vm *sim.VMState, id int64, bus, slot int) (string, erro
 		"driver": "iscsi", "node-name": nodeName(id), "transport": "tcp", "portal": lun.Portal,
 		"target": lun.IQN, "lun": 1, "initiator-name": g.Initiator,
 	}
+	if kind == FileVirtioBlk {
+		// No image locking: two guests may be given the disk (the
+		// multi-attach fault), as they may share a LUN.
+		bd = map[string]any{"driver": "raw", "node-name": nodeName(id),
+			"file": map[string]any{"driver": "file", "filename": b.DiskFile(id), "locking": "off"}}
+	}
 	if _, err := q.Execute(ctx, "blockdev-add", bd); err != nil {
 		return "", fmt.Errorf("attaching disk %d to %s: %w", id, g.Name, err)
 	}
@@ -278,7 +317,7 @@ func (b *Backend) Attach(vm *sim.VMState, id int64, bus, slot int) (string, erro
 			undo()
 			return "", fmt.Errorf("attaching disk %d to %s: %w", id, g.Name, err)
 		}
-	case lab.VirtioBlk:
+	case lab.VirtioBlk, FileVirtioBlk:
 		if _, err := q.Execute(ctx, "device_add", map[string]any{"driver": "virtio-blk-pci", "id": devID(id), "drive": nodeName(id),
 			"bus": "pci.0", "addr": addr, "serial": strconv.FormatInt(id, 10), "share-rw": true}); err != nil {
 			undo()
@@ -286,7 +325,7 @@ func (b *Backend) Attach(vm *sim.VMState, id int64, bus, slot int) (string, erro
 		}
 	default:
 		undo()
-		return "", fmt.Errorf("disk %d: lab mode shows disks as %s or %s, not %q", id, lab.SCSIBlock, lab.VirtioBlk, kind)
+		return "", fmt.Errorf("disk %d: lab mode shows disks as %s, %s or %s, not %q", id, lab.SCSIBlock, lab.VirtioBlk, FileVirtioBlk, kind)
 	}
 	b.logf("disk %d hot-plugged into %s as %s at PCI 00:%02x", id, g.Name, kind, slot)
 	return fmt.Sprintf("%s:%s@00:%02x", g.Name, kind, slot), nil

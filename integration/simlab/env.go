@@ -154,18 +154,116 @@ func (e *Env) logf(format string, a ...any) {
 // Guest returns the lab guest of the given name.
 func (e *Env) Guest(name string) *lab.Guest { return e.Lab.Guest(name) }
 
+// StackOptions change how StartNodeStackWith starts a guest's node stack.
+type StackOptions struct {
+	// AllowUnfenced is the explicit opt-in, on both the agent
+	// (volumes.allow_unfenced) and the node plugin (--allow-unfenced), to
+	// stage disks that offer no fencing method. For scenarios that are
+	// about something other than fencing on such disks, and only those.
+	AllowUnfenced bool
+	// Supervise runs the agent under a shell loop that starts it again
+	// whenever it exits with a failure, as the packaged unit's
+	// Restart=on-failure has systemd do; the busybox guests have no
+	// systemd. Each exit status is appended to SupervisorExits.
+	Supervise bool
+	// VaultAddr and VaultToken point the node plugin at a transit engine
+	// (--vault-addr, and a token file holding VaultToken) for encrypted
+	// volumes.
+	VaultAddr, VaultToken string
+}
+
+// TransitGuestAddr is where a guest given a transit link by
+// ConnectTransit reaches the host's transit engine.
+const TransitGuestAddr = "http://10.0.2.100:8200"
+
+// ConnectTransit gives g one way out: a virtio-net NIC on QEMU user
+// networking with restrict=on (no route anywhere) whose only forward takes
+// the guest's connections to 10.0.2.100:8200 to 127.0.0.1:port on the
+// host, one `busybox nc` per connection. The guest needs the virtio_net
+// module (add it to the lab's Modules).
+func ConnectTransit(ctx context.Context, g *lab.Guest, port int) error {
+	q := g.QMP()
+	fwd := fmt.Sprintf("tcp:10.0.2.100:8200-cmd:busybox nc 127.0.0.1 %d", port)
+	if _, err := q.Execute(ctx, "netdev_add", map[string]any{"type": "user", "id": "vco-transit", "restrict": true,
+		"net": "10.0.2.0/24", "guestfwd": []map[string]any{{"str": fwd}}}); err != nil {
+		return fmt.Errorf("%s: adding the transit link: %w", g.Name, err)
+	}
+	if _, err := q.Execute(ctx, "device_add", map[string]any{"driver": "virtio-net-pci", "id": "vco-transit-nic", "netdev": "vco-transit", "bus": "pci.0"}); err != nil {
+		return fmt.Errorf("%s: adding the transit NIC: %w", g.Name, err)
+	}
+	script := `i=0; while ! ip link show eth0 >/dev/null 2>&1; do i=$((i+1)); [ $i -lt 300 ] || { echo no eth0; exit 1; }; sleep 0.1; done
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0`
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("%s: configuring the transit NIC: %w", g.Name, err)
+	}
+	return nil
+}
+
+// SupervisorExits lists, one a line, the exit statuses of the agents a
+// supervised node stack restarted.
+const SupervisorExits = "/run/vco-agent/exits"
+
+const supervisorPID = "/run/vco-agent/supervisor.pid"
+
 // StartNodeStack starts vco-agent and the vco-csi node plugin in g, in the
 // background of the guest, and waits for both sockets.
 func StartNodeStack(ctx context.Context, g *lab.Guest) error {
+	return StartNodeStackWith(ctx, g, StackOptions{})
+}
+
+// StartNodeStackWith is StartNodeStack with options.
+func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error {
+	agentArgs, csiArgs := "", ""
+	if o.AllowUnfenced {
+		agentArgs = " --config /run/vco-agent/allow-unfenced.yaml"
+		csiArgs = " --allow-unfenced"
+	}
+	if o.VaultAddr != "" {
+		if _, err := g.MustSh(ctx, "mkdir -p /run/csi && umask 077 && printf %s '"+o.VaultToken+"' >/run/csi/vault-token"); err != nil {
+			return fmt.Errorf("%s: writing the Vault token file: %w", g.Name, err)
+		}
+		csiArgs += " --vault-addr " + o.VaultAddr + " --vault-token-file /run/csi/vault-token"
+	}
+	agent := fmt.Sprintf("/bin/vco-agent serve --dbus=false --location %s --node-name %s --socket %s --kubelet-root %s%s",
+		Location, g.Name, AgentSocket, KubeletRoot, agentArgs)
+	start := "( " + agent + " >>/var/log/vco-agent.log 2>&1 & )"
+	if o.Supervise {
+		start = fmt.Sprintf(`cat >/run/vco-agent/supervise.sh <<'EOF'
+echo $$ >%[1]s
+while :; do
+	%[2]s
+	rc=$?
+	echo $rc >>%[3]s
+	[ $rc -eq 0 ] && break
+	sleep 0.2
+done
+EOF
+( sh /run/vco-agent/supervise.sh >>/var/log/vco-agent.log 2>&1 & )`, supervisorPID, agent, SupervisorExits)
+	}
 	script := fmt.Sprintf(`set -e
 mkdir -p /run/vco-agent /run/csi /var/lib/vco-agent %[1]s /var/log
-( /bin/vco-agent serve --dbus=false --location %[2]s --node-name %[3]s --socket %[4]s --kubelet-root %[1]s >/var/log/vco-agent.log 2>&1 & )
+printf 'volumes:\n  allow_unfenced: true\n' >/run/vco-agent/allow-unfenced.yaml
+%[7]s
 i=0; while [ ! -S %[4]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-agent.log; exit 1; }; sleep 0.1; done
-( /bin/vco-csi --mode=node --driver-name %[5]s --endpoint unix://%[6]s --agent-socket %[4]s --kubelet-root %[1]s >/var/log/vco-csi.log 2>&1 & )
+( /bin/vco-csi --mode=node --driver-name %[5]s --endpoint unix://%[6]s --agent-socket %[4]s --kubelet-root %[1]s%[8]s >>/var/log/vco-csi.log 2>&1 & )
 i=0; while [ ! -S %[6]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-csi.log; exit 1; }; sleep 0.1; done
-`, KubeletRoot, Location, g.Name, AgentSocket, DriverName, CSISocket)
+`, KubeletRoot, Location, g.Name, AgentSocket, DriverName, CSISocket, start, csiArgs)
 	if _, err := g.MustSh(ctx, script); err != nil {
 		return fmt.Errorf("starting the node stack in %s: %w", g.Name, err)
+	}
+	return nil
+}
+
+// StopNodeStack stops g's vco-agent and vco-csi (SIGTERM, as systemd
+// stops them) and removes their sockets, so the next start waits for
+// fresh ones.
+func StopNodeStack(ctx context.Context, g *lab.Guest) error {
+	script := fmt.Sprintf(`if [ -f %[3]s ]; then kill $(cat %[3]s) 2>/dev/null; rm -f %[3]s; fi
+for p in $(pidof vco-csi vco-agent); do kill $p; done
+i=0; while pidof vco-csi vco-agent >/dev/null; do i=$((i+1)); [ $i -lt 300 ] || { echo still running: $(pidof vco-csi vco-agent); exit 1; }; sleep 0.1; done
+rm -f %[1]s %[2]s`, AgentSocket, CSISocket, supervisorPID)
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("stopping the node stack in %s: %w", g.Name, err)
 	}
 	return nil
 }
