@@ -29,6 +29,7 @@ func commands() map[string]command {
 		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
 		"disks":    {"list the disks the agent sees with fencing method, state and holder", runDisks},
 		"luks":     {"LUKS2 volumes: format, dump, test-passphrase, open, close, status, resize, add-key, remove-key, repair", runLuks},
+		"lease":    {"show, format, acquire, release or check a disk's on-disk lease directly", runLease},
 	}
 }
 

@@ -1,0 +1,418 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/smbios"
+)
+
+// The lease subcommands work on the on-disk lease of a disk without
+// reservations, directly, with or without a running agent.
+
+const leaseUsage = `usage: vco-agent lease <show|format|acquire|release|check> DEVICE [flags]
+
+DEVICE is a block device path (/dev/vdb, /dev/disk/by-id/...).
+
+  show     the lease area: owner, every host slot, timing
+  format   write the lease area on a blank disk (refused on any data)
+  acquire  claim the disk and hold it, renewing, until interrupted
+           (SIGINT/SIGTERM) or --hold-for ends, then release it; refused
+           (exit 1) while another node holds it, unless --grant names it;
+           exit 3 when the claim is lost while held
+  release  mark this node's slot released
+  check    exit 0 when this node owns the lease, 1 otherwise
+  watch    (no DEVICE) refuse every disk that appears held by another
+           node's lease, as the agent does: read-only at the block layer;
+           one line per decision, until interrupted or --hold-for ends
+
+flags:
+`
+
+type leaseOptions struct {
+	json                              bool
+	sysfsRoot, uuid, disk, grant      string
+	nodes                             multiFlag
+	timeout, holdFor                  time.Duration
+	ioTimeout, renew, failBound, wdog time.Duration
+	verbose                           bool
+	name                              string
+	interrupt                         <-chan os.Signal
+	ready                             func()
+	// match narrows watch to some devices (tests: their own loop device,
+	// never a neighbour's).
+	match          func(uevent.Event) bool
+	resolver       fence.Resolver
+	grantParsed    *fence.Grant
+	key            fence.Key
+	timing         lease.Timing
+	stdout, stderr io.Writer
+}
+
+func runLease(args []string) int {
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	return leaseMain(args, os.Stdout, os.Stderr, sig)
+}
+
+func leaseMain(args []string, stdout, stderr io.Writer, interrupt <-chan os.Signal) int {
+	return leaseMainWith(args, stdout, stderr, interrupt, leaseHooks{})
+}
+
+// leaseHooks let tests see when acquire holds the disk or watch listens,
+// and keep watch to their own devices.
+type leaseHooks struct {
+	ready func()
+	match func(uevent.Event) bool
+}
+
+func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.Signal, h leaseHooks) int {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprint(stderr, leaseUsage)
+		return 2
+	}
+	sub := args[0]
+	o := leaseOptions{interrupt: interrupt, ready: h.ready, match: h.match, stdout: stdout, stderr: stderr}
+	def := lease.DefaultTiming()
+	fs := flag.NewFlagSet("lease "+sub, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, leaseUsage); fs.PrintDefaults() }
+	fs.BoolVar(&o.json, "json", false, "print the result as JSON")
+	fs.StringVar(&o.sysfsRoot, "sysfs-root", smbios.DefaultSysfsRoot, "sysfs mount point (node UUID)")
+	fs.StringVar(&o.uuid, "uuid", "", "this node's SMBIOS UUID (default: read from sysfs)")
+	fs.StringVar(&o.name, "name", "", "this node's name, written into its slot (default: host name)")
+	fs.StringVar(&o.disk, "disk", "", "cloud disk id the device is for (a grant must name it)")
+	fs.StringVar(&o.grant, "grant", "", "takeover grant from the controller: JSON, or @FILE")
+	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
+	fs.DurationVar(&o.timeout, "timeout", 0, "bound on acquiring (default: the holder's expiry bound plus a minute)")
+	fs.DurationVar(&o.holdFor, "hold-for", 0, "acquire: release after this long; watch: stop after this long (default: until interrupted)")
+	fs.DurationVar(&o.ioTimeout, "io-timeout", def.IOTimeout, "lease timing: bound on one lease I/O (d)")
+	fs.DurationVar(&o.renew, "renew", def.Renew, "lease timing: renewal interval (R)")
+	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
+	fs.DurationVar(&o.wdog, "watchdog", def.Watchdog, "lease timing: host watchdog reset time (W)")
+	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
+	var pos []string
+	rest := args[1:]
+	for {
+		if err := fs.Parse(rest); err != nil {
+			return 2
+		}
+		if fs.NArg() == 0 {
+			break
+		}
+		pos = append(pos, fs.Arg(0))
+		rest = fs.Args()[1:]
+	}
+	switch sub {
+	case "show", "format", "acquire", "release", "check", "watch":
+	default:
+		fmt.Fprintf(stderr, "vco-agent lease: unknown subcommand %q\n\n", sub)
+		fs.Usage()
+		return 2
+	}
+	if sub == "watch" {
+		if len(pos) != 0 {
+			fs.Usage()
+			return 2
+		}
+		if err := o.setup(); err != nil {
+			return o.fail(err)
+		}
+		return o.watch()
+	}
+	if len(pos) != 1 {
+		fs.Usage()
+		return 2
+	}
+	if sub != "acquire" && (o.grant != "" || o.holdFor != 0) {
+		return o.fail(errors.New("--grant and --hold-for only apply to acquire and watch"))
+	}
+	if err := o.setup(); err != nil {
+		return o.fail(err)
+	}
+	open := lease.OpenDevice
+	if sub == "show" || sub == "check" {
+		open = lease.OpenDeviceReadOnly
+	}
+	dev, err := open(pos[0])
+	if err != nil {
+		return o.fail(err)
+	}
+	defer dev.Close()
+	ctx := context.Background()
+	switch sub {
+	case "show":
+		st, _, err := lease.ReadStatus(ctx, dev, o.key, o.timing.IOTimeout*4)
+		if err != nil {
+			return o.fail(err)
+		}
+		return o.show(st)
+	case "format":
+		wrote, err := lease.Format(ctx, dev, lease.FormatOptions{Key: o.key, Timeout: o.timing.IOTimeout, Blkid: true, Logger: o.logger()})
+		if err != nil {
+			return o.fail(err)
+		}
+		if !wrote {
+			return o.ok(fmt.Sprintf("%s already has a lease area; nothing written", dev.Name()), map[string]any{"formatted": false})
+		}
+		return o.ok(fmt.Sprintf("%s: lease area written; the volume's data starts at byte %d", dev.Name(), lease.DataOffset), map[string]any{"formatted": true, "data_offset": lease.DataOffset})
+	case "check":
+		owner, err := lease.Inspect(ctx, dev.Name(), o.timing.IOTimeout*4)
+		if err != nil {
+			return o.fail(err)
+		}
+		if owner == nil {
+			return o.fail(fmt.Errorf("%s: nobody holds the lease; this node (key %s) does not", dev.Name(), o.key))
+		}
+		if owner.Key != o.key {
+			return o.fail(&fence.HeldError{Device: dev.Name(), Holder: owner.Key, HolderNode: o.nodeName(owner)})
+		}
+		return o.ok(fmt.Sprintf("%s: this node (key %s) owns the lease at epoch %d", dev.Name(), o.key, owner.Epoch), nil)
+	}
+	e, err := lease.New(dev, o.engineConfig(nil))
+	if err != nil {
+		return o.fail(err)
+	}
+	if sub == "release" {
+		if err := e.Release(ctx); err != nil {
+			return o.fail(err)
+		}
+		return o.ok(fmt.Sprintf("%s: lease of key %s released", dev.Name(), o.key), nil)
+	}
+	return o.acquire(ctx, dev)
+}
+
+func (o *leaseOptions) setup() error {
+	uuid := o.uuid
+	if uuid == "" {
+		info, err := smbios.Read(o.sysfsRoot)
+		if err != nil {
+			return fmt.Errorf("this node's identity: %w (pass --uuid to give it)", err)
+		}
+		uuid = info.UUID
+	}
+	o.uuid = uuid
+	key, err := fence.KeyFromUUID(uuid)
+	if err != nil {
+		return err
+	}
+	o.key = key
+	if o.name == "" {
+		o.name, _ = os.Hostname()
+	}
+	nodes := map[string]string{}
+	for _, n := range o.nodes {
+		name, u, ok := strings.Cut(n, "=")
+		if !ok || name == "" {
+			return fmt.Errorf("--node %q: want NAME=UUID", n)
+		}
+		nodes[name] = u
+	}
+	dir, err := fence.NewDirectory(nodes)
+	if err != nil {
+		return fmt.Errorf("--node: %w", err)
+	}
+	o.resolver = dir
+	o.timing = lease.Timing{IOTimeout: o.ioTimeout, Renew: o.renew, Fail: o.failBound, Watchdog: o.wdog}
+	if o.grant != "" {
+		text := o.grant
+		if path, ok := strings.CutPrefix(text, "@"); ok {
+			b, err := os.ReadFile(path)
+			if err != nil {
+				return fmt.Errorf("reading the grant: %w", err)
+			}
+			text = string(b)
+		}
+		if o.grantParsed, err = fence.ParseGrant(text); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (o *leaseOptions) logger() *slog.Logger {
+	if !o.verbose {
+		return nil
+	}
+	return slog.New(slog.NewTextHandler(o.stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+func (o *leaseOptions) engineConfig(onLost func(*fence.LostError)) lease.Config {
+	return lease.Config{Key: o.key, Node: o.uuid, NodeName: o.name, Disk: o.disk, Resolver: o.resolver,
+		Timing: o.timing, OnLost: onLost, Logger: o.logger()}
+}
+
+func (o *leaseOptions) nodeName(s *lease.Slot) string {
+	if n, ok := o.resolver.NodeForKey(s.Key); ok {
+		return n
+	}
+	return s.Node
+}
+
+func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device) int {
+	lost := make(chan *fence.LostError, 1)
+	e, err := lease.New(dev, o.engineConfig(func(l *fence.LostError) { lost <- l }))
+	if err != nil {
+		return o.fail(err)
+	}
+	timeout := o.timeout
+	if timeout <= 0 {
+		// The holder's bound is not known before reading its slot; the
+		// longest sane one is covered with the default timing's.
+		timeout = max(o.timing.Expiry(), lease.DefaultTiming().Expiry()) + o.timing.Settle() + time.Minute
+	}
+	actx, cancel := context.WithTimeout(ctx, timeout)
+	c, err := e.Acquire(actx, o.grantParsed)
+	cancel()
+	if err != nil {
+		return o.fail(err)
+	}
+	msg := fmt.Sprintf("%s claimed with key %s; holding (renewing every %s)", dev.Name(), c.Key, o.timing.Renew)
+	if c.Already {
+		msg = fmt.Sprintf("%s: this node's lease (key %s) resumed; holding", dev.Name(), c.Key)
+	}
+	if len(c.Preempted) > 0 {
+		msg += fmt.Sprintf("; took over from key(s) %v", c.Preempted)
+	}
+	if code := o.ok(msg, map[string]any{"claim": c}); code != 0 {
+		return code
+	}
+	if o.ready != nil {
+		o.ready()
+	}
+	var hold <-chan time.Time
+	if o.holdFor > 0 {
+		hold = time.After(o.holdFor)
+	}
+	select {
+	case l := <-lost:
+		fmt.Fprintln(o.stderr, "vco-agent lease:", l)
+		return 3
+	case <-o.interrupt:
+	case <-hold:
+	}
+	if err := e.Release(context.Background()); err != nil {
+		return o.fail(err)
+	}
+	fmt.Fprintf(o.stdout, "%s released\n", dev.Name())
+	return 0
+}
+
+func (o *leaseOptions) ok(msg string, extra map[string]any) int {
+	f := fenceOutput{o: &fenceOptions{json: o.json}, stdout: o.stdout, stderr: o.stderr}
+	return f.ok(msg, extra)
+}
+
+func (o *leaseOptions) fail(err error) int {
+	f := fenceOutput{o: &fenceOptions{json: o.json}, stdout: o.stdout, stderr: o.stderr}
+	if !o.json {
+		fmt.Fprintln(o.stderr, "vco-agent lease:", err)
+		return 1
+	}
+	return f.fail(err)
+}
+
+func (o *leaseOptions) show(st lease.Status) int {
+	if o.json {
+		f := fenceOutput{o: &fenceOptions{json: true}, stdout: o.stdout, stderr: o.stderr}
+		return f.writeJSON(map[string]any{"ok": true, "status": st}, 0)
+	}
+	w := o.stdout
+	fmt.Fprintf(w, "device:     %s (lease volume %s; data at byte %d)\n", st.Device, st.VolumeID, lease.DataOffset)
+	fmt.Fprintf(w, "this node:  key %s\n", st.OwnKey)
+	if st.Owner == nil {
+		fmt.Fprintln(w, "owner:      none")
+	} else {
+		fmt.Fprintf(w, "owner:      key %s (node %s), epoch %d\n", st.Owner.Key, o.nodeName(st.Owner), st.Owner.Epoch)
+	}
+	for _, s := range st.Slots {
+		if s.Corrupt {
+			fmt.Fprintf(w, "slot %2d:    unreadable (torn or foreign write)\n", s.Index)
+			continue
+		}
+		age := time.Since(time.Unix(0, s.Written)).Round(time.Millisecond)
+		fmt.Fprintf(w, "slot %2d:    key %s node %q %s epoch %d counter %d, written %s ago (writer's clock), timing %s\n",
+			s.Index, s.Key, o.nodeName(&s.Slot), s.State, s.Epoch, s.Counter, age, s.Timing)
+	}
+	return 0
+}
+
+// watch runs the hot-plug Watcher with a classifier that looks at the
+// lease area only (the agent's also asks the reservation engine).
+func (o *leaseOptions) watch() int {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	w := &uevent.Watcher{
+		Groups: uevent.GroupKernel,
+		Match:  o.match,
+		Classify: func(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
+			s, err := lease.Inspect(ctx, ev.Node(), o.timing.IOTimeout)
+			if errors.Is(err, lease.ErrNoLease) {
+				return uevent.Verdict{Reason: "no lease area"}, nil
+			}
+			if err != nil {
+				return uevent.Verdict{}, err
+			}
+			if s == nil {
+				return uevent.Verdict{Method: lease.Method, Reason: "lease free"}, nil
+			}
+			if s.Key == o.key {
+				return uevent.Verdict{Method: lease.Method, Holder: s.Key, Reason: "lease held by this node"}, nil
+			}
+			node := o.nodeName(s)
+			return uevent.Verdict{Refuse: true, Method: lease.Method, Holder: s.Key, HolderNode: node,
+				Reason: fmt.Sprintf("disk lease held by key %s (node %s)", s.Key, node)}, nil
+		},
+		OnDecision: func(d uevent.Decision) {
+			lat := d.Done.Sub(d.Received).Round(10 * time.Microsecond)
+			switch {
+			case d.Err != nil:
+				fmt.Fprintf(o.stdout, "error %s: %v\n", d.Event.Node(), d.Err)
+			case d.Verdict.Refuse:
+				fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set %s after the kernel's %s event\n",
+					d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, lat, d.Event.Action)
+			default:
+				fmt.Fprintf(o.stdout, "accepted %s (%d:%d): %s\n", d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason)
+			}
+		},
+		OnRemove: func(ev uevent.Event) { fmt.Fprintf(o.stdout, "removed %s (%d:%d)\n", ev.Node(), ev.Major, ev.Minor) },
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- w.Run(ctx) }()
+	select {
+	case <-w.Ready():
+		fmt.Fprintln(o.stdout, "watching for disks")
+	case err := <-errc:
+		return o.fail(err)
+	}
+	if o.ready != nil {
+		o.ready()
+	}
+	var hold <-chan time.Time
+	if o.holdFor > 0 {
+		hold = time.After(o.holdFor)
+	}
+	select {
+	case <-o.interrupt:
+	case <-hold:
+	case err := <-errc:
+		return o.fail(err)
+	}
+	cancel()
+	if err := <-errc; err != nil {
+		return o.fail(err)
+	}
+	return 0
+}

@@ -1,0 +1,212 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+)
+
+// leaseLoop attaches a loop device to a sparse image (in memory where
+// possible), optionally made by prepare first.
+func leaseLoop(t *testing.T, prepare func(img string)) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to attach a loop device")
+	}
+	dir := t.TempDir()
+	if d, err := os.MkdirTemp("/dev/shm", "lease-cli-"); err == nil {
+		dir = d
+		t.Cleanup(func() { os.RemoveAll(d) })
+	}
+	img := filepath.Join(dir, "disk.img")
+	if err := os.WriteFile(img, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	if prepare != nil {
+		prepare(img)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+	return dev
+}
+
+var fastLease = []string{"--io-timeout", "100ms", "--renew", "200ms", "--fail", "800ms", "--watchdog", "0s"}
+
+func runLeaseCLI(t *testing.T, interrupt chan os.Signal, args ...string) (int, string, string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := leaseMain(append(args, fastLease...), &out, &errb, interrupt)
+	return code, out.String(), errb.String()
+}
+
+func TestLeaseCommands(t *testing.T) {
+	dev := leaseLoop(t, nil)
+	keyA, _ := fence.KeyFromUUID(cliUUIDA)
+	names := []string{"--node", "node-a=" + cliUUIDA, "--node", "node-b=" + cliUUIDB}
+
+	if code, _, errs := runLeaseCLI(t, nil, "acquire", dev, "--uuid", cliUUIDA); code != 1 || !strings.Contains(errs, "no lease area") {
+		t.Fatalf("acquire before format: %d %q", code, errs)
+	}
+	if code, out, errs := runLeaseCLI(t, nil, "format", dev, "--uuid", cliUUIDA); code != 0 || !strings.Contains(out, "data starts at byte 1048576") {
+		t.Fatalf("format: %d %q %q", code, out, errs)
+	}
+	if code, out, _ := runLeaseCLI(t, nil, "format", dev, "--uuid", cliUUIDA); code != 0 || !strings.Contains(out, "nothing written") {
+		t.Fatalf("second format: %d %q", code, out)
+	}
+
+	// Node A holds the disk in the background.
+	interrupt := make(chan os.Signal, 1)
+	claimed := make(chan struct{})
+	var wg sync.WaitGroup
+	var codeA int
+	var outA, errA bytes.Buffer
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		codeA = leaseMainWith(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &outA, &errA, interrupt, leaseHooks{ready: func() { close(claimed) }})
+	}()
+	select {
+	case <-claimed:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("node A did not claim: %s %s", outA.String(), errA.String())
+	}
+
+	code, _, errs := runLeaseCLI(t, nil, append([]string{"acquire", dev, "--uuid", cliUUIDB}, names...)...)
+	if code != 1 || !strings.Contains(errs, keyA.String()) || !strings.Contains(errs, "node-a") {
+		t.Fatalf("acquire by B while A holds: %d %q", code, errs)
+	}
+	if code, _, errs := runLeaseCLI(t, nil, "check", dev, "--uuid", cliUUIDB); code != 1 || !strings.Contains(errs, keyA.String()) {
+		t.Fatalf("check by B: %d %q", code, errs)
+	}
+	if code, out, errs := runLeaseCLI(t, nil, "check", dev, "--uuid", cliUUIDA); code != 0 {
+		t.Fatalf("check by A: %d %q %q", code, out, errs)
+	}
+	code, out, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB, "--json")
+	var show struct {
+		OK     bool
+		Status struct {
+			Owner *struct {
+				Key   fence.Key
+				State string
+				Node  string
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &show); err != nil || code != 0 || show.Status.Owner == nil ||
+		show.Status.Owner.Key != keyA || show.Status.Owner.State != "held" || show.Status.Owner.Node != "node-a" {
+		t.Fatalf("show: %d %q %v", code, out, err)
+	}
+	if code, out, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB); code != 0 || !strings.Contains(out, "owner:      key "+keyA.String()+" (node node-a)") {
+		t.Fatalf("show text: %d %q", code, out)
+	}
+
+	interrupt <- os.Interrupt
+	wg.Wait()
+	if codeA != 0 || !strings.Contains(outA.String(), "released") {
+		t.Fatalf("node A after interrupt: %d %q %q", codeA, outA.String(), errA.String())
+	}
+	if code, out, errs := runLeaseCLI(t, nil, "acquire", dev, "--uuid", cliUUIDB, "--hold-for", "100ms"); code != 0 || !strings.Contains(out, "claimed") {
+		t.Fatalf("acquire by B after release: %d %q %q", code, out, errs)
+	}
+}
+
+func TestLeaseFormatRefusesData(t *testing.T) {
+	dev := leaseLoop(t, func(img string) {
+		if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs.ext4: %v %s", err, out)
+		}
+	})
+	code, _, errs := runLeaseCLI(t, nil, "format", dev, "--uuid", cliUUIDA)
+	if code != 1 || !strings.Contains(errs, "ext2/3/4 superblock") || !strings.Contains(errs, "not formatted") {
+		t.Fatalf("format over ext4: %d %q", code, errs)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for the watcher's goroutine.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
+
+// lease watch refuses a loop device whose lease another node holds the
+// moment its contents appear (the kernel's change event), and says so.
+func TestLeaseWatch(t *testing.T) {
+	img := ""
+	holder := leaseLoop(t, func(p string) { img = p })
+	if code, _, errs := runLeaseCLI(t, nil, "format", holder, "--uuid", cliUUIDA); code != 0 {
+		t.Fatal(errs)
+	}
+	stopA := make(chan os.Signal, 1)
+	claimed := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var o, e bytes.Buffer
+		leaseMainWith(append([]string{"acquire", holder, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &o, &e, stopA, leaseHooks{ready: func() { close(claimed) }})
+	}()
+	defer func() { stopA <- os.Interrupt; wg.Wait() }()
+	<-claimed
+
+	// The second device is picked before it exists, so the watcher can be
+	// told to look at it alone.
+	out, err := exec.Command("losetup", "--find").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := strings.TrimSpace(string(out))
+	stopW := make(chan os.Signal, 1)
+	listening := make(chan struct{})
+	var wout syncBuffer
+	var werr bytes.Buffer
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		leaseMainWith(append([]string{"watch", "--uuid", cliUUIDB, "--node", "node-a=" + cliUUIDA}, fastLease...), &wout, &werr, stopW,
+			leaseHooks{ready: func() { close(listening) }, match: func(ev uevent.Event) bool { return ev.Disk() && "/dev/"+ev.DevName == dev }})
+	}()
+	<-listening
+	if out, err := exec.Command("losetup", dev, img).CombinedOutput(); err != nil {
+		stopW <- os.Interrupt
+		t.Skipf("losetup %s (taken by a neighbour meanwhile?): %v %s", dev, err, out)
+	}
+	t.Cleanup(func() {
+		exec.Command("blockdev", "--setrw", dev).Run()
+		exec.Command("losetup", "-d", dev).Run()
+	})
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(wout.String(), "refused "+dev) && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	stopW <- os.Interrupt
+	line := wout.String()
+	if !strings.Contains(line, "refused "+dev) || !strings.Contains(line, "node node-a") || !strings.Contains(line, "read-only set") {
+		t.Fatalf("watch output: %q %q", line, werr.String())
+	}
+	if ro, err := os.ReadFile("/sys/block/" + filepath.Base(dev) + "/ro"); err != nil || strings.TrimSpace(string(ro)) != "1" {
+		t.Fatalf("refused device not read-only: %q %v", ro, err)
+	}
+}

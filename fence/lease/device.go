@@ -1,0 +1,171 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Device is a disk opened for lease I/O: O_DIRECT, so that every read
+// reaches the disk instead of this host's page cache (another host's
+// renewal would otherwise never be seen), and O_DSYNC, so that a write
+// has reached stable storage when it returns.
+type Device struct {
+	name string
+	f    *os.File
+	// mu serialises I/O, so at most one request per device is in flight;
+	// a request that timed out keeps its buffer until it completes.
+	mu   sync.Mutex
+	size int64
+}
+
+// OpenDevice opens path for lease I/O. It rejects devices whose logical
+// block size is above BlockSize (no lease I/O could be aligned).
+func OpenDevice(path string) (*Device, error) {
+	return openDevice(path, unix.O_RDWR|unix.O_DSYNC)
+}
+
+// OpenDeviceReadOnly opens path for reading the lease only: it works on a
+// device that was set read-only (a refused disk), and cannot write.
+func OpenDeviceReadOnly(path string) (*Device, error) {
+	return openDevice(path, unix.O_RDONLY)
+}
+
+func openDevice(path string, mode int) (*Device, error) {
+	fd, err := unix.Open(path, mode|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("opening %s for lease I/O (O_DIRECT): %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	d := &Device{name: path, f: f}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		ssz, err := unix.IoctlGetInt(fd, unix.BLKSSZGET)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("%s: reading the logical block size: %w", path, err)
+		}
+		if ssz > BlockSize || BlockSize%ssz != 0 {
+			f.Close()
+			return nil, fmt.Errorf("%s: logical block size %d does not divide the lease block size %d", path, ssz, BlockSize)
+		}
+		var sz uint64
+		if _, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&sz))); e != 0 {
+			f.Close()
+			return nil, fmt.Errorf("%s: reading the device size: %w", path, e)
+		}
+		d.size = int64(sz)
+	} else {
+		d.size = st.Size
+	}
+	return d, nil
+}
+
+// Name is the path the device was opened as.
+func (d *Device) Name() string { return d.name }
+
+// Size is the device size in bytes at open time.
+func (d *Device) Size() int64 { return d.size }
+
+// Fd is the open descriptor (for ioctls such as BLKROSET).
+func (d *Device) Fd() uintptr { return d.f.Fd() }
+
+// Close closes the device.
+func (d *Device) Close() error { return d.f.Close() }
+
+// alignedBuf returns n bytes starting on a BlockSize boundary, as O_DIRECT
+// requires.
+func alignedBuf(n int) []byte {
+	b := make([]byte, n+BlockSize)
+	off := 0
+	if r := int(uintptr(unsafe.Pointer(&b[0])) % BlockSize); r != 0 {
+		off = BlockSize - r
+	}
+	return b[off : off+n : off+n]
+}
+
+// errIOTimeout is wrapped when a lease I/O did not complete within the
+// I/O timeout.
+var errIOTimeout = errors.New("lease I/O did not complete within the I/O timeout")
+
+// io runs one aligned pread or pwrite, giving up on it after timeout. The
+// kernel request itself cannot be cancelled; it finishes in the background
+// with its own buffer, and the device stays locked until it does, so a
+// late write can never overtake a newer one.
+func (d *Device) io(ctx context.Context, write bool, off int64, data []byte, timeout time.Duration) ([]byte, error) {
+	n := len(data)
+	if off%BlockSize != 0 || n%BlockSize != 0 || n == 0 {
+		return nil, fmt.Errorf("lease I/O at %d of %d bytes is not block aligned", off, n)
+	}
+	buf := alignedBuf(n)
+	if write {
+		copy(buf, data)
+	}
+	lock := make(chan struct{})
+	go func() { d.mu.Lock(); close(lock) }()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-lock:
+	case <-t.C:
+		go func() { <-lock; d.mu.Unlock() }()
+		return nil, fmt.Errorf("%s: %w (%s): an earlier request is still in flight", d.name, errIOTimeout, timeout)
+	case <-ctx.Done():
+		go func() { <-lock; d.mu.Unlock() }()
+		return nil, ctx.Err()
+	}
+	type result struct {
+		n   int
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		defer d.mu.Unlock()
+		var r result
+		if write {
+			r.n, r.err = d.f.WriteAt(buf, off)
+		} else {
+			r.n, r.err = d.f.ReadAt(buf, off)
+		}
+		done <- r
+	}()
+	op := "reading"
+	if write {
+		op = "writing"
+	}
+	select {
+	case r := <-done:
+		if r.err != nil {
+			return nil, fmt.Errorf("%s: %s the lease area at offset %d: %w", d.name, op, off, r.err)
+		}
+		if r.n != n {
+			return nil, fmt.Errorf("%s: %s the lease area at offset %d: short transfer (%d of %d bytes)", d.name, op, off, r.n, n)
+		}
+		return buf, nil
+	case <-t.C:
+		return nil, fmt.Errorf("%s: %s the lease area at offset %d: %w (%s)", d.name, op, off, errIOTimeout, timeout)
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// ReadArea reads the header and every slot in one request.
+func (d *Device) ReadArea(ctx context.Context, timeout time.Duration) ([]byte, error) {
+	return d.io(ctx, false, 0, make([]byte, ReadSize), timeout)
+}
+
+// writeSlot writes slot i.
+func (d *Device) writeSlot(ctx context.Context, i int, blk []byte, timeout time.Duration) error {
+	_, err := d.io(ctx, true, int64(BlockSize*(1+i)), blk, timeout)
+	return err
+}

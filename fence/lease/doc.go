@@ -1,0 +1,140 @@
+// Package lease fences a disk that has no SCSI-3 persistent reservations
+// (virtio-blk, or a target without PR) with a lease kept on the disk
+// itself. Its Engine implements fence.Fencer, so the agent picks it or the
+// reservation engine (fence/pr) by probing, and handles both the same way.
+// The algorithm is the delta lease of Chockler and Malkhi ("Light-Weight
+// Leases for Storage-Centric Coordination") as sanlock uses it for host
+// ids, extended with per-host slots and epochs so that each host only ever
+// writes its own block; the code is ours.
+//
+// # On-disk layout
+//
+// The lease owns the first AreaSize (1 MiB) of a disk it formats; the
+// volume's data starts at DataOffset (1 MiB). Every structure is one
+// 4096-byte block (all I/O is O_DIRECT|O_DSYNC with 4096-aligned buffers,
+// valid for 512- and 4096-byte logical sectors), big-endian, and ends in a
+// CRC-32C of the block's first 4092 bytes:
+//
+//	block 0       header: "VCOLEASE", version 1, block size 4096, slot count 16,
+//	              slot offset 4096, data offset 1048576, random volume id,
+//	              format time, creator key
+//	blocks 1..16  per-host slots: "VCOSLOT1", fence key, epoch, counter,
+//	              writer's wall clock (informational), state (held, released,
+//	              fenced), the writer's timing (ms), superseded key, node name;
+//	              an all-zero block is an unused slot
+//	rest of 1 MiB zero, reserved
+//	from 1 MiB    the volume's data
+//
+// A host finds its slot by its fence key (the slot already carrying the
+// key, else the first unused one in an order hashed from the key); it never
+// writes another host's slot, so a torn or late write damages only its
+// own. One read of ReadSize (68 KiB) sees the whole state.
+//
+// # Using the data area
+//
+// Anything the agent puts on the volume lives at DataOffset, seen through
+// a mapping that starts there. MapData makes it a loop device with an
+// offset (LOOP_CONFIGURE, lo_offset = DataOffset, no size limit, direct
+// I/O, autoclear), which every Linux host has; where the agent has
+// device-mapper it may use a dm-linear table over the same range instead.
+// A filesystem is made on, and mounted from, that mapping; a LUKS2 volume
+// puts its header at the start of the mapping (dm-crypt may also map the
+// raw disk directly with its segment offset plus DataOffset); a raw block
+// volume is the mapping itself. Online expansion grows the disk, then the
+// mapping (Data.Resize: LOOP_SET_CAPACITY; or a dm table reload), then
+// dm-crypt and the filesystem as usual; the lease area never moves,
+// because it is at the start. FindData finds the mapping again after an
+// agent restart. Tools run on the raw disk see our header and no
+// filesystem, so nothing on the host mounts a lease volume by accident.
+//
+// # Algorithm
+//
+// The owner is the held slot with the highest epoch (lowest key on a tie).
+//
+// Acquire: read the area. If no slot is held, or the owner has released or
+// fenced, the disk is free. If another key owns it, observe its slot, re-
+// reading every renewal interval of that holder: any change means the
+// holder is alive, and the disk is refused (fence.HeldError naming the
+// holder) -- a live holder is refused within about one renewal interval;
+// no change for the holder's Expiry bound means it is gone and may be
+// taken over. Then write our slot (held, epoch = highest epoch + 1). If the
+// read and this write together took longer than d, withdraw and start
+// over (the race check needs our write to land within d of our read). Wait
+// Settle (2d), read again: our slot must still hold exactly what we wrote,
+// we must be the owner, and an expired holder's slot must be unchanged;
+// otherwise withdraw (mark our slot released) and refuse, naming the
+// winner. Two hosts racing for a free disk both write epoch e+1 and both
+// see both writes after 2d, so exactly one (the lower key) wins.
+//
+// Renew: every R, read the area, check that our slot holds our last write
+// and that we still own the lease, and write the slot with the next
+// counter. Check does the same reads without the write.
+//
+// Lose: a foreign owner above us, our slot changed, or no successful
+// renewal for F (a timer fires at that deadline; while a renewal I/O is
+// in flight, at most d later, which Expiry allows for) marks the claim
+// lost for good (fence.LostError): renewals stop, Config.
+// OnLost is called to stop I/O at once, and then our slot is marked
+// fenced. The engine never acquires again; a new stage request makes a new
+// Engine.
+//
+// Release: stop renewing, mark our slot released. The next acquirer then
+// needs only the 2d settle wait.
+//
+// # Grants
+//
+// A grant naming the owner's key (the controller says the cloud detached
+// the disk from that VM) lets the taker write its claim at once instead of
+// first observing the holder for the expiry bound; the grant cannot make
+// the holder stop writing, so the taker still does not return until the
+// holder has acknowledged (its slot says fenced or released: its agent saw
+// our higher epoch at its next renewal and stopped I/O) or its slot has
+// been unchanged for the full expiry bound. A live, healthy holder thus
+// lets go within about one renewal interval; a dead or frozen one costs
+// the same wait as without a grant, as in sanlock. A grant that names
+// another key is treated as no grant.
+//
+// # Timing
+//
+// Every parameter is in Timing and written into the holder's slot, so a
+// taker waits for the holder's bound. Defaults (DefaultTiming):
+//
+//	d  IOTimeout   5s    bound on one lease read or write
+//	R  Renew      10s    renewal interval (2d)
+//	F  Fail       40s    self-fence after no successful renewal for F (8d)
+//	W  Watchdog   60s    host watchdog reset time, for a holder whose agent hung
+//	Expiry  max(F+W+d, R+6d) = 105s   observation without change before takeover
+//	Settle  2d = 10s                  wait between writing a claim and checking it
+//
+// Acquiring a free disk takes Settle plus two reads and a write; a held
+// one is refused within about R + d; an expired one is taken after Expiry
+// plus Settle (the benchmark in this package measures it against that
+// bound).
+//
+// # Guarantees
+//
+// Given that every lease I/O either completes within d or is abandoned,
+// that the hosts' monotonic clocks run at about the same rate, and that
+// the holder stops its I/O within F of its last successful renewal, two
+// hosts never both hold the lease at the same time, and a host that loses
+// it finds out and says so.
+//
+// What it cannot give: the storage target does not enforce the lease. A
+// holder whose agent hangs or is killed, or whose VM is frozen, keeps its
+// filesystem's writes flowing until something stops them; safety then
+// rests on the holder's own watchdog resetting the host within W (the
+// agent's systemd watchdog and a hardware or hypervisor watchdog device),
+// and a VM frozen longer than the expiry bound can still issue writes
+// queued before the freeze after it resumes. Only SCSI-3 reservations
+// (fence/pr) are enforced by the target.
+//
+// # Foreign disks
+//
+// Format writes a lease area only on a disk whose first and last MiB are
+// zeros and on which neither our signature checks (blkid-style magics:
+// filesystems, LUKS, partition tables, LVM, MD, swap) nor `blkid -p` find
+// anything; it never writes over data (DESIGN.md P5) and leaves an
+// existing lease area alone. A disk with a foreign layout and no PR has no
+// fencing at all; staging it is the volume's explicit opt-in, which the
+// agent logs.
+package lease

@@ -1,0 +1,846 @@
+package lease
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// Method is the fence.Method of the on-disk lease.
+const Method fence.Method = "disk-lease"
+
+// Config is what an Engine needs besides the device.
+type Config struct {
+	// Key is this node's fence key (fence.KeyFromUUID of its SMBIOS UUID).
+	Key fence.Key
+	// Node is this node's SMBIOS UUID; a grant must name it.
+	Node string
+	// NodeName is written into the slot so that other nodes can name us
+	// in refusals; optional, at most 64 bytes are kept.
+	NodeName string
+	// Disk is the cloud disk id, when known; a grant must then name it.
+	Disk string
+	// Resolver names the node behind a foreign key; optional.
+	Resolver fence.Resolver
+	// Timing; the zero value means DefaultTiming().
+	Timing Timing
+	// OnLost is called once, from its own goroutine, when the claim is
+	// lost: it must stop I/O to the volume at once (set the data device
+	// read-only, abort or remount the filesystem read-only). After it
+	// returns, the engine marks its slot fenced, which lets a granted
+	// taker proceed without waiting for the full expiry.
+	OnLost func(*fence.LostError)
+	// Verify, if set, runs before every operation and aborts it on error
+	// (discovery's Opened.Verify).
+	Verify func(ctx context.Context) error
+	Logger *slog.Logger
+}
+
+// Engine holds the lease on one device for one node. It implements
+// fence.Fencer. It is safe for concurrent use.
+type Engine struct {
+	dev *Device
+	cfg Config
+	log *slog.Logger
+
+	mu      sync.Mutex
+	held    bool
+	slot    int
+	mine    Slot
+	lastRaw []byte
+	// lastOK is when the last successful write of our slot was issued
+	// (monotonic clock). The claim is lost Fail after it.
+	lastOK  time.Time
+	lost    *fence.LostError
+	renewer *renewer
+	// paused stops renewals without releasing: tests use it to play a
+	// holder whose process is frozen.
+	paused bool
+	stats  Stats
+}
+
+// Stats count what the engine did, for metrics.
+type Stats struct {
+	Renewals      uint64
+	RenewFailures uint64
+	Checks        uint64
+	LastRenewal   time.Time
+	AcquireWaited time.Duration
+}
+
+var _ fence.Fencer = (*Engine)(nil)
+
+// New returns an engine on an opened device.
+func New(dev *Device, cfg Config) (*Engine, error) {
+	if cfg.Key == 0 {
+		return nil, errors.New("lease: fence key is zero; derive it with fence.KeyFromUUID")
+	}
+	if cfg.Timing == (Timing{}) {
+		cfg.Timing = DefaultTiming()
+	}
+	if err := cfg.Timing.validate(); err != nil {
+		return nil, err
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Engine{dev: dev, cfg: cfg, slot: -1, log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+}
+
+// Device returns the engine's device.
+func (e *Engine) Device() *Device { return e.dev }
+
+// Stats returns the engine's counters.
+func (e *Engine) Stats() Stats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.stats
+}
+
+func (e *Engine) verify(ctx context.Context) error {
+	if e.cfg.Verify == nil {
+		return nil
+	}
+	if err := e.cfg.Verify(ctx); err != nil {
+		return fmt.Errorf("%s: not acting on the device: %w", e.dev.name, err)
+	}
+	return nil
+}
+
+// read reads the area, trying again when a read times out: nothing is
+// decided on a read that did not complete. Callers that time their reads
+// start the clock before calling, so a retry only makes them more
+// cautious.
+func (e *Engine) read(ctx context.Context) (*Area, error) {
+	return e.readTries(ctx, 3)
+}
+
+// readOnce is one read, for the renewer and Check: they run against the
+// fail deadline, which a retried read could overshoot by more than d.
+func (e *Engine) readOnce(ctx context.Context) (*Area, error) {
+	return e.readTries(ctx, 1)
+}
+
+func (e *Engine) readTries(ctx context.Context, tries int) (*Area, error) {
+	b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
+	for i := 1; i < tries && errors.Is(err, errIOTimeout); i++ {
+		e.log.Warn("lease read timed out; reading again", "error", err)
+		b, err = e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
+	}
+	if err != nil {
+		return nil, err
+	}
+	a, err := DecodeArea(b)
+	if errors.Is(err, ErrNoLease) {
+		return nil, fmt.Errorf("%s: %w: %w (format it; blank disks only)", e.dev.name, fence.ErrNotSupported, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", e.dev.name, err)
+	}
+	return a, nil
+}
+
+func (e *Engine) resolve(k fence.Key, s *Slot) string {
+	if e.cfg.Resolver != nil {
+		if n, ok := e.cfg.Resolver.NodeForKey(k); ok {
+			return n
+		}
+	}
+	if s != nil && s.Key == k {
+		return s.Node
+	}
+	return ""
+}
+
+// Probe implements fence.Fencer: the lease can fence any disk that
+// carries our lease area or is blank (and will be formatted); a disk with
+// foreign data cannot be.
+func (e *Engine) Probe(ctx context.Context) (fence.Support, error) {
+	if err := e.verify(ctx); err != nil {
+		return fence.Support{}, err
+	}
+	c, err := ReadLayout(ctx, e.dev, e.cfg.Timing.IOTimeout)
+	if err != nil {
+		return fence.Support{}, err
+	}
+	switch c.Layout {
+	case LayoutLease:
+		return fence.Support{Method: Method}, nil
+	case LayoutBlank:
+		return fence.Support{Method: Method, Reason: "blank disk: the lease area is written when the volume is first staged"}, nil
+	}
+	return fence.Support{Method: fence.MethodNone, Reason: fmt.Sprintf("no lease area and the disk holds data (%s)", c.Signature)}, nil
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// errRetry asks Acquire to start over with a fresh read.
+var errRetry = errors.New("retry")
+
+// Acquire implements fence.Fencer; see the package documentation for the
+// algorithm and its waits.
+func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.lost != nil {
+		return fence.Claim{}, e.lost
+	}
+	if grant != nil {
+		if err := grant.ForNode(e.cfg.Node, e.cfg.Disk); err != nil {
+			return fence.Claim{}, fmt.Errorf("%s: takeover grant rejected: %w", e.dev.name, err)
+		}
+	}
+	if err := e.verify(ctx); err != nil {
+		return fence.Claim{}, err
+	}
+	start := time.Now()
+	for attempt := 0; ; attempt++ {
+		c, err := e.acquire(ctx, grant)
+		if errors.Is(err, errRetry) && attempt < 4 {
+			continue
+		}
+		if errors.Is(err, errRetry) {
+			err = fmt.Errorf("%s: the lease kept changing while it was being acquired; try again", e.dev.name)
+		}
+		e.stats.AcquireWaited = time.Since(start)
+		return c, err
+	}
+}
+
+func (e *Engine) claim() fence.Claim {
+	return fence.Claim{Method: Method, Key: e.cfg.Key}
+}
+
+func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
+	t := e.cfg.Timing
+	mine := e.cfg.Key
+	readAt := time.Now()
+	a, err := e.read(ctx)
+	if err != nil {
+		return fence.Claim{}, err
+	}
+	owner := a.Owner()
+	if e.held {
+		if lerr := e.verifyOwn(a); lerr != nil {
+			return fence.Claim{}, lerr
+		}
+		c := e.claim()
+		c.Already = true
+		return c, nil
+	}
+	if owner >= 0 && a.Slots[owner].Key == mine {
+		// Our own record, from an earlier run of the agent on this node.
+		// It is resumed only while it cannot have expired in anyone's
+		// eyes; both times come from this host's clock.
+		s := a.Slots[owner]
+		age := time.Since(time.Unix(0, s.Written))
+		if age >= 0 && age < t.Fail {
+			if err := e.resume(ctx, owner, a, readAt); err != nil {
+				return fence.Claim{}, err
+			}
+			e.log.Info("lease resumed from an earlier run", "slot", owner, "epoch", s.Epoch, "age", age.String())
+			c := e.claim()
+			c.Already = true
+			return c, nil
+		}
+		e.log.Info("own lease record is too old to resume; acquiring anew", "age", age.String())
+	}
+
+	victim := -1
+	var victimRaw []byte
+	granted := false
+	if owner >= 0 && a.Slots[owner].Key != mine {
+		victim = owner
+		victimRaw = a.Raw[owner]
+		granted = grant.Names(a.Slots[owner].Key)
+	}
+	// Slots that do not decode may be a host's torn write; they are
+	// waited for as a holder would be.
+	var watch []int
+	if victim >= 0 && !granted {
+		watch = append(watch, victim)
+	}
+	for i := range a.Corrupt {
+		if a.Corrupt[i] {
+			watch = append(watch, i)
+		}
+	}
+	if len(watch) > 0 {
+		a, readAt, err = e.awaitExpiry(ctx, a, watch, victim, grant)
+		if err != nil {
+			return fence.Claim{}, err
+		}
+	}
+
+	idx := e.pickSlot(a, victim)
+	if idx < 0 {
+		return fence.Claim{}, fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
+	}
+	s := Slot{Key: mine, Epoch: a.MaxEpoch() + 1, Counter: a.Slots[idx].Counter + 1, State: StateHeld,
+		Timing: t, Node: e.cfg.NodeName}
+	if a.Slots[idx].Key != mine {
+		s.Counter = 1
+	}
+	if victim >= 0 {
+		s.Supersedes = a.Slots[victim].Key
+		if granted {
+			e.log.Warn("taking the lease over with a grant", "holder", s.Supersedes.String(), "holder_node", e.resolve(s.Supersedes, &a.Slots[victim]), "disk", grant.Disk)
+		} else {
+			e.log.Warn("taking over an expired lease", "holder", s.Supersedes.String(), "holder_node", e.resolve(s.Supersedes, &a.Slots[victim]))
+		}
+	}
+	s.Written = time.Now().UnixNano()
+	blk := EncodeSlot(s)
+	issued := time.Now()
+	if err := e.dev.writeSlot(ctx, idx, blk, t.IOTimeout); err != nil {
+		return fence.Claim{}, err
+	}
+	// The race check below holds only if our write landed within d of
+	// the read it was based on.
+	if el := time.Since(readAt); el > t.IOTimeout {
+		e.withdraw(ctx, idx, s, blk)
+		e.log.Warn("lease read and write took longer than the I/O timeout; starting over", "elapsed", el.String())
+		return fence.Claim{}, errRetry
+	}
+	if err := sleep(ctx, t.Settle()); err != nil {
+		e.withdraw(ctx, idx, s, blk)
+		return fence.Claim{}, err
+	}
+	a2, err := e.read(ctx)
+	if err != nil {
+		e.withdraw(ctx, idx, s, blk)
+		return fence.Claim{}, err
+	}
+	if !bytes.Equal(a2.Raw[idx], blk) {
+		// Another host wrote the same slot after us: it won the slot.
+		other := a2.Slots[idx]
+		return fence.Claim{}, e.refusal(a2, other.Key, &other, grant)
+	}
+	if o := a2.Owner(); o != idx {
+		e.withdraw(ctx, idx, s, blk)
+		return fence.Claim{}, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
+	}
+	if victim >= 0 && !granted && !bytes.Equal(a2.Raw[victim], victimRaw) && a2.Slots[victim].Live() {
+		// The holder we found expired wrote again: it is alive after all.
+		e.withdraw(ctx, idx, s, blk)
+		return fence.Claim{}, e.refusal(a2, a2.Slots[victim].Key, &a2.Slots[victim], grant)
+	}
+	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
+	if victim >= 0 && granted {
+		if err := e.awaitVictim(ctx, victim, a2); err != nil {
+			e.held = false
+			e.withdraw(ctx, idx, s, blk)
+			return fence.Claim{}, err
+		}
+	}
+	e.startRenewer()
+	e.log.Info("lease acquired", "slot", idx, "epoch", s.Epoch)
+	c := e.claim()
+	if victim >= 0 {
+		c.Preempted = []fence.Key{s.Supersedes}
+	}
+	return c, nil
+}
+
+// awaitExpiry watches the slots in watch until each has stayed unchanged
+// for the expiry bound of its writer. It returns the last read. A watched
+// holder that writes again is alive: the disk is refused. A holder that
+// releases ends the wait at once (errRetry starts over on the new state).
+func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim int, grant *fence.Grant) (*Area, time.Time, error) {
+	bound := time.Duration(0)
+	poll := e.cfg.Timing.Renew
+	for _, i := range watch {
+		tm := e.cfg.Timing
+		if !a.Corrupt[i] {
+			tm = a.Slots[i].Timing
+		}
+		bound = max(bound, tm.Expiry())
+		poll = min(poll, tm.Renew)
+	}
+	e.log.Info("waiting for the lease to expire", "bound", bound.String(), "slots", fmt.Sprint(watch))
+	began := time.Now()
+	for {
+		remain := bound - time.Since(began)
+		if err := sleep(ctx, min(poll, max(remain, 0))); err != nil {
+			return nil, time.Time{}, fmt.Errorf("%s: waiting for the lease to expire: %w", e.dev.name, err)
+		}
+		readAt := time.Now()
+		a2, err := e.read(ctx)
+		if err != nil {
+			// A missed observation loses nothing (changes are compared
+			// with the first read), but the wait cannot end on one.
+			if !errors.Is(err, errIOTimeout) || time.Since(began) >= 2*bound {
+				return nil, time.Time{}, err
+			}
+			e.log.Warn("lease read failed while waiting for expiry; continuing", "error", err)
+			continue
+		}
+		if o := a2.Owner(); o >= 0 && o != victim && a2.Slots[o].Key != e.cfg.Key {
+			return nil, time.Time{}, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
+		}
+		for _, i := range watch {
+			if bytes.Equal(a2.Raw[i], a.Raw[i]) {
+				continue
+			}
+			if !a2.Slots[i].Live() && !a2.Corrupt[i] {
+				return nil, time.Time{}, errRetry
+			}
+			s := a2.Slots[i]
+			return nil, time.Time{}, e.refusal(a2, s.Key, &s, grant)
+		}
+		if time.Since(began) >= bound {
+			return a2, readAt, nil
+		}
+	}
+}
+
+// awaitVictim waits, after a granted takeover was written, until the
+// superseded holder has acknowledged (its slot says released or fenced)
+// or has not written for its expiry bound. A live holder sees our higher
+// epoch at its next renewal, stops I/O and acknowledges.
+func (e *Engine) awaitVictim(ctx context.Context, victim int, a *Area) error {
+	vs := a.Slots[victim]
+	bound := vs.Timing.Expiry()
+	lastRaw := a.Raw[victim]
+	changed := time.Now()
+	for {
+		if !vs.Live() {
+			e.log.Info("superseded holder acknowledged the takeover", "holder", vs.Key.String(), "state", vs.State.String())
+			return nil
+		}
+		if time.Since(changed) >= bound {
+			e.log.Info("superseded holder's lease expired", "holder", vs.Key.String(), "bound", bound.String())
+			return nil
+		}
+		if err := sleep(ctx, min(vs.Timing.Renew, e.cfg.Timing.Renew)); err != nil {
+			return fmt.Errorf("%s: waiting for key %s to let go of the lease: %w", e.dev.name, vs.Key, err)
+		}
+		a2, err := e.read(ctx)
+		if errors.Is(err, errIOTimeout) {
+			if l := e.deadline(); l != nil {
+				return l
+			}
+			e.log.Warn("lease read failed while waiting for the superseded holder; continuing", "error", err)
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if lerr := e.verifyOwn(a2); lerr != nil {
+			return e.refusalFromLoss(a2, lerr)
+		}
+		if !bytes.Equal(a2.Raw[victim], lastRaw) {
+			lastRaw, changed = a2.Raw[victim], time.Now()
+		}
+		vs = a2.Slots[victim]
+		// Keep our own slot fresh while we wait.
+		if err := e.renewLocked(ctx, a2); err != nil {
+			return err
+		}
+	}
+}
+
+func (e *Engine) refusalFromLoss(a *Area, l *fence.LostError) error {
+	if o := a.Owner(); o >= 0 {
+		return e.refusal(a, a.Slots[o].Key, &a.Slots[o], nil)
+	}
+	return l
+}
+
+// pickSlot chooses our slot: the one already carrying our key, else the
+// first unused one in an order derived from the key, so that hosts tend
+// not to compete for the same slot. Held slots of other hosts, even stale
+// ones, are never reused: a frozen host that wakes up writes its slot
+// once more before it notices it lost.
+func (e *Engine) pickSlot(a *Area, victim int) int {
+	if i := a.Find(e.cfg.Key); i >= 0 {
+		return i
+	}
+	h := fnv.New32a()
+	fmt.Fprint(h, uint64(e.cfg.Key))
+	start := int(h.Sum32() % Slots)
+	for j := range Slots {
+		i := (start + j) % Slots
+		if i == victim || a.Corrupt[i] || a.Slots[i].Live() {
+			continue
+		}
+		return i
+	}
+	return -1
+}
+
+// withdraw marks a slot we wrote during a failed acquisition released, if
+// it still holds what we wrote.
+func (e *Engine) withdraw(ctx context.Context, idx int, s Slot, blk []byte) {
+	b, err := e.dev.ReadArea(context.WithoutCancel(ctx), e.cfg.Timing.IOTimeout)
+	if err != nil || !bytes.Equal(b[BlockSize*(1+idx):BlockSize*(2+idx)], blk) {
+		return
+	}
+	s.State = StateReleased
+	s.Counter++
+	s.Written = time.Now().UnixNano()
+	if err := e.dev.writeSlot(context.WithoutCancel(ctx), idx, EncodeSlot(s), e.cfg.Timing.IOTimeout); err != nil {
+		e.log.Warn("could not withdraw our lease record after a failed acquisition", "slot", idx, "error", err)
+	}
+}
+
+func (e *Engine) refusal(a *Area, holder fence.Key, s *Slot, grant *fence.Grant) *fence.HeldError {
+	he := &fence.HeldError{Device: e.dev.name, Holder: holder, HolderNode: e.resolve(holder, s), Granted: grant != nil}
+	for i, sl := range a.Slots {
+		if sl.Live() && !a.Corrupt[i] && sl.Key != e.cfg.Key {
+			he.Registered = append(he.Registered, sl.Key)
+		}
+	}
+	e.log.Warn("disk refused", "holder", holder.String(), "holder_node", he.HolderNode)
+	return he
+}
+
+// resume takes over our own record from an earlier run: rewrite it with
+// the next counter and start renewing.
+func (e *Engine) resume(ctx context.Context, idx int, a *Area, readAt time.Time) error {
+	s := a.Slots[idx]
+	e.slot, e.mine, e.lastRaw, e.lastOK = idx, s, a.Raw[idx], readAt
+	e.held = true
+	if err := e.renewLocked(ctx, a); err != nil {
+		e.held = false
+		return err
+	}
+	e.startRenewer()
+	return nil
+}
+
+// verifyOwn checks a read against our claim.
+func (e *Engine) verifyOwn(a *Area) *fence.LostError {
+	if !bytes.Equal(a.Raw[e.slot], e.lastRaw) {
+		s := a.Slots[e.slot]
+		if s.Key != e.cfg.Key && s.Key != 0 {
+			return e.markLost(fmt.Sprintf("our lease slot was overwritten by key %s", s.Key), s.Key, &s)
+		}
+		return e.markLost("our lease slot changed under us (another path or host wrote it)", 0, nil)
+	}
+	if o := a.Owner(); o != e.slot {
+		if o < 0 {
+			return e.markLost("no slot holds the lease any more", 0, nil)
+		}
+		s := a.Slots[o]
+		return e.markLost(fmt.Sprintf("key %s holds the lease at epoch %d, above ours (%d)", s.Key, s.Epoch, e.mine.Epoch), s.Key, &s)
+	}
+	return nil
+}
+
+// renewLocked rewrites our slot with the next counter after a read that
+// verified it.
+func (e *Engine) renewLocked(ctx context.Context, a *Area) error {
+	if lerr := e.verifyOwn(a); lerr != nil {
+		return lerr
+	}
+	// Never write past our own deadline: a taker may be about to
+	// conclude that we expired.
+	if lerr := e.deadline(); lerr != nil {
+		return lerr
+	}
+	s := e.mine
+	s.Counter++
+	s.Written = time.Now().UnixNano()
+	blk := EncodeSlot(s)
+	issued := time.Now()
+	if err := e.dev.writeSlot(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
+		e.stats.RenewFailures++
+		return err
+	}
+	e.mine, e.lastRaw, e.lastOK = s, blk, issued
+	e.stats.Renewals++
+	e.stats.LastRenewal = time.Now()
+	return nil
+}
+
+// markLost records the loss (once), stops renewing and hands the loss to
+// OnLost. Called with e.mu held.
+func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostError {
+	if e.lost != nil {
+		return e.lost
+	}
+	l := &fence.LostError{Device: e.dev.name, Reason: reason, Holder: holder}
+	if holder != 0 {
+		l.HolderNode = e.resolve(holder, s)
+	}
+	e.lost = l
+	wasHeld := e.held
+	e.held = false
+	if e.renewer != nil {
+		e.renewer.signal()
+		e.renewer = nil
+	}
+	e.log.Error("lease lost", "reason", reason, "holder", holder.String())
+	if wasHeld {
+		go func() {
+			if e.cfg.OnLost != nil {
+				e.cfg.OnLost(l)
+			}
+			e.ackFenced()
+		}()
+	}
+	return l
+}
+
+// ackFenced marks our slot fenced after I/O was stopped, if the slot still
+// holds our last write.
+func (e *Engine) ackFenced() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ctx := context.Background()
+	b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
+	if err != nil || e.slot < 0 || !bytes.Equal(b[BlockSize*(1+e.slot):BlockSize*(2+e.slot)], e.lastRaw) {
+		return
+	}
+	s := e.mine
+	s.State = StateFenced
+	s.Counter++
+	s.Written = time.Now().UnixNano()
+	blk := EncodeSlot(s)
+	if err := e.dev.writeSlot(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
+		e.log.Warn("could not mark our lease slot fenced", "error", err)
+		return
+	}
+	e.mine, e.lastRaw = s, blk
+}
+
+// MarkLost records a loss found outside the engine. From then on Acquire
+// and Check fail with the returned error.
+func (e *Engine) MarkLost(reason string) *fence.LostError {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.markLost(reason, 0, nil)
+}
+
+// Lost returns the recorded loss, or nil.
+func (e *Engine) Lost() *fence.LostError {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.lost
+}
+
+// Check implements fence.Fencer: the claim is intact when the last
+// successful renewal is younger than Fail, our slot holds what we last
+// wrote, and no slot owns the lease above us. It does not write.
+func (e *Engine) Check(ctx context.Context) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.stats.Checks++
+	if e.lost != nil {
+		return e.lost
+	}
+	if !e.held {
+		return fmt.Errorf("%s: this engine holds no lease; acquire first", e.dev.name)
+	}
+	if err := e.verify(ctx); err != nil {
+		return err
+	}
+	// Read before looking at the deadline, so that a loss names the new
+	// holder when there is one.
+	a, err := e.readOnce(ctx)
+	if err == nil {
+		if lerr := e.verifyOwn(a); lerr != nil {
+			return lerr
+		}
+	}
+	if lerr := e.deadline(); lerr != nil {
+		return lerr
+	}
+	return err
+}
+
+func (e *Engine) deadline() *fence.LostError {
+	if since := time.Since(e.lastOK); since > e.cfg.Timing.Fail {
+		return e.markLost(fmt.Sprintf("no successful lease renewal for %s (fail bound %s)", since.Round(time.Millisecond), e.cfg.Timing.Fail), 0, nil)
+	}
+	return nil
+}
+
+// Release implements fence.Fencer: stop renewing and mark our slot
+// released, so the next holder need not wait. A disk without our record
+// is released without error.
+func (e *Engine) Release(ctx context.Context) error {
+	e.mu.Lock()
+	r := e.renewer
+	e.renewer = nil
+	e.mu.Unlock()
+	if r != nil {
+		r.stopAndWait()
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.held = false
+	if err := e.verify(ctx); err != nil {
+		return err
+	}
+	a, err := e.read(ctx)
+	if err != nil {
+		return err
+	}
+	i := a.Find(e.cfg.Key)
+	if i < 0 || !a.Slots[i].Live() {
+		return nil
+	}
+	s := a.Slots[i]
+	s.State = StateReleased
+	s.Counter++
+	s.Written = time.Now().UnixNano()
+	blk := EncodeSlot(s)
+	if err := e.dev.writeSlot(ctx, i, blk, e.cfg.Timing.IOTimeout); err != nil {
+		return fmt.Errorf("%s: releasing the lease: %w", e.dev.name, err)
+	}
+	if i == e.slot {
+		e.mine, e.lastRaw = s, blk
+	}
+	e.log.Info("lease released", "slot", i)
+	return nil
+}
+
+// renewer is the goroutine that renews a held lease.
+type renewer struct {
+	stop chan struct{}
+	done chan struct{}
+	once sync.Once
+}
+
+func (r *renewer) signal()      { r.once.Do(func() { close(r.stop) }) }
+func (r *renewer) stopAndWait() { r.signal(); <-r.done }
+
+func (e *Engine) startRenewer() {
+	r := &renewer{stop: make(chan struct{}), done: make(chan struct{})}
+	e.renewer = r
+	go e.renew(r)
+}
+
+// renew rewrites our slot every Renew and declares the claim lost when no
+// renewal succeeded for Fail; the timer fires at that deadline even when
+// renewals keep failing or hang.
+func (e *Engine) renew(r *renewer) {
+	defer close(r.done)
+	t := time.NewTimer(e.cfg.Timing.Renew)
+	defer t.Stop()
+	for {
+		select {
+		case <-r.stop:
+			return
+		case <-t.C:
+		}
+		e.mu.Lock()
+		if e.renewer != r {
+			e.mu.Unlock()
+			return
+		}
+		next := e.cfg.Timing.Renew
+		if !e.paused {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*e.cfg.Timing.IOTimeout)
+			a, err := e.readOnce(ctx)
+			if err == nil {
+				err = e.renewLocked(ctx, a)
+			} else {
+				e.stats.RenewFailures++
+				if l := e.deadline(); l != nil {
+					err = l
+				}
+			}
+			cancel()
+			var lost *fence.LostError
+			if errors.As(err, &lost) {
+				e.mu.Unlock()
+				return
+			}
+			if err != nil {
+				e.log.Warn("lease renewal failed", "error", err, "deadline_in", (e.cfg.Timing.Fail - time.Since(e.lastOK)).String())
+			}
+			next = min(next, max(e.cfg.Timing.Fail-time.Since(e.lastOK), 0)+time.Millisecond)
+		}
+		e.mu.Unlock()
+		t.Reset(next)
+	}
+}
+
+// Status is the lease state of a disk, for display.
+type Status struct {
+	Device   string     `json:"device"`
+	OwnKey   fence.Key  `json:"own_key"`
+	Owner    *Slot      `json:"owner,omitempty"`
+	Slots    []SlotInfo `json:"slots"`
+	VolumeID string     `json:"volume_id"`
+}
+
+// SlotInfo is one used slot.
+type SlotInfo struct {
+	Index int `json:"index"`
+	Slot
+	Corrupt bool `json:"corrupt,omitempty"`
+}
+
+// ReadStatus reads the lease area once.
+func ReadStatus(ctx context.Context, d *Device, own fence.Key, timeout time.Duration) (Status, *Area, error) {
+	b, err := d.ReadArea(ctx, timeout)
+	if err != nil {
+		return Status{}, nil, err
+	}
+	a, err := DecodeArea(b)
+	if err != nil {
+		return Status{}, nil, fmt.Errorf("%s: %w", d.name, err)
+	}
+	st := Status{Device: d.name, OwnKey: own, VolumeID: fmt.Sprintf("%x", a.Header.VolumeID)}
+	if o := a.Owner(); o >= 0 {
+		s := a.Slots[o]
+		st.Owner = &s
+	}
+	for i, s := range a.Slots {
+		if s.State != StateEmpty || a.Corrupt[i] {
+			st.Slots = append(st.Slots, SlotInfo{Index: i, Slot: s, Corrupt: a.Corrupt[i]})
+		}
+	}
+	return st, a, nil
+}
+
+// Inspect reads the lease area of path once, through its own O_DIRECT
+// descriptor, and returns the owning slot: nil when nobody holds the
+// lease, an error wrapping ErrNoLease when the disk has no lease area.
+// It is the quick look a hot-plug refusal needs: one read, no waiting. An
+// owner found here may have expired; refusing it is still right, since
+// only a stage request (Acquire, which waits) may take the disk.
+func Inspect(ctx context.Context, path string, timeout time.Duration) (*Slot, error) {
+	d, err := OpenDeviceReadOnly(path)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	b, err := d.ReadArea(ctx, timeout)
+	if err != nil {
+		return nil, err
+	}
+	a, err := DecodeArea(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if o := a.Owner(); o >= 0 {
+		s := a.Slots[o]
+		return &s, nil
+	}
+	return nil, nil
+}

@@ -1,0 +1,411 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+func heldBy(t *testing.T, err error, holder fence.Key, node string) {
+	t.Helper()
+	var he *fence.HeldError
+	if !errors.As(err, &he) {
+		t.Fatalf("want a refusal naming %s, got %v", holder, err)
+	}
+	if he.Holder != holder || he.HolderNode != node {
+		t.Fatalf("refusal names %s (%q), want %s (%q): %v", he.Holder, he.HolderNode, holder, node, err)
+	}
+	if !strings.Contains(err.Error(), holder.String()) || !strings.Contains(err.Error(), node) {
+		t.Fatalf("refusal text does not name the holder: %v", err)
+	}
+}
+
+func lostTo(t *testing.T, err error, holder fence.Key) *fence.LostError {
+	t.Helper()
+	var le *fence.LostError
+	if !errors.As(err, &le) {
+		t.Fatalf("want a lost claim, got %v", err)
+	}
+	if le.Holder != holder {
+		t.Fatalf("lost claim names holder %s, want %s: %v", le.Holder, holder, err)
+	}
+	return le
+}
+
+func TestProbeFormatAndRetry(t *testing.T) {
+	ctx := context.Background()
+	for _, sector := range []int{512, 4096} {
+		dev := loopDevice(t, 8<<20, sector, nil)
+		a := newNode(t, dev, uuidA, "node-a")
+		sup, err := a.e.Probe(ctx)
+		if err != nil || sup.Method != Method || !strings.Contains(sup.Reason, "blank") {
+			t.Fatalf("sector %d: probe of a blank disk: %+v %v", sector, sup, err)
+		}
+		if _, err := a.e.Acquire(ctx, nil); !errors.Is(err, fence.ErrNotSupported) {
+			t.Fatalf("sector %d: acquire before format: %v", sector, err)
+		}
+		for i, want := range []bool{true, false} {
+			wrote, err := Format(ctx, a.e.Device(), FormatOptions{Key: keyA, Blkid: true})
+			if err != nil || wrote != want {
+				t.Fatalf("sector %d: format #%d: wrote %v, %v", sector, i+1, wrote, err)
+			}
+		}
+		sup, err = a.e.Probe(ctx)
+		if err != nil || sup.Method != Method || sup.Reason != "" {
+			t.Fatalf("sector %d: probe after format: %+v %v", sector, sup, err)
+		}
+		if out, err := exec.Command("blkid", "-p", dev).CombinedOutput(); err == nil {
+			t.Fatalf("blkid recognises the lease area as something: %s", out)
+		}
+		c, err := a.e.Acquire(ctx, nil)
+		if err != nil || c.Method != Method || c.Key != keyA || c.Already {
+			t.Fatalf("sector %d: acquire: %+v %v", sector, c, err)
+		}
+		if err := a.e.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// L1: a second node is refused while the first renews, and is told who
+// holds the disk, within about one renewal interval (not the expiry bound).
+func TestL1DoubleClaimRefused(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 4096)
+	a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	_, err := b.e.Acquire(ctx, nil)
+	heldBy(t, err, keyA, "node-a")
+	t.Logf("refused after %s (renewal interval %s, expiry bound %s)", time.Since(t0).Round(time.Millisecond), testTiming.Renew, testTiming.Expiry())
+	st := status(t, dev)
+	if st.Owner == nil || st.Owner.Key != keyA || len(st.Slots) != 1 {
+		t.Fatalf("after the refusal the lease area shows %+v; want only node A's slot", st)
+	}
+	// A grant naming another key changes nothing.
+	g := &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{0x7663000000000001}}
+	_, err = b.e.Acquire(ctx, g)
+	heldBy(t, err, keyA, "node-a")
+	if !strings.Contains(err.Error(), "grant does not name") {
+		t.Errorf("refusal with a non-matching grant does not say so: %v", err)
+	}
+	if err := a.e.Check(ctx); err != nil {
+		t.Fatalf("holder's check after the refusals: %v", err)
+	}
+	if s := a.e.Stats(); s.Renewals == 0 {
+		t.Fatalf("holder never renewed: %+v", s)
+	}
+	// A second acquire by the holder is a no-op.
+	if c, err := a.e.Acquire(ctx, nil); err != nil || !c.Already {
+		t.Fatalf("re-acquire by the holder: %+v %v", c, err)
+	}
+}
+
+// L2: release, then the other node acquires without waiting for expiry.
+func TestL2Handover(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 512)
+	a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.e.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.e.Release(ctx); err != nil {
+		t.Fatalf("second release: %v", err)
+	}
+	t0 := time.Now()
+	c, err := b.e.Acquire(ctx, nil)
+	if err != nil || len(c.Preempted) != 0 {
+		t.Fatalf("acquire after release: %+v %v", c, err)
+	}
+	t.Logf("handover took %s (settle %s)", time.Since(t0).Round(time.Millisecond), testTiming.Settle())
+	if err := b.e.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.e.Check(ctx); err == nil {
+		t.Fatal("released node's check succeeds")
+	}
+	_, err = a.e.Acquire(ctx, nil)
+	heldBy(t, err, keyB, "node-b")
+	// B hands back.
+	if err := b.e.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatalf("acquire back: %v", err)
+	}
+}
+
+// L3: the holder freezes (stops renewing). Without a grant, the other
+// node takes over after the expiry bound; the frozen node, when it runs
+// again, finds out, reports the loss naming the new holder, marks its slot
+// fenced, and never claims again.
+func TestL3TakeoverAfterExpiry(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 4096)
+	a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	a.pause(true)
+	t0 := time.Now()
+	c, err := b.e.Acquire(ctx, nil)
+	el := time.Since(t0)
+	if err != nil {
+		t.Fatalf("takeover of an expired lease: %v", err)
+	}
+	if len(c.Preempted) != 1 || c.Preempted[0] != keyA {
+		t.Fatalf("claim does not record the superseded key: %+v", c)
+	}
+	if el < testTiming.Expiry() {
+		t.Fatalf("takeover after %s, before the expiry bound %s", el, testTiming.Expiry())
+	}
+	t.Logf("takeover after %s (expiry bound %s, settle %s)", el, testTiming.Expiry(), testTiming.Settle())
+	lostTo(t, a.e.Check(ctx), keyB)
+	a.pause(false)
+	select {
+	case l := <-a.lost:
+		if l.Holder != keyB || l.HolderNode != "node-b" {
+			t.Fatalf("OnLost: %v", l)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("OnLost was not called")
+	}
+	_, err = a.e.Acquire(ctx, nil)
+	lostTo(t, err, keyB)
+	// The frozen node's slot ends fenced, never held again; B keeps it.
+	time.Sleep(3 * testTiming.Renew)
+	waitSlotState(t, dev, keyA, StateFenced)
+	if err := b.e.Check(ctx); err != nil {
+		t.Fatalf("new holder lost its claim: %v", err)
+	}
+	// Even after B releases, the lost engine does not re-claim.
+	if err := b.e.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, err = a.e.Acquire(ctx, nil)
+	lostTo(t, err, keyB)
+}
+
+// L3 with a grant: a frozen holder is taken over after the expiry bound
+// (a grant cannot make it stop), a live one lets go within a renewal.
+func TestL3TakeoverWithGrant(t *testing.T) {
+	ctx := context.Background()
+	grant := &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{keyA}}
+
+	t.Run("frozen holder", func(t *testing.T) {
+		dev := formattedLoop(t, 4096)
+		a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+		if _, err := a.e.Acquire(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		a.pause(true)
+		t0 := time.Now()
+		c, err := b.e.Acquire(ctx, grant)
+		if err != nil || len(c.Preempted) != 1 || c.Preempted[0] != keyA {
+			t.Fatalf("granted takeover: %+v %v", c, err)
+		}
+		if el := time.Since(t0); el < testTiming.Expiry() {
+			t.Fatalf("granted takeover of a frozen holder returned after %s, before its expiry bound %s", el, testTiming.Expiry())
+		}
+		lostTo(t, a.e.Check(ctx), keyB)
+		a.pause(false)
+		_, err = a.e.Acquire(ctx, nil)
+		lostTo(t, err, keyB)
+		if err := b.e.Check(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("live holder", func(t *testing.T) {
+		dev := formattedLoop(t, 512)
+		a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+		if _, err := a.e.Acquire(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		t0 := time.Now()
+		c, err := b.e.Acquire(ctx, grant)
+		el := time.Since(t0)
+		if err != nil || len(c.Preempted) != 1 {
+			t.Fatalf("granted takeover: %+v %v", c, err)
+		}
+		t.Logf("granted takeover of a live holder: %s (ends on its acknowledgement; expiry bound %s)", el.Round(time.Millisecond), testTiming.Expiry())
+		select {
+		case l := <-a.lost:
+			if l.Holder != keyB {
+				t.Fatalf("OnLost names %s", l.Holder)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the superseded holder did not notice")
+		}
+		waitSlotState(t, dev, keyA, StateFenced)
+		lostTo(t, a.e.Check(ctx), keyB)
+		if err := b.e.Check(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("grant for another node", func(t *testing.T) {
+		dev := formattedLoop(t, 4096)
+		b := newNode(t, dev, uuidB, "node-b")
+		g := &fence.Grant{Disk: "disk-1", Node: uuidA, Supersedes: []fence.Key{keyA}}
+		if _, err := b.e.Acquire(ctx, g); err == nil || !strings.Contains(err.Error(), "not this node") {
+			t.Fatalf("grant for node A accepted on node B: %v", err)
+		}
+	})
+}
+
+// L4: two nodes acquire a free disk at the same moment, 20 rounds:
+// exactly one wins each time, and the other is told who.
+func TestL4Race(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 4096)
+	wins := map[fence.Key]int{}
+	contended := 0
+	for round := range 20 {
+		a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		errs := make([]error, 2)
+		for i, n := range []*node{a, b} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				_, errs[i] = n.e.Acquire(ctx, nil)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		var winner, loser *node
+		var loserErr error
+		switch {
+		case errs[0] == nil && errs[1] != nil:
+			winner, loser, loserErr = a, b, errs[1]
+		case errs[1] == nil && errs[0] != nil:
+			winner, loser, loserErr = b, a, errs[0]
+		default:
+			t.Fatalf("round %d: want exactly one winner, got errors %v and %v", round, errs[0], errs[1])
+		}
+		wk := winner.e.cfg.Key
+		heldBy(t, loserErr, wk, map[fence.Key]string{keyA: "node-a", keyB: "node-b"}[wk])
+		wins[wk]++
+		if err := winner.e.Check(ctx); err != nil {
+			t.Fatalf("round %d: winner's check: %v", round, err)
+		}
+		if loser.e.Lost() != nil {
+			t.Fatalf("round %d: a refused node must not be marked lost", round)
+		}
+		st := status(t, dev)
+		if st.Owner == nil || st.Owner.Key != wk {
+			t.Fatalf("round %d: owner on disk %+v, winner %s", round, st.Owner, wk)
+		}
+		for _, s := range st.Slots {
+			if s.Key != wk && s.Live() {
+				t.Fatalf("round %d: loser's slot still held: %+v", round, s)
+			}
+		}
+		for _, s := range st.Slots {
+			if s.Key == loser.e.cfg.Key && s.State == StateReleased {
+				contended++
+			}
+		}
+		if err := winner.e.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("wins: %v; rounds in which both nodes wrote a claim: %d", wins, contended)
+}
+
+// A renewal that keeps failing (the device turned read-only underneath)
+// loses the claim at the fail bound.
+func TestRenewalFailureSelfFences(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 4096)
+	a := newNode(t, dev, uuidA, "node-a")
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("blockdev", "--setro", dev).CombinedOutput(); err != nil {
+		t.Fatalf("blockdev --setro: %v: %s", err, out)
+	}
+	t.Cleanup(func() { exec.Command("blockdev", "--setrw", dev).Run() })
+	t0 := time.Now()
+	select {
+	case l := <-a.lost:
+		el := time.Since(t0)
+		if !strings.Contains(l.Reason, "no successful lease renewal") {
+			t.Fatalf("loss reason: %v", l)
+		}
+		// A safety bound, not a speed figure: takers rely on the holder
+		// giving up within Fail of its last successful renewal, which was
+		// at most one renewal interval before the device turned read-only.
+		if el > testTiming.Fail+testTiming.Renew+testTiming.IOTimeout {
+			t.Errorf("self-fenced %s after renewals began failing; bound is %s", el, testTiming.Fail)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no self-fencing after renewals failed")
+	}
+	if s := a.e.Stats(); s.RenewFailures == 0 {
+		t.Fatalf("no renewal failures counted: %+v", s)
+	}
+	var le *fence.LostError
+	if err := a.e.Check(ctx); !errors.As(err, &le) {
+		t.Fatalf("check after self-fencing: %v", err)
+	}
+}
+
+// An agent restart on the holder resumes its own record; the other node
+// is still refused.
+func TestRestartResumesOwnRecord(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 4096)
+	a := newNode(t, dev, uuidA, "node-a")
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	// The old agent dies without releasing.
+	a.e.mu.Lock()
+	r := a.e.renewer
+	a.e.renewer = nil
+	a.e.mu.Unlock()
+	r.stopAndWait()
+	a2 := newNode(t, dev, uuidA, "node-a")
+	c, err := a2.e.Acquire(ctx, nil)
+	if err != nil || !c.Already {
+		t.Fatalf("restarted agent: %+v %v", c, err)
+	}
+	b := newNode(t, dev, uuidB, "node-b")
+	_, err = b.e.Acquire(ctx, nil)
+	heldBy(t, err, keyA, "node-a")
+	if err := a2.e.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func waitSlotState(t *testing.T, dev string, k fence.Key, want State) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st := status(t, dev)
+		for _, s := range st.Slots {
+			if s.Key == k && s.State == want {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("slot of %s never reached state %s: %+v", k, want, st.Slots)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

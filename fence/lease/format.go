@@ -1,0 +1,104 @@
+package lease
+
+import (
+	"context"
+	"crypto/rand"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// ReadLayout reads the first and last MiB of the device and classifies
+// them. A disk smaller than twice the area is too small for a volume.
+func ReadLayout(ctx context.Context, d *Device, timeout time.Duration) (Classification, error) {
+	if d.size < 2*AreaSize {
+		return Classification{}, fmt.Errorf("%s: %d bytes is too small for a lease volume (at least %d)", d.name, d.size, 2*AreaSize)
+	}
+	head, err := d.io(ctx, false, 0, make([]byte, AreaSize), timeout)
+	if err != nil {
+		return Classification{}, err
+	}
+	tailOff := d.size - AreaSize
+	tailOff -= tailOff % BlockSize
+	tail, err := d.io(ctx, false, tailOff, make([]byte, AreaSize), timeout)
+	if err != nil {
+		return Classification{}, err
+	}
+	return Classify(head, tail), nil
+}
+
+// FormatOptions are the inputs of Format.
+type FormatOptions struct {
+	// Key is the formatting node's fence key (recorded as the creator).
+	Key fence.Key
+	// Timeout bounds each I/O; zero means DefaultTiming's.
+	Timeout time.Duration
+	// Blkid, when true, also asks `blkid -p` and refuses anything it
+	// recognises; the agent sets it (blkid is part of util-linux on every
+	// node).
+	Blkid  bool
+	Logger *slog.Logger
+}
+
+// ForeignError refuses to format a disk that holds anything but zeros.
+type ForeignError struct {
+	Device    string
+	Signature string
+}
+
+func (e *ForeignError) Error() string {
+	return fmt.Sprintf("%s holds data (%s) and has no reservation support: it is not formatted with a lease; "+
+		"wipe it if the data is not needed, or stage it unfenced with the volume's explicit opt-in", e.Device, e.Signature)
+}
+
+// Format writes a lease area on a blank disk. It refuses every disk that
+// is not blank (P5: nothing is written over data we did not create) and
+// leaves an existing lease area alone (a retried stage formats nothing).
+// It reports whether it wrote the header.
+func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
+	if o.Timeout <= 0 {
+		o.Timeout = DefaultTiming().IOTimeout
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	c, err := ReadLayout(ctx, d, o.Timeout)
+	if err != nil {
+		return false, err
+	}
+	switch c.Layout {
+	case LayoutLease:
+		b, err := d.io(ctx, false, 0, make([]byte, BlockSize), o.Timeout)
+		if err != nil {
+			return false, err
+		}
+		if _, err := DecodeHeader(b); err != nil {
+			return false, fmt.Errorf("%s: %w", d.name, err)
+		}
+		return false, nil
+	case LayoutForeign:
+		return false, &ForeignError{Device: d.name, Signature: c.Signature}
+	}
+	if o.Blkid {
+		sig, err := ProbeBlkid(ctx, d.name)
+		if err != nil {
+			return false, fmt.Errorf("%s: not formatting without blkid's second opinion: %w", d.name, err)
+		}
+		if sig != "" {
+			return false, &ForeignError{Device: d.name, Signature: sig}
+		}
+	}
+	h := Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset,
+		Created: time.Now().Unix(), Creator: o.Key}
+	if _, err := rand.Read(h.VolumeID[:]); err != nil {
+		return false, err
+	}
+	if _, err := d.io(ctx, true, 0, EncodeHeader(h), o.Timeout); err != nil {
+		return false, err
+	}
+	log.Info("lease area written", "device", d.name, "data_offset", DataOffset, "creator", o.Key.String())
+	return true, nil
+}

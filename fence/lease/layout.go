@@ -1,0 +1,315 @@
+package lease
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// On-disk geometry. Every structure is one 4096-byte block so that every
+// read and write is aligned for O_DIRECT on disks with 512- and 4096-byte
+// logical sectors alike, and so that no two hosts ever write the same
+// physical sector.
+const (
+	// BlockSize is the unit of every lease I/O.
+	BlockSize = 4096
+	// Slots is the number of per-host slots.
+	Slots = 16
+	// AreaSize is the part of the disk the lease owns, from offset 0.
+	AreaSize = 1 << 20
+	// DataOffset is where the volume's data (filesystem, LUKS2 header, raw
+	// block contents) begins.
+	DataOffset = AreaSize
+	// ReadSize is what one read of the lease state covers: the header and
+	// every slot.
+	ReadSize = (1 + Slots) * BlockSize
+
+	headerMagic = "VCOLEASE"
+	slotMagic   = "VCOSLOT1"
+	version     = 1
+	crcOffset   = BlockSize - 4
+	nodeNameLen = 64
+)
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// Header is block 0 of the lease area. It marks the disk as formatted with
+// the lease and says where the data begins.
+type Header struct {
+	Version    uint32
+	BlockSize  uint32
+	Slots      uint32
+	SlotOffset uint64
+	DataOffset uint64
+	VolumeID   [16]byte
+	// Created is the format time (Unix seconds; informational).
+	Created int64
+	// Creator is the fence key of the node that formatted the disk.
+	Creator fence.Key
+}
+
+// State is what a slot says about its host.
+type State uint8
+
+const (
+	// StateEmpty: the slot was never used (all zeros).
+	StateEmpty State = 0
+	// StateHeld: the host claims the disk (or is in the middle of claiming
+	// it) at the slot's epoch, and renews the slot.
+	StateHeld State = 1
+	// StateReleased: the host gave the disk up cleanly.
+	StateReleased State = 2
+	// StateFenced: the host lost its claim and has stopped I/O to the disk.
+	StateFenced State = 3
+)
+
+func (s State) String() string {
+	switch s {
+	case StateEmpty:
+		return "empty"
+	case StateHeld:
+		return "held"
+	case StateReleased:
+		return "released"
+	case StateFenced:
+		return "fenced"
+	}
+	return fmt.Sprintf("state %d", uint8(s))
+}
+
+// MarshalText names the state in JSON output.
+func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// Slot is one host's record.
+type Slot struct {
+	Key fence.Key `json:"key"`
+	// Epoch orders claims: a claim writes one more than the highest epoch
+	// on the disk, and the held slot with the highest epoch owns the disk.
+	Epoch uint64 `json:"epoch"`
+	// Counter increases with every write of the slot; a reader sees a live
+	// host as a slot that changes.
+	Counter uint64 `json:"counter"`
+	// Written is the writer's wall clock (Unix nanoseconds). Informational
+	// only: no decision compares clocks of different hosts.
+	Written int64 `json:"written_unix_ns"`
+	State   State `json:"state"`
+	// Timing is the writer's timing, so that a reader waits for the
+	// writer's bound, not its own.
+	Timing Timing `json:"timing"`
+	// Supersedes is the key a granted takeover named, or 0.
+	Supersedes fence.Key `json:"supersedes,omitempty"`
+	// Node is the writer's node name (informational).
+	Node string `json:"node,omitempty"`
+}
+
+// Live reports whether the slot claims the disk.
+func (s Slot) Live() bool { return s.State == StateHeld }
+
+// Area is one read of the lease area.
+type Area struct {
+	Header Header
+	Slots  [Slots]Slot
+	// Raw holds each slot's block as read; a reader compares these to see
+	// whether a host has written since.
+	Raw [Slots][]byte
+	// Corrupt marks slots whose block is not all zeros and does not decode
+	// (a torn write, or something else wrote there). Such a slot owns
+	// nothing, but a reader that waits for expiry waits for it too.
+	Corrupt [Slots]bool
+}
+
+// Owner returns the slot index that owns the disk: the held slot with the
+// highest epoch, the lowest key breaking a tie. -1 when no slot is held.
+func (a *Area) Owner() int {
+	o := -1
+	for i, s := range a.Slots {
+		if !s.Live() || a.Corrupt[i] {
+			continue
+		}
+		if o < 0 || s.Epoch > a.Slots[o].Epoch || (s.Epoch == a.Slots[o].Epoch && s.Key < a.Slots[o].Key) {
+			o = i
+		}
+	}
+	return o
+}
+
+// MaxEpoch is the highest epoch written in any slot.
+func (a *Area) MaxEpoch() uint64 {
+	var m uint64
+	for _, s := range a.Slots {
+		m = max(m, s.Epoch)
+	}
+	return m
+}
+
+// Find returns the slot of key k, or -1.
+func (a *Area) Find(k fence.Key) int {
+	for i, s := range a.Slots {
+		if s.Key == k && !a.Corrupt[i] && s.State != StateEmpty {
+			return i
+		}
+	}
+	return -1
+}
+
+// ErrNoLease is returned when a disk carries no lease header.
+var ErrNoLease = errors.New("no lease area on the disk")
+
+// EncodeHeader returns block 0 for h.
+func EncodeHeader(h Header) []byte {
+	b := make([]byte, BlockSize)
+	copy(b[0:8], headerMagic)
+	be := binary.BigEndian
+	be.PutUint32(b[8:], h.Version)
+	be.PutUint32(b[12:], h.BlockSize)
+	be.PutUint32(b[16:], h.Slots)
+	be.PutUint64(b[24:], h.SlotOffset)
+	be.PutUint64(b[32:], h.DataOffset)
+	copy(b[40:56], h.VolumeID[:])
+	be.PutUint64(b[56:], uint64(h.Created))
+	be.PutUint64(b[64:], uint64(h.Creator))
+	be.PutUint32(b[crcOffset:], crc32.Checksum(b[:crcOffset], castagnoli))
+	return b
+}
+
+// DecodeHeader parses block 0. A block without our magic is ErrNoLease;
+// one with our magic that does not check out is another error (a damaged
+// lease area is never reformatted silently).
+func DecodeHeader(b []byte) (Header, error) {
+	if len(b) < BlockSize {
+		return Header{}, fmt.Errorf("lease header: %d bytes, want %d", len(b), BlockSize)
+	}
+	if string(b[0:8]) != headerMagic {
+		return Header{}, ErrNoLease
+	}
+	be := binary.BigEndian
+	if got, want := be.Uint32(b[crcOffset:]), crc32.Checksum(b[:crcOffset], castagnoli); got != want {
+		return Header{}, fmt.Errorf("lease header checksum 0x%08x, computed 0x%08x: the lease area is damaged", got, want)
+	}
+	h := Header{
+		Version:    be.Uint32(b[8:]),
+		BlockSize:  be.Uint32(b[12:]),
+		Slots:      be.Uint32(b[16:]),
+		SlotOffset: be.Uint64(b[24:]),
+		DataOffset: be.Uint64(b[32:]),
+		Created:    int64(be.Uint64(b[56:])),
+		Creator:    fence.Key(be.Uint64(b[64:])),
+	}
+	copy(h.VolumeID[:], b[40:56])
+	switch {
+	case h.Version != version:
+		return h, fmt.Errorf("lease header version %d; this agent reads version %d", h.Version, version)
+	case h.BlockSize != BlockSize || h.Slots != Slots || h.SlotOffset != BlockSize || h.DataOffset != DataOffset:
+		return h, fmt.Errorf("lease header geometry (block %d, %d slots at %d, data at %d) is not the one this agent writes (block %d, %d slots at %d, data at %d)",
+			h.BlockSize, h.Slots, h.SlotOffset, h.DataOffset, BlockSize, Slots, BlockSize, DataOffset)
+	}
+	return h, nil
+}
+
+// EncodeSlot returns the block for s.
+func EncodeSlot(s Slot) []byte {
+	b := make([]byte, BlockSize)
+	copy(b[0:8], slotMagic)
+	be := binary.BigEndian
+	be.PutUint64(b[8:], uint64(s.Key))
+	be.PutUint64(b[16:], s.Epoch)
+	be.PutUint64(b[24:], s.Counter)
+	be.PutUint64(b[32:], uint64(s.Written))
+	b[40] = byte(s.State)
+	be.PutUint32(b[48:], ms(s.Timing.IOTimeout))
+	be.PutUint32(b[52:], ms(s.Timing.Renew))
+	be.PutUint32(b[56:], ms(s.Timing.Fail))
+	be.PutUint32(b[60:], ms(s.Timing.Watchdog))
+	be.PutUint64(b[64:], uint64(s.Supersedes))
+	copy(b[72:72+nodeNameLen], s.Node)
+	be.PutUint32(b[crcOffset:], crc32.Checksum(b[:crcOffset], castagnoli))
+	return b
+}
+
+// DecodeSlot parses a slot block. An all-zero block is an empty slot.
+func DecodeSlot(b []byte) (Slot, error) {
+	if len(b) < BlockSize {
+		return Slot{}, fmt.Errorf("lease slot: %d bytes, want %d", len(b), BlockSize)
+	}
+	b = b[:BlockSize]
+	if allZero(b) {
+		return Slot{}, nil
+	}
+	if string(b[0:8]) != slotMagic {
+		return Slot{}, fmt.Errorf("lease slot has no slot magic")
+	}
+	be := binary.BigEndian
+	if got, want := be.Uint32(b[crcOffset:]), crc32.Checksum(b[:crcOffset], castagnoli); got != want {
+		return Slot{}, fmt.Errorf("lease slot checksum 0x%08x, computed 0x%08x (torn or foreign write)", got, want)
+	}
+	s := Slot{
+		Key:     fence.Key(be.Uint64(b[8:])),
+		Epoch:   be.Uint64(b[16:]),
+		Counter: be.Uint64(b[24:]),
+		Written: int64(be.Uint64(b[32:])),
+		State:   State(b[40]),
+		Timing: Timing{
+			IOTimeout: fromMS(be.Uint32(b[48:])),
+			Renew:     fromMS(be.Uint32(b[52:])),
+			Fail:      fromMS(be.Uint32(b[56:])),
+			Watchdog:  fromMS(be.Uint32(b[60:])),
+		},
+		Supersedes: fence.Key(be.Uint64(b[64:])),
+	}
+	name := b[72 : 72+nodeNameLen]
+	if i := bytes.IndexByte(name, 0); i >= 0 {
+		name = name[:i]
+	}
+	s.Node = strings.ToValidUTF8(string(name), "?")
+	switch {
+	case s.Key == 0:
+		return s, fmt.Errorf("lease slot names key 0")
+	case s.State == StateEmpty || s.State > StateFenced:
+		return s, fmt.Errorf("lease slot of key %s has invalid state %d", s.Key, uint8(s.State))
+	case s.Epoch == 0:
+		return s, fmt.Errorf("lease slot of key %s has epoch 0", s.Key)
+	}
+	if err := s.Timing.validate(); err != nil {
+		return s, fmt.Errorf("lease slot of key %s: %w", s.Key, err)
+	}
+	return s, nil
+}
+
+// DecodeArea parses one read of the lease area (ReadSize bytes). Slots
+// that do not decode are marked Corrupt rather than failing the read: a
+// torn write by one host must not make the disk unreadable for the rest.
+func DecodeArea(b []byte) (*Area, error) {
+	if len(b) < ReadSize {
+		return nil, fmt.Errorf("lease area: %d bytes, want %d", len(b), ReadSize)
+	}
+	h, err := DecodeHeader(b[:BlockSize])
+	if err != nil {
+		return nil, err
+	}
+	a := &Area{Header: h}
+	for i := range Slots {
+		blk := b[BlockSize*(1+i) : BlockSize*(2+i)]
+		a.Raw[i] = bytes.Clone(blk)
+		s, err := DecodeSlot(blk)
+		if err != nil {
+			a.Corrupt[i] = true
+			continue
+		}
+		a.Slots[i] = s
+	}
+	return a, nil
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}

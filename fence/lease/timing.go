@@ -1,0 +1,80 @@
+package lease
+
+import (
+	"fmt"
+	"time"
+)
+
+// Timing is every time parameter of the lease. A holder writes its own
+// Timing into its slot, and a node that waits for that holder's lease to
+// expire uses the holder's figures, not its own.
+type Timing struct {
+	// IOTimeout (d) bounds one lease read or write. An I/O that takes
+	// longer counts as failed. Every wait in the algorithm is a multiple
+	// of it.
+	IOTimeout time.Duration `json:"io_timeout"`
+	// Renew (R) is the renewal interval: the holder rewrites its slot
+	// this often.
+	Renew time.Duration `json:"renew"`
+	// Fail (F) is how long after its last successful renewal the holder
+	// declares its claim lost and stops I/O (self-fencing).
+	Fail time.Duration `json:"fail"`
+	// Watchdog (W) is the time the holder's host watchdog needs to reset
+	// a host whose agent stopped renewing without fencing itself (hung or
+	// killed). Zero only where no watchdog is armed (tests).
+	Watchdog time.Duration `json:"watchdog"`
+}
+
+// DefaultTiming follows sanlock's proportions (renewal every 2d, failure
+// after 8d) with d = 5s and a 60s host watchdog: an expired holder is
+// taken over after Expiry() = 105s.
+func DefaultTiming() Timing {
+	return Timing{IOTimeout: 5 * time.Second, Renew: 10 * time.Second, Fail: 40 * time.Second, Watchdog: 60 * time.Second}
+}
+
+// Expiry is how long a taker observes a holder's slot unchanged before it
+// treats the lease as expired: max(F + W + d, R + 6d). By then the holder
+// has either fenced itself (F after its last renewal; d of slack for
+// stopping I/O) or its watchdog has reset the host (W), and no renewal
+// still in flight can land (R + 6d, the delta lease's own delay).
+func (t Timing) Expiry() time.Duration {
+	return max(t.Fail+t.Watchdog+t.IOTimeout, t.Renew+6*t.IOTimeout)
+}
+
+// Settle is how long an acquirer waits after writing its slot before it
+// re-reads to detect a racing acquirer: 2d, so that every write issued by
+// a node that read before ours landed has landed too.
+func (t Timing) Settle() time.Duration { return 2 * t.IOTimeout }
+
+func (t Timing) validate() error {
+	switch {
+	case t.IOTimeout <= 0 || t.Renew <= 0 || t.Fail <= 0 || t.Watchdog < 0:
+		return fmt.Errorf("lease timing %s: every value must be positive (watchdog may be 0)", t)
+	case t.Renew < t.IOTimeout:
+		return fmt.Errorf("lease timing %s: renewal interval is shorter than the I/O timeout", t)
+	case t.Fail < 2*t.Renew:
+		return fmt.Errorf("lease timing %s: the fail bound must allow at least two renewals", t)
+	case t.Fail > time.Duration(maxMS)*time.Millisecond || t.Watchdog > time.Duration(maxMS)*time.Millisecond:
+		return fmt.Errorf("lease timing %s: values must be below %d ms", t, maxMS)
+	}
+	return nil
+}
+
+func (t Timing) String() string {
+	return fmt.Sprintf("{io %s, renew %s, fail %s, watchdog %s}", t.IOTimeout, t.Renew, t.Fail, t.Watchdog)
+}
+
+const maxMS = 1<<32 - 1
+
+func ms(d time.Duration) uint32 {
+	v := d.Milliseconds()
+	if v < 0 {
+		return 0
+	}
+	if v > maxMS {
+		return maxMS
+	}
+	return uint32(v)
+}
+
+func fromMS(v uint32) time.Duration { return time.Duration(v) * time.Millisecond }
