@@ -106,6 +106,11 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	if _, err := c.StageVolume(ctx, bad); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("stage outside the kubelet root: %v", err)
 	}
+	// The token command reads the device without touching it.
+	tokOut, errs, code := run(t, "volume", "token", "vol-cli", "--loop-backing-file", img, "--socket", sock, "--json")
+	if code != 0 || !strings.Contains(tokOut, `"content":"VOLUME_CONTENT_BLANK"`) || !strings.Contains(tokOut, `"device":"`+dev+`"`) {
+		t.Fatalf("volume token of a blank disk: exit %d %s %s", code, tokOut, errs)
+	}
 	req.AllowUnfenced = true
 	res, err := c.StageVolume(ctx, req)
 	if err != nil || res.Device != dev || !res.Formatted || res.Fencing != api.FencingMethod_FENCING_METHOD_NONE {
@@ -148,6 +153,13 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 		t.Fatalf("disks --json lacks the unfenced claim: %s", out2)
 	}
 
+	tokOut, _, code = run(t, "volume", "token", "vol-cli", "--socket", sock)
+	if code != 0 || !strings.Contains(tokOut, "vol-cli on "+dev+": other (") || !strings.Contains(tokOut, "ext") {
+		t.Fatalf("volume token of the staged ext4 volume: exit %d %s", code, tokOut)
+	}
+	if _, errs, code := run(t, "volume", "stats", "--socket", sock); code != 2 || !strings.Contains(errs, "volume id comes first") {
+		t.Fatalf("volume stats without a volume: exit %d %s", code, errs)
+	}
 	st, err := c.GetVolumeStats(ctx, &api.GetVolumeStatsRequest{VolumeId: "vol-cli"})
 	if err != nil || st.TotalBytes <= 0 || st.Abnormal {
 		t.Fatalf("stats: %v %v", st, err)
