@@ -36,7 +36,7 @@ func TestCSISanityBinary(t *testing.T) {
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("csi-sanity: %v", err)
 	}
-	passed, problems, err := sanityreport.Check(report)
+	passed, problems, err := sanityreport.Check(report, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
