@@ -21,6 +21,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
 )
 
 // stack is the three real binaries running together on this host:
@@ -80,10 +83,17 @@ func startStack(t *testing.T) *stack {
 	if err := os.Symlink("/sys/block", filepath.Join(sysfs, "block")); err != nil {
 		t.Fatal(err)
 	}
-	// Loop devices have no SCSI-3 PR and carry no lease: the agent stages
-	// them only with both its opt-ins, and the plugin asks for it.
+	// Loop devices have no SCSI-3 PR: the agent fences them with its
+	// on-disk lease, here with short timings so the suite does not wait on
+	// production ones. The plugin also asks for unfenced staging
+	// (--allow-unfenced), which the agent would only use for a disk that
+	// cannot carry a lease. The agent watches no udev events and marks
+	// claimed disks under the test's directory: other tests' disks on this
+	// machine are none of its business.
 	cfg := filepath.Join(dir, "agent.yaml")
-	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"), 0o644)
+	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"+
+		"  watch_disks: false\n  claimed_dir: "+filepath.Join(dir, "claimed")+"\n"+
+		"  lease:\n    io_timeout: 100ms\n    renew: 200ms\n    fail: 1s\n    watchdog: 0s\n"), 0o644)
 	start("vco-agent", "serve", "--config", cfg, "--socket", s.agentSock, "--sysfs-root", sysfs, "--dbus=false",
 		"--location", "ch-gen-1", "--state-dir", filepath.Join(dir, "agent-state"))
 
@@ -170,8 +180,26 @@ func TestStackOnThisHost(t *testing.T) {
 		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: v.Volume.VolumeContext}); err != nil {
 		t.Fatalf("stage: %v", err)
 	}
-	if out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", "/dev/"+loop).Output(); strings.TrimSpace(string(out)) != "xfs" {
-		t.Fatalf("the staged disk has filesystem %q, want xfs", out)
+	if fs := mountFSType(staging); fs != "xfs" {
+		t.Fatalf("the staging path has filesystem %q mounted, want xfs", fs)
+	}
+	ac, err := client.Dial(s.agentSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ac.Close()
+	disks, err := ac.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fenced := false
+	for _, d := range disks.GetDisks() {
+		if d.GetVolumeId() == volID {
+			fenced = d.GetFencing() == api.FencingMethod_FENCING_METHOD_DISK_LEASE && d.GetState() == api.ClaimState_CLAIM_STATE_HELD
+		}
+	}
+	if !fenced {
+		t.Fatalf("volume %s is not held under the agent's disk lease: %v", volID, disks)
 	}
 	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: volID, StagingTargetPath: staging,
 		TargetPath: target, VolumeCapability: capab}); err != nil {
@@ -222,6 +250,23 @@ func TestStackOnThisHost(t *testing.T) {
 	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: ev.Volume.VolumeId}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// mountFSType is the filesystem type mounted at p, or "".
+func mountFSType(p string) string {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 10 || f[4] != p {
+			continue
+		}
+		for i, x := range f {
+			if x == "-" && i+1 < len(f) {
+				return f[i+1]
+			}
+		}
+	}
+	return ""
 }
 
 // unmountUnder lazily unmounts every mount below dir, deepest first.
