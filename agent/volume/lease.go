@@ -58,8 +58,17 @@ func NewLease(o LeaseOptions) LeaseFactory {
 				onLost(l)
 			}
 		}
+		verify := func(ctx context.Context) error {
+			if f.closed.Load() {
+				return errFencerClosed
+			}
+			if dev.Verify == nil {
+				return nil
+			}
+			return dev.Verify(ctx)
+		}
 		f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Resolver: o.Resolver,
-			Timing: o.Timing, OnLost: lost, Verify: dev.Verify, Logger: o.Log.With("volume", volume)})
+			Timing: o.Timing, OnLost: lost, Verify: verify, Logger: o.Log.With("volume", volume)})
 		if err != nil {
 			ld.Close()
 			return Choice{}, err
@@ -82,12 +91,17 @@ type leaseFencer struct {
 	closed atomic.Bool
 }
 
-// Close closes the device without releasing: the claim stays recorded on
-// the disk for the next agent process to resume (the agent closes its
-// fencers when it stops). The engine's renewals then fail and end at the
-// fail bound without calling back.
+// errFencerClosed stops the engine from touching the disk once closed.
+var errFencerClosed = errors.New("the lease fencer is closed")
+
+// Close stops the renewals and closes the device without releasing: the
+// claim stays recorded on the disk for the next agent process to resume
+// (the agent closes its fencers when it stops). The engine's Release is
+// what stops and waits for its renewer; with the fencer marked closed its
+// verify step fails, so it writes nothing.
 func (f *leaseFencer) Close() error {
 	f.closed.Store(true)
+	_ = f.Engine.Release(context.Background())
 	return f.dev.Close()
 }
 

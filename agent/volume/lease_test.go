@@ -27,7 +27,7 @@ import (
 // refused by the loop device, so the on-disk lease is chosen, with short
 // timing. The lab repeats this across real guests.
 
-var testTiming = lease.Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: time.Second, Watchdog: 0}
+var testTiming = lease.Timing{IOTimeout: 500 * time.Millisecond, Renew: time.Second, Fail: 4 * time.Second, Watchdog: 0}
 
 func leaseFencing(node, name string) *Fencing {
 	key, _ := fence.KeyFromUUID(node)
@@ -117,7 +117,7 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	if c, _ := a.m.Store().Get("vol-l"); c == nil || c.State != StateHeld || c.Abnormal() {
 		t.Fatalf("claim after A's restart: %+v", c)
 	}
-	time.Sleep(3 * testTiming.Fail) // renewals by the new process keep it
+	time.Sleep(testTiming.Fail + testTiming.Renew) // renewals by the new process keep it
 	a.m.CheckAll(ctx)
 	if c, _ := a.m.Store().Get("vol-l"); c.State != StateHeld {
 		t.Fatalf("claim lost after the restart: %+v", c)
@@ -207,5 +207,38 @@ func TestRemovedDiskMarksItsClaimMissing(t *testing.T) {
 	}
 	if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// On a lease disk LUKS2 sits past the lease area: the token is read there,
+// through the stage's data mapping or, unstaged, a read-only mapping made
+// for the read and detached after it.
+func TestTokenOfAnEncryptedVolumeOnALeaseDisk(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	e.crypt = newHostLUKS(t)
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := encReq(e, "vol-lt", img, "staging/lt")
+	req.AllowUnfenced = false
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != MethodLease || !res.Formatted {
+		t.Fatalf("encrypted stage on a lease disk: %+v %v", res, err)
+	}
+	raw, _ := os.ReadFile(img)
+	if !bytes.HasPrefix(raw, []byte("VCOLEASE")) || !bytes.HasPrefix(raw[lease.DataOffset:], []byte("LUKS\xba\xbe")) {
+		t.Fatal("not the lease area and then LUKS2")
+	}
+	if err := e.m.Unstage(ctx, "vol-lt", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	loops := func() string { out, _ := exec.Command("losetup", "-a").Output(); return string(out) }
+	before := strings.Count(loops(), "("+dev+")")
+	tok, err := e.m.VolumeToken(ctx, "vol-lt", req.Locator)
+	if err != nil || tok.Kind != ContentLUKS2 || tok.Token == nil || *tok.Token != wrapped || !strings.HasPrefix(tok.Device, "/dev/loop") {
+		t.Fatalf("token of the unstaged volume: %+v %v", tok, err)
+	}
+	if after := strings.Count(loops(), "("+dev+")"); after != before {
+		t.Fatalf("the read-only mapping was left behind (%d mappings of the disk, were %d)", after, before)
 	}
 }
