@@ -93,7 +93,7 @@ func startStack(t *testing.T) *stack {
 	cfg := filepath.Join(dir, "agent.yaml")
 	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"+
 		"  watch_disks: false\n  claimed_dir: "+filepath.Join(dir, "claimed")+"\n"+
-		"  lease:\n    io_timeout: 100ms\n    renew: 200ms\n    fail: 1s\n    watchdog: 0s\n"), 0o644)
+		"  lease:\n    io_timeout: 1s\n    renew: 2s\n    fail: 10s\n    watchdog: 0s\n"), 0o644)
 	start("vco-agent", "serve", "--config", cfg, "--socket", s.agentSock, "--sysfs-root", sysfs, "--dbus=false",
 		"--location", "ch-gen-1", "--state-dir", filepath.Join(dir, "agent-state"))
 
