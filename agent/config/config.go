@@ -60,6 +60,10 @@ type Volumes struct {
 	// AllowLoopDevices lets a locator name a loop device by its backing
 	// file: for the simulator's host mode and host tests, never on a node.
 	AllowLoopDevices bool `yaml:"allow_loop_devices"`
+	// LeaseLoopDevices fences loop devices (admitted by
+	// allow_loop_devices: single-host simulator and test disks) with the
+	// on-disk lease too; off, they are staged only by the unfenced opt-in.
+	LeaseLoopDevices bool `yaml:"lease_loop_devices"`
 	// Lease is the timing of the on-disk lease that fences disks without
 	// SCSI-3 reservations (package fence/lease documents each bound).
 	Lease LeaseTiming `yaml:"lease"`

@@ -224,8 +224,8 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	m, err := volume.New(volume.Options{
 		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
 		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence"),
-			Lease: volume.NewLease(volume.LeaseOptions{Key: key, Node: ident.SystemUUID, NodeName: ident.NodeName,
-				Timing: cfg.Volumes.Lease.Timing(), Log: log.With("part", "lease")})},
+			Lease: leaseFor(cfg.Volumes, volume.NewLease(volume.LeaseOptions{Key: key, Node: ident.SystemUUID, NodeName: ident.NodeName,
+				Timing: cfg.Volumes.Lease.Timing(), Log: log.With("part", "lease")}))},
 		Crypt: &volume.LUKS{},
 	})
 	if err != nil {
@@ -484,5 +484,20 @@ func watchMatch(loops bool) func(uevent.Event) bool {
 			}
 		}
 		return loops || !strings.HasPrefix(ev.DevName, "loop")
+	}
+}
+
+// leaseFor keeps loop devices (single-host simulator and test disks) off
+// the lease unless the configuration asks for it.
+func leaseFor(cfg config.Volumes, f volume.LeaseFactory) volume.LeaseFactory {
+	if cfg.LeaseLoopDevices {
+		return f
+	}
+	return func(ctx context.Context, dev *volume.Device, vol string, onLost func(*fence.LostError)) (volume.Choice, error) {
+		if strings.HasPrefix(dev.Name, "loop") {
+			return volume.Choice{Method: fence.MethodNone,
+				Reason: "the on-disk lease is off for loop devices (volumes.lease_loop_devices)"}, nil
+		}
+		return f(ctx, dev, vol, onLost)
 	}
 }
