@@ -40,7 +40,7 @@ const stackUUID = "8F2D6A1E-9B3C-4D5E-A6F7-0123456789AB"
 // startStack runs the binaries from $VCO_BIN (make's bin/) or, without
 // it, builds them. Everything it starts is stopped when the test ends, and
 // whatever the test left mounted is unmounted.
-func startStack(t *testing.T) *stack {
+func startStack(t *testing.T, lease bool) *stack {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("the host backend makes loop devices and the agent mounts them, which needs root")
@@ -83,16 +83,17 @@ func startStack(t *testing.T) *stack {
 	if err := os.Symlink("/sys/block", filepath.Join(sysfs, "block")); err != nil {
 		t.Fatal(err)
 	}
-	// Loop devices have no SCSI-3 PR: the agent fences them with its
-	// on-disk lease, here with short timings so the suite does not wait on
-	// production ones. The plugin also asks for unfenced staging
-	// (--allow-unfenced), which the agent would only use for a disk that
-	// cannot carry a lease. The agent watches no udev events and marks
-	// claimed disks under the test's directory: other tests' disks on this
-	// machine are none of its business.
+	// Loop devices have no SCSI-3 PR. With lease, the agent fences them
+	// with its on-disk lease (volumes.lease_loop_devices), with timings
+	// short enough for a test yet with room for a loaded machine; without,
+	// it stages them unfenced by both opt-ins: its volumes.allow_unfenced
+	// and the plugin's --allow-unfenced. The agent watches no udev events
+	// and marks claimed disks under the test's directory: other tests'
+	// disks on this machine are none of its business.
 	cfg := filepath.Join(dir, "agent.yaml")
 	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"+
 		"  watch_disks: false\n  claimed_dir: "+filepath.Join(dir, "claimed")+"\n"+
+		"  lease_loop_devices: "+strconv.FormatBool(lease)+"\n"+
 		"  lease:\n    io_timeout: 1s\n    renew: 2s\n    fail: 10s\n    watchdog: 0s\n"), 0o644)
 	start("vco-agent", "serve", "--config", cfg, "--socket", s.agentSock, "--sysfs-root", sysfs, "--dbus=false",
 		"--location", "ch-gen-1", "--state-dir", filepath.Join(dir, "agent-state"))
@@ -123,12 +124,13 @@ func startStack(t *testing.T) *stack {
 	return s
 }
 
-// TestStackOnThisHost drives a volume's whole life through the binaries:
+// TestStackOnThisHost drives a volume's whole life through the binaries,
+// the loop device fenced by the agent's lease:
 // the node id comes from the agent, the controller finds that node's VM by
 // reference_id, publishing makes a real loop device, and the agent
 // formats, mounts and binds it into the pod's path.
 func TestStackOnThisHost(t *testing.T) {
-	s := startStack(t)
+	s := startStack(t, true)
 	conn, err := grpc.NewClient("unix://"+s.csiSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
