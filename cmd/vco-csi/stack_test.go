@@ -66,10 +66,23 @@ func startStack(t *testing.T, lease bool) *stack {
 	start := func(bin string, args ...string) {
 		cmd := exec.Command(filepath.Join(bins, bin), args...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		// Stopped with the test even when the test binary dies first.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
+		t.Cleanup(func() {
+			cmd.Process.Signal(syscall.SIGTERM)
+			done := make(chan struct{})
+			go func() { cmd.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Errorf("%s did not stop within 10s of SIGTERM; killed", bin)
+				cmd.Process.Kill()
+				<-done
+			}
+		})
 	}
 	s := &stack{kubelet: filepath.Join(dir, "kubelet"), simDir: filepath.Join(dir, "sim"),
 		agentSock: filepath.Join(dir, "agent.sock"), csiSock: filepath.Join(dir, "csi.sock")}
