@@ -41,9 +41,11 @@ unit:
 	$(GO) test -count=1 ./...
 
 # The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
-# backend) and `vco-csi --mode=all`, the agent mounting real loop devices.
+# backend) and `vco-csi --mode=all`, the agent mounting real loop devices;
+# then the in-process suite with every volume encrypted.
 test-csi-sanity: deps build
 	VCO_CSI_SANITY=$(TOOLS)/csi-sanity VCO_BIN=$(BIN) $(GO) test -count=1 -run '^TestCSISanityBinary$$' ./cmd/vco-csi
+	VCO_SANITY_ENCRYPTED=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 
 lint: deps-go
 	$(GO) vet ./...

@@ -19,7 +19,7 @@ func TestCSISanityBinary(t *testing.T) {
 	if bin == "" {
 		t.Skip("runs in `make test-csi-sanity`, which sets VCO_CSI_SANITY to the csi-sanity binary")
 	}
-	s := startStack(t)
+	s := startStack(t, false)
 	report := filepath.Join(t.TempDir(), "sanity.json")
 	// csi-sanity makes the target and staging directories, not their parents.
 	pods, plugins := filepath.Join(s.kubelet, "pods", "sanity"), filepath.Join(s.kubelet, "plugins", "sanity")
@@ -36,7 +36,7 @@ func TestCSISanityBinary(t *testing.T) {
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("csi-sanity: %v", err)
 	}
-	passed, problems, err := sanityreport.Check(report)
+	passed, problems, err := sanityreport.Check(report, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -21,6 +21,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
 )
 
 // stack is the three real binaries running together on this host:
@@ -37,7 +40,7 @@ const stackUUID = "8F2D6A1E-9B3C-4D5E-A6F7-0123456789AB"
 // startStack runs the binaries from $VCO_BIN (make's bin/) or, without
 // it, builds them. Everything it starts is stopped when the test ends, and
 // whatever the test left mounted is unmounted.
-func startStack(t *testing.T) *stack {
+func startStack(t *testing.T, lease bool) *stack {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("the host backend makes loop devices and the agent mounts them, which needs root")
@@ -63,10 +66,23 @@ func startStack(t *testing.T) *stack {
 	start := func(bin string, args ...string) {
 		cmd := exec.Command(filepath.Join(bins, bin), args...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		// Stopped with the test even when the test binary dies first.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
+		t.Cleanup(func() {
+			cmd.Process.Signal(syscall.SIGTERM)
+			done := make(chan struct{})
+			go func() { cmd.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Errorf("%s did not stop within 10s of SIGTERM; killed", bin)
+				cmd.Process.Kill()
+				<-done
+			}
+		})
 	}
 	s := &stack{kubelet: filepath.Join(dir, "kubelet"), simDir: filepath.Join(dir, "sim"),
 		agentSock: filepath.Join(dir, "agent.sock"), csiSock: filepath.Join(dir, "csi.sock")}
@@ -80,10 +96,18 @@ func startStack(t *testing.T) *stack {
 	if err := os.Symlink("/sys/block", filepath.Join(sysfs, "block")); err != nil {
 		t.Fatal(err)
 	}
-	// Loop devices have no SCSI-3 PR and carry no lease: the agent stages
-	// them only with both its opt-ins, and the plugin asks for it.
+	// Loop devices have no SCSI-3 PR. With lease, the agent fences them
+	// with its on-disk lease (volumes.lease_loop_devices), with timings
+	// short enough for a test yet with room for a loaded machine; without,
+	// it stages them unfenced by both opt-ins: its volumes.allow_unfenced
+	// and the plugin's --allow-unfenced. The agent watches no udev events
+	// and marks claimed disks under the test's directory: other tests'
+	// disks on this machine are none of its business.
 	cfg := filepath.Join(dir, "agent.yaml")
-	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"), 0o644)
+	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"+
+		"  watch_disks: false\n  claimed_dir: "+filepath.Join(dir, "claimed")+"\n"+
+		"  lease_loop_devices: "+strconv.FormatBool(lease)+"\n"+
+		"  lease:\n    io_timeout: 1s\n    renew: 2s\n    fail: 10s\n    watchdog: 0s\n"), 0o644)
 	start("vco-agent", "serve", "--config", cfg, "--socket", s.agentSock, "--sysfs-root", sysfs, "--dbus=false",
 		"--location", "ch-gen-1", "--state-dir", filepath.Join(dir, "agent-state"))
 
@@ -113,12 +137,13 @@ func startStack(t *testing.T) *stack {
 	return s
 }
 
-// TestStackOnThisHost drives a volume's whole life through the binaries:
+// TestStackOnThisHost drives a volume's whole life through the binaries,
+// the loop device fenced by the agent's lease:
 // the node id comes from the agent, the controller finds that node's VM by
 // reference_id, publishing makes a real loop device, and the agent
 // formats, mounts and binds it into the pod's path.
 func TestStackOnThisHost(t *testing.T) {
-	s := startStack(t)
+	s := startStack(t, true)
 	conn, err := grpc.NewClient("unix://"+s.csiSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -170,8 +195,26 @@ func TestStackOnThisHost(t *testing.T) {
 		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: v.Volume.VolumeContext}); err != nil {
 		t.Fatalf("stage: %v", err)
 	}
-	if out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", "/dev/"+loop).Output(); strings.TrimSpace(string(out)) != "xfs" {
-		t.Fatalf("the staged disk has filesystem %q, want xfs", out)
+	if fs := mountFSType(staging); fs != "xfs" {
+		t.Fatalf("the staging path has filesystem %q mounted, want xfs", fs)
+	}
+	ac, err := client.Dial(s.agentSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ac.Close()
+	disks, err := ac.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fenced := false
+	for _, d := range disks.GetDisks() {
+		if d.GetVolumeId() == volID {
+			fenced = d.GetFencing() == api.FencingMethod_FENCING_METHOD_DISK_LEASE && d.GetState() == api.ClaimState_CLAIM_STATE_HELD
+		}
+	}
+	if !fenced {
+		t.Fatalf("volume %s is not held under the agent's disk lease: %v", volID, disks)
 	}
 	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: volID, StagingTargetPath: staging,
 		TargetPath: target, VolumeCapability: capab}); err != nil {
@@ -222,6 +265,23 @@ func TestStackOnThisHost(t *testing.T) {
 	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: ev.Volume.VolumeId}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// mountFSType is the filesystem type mounted at p, or "".
+func mountFSType(p string) string {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 10 || f[4] != p {
+			continue
+		}
+		for i, x := range f {
+			if x == "-" && i+1 < len(f) {
+				return f[i+1]
+			}
+		}
+	}
+	return ""
 }
 
 // unmountUnder lazily unmounts every mount below dir, deepest first.

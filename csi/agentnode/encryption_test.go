@@ -2,14 +2,12 @@ package agentnode_test
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -22,63 +20,14 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
-	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
-
-// loopLUKS is the agent's real LUKS2 support (header format, inspection,
-// token, passphrase check) with a FAKE mapping: this host's kernel has no
-// device-mapper, so Open maps the data segment with a plain loop device at
-// the header's data offset, after checking the passphrase against the real
-// header. Real dm-crypt runs in the lab's guests.
-type loopLUKS struct {
-	volume.LUKS
-	t    *testing.T
-	mu   sync.Mutex
-	maps map[string]string
-}
-
-func (l *loopLUKS) Open(_ context.Context, device, name string, pass []byte, _ bool) (string, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	v, err := luks2.Open(device, false)
-	if err != nil {
-		return "", err
-	}
-	defer v.Close()
-	key, _, err := v.Unlock(pass)
-	clear(key)
-	if err != nil {
-		return "", err
-	}
-	out, err := exec.Command("losetup", "--find", "--show", "--offset", fmt.Sprint(v.DataOffset()), device).CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("losetup: %v %s", err, out)
-	}
-	mapped := strings.TrimSpace(string(out))
-	l.t.Cleanup(func() { exec.Command("losetup", "-d", mapped).Run() })
-	l.maps[name] = mapped
-	return mapped, nil
-}
-
-func (l *loopLUKS) Close(_ context.Context, name string) error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if m, ok := l.maps[name]; ok {
-		if out, err := exec.Command("losetup", "-d", m).CombinedOutput(); err != nil {
-			return fmt.Errorf("losetup -d %s: %v %s", m, err, out)
-		}
-		delete(l.maps, name)
-	}
-	return nil
-}
-
-func (l *loopLUKS) Resize(context.Context, string) error { return nil }
 
 // loopDisk makes the simulator host backend's file for disk id in dir and
 // a loop device on it.
@@ -129,9 +78,8 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 
 	key, _ := fence.KeyFromUUID(nodeA)
 	m, err := volume.New(volume.Options{
-		Config: config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowUnfenced: true, AllowLoopDevices: true},
-		// A cheap KDF keeps the test fast; the cost is not what it checks.
-		Crypt:    &loopLUKS{LUKS: volume.LUKS{KDF: luks2.KDFParams{Time: 1, MemoryKiB: 32, Threads: 1}}, t: t, maps: map[string]string{}},
+		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowUnfenced: true, AllowLoopDevices: true},
+		Crypt:    agentnodetest.NewLoopLUKS(t),
 		StateDir: filepath.Join(dir, "state"), SysfsRoot: "/sys", Fencers: &volume.Fencing{Key: key, Node: nodeA},
 	})
 	if err != nil {

@@ -27,7 +27,11 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
@@ -155,12 +159,13 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 	}
 	kubelet := filepath.Join(dir, "kubelet")
 	os.MkdirAll(kubelet, 0o750)
-	var agent driver.NodeAgent = identityAgent{hostUUID, hostLoc}
+	cfg := driver.Config{Agent: identityAgent{hostUUID, hostLoc}}
 	if o.realAgent {
-		agent = startAgent(t, dir, kubelet, o.backend.(*sim.HostBackend).Dir)
+		cfg.Agent = startAgent(t, dir, kubelet, o.backend.(*sim.HostBackend).Dir)
+		cfg.Transit, cfg.TransitKey = fakeTransit(t), crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}
 	}
 	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeAll,
-		Cloud: api, DefaultLocation: hostLoc, Agent: agent, KubeletRoot: kubelet,
+		Cloud: api, DefaultLocation: hostLoc, Agent: cfg.Agent, Transit: cfg.Transit, TransitKey: cfg.TransitKey, KubeletRoot: kubelet,
 		AttachPoll: 5 * time.Millisecond, AttachTimeout: o.attach})
 	if err != nil {
 		t.Fatal(err)
@@ -191,7 +196,9 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 // socket under dir and returns the node plugin's connection to it. Loop
 // devices offer no fencing, so both opt-ins are on: the agent's
 // volumes.allow_unfenced and allow_loop_devices, and the plugin's
-// AllowUnfenced with the simulator's disk directory.
+// AllowUnfenced with the simulator's disk directory. LUKS2 is the agent's
+// own with a FAKE dm-crypt mapping (agentnodetest.LoopLUKS): this host has
+// no device-mapper.
 func startAgent(t testing.TB, dir, kubelet, diskDir string) *agentnode.Agent {
 	t.Helper()
 	// Registered first so it runs last: whatever a failed test left
@@ -204,7 +211,7 @@ func startAgent(t testing.TB, dir, kubelet, diskDir string) *agentnode.Agent {
 	m, err := volume.New(volume.Options{
 		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowUnfenced: true, AllowLoopDevices: true},
 		StateDir: filepath.Join(dir, "agent-state"), SysfsRoot: "/sys",
-		Fencers: &volume.Fencing{Key: key, Node: hostUUID},
+		Fencers: &volume.Fencing{Key: key, Node: hostUUID}, Crypt: agentnodetest.NewLoopLUKS(t),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -243,4 +250,20 @@ func unmountUnder(dir string) {
 			unix.Unmount(p, unix.MNT_DETACH)
 		}
 	}
+}
+
+// fakeTransit serves a FAKE Vault transit engine (no Vault runs here) with
+// the key vco-volumes and returns a client logged in to it.
+func fakeTransit(t testing.TB) *transit.Client {
+	t.Helper()
+	f := transittest.New()
+	f.Rotate("vco-volumes")
+	f.StaticToken("node-token")
+	hs := httptest.NewServer(f)
+	t.Cleanup(hs.Close)
+	c, err := transit.New(transit.Config{Address: hs.URL, Token: "node-token"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

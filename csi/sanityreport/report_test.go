@@ -20,13 +20,14 @@ func TestCheckAcceptsOnlyUnadvertisedSkips(t *testing.T) {
 		spec("capacity", types.SpecStateSkipped, "GetCapacity not supported"),
 		spec("pending upstream", types.SpecStatePending, ""),
 		spec("expand", types.SpecStateSkipped, "skipped by a --ginkgo.skip"),
+		spec("known defect", types.SpecStateSkipped, ""),
 		spec("stats", types.SpecStateFailed, "NOT_FOUND expected"),
 		{LeafNodeType: types.NodeTypeBeforeSuite, State: types.SpecStateFailed},
 	}}}
 	b, _ := json.Marshal(reports)
 	f := filepath.Join(t.TempDir(), "r.json")
 	os.WriteFile(f, b, 0o644)
-	passed, problems, err := Check(f)
+	passed, problems, err := Check(f, map[string]string{"known defect": "a defect elsewhere"})
 	if err != nil {
 		t.Fatal(err)
 	}
