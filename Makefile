@@ -131,8 +131,25 @@ bench: bench-crypt
 bench-crypt: deps build
 	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ | tee $(BIN)/bench-crypt.txt | $(GO) run ./agent/internal/benchtable
 
+# Every fuzz target in the repository, found with `go test -list`, each for
+# FUZZTIME (default 30s); `make test` runs each for FUZZBRIEF through
+# test-fuzz-brief. Checked-in corpora live in each package's testdata/fuzz.
+FUZZBRIEF ?= 3s
+FUZZ_PKGS  = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u)
 fuzz:
-	@echo "fuzz targets are listed per package; see docs/testing.md"
+	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s
+
+.PHONY: test-fuzz-brief fuzz-all
+test: test-fuzz-brief
+test-fuzz-brief:
+	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZBRIEF) FUZZ_MIN=0s
+
+fuzz-all:
+	@n=0; for pkg in $(FUZZ_PKGS); do \
+	  for fn in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+	    echo "== $$pkg $$fn ($(FUZZ_FOR))"; n=$$((n+1)); \
+	    $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZ_FOR) -fuzzminimizetime $(FUZZ_MIN) -parallel 1 $$pkg; \
+	  done; done; echo "fuzz: $$n targets, $(FUZZ_FOR) each"
 
 # Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
 # in `make unit`).
