@@ -199,6 +199,27 @@ type StageResult struct {
 	Formatted bool
 }
 
+// maxVolumeID is CSI's limit on a volume id; it also keeps the claim
+// record's file name (the id in base64) under the kernel's 255 bytes.
+const maxVolumeID = 128
+
+// checkVolumeID refuses an id a claim could not be recorded under, or
+// that would put control characters into log lines and journal fields.
+func checkVolumeID(v string) error {
+	if v == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if len(v) > maxVolumeID {
+		return agenterr.New(agenterr.InvalidArgument, "the volume id is %d bytes long; at most %d are accepted", len(v), maxVolumeID)
+	}
+	for _, r := range v {
+		if r < 0x20 || r == 0x7f {
+			return agenterr.New(agenterr.InvalidArgument, "volume id %q holds a control character", v)
+		}
+	}
+	return nil
+}
+
 func fsTypeOf(r StageRequest) (string, error) {
 	if r.Block {
 		if r.FsType != "" {
@@ -261,8 +282,8 @@ func compatible(c *Claim, r StageRequest, staging, fsType string) error {
 // Stage implements StageVolume.
 func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, err error) {
 	defer m.count("stage", &err)
-	if r.Volume == "" {
-		return res, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	if err := checkVolumeID(r.Volume); err != nil {
+		return res, err
 	}
 	if r.Locator == (Locator{}) {
 		return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
