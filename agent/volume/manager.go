@@ -391,6 +391,17 @@ func (m *Manager) dropLost(c *Claim) error {
 	return m.store.Put(c)
 }
 
+// claimedBy names another volume whose staged claim is on the disk devnum.
+func (m *Manager) claimedBy(devnum, volume string) string {
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != volume && o.DevNum == devnum && o.Phase == PhaseStaged && !o.Missing {
+			return o.Volume
+		}
+	}
+	return ""
+}
+
 func mapperName(volume string) string {
 	var b strings.Builder
 	b.WriteString("vco-")
@@ -456,6 +467,13 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			}
 		}
 	}()
+	// One disk, one volume: a second volume staged from the same disk
+	// would mount it twice, and its unstage would release the fence the
+	// first one still relies on.
+	if other := m.claimedBy(dev.DevNum(), c.Volume); other != "" {
+		return res, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: disk %s is already staged on this node as volume %s; unstage that volume first", c.Volume, dev.Path, other)
+	}
 	m.setLive(c.Volume, nil)
 	c.Device, c.DevNum, c.Serial = dev.Path, dev.DevNum(), dev.Serial
 	if c.Phase == "" {
