@@ -263,6 +263,9 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	if volume == "" {
 		return 0, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
 	}
+	if required < 0 {
+		return 0, agenterr.New(agenterr.InvalidArgument, "volume %s: required size %d is negative", volume, required)
+	}
 	release, err := m.locks.try(volume, "expand")
 	if err != nil {
 		return 0, err
