@@ -241,20 +241,22 @@ func (h *host) scrapeMetrics() string {
 
 // snapshot is what a refused request must leave unchanged.
 type snapshot struct {
-	mounts []string // mount points under the test directory, and how many in all
+	mounts []string // mounts under the test directory or of its loop devices
 	states []string // files under the state directory
-	loops  []string // every loop device with its backing file
-	nMount int
+	loops  []string // the host's loop devices with their backing files
 }
 
 func (h *host) snap() snapshot {
 	h.t.Helper()
 	var s snapshot
-	all := mountPoints()
-	s.nMount = len(all)
-	for _, mp := range all {
-		if strings.HasPrefix(mp, h.dir+"/") {
-			s.mounts = append(s.mounts, mp)
+	s.loops = h.loopDevices()
+	ours := map[string]bool{}
+	for _, l := range s.loops {
+		ours[strings.Fields(l)[0]] = true
+	}
+	for _, m := range mounts() {
+		if strings.HasPrefix(m[0], h.dir+"/") || ours[m[1]] {
+			s.mounts = append(s.mounts, m[0]+" from "+m[1])
 		}
 	}
 	filepath.Walk(h.state, func(p string, fi os.FileInfo, err error) error {
@@ -263,14 +265,37 @@ func (h *host) snap() snapshot {
 		}
 		return nil
 	})
-	s.loops = loopDevices(h.t)
 	return s
+}
+
+// loopDevices lists the loop devices that belong to this host: backed by
+// a file under its directory, or stacked on one that is. Other tests on
+// the machine make loop devices of their own at the same time.
+func (h *host) loopDevices() []string {
+	all := loopDevices(h.t)
+	ours := map[string]bool{}
+	for changed := true; changed; {
+		changed = false
+		for _, l := range all {
+			f := strings.SplitN(l, " ", 2)
+			if len(f) == 2 && !ours[f[0]] && (strings.HasPrefix(f[1], h.dir+"/") || ours[f[1]]) {
+				ours[f[0]], changed = true, true
+			}
+		}
+	}
+	var out []string
+	for _, l := range all {
+		if ours[strings.Fields(l)[0]] {
+			out = append(out, l)
+		}
+	}
+	return out
 }
 
 func (a snapshot) diff(b snapshot) string {
 	var d []string
-	if a.nMount != b.nMount || strings.Join(a.mounts, "\n") != strings.Join(b.mounts, "\n") {
-		d = append(d, fmt.Sprintf("mounts %d %v -> %d %v", a.nMount, a.mounts, b.nMount, b.mounts))
+	if strings.Join(a.mounts, "\n") != strings.Join(b.mounts, "\n") {
+		d = append(d, fmt.Sprintf("mounts %v -> %v", a.mounts, b.mounts))
 	}
 	if strings.Join(a.states, "\n") != strings.Join(b.states, "\n") {
 		d = append(d, fmt.Sprintf("state files %v -> %v", a.states, b.states))
@@ -281,20 +306,33 @@ func (a snapshot) diff(b snapshot) string {
 	return strings.Join(d, "; ")
 }
 
-func mountPoints() []string {
+// mounts lists every mount as mount point and source.
+func mounts() [][2]string {
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
 		return nil
 	}
 	defer f.Close()
-	var out []string
+	var out [][2]string
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		if fs := strings.Fields(sc.Text()); len(fs) > 4 {
-			out = append(out, fs[4])
+		fs := strings.Fields(sc.Text())
+		for i := 6; i < len(fs)-2; i++ {
+			if fs[i] == "-" {
+				out = append(out, [2]string{fs[4], fs[i+2]})
+				break
+			}
 		}
 	}
-	sort.Strings(out)
+	sort.Slice(out, func(i, j int) bool { return out[i][0] < out[j][0] })
+	return out
+}
+
+func mountPoints() []string {
+	var out []string
+	for _, m := range mounts() {
+		out = append(out, m[0])
+	}
 	return out
 }
 
