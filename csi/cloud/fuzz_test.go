@@ -44,6 +44,10 @@ func FuzzDecodeAnswers(f *testing.F) {
 	}{
 		{200, `[{"id":1,"name":"pvc-1","location":"ch-lug-1","size":10,"type":"D","status":"CREATED"}]`},
 		{200, `{"disk_id":7}`},
+		{200, ``},
+		{200, `{"disk_id":0}`},
+		{200, `"snap-1"`},
+		{200, `{"result":[{"original_disk_id":7,"new_disk_id":0}]}`},
 		{200, `[{"vm_id":3,"name":"w1","reference_id":"4c4c4544-0042-3610-8052-b4c04f4e3332","disks":[{"disk_id":7,"pci_bus":0,"pci_slot":7}]}]`},
 		{200, `[{"title":"vco-csi/holder","content":"3"}]`},
 		{200, `{"id":1,"size":1e400}`},
@@ -77,7 +81,20 @@ func FuzzDecodeAnswers(f *testing.F) {
 		var errs []error
 		_, err = c.ListLocations(ctx)
 		errs = append(errs, err)
-		_, err = c.CreateDisk(ctx, "ch-lug-1", cloud.DiskSpec{Name: "pvc-1", SizeGiB: 1})
+		id, err := c.CreateDisk(ctx, "ch-lug-1", cloud.DiskSpec{Name: "pvc-1", SizeGiB: 1})
+		if err == nil && id <= 0 {
+			t.Fatalf("create disk answered %d %q: id %d without an error", status, body, id)
+		}
+		errs = append(errs, err)
+		sid, err := c.CreateSnapshot(ctx, "ch-lug-1", 7, "snap-1")
+		if err == nil && sid == "" {
+			t.Fatalf("snapshot answered %d %q: no id and no error", status, body)
+		}
+		errs = append(errs, err)
+		cid, err := c.CloneSnapshot(ctx, "ch-lug-1", 7, "s", "pvc-2", "")
+		if err == nil && cid <= 0 {
+			t.Fatalf("clone answered %d %q: id %d without an error", status, body, cid)
+		}
 		errs = append(errs, err)
 		_, err = c.FindDiskByName(ctx, "ch-lug-1", "pvc-1")
 		errs = append(errs, err)
