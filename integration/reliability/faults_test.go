@@ -46,6 +46,9 @@ type faultProxy struct {
 	burstOn  string
 	burstCo  int
 	retryAft string
+	// echoAuth puts the request's Authorization header into a burst's
+	// answer, as a misconfigured proxy might.
+	echoAuth bool
 	// slowOn requests are held for slowFor, then served by the simulator
 	// after the client has given up.
 	slowOn  string
@@ -66,7 +69,7 @@ func (f *faultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.mu.Lock()
 	if f.burst > 0 && match(f.burstOn, r) {
 		f.burst--
-		code, ra := f.burstCo, f.retryAft
+		code, ra, echo := f.burstCo, f.retryAft, f.echoAuth
 		f.injected[fmt.Sprintf("HTTP %d", code)]++
 		f.mu.Unlock()
 		if ra != "" {
@@ -74,7 +77,11 @@ func (f *faultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(code)
-		fmt.Fprintf(w, `{"message":"injected %d"}`, code)
+		if echo {
+			fmt.Fprintf(w, `{"message":"injected %d for %s"}`, code, r.Header.Get("Authorization"))
+		} else {
+			fmt.Fprintf(w, `{"message":"injected %d"}`, code)
+		}
 		return
 	}
 	if f.slowOn != "" && match(f.slowOn, r) {
