@@ -130,11 +130,16 @@ type csiEnv struct {
 	sim   *sim.Server
 	proxy *faultProxy
 	ctrl  csi.ControllerClient
+	node  csi.NodeClient
 	logs  *bytes.Buffer
 	logMu *sync.Mutex
 }
 
-func newCSIEnv(t *testing.T) *csiEnv {
+func newCSIEnv(t *testing.T) *csiEnv { return newCSIEnvWith(t, nil, "") }
+
+// newCSIEnvWith serves the plugin in all modes when agent is set, its
+// node service confined to kubelet.
+func newCSIEnvWith(t *testing.T, agent driver.NodeAgent, kubelet string) *csiEnv {
 	t.Helper()
 	dir := t.TempDir()
 	seed := sim.DefaultSeed()
@@ -153,8 +158,13 @@ func newCSIEnv(t *testing.T) *csiEnv {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeController,
-		Cloud: api, DefaultLocation: hostLoc, AttachPoll: 5 * time.Millisecond, AttachTimeout: 3 * time.Second})
+	mode := driver.ModeController
+	if agent != nil {
+		mode = driver.ModeAll
+	}
+	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: mode,
+		Cloud: api, DefaultLocation: hostLoc, AttachPoll: 5 * time.Millisecond, AttachTimeout: 3 * time.Second,
+		Agent: agent, KubeletRoot: kubelet})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -173,6 +183,7 @@ func newCSIEnv(t *testing.T) *csiEnv {
 	}
 	t.Cleanup(func() { conn.Close() })
 	e.ctrl = csi.NewControllerClient(conn)
+	e.node = csi.NewNodeClient(conn)
 	return e
 }
 
