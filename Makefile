@@ -144,6 +144,19 @@ test: test-fuzz-brief
 test-fuzz-brief:
 	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZBRIEF) FUZZ_MIN=0s
 
+# The long run: every fuzz target for FUZZTIME, the crash loop for
+# SOAK_ROUNDS rounds and the other reliability tests, then the figures
+# written to docs/reliability.md (integration/reliability). Root; about
+# FUZZTIME x the number of targets plus a few minutes.
+SOAK_ROUNDS ?= 200
+.PHONY: soak
+soak: deps-apt
+	@mkdir -p $(BIN)
+	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
+	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
+	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)'
+	@echo "soak: figures written to docs/reliability.md"
+
 fuzz-all:
 	@n=0; for pkg in $(FUZZ_PKGS); do \
 	  for fn in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
