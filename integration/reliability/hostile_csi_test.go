@@ -247,6 +247,12 @@ func TestHostileCSIRequests(t *testing.T) {
 			return err
 		}, invNF},
 	)
+	var known []string
+	for name, bug := range knownBugs {
+		known = append(known, "- "+name+": "+bug)
+	}
+	sort.Strings(known)
+	figures.note("Known gaps (cases skipped until fixed)", strings.Join(known, "\n"))
 	mountsBefore := strings.Join(mountPoints(), "\n")
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
