@@ -163,6 +163,10 @@ func (h *host) log() string {
 func (h *host) start() {
 	h.t.Helper()
 	cmd := exec.Command(agentBin, "serve", "--config", h.cfg, "--socket", h.sock, "--sysfs-root", h.sysfs, "--dbus=false")
+	// Its own process group, so that a kill takes the helpers it runs
+	// (mount, mkfs, fsck) with it, as systemd's stop of the unit's cgroup
+	// does when the daemon dies.
+	cmd.SysProcAttr = &unix.SysProcAttr{Setpgid: true}
 	cmd.Stdout = lockedWriter{&h.mu, &h.logs}
 	cmd.Stderr = lockedWriter{&h.mu, &h.logs}
 	if err := cmd.Start(); err != nil {
@@ -200,9 +204,15 @@ func (h *host) kill() {
 	if h.cmd == nil {
 		return
 	}
-	h.cmd.Process.Signal(unix.SIGKILL)
+	killGroup(h.cmd)
 	<-h.done
 	h.closeClient()
+}
+
+// killGroup SIGKILLs the agent and every helper it started.
+func killGroup(cmd *exec.Cmd) {
+	unix.Kill(-cmd.Process.Pid, unix.SIGKILL)
+	cmd.Process.Signal(unix.SIGKILL)
 }
 
 // stop ends the agent the way systemd does.
@@ -214,7 +224,7 @@ func (h *host) stop() {
 	select {
 	case <-h.done:
 	case <-time.After(15 * time.Second):
-		h.cmd.Process.Signal(unix.SIGKILL)
+		killGroup(h.cmd)
 		<-h.done
 	}
 	h.closeClient()
