@@ -22,8 +22,9 @@ DEBS := protobuf-compiler dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
 STATICCHECK_VERSION     := v0.8.2
 PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
+CSI_SANITY_VERSION      := v5.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab lab deps deps-apt deps-go deps-lab test-lab proto clean fuzz fuzz-fence \
+.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab test-csi-sanity lab deps deps-apt deps-go deps-lab test-lab test-e2e proto clean fuzz fuzz-fence \
         image csi-yaml csi-addon test-deploy
 .PHONY: packages test-packages fuzz-smbios
 
@@ -34,10 +35,17 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-deploy test-lab test-packages
+test: deps lint build unit test-csi-sanity test-deploy test-lab test-e2e test-packages
 
 unit:
 	$(GO) test -count=1 ./...
+
+# The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
+# backend) and `vco-csi --mode=all`, the agent mounting real loop devices;
+# then the in-process suite with every volume encrypted.
+test-csi-sanity: deps build
+	VCO_CSI_SANITY=$(TOOLS)/csi-sanity VCO_BIN=$(BIN) $(GO) test -count=1 -run '^TestCSISanityBinary$$' ./cmd/vco-csi
+	VCO_SANITY_ENCRYPTED=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 
 lint: deps-go
 	$(GO) vet ./...
@@ -46,17 +54,29 @@ lint: deps-go
 # The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
 # 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
 LAB_TIMEOUT ?= 60m
+E2E_PKGS := ./integration/simlab ./integration/e2e
 test-lab: deps build
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) ./integration/...
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) \
+	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e)
+
+# The end-to-end tier (guest tier too): the simulator in lab mode and the
+# RWO story on two guests running vco-agent and the vco-csi node plugin.
+test-e2e: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) $(E2E_PKGS)
 
 # Benchmarks print one table of figures against named references; they
-# are never asserted. Each part adds a bench-* target as a prerequisite.
+# are never asserted. Each part adds a bench-* target as a prerequisite and
+# keeps its raw output in $(BIN)/bench-<part>.txt; the last step prints them
+# all as one table (cmd/vco-bench; docs/benchmarks.md).
+BENCH_PARTS := agent csi lab fence crypt
 bench: bench-agent bench-csi bench-lab
+	@echo; echo "== make bench: all parts, $$(date -u +%Y-%m-%d), $$(nproc) cores"
+	@$(GO) run ./cmd/vco-bench $(foreach p,$(BENCH_PARTS),$(BIN)/bench-$(p).txt)
 
 # Guest boot and lab set-up against a guest booting alone; reservation
 # latency of the engine against sg_persist, in a guest.
 bench-lab: deps build
-	$(BIN)/vco-lab bench
+	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
 
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
@@ -64,9 +84,11 @@ bench-agent: deps build
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./agent/volume/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
 
 # 100 concurrent CreateVolume+ControllerPublish against the simulator,
-# reported as a ratio to the bare API calls for the same work.
+# reported as a ratio to the bare API calls for the same work; a node
+# stage+unstage cycle on a loop device against plain mount+umount of it.
 bench-csi: deps
-	$(GO) test -count=1 -run '^$$' -bench CreatePublish100 -benchtime 5x ./csi/driver
+	@mkdir -p $(BIN)
+	$(GO) test -count=1 -run '^$$$$' -bench 'CreatePublish100|NodeStageUnstage' -benchtime 5x ./csi/driver | tee $(BIN)/bench-csi.txt
 
 # Lease takeover against its bound, a check of 64 claims against raw
 # reads, refusal latency from the kernel's uevent against the 1 s budget
@@ -109,8 +131,11 @@ csi-addon:
 test-deploy: deps
 	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/...
 
+# The RWO story on the simulator in lab mode and two guests; the text
+# report goes to the terminal and bin/lab-report.txt, the timeline to
+# bin/lab-report.html. Exits non-zero unless every safety property held.
 lab: deps build
-	$(BIN)/vco-lab run
+	$(BIN)/vco-lab run -report $(BIN)
 
 # dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
@@ -238,6 +263,7 @@ deps-go:
 	@test -x $(TOOLS)/staticcheck || GOBIN=$(TOOLS) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	@test -x $(TOOLS)/protoc-gen-go || GOBIN=$(TOOLS) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
 	@test -x $(TOOLS)/protoc-gen-go-grpc || GOBIN=$(TOOLS) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GRPC_VERSION)
+	@test -x $(TOOLS)/csi-sanity || GOBIN=$(TOOLS) $(GO) install github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$(CSI_SANITY_VERSION)
 
 # Node-image packages: dist/vco-agent_<version>_<arch>.deb and
 # dist/vco-agent-<version>.<arch>.rpm for each of PKG_ARCHES.

@@ -35,6 +35,62 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+type VolumeContent int32
+
+const (
+	VolumeContent_VOLUME_CONTENT_UNSPECIFIED VolumeContent = 0
+	// No signature at all: a stage with format_if_blank formats it.
+	VolumeContent_VOLUME_CONTENT_BLANK VolumeContent = 1
+	// A valid LUKS2 header.
+	VolumeContent_VOLUME_CONTENT_LUKS2 VolumeContent = 2
+	// Anything else (a filesystem, a partition table, unrecognised data):
+	// never formatted; detail names it.
+	VolumeContent_VOLUME_CONTENT_OTHER VolumeContent = 3
+)
+
+// Enum value maps for VolumeContent.
+var (
+	VolumeContent_name = map[int32]string{
+		0: "VOLUME_CONTENT_UNSPECIFIED",
+		1: "VOLUME_CONTENT_BLANK",
+		2: "VOLUME_CONTENT_LUKS2",
+		3: "VOLUME_CONTENT_OTHER",
+	}
+	VolumeContent_value = map[string]int32{
+		"VOLUME_CONTENT_UNSPECIFIED": 0,
+		"VOLUME_CONTENT_BLANK":       1,
+		"VOLUME_CONTENT_LUKS2":       2,
+		"VOLUME_CONTENT_OTHER":       3,
+	}
+)
+
+func (x VolumeContent) Enum() *VolumeContent {
+	p := new(VolumeContent)
+	*p = x
+	return p
+}
+
+func (x VolumeContent) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (VolumeContent) Descriptor() protoreflect.EnumDescriptor {
+	return file_agent_proto_enumTypes[0].Descriptor()
+}
+
+func (VolumeContent) Type() protoreflect.EnumType {
+	return &file_agent_proto_enumTypes[0]
+}
+
+func (x VolumeContent) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use VolumeContent.Descriptor instead.
+func (VolumeContent) EnumDescriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{0}
+}
+
 type ClaimState int32
 
 const (
@@ -49,6 +105,9 @@ const (
 	ClaimState_CLAIM_STATE_LOST ClaimState = 4
 	// The device of a recorded claim is no longer present.
 	ClaimState_CLAIM_STATE_GONE ClaimState = 5
+	// Unclaimed here and held by another node; read-only on this host (the
+	// agent refused it when it appeared).
+	ClaimState_CLAIM_STATE_REFUSED ClaimState = 6
 )
 
 // Enum value maps for ClaimState.
@@ -60,6 +119,7 @@ var (
 		3: "CLAIM_STATE_UNFENCED",
 		4: "CLAIM_STATE_LOST",
 		5: "CLAIM_STATE_GONE",
+		6: "CLAIM_STATE_REFUSED",
 	}
 	ClaimState_value = map[string]int32{
 		"CLAIM_STATE_UNSPECIFIED": 0,
@@ -68,6 +128,7 @@ var (
 		"CLAIM_STATE_UNFENCED":    3,
 		"CLAIM_STATE_LOST":        4,
 		"CLAIM_STATE_GONE":        5,
+		"CLAIM_STATE_REFUSED":     6,
 	}
 )
 
@@ -82,11 +143,11 @@ func (x ClaimState) String() string {
 }
 
 func (ClaimState) Descriptor() protoreflect.EnumDescriptor {
-	return file_agent_proto_enumTypes[0].Descriptor()
+	return file_agent_proto_enumTypes[1].Descriptor()
 }
 
 func (ClaimState) Type() protoreflect.EnumType {
-	return &file_agent_proto_enumTypes[0]
+	return &file_agent_proto_enumTypes[1]
 }
 
 func (x ClaimState) Number() protoreflect.EnumNumber {
@@ -95,7 +156,7 @@ func (x ClaimState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use ClaimState.Descriptor instead.
 func (ClaimState) EnumDescriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{0}
+	return file_agent_proto_rawDescGZIP(), []int{1}
 }
 
 type FencingMethod int32
@@ -137,11 +198,11 @@ func (x FencingMethod) String() string {
 }
 
 func (FencingMethod) Descriptor() protoreflect.EnumDescriptor {
-	return file_agent_proto_enumTypes[1].Descriptor()
+	return file_agent_proto_enumTypes[2].Descriptor()
 }
 
 func (FencingMethod) Type() protoreflect.EnumType {
-	return &file_agent_proto_enumTypes[1]
+	return &file_agent_proto_enumTypes[2]
 }
 
 func (x FencingMethod) Number() protoreflect.EnumNumber {
@@ -150,7 +211,7 @@ func (x FencingMethod) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FencingMethod.Descriptor instead.
 func (FencingMethod) EnumDescriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{1}
+	return file_agent_proto_rawDescGZIP(), []int{2}
 }
 
 type EventType int32
@@ -201,11 +262,11 @@ func (x EventType) String() string {
 }
 
 func (EventType) Descriptor() protoreflect.EnumDescriptor {
-	return file_agent_proto_enumTypes[2].Descriptor()
+	return file_agent_proto_enumTypes[3].Descriptor()
 }
 
 func (EventType) Type() protoreflect.EnumType {
-	return &file_agent_proto_enumTypes[2]
+	return &file_agent_proto_enumTypes[3]
 }
 
 func (x EventType) Number() protoreflect.EnumNumber {
@@ -214,7 +275,7 @@ func (x EventType) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use EventType.Descriptor instead.
 func (EventType) EnumDescriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{2}
+	return file_agent_proto_rawDescGZIP(), []int{3}
 }
 
 // DeviceLocator says how to find a volume's disk on this node; every field
@@ -383,19 +444,99 @@ func (x *TakeoverGrant) GetSupersedes() []string {
 	return nil
 }
 
+// TransitToken is the wrapped form of a volume's passphrase, as the LUKS2
+// header keeps it in a token of type vco-transit.
+type TransitToken struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// mount is the transit engine's mount path (empty means "transit").
+	Mount string `protobuf:"bytes,1,opt,name=mount,proto3" json:"mount,omitempty"`
+	// key_name is the transit key that wrapped the passphrase.
+	KeyName string `protobuf:"bytes,2,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
+	// key_version is the version of that key the ciphertext was made with.
+	KeyVersion uint32 `protobuf:"varint,3,opt,name=key_version,json=keyVersion,proto3" json:"key_version,omitempty"`
+	// ciphertext is the transit ciphertext, "vault:v<key_version>:...".
+	Ciphertext    string `protobuf:"bytes,4,opt,name=ciphertext,proto3" json:"ciphertext,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TransitToken) Reset() {
+	*x = TransitToken{}
+	mi := &file_agent_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TransitToken) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TransitToken) ProtoMessage() {}
+
+func (x *TransitToken) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TransitToken.ProtoReflect.Descriptor instead.
+func (*TransitToken) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *TransitToken) GetMount() string {
+	if x != nil {
+		return x.Mount
+	}
+	return ""
+}
+
+func (x *TransitToken) GetKeyName() string {
+	if x != nil {
+		return x.KeyName
+	}
+	return ""
+}
+
+func (x *TransitToken) GetKeyVersion() uint32 {
+	if x != nil {
+		return x.KeyVersion
+	}
+	return 0
+}
+
+func (x *TransitToken) GetCiphertext() string {
+	if x != nil {
+		return x.Ciphertext
+	}
+	return ""
+}
+
 type Encryption struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// passphrase unlocks the LUKS2 volume. The agent never logs or stores it.
 	Passphrase []byte `protobuf:"bytes,1,opt,name=passphrase,proto3" json:"passphrase,omitempty"`
-	// format_if_blank makes a LUKS2 header on a device with no signature.
+	// format_if_blank makes a LUKS2 header (aes-xts-plain64, argon2id) on a
+	// device with no signature at all; never over data.
 	FormatIfBlank bool `protobuf:"varint,2,opt,name=format_if_blank,json=formatIfBlank,proto3" json:"format_if_blank,omitempty"`
+	// transit_token is passphrase wrapped by the transit engine; required
+	// with format_if_blank, and written into the new header so that the
+	// passphrase can be unwrapped again (GetVolumeToken). Ignored when the
+	// volume already has a header.
+	TransitToken  *TransitToken `protobuf:"bytes,3,opt,name=transit_token,json=transitToken,proto3" json:"transit_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Encryption) Reset() {
 	*x = Encryption{}
-	mi := &file_agent_proto_msgTypes[2]
+	mi := &file_agent_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -407,7 +548,7 @@ func (x *Encryption) String() string {
 func (*Encryption) ProtoMessage() {}
 
 func (x *Encryption) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[2]
+	mi := &file_agent_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -420,7 +561,7 @@ func (x *Encryption) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Encryption.ProtoReflect.Descriptor instead.
 func (*Encryption) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{2}
+	return file_agent_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Encryption) GetPassphrase() []byte {
@@ -435,6 +576,13 @@ func (x *Encryption) GetFormatIfBlank() bool {
 		return x.FormatIfBlank
 	}
 	return false
+}
+
+func (x *Encryption) GetTransitToken() *TransitToken {
+	if x != nil {
+		return x.TransitToken
+	}
+	return nil
 }
 
 type StageVolumeRequest struct {
@@ -460,7 +608,7 @@ type StageVolumeRequest struct {
 
 func (x *StageVolumeRequest) Reset() {
 	*x = StageVolumeRequest{}
-	mi := &file_agent_proto_msgTypes[3]
+	mi := &file_agent_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -472,7 +620,7 @@ func (x *StageVolumeRequest) String() string {
 func (*StageVolumeRequest) ProtoMessage() {}
 
 func (x *StageVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[3]
+	mi := &file_agent_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -485,7 +633,7 @@ func (x *StageVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageVolumeRequest.ProtoReflect.Descriptor instead.
 func (*StageVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{3}
+	return file_agent_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *StageVolumeRequest) GetVolumeId() string {
@@ -572,7 +720,7 @@ type StageVolumeResponse struct {
 
 func (x *StageVolumeResponse) Reset() {
 	*x = StageVolumeResponse{}
-	mi := &file_agent_proto_msgTypes[4]
+	mi := &file_agent_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -584,7 +732,7 @@ func (x *StageVolumeResponse) String() string {
 func (*StageVolumeResponse) ProtoMessage() {}
 
 func (x *StageVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[4]
+	mi := &file_agent_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -597,7 +745,7 @@ func (x *StageVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StageVolumeResponse.ProtoReflect.Descriptor instead.
 func (*StageVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{4}
+	return file_agent_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *StageVolumeResponse) GetDevice() string {
@@ -631,7 +779,7 @@ type UnstageVolumeRequest struct {
 
 func (x *UnstageVolumeRequest) Reset() {
 	*x = UnstageVolumeRequest{}
-	mi := &file_agent_proto_msgTypes[5]
+	mi := &file_agent_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -643,7 +791,7 @@ func (x *UnstageVolumeRequest) String() string {
 func (*UnstageVolumeRequest) ProtoMessage() {}
 
 func (x *UnstageVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[5]
+	mi := &file_agent_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -656,7 +804,7 @@ func (x *UnstageVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnstageVolumeRequest.ProtoReflect.Descriptor instead.
 func (*UnstageVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{5}
+	return file_agent_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *UnstageVolumeRequest) GetVolumeId() string {
@@ -681,7 +829,7 @@ type UnstageVolumeResponse struct {
 
 func (x *UnstageVolumeResponse) Reset() {
 	*x = UnstageVolumeResponse{}
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -693,7 +841,7 @@ func (x *UnstageVolumeResponse) String() string {
 func (*UnstageVolumeResponse) ProtoMessage() {}
 
 func (x *UnstageVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[6]
+	mi := &file_agent_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -706,7 +854,7 @@ func (x *UnstageVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnstageVolumeResponse.ProtoReflect.Descriptor instead.
 func (*UnstageVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{6}
+	return file_agent_proto_rawDescGZIP(), []int{7}
 }
 
 type PublishVolumeRequest struct {
@@ -723,7 +871,7 @@ type PublishVolumeRequest struct {
 
 func (x *PublishVolumeRequest) Reset() {
 	*x = PublishVolumeRequest{}
-	mi := &file_agent_proto_msgTypes[7]
+	mi := &file_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -735,7 +883,7 @@ func (x *PublishVolumeRequest) String() string {
 func (*PublishVolumeRequest) ProtoMessage() {}
 
 func (x *PublishVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[7]
+	mi := &file_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -748,7 +896,7 @@ func (x *PublishVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishVolumeRequest.ProtoReflect.Descriptor instead.
 func (*PublishVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{7}
+	return file_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *PublishVolumeRequest) GetVolumeId() string {
@@ -801,7 +949,7 @@ type PublishVolumeResponse struct {
 
 func (x *PublishVolumeResponse) Reset() {
 	*x = PublishVolumeResponse{}
-	mi := &file_agent_proto_msgTypes[8]
+	mi := &file_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -813,7 +961,7 @@ func (x *PublishVolumeResponse) String() string {
 func (*PublishVolumeResponse) ProtoMessage() {}
 
 func (x *PublishVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[8]
+	mi := &file_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -826,7 +974,7 @@ func (x *PublishVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishVolumeResponse.ProtoReflect.Descriptor instead.
 func (*PublishVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{8}
+	return file_agent_proto_rawDescGZIP(), []int{9}
 }
 
 type UnpublishVolumeRequest struct {
@@ -839,7 +987,7 @@ type UnpublishVolumeRequest struct {
 
 func (x *UnpublishVolumeRequest) Reset() {
 	*x = UnpublishVolumeRequest{}
-	mi := &file_agent_proto_msgTypes[9]
+	mi := &file_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -851,7 +999,7 @@ func (x *UnpublishVolumeRequest) String() string {
 func (*UnpublishVolumeRequest) ProtoMessage() {}
 
 func (x *UnpublishVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[9]
+	mi := &file_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -864,7 +1012,7 @@ func (x *UnpublishVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnpublishVolumeRequest.ProtoReflect.Descriptor instead.
 func (*UnpublishVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{9}
+	return file_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *UnpublishVolumeRequest) GetVolumeId() string {
@@ -889,7 +1037,7 @@ type UnpublishVolumeResponse struct {
 
 func (x *UnpublishVolumeResponse) Reset() {
 	*x = UnpublishVolumeResponse{}
-	mi := &file_agent_proto_msgTypes[10]
+	mi := &file_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -901,7 +1049,7 @@ func (x *UnpublishVolumeResponse) String() string {
 func (*UnpublishVolumeResponse) ProtoMessage() {}
 
 func (x *UnpublishVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[10]
+	mi := &file_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -914,7 +1062,7 @@ func (x *UnpublishVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UnpublishVolumeResponse.ProtoReflect.Descriptor instead.
 func (*UnpublishVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{10}
+	return file_agent_proto_rawDescGZIP(), []int{11}
 }
 
 type ExpandVolumeRequest struct {
@@ -931,7 +1079,7 @@ type ExpandVolumeRequest struct {
 
 func (x *ExpandVolumeRequest) Reset() {
 	*x = ExpandVolumeRequest{}
-	mi := &file_agent_proto_msgTypes[11]
+	mi := &file_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -943,7 +1091,7 @@ func (x *ExpandVolumeRequest) String() string {
 func (*ExpandVolumeRequest) ProtoMessage() {}
 
 func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[11]
+	mi := &file_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -956,7 +1104,7 @@ func (x *ExpandVolumeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeRequest.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{11}
+	return file_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ExpandVolumeRequest) GetVolumeId() string {
@@ -989,7 +1137,7 @@ type ExpandVolumeResponse struct {
 
 func (x *ExpandVolumeResponse) Reset() {
 	*x = ExpandVolumeResponse{}
-	mi := &file_agent_proto_msgTypes[12]
+	mi := &file_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1001,7 +1149,7 @@ func (x *ExpandVolumeResponse) String() string {
 func (*ExpandVolumeResponse) ProtoMessage() {}
 
 func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[12]
+	mi := &file_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1014,7 +1162,7 @@ func (x *ExpandVolumeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExpandVolumeResponse.ProtoReflect.Descriptor instead.
 func (*ExpandVolumeResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{12}
+	return file_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ExpandVolumeResponse) GetCapacityBytes() int64 {
@@ -1036,7 +1184,7 @@ type GetVolumeStatsRequest struct {
 
 func (x *GetVolumeStatsRequest) Reset() {
 	*x = GetVolumeStatsRequest{}
-	mi := &file_agent_proto_msgTypes[13]
+	mi := &file_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1048,7 +1196,7 @@ func (x *GetVolumeStatsRequest) String() string {
 func (*GetVolumeStatsRequest) ProtoMessage() {}
 
 func (x *GetVolumeStatsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[13]
+	mi := &file_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1061,7 +1209,7 @@ func (x *GetVolumeStatsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeStatsRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeStatsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{13}
+	return file_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *GetVolumeStatsRequest) GetVolumeId() string {
@@ -1097,7 +1245,7 @@ type VolumeStats struct {
 
 func (x *VolumeStats) Reset() {
 	*x = VolumeStats{}
-	mi := &file_agent_proto_msgTypes[14]
+	mi := &file_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1109,7 +1257,7 @@ func (x *VolumeStats) String() string {
 func (*VolumeStats) ProtoMessage() {}
 
 func (x *VolumeStats) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[14]
+	mi := &file_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1122,7 +1270,7 @@ func (x *VolumeStats) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeStats.ProtoReflect.Descriptor instead.
 func (*VolumeStats) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{14}
+	return file_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *VolumeStats) GetTotalBytes() int64 {
@@ -1188,6 +1336,140 @@ func (x *VolumeStats) GetMessage() string {
 	return ""
 }
 
+type GetVolumeTokenRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	Device        *DeviceLocator         `protobuf:"bytes,2,opt,name=device,proto3" json:"device,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetVolumeTokenRequest) Reset() {
+	*x = GetVolumeTokenRequest{}
+	mi := &file_agent_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetVolumeTokenRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetVolumeTokenRequest) ProtoMessage() {}
+
+func (x *GetVolumeTokenRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetVolumeTokenRequest.ProtoReflect.Descriptor instead.
+func (*GetVolumeTokenRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *GetVolumeTokenRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *GetVolumeTokenRequest) GetDevice() *DeviceLocator {
+	if x != nil {
+		return x.Device
+	}
+	return nil
+}
+
+type VolumeToken struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Content VolumeContent          `protobuf:"varint,1,opt,name=content,proto3,enum=vco.agent.v1.VolumeContent" json:"content,omitempty"`
+	// luks_uuid is the LUKS2 header's UUID.
+	LuksUuid string `protobuf:"bytes,2,opt,name=luks_uuid,json=luksUuid,proto3" json:"luks_uuid,omitempty"`
+	// transit_token is the header's vco-transit token; unset when it has
+	// none (a volume formatted outside the project).
+	TransitToken *TransitToken `protobuf:"bytes,3,opt,name=transit_token,json=transitToken,proto3" json:"transit_token,omitempty"`
+	// detail names what the device holds when it is neither blank nor
+	// LUKS2, or why the header was refused.
+	Detail string `protobuf:"bytes,4,opt,name=detail,proto3" json:"detail,omitempty"`
+	// device is the block device read (the data mapping of a lease disk).
+	Device        string `protobuf:"bytes,5,opt,name=device,proto3" json:"device,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VolumeToken) Reset() {
+	*x = VolumeToken{}
+	mi := &file_agent_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VolumeToken) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VolumeToken) ProtoMessage() {}
+
+func (x *VolumeToken) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VolumeToken.ProtoReflect.Descriptor instead.
+func (*VolumeToken) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *VolumeToken) GetContent() VolumeContent {
+	if x != nil {
+		return x.Content
+	}
+	return VolumeContent_VOLUME_CONTENT_UNSPECIFIED
+}
+
+func (x *VolumeToken) GetLuksUuid() string {
+	if x != nil {
+		return x.LuksUuid
+	}
+	return ""
+}
+
+func (x *VolumeToken) GetTransitToken() *TransitToken {
+	if x != nil {
+		return x.TransitToken
+	}
+	return nil
+}
+
+func (x *VolumeToken) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *VolumeToken) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
 type ListDisksRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1196,7 +1478,7 @@ type ListDisksRequest struct {
 
 func (x *ListDisksRequest) Reset() {
 	*x = ListDisksRequest{}
-	mi := &file_agent_proto_msgTypes[15]
+	mi := &file_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1208,7 +1490,7 @@ func (x *ListDisksRequest) String() string {
 func (*ListDisksRequest) ProtoMessage() {}
 
 func (x *ListDisksRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[15]
+	mi := &file_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1221,7 +1503,7 @@ func (x *ListDisksRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDisksRequest.ProtoReflect.Descriptor instead.
 func (*ListDisksRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{15}
+	return file_agent_proto_rawDescGZIP(), []int{18}
 }
 
 type Disk struct {
@@ -1251,7 +1533,7 @@ type Disk struct {
 
 func (x *Disk) Reset() {
 	*x = Disk{}
-	mi := &file_agent_proto_msgTypes[16]
+	mi := &file_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1263,7 +1545,7 @@ func (x *Disk) String() string {
 func (*Disk) ProtoMessage() {}
 
 func (x *Disk) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[16]
+	mi := &file_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1276,7 +1558,7 @@ func (x *Disk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disk.ProtoReflect.Descriptor instead.
 func (*Disk) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{16}
+	return file_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Disk) GetDevice() string {
@@ -1400,7 +1682,7 @@ type ListDisksResponse struct {
 
 func (x *ListDisksResponse) Reset() {
 	*x = ListDisksResponse{}
-	mi := &file_agent_proto_msgTypes[17]
+	mi := &file_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1412,7 +1694,7 @@ func (x *ListDisksResponse) String() string {
 func (*ListDisksResponse) ProtoMessage() {}
 
 func (x *ListDisksResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[17]
+	mi := &file_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1425,7 +1707,7 @@ func (x *ListDisksResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDisksResponse.ProtoReflect.Descriptor instead.
 func (*ListDisksResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{17}
+	return file_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListDisksResponse) GetDisks() []*Disk {
@@ -1443,7 +1725,7 @@ type GetIdentityRequest struct {
 
 func (x *GetIdentityRequest) Reset() {
 	*x = GetIdentityRequest{}
-	mi := &file_agent_proto_msgTypes[18]
+	mi := &file_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1455,7 +1737,7 @@ func (x *GetIdentityRequest) String() string {
 func (*GetIdentityRequest) ProtoMessage() {}
 
 func (x *GetIdentityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[18]
+	mi := &file_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1468,7 +1750,7 @@ func (x *GetIdentityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetIdentityRequest.ProtoReflect.Descriptor instead.
 func (*GetIdentityRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{18}
+	return file_agent_proto_rawDescGZIP(), []int{21}
 }
 
 type FencingCapability struct {
@@ -1484,7 +1766,7 @@ type FencingCapability struct {
 
 func (x *FencingCapability) Reset() {
 	*x = FencingCapability{}
-	mi := &file_agent_proto_msgTypes[19]
+	mi := &file_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1496,7 +1778,7 @@ func (x *FencingCapability) String() string {
 func (*FencingCapability) ProtoMessage() {}
 
 func (x *FencingCapability) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[19]
+	mi := &file_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1509,7 +1791,7 @@ func (x *FencingCapability) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FencingCapability.ProtoReflect.Descriptor instead.
 func (*FencingCapability) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{19}
+	return file_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *FencingCapability) GetMethod() FencingMethod {
@@ -1553,7 +1835,7 @@ type Identity struct {
 
 func (x *Identity) Reset() {
 	*x = Identity{}
-	mi := &file_agent_proto_msgTypes[20]
+	mi := &file_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1565,7 +1847,7 @@ func (x *Identity) String() string {
 func (*Identity) ProtoMessage() {}
 
 func (x *Identity) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[20]
+	mi := &file_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1578,7 +1860,7 @@ func (x *Identity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Identity.ProtoReflect.Descriptor instead.
 func (*Identity) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{20}
+	return file_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *Identity) GetSystemUuid() string {
@@ -1659,7 +1941,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_agent_proto_msgTypes[21]
+	mi := &file_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1671,7 +1953,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[21]
+	mi := &file_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1684,7 +1966,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{21}
+	return file_agent_proto_rawDescGZIP(), []int{24}
 }
 
 type Status struct {
@@ -1712,7 +1994,7 @@ type Status struct {
 
 func (x *Status) Reset() {
 	*x = Status{}
-	mi := &file_agent_proto_msgTypes[22]
+	mi := &file_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +2006,7 @@ func (x *Status) String() string {
 func (*Status) ProtoMessage() {}
 
 func (x *Status) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[22]
+	mi := &file_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +2019,7 @@ func (x *Status) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Status.ProtoReflect.Descriptor instead.
 func (*Status) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{22}
+	return file_agent_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *Status) GetAgentVersion() string {
@@ -1841,7 +2123,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_agent_proto_msgTypes[23]
+	mi := &file_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1853,7 +2135,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[23]
+	mi := &file_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1866,7 +2148,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{23}
+	return file_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *WatchEventsRequest) GetReplayRecent() bool {
@@ -1884,7 +2166,7 @@ type ListRecentEventsRequest struct {
 
 func (x *ListRecentEventsRequest) Reset() {
 	*x = ListRecentEventsRequest{}
-	mi := &file_agent_proto_msgTypes[24]
+	mi := &file_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1896,7 +2178,7 @@ func (x *ListRecentEventsRequest) String() string {
 func (*ListRecentEventsRequest) ProtoMessage() {}
 
 func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[24]
+	mi := &file_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1909,7 +2191,7 @@ func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{24}
+	return file_agent_proto_rawDescGZIP(), []int{27}
 }
 
 type ListRecentEventsResponse struct {
@@ -1921,7 +2203,7 @@ type ListRecentEventsResponse struct {
 
 func (x *ListRecentEventsResponse) Reset() {
 	*x = ListRecentEventsResponse{}
-	mi := &file_agent_proto_msgTypes[25]
+	mi := &file_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1933,7 +2215,7 @@ func (x *ListRecentEventsResponse) String() string {
 func (*ListRecentEventsResponse) ProtoMessage() {}
 
 func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[25]
+	mi := &file_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1946,7 +2228,7 @@ func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{25}
+	return file_agent_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ListRecentEventsResponse) GetEvents() []*Event {
@@ -1981,7 +2263,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_agent_proto_msgTypes[26]
+	mi := &file_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1993,7 +2275,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[26]
+	mi := &file_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2006,7 +2288,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{26}
+	return file_agent_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *Event) GetType() EventType {
@@ -2112,13 +2394,22 @@ const file_agent_proto_rawDesc = "" +
 	"\x04node\x18\x02 \x01(\tR\x04node\x12\x1e\n" +
 	"\n" +
 	"supersedes\x18\x03 \x03(\tR\n" +
-	"supersedes\"T\n" +
+	"supersedes\"\x80\x01\n" +
+	"\fTransitToken\x12\x14\n" +
+	"\x05mount\x18\x01 \x01(\tR\x05mount\x12\x19\n" +
+	"\bkey_name\x18\x02 \x01(\tR\akeyName\x12\x1f\n" +
+	"\vkey_version\x18\x03 \x01(\rR\n" +
+	"keyVersion\x12\x1e\n" +
+	"\n" +
+	"ciphertext\x18\x04 \x01(\tR\n" +
+	"ciphertext\"\x95\x01\n" +
 	"\n" +
 	"Encryption\x12\x1e\n" +
 	"\n" +
 	"passphrase\x18\x01 \x01(\fR\n" +
 	"passphrase\x12&\n" +
-	"\x0fformat_if_blank\x18\x02 \x01(\bR\rformatIfBlank\"\x8a\x03\n" +
+	"\x0fformat_if_blank\x18\x02 \x01(\bR\rformatIfBlank\x12?\n" +
+	"\rtransit_token\x18\x03 \x01(\v2\x1a.vco.agent.v1.TransitTokenR\ftransitToken\"\x8a\x03\n" +
 	"\x12StageVolumeRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x123\n" +
 	"\x06device\x18\x02 \x01(\v2\x1b.vco.agent.v1.DeviceLocatorR\x06device\x12!\n" +
@@ -2180,7 +2471,16 @@ const file_agent_proto_rawDesc = "" +
 	"\x10available_inodes\x18\x06 \x01(\x03R\x0favailableInodes\x12\x14\n" +
 	"\x05block\x18\a \x01(\bR\x05block\x12\x1a\n" +
 	"\babnormal\x18\b \x01(\bR\babnormal\x12\x18\n" +
-	"\amessage\x18\t \x01(\tR\amessage\"\x12\n" +
+	"\amessage\x18\t \x01(\tR\amessage\"i\n" +
+	"\x15GetVolumeTokenRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x123\n" +
+	"\x06device\x18\x02 \x01(\v2\x1b.vco.agent.v1.DeviceLocatorR\x06device\"\xd2\x01\n" +
+	"\vVolumeToken\x125\n" +
+	"\acontent\x18\x01 \x01(\x0e2\x1b.vco.agent.v1.VolumeContentR\acontent\x12\x1b\n" +
+	"\tluks_uuid\x18\x02 \x01(\tR\bluksUuid\x12?\n" +
+	"\rtransit_token\x18\x03 \x01(\v2\x1a.vco.agent.v1.TransitTokenR\ftransitToken\x12\x16\n" +
+	"\x06detail\x18\x04 \x01(\tR\x06detail\x12\x16\n" +
+	"\x06device\x18\x05 \x01(\tR\x06device\"\x12\n" +
 	"\x10ListDisksRequest\"\xe6\x03\n" +
 	"\x04Disk\x12\x16\n" +
 	"\x06device\x18\x01 \x01(\tR\x06device\x12\x12\n" +
@@ -2262,7 +2562,12 @@ const file_agent_proto_rawDesc = "" +
 	"\amessage\x18\n" +
 	" \x01(\tR\amessage\x12\x1a\n" +
 	"\breplayed\x18\v \x01(\bR\breplayed\x12#\n" +
-	"\rmissed_before\x18\f \x01(\x04R\fmissedBefore*\xa0\x01\n" +
+	"\rmissed_before\x18\f \x01(\x04R\fmissedBefore*}\n" +
+	"\rVolumeContent\x12\x1e\n" +
+	"\x1aVOLUME_CONTENT_UNSPECIFIED\x10\x00\x12\x18\n" +
+	"\x14VOLUME_CONTENT_BLANK\x10\x01\x12\x18\n" +
+	"\x14VOLUME_CONTENT_LUKS2\x10\x02\x12\x18\n" +
+	"\x14VOLUME_CONTENT_OTHER\x10\x03*\xb9\x01\n" +
 	"\n" +
 	"ClaimState\x12\x1b\n" +
 	"\x17CLAIM_STATE_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -2270,7 +2575,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x10CLAIM_STATE_HELD\x10\x02\x12\x18\n" +
 	"\x14CLAIM_STATE_UNFENCED\x10\x03\x12\x14\n" +
 	"\x10CLAIM_STATE_LOST\x10\x04\x12\x14\n" +
-	"\x10CLAIM_STATE_GONE\x10\x05*\x84\x01\n" +
+	"\x10CLAIM_STATE_GONE\x10\x05\x12\x17\n" +
+	"\x13CLAIM_STATE_REFUSED\x10\x06*\x84\x01\n" +
 	"\rFencingMethod\x12\x1e\n" +
 	"\x1aFENCING_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17FENCING_METHOD_SCSI3_PR\x10\x01\x12\x1d\n" +
@@ -2284,7 +2590,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x17EVENT_TYPE_DISK_REFUSED\x10\x04\x12\x1a\n" +
 	"\x16EVENT_TYPE_DISK_FENCED\x10\x05\x12\x1c\n" +
 	"\x18EVENT_TYPE_DISK_RELEASED\x10\x06\x12\x1f\n" +
-	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\x9d\a\n" +
+	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\xef\a\n" +
 	"\x05Agent\x12G\n" +
 	"\vGetIdentity\x12 .vco.agent.v1.GetIdentityRequest\x1a\x16.vco.agent.v1.Identity\x12A\n" +
 	"\tGetStatus\x12\x1e.vco.agent.v1.GetStatusRequest\x1a\x14.vco.agent.v1.Status\x12F\n" +
@@ -2296,7 +2602,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x0fUnpublishVolume\x12$.vco.agent.v1.UnpublishVolumeRequest\x1a%.vco.agent.v1.UnpublishVolumeResponse\x12U\n" +
 	"\fExpandVolume\x12!.vco.agent.v1.ExpandVolumeRequest\x1a\".vco.agent.v1.ExpandVolumeResponse\x12P\n" +
 	"\x0eGetVolumeStats\x12#.vco.agent.v1.GetVolumeStatsRequest\x1a\x19.vco.agent.v1.VolumeStats\x12L\n" +
-	"\tListDisks\x12\x1e.vco.agent.v1.ListDisksRequest\x1a\x1f.vco.agent.v1.ListDisksResponseB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
+	"\tListDisks\x12\x1e.vco.agent.v1.ListDisksRequest\x1a\x1f.vco.agent.v1.ListDisksResponse\x12P\n" +
+	"\x0eGetVolumeToken\x12#.vco.agent.v1.GetVolumeTokenRequest\x1a\x19.vco.agent.v1.VolumeTokenB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
 
 var (
 	file_agent_proto_rawDescOnce sync.Once
@@ -2310,84 +2617,94 @@ func file_agent_proto_rawDescGZIP() []byte {
 	return file_agent_proto_rawDescData
 }
 
-var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_agent_proto_goTypes = []any{
-	(ClaimState)(0),                  // 0: vco.agent.v1.ClaimState
-	(FencingMethod)(0),               // 1: vco.agent.v1.FencingMethod
-	(EventType)(0),                   // 2: vco.agent.v1.EventType
-	(*DeviceLocator)(nil),            // 3: vco.agent.v1.DeviceLocator
-	(*TakeoverGrant)(nil),            // 4: vco.agent.v1.TakeoverGrant
-	(*Encryption)(nil),               // 5: vco.agent.v1.Encryption
-	(*StageVolumeRequest)(nil),       // 6: vco.agent.v1.StageVolumeRequest
-	(*StageVolumeResponse)(nil),      // 7: vco.agent.v1.StageVolumeResponse
-	(*UnstageVolumeRequest)(nil),     // 8: vco.agent.v1.UnstageVolumeRequest
-	(*UnstageVolumeResponse)(nil),    // 9: vco.agent.v1.UnstageVolumeResponse
-	(*PublishVolumeRequest)(nil),     // 10: vco.agent.v1.PublishVolumeRequest
-	(*PublishVolumeResponse)(nil),    // 11: vco.agent.v1.PublishVolumeResponse
-	(*UnpublishVolumeRequest)(nil),   // 12: vco.agent.v1.UnpublishVolumeRequest
-	(*UnpublishVolumeResponse)(nil),  // 13: vco.agent.v1.UnpublishVolumeResponse
-	(*ExpandVolumeRequest)(nil),      // 14: vco.agent.v1.ExpandVolumeRequest
-	(*ExpandVolumeResponse)(nil),     // 15: vco.agent.v1.ExpandVolumeResponse
-	(*GetVolumeStatsRequest)(nil),    // 16: vco.agent.v1.GetVolumeStatsRequest
-	(*VolumeStats)(nil),              // 17: vco.agent.v1.VolumeStats
-	(*ListDisksRequest)(nil),         // 18: vco.agent.v1.ListDisksRequest
-	(*Disk)(nil),                     // 19: vco.agent.v1.Disk
-	(*ListDisksResponse)(nil),        // 20: vco.agent.v1.ListDisksResponse
-	(*GetIdentityRequest)(nil),       // 21: vco.agent.v1.GetIdentityRequest
-	(*FencingCapability)(nil),        // 22: vco.agent.v1.FencingCapability
-	(*Identity)(nil),                 // 23: vco.agent.v1.Identity
-	(*GetStatusRequest)(nil),         // 24: vco.agent.v1.GetStatusRequest
-	(*Status)(nil),                   // 25: vco.agent.v1.Status
-	(*WatchEventsRequest)(nil),       // 26: vco.agent.v1.WatchEventsRequest
-	(*ListRecentEventsRequest)(nil),  // 27: vco.agent.v1.ListRecentEventsRequest
-	(*ListRecentEventsResponse)(nil), // 28: vco.agent.v1.ListRecentEventsResponse
-	(*Event)(nil),                    // 29: vco.agent.v1.Event
-	(*timestamppb.Timestamp)(nil),    // 30: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 31: google.protobuf.Duration
+	(VolumeContent)(0),               // 0: vco.agent.v1.VolumeContent
+	(ClaimState)(0),                  // 1: vco.agent.v1.ClaimState
+	(FencingMethod)(0),               // 2: vco.agent.v1.FencingMethod
+	(EventType)(0),                   // 3: vco.agent.v1.EventType
+	(*DeviceLocator)(nil),            // 4: vco.agent.v1.DeviceLocator
+	(*TakeoverGrant)(nil),            // 5: vco.agent.v1.TakeoverGrant
+	(*TransitToken)(nil),             // 6: vco.agent.v1.TransitToken
+	(*Encryption)(nil),               // 7: vco.agent.v1.Encryption
+	(*StageVolumeRequest)(nil),       // 8: vco.agent.v1.StageVolumeRequest
+	(*StageVolumeResponse)(nil),      // 9: vco.agent.v1.StageVolumeResponse
+	(*UnstageVolumeRequest)(nil),     // 10: vco.agent.v1.UnstageVolumeRequest
+	(*UnstageVolumeResponse)(nil),    // 11: vco.agent.v1.UnstageVolumeResponse
+	(*PublishVolumeRequest)(nil),     // 12: vco.agent.v1.PublishVolumeRequest
+	(*PublishVolumeResponse)(nil),    // 13: vco.agent.v1.PublishVolumeResponse
+	(*UnpublishVolumeRequest)(nil),   // 14: vco.agent.v1.UnpublishVolumeRequest
+	(*UnpublishVolumeResponse)(nil),  // 15: vco.agent.v1.UnpublishVolumeResponse
+	(*ExpandVolumeRequest)(nil),      // 16: vco.agent.v1.ExpandVolumeRequest
+	(*ExpandVolumeResponse)(nil),     // 17: vco.agent.v1.ExpandVolumeResponse
+	(*GetVolumeStatsRequest)(nil),    // 18: vco.agent.v1.GetVolumeStatsRequest
+	(*VolumeStats)(nil),              // 19: vco.agent.v1.VolumeStats
+	(*GetVolumeTokenRequest)(nil),    // 20: vco.agent.v1.GetVolumeTokenRequest
+	(*VolumeToken)(nil),              // 21: vco.agent.v1.VolumeToken
+	(*ListDisksRequest)(nil),         // 22: vco.agent.v1.ListDisksRequest
+	(*Disk)(nil),                     // 23: vco.agent.v1.Disk
+	(*ListDisksResponse)(nil),        // 24: vco.agent.v1.ListDisksResponse
+	(*GetIdentityRequest)(nil),       // 25: vco.agent.v1.GetIdentityRequest
+	(*FencingCapability)(nil),        // 26: vco.agent.v1.FencingCapability
+	(*Identity)(nil),                 // 27: vco.agent.v1.Identity
+	(*GetStatusRequest)(nil),         // 28: vco.agent.v1.GetStatusRequest
+	(*Status)(nil),                   // 29: vco.agent.v1.Status
+	(*WatchEventsRequest)(nil),       // 30: vco.agent.v1.WatchEventsRequest
+	(*ListRecentEventsRequest)(nil),  // 31: vco.agent.v1.ListRecentEventsRequest
+	(*ListRecentEventsResponse)(nil), // 32: vco.agent.v1.ListRecentEventsResponse
+	(*Event)(nil),                    // 33: vco.agent.v1.Event
+	(*timestamppb.Timestamp)(nil),    // 34: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 35: google.protobuf.Duration
 }
 var file_agent_proto_depIdxs = []int32{
-	3,  // 0: vco.agent.v1.StageVolumeRequest.device:type_name -> vco.agent.v1.DeviceLocator
-	4,  // 1: vco.agent.v1.StageVolumeRequest.grant:type_name -> vco.agent.v1.TakeoverGrant
-	5,  // 2: vco.agent.v1.StageVolumeRequest.encryption:type_name -> vco.agent.v1.Encryption
-	1,  // 3: vco.agent.v1.StageVolumeResponse.fencing:type_name -> vco.agent.v1.FencingMethod
-	1,  // 4: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
-	0,  // 5: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
-	19, // 6: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
-	1,  // 7: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
-	22, // 8: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
-	30, // 9: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
-	31, // 10: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
-	29, // 11: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
-	2,  // 12: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
-	30, // 13: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
-	21, // 14: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
-	24, // 15: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
-	26, // 16: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
-	27, // 17: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
-	6,  // 18: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
-	8,  // 19: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
-	10, // 20: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
-	12, // 21: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
-	14, // 22: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
-	16, // 23: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
-	18, // 24: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
-	23, // 25: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
-	25, // 26: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
-	29, // 27: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
-	28, // 28: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
-	7,  // 29: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
-	9,  // 30: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
-	11, // 31: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
-	13, // 32: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
-	15, // 33: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
-	17, // 34: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
-	20, // 35: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
-	25, // [25:36] is the sub-list for method output_type
-	14, // [14:25] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	6,  // 0: vco.agent.v1.Encryption.transit_token:type_name -> vco.agent.v1.TransitToken
+	4,  // 1: vco.agent.v1.StageVolumeRequest.device:type_name -> vco.agent.v1.DeviceLocator
+	5,  // 2: vco.agent.v1.StageVolumeRequest.grant:type_name -> vco.agent.v1.TakeoverGrant
+	7,  // 3: vco.agent.v1.StageVolumeRequest.encryption:type_name -> vco.agent.v1.Encryption
+	2,  // 4: vco.agent.v1.StageVolumeResponse.fencing:type_name -> vco.agent.v1.FencingMethod
+	4,  // 5: vco.agent.v1.GetVolumeTokenRequest.device:type_name -> vco.agent.v1.DeviceLocator
+	0,  // 6: vco.agent.v1.VolumeToken.content:type_name -> vco.agent.v1.VolumeContent
+	6,  // 7: vco.agent.v1.VolumeToken.transit_token:type_name -> vco.agent.v1.TransitToken
+	2,  // 8: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
+	1,  // 9: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
+	23, // 10: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
+	2,  // 11: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
+	26, // 12: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
+	34, // 13: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
+	35, // 14: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
+	33, // 15: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
+	3,  // 16: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
+	34, // 17: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
+	25, // 18: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
+	28, // 19: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
+	30, // 20: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
+	31, // 21: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
+	8,  // 22: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
+	10, // 23: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
+	12, // 24: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
+	14, // 25: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
+	16, // 26: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
+	18, // 27: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
+	22, // 28: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
+	20, // 29: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
+	27, // 30: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
+	29, // 31: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
+	33, // 32: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
+	32, // 33: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
+	9,  // 34: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
+	11, // 35: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
+	13, // 36: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
+	15, // 37: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
+	17, // 38: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
+	19, // 39: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
+	24, // 40: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
+	21, // 41: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
+	30, // [30:42] is the sub-list for method output_type
+	18, // [18:30] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -2400,8 +2717,8 @@ func file_agent_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   27,
+			NumEnums:      4,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

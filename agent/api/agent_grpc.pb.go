@@ -42,6 +42,7 @@ const (
 	Agent_ExpandVolume_FullMethodName     = "/vco.agent.v1.Agent/ExpandVolume"
 	Agent_GetVolumeStats_FullMethodName   = "/vco.agent.v1.Agent/GetVolumeStats"
 	Agent_ListDisks_FullMethodName        = "/vco.agent.v1.Agent/ListDisks"
+	Agent_GetVolumeToken_FullMethodName   = "/vco.agent.v1.Agent/GetVolumeToken"
 )
 
 // AgentClient is the client API for Agent service.
@@ -81,6 +82,12 @@ type AgentClient interface {
 	// ListDisks lists every disk the agent sees and every volume it has
 	// claimed, with the fence method, state and holder.
 	ListDisks(ctx context.Context, in *ListDisksRequest, opts ...grpc.CallOption) (*ListDisksResponse, error)
+	// GetVolumeToken reads what the volume's device holds where LUKS2 would
+	// be (past the fencing metadata of a lease disk) without changing
+	// anything: blank, a LUKS2 header with its vco-transit token (the
+	// passphrase wrapped by a transit key, which the node plugin unwraps
+	// before StageVolume), or other data. It holds no secret.
+	GetVolumeToken(ctx context.Context, in *GetVolumeTokenRequest, opts ...grpc.CallOption) (*VolumeToken, error)
 }
 
 type agentClient struct {
@@ -210,6 +217,16 @@ func (c *agentClient) ListDisks(ctx context.Context, in *ListDisksRequest, opts 
 	return out, nil
 }
 
+func (c *agentClient) GetVolumeToken(ctx context.Context, in *GetVolumeTokenRequest, opts ...grpc.CallOption) (*VolumeToken, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VolumeToken)
+	err := c.cc.Invoke(ctx, Agent_GetVolumeToken_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AgentServer is the server API for Agent service.
 // All implementations must embed UnimplementedAgentServer
 // for forward compatibility.
@@ -247,6 +264,12 @@ type AgentServer interface {
 	// ListDisks lists every disk the agent sees and every volume it has
 	// claimed, with the fence method, state and holder.
 	ListDisks(context.Context, *ListDisksRequest) (*ListDisksResponse, error)
+	// GetVolumeToken reads what the volume's device holds where LUKS2 would
+	// be (past the fencing metadata of a lease disk) without changing
+	// anything: blank, a LUKS2 header with its vco-transit token (the
+	// passphrase wrapped by a transit key, which the node plugin unwraps
+	// before StageVolume), or other data. It holds no secret.
+	GetVolumeToken(context.Context, *GetVolumeTokenRequest) (*VolumeToken, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -289,6 +312,9 @@ func (UnimplementedAgentServer) GetVolumeStats(context.Context, *GetVolumeStatsR
 }
 func (UnimplementedAgentServer) ListDisks(context.Context, *ListDisksRequest) (*ListDisksResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListDisks not implemented")
+}
+func (UnimplementedAgentServer) GetVolumeToken(context.Context, *GetVolumeTokenRequest) (*VolumeToken, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetVolumeToken not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -502,6 +528,24 @@ func _Agent_ListDisks_Handler(srv interface{}, ctx context.Context, dec func(int
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_GetVolumeToken_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetVolumeTokenRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).GetVolumeToken(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_GetVolumeToken_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).GetVolumeToken(ctx, req.(*GetVolumeTokenRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Agent_ServiceDesc is the grpc.ServiceDesc for Agent service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -548,6 +592,10 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListDisks",
 			Handler:    _Agent_ListDisks_Handler,
+		},
+		{
+			MethodName: "GetVolumeToken",
+			Handler:    _Agent_GetVolumeToken_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

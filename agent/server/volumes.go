@@ -101,6 +101,9 @@ func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (
 	}
 	if e := req.GetEncryption(); e != nil {
 		r.Encrypted, r.Passphrase, r.FormatLUKS = true, e.GetPassphrase(), e.GetFormatIfBlank()
+		if t := e.GetTransitToken(); t != nil {
+			r.Token = &volume.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
+		}
 	}
 	res, err := m.Stage(ctx, r)
 	if err != nil {
@@ -187,6 +190,7 @@ var claimStates = map[string]api.ClaimState{
 	"unfenced":  api.ClaimState_CLAIM_STATE_UNFENCED,
 	"lost":      api.ClaimState_CLAIM_STATE_LOST,
 	"gone":      api.ClaimState_CLAIM_STATE_GONE,
+	"refused":   api.ClaimState_CLAIM_STATE_REFUSED,
 }
 
 // ListDisks implements api.AgentServer.
@@ -213,6 +217,35 @@ func (s *Server) ListDisks(ctx context.Context, _ *api.ListDisksRequest) (*api.L
 			pd.Detail = "stage in progress or interrupted (" + d.State + ")"
 		}
 		out.Disks = append(out.Disks, pd)
+	}
+	return out, nil
+}
+
+var contentKinds = map[volume.ContentKind]api.VolumeContent{
+	volume.ContentBlank: api.VolumeContent_VOLUME_CONTENT_BLANK,
+	volume.ContentLUKS2: api.VolumeContent_VOLUME_CONTENT_LUKS2,
+	volume.ContentOther: api.VolumeContent_VOLUME_CONTENT_OTHER,
+}
+
+// GetVolumeToken implements api.AgentServer.
+func (s *Server) GetVolumeToken(ctx context.Context, req *api.GetVolumeTokenRequest) (*api.VolumeToken, error) {
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	var loc volume.Locator
+	if req.GetDevice() != nil {
+		if loc, err = LocatorFromAPI(req.GetDevice()); err != nil {
+			return nil, fmt.Errorf("volume %s: %w", req.GetVolumeId(), err)
+		}
+	}
+	res, err := m.VolumeToken(ctx, req.GetVolumeId(), loc)
+	if err != nil {
+		return nil, err
+	}
+	out := &api.VolumeToken{Content: contentKinds[res.Kind], LuksUuid: res.UUID, Detail: res.Detail, Device: res.Device}
+	if t := res.Token; t != nil {
+		out.TransitToken = &api.TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: uint32(t.KeyVersion), Ciphertext: t.Ciphertext}
 	}
 	return out, nil
 }

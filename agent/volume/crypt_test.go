@@ -3,8 +3,7 @@ package volume
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"errors"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -16,15 +15,18 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
-// fakeLUKS is a FAKE Encryption, labelled as such: this host's kernel has
-// no device-mapper, so dm-crypt cannot run here (package crypt is tested
-// against real dm-crypt in lab guests). It keeps what the manager relies
-// on: a header only on a blank device, a passphrase check, and a mapping
-// that is a real block device — a loop device over the data area past a
-// 1 MiB header, unencrypted — so that mkfs, mount and resize run for real.
-type fakeLUKS struct {
+// hostLUKS is the real LUKS (header formatting, inspection and the
+// passphrase check run for real, and cryptsetup reads what it wrote) with
+// a FAKE mapping, labelled as such: this host's kernel has no
+// device-mapper, so Open maps the data segment with a loop device,
+// unencrypted, after checking the passphrase against the real header.
+// mkfs, mount and resize then run for real; real dm-crypt is exercised by
+// the guest test in integration/scenarios.
+type hostLUKS struct {
+	LUKS
 	t      *testing.T
 	mu     sync.Mutex
 	maps   map[string]string
@@ -33,62 +35,38 @@ type fakeLUKS struct {
 	resize int
 }
 
-const fakeHeader = 1 << 20
+func newHostLUKS(t *testing.T) *hostLUKS {
+	return &hostLUKS{t: t, maps: map[string]string{}}
+}
 
-func (f *fakeLUKS) Open(_ context.Context, device, name string, pass []byte, formatIfBlank, _ bool) (string, bool, error) {
+func (f *hostLUKS) Open(_ context.Context, device, name string, pass []byte, _ bool) (string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	sum := sha256.Sum256(pass)
-	kind := blkid(f.t, device, "TYPE")
-	formatted := false
-	switch {
-	case kind == "" && formatIfBlank:
-		h := make([]byte, 4096)
-		copy(h, "LUKS\xba\xbe\x00\x02")
-		copy(h[1024:], sum[:])
-		fh, err := os.OpenFile(device, os.O_WRONLY, 0)
-		if err != nil {
-			return "", false, err
-		}
-		_, err = fh.Write(h)
-		fh.Close()
-		if err != nil {
-			return "", false, err
-		}
-		formatted = true
-	case kind == "":
-		return "", false, errors.New("no LUKS2 header on the device")
-	case kind != "crypto_LUKS":
-		return "", false, fmt.Errorf("the device carries %s, not LUKS2; not formatting over it", kind)
+	if _, ok := f.maps[name]; ok {
+		return "", fmt.Errorf("a mapping named %s already exists", name)
 	}
-	fh, err := os.Open(device)
+	v, err := luks2.Open(device, false)
 	if err != nil {
-		return "", false, err
+		return "", err
 	}
-	h := make([]byte, 4096)
-	_, err = fh.ReadAt(h, 0)
-	fh.Close()
+	defer v.Close()
+	key, _, err := v.Unlock(pass)
+	clear(key)
 	if err != nil {
-		return "", false, err
+		return "", err
 	}
-	if !bytes.Equal(h[1024:1024+32], sum[:]) {
-		return "", false, errors.New("no key slot opens with this passphrase")
-	}
-	out, err := exec.Command("losetup", "--find", "--show", "--offset", fmt.Sprint(fakeHeader), device).CombinedOutput()
+	out, err := exec.Command("losetup", "--find", "--show", "--offset", fmt.Sprint(v.DataOffset()), device).CombinedOutput()
 	if err != nil {
-		return "", false, fmt.Errorf("losetup: %v %s", err, out)
+		return "", fmt.Errorf("losetup: %v %s", err, out)
 	}
 	mapped := strings.TrimSpace(string(out))
 	f.t.Cleanup(func() { exec.Command("losetup", "-d", mapped).Run() })
-	if f.maps == nil {
-		f.maps = map[string]string{}
-	}
 	f.maps[name] = mapped
 	f.opened++
-	return mapped, formatted, nil
+	return mapped, nil
 }
 
-func (f *fakeLUKS) Close(_ context.Context, name string) error {
+func (f *hostLUKS) Close(_ context.Context, name string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if m, ok := f.maps[name]; ok {
@@ -101,7 +79,7 @@ func (f *fakeLUKS) Close(_ context.Context, name string) error {
 	return nil
 }
 
-func (f *fakeLUKS) Resize(_ context.Context, name string) error {
+func (f *hostLUKS) Resize(_ context.Context, name string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.resize++
@@ -110,18 +88,69 @@ func (f *fakeLUKS) Resize(_ context.Context, name string) error {
 
 const secret = "correct horse battery staple"
 
-func TestEncryptedVolumeOpensLUKSBeforeTheFilesystem(t *testing.T) {
+// wrapped is what the node plugin would have got from the transit engine
+// for secret; the agent only stores it.
+var wrapped = TransitToken{Mount: "transit", KeyName: "vco-volumes", KeyVersion: 3, Ciphertext: "vault:v3:c2VjcmV0LXdyYXBwZWQtYnktdGhlLXRyYW5zaXQtZW5naW5l"}
+
+func encReq(e *env, vol, img, staging string) StageRequest {
+	r := e.stageReq(vol, img, staging)
+	tok := wrapped
+	r.Encrypted, r.Passphrase, r.FormatLUKS, r.Token = true, []byte(secret), true, &tok
+	return r
+}
+
+// luksDump is cryptsetup's view of the header, as the interop oracle.
+type luksDump struct {
+	Keyslots map[string]struct {
+		KDF struct {
+			Type   string `json:"type"`
+			Time   int    `json:"time"`
+			Memory int    `json:"memory"`
+			CPUs   int    `json:"cpus"`
+		} `json:"kdf"`
+	} `json:"keyslots"`
+	Tokens   map[string]map[string]any `json:"tokens"`
+	Segments map[string]struct {
+		Encryption string `json:"encryption"`
+	} `json:"segments"`
+}
+
+func dumpLUKS(t *testing.T, dev string) luksDump {
+	t.Helper()
+	out, err := exec.Command("cryptsetup", "luksDump", "--dump-json-metadata", dev).Output()
+	if err != nil {
+		t.Fatalf("cryptsetup luksDump %s: %v", dev, err)
+	}
+	var d luksDump
+	if err := json.Unmarshal(out, &d); err != nil {
+		t.Fatalf("luksDump JSON: %v\n%s", err, out)
+	}
+	return d
+}
+
+func needCryptsetup(t *testing.T) {
+	if _, err := exec.LookPath("cryptsetup"); err != nil {
+		t.Skip("cryptsetup (cryptsetup-bin, installed by make deps) is the interop oracle")
+	}
+}
+
+func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	needRoot(t)
-	crypt := &fakeLUKS{t: t}
+	needCryptsetup(t)
+	crypt := newHostLUKS(t)
 	e := newEnvWith(t, nil)
 	e.crypt = crypt
 	e.start()
 	ctx := context.Background()
 	// xfs: it grows online with the capabilities this host grants.
-	img, dev := loop(t, 320)
-	req := e.stageReq("vol-enc", img, "staging/enc")
+	img, dev := loop(t, 336)
+	req := encReq(e, "vol-enc", img, "staging/enc")
 	req.FsType = "xfs"
-	req.Encrypted, req.Passphrase, req.FormatLUKS = true, []byte(secret), true
+
+	tok, err := e.m.VolumeToken(ctx, "vol-enc", req.Locator)
+	if err != nil || tok.Kind != ContentBlank || tok.Token != nil || tok.Device != dev {
+		t.Fatalf("token of a blank disk: %+v %v", tok, err)
+	}
 	res, err := e.m.Stage(ctx, req)
 	if err != nil || !res.Formatted || res.Device == dev {
 		t.Fatalf("encrypted stage: %+v %v", res, err)
@@ -129,34 +158,72 @@ func TestEncryptedVolumeOpensLUKSBeforeTheFilesystem(t *testing.T) {
 	if blkid(t, dev, "TYPE") != "crypto_LUKS" || blkid(t, res.Device, "TYPE") != "xfs" || !isMounted(t, req.StagingPath) {
 		t.Fatalf("layers: disk %q, mapping %q", blkid(t, dev, "TYPE"), blkid(t, res.Device, "TYPE"))
 	}
+	// cryptsetup reads the header: the documented cipher and KDF cost, and
+	// the token carrying the wrapped passphrase; the passphrase opens it.
+	d := dumpLUKS(t, dev)
+	ks, ok := d.Keyslots["0"]
+	if !ok || len(d.Keyslots) != 1 || ks.KDF.Type != "argon2id" || ks.KDF.Time != luks2.DefaultKDF.Time ||
+		ks.KDF.Memory != luks2.DefaultKDF.MemoryKiB || ks.KDF.CPUs != luks2.DefaultKDF.Threads {
+		t.Fatalf("keyslots: %+v", d.Keyslots)
+	}
+	if d.Segments["0"].Encryption != "aes-xts-plain64" {
+		t.Fatalf("segments: %+v", d.Segments)
+	}
+	if tk := d.Tokens["0"]; tk["type"] != "vco-transit" || tk["key_name"] != wrapped.KeyName || tk["ciphertext"] != wrapped.Ciphertext || tk["key_version"] != float64(3) {
+		t.Fatalf("tokens: %+v", d.Tokens)
+	}
+	cs := exec.Command("cryptsetup", "open", "--test-passphrase", "--key-file", "-", dev)
+	cs.Stdin = strings.NewReader(secret)
+	if out, err := cs.CombinedOutput(); err != nil {
+		t.Fatalf("cryptsetup does not accept the passphrase: %v %s", err, out)
+	}
+	// The token reads back through the API's method, staged or not.
+	tok, err = e.m.VolumeToken(ctx, "vol-enc", req.Locator)
+	if err != nil || tok.Kind != ContentLUKS2 || tok.Token == nil || *tok.Token != wrapped || tok.UUID == "" {
+		t.Fatalf("token of the staged volume: %+v %v", tok, err)
+	}
+	uuid := tok.UUID
+	if c, _ := e.m.Store().Get("vol-enc"); !c.LUKSFormatted || c.LUKSFormatting {
+		t.Fatalf("the record does not say this agent made the header: %+v", c)
+	}
+
 	os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644)
 	if res2, err := e.m.Stage(ctx, req); err != nil || res2.Formatted || crypt.opened != 1 {
 		t.Fatalf("retried encrypted stage: %+v %v (opened %d)", res2, err, crypt.opened)
 	}
-	if err := os.Truncate(img, 640<<20); err != nil {
+	if err := os.Truncate(img, 672<<20); err != nil {
 		t.Fatal(err)
 	}
 	exec.Command("losetup", "-c", dev).Run()
-	if n, err := e.m.Expand(ctx, "vol-enc", "", 0); err != nil || n != 640<<20-fakeHeader || crypt.resize != 1 {
+	if n, err := e.m.Expand(ctx, "vol-enc", "", 0); err != nil || n != 672<<20-16<<20 || crypt.resize != 1 {
 		t.Fatalf("expand: %d %v (resized %d)", n, err, crypt.resize)
 	}
 	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil || crypt.closed != 1 {
 		t.Fatalf("unstage: %v (closed %d)", err, crypt.closed)
 	}
-	// A wrong passphrase opens nothing and mounts nothing.
+	// A wrong passphrase opens nothing and mounts nothing, and says where
+	// the right one is.
 	bad := req
 	bad.Passphrase = []byte("wrong")
 	_, err = e.m.Stage(ctx, bad)
-	wantCode(t, err, codes.FailedPrecondition, "opening LUKS2", "passphrase")
+	wantCode(t, err, codes.FailedPrecondition, "opening LUKS2", "passphrase", "GetVolumeToken")
 	if isMounted(t, req.StagingPath) {
 		t.Fatal("mounted with a wrong passphrase")
 	}
-	// The right one: not formatted again, data there.
-	if res, err := e.m.Stage(ctx, req); err != nil || res.Formatted {
+	// The right one: not formatted again (same header), data there. The
+	// restage carries a different token: a header is never rewritten.
+	again := req
+	other := wrapped
+	other.Ciphertext = "vault:v3:b3RoZXI"
+	again.Token = &other
+	if res, err := e.m.Stage(ctx, again); err != nil || res.Formatted {
 		t.Fatalf("restage: %+v %v", res, err)
 	}
 	if _, err := os.Stat(filepath.Join(req.StagingPath, "data")); err != nil {
 		t.Fatal(err)
+	}
+	if tok, err := e.m.VolumeToken(ctx, "vol-enc", req.Locator); err != nil || tok.UUID != uuid || *tok.Token != wrapped {
+		t.Fatalf("the header changed on restage: %+v %v", tok, err)
 	}
 	// The passphrase is nowhere: not in the claim record, the log, or any
 	// event.
@@ -186,24 +253,168 @@ func TestEncryptedVolumeOpensLUKSBeforeTheFilesystem(t *testing.T) {
 	if crypt.closed != closed+1 || len(crypt.maps) != 0 || isMounted(t, req.StagingPath) {
 		t.Fatalf("after a failed stage: %d closes (was %d), mappings %v", crypt.closed, closed, crypt.maps)
 	}
+}
 
-	// A disk with a filesystem is never given a LUKS2 header.
-	img2, dev2 := loop(t, 64)
-	exec.Command("mkfs.ext4", "-q", dev2).Run()
-	req2 := e.stageReq("vol-enc2", img2, "staging/enc2")
-	req2.Encrypted, req2.Passphrase, req2.FormatLUKS = true, []byte(secret), true
-	_, err = e.m.Stage(ctx, req2)
-	wantCode(t, err, codes.FailedPrecondition, "not formatting")
-	if blkid(t, dev2, "TYPE") != "ext4" {
-		t.Fatal("a filesystem was overwritten with a LUKS2 header")
+func TestDataIsNeverGivenALUKSHeader(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, nil)
+	e.crypt = newHostLUKS(t)
+	e.start()
+	ctx := context.Background()
+	cases := []struct {
+		name, want string
+		prep       func(dev string)
+	}{
+		{"ext4", "ext2/ext3/ext4", func(dev string) { exec.Command("mkfs.ext4", "-q", dev).Run() }},
+		{"dos-label", "DOS partition table", func(dev string) {
+			f, _ := os.OpenFile(dev, os.O_WRONLY, 0)
+			f.WriteAt([]byte{0x55, 0xaa}, 510)
+			f.Close()
+		}},
+		{"bytes", "non-zero", func(dev string) {
+			f, _ := os.OpenFile(dev, os.O_WRONLY, 0)
+			f.WriteAt([]byte("someone's data"), 12345)
+			f.Close()
+		}},
 	}
-	for _, ev := range e.bus.Recent() {
-		if ev.Type == events.DiskClaimed && ev.Volume == "vol-enc2" {
-			t.Fatal("a failed encrypted stage was announced as claimed")
+	for _, c := range cases {
+		img, dev := loop(t, 64)
+		c.prep(dev)
+		before, _ := os.ReadFile(img)
+		req := encReq(e, "vol-"+c.name, img, "staging/"+c.name)
+		tok, err := e.m.VolumeToken(ctx, req.Volume, req.Locator)
+		if err != nil || tok.Kind != ContentOther || tok.Detail == "" {
+			t.Fatalf("%s: token: %+v %v", c.name, tok, err)
+		}
+		_, err = e.m.Stage(ctx, req)
+		wantCode(t, err, codes.FailedPrecondition, "never formats over existing data")
+		if !strings.Contains(strings.ToLower(err.Error()), strings.ToLower(c.want)) {
+			t.Fatalf("%s: the refusal does not name what is there: %v", c.name, err)
+		}
+		after, _ := os.ReadFile(img)
+		if !bytes.Equal(before, after) {
+			t.Fatalf("%s: the device changed", c.name)
+		}
+		if cl, _ := e.m.Store().Get(req.Volume); cl != nil {
+			t.Fatalf("%s: a refused first stage left a record: %+v", c.name, cl)
+		}
+		for _, ev := range e.bus.Recent() {
+			if ev.Type == events.DiskClaimed && ev.Volume == req.Volume {
+				t.Fatalf("%s: a refused encrypted stage was announced as claimed", c.name)
+			}
 		}
 	}
-	if c, _ := e.m.Store().Get("vol-enc2"); c != nil {
-		t.Fatalf("a failed first stage left a record: %+v", c)
+}
+
+func TestFirstEncryptedStageNeedsTheWrappedPassphrase(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, nil)
+	e.crypt = newHostLUKS(t)
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	for _, c := range []struct {
+		tok  *TransitToken
+		want string
+	}{
+		{nil, "transit_token"},
+		{&TransitToken{KeyName: "k", KeyVersion: 2, Ciphertext: "vault:v1:abc"}, "key version 2"},
+		{&TransitToken{KeyName: "", KeyVersion: 1, Ciphertext: "vault:v1:abc"}, "names no key"},
+		{&TransitToken{KeyName: "k", KeyVersion: 1, Ciphertext: "plain"}, "not a transit ciphertext"},
+	} {
+		req := encReq(e, "vol-t", img, "staging/t")
+		req.Token = c.tok
+		_, err := e.m.Stage(ctx, req)
+		wantCode(t, err, codes.InvalidArgument, c.want)
+		if blkid(t, dev, "TYPE") != "" || isMounted(t, req.StagingPath) {
+			t.Fatal("formatted or mounted without a valid wrapped passphrase")
+		}
+		if cl, _ := e.m.Store().Get("vol-t"); cl != nil {
+			t.Fatalf("a refused first stage left a record: %+v", cl)
+		}
+	}
+	// Without format_if_blank a blank device is not formatted either.
+	req := encReq(e, "vol-t", img, "staging/t")
+	req.FormatLUKS = false
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "format_if_blank")
+	if blkid(t, dev, "TYPE") != "" {
+		t.Fatal("formatted without format_if_blank")
+	}
+}
+
+// A crash can cut a stage short anywhere; the claim record says what this
+// agent made, so the retry finishes without formatting twice and without
+// formatting anything that is not its own.
+func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
+	needRoot(t)
+	crypt := newHostLUKS(t)
+	e := newEnvWith(t, nil)
+	e.crypt = crypt
+	e.start()
+	ctx := context.Background()
+	claim := func(vol, img, staging string, formatting, formatted bool) {
+		c := &Claim{Volume: vol, Locator: Locator{BackingFile: img}, StagingPath: e.path(staging), FsType: "ext4",
+			Encrypted: true, Phase: PhaseInterrupted, LUKSFormatting: formatting, LUKSFormatted: formatted}
+		if err := e.m.Store().Put(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// 1. The format completed, the record of it did not: the retry opens
+	// the header it finds (same UUID), it does not format again.
+	img, dev := loop(t, 64)
+	if err := (&LUKS{}).Format(ctx, dev, []byte(secret), wrapped, false); err != nil {
+		t.Fatal(err)
+	}
+	first, _ := e.m.VolumeToken(ctx, "vol-1", Locator{BackingFile: img})
+	claim("vol-1", img, "staging/1", true, false)
+	e.start() // the restarted agent
+	res, err := e.m.Stage(ctx, encReq(e, "vol-1", img, "staging/1"))
+	if err != nil || !res.Formatted /* the filesystem */ {
+		t.Fatalf("retry after a recorded-but-unconfirmed format: %+v %v", res, err)
+	}
+	if tok, _ := e.m.VolumeToken(ctx, "vol-1", Locator{}); tok.UUID != first.UUID {
+		t.Fatal("the header was made again")
+	}
+	if c, _ := e.m.Store().Get("vol-1"); !c.LUKSFormatted || c.LUKSFormatting {
+		t.Fatalf("record after the retry: %+v", c)
+	}
+
+	// 2. The format was cut short half-way (key material written, no
+	// header yet): the record says the agent began it, so the retry
+	// formats again over its own leftovers.
+	img2, dev2 := loop(t, 64)
+	f, _ := os.OpenFile(dev2, os.O_WRONLY, 0)
+	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)
+	f.Close()
+	claim("vol-2", img2, "staging/2", true, false)
+	e.start()
+	if res, err := e.m.Stage(ctx, encReq(e, "vol-2", img2, "staging/2")); err != nil || !res.Formatted || blkid(t, dev2, "TYPE") != "crypto_LUKS" {
+		t.Fatalf("retry after a half-done format: %+v %v", res, err)
+	}
+	if !strings.Contains(e.logs.String(), "cut short") {
+		t.Fatal("formatting over a half-done format is not logged")
+	}
+
+	// 3. The same bytes on a volume this agent never began to format:
+	// refused.
+	img3, dev3 := loop(t, 64)
+	f, _ = os.OpenFile(dev3, os.O_WRONLY, 0)
+	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)
+	f.Close()
+	_, err = e.m.Stage(ctx, encReq(e, "vol-3", img3, "staging/3"))
+	wantCode(t, err, codes.FailedPrecondition, "never formats over existing data")
+
+	// 4. The record says this agent made the header, the disk is blank:
+	// the wrong disk, or a wiped one; reported, never formatted.
+	img4, dev4 := loop(t, 64)
+	claim("vol-4", img4, "staging/4", false, true)
+	e.start()
+	_, err = e.m.Stage(ctx, encReq(e, "vol-4", img4, "staging/4"))
+	wantCode(t, err, codes.FailedPrecondition, "will not format it again")
+	if blkid(t, dev4, "TYPE") != "" {
+		t.Fatal("formatted a second time")
 	}
 }
 
@@ -217,6 +428,8 @@ func TestEncryptedVolumeWithoutLUKSSupportIsRefused(t *testing.T) {
 	if blkid(t, dev, "TYPE") != "" || isMounted(t, req.StagingPath) {
 		t.Fatal("an encrypted volume was formatted or mounted without LUKS2")
 	}
+	_, err = e.m.VolumeToken(context.Background(), "vol-e", req.Locator)
+	wantCode(t, err, codes.FailedPrecondition, "no LUKS2 support")
 	req.Passphrase = nil
 	_, err = e.m.Stage(context.Background(), req)
 	wantCode(t, err, codes.InvalidArgument, "no passphrase")

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -19,20 +20,26 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
 
-// Encryption opens and closes LUKS2 volumes (package crypt). The
-// passphrase is used for the call only; implementations never keep or log
-// it.
+// Encryption formats, opens and closes LUKS2 volumes (LUKS, built on
+// package crypt). The passphrase is used for the call only;
+// implementations never keep or log it.
 type Encryption interface {
+	// Inspect reads what device holds where the LUKS2 header goes: nothing,
+	// a LUKS2 header (with its transit token), or other data. It changes
+	// nothing.
+	Inspect(ctx context.Context, device string) (Content, error)
+	// Format writes a new LUKS2 header with one keyslot for passphrase and
+	// tok as its vco-transit token. Without force a device that carries
+	// any signature is refused.
+	Format(ctx context.Context, device string, passphrase []byte, tok TransitToken, force bool) error
 	// Open unlocks the LUKS2 volume on device and maps it as name,
-	// returning the mapped device's path. With formatIfBlank, a device that
-	// carries no signature at all is first given a LUKS2 header
-	// (formatted reports that); a device with any other signature is
-	// never formatted.
-	Open(ctx context.Context, device, name string, passphrase []byte, formatIfBlank, readOnly bool) (mapped string, formatted bool, err error)
+	// returning the mapped device's path.
+	Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (mapped string, err error)
 	// Close removes the mapping; a missing mapping is not an error.
 	Close(ctx context.Context, name string) error
 	// Resize grows the mapping to its backing device, online.
@@ -186,9 +193,12 @@ type StageRequest struct {
 	ReadOnly    bool
 	Grant       *fence.Grant
 	// Encrypted volumes carry the passphrase (never stored or logged).
-	Encrypted     bool
-	Passphrase    []byte
+	Encrypted  bool
+	Passphrase []byte
+	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
+	// passphrase wrapped by the transit engine.
 	FormatLUKS    bool
+	Token         *TransitToken
 	AllowUnfenced bool
 }
 
@@ -428,10 +438,15 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	// Whatever fails from here leaves no device open, no fence held and,
 	// for a first attempt, no record.
 	var fencer fence.Fencer
-	acquired, mapped, mounted := false, false, false
+	acquired, mapped, mounted, roCleared := false, false, false, false
 	defer func() {
 		if err == nil {
 			return
+		}
+		if roCleared && !acquired {
+			if rerr := setReadOnly(dev.File, true); rerr != nil {
+				m.log.Error("could not set a disk read-only again after a failed claim", "volume", c.Volume, "device", dev.Path, "err", rerr)
+			}
 		}
 		// Undo in reverse: nothing stays mounted or mapped on a disk whose
 		// fence this node gives back.
@@ -453,7 +468,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		}
 		m.setLive(c.Volume, nil)
 		dev.Close()
-		if isNew && !c.Formatted && !c.LUKSFormatted && !c.FenceFormatted {
+		if isNew && !c.Formatted && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted {
 			if err := dropDataMapping(c.DataDevice); err != nil {
 				m.log.Error("could not detach the data mapping of a failed stage", "volume", c.Volume, "err", err)
 			}
@@ -498,6 +513,17 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			"volume", c.Volume, "device", dev.Path, "reason", choice.Reason)
 		c.Method, c.State, c.Key = fence.MethodNone, StateUnfenced, 0
 	} else {
+		if choice.Method == MethodLease {
+			// The lease is taken by writing this node's slot on the disk:
+			// a disk refused earlier (read-only) must take that write. A
+			// refusal now sets it read-only again.
+			if ro, rerr := readOnly(dev.File); rerr == nil && ro {
+				if err := setReadOnly(dev.File, false); err != nil {
+					return res, fmt.Errorf("volume %s: %w", c.Volume, err)
+				}
+				roCleared = true
+			}
+		}
 		if choice.Prepare != nil {
 			wrote, err := choice.Prepare(ctx)
 			if err != nil {
@@ -559,15 +585,20 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
 		}
-		dmPath, formatted, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.FormatLUKS && !c.LUKSFormatted, r.ReadOnly)
+		formatted, err := m.prepareLUKS(ctx, c, target, r)
 		if err != nil {
-			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v", c.Volume, target, err)
+			return res, err
+		}
+		res.Formatted = formatted
+		dmPath, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.ReadOnly)
+		if err != nil {
+			hint := ""
+			if errors.Is(err, luks2.ErrWrongPassphrase) {
+				hint = "; the node plugin must unwrap the passphrase kept in the header's transit token (GetVolumeToken)"
+			}
+			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v%s", c.Volume, target, err, hint)
 		}
 		mapped = true
-		if formatted {
-			c.LUKSFormatted = true
-			res.Formatted = true
-		}
 		c.Mapper, target = dmPath, dmPath
 		if err := m.store.Put(c); err != nil {
 			return res, err
@@ -592,6 +623,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	} else {
 		msg += fmt.Sprintf(", fenced with %s key %s", c.Method, c.Key)
 	}
+	m.markClaimed(dev.Name)
 	m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
 		HolderKey: uint64(c.Key), Reason: "staged", Message: msg})
 	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "staging", c.StagingPath,
@@ -745,6 +777,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
 		}
 	}
+	m.clearClaimed(filepath.Base(c.Device))
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	if err := m.store.Put(c); err != nil {
 		m.log.Error("could not record a lost claim", "volume", c.Volume, "err", err)

@@ -93,6 +93,11 @@ type Claim struct {
 	// (DESIGN.md P5).
 	Formatted     bool `json:"formatted,omitempty"`
 	LUKSFormatted bool `json:"luks_formatted,omitempty"`
+	// LUKSFormatting is set just before this agent formats a blank device
+	// and cleared once the header is complete: a device the record says
+	// is ours half-formatted is the one case where the agent formats over
+	// what it finds, because it wrote it.
+	LUKSFormatting bool `json:"luks_formatting,omitempty"`
 	// FenceFormatted: the fencing wrote its metadata (the lease area).
 	FenceFormatted bool `json:"fence_formatted,omitempty"`
 	// Publications are the target paths the volume is bind-mounted at.

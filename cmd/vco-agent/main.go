@@ -28,6 +28,7 @@ func commands() map[string]command {
 		"events":   {"print recent agent events; --follow for new ones", runEvents},
 		"fence":    {"show, acquire, release or check a disk's reservation directly", runFence},
 		"disks":    {"list the disks the agent sees with fencing method, state and holder", runDisks},
+		"volume":   {"stage, unstage, expand a volume through the running agent; read its LUKS2 token", runVolume},
 		"luks":     {"LUKS2 volumes: format, dump, test-passphrase, open, close, status, resize, add-key, remove-key, repair", runLuks},
 		"lease":    {"show, format, acquire, release or check a disk's on-disk lease directly", runLease},
 	}

@@ -6,6 +6,6 @@ import (
 )
 
 // newAgent connects the node service to vco-agent.
-func newAgent(socket string) (driver.NodeAgent, error) {
-	return agentnode.Dial(socket)
+func newAgent(socket string, o agentnode.Options) (driver.NodeAgent, error) {
+	return agentnode.Dial(socket, o)
 }

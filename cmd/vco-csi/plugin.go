@@ -8,9 +8,13 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
@@ -29,6 +33,16 @@ func runPlugin(args []string) int {
 	attachWait := fs.Duration("attach-timeout", 2*time.Minute, "longest wait for an attached disk to appear on its VM (controller)")
 	agentSock := fs.String("agent-socket", "/run/vco-agent/agent.sock", "vco-agent socket (node)")
 	kubelet := fs.String("kubelet-root", "/var/lib/kubelet", "staging and target paths must lie under this directory (node)")
+	allowUnfenced := fs.Bool("allow-unfenced", false, "ask the agent to stage disks that offer no fencing method, e.g. loop devices; the agent must allow it too (node; tests and the simulator only)")
+	loopDir := fs.String("sim-disk-dir", "", "find volumes as loop devices of this `vco-csi sim` host backend's disk directory (<sim --dir>/disks) instead of by PCI address and serial (node; simulator only)")
+	vaultAddr := fs.String("vault-addr", "", "Vault/OpenBao address whose transit engine wraps encrypted volumes' passphrases; empty: encrypted volumes are refused (node)")
+	transitMount := fs.String("vault-transit-mount", "transit", "transit engine mount path (node)")
+	transitKey := fs.String("vault-transit-key", "vco-volumes", "transit key that wraps new volumes' passphrases (node)")
+	vaultRole := fs.String("vault-role", "vco-node", "Vault Kubernetes auth role of the node plugin's ServiceAccount (node)")
+	vaultAuthMount := fs.String("vault-auth-mount", "kubernetes", "Vault Kubernetes auth mount path (node)")
+	vaultNamespace := fs.String("vault-namespace", "", "Vault/OpenBao namespace (node)")
+	vaultCA := fs.String("vault-ca-file", "", "PEM CA bundle for Vault instead of the system roots (node)")
+	vaultTokenFile := fs.String("vault-token-file", "", "file holding a Vault token to use instead of Kubernetes auth (node; operators and tests)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -56,11 +70,27 @@ func runPlugin(args []string) int {
 		}
 	}
 	if cfg.Mode != driver.ModeController {
-		a, err := newAgent(*agentSock)
+		a, err := newAgent(*agentSock, agentnode.Options{AllowUnfenced: *allowUnfenced, LoopDiskDir: *loopDir})
 		if err != nil {
 			return fail("%v", err)
 		}
 		cfg.Agent = a
+		if *vaultAddr != "" {
+			tc := transit.Config{Address: *vaultAddr, Mount: *transitMount, Namespace: *vaultNamespace, CACertFile: *vaultCA,
+				KubernetesRole: *vaultRole, KubernetesMount: *vaultAuthMount}
+			if *vaultTokenFile != "" {
+				b, err := os.ReadFile(*vaultTokenFile)
+				if err != nil {
+					return fail("reading the Vault token: %v", err)
+				}
+				tc.Token = strings.TrimSpace(string(b))
+			}
+			w, err := transit.New(tc)
+			if err != nil {
+				return fail("%v", err)
+			}
+			cfg.Transit, cfg.TransitKey = w, crypt.TransitKey{Mount: *transitMount, Name: *transitKey}
+		}
 	}
 	if cfg.Name == "" {
 		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")

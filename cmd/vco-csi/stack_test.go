@@ -7,58 +7,108 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
 )
 
-// TestStackOnThisHost runs the three real binaries together: vco-agent
-// (its identity from a fixture sysfs tree), `vco-csi sim` with the host
-// backend, and `vco-csi --mode=all` talking to both. The node id comes from
-// the agent, the controller finds that node's VM by reference_id, and
-// publishing makes a real loop device on this machine.
-func TestStackOnThisHost(t *testing.T) {
-	if testing.Short() {
-		t.Skip("builds binaries")
-	}
+// stack is the three real binaries running together on this host:
+// vco-agent (its identity from a fixture sysfs tree whose block/ is the
+// host's, volumes allowed on unfenced loop devices), `vco-csi sim` with the
+// host backend, and `vco-csi --mode=all` talking to both.
+type stack struct {
+	kubelet, simDir, agentSock, csiSock string
+}
+
+// stackUUID is the SMBIOS UUID the fixture gives this machine.
+const stackUUID = "8F2D6A1E-9B3C-4D5E-A6F7-0123456789AB"
+
+// startStack runs the binaries from $VCO_BIN (make's bin/) or, without
+// it, builds them. Everything it starts is stopped when the test ends, and
+// whatever the test left mounted is unmounted.
+func startStack(t *testing.T, lease bool) *stack {
+	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("the host backend makes loop devices, which needs root")
+		t.Skip("the host backend makes loop devices and the agent mounts them, which needs root")
 	}
-	const uuid = "8F2D6A1E-9B3C-4D5E-A6F7-0123456789AB"
 	dir := t.TempDir()
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		goTool = "/usr/local/go/bin/go"
-	}
-	for _, c := range []string{"vco-csi", "vco-agent"} {
-		if out, err := exec.Command(goTool, "build", "-o", filepath.Join(dir, c), "../"+c).CombinedOutput(); err != nil {
-			t.Fatalf("build %s: %v\n%s", c, err, out)
+	t.Cleanup(func() { unmountUnder(dir) })
+	bins := os.Getenv("VCO_BIN")
+	if bins == "" {
+		if testing.Short() {
+			t.Skip("builds binaries")
+		}
+		bins = dir
+		goTool, err := exec.LookPath("go")
+		if err != nil {
+			goTool = "/usr/local/go/bin/go"
+		}
+		for _, c := range []string{"vco-csi", "vco-agent"} {
+			if out, err := exec.Command(goTool, "build", "-o", filepath.Join(dir, c), "../"+c).CombinedOutput(); err != nil {
+				t.Fatalf("build %s: %v\n%s", c, err, out)
+			}
 		}
 	}
 	start := func(bin string, args ...string) {
-		cmd := exec.Command(filepath.Join(dir, bin), args...)
+		cmd := exec.Command(filepath.Join(bins, bin), args...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		// Stopped with the test even when the test binary dies first.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		t.Cleanup(func() {
+			cmd.Process.Signal(syscall.SIGTERM)
+			done := make(chan struct{})
+			go func() { cmd.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Errorf("%s did not stop within 10s of SIGTERM; killed", bin)
+				cmd.Process.Kill()
+				<-done
+			}
+		})
 	}
+	s := &stack{kubelet: filepath.Join(dir, "kubelet"), simDir: filepath.Join(dir, "sim"),
+		agentSock: filepath.Join(dir, "agent.sock"), csiSock: filepath.Join(dir, "csi.sock")}
+	os.MkdirAll(s.kubelet, 0o750)
 
 	sysfs := filepath.Join(dir, "sysfs")
 	os.MkdirAll(filepath.Join(sysfs, "class/dmi/id"), 0o755)
 	os.MkdirAll(filepath.Join(sysfs, "class/block"), 0o755)
-	os.WriteFile(filepath.Join(sysfs, "class/dmi/id/product_uuid"), []byte(uuid+"\n"), 0o444)
+	os.WriteFile(filepath.Join(sysfs, "class/dmi/id/product_uuid"), []byte(stackUUID+"\n"), 0o444)
+	// The agent finds loop devices under <sysfs>/block.
+	if err := os.Symlink("/sys/block", filepath.Join(sysfs, "block")); err != nil {
+		t.Fatal(err)
+	}
+	// Loop devices have no SCSI-3 PR. With lease, the agent fences them
+	// with its on-disk lease (volumes.lease_loop_devices), with timings
+	// short enough for a test yet with room for a loaded machine; without,
+	// it stages them unfenced by both opt-ins: its volumes.allow_unfenced
+	// and the plugin's --allow-unfenced. The agent watches no udev events
+	// and marks claimed disks under the test's directory: other tests'
+	// disks on this machine are none of its business.
 	cfg := filepath.Join(dir, "agent.yaml")
-	os.WriteFile(cfg, nil, 0o644)
-	agentSock := filepath.Join(dir, "agent.sock")
-	start("vco-agent", "serve", "--config", cfg, "--socket", agentSock, "--sysfs-root", sysfs, "--dbus=false",
+	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"+
+		"  watch_disks: false\n  claimed_dir: "+filepath.Join(dir, "claimed")+"\n"+
+		"  lease_loop_devices: "+strconv.FormatBool(lease)+"\n"+
+		"  lease:\n    io_timeout: 1s\n    renew: 2s\n    fail: 10s\n    watchdog: 0s\n"), 0o644)
+	start("vco-agent", "serve", "--config", cfg, "--socket", s.agentSock, "--sysfs-root", sysfs, "--dbus=false",
 		"--location", "ch-gen-1", "--state-dir", filepath.Join(dir, "agent-state"))
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -67,9 +117,8 @@ func TestStackOnThisHost(t *testing.T) {
 	}
 	addr := ln.Addr().String()
 	ln.Close()
-	simDir := filepath.Join(dir, "sim")
-	start("vco-csi", "sim", "--listen", addr, "--dir", simDir, "--backend", "host", "--customer", "acme",
-		"--host-vm-uuid", uuid, "--host-vm-location", "ch-gen-1")
+	start("vco-csi", "sim", "--listen", addr, "--dir", s.simDir, "--backend", "host", "--customer", "acme",
+		"--host-vm-uuid", stackUUID, "--host-vm-location", "ch-gen-1")
 	waitFor(t, func() bool {
 		r, err := http.Get("http://" + addr + "/admin/faults")
 		if err == nil {
@@ -77,18 +126,25 @@ func TestStackOnThisHost(t *testing.T) {
 		}
 		return err == nil
 	})
-	waitFor(t, func() bool { _, err := os.Stat(agentSock); return err == nil })
+	waitFor(t, func() bool { _, err := os.Stat(s.agentSock); return err == nil })
 
 	tok := filepath.Join(dir, "token")
 	os.WriteFile(tok, []byte("h.p.s"), 0o600)
-	kubelet := filepath.Join(dir, "kubelet")
-	os.MkdirAll(kubelet, 0o750)
-	sock := filepath.Join(dir, "csi.sock")
-	start("vco-csi", "--mode=all", "--endpoint", "unix://"+sock, "--api-url", "http://"+addr+"/api/1", "--customer", "acme",
-		"--token-file", tok, "--agent-socket", agentSock, "--kubelet-root", kubelet, "--attach-timeout", "20s", "--driver-name", "cloud.whitesky.csi")
-	waitFor(t, func() bool { _, err := os.Stat(sock); return err == nil })
+	start("vco-csi", "--mode=all", "--endpoint", "unix://"+s.csiSock, "--api-url", "http://"+addr+"/api/1", "--customer", "acme",
+		"--token-file", tok, "--agent-socket", s.agentSock, "--kubelet-root", s.kubelet, "--attach-timeout", "20s", "--default-location", "ch-gen-1",
+		"--driver-name", "cloud.whitesky.csi", "--allow-unfenced", "--sim-disk-dir", filepath.Join(s.simDir, "disks"))
+	waitFor(t, func() bool { _, err := os.Stat(s.csiSock); return err == nil })
+	return s
+}
 
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+// TestStackOnThisHost drives a volume's whole life through the binaries,
+// the loop device fenced by the agent's lease:
+// the node id comes from the agent, the controller finds that node's VM by
+// reference_id, publishing makes a real loop device, and the agent
+// formats, mounts and binds it into the pod's path.
+func TestStackOnThisHost(t *testing.T) {
+	s := startStack(t, true)
+	conn, err := grpc.NewClient("unix://"+s.csiSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,10 +163,10 @@ func TestStackOnThisHost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ni.NodeId != strings.ToLower(uuid) || ni.AccessibleTopology.Segments["cloud.whitesky/location"] != "ch-gen-1" {
+	if ni.NodeId != strings.ToLower(stackUUID) || ni.AccessibleTopology.Segments["cloud.whitesky/location"] != "ch-gen-1" {
 		t.Fatalf("node info = %v", ni)
 	}
-	capab := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+	capab := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "xfs"}},
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
 	v, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack", VolumeCapabilities: []*csi.VolumeCapability{capab},
 		CapacityRange:             &csi.CapacityRange{RequiredBytes: 1 << 30},
@@ -124,7 +180,7 @@ func TestStackOnThisHost(t *testing.T) {
 		t.Fatal(err)
 	}
 	diskID, _ := strconv.Atoi(pub.PublishContext["cloud.whitesky/disk-id"])
-	backing := filepath.Join(simDir, "disks", "disk-"+strconv.Itoa(diskID)+".img")
+	backing := filepath.Join(s.simDir, "disks", "disk-"+strconv.Itoa(diskID)+".img")
 	loop := loopFor(backing)
 	if loop == "" {
 		t.Fatalf("no loop device backs %s after publish", backing)
@@ -133,12 +189,52 @@ func TestStackOnThisHost(t *testing.T) {
 	if b, _ := os.ReadFile("/sys/block/" + loop + "/size"); strings.TrimSpace(string(b)) != "2097152" {
 		t.Fatalf("%s has %s sectors, want 1 GiB", loop, b)
 	}
-	// The node service hands staging to the agent, which has no volume
-	// methods yet and says so.
-	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
-		StagingTargetPath: filepath.Join(kubelet, "plugins", "staging"), VolumeCapability: capab})
-	if status.Code(err) != codes.Unimplemented || !strings.Contains(err.Error(), agentSock) {
+	staging := filepath.Join(s.kubelet, "plugins", "staging")
+	target := filepath.Join(s.kubelet, "pods", "p", "volumes", "v")
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
+		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: v.Volume.VolumeContext}); err != nil {
 		t.Fatalf("stage: %v", err)
+	}
+	if fs := mountFSType(staging); fs != "xfs" {
+		t.Fatalf("the staging path has filesystem %q mounted, want xfs", fs)
+	}
+	ac, err := client.Dial(s.agentSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ac.Close()
+	disks, err := ac.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fenced := false
+	for _, d := range disks.GetDisks() {
+		if d.GetVolumeId() == volID {
+			fenced = d.GetFencing() == api.FencingMethod_FENCING_METHOD_DISK_LEASE && d.GetState() == api.ClaimState_CLAIM_STATE_HELD
+		}
+	}
+	if !fenced {
+		t.Fatalf("volume %s is not held under the agent's disk lease: %v", volID, disks)
+	}
+	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: volID, StagingTargetPath: staging,
+		TargetPath: target, VolumeCapability: capab}); err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "hello"), []byte("world"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(staging, "hello")); err != nil || string(b) != "world" {
+		t.Fatalf("a file written in the pod's path is not on the staged volume: %q %v", b, err)
+	}
+	st, err := node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: volID, VolumePath: target})
+	if err != nil || len(st.Usage) != 2 || st.Usage[0].Total <= 0 || st.Usage[0].Total > 1<<30 {
+		t.Fatalf("stats: %v %v", st, err)
+	}
+	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: volID, NodeId: ni.NodeId}); err != nil {
 		t.Fatal(err)
@@ -151,6 +247,57 @@ func TestStackOnThisHost(t *testing.T) {
 	}
 	if _, err := os.Stat(backing); !os.IsNotExist(err) {
 		t.Fatalf("disk file after delete: %v", err)
+	}
+
+	// Without a transit engine configured, an encrypted volume is refused,
+	// saying why.
+	ev, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack-enc", VolumeCapabilities: []*csi.VolumeCapability{capab},
+		Parameters: map[string]string{"encryption": "true"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{ni.AccessibleTopology}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: ev.Volume.VolumeId, PublishContext: pub.PublishContext,
+		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: ev.Volume.VolumeContext})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "no transit engine") {
+		t.Fatalf("stage of an encrypted volume: %v", err)
+	}
+	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: ev.Volume.VolumeId}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// mountFSType is the filesystem type mounted at p, or "".
+func mountFSType(p string) string {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 10 || f[4] != p {
+			continue
+		}
+		for i, x := range f {
+			if x == "-" && i+1 < len(f) {
+				return f[i+1]
+			}
+		}
+	}
+	return ""
+}
+
+// unmountUnder lazily unmounts every mount below dir, deepest first.
+func unmountUnder(dir string) {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var mps []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			mps = append(mps, f[4])
+		}
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
+	for _, p := range mps {
+		if unix.Unmount(p, 0) != nil {
+			unix.Unmount(p, unix.MNT_DETACH)
+		}
 	}
 }
 

@@ -45,7 +45,7 @@ type benchRow struct {
 // booting alone is the reference for boot and set-up times; sg_persist is
 // the reference for reservation latency.
 func bench(args []string) int {
-	c, err := oneShotFlags("bench", args)
+	c, err := oneShotFlags("bench", args, nil)
 	if err != nil {
 		return fail("%v", err)
 	}

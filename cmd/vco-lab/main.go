@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -29,10 +30,18 @@ func usage() {
 commands:
   prepare                  fetch and unpack the guest kernel into the cache
   up [-guests N]           start tgtd and N guests sharing one LUN; leave them running
+  up -sim [-kind K]        start the simulator in lab mode, tgtd and N guests running
+                           vco-agent and the vco-csi node plugin; leave them running
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run                      the lab smoke scenario (make lab), with timings
+  run [-kind K] [-skip E4,E7,E8,E9] [-report DIR]
+                           the RWO story (make lab): simulator in lab mode, tgtd,
+                           two guests with vco-agent and vco-csi; CSI calls in
+                           Kubernetes' order; report per safety property; writes
+                           DIR/lab-report.txt and .html (default: bin/ or .)
+  smoke                    the reservation smoke scenario on one shared LUN
+  csi-call METHOD JSON     (inside a guest) one CSI node call to the local plugin
   bench                    guest boot time and lab set-up time
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
@@ -68,6 +77,12 @@ func main() {
 		code = down(args)
 	case "run":
 		code = run(args)
+	case "smoke":
+		code = smoke(args)
+	case "sim-serve":
+		code = simServe(args)
+	case "csi-call":
+		code = csiCall(args)
 	case "bench":
 		code = bench(args)
 	case "-h", "--help", "help":
@@ -107,14 +122,14 @@ func flags(name string, args []string, extra func(*flag.FlagSet)) (*common, []st
 // oneShotFlags are the flags of run and bench. Without -dir they work in a
 // fresh directory, so that they never touch a lab someone keeps up (or
 // another run) in the shared default directory.
-func oneShotFlags(name string, args []string) (*common, error) {
+func oneShotFlags(name string, args []string, extra func(*flag.FlagSet)) (*common, error) {
 	explicit := false
 	for _, a := range args {
 		if a == "-dir" || a == "--dir" || strings.HasPrefix(a, "-dir=") || strings.HasPrefix(a, "--dir=") {
 			explicit = true
 		}
 	}
-	c, _ := flags(name, args, nil)
+	c, _ := flags(name, args, extra)
 	if explicit || os.Getenv("VCO_LAB_DIR") != "" {
 		return c, nil
 	}
@@ -290,7 +305,16 @@ func startShared(ctx context.Context, cfg lab.Config, guests int) (*lab.Lab, *la
 
 func up(args []string) int {
 	var guests int
-	c, _ := flags("up", args, func(fs *flag.FlagSet) { fs.IntVar(&guests, "guests", 2, "number of guests") })
+	var withSim bool
+	var kind string
+	c, _ := flags("up", args, func(fs *flag.FlagSet) {
+		fs.IntVar(&guests, "guests", 2, "number of guests")
+		fs.BoolVar(&withSim, "sim", false, "run the whitesky.cloud simulator in lab mode with the agent and node plugin in every guest")
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "with -sim: how disks are shown, scsi-block or virtio-blk")
+	})
+	if withSim {
+		return upSim(c, guests, kind)
+	}
 	cfg, err := labConfig(c, true)
 	if err != nil {
 		return fail("%v", err)
@@ -317,6 +341,12 @@ func status(args []string) int {
 		return fail("%v", err)
 	}
 	fmt.Printf("lab in %s: tgtd pid %d on %s (control port %d)\n", c.dir, s.TargetPID, s.Portal, s.TargetCtlPort)
+	if b, err := os.ReadFile(simInfoPath(c.dir)); err == nil {
+		var si simInfo
+		if json.Unmarshal(b, &si) == nil {
+			printSimInfo(c.dir, &si)
+		}
+	}
 	for _, l := range s.LUNs {
 		fmt.Printf("  LUN %s  serial %s  file %s\n", l.IQN, l.Serial, l.File)
 	}
@@ -398,7 +428,30 @@ func down(args []string) int {
 }
 
 func run(args []string) int {
-	c, err := oneShotFlags("run", args)
+	var kind, report string
+	var skipList string
+	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests: scsi-block (SCSI-3 PR) or virtio-blk")
+		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E7, E8, E9")
+		fs.StringVar(&report, "report", "", "directory for lab-report.txt and lab-report.html (default: the -bin directory)")
+	})
+	if err != nil {
+		return fail("%v", err)
+	}
+	if report == "" {
+		report = c.bin
+	}
+	skip := map[string]bool{}
+	for _, sc := range strings.Split(skipList, ",") {
+		if sc = strings.ToUpper(strings.TrimSpace(sc)); sc != "" {
+			skip[sc] = true
+		}
+	}
+	return c.finish(runStory(c, kind, skip, report))
+}
+
+func smoke(args []string) int {
+	c, err := oneShotFlags("smoke", args, nil)
 	if err != nil {
 		return fail("%v", err)
 	}

@@ -1,12 +1,15 @@
 // Package agentnode is the CSI node service's view of vco-agent: the
 // driver.NodeAgent interface implemented over the agent's published gRPC
 // API (agent/api) on its unix socket. The node plugin holds no cloud
-// credential and does no privileged work; it asks the agent.
+// credential and does no privileged work; it asks the agent, one call per
+// CSI method, and passes the agent's gRPC code and words back unchanged.
 package agentnode
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"strconv"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -14,47 +17,244 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
+
+// Options are the node plugin's explicit opt-ins for hosts that are not
+// production nodes.
+type Options struct {
+	// AllowUnfenced asks the agent to stage disks that offer no fencing
+	// method (no SCSI-3 PR, no lease), such as loop devices. The agent
+	// refuses unless its own configuration (volumes.allow_unfenced) also
+	// allows it.
+	AllowUnfenced bool
+	// LoopDiskDir is the disk directory of a `vco-csi sim` host backend.
+	// When set, a volume's device is named to the agent as the loop
+	// device backed by that directory's file for the publish context's
+	// disk id, instead of by PCI address and serial. The agent accepts
+	// that only with volumes.allow_loop_devices.
+	LoopDiskDir string
+}
 
 // Agent is a connection to vco-agent.
 type Agent struct {
 	c *client.Client
+	o Options
 }
 
 // Dial connects to the agent at socket; it fails when nothing serves it.
-func Dial(socket string) (*Agent, error) {
+func Dial(socket string, o Options) (*Agent, error) {
 	c, err := client.Dial(socket)
 	if err != nil {
 		return nil, err
 	}
-	return &Agent{c: c}, nil
+	return &Agent{c: c, o: o}, nil
 }
 
 // Close drops the connection.
 func (a *Agent) Close() error { return a.c.Close() }
 
+// agentError carries the agent's status with its message alone as the
+// text, so the words the agent chose (the holder of a refused disk, what
+// the operator can do) reach the CO's event without "rpc error: code ="
+// noise, and CodeForError still finds the agent's code.
+type agentError struct{ st *status.Status }
+
+func (e *agentError) Error() string              { return e.st.Message() }
+func (e *agentError) GRPCStatus() *status.Status { return e.st }
+
+// answer turns an error from a call into one the driver passes on. A
+// transport failure names the socket, since the agent is what is down.
+func (a *Agent) answer(err error) error {
+	if err == nil {
+		return nil
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return fmt.Errorf("vco-agent at %s: %w", a.c.Socket, err)
+	}
+	if st.Code() == codes.Unavailable || st.Code() == codes.Unimplemented {
+		return &agentError{status.New(st.Code(), fmt.Sprintf("vco-agent at %s: %s", a.c.Socket, st.Message()))}
+	}
+	return &agentError{st}
+}
+
 // Identity asks the agent who this node is.
 func (a *Agent) Identity(ctx context.Context) (driver.NodeIdentity, error) {
 	id, err := a.c.GetIdentity(ctx, &api.GetIdentityRequest{})
 	if err != nil {
-		return driver.NodeIdentity{}, fmt.Errorf("vco-agent at %s: %w", a.c.Socket, err)
+		return driver.NodeIdentity{}, a.answer(err)
 	}
 	return driver.NodeIdentity{UUID: id.GetSystemUuid(), Location: id.GetLocation()}, nil
 }
 
-// The agent's API has no volume methods yet. Until it does, each of these
-// says so with UNIMPLEMENTED rather than pretending.
-func (a *Agent) missing(op string) error {
-	return status.Errorf(codes.Unimplemented, "vco-agent at %s has no %s method in this version; upgrade the agent", a.c.Socket, op)
+func invalid(format string, args ...any) error {
+	return &agentError{status.Newf(codes.InvalidArgument, format, args...)}
 }
 
-func (a *Agent) Stage(context.Context, driver.StageRequest) error     { return a.missing("stage") }
-func (a *Agent) Unstage(context.Context, string, string) error        { return a.missing("unstage") }
-func (a *Agent) Publish(context.Context, driver.PublishRequest) error { return a.missing("publish") }
-func (a *Agent) Unpublish(context.Context, string, string) error      { return a.missing("unpublish") }
-func (a *Agent) Expand(context.Context, string, string, int64) (int64, error) {
-	return 0, a.missing("expand")
+// locator builds the agent's device locator from the controller's
+// publish context.
+func (a *Agent) locator(volumeID string, pc map[string]string) (*api.DeviceLocator, error) {
+	if a.o.LoopDiskDir != "" {
+		id, err := strconv.ParseInt(pc[driver.PubDiskID], 10, 64)
+		if err != nil {
+			return nil, invalid("volume %s: the publish context's %s %q is not a disk id; was the volume published by this driver's controller?",
+				volumeID, driver.PubDiskID, pc[driver.PubDiskID])
+		}
+		return &api.DeviceLocator{LoopBackingFile: (&sim.HostBackend{Dir: a.o.LoopDiskDir}).DiskFile(id)}, nil
+	}
+	loc := &api.DeviceLocator{Serial: pc[driver.PubSerial]}
+	bus, slot := pc[driver.PubPCIBus], pc[driver.PubPCISlot]
+	if bus != "" || slot != "" {
+		b, err1 := strconv.ParseUint(bus, 10, 32)
+		s, err2 := strconv.ParseUint(slot, 10, 32)
+		if err1 != nil || err2 != nil {
+			return nil, invalid("volume %s: the publish context's PCI bus %q / slot %q are not numbers", volumeID, bus, slot)
+		}
+		loc.HasPci, loc.PciBus, loc.PciSlot = true, uint32(b), uint32(s)
+	}
+	if !loc.HasPci && loc.Serial == "" {
+		return nil, invalid("volume %s: the publish context names no device (%s, %s, %s); was ControllerPublishVolume called?",
+			volumeID, driver.PubPCIBus, driver.PubPCISlot, driver.PubSerial)
+	}
+	return loc, nil
 }
-func (a *Agent) Stats(context.Context, string, string) (driver.VolumeStats, error) {
-	return driver.VolumeStats{}, a.missing("stats")
+
+// grant decodes the controller's takeover grant, if any.
+func grant(volumeID string, pc map[string]string) (*api.TakeoverGrant, error) {
+	raw := pc[driver.PubFenceGrant]
+	if raw == "" {
+		return nil, nil
+	}
+	var g fence.Grant
+	if err := json.Unmarshal([]byte(raw), &g); err != nil {
+		return nil, invalid("volume %s: the publish context's %s is not a fence grant: %v", volumeID, driver.PubFenceGrant, err)
+	}
+	out := &api.TakeoverGrant{Disk: g.Disk, Node: g.Node}
+	for _, k := range g.Supersedes {
+		out.Supersedes = append(out.Supersedes, k.String())
+	}
+	return out, nil
+}
+
+// Stage asks the agent to find, verify and fence the disk and mount it
+// (or expose the raw device) at the staging path.
+func (a *Agent) Stage(ctx context.Context, r driver.StageRequest) error {
+	loc, err := a.locator(r.VolumeID, r.PublishContext)
+	if err != nil {
+		return err
+	}
+	g, err := grant(r.VolumeID, r.PublishContext)
+	if err != nil {
+		return err
+	}
+	req := &api.StageVolumeRequest{VolumeId: r.VolumeID, Device: loc, StagingPath: r.StagingPath, Block: r.Block,
+		MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Grant: g, AllowUnfenced: a.o.AllowUnfenced}
+	if !r.Block {
+		req.FsType = r.FsType
+	}
+	if e := r.Encryption; e != nil {
+		req.Encryption = &api.Encryption{Passphrase: e.Passphrase, FormatIfBlank: e.FormatIfBlank}
+		if t := e.Token; t != nil {
+			req.Encryption.TransitToken = &api.TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: uint32(t.KeyVersion), Ciphertext: t.Ciphertext}
+		}
+	}
+	_, err = a.c.StageVolume(ctx, req)
+	return a.answer(err)
+}
+
+var contents = map[api.VolumeContent]string{
+	api.VolumeContent_VOLUME_CONTENT_BLANK: driver.ContentBlank,
+	api.VolumeContent_VOLUME_CONTENT_LUKS2: driver.ContentLUKS2,
+	api.VolumeContent_VOLUME_CONTENT_OTHER: driver.ContentOther,
+}
+
+// VolumeToken asks the agent what the volume's device holds where its
+// LUKS2 header goes.
+func (a *Agent) VolumeToken(ctx context.Context, volumeID string, pc map[string]string) (driver.VolumeToken, error) {
+	loc, err := a.locator(volumeID, pc)
+	if err != nil {
+		return driver.VolumeToken{}, err
+	}
+	r, err := a.c.GetVolumeToken(ctx, &api.GetVolumeTokenRequest{VolumeId: volumeID, Device: loc})
+	if err != nil {
+		return driver.VolumeToken{}, a.answer(err)
+	}
+	out := driver.VolumeToken{Content: contents[r.GetContent()], Detail: r.GetDetail(), Device: r.GetDevice()}
+	if out.Content == "" {
+		out.Content, out.Detail = driver.ContentOther, fmt.Sprintf("content the agent calls %s (%s)", r.GetContent(), r.GetDetail())
+	}
+	if t := r.GetTransitToken(); t != nil {
+		out.Token = &driver.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
+	}
+	return out, nil
+}
+
+// Unstage asks the agent to unmount, close and release the volume.
+func (a *Agent) Unstage(ctx context.Context, volumeID, stagingPath string) error {
+	_, err := a.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: volumeID, StagingPath: stagingPath})
+	return a.answer(err)
+}
+
+// Publish asks the agent to bind the staged volume at the target path.
+func (a *Agent) Publish(ctx context.Context, r driver.PublishRequest) error {
+	_, err := a.c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: r.VolumeID, StagingPath: r.StagingPath,
+		TargetPath: r.TargetPath, Block: r.Block, ReadOnly: r.ReadOnly, MountFlags: r.MountFlags})
+	return a.answer(err)
+}
+
+// Unpublish asks the agent to remove the bind mount at the target path.
+func (a *Agent) Unpublish(ctx context.Context, volumeID, targetPath string) error {
+	_, err := a.c.UnpublishVolume(ctx, &api.UnpublishVolumeRequest{VolumeId: volumeID, TargetPath: targetPath})
+	return a.answer(err)
+}
+
+// Expand asks the agent to grow the volume's filesystem to its device.
+func (a *Agent) Expand(ctx context.Context, volumeID, path string, bytes int64) (int64, error) {
+	r, err := a.c.ExpandVolume(ctx, &api.ExpandVolumeRequest{VolumeId: volumeID, VolumePath: path, RequiredBytes: bytes})
+	if err != nil {
+		return 0, a.answer(err)
+	}
+	return r.GetCapacityBytes(), nil
+}
+
+// Stats asks the agent for the volume's usage and whether it lost its
+// fence or device.
+func (a *Agent) Stats(ctx context.Context, volumeID, path string) (driver.VolumeStats, error) {
+	s, err := a.c.GetVolumeStats(ctx, &api.GetVolumeStatsRequest{VolumeId: volumeID, VolumePath: path})
+	if err != nil {
+		return driver.VolumeStats{}, a.answer(err)
+	}
+	st := driver.VolumeStats{
+		TotalBytes: s.GetTotalBytes(), UsedBytes: s.GetUsedBytes(), AvailableBytes: s.GetAvailableBytes(),
+		TotalInodes: s.GetTotalInodes(), UsedInodes: s.GetUsedInodes(), AvailableInodes: s.GetAvailableInodes(),
+		Block: s.GetBlock(), Abnormal: s.GetAbnormal(), Message: s.GetMessage(),
+	}
+	if st.Abnormal {
+		st.Reason = a.abnormalReason(ctx, volumeID)
+	}
+	return st, nil
+}
+
+// abnormalReason tells a lost fence from a missing device by the claim's
+// state in the agent's disk list (the stats answer has only a flag and
+// words). Asked only for an abnormal volume; "" when the list does not say.
+func (a *Agent) abnormalReason(ctx context.Context, volumeID string) string {
+	ds, err := a.c.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		return ""
+	}
+	for _, d := range ds.GetDisks() {
+		if d.GetVolumeId() != volumeID {
+			continue
+		}
+		switch d.GetState() {
+		case api.ClaimState_CLAIM_STATE_LOST:
+			return driver.ReasonFenceLost
+		case api.ClaimState_CLAIM_STATE_GONE:
+			return driver.ReasonDeviceGone
+		}
+	}
+	return ""
 }

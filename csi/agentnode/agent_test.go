@@ -2,23 +2,55 @@ package agentnode_test
 
 import (
 	"context"
+	"encoding/json"
 	"net"
+	"os"
+	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/pr"
+	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
 )
 
-// TestNodeServiceOverRealAgent serves the agent's own gRPC service on a
-// unix socket and drives the CSI node service through it.
+const (
+	nodeA = "4c4c4544-0042-3510-8052-b4c04f4a4d32"
+	nodeB = "8f2d6a1e-9b3c-4d5e-a6f7-0123456789ab"
+)
+
+var (
+	keyA, _ = fence.KeyFromUUID(nodeA)
+	keyB, _ = fence.KeyFromUUID(nodeB)
+	names   = fence.Directory{keyA: "node-a", keyB: "node-b"}
+)
+
+var blockCap = &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+
+var mountCap = &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+
+// TestNodeServiceOverRealAgent serves the agent's own gRPC service, here
+// without a volume manager, on a unix socket and drives the CSI node
+// service through it.
 func TestNodeServiceOverRealAgent(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
@@ -31,7 +63,7 @@ func TestNodeServiceOverRealAgent(t *testing.T) {
 	go srv.Serve(ln)
 	defer srv.Stop()
 
-	a, err := agentnode.Dial(sock)
+	a, err := agentnode.Dial(sock, agentnode.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,17 +78,23 @@ func TestNodeServiceOverRealAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if info.NodeId != "4c4c4544-0042-3510-8052-b4c04f4a4d32" || info.AccessibleTopology.Segments[driver.TopologyKey] != "ch-gen-1" ||
+	if info.NodeId != nodeA || info.AccessibleTopology.Segments[driver.TopologyKey] != "ch-gen-1" ||
 		info.MaxVolumesPerNode <= 0 {
 		t.Fatalf("node info = %v", info)
 	}
 	if p, err := d.Probe(ctx, &csi.ProbeRequest{}); err != nil || !p.GetReady().GetValue() {
 		t.Fatalf("probe with the agent up: %v %v", p, err)
 	}
+	// A publish context that names no device is refused before the agent.
 	_, err = d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-gen-1/5", StagingTargetPath: filepath.Join(kubelet, "s"),
-		VolumeCapability: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}})
-	if driver.CodeForError(err) != codes.Unimplemented || !strings.Contains(err.Error(), sock) {
+		VolumeCapability: blockCap})
+	if driver.CodeForError(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "names no device") {
+		t.Fatalf("stage without a device: %v", err)
+	}
+	// An agent without volume support says so, and the error names it.
+	_, err = d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-gen-1/5", StagingTargetPath: filepath.Join(kubelet, "s"),
+		VolumeCapability: blockCap, PublishContext: map[string]string{driver.PubPCIBus: "0", driver.PubPCISlot: "7", driver.PubSerial: "5"}})
+	if driver.CodeForError(err) != codes.Unavailable || !strings.Contains(err.Error(), sock) || !strings.Contains(err.Error(), "no volume methods") {
 		t.Fatalf("stage: %v", err)
 	}
 
@@ -74,8 +112,191 @@ func driverStatus(err error) error { return status.Error(driver.CodeForError(err
 
 func TestDialNamesTheSocket(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "none.sock")
-	_, err := agentnode.Dial(sock)
+	_, err := agentnode.Dial(sock, agentnode.Options{})
 	if err == nil || !strings.Contains(err.Error(), sock) {
 		t.Fatalf("dial of a missing socket: %v", err)
+	}
+}
+
+// modelFencing fences every disk with the real reservation engine, its
+// SCSI commands answered by scsitest's model target: this host has no
+// SCSI, so the model stands in for the disk's reservation logic while the
+// loop device, mounts and every agent and plugin decision are real. The
+// engine reports a lost claim when checked, so the loss callback is unused.
+type modelFencing struct {
+	tgt  *scsitest.Target
+	node string
+}
+
+func (f *modelFencing) Choose(_ context.Context, dev *volume.Device, vol string, _ func(*fence.LostError)) (volume.Choice, error) {
+	key, _ := fence.KeyFromUUID(f.node)
+	e, err := pr.New(dev.Path, f.tgt.Initiator(f.node), pr.Config{Key: key, Node: f.node, Disk: vol, Resolver: names, Verify: dev.Verify})
+	if err != nil {
+		return volume.Choice{}, err
+	}
+	return volume.Choice{Fencer: e, Method: fence.MethodPR}, nil
+}
+
+// TestFencingThroughTheNodeService drives the CSI node service over gRPC,
+// through the agent's API, onto a loop device fenced by the reservation
+// engine: a disk held by another node is refused with FAILED_PRECONDITION
+// naming the holder; the controller's grant in the publish context takes
+// it over; a later preempt by the other node shows as INACCESSIBLE health.
+func TestFencingThroughTheNodeService(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop devices and mounts")
+	}
+	dir := t.TempDir()
+	t.Cleanup(func() { unmountUnder(dir) })
+	kubelet := filepath.Join(dir, "kubelet")
+	diskDir := filepath.Join(dir, "disks")
+	os.MkdirAll(kubelet, 0o750)
+	os.MkdirAll(diskDir, 0o700)
+	img := (&sim.HostBackend{Dir: diskDir}).DiskFile(7)
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+	t.Cleanup(func() { clearRO(dev) })
+
+	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
+	m, err := volume.New(volume.Options{
+		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowLoopDevices: true},
+		StateDir: filepath.Join(dir, "state"), SysfsRoot: "/sys", Fencers: &modelFencing{tgt: tgt, node: nodeA},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Close)
+	agentSock := filepath.Join(dir, "agent.sock")
+	ln, err := net.Listen("unix", agentSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	asrv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
+		Identity: server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}}).NewGRPC()
+	go asrv.Serve(ln)
+	t.Cleanup(asrv.Stop)
+	a, err := agentnode.Dial(agentSock, agentnode.Options{LoopDiskDir: diskDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	csiSock := filepath.Join(dir, "csi.sock")
+	cln, err := driver.Listen("unix://" + csiSock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	csrv := d.NewGRPCServer(nil)
+	go csrv.Serve(cln)
+	t.Cleanup(csrv.Stop)
+	conn, err := grpc.NewClient("unix://"+csiSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	node := csi.NewNodeClient(conn)
+	ctx := context.Background()
+
+	const vol = "ch-gen-1/7"
+	// Node B's engine, as a fresh process on node B would start it.
+	nodeBEngine := func() *pr.Engine {
+		e, err := pr.New("/dev/sdb", tgt.Initiator(nodeB), pr.Config{Key: keyB, Node: nodeB, Disk: vol, Resolver: names})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return e
+	}
+	if _, err := nodeBEngine().Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(kubelet, "plugins", "staging", "7")
+	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
+		PublishContext: map[string]string{driver.PubDiskID: "7"}}
+	_, err = node.NodeStageVolume(ctx, stage)
+	st := status.Convert(err)
+	if st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "node-b") || !strings.Contains(st.Message(), vol) ||
+		strings.Contains(st.Message(), "rpc error") {
+		t.Fatalf("stage of a disk node B holds: %v", err)
+	}
+	t.Logf("refusal as the CO sees it: %s: %s", st.Code(), st.Message())
+
+	grant, _ := json.Marshal(fence.Grant{Disk: vol, Node: nodeA, Supersedes: []fence.Key{keyB}})
+	stage.PublishContext[driver.PubFenceGrant] = string(grant)
+	if _, err := node.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatalf("stage with the controller's grant: %v", err)
+	}
+	if holder, key, _, ok := tgt.Reservation(); !ok || holder != nodeA || key != uint64(keyA) {
+		t.Fatalf("reservation after the granted stage: %s %x %v", holder, key, ok)
+	}
+	target := filepath.Join(kubelet, "pods", "p", "volumes", "v")
+	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol, StagingTargetPath: staging,
+		TargetPath: target, VolumeCapability: mountCap}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "data"), []byte("x"), 0o644); err != nil {
+		t.Fatalf("writing through the published volume: %v", err)
+	}
+	h, err := node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: vol, VolumePublishPath: target})
+	if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) != 0 {
+		t.Fatalf("health of a held volume: %v %v", h, err)
+	}
+
+	// Node B takes the disk over with its own grant; the agent's check
+	// finds the claim lost.
+	if _, err := nodeBEngine().Acquire(ctx, &fence.Grant{Disk: vol, Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	m.CheckAll(ctx)
+	h, err = node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: vol, VolumePublishPath: target})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := h.GetVolumeHealth().GetHealthStatuses()
+	if len(hs) != 1 || hs[0].Status != csi.VolumeHealthErrorType_INACCESSIBLE || hs[0].Reason != "FenceLost" ||
+		!strings.Contains(hs[0].Message, keyB.String()) {
+		t.Fatalf("health after node B's takeover: %v", h)
+	}
+	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func clearRO(dev string) {
+	if f, err := os.Open(dev); err == nil {
+		unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0)
+		f.Close()
+	}
+}
+
+// unmountUnder lazily unmounts every mount below dir, deepest first.
+func unmountUnder(dir string) {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var mps []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			mps = append(mps, f[4])
+		}
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
+	for _, p := range mps {
+		if unix.Unmount(p, 0) != nil {
+			unix.Unmount(p, unix.MNT_DETACH)
+		}
 	}
 }

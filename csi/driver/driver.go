@@ -6,6 +6,8 @@
 package driver
 
 import (
+	"github.com/whitesky-cloud/vco-storage/crypt"
+
 	"context"
 	"errors"
 	"fmt"
@@ -78,6 +80,10 @@ type Config struct {
 	KubeletRoot string
 	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means the default.
 	MaxVolumesPerNode int64
+	// Transit wraps and unwraps encrypted volumes' passphrases with
+	// TransitKey; nil means this node stages no encrypted volume.
+	Transit    crypt.Wrapper
+	TransitKey crypt.TransitKey
 }
 
 // DefaultMaxVolumesPerNode is how many data disks a VM takes: hot-plug

@@ -5,13 +5,17 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -19,9 +23,19 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/agent/peercred"
+	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 const (
@@ -31,16 +45,16 @@ const (
 )
 
 // identityAgent answers the agent's identity for the machine the simulator
-// calls "this-host". It is test scaffolding standing in for vco-agent,
-// whose volume methods do not exist yet: they answer UNIMPLEMENTED, and
-// the tests that need them are skipped with that reason.
+// calls "this-host", for the controller tests, which run unprivileged and
+// touch no device: its volume methods answer UNIMPLEMENTED. Tests of the
+// node side run the real agent (realAgent).
 type identityAgent struct{ uuid, location string }
 
 func (a identityAgent) Identity(context.Context) (driver.NodeIdentity, error) {
 	return driver.NodeIdentity{UUID: a.uuid, Location: a.location}, nil
 }
 
-var errNoVolumeMethods = status.Error(codes.Unimplemented, "vco-agent has no volume methods yet")
+var errNoVolumeMethods = status.Error(codes.Unimplemented, "this test's agent stands in for identity only")
 
 func (identityAgent) Stage(context.Context, driver.StageRequest) error     { return errNoVolumeMethods }
 func (identityAgent) Publish(context.Context, driver.PublishRequest) error { return errNoVolumeMethods }
@@ -79,6 +93,9 @@ func (identityAgent) Expand(context.Context, string, string, int64) (int64, erro
 func (identityAgent) Stats(context.Context, string, string) (driver.VolumeStats, error) {
 	return driver.VolumeStats{}, errNoVolumeMethods
 }
+func (identityAgent) VolumeToken(context.Context, string, map[string]string) (driver.VolumeToken, error) {
+	return driver.VolumeToken{}, errNoVolumeMethods
+}
 
 type syncBuffer struct {
 	mu sync.Mutex
@@ -110,6 +127,10 @@ type envOpts struct {
 	backend sim.Backend // default: bookkeeping
 	faults  sim.Faults
 	attach  time.Duration
+	// realAgent serves vco-agent's own API and volume manager in-process
+	// on a unix socket, doing real mounts of the host backend's loop
+	// devices; it needs a *sim.HostBackend and root.
+	realAgent bool
 }
 
 func newTestEnv(t testing.TB, o envOpts) *testEnv {
@@ -138,8 +159,13 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 	}
 	kubelet := filepath.Join(dir, "kubelet")
 	os.MkdirAll(kubelet, 0o750)
+	cfg := driver.Config{Agent: identityAgent{hostUUID, hostLoc}}
+	if o.realAgent {
+		cfg.Agent = startAgent(t, dir, kubelet, o.backend.(*sim.HostBackend).Dir)
+		cfg.Transit, cfg.TransitKey = fakeTransit(t), crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}
+	}
 	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeAll,
-		Cloud: api, DefaultLocation: hostLoc, Agent: identityAgent{hostUUID, hostLoc}, KubeletRoot: kubelet,
+		Cloud: api, DefaultLocation: hostLoc, Agent: cfg.Agent, Transit: cfg.Transit, TransitKey: cfg.TransitKey, KubeletRoot: kubelet,
 		AttachPoll: 5 * time.Millisecond, AttachTimeout: o.attach})
 	if err != nil {
 		t.Fatal(err)
@@ -164,4 +190,80 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 		e.backend = hb
 	}
 	return e
+}
+
+// startAgent serves vco-agent's API with its real volume manager on a unix
+// socket under dir and returns the node plugin's connection to it. Loop
+// devices offer no fencing, so both opt-ins are on: the agent's
+// volumes.allow_unfenced and allow_loop_devices, and the plugin's
+// AllowUnfenced with the simulator's disk directory. LUKS2 is the agent's
+// own with a FAKE dm-crypt mapping (agentnodetest.LoopLUKS): this host has
+// no device-mapper.
+func startAgent(t testing.TB, dir, kubelet, diskDir string) *agentnode.Agent {
+	t.Helper()
+	// Registered first so it runs last: whatever a failed test left
+	// mounted under dir goes before the temporary directory does.
+	t.Cleanup(func() { unmountUnder(dir) })
+	key, err := fence.KeyFromUUID(hostUUID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := volume.New(volume.Options{
+		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowUnfenced: true, AllowLoopDevices: true},
+		StateDir: filepath.Join(dir, "agent-state"), SysfsRoot: "/sys",
+		Fencers: &volume.Fencing{Key: key, Node: hostUUID}, Crypt: agentnodetest.NewLoopLUKS(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Close)
+	sock := filepath.Join(dir, "agent.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
+		Log:      slog.New(slog.DiscardHandler),
+		Identity: server.NodeIdentity{SystemUUID: hostUUID, Location: hostLoc}}).NewGRPC()
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+	a, err := agentnode.Dial(sock, agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return a
+}
+
+// unmountUnder lazily unmounts every mount below dir, deepest first.
+func unmountUnder(dir string) {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var mps []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
+			mps = append(mps, f[4])
+		}
+	}
+	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
+	for _, p := range mps {
+		if unix.Unmount(p, 0) != nil {
+			unix.Unmount(p, unix.MNT_DETACH)
+		}
+	}
+}
+
+// fakeTransit serves a FAKE Vault transit engine (no Vault runs here) with
+// the key vco-volumes and returns a client logged in to it.
+func fakeTransit(t testing.TB) *transit.Client {
+	t.Helper()
+	f := transittest.New()
+	f.Rotate("vco-volumes")
+	f.StaticToken("node-token")
+	hs := httptest.NewServer(f)
+	t.Cleanup(hs.Close)
+	c, err := transit.New(transit.Config{Address: hs.URL, Token: "node-token"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

@@ -31,8 +31,45 @@ type StageRequest struct {
 	FsType         string
 	MountFlags     []string
 	ReadOnly       bool
-	// Passphrase for an encrypted volume; never logged.
+	// Encryption is set for an encrypted volume.
+	Encryption *StageEncryption
+}
+
+// StageEncryption is how the agent opens (or first formats) an encrypted
+// volume's LUKS2 header.
+type StageEncryption struct {
+	// Passphrase unlocks the volume; never logged, cleared after the call.
 	Passphrase []byte
+	// FormatIfBlank lets the agent write a new header, with Token, on a
+	// device that holds nothing at all.
+	FormatIfBlank bool
+	Token         *TransitToken
+}
+
+// TransitToken is a volume's passphrase wrapped by the transit engine, as
+// kept in its LUKS2 header.
+type TransitToken struct {
+	Mount, KeyName string
+	KeyVersion     int
+	Ciphertext     string
+}
+
+// What a volume's device holds where its LUKS2 header goes.
+const (
+	ContentBlank = "blank"
+	ContentLUKS2 = "luks2"
+	ContentOther = "other"
+)
+
+// VolumeToken is what the agent read where the volume's LUKS2 header goes.
+type VolumeToken struct {
+	// Content is ContentBlank, ContentLUKS2 or ContentOther.
+	Content string
+	// Token is the header's wrapped passphrase; nil when it has none.
+	Token *TransitToken
+	// Detail names what the device holds when it is not blank or LUKS2.
+	Detail string
+	Device string
 }
 
 // PublishRequest binds a staged volume into a pod's target path.
@@ -53,7 +90,19 @@ type VolumeStats struct {
 	// Abnormal with Message when the volume lost its fence or its device.
 	Abnormal bool
 	Message  string
+	// Reason is the abnormal volume's condition in one word, ReasonFenceLost
+	// or ReasonDeviceGone; empty when the agent did not say which.
+	Reason string
 }
+
+// Reasons NodeGetVolumeHealth gives for an INACCESSIBLE volume.
+const (
+	ReasonFenceLost  = "FenceLost"
+	ReasonDeviceGone = "DeviceGone"
+	// ReasonAbnormal is for an abnormal volume whose cause the agent did
+	// not name; its message still says what happened.
+	ReasonAbnormal = "Abnormal"
+)
 
 // NodeAgent is the host daemon as the node service sees it. Every
 // privileged step is one call; errors carry the agent's gRPC status, whose
@@ -66,6 +115,9 @@ type NodeAgent interface {
 	Unpublish(ctx context.Context, volumeID, targetPath string) error
 	Expand(ctx context.Context, volumeID, path string, bytes int64) (int64, error)
 	Stats(ctx context.Context, volumeID, path string) (VolumeStats, error)
+	// VolumeToken reads, changing nothing, what the volume's device holds
+	// where its LUKS2 header goes.
+	VolumeToken(ctx context.Context, volumeID string, publishContext map[string]string) (VolumeToken, error)
 }
 
 // NodeGetCapabilities lists what the node service does.
@@ -129,6 +181,22 @@ func (d *Driver) underRoot(what, p string) (string, error) {
 	return resolved, nil
 }
 
+// volumePath checks the path a stats or expand call names. Such a call
+// only reads or grows a volume already there, so a path that cannot hold
+// one of our volumes (relative, or outside the kubelet root) means no
+// volume is at it: NOT_FOUND, as for a path the agent does not know. An
+// empty path is still a malformed request.
+func (d *Driver) volumePath(volumeID, p string) (string, error) {
+	if p == "" {
+		return "", failf(ErrInvalid, "a volume path is required")
+	}
+	r, err := d.underRoot("volume path", p)
+	if errors.Is(err, ErrInvalid) {
+		return "", failf(ErrNotFound, "volume %s is not at %q: %v", volumeID, p, err)
+	}
+	return r, err
+}
+
 // resolveExisting resolves symlinks in the longest existing prefix of p and
 // appends the part that does not exist yet.
 func resolveExisting(p string) (string, error) {
@@ -185,6 +253,12 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
+	encrypted := req.GetVolumeContext()[ctxEncrypted] == "true"
+	if encrypted && d.cfg.Transit == nil {
+		return nil, failf(ErrPrecondition, "volume %s is encrypted, and this node plugin has no transit engine to unwrap its passphrase "+
+			"(encryption not available without --vault-addr); configure the node plugin's Vault/OpenBao transit settings",
+			req.GetVolumeId())
+	}
 	release, err := d.locks.try("volume " + req.GetVolumeId())
 	if err != nil {
 		return nil, err
@@ -193,6 +267,14 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	sr := StageRequest{VolumeID: req.GetVolumeId(), StagingPath: staging, PublishContext: req.GetPublishContext(),
 		VolumeContext: req.GetVolumeContext(), Block: block, FsType: fs, MountFlags: flags,
 		ReadOnly: readOnlyMode(req.GetVolumeCapability())}
+	if encrypted {
+		enc, err := d.passphrase(ctx, req.GetVolumeId(), req.GetPublishContext())
+		if err != nil {
+			return nil, err
+		}
+		defer clear(enc.Passphrase)
+		sr.Encryption = enc
+	}
 	if err := d.cfg.Agent.Stage(ctx, sr); err != nil {
 		return nil, fmt.Errorf("staging volume %s at %s: %w", req.GetVolumeId(), staging, err)
 	}
@@ -274,7 +356,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeExpandVolume needs a volume id")
 	}
-	p, err := d.underRoot("volume path", req.GetVolumePath())
+	p, err := d.volumePath(req.GetVolumeId(), req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}
@@ -296,7 +378,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeGetVolumeStats needs a volume id")
 	}
-	p, err := d.underRoot("volume path", req.GetVolumePath())
+	p, err := d.volumePath(req.GetVolumeId(), req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}
@@ -313,8 +395,9 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 }
 
 // NodeGetVolumeHealth reports a volume the agent says lost its fence or its
-// device as INACCESSIBLE from this node, with the agent's words; the
-// replacement, since CSI 1.13, for VOLUME_CONDITION on the stats call.
+// device as INACCESSIBLE from this node, reason FenceLost or DeviceGone,
+// with the agent's words; the replacement, since CSI 1.13, for
+// VOLUME_CONDITION on the stats call.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeGetVolumeHealth needs a volume id")
@@ -335,8 +418,12 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 	}
 	h := &csi.VolumeHealth{VolumeId: req.GetVolumeId()}
 	if st.Abnormal {
+		reason := st.Reason
+		if reason == "" {
+			reason = ReasonAbnormal
+		}
 		h.HealthStatuses = append(h.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
-			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: "FenceLost", Message: st.Message})
+			Status: csi.VolumeHealthErrorType_INACCESSIBLE, Reason: reason, Message: st.Message})
 	}
 	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: h}, nil
 }

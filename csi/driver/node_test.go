@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
 )
 
 func TestNodeGetInfo(t *testing.T) {
@@ -51,8 +52,8 @@ func TestNodePathsMustStayUnderKubeletRoot(t *testing.T) {
 			StagingTargetPath: filepath.Join(e.kubelet, "plugins", "s"), TargetPath: raw, VolumeCapability: rwo[0]})
 		wantCode(t, err, codes.InvalidArgument)
 	}
-	// A path under the root gets through to the agent (which, here, has no
-	// volume methods yet and says so).
+	// A path under the root gets through to the agent (in this test one
+	// that stands in for identity only, and says so).
 	_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-lug-1/1",
 		StagingTargetPath: filepath.Join(e.kubelet, "plugins", "staging", "new"), VolumeCapability: rwo[0]})
 	wantCode(t, err, codes.Unimplemented, "ch-lug-1/1")
@@ -64,8 +65,14 @@ func TestNodePathsMustStayUnderKubeletRoot(t *testing.T) {
 type fencedAgent struct{ identityAgent }
 
 func (fencedAgent) Stats(_ context.Context, id, _ string) (driver.VolumeStats, error) {
-	return driver.VolumeStats{TotalBytes: 1 << 30, Abnormal: id == "ch-lug-1/7",
-		Message: "DiskFenced: reservation key 0x5643000000000001 preempted by node 11111111-2222-4333-8444-555555555555"}, nil
+	switch id {
+	case "ch-lug-1/7":
+		return driver.VolumeStats{TotalBytes: 1 << 30, Abnormal: true, Reason: driver.ReasonFenceLost,
+			Message: "DiskFenced: reservation key 0x5643000000000001 preempted by node 11111111-2222-4333-8444-555555555555"}, nil
+	case "ch-lug-1/9":
+		return driver.VolumeStats{Abnormal: true, Message: "the disk is not attached to this node any more"}, nil
+	}
+	return driver.VolumeStats{TotalBytes: 1 << 30}, nil
 }
 
 func TestNodeGetVolumeHealthReportsLostFence(t *testing.T) {
@@ -84,8 +91,114 @@ func TestNodeGetVolumeHealthReportsLostFence(t *testing.T) {
 		!strings.Contains(hs[0].Message, "DiskFenced") {
 		t.Fatalf("health = %v", r)
 	}
+	// Abnormal without a named cause: INACCESSIBLE, the agent's words kept.
+	r, err = d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "ch-lug-1/9"})
+	hs = r.GetVolumeHealth().GetHealthStatuses()
+	if err != nil || len(hs) != 1 || hs[0].Status != csi.VolumeHealthErrorType_INACCESSIBLE || hs[0].Reason != driver.ReasonAbnormal ||
+		!strings.Contains(hs[0].Message, "not attached") {
+		t.Fatalf("health of a volume abnormal for no named reason: %v %v", r, err)
+	}
 	r, err = d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "ch-lug-1/8"})
 	if err != nil || len(r.GetVolumeHealth().GetHealthStatuses()) != 0 || r.GetVolumeHealth().GetVolumeId() != "ch-lug-1/8" {
 		t.Fatalf("healthy volume: %v %v", r, err)
+	}
+}
+
+// mountOptions returns the per-mount options of the mount at p, or "".
+func mountOptions(p string) string {
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	opts := ""
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 5 && f[4] == p {
+			opts = f[5] // the last mount at p is the one seen
+		}
+	}
+	return opts
+}
+
+// TestNodeBlockMountFlagsAndReadOnlyOverRealAgent stages and publishes
+// through the real agent on the simulator's loop devices what csi-sanity's
+// default mount volumes do not exercise: a raw block volume, mount flags,
+// and a read-only publish.
+func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("loop devices and mounts need root")
+	}
+	e := newTestEnv(t, envOpts{backend: &sim.HostBackend{Dir: filepath.Join(t.TempDir(), "disks")}, realAgent: true})
+	ctx := context.Background()
+	block := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	flagged := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4", MountFlags: []string{"noatime"}}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+
+	prepare := func(name string, c *csi.VolumeCapability) (string, map[string]string) {
+		v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: []*csi.VolumeCapability{c}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := v.Volume.VolumeId
+		pub, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: c})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			e.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: hostUUID})
+			e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+		})
+		return id, pub.PublishContext
+	}
+
+	// Raw block: the pod's target is the device itself.
+	id, pc := prepare("raw", block)
+	staging := filepath.Join(e.kubelet, "plugins", "staging", "raw")
+	target := filepath.Join(e.kubelet, "pods", "p", "volumeDevices", "raw")
+	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: block}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: block}); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(target); err != nil || fi.Mode()&os.ModeDevice == 0 {
+		t.Fatalf("block target %s: %v %v, want a device", target, fi, err)
+	}
+	st, err := e.node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
+	if err != nil || len(st.Usage) != 1 || st.Usage[0].Total != 1<<30 {
+		t.Fatalf("block stats: %v %v", st, err)
+	}
+	if _, err := e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+
+	// A filesystem with a mount flag, published read-only to one pod.
+	id, pc = prepare("flagged", flagged)
+	staging = filepath.Join(e.kubelet, "plugins", "staging", "flagged")
+	target = filepath.Join(e.kubelet, "pods", "p", "volumes", "flagged")
+	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: flagged}); err != nil {
+		t.Fatal(err)
+	}
+	if o := mountOptions(staging); !strings.Contains(o, "noatime") {
+		t.Fatalf("staging mount options %q lack noatime", o)
+	}
+	if _, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: flagged, Readonly: true}); err != nil {
+		t.Fatal(err)
+	}
+	if o := mountOptions(target); !strings.HasPrefix(o, "ro") {
+		t.Fatalf("read-only publish has mount options %q", o)
+	}
+	if err := os.WriteFile(filepath.Join(target, "x"), nil, 0o644); err == nil {
+		t.Fatal("wrote through a read-only publish")
+	}
+	if err := os.WriteFile(filepath.Join(staging, "x"), nil, 0o644); err != nil {
+		t.Fatalf("the staging mount should stay writable: %v", err)
+	}
+	if _, err := e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
 	}
 }

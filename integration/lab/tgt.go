@@ -169,6 +169,18 @@ func (t *Target) AddLUN(ctx context.Context, iqn, file string, size int64, seria
 	if err != nil {
 		return nil, fmt.Errorf("sizing LUN backing file %s: %w", file, err)
 	}
+	return t.ServeFile(ctx, iqn, file, serial, scsiID)
+}
+
+// ServeFile makes an existing file LUN 1 of a new target named iqn, with
+// the given unit serial number (VPD 0x80) and SCSI ID (VPD 0x83). The
+// file's size at this moment is the LUN's size.
+func (t *Target) ServeFile(ctx context.Context, iqn, file, serial, scsiID string) (*LUN, error) {
+	st, err := os.Stat(file)
+	if err != nil {
+		return nil, err
+	}
+	size := st.Size()
 	t.nextTID++
 	tid := strconv.Itoa(t.nextTID)
 	steps := [][]string{
@@ -183,6 +195,13 @@ func (t *Target) AddLUN(ctx context.Context, iqn, file string, size int64, seria
 		}
 	}
 	return &LUN{IQN: iqn, TID: t.nextTID, File: file, Size: size, Serial: serial, SCSIID: scsiID, Portal: t.Portal()}, nil
+}
+
+// RemoveTarget deletes target tid with its LUN, logging out any initiator
+// still connected; the backing file stays.
+func (t *Target) RemoveTarget(ctx context.Context, tid int) error {
+	_, err := t.tgtadm(ctx, "--mode", "target", "--op", "delete", "--force", "--tid", strconv.Itoa(tid))
+	return err
 }
 
 // Show returns tgtadm's view of all targets (for diagnostics).

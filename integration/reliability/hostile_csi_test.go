@@ -289,3 +289,8 @@ func TestHostileCSIRequests(t *testing.T) {
 		t.Errorf("something was made outside the kubelet root: %v", ents)
 	}
 }
+
+func (a *recordingAgent) VolumeToken(_ context.Context, v string, _ map[string]string) (driver.VolumeToken, error) {
+	a.rec("volume token " + v)
+	return driver.VolumeToken{}, errFake
+}

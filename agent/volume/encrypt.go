@@ -1,0 +1,195 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+)
+
+// An encrypted volume's passphrase is made and wrapped by the node plugin
+// (through the transit engine) and handed to the agent for each stage; the
+// agent keeps only the wrapped form, in the LUKS2 header it writes. The
+// first stage of a blank volume therefore carries both the passphrase and
+// its wrapped form; later ones carry the passphrase the plugin unwrapped
+// from the header's token, which VolumeToken reads.
+
+// prepareLUKS makes sure target carries the volume's LUKS2 header: it
+// formats a blank device when the request asks to (never a device with
+// data, never twice), and reports whether it did.
+func (m *Manager) prepareLUKS(ctx context.Context, c *Claim, target string, r StageRequest) (bool, error) {
+	if c.Mapper != "" {
+		// A stage cut short after the mapping was made: close it, the
+		// open below makes it again.
+		if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+			return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping left by an interrupted stage: %v", c.Volume, err)
+		}
+		c.Mapper = ""
+	}
+	ct, err := m.o.Crypt.Inspect(ctx, target)
+	if err != nil {
+		return false, agenterr.New(agenterr.Unavailable, "volume %s: %v", c.Volume, err)
+	}
+	switch ct.Kind {
+	case ContentLUKS2:
+		if c.LUKSFormatting && !c.LUKSFormatted {
+			// Our format finished; the agent stopped before recording it.
+			c.LUKSFormatted, c.LUKSFormatting = true, false
+			if err := m.store.Put(c); err != nil {
+				return false, err
+			}
+		}
+		return false, nil
+	case ContentBlank:
+		switch {
+		case c.LUKSFormatted:
+			return false, agenterr.New(agenterr.FailedPrecondition,
+				"volume %s: this agent made a LUKS2 header on the volume earlier, but %s now shows no signature; it will not format it again: check that the right disk is attached",
+				c.Volume, target)
+		case !r.FormatLUKS:
+			return false, agenterr.New(agenterr.FailedPrecondition,
+				"volume %s: %s carries no LUKS2 header and the request does not ask to format it (format_if_blank)", c.Volume, target)
+		case r.ReadOnly:
+			return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to open", c.Volume, target)
+		}
+		return m.formatLUKS(ctx, c, target, r, false)
+	}
+	if c.LUKSFormatting && !c.LUKSFormatted && !c.Formatted && r.FormatLUKS && r.Token != nil {
+		m.log.Warn("the LUKS2 format this agent began on the volume was cut short; formatting it again", "volume", c.Volume, "device", target, "found", ct.Detail)
+		return m.formatLUKS(ctx, c, target, r, true)
+	}
+	return false, agenterr.New(agenterr.FailedPrecondition,
+		"volume %s: %s carries %s, not a LUKS2 header; the agent never formats over existing data: check that the right disk is attached, or wipe it by hand if its data is not wanted",
+		c.Volume, target, ct.Detail)
+}
+
+// formatLUKS formats target, marking the claim before and after, so a
+// crash in between is recognised as the agent's own unfinished format.
+func (m *Manager) formatLUKS(ctx context.Context, c *Claim, target string, r StageRequest, force bool) (bool, error) {
+	if r.Token == nil {
+		return false, agenterr.New(agenterr.InvalidArgument,
+			"volume %s: formatting LUKS2 needs the passphrase's wrapped form (transit_token) to keep in the header; without it the passphrase could never be recovered", c.Volume)
+	}
+	if err := r.Token.check(); err != nil {
+		return false, agenterr.New(agenterr.InvalidArgument, "volume %s: %v", c.Volume, err)
+	}
+	c.LUKSFormatting = true
+	if err := m.store.Put(c); err != nil {
+		return false, err
+	}
+	if err := m.o.Crypt.Format(ctx, target, r.Passphrase, *r.Token, force); err != nil {
+		if ct, ierr := m.o.Crypt.Inspect(ctx, target); ierr == nil && ct.Kind == ContentBlank {
+			// Nothing was written: the device is not ours yet.
+			c.LUKSFormatting = false
+			if perr := m.store.Put(c); perr != nil {
+				m.log.Error("could not record that a LUKS2 format wrote nothing", "volume", c.Volume, "err", perr)
+			}
+		}
+		if errors.Is(err, luks2.ErrSignature) {
+			return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+		}
+		return false, agenterr.New(agenterr.Internal, "volume %s: formatting LUKS2 on %s: %v", c.Volume, target, err)
+	}
+	c.LUKSFormatted, c.LUKSFormatting = true, false
+	if err := m.store.Put(c); err != nil {
+		return false, err
+	}
+	m.log.Info("made a LUKS2 header on a blank device", "volume", c.Volume, "device", target,
+		"transit_key", r.Token.KeyName, "transit_key_version", r.Token.KeyVersion)
+	return true, nil
+}
+
+// TokenResult is VolumeToken's answer.
+type TokenResult struct {
+	Content
+	// Device is what was read: the disk, or the mapping of its data area.
+	Device string
+}
+
+// VolumeToken reads what the volume's device holds where LUKS2 goes,
+// without changing the device: the node plugin unwraps the passphrase
+// from the token before it stages an encrypted volume.
+func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (res TokenResult, err error) {
+	if volume == "" {
+		return res, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if m.o.Crypt == nil {
+		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent has no LUKS2 support; install an agent built with it", volume)
+	}
+	// A read: it waits out a short internal holder (the periodic claim
+	// check) instead of failing at once.
+	var release func()
+	for i := 0; ; i++ {
+		if release, err = m.locks.try(volume, "reading the LUKS2 token"); err == nil || i == 40 {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err != nil {
+		return res, err
+	}
+	defer release()
+	c, err := m.store.Get(volume)
+	if err != nil {
+		return res, err
+	}
+	if c != nil && c.Phase == PhaseStaged {
+		res.Device = c.BaseDevice()
+	} else {
+		if loc == (Locator{}) {
+			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
+		}
+		dev, err := locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)
+		if err != nil {
+			return res, fmt.Errorf("volume %s: %w", volume, err)
+		}
+		defer dev.Close()
+		ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil)
+		if err != nil {
+			return res, agenterr.New(agenterr.Unavailable, "volume %s: choosing how %s is fenced, to find its data area: %v", volume, dev.Path, err)
+		}
+		if cl, ok := ch.Fencer.(io.Closer); ok {
+			cl.Close()
+		}
+		res.Device = dev.Path
+		if ch.DataOffset > 0 {
+			p, done, err := m.readOnlyDataMapping(dev.Path, ch.DataOffset)
+			if err != nil {
+				return res, agenterr.New(agenterr.Unavailable, "volume %s: %v", volume, err)
+			}
+			defer done()
+			res.Device = p
+		}
+	}
+	res.Content, err = m.o.Crypt.Inspect(ctx, res.Device)
+	if err != nil {
+		return res, agenterr.New(agenterr.Unavailable, "volume %s: %v", volume, err)
+	}
+	return res, nil
+}
+
+// readOnlyDataMapping returns a mapping of disk's data area to read: the
+// stage's own when there is one, else a read-only loop device that done
+// detaches.
+func (m *Manager) readOnlyDataMapping(disk string, offset int64) (string, func(), error) {
+	if p, ok := m.findDataMapping(disk, offset); ok {
+		return p, func() {}, nil
+	}
+	out, err := exec.Command("losetup", "--find", "--show", "--read-only", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
+	if err != nil {
+		return "", nil, fmt.Errorf("mapping the data area of %s from byte %d to read it (losetup): %v: %s", disk, offset, err, strings.TrimSpace(string(out)))
+	}
+	p := strings.TrimSpace(string(out))
+	return p, func() {
+		if err := dropDataMapping(p); err != nil {
+			m.log.Error("could not detach a read-only data mapping", "device", p, "err", err)
+		}
+	}, nil
+}

@@ -1,0 +1,186 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+)
+
+// TransitToken is a volume passphrase wrapped by a Vault/OpenBao transit
+// key, as the LUKS2 header keeps it (a vco-transit token). It is not a
+// secret: only the transit engine can unwrap it.
+type TransitToken struct {
+	Mount      string
+	KeyName    string
+	KeyVersion int
+	Ciphertext string
+}
+
+// check refuses a token the node plugin cannot have made: the transit
+// engine's ciphertexts name the key version they were made with.
+func (t TransitToken) check() error {
+	switch {
+	case t.KeyName == "":
+		return errors.New("the transit token names no key")
+	case t.KeyVersion < 1:
+		return fmt.Errorf("the transit token's key version %d is not a version (1 or more)", t.KeyVersion)
+	case !strings.HasPrefix(t.Ciphertext, fmt.Sprintf("vault:v%d:", t.KeyVersion)) || len(t.Ciphertext) <= len(fmt.Sprintf("vault:v%d:", t.KeyVersion)):
+		return fmt.Errorf("the transit token's ciphertext is not a transit ciphertext of key version %d (vault:v%d:...)", t.KeyVersion, t.KeyVersion)
+	}
+	return nil
+}
+
+// ContentKind is what a volume's device holds where LUKS2 goes.
+type ContentKind string
+
+const (
+	ContentBlank ContentKind = "blank"
+	ContentLUKS2 ContentKind = "luks2"
+	ContentOther ContentKind = "other"
+)
+
+// Content is what Encryption.Inspect found.
+type Content struct {
+	Kind ContentKind
+	// UUID and Token are those of a LUKS2 header; Token is nil when the
+	// header has no vco-transit token.
+	UUID  string
+	Token *TransitToken
+	// Detail names the data of ContentOther, or why a header was refused.
+	Detail string
+}
+
+// LUKS is the agent's Encryption, built on package crypt: LUKS2 headers
+// written and read in Go, mapped with dm-crypt. Format, Inspect and the
+// passphrase check need no device-mapper; Open, Close and Resize do.
+type LUKS struct {
+	// KDF is the cost of the keyslot Format makes; zero fields take
+	// luks2.DefaultKDF's (argon2id, 4 passes, 64 MiB, 2 threads).
+	KDF luks2.KDFParams
+	// CloseTimeout is how long Close waits for a busy mapping
+	// (crypt.CloseTimeout when 0).
+	CloseTimeout time.Duration
+}
+
+var _ Encryption = (*LUKS)(nil)
+
+// Inspect implements Encryption. A device is blank only when both the
+// LUKS2 package's probe and blkid's low-level probe find nothing.
+func (l *LUKS) Inspect(_ context.Context, device string) (Content, error) {
+	v, err := luks2.Open(device, false)
+	if err == nil {
+		defer v.Close()
+		ct := Content{Kind: ContentLUKS2, UUID: v.Header.UUID}
+		_, tok, err := v.TransitToken()
+		if err != nil {
+			return Content{Kind: ContentOther, Detail: fmt.Sprintf("a LUKS2 header whose %s token is damaged: %v", luks2.TransitTokenType, err)}, nil
+		}
+		if tok != nil {
+			ct.Token = &TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext}
+		}
+		return ct, nil
+	}
+	if !errors.Is(err, luks2.ErrNotLUKS2) {
+		var perr *os.PathError
+		if errors.As(err, &perr) {
+			return Content{}, fmt.Errorf("reading %s: %w", device, err)
+		}
+		// A header that does not pass validation is data we must not
+		// touch (DESIGN.md §5: refuse, never guess).
+		return Content{Kind: ContentOther, Detail: fmt.Sprintf("a LUKS2 header this agent refuses: %v", err)}, nil
+	}
+	sig, err := probeSignature(device)
+	if err != nil {
+		return Content{}, err
+	}
+	if sig != "" {
+		return Content{Kind: ContentOther, Detail: sig}, nil
+	}
+	return Content{Kind: ContentBlank}, nil
+}
+
+// probeSignature runs luks2's probe and then `blkid -p`, which knows more
+// formats (some at the end of the device), and returns what either found.
+func probeSignature(device string) (string, error) {
+	f, err := os.Open(device)
+	if err != nil {
+		return "", fmt.Errorf("reading %s: %w", device, err)
+	}
+	defer f.Close()
+	size, err := f.Seek(0, 2)
+	if err != nil {
+		return "", fmt.Errorf("size of %s: %w", device, err)
+	}
+	sig, err := luks2.DetectSignature(f, uint64(size))
+	if err != nil || sig != "" {
+		return sig, err
+	}
+	out, err := exec.Command("blkid", "-p", "-o", "export", device).Output()
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee) && ee.ExitCode() == 2:
+		return "", nil // blkid: nothing found
+	case err != nil:
+		return "", fmt.Errorf("probing %s with blkid: %v", device, err)
+	}
+	var found []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if k, v, ok := strings.Cut(line, "="); ok && (k == "TYPE" || k == "PTTYPE") {
+			found = append(found, v)
+		}
+	}
+	if len(found) == 0 {
+		found = []string{"a signature blkid recognises"}
+	}
+	return "blkid finds " + strings.Join(found, ", "), nil
+}
+
+// Format implements Encryption: aes-xts-plain64 with a 512-bit key, one
+// argon2id keyslot, 4096-byte sectors where the data area allows (else
+// 512), the token in the very first header. Without force it refuses any
+// device that holds a signature; force is only for the agent's own format
+// that a crash cut short.
+func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok TransitToken, force bool) error {
+	if err := tok.check(); err != nil {
+		return err
+	}
+	o := luks2.FormatOptions{
+		Passphrase: passphrase, KDF: l.KDF, Force: force,
+		TransitToken: &luks2.TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext},
+	}
+	if n, err := deviceSize(device); err == nil && (n-16<<20)%4096 != 0 {
+		o.SectorSize = 512
+	}
+	v, err := luks2.Format(device, o)
+	if err != nil {
+		return err
+	}
+	return v.Close()
+}
+
+// Open implements Encryption.
+func (l *LUKS) Open(_ context.Context, device, name string, passphrase []byte, readOnly bool) (string, error) {
+	return crypt.Open(device, name, passphrase, crypt.OpenOptions{ReadOnly: readOnly})
+}
+
+// Close implements Encryption.
+func (l *LUKS) Close(_ context.Context, name string) error {
+	t := l.CloseTimeout
+	if t == 0 {
+		t = crypt.CloseTimeout
+	}
+	return crypt.Close(name, t)
+}
+
+// Resize implements Encryption.
+func (l *LUKS) Resize(_ context.Context, name string) error {
+	_, err := crypt.Resize(name)
+	return err
+}

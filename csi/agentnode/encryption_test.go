@@ -1,0 +1,194 @@
+package agentnode_test
+
+import (
+	"context"
+	"net"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/agent/peercred"
+	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// loopDisk makes the simulator host backend's file for disk id in dir and
+// a loop device on it.
+func loopDisk(t *testing.T, dir string, id int64) (img, dev string) {
+	t.Helper()
+	img = (&sim.HostBackend{Dir: dir}).DiskFile(id)
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev = strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+	return img, dev
+}
+
+// TestEncryptedVolumeThroughTheNodeService stages an encrypted volume
+// through the node service and the real agent: on a blank disk the plugin
+// wraps a new passphrase with the transit engine (a FAKE Vault transit
+// server, as no Vault runs here) and the agent formats LUKS2 with it;
+// staged again, the plugin unwraps the header's token and the data is
+// still there. A disk holding other data is never formatted.
+func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop devices and mounts")
+	}
+	dir := t.TempDir()
+	t.Cleanup(func() { unmountUnder(dir) })
+	kubelet, diskDir := filepath.Join(dir, "kubelet"), filepath.Join(dir, "disks")
+	os.MkdirAll(kubelet, 0o750)
+	os.MkdirAll(diskDir, 0o700)
+	_, dev := loopDisk(t, diskDir, 8)
+
+	vault := transittest.New()
+	vault.Rotate("vco-volumes")
+	vault.StaticToken("node-token")
+	hs := httptest.NewServer(vault)
+	t.Cleanup(hs.Close)
+	tc, err := transit.New(transit.Config{Address: hs.URL, Token: "node-token"})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	key, _ := fence.KeyFromUUID(nodeA)
+	m, err := volume.New(volume.Options{
+		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowUnfenced: true, AllowLoopDevices: true},
+		Crypt:    agentnodetest.NewLoopLUKS(t),
+		StateDir: filepath.Join(dir, "state"), SysfsRoot: "/sys", Fencers: &volume.Fencing{Key: key, Node: nodeA},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Close)
+	sock := filepath.Join(dir, "agent.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
+		Identity: server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}}).NewGRPC()
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+	a, err := agentnode.Dial(sock, agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet,
+		Transit: tc, TransitKey: crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	const vol = "ch-gen-1/8"
+	encrypted := map[string]string{"cloud.whitesky/encrypted": "true"}
+	staging := filepath.Join(kubelet, "plugins", "staging", "8")
+	target := filepath.Join(kubelet, "pods", "p", "volumes", "enc")
+	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
+		PublishContext: map[string]string{driver.PubDiskID: "8"}, VolumeContext: encrypted}
+	requests := func(op string) int {
+		vault.Mu.Lock()
+		defer vault.Mu.Unlock()
+		n := 0
+		for _, r := range vault.Requests {
+			if strings.HasSuffix(r, "/transit/"+op+"/vco-volumes") {
+				n++
+			}
+		}
+		return n
+	}
+
+	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatalf("first stage of an encrypted volume: %v", err)
+	}
+	if out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", dev).Output(); strings.TrimSpace(string(out)) != "crypto_LUKS" {
+		t.Fatalf("the disk holds %q after the first stage, want a LUKS2 header", out)
+	}
+	tok, err := a.VolumeToken(ctx, vol, stage.PublishContext)
+	if err != nil || tok.Content != driver.ContentLUKS2 || tok.Token == nil || tok.Token.KeyName != "vco-volumes" ||
+		!strings.HasPrefix(tok.Token.Ciphertext, "vault:v1:") {
+		t.Fatalf("token after the first stage: %+v %v", tok, err)
+	}
+	if requests("encrypt") != 1 || requests("decrypt") != 0 {
+		t.Fatalf("transit requests after the first stage: %v", vault.Requests)
+	}
+	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol, StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: mountCap}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "secret-data"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Staged again: the passphrase comes from the header's token.
+	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatalf("second stage: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(staging, "secret-data")); err != nil || string(b) != "kept" {
+		t.Fatalf("data after the second stage: %q %v", b, err)
+	}
+	if requests("encrypt") != 1 || requests("decrypt") != 1 {
+		t.Fatalf("transit requests after the second stage: %v", vault.Requests)
+	}
+	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+
+	// The transit engine refuses (the node's token revoked): the stage
+	// fails saying so, and names no secret.
+	vault.Mu.Lock()
+	delete(vault.Tokens, "node-token")
+	vault.Mu.Unlock()
+	_, err = d.NodeStageVolume(ctx, stage)
+	if driver.CodeForError(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "unwrapping its passphrase") ||
+		strings.Contains(err.Error(), "node-token") || strings.Contains(err.Error(), tok.Token.Ciphertext) {
+		t.Fatalf("stage with the transit engine refusing: %v", err)
+	}
+
+	// A disk with a filesystem on it is never formatted as LUKS2.
+	_, plain := loopDisk(t, diskDir, 9)
+	if out, err := exec.Command("mkfs.ext4", "-q", plain).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v %s", err, out)
+	}
+	other := &csi.NodeStageVolumeRequest{VolumeId: "ch-gen-1/9", StagingTargetPath: filepath.Join(kubelet, "plugins", "staging", "9"),
+		VolumeCapability: mountCap, PublishContext: map[string]string{driver.PubDiskID: "9"}, VolumeContext: encrypted}
+	_, err = d.NodeStageVolume(ctx, other)
+	if st := status.Convert(driverStatus(err)); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "never formatted over data") {
+		t.Fatalf("encrypted stage of a disk with ext4 on it: %v", err)
+	}
+	if out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", plain).Output(); strings.TrimSpace(string(out)) != "ext4" {
+		t.Fatalf("the ext4 disk holds %q after the refused stage", out)
+	}
+}

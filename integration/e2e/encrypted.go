@@ -1,0 +1,178 @@
+package e2e
+
+import (
+	"context"
+	"encoding/base64"
+	"fmt"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// e6: an encrypted volume. Each guest reaches the transit engine on the
+// host only through a restricted user-network NIC whose one forward leads
+// to it (simlab.ConnectTransit), and its node plugin is restarted with
+// --vault-addr. First use on node-a formats LUKS2 with a passphrase the
+// engine wrapped; data written there reads back on node-b after a move;
+// cryptsetup in node-b accepts the passphrase unwrapped from the LUKS2
+// token of the disk's backing file, and refuses another.
+func (s *story) e6(ctx context.Context) (err error) {
+	const sc = "E6"
+	if s.o.TransitPort == 0 {
+		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: no transit engine given")
+		return nil
+	}
+	for _, g := range []*lab.Guest{s.a, s.b} {
+		g := g
+		if err := s.step(sc, g.Name, "transit link (restricted user network) and vco-csi with --vault-addr", func() (string, error) {
+			if err := simlab.ConnectTransit(ctx, g, s.o.TransitPort); err != nil {
+				return "", err
+			}
+			if err := simlab.StopNodeStack(ctx, g); err != nil {
+				return "", err
+			}
+			return "transit at " + simlab.TransitGuestAddr + ", forwarded to 127.0.0.1 on the host",
+				simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{VaultAddr: simlab.TransitGuestAddr, VaultToken: s.o.TransitToken})
+		}); err != nil {
+			return err
+		}
+	}
+	c := *s
+	c.name, c.pod, c.kind = "pvc-e2e-crypt", "pod-crypt-", lab.SCSIBlock
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-crypt (1 GiB, encryption=true)", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			Parameters:         map[string]string{"encryption": "true"},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		c.volID, c.volCtx = resp.Volume.VolumeId, resp.Volume.VolumeContext
+		if _, err := fmt.Sscanf(c.volID[strings.Index(c.volID, "/")+1:], "%d", &c.diskID); err != nil {
+			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
+		}
+		s.env.Backend.SetKind(c.diskID, c.kind)
+		return fmt.Sprintf("volume %s, context %v", c.volID, c.volCtx), nil
+	}); err != nil {
+		return err
+	}
+	pc, err := c.publish(ctx, sc, s.a)
+	if err != nil {
+		return err
+	}
+	if err := c.stageAndPublish(ctx, sc, s.a, pc); err != nil {
+		if r, _ := s.a.Sh(ctx, "tail -n 25 /var/log/vco-agent.log /var/log/vco-csi.log; dmesg | tail -n 8"); r != nil {
+			s.progress("         %s logs after the failed stage:\n%s", s.a.Name, r.Stdout)
+		}
+		return err
+	}
+	var sum string
+	if err := s.step(sc, s.a.Name, "write 8 MiB to data.bin (through dm-crypt)", func() (string, error) {
+		out, err := s.a.MustSh(ctx, "awk '$2==\""+stagingPath(c.name)+"\"{print $1}' /proc/mounts")
+		if err != nil {
+			return "", err
+		}
+		if !strings.HasPrefix(strings.TrimSpace(out), "/dev/mapper/") && !strings.HasPrefix(strings.TrimSpace(out), "/dev/dm-") {
+			return "", fmt.Errorf("the staging path is mounted from %q, not a dm-crypt mapping", strings.TrimSpace(out))
+		}
+		if sum, err = writeFile(ctx, s.a, c.pod+s.a.Name, "data.bin", 8); err != nil {
+			return "", err
+		}
+		return "mounted from " + strings.TrimSpace(out) + "; sha256 " + sum, nil
+	}); err != nil {
+		return err
+	}
+	if err := c.unpublishAndUnstage(ctx, sc, s.a); err != nil {
+		return err
+	}
+	if err := c.unpublish(ctx, sc, s.a); err != nil {
+		return err
+	}
+	if pc, err = c.publish(ctx, sc, s.b); err != nil {
+		return err
+	}
+	if err := c.stageAndPublish(ctx, sc, s.b, pc); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "read data.bin", func() (string, error) {
+		got, err := readSum(ctx, s.b, c.pod+s.b.Name, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "the encrypted volume moved to %s has no readable data.bin: %v", s.b.Name, err)
+			return "", err
+		}
+		s.check(P5, sc, got == sum, "the encrypted volume moved to %s reads data.bin with sha256 %s (written on %s: %s): opened, not formatted again", s.b.Name, got, s.a.Name, sum)
+		if got != sum {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", got, sum)
+		}
+		return "sha256 " + got, nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "cryptsetup accepts the unwrapped passphrase, refuses another", func() (string, error) {
+		v, err := luks2.Open(s.env.Backend.DiskFile(c.diskID), false)
+		if err != nil {
+			return "", fmt.Errorf("reading the LUKS2 header of the backing file: %w", err)
+		}
+		_, tok, err := v.TransitToken()
+		if err != nil {
+			return "", err
+		}
+		tc, err := transit.New(transit.Config{Address: fmt.Sprintf("http://127.0.0.1:%d", s.o.TransitPort), Mount: tok.Mount, Token: s.o.TransitToken})
+		if err != nil {
+			return "", err
+		}
+		pass, err := tc.Decrypt(ctx, tok.KeyName, tok.Ciphertext)
+		if err != nil {
+			return "", fmt.Errorf("unwrapping the token's passphrase: %w", err)
+		}
+		out, err := s.b.MustSh(ctx, "for m in /dev/mapper/*; do cryptsetup status $(basename $m) 2>/dev/null | awk '$1==\"device:\"{print $2}'; done | head -n 1")
+		if err != nil {
+			return "", err
+		}
+		dev := strings.TrimSpace(out)
+		if dev == "" {
+			return "", fmt.Errorf("no dm-crypt mapping in %s names its disk", s.b.Name)
+		}
+		try := func(p []byte) (bool, string, error) {
+			r, err := s.b.Sh(ctx, "umask 077; echo "+base64.StdEncoding.EncodeToString(p)+" | base64 -d >/run/e6-key; cryptsetup open --test-passphrase --key-file /run/e6-key "+dev+" 2>&1; rc=$?; rm -f /run/e6-key; exit $rc")
+			if err != nil {
+				return false, "", err
+			}
+			return r.Exit == 0 && !r.TimedOut, strings.TrimSpace(r.Stdout + r.Stderr), nil
+		}
+		ok, okOut, err := try(pass)
+		if err != nil {
+			return "", err
+		}
+		bad, badOut, err := try(append([]byte("not-"), pass...))
+		if err != nil {
+			return "", err
+		}
+		if !ok || bad {
+			return "", fmt.Errorf("cryptsetup on %s: unwrapped passphrase accepted %v (%s), another accepted %v (%s)", dev, ok, okOut, bad, badOut)
+		}
+		return fmt.Sprintf("token key %s version %d; %s opens with the unwrapped passphrase, not with another", tok.KeyName, tok.KeyVersion, dev), nil
+	}); err != nil {
+		return err
+	}
+	if err := c.unpublishAndUnstage(ctx, sc, s.b); err != nil {
+		return err
+	}
+	if err := c.unpublish(ctx, sc, s.b); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
+		return "", err
+	})
+}

@@ -1,0 +1,198 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// fsBytes is the size of the filesystem mounted at p in g, in bytes, as
+// df reports it.
+func fsBytes(ctx context.Context, g *lab.Guest, p string) (int64, error) {
+	out, err := g.MustSh(ctx, "df -k "+p+" | tail -n 1")
+	if err != nil {
+		return 0, err
+	}
+	f := strings.Fields(out)
+	if len(f) < 2 {
+		return 0, fmt.Errorf("df on %s in %s printed %q", p, g.Name, out)
+	}
+	kb, err := strconv.ParseInt(f[1], 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("df on %s in %s printed %q", p, g.Name, out)
+	}
+	return kb << 10, nil
+}
+
+// e7: online expansion of a plain volume whose filesystem is mounted and
+// in use on node-a. tgtd cannot grow a LUN a guest is logged in to, so the
+// volume is shown to the guest as virtio-blk over its backing file
+// (simlab.FileVirtioBlk): ControllerExpandVolume grows the disk through
+// the simulator, whose lab backend grows the file with QMP block_resize;
+// NodeExpandVolume then has the agent grow the filesystem, while it stays
+// mounted. A virtio-blk disk offers no reservations and the agent has no
+// on-disk lease yet, so for this scenario alone node-a's agent and node
+// plugin are restarted with the explicit unfenced opt-in, and restarted
+// without it afterwards; the report says so.
+func (s *story) e7(ctx context.Context) (err error) {
+	const sc = "E7"
+	c := *s
+	c.name, c.pod, c.kind = "pvc-e2e-grow", "pod-grow-", simlab.FileVirtioBlk
+	g := s.a
+	if err := s.step(sc, g.Name, "restart vco-agent and vco-csi with the unfenced opt-in (this scenario only)", func() (string, error) {
+		if err := simlab.StopNodeStack(ctx, g); err != nil {
+			return "", err
+		}
+		return "volumes.allow_unfenced and --allow-unfenced: a virtio-blk disk offers no reservations and the agent has no on-disk lease",
+			simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{AllowUnfenced: true})
+	}); err != nil {
+		return err
+	}
+	s.r.NotRun = append(s.r.NotRun, "E7 fencing: the grown volume is a virtio-blk disk staged with the unfenced opt-in (no reservations, no on-disk lease in the agent yet); E7 shows online growth, not fencing")
+	defer func() {
+		rerr := s.step(sc, g.Name, "restart vco-agent and vco-csi without the opt-in", func() (string, error) {
+			if err := simlab.StopNodeStack(ctx, g); err != nil {
+				return "", err
+			}
+			return "", simlab.StartNodeStack(ctx, g)
+		})
+		if err == nil {
+			err = rerr
+		}
+	}()
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-grow (1 GiB, "+string(c.kind)+")", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		c.volID = resp.Volume.VolumeId
+		_, rest, _ := strings.Cut(c.volID, "/")
+		if c.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
+			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
+		}
+		s.env.Backend.SetKind(c.diskID, c.kind)
+		return "volume " + c.volID, nil
+	}); err != nil {
+		return err
+	}
+	pc, err := c.publish(ctx, sc, g)
+	if err != nil {
+		return err
+	}
+	if err := c.stageAndPublish(ctx, sc, g, pc); err != nil {
+		return err
+	}
+	var sum string
+	var before int64
+	if err := s.step(sc, g.Name, "write 8 MiB to data.bin, measure the filesystem", func() (string, error) {
+		var err error
+		if sum, err = writeFile(ctx, g, c.pod+g.Name, "data.bin", 8); err != nil {
+			return "", err
+		}
+		if before, err = fsBytes(ctx, g, targetPath(c.pod+g.Name)); err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("sha256 %s, filesystem %d bytes", sum, before), nil
+	}); err != nil {
+		return err
+	}
+	// The pod keeps a file open on the volume across the expansion: the
+	// filesystem is in use, not merely mounted.
+	holdPID := ""
+	if err := s.step(sc, g.Name, "hold a file open on the volume", func() (string, error) {
+		out, err := g.MustSh(ctx, "( exec 3>>"+targetPath(c.pod+g.Name)+"/held; exec sleep 600 ) >/dev/null 2>&1 & echo $!")
+		holdPID = strings.TrimSpace(out)
+		return "pid " + holdPID, err
+	}); err != nil {
+		return err
+	}
+	defer func() {
+		if holdPID != "" {
+			_, _ = g.Sh(ctx, "kill "+holdPID)
+		}
+	}()
+	if err := s.step(sc, "controller", "ControllerExpandVolume to 2 GiB", func() (string, error) {
+		resp, err := s.ctl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+			VolumeId: c.volID, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()})
+		if err != nil {
+			return "", err
+		}
+		if resp.CapacityBytes != 2<<30 || !resp.NodeExpansionRequired {
+			return "", fmt.Errorf("capacity %d, node expansion required %v; want %d and true", resp.CapacityBytes, resp.NodeExpansionRequired, int64(2<<30))
+		}
+		return fmt.Sprintf("capacity %d bytes, node expansion required", resp.CapacityBytes), nil
+	}); err != nil {
+		return err
+	}
+	var after int64
+	if err := s.step(sc, g.Name, "NodeExpandVolume (filesystem mounted)", func() (string, error) {
+		req := &csi.NodeExpandVolumeRequest{VolumeId: c.volID, VolumePath: targetPath(c.pod + g.Name),
+			StagingTargetPath: stagingPath(c.name), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()}
+		// The kubelet retries while the grown disk has not reached the
+		// node yet (the agent answers FAILED_PRECONDITION then).
+		var resp csi.NodeExpandVolumeResponse
+		deadline := time.Now().Add(time.Minute)
+		for {
+			err := simlab.NodeCall(ctx, g, "NodeExpandVolume", req, &resp)
+			if err == nil {
+				break
+			}
+			if status.Code(err) != codes.FailedPrecondition || time.Now().After(deadline) {
+				return "", err
+			}
+			time.Sleep(time.Second)
+		}
+		var err error
+		if after, err = fsBytes(ctx, g, targetPath(c.pod+g.Name)); err != nil {
+			return "", err
+		}
+		if after < before+(800<<20) {
+			return "", fmt.Errorf("the filesystem holds %d bytes after expansion, %d before: not grown by the GiB added", after, before)
+		}
+		return fmt.Sprintf("device %d bytes; filesystem %d -> %d bytes", resp.CapacityBytes, before, after), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, g.Name, "read data.bin after the expansion", func() (string, error) {
+		got, err := readSum(ctx, g, c.pod+g.Name, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "data.bin unreadable after online expansion on %s: %v", g.Name, err)
+			return "", err
+		}
+		s.check(P5, sc, got == sum, "after online expansion data.bin reads sha256 %s (written %s); the filesystem grew from %d to %d bytes without a remount", got, sum, before, after)
+		if got != sum {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", got, sum)
+		}
+		return "sha256 " + got, nil
+	}); err != nil {
+		return err
+	}
+	_, _ = g.Sh(ctx, "kill "+holdPID)
+	holdPID = ""
+	if err := c.unpublishAndUnstage(ctx, sc, g); err != nil {
+		return err
+	}
+	if err := c.unpublish(ctx, sc, g); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
+		return "", err
+	})
+}

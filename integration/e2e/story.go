@@ -1,0 +1,1026 @@
+// Package e2e drives the multi-node ReadWriteOnce story end to end, the way
+// a Kubernetes cluster would: controller calls from the host against the
+// vco-csi controller talking to the whitesky.cloud simulator in lab mode,
+// node calls to the vco-csi node plugin in each QEMU guest (through the
+// exec channel, as the kubelet on that node), platform misbehaviour
+// through the simulator's faults, and checks of the disk's backing file on
+// the host. It turns what happened into a Report with a verdict per safety
+// property (DESIGN.md §3); `vco-lab run` (make lab) and the guest-tier
+// tests both run it.
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// Options configure a run.
+type Options struct {
+	Env *simlab.Env
+	// Progress receives a line per step as it finishes (may be nil).
+	Progress io.Writer
+	// Skip names scenarios to leave out: E4, E5, E7, E8, E9 (E1-E3 are the
+	// story's spine and always run).
+	Skip map[string]bool
+	// Only, if set, runs just the setup and that one self-contained
+	// scenario (E6, E7 or E9), on a volume of its own.
+	Only string
+	// TransitPort is the port on 127.0.0.1 of the transit engine E6 wraps
+	// passphrases with, and TransitToken a token it accepts. E6 runs only
+	// when it is set (the story's binaries carry no transit engine).
+	TransitPort  int
+	TransitToken string
+}
+
+type story struct {
+	o    Options
+	env  *simlab.Env
+	r    *Report
+	ctl  csi.ControllerClient
+	a, b *lab.Guest
+	// node ids (SMBIOS UUIDs) by guest name
+	ids map[string]string
+
+	volID  string
+	diskID int64
+	// volCtx is the volume context CreateVolume answered (the node calls
+	// carry it, as the kubelet passes the PV's).
+	volCtx map[string]string
+	kind   lab.DiskKind
+	// name is the volume's name (its staging path derives from it) and
+	// pod the prefix of the pods' names that use it.
+	name, pod string
+}
+
+const (
+	volName = "pvc-e2e-rwo"
+	fsType  = "ext4"
+)
+
+func stagingPath(vol string) string {
+	h := sha256.Sum256([]byte(vol))
+	return fmt.Sprintf("%s/plugins/kubernetes.io/csi/%s/%x/globalmount", simlab.KubeletRoot, simlab.DriverName, h[:8])
+}
+
+func targetPath(pod string) string {
+	return fmt.Sprintf("%s/pods/%s/volumes/kubernetes.io~csi/pv-e2e/mount", simlab.KubeletRoot, pod)
+}
+
+func volCap() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// Run runs the story on a started Env and returns its report. The error
+// is for failures of the harness itself; a property that did not hold is
+// in the report.
+func Run(ctx context.Context, o Options) *Report {
+	s := &story{o: o, env: o.Env, r: &Report{Started: time.Now(), Kind: string(lab.SCSIBlock)}, ids: map[string]string{},
+		name: volName, pod: "pod-"}
+	if o.Env.Backend.Kind != "" {
+		s.r.Kind = string(o.Env.Backend.Kind)
+	}
+	s.kind = lab.DiskKind(s.r.Kind)
+	s.r.Setup = o.Env.Lab.SetupTime()
+	s.r.Boot = map[string]time.Duration{}
+	for _, g := range o.Env.Lab.Guests {
+		s.r.Boot[g.Name] = g.BootTime
+	}
+	err := s.run(ctx)
+	s.r.Err = err
+	s.collectEvents(context.WithoutCancel(ctx))
+	s.r.Finished = time.Now()
+	return s.r
+}
+
+func (s *story) progress(format string, a ...any) {
+	if s.o.Progress != nil {
+		fmt.Fprintf(s.o.Progress, format+"\n", a...)
+	}
+}
+
+// step runs f as one step of the report.
+func (s *story) step(scenario, node, name string, f func() (string, error)) error {
+	st := Step{Scenario: scenario, Node: node, Name: name, Start: time.Now()}
+	detail, err := f()
+	st.Duration = time.Since(st.Start)
+	st.OK = err == nil
+	st.Detail = detail
+	if err != nil {
+		if st.Detail != "" {
+			st.Detail += "\n"
+		}
+		st.Detail += err.Error()
+	}
+	s.r.Steps = append(s.r.Steps, st)
+	mark := "ok  "
+	if err != nil {
+		mark = "FAIL"
+	}
+	s.progress("%s %-8s %-11s %s (%.2fs)", mark, scenario, node, name, st.Duration.Seconds())
+	return err
+}
+
+func (s *story) check(p Property, scenario string, held bool, format string, a ...any) {
+	s.r.Checks = append(s.r.Checks, Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
+}
+
+// startController serves the vco-csi controller in this process on a
+// unix socket in the lab directory and dials it, so controller calls go
+// through the same gRPC server (and error-code mapping) as in a cluster.
+func (s *story) startController(ctx context.Context) (func(), error) {
+	d, err := driver.New(driver.Config{Name: simlab.DriverName, Version: "lab", Mode: driver.ModeController,
+		Cloud: s.env.Cloud, AttachTimeout: 2 * time.Minute})
+	if err != nil {
+		return nil, err
+	}
+	sock := filepath.Join(s.env.Lab.Dir(), "controller.sock")
+	_ = os.Remove(sock)
+	ln, err := driver.Listen("unix://" + sock)
+	if err != nil {
+		return nil, err
+	}
+	srv := d.NewGRPCServer(slog.New(slog.DiscardHandler))
+	go func() { _ = srv.Serve(ln) }()
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		srv.Stop()
+		return nil, err
+	}
+	s.ctl = csi.NewControllerClient(conn)
+	return func() { conn.Close(); srv.Stop() }, nil
+}
+
+func (s *story) run(ctx context.Context) error {
+	if len(s.env.Lab.Guests) < 2 {
+		return errors.New("the story needs two guests")
+	}
+	s.a, s.b = s.env.Lab.Guests[0], s.env.Lab.Guests[1]
+	stop, err := s.startController(ctx)
+	if err != nil {
+		return fmt.Errorf("starting the controller: %w", err)
+	}
+	defer stop()
+
+	for _, g := range []*lab.Guest{s.a, s.b} {
+		g := g
+		if err := s.step("setup", g.Name, "NodeGetInfo", func() (string, error) {
+			var resp csi.NodeGetInfoResponse
+			if err := simlab.NodeCall(ctx, g, "NodeGetInfo", &csi.NodeGetInfoRequest{}, &resp); err != nil {
+				return "", err
+			}
+			if !strings.EqualFold(resp.NodeId, g.UUID) {
+				return "", fmt.Errorf("node id %s is not the guest's SMBIOS UUID %s", resp.NodeId, g.UUID)
+			}
+			s.ids[g.Name] = resp.NodeId
+			return fmt.Sprintf("node id %s, topology %v", resp.NodeId, resp.GetAccessibleTopology().GetSegments()), nil
+		}); err != nil {
+			return err
+		}
+	}
+	switch s.o.Only {
+	case "":
+	case "E7":
+		return s.e7(ctx)
+	case "E9":
+		return s.e9(ctx)
+	case "E6":
+		return s.e6(ctx)
+	default:
+		return fmt.Errorf("scenario %s cannot run on its own", s.o.Only)
+	}
+	if err := s.create(ctx); err != nil {
+		return err
+	}
+	sumA, err := s.firstUse(ctx)
+	if err != nil {
+		return err
+	}
+	if err := s.e1(ctx); err != nil {
+		return err
+	}
+	if err := s.e2(ctx, sumA); err != nil {
+		return err
+	}
+	if err := s.e3(ctx, sumA); err != nil {
+		return err
+	}
+	if s.o.Skip["E5"] {
+		s.r.NotRun = append(s.r.NotRun, "E5 topology: left out by request")
+	} else if err := s.e5(ctx); err != nil {
+		return err
+	}
+	if s.o.Skip["E8"] {
+		s.r.NotRun = append(s.r.NotRun, "E8 volume from a snapshot: left out by request")
+	} else if err := s.e8(ctx, sumA); err != nil {
+		return err
+	}
+	if s.o.TransitPort == 0 {
+		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: needs a transit engine (Vault/OpenBao); the guest tier runs it against a fake one (TestEncryptedVolume)")
+	} else if err := s.e6(ctx); err != nil {
+		return err
+	}
+	if s.o.Skip["E7"] {
+		s.r.NotRun = append(s.r.NotRun, "E7 online expansion: left out by request")
+	} else if err := s.e7(ctx); err != nil {
+		return err
+	}
+	if s.o.Skip["E9"] {
+		s.r.NotRun = append(s.r.NotRun, "E9 agent killed during stage and unstage: left out by request")
+	} else if err := s.e9(ctx); err != nil {
+		return err
+	}
+	if s.o.Skip["E4"] {
+		s.r.NotRun = append(s.r.NotRun, "E4 node death: left out by request")
+	} else if err := s.e4(ctx, sumA); err != nil {
+		return err
+	}
+	return s.cleanup(ctx)
+}
+
+func (s *story) create(ctx context.Context) error {
+	return s.step("create", "controller", "CreateVolume "+volName+" (1 GiB, preferred "+simlab.Location+")", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: volName, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		s.volID = resp.Volume.VolumeId
+		_, rest, _ := strings.Cut(s.volID, "/")
+		if s.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
+			return "", fmt.Errorf("volume id %q names no disk id", s.volID)
+		}
+		s.env.Backend.SetKind(s.diskID, s.kind)
+		return fmt.Sprintf("volume %s, topology %v, LUN file %s", s.volID, resp.Volume.AccessibleTopology, s.env.Backend.DiskFile(s.diskID)), nil
+	})
+}
+
+func (s *story) publish(ctx context.Context, scenario string, g *lab.Guest) (map[string]string, error) {
+	var pc map[string]string
+	err := s.step(scenario, "controller", "ControllerPublishVolume to "+g.Name, func() (string, error) {
+		resp, err := s.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: s.volID, NodeId: s.ids[g.Name], VolumeCapability: volCap()})
+		if err != nil {
+			return "", err
+		}
+		pc = resp.PublishContext
+		return fmt.Sprintf("publish context %v", pc), nil
+	})
+	return pc, err
+}
+
+func (s *story) unpublish(ctx context.Context, scenario string, g *lab.Guest) error {
+	return s.step(scenario, "controller", "ControllerUnpublishVolume from "+g.Name, func() (string, error) {
+		_, err := s.ctl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: s.volID, NodeId: s.ids[g.Name]})
+		return "", err
+	})
+}
+
+// kubeletDirs makes the directories the kubelet makes before it calls the
+// plugin: the staging path itself and the target path's parent.
+func (s *story) kubeletDirs(ctx context.Context, g *lab.Guest, pod string) error {
+	_, err := g.MustSh(ctx, "mkdir -p "+stagingPath(s.name)+" "+filepath.Dir(targetPath(pod)))
+	return err
+}
+
+func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) error {
+	if err := s.kubeletDirs(ctx, g, s.pod+g.Name); err != nil {
+		return err
+	}
+	// The kubelet retries a failed stage with backoff; a disk that the
+	// guest has not finished probing after a hot-plug answers NOT_FOUND
+	// until it has.
+	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name), VolumeCapability: volCap(), VolumeContext: s.volCtx}
+	deadline := time.Now().Add(90 * time.Second)
+	wait := 500 * time.Millisecond
+	for tries := 1; ; tries++ {
+		err := simlab.NodeCall(ctx, g, "NodeStageVolume", req, nil)
+		if status.Code(err) != codes.NotFound || time.Now().After(deadline) {
+			if tries > 1 && err == nil {
+				s.progress("         %s: NodeStageVolume succeeded on try %d (the disk was still being probed)", g.Name, tries)
+			}
+			return err
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 8*time.Second)
+	}
+}
+
+func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Guest, pc map[string]string) error {
+	if err := s.step(scenario, g.Name, "NodeStageVolume "+s.name, func() (string, error) { return "", s.stage(ctx, g, pc) }); err != nil {
+		return err
+	}
+	return s.step(scenario, g.Name, "NodePublishVolume "+s.name+" into "+s.pod+g.Name, func() (string, error) {
+		return "", simlab.NodeCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
+			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name),
+			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap(), VolumeContext: s.volCtx}, nil)
+	})
+}
+
+func (s *story) unpublishAndUnstage(ctx context.Context, scenario string, g *lab.Guest) error {
+	if err := s.step(scenario, g.Name, "NodeUnpublishVolume", func() (string, error) {
+		return "", simlab.NodeCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
+			VolumeId: s.volID, TargetPath: targetPath(s.pod + g.Name)}, nil)
+	}); err != nil {
+		return err
+	}
+	return s.step(scenario, g.Name, "NodeUnstageVolume", func() (string, error) {
+		return "", simlab.NodeCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
+			VolumeId: s.volID, StagingTargetPath: stagingPath(s.name)}, nil)
+	})
+}
+
+// writeFile writes size MiB of random data to the pod's volume, syncs it
+// and returns its sha256.
+func writeFile(ctx context.Context, g *lab.Guest, pod, name string, mib int) (string, error) {
+	p := targetPath(pod) + "/" + name
+	out, err := g.MustSh(ctx, fmt.Sprintf("dd if=/dev/urandom of=%s bs=1M count=%d 2>/dev/null && sync && sha256sum %s", p, mib, p))
+	if err != nil {
+		return "", err
+	}
+	return strings.Fields(out + " x")[0], nil
+}
+
+func readSum(ctx context.Context, g *lab.Guest, pod, name string) (string, error) {
+	p := targetPath(pod) + "/" + name
+	out, err := g.MustSh(ctx, "echo 3 > /proc/sys/vm/drop_caches; sha256sum "+p)
+	if err != nil {
+		return "", err
+	}
+	return strings.Fields(out + " x")[0], nil
+}
+
+func (s *story) firstUse(ctx context.Context) (string, error) {
+	const sc = "first use"
+	pc, err := s.publish(ctx, sc, s.a)
+	if err != nil {
+		return "", err
+	}
+	if err := s.stageAndPublish(ctx, sc, s.a, pc); err != nil {
+		return "", err
+	}
+	var sum string
+	err = s.step(sc, s.a.Name, "write 8 MiB to data.bin in "+s.pod+s.a.Name, func() (string, error) {
+		var err error
+		sum, err = writeFile(ctx, s.a, s.pod+s.a.Name, "data.bin", 8)
+		return "sha256 " + sum, err
+	})
+	return sum, err
+}
+
+// e1: the second ControllerPublish is refused, naming the first VM.
+func (s *story) e1(ctx context.Context) error {
+	const sc = "E1"
+	return s.step(sc, "controller", "ControllerPublishVolume to "+s.b.Name+" while on "+s.a.Name, func() (string, error) {
+		cctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		_, err := s.ctl.ControllerPublishVolume(cctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: s.volID, NodeId: s.ids[s.b.Name], VolumeCapability: volCap()})
+		st, _ := status.FromError(err)
+		named := strings.Contains(st.Message(), s.a.Name) || strings.Contains(st.Message(), strconv.FormatInt(s.env.VMs[s.a.Name], 10))
+		held := err != nil && st.Code() == codes.FailedPrecondition && named
+		s.check(P1, sc, held, "second ControllerPublish answered %s: %q", st.Code(), st.Message())
+		if !held {
+			return "", fmt.Errorf("expected FAILED_PRECONDITION naming %s's VM, got %v", s.a.Name, err)
+		}
+		return fmt.Sprintf("%s: %s", st.Code(), st.Message()), nil
+	})
+}
+
+// keyHex is the fence key of guest g as the agent prints it (16 hex
+// digits, no prefix).
+func keyHex(g *lab.Guest) string {
+	k, err := fence.KeyFromUUID(g.UUID)
+	if err != nil {
+		return "(no key: " + err.Error() + ")"
+	}
+	return strings.TrimPrefix(k.String(), "0x")
+}
+
+// namesHolder reports whether text names guest g: by node name, SMBIOS
+// UUID or fence key.
+func namesHolder(text string, g *lab.Guest) bool {
+	t := strings.ToLower(text)
+	return strings.Contains(t, strings.ToLower(g.Name)) || strings.Contains(t, strings.ToLower(g.UUID)) || strings.Contains(t, keyHex(g))
+}
+
+// marker is what a node that must not write tries to write; finding any
+// of it in the backing file means a write got through.
+func marker(node string) []byte {
+	unit := []byte(fmt.Sprintf("VCO-LAB-FORBIDDEN-WRITE-FROM-%s-", node))
+	return bytes.Repeat(unit, 4096/len(unit)+1)[:4096]
+}
+
+// fileContains reports whether the backing file holds the first 64 bytes
+// of the marker anywhere.
+func fileContains(path string, m []byte) (bool, error) {
+	needle := m[:64]
+	f, err := os.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	buf := make([]byte, 4<<20)
+	var tail []byte
+	for {
+		n, err := f.Read(buf)
+		if n > 0 {
+			chunk := append(tail, buf[:n]...)
+			if bytes.Contains(chunk, needle) {
+				return true, nil
+			}
+			tail = append([]byte(nil), chunk[max(0, len(chunk)-len(needle)):]...)
+		}
+		if err == io.EOF {
+			return false, nil
+		}
+		if err != nil {
+			return false, err
+		}
+	}
+}
+
+// targetOffsets are the 4 KiB blocks forbiddenWrites aims at.
+var targetOffsets = []int64{256 * 4096, 512 * 4096}
+
+// targetSums is the sha256 of the backing file's blocks at targetOffsets.
+func targetSums(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	buf := make([]byte, 4096)
+	for _, off := range targetOffsets {
+		if _, err := f.ReadAt(buf, off); err != nil {
+			return "", fmt.Errorf("reading %s at %d: %w", path, off, err)
+		}
+		h.Write(buf)
+	}
+	return fmt.Sprintf("%x", h.Sum(nil))[:16], nil
+}
+
+// forbiddenWrites has g try to write its marker to the raw device dev:
+// once as it is, once after clearing the block layer's read-only flag
+// (so the write meets the target's reservation). Each attempt must fail.
+func forbiddenWrites(ctx context.Context, g *lab.Guest, dev string, targetEnforces bool) (attempts []string, anySucceeded bool, err error) {
+	m := marker(g.Name)
+	if _, err := g.MustSh(ctx, fmt.Sprintf("printf '%%s' '%s' > /tmp/marker", m)); err != nil {
+		return nil, false, err
+	}
+	tries := []struct{ what, script string }{
+		{"dd to " + dev, fmt.Sprintf("dd if=/tmp/marker of=%s bs=4096 count=1 seek=%d oflag=direct conv=fsync", dev, targetOffsets[0]/4096)},
+		{"blockdev --setrw then dd to " + dev, fmt.Sprintf("ro=$(cat /sys/block/%s/ro); blockdev --setrw %s; dd if=/tmp/marker of=%s bs=4096 count=1 seek=%d oflag=direct conv=fsync; rc=$?; [ \"$ro\" = 1 ] && blockdev --setro %s; exit $rc", filepath.Base(dev), dev, dev, targetOffsets[1]/4096, dev)},
+	}
+	if !targetEnforces {
+		// Without reservations nothing below the node stops a write that
+		// bypasses its agent; the lease protects only through the agent.
+		tries = tries[:1]
+	}
+	for _, try := range tries {
+		r, err := g.Sh(ctx, try.script)
+		if err != nil {
+			return attempts, anySucceeded, err
+		}
+		res := "refused: " + strings.TrimSpace(lastLine(r.Stderr))
+		if r.Exit == 0 {
+			res, anySucceeded = "SUCCEEDED", true
+		}
+		attempts = append(attempts, try.what+": "+res)
+	}
+	return attempts, anySucceeded, nil
+}
+
+// lastLine is the line of a failed command's output that says why: dd's
+// own complaint if there is one.
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	for _, l := range lines {
+		if strings.HasPrefix(l, "dd:") {
+			return l
+		}
+	}
+	return lines[len(lines)-1]
+}
+
+// e2: the platform attaches the disk to B anyway; B's node stack refuses.
+func (s *story) e2(ctx context.Context, sumA string) error {
+	const sc = "E2"
+	vmB := s.env.VMs[s.b.Name]
+	cs := "cs-" + simlab.Location
+	var pc map[string]string
+	if err := s.step(sc, "platform", "fault allow_multi_attach; attach disk to "+s.b.Name+"'s VM too", func() (string, error) {
+		s.env.Sim.SetFaults(sim.Faults{AllowMultiAttach: true})
+		if err := s.env.Cloud.AttachDisk(ctx, cs, vmB, s.diskID); err != nil {
+			return "", err
+		}
+		disks, err := s.env.Cloud.ListVMDisks(ctx, cs, vmB)
+		if err != nil {
+			return "", err
+		}
+		for _, d := range disks {
+			if d.ID == s.diskID {
+				// What a publish context for B would carry; no controller
+				// would issue it, and it carries no grant.
+				pc = map[string]string{driver.PubDiskID: strconv.FormatInt(d.ID, 10), driver.PubPCIBus: strconv.Itoa(d.PCIBus),
+					driver.PubPCISlot: strconv.Itoa(d.PCISlot), driver.PubSerial: strconv.FormatInt(d.ID, 10)}
+			}
+		}
+		if pc == nil {
+			return "", fmt.Errorf("disk %d not listed on VM %d after attach", s.diskID, vmB)
+		}
+		return fmt.Sprintf("disk %d on VM %d at PCI %s:%s", s.diskID, vmB, pc[driver.PubPCIBus], pc[driver.PubPCISlot]), nil
+	}); err != nil {
+		return err
+	}
+	var dev string
+	if err := s.step(sc, s.b.Name, "wait for the disk to appear (serial "+strconv.FormatInt(s.diskID, 10)+")", func() (string, error) {
+		wctx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		d, err := s.b.WaitDiskBySerial(wctx, strconv.FormatInt(s.diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		dev = "/dev/" + d.Name
+		return dev, nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "watch for DiskRefused on arrival, before any NodeStage (10s)", func() (string, error) {
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			evs, err := simlab.Events(ctx, s.b)
+			if err != nil {
+				return "", err
+			}
+			for _, ev := range evs {
+				if ev.Name() == "DiskRefused" {
+					s.check(P2, sc, namesHolder(ev.HolderKey, s.a) || namesHolder(ev.HolderNode, s.a),
+						"%s refused the disk on its arrival: %s", s.b.Name, eventFields(ev))
+					return eventFields(ev), nil
+				}
+			}
+			if time.Now().After(deadline) {
+				// Not a property violation by itself: the refusal at
+				// NodeStage below still guards the disk.
+				s.r.NotRun = append(s.r.NotRun, "E2 refusal on arrival: "+s.b.Name+"'s agent emitted no DiskRefused within 10s of the disk appearing (no uevent watcher in this agent); the refusal shown is NodeStage's")
+				return "no refusal on arrival", nil
+			}
+			time.Sleep(time.Second)
+		}
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "NodeStageVolume without a grant", func() (string, error) {
+		err := s.stage(ctx, s.b, pc)
+		st, _ := status.FromError(err)
+		named := namesHolder(st.Message(), s.a)
+		held := err != nil && st.Code() == codes.FailedPrecondition
+		s.check(P2, sc, held && named, "NodeStage on %s answered %s: %q", s.b.Name, st.Code(), st.Message())
+		s.check(P3, sc, err != nil, "%s, holding no grant, did not take the disk over from %s", s.b.Name, s.a.Name)
+		if !held {
+			return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
+		}
+		return fmt.Sprintf("%s: %s", st.Code(), st.Message()), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "refused disk is read-only and not mounted", func() (string, error) {
+		out, err := s.b.MustSh(ctx, fmt.Sprintf("cat /sys/block/%s/ro; grep -c ' %s ' /proc/mounts || true", filepath.Base(dev), stagingPath(s.name)))
+		if err != nil {
+			return "", err
+		}
+		f := strings.Fields(out)
+		ro, mounted := len(f) > 0 && f[0] == "1", len(f) > 1 && f[1] != "0"
+		s.check(P2, sc, ro, "%s's %s read-only flag after the refusal: %v", s.b.Name, dev, ro)
+		s.check(P2, sc, !mounted, "nothing mounted at %s's staging path: %v", s.b.Name, !mounted)
+		return fmt.Sprintf("ro=%v mounted=%v", ro, mounted), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "DiskRefused event names the holder", func() (string, error) {
+		evs, err := simlab.Events(ctx, s.b)
+		if err != nil {
+			return "", err
+		}
+		for _, ev := range evs {
+			if ev.Name() == "DiskRefused" && (namesHolder(ev.HolderNode, s.a) || namesHolder(ev.HolderKey, s.a)) {
+				s.check(P2, sc, true, "%s emitted DiskRefused holder_node=%s holder_key=%s", s.b.Name, ev.HolderNode, ev.HolderKey)
+				return eventFields(ev), nil
+			}
+		}
+		s.check(P2, sc, false, "%s emitted no DiskRefused naming %s (node or key %s) among %d events", s.b.Name, s.a.Name, keyHex(s.a), len(evs))
+		return "", fmt.Errorf("no DiskRefused naming %s among %d events", s.a.Name, len(evs))
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.b.Name, "try to write to the raw device anyway", func() (string, error) {
+		file := s.env.Backend.DiskFile(s.diskID)
+		before, err := targetSums(file)
+		if err != nil {
+			return "", err
+		}
+		attempts, ok, err := forbiddenWrites(ctx, s.b, dev, s.kind == lab.SCSIBlock)
+		if err != nil {
+			return "", err
+		}
+		after, err := targetSums(file)
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, !ok, "%s's raw writes while %s holds the disk: %s", s.b.Name, s.a.Name, strings.Join(attempts, "; "))
+		s.check(P1, sc, before == after, "sha256 of the backing file's blocks %s aimed at: before %s, after %s", s.b.Name, before, after)
+		return strings.Join(attempts, "\n"), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, "host", "no byte from "+s.b.Name+" in the backing file; "+s.a.Name+"'s data intact", func() (string, error) {
+		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(s.b.Name))
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, !found, "backing file %s holds %s's marker: %v", s.env.Backend.DiskFile(s.diskID), s.b.Name, found)
+		sum, err := readSum(ctx, s.a, s.pod+s.a.Name, "data.bin")
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, sum == sumA, "%s reads data.bin back with sha256 %s (wrote %s)", s.a.Name, sum, sumA)
+		if found || sum != sumA {
+			return "", fmt.Errorf("marker found=%v, data.bin %s want %s", found, sum, sumA)
+		}
+		return "", nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "platform", "detach the disk from "+s.b.Name+"'s VM; fault off", func() (string, error) {
+		defer s.env.Sim.SetFaults(sim.Faults{})
+		return "", s.env.Cloud.DetachDisk(ctx, cs, vmB, s.diskID)
+	})
+}
+
+// e3: graceful move from A to B.
+func (s *story) e3(ctx context.Context, sumA string) error {
+	const sc = "E3"
+	if err := s.unpublishAndUnstage(ctx, sc, s.a); err != nil {
+		return err
+	}
+	if err := s.unpublish(ctx, sc, s.a); err != nil {
+		return err
+	}
+	pc, err := s.publish(ctx, sc, s.b)
+	if err != nil {
+		return err
+	}
+	if err := s.stageAndPublish(ctx, sc, s.b, pc); err != nil {
+		return err
+	}
+	return s.step(sc, s.b.Name, "read data.bin written on "+s.a.Name, func() (string, error) {
+		sum, err := readSum(ctx, s.b, s.pod+s.b.Name, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "%s cannot read data.bin after the move: %v", s.b.Name, err)
+			return "", err
+		}
+		s.check(P5, sc, sum == sumA, "after the move %s reads data.bin with sha256 %s (written %s): staging found the filesystem and did not format", s.b.Name, sum, sumA)
+		if sum != sumA {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
+		}
+		return "sha256 " + sum, nil
+	})
+}
+
+// e5: a volume asked for in another location lands there, and a node of
+// this location cannot have it.
+func (s *story) e5(ctx context.Context) error {
+	const sc = "E5"
+	const other = "ch-gen-1"
+	var id string
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-elsewhere (requisite "+other+")", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: "pvc-e2e-elsewhere", CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: other}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		id = resp.Volume.VolumeId
+		segs := resp.Volume.GetAccessibleTopology()
+		if len(segs) != 1 || segs[0].Segments[driver.TopologyKey] != other || !strings.HasPrefix(id, other+"/") {
+			return "", fmt.Errorf("volume %s with topology %v, want location %s", id, segs, other)
+		}
+		return fmt.Sprintf("volume %s, topology %v: the PV's node affinity keeps pods off %s", id, segs, simlab.Location), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, "controller", "ControllerPublishVolume to "+s.a.Name+" ("+simlab.Location+")", func() (string, error) {
+		_, err := s.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: id, NodeId: s.ids[s.a.Name], VolumeCapability: volCap()})
+		st, _ := status.FromError(err)
+		if st.Code() != codes.FailedPrecondition {
+			return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
+		}
+		return st.Message(), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume "+id, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+		return "", err
+	})
+}
+
+// e8: a snapshot of the volume (in use on B), a new volume from it staged
+// on A: the data is there, and staging did not format it.
+func (s *story) e8(ctx context.Context, sumA string) error {
+	const sc = "E8"
+	var snapID string
+	if err := s.step(sc, "controller", "CreateSnapshot of "+s.volID, func() (string, error) {
+		if _, err := s.b.MustSh(ctx, "sync"); err != nil {
+			return "", err
+		}
+		resp, err := s.ctl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: s.volID, Name: "snap-e2e"})
+		if err != nil {
+			return "", err
+		}
+		snapID = resp.Snapshot.SnapshotId
+		return "snapshot " + snapID, nil
+	}); err != nil {
+		return err
+	}
+	c := *s
+	c.name, c.pod = "pvc-e2e-clone", "pod-clone-"
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-clone from the snapshot", func() (string, error) {
+		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		c.volID = resp.Volume.VolumeId
+		return "volume " + c.volID, nil
+	}); err != nil {
+		return err
+	}
+	pc, err := c.publish(ctx, sc, s.a)
+	if err != nil {
+		return err
+	}
+	if err := c.stageAndPublish(ctx, sc, s.a, pc); err != nil {
+		return err
+	}
+	if err := s.step(sc, s.a.Name, "read data.bin on the new volume", func() (string, error) {
+		sum, err := readSum(ctx, s.a, c.pod+s.a.Name, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "the volume made from a snapshot has no readable data.bin on %s: %v", s.a.Name, err)
+			return "", err
+		}
+		s.check(P5, sc, sum == sumA, "the volume made from a snapshot reads data.bin with sha256 %s (written %s): staging did not format it", sum, sumA)
+		if sum != sumA {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
+		}
+		return "sha256 " + sum, nil
+	}); err != nil {
+		return err
+	}
+	if err := c.unpublishAndUnstage(ctx, sc, s.a); err != nil {
+		return err
+	}
+	if err := c.unpublish(ctx, sc, s.a); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume "+c.volID+", DeleteSnapshot "+snapID, func() (string, error) {
+		if _, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID}); err != nil {
+			return "", err
+		}
+		_, err := s.ctl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snapID})
+		return "", err
+	})
+}
+
+// e4: B (the holder now) stops without releasing; the disk moves to A with
+// a grant; B resumes and is fenced.
+func (s *story) e4(ctx context.Context, sumA string) error {
+	const sc = "E4"
+	dead, live := s.b, s.a
+	var dev string
+	if err := s.step(sc, dead.Name, "find the device; stop the guest (QMP stop)", func() (string, error) {
+		d, err := dead.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		dev = "/dev/" + d.Name
+		return dev, dead.Pause(ctx)
+	}); err != nil {
+		return err
+	}
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = dead.Resume(context.WithoutCancel(ctx))
+		}
+	}()
+	if err := s.unpublish(ctx, sc+" (force detach)", dead); err != nil {
+		return err
+	}
+	pc, err := s.publish(ctx, sc, live)
+	if err != nil {
+		return err
+	}
+	grant := pc[driver.PubFenceGrant]
+	s.check(P3, sc, grant != "", "the controller's publish to %s carries a grant: %s", live.Name, grant)
+	if err := s.stageAndPublish(ctx, sc, live, pc); err != nil {
+		return err
+	}
+	var sum2 string
+	if err := s.step(sc, live.Name, "write after.bin; data.bin intact", func() (string, error) {
+		var err error
+		if sum2, err = writeFile(ctx, live, s.pod+live.Name, "after.bin", 4); err != nil {
+			return "", err
+		}
+		sum, err := readSum(ctx, live, s.pod+live.Name, "data.bin")
+		if err != nil {
+			return "", err
+		}
+		s.check(P5, sc, sum == sumA, "after the takeover %s reads data.bin with sha256 %s (written %s)", live.Name, sum, sumA)
+		return "after.bin sha256 " + sum2, nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
+		if err := dead.Resume(ctx); err != nil {
+			return "", err
+		}
+		resumed = true
+		m := marker(dead.Name)
+		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo rc=$?",
+			m, targetPath(s.pod+dead.Name), dev)
+		r, err := dead.Sh(ctx, script)
+		if err != nil {
+			return "", err
+		}
+		return strings.TrimSpace(r.Stdout + r.Stderr), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
+		deadline := time.Now().Add(60 * time.Second)
+		for {
+			evs, err := simlab.Events(ctx, dead)
+			if err != nil {
+				return "", err
+			}
+			for _, ev := range evs {
+				if ev.Name() == "DiskFenced" {
+					s.check(P4, sc, true, "%s emitted DiskFenced: %s", dead.Name, eventFields(ev))
+					return eventFields(ev), nil
+				}
+			}
+			if time.Now().After(deadline) {
+				s.check(P4, sc, false, "%s emitted no DiskFenced within 60s of resuming", dead.Name)
+				return "", errors.New("no DiskFenced")
+			}
+			time.Sleep(2 * time.Second)
+		}
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
+		var resp csi.NodeGetVolumeHealthResponse
+		err := simlab.NodeCall(ctx, dead, "NodeGetVolumeHealth", &csi.NodeGetVolumeHealthRequest{VolumeId: s.volID,
+			StagingTargetPath: stagingPath(s.name), VolumePublishPath: targetPath(s.pod + dead.Name)}, &resp)
+		if err != nil {
+			return "", err
+		}
+		var got []string
+		for _, h := range resp.GetVolumeHealth().GetHealthStatuses() {
+			got = append(got, fmt.Sprintf("%s %s: %s", h.Status, h.Reason, h.Message))
+		}
+		s.check(P4, sc, len(got) > 0, "volume health on fenced %s: %v", dead.Name, got)
+		return strings.Join(got, "; "), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "the kubelet cleans up on the fenced node: NodeUnpublishVolume, NodeUnstageVolume", func() (string, error) {
+		// Past one periodic check of the agent (10 s), so a re-registration
+		// it might make by itself would have happened.
+		time.Sleep(12 * time.Second)
+		if err := simlab.NodeCall(ctx, dead, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
+			VolumeId: s.volID, TargetPath: targetPath(s.pod + dead.Name)}, nil); err != nil {
+			return "", err
+		}
+		err := simlab.NodeCall(ctx, dead, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{VolumeId: s.volID, StagingTargetPath: stagingPath(s.name)}, nil)
+		if err != nil {
+			return "", err
+		}
+		return "", nil
+	}); err != nil {
+		return err
+	}
+	if s.kind != lab.SCSIBlock {
+		s.r.NotRun = append(s.r.NotRun, "E4 registered keys: "+string(s.kind)+" disks have no reservations to read")
+	} else if err := s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
+		d, err := live.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		out, err := live.MustSh(ctx, "sg_persist --in --read-keys /dev/"+d.Name+"; sg_persist --in --read-reservation /dev/"+d.Name)
+		if err != nil {
+			return "", err
+		}
+		low := strings.ToLower(out)
+		deadKey, liveKey := keyHex(dead), keyHex(live)
+		s.check(P4, sc, !strings.Contains(low, deadKey), "fenced %s's key %s is not registered again after resuming, a periodic check and its cleanup", dead.Name, deadKey)
+		s.check(P1, sc, strings.Contains(low, liveKey), "the reservation is %s's (key %s)", live.Name, liveKey)
+		return strings.TrimSpace(out), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "host", "none of "+dead.Name+"'s late writes landed; "+live.Name+"'s data intact", func() (string, error) {
+		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(dead.Name))
+		if err != nil {
+			return "", err
+		}
+		s.check(P4, sc, !found, "backing file holds %s's marker written after resuming: %v", dead.Name, found)
+		s.check(P1, sc, !found, "no write from fenced %s reached the disk while %s holds it", dead.Name, live.Name)
+		sum, err := readSum(ctx, live, s.pod+live.Name, "after.bin")
+		if err != nil {
+			return "", err
+		}
+		s.check(P1, sc, sum == sum2, "%s reads after.bin back with sha256 %s (wrote %s)", live.Name, sum, sum2)
+		if found || sum != sum2 {
+			return "", fmt.Errorf("marker found=%v, after.bin %s want %s", found, sum, sum2)
+		}
+		return "", nil
+	})
+}
+
+// cleanup unpublishes everywhere and deletes the volume, as Kubernetes does
+// when the claim goes.
+func (s *story) cleanup(ctx context.Context) error {
+	const sc = "cleanup"
+	holder := s.b
+	if !s.o.Skip["E4"] {
+		holder = s.a
+	}
+	if err := s.unpublishAndUnstage(ctx, sc, holder); err != nil {
+		return err
+	}
+	if err := s.unpublish(ctx, sc, holder); err != nil {
+		return err
+	}
+	return s.step(sc, "controller", "DeleteVolume", func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: s.volID})
+		return "", err
+	})
+}
+
+func (s *story) collectEvents(ctx context.Context) {
+	cctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	for _, g := range s.env.Lab.Guests {
+		evs, err := simlab.Events(cctx, g)
+		if err != nil {
+			s.r.NotRun = append(s.r.NotRun, fmt.Sprintf("events of %s: %v", g.Name, err))
+			continue
+		}
+		s.r.Events = append(s.r.Events, evs...)
+	}
+}

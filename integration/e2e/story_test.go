@@ -1,0 +1,207 @@
+package e2e_test
+
+import (
+	"bytes"
+	"context"
+	"net/http/httptest"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
+	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(b), "\n"))
+	return len(b), nil
+}
+
+// TestRWOStory runs the whole story on two guests with scsi-block disks:
+// first use on node-a, E1 (second publish refused naming node-a's VM), E2
+// (platform multi-attach: node-b refuses, nothing of it reaches the
+// backing file), E3 (graceful move, data intact), E5 (a volume in another location
+// stays there), E8 (a volume from a snapshot holds the data), E4 (node-b stopped,
+// force detach, takeover by node-a with a grant, node-b fenced on resume,
+// none of its late writes land). Every step must succeed and every
+// property be shown to hold.
+func TestRWOStory(t *testing.T) {
+	if ok, why := lab.GuestTierEnabled(); !ok {
+		t.Skip(why)
+	}
+	cfg, err := simlab.TestConfig(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	env, err := simlab.Start(ctx, simlab.Options{Lab: cfg, Log: testWriter{t}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// E6, E7 and E9 have tests of their own below (E6 needs a transit
+	// engine, which only tests carry); `make lab` runs E7 and E9 in the story.
+	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: testWriter{t}, Skip: map[string]bool{"E7": true, "E9": true}})
+	if err := env.Close(); err != nil {
+		t.Errorf("teardown: %v", err)
+	}
+	var txt bytes.Buffer
+	rep.WriteText(&txt)
+	t.Log(txt.String())
+	var html bytes.Buffer
+	if err := rep.WriteHTML(&html); err != nil {
+		t.Fatalf("HTML report: %v", err)
+	}
+	_ = os.WriteFile(filepath.Join(t.TempDir(), "lab-report.html"), html.Bytes(), 0o644)
+
+	if rep.Err != nil {
+		t.Fatalf("the story stopped early: %v", rep.Err)
+	}
+	for _, s := range rep.Steps {
+		if !s.OK {
+			t.Errorf("step %s %s on %s failed: %s", s.Scenario, s.Name, s.Node, s.Detail)
+		}
+	}
+	for _, p := range e2e.Properties {
+		held, checks := rep.Verdict(p)
+		if len(checks) == 0 {
+			t.Errorf("%s was not exercised", p)
+		} else if !held {
+			t.Errorf("%s did not hold: %+v", p, checks)
+		}
+	}
+	// The events the verdicts rest on are in the report, per node.
+	want := map[string][]string{
+		"node-a": {"DiskClaimed", "DiskReleased", "TakeoverGranted"},
+		"node-b": {"DiskRefused", "DiskClaimed", "DiskFenced"},
+	}
+	for node, names := range want {
+		for _, n := range names {
+			found := false
+			for _, ev := range rep.Events {
+				if ev.Node == node && ev.Name() == n {
+					found = true
+				}
+			}
+			if !found {
+				t.Errorf("%s emitted no %s", node, n)
+			}
+		}
+	}
+	// One timeline lane per node in the HTML report.
+	for _, node := range []string{"node-a", "node-b"} {
+		if !strings.Contains(html.String(), `<span class="name">`+node+`</span>`) {
+			t.Errorf("HTML report has no lane for %s", node)
+		}
+	}
+}
+
+// runOnly starts a two-guest lab and runs one self-contained scenario of
+// the story; every step must succeed and every check it makes hold.
+func runOnly(t *testing.T, scenario string, opts ...func(*simlab.Options, *e2e.Options)) *e2e.Report {
+	if ok, why := lab.GuestTierEnabled(); !ok {
+		t.Skip(why)
+	}
+	cfg, err := simlab.TestConfig(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := e2e.Options{Progress: testWriter{t}, Only: scenario}
+	so := simlab.Options{Lab: cfg, Log: testWriter{t}}
+	for _, f := range opts {
+		f(&so, &o)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	env, err := simlab.Start(ctx, so)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o.Env = env
+	rep := e2e.Run(ctx, o)
+	if err := env.Close(); err != nil {
+		t.Errorf("teardown: %v", err)
+	}
+	var txt bytes.Buffer
+	rep.WriteText(&txt)
+	t.Log(txt.String())
+	if rep.Err != nil {
+		t.Fatalf("%s stopped early: %v", scenario, rep.Err)
+	}
+	for _, s := range rep.Steps {
+		if !s.OK {
+			t.Errorf("step %s %s on %s failed: %s", s.Scenario, s.Name, s.Node, s.Detail)
+		}
+	}
+	return rep
+}
+
+// TestOnlineExpansion is E7: a plain volume in use on node-a (virtio-blk
+// over its backing file, the lab's growable disk) grows from 1 to 2 GiB
+// through ControllerExpandVolume and NodeExpandVolume with its filesystem
+// mounted and a file held open; the filesystem grows by about the GiB
+// added and the data written before reads back unchanged.
+func TestOnlineExpansion(t *testing.T) {
+	rep := runOnly(t, "E7")
+	held, checks := rep.Verdict(e2e.P5)
+	if len(checks) == 0 || !held {
+		t.Errorf("E7 did not show P5 holding: %+v", checks)
+	}
+}
+
+// TestAgentKilledDuringStage is E9: node-a's agent is killed with SIGKILL
+// at each step of NodeStage and NodeUnstage (a shell loop restarts it, as
+// systemd's Restart=on-failure would); every retried call succeeds, the
+// filesystem is never made again and the data reads back.
+func TestAgentKilledDuringStage(t *testing.T) {
+	rep := runOnly(t, "E9")
+	held, checks := rep.Verdict(e2e.P5)
+	if len(checks) == 0 || !held {
+		t.Errorf("E9 did not show P5 holding: %+v", checks)
+	}
+}
+
+// TestEncryptedVolume is E6 against a FAKE transit engine
+// (crypt/transit/transittest: no Vault or OpenBao can run here) on
+// 127.0.0.1, which the guests reach only through a restricted user-network
+// NIC forwarding to it: first use on node-a formats LUKS2 with a wrapped
+// passphrase, the data reads back on node-b, and cryptsetup there accepts
+// the unwrapped passphrase and refuses another.
+func TestEncryptedVolume(t *testing.T) {
+	fake := transittest.New()
+	fake.Rotate("vco-volumes")
+	fake.StaticToken("e2e-static-token")
+	srv := httptest.NewServer(fake)
+	defer srv.Close()
+	u, err := url.Parse(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, err := strconv.Atoi(u.Port())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := runOnly(t, "E6", func(so *simlab.Options, o *e2e.Options) {
+		so.Lab.Modules = append(append([]string{}, lab.DefaultModules...), "virtio_net")
+		// cryptsetup's argon2 threads need libgcc_s at pthread_exit; it
+		// is loaded at run time, so the copied tools' libraries miss it.
+		so.Lab.Binaries["/lib/x86_64-linux-gnu/libgcc_s.so.1"] = "/lib/x86_64-linux-gnu/libgcc_s.so.1"
+		// Unlocking LUKS2 (argon2id, 64 MiB) beside the guest's RAM-backed
+		// root needs more than the story's 320 MiB: the agent is
+		// OOM-killed there.
+		so.MemMB = 512
+		o.TransitPort, o.TransitToken = port, "e2e-static-token"
+	})
+	held, checks := rep.Verdict(e2e.P5)
+	if len(checks) == 0 || !held {
+		t.Errorf("E6 did not show P5 holding: %+v", checks)
+	}
+}

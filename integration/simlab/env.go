@@ -1,0 +1,336 @@
+package simlab
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+)
+
+// Guest paths of the node stack.
+const (
+	AgentSocket = "/run/vco-agent/agent.sock"
+	CSISocket   = "/run/csi/csi.sock"
+	KubeletRoot = "/var/lib/kubelet"
+	DriverName  = "cloud.whitesky.csi"
+	Customer    = "lab"
+	Location    = "ch-lug-1"
+	// Token is the simulator's only accepted credential. It is a fixed
+	// lab value, not a secret of any real API.
+	Token = "vco-lab-simulator-token"
+)
+
+// Options shape an Env.
+type Options struct {
+	// Lab is the lab configuration; its Binaries must include
+	// /bin/vco-agent and /bin/vco-csi besides the exec server.
+	Lab lab.Config
+	// Guests are the node names (default node-a, node-b).
+	Guests []string
+	// MemMB per guest (default 320).
+	MemMB int
+	// Kind is how disks are shown (default scsi-block).
+	Kind lab.DiskKind
+	// NoNodeStack leaves the agent and node plugin out of the guests.
+	NoNodeStack bool
+	// Log receives progress lines (default discarded).
+	Log io.Writer
+}
+
+// Env is a running simulator in lab mode with its guests.
+type Env struct {
+	Lab     *lab.Lab
+	Backend *Backend
+	Sim     *sim.Server
+	// APIURL is the simulator's API root; Cloud a client of it.
+	APIURL    string
+	Cloud     *cloud.Client
+	TokenFile string
+	// VMs maps guest names to their simulator VM ids.
+	VMs map[string]int64
+
+	srv *http.Server
+	log io.Writer
+	mu  sync.Mutex
+}
+
+// Start boots the lab, serves the simulator on 127.0.0.1 with a VM per
+// guest (reference_id = the guest's SMBIOS UUID), and starts vco-agent and
+// the vco-csi node plugin in each guest.
+func Start(ctx context.Context, o Options) (_ *Env, err error) {
+	if len(o.Guests) == 0 {
+		o.Guests = []string{"node-a", "node-b"}
+	}
+	if o.MemMB == 0 {
+		o.MemMB = 320
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	if o.Lab.HostTools == nil {
+		// util-linux losetup (busybox's lacks --find and offsets): the
+		// agent maps a leased disk's data area past the lease with it.
+		o.Lab.HostTools = append(append([]string(nil), lab.DefaultHostTools...), "/usr/sbin/losetup")
+	}
+	e := &Env{VMs: map[string]int64{}, log: o.Log}
+	defer func() {
+		if err != nil {
+			e.Close()
+		}
+	}()
+	e.logf("starting tgtd and building the guests' initramfs in %s", o.Lab.Dir)
+	if e.Lab, err = lab.New(ctx, o.Lab); err != nil {
+		return nil, err
+	}
+	e.Backend = &Backend{Lab: e.Lab, Dir: filepath.Join(o.Lab.Dir, "disks"), Kind: o.Kind,
+		Logf: func(f string, a ...any) { e.logf(f, a...) }}
+	var gcs []lab.GuestConfig
+	for _, n := range o.Guests {
+		gcs = append(gcs, lab.GuestConfig{Name: n, MemMB: o.MemMB})
+	}
+	e.logf("booting %s", strings.Join(o.Guests, ", "))
+	if _, err = e.Lab.StartGuests(ctx, gcs...); err != nil {
+		return nil, err
+	}
+	e.Sim, err = sim.New(sim.Options{Customer: Customer, Token: Token, Backend: e.Backend,
+		Seed:   sim.Seed{Locations: []string{Location, "ch-gen-1"}},
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		return nil, err
+	}
+	for _, g := range e.Lab.Guests {
+		id, err := e.Sim.AddVM("cs-"+Location, g.Name, g.UUID, false)
+		if err != nil {
+			return nil, err
+		}
+		e.VMs[g.Name] = id
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	e.srv = &http.Server{Handler: e.Sim, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = e.srv.Serve(ln) }()
+	e.APIURL = "http://" + ln.Addr().String() + "/api/1"
+	e.TokenFile = filepath.Join(o.Lab.Dir, "sim-token")
+	if err := os.WriteFile(e.TokenFile, []byte(Token+"\n"), 0o600); err != nil {
+		return nil, err
+	}
+	if e.Cloud, err = cloud.New(cloud.Config{BaseURL: e.APIURL, Customer: Customer, TokenFile: e.TokenFile}); err != nil {
+		return nil, err
+	}
+	e.logf("simulator (lab mode) serving %s", e.APIURL)
+	if o.NoNodeStack {
+		return e, nil
+	}
+	for _, g := range e.Lab.Guests {
+		if err := StartNodeStack(ctx, g); err != nil {
+			return nil, err
+		}
+		e.logf("%s: vco-agent and vco-csi (node) running", g.Name)
+	}
+	return e, nil
+}
+
+func (e *Env) logf(format string, a ...any) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	fmt.Fprintf(e.log, "simlab: "+format+"\n", a...)
+}
+
+// Guest returns the lab guest of the given name.
+func (e *Env) Guest(name string) *lab.Guest { return e.Lab.Guest(name) }
+
+// StackOptions change how StartNodeStackWith starts a guest's node stack.
+type StackOptions struct {
+	// AllowUnfenced is the explicit opt-in, on both the agent
+	// (volumes.allow_unfenced) and the node plugin (--allow-unfenced), to
+	// stage disks that offer no fencing method. For scenarios that are
+	// about something other than fencing on such disks, and only those.
+	AllowUnfenced bool
+	// Supervise runs the agent under a shell loop that starts it again
+	// whenever it exits with a failure, as the packaged unit's
+	// Restart=on-failure has systemd do; the busybox guests have no
+	// systemd. Each exit status is appended to SupervisorExits.
+	Supervise bool
+	// VaultAddr and VaultToken point the node plugin at a transit engine
+	// (--vault-addr, and a token file holding VaultToken) for encrypted
+	// volumes.
+	VaultAddr, VaultToken string
+}
+
+// TransitGuestAddr is where a guest given a transit link by
+// ConnectTransit reaches the host's transit engine.
+const TransitGuestAddr = "http://10.0.2.100:8200"
+
+// ConnectTransit gives g one way out: a virtio-net NIC on QEMU user
+// networking with restrict=on (no route anywhere) whose only forward takes
+// the guest's connections to 10.0.2.100:8200 to 127.0.0.1:port on the
+// host, one `busybox nc` per connection. The guest needs the virtio_net
+// module (add it to the lab's Modules).
+func ConnectTransit(ctx context.Context, g *lab.Guest, port int) error {
+	q := g.QMP()
+	fwd := fmt.Sprintf("tcp:10.0.2.100:8200-cmd:busybox nc 127.0.0.1 %d", port)
+	if _, err := q.Execute(ctx, "netdev_add", map[string]any{"type": "user", "id": "vco-transit", "restrict": true,
+		"net": "10.0.2.0/24", "guestfwd": []map[string]any{{"str": fwd}}}); err != nil {
+		return fmt.Errorf("%s: adding the transit link: %w", g.Name, err)
+	}
+	if _, err := q.Execute(ctx, "device_add", map[string]any{"driver": "virtio-net-pci", "id": "vco-transit-nic", "netdev": "vco-transit", "bus": "pci.0"}); err != nil {
+		return fmt.Errorf("%s: adding the transit NIC: %w", g.Name, err)
+	}
+	script := `i=0; while ! ip link show eth0 >/dev/null 2>&1; do i=$((i+1)); [ $i -lt 300 ] || { echo no eth0; exit 1; }; sleep 0.1; done
+ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0`
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("%s: configuring the transit NIC: %w", g.Name, err)
+	}
+	return nil
+}
+
+// SupervisorExits lists, one a line, the exit statuses of the agents a
+// supervised node stack restarted.
+const SupervisorExits = "/run/vco-agent/exits"
+
+const supervisorPID = "/run/vco-agent/supervisor.pid"
+
+// StartNodeStack starts vco-agent and the vco-csi node plugin in g, in the
+// background of the guest, and waits for both sockets.
+func StartNodeStack(ctx context.Context, g *lab.Guest) error {
+	return StartNodeStackWith(ctx, g, StackOptions{})
+}
+
+// StartNodeStackWith is StartNodeStack with options.
+func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error {
+	agentArgs, csiArgs := "", ""
+	if o.AllowUnfenced {
+		agentArgs = " --config /run/vco-agent/allow-unfenced.yaml"
+		csiArgs = " --allow-unfenced"
+	}
+	if o.VaultAddr != "" {
+		if _, err := g.MustSh(ctx, "mkdir -p /run/csi && umask 077 && printf %s '"+o.VaultToken+"' >/run/csi/vault-token"); err != nil {
+			return fmt.Errorf("%s: writing the Vault token file: %w", g.Name, err)
+		}
+		csiArgs += " --vault-addr " + o.VaultAddr + " --vault-token-file /run/csi/vault-token"
+	}
+	agent := fmt.Sprintf("/bin/vco-agent serve --dbus=false --location %s --node-name %s --socket %s --kubelet-root %s%s",
+		Location, g.Name, AgentSocket, KubeletRoot, agentArgs)
+	start := "( " + agent + " >>/var/log/vco-agent.log 2>&1 & )"
+	if o.Supervise {
+		start = fmt.Sprintf(`cat >/run/vco-agent/supervise.sh <<'EOF'
+echo $$ >%[1]s
+while :; do
+	%[2]s
+	rc=$?
+	echo $rc >>%[3]s
+	[ $rc -eq 0 ] && break
+	sleep 0.2
+done
+EOF
+( sh /run/vco-agent/supervise.sh >>/var/log/vco-agent.log 2>&1 & )`, supervisorPID, agent, SupervisorExits)
+	}
+	script := fmt.Sprintf(`set -e
+mkdir -p /run/vco-agent /run/csi /var/lib/vco-agent %[1]s /var/log
+printf 'volumes:\n  allow_unfenced: true\n' >/run/vco-agent/allow-unfenced.yaml
+%[7]s
+i=0; while [ ! -S %[4]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-agent.log; exit 1; }; sleep 0.1; done
+( /bin/vco-csi --mode=node --driver-name %[5]s --endpoint unix://%[6]s --agent-socket %[4]s --kubelet-root %[1]s%[8]s >>/var/log/vco-csi.log 2>&1 & )
+i=0; while [ ! -S %[6]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-csi.log; exit 1; }; sleep 0.1; done
+`, KubeletRoot, Location, g.Name, AgentSocket, DriverName, CSISocket, start, csiArgs)
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("starting the node stack in %s: %w", g.Name, err)
+	}
+	return nil
+}
+
+// StopNodeStack stops g's vco-agent and vco-csi (SIGTERM, as systemd
+// stops them) and removes their sockets, so the next start waits for
+// fresh ones.
+func StopNodeStack(ctx context.Context, g *lab.Guest) error {
+	script := fmt.Sprintf(`if [ -f %[3]s ]; then kill $(cat %[3]s) 2>/dev/null; rm -f %[3]s; fi
+for p in $(pidof vco-csi vco-agent); do kill $p; done
+i=0; while pidof vco-csi vco-agent >/dev/null; do i=$((i+1)); [ $i -lt 300 ] || { echo still running: $(pidof vco-csi vco-agent); exit 1; }; sleep 0.1; done
+rm -f %[1]s %[2]s`, AgentSocket, CSISocket, supervisorPID)
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("stopping the node stack in %s: %w", g.Name, err)
+	}
+	return nil
+}
+
+// Close stops the simulator's server and the lab.
+func (e *Env) Close() error {
+	var errs []error
+	if e.srv != nil {
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		errs = append(errs, e.srv.Shutdown(sctx))
+		cancel()
+	}
+	if e.Lab != nil {
+		errs = append(errs, e.Lab.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// Event is one agent event as `vco-agent events --json` prints it.
+type Event struct {
+	Node       string    `json:"node"`
+	Type       string    `json:"type"`
+	Sequence   string    `json:"sequence"`
+	Time       time.Time `json:"time"`
+	Volume     string    `json:"volume"`
+	Device     string    `json:"device"`
+	Serial     string    `json:"serial"`
+	HolderKey  string    `json:"holder_key"`
+	HolderNode string    `json:"holder_node"`
+	Reason     string    `json:"reason"`
+	Message    string    `json:"message"`
+}
+
+// Name is the event's short name: DiskRefused for EVENT_TYPE_DISK_REFUSED.
+func (ev Event) Name() string {
+	s := strings.TrimPrefix(ev.Type, "EVENT_TYPE_")
+	var b strings.Builder
+	for _, w := range strings.Split(strings.ToLower(s), "_") {
+		if w != "" {
+			b.WriteString(strings.ToUpper(w[:1]) + w[1:])
+		}
+	}
+	return b.String()
+}
+
+// Events runs `vco-agent events --json` in g and returns what the agent
+// keeps of its recent events.
+func Events(ctx context.Context, g *lab.Guest) ([]Event, error) {
+	r, err := g.Run(ctx, "/bin/vco-agent", "events", "--json", "--socket", AgentSocket)
+	if err != nil {
+		return nil, err
+	}
+	if r.Exit != 0 {
+		return nil, fmt.Errorf("%s: vco-agent events: %s", g.Name, r)
+	}
+	var out []Event
+	for _, line := range strings.Split(r.Stdout, "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" {
+			continue
+		}
+		var ev Event
+		if err := json.Unmarshal([]byte(line), &ev); err != nil {
+			return nil, fmt.Errorf("%s: vco-agent events printed %q: %w", g.Name, line, err)
+		}
+		ev.Node = g.Name
+		out = append(out, ev)
+	}
+	return out, nil
+}
