@@ -37,8 +37,10 @@ build:
 # Everything: lint, unit and host tests, then the later tiers as they land.
 test: deps lint build unit test-csi-sanity test-deploy test-lab test-e2e test-packages
 
+# Host tests run one package at a time: many attach loop devices and
+# watch the kernel's block uevents, which are machine-wide.
 unit:
-	$(GO) test -count=1 ./...
+	$(GO) test -count=1 -p 1 ./...
 
 # The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
 # backend) and `vco-csi --mode=all`, the agent mounting real loop devices;
