@@ -83,23 +83,6 @@ func (e *csiEnv) simState() string {
 	return strings.Join(out, "\n")
 }
 
-// Known bugs in csi/driver, reported rather than fixed here (the package
-// is being changed elsewhere); each case runs once the bug is fixed.
-const (
-	nameBug = "csi/driver CreateVolume (controller.go) passes any volume name to the API: no length limit (CSI: 128 bytes) and no refusal of NUL or control characters"
-	sizeBug = "csi/driver sizeGiB (controller.go) has no upper bound: CreateVolume and ControllerExpandVolume ask the API for 4 EiB instead of answering OUT_OF_RANGE"
-	nodeBug = "csi/driver NodeStageVolume (node.go underRoot and the volume id check) lets a NUL byte in the staging path and a 1 MiB volume id through to the agent; the agent refuses them, the plugin should first"
-)
-
-var knownBugs = map[string]string{
-	"create: 1 MiB name":            nameBug,
-	"create: NUL in name":           nameBug,
-	"create: 4 EiB":                 sizeBug,
-	"expand: 4 EiB":                 sizeBug,
-	"node stage: NUL in path":       nodeBug,
-	"node stage: hostile volume id": nodeBug,
-}
-
 // TestHostileCSIRequests sends CSI requests with missing, oversized and
 // hostile fields to the plugin (controller against the simulator, node
 // service in front of a recording agent) and checks the code, that the
@@ -247,18 +230,9 @@ func TestHostileCSIRequests(t *testing.T) {
 			return err
 		}, invNF},
 	)
-	var known []string
-	for name, bug := range knownBugs {
-		known = append(known, "- "+name+": "+bug)
-	}
-	sort.Strings(known)
-	figures.note("Known gaps (cases skipped until fixed)", strings.Join(known, "\n"))
 	mountsBefore := strings.Join(mountPoints(), "\n")
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			if bug := knownBugs[c.name]; bug != "" {
-				t.Skip("known bug: " + bug)
-			}
 			before := e.simState()
 			cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			err := c.call(cctx)
