@@ -242,3 +242,41 @@ func TestTokenOfAnEncryptedVolumeOnALeaseDisk(t *testing.T) {
 		t.Fatalf("the read-only mapping was left behind (%d mappings of the disk, were %d)", after, before)
 	}
 }
+
+// The controller grants the disk's size; the volume on a lease disk is the
+// data mapping past the lease area, so expansion checks the disk against
+// required_bytes and grows the mapping, then the filesystem.
+func TestExpandOfALeaseDiskGrowsTheDataMapping(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 320)
+	req := e.stageReq("vol-lx", img, "staging/lx")
+	req.AllowUnfenced = false
+	req.FsType = "xfs" // ext4 grows online only with CAP_SYS_RESOURCE, which containers may drop
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Method != MethodLease || res.Device == dev {
+		t.Fatalf("stage on a lease disk: %+v %v", res, err)
+	}
+	before, _ := e.m.Stats(ctx, "vol-lx", "")
+	_, err = e.m.Expand(ctx, "vol-lx", "", 640<<20)
+	wantCode(t, err, codes.FailedPrecondition, "has not reached this node")
+	if err := os.Truncate(img, 640<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v %s", err, out)
+	}
+	n, err := e.m.Expand(ctx, "vol-lx", req.StagingPath, 640<<20)
+	if err != nil || n != 640<<20-lease.DataOffset {
+		t.Fatalf("expand: %d %v; want %d", n, err, 640<<20-lease.DataOffset)
+	}
+	after, _ := e.m.Stats(ctx, "vol-lx", "")
+	if after.TotalBytes < before.TotalBytes*3/2 {
+		t.Fatalf("filesystem did not grow: %d -> %d bytes", before.TotalBytes, after.TotalBytes)
+	}
+	if err := e.m.Unstage(ctx, "vol-lx", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
