@@ -60,7 +60,15 @@ func (f *hostLUKS) Open(_ context.Context, device, name string, pass []byte, _ b
 		return "", fmt.Errorf("losetup: %v %s", err, out)
 	}
 	mapped := strings.TrimSpace(string(out))
-	f.t.Cleanup(func() { exec.Command("losetup", "-d", mapped).Run() })
+	// Only a mapping still open is detached at the end: once closed, its
+	// loop device number may already belong to another test's device.
+	f.t.Cleanup(func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if f.maps[name] == mapped {
+			exec.Command("losetup", "-d", mapped).Run()
+		}
+	})
 	f.maps[name] = mapped
 	f.opened++
 	return mapped, nil
