@@ -146,8 +146,8 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	if !deviceReadOnly(t, devA) {
 		t.Fatal("A's disk is writable after its claim was found lost")
 	}
-	if st, _ := a.m.Stats(ctx, "vol-l", ""); !st.Abnormal {
-		t.Fatal("A's volume is not abnormal")
+	if st, _ := a.m.Stats(ctx, "vol-l", ""); !st.Abnormal || st.State != "lost" {
+		t.Fatalf("A's volume is not abnormal with its claim lost: %+v", st)
 	}
 	if err := b.m.Unstage(ctx, "vol-l", reqB.StagingPath); err != nil {
 		t.Fatal(err)
@@ -195,14 +195,14 @@ func TestRemovedDiskMarksItsClaimMissing(t *testing.T) {
 	gone := devEvent(t, other)
 	gone.Action = "remove"
 	e.m.Removed(gone)
-	if st, _ := e.m.Stats(ctx, "vol-r", ""); st.Abnormal {
-		t.Fatal("another disk's removal made the volume abnormal")
+	if st, _ := e.m.Stats(ctx, "vol-r", ""); st.Abnormal || st.State != "unfenced" {
+		t.Fatalf("another disk's removal made the volume abnormal: %+v", st)
 	}
 	ev := devEvent(t, dev)
 	ev.Action = "remove"
 	e.m.Removed(ev)
 	st, err := e.m.Stats(ctx, "vol-r", "")
-	if err != nil || !st.Abnormal || !strings.Contains(st.Message, "removed") {
+	if err != nil || !st.Abnormal || st.State != "gone" || !strings.Contains(st.Message, "removed") {
 		t.Fatalf("stats after the disk's removal: %+v %v", st, err)
 	}
 	if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {

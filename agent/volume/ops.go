@@ -341,6 +341,9 @@ type Stats struct {
 	Block                                    bool
 	Abnormal                                 bool
 	Message                                  string
+	// State is the claim's state (Claim.ListState): "lost" or "gone"
+	// says why an abnormal volume is so.
+	State string
 }
 
 // Stats implements GetVolumeStats. It takes no lock: it only reads.
@@ -360,7 +363,7 @@ func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error)
 	if err != nil {
 		return st, err
 	}
-	st.Block = c.Block
+	st.Block, st.State = c.Block, c.ListState()
 	if c.Abnormal() {
 		st.Abnormal, st.Message = true, c.Detail
 	}
