@@ -105,6 +105,9 @@ const (
 	ClaimState_CLAIM_STATE_LOST ClaimState = 4
 	// The device of a recorded claim is no longer present.
 	ClaimState_CLAIM_STATE_GONE ClaimState = 5
+	// Unclaimed here and held by another node; read-only on this host (the
+	// agent refused it when it appeared).
+	ClaimState_CLAIM_STATE_REFUSED ClaimState = 6
 )
 
 // Enum value maps for ClaimState.
@@ -116,6 +119,7 @@ var (
 		3: "CLAIM_STATE_UNFENCED",
 		4: "CLAIM_STATE_LOST",
 		5: "CLAIM_STATE_GONE",
+		6: "CLAIM_STATE_REFUSED",
 	}
 	ClaimState_value = map[string]int32{
 		"CLAIM_STATE_UNSPECIFIED": 0,
@@ -124,6 +128,7 @@ var (
 		"CLAIM_STATE_UNFENCED":    3,
 		"CLAIM_STATE_LOST":        4,
 		"CLAIM_STATE_GONE":        5,
+		"CLAIM_STATE_REFUSED":     6,
 	}
 )
 
@@ -2562,7 +2567,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x1aVOLUME_CONTENT_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14VOLUME_CONTENT_BLANK\x10\x01\x12\x18\n" +
 	"\x14VOLUME_CONTENT_LUKS2\x10\x02\x12\x18\n" +
-	"\x14VOLUME_CONTENT_OTHER\x10\x03*\xa0\x01\n" +
+	"\x14VOLUME_CONTENT_OTHER\x10\x03*\xb9\x01\n" +
 	"\n" +
 	"ClaimState\x12\x1b\n" +
 	"\x17CLAIM_STATE_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -2570,7 +2575,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x10CLAIM_STATE_HELD\x10\x02\x12\x18\n" +
 	"\x14CLAIM_STATE_UNFENCED\x10\x03\x12\x14\n" +
 	"\x10CLAIM_STATE_LOST\x10\x04\x12\x14\n" +
-	"\x10CLAIM_STATE_GONE\x10\x05*\x84\x01\n" +
+	"\x10CLAIM_STATE_GONE\x10\x05\x12\x17\n" +
+	"\x13CLAIM_STATE_REFUSED\x10\x06*\x84\x01\n" +
 	"\rFencingMethod\x12\x1e\n" +
 	"\x1aFENCING_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17FENCING_METHOD_SCSI3_PR\x10\x01\x12\x1d\n" +

@@ -24,6 +24,8 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
 
 // DefaultPath is where the packaged agent looks for its configuration.
@@ -58,6 +60,33 @@ type Volumes struct {
 	// AllowLoopDevices lets a locator name a loop device by its backing
 	// file: for the simulator's host mode and host tests, never on a node.
 	AllowLoopDevices bool `yaml:"allow_loop_devices"`
+	// LeaseLoopDevices fences loop devices (admitted by
+	// allow_loop_devices: single-host simulator and test disks) with the
+	// on-disk lease too; off, they are staged only by the unfenced opt-in.
+	LeaseLoopDevices bool `yaml:"lease_loop_devices"`
+	// Lease is the timing of the on-disk lease that fences disks without
+	// SCSI-3 reservations (package fence/lease documents each bound).
+	Lease LeaseTiming `yaml:"lease"`
+	// ClaimedDir is where the agent marks the disks it has claimed for
+	// the packaged udev rules, which hide unclaimed data disks; empty
+	// turns the marks off.
+	ClaimedDir string `yaml:"claimed_dir"`
+	// WatchDisks runs the uevent watcher that refuses a disk held by
+	// another node the moment it appears.
+	WatchDisks bool `yaml:"watch_disks"`
+}
+
+// LeaseTiming is lease.Timing in the configuration's units.
+type LeaseTiming struct {
+	IOTimeout time.Duration `yaml:"io_timeout"`
+	Renew     time.Duration `yaml:"renew"`
+	Fail      time.Duration `yaml:"fail"`
+	Watchdog  time.Duration `yaml:"watchdog"`
+}
+
+// Timing is the lease package's form.
+func (t LeaseTiming) Timing() lease.Timing {
+	return lease.Timing{IOTimeout: t.IOTimeout, Renew: t.Renew, Fail: t.Fail, Watchdog: t.Watchdog}
 }
 
 // Metrics is the optional Prometheus endpoint.
@@ -113,6 +142,7 @@ func Default() Config {
 	if err != nil {
 		host = ""
 	}
+	lt := lease.DefaultTiming()
 	return Config{
 		Socket:    Socket{Path: "/run/vco-agent/agent.sock"},
 		Node:      Node{Name: host},
@@ -121,7 +151,8 @@ func Default() Config {
 		Log:       Log{Level: "info"},
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
-		Volumes:   Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second},
+		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true, ClaimedDir: "/run/vco-agent/claimed",
+			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog}},
 	}
 }
 
@@ -224,6 +255,16 @@ func (c *Config) Validate() error {
 	}
 	if c.Volumes.CheckInterval < 100*time.Millisecond || c.Volumes.CheckInterval > time.Hour {
 		errs = append(errs, fmt.Errorf("volumes.check_interval %s must be between 100ms and 1h", c.Volumes.CheckInterval))
+	}
+	// The lease's own rules (fence/lease Timing): positive values, a
+	// renewal no shorter than an I/O, a fail bound of two renewals.
+	switch lt := c.Volumes.Lease; {
+	case lt.IOTimeout <= 0 || lt.Renew <= 0 || lt.Fail <= 0 || lt.Watchdog < 0:
+		errs = append(errs, fmt.Errorf("volumes.lease %s: io_timeout, renew and fail must be positive, watchdog 0 or more", lt.Timing()))
+	case lt.Renew < lt.IOTimeout:
+		errs = append(errs, fmt.Errorf("volumes.lease %s: renew must not be shorter than io_timeout", lt.Timing()))
+	case lt.Fail < 2*lt.Renew:
+		errs = append(errs, fmt.Errorf("volumes.lease %s: fail must be at least twice renew", lt.Timing()))
 	}
 	if c.Metrics.Listen != "" {
 		if err := loopbackAddr(c.Metrics.Listen); err != nil {

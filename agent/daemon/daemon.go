@@ -39,6 +39,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
@@ -222,8 +223,10 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	}
 	m, err := volume.New(volume.Options{
 		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
-		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence")},
-		Crypt:   &volume.LUKS{},
+		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence"),
+			Lease: leaseFor(cfg.Volumes, volume.NewLease(volume.LeaseOptions{Key: key, Node: ident.SystemUUID, NodeName: ident.NodeName,
+				Timing: cfg.Volumes.Lease.Timing(), Log: log.With("part", "lease")}))},
+		Crypt: &volume.LUKS{},
 	})
 	if err != nil {
 		return nil, err
@@ -245,11 +248,29 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); m.Run(cctx) }()
+	watched := make(chan struct{})
+	if cfg.Volumes.WatchDisks {
+		w := &uevent.Watcher{Classify: m.Classify, OnDecision: m.Refused, OnRemove: m.Removed,
+			Match: watchMatch(cfg.Volumes.AllowLoopDevices), Logger: log.With("part", "uevent")}
+		go func() {
+			defer close(watched)
+			if err := w.Run(cctx); err != nil {
+				log.Error("the disk watcher stopped: disks held elsewhere are refused only when a stage asks for them", "err", err)
+			}
+		}()
+		select {
+		case <-w.Ready():
+		case <-watched:
+		}
+	} else {
+		close(watched)
+	}
 	var once sync.Once
 	stopChecks := func() {
 		once.Do(func() {
 			cancel()
 			<-done
+			<-watched
 			if srv != nil {
 				srv.Close()
 			}
@@ -448,3 +469,35 @@ func createSocket(path string, p peercred.Policy) (*apiSocket, error) {
 }
 
 func oneLine(s string) string { return strings.ReplaceAll(s, "\n", " ") }
+
+// watchMatch selects the disks the uevent watcher checks: whole disks,
+// not the agent's own stacking (loop data mappings, dm-crypt) nor RAM
+// disks; loop devices only where the configuration admits them as disks.
+func watchMatch(loops bool) func(uevent.Event) bool {
+	return func(ev uevent.Event) bool {
+		if !ev.Disk() {
+			return false
+		}
+		for _, p := range []string{"dm-", "ram", "zram", "sr", "md", "nbd"} {
+			if strings.HasPrefix(ev.DevName, p) {
+				return false
+			}
+		}
+		return loops || !strings.HasPrefix(ev.DevName, "loop")
+	}
+}
+
+// leaseFor keeps loop devices (single-host simulator and test disks) off
+// the lease unless the configuration asks for it.
+func leaseFor(cfg config.Volumes, f volume.LeaseFactory) volume.LeaseFactory {
+	if cfg.LeaseLoopDevices {
+		return f
+	}
+	return func(ctx context.Context, dev *volume.Device, vol string, onLost func(*fence.LostError)) (volume.Choice, error) {
+		if strings.HasPrefix(dev.Name, "loop") {
+			return volume.Choice{Method: fence.MethodNone,
+				Reason: "the on-disk lease is off for loop devices (volumes.lease_loop_devices)"}, nil
+		}
+		return f(ctx, dev, vol, onLost)
+	}
+}

@@ -2,8 +2,8 @@
 // what sysfs shows: SCSI-3 persistent reservations need SCSI disks that
 // accept SG_IO. The agent reports this in GetIdentity so that an operator
 // sees, before any volume is staged, whether disks here can be fenced by
-// the storage target. The on-disk lease is reported as not available until
-// the agent carries it.
+// the storage target. The on-disk lease (fence/lease) needs nothing but
+// the disk and loop devices, which every Linux host has.
 package fencecaps
 
 import (
@@ -42,8 +42,9 @@ type Capability struct {
 // Detect looks at the block devices under sysfsRoot.
 func Detect(sysfsRoot string) []Capability {
 	return []Capability{detectPR(sysfsRoot), {
-		Method: DiskLease, Available: false,
-		Detail: "on-disk lease fencing is not part of this agent version",
+		Method: DiskLease, Available: true,
+		Detail: "disks without reservations are fenced by an on-disk lease on volumes the agent formats; " +
+			"it is kept by this node's agent and watchdog, not enforced by the storage",
 	}}
 }
 

@@ -27,7 +27,7 @@ func TestDetectSCSIDisks(t *testing.T) {
 	if caps[0].Method != SCSI3PR || !caps[0].Available || caps[0].Detail != "SG_IO-capable SCSI disks: sda, sdb" {
 		t.Fatalf("got %+v", caps[0])
 	}
-	if caps[1].Method != DiskLease || caps[1].Available {
+	if caps[1].Method != DiskLease || !caps[1].Available || !strings.Contains(caps[1].Detail, "not enforced by the storage") {
 		t.Fatalf("lease reported as %+v", caps[1])
 	}
 }

@@ -190,6 +190,7 @@ var claimStates = map[string]api.ClaimState{
 	"unfenced":  api.ClaimState_CLAIM_STATE_UNFENCED,
 	"lost":      api.ClaimState_CLAIM_STATE_LOST,
 	"gone":      api.ClaimState_CLAIM_STATE_GONE,
+	"refused":   api.ClaimState_CLAIM_STATE_REFUSED,
 }
 
 // ListDisks implements api.AgentServer.

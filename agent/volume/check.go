@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"path/filepath"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -105,6 +107,24 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim) {
 		m.lose(c, dev, &fence.LostError{Device: dev.Path, Reason: "the disk no longer offers the fencing it was claimed with (" + ch.Reason + ")"})
 		return
 	}
+	if r, ok := ch.Fencer.(resumer); ok {
+		// The lease is renewed by the process holding it: take the claim
+		// back before checking it.
+		if err := r.Resume(ctx); err != nil {
+			var lost *fence.LostError
+			if errors.As(err, &lost) {
+				m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
+				m.lose(c, dev, lost)
+				return
+			}
+			if cl, ok := ch.Fencer.(io.Closer); ok {
+				cl.Close()
+			}
+			m.setLive(c.Volume, &live{dev: dev})
+			log.Error("cannot resume the fence of a recorded claim; the periodic check retries", "err", err)
+			return
+		}
+	}
 	m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
 	m.checkFence(ctx, c, dev, ch.Fencer)
 	if c.State == StateHeld && c.Detail == "" {
@@ -136,6 +156,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 	if err := m.store.Delete(c.Volume); err != nil {
 		log.Error("removing the claim of a vanished disk", "err", err)
 	}
+	m.clearClaimed(filepath.Base(c.Device))
 	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, Reason: "device-gone",
 		Message: fmt.Sprintf("volume %s: its disk %s is gone (%v); the claim was cleaned up", c.Volume, c.Device, why)})
 	log.Warn("claimed disk is gone; claim cleaned up", "why", why)
@@ -219,6 +240,11 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim) {
 		m.log.Info("claimed disk is back", "volume", c.Volume, "device", c.Device)
 	}
 	if l.fencer == nil {
+		if c.State == StateHeld {
+			// Opened without its fencer (resuming it failed at start).
+			m.reconcile(ctx, c)
+			return
+		}
 		m.o.Metrics.checks.WithLabelValues("ok").Inc()
 		return
 	}

@@ -13,8 +13,12 @@
 // the volume reported abnormal until a new stage carrying a grant.
 //
 // Fencing is chosen per disk by a FencerFactory: SCSI-3 persistent
-// reservations where the disk has them, the on-disk lease where one is
-// plugged in, and otherwise nothing, which a stage accepts only when both
-// the request and the configuration opt in. Encryption is reached through
-// the Encryption interface; without one, encrypted volumes are refused.
+// reservations where the disk has them, else the on-disk lease (package
+// fence/lease) on a blank disk or one carrying a lease area, and otherwise
+// nothing, which a stage accepts only when both the request and the
+// configuration opt in. Classify, Refused and Removed serve the uevent
+// watcher (package fence/uevent), which refuses a disk held elsewhere the
+// moment it appears. Encryption is reached through the Encryption
+// interface, implemented by LUKS on package crypt; without one, encrypted
+// volumes are refused.
 package volume

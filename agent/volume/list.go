@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"io"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
@@ -112,10 +113,25 @@ func (m *Manager) probe(ctx context.Context, d discovery.Disk, di *DiskInfo) {
 		di.Detail = err.Error()
 		return
 	}
+	if cl, ok := ch.Fencer.(io.Closer); ok {
+		defer cl.Close()
+	}
 	di.Method, di.Detail = ch.Method, ch.Reason
-	if e, ok := ch.Fencer.(*pr.Engine); ok {
+	switch e := ch.Fencer.(type) {
+	case *pr.Engine:
 		if st, err := e.Status(ctx); err == nil && st.Reservation != nil {
 			di.HolderKey, di.HolderNode = st.Reservation.Key, st.Reservation.Node
+		}
+	case *leaseFencer:
+		if owner, err := e.Holder(ctx); err == nil && owner != nil && owner.Live() {
+			di.HolderKey, di.HolderNode = owner.Key, owner.Node
+		}
+	}
+	// A disk refused on arrival stays read-only on this host.
+	if ro, err := readOnly(o.File); err == nil && ro {
+		di.ReadOnly = true
+		if di.HolderKey != 0 {
+			di.State = "refused"
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -405,10 +406,15 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	// Whatever fails from here leaves no device open, no fence held and,
 	// for a first attempt, no record.
 	var fencer fence.Fencer
-	acquired, mapped, mounted := false, false, false
+	acquired, mapped, mounted, roCleared := false, false, false, false
 	defer func() {
 		if err == nil {
 			return
+		}
+		if roCleared && !acquired {
+			if rerr := setReadOnly(dev.File, true); rerr != nil {
+				m.log.Error("could not set a disk read-only again after a failed claim", "volume", c.Volume, "device", dev.Path, "err", rerr)
+			}
 		}
 		// Undo in reverse: nothing stays mounted or mapped on a disk whose
 		// fence this node gives back.
@@ -468,6 +474,17 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			"volume", c.Volume, "device", dev.Path, "reason", choice.Reason)
 		c.Method, c.State, c.Key = fence.MethodNone, StateUnfenced, 0
 	} else {
+		if choice.Method == MethodLease {
+			// The lease is taken by writing this node's slot on the disk:
+			// a disk refused earlier (read-only) must take that write. A
+			// refusal now sets it read-only again.
+			if ro, rerr := readOnly(dev.File); rerr == nil && ro {
+				if err := setReadOnly(dev.File, false); err != nil {
+					return res, fmt.Errorf("volume %s: %w", c.Volume, err)
+				}
+				roCleared = true
+			}
+		}
 		if choice.Prepare != nil {
 			wrote, err := choice.Prepare(ctx)
 			if err != nil {
@@ -567,6 +584,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	} else {
 		msg += fmt.Sprintf(", fenced with %s key %s", c.Method, c.Key)
 	}
+	m.markClaimed(dev.Name)
 	m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
 		HolderKey: uint64(c.Key), Reason: "staged", Message: msg})
 	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "staging", c.StagingPath,
@@ -720,6 +738,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
 		}
 	}
+	m.clearClaimed(filepath.Base(c.Device))
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	if err := m.store.Put(c); err != nil {
 		m.log.Error("could not record a lost claim", "volume", c.Volume, "err", err)

@@ -93,6 +93,7 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if err := m.store.Delete(volume); err != nil {
 		return err
 	}
+	m.clearClaimed(filepath.Base(c.Device))
 	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)
 	if c.State == StateLost {
 		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", volume, staging, c.Device)

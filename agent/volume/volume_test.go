@@ -175,6 +175,14 @@ func attach(t *testing.T, img string) string {
 	}
 	dev := strings.TrimSpace(string(out))
 	t.Cleanup(func() {
+		// Mappings the agent made over the disk (a lease disk's data area)
+		// go first, also when a test failed before unstaging.
+		all, _ := exec.Command("losetup", "-a").Output()
+		for _, line := range strings.Split(string(all), "\n") {
+			if m, _, ok := strings.Cut(line, ":"); ok && strings.Contains(line, "("+dev+"), offset") {
+				exec.Command("losetup", "-d", m).Run()
+			}
+		}
 		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
 			t.Logf("losetup -d %s: %v: %s", dev, err, out)
 		}

@@ -24,10 +24,10 @@ import (
 )
 
 // TestVolumeAPIAndDisksCommand drives the built agent over its socket: a
-// real loop device is staged (unfenced, by the explicit opt-in in both the
-// configuration and the request, since a loop device has no reservations
-// and this agent has no lease), listed by `vco-agent disks`, counted on
-// the metrics endpoint, and unstaged.
+// blank loop device (no reservations) is staged fenced by the on-disk
+// lease, listed by `vco-agent disks`, counted on the metrics endpoint, and
+// unstaged; a loop device with a foreign filesystem is staged only with
+// the explicit opt-in in both the configuration and the request.
 func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root for loop devices and mounts")
@@ -63,9 +63,12 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	}
 	metricsAddr := l.Addr().String()
 	l.Close()
+	// The disk watcher is off: with loop devices admitted it would check
+	// (and refuse) the loop devices of other tests running beside this
+	// one; the lab's scenarios test it on real hot-plugged disks.
 	cfg := filepath.Join(dir, "config.yaml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  check_interval: 200ms\nmetrics:\n  listen: %s\n",
-		filepath.Join(dir, "state"), kubelet, metricsAddr)), 0o644)
+	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  lease_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s}\nmetrics:\n  listen: %s\n",
+		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"), metricsAddr)), 0o644)
 	sock := filepath.Join(dir, "agent.sock")
 	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
 	var agentErr bytes.Buffer
@@ -96,25 +99,27 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 
 	staging := filepath.Join(kubelet, "staging")
 	req := &api.StageVolumeRequest{VolumeId: "vol-cli", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: staging, FsType: "ext4"}
-	// Without the request's opt-in: refused, with the reason on the wire.
-	_, err = c.StageVolume(ctx, req)
-	if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "offers no fencing") {
-		t.Fatalf("stage without opt-in: %v", err)
-	}
 	// A path outside the kubelet root is an invalid argument.
-	bad := &api.StageVolumeRequest{VolumeId: "vol-cli", Device: req.Device, StagingPath: kubelet + "/../x", AllowUnfenced: true}
+	bad := &api.StageVolumeRequest{VolumeId: "vol-cli", Device: req.Device, StagingPath: kubelet + "/../x"}
 	if _, err := c.StageVolume(ctx, bad); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("stage outside the kubelet root: %v", err)
 	}
 	// The token command reads the device without touching it.
 	tokOut, errs, code := run(t, "volume", "token", "vol-cli", "--loop-backing-file", img, "--socket", sock, "--json")
-	if code != 0 || !strings.Contains(tokOut, `"content":"VOLUME_CONTENT_BLANK"`) || !strings.Contains(tokOut, `"device":"`+dev+`"`) {
+	if code != 0 || !strings.Contains(tokOut, `"content":"VOLUME_CONTENT_BLANK"`) {
 		t.Fatalf("volume token of a blank disk: exit %d %s %s", code, tokOut, errs)
 	}
-	req.AllowUnfenced = true
 	res, err := c.StageVolume(ctx, req)
-	if err != nil || res.Device != dev || !res.Formatted || res.Fencing != api.FencingMethod_FENCING_METHOD_NONE {
+	if err != nil || !strings.HasPrefix(res.Device, "/dev/loop") || res.Device == dev || !res.Formatted || res.Fencing != api.FencingMethod_FENCING_METHOD_DISK_LEASE {
 		t.Fatalf("stage: %v %v", res, err)
+	}
+	if b, _ := os.ReadFile(img); !bytes.HasPrefix(b, []byte("VCOLEASE")) {
+		t.Fatal("no lease area at the start of the disk")
+	}
+	// The claim mark the udev rules look for.
+	mark := filepath.Join(dir, "claimed", filepath.Base(dev))
+	if _, err := os.Stat(mark); err != nil {
+		t.Fatalf("no udev claim mark for the staged disk: %v", err)
 	}
 
 	out2, errs, code := run(t, "disks", "--socket", sock)
@@ -127,7 +132,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 			line = l
 		}
 	}
-	if !strings.HasPrefix(out2, "DEVICE") || !strings.Contains(line, dev) || !strings.Contains(line, " none ") || !strings.Contains(line, " unfenced ") {
+	if !strings.HasPrefix(out2, "DEVICE") || !strings.Contains(line, dev) || !strings.Contains(line, " disk-lease ") || !strings.Contains(line, " held ") {
 		t.Fatalf("disks output:\n%s", out2)
 	}
 	out2, _, code = run(t, "disks", "--json", "--socket", sock)
@@ -146,15 +151,15 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	found := false
 	for _, d := range j.Disks {
 		if d.VolumeID == "vol-cli" {
-			found = d.Device == dev && d.State == "CLAIM_STATE_UNFENCED" && d.Fencing == "FENCING_METHOD_NONE" && d.StagingPath == staging
+			found = d.Device == dev && d.State == "CLAIM_STATE_HELD" && d.Fencing == "FENCING_METHOD_DISK_LEASE" && d.StagingPath == staging
 		}
 	}
 	if !found {
-		t.Fatalf("disks --json lacks the unfenced claim: %s", out2)
+		t.Fatalf("disks --json lacks the leased claim: %s", out2)
 	}
 
 	tokOut, _, code = run(t, "volume", "token", "vol-cli", "--socket", sock)
-	if code != 0 || !strings.Contains(tokOut, "vol-cli on "+dev+": other (") || !strings.Contains(tokOut, "ext") {
+	if code != 0 || !strings.Contains(tokOut, "vol-cli on "+res.Device+": other (") || !strings.Contains(tokOut, "ext") {
 		t.Fatalf("volume token of the staged ext4 volume: exit %d %s", code, tokOut)
 	}
 	if _, errs, code := run(t, "volume", "stats", "--socket", sock); code != 2 || !strings.Contains(errs, "volume id comes first") {
@@ -174,19 +179,53 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
 		body = string(b)
-		if strings.Contains(body, `vco_agent_claims{state="unfenced"} 1`) && strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
+		if strings.Contains(body, `vco_agent_claims{state="held"} 1`) && strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
 			break
 		}
 	}
-	if !strings.Contains(body, `vco_agent_claims{state="unfenced"} 1`) || !strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
+	if !strings.Contains(body, `vco_agent_claims{state="held"} 1`) || !strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
 		t.Fatalf("metrics lack the claim and its checks:\n%s", body)
 	}
 
 	if _, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-cli", StagingPath: staging}); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := os.Stat(mark); err == nil {
+		t.Fatal("the udev claim mark stayed after unstage")
+	}
 	out2, _, _ = run(t, "disks", "--socket", sock)
 	if strings.Contains(out2, "vol-cli") {
 		t.Fatalf("volume still listed after unstage:\n%s", out2)
+	}
+
+	// A foreign filesystem and no reservations: no fencing at all, staged
+	// only with both opt-ins.
+	img2 := filepath.Join(dir, "foreign.img")
+	os.WriteFile(img2, nil, 0o600)
+	os.Truncate(img2, 64<<20)
+	if out, err := exec.Command("mkfs.ext4", "-q", img2).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs: %v %s", err, out)
+	}
+	out, err = exec.Command("losetup", "--find", "--show", img2).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v %s", err, out)
+	}
+	dev2 := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev2).Run() })
+	req2 := &api.StageVolumeRequest{VolumeId: "vol-foreign", Device: &api.DeviceLocator{LoopBackingFile: img2}, StagingPath: staging, FsType: "ext4"}
+	_, err = c.StageVolume(ctx, req2)
+	if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "offers no fencing") || !strings.Contains(st.Message(), "never formatted") {
+		t.Fatalf("stage of a foreign disk without opt-in: %v", err)
+	}
+	req2.AllowUnfenced = true
+	if res, err := c.StageVolume(ctx, req2); err != nil || res.Device != dev2 || res.Formatted || res.Fencing != api.FencingMethod_FENCING_METHOD_NONE {
+		t.Fatalf("stage of a foreign disk with opt-in: %v %v", res, err)
+	}
+	out2, _, _ = run(t, "disks", "--socket", sock)
+	if !strings.Contains(out2, " none ") || !strings.Contains(out2, " unfenced ") {
+		t.Fatalf("disks output:\n%s", out2)
+	}
+	if _, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-foreign", StagingPath: staging}); err != nil {
+		t.Fatal(err)
 	}
 }

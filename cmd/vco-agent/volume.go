@@ -29,7 +29,8 @@ const volumeUsage = `usage: vco-agent volume <token|stage|unstage|expand|stats> 
 
 The device is named by --serial, --pci and --wwn (every one given must
 match). Passphrases come from a file ("-" for stdin), never an argument.
-The first stage of a blank encrypted volume also needs --format-if-blank
+A takeover grant is --grant-node and --grant-supersedes (as the
+controller's publish context carries it). The first stage of a blank encrypted volume also needs --format-if-blank
 and the wrapped passphrase: --wrapped-file (a transit ciphertext),
 --transit-key and --transit-key-version.
 
@@ -47,6 +48,8 @@ type volumeOptions struct {
 	flags                            multiFlag
 	json                             bool
 	timeout                          time.Duration
+	grantNode                        string
+	grantKeys                        multiFlag
 }
 
 func runVolume(args []string) int {
@@ -81,6 +84,8 @@ func runVolume(args []string) int {
 	fs.BoolVar(&o.unfence, "allow-unfenced", false, "stage a disk with no fencing (the agent must allow it too)")
 	fs.StringVar(&o.path, "path", "", "expand, stats: the staging or a target path")
 	fs.Int64Var(&o.required, "required-bytes", 0, "expand: the size the disk was grown to")
+	fs.StringVar(&o.grantNode, "grant-node", "", "stage: the SMBIOS UUID the controller's takeover grant is for")
+	fs.Var(&o.grantKeys, "grant-supersedes", "stage: a fence key the grant lets this node take over (repeatable)")
 	fs.BoolVar(&o.json, "json", false, "print JSON")
 	fs.DurationVar(&o.timeout, "timeout", 2*time.Minute, "how long to wait for the agent")
 	// The volume id comes first, flags after it.
@@ -129,6 +134,9 @@ func runVolume(args []string) int {
 	case "stage":
 		req := &api.StageVolumeRequest{VolumeId: vol, Device: loc, StagingPath: o.staging, FsType: o.fsType, Block: o.block,
 			MountFlags: o.flags, ReadOnly: o.readOnly, AllowUnfenced: o.unfence}
+		if len(o.grantKeys) > 0 {
+			req.Grant = &api.TakeoverGrant{Disk: vol, Node: o.grantNode, Supersedes: o.grantKeys}
+		}
 		if o.passFile != "" {
 			pass, err := luksCLI{stdin: os.Stdin}.readPassphrase(o.passFile, "passphrase")
 			if err != nil {

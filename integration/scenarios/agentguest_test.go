@@ -6,18 +6,26 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
 // agentConfig is the configuration the scenarios run the agent daemon
 // with in a guest: no D-Bus (the guests have none), a short claim check,
-// and unfenced disks allowed only where the request opts in too.
+// unfenced disks allowed only where the request opts in too, and a lease
+// timing scaled down from the defaults' proportions so that a takeover
+// after expiry (max(fail+watchdog+io, renew+6*io) = 9s) fits a test.
 const agentConfig = `dbus:
   enabled: false
 volumes:
   check_interval: 1s
   allow_unfenced: true
+  lease:
+    io_timeout: 1s
+    renew: 2s
+    fail: 8s
+    watchdog: 0s
 `
 
 // startAgent runs `vco-agent serve` in g in the background, as systemd
@@ -61,6 +69,12 @@ func agentJSON(ctx context.Context, g *lab.Guest, v any, argv ...string) error {
 	full := append([]string{"/bin/vco-agent"}, argv...)
 	full = append(full, "--json")
 	r, err := g.Exec().Run(ctx, 0, full...)
+	// A call that meets another on the same volume (the agent's periodic
+	// claim check) is ABORTED; kubelet retries it, and so does this.
+	for i := 0; err == nil && r.Exit != 0 && strings.Contains(r.Stderr, "answered Aborted") && i < 30; i++ {
+		time.Sleep(200 * time.Millisecond)
+		r, err = g.Exec().Run(ctx, 0, full...)
+	}
 	if err != nil {
 		return err
 	}

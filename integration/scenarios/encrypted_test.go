@@ -21,6 +21,10 @@ import (
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
+// leaseData is where the volume's data starts on a disk fenced by the
+// on-disk lease (fence/lease DataOffset).
+const leaseData = 1 << 20
+
 // volumeToken is `vco-agent volume token --json`.
 type volumeToken struct {
 	Content      string `json:"content"`
@@ -43,7 +47,8 @@ type stageReply struct {
 }
 
 // TestEncryptedVolumeInGuest stages an encrypted volume for real: the
-// agent daemon in a guest formats LUKS2 on a blank virtio-blk disk with the
+// agent daemon in a guest fences a blank virtio-blk disk with the on-disk
+// lease and formats LUKS2 on the data area after it, with the
 // wrapped passphrase in its token, maps it with the guest kernel's
 // dm-crypt, makes and mounts the filesystem; the node plugin's part
 // (wrapping a new passphrase, unwrapping it from the token for later
@@ -94,7 +99,8 @@ func TestEncryptedVolumeInGuest(t *testing.T) {
 		}
 		return strings.TrimSpace(out)
 	}
-	if _, err := g.WaitDiskBySerial(ctx, "vol-enc"); err != nil {
+	disk, err := g.WaitDiskBySerial(ctx, "vol-enc")
+	if err != nil {
 		t.Fatal(err)
 	}
 	startAgent(t, ctx, g)
@@ -125,11 +131,11 @@ func TestEncryptedVolumeInGuest(t *testing.T) {
 		t.Fatalf("token of the blank disk: %+v %v", tok, err)
 	}
 	sh(fmt.Sprintf("printf %%s '%s' > /run/pw && printf %%s '%s' > /run/wrapped", pass, ct.Text))
-	stage := append([]string{"volume", "stage", vol, "--staging", staging, "--passphrase-file", "/run/pw", "--allow-unfenced"}, loc...)
+	stage := append([]string{"volume", "stage", vol, "--staging", staging, "--passphrase-file", "/run/pw"}, loc...)
 	first := append(append([]string{}, stage...), "--format-if-blank", "--wrapped-file", "/run/wrapped",
 		"--transit-key", "vco-volumes", "--transit-key-version", strconv.Itoa(ct.Version))
 	var st stageReply
-	if err := agentJSON(ctx, g, &st, first...); err != nil || !st.Formatted || st.Device != "/dev/mapper/vco-vol-enc" {
+	if err := agentJSON(ctx, g, &st, first...); err != nil || !st.Formatted || st.Device != "/dev/mapper/vco-vol-enc" || st.Fencing != "FENCING_METHOD_DISK_LEASE" {
 		t.Fatalf("first stage: %+v %v", st, err)
 	}
 	t.Logf("staged: %+v", st)
@@ -156,8 +162,11 @@ func TestEncryptedVolumeInGuest(t *testing.T) {
 	marker := "LAB-PLAINTEXT-MARKER-0123456789"
 	sh(fmt.Sprintf("for i in $(seq 2000); do echo %s; done > %s/marker && dd if=/dev/urandom of=%s/data bs=1M count=8 2>/dev/null && sync", marker, staging, staging))
 	sum := sh(fmt.Sprintf("cat %s/marker %s/data | sha256sum | cut -d' ' -f1", staging, staging))
-	if b, err := os.ReadFile(img); err != nil || bytes.Contains(b, []byte(marker)) || !bytes.HasPrefix(b, []byte("LUKS\xba\xbe")) {
-		t.Fatalf("the disk holds the data in clear, or no LUKS2 header (%v)", err)
+	// A virtio-blk disk has no reservations: the lease area comes first,
+	// LUKS2 after it.
+	if b, err := os.ReadFile(img); err != nil || bytes.Contains(b, []byte(marker)) || !bytes.HasPrefix(b, []byte("VCOLEASE")) ||
+		!bytes.HasPrefix(b[leaseData:], []byte("LUKS\xba\xbe")) {
+		t.Fatalf("the disk holds the data in clear, or not the lease area and then a LUKS2 header (%v)", err)
 	}
 
 	// A mapping something else still holds is not closed; the agent says
@@ -197,16 +206,15 @@ func TestEncryptedVolumeInGuest(t *testing.T) {
 	if _, err := g.QMP().Execute(ctx, "block_resize", map[string]any{"node-name": "bd-enc", "size": 512 << 20}); err != nil {
 		t.Fatal(err)
 	}
-	dev := strings.TrimPrefix(tok.Device, "/dev/")
-	sh(fmt.Sprintf("for i in $(seq 100); do [ $(cat /sys/block/%s/size) = %d ] && exit 0; sleep 0.2; done; exit 1", dev, 512<<20/512))
+	sh(fmt.Sprintf("for i in $(seq 100); do [ $(cat /sys/block/%s/size) = %d ] && exit 0; sleep 0.2; done; exit 1", disk.Name, 512<<20/512))
 	var exp struct {
 		Capacity string `json:"capacity_bytes"`
 	}
 	if err := agentJSON(ctx, g, &exp, "volume", "expand", vol, "--path", staging, "--required-bytes", strconv.Itoa(400<<20)); err != nil {
 		t.Fatal(err)
 	}
-	if exp.Capacity != strconv.Itoa(512<<20-16<<20) {
-		t.Fatalf("expanded to %s bytes, want the disk less the 16 MiB LUKS2 header", exp.Capacity)
+	if exp.Capacity != strconv.Itoa(512<<20-leaseData-16<<20) {
+		t.Fatalf("expanded to %s bytes, want the disk less the lease area and the 16 MiB LUKS2 header", exp.Capacity)
 	}
 	after, _ := strconv.Atoi(sh("df -Pk " + staging + " | tail -n1 | awk '{print $2}'"))
 	if after < before+200<<10 {
@@ -221,12 +229,21 @@ func TestEncryptedVolumeInGuest(t *testing.T) {
 	}
 	stopAgent(t, ctx, g)
 
-	// cryptsetup, the reference, reads what the agent wrote.
-	out, err := exec.Command("cryptsetup", "luksDump", img).CombinedOutput()
+	// cryptsetup, the reference, reads what the agent wrote (the LUKS2
+	// header, copied out from behind the lease area).
+	b, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hdr := filepath.Join(t.TempDir(), "luks-header.img")
+	if err := os.WriteFile(hdr, b[leaseData:leaseData+16<<20], 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("cryptsetup", "luksDump", hdr).CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "vco-transit") || !strings.Contains(string(out), "argon2id") {
 		t.Fatalf("cryptsetup luksDump: %v\n%s", err, out)
 	}
-	cs := exec.Command("cryptsetup", "open", "--test-passphrase", "--key-file", "-", img)
+	cs := exec.Command("cryptsetup", "open", "--test-passphrase", "--key-file", "-", hdr)
 	cs.Stdin = strings.NewReader(pass)
 	if out, err := cs.CombinedOutput(); err != nil {
 		t.Fatalf("cryptsetup does not accept the passphrase: %v %s", err, out)

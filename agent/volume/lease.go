@@ -1,0 +1,150 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
+)
+
+// LeaseOptions configure the on-disk lease (package fence/lease) for
+// disks without reservations.
+type LeaseOptions struct {
+	Key      fence.Key
+	Node     string // SMBIOS UUID; grants must name it
+	NodeName string // written into our slot so other nodes can name us
+	Resolver fence.Resolver
+	// Timing; the zero value is lease.DefaultTiming().
+	Timing lease.Timing
+	Log    *slog.Logger
+}
+
+// NewLease returns the LeaseFactory of the on-disk lease: a disk that is
+// blank (the lease area is written by Prepare, before the first claim) or
+// already carries a lease area is fenced by it, with the volume's data
+// from lease.DataOffset; a disk with any other layout gets no fencer and
+// is never formatted.
+func NewLease(o LeaseOptions) LeaseFactory {
+	if o.Timing == (lease.Timing{}) {
+		o.Timing = lease.DefaultTiming()
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+	return func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error) {
+		ld, err := lease.OpenDevice(dev.Path)
+		if err != nil {
+			return Choice{}, err
+		}
+		cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
+		if err != nil {
+			ld.Close()
+			return Choice{}, err
+		}
+		if cls.Layout != lease.LayoutBlank && cls.Layout != lease.LayoutLease {
+			ld.Close()
+			return Choice{Method: fence.MethodNone, Reason: fmt.Sprintf("the disk holds %s, not a lease area, and is never formatted with one", cls.Signature)}, nil
+		}
+		f := &leaseFencer{dev: ld, key: o.Key, timing: o.Timing}
+		lost := func(l *fence.LostError) {
+			// A closed fencer's engine is no longer the claim's: its
+			// renewals fail on the closed descriptor, which is no loss.
+			if !f.closed.Load() && onLost != nil {
+				onLost(l)
+			}
+		}
+		verify := func(ctx context.Context) error {
+			if f.closed.Load() {
+				return errFencerClosed
+			}
+			if dev.Verify == nil {
+				return nil
+			}
+			return dev.Verify(ctx)
+		}
+		f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Resolver: o.Resolver,
+			Timing: o.Timing, OnLost: lost, Verify: verify, Logger: o.Log.With("volume", volume)})
+		if err != nil {
+			ld.Close()
+			return Choice{}, err
+		}
+		return Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset,
+			Prepare: func(ctx context.Context) (bool, error) {
+				return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Blkid: true, Logger: o.Log})
+			}}, nil
+	}
+}
+
+// leaseFencer is the lease engine with what the manager needs besides
+// fence.Fencer: its O_DIRECT descriptor closed with the claim, and the
+// resumption of a claim recorded before an agent restart.
+type leaseFencer struct {
+	*lease.Engine
+	dev    *lease.Device
+	key    fence.Key
+	timing lease.Timing
+	closed atomic.Bool
+}
+
+// errFencerClosed stops the engine from touching the disk once closed.
+var errFencerClosed = errors.New("the lease fencer is closed")
+
+// Close stops the renewals and closes the device without releasing: the
+// claim stays recorded on the disk for the next agent process to resume
+// (the agent closes its fencers when it stops). The engine's Release is
+// what stops and waits for its renewer; with the fencer marked closed its
+// verify step fails, so it writes nothing.
+func (f *leaseFencer) Close() error {
+	f.closed.Store(true)
+	_ = f.Engine.Release(context.Background())
+	return f.dev.Close()
+}
+
+// Holder reads who owns the lease, for listings.
+func (f *leaseFencer) Holder(ctx context.Context) (*lease.Slot, error) {
+	st, _, err := lease.ReadStatus(ctx, f.dev, f.key, f.timing.IOTimeout)
+	if err != nil {
+		return nil, err
+	}
+	return st.Owner, nil
+}
+
+// Resume takes back, after an agent restart, a claim this node recorded:
+// only when our slot still owns the lease and was renewed within the fail
+// bound (else other nodes may have seen it expire: the claim is lost).
+// It never waits for another holder.
+func (f *leaseFencer) Resume(ctx context.Context) error {
+	st, _, err := lease.ReadStatus(ctx, f.dev, f.key, f.timing.IOTimeout)
+	if err != nil {
+		return err
+	}
+	switch {
+	case st.Owner == nil:
+		return &fence.LostError{Device: f.dev.Name(), Reason: "the lease is no longer held by this node (released or fenced while the agent was down)"}
+	case st.Owner.Key != f.key:
+		return &fence.LostError{Device: f.dev.Name(), Holder: st.Owner.Key, HolderNode: st.Owner.Node,
+			Reason: fmt.Sprintf("the lease was taken over by key %s while the agent was down", st.Owner.Key)}
+	}
+	if age := time.Since(time.Unix(0, st.Owner.Written)); age < 0 || age >= f.timing.Fail {
+		return &fence.LostError{Device: f.dev.Name(),
+			Reason: fmt.Sprintf("this node's lease was last renewed %s ago, beyond the fail bound %s: other nodes may have taken it as expired", age.Round(time.Second), f.timing.Fail)}
+	}
+	_, err = f.Acquire(ctx, nil)
+	var held *fence.HeldError
+	if errors.As(err, &held) {
+		return &fence.LostError{Device: f.dev.Name(), Holder: held.Holder, HolderNode: held.HolderNode, Reason: held.Error()}
+	}
+	return err
+}
+
+// resumer is a fencer whose claim must be taken back explicitly after an
+// agent restart before it can be checked (the lease renews from a timer
+// of the process that holds it; reservations need nothing).
+type resumer interface {
+	Resume(ctx context.Context) error
+}

@@ -1,0 +1,244 @@
+package volume
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+)
+
+// Two "nodes" on this host share one disk image through two loop devices
+// (the second over a hard link of the image, so that each node has its own
+// block device and its own read-only flag, as two VMs attached to one
+// virtio-blk disk do). Each runs the agent's own fencing: PR is probed and
+// refused by the loop device, so the on-disk lease is chosen, with short
+// timing. The lab repeats this across real guests.
+
+var testTiming = lease.Timing{IOTimeout: 500 * time.Millisecond, Renew: time.Second, Fail: 4 * time.Second, Watchdog: 0}
+
+func leaseFencing(node, name string) *Fencing {
+	key, _ := fence.KeyFromUUID(node)
+	return &Fencing{Key: key, Node: node, Resolver: names,
+		Lease: NewLease(LeaseOptions{Key: key, Node: node, NodeName: name, Resolver: names, Timing: testTiming})}
+}
+
+// shared attaches img to a second loop device through a hard link and
+// returns the link (B's locator) and device.
+func shared(t *testing.T, img string) (string, string) {
+	t.Helper()
+	link := filepath.Join(t.TempDir(), "disk-b.img")
+	if err := os.Link(img, link); err != nil {
+		t.Fatal(err)
+	}
+	return link, attach(t, link)
+}
+
+func devEvent(t *testing.T, dev string) uevent.Event {
+	t.Helper()
+	name := filepath.Base(dev)
+	b, err := os.ReadFile("/sys/class/block/" + name + "/dev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ma, mi uint32
+	if _, err := fmt.Sscanf(strings.TrimSpace(string(b)), "%d:%d", &ma, &mi); err != nil {
+		t.Fatal(err)
+	}
+	return uevent.Event{Action: "add", Subsystem: "block", DevType: "disk", DevName: name, Major: ma, Minor: mi, HasDevnum: true}
+}
+
+func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
+	needRoot(t)
+	a := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	a.cfg.AllowUnfenced = false
+	a.start()
+	b := newEnvWith(t, leaseFencing(nodeB, "node-b"))
+	b.cfg.AllowUnfenced = false
+	b.start()
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	linkB, devB := shared(t, img)
+	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
+
+	reqA := a.stageReq("vol-l", img, "staging/l")
+	reqA.AllowUnfenced = false
+	res, err := a.m.Stage(ctx, reqA)
+	if err != nil || res.Method != MethodLease || !res.Formatted || !strings.HasPrefix(res.Device, "/dev/loop") || res.Device == devA {
+		t.Fatalf("stage on a blank disk: %+v %v", res, err)
+	}
+	raw, _ := os.ReadFile(img)
+	if !bytes.HasPrefix(raw, []byte("VCOLEASE")) || blkid(t, res.Device, "TYPE") != "ext4" {
+		t.Fatal("no lease area before the data, or no filesystem on the data mapping")
+	}
+	os.WriteFile(filepath.Join(reqA.StagingPath, "a"), []byte("node-a's data"), 0o644)
+	syncFS(reqA.StagingPath)
+
+	// B sees the disk appear: refused at once, read-only, DiskRefused
+	// naming A; no request needed.
+	v, err := b.m.Classify(ctx, devEvent(t, devB))
+	if err != nil || !v.Refuse || v.Holder != keyA || v.HolderNode != "node-a" || v.Method != MethodLease {
+		t.Fatalf("B's verdict on A's disk: %+v %v", v, err)
+	}
+	if err := uevent.SetReadOnly(devB, 0, 0, true); err != nil {
+		t.Fatal(err)
+	}
+	b.m.Refused(uevent.Decision{Event: devEvent(t, devB), Verdict: v, ReadOnly: true, Received: time.Now(), Done: time.Now()})
+	ev := b.event(events.DiskRefused)
+	if ev.Device != devB || ev.HolderKey != uint64(keyA) || ev.HolderNode != "node-a" || !strings.Contains(ev.Message, "read-only") {
+		t.Fatalf("refusal event: %+v", ev)
+	}
+	// A's own agent does not refuse its own disk.
+	if v, err := a.m.Classify(ctx, devEvent(t, devA)); err != nil || v.Refuse {
+		t.Fatalf("A's verdict on its own disk: %+v %v", v, err)
+	}
+
+	// B's stage: refused, naming A.
+	reqB := b.stageReq("vol-l", linkB, "staging/l")
+	reqB.AllowUnfenced = false
+	_, err = b.m.Stage(ctx, reqB)
+	wantCode(t, err, codes.FailedPrecondition, keyA.String(), "node-a")
+
+	// A's agent restarts while it holds the claim: re-verified and kept.
+	a.start()
+	a.m.Reconcile(ctx)
+	if c, _ := a.m.Store().Get("vol-l"); c == nil || c.State != StateHeld || c.Abnormal() {
+		t.Fatalf("claim after A's restart: %+v", c)
+	}
+	time.Sleep(testTiming.Fail + testTiming.Renew) // renewals by the new process keep it
+	a.m.CheckAll(ctx)
+	if c, _ := a.m.Store().Get("vol-l"); c.State != StateHeld {
+		t.Fatalf("claim lost after the restart: %+v", c)
+	}
+	if _, err := b.m.Stage(ctx, reqB); agenterr.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("B staged A's disk after A's restart: %v", err)
+	}
+
+	// A's agent goes down; B takes over with the controller's grant; A's
+	// agent, back, finds the claim lost and stops I/O.
+	a.m.Close()
+	clearRO(devB)
+	reqB.Grant = &fence.Grant{Disk: "vol-l", Node: nodeB, Supersedes: []fence.Key{keyA}}
+	if res, err := b.m.Stage(ctx, reqB); err != nil || res.Method != MethodLease || res.Formatted {
+		t.Fatalf("B's granted takeover: %+v %v", res, err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(reqB.StagingPath, "a")); string(got) != "node-a's data" {
+		t.Fatalf("B reads %q", got)
+	}
+	a.start()
+	a.m.Reconcile(ctx)
+	fev := a.event(events.DiskFenced)
+	if fev.Volume != "vol-l" || fev.HolderKey != uint64(keyB) {
+		t.Fatalf("A's fenced event at start: %+v", fev)
+	}
+	if !deviceReadOnly(t, devA) {
+		t.Fatal("A's disk is writable after its claim was found lost")
+	}
+	if st, _ := a.m.Stats(ctx, "vol-l", ""); !st.Abnormal {
+		t.Fatal("A's volume is not abnormal")
+	}
+	if err := b.m.Unstage(ctx, "vol-l", reqB.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.m.Unstage(ctx, "vol-l", reqA.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestForeignDiskWithoutReservationsNeedsTheOptIn(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	exec.Command("mkfs.ext4", "-q", dev).Run()
+	req := e.stageReq("vol-f", img, "staging/f")
+	req.AllowUnfenced = false
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "never formatted", "opt-in")
+	raw, _ := os.ReadFile(img)
+	if bytes.HasPrefix(raw, []byte("VCOLEASE")) || blkid(t, dev, "TYPE") != "ext4" {
+		t.Fatal("a lease was written over a foreign filesystem")
+	}
+	req.AllowUnfenced = true
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != fence.MethodNone {
+		t.Fatalf("opted-in stage: %+v %v", res, err)
+	}
+	if !strings.Contains(e.logs.String(), "WITHOUT fencing") {
+		t.Fatal("the opt-in is not logged")
+	}
+}
+
+// A claimed disk that goes away is marked missing (abnormal) at its
+// remove uevent, without waiting for the periodic check; a remove of a
+// disk the agent holds nothing of changes nothing.
+func TestRemovedDiskMarksItsClaimMissing(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := e.stageReq("vol-r", img, "staging/r")
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	_, other := loop(t, 16)
+	gone := devEvent(t, other)
+	gone.Action = "remove"
+	e.m.Removed(gone)
+	if st, _ := e.m.Stats(ctx, "vol-r", ""); st.Abnormal {
+		t.Fatal("another disk's removal made the volume abnormal")
+	}
+	ev := devEvent(t, dev)
+	ev.Action = "remove"
+	e.m.Removed(ev)
+	st, err := e.m.Stats(ctx, "vol-r", "")
+	if err != nil || !st.Abnormal || !strings.Contains(st.Message, "removed") {
+		t.Fatalf("stats after the disk's removal: %+v %v", st, err)
+	}
+	if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// On a lease disk LUKS2 sits past the lease area: the token is read there,
+// through the stage's data mapping or, unstaged, a read-only mapping made
+// for the read and detached after it.
+func TestTokenOfAnEncryptedVolumeOnALeaseDisk(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	e.crypt = newHostLUKS(t)
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := encReq(e, "vol-lt", img, "staging/lt")
+	req.AllowUnfenced = false
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != MethodLease || !res.Formatted {
+		t.Fatalf("encrypted stage on a lease disk: %+v %v", res, err)
+	}
+	raw, _ := os.ReadFile(img)
+	if !bytes.HasPrefix(raw, []byte("VCOLEASE")) || !bytes.HasPrefix(raw[lease.DataOffset:], []byte("LUKS\xba\xbe")) {
+		t.Fatal("not the lease area and then LUKS2")
+	}
+	if err := e.m.Unstage(ctx, "vol-lt", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	loops := func() string { out, _ := exec.Command("losetup", "-a").Output(); return string(out) }
+	before := strings.Count(loops(), "("+dev+")")
+	tok, err := e.m.VolumeToken(ctx, "vol-lt", req.Locator)
+	if err != nil || tok.Kind != ContentLUKS2 || tok.Token == nil || *tok.Token != wrapped || !strings.HasPrefix(tok.Device, "/dev/loop") {
+		t.Fatalf("token of the unstaged volume: %+v %v", tok, err)
+	}
+	if after := strings.Count(loops(), "("+dev+")"); after != before {
+		t.Fatalf("the read-only mapping was left behind (%d mappings of the disk, were %d)", after, before)
+	}
+}

@@ -1,0 +1,170 @@
+package volume
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence/pr"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+)
+
+// The agent refuses a disk held by another node the moment it appears
+// (DESIGN.md P2), before any pod asks for it: the uevent watcher (package
+// fence/uevent) calls Classify for every new disk and sets a refused one
+// read-only; Refused announces it.
+
+// Classify is the uevent watcher's classifier: a disk that another node
+// holds (its reservation, or a live lease owner with another key) is to be
+// refused. It reads, never writes. A disk of one of this agent's claims,
+// and a disk nobody holds, is left alone.
+func (m *Manager) Classify(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
+	node := ev.Node()
+	dn := fmtDevnum(ev.Major, ev.Minor)
+	claims, _ := m.store.List()
+	for _, c := range claims {
+		if c.DevNum == dn && c.State != StateLost {
+			return uevent.Verdict{Method: c.Method}, nil
+		}
+	}
+	f, err := os.OpenFile(node, os.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return uevent.Verdict{}, err
+	}
+	defer f.Close()
+	dev := &Device{Path: node, Name: filepath.Base(node), Major: ev.Major, Minor: ev.Minor, File: f}
+	ch, err := m.o.Fencers.Choose(ctx, dev, "", nil)
+	if err != nil {
+		return uevent.Verdict{}, err
+	}
+	if cl, ok := ch.Fencer.(io.Closer); ok {
+		defer cl.Close()
+	}
+	v := uevent.Verdict{Method: ch.Method}
+	switch e := ch.Fencer.(type) {
+	case *pr.Engine:
+		st, err := e.Status(ctx)
+		if err != nil {
+			return v, err
+		}
+		if r := st.Reservation; r != nil && r.Key != st.OwnKey {
+			v.Refuse, v.Holder, v.HolderNode = true, r.Key, r.Node
+		}
+	case *leaseFencer:
+		owner, err := e.Holder(ctx)
+		if err != nil {
+			return v, err
+		}
+		if owner != nil && owner.Live() && owner.Key != e.key {
+			v.Refuse, v.Holder, v.HolderNode = true, owner.Key, owner.Node
+		}
+	}
+	if v.Refuse {
+		holder := v.Holder.String()
+		if v.HolderNode != "" {
+			holder += " (node " + v.HolderNode + ")"
+		}
+		v.Reason = fmt.Sprintf("disk %s appeared on this node while %s holds it by %s; it is set read-only and nothing is mounted", node, holder, v.Method)
+	}
+	return v, nil
+}
+
+// Refused records what the watcher decided about a new disk: a refusal
+// is counted and published as DiskRefused; a failure to classify or to
+// set the disk read-only is logged.
+func (m *Manager) Refused(d uevent.Decision) {
+	node := d.Event.Node()
+	if d.Err != nil {
+		m.log.Error("a disk that appeared could not be checked or refused", "device", node, "err", d.Err)
+	}
+	if !d.Verdict.Refuse {
+		return
+	}
+	m.o.Metrics.refusals.Inc()
+	msg := d.Verdict.Reason
+	if !d.ReadOnly {
+		msg += "; setting it read-only FAILED"
+	}
+	m.publish(events.Event{Type: events.DiskRefused, Device: node, Serial: m.serialOf(node),
+		HolderKey: uint64(d.Verdict.Holder), HolderNode: d.Verdict.HolderNode, Reason: "held-by-another-node", Message: msg})
+	m.log.Warn("disk refused on arrival", "device", node, "holder", d.Verdict.Holder.String(), "holder_node", d.Verdict.HolderNode,
+		"fence", d.Verdict.Method, "read_only", d.ReadOnly, "latency", d.Done.Sub(d.Received).String())
+}
+
+// Removed drops what the agent holds of a disk that went away: a claim
+// on it is marked missing (abnormal) at once, without waiting for the
+// periodic check, and its open device is closed.
+func (m *Manager) Removed(ev uevent.Event) {
+	dn := fmtDevnum(ev.Major, ev.Minor)
+	claims, _ := m.store.List()
+	for _, c := range claims {
+		if c.DevNum != dn || c.Missing {
+			continue
+		}
+		release, err := m.locks.try(c.Volume, "device removal")
+		if err != nil {
+			continue // the call in progress finds the device gone itself
+		}
+		if now, err := m.store.Get(c.Volume); err == nil && now != nil && now.DevNum == dn {
+			now.Missing, now.Detail = true, fmt.Sprintf("the disk %s of volume %s was removed from this node", now.Device, now.Volume)
+			if err := m.store.Put(now); err != nil {
+				m.log.Error("recording a removed disk", "volume", now.Volume, "err", err)
+			}
+			m.log.Error("claimed disk removed", "volume", now.Volume, "device", now.Device)
+			m.clearClaimed(ev.DevName)
+		}
+		release()
+	}
+	m.updateGauge()
+}
+
+// serialOf reads a disk's serial for events; "" when unknown.
+func (m *Manager) serialOf(node string) string {
+	if d, err := m.finder.ByDevice(node); err == nil {
+		return d.Serial
+	}
+	return ""
+}
+
+// The packaged udev rules hide a data disk from systemd and udisks
+// (SYSTEMD_READY=0, UDISKS_IGNORE=1) until the agent marks it claimed;
+// a change uevent makes udev apply the mark at once.
+
+// markClaimed marks dev claimed for the udev rules.
+func (m *Manager) markClaimed(name string) {
+	m.claimMark(name, true)
+}
+
+// clearClaimed removes the mark on release, loss or removal.
+func (m *Manager) clearClaimed(name string) {
+	m.claimMark(name, false)
+}
+
+func (m *Manager) claimMark(name string, claimed bool) {
+	dir := m.o.Config.ClaimedDir
+	if dir == "" || name == "" {
+		return
+	}
+	var err error
+	if claimed {
+		err = uevent.MarkClaimed(dir, name)
+	} else {
+		err = uevent.ClearClaimed(dir, name)
+	}
+	if err == nil {
+		root := sysfsRoot(m.finder)
+		if target, lerr := filepath.EvalSymlinks(filepath.Join(root, "class", "block", name)); lerr == nil {
+			if rel, rerr := filepath.Rel(root, target); rerr == nil {
+				err = uevent.Trigger(root, "/"+rel, "change")
+			}
+		}
+	}
+	if err != nil {
+		m.log.Warn("could not update the udev claim mark of a disk", "device", name, "claimed", claimed, "err", err)
+	}
+}
