@@ -34,6 +34,9 @@ func newLab(t *testing.T, ctx context.Context) *lab.Lab {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// util-linux losetup: the agent maps a leased disk's data area with
+	// --find and an offset, which busybox's lacks.
+	cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
 	l, err := lab.New(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)

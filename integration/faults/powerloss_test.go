@@ -127,6 +127,20 @@ printf %%s %s > /run/pw
 			return fmt.Sprintf(`/bin/vco-agent volume stage pl-%s --serial %s --staging %s --fs ext4 --allow-unfenced --json`, serial, serial, plStaging)
 		},
 		judge: func(t *testing.T, file string) string {
+			// The agent puts a lease area in front of a virtio-blk disk's
+			// data (1 MiB, as 'vco-agent lease format' reports); the
+			// filesystem is judged in the data area.
+			out, err := exec.Command(os.Getenv("VCO_LAB_BIN")+"/vco-agent", "lease", "show", file, "--uuid", plNode, "--json").CombinedOutput()
+			switch {
+			case err == nil:
+				data := filepath.Join(t.TempDir(), "data.img")
+				if b, err := exec.Command("dd", "if="+file, "of="+data, "bs=1M", "skip=1").CombinedOutput(); err != nil {
+					t.Fatalf("copying the data area of %s: %v: %s", file, err, b)
+				}
+				file = data
+			case !strings.Contains(string(out), "no lease area"):
+				return fmt.Sprintf("the lease area does not read back: %v: %s", err, lastLines(string(out), 8))
+			}
 			switch sig := hostProbe(t, file); sig {
 			case "":
 				// No signature: the next stage formats it (what the agent
