@@ -236,7 +236,7 @@ func TestPowerLoss(t *testing.T) {
 				{ID: serial + "t", Kind: lab.VirtioBlk, File: scratch, Serial: serial + "t"},
 			}
 			boot++
-			gs, err := l.StartGuests(ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", boot), UUID: plNode, MemMB: 256, Disks: disks})
+			gs, err := l.StartGuests(ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", boot), UUID: plNode, MemMB: 384, Disks: disks})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -282,7 +282,7 @@ func TestPowerLoss(t *testing.T) {
 			}
 			// A new boot on the same disk: the next operation succeeds.
 			boot++
-			gs, err = l.StartGuests(ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", boot), UUID: plNode, MemMB: 256, Disks: disks[:1]})
+			gs, err = l.StartGuests(ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", boot), UUID: plNode, MemMB: 384, Disks: disks[:1]})
 			if err != nil {
 				t.Fatal(err)
 			}
