@@ -59,7 +59,7 @@ LAB_TIMEOUT ?= 60m
 E2E_PKGS := ./integration/simlab ./integration/e2e
 test-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) \
-	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e)
+	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e -e /integration/faults)
 
 # The end-to-end tier (guest tier too): the simulator in lab mode and the
 # RWO story on two guests running vco-agent and the vco-csi node plugin.
@@ -138,6 +138,24 @@ test-deploy: deps
 # bin/lab-report.html. Exits non-zero unless every safety property held.
 lab: deps build
 	$(BIN)/vco-lab run -report $(BIN)
+
+# Faults injected in the lab (integration/faults, about 10 min): the
+# iSCSI target restarted under a held disk, power cut during luksFormat and
+# the agent's first stage (mkfs), 64 claimed disks and a burst of 200
+# uevents on one guest. Lines "FIGURE name=value" go to the terminal and
+# $(BIN)/faults.txt; `make soak` repeats the power cuts FAULTS_SOAK_ROUNDS
+# times each into $(BIN)/soak-faults.txt.
+FAULTS_SOAK_ROUNDS ?= 10
+.PHONY: test-faults soak soak-faults
+test: test-faults
+test-faults: deps build
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -v -timeout 60m ./integration/faults | tee $(BIN)/faults.txt
+soak: soak-faults
+soak-faults: deps build
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) VCO_FAULTS_ROUNDS=$(FAULTS_SOAK_ROUNDS) $(GO) test -count=1 -p 1 -v -timeout 4h ./integration/faults | tee $(BIN)/soak-faults.txt
+	@grep -h '^FIGURE ' $(BIN)/soak-faults.txt
 
 # dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
