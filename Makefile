@@ -35,7 +35,8 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-csi-sanity test-deploy test-lab test-e2e test-packages
+test: deps lint build unit test-fuzz-brief test-csi-sanity test-deploy \
+      test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages
 
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
@@ -147,7 +148,6 @@ lab: deps build
 # times each into $(BIN)/soak-faults.txt.
 FAULTS_SOAK_ROUNDS ?= 10
 .PHONY: test-faults soak soak-faults
-test: test-faults
 test-faults: deps build
 	@mkdir -p $(BIN)
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -v -timeout 60m ./integration/faults | tee $(BIN)/faults.txt
@@ -161,7 +161,6 @@ soak-faults: deps build
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
 # of the lab. Plain go test skips it unless VCO_LAB is set.
 .PHONY: test-crypt-lab bench-crypt
-test: test-crypt-lab
 test-crypt-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/
 
@@ -185,7 +184,6 @@ fuzz:
 	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s
 
 .PHONY: test-fuzz-brief fuzz-all
-test: test-fuzz-brief
 test-fuzz-brief:
 	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZBRIEF) FUZZ_MIN=0s
 
@@ -240,14 +238,12 @@ deps: deps-apt deps-go deps-lab deps-udev
 # L1-L4 with the on-disk lease between two lab guests sharing one
 # virtio-blk disk, through vco-agent lease (fence/lease/lab_test.go, 80 s).
 .PHONY: test-lease-lab
-test: test-lease-lab
 test-lease-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestLeaseBetweenGuests ./fence/lease/
 
 # The udev rules against real virtio-blk and QEMU SCSI disks in a lab guest
 # (packaging/udev/lab_test.go, about 30 s).
 .PHONY: test-udev-lab
-test: test-udev-lab
 test-udev-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestRulesInGuest ./packaging/udev/
 
