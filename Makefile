@@ -35,10 +35,13 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-csi-sanity test-deploy test-lab test-e2e test-packages
+test: deps lint build unit test-fuzz-brief test-csi-sanity test-deploy \
+      test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages
 
+# Host tests run one package at a time: many attach loop devices and
+# watch the kernel's block uevents, which are machine-wide.
 unit:
-	$(GO) test -count=1 ./...
+	$(GO) test -count=1 -p 1 ./...
 
 # The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
 # backend) and `vco-csi --mode=all`, the agent mounting real loop devices;
@@ -57,7 +60,7 @@ LAB_TIMEOUT ?= 60m
 E2E_PKGS := ./integration/simlab ./integration/e2e
 test-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) \
-	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e)
+	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e -e /integration/faults)
 
 # The end-to-end tier (guest tier too): the simulator in lab mode and the
 # RWO story on two guests running vco-agent and the vco-csi node plugin.
@@ -137,11 +140,27 @@ test-deploy: deps
 lab: deps build
 	$(BIN)/vco-lab run -report $(BIN)
 
+# Faults injected in the lab (integration/faults, about 10 min): the
+# iSCSI target restarted under a held disk, power cut during luksFormat and
+# the agent's first stage (mkfs), 64 claimed disks and a burst of 200
+# uevents on one guest. Lines "FIGURE name=value" go to the terminal and
+# $(BIN)/faults.txt; `make soak` repeats the power cuts FAULTS_SOAK_ROUNDS
+# times each into $(BIN)/soak-faults.txt.
+FAULTS_SOAK_ROUNDS ?= 10
+.PHONY: test-faults soak soak-faults
+test-faults: deps build
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -v -timeout 60m ./integration/faults | tee $(BIN)/faults.txt
+soak: soak-faults
+soak-faults: deps build
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) VCO_FAULTS_ROUNDS=$(FAULTS_SOAK_ROUNDS) $(GO) test -count=1 -p 1 -v -timeout 4h ./integration/faults | tee $(BIN)/soak-faults.txt
+	@grep -h '^FIGURE ' $(BIN)/soak-faults.txt
+
 # dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
 # of the lab. Plain go test skips it unless VCO_LAB is set.
 .PHONY: test-crypt-lab bench-crypt
-test: test-crypt-lab
 test-crypt-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/
 
@@ -156,8 +175,37 @@ bench: bench-crypt
 bench-crypt: deps build
 	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ | tee $(BIN)/bench-crypt.txt | $(GO) run ./agent/internal/benchtable
 
+# Every fuzz target in the repository, found with `go test -list`, each for
+# FUZZTIME (default 30s); `make test` runs each for FUZZBRIEF through
+# test-fuzz-brief. Checked-in corpora live in each package's testdata/fuzz.
+FUZZBRIEF ?= 3s
+FUZZ_PKGS  = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u)
 fuzz:
-	@echo "fuzz targets are listed per package; see docs/testing.md"
+	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s
+
+.PHONY: test-fuzz-brief fuzz-all
+test-fuzz-brief:
+	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZBRIEF) FUZZ_MIN=0s
+
+# The long run: every fuzz target for FUZZTIME, the crash loop for
+# SOAK_ROUNDS rounds and the other reliability tests, then the figures
+# written to docs/reliability.md (integration/reliability). Root; about
+# FUZZTIME x the number of targets plus a few minutes.
+SOAK_ROUNDS ?= 200
+.PHONY: soak
+soak: deps-apt
+	@mkdir -p $(BIN)
+	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
+	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
+	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)'
+	@echo "soak: figures written to docs/reliability.md"
+
+fuzz-all:
+	@n=0; for pkg in $(FUZZ_PKGS); do \
+	  for fn in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+	    echo "== $$pkg $$fn ($(FUZZ_FOR))"; n=$$((n+1)); \
+	    $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZ_FOR) -fuzzminimizetime $(FUZZ_MIN) -parallel 1 $$pkg; \
+	  done; done; echo "fuzz: $$n targets, $(FUZZ_FOR) each"
 
 # Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
 # in `make unit`).
@@ -190,14 +238,12 @@ deps: deps-apt deps-go deps-lab deps-udev
 # L1-L4 with the on-disk lease between two lab guests sharing one
 # virtio-blk disk, through vco-agent lease (fence/lease/lab_test.go, 80 s).
 .PHONY: test-lease-lab
-test: test-lease-lab
 test-lease-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestLeaseBetweenGuests ./fence/lease/
 
 # The udev rules against real virtio-blk and QEMU SCSI disks in a lab guest
 # (packaging/udev/lab_test.go, about 30 s).
 .PHONY: test-udev-lab
-test: test-udev-lab
 test-udev-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestRulesInGuest ./packaging/udev/
 

@@ -76,7 +76,7 @@ func TestDocumentedFormats(t *testing.T) {
 		}
 	}
 	if u := secrets[0].StringData["url"]; strings.HasSuffix(u, "/") || strings.Count(u, "/") != 2 {
-		t.Errorf("example url %q is not scheme://host, which --api-url=$(VCO_PORTAL_URL)/api/1 needs", u)
+		t.Errorf("example url %q is not scheme://host, which --portal-url=$(VCO_PORTAL_URL) needs", u)
 	}
 
 	// The key backend: documented keys, none shadowing a projected file.

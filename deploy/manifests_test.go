@@ -560,6 +560,18 @@ func TestController(t *testing.T) {
 				}
 			}
 		}
+		// url, customer and cloudspace reach their flags from the Secret.
+		fromSecret := map[string]string{}
+		for _, e := range p.Env {
+			if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil && e.ValueFrom.SecretKeyRef.Name == "csi-driver-secret" {
+				fromSecret[e.ValueFrom.SecretKeyRef.Key] = e.Name
+			}
+		}
+		for f, key := range map[string]string{"portal-url": "url", "customer": "customer", "cloudspace": "cloudspace"} {
+			if v, _ := flag(p.Args, f); v != "$("+fromSecret[key]+")" || fromSecret[key] == "" {
+				t.Errorf("controller plugin --%s=%q; want the environment variable of Secret csi-driver-secret key %s", f, v, key)
+			}
+		}
 		// The token file lies in the mounted Secret.
 		tf, _ := flag(p.Args, "token-file")
 		_, v := mountFor(t, w, p, tf)
@@ -713,6 +725,9 @@ func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
 		d := a.daemonSets[0]
 		w := workload{"DaemonSet", d.Name, d.Spec.Selector, d.Spec.Template}
 		p := a.plugin(t, w)
+		if kd, _ := flag(p.Args, "key-backend-dir"); kd != KeyBackendDir {
+			t.Errorf("node plugin --key-backend-dir=%q; the key backend volume is mounted at %s", kd, KeyBackendDir)
+		}
 		m, v := mountFor(t, w, p, KeyBackendDir+"/token")
 		if m.MountPath != KeyBackendDir || v.Projected == nil {
 			t.Fatalf("%s is not a projected volume mount: %+v", KeyBackendDir, v.VolumeSource)

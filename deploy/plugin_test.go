@@ -69,9 +69,13 @@ func TestPluginAcceptsTheManifestArguments(t *testing.T) {
 		t.Fatal(err)
 	}
 	var secret corev1.Secret
+	var keyBackend corev1.ConfigMap
 	for _, m := range yamlBlock.FindAllSubmatch(doc, -1) {
 		if strings.Contains(string(m[1]), "name: csi-driver-secret") {
 			strict(t, m[1], &secret)
+		}
+		if strings.Contains(string(m[1]), "name: csi-key-backend-config") {
+			strict(t, m[1], &keyBackend)
 		}
 	}
 	dir := t.TempDir()
@@ -130,16 +134,35 @@ func TestPluginAcceptsTheManifestArguments(t *testing.T) {
 		}
 	})
 
+	// The node plugin reads the documented example ConfigMap from the
+	// directory the DaemonSet projects it into, then stops at the missing
+	// agent socket; without a required key it stops earlier, naming it.
 	t.Run("node", func(t *testing.T) {
 		ds := a.daemonSets[0]
 		w := workload{"DaemonSet", ds.Name, ds.Spec.Selector, ds.Spec.Template}
 		p := a.plugin(t, w)
 		missing := filepath.Join(dir, "no-agent", "agent.sock")
-		args := relocate(relocate(expand(p.Args, nil), "endpoint", "unix://"+filepath.Join(dir, "n.sock")), "agent-socket", missing)
-		out, err := exec.Command(bin, args...).CombinedOutput()
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), missing) {
-			t.Errorf("vco-csi %q without an agent: %v\n%s\nwant exit 1 naming the agent socket", args, err, out)
+		for _, tc := range []struct {
+			drop, want string
+		}{{"", missing}, {"role", "ConfigMap csi-key-backend-config has no key role"}} {
+			kb := t.TempDir()
+			for k, v := range keyBackend.Data {
+				if k != tc.drop {
+					if err := os.WriteFile(filepath.Join(kb, k), []byte(v), 0o600); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			if err := os.WriteFile(filepath.Join(kb, "token"), []byte("eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			args := relocate(relocate(relocate(expand(p.Args, nil), "endpoint", "unix://"+filepath.Join(dir, "n.sock")),
+				"agent-socket", missing), "key-backend-dir", kb)
+			out, err := exec.Command(bin, args...).CombinedOutput()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), tc.want) {
+				t.Errorf("vco-csi %q: %v\n%s\nwant exit 1 saying %q", args, err, out, tc.want)
+			}
 		}
 	})
 }

@@ -1237,8 +1237,12 @@ type VolumeStats struct {
 	Block           bool                   `protobuf:"varint,7,opt,name=block,proto3" json:"block,omitempty"`
 	// abnormal is true when the volume lost its fence or its device;
 	// message says what happened and what to do.
-	Abnormal      bool   `protobuf:"varint,8,opt,name=abnormal,proto3" json:"abnormal,omitempty"`
-	Message       string `protobuf:"bytes,9,opt,name=message,proto3" json:"message,omitempty"`
+	Abnormal bool   `protobuf:"varint,8,opt,name=abnormal,proto3" json:"abnormal,omitempty"`
+	Message  string `protobuf:"bytes,9,opt,name=message,proto3" json:"message,omitempty"`
+	// state is the volume's claim, as ListDisks reports it: LOST (the fence
+	// was taken) and GONE (the device disappeared) tell an abnormal
+	// volume's cause without listing every disk.
+	State         ClaimState `protobuf:"varint,10,opt,name=state,proto3,enum=vco.agent.v1.ClaimState" json:"state,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1334,6 +1338,13 @@ func (x *VolumeStats) GetMessage() string {
 		return x.Message
 	}
 	return ""
+}
+
+func (x *VolumeStats) GetState() ClaimState {
+	if x != nil {
+		return x.State
+	}
+	return ClaimState_CLAIM_STATE_UNSPECIFIED
 }
 
 type GetVolumeTokenRequest struct {
@@ -2458,7 +2469,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x15GetVolumeStatsRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1f\n" +
 	"\vvolume_path\x18\x02 \x01(\tR\n" +
-	"volumePath\"\xb1\x02\n" +
+	"volumePath\"\xe1\x02\n" +
 	"\vVolumeStats\x12\x1f\n" +
 	"\vtotal_bytes\x18\x01 \x01(\x03R\n" +
 	"totalBytes\x12\x1d\n" +
@@ -2471,7 +2482,9 @@ const file_agent_proto_rawDesc = "" +
 	"\x10available_inodes\x18\x06 \x01(\x03R\x0favailableInodes\x12\x14\n" +
 	"\x05block\x18\a \x01(\bR\x05block\x12\x1a\n" +
 	"\babnormal\x18\b \x01(\bR\babnormal\x12\x18\n" +
-	"\amessage\x18\t \x01(\tR\amessage\"i\n" +
+	"\amessage\x18\t \x01(\tR\amessage\x12.\n" +
+	"\x05state\x18\n" +
+	" \x01(\x0e2\x18.vco.agent.v1.ClaimStateR\x05state\"i\n" +
 	"\x15GetVolumeTokenRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x123\n" +
 	"\x06device\x18\x02 \x01(\v2\x1b.vco.agent.v1.DeviceLocatorR\x06device\"\xd2\x01\n" +
@@ -2663,48 +2676,49 @@ var file_agent_proto_depIdxs = []int32{
 	5,  // 2: vco.agent.v1.StageVolumeRequest.grant:type_name -> vco.agent.v1.TakeoverGrant
 	7,  // 3: vco.agent.v1.StageVolumeRequest.encryption:type_name -> vco.agent.v1.Encryption
 	2,  // 4: vco.agent.v1.StageVolumeResponse.fencing:type_name -> vco.agent.v1.FencingMethod
-	4,  // 5: vco.agent.v1.GetVolumeTokenRequest.device:type_name -> vco.agent.v1.DeviceLocator
-	0,  // 6: vco.agent.v1.VolumeToken.content:type_name -> vco.agent.v1.VolumeContent
-	6,  // 7: vco.agent.v1.VolumeToken.transit_token:type_name -> vco.agent.v1.TransitToken
-	2,  // 8: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
-	1,  // 9: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
-	23, // 10: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
-	2,  // 11: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
-	26, // 12: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
-	34, // 13: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
-	35, // 14: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
-	33, // 15: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
-	3,  // 16: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
-	34, // 17: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
-	25, // 18: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
-	28, // 19: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
-	30, // 20: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
-	31, // 21: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
-	8,  // 22: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
-	10, // 23: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
-	12, // 24: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
-	14, // 25: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
-	16, // 26: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
-	18, // 27: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
-	22, // 28: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
-	20, // 29: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
-	27, // 30: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
-	29, // 31: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
-	33, // 32: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
-	32, // 33: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
-	9,  // 34: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
-	11, // 35: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
-	13, // 36: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
-	15, // 37: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
-	17, // 38: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
-	19, // 39: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
-	24, // 40: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
-	21, // 41: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
-	30, // [30:42] is the sub-list for method output_type
-	18, // [18:30] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	1,  // 5: vco.agent.v1.VolumeStats.state:type_name -> vco.agent.v1.ClaimState
+	4,  // 6: vco.agent.v1.GetVolumeTokenRequest.device:type_name -> vco.agent.v1.DeviceLocator
+	0,  // 7: vco.agent.v1.VolumeToken.content:type_name -> vco.agent.v1.VolumeContent
+	6,  // 8: vco.agent.v1.VolumeToken.transit_token:type_name -> vco.agent.v1.TransitToken
+	2,  // 9: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
+	1,  // 10: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
+	23, // 11: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
+	2,  // 12: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
+	26, // 13: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
+	34, // 14: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
+	35, // 15: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
+	33, // 16: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
+	3,  // 17: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
+	34, // 18: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
+	25, // 19: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
+	28, // 20: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
+	30, // 21: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
+	31, // 22: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
+	8,  // 23: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
+	10, // 24: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
+	12, // 25: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
+	14, // 26: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
+	16, // 27: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
+	18, // 28: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
+	22, // 29: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
+	20, // 30: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
+	27, // 31: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
+	29, // 32: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
+	33, // 33: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
+	32, // 34: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
+	9,  // 35: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
+	11, // 36: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
+	13, // 37: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
+	15, // 38: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
+	17, // 39: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
+	19, // 40: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
+	24, // 41: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
+	21, // 42: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
+	31, // [31:43] is the sub-list for method output_type
+	19, // [19:31] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }

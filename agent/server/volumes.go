@@ -180,7 +180,7 @@ func (s *Server) GetVolumeStats(ctx context.Context, req *api.GetVolumeStatsRequ
 	return &api.VolumeStats{
 		TotalBytes: st.TotalBytes, UsedBytes: st.UsedBytes, AvailableBytes: st.AvailableBytes,
 		TotalInodes: st.TotalInodes, UsedInodes: st.UsedInodes, AvailableInodes: st.AvailableInodes,
-		Block: st.Block, Abnormal: st.Abnormal, Message: st.Message,
+		Block: st.Block, Abnormal: st.Abnormal, Message: st.Message, State: claimStates[st.State],
 	}, nil
 }
 

@@ -60,7 +60,15 @@ func (f *hostLUKS) Open(_ context.Context, device, name string, pass []byte, _ b
 		return "", fmt.Errorf("losetup: %v %s", err, out)
 	}
 	mapped := strings.TrimSpace(string(out))
-	f.t.Cleanup(func() { exec.Command("losetup", "-d", mapped).Run() })
+	// Only a mapping still open is detached at the end: once closed, its
+	// loop device number may already belong to another test's device.
+	f.t.Cleanup(func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		if f.maps[name] == mapped {
+			exec.Command("losetup", "-d", mapped).Run()
+		}
+	})
 	f.maps[name] = mapped
 	f.opened++
 	return mapped, nil
@@ -195,8 +203,14 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 		t.Fatal(err)
 	}
 	exec.Command("losetup", "-c", dev).Run()
-	if n, err := e.m.Expand(ctx, "vol-enc", "", 0); err != nil || n != 672<<20-16<<20 || crypt.resize != 1 {
+	// required_bytes is the disk's new size; the mapping is that less the
+	// LUKS2 header, and the expansion is still what was asked for.
+	before, _ := e.m.Stats(ctx, "vol-enc", "")
+	if n, err := e.m.Expand(ctx, "vol-enc", req.StagingPath, 672<<20); err != nil || n != 672<<20-16<<20 || crypt.resize != 1 {
 		t.Fatalf("expand: %d %v (resized %d)", n, err, crypt.resize)
+	}
+	if after, _ := e.m.Stats(ctx, "vol-enc", ""); after.TotalBytes <= before.TotalBytes {
+		t.Fatalf("the filesystem on the mapping did not grow: %d -> %d bytes", before.TotalBytes, after.TotalBytes)
 	}
 	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil || crypt.closed != 1 {
 		t.Fatalf("unstage: %v (closed %d)", err, crypt.closed)

@@ -146,8 +146,8 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	if !deviceReadOnly(t, devA) {
 		t.Fatal("A's disk is writable after its claim was found lost")
 	}
-	if st, _ := a.m.Stats(ctx, "vol-l", ""); !st.Abnormal {
-		t.Fatal("A's volume is not abnormal")
+	if st, _ := a.m.Stats(ctx, "vol-l", ""); !st.Abnormal || st.State != "lost" {
+		t.Fatalf("A's volume is not abnormal with its claim lost: %+v", st)
 	}
 	if err := b.m.Unstage(ctx, "vol-l", reqB.StagingPath); err != nil {
 		t.Fatal(err)
@@ -195,14 +195,14 @@ func TestRemovedDiskMarksItsClaimMissing(t *testing.T) {
 	gone := devEvent(t, other)
 	gone.Action = "remove"
 	e.m.Removed(gone)
-	if st, _ := e.m.Stats(ctx, "vol-r", ""); st.Abnormal {
-		t.Fatal("another disk's removal made the volume abnormal")
+	if st, _ := e.m.Stats(ctx, "vol-r", ""); st.Abnormal || st.State != "unfenced" {
+		t.Fatalf("another disk's removal made the volume abnormal: %+v", st)
 	}
 	ev := devEvent(t, dev)
 	ev.Action = "remove"
 	e.m.Removed(ev)
 	st, err := e.m.Stats(ctx, "vol-r", "")
-	if err != nil || !st.Abnormal || !strings.Contains(st.Message, "removed") {
+	if err != nil || !st.Abnormal || st.State != "gone" || !strings.Contains(st.Message, "removed") {
 		t.Fatalf("stats after the disk's removal: %+v %v", st, err)
 	}
 	if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {
@@ -240,5 +240,43 @@ func TestTokenOfAnEncryptedVolumeOnALeaseDisk(t *testing.T) {
 	}
 	if after := strings.Count(loops(), "("+dev+")"); after != before {
 		t.Fatalf("the read-only mapping was left behind (%d mappings of the disk, were %d)", after, before)
+	}
+}
+
+// The controller grants the disk's size; the volume on a lease disk is the
+// data mapping past the lease area, so expansion checks the disk against
+// required_bytes and grows the mapping, then the filesystem.
+func TestExpandOfALeaseDiskGrowsTheDataMapping(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 320)
+	req := e.stageReq("vol-lx", img, "staging/lx")
+	req.AllowUnfenced = false
+	req.FsType = "xfs" // ext4 grows online only with CAP_SYS_RESOURCE, which containers may drop
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Method != MethodLease || res.Device == dev {
+		t.Fatalf("stage on a lease disk: %+v %v", res, err)
+	}
+	before, _ := e.m.Stats(ctx, "vol-lx", "")
+	_, err = e.m.Expand(ctx, "vol-lx", "", 640<<20)
+	wantCode(t, err, codes.FailedPrecondition, "has not reached this node")
+	if err := os.Truncate(img, 640<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v %s", err, out)
+	}
+	n, err := e.m.Expand(ctx, "vol-lx", req.StagingPath, 640<<20)
+	if err != nil || n != 640<<20-lease.DataOffset {
+		t.Fatalf("expand: %d %v; want %d", n, err, 640<<20-lease.DataOffset)
+	}
+	after, _ := e.m.Stats(ctx, "vol-lx", "")
+	if after.TotalBytes < before.TotalBytes*3/2 {
+		t.Fatalf("filesystem did not grow: %d -> %d bytes", before.TotalBytes, after.TotalBytes)
+	}
+	if err := e.m.Unstage(ctx, "vol-lx", req.StagingPath); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -79,17 +79,24 @@ func (m *Manager) Disks(ctx context.Context) ([]DiskInfo, error) {
 	return out, nil
 }
 
+// ListState is the claim's state as ListDisks and GetVolumeStats report
+// it: the phase until staged, "gone" for a device that disappeared (unless
+// the claim was lost, which says more), else the fence state.
+func (c *Claim) ListState() string {
+	switch {
+	case c.Phase != PhaseStaged:
+		return string(c.Phase)
+	case c.Missing && c.State != StateLost:
+		return "gone"
+	default:
+		return string(c.State)
+	}
+}
+
 func fromClaim(di *DiskInfo, c *Claim) {
 	di.Method, di.Volume, di.Staging, di.FsType, di.Encrypted, di.ReadOnly = c.Method, c.Volume, c.StagingPath, c.FsType, c.Encrypted, c.ReadOnly
 	di.Detail = c.Detail
-	switch {
-	case c.Phase != PhaseStaged:
-		di.State = string(c.Phase)
-	case c.Missing && c.State != StateLost:
-		di.State = "gone"
-	default:
-		di.State = string(c.State)
-	}
+	di.State = c.ListState()
 	if c.State == StateHeld {
 		di.HolderKey, di.HolderNode = c.Key, "this node"
 	}

@@ -209,6 +209,27 @@ type StageResult struct {
 	Formatted bool
 }
 
+// maxVolumeID is CSI's limit on a volume id; it also keeps the claim
+// record's file name (the id in base64) under the kernel's 255 bytes.
+const maxVolumeID = 128
+
+// checkVolumeID refuses an id a claim could not be recorded under, or
+// that would put control characters into log lines and journal fields.
+func checkVolumeID(v string) error {
+	if v == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if len(v) > maxVolumeID {
+		return agenterr.New(agenterr.InvalidArgument, "the volume id is %d bytes long; at most %d are accepted", len(v), maxVolumeID)
+	}
+	for _, r := range v {
+		if r < 0x20 || r == 0x7f {
+			return agenterr.New(agenterr.InvalidArgument, "volume id %q holds a control character", v)
+		}
+	}
+	return nil
+}
+
 func fsTypeOf(r StageRequest) (string, error) {
 	if r.Block {
 		if r.FsType != "" {
@@ -271,8 +292,8 @@ func compatible(c *Claim, r StageRequest, staging, fsType string) error {
 // Stage implements StageVolume.
 func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, err error) {
 	defer m.count("stage", &err)
-	if r.Volume == "" {
-		return res, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	if err := checkVolumeID(r.Volume); err != nil {
+		return res, err
 	}
 	if r.Locator == (Locator{}) {
 		return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
@@ -380,6 +401,17 @@ func (m *Manager) dropLost(c *Claim) error {
 	return m.store.Put(c)
 }
 
+// claimedBy names another volume whose staged claim is on the disk devnum.
+func (m *Manager) claimedBy(devnum, volume string) string {
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != volume && o.DevNum == devnum && o.Phase == PhaseStaged && !o.Missing {
+			return o.Volume
+		}
+	}
+	return ""
+}
+
 func mapperName(volume string) string {
 	var b strings.Builder
 	b.WriteString("vco-")
@@ -450,6 +482,13 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			}
 		}
 	}()
+	// One disk, one volume: a second volume staged from the same disk
+	// would mount it twice, and its unstage would release the fence the
+	// first one still relies on.
+	if other := m.claimedBy(dev.DevNum(), c.Volume); other != "" {
+		return res, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: disk %s is already staged on this node as volume %s; unstage that volume first", c.Volume, dev.Path, other)
+	}
 	m.setLive(c.Volume, nil)
 	c.Device, c.DevNum, c.Serial = dev.Path, dev.DevNum(), dev.Serial
 	if c.Phase == "" {

@@ -257,12 +257,17 @@ func (m *Manager) volumePath(c *Claim, p string) (string, error) {
 	return rp, nil
 }
 
-// Expand implements ExpandVolume: grow the dm-crypt mapping (encrypted
-// volumes) and the filesystem to the device's size, online.
+// Expand implements ExpandVolume: once the disk has reached required bytes,
+// grow the data mapping (lease disks), the dm-crypt mapping (encrypted
+// volumes) and the filesystem, online. It returns the usable size: the
+// disk less the metadata kept before the volume's data.
 func (m *Manager) Expand(ctx context.Context, volume, path string, required int64) (n int64, err error) {
 	defer m.count("expand", &err)
 	if volume == "" {
 		return 0, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if required < 0 {
+		return 0, agenterr.New(agenterr.InvalidArgument, "volume %s: required size %d is negative", volume, required)
 	}
 	release, err := m.locks.try(volume, "expand")
 	if err != nil {
@@ -282,9 +287,25 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
 	}
+	// required_bytes is the capacity the controller granted: the disk's
+	// size. The device the filesystem sits on is the disk less our
+	// metadata (the lease area, the LUKS2 header), so the disk itself is
+	// what must have reached that size before anything is grown.
+	disk, err := deviceSize(c.Device)
+	if err != nil {
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+	}
+	if required > 0 && disk < required {
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: disk %s holds %d bytes, less than the %d asked for; the grown disk has not reached this node yet, retry",
+			volume, c.Device, disk, required)
+	}
 	if c.DataDevice != "" {
 		if err := growDataMapping(c.DataDevice); err != nil {
 			return 0, agenterr.New(agenterr.Internal, "volume %s: %v", volume, err)
+		}
+		if n, err := deviceSize(c.DataDevice); err != nil || n != disk-c.DataOffset {
+			return 0, agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
+				volume, c.DataDevice, n, disk, c.DataOffset, err)
 		}
 	}
 	if c.Mapper != "" {
@@ -297,14 +318,12 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", volume, err)
 		}
 	}
+	// The usable size, reported back, is what the mapping the filesystem
+	// sits on now holds.
 	dev := c.MountDevice()
 	size, err := deviceSize(dev)
 	if err != nil {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
-	}
-	if required > 0 && size < required {
-		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s holds %d bytes, less than the %d asked for; the grown disk has not reached this node yet, retry",
-			volume, dev, size, required)
 	}
 	if !c.Block {
 		if c.ReadOnly {
@@ -325,6 +344,9 @@ type Stats struct {
 	Block                                    bool
 	Abnormal                                 bool
 	Message                                  string
+	// State is the claim's state (Claim.ListState): "lost" or "gone"
+	// says why an abnormal volume is so.
+	State string
 }
 
 // Stats implements GetVolumeStats. It takes no lock: it only reads.
@@ -344,7 +366,7 @@ func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error)
 	if err != nil {
 		return st, err
 	}
-	st.Block = c.Block
+	st.Block, st.State = c.Block, c.ListState()
 	if c.Abnormal() {
 		st.Abnormal, st.Message = true, c.Detail
 	}

@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 )
 
@@ -19,6 +21,19 @@ import (
 func confine(root, what, p string) (string, error) {
 	if p == "" {
 		return "", agenterr.New(agenterr.InvalidArgument, "%s is required", what)
+	}
+	// A NUL byte or an over-long path is refused here: the kernel would
+	// refuse it later, as EINVAL or ENAMETOOLONG, read as an internal error.
+	if strings.IndexByte(p, 0) >= 0 {
+		return "", agenterr.New(agenterr.InvalidArgument, "%s %q holds a NUL byte", what, p)
+	}
+	if len(p) >= unix.PathMax {
+		return "", agenterr.New(agenterr.InvalidArgument, "%s is %d bytes long; paths are limited to %d", what, len(p), unix.PathMax-1)
+	}
+	for _, part := range strings.Split(p, "/") {
+		if len(part) > 255 {
+			return "", agenterr.New(agenterr.InvalidArgument, "%s has an element of %d bytes; each is limited to 255", what, len(part))
+		}
 	}
 	if !filepath.IsAbs(p) {
 		return "", agenterr.New(agenterr.InvalidArgument, "%s %q is not an absolute path", what, p)

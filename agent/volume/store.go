@@ -171,7 +171,8 @@ func (s *Store) Get(volume string) (*Claim, error) {
 
 func (s *Store) read(p string) (*Claim, error) {
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if errors.Is(err, unix.ENOENT) {
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENAMETOOLONG) {
+		// An id too long to name a file was never recorded.
 		return nil, nil
 	}
 	if errors.Is(err, unix.ELOOP) {

@@ -25,8 +25,10 @@ func runPlugin(args []string) int {
 	mode := fs.String("mode", "all", "controller, node or all")
 	endpoint := fs.String("endpoint", "unix:///csi/csi.sock", "CSI endpoint")
 	name := fs.String("driver-name", "", "CSI driver name (default: derived from the portal host, try.whitesky.cloud -> cloud.whitesky.csi)")
-	apiURL := fs.String("api-url", "", "whitesky.cloud API root, e.g. https://try.whitesky.cloud/api/1 (controller)")
+	apiURL := fs.String("api-url", "", "whitesky.cloud API root, e.g. https://try.whitesky.cloud/api/1 (controller; or --portal-url)")
+	portalURL := fs.String("portal-url", "", "portal base URL, scheme://host, e.g. https://try.whitesky.cloud; the API root is <portal-url>/api/1 (controller; key url of the Secret csi-driver-secret)")
 	customer := fs.String("customer", "", "customer id (controller)")
+	cloudspace := fs.String("cloudspace", "", "cloudspace of the cluster's VMs, checked and logged at start (controller; key cloudspace of the Secret csi-driver-secret)")
 	tokenFile := fs.String("token-file", "/etc/vco-csi/token", "file holding the API's JWT; re-read when it changes (controller)")
 	caFile := fs.String("ca-file", "", "PEM CA bundle for the API instead of the system roots (controller)")
 	defLoc := fs.String("default-location", "", "location for volumes requested without topology (controller; default: the first listed)")
@@ -42,6 +44,7 @@ func runPlugin(args []string) int {
 	vaultAuthMount := fs.String("vault-auth-mount", "kubernetes", "Vault Kubernetes auth mount path (node)")
 	vaultNamespace := fs.String("vault-namespace", "", "Vault/OpenBao namespace (node)")
 	vaultCA := fs.String("vault-ca-file", "", "PEM CA bundle for Vault instead of the system roots (node)")
+	keyBackendDir := fs.String("key-backend-dir", "", "directory holding the keys of the ConfigMaps csi-key-backend-config and openbao-ca and a ServiceAccount token (audience vault), as the node DaemonSet projects them; replaces the --vault-* flags (node)")
 	vaultTokenFile := fs.String("vault-token-file", "", "file holding a Vault token to use instead of Kubernetes auth (node; operators and tests)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
 	if err := fs.Parse(args); err != nil {
@@ -55,6 +58,16 @@ func runPlugin(args []string) int {
 	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
 		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols}
 	if cfg.Mode != driver.ModeNode {
+		if *portalURL != "" {
+			if *apiURL != "" {
+				return fail("--portal-url and --api-url both given; the API root is derived from --portal-url, give only one")
+			}
+			root, err := credential{PortalURL: *portalURL, Customer: *customer, Cloudspace: *cloudspace, TokenFile: *tokenFile}.apiURL()
+			if err != nil {
+				return fail("%v", err)
+			}
+			*apiURL = root
+		}
 		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile})
 		if err != nil {
 			return fail("%v", err)
@@ -70,12 +83,25 @@ func runPlugin(args []string) int {
 		}
 	}
 	if cfg.Mode != driver.ModeController {
-		a, err := newAgent(*agentSock, agentnode.Options{AllowUnfenced: *allowUnfenced, LoopDiskDir: *loopDir})
-		if err != nil {
-			return fail("%v", err)
-		}
-		cfg.Agent = a
-		if *vaultAddr != "" {
+		if *keyBackendDir != "" {
+			if *vaultAddr != "" || *vaultTokenFile != "" {
+				return fail("--key-backend-dir and --vault-addr/--vault-token-file both given; give only one")
+			}
+			kb, err := loadKeyBackend(*keyBackendDir)
+			if err != nil {
+				return fail("%v", err)
+			}
+			if kb == nil {
+				log.Info("no key backend configured: encrypted volumes will be refused", "dir", *keyBackendDir, "configmap", "csi-key-backend-config")
+			} else {
+				w, err := transit.New(kb.Transit)
+				if err != nil {
+					return fail("%s: %v", keyBackendConfig, err)
+				}
+				cfg.Transit, cfg.TransitKey = w, kb.Key
+				log.Info("key backend configured", "address", kb.Transit.Address, "transit_key", kb.Key.Name, "role", kb.Transit.KubernetesRole)
+			}
+		} else if *vaultAddr != "" {
 			tc := transit.Config{Address: *vaultAddr, Mount: *transitMount, Namespace: *vaultNamespace, CACertFile: *vaultCA,
 				KubernetesRole: *vaultRole, KubernetesMount: *vaultAuthMount}
 			if *vaultTokenFile != "" {
@@ -92,6 +118,15 @@ func runPlugin(args []string) int {
 			cfg.Transit, cfg.TransitKey = w, crypt.TransitKey{Mount: *transitMount, Name: *transitKey}
 		}
 	}
+	if cfg.Mode != driver.ModeController {
+		// After the settings, so a wrong ConfigMap is reported even on a
+		// node whose agent is not up yet.
+		a, err := newAgent(*agentSock, agentnode.Options{AllowUnfenced: *allowUnfenced, LoopDiskDir: *loopDir})
+		if err != nil {
+			return fail("%v", err)
+		}
+		cfg.Agent = a
+	}
 	if cfg.Name == "" {
 		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
 	}
@@ -107,7 +142,7 @@ func runPlugin(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	go func() { <-ctx.Done(); srv.GracefulStop() }()
-	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version)
+	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version, "cloudspace", *cloudspace)
 	if err := srv.Serve(ln); err != nil {
 		return fail("%v", err)
 	}

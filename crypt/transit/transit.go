@@ -384,6 +384,23 @@ func (c *Client) do(ctx context.Context, op, key, path, token string, body, out 
 		if json.Unmarshal(data, &e) != nil || len(e.Errors) == 0 {
 			e.Errors = []string{http.StatusText(resp.StatusCode)}
 		}
+		// A server or a proxy in front of it may echo the request: what
+		// was sent in confidence is cut out of the words kept.
+		secrets := []string{token}
+		if m, ok := body.(map[string]any); ok {
+			for _, k := range []string{"jwt", "plaintext"} {
+				if v, ok := m[k].(string); ok {
+					secrets = append(secrets, v)
+				}
+			}
+		}
+		for i := range e.Errors {
+			for _, sec := range secrets {
+				if len(sec) >= 4 {
+					e.Errors[i] = strings.ReplaceAll(e.Errors[i], sec, "[redacted]")
+				}
+			}
+		}
 		return fail(resp.StatusCode, e.Errors, nil)
 	}
 	if err := json.Unmarshal(data, out); err != nil {

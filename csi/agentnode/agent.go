@@ -220,7 +220,7 @@ func (a *Agent) Expand(ctx context.Context, volumeID, path string, bytes int64) 
 }
 
 // Stats asks the agent for the volume's usage and whether it lost its
-// fence or device.
+// fence or device; the claim state in the answer tells which.
 func (a *Agent) Stats(ctx context.Context, volumeID, path string) (driver.VolumeStats, error) {
 	s, err := a.c.GetVolumeStats(ctx, &api.GetVolumeStatsRequest{VolumeId: volumeID, VolumePath: path})
 	if err != nil {
@@ -232,29 +232,12 @@ func (a *Agent) Stats(ctx context.Context, volumeID, path string) (driver.Volume
 		Block: s.GetBlock(), Abnormal: s.GetAbnormal(), Message: s.GetMessage(),
 	}
 	if st.Abnormal {
-		st.Reason = a.abnormalReason(ctx, volumeID)
+		switch s.GetState() {
+		case api.ClaimState_CLAIM_STATE_LOST:
+			st.Reason = driver.ReasonFenceLost
+		case api.ClaimState_CLAIM_STATE_GONE:
+			st.Reason = driver.ReasonDeviceGone
+		}
 	}
 	return st, nil
-}
-
-// abnormalReason tells a lost fence from a missing device by the claim's
-// state in the agent's disk list (the stats answer has only a flag and
-// words). Asked only for an abnormal volume; "" when the list does not say.
-func (a *Agent) abnormalReason(ctx context.Context, volumeID string) string {
-	ds, err := a.c.ListDisks(ctx, &api.ListDisksRequest{})
-	if err != nil {
-		return ""
-	}
-	for _, d := range ds.GetDisks() {
-		if d.GetVolumeId() != volumeID {
-			continue
-		}
-		switch d.GetState() {
-		case api.ClaimState_CLAIM_STATE_LOST:
-			return driver.ReasonFenceLost
-		case api.ClaimState_CLAIM_STATE_GONE:
-			return driver.ReasonDeviceGone
-		}
-	}
-	return ""
 }

@@ -151,6 +151,15 @@ func (c *Client) CreateDisk(ctx context.Context, loc string, spec DiskSpec) (int
 			return false
 		},
 	})
+	if err == nil && out.ID <= 0 {
+		// A 200 without a usable id (an empty answer from a proxy, say):
+		// the disk may exist; find it by name rather than hand back id 0.
+		if d, ferr := c.FindDiskByName(ctx, loc, spec.Name); ferr == nil && d != nil {
+			return d.ID, nil
+		}
+		return 0, &APIError{Op: "create disk", Target: fmt.Sprintf("%q in location %s", spec.Name, loc),
+			Message: "the answer names no disk id, and no disk of that name exists", Kind: ErrInvalid}
+	}
 	return out.ID, err
 }
 
@@ -222,6 +231,9 @@ func (c *Client) CreateSnapshot(ctx context.Context, loc string, diskID int64, n
 			return false
 		},
 	})
+	if err == nil && id == "" {
+		return "", &APIError{Op: "snapshot", Target: diskTarget(loc, diskID), Message: "the answer names no snapshot id", Kind: ErrInvalid}
+	}
 	return id, err
 }
 
@@ -271,7 +283,7 @@ func (c *Client) CloneSnapshot(ctx context.Context, loc string, diskID int64, sn
 		return found, nil
 	}
 	for _, r := range out.Result {
-		if r.Original == diskID || len(out.Result) == 1 {
+		if r.New > 0 && (r.Original == diskID || len(out.Result) == 1) {
 			return r.New, nil
 		}
 	}

@@ -81,6 +81,10 @@ func checkCapabilities(caps []*csi.VolumeCapability) error {
 }
 
 // sizeGiB turns a capacity range into whole GiB, rounding up.
+// maxDiskGiB bounds one disk (64 TiB). No whitesky.cloud disk is larger;
+// the bound keeps an absurd request (4 EiB) from reaching the API at all.
+const maxDiskGiB = 64 << 10
+
 func sizeGiB(r *csi.CapacityRange, floor int64) (int64, error) {
 	req, lim := r.GetRequiredBytes(), r.GetLimitBytes()
 	if req < 0 || lim < 0 {
@@ -89,7 +93,13 @@ func sizeGiB(r *csi.CapacityRange, floor int64) (int64, error) {
 	if lim > 0 && req > lim {
 		return 0, failf(ErrInvalid, "required capacity %d exceeds the limit %d", req, lim)
 	}
-	n := (req + gib - 1) / gib
+	n := req / gib
+	if req%gib != 0 {
+		n++
+	}
+	if n > maxDiskGiB {
+		return 0, failf(ErrOutOfRange, "%d GiB is more than the %d GiB this driver provisions in one disk", n, maxDiskGiB)
+	}
 	if n < floor {
 		n = floor
 	}
@@ -213,6 +223,9 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	name := req.GetName()
 	if name == "" {
 		return nil, failf(ErrInvalid, "CreateVolume needs a name")
+	}
+	if err := checkName(name); err != nil {
+		return nil, err
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err

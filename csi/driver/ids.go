@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"fmt"
 	"net/url"
 	"strconv"
 	"strings"
@@ -72,4 +73,39 @@ func parseDescription(s string) (diskMeta, bool) {
 		return diskMeta{}, false
 	}
 	return diskMeta{Encrypted: v.Get("encrypted") == "true", Source: v.Get("source")}, true
+}
+
+// maxIDBytes is the CSI spec's bound on names and IDs the CO passes.
+const maxIDBytes = 128
+
+// checkName refuses a volume name the API should never see: longer than
+// the CSI bound, or holding control characters (NUL among them).
+func checkName(name string) error {
+	if len(name) > maxIDBytes {
+		return failf(ErrInvalid, "volume name of %d bytes is longer than %d", len(name), maxIDBytes)
+	}
+	if i := strings.IndexFunc(name, func(r rune) bool { return r < 0x20 || r == 0x7f }); i >= 0 {
+		return failf(ErrInvalid, "volume name %s holds a control character at byte %d", shortQuote(name), i)
+	}
+	return nil
+}
+
+// checkNodeVolumeID refuses, before the agent is asked, a volume ID that
+// this driver's controller cannot have made.
+func checkNodeVolumeID(id string) error {
+	if len(id) > maxIDBytes {
+		return failf(ErrInvalid, "volume id of %d bytes is longer than %d", len(id), maxIDBytes)
+	}
+	if _, _, ok := parseVolumeID(id); !ok {
+		return failf(ErrInvalid, "volume id %s is not <location>/<disk id>", shortQuote(id))
+	}
+	return nil
+}
+
+// shortQuote quotes s for an error message, cut to a readable length.
+func shortQuote(s string) string {
+	if len(s) > 64 {
+		return fmt.Sprintf("%q...", s[:64])
+	}
+	return fmt.Sprintf("%q", s)
 }

@@ -159,6 +159,9 @@ func (d *Driver) underRoot(what, p string) (string, error) {
 	if p == "" {
 		return "", failf(ErrInvalid, "%s is required", what)
 	}
+	if strings.IndexByte(p, 0) >= 0 {
+		return "", failf(ErrInvalid, "%s %s holds a NUL byte", what, shortQuote(p))
+	}
 	if !filepath.IsAbs(p) {
 		return "", failf(ErrInvalid, "%s %q is not an absolute path", what, p)
 	}
@@ -244,6 +247,9 @@ func readOnlyMode(c *csi.VolumeCapability) bool {
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeStageVolume needs a volume id")
+	}
+	if err := checkNodeVolumeID(req.GetVolumeId()); err != nil {
+		return nil, err
 	}
 	staging, err := d.underRoot("staging path", req.GetStagingTargetPath())
 	if err != nil {

@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"regexp"
 	"sort"
 
 	"github.com/onsi/ginkgo/v2/types"
@@ -31,18 +30,6 @@ var NotAdvertised = map[string]string{
 	"ControllerPublishVolume.readonly field not supported":      "read-only is applied by the node (mount and BLKROSET), not by attaching",
 	"Service does not have single node multi writer capability": "SINGLE_NODE_MULTI_WRITER is not offered: a volume has one writer, or readers only",
 }
-
-// ExpandSpec is csi-sanity's node expansion of a published volume.
-const ExpandSpec = "Node Service NodeExpandVolume should work if node-expand is called after node-publish"
-
-// ExpandDefect is why a run whose volumes sit behind a mapping skips
-// ExpandSpec: a defect in vco-agent, not in the plugin.
-const ExpandDefect = "vco-agent's ExpandVolume compares the size of the device it mounted (the dm-crypt mapping, or the data " +
-	"mapping past a lease disk's lease area: the disk's size less a header) with required_bytes, the disk's size, so it " +
-	"refuses the node expansion of every encrypted or lease-fenced volume"
-
-// SkipPattern is a Ginkgo skip expression for the full spec text s.
-func SkipPattern(s string) string { return regexp.QuoteMeta(s) }
 
 // Check reads a Ginkgo JSON report and returns how many specs passed and
 // one line per spec that broke the rule. known maps the full text of specs

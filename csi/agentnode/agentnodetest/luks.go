@@ -56,7 +56,16 @@ func (l *LoopLUKS) Open(_ context.Context, device, name string, pass []byte, _ b
 		return "", fmt.Errorf("losetup: %v %s", err, out)
 	}
 	mapped := strings.TrimSpace(string(out))
-	l.t.Cleanup(func() { exec.Command("losetup", "-d", mapped).Run() })
+	// Detach at the end only what is still mapped here: a device Close
+	// already detached may belong to another test by then.
+	l.t.Cleanup(func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if l.maps[name] == mapped {
+			exec.Command("losetup", "-d", mapped).Run()
+			delete(l.maps, name)
+		}
+	})
 	l.maps[name] = mapped
 	return mapped, nil
 }

@@ -1,0 +1,265 @@
+package main
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"math/big"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func writeFiles(t *testing.T, dir string, files map[string]string) {
+	t.Helper()
+	for k, v := range files {
+		if err := os.WriteFile(filepath.Join(dir, k), []byte(v), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func testCA(t *testing.T) string {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IsCA: true, BasicConstraintsValid: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))
+}
+
+func TestCredential(t *testing.T) {
+	dir := t.TempDir()
+	jwt := filepath.Join(dir, "jwt")
+	empty := filepath.Join(dir, "empty")
+	writeFiles(t, dir, map[string]string{"jwt": "eyJhbGciOiJFUzM4NCJ9.e30.c2ln\n", "empty": " \n"})
+	good := credential{PortalURL: "https://try.whitesky.cloud", Customer: "acme_1", Cloudspace: "k8s-prod", TokenFile: jwt}
+
+	for _, tc := range []struct{ url, want string }{
+		{"https://try.whitesky.cloud", "https://try.whitesky.cloud/api/1"},
+		{"https://try.whitesky.cloud/", "https://try.whitesky.cloud/api/1"},
+		{"http://127.0.0.1:8080", "http://127.0.0.1:8080/api/1"},
+	} {
+		c := good
+		c.PortalURL = tc.url
+		got, err := c.apiURL()
+		if err != nil || got != tc.want {
+			t.Errorf("url %q: %q, %v; want %q", tc.url, got, err, tc.want)
+		}
+	}
+
+	for _, tc := range []struct {
+		name string
+		edit func(*credential)
+		want []string // every part must be in the error
+	}{
+		{"empty url", func(c *credential) { c.PortalURL = "" }, []string{"csi-driver-secret key url", "is empty"}},
+		{"unfilled url", func(c *credential) { c.PortalURL = "$(VCO_PORTAL_URL)" }, []string{"key url", "not filled in"}},
+		{"no scheme", func(c *credential) { c.PortalURL = "try.whitesky.cloud" }, []string{"key url", "no http or https scheme"}},
+		{"ftp", func(c *credential) { c.PortalURL = "ftp://try.whitesky.cloud" }, []string{"key url", "no http or https scheme"}},
+		{"no host", func(c *credential) { c.PortalURL = "https://" }, []string{"key url", "no host"}},
+		{"api path", func(c *credential) { c.PortalURL = "https://try.whitesky.cloud/api/1" }, []string{"key url", "has a path (/api/1)"}},
+		{"query", func(c *credential) { c.PortalURL = "https://try.whitesky.cloud?x=1" }, []string{"key url", "query or fragment"}},
+		{"user", func(c *credential) { c.PortalURL = "https://me:pw@try.whitesky.cloud" }, []string{"key url", "user information"}},
+		{"newline", func(c *credential) { c.PortalURL = "https://try.whitesky.cloud\n" }, []string{"key url", "white space"}},
+		{"no customer", func(c *credential) { c.Customer = "" }, []string{"csi-driver-secret key customer (--customer) is empty"}},
+		{"unfilled customer", func(c *credential) { c.Customer = "$(VCO_CUSTOMER)" }, []string{"key customer", "not filled in"}},
+		{"spaced customer", func(c *credential) { c.Customer = "acme 1" }, []string{"key customer", "white space"}},
+		{"no cloudspace", func(c *credential) { c.Cloudspace = "" }, []string{"csi-driver-secret key cloudspace (--cloudspace) is empty"}},
+		{"cloudspace newline", func(c *credential) { c.Cloudspace = "k8s-prod\n" }, []string{"key cloudspace", "white space"}},
+		{"no jwt", func(c *credential) { c.TokenFile = filepath.Join(dir, "absent") }, []string{"csi-driver-secret key jwt", "does not exist"}},
+		{"empty jwt", func(c *credential) { c.TokenFile = empty }, []string{"csi-driver-secret key jwt", "is empty"}},
+	} {
+		c := good
+		tc.edit(&c)
+		_, err := c.apiURL()
+		if err == nil {
+			t.Errorf("%s: accepted", tc.name)
+			continue
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("%s: error %q lacks %q", tc.name, err, w)
+			}
+		}
+		if strings.Contains(err.Error(), "eyJhbGciOiJFUzM4NCJ9") {
+			t.Errorf("%s: error %q carries the JWT", tc.name, err)
+		}
+	}
+}
+
+func TestKeyBackend(t *testing.T) {
+	ca := testCA(t)
+	full := map[string]string{"address": "https://openbao.example.net:8200/\n", "transit_key": "vco-csi-volumes",
+		"role": "vco-csi-node", "transit_mount": "kv/transit", "auth_mount": "/k8s-prod/", "namespace": "team-a",
+		"ca.crt": ca, "token": "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"}
+
+	t.Run("full", func(t *testing.T) {
+		dir := t.TempDir()
+		writeFiles(t, dir, full)
+		kb, err := loadKeyBackend(dir)
+		if err != nil || kb == nil {
+			t.Fatalf("%v, %v", kb, err)
+		}
+		tc := kb.Transit
+		if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "kv/transit" || tc.KubernetesMount != "k8s-prod" ||
+			tc.Namespace != "team-a" || tc.KubernetesRole != "vco-csi-node" || tc.CACertFile != filepath.Join(dir, "ca.crt") ||
+			tc.ServiceAccountTokenFile != filepath.Join(dir, "token") || tc.Token != "" {
+			t.Errorf("transit config %+v", tc)
+		}
+		if kb.Key.Name != "vco-csi-volumes" || kb.Key.Mount != "kv/transit" {
+			t.Errorf("key %+v", kb.Key)
+		}
+	})
+
+	t.Run("defaults", func(t *testing.T) {
+		dir := t.TempDir()
+		writeFiles(t, dir, map[string]string{"address": "https://openbao.example.net:8200", "transit_key": "k", "role": "r", "token": "t"})
+		kb, err := loadKeyBackend(dir)
+		if err != nil || kb == nil {
+			t.Fatalf("%v, %v", kb, err)
+		}
+		if kb.Transit.Mount != "transit" || kb.Transit.KubernetesMount != "kubernetes" || kb.Transit.CACertFile != "" || kb.Key.Mount != "transit" {
+			t.Errorf("defaults %+v %+v", kb.Transit, kb.Key)
+		}
+	})
+
+	t.Run("none", func(t *testing.T) {
+		// No ConfigMap yet (both are optional): only the token is there,
+		// or the directory is not mounted at all.
+		dir := t.TempDir()
+		writeFiles(t, dir, map[string]string{"token": "t", "ca.crt": ca})
+		for _, d := range []string{dir, filepath.Join(dir, "absent")} {
+			if kb, err := loadKeyBackend(d); kb != nil || err != nil {
+				t.Errorf("%s: %+v, %v; want no key backend and no error", d, kb, err)
+			}
+		}
+	})
+
+	for _, tc := range []struct {
+		name string
+		edit map[string]string // "" deletes the file
+		want []string
+	}{
+		{"no address", map[string]string{"address": ""}, []string{"csi-key-backend-config has key", "but no key address"}},
+		{"blank address", map[string]string{"address": "\n"}, []string{"csi-key-backend-config key address is empty"}},
+		{"address no scheme", map[string]string{"address": "openbao.example.net:8200"}, []string{"key address", "not an http(s) URL"}},
+		{"address path", map[string]string{"address": "https://openbao.example.net:8200/v1"}, []string{"key address", "has a path"}},
+		{"no transit_key", map[string]string{"transit_key": ""}, []string{"csi-key-backend-config has no key transit_key"}},
+		{"no role", map[string]string{"role": ""}, []string{"csi-key-backend-config has no key role"}},
+		{"blank role", map[string]string{"role": " \n"}, []string{"csi-key-backend-config key role is empty"}},
+		{"spaced key", map[string]string{"transit_key": "a b"}, []string{"key transit_key", "white space"}},
+		{"bad transit_mount", map[string]string{"transit_mount": "a b"}, []string{"key transit_mount", "not a path"}},
+		{"bad auth_mount", map[string]string{"auth_mount": "a//b"}, []string{"key auth_mount", "not a path"}},
+		{"blank namespace", map[string]string{"namespace": ""}, nil}, // optional, absent is fine
+		{"empty namespace", map[string]string{"namespace": "\n"}, []string{"key namespace is empty"}},
+		{"ca not pem", map[string]string{"ca.crt": "not a certificate"}, []string{"openbao-ca key ca.crt", "no PEM certificate"}},
+		{"ca truncated", map[string]string{"ca.crt": ca[:len(ca)-40]}, []string{"openbao-ca key ca.crt"}},
+		{"ca key block", map[string]string{"ca.crt": "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"}, []string{"openbao-ca key ca.crt", `type "PRIVATE KEY"`}},
+		{"ca trailing junk", map[string]string{"ca.crt": ca + "-----BEGIN CERT"}, []string{"openbao-ca key ca.crt", "after its last certificate"}},
+		{"no token", map[string]string{"token": ""}, []string{"ServiceAccount token (audience vault) key token", "does not exist"}},
+		{"empty token", map[string]string{"token": "\n"}, []string{"ServiceAccount token (audience vault) key token", "is empty"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			files := map[string]string{}
+			for k, v := range full {
+				files[k] = v
+			}
+			for k, v := range tc.edit {
+				files[k] = v
+				if v == "" {
+					delete(files, k)
+				}
+			}
+			writeFiles(t, dir, files)
+			kb, err := loadKeyBackend(dir)
+			if tc.want == nil {
+				if err != nil || kb == nil {
+					t.Fatalf("%+v, %v; want a key backend", kb, err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("accepted: %+v", kb)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q lacks %q", err, w)
+				}
+			}
+			if strings.Contains(err.Error(), "eyJhbGciOiJSUzI1NiJ9") {
+				t.Errorf("error %q carries the token", err)
+			}
+		})
+	}
+}
+
+// TestPluginRefusesBadSettingsAtStart runs the plugin's start with settings
+// that must stop it, with the given words, before it listens or dials the
+// agent.
+func TestPluginRefusesBadSettingsAtStart(t *testing.T) {
+	dir := t.TempDir()
+	kb := filepath.Join(dir, "key-backend")
+	if err := os.Mkdir(kb, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	writeFiles(t, dir, map[string]string{"jwt": "x"})
+	writeFiles(t, kb, map[string]string{"address": "https://vault.example:8200", "role": "r", "token": "t"})
+	sock := "unix://" + filepath.Join(dir, "csi.sock")
+	ctl := []string{"--mode=controller", "--endpoint=" + sock, "--driver-name=cloud.whitesky.csi", "--token-file=" + filepath.Join(dir, "jwt")}
+	node := []string{"--mode=node", "--endpoint=" + sock, "--driver-name=cloud.whitesky.csi", "--agent-socket=" + filepath.Join(dir, "absent.sock")}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{append(ctl, "--portal-url=https://try.whitesky.cloud", "--api-url=https://try.whitesky.cloud/api/1", "--customer=c", "--cloudspace=s"),
+			"--portal-url and --api-url both given"},
+		{append(ctl, "--portal-url=https://try.whitesky.cloud", "--customer=c"), "csi-driver-secret key cloudspace (--cloudspace) is empty"},
+		{append(ctl, "--portal-url=https://try.whitesky.cloud/api/1", "--customer=c", "--cloudspace=s"), "csi-driver-secret key url"},
+		{append(node, "--key-backend-dir="+kb, "--vault-addr=https://vault.example:8200"), "--key-backend-dir and --vault-addr"},
+		{append(node, "--key-backend-dir="+kb), "csi-key-backend-config has no key transit_key"},
+	} {
+		out := captureStderr(t, func() {
+			if rc := runPlugin(tc.args); rc != 1 {
+				t.Errorf("%q: exit %d, want 1", tc.args, rc)
+			}
+		})
+		if !strings.Contains(out, tc.want) {
+			t.Errorf("%q: said %q, want %q", tc.args, out, tc.want)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "csi.sock")); err == nil {
+			t.Fatalf("%q: listened", tc.args)
+		}
+	}
+}
+
+// captureStderr returns what f writes to os.Stderr.
+func captureStderr(t *testing.T, f func()) string {
+	t.Helper()
+	tmp, err := os.CreateTemp(t.TempDir(), "stderr")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tmp.Close()
+	old := os.Stderr
+	os.Stderr = tmp
+	defer func() { os.Stderr = old }()
+	f()
+	b, err := os.ReadFile(tmp.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
