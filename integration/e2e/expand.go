@@ -39,37 +39,14 @@ func fsBytes(ctx context.Context, g *lab.Guest, p string) (int64, error) {
 // volume is shown to the guest as virtio-blk over its backing file
 // (simlab.FileVirtioBlk): ControllerExpandVolume grows the disk through
 // the simulator, whose lab backend grows the file with QMP block_resize;
-// NodeExpandVolume then has the agent grow the filesystem, while it stays
-// mounted. A virtio-blk disk offers no reservations and the agent has no
-// on-disk lease yet, so for this scenario alone node-a's agent and node
-// plugin are restarted with the explicit unfenced opt-in, and restarted
-// without it afterwards; the report says so.
-func (s *story) e7(ctx context.Context) (err error) {
+// NodeExpandVolume then has the agent grow the lease's data mapping and
+// the filesystem, while it stays mounted. A virtio-blk disk offers no
+// reservations, so the agent fences this blank disk with its on-disk lease.
+func (s *story) e7(ctx context.Context) error {
 	const sc = "E7"
 	c := *s
 	c.name, c.pod, c.kind = "pvc-e2e-grow", "pod-grow-", simlab.FileVirtioBlk
 	g := s.a
-	if err := s.step(sc, g.Name, "restart vco-agent and vco-csi with the unfenced opt-in (this scenario only)", func() (string, error) {
-		if err := simlab.StopNodeStack(ctx, g); err != nil {
-			return "", err
-		}
-		return "volumes.allow_unfenced and --allow-unfenced: a virtio-blk disk offers no reservations and the agent has no on-disk lease",
-			simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{AllowUnfenced: true})
-	}); err != nil {
-		return err
-	}
-	s.r.NotRun = append(s.r.NotRun, "E7 fencing: the grown volume is a virtio-blk disk staged with the unfenced opt-in (no reservations, no on-disk lease in the agent yet); E7 shows online growth, not fencing")
-	defer func() {
-		rerr := s.step(sc, g.Name, "restart vco-agent and vco-csi without the opt-in", func() (string, error) {
-			if err := simlab.StopNodeStack(ctx, g); err != nil {
-				return "", err
-			}
-			return "", simlab.StartNodeStack(ctx, g)
-		})
-		if err == nil {
-			err = rerr
-		}
-	}()
 	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-grow (1 GiB, "+string(c.kind)+")", func() (string, error) {
 		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
 			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
