@@ -16,6 +16,8 @@ import (
 	"regexp"
 	"sort"
 	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
 
 // The placeholders the manifests carry, in envsubst's ${NAME} form.
@@ -192,15 +194,12 @@ func DriverNameFromImage(image string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	labels := strings.Split(host, ".")
-	if net.ParseIP(host) != nil || len(labels) < 2 {
+	// The plugin's own rule, so the add-on and a plugin started without
+	// --driver-name agree.
+	name := driver.NameFromPortal(host)
+	if name == "" {
 		return "", fmt.Errorf("image host %q is not a domain name, so no driver name follows from it; set %s", host, DriverNameVar)
 	}
-	out := make([]string, 0, len(labels))
-	for i := len(labels) - 1; i >= 1; i-- {
-		out = append(out, labels[i])
-	}
-	name := strings.Join(append(out, "csi"), ".")
 	if err := ValidateDriverName(name); err != nil {
 		return "", fmt.Errorf("image host %q: %w; set %s", host, err, DriverNameVar)
 	}
