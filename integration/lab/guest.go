@@ -45,6 +45,10 @@ type GuestConfig struct {
 	MemMB     int
 	CPUs      int
 	Disks     []Disk
+	// System, if set, boots the guest from a root disk with a kernel,
+	// initrd and init (systemd) of its own instead of the lab's busybox
+	// initramfs (debian.go).
+	System *SystemBoot
 }
 
 // Guest is a running QEMU guest.
@@ -65,14 +69,23 @@ type Guest struct {
 // qemuArgs is the guest's command line. The machine starts paused (-S) so
 // disks are added through the same QMP path hot-plug uses, then resumed.
 func qemuArgs(cfg GuestConfig, k *Kernel, initrd, dir string) []string {
-	return []string{
+	kernel, appendArgs := k.Vmlinuz, "console=ttyS0 panic=-1 loglevel=4 vco.node="+cfg.Name
+	var root []string
+	if sb := cfg.System; sb != nil {
+		kernel, initrd = sb.Kernel, sb.Initrd
+		appendArgs = "root=/dev/vda rw " + appendArgs + " systemd.hostname=" + cfg.Name + " systemd.show_status=0"
+		// snapshot=on: the guest writes to a temporary overlay QEMU drops
+		// when it exits, so guests share one root image and never change it.
+		root = []string{"-drive", "file=" + sb.Root + ",format=raw,if=virtio,snapshot=on"}
+	}
+	return append([]string{
 		"-name", cfg.Name,
 		"-machine", "pc", "-accel", "tcg", "-cpu", "max",
 		"-m", strconv.Itoa(cfg.MemMB), "-smp", strconv.Itoa(cfg.CPUs),
 		"-nodefaults", "-no-user-config", "-display", "none", "-vga", "none",
 		"-no-reboot", "-S",
-		"-kernel", k.Vmlinuz, "-initrd", initrd,
-		"-append", "console=ttyS0 panic=-1 loglevel=4 vco.node=" + cfg.Name,
+		"-kernel", kernel, "-initrd", initrd,
+		"-append", appendArgs,
 		"-chardev", "file,id=con,path=" + filepath.Join(dir, "console.log"),
 		"-serial", "chardev:con",
 		"-qmp", "unix:" + filepath.Join(dir, "qmp.sock") + ",server=on,wait=off",
@@ -82,7 +95,7 @@ func qemuArgs(cfg GuestConfig, k *Kernel, initrd, dir string) []string {
 		"-device", "virtio-scsi-pci,id=scsi0",
 		"-smbios", "type=1,uuid=" + cfg.UUID,
 		"-nic", "none",
-	}
+	}, root...)
 }
 
 // startGuest starts QEMU paused, attaches the disks, resumes it and waits

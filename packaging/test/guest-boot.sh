@@ -10,9 +10,6 @@ set -euo pipefail
 
 DEB=$(realpath "$1")
 ROOT=$(pwd)
-# Kept outside the work tree so fresh clones on this machine reuse it.
-CACHE=${VCO_PKG_CACHE:-/var/cache/vco-packaging}
-SUITE=bookworm
 UUID=5b1c8e3a-9f2d-4c61-8a0e-3d7f6b2a9c14
 LOCATION=guest-check-location
 WORK=$(mktemp -d /tmp/vco-guestboot.XXXXXX)
@@ -36,27 +33,8 @@ fail() {
 	exit 1
 }
 
-mirror() {
-	local uri
-	uri=$(grep -hs '^URIs:' /etc/apt/sources.list.d/*.sources | awk '{print $2}' | grep -v security | head -n1 || true)
-	[ -n "$uri" ] || uri=$(grep -hs '^deb ' /etc/apt/sources.list | awk '{print $2}' | grep -v security | head -n1 || true)
-	echo "${uri:-http://deb.debian.org/debian}"
-}
-
-base=$CACHE/$SUITE-guest.tar
-# python3-cffi-backend is named because debootstrap's resolver does not
-# follow the virtual package python3-cryptography depends on.
-if [ ! -s "$base" ]; then
-	step "debootstrap the guest root (systemd, udev, dbus, cloud-init, kernel; cached in $base)"
-	mkdir -p "$CACHE"
-	debootstrap --variant=minbase \
-		--include=systemd,systemd-sysv,udev,dbus,cloud-init,python3-cffi-backend,linux-image-amd64,adduser,kmod \
-		"$SUITE" "$WORK/bootstrap" "$(mirror)" >"$WORK/debootstrap.log" 2>&1 ||
-		{ tail -n 30 "$WORK/debootstrap.log"; fail "debootstrap failed"; }
-	tar -C "$WORK/bootstrap" -cf "$base.tmp" .
-	mv "$base.tmp" "$base"
-	rm -rf "$WORK/bootstrap"
-fi
+# The debootstrapped root, shared with the lab's systemd guest.
+base=$("$(dirname "$0")/guest-root.sh") || fail "no Debian guest root"
 
 step "guest root: install $(basename "$DEB"), the NoCloud seed and the check"
 rootfs=$WORK/rootfs
