@@ -2,7 +2,9 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -74,38 +76,50 @@ func retried(ctx context.Context, call func() error) (tries int, err error) {
 	}
 }
 
-// e9: node-a's agent is killed with SIGKILL at each step of NodeStage and
-// NodeUnstage of a volume of its own. The busybox guests have no systemd,
-// so a shell loop restarts the agent on a failed exit as the packaged
-// unit's Restart=on-failure does. Each retried call must succeed; the
-// filesystem made on first use must be the one mounted every time after
-// (same UUID: never formatted again) and the data written must read back.
+// e9Node is the guest E9 kills the agent in and what restarts it there.
+type e9Node struct {
+	g *lab.Guest
+	// restarts is how many times the agent was started again after it
+	// died since E9 began.
+	restarts func(ctx context.Context) (int, error)
+	// agentLog is what the agent logged since E9 began.
+	agentLog func(ctx context.Context) (string, error)
+	// how says what restarted the agent, for the report.
+	how string
+}
+
+// SystemGuest is the name of the Debian guest E9 boots when it can.
+const SystemGuest = "node-c"
+
+// e9: the agent is killed with SIGKILL at each step of NodeStage and
+// NodeUnstage of a volume of its own, in a Debian 12 guest where systemd
+// runs the packaged vco-agent and restarts it (its unit's
+// Restart=on-failure), or, without the Debian root or the package, on
+// node-a with a shell loop standing in for systemd. Each retried call must
+// succeed; the filesystem made on first use must be the one mounted every
+// time after (same UUID: never formatted again) and the data written must
+// read back; every kill must have been followed by exactly one restart.
 func (s *story) e9(ctx context.Context) (err error) {
 	const sc = "E9"
 	c := *s
 	c.name, c.pod, c.kind = "pvc-e2e-kill", "pod-kill-", lab.SCSIBlock
-	g := s.a
-	if err := s.step(sc, g.Name, "restart vco-agent under a restart-on-failure loop (no systemd in the guest)", func() (string, error) {
-		if err := simlab.StopNodeStack(ctx, g); err != nil {
-			return "", err
+	var n *e9Node
+	if root, why := lab.FindDebianRoot(); why != nil {
+		s.r.NotRun = append(s.r.NotRun, "E9 in a systemd guest: "+why.Error()+"; E9 ran on node-a (busybox) with a shell loop restarting the agent as Restart=on-failure would")
+		var done func() error
+		n, done, err = s.e9Supervised(ctx, sc)
+		if err != nil {
+			return err
 		}
-		return "a shell loop stands in for systemd's Restart=on-failure",
-			simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{Supervise: true})
-	}); err != nil {
+		defer func() {
+			if rerr := done(); err == nil {
+				err = rerr
+			}
+		}()
+	} else if n, err = s.e9Systemd(ctx, sc, root); err != nil {
 		return err
 	}
-	s.r.NotRun = append(s.r.NotRun, "E9 in a systemd guest: the lab's guests run busybox; a shell loop restarts the killed agent as Restart=on-failure would")
-	defer func() {
-		rerr := s.step(sc, g.Name, "restart vco-agent unsupervised", func() (string, error) {
-			if err := simlab.StopNodeStack(ctx, g); err != nil {
-				return "", err
-			}
-			return "", simlab.StartNodeStack(ctx, g)
-		})
-		if err == nil {
-			err = rerr
-		}
-	}()
+	g := n.g
 	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-kill (1 GiB, "+string(c.kind)+")", func() (string, error) {
 		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
 			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
@@ -143,7 +157,9 @@ func (s *story) e9(ctx context.Context) (err error) {
 		return strings.TrimSpace(out), err
 	}
 	var uuid, sum string
-	kills := 0
+	// kills counts the calls a kill interrupted, landed every SIGKILL the
+	// agent got (one that came after the call answered too).
+	kills, landed := 0, 0
 	// stageAt stages with the agent killed at k, and checks what the
 	// retried call left: mounted, the filesystem of first use, the data.
 	stageAt := func(k killPoint) (killed bool, err error) {
@@ -155,7 +171,11 @@ func (s *story) e9(ctx context.Context) (err error) {
 			tries, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, "NodeStageVolume", stageReq, nil) })
 			// A kill that lands only after the call answered (first try
 			// succeeded) did not interrupt it: the point was outrun.
-			killed = disarm(ctx, g, pid) && tries > 1
+			hit := disarm(ctx, g, pid)
+			if hit {
+				landed++
+			}
+			killed = hit && tries > 1
 			if err != nil {
 				return "", fmt.Errorf("NodeStageVolume still failing after %d tries (agent killed: %v): %w", tries, killed, err)
 			}
@@ -203,7 +223,11 @@ func (s *story) e9(ctx context.Context) (err error) {
 			tries, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, "NodeUnstageVolume", unstageReq, nil) })
 			// A kill that lands only after the call answered (first try
 			// succeeded) did not interrupt it: the point was outrun.
-			killed = disarm(ctx, g, pid) && tries > 1
+			hit := disarm(ctx, g, pid)
+			if hit {
+				landed++
+			}
+			killed = hit && tries > 1
 			if err != nil {
 				return "", fmt.Errorf("NodeUnstageVolume still failing after %d tries (agent killed: %v): %w", tries, killed, err)
 			}
@@ -255,30 +279,30 @@ func (s *story) e9(ctx context.Context) (err error) {
 			missed = append(missed, "unstage "+unstageKills[i])
 		}
 	}
-	if err := s.step(sc, g.Name, "the kills reached the agent; it formatted once", func() (string, error) {
-		out, err := g.MustSh(ctx, "cat "+simlab.SupervisorExits+" 2>/dev/null; true")
+	if err := s.step(sc, g.Name, "the kills reached the agent; "+n.how+" restarted it after each; it formatted once", func() (string, error) {
+		restarts, err := n.restarts(ctx)
 		if err != nil {
 			return "", err
 		}
-		restarts := strings.Count(out, "137")
-		if len(missed) > 0 || restarts < kills {
-			return "", fmt.Errorf("%d of %d kill points reached the agent mid-call (outrun: %v), %d restarts after SIGKILL", kills, len(stageKills)+len(unstageKills), missed, restarts)
+		if len(missed) > 0 || restarts != landed {
+			return "", fmt.Errorf("%d of %d kill points reached the agent mid-call (outrun: %v); %d SIGKILLs, %d restarts by %s", kills, len(stageKills)+len(unstageKills), missed, landed, restarts, n.how)
 		}
-		log, err := g.MustSh(ctx, "grep 'volume staged' /var/log/vco-agent.log | grep -F '"+c.volID+"'")
+		log, err := n.agentLog(ctx)
 		if err != nil {
 			return "", err
 		}
 		formats := 0
 		for _, l := range strings.Split(log, "\n") {
-			if strings.Contains(l, "formatted=true") || strings.Contains(l, `"formatted":true`) {
+			if strings.Contains(l, "volume staged") && strings.Contains(l, c.volID) &&
+				(strings.Contains(l, "formatted=true") || strings.Contains(l, `"formatted":true`)) {
 				formats++
 			}
 		}
-		s.check(P5, sc, formats == 1, "the agent, killed %d times during stage and unstage, reported formatting volume %s %d time(s) over %d stages", kills, c.volID, formats, len(stageKills))
+		s.check(P5, sc, formats == 1, "the agent on %s, killed %d times during stage and unstage and restarted by %s, reported formatting volume %s %d time(s) over %d stages", g.Name, landed, n.how, c.volID, formats, len(stageKills))
 		if formats != 1 {
 			return "", fmt.Errorf("the agent logged %d formats of %s, want 1", formats, c.volID)
 		}
-		return fmt.Sprintf("%d kills, %d restarts after SIGKILL, one format", kills, restarts), nil
+		return fmt.Sprintf("%d kills mid-call, %d SIGKILLs in all, %d restarts by %s, one format", kills, landed, restarts, n.how), nil
 	}); err != nil {
 		return err
 	}
@@ -289,4 +313,139 @@ func (s *story) e9(ctx context.Context) (err error) {
 		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
 		return "", err
 	})
+}
+
+// e9Supervised runs node-a's agent under a shell loop that restarts it on
+// a failed exit, as the packaged unit's Restart=on-failure has systemd do
+// (the busybox guests have no systemd). done starts it unsupervised again.
+func (s *story) e9Supervised(ctx context.Context, sc string) (n *e9Node, done func() error, err error) {
+	g := s.a
+	err = s.step(sc, g.Name, "restart vco-agent under a restart-on-failure loop (no systemd in the guest)", func() (string, error) {
+		if err := simlab.StopNodeStack(ctx, g); err != nil {
+			return "", err
+		}
+		return "a shell loop stands in for systemd's Restart=on-failure",
+			simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{Supervise: true})
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	n = &e9Node{g: g, how: "the shell loop",
+		restarts: func(ctx context.Context) (int, error) {
+			out, err := g.MustSh(ctx, "i=0; while ! pidof vco-agent >/dev/null && [ $i -lt 300 ]; do i=$((i+1)); sleep 0.1; done; cat "+simlab.SupervisorExits+" 2>/dev/null; true")
+			return strings.Count(out, "137"), err
+		},
+		agentLog: func(ctx context.Context) (string, error) {
+			return g.MustSh(ctx, "grep 'volume staged' /var/log/vco-agent.log; true")
+		},
+	}
+	done = func() error {
+		return s.step(sc, g.Name, "restart vco-agent unsupervised", func() (string, error) {
+			if err := simlab.StopNodeStack(ctx, g); err != nil {
+				return "", err
+			}
+			return "", simlab.StartNodeStack(ctx, g)
+		})
+	}
+	return n, done, nil
+}
+
+// systemGuestConfig is the agent's configuration in the systemd guest:
+// the packaged settings, with the lab's location. The node name is the
+// host name, which the lab gives the guest on its kernel command line.
+const systemGuestConfig = `socket:
+  path: /run/vco-agent/agent.sock
+  group: vco-agent
+node:
+  location: ` + simlab.Location + `
+`
+
+// e9Systemd boots SystemGuest from the Debian root with the vco-agent
+// package installed, so systemd runs the agent under the packaged unit
+// and socket, registers it as a VM with the simulator, and starts the
+// vco-csi node plugin beside the agent (as a transient unit).
+func (s *story) e9Systemd(ctx context.Context, sc string, root *lab.DebianRoot) (*e9Node, error) {
+	var g *lab.Guest
+	if err := s.step(sc, SystemGuest, "boot Debian 12 with the vco-agent package (its unit, socket, sandbox and syscall filter) under systemd", func() (string, error) {
+		sb, err := s.env.Lab.DebianImage(ctx, root, map[string]string{"/etc/vco-agent/config.yaml": systemGuestConfig})
+		if err != nil {
+			return "", err
+		}
+		gs, err := s.env.Lab.StartSystemGuests(ctx, sb, lab.GuestConfig{Name: SystemGuest, MemMB: 768})
+		if err != nil {
+			return "", err
+		}
+		g = gs[0]
+		id, err := s.env.Sim.AddVM("cs-"+simlab.Location, g.Name, g.UUID, false)
+		if err != nil {
+			return "", err
+		}
+		s.env.VMs[g.Name] = id
+		script := fmt.Sprintf(`set -e
+systemctl is-active vco-agent.service vco-agent.socket
+mkdir -p %[1]s
+systemd-run --unit=vco-csi-node --quiet /usr/bin/vco-csi --mode=node --driver-name %[2]s --endpoint unix://%[3]s --agent-socket %[4]s --kubelet-root %[1]s
+i=0; while [ ! -S %[3]s ]; do i=$((i+1)); [ $i -lt 600 ] || { journalctl -u vco-csi-node --no-pager; exit 1; }; sleep 0.1; done
+dpkg-query -W -f='${Package} ${Version}' vco-agent`, simlab.KubeletRoot, simlab.DriverName, simlab.CSISocket, simlab.AgentSocket)
+		out, err := g.MustSh(ctx, script)
+		if err != nil {
+			return "", err
+		}
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		return fmt.Sprintf("booted in %s; %s installed, agent and socket active; vco-csi node plugin running (VM %d)",
+			g.BootTime.Round(time.Second), lines[len(lines)-1], id), nil
+	}); err != nil {
+		return nil, err
+	}
+	if err := s.step(sc, g.Name, "NodeGetInfo", func() (string, error) {
+		var resp csi.NodeGetInfoResponse
+		if err := simlab.NodeCall(ctx, g, "NodeGetInfo", &csi.NodeGetInfoRequest{}, &resp); err != nil {
+			return "", err
+		}
+		if !strings.EqualFold(resp.NodeId, g.UUID) {
+			return "", fmt.Errorf("node id %s is not the guest's SMBIOS UUID %s", resp.NodeId, g.UUID)
+		}
+		s.ids[g.Name] = resp.NodeId
+		return "node id " + resp.NodeId, nil
+	}); err != nil {
+		return nil, err
+	}
+	nrestarts := func(ctx context.Context) (int, error) {
+		out, err := g.MustSh(ctx, "systemctl show -p NRestarts --value vco-agent.service")
+		if err != nil {
+			return 0, err
+		}
+		return strconv.Atoi(strings.TrimSpace(out))
+	}
+	base, err := nrestarts(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &e9Node{g: g, how: "systemd",
+		restarts: func(ctx context.Context) (int, error) {
+			// A kill that landed after the last call answered may still
+			// be waiting out RestartSec.
+			if _, err := g.MustSh(ctx, "i=0; until systemctl is-active --quiet vco-agent.service; do i=$((i+1)); [ $i -lt 300 ] || exit 1; sleep 0.1; done"); err != nil {
+				return 0, fmt.Errorf("vco-agent did not come back: %w", err)
+			}
+			n, err := nrestarts(ctx)
+			return n - base, err
+		},
+		agentLog: func(ctx context.Context) (string, error) {
+			// The agent logs to the journal natively: its attributes are
+			// fields (VOLUME, FORMATTED), not text.
+			out, err := g.MustSh(ctx, "journalctl -u vco-agent.service -o json --output-fields=MESSAGE,VOLUME,FORMATTED --no-pager MESSAGE='volume staged'")
+			if err != nil {
+				return "", err
+			}
+			var b strings.Builder
+			for _, l := range strings.Split(out, "\n") {
+				var f struct{ MESSAGE, VOLUME, FORMATTED string }
+				if json.Unmarshal([]byte(l), &f) == nil && f.MESSAGE != "" {
+					fmt.Fprintf(&b, "%s volume=%s formatted=%s\n", f.MESSAGE, f.VOLUME, f.FORMATTED)
+				}
+			}
+			return b.String(), nil
+		},
+	}, nil
 }

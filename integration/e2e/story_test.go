@@ -157,15 +157,34 @@ func TestOnlineExpansion(t *testing.T) {
 	}
 }
 
-// TestAgentKilledDuringStage is E9: node-a's agent is killed with SIGKILL
-// at each step of NodeStage and NodeUnstage (a shell loop restarts it, as
-// systemd's Restart=on-failure would); every retried call succeeds, the
-// filesystem is never made again and the data reads back.
+// TestAgentKilledDuringStage is E9 in a Debian 12 guest booted with the
+// vco-agent package installed, so systemd runs the agent under the
+// packaged unit (sandbox, syscall filter, socket) and restarts it: the
+// agent is killed with SIGKILL at each step of NodeStage and NodeUnstage
+// of an iSCSI disk with reservations; every retried call succeeds,
+// systemd restarted the agent once per kill, the filesystem is never made
+// again and the data reads back. It needs the Debian root (make
+// guest-root) and the .deb (make packages); make test-e2e makes both.
 func TestAgentKilledDuringStage(t *testing.T) {
+	if ok, why := lab.GuestTierEnabled(); !ok {
+		t.Skip(why)
+	}
+	if _, err := lab.FindDebianRoot(); err != nil {
+		t.Fatalf("E9 runs in a Debian guest with the vco-agent package: %v", err)
+	}
 	rep := runOnly(t, "E9")
 	held, checks := rep.Verdict(e2e.P5)
 	if len(checks) == 0 || !held {
 		t.Errorf("E9 did not show P5 holding: %+v", checks)
+	}
+	restarted := false
+	for _, s := range rep.Steps {
+		if s.Node == e2e.SystemGuest && s.OK && strings.Contains(s.Name, "systemd restarted it after each") {
+			restarted = true
+		}
+	}
+	if !restarted {
+		t.Errorf("E9 did not show systemd restarting the agent in %s after each kill", e2e.SystemGuest)
 	}
 }
 
