@@ -86,6 +86,9 @@ type e9Node struct {
 	agentLog func(ctx context.Context) (string, error)
 	// how says what restarted the agent, for the report.
 	how string
+	// burst, where set, kills the agent burstKills times in a row, each
+	// time as soon as it is back, and says how it came back.
+	burst func(ctx context.Context) (string, error)
 }
 
 // SystemGuest is the name of the Debian guest E9 boots when it can.
@@ -120,26 +123,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 		return err
 	}
 	g := n.g
-	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-kill (1 GiB, "+string(c.kind)+")", func() (string, error) {
-		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-			},
-		})
-		if err != nil {
-			return "", err
-		}
-		c.volID = resp.Volume.VolumeId
-		var id int64
-		if _, err := fmt.Sscanf(c.volID[strings.Index(c.volID, "/")+1:], "%d", &id); err != nil {
-			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
-		}
-		c.diskID = id
-		s.env.Backend.SetKind(c.diskID, c.kind)
-		return "volume " + c.volID, nil
-	}); err != nil {
+	if err := c.createOwn(ctx, sc); err != nil {
 		return err
 	}
 	pc, err := c.publish(ctx, sc, g)
@@ -279,6 +263,14 @@ func (s *story) e9(ctx context.Context) (err error) {
 			missed = append(missed, "unstage "+unstageKills[i])
 		}
 	}
+	if n.burst != nil {
+		if err := s.step(sc, g.Name, fmt.Sprintf("kill the agent %d times, each time as soon as it is back", burstKills), func() (string, error) {
+			return n.burst(ctx)
+		}); err != nil {
+			return err
+		}
+		landed += burstKills
+	}
 	if err := s.step(sc, g.Name, "the kills reached the agent; "+n.how+" restarted it after each; it formatted once", func() (string, error) {
 		restarts, err := n.restarts(ctx)
 		if err != nil {
@@ -309,11 +301,99 @@ func (s *story) e9(ctx context.Context) (err error) {
 	if err := c.unpublish(ctx, sc, g); err != nil {
 		return err
 	}
+	if err := s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
+		return "", err
+	}); err != nil || n.burst == nil {
+		return err
+	}
+	return s.e9Lease(ctx, sc, g)
+}
+
+// createOwn creates c's volume (1 GiB in the lab's location) and has the
+// simulator show its disk as c.kind.
+func (c *story) createOwn(ctx context.Context, sc string) error {
+	return c.step(sc, "controller", "CreateVolume "+c.name+" (1 GiB, "+string(c.kind)+")", func() (string, error) {
+		resp, err := c.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+			AccessibilityRequirements: &csi.TopologyRequirement{
+				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+			},
+		})
+		if err != nil {
+			return "", err
+		}
+		c.volID = resp.Volume.VolumeId
+		_, rest, _ := strings.Cut(c.volID, "/")
+		if c.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
+			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
+		}
+		c.env.Backend.SetKind(c.diskID, c.kind)
+		return "volume " + c.volID, nil
+	})
+}
+
+// e9Lease stages a blank virtio-blk disk in the systemd guest. It has no
+// reservations, so the agent fences it with its on-disk lease and mounts
+// the data area past the lease through a loop device: work that the
+// unit's DeviceAllow= and syscall filter must let it do.
+func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
+	c := *s
+	c.name, c.pod, c.kind = "pvc-e2e-kill-lease", "pod-lease-", simlab.FileVirtioBlk
+	if err := c.createOwn(ctx, sc); err != nil {
+		return err
+	}
+	pc, err := c.publish(ctx, sc, g)
+	if err != nil {
+		return err
+	}
+	if err := c.stageAndPublish(ctx, sc, g, pc); err != nil {
+		return err
+	}
+	if err := s.step(sc, g.Name, "the lease's data area is mounted through a loop device; data reads back", func() (string, error) {
+		out, err := g.MustSh(ctx, fmt.Sprintf("awk '$2==\"%s\"{print $1}' /proc/mounts", stagingPath(c.name)))
+		if err != nil {
+			return "", err
+		}
+		dev := strings.TrimSpace(out)
+		if !strings.HasPrefix(dev, "/dev/loop") {
+			return "", fmt.Errorf("staging path mounted from %q, not the lease's loop mapping", dev)
+		}
+		sum, err := writeFile(ctx, g, c.pod+g.Name, "data.bin", 4)
+		if err != nil {
+			return "", err
+		}
+		back, err := readSum(ctx, g, c.pod+g.Name, "data.bin")
+		if err != nil {
+			return "", err
+		}
+		if back != sum {
+			return "", fmt.Errorf("data.bin reads sha256 %s, written %s", back, sum)
+		}
+		return fmt.Sprintf("staged from %s; data.bin sha256 %s reads back", dev, sum), nil
+	}); err != nil {
+		return err
+	}
+	if err := c.unpublishAndUnstage(ctx, sc, g); err != nil {
+		return err
+	}
+	if err := c.unpublish(ctx, sc, g); err != nil {
+		return err
+	}
 	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
 		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
 		return "", err
 	})
 }
+
+// burstKills is how many times E9 kills the agent in the systemd guest
+// the moment systemd has it back: more than the default StartLimitBurst
+// (5 starts within StartLimitIntervalSec=10s). The unit's RestartSec=2s
+// spaces the restarts so that they cannot reach that limit, and a socket
+// activation while a restart is pending waits for it, so systemd does not
+// give up on the agent; this shows it.
+const burstKills = 6
 
 // e9Supervised runs node-a's agent under a shell loop that restarts it on
 // a failed exit, as the packaged unit's Restart=on-failure has systemd do
@@ -422,6 +502,25 @@ dpkg-query -W -f='${Package} ${Version}' vco-agent`, simlab.KubeletRoot, simlab.
 		return nil, err
 	}
 	return &e9Node{g: g, how: "systemd",
+		burst: func(ctx context.Context) (string, error) {
+			// Each kill waits for a new main process that systemd reports
+			// active (READY=1), so no two kills hit the same agent.
+			script := fmt.Sprintf(`pid() { systemctl show -p MainPID --value vco-agent.service; }
+back() { j=0; until [ "$(pid)" != "$1" ] && [ "$(pid)" != 0 ] && systemctl is-active --quiet vco-agent.service; do
+	j=$((j+1)); [ $j -lt 600 ] || { systemctl status --no-pager vco-agent.service vco-agent.socket; exit 1; }; sleep 0.05; done; }
+last=0
+for i in $(seq %d); do back $last; last=$(pid); kill -9 $last; done
+back $last
+systemctl is-active vco-agent.service vco-agent.socket >/dev/null
+systemctl show -p StartLimitBurst -p StartLimitIntervalUSec vco-agent.service | tr '\n' ' '`, burstKills)
+			start := time.Now()
+			out, err := g.MustSh(ctx, script)
+			if err != nil {
+				return "", fmt.Errorf("systemd did not bring vco-agent back: %w", err)
+			}
+			return fmt.Sprintf("%d kills in %s, the agent back after each; agent and socket active (unit: %s)",
+				burstKills, time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(out)), nil
+		},
 		restarts: func(ctx context.Context) (int, error) {
 			// A kill that landed after the last call answered may still
 			// be waiting out RestartSec.
