@@ -52,7 +52,20 @@ func arm(ctx context.Context, g *lab.Guest, k killPoint) (string, error) {
 	if d, ok := strings.CutPrefix(string(k), "@"); ok {
 		body = fmt.Sprintf("sleep %s; kill -9 $(pidof vco-agent) && echo %s >%s", d, k, killedMarker)
 	} else {
-		body = fmt.Sprintf("i=0; while [ $i -lt 20000 ]; do if pidof %s >/dev/null; then kill -9 $(pidof vco-agent) && echo %s >%s; exit 0; fi; i=$((i+1)); done", k, k, killedMarker)
+		// Only the agent's own children count (the test runs blkid
+		// too), and the loop forks nothing: a tool that runs for a few
+		// milliseconds under TCG is gone before a pidof per turn sees it.
+		body = fmt.Sprintf(`a=$(pidof vco-agent); i=0
+while [ $i -lt 200000 ]; do
+	for t in /proc/$a/task/*/children; do
+		ch=; read -r ch <"$t" 2>/dev/null
+		for c in $ch; do
+			n=; read -r n </proc/$c/comm 2>/dev/null
+			if [ "$n" = %[1]s ]; then kill -9 $a && echo %[1]s >%[2]s; exit 0; fi
+		done
+	done
+	i=$((i+1))
+done`, k, killedMarker)
 	}
 	out, err := g.MustSh(ctx, fmt.Sprintf("rm -f %s; ( %s ) >/dev/null 2>&1 & echo $!", killedMarker, body))
 	return strings.TrimSpace(out), err
