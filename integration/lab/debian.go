@@ -127,10 +127,15 @@ func (l *Lab) DebianImage(ctx context.Context, root *DebianRoot, files map[strin
 		return sb, nil
 	}
 	// Images of other inputs are stale: a guest still booted from one
-	// keeps its open file.
+	// keeps its open file. Under the lock, a build directory is what a
+	// killed build left.
 	old, _ := filepath.Glob(filepath.Join(base, "*", "root.img"))
+	builds, _ := filepath.Glob(filepath.Join(base, ".build-*"))
 	for _, o := range old {
 		_ = os.RemoveAll(filepath.Dir(o))
+	}
+	for _, b := range builds {
+		_ = os.RemoveAll(b)
 	}
 	tmp, err := os.MkdirTemp(base, ".build-")
 	if err != nil {
