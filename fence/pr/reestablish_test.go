@@ -55,6 +55,9 @@ func wantLostTo(t *testing.T, err error, holder *node) *fence.LostError {
 
 func TestReestablishAfterTargetRestartWithNoOtherKey(t *testing.T) {
 	tgt, a, b := restarted(t)
+	// An I_T nexus reset between the check and the re-establish: the
+	// unit attention it leaves is retried through, not taken for a loss.
+	tgt.QueueUnitAttention("a", 0x29, 0x07)
 	before := len(tgt.Log())
 	c, err := a.e.Reestablish(ctx(t))
 	if err != nil {
