@@ -344,6 +344,22 @@ func (e *Engine) probe(ctx context.Context) (fence.Support, scsi.Capabilities, e
 	return s, caps, nil
 }
 
+// probePR verifies the device and probes it before a claim; a disk without
+// usable persistent reservations fails with fence.ErrNotSupported.
+func (e *Engine) probePR(ctx context.Context) (fence.Support, error) {
+	if err := e.verify(ctx); err != nil {
+		return fence.Support{}, err
+	}
+	sup, _, err := e.probe(ctx)
+	if err != nil {
+		return fence.Support{}, err
+	}
+	if sup.Method != fence.MethodPR {
+		return sup, fmt.Errorf("%s: %w: %s", e.name, fence.ErrNotSupported, sup.Reason)
+	}
+	return sup, nil
+}
+
 // state is one read of the PR state.
 type state struct {
 	keys []fence.Key
@@ -439,15 +455,9 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			return fence.Claim{}, fmt.Errorf("%s: takeover grant rejected: %w", e.name, err)
 		}
 	}
-	if err := e.verify(ctx); err != nil {
-		return fence.Claim{}, err
-	}
-	sup, _, err := e.probe(ctx)
+	sup, err := e.probePR(ctx)
 	if err != nil {
 		return fence.Claim{}, err
-	}
-	if sup.Method != fence.MethodPR {
-		return fence.Claim{}, fmt.Errorf("%s: %w: %s", e.name, fence.ErrNotSupported, sup.Reason)
 	}
 	typ := sup.Preferred
 	mine := e.cfg.Key

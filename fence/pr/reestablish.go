@@ -54,17 +54,15 @@ func (e *Engine) Reestablish(ctx context.Context) (fence.Claim, error) {
 			st.gen == gen && st.res.Generation == gen
 	}
 
-	if err := e.verify(ctx); err != nil {
-		return fence.Claim{}, err
+	// The probe waits out the unit attentions a restarted target queues
+	// for every new I_T nexus (29/00 POWER ON, RESET); the device retries
+	// them.
+	sup, err := e.probePR(ctx)
+	if errors.Is(err, fence.ErrNotSupported) {
+		return refuse(err.Error(), state{})
 	}
-	// probe waits out the unit attentions a restarted target queues for
-	// every new I_T nexus (29/00 POWER ON, RESET); the device retries them.
-	sup, _, err := e.probe(ctx)
 	if err != nil {
 		return fence.Claim{}, err
-	}
-	if sup.Method != fence.MethodPR {
-		return refuse("the disk no longer offers persistent reservations: "+sup.Reason, state{})
 	}
 	typ := e.typ
 	if typ == 0 {

@@ -263,16 +263,25 @@ func TestReestablishRefusedWhenAForeignKeyAppearsBetweenTheReads(t *testing.T) {
 	})
 }
 
+// takenOverAndReleased returns a target on which b took the disk over
+// from a with a grant and then released it: empty, with a 2A/05 unit
+// attention waiting for a.
+func takenOverAndReleased(t *testing.T) (*scsitest.Target, *node) {
+	t.Helper()
+	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
+	a := newNode(t, tgt, "a", uuidA)
+	b := newNode(t, tgt, "b", uuidB)
+	mustAcquire(t, a, nil)
+	mustAcquire(t, b, &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{a.key}})
+	if err := b.e.Release(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	return tgt, a
+}
+
 func TestPreemptionIsNeverReestablished(t *testing.T) {
 	t.Run("preemption reported by unit attention", func(t *testing.T) {
-		tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
-		a := newNode(t, tgt, "a", uuidA)
-		b := newNode(t, tgt, "b", uuidB)
-		mustAcquire(t, a, nil)
-		mustAcquire(t, b, &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{a.key}})
-		if err := b.e.Release(ctx(t)); err != nil {
-			t.Fatal(err)
-		}
+		tgt, a := takenOverAndReleased(t)
 		// The target is empty again, but a's check sees the 2A/05 first.
 		if err := a.e.Check(ctx(t)); !errors.As(err, new(*fence.LostError)) {
 			t.Fatalf("check: %v", err)
@@ -286,14 +295,7 @@ func TestPreemptionIsNeverReestablished(t *testing.T) {
 		}
 	})
 	t.Run("preemption whose unit attention someone else consumed", func(t *testing.T) {
-		tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
-		a := newNode(t, tgt, "a", uuidA)
-		b := newNode(t, tgt, "b", uuidB)
-		mustAcquire(t, a, nil)
-		mustAcquire(t, b, &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{a.key}})
-		if err := b.e.Release(ctx(t)); err != nil {
-			t.Fatal(err)
-		}
+		tgt, a := takenOverAndReleased(t)
 		// The guest kernel's own I/O took the 2A/05 on a's nexus.
 		if err := scsi.NewDevice("a", tgt.Initiator("a")).TestUnitReady(ctx(t)); err != nil {
 			t.Fatal(err)
