@@ -52,17 +52,18 @@
 // nothing behind.
 //
 // What this guarantees, together with Acquire: the target gives the
-// reservation to one I_T nexus only, and each side believes it holds the
-// disk only after a read following its own RESERVE shows it as the holder.
-// Another node's agent registers only when it finds the disk free or holds
+// reservation to one I_T nexus only, and each side counts the disk as its
+// own only after a read following its own RESERVE shows it as the holder.
+// Another node's agent registers only when it finds no reservation or holds
 // a grant naming our key (Acquire refuses any other foreign holder). If it
 // finds the disk free in the window between the restart and our next check,
-// its RESERVE and ours cannot both succeed: whoever is second gets
-// RESERVATION CONFLICT (the other agent then reads, sees us, unregisters
-// and refuses; we read its key and fence ourselves). If its RESERVE came
-// first, ours conflicts and we fence ourselves. So at no time do two agents
-// each believe they hold the disk under a reservation that backs them, and
-// after any foreign registration we never write again without a grant.
+// its RESERVE and ours cannot both succeed. If ours came first, its RESERVE
+// conflicts and its re-read shows us holding: it unregisters and refuses;
+// if its key was already registered when we re-read, we fence ourselves
+// too, keeping the reservation. If its RESERVE came first, ours conflicts
+// and we fence ourselves. So two agents never both count the disk as
+// theirs, and once a re-establish has seen a foreign key this node does
+// not write to the disk again without a grant.
 //
 // What it cannot do: before anybody reserves again, the restarted target
 // enforces nothing. Until the holder's next check (volumes.check_interval)
