@@ -2,7 +2,6 @@ package pr
 
 import (
 	"errors"
-	"slices"
 	"strings"
 	"testing"
 
@@ -80,22 +79,7 @@ func TestReestablishAfterTargetRestartWithNoOtherKey(t *testing.T) {
 		t.Fatalf("b after a re-established: %v", err)
 	}
 	// Plain REGISTER (never IGNORE EXISTING KEY), each step re-read.
-	var outs []string
-	for _, l := range tgt.Log()[before:] {
-		if strings.HasPrefix(l, "a: PR OUT") || strings.HasPrefix(l, "a: PR IN READ") {
-			outs = append(outs, strings.TrimPrefix(l, "a: "))
-		}
-	}
-	want := []string{
-		"PR IN READ KEYS", "PR IN READ RESERVATION",
-		"PR OUT REGISTER",
-		"PR IN READ KEYS", "PR IN READ RESERVATION",
-		"PR OUT RESERVE",
-		"PR IN READ KEYS", "PR IN READ RESERVATION",
-	}
-	if len(outs) < len(want) || !slices.Equal(outs[:len(want)], want) {
-		t.Fatalf("command order:\n%s\nwant prefix:\n%s", strings.Join(outs, "\n"), strings.Join(want, "\n"))
-	}
+	wantClaimOrder(t, tgt.Log()[before:], "a", "PR OUT REGISTER")
 	// Exclusive Access is re-established as Exclusive Access.
 	tgt2 := scsitest.New(scsitest.Options{})
 	x := newNode(t, tgt2, "a", uuidA, func(c *Config) { c.Prefer = fence.ExclusiveAccess })
