@@ -175,6 +175,11 @@ func (m *Manager) checkFence(ctx context.Context, c *Claim, dev *Device, f fence
 		}
 	case errors.As(err, &lost):
 		m.o.Metrics.checks.WithLabelValues("lost").Inc()
+		if r, ok := f.(fence.Reestablisher); ok {
+			if lost = m.reestablish(ctx, c, dev, r, lost); lost == nil {
+				return
+			}
+		}
 		if lost.Holder == 0 {
 			// A unit attention says the claim is gone but not to whom;
 			// the reservation says, for the event and the operator.
