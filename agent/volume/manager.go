@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -731,7 +732,7 @@ func (m *Manager) onLost(volume string) func(*fence.LostError) {
 			}
 		}
 		if c, err := m.store.Get(volume); err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
-			if err := stopFilesystem(c.StagingPath); err != nil {
+			if err := m.stopFilesystem(c.StagingPath); err != nil {
 				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
 			}
 		}
@@ -773,7 +774,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
 		}
 	}
 	if !c.Block && c.Phase == PhaseStaged {
-		if err := stopFilesystem(c.StagingPath); err != nil {
+		if err := m.stopFilesystem(c.StagingPath); err != nil {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
 		}
 	}
@@ -801,7 +802,18 @@ const (
 // remount is refused, it shuts the filesystem down instead. The block
 // layer's read-only flag alone does not stop a mounted filesystem from
 // writing.
-func stopFilesystem(p string) error {
+//
+// Only a mount point is touched: a claim recorded as staged whose staging
+// path is no longer mounted (an unstage killed after its unmount) has no
+// filesystem there, and the remount and shutdown would otherwise land on
+// the filesystem holding the directory -- the node's root.
+func (m *Manager) stopFilesystem(p string) error {
+	if mp, err := m.mounter.IsMountPoint(p); err != nil || !mp {
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("%s: is it a mount point? %w; left alone", p, err)
+		}
+		return nil
+	}
 	err := unix.Mount("", p, "", unix.MS_REMOUNT|unix.MS_RDONLY, "")
 	if err == nil {
 		return nil

@@ -16,9 +16,9 @@ import (
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
 
-// A killPoint is when the agent is killed during a call: as soon as a
-// process of that name (a tool the agent runs for a step) appears, or, for
-// "@D", D seconds after the call was made.
+// A killPoint is when the agent is killed during a call: as soon as it
+// runs a tool of that name for a step, or, for "@D", D seconds after the
+// call was made.
 type killPoint string
 
 // The stage points are the tools the agent runs (formatting on first use,
@@ -142,6 +142,8 @@ const SystemGuest = "node-c"
 // succeed; the filesystem made on first use must be the one mounted every
 // time after (same UUID: never formatted again) and the data written must
 // read back; every kill must have been followed by exactly one restart.
+// In the systemd guest the agent is then killed burstKills times in a row,
+// and a lease-fenced virtio-blk disk is staged (e9Lease).
 func (s *story) e9(ctx context.Context) (err error) {
 	const sc = "E9"
 	c := *s
