@@ -45,30 +45,50 @@ func (k killPoint) sooner() killPoint {
 
 const killedMarker = "/run/e9-killed"
 
-// arm starts, in g, a watcher that kills the agent with SIGKILL at k, and
-// returns its pid.
-func arm(ctx context.Context, g *lab.Guest, k killPoint) (string, error) {
+// arm starts, in n's guest, a watcher that kills the agent with SIGKILL
+// at k, and returns its pid. It first waits for the agent a kill before
+// left restarting: under systemd a call made meanwhile waits on the
+// socket, so a timed kill would land before the call reached the agent,
+// and a watcher would have no agent to watch.
+func (n *e9Node) arm(ctx context.Context, k killPoint) (string, error) {
+	if _, err := n.g.MustSh(ctx, n.ready); err != nil {
+		return "", fmt.Errorf("vco-agent did not come back before the kill at %s: %w", k, err)
+	}
+	kill := fmt.Sprintf("kill -9 $(pidof vco-agent) && echo %s >%s", k, killedMarker)
 	var body string
 	if d, ok := strings.CutPrefix(string(k), "@"); ok {
-		body = fmt.Sprintf("sleep %s; kill -9 $(pidof vco-agent) && echo %s >%s", d, k, killedMarker)
+		// The clock starts when the exec server starts the call (its
+		// csi-call child), not when the watcher does.
+		body = childWatch("vco-lab", `"/bin/vco-lab"cs[i]-call*`, "sleep "+d+"; "+kill)
 	} else {
-		// Only the agent's own children count (the test runs blkid
-		// too), and the loop forks nothing: a tool that runs for a few
-		// milliseconds under TCG is gone before a pidof per turn sees it.
-		body = fmt.Sprintf(`a=$(pidof vco-agent); i=0
-while [ $i -lt 200000 ]; do
-	for t in /proc/$a/task/*/children; do
-		ch=; read -r ch <"$t" 2>/dev/null
-		for c in $ch; do
-			n=; read -r n </proc/$c/comm 2>/dev/null
-			if [ "$n" = %[1]s ]; then kill -9 $a && echo %[1]s >%[2]s; exit 0; fi
+		// Only the agent's own children count: the test runs blkid too.
+		body = childWatch("vco-agent", `*"`+string(k)+`"*`, kill)
+	}
+	out, err := n.g.MustSh(ctx, fmt.Sprintf("rm -f %s; ( %s ) >/dev/null 2>&1 & echo $!", killedMarker, body))
+	return strings.TrimSpace(out), err
+}
+
+// childWatch is a shell loop that runs then as soon as a process named
+// parent has a child whose command line (its arguments run together)
+// matches the case pattern match. It forks nothing while it watches: a
+// tool that runs for a few milliseconds under TCG is gone before a pidof
+// per turn would see it; it gives up after two minutes. Every process
+// named parent is watched (one may be
+// the other's child between fork and exec). The pattern is written so
+// that it does not match itself in the watching shell's command line.
+func childWatch(parent, match, then string) string {
+	return fmt.Sprintf(`ps=$(pidof %s); read -r up _ </proc/uptime; end=$((${up%%.*}+120))
+while read -r up _ </proc/uptime && [ ${up%%.*} -lt $end ]; do
+	for p in $ps; do
+		for t in /proc/$p/task/*/children; do
+			ch=; read -r ch 2>/dev/null <"$t"
+			for c in $ch; do
+				l=; read -r l 2>/dev/null </proc/$c/cmdline
+				case "$l" in %s) %s; exit 0 ;; esac
+			done
 		done
 	done
-	i=$((i+1))
-done`, k, killedMarker)
-	}
-	out, err := g.MustSh(ctx, fmt.Sprintf("rm -f %s; ( %s ) >/dev/null 2>&1 & echo $!", killedMarker, body))
-	return strings.TrimSpace(out), err
+done`, parent, match, then)
 }
 
 // disarm stops the watcher and reports whether it killed the agent.
@@ -99,6 +119,8 @@ type e9Node struct {
 	agentLog func(ctx context.Context) (string, error)
 	// how says what restarted the agent, for the report.
 	how string
+	// ready is a script that waits until the agent runs again.
+	ready string
 	// burst, where set, kills the agent burstKills times in a row, each
 	// time as soon as it is back, and says how it came back.
 	burst func(ctx context.Context) (string, error)
@@ -193,7 +215,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 	// retried call left: mounted, the filesystem of first use, the data.
 	stageAt := func(k killPoint) (killed bool, err error) {
 		err = s.step(sc, g.Name, fmt.Sprintf("NodeStageVolume, agent killed at %s", k), func() (string, error) {
-			pid, err := arm(ctx, g, k)
+			pid, err := n.arm(ctx, k)
 			if err != nil {
 				return "", err
 			}
@@ -206,7 +228,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 			}
 			killed = hit && tries > 1
 			if err != nil {
-				return "", fmt.Errorf("NodeStageVolume still failing after %d tries (agent killed: %v): %w", tries, killed, err)
+				return "", fmt.Errorf("NodeStageVolume still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", tries, killed, err, g.Name, g.ConsoleTail(15))
 			}
 			dev, err := mountedDev()
 			if err != nil || dev == "" {
@@ -248,7 +270,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 	}
 	unstageAt := func(k killPoint) (killed bool, err error) {
 		err = s.step(sc, g.Name, fmt.Sprintf("NodeUnstageVolume, agent killed at %s", k), func() (string, error) {
-			pid, err := arm(ctx, g, k)
+			pid, err := n.arm(ctx, k)
 			if err != nil {
 				return "", err
 			}
@@ -261,7 +283,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 			}
 			killed = hit && tries > 1
 			if err != nil {
-				return "", fmt.Errorf("NodeUnstageVolume still failing after %d tries (agent killed: %v): %w", tries, killed, err)
+				return "", fmt.Errorf("NodeUnstageVolume still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", tries, killed, err, g.Name, g.ConsoleTail(15))
 			}
 			if dev, err := mountedDev(); err != nil || dev != "" {
 				return "", fmt.Errorf("staging path still mounted from %q after NodeUnstageVolume succeeded (%v)", dev, err)
@@ -320,6 +342,11 @@ func (s *story) e9(ctx context.Context) (err error) {
 		landed += burstKills
 	}
 	if err := s.step(sc, g.Name, "the kills reached the agent; "+n.how+" restarted it after each; it formatted once", func() (string, error) {
+		// A kill that landed after the last call answered may still be
+		// waiting for its restart.
+		if _, err := g.MustSh(ctx, n.ready); err != nil {
+			return "", fmt.Errorf("vco-agent did not come back: %w", err)
+		}
 		restarts, err := n.restarts(ctx)
 		if err != nil {
 			return "", err
@@ -454,8 +481,9 @@ func (s *story) e9Supervised(ctx context.Context, sc string) (n *e9Node, done fu
 		return nil, nil, err
 	}
 	n = &e9Node{g: g, how: "the shell loop",
+		ready: "i=0; until pidof vco-agent >/dev/null; do i=$((i+1)); [ $i -lt 300 ] || exit 1; sleep 0.1; done",
 		restarts: func(ctx context.Context) (int, error) {
-			out, err := g.MustSh(ctx, "i=0; while ! pidof vco-agent >/dev/null && [ $i -lt 300 ]; do i=$((i+1)); sleep 0.1; done; cat "+simlab.SupervisorExits+" 2>/dev/null; true")
+			out, err := g.MustSh(ctx, "cat "+simlab.SupervisorExits+" 2>/dev/null; true")
 			return strings.Count(out, "137"), err
 		},
 		agentLog: func(ctx context.Context) (string, error) {
@@ -564,12 +592,8 @@ systemctl show -p StartLimitBurst -p StartLimitIntervalUSec vco-agent.service | 
 			return fmt.Sprintf("%d kills in %s, the agent back after each; agent and socket active (unit: %s)",
 				burstKills, time.Since(start).Round(100*time.Millisecond), strings.TrimSpace(out)), nil
 		},
+		ready: "i=0; until systemctl is-active --quiet vco-agent.service; do i=$((i+1)); [ $i -lt 300 ] || exit 1; sleep 0.1; done",
 		restarts: func(ctx context.Context) (int, error) {
-			// A kill that landed after the last call answered may still
-			// be waiting out RestartSec.
-			if _, err := g.MustSh(ctx, "i=0; until systemctl is-active --quiet vco-agent.service; do i=$((i+1)); [ $i -lt 300 ] || exit 1; sleep 0.1; done"); err != nil {
-				return 0, fmt.Errorf("vco-agent did not come back: %w", err)
-			}
 			n, err := nrestarts(ctx)
 			return n - base, err
 		},
