@@ -32,6 +32,15 @@ var (
 
 const killTries = 4
 
+// timed reports whether k is a time after the start of the call. A timed
+// kill happens only while the call is in flight, so it always interrupts
+// the call: under systemd, when it reaches the agent before the call does,
+// the call waits on the socket and is answered, on its first try, by the
+// agent systemd starts again. A kill at a tool the agent runs interrupts
+// the call (it fails and is tried again) unless the agent ran the tool
+// outside any call.
+func (k killPoint) timed() bool { return strings.HasPrefix(string(k), "@") }
+
 // sooner is the same kill point, half as long after the call.
 func (k killPoint) sooner() killPoint {
 	d, ok := strings.CutPrefix(string(k), "@")
@@ -55,29 +64,36 @@ func (n *e9Node) arm(ctx context.Context, k killPoint) (string, error) {
 		return "", fmt.Errorf("vco-agent did not come back before the kill at %s: %w", k, err)
 	}
 	kill := fmt.Sprintf("kill -9 $(pidof vco-agent) && echo %s >%s", k, killedMarker)
-	var body string
+	var watch string
 	if d, ok := strings.CutPrefix(string(k), "@"); ok {
 		// The clock starts when the exec server starts the call (its
-		// csi-call child), not when the watcher does.
-		body = childWatch("vco-lab", `"/bin/vco-lab"cs[i]-call*`, "sleep "+d+"; "+kill)
+		// csi-call child $c), and the kill happens only while that call
+		// is still waiting for its answer: a kill after the answer
+		// would interrupt nothing.
+		watch = childWatch("vco-lab", `"/bin/vco-lab"cs[i]-call*`, "sleep "+d+"; running $c && "+kill)
 	} else {
 		// Only the agent's own children count: the test runs blkid too.
-		body = childWatch("vco-agent", `*"`+string(k)+`"*`, kill)
+		watch = childWatch("vco-agent", `*"`+string(k)+`"*`, kill)
 	}
-	out, err := n.g.MustSh(ctx, fmt.Sprintf("rm -f %s; ( %s ) >/dev/null 2>&1 & echo $!", killedMarker, body))
+	out, err := n.g.MustSh(ctx, "rm -f "+killedMarker+"; "+watch)
 	return strings.TrimSpace(out), err
 }
 
-// childWatch is a shell loop that runs then as soon as a process named
-// parent has a child whose command line (its arguments run together)
-// matches the case pattern match. It forks nothing while it watches: a
-// tool that runs for a few milliseconds under TCG is gone before a pidof
-// per turn would see it; it gives up after two minutes. Every process
-// named parent is watched (one may be
-// the other's child between fork and exec). The pattern is written so
-// that it does not match itself in the watching shell's command line.
+// childWatch is a shell script that starts, in the background, a loop
+// that runs then as soon as a process named parent has a child $c whose
+// command line (its arguments run together) matches the case pattern
+// match, and prints the loop's pid. The parents are found before the loop
+// starts, so it watches from the moment the script returns; it forks
+// nothing while it watches (a tool that runs for a few milliseconds under
+// TCG is gone before a pidof per turn would see it), and gives up after
+// two minutes. Every process named parent is watched: one may be the
+// other's child between fork and exec. The pattern is written so that it
+// does not match itself in the watching shell's command line. then may
+// ask "running $c": is the child still running?
 func childWatch(parent, match, then string) string {
-	return fmt.Sprintf(`ps=$(pidof %s); read -r up _ </proc/uptime; end=$((${up%%.*}+120))
+	return fmt.Sprintf(`ps=$(pidof %s)
+( running() { read -r st 2>/dev/null </proc/$1/stat || return 1; case "$st" in *") Z "*|*") X "*) return 1 ;; esac; }
+read -r up _ </proc/uptime; end=$((${up%%.*}+120))
 while read -r up _ </proc/uptime && [ ${up%%.*} -lt $end ]; do
 	for p in $ps; do
 		for t in /proc/$p/task/*/children; do
@@ -88,7 +104,8 @@ while read -r up _ </proc/uptime && [ ${up%%.*} -lt $end ]; do
 			done
 		done
 	done
-done`, parent, match, then)
+done ) >/dev/null 2>&1 &
+echo $!`, parent, match, then)
 }
 
 // disarm stops the watcher and reports whether it killed the agent.
@@ -220,13 +237,11 @@ func (s *story) e9(ctx context.Context) (err error) {
 				return "", err
 			}
 			tries, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, "NodeStageVolume", stageReq, nil) })
-			// A kill that lands only after the call answered (first try
-			// succeeded) did not interrupt it: the point was outrun.
 			hit := disarm(ctx, g, pid)
 			if hit {
 				landed++
 			}
-			killed = hit && tries > 1
+			killed = hit && (k.timed() || tries > 1)
 			if err != nil {
 				return "", fmt.Errorf("NodeStageVolume still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", tries, killed, err, g.Name, g.ConsoleTail(15))
 			}
@@ -275,13 +290,11 @@ func (s *story) e9(ctx context.Context) (err error) {
 				return "", err
 			}
 			tries, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, "NodeUnstageVolume", unstageReq, nil) })
-			// A kill that lands only after the call answered (first try
-			// succeeded) did not interrupt it: the point was outrun.
 			hit := disarm(ctx, g, pid)
 			if hit {
 				landed++
 			}
-			killed = hit && tries > 1
+			killed = hit && (k.timed() || tries > 1)
 			if err != nil {
 				return "", fmt.Errorf("NodeUnstageVolume still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", tries, killed, err, g.Name, g.ConsoleTail(15))
 			}
@@ -303,7 +316,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 	at := func(k killPoint, call func(killPoint) (bool, error), undo func() error) (bool, error) {
 		for try := 1; ; try++ {
 			killed, err := call(k)
-			if err != nil || killed || try == killTries || !strings.HasPrefix(string(k), "@") {
+			if err != nil || killed || try == killTries || !k.timed() {
 				return killed, err
 			}
 			if err := undo(); err != nil {
