@@ -30,7 +30,7 @@ var (
 	unstageKills = []killPoint{"@0.4", "@0.2", "@0.1", "@0.05", "@0"}
 )
 
-const killTries = 4
+const killTries = 5
 
 // timed reports whether k is a time after the start of the call. A timed
 // kill happens only while the call is in flight, so it always interrupts
@@ -41,7 +41,8 @@ const killTries = 4
 // outside any call.
 func (k killPoint) timed() bool { return strings.HasPrefix(string(k), "@") }
 
-// sooner is the same kill point, half as long after the call.
+// sooner is the same kill point, half as long after the start of the
+// call, or at its start once that is under 40 ms.
 func (k killPoint) sooner() killPoint {
 	d, ok := strings.CutPrefix(string(k), "@")
 	if !ok {
@@ -49,6 +50,9 @@ func (k killPoint) sooner() killPoint {
 	}
 	var f float64
 	fmt.Sscanf(d, "%g", &f)
+	if f/2 < 0.04 {
+		return "@0"
+	}
 	return killPoint(fmt.Sprintf("@%g", f/2))
 }
 
@@ -63,19 +67,25 @@ func (n *e9Node) arm(ctx context.Context, k killPoint) (string, error) {
 	if _, err := n.g.MustSh(ctx, n.ready); err != nil {
 		return "", fmt.Errorf("vco-agent did not come back before the kill at %s: %w", k, err)
 	}
-	kill := fmt.Sprintf("kill -9 $(pidof vco-agent) && echo %s >%s", k, killedMarker)
+	// The agent's pid is looked up now: a pidof at the kill would take
+	// longer under TCG than a quick call does.
+	kill := fmt.Sprintf("kill -9 $a && echo %s >%s", k, killedMarker)
 	var watch string
 	if d, ok := strings.CutPrefix(string(k), "@"); ok {
 		// The clock starts when the exec server starts the call (its
 		// csi-call child $c), and the kill happens only while that call
 		// is still waiting for its answer: a kill after the answer
 		// would interrupt nothing.
-		watch = childWatch("vco-lab", `"/bin/vco-lab"cs[i]-call*`, "sleep "+d+"; running $c && "+kill)
+		wait := ""
+		if d != "0" {
+			wait = "sleep " + d + "; "
+		}
+		watch = childWatch("vco-lab", `"/bin/vco-lab"cs[i]-call*`, wait+"running $c && "+kill)
 	} else {
 		// Only the agent's own children count: the test runs blkid too.
 		watch = childWatch("vco-agent", `*"`+string(k)+`"*`, kill)
 	}
-	out, err := n.g.MustSh(ctx, "rm -f "+killedMarker+"; "+watch)
+	out, err := n.g.MustSh(ctx, "rm -f "+killedMarker+"; a=$(pidof vco-agent); "+watch)
 	return strings.TrimSpace(out), err
 }
 
