@@ -11,7 +11,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -47,32 +46,7 @@ func (s *story) e7(ctx context.Context) error {
 	c := *s
 	c.name, c.pod, c.kind = "pvc-e2e-grow", "pod-grow-", simlab.FileVirtioBlk
 	g := s.a
-	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-grow (1 GiB, "+string(c.kind)+")", func() (string, error) {
-		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-			},
-		})
-		if err != nil {
-			return "", err
-		}
-		c.volID = resp.Volume.VolumeId
-		_, rest, _ := strings.Cut(c.volID, "/")
-		if c.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
-			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
-		}
-		s.env.Backend.SetKind(c.diskID, c.kind)
-		return "volume " + c.volID, nil
-	}); err != nil {
-		return err
-	}
-	pc, err := c.publish(ctx, sc, g)
-	if err != nil {
-		return err
-	}
-	if err := c.stageAndPublish(ctx, sc, g, pc); err != nil {
+	if err := c.createInUse(ctx, sc, g); err != nil {
 		return err
 	}
 	var sum string

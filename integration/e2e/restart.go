@@ -427,13 +427,9 @@ func (c *story) createOwn(ctx context.Context, sc string) error {
 	})
 }
 
-// e9Lease stages a blank virtio-blk disk in the systemd guest. It has no
-// reservations, so the agent fences it with its on-disk lease and mounts
-// the data area past the lease through a loop device: work that the
-// unit's DeviceAllow= and syscall filter must let it do.
-func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
-	c := *s
-	c.name, c.pod, c.kind = "pvc-e2e-kill-lease", "pod-lease-", simlab.FileVirtioBlk
+// createInUse creates c's volume and has g use it: published to g,
+// staged and published into c's pod there.
+func (c *story) createInUse(ctx context.Context, sc string, g *lab.Guest) error {
 	if err := c.createOwn(ctx, sc); err != nil {
 		return err
 	}
@@ -441,7 +437,17 @@ func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
 	if err != nil {
 		return err
 	}
-	if err := c.stageAndPublish(ctx, sc, g, pc); err != nil {
+	return c.stageAndPublish(ctx, sc, g, pc)
+}
+
+// e9Lease stages a blank virtio-blk disk in the systemd guest. It has no
+// reservations, so the agent fences it with its on-disk lease and mounts
+// the data area past the lease through a loop device: work that the
+// unit's DeviceAllow= and syscall filter must let it do.
+func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
+	c := *s
+	c.name, c.pod, c.kind = "pvc-e2e-kill-lease", "pod-lease-", simlab.FileVirtioBlk
+	if err := c.createInUse(ctx, sc, g); err != nil {
 		return err
 	}
 	if err := s.step(sc, g.Name, "the lease's data area is mounted through a loop device; data reads back", func() (string, error) {
