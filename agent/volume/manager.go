@@ -73,6 +73,9 @@ type Manager struct {
 
 	mu   sync.Mutex
 	live map[string]*live
+	// reclaims holds when a stage of each volume began waiting for a
+	// holder to re-establish (acquire), for its retries.
+	reclaims map[string]time.Time
 }
 
 // live is what the agent holds open for a claimed volume.
@@ -101,7 +104,7 @@ func New(o Options) (*Manager, error) {
 		o: o, log: o.Log, store: st, exec: ex,
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		mounter: mount.NewSafeFormatAndMount(mount.NewWithoutSystemd(""), ex),
-		live:    map[string]*live{},
+		live:    map[string]*live{}, reclaims: map[string]time.Time{},
 	}, nil
 }
 
@@ -537,7 +540,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 				}
 			}
 		}
-		claim, err := fencer.Acquire(ctx, r.Grant)
+		claim, err := m.acquire(ctx, fencer, c.Volume, dev, r.Grant)
 		var held *fence.HeldError
 		switch {
 		case errors.As(err, &held):
@@ -547,6 +550,11 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			var lost *fence.LostError
 			if errors.As(err, &lost) {
 				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+			}
+			if ctx.Err() != nil {
+				// The caller gave up (the reclaim wait outlasted its
+				// deadline): its code says so, and its retry waits again.
+				return res, fmt.Errorf("volume %s: %w", c.Volume, err)
 			}
 			return res, agenterr.New(agenterr.Unavailable, "volume %s: fencing %s: %v", c.Volume, dev.Path, err)
 		}
