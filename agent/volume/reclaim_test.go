@@ -48,6 +48,22 @@ func nodeARead(ini string, cdb []byte) bool {
 	return ini == nodeA && len(cdb) > 1 && cdb[0] == scsi.OpPersistentReserveIn && scsi.PRInAction(cdb[1]&0x1f) == scsi.ReadKeys
 }
 
+// notClaimed asserts that node A's failed first stage left nothing: no
+// registration, no record, nothing mounted, and the device read-only only
+// when it was a refusal.
+func notClaimed(t *testing.T, e *env, tgt *scsitest.Target, dev string, req StageRequest, refused bool) {
+	t.Helper()
+	if deviceReadOnly(t, dev) != refused || isMounted(t, req.StagingPath) {
+		t.Fatalf("after the stage: read-only %v (want %v), mounted %v", deviceReadOnly(t, dev), refused, isMounted(t, req.StagingPath))
+	}
+	if _, reg := tgt.Registered(nodeA); reg {
+		t.Fatal("node A registered")
+	}
+	if c, _ := e.m.Store().Get(req.Volume); c != nil {
+		t.Fatalf("the first stage left a record: %+v", c)
+	}
+}
+
 func reclaimWaits(t *testing.T, m *Manager, result string) float64 {
 	return metric(t, m, "vco_agent_reclaim_waits_total", "result", result)
 }
@@ -77,15 +93,7 @@ func TestStageRefusedWhenTheHolderReestablishesDuringTheWait(t *testing.T) {
 	if ev.Volume != "vol-f" || ev.HolderKey != uint64(keyB) || ev.HolderNode != "node-b" {
 		t.Fatalf("refusal event: %+v", ev)
 	}
-	if !deviceReadOnly(t, dev) || isMounted(t, req.StagingPath) {
-		t.Fatal("the refused disk is writable or mounted")
-	}
-	if _, reg := tgt.Registered(nodeA); reg {
-		t.Fatal("node A registered on the disk node B re-established")
-	}
-	if c, _ := e.m.Store().Get("vol-f"); c != nil {
-		t.Fatalf("refused first stage left a record: %+v", c)
-	}
+	notClaimed(t, e, tgt, dev, req, true)
 	if reclaimWaits(t, e.m, "refused") != 1 {
 		t.Fatal("the wait that ended in a refusal is not counted")
 	}
@@ -178,15 +186,7 @@ func TestReclaimWaitEndsWithTheCallAndItsRetryGoesOn(t *testing.T) {
 	_, err := e.m.Stage(short, req)
 	tgt.BeforeCommand = nil
 	wantCode(t, err, codes.Canceled, "vol-f", "re-establish")
-	if deviceReadOnly(t, dev) || isMounted(t, req.StagingPath) {
-		t.Fatal("a stage that ran out of time refused or mounted the disk")
-	}
-	if _, reg := tgt.Registered(nodeA); reg {
-		t.Fatal("node A registered")
-	}
-	if c, _ := e.m.Store().Get("vol-f"); c != nil {
-		t.Fatalf("the stage that ran out of time left a record: %+v", c)
-	}
+	notClaimed(t, e, tgt, dev, req, false)
 	if reclaimWaits(t, e.m, "ended") != 1 {
 		t.Fatal("the wait cut short is not counted")
 	}

@@ -125,25 +125,26 @@ func TestKeyRegisteredWithoutReservationAtTheEndOfTheWaitIsRefused(t *testing.T)
 }
 
 func TestNoWaitForADiskThatIsNotForgotten(t *testing.T) {
-	w := func(calls *atomic.Int32) fence.ReclaimWait {
-		return fence.ReclaimWait{Wait: forever, Poll: 10 * time.Millisecond, Contents: holding(calls)}
+	// claimsAtOnce: b claims without looking at the contents.
+	claimsAtOnce := func(t *testing.T, tgt *scsitest.Target, b *node, g *fence.Grant) {
+		t.Helper()
+		var calls atomic.Int32
+		if _, err := b.e.AcquireWaiting(ctx(t), g, fence.ReclaimWait{Wait: forever, Poll: 10 * time.Millisecond, Contents: holding(&calls)}); err != nil {
+			t.Fatalf("b: %v", err)
+		}
+		if calls.Load() != 0 {
+			t.Fatal("the contents were examined")
+		}
+		assertHolder(t, tgt, "b", b.key, fence.WriteExclusive)
 	}
 	t.Run("released by its holder: generation above 0", func(t *testing.T) {
 		tgt := scsitest.New(scsitest.Options{})
 		a := newNode(t, tgt, "a", uuidA)
-		b := newNode(t, tgt, "b", uuidB)
 		mustAcquire(t, a, nil)
 		if err := a.e.Release(ctx(t)); err != nil {
 			t.Fatal(err)
 		}
-		var calls atomic.Int32
-		if _, err := b.e.AcquireWaiting(ctx(t), nil, w(&calls)); err != nil {
-			t.Fatalf("b on a disk a released: %v", err)
-		}
-		if calls.Load() != 0 {
-			t.Fatal("the contents of a released disk were examined")
-		}
-		assertHolder(t, tgt, "b", b.key, fence.WriteExclusive)
+		claimsAtOnce(t, tgt, newNode(t, tgt, "b", uuidB), nil)
 	})
 	t.Run("blank disk on a target at generation 0", func(t *testing.T) {
 		tgt := scsitest.New(scsitest.Options{})
@@ -160,15 +161,7 @@ func TestNoWaitForADiskThatIsNotForgotten(t *testing.T) {
 	})
 	t.Run("stage with a grant", func(t *testing.T) {
 		tgt, a, b := restarted(t)
-		var calls atomic.Int32
-		g := &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{a.key}}
-		if _, err := b.e.AcquireWaiting(ctx(t), g, w(&calls)); err != nil {
-			t.Fatalf("b with a grant: %v", err)
-		}
-		if calls.Load() != 0 {
-			t.Fatal("a granted acquire examined the contents")
-		}
-		assertHolder(t, tgt, "b", b.key, fence.WriteExclusive)
+		claimsAtOnce(t, tgt, b, &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{a.key}})
 	})
 	t.Run("held: refused at once", func(t *testing.T) {
 		tgt := scsitest.New(scsitest.Options{})
@@ -176,7 +169,8 @@ func TestNoWaitForADiskThatIsNotForgotten(t *testing.T) {
 		b := newNode(t, tgt, "b", uuidB)
 		mustAcquire(t, a, nil)
 		var calls atomic.Int32
-		if _, err := b.e.AcquireWaiting(ctx(t), nil, w(&calls)); !errors.As(err, new(*fence.HeldError)) || calls.Load() != 0 {
+		w := fence.ReclaimWait{Wait: forever, Poll: 10 * time.Millisecond, Contents: holding(&calls)}
+		if _, err := b.e.AcquireWaiting(ctx(t), nil, w); !errors.As(err, new(*fence.HeldError)) || calls.Load() != 0 {
 			t.Fatalf("b on a held disk: %v (contents examined %d times)", err, calls.Load())
 		}
 	})

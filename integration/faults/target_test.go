@@ -332,35 +332,35 @@ func TestTargetRestart(t *testing.T) {
 		}
 	})
 
-	// pauseAgent stops g's agent (SIGSTOP) until the returned resume is
-	// called, or the sub-test ends.
-	pauseAgent := func(t *testing.T, g *lab.Guest) (resume func()) {
+	// restartWithHolderPaused stops node-a's agent (SIGSTOP) and restarts
+	// the target, so that node-b moves before node-a's next check. The
+	// agent runs again when resume is called, or the sub-test ends.
+	restartWithHolderPaused := func(t *testing.T) (resume func()) {
 		t.Helper()
-		if _, err := g.MustSh(ctx, "kill -STOP $(cat /run/agent.pid)"); err != nil {
+		if _, err := a.MustSh(ctx, "kill -STOP $(cat /run/agent.pid)"); err != nil {
 			t.Fatal(err)
 		}
 		paused := true
 		resume = func() {
 			if paused {
 				paused = false
-				if _, err := g.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)"); err != nil {
+				if _, err := a.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)"); err != nil {
 					t.Fatal(err)
 				}
 			}
 		}
 		t.Cleanup(resume)
-		return resume
-	}
-
-	t.Run("the other node asks first: it waits, the holder re-establishes, it is refused", func(t *testing.T) {
-		// Pause node-a's agent so that node-b's stage comes before node-a's
-		// next check: it finds the restarted target empty at PR
-		// generation 0 and a disk with data on it.
-		resume := pauseAgent(t, a)
 		d := restartTarget(t, ctx, l, lun)
 		restarts++
 		figure(t, "target_restart_ms", d.Milliseconds())
 		untilDeviceAnswers(t, ctx, b, devB)
+		return resume
+	}
+
+	t.Run("the other node asks first: it waits, the holder re-establishes, it is refused", func(t *testing.T) {
+		// node-b's stage finds the restarted target empty at PR generation
+		// 0, and a disk with data on it.
+		resume := restartWithHolderPaused(t)
 		type staged struct {
 			r    *guestexec.Result
 			err  error
@@ -430,13 +430,9 @@ func TestTargetRestart(t *testing.T) {
 	})
 
 	t.Run("another key appeared: the holder fences itself", func(t *testing.T) {
-		// An operator's `fence acquire` does not wait: with node-a's agent
-		// paused, node-b claims the restarted target by hand.
-		resume := pauseAgent(t, a)
-		d := restartTarget(t, ctx, l, lun)
-		restarts++
-		figure(t, "target_restart_ms", d.Milliseconds())
-		untilDeviceAnswers(t, ctx, b, devB)
+		// An operator's `fence acquire` does not wait: node-b claims the
+		// restarted target by hand.
+		resume := restartWithHolderPaused(t)
 		rep, code, out, err := fence(ctx, b, nodes, "acquire", devB)
 		if err != nil {
 			t.Fatal(err)
