@@ -223,6 +223,26 @@ func hexKey(t *testing.T, g *lab.Guest) string {
 	return strings.TrimPrefix(k.String(), "0x")
 }
 
+// prState is the PR generation of dev, and how many keys are registered,
+// as g reads them (vco-agent fence show).
+func prState(t *testing.T, ctx context.Context, g *lab.Guest, dev string) (generation uint32, keys int) {
+	t.Helper()
+	r, err := g.Exec().Run(ctx, 0, "/bin/vco-agent", "fence", "show", dev, "--json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep struct {
+		Status struct {
+			Generation uint32            `json:"generation"`
+			Keys       []json.RawMessage `json:"keys"`
+		} `json:"status"`
+	}
+	if r.Exit != 0 || json.Unmarshal([]byte(r.Stdout), &rep) != nil {
+		t.Fatalf("%s: vco-agent fence show %s: %s", g.Name, dev, r)
+	}
+	return rep.Status.Generation, len(rep.Status.Keys)
+}
+
 // targetRefusesWrite clears the block layer's read-only flag the agent
 // set on a refused or fenced disk, so that the write reaches the target,
 // and asserts that the target refuses it (the fence is the target's, not
@@ -254,7 +274,8 @@ func targetRefusesWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 // during the wait and node-b is refused. The third sub-test has node-b
 // claim the restarted target by hand, which does not wait: node-a then
 // fences itself, never takes the disk back without a grant, and the
-// target refuses its writes.
+// target refuses its writes. Once node-b releases, tgt shows the target
+// empty at a PR generation above 0, and node-b's stage claims it at once.
 func TestTargetRestart(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
@@ -470,8 +491,24 @@ func TestTargetRestart(t *testing.T) {
 			t.Errorf("block 6 holds %q, want node-b's write", got)
 		}
 		if _, code, out, err := fence(ctx, b, nodes, "release", devB); err != nil || code != 0 {
-			t.Errorf("node-b: fence release: %v exit %d: %s", err, code, out)
+			t.Fatalf("node-b: fence release: %v exit %d: %s", err, code, out)
 		}
+
+		// What the reclaim wait rests on, on tgt: a release leaves the
+		// target empty at a PR generation above 0, so the next stage
+		// without a grant claims the disk at once, data and all.
+		gen, keys := prState(t, ctx, b, devB)
+		figure(t, "target_restart_generation_after_release", gen)
+		if gen == 0 || keys != 0 {
+			t.Fatalf("after node-b's release the target shows %d keys at PR generation %d, want none at a generation above 0", keys, gen)
+		}
+		if r := stageRestartVolume(t, ctx, b, lun.Serial); r.Exit != 0 {
+			t.Fatalf("node-b: stage of the released disk: %s", r)
+		}
+		if n := metric(t, ctx, b, `vco_agent_reclaim_waits_total{result="claimed"}`); n != 0 {
+			t.Fatalf("node-b waited %v times before claiming a disk released by its holder", n)
+		}
+		mustWrite(t, ctx, b, devB, 8, "restart-b-staged-after-release")
 	})
 	figure(t, "target_restart_faults", restarts)
 	figure(t, "target_restart_losses_noticed", lost)
