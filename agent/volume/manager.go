@@ -203,6 +203,9 @@ type StageRequest struct {
 	FormatLUKS    bool
 	Token         *TransitToken
 	AllowUnfenced bool
+	// NeverPublished is the controller's word that no node was given the
+	// disk before this stage's: the reclaim wait is skipped (acquire).
+	NeverPublished bool
 }
 
 // StageResult says what Stage did.
@@ -540,7 +543,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 				}
 			}
 		}
-		claim, err := m.acquire(ctx, fencer, c.Volume, dev, r.Grant)
+		claim, err := m.acquire(ctx, fencer, c.Volume, dev, r.Grant, r.NeverPublished)
 		var held *fence.HeldError
 		switch {
 		case errors.As(err, &held):

@@ -17,9 +17,22 @@ import (
 // holder coming back. The wait holds only this volume's lock and ends
 // with ctx; a retry soon after waits only for what is left, so a caller
 // whose deadline is shorter than the wait still gets the disk in the end.
-func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, dev *Device, grant *fence.Grant) (fence.Claim, error) {
+//
+// neverPublished skips the wait: the controller says it had given the disk
+// to no node before this stage's, so there is no holder to wait for. It
+// changes nothing else; a disk that shows a registration or a reservation
+// is refused as ever.
+func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, dev *Device, grant *fence.Grant, neverPublished bool) (fence.Claim, error) {
 	wa, ok := f.(fence.WaitingAcquirer)
 	if !ok {
+		return f.Acquire(ctx, grant)
+	}
+	if neverPublished {
+		m.mu.Lock()
+		delete(m.reclaims, volume)
+		m.mu.Unlock()
+		m.log.Info("the controller published this disk to no node before: claiming it without the reclaim wait",
+			"volume", volume, "device", dev.Path)
 		return f.Acquire(ctx, grant)
 	}
 	full := m.o.Config.ReclaimAfter()

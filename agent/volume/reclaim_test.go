@@ -199,3 +199,86 @@ func TestReclaimWaitEndsWithTheCallAndItsRetryGoesOn(t *testing.T) {
 		t.Fatal("the retry's wait is not counted")
 	}
 }
+
+// restored returns node A's manager with a reclaim wait of an hour and a
+// disk as a volume restored from a snapshot first looks: an ext4
+// filesystem, and a target that no node ever registered with.
+func restored(t *testing.T) (*env, *scsitest.Target, string, string) {
+	t.Helper()
+	e, tgt := newFencedEnv(t)
+	e.cfg.ReclaimWait = time.Hour
+	e.start()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v: %s", err, out)
+	}
+	if tgt.Generation() != 0 {
+		t.Fatal("model: a new target is not at generation 0")
+	}
+	return e, tgt, img, dev
+}
+
+func TestNeverPublishedStageSkipsTheReclaimWait(t *testing.T) {
+	e, tgt, img, dev := restored(t)
+	req := e.stageReq("vol-r", img, "staging/r")
+	req.AllowUnfenced = false
+
+	// Without the controller's word, the data may be a forgotten holder's:
+	// the stage waits, here until its caller gives up.
+	short, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	reads := 0
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		if nodeARead(ini, cdb) {
+			if reads++; reads == 2 {
+				cancel()
+			}
+		}
+	}
+	_, err := e.m.Stage(short, req)
+	tgt.BeforeCommand = nil
+	wantCode(t, err, codes.Canceled, "vol-r", "re-establish")
+	notClaimed(t, e, tgt, dev, req, false)
+	if reclaimWaits(t, e.m, "ended") != 1 {
+		t.Fatal("the stage without the flag did not wait")
+	}
+
+	// With it, the disk is claimed at once: an hour's wait would outlast
+	// the context.
+	ctx, cancel2 := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel2()
+	req.NeverPublished = true
+	res, err := e.m.Stage(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Method != fence.MethodPR || res.Formatted || !isMounted(t, req.StagingPath) {
+		t.Fatalf("stage with the flag: %+v, mounted %v (the filesystem must be mounted, not made again)", res, isMounted(t, req.StagingPath))
+	}
+	if h, k, _, ok := tgt.Reservation(); !ok || h != nodeA || fence.Key(k) != keyA {
+		t.Fatalf("reservation (%q, %s, %v), want node A's", h, fence.Key(k), ok)
+	}
+	for _, r := range []string{"claimed", "refused", "error"} {
+		if n := reclaimWaits(t, e.m, r); n != 0 {
+			t.Fatalf("%v waits counted as %s", n, r)
+		}
+	}
+}
+
+func TestNeverPublishedStageStillRefusesAHeldDisk(t *testing.T) {
+	e, tgt, img, dev := restored(t)
+	if _, err := nodeBEngine(t, tgt, "vol-r").Acquire(context.Background(), nil); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	req := e.stageReq("vol-r", img, "staging/r")
+	req.AllowUnfenced, req.NeverPublished = false, true
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "held by another node", keyB.String(), "node-b")
+	notClaimed(t, e, tgt, dev, req, true)
+	if h, k, _, ok := tgt.Reservation(); !ok || h != nodeB || fence.Key(k) != keyB {
+		t.Fatalf("reservation (%q, %s, %v), want node B's still", h, fence.Key(k), ok)
+	}
+}
