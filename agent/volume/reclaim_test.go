@@ -68,6 +68,32 @@ func reclaimWaits(t *testing.T, m *Manager, result string) float64 {
 	return metric(t, m, "vco_agent_reclaim_waits_total", "result", result)
 }
 
+// givenUpDuringTheWait stages req, whose caller gives up (kubelet's
+// deadline) once the stage is in its reclaim wait, and asserts that the
+// wait was counted as ended and the stage left nothing behind.
+func givenUpDuringTheWait(t *testing.T, e *env, tgt *scsitest.Target, dev string, req StageRequest) {
+	t.Helper()
+	short, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	reads := 0
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		// Node A's first READ KEYS is the stage's own look; the second
+		// is the wait's.
+		if nodeARead(ini, cdb) {
+			if reads++; reads == 2 {
+				cancel()
+			}
+		}
+	}
+	_, err := e.m.Stage(short, req)
+	tgt.BeforeCommand = nil
+	wantCode(t, err, codes.Canceled, req.Volume, "re-establish")
+	notClaimed(t, e, tgt, dev, req, false)
+	if reclaimWaits(t, e.m, "ended") != 1 {
+		t.Fatal("the wait cut short is not counted")
+	}
+}
+
 func TestStageRefusedWhenTheHolderReestablishesDuringTheWait(t *testing.T) {
 	e, tgt, b, img, dev := forgotten(t, time.Hour)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -172,24 +198,7 @@ func TestReclaimWaitEndsWithTheCallAndItsRetryGoesOn(t *testing.T) {
 	e, tgt, _, img, dev := forgotten(t, 2*time.Second)
 	req := e.stageReq("vol-f", img, "staging/f")
 	req.AllowUnfenced = false
-	short, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	reads := 0
-	tgt.BeforeCommand = func(ini string, cdb []byte) {
-		// The caller gives up during the wait (kubelet's deadline).
-		if nodeARead(ini, cdb) {
-			if reads++; reads == 2 {
-				cancel()
-			}
-		}
-	}
-	_, err := e.m.Stage(short, req)
-	tgt.BeforeCommand = nil
-	wantCode(t, err, codes.Canceled, "vol-f", "re-establish")
-	notClaimed(t, e, tgt, dev, req, false)
-	if reclaimWaits(t, e.m, "ended") != 1 {
-		t.Fatal("the wait cut short is not counted")
-	}
+	givenUpDuringTheWait(t, e, tgt, dev, req)
 	ctx, cancel2 := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel2()
 	if _, err := e.m.Stage(ctx, req); err != nil {
@@ -226,23 +235,7 @@ func TestNeverPublishedStageSkipsTheReclaimWait(t *testing.T) {
 
 	// Without the controller's word, the data may be a forgotten holder's:
 	// the stage waits, here until its caller gives up.
-	short, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	reads := 0
-	tgt.BeforeCommand = func(ini string, cdb []byte) {
-		if nodeARead(ini, cdb) {
-			if reads++; reads == 2 {
-				cancel()
-			}
-		}
-	}
-	_, err := e.m.Stage(short, req)
-	tgt.BeforeCommand = nil
-	wantCode(t, err, codes.Canceled, "vol-r", "re-establish")
-	notClaimed(t, e, tgt, dev, req, false)
-	if reclaimWaits(t, e.m, "ended") != 1 {
-		t.Fatal("the stage without the flag did not wait")
-	}
+	givenUpDuringTheWait(t, e, tgt, dev, req)
 
 	// With it, the disk is claimed at once: an hour's wait would outlast
 	// the context.
