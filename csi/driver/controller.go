@@ -317,8 +317,12 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		switch {
 		case !ours:
 			return nil, failf(ErrAlreadyExists, "a disk named %q (id %d in %s) exists that this driver did not create", name, existing.ID, loc)
-		case existing.SizeGiB != size:
-			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, not the requested %d GiB", name, existing.SizeGiB, size)
+		// Compatible with the capacity range is enough: a volume grown
+		// since it was made still answers a repeated create.
+		case existing.SizeGiB < size:
+			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, less than the requested %d GiB", name, existing.SizeGiB, size)
+		case req.GetCapacityRange().GetLimitBytes() > 0 && existing.SizeGiB*gib > req.GetCapacityRange().GetLimitBytes():
+			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, more than the limit of %d bytes", name, existing.SizeGiB, req.GetCapacityRange().GetLimitBytes())
 		case m != meta:
 			return nil, failf(ErrAlreadyExists, "volume %q exists with other parameters (encryption or source differ)", name)
 		case existing.Type != params.diskType:
@@ -645,11 +649,19 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if name == "" || src == "" {
 		return nil, failf(ErrInvalid, "CreateSnapshot needs a name and a source volume id")
 	}
-	release, err := d.locks.try("snapshot name " + name)
+	// The source volume is locked as every other call on it is, so a
+	// snapshot is not taken while the disk is deleted or grown; the name
+	// too, since a name is unique across volumes.
+	release, err := d.locks.try("volume " + src)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
+	releaseName, err := d.locks.tryAs("snapshot name "+name, fmt.Sprintf("snapshot name %s (asked of volume %s)", name, src))
+	if err != nil {
+		return nil, err
+	}
+	defer releaseName()
 	disk, err := d.getDisk(ctx, src)
 	if err != nil {
 		return nil, err

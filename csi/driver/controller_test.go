@@ -103,6 +103,20 @@ func TestCreateVolumeSizingParametersAndIdempotency(t *testing.T) {
 	other.CapacityRange = &csi.CapacityRange{RequiredBytes: 8 << 30}
 	_, err = e.ctrl.CreateVolume(ctx, other)
 	wantCode(t, err, codes.AlreadyExists, "pvc-a", "4 GiB")
+	// Grown since it was made: a repeated create is still answered with
+	// it, unless its size is now above the request's limit.
+	if _, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 6 << 30}}); err != nil {
+		t.Fatal(err)
+	}
+	again, err = e.ctrl.CreateVolume(ctx, req)
+	if err != nil || again.GetVolume().VolumeId != v.VolumeId || again.GetVolume().CapacityBytes != 6<<30 {
+		t.Fatalf("repeat after expansion: %v, %v; want volume %s with 6 GiB", again, err, v.VolumeId)
+	}
+	other = proto.Clone(req).(*csi.CreateVolumeRequest)
+	other.CapacityRange.LimitBytes = 5 << 30
+	_, err = e.ctrl.CreateVolume(ctx, other)
+	wantCode(t, err, codes.AlreadyExists, "pvc-a", "6 GiB", "limit")
 	other = proto.Clone(req).(*csi.CreateVolumeRequest)
 	other.Parameters = map[string]string{"type": "physical", "iops": "700"}
 	_, err = e.ctrl.CreateVolume(ctx, other)
@@ -283,8 +297,32 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 	}
 	_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
 	wantCode(t, err, codes.Aborted, "same", "in progress")
+	r := <-first
+	if r != nil {
+		t.Fatalf("first call: %v", r)
+	}
+
+	// A snapshot is an operation on its source volume: it waits for no
+	// delete or expand of that volume, and its refusal names the volume.
+	v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "snapped", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := v.GetVolume().GetVolumeId()
+	before := sum(e.sim.Calls())
+	go func() {
+		_, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}})
+		first <- err
+	}()
+	for deadline := time.Now().Add(10 * time.Second); sum(e.sim.Calls()) == before; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the expansion never reached the simulator")
+		}
+	}
+	_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-during-expand", SourceVolumeId: id})
+	wantCode(t, err, codes.Aborted, id, "in progress")
 	if err := <-first; err != nil {
-		t.Fatalf("first call: %v", err)
+		t.Fatalf("expansion: %v", err)
 	}
 }
 
