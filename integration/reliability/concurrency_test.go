@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -222,6 +223,7 @@ func (e *stormEnv) target(id string) string {
 type stormVolume struct {
 	name      string
 	encrypted bool
+	fs        string
 
 	mu     sync.Mutex
 	id     string            // from the last CreateVolume that succeeded
@@ -256,11 +258,26 @@ func (v *stormVolume) published(id string, pc map[string]string) {
 	v.pubCtx[id] = pc
 }
 
-var stormCap = &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
-	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+func (v *stormVolume) capability() *csi.VolumeCapability {
+	return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: v.fs}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+}
+
+// growsExt4Online: the kernel grows a mounted ext4 only for a caller with
+// CAP_SYS_RESOURCE, which container sandboxes drop; XFS needs no such
+// capability.
+func growsExt4Online() bool {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if unix.Capget(&hdr, &data[0]) != nil {
+		return false
+	}
+	return data[unix.CAP_SYS_RESOURCE/32].Effective&(1<<(unix.CAP_SYS_RESOURCE%32)) != 0
+}
 
 func (e *stormEnv) createReq(v *stormVolume) *csi.CreateVolumeRequest {
 	r := createReq(v.name, 1)
+	r.VolumeCapabilities = []*csi.VolumeCapability{v.capability()}
 	if v.encrypted {
 		r.Parameters = map[string]string{"encryption": "true"}
 	}
@@ -339,26 +356,26 @@ func (e *stormEnv) do(c *stormCall, v *stormVolume) {
 		_, err = e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
 	case "ControllerPublishVolume":
 		var r *csi.ControllerPublishVolumeResponse
-		r, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: c.node, VolumeCapability: stormCap, VolumeContext: vctx})
+		r, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: c.node, VolumeCapability: v.capability(), VolumeContext: vctx})
 		if err == nil && c.node == e.nodeA {
 			v.published(id, r.GetPublishContext())
 		}
 	case "ControllerUnpublishVolume":
 		_, err = e.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: c.node})
 	case "ControllerExpandVolume":
-		_, err = e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: c.gib << 30}, VolumeCapability: stormCap})
+		_, err = e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: c.gib << 30}, VolumeCapability: v.capability()})
 	case "CreateSnapshot":
 		_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: c.snap + "-" + pathName(id), SourceVolumeId: id})
 	case "NodeStageVolume":
-		_, err = e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), VolumeCapability: stormCap, PublishContext: pc, VolumeContext: vctx})
+		_, err = e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), VolumeCapability: v.capability(), PublishContext: pc, VolumeContext: vctx})
 	case "NodeUnstageVolume":
 		_, err = e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id)})
 	case "NodePublishVolume":
-		_, err = e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: e.target(id), VolumeCapability: stormCap, VolumeContext: vctx, PublishContext: pc})
+		_, err = e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: e.target(id), VolumeCapability: v.capability(), VolumeContext: vctx, PublishContext: pc})
 	case "NodeUnpublishVolume":
 		_, err = e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: e.target(id)})
 	case "NodeExpandVolume":
-		_, err = e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: e.staging(id), CapacityRange: &csi.CapacityRange{RequiredBytes: c.gib << 30}, VolumeCapability: stormCap})
+		_, err = e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: e.staging(id), CapacityRange: &csi.CapacityRange{RequiredBytes: c.gib << 30}, VolumeCapability: v.capability()})
 	}
 	c.err = err
 }
@@ -463,6 +480,7 @@ func TestConcurrentCSICalls(t *testing.T) {
 	t.Logf("storm: %d rounds of %d concurrent calls on %d volumes, seed %d (VCO_STORM_SEED repeats it)", rounds, calls, nvols, seed)
 	rng := rand.New(rand.NewPCG(seed, 0x5707))
 	tally := map[string]map[codes.Code]int{}
+	examples := map[string]string{} // the first message of each method and code
 	unexpected := 0
 	for round := 1; round <= rounds; round++ {
 		vols := e.stormSetup(t, round, nvols)
@@ -480,6 +498,9 @@ func TestConcurrentCSICalls(t *testing.T) {
 				tally[c.method] = map[codes.Code]int{}
 			}
 			tally[c.method][code]++
+			if k := c.method + " " + code.String(); c.err != nil && examples[k] == "" {
+				examples[k] = status.Convert(c.err).Message()
+			}
 			if why := stormJudge(c, deletes, vols[c.vol]); why != "" {
 				unexpected++
 				t.Errorf("round %d: %s of %s: %s: %v", round, c.method, c.id, why, c.err)
@@ -510,6 +531,16 @@ func TestConcurrentCSICalls(t *testing.T) {
 		fmt.Fprintf(&b, "\n  %-26s %s", m, strings.Join(cs, ", "))
 	}
 	t.Logf("storm: %d calls by method and code (seed %d):%s", n, seed, b.String())
+	ks := make([]string, 0, len(examples))
+	for k := range examples {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	var ex strings.Builder
+	for _, k := range ks {
+		fmt.Fprintf(&ex, "\n  %s: %s", k, examples[k])
+	}
+	t.Logf("storm: a message of each refusal:%s", ex.String())
 	figures.add("concurrent CSI calls on overlapping volumes", n)
 	figures.add("concurrent CSI calls answered with an unexpected code", unexpected)
 	figures.note("Concurrent CSI calls", fmt.Sprintf("%d rounds of %d calls fired at once on %d overlapping volumes (seed %d), answers by method:\n\n```%s\n```\n\n"+
@@ -525,7 +556,11 @@ func (e *stormEnv) stormSetup(t *testing.T, round, n int) []*stormVolume {
 	t.Helper()
 	var vols []*stormVolume
 	for i := range n {
-		v := &stormVolume{name: fmt.Sprintf("pvc-storm-r%d-%d", round, i), encrypted: i%5 == 2, ids: map[string]bool{}, pubCtx: map[string]map[string]string{}}
+		fs := "xfs"
+		if i%2 == 0 && growsExt4Online() {
+			fs = "ext4"
+		}
+		v := &stormVolume{name: fmt.Sprintf("pvc-storm-r%d-%d", round, i), encrypted: i%5 == 2, fs: fs, ids: map[string]bool{}, pubCtx: map[string]map[string]string{}}
 		vols = append(vols, v)
 		e.bringTo(t, v, i%5)
 	}
@@ -550,7 +585,7 @@ func (e *stormEnv) bringTo(t *testing.T, v *stormVolume, state int) {
 	}
 	if state >= 1 {
 		retry(t, "publish "+id+" to "+node, func(ctx context.Context) error {
-			r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: stormCap, VolumeContext: vctx})
+			r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: v.capability(), VolumeContext: vctx})
 			if err == nil && node == e.nodeA {
 				v.published(id, r.GetPublishContext())
 			}
@@ -563,13 +598,13 @@ func (e *stormEnv) bringTo(t *testing.T, v *stormVolume, state int) {
 	_, _, pc := v.current()
 	if state >= 2 {
 		retry(t, "stage "+id, func(ctx context.Context) error {
-			_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), VolumeCapability: stormCap, PublishContext: pc, VolumeContext: vctx})
+			_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), VolumeCapability: v.capability(), PublishContext: pc, VolumeContext: vctx})
 			return err
 		})
 	}
 	if state >= 3 {
 		retry(t, "node publish "+id, func(ctx context.Context) error {
-			_, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: e.target(id), VolumeCapability: stormCap, VolumeContext: vctx, PublishContext: pc})
+			_, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: e.target(id), VolumeCapability: v.capability(), VolumeContext: vctx, PublishContext: pc})
 			return err
 		})
 	}
