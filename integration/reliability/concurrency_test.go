@@ -6,10 +6,12 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"slices"
 	"sort"
@@ -53,6 +55,7 @@ import (
 type stormEnv struct {
 	dir, kubelet string
 	sim          *sim.Server
+	overlap      *overlapProxy
 	backend      *sim.HostBackend
 	ctrl         csi.ControllerClient
 	node         csi.NodeClient
@@ -103,7 +106,8 @@ func newStormEnv(t *testing.T) *stormEnv {
 			e.nodeB = vm.ReferenceID
 		}
 	}
-	hs := httptest.NewServer(e.sim)
+	e.overlap = &overlapProxy{next: e.sim, inflight: map[int64]string{}}
+	hs := httptest.NewServer(e.overlap)
 	t.Cleanup(hs.Close)
 	tok := filepath.Join(dir, "token")
 	os.WriteFile(tok, []byte(testJWT), 0o600)
@@ -183,6 +187,58 @@ func newStormEnv(t *testing.T) *stormEnv {
 	e.node = csi.NewNodeClient(serve(driver.ModeNode, driver.Config{Agent: agent, KubeletRoot: e.kubelet,
 		Transit: tc, TransitKey: crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}}))
 	return e
+}
+
+// overlapProxy stands between the controller and the simulator and
+// records every request that changes a disk while another request that
+// changes the same disk is in flight: the controller's per-volume lock
+// must keep them apart.
+type overlapProxy struct {
+	next http.Handler
+
+	mu       sync.Mutex
+	inflight map[int64]string
+	checked  int
+	overlaps []string
+}
+
+var diskInPath = regexp.MustCompile(`/disks/(\d+)`)
+
+func (p *overlapProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	var disk int64
+	if m := diskInPath.FindStringSubmatch(r.URL.Path); m != nil {
+		disk, _ = strconv.ParseInt(m[1], 10, 64)
+	} else if v := r.URL.Query().Get("disk_id"); v != "" {
+		disk, _ = strconv.ParseInt(v, 10, 64)
+	}
+	if r.Method == http.MethodGet || disk == 0 {
+		p.next.ServeHTTP(w, r)
+		return
+	}
+	what := r.Method + " " + r.URL.Path
+	p.mu.Lock()
+	p.checked++
+	other, busy := p.inflight[disk]
+	if busy {
+		p.overlaps = append(p.overlaps, fmt.Sprintf("%s while %s was in flight", what, other))
+	} else {
+		p.inflight[disk] = what
+	}
+	p.mu.Unlock()
+	p.next.ServeHTTP(w, r)
+	if !busy {
+		p.mu.Lock()
+		delete(p.inflight, disk)
+		p.mu.Unlock()
+	}
+}
+
+func (p *overlapProxy) take() (checked int, overlaps []string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	checked, overlaps = p.checked, p.overlaps
+	p.checked, p.overlaps = 0, nil
+	return checked, overlaps
 }
 
 // loopsUnder lists the loop devices backed by a file under dir, or
@@ -481,11 +537,25 @@ func TestConcurrentCSICalls(t *testing.T) {
 	rng := rand.New(rand.NewPCG(seed, 0x5707))
 	tally := map[string]map[codes.Code]int{}
 	examples := map[string]string{} // the first message of each method and code
-	unexpected := 0
+	unexpected, changes, overlapped := 0, 0, 0
 	for round := 1; round <= rounds; round++ {
 		vols := e.stormSetup(t, round, nvols)
 		plan := stormPlan(rng, calls, nvols, [2]string{e.nodeA, e.nodeB})
 		e.storm(t, plan, vols)
+		n, overlaps := e.overlap.take()
+		changes, overlapped = changes+n, overlapped+len(overlaps)
+		for _, o := range overlaps {
+			t.Errorf("round %d: two calls changed one disk at once: %s", round, o)
+		}
+		names := map[string]int{}
+		for _, d := range e.sim.Snapshot().Disks {
+			names[d.Name]++
+		}
+		for name, k := range names {
+			if k > 1 {
+				t.Errorf("round %d: after the storm the simulator holds %d disks named %s", round, k, name)
+			}
+		}
 		var deletes []*stormCall
 		for _, c := range plan {
 			if c.method == "DeleteVolume" {
@@ -543,6 +613,9 @@ func TestConcurrentCSICalls(t *testing.T) {
 	t.Logf("storm: a message of each refusal:%s", ex.String())
 	figures.add("concurrent CSI calls on overlapping volumes", n)
 	figures.add("concurrent CSI calls answered with an unexpected code", unexpected)
+	figures.add("concurrent CSI calls: API changes to a disk checked for overlap", changes)
+	figures.add("concurrent CSI calls: API changes to a disk that overlapped another", overlapped)
+	t.Logf("storm: %d API requests changing a disk, %d of them while another changing the same disk was in flight", changes, overlapped)
 	figures.note("Concurrent CSI calls", fmt.Sprintf("%d rounds of %d calls fired at once on %d overlapping volumes (seed %d), answers by method:\n\n```%s\n```\n\n"+
 		"Checked after each round, once settled to a mixed end state and once torn down: one disk per name, no attachment "+
 		"the plugin does not report, mounts, loop devices and agent claim records exactly those of the volumes in use.",
