@@ -241,29 +241,6 @@ func (p *overlapProxy) take() (checked int, overlaps []string) {
 	return checked, overlaps
 }
 
-// loopsUnder lists the loop devices backed by a file under dir, or
-// stacked on one that is, as "NAME BACK-FILE".
-func loopsUnder(t *testing.T, dir string) []string {
-	all := loopDevices(t)
-	ours := map[string]bool{}
-	for changed := true; changed; {
-		changed = false
-		for _, l := range all {
-			f := strings.SplitN(l, " ", 2)
-			if len(f) == 2 && !ours[f[0]] && (strings.HasPrefix(f[1], dir+"/") || ours[f[1]]) {
-				ours[f[0]], changed = true, true
-			}
-		}
-	}
-	var out []string
-	for _, l := range all {
-		if ours[strings.Fields(l)[0]] {
-			out = append(out, l)
-		}
-	}
-	return out
-}
-
 // Paths the kubelet would use for a volume id.
 func pathName(id string) string { return strings.ReplaceAll(id, "/", "_") }
 
@@ -475,7 +452,7 @@ func stormJudge(c *stormCall, deletes []*stormCall, v *stormVolume) string {
 		return fmt.Sprintf("%s without naming volume %s", st.Code(), c.id)
 	}
 	switch {
-	case st.Code() == codes.NotFound && strings.HasPrefix(c.method, "Controller") || c.method == "CreateSnapshot" && st.Code() == codes.NotFound:
+	case st.Code() == codes.NotFound && (strings.HasPrefix(c.method, "Controller") || c.method == "CreateSnapshot"):
 		// Only a volume some DeleteVolume removed before this call
 		// answered is gone.
 		for _, d := range deletes {
@@ -488,6 +465,10 @@ func stormJudge(c *stormCall, deletes []*stormCall, v *stormVolume) string {
 		if !strings.Contains(st.Message(), "attached to") {
 			return "FAILED_PRECONDITION that does not name the node the volume is attached to"
 		}
+	case c.method == "NodeUnstageVolume" && st.Code() == codes.FailedPrecondition:
+		if !strings.Contains(st.Message(), "still published") {
+			return "FAILED_PRECONDITION that does not say the volume is still published"
+		}
 	case c.method == "DeleteVolume" && st.Code() == codes.FailedPrecondition:
 		if !strings.Contains(st.Message(), "attached") && !strings.Contains(st.Message(), "snapshot") {
 			return "FAILED_PRECONDITION that says neither attached nor snapshot"
@@ -496,7 +477,8 @@ func stormJudge(c *stormCall, deletes []*stormCall, v *stormVolume) string {
 	return ""
 }
 
-// stormRounds is 1 under `make test`; `make soak` sets VCO_STORM_ROUNDS.
+// stormEnvInt reads a positive number from the environment: `make soak`
+// sets VCO_STORM_ROUNDS, and a failure is repeated with VCO_STORM_SEED.
 func stormEnvInt(t *testing.T, name string, def int) int {
 	if s := os.Getenv(name); s != "" {
 		n, err := strconv.Atoi(s)
@@ -519,8 +501,9 @@ func stormEnvInt(t *testing.T, name string, def int) int {
 // to a defined end state, and the simulator's disks and attachments, the
 // plugin's view, the host's mounts and loop devices and the agent's claim
 // records must all agree with it; finally everything is torn down and
-// nothing may be left. The plan of calls comes from a seed, printed and
-// taken from VCO_STORM_SEED, so a failure repeats.
+// nothing may be left. The plan (which call, on which volume, when) comes
+// from a seed, printed and taken from VCO_STORM_SEED, so a failure's plan
+// repeats; the interleaving within it is the scheduler's.
 func TestConcurrentCSICalls(t *testing.T) {
 	e := newStormEnv(t)
 	calls := stormEnvInt(t, "VCO_STORM_CALLS", 100)
@@ -533,7 +516,7 @@ func TestConcurrentCSICalls(t *testing.T) {
 			t.Fatalf("VCO_STORM_SEED=%q is not a number", s)
 		}
 	}
-	t.Logf("storm: %d rounds of %d concurrent calls on %d volumes, seed %d (VCO_STORM_SEED repeats it)", rounds, calls, nvols, seed)
+	t.Logf("storm: %d rounds of %d concurrent calls on %d volumes, seed %d (VCO_STORM_SEED=%d repeats the plan)", rounds, calls, nvols, seed, seed)
 	rng := rand.New(rand.NewPCG(seed, 0x5707))
 	tally := map[string]map[codes.Code]int{}
 	examples := map[string]string{} // the first message of each method and code
