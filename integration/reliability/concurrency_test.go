@@ -600,9 +600,12 @@ func TestConcurrentCSICalls(t *testing.T) {
 	figures.add("concurrent CSI calls: API changes to a disk that overlapped another", overlapped)
 	t.Logf("storm: %d API requests changing a disk, %d of them while another changing the same disk was in flight", changes, overlapped)
 	figures.note("Concurrent CSI calls", fmt.Sprintf("%d rounds of %d calls fired at once on %d overlapping volumes (seed %d), answers by method:\n\n```%s\n```\n\n"+
+		"%d unexpected answers; %d API requests that change a disk, %d of them while another changing the same disk was in flight. "+
 		"Checked after each round, once settled to a mixed end state and once torn down: one disk per name, no attachment "+
-		"the plugin does not report, mounts, loop devices and agent claim records exactly those of the volumes in use.",
-		rounds, calls, nvols, seed, b.String()))
+		"the plugin does not report, mounts, loop devices and agent claim records exactly those of the volumes in use. "+
+		"A ControllerUnpublishVolume that lands while this node still has the volume staged (the attacher never sends one then) detaches the disk under its mount: the agent marks the claim missing, and refuses a second device of the same disk with FAILED_PRECONDITION, until the volume is unstaged. "+
+		"`make soak` first runs the test under the race detector as well.",
+		rounds, calls, nvols, seed, b.String(), unexpected, changes, overlapped))
 }
 
 // stormSetup creates the round's volumes and brings them to a mix of
