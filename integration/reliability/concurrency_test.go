@@ -340,6 +340,8 @@ var stormMethods = []struct {
 	{"CreateVolume", 10}, {"DeleteVolume", 5}, {"ControllerPublishVolume", 15}, {"ControllerUnpublishVolume", 9},
 	{"ControllerExpandVolume", 6}, {"CreateSnapshot", 6}, {"NodeStageVolume", 15}, {"NodeUnstageVolume", 9},
 	{"NodePublishVolume", 13}, {"NodeUnpublishVolume", 8}, {"NodeExpandVolume", 4},
+	// Reads, which take no lock, racing with the changes.
+	{"ControllerGetVolume", 3}, {"NodeGetVolumeStats", 4},
 }
 
 func stormPlan(rng *rand.Rand, n, vols int, nodes [2]string) []*stormCall {
@@ -407,6 +409,10 @@ func (e *stormEnv) do(c *stormCall, v *stormVolume) {
 		_, err = e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: e.target(id), VolumeCapability: v.capability(), VolumeContext: vctx, PublishContext: pc})
 	case "NodeUnpublishVolume":
 		_, err = e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: e.target(id)})
+	case "ControllerGetVolume":
+		_, err = e.ctrl.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: id})
+	case "NodeGetVolumeStats":
+		_, err = e.node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: e.target(id)})
 	case "NodeExpandVolume":
 		_, err = e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: e.staging(id), CapacityRange: &csi.CapacityRange{RequiredBytes: c.gib << 30}, VolumeCapability: v.capability()})
 	}
@@ -436,6 +442,10 @@ var stormCodes = map[string][]codes.Code{
 	"NodeUnpublishVolume": {codes.OK, codes.Aborted},
 	// Not staged; the grown disk not there (detached).
 	"NodeExpandVolume": {codes.OK, codes.Aborted, codes.NotFound, codes.FailedPrecondition},
+	// Deleted.
+	"ControllerGetVolume": {codes.OK, codes.NotFound},
+	// Not staged, or not published at the path.
+	"NodeGetVolumeStats": {codes.OK, codes.NotFound},
 }
 
 // stormJudge says what is wrong with a call's answer, or "".
@@ -493,8 +503,8 @@ func stormEnvInt(t *testing.T, name string, def int) int {
 // TestConcurrentCSICalls fires 100 CSI calls at once (VCO_STORM_CALLS) at
 // five volumes that overlap (VCO_STORM_VOLUMES): CreateVolume with the
 // same names, publish and unpublish to two nodes, stage, publish,
-// unpublish and unstage on the same paths, expand, snapshot, and
-// DeleteVolume among them, through the real controller and node plugin to
+// unpublish and unstage on the same paths, expand, snapshot, reads that
+// take no lock, and DeleteVolume among them, through the real controller and node plugin to
 // the simulator and the agent. Every answer must be a code right for the
 // call's situation with a message naming the volume. Then the volumes are
 // settled the way the kubelet and the external-attacher would, retrying,
