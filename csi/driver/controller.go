@@ -279,6 +279,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		if !ok {
 			return nil, failf(ErrNotFound, "source volume %q does not exist", id)
 		}
+		// The copy goes through a snapshot of the source, which, as
+		// CreateSnapshot does, holds the source volume's lock.
+		releaseSrc, err := d.locks.tryAs("volume "+id, fmt.Sprintf("volume %s (the source of volume %s)", id, name))
+		if err != nil {
+			return nil, err
+		}
+		defer releaseSrc()
 		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
 		if err != nil {
 			return nil, fmt.Errorf("source volume %s: %w", id, err)

@@ -302,8 +302,9 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 		t.Fatalf("first call: %v", r)
 	}
 
-	// A snapshot is an operation on its source volume: it waits for no
-	// delete or expand of that volume, and its refusal names the volume.
+	// A snapshot, and a copy (made through one), are operations on their
+	// source volume: they wait for no delete or expand of that volume,
+	// and their refusal names the volume.
 	v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "snapped", VolumeCapabilities: rwo})
 	if err != nil {
 		t.Fatal(err)
@@ -321,6 +322,9 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 	}
 	_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-during-expand", SourceVolumeId: id})
 	wantCode(t, err, codes.Aborted, id, "in progress")
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "copy", VolumeCapabilities: rwo,
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}}})
+	wantCode(t, err, codes.Aborted, id, "source of volume copy", "in progress")
 	if err := <-first; err != nil {
 		t.Fatalf("expansion: %v", err)
 	}
