@@ -291,6 +291,9 @@ func (v *stormVolume) published(id string, pc map[string]string) {
 	v.pubCtx[id] = pc
 }
 
+// copyName is the name of the volume's copies in the storm.
+func (v *stormVolume) copyName() string { return v.name + "-copy" }
+
 func (v *stormVolume) capability() *csi.VolumeCapability {
 	return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: v.fs}},
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
@@ -327,6 +330,7 @@ type stormCall struct {
 	delay  time.Duration
 
 	id         string // the volume id it was made with
+	src        string // a copy's source volume id
 	start, end time.Time
 	err        error
 }
@@ -340,6 +344,9 @@ var stormMethods = []struct {
 	{"CreateVolume", 10}, {"DeleteVolume", 5}, {"ControllerPublishVolume", 15}, {"ControllerUnpublishVolume", 9},
 	{"ControllerExpandVolume", 6}, {"CreateSnapshot", 6}, {"NodeStageVolume", 15}, {"NodeUnstageVolume", 9},
 	{"NodePublishVolume", 13}, {"NodeUnpublishVolume", 8}, {"NodeExpandVolume", 4},
+	// A copy of the volume (CreateVolume with it as the source), by a
+	// name of its own: made through a snapshot of the source.
+	{"CreateVolume copy", 4},
 	// Reads, which take no lock, racing with the changes.
 	{"ControllerGetVolume", 3}, {"NodeGetVolumeStats", 4},
 }
@@ -387,6 +394,12 @@ func (e *stormEnv) do(c *stormCall, v *stormVolume) {
 			v.created(r)
 			c.id = r.GetVolume().GetVolumeId()
 		}
+	case "CreateVolume copy":
+		r := e.createReq(v)
+		r.Name = v.copyName()
+		r.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}}
+		c.id, c.src = r.Name, id
+		_, err = e.ctrl.CreateVolume(ctx, r)
 	case "DeleteVolume":
 		_, err = e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
 	case "ControllerPublishVolume":
@@ -425,6 +438,9 @@ func (e *stormEnv) do(c *stormCall, v *stormVolume) {
 // lock of the controller, of the node plugin, or of the agent).
 var stormCodes = map[string][]codes.Code{
 	"CreateVolume": {codes.OK, codes.Aborted},
+	// The source deleted; the copy's name taken by a copy of the
+	// source's earlier disk, before a delete and create of the name.
+	"CreateVolume copy": {codes.OK, codes.Aborted, codes.NotFound, codes.AlreadyExists},
 	// Attached, or holding snapshots.
 	"DeleteVolume": {codes.OK, codes.Aborted, codes.FailedPrecondition},
 	// Attached to the other node; deleted.
@@ -462,15 +478,19 @@ func stormJudge(c *stormCall, deletes []*stormCall, v *stormVolume) string {
 		return fmt.Sprintf("%s without naming volume %s", st.Code(), c.id)
 	}
 	switch {
-	case st.Code() == codes.NotFound && (strings.HasPrefix(c.method, "Controller") || c.method == "CreateSnapshot"):
+	case st.Code() == codes.NotFound && (strings.HasPrefix(c.method, "Controller") || c.method == "CreateSnapshot" || c.method == "CreateVolume copy"):
 		// Only a volume some DeleteVolume removed before this call
 		// answered is gone.
 		for _, d := range deletes {
-			if d.id == c.id && d.err == nil && d.start.Before(c.end) {
+			if (d.id == c.id || d.id == c.src) && d.err == nil && d.start.Before(c.end) {
 				return ""
 			}
 		}
 		return "NOT_FOUND for a volume no DeleteVolume had removed"
+	case c.method == "CreateVolume copy" && st.Code() == codes.AlreadyExists:
+		if !strings.Contains(st.Message(), "source differ") {
+			return "ALREADY_EXISTS for a copy that is not of another source"
+		}
 	case c.method == "ControllerPublishVolume" && st.Code() == codes.FailedPrecondition:
 		if !strings.Contains(st.Message(), "attached to") {
 			return "FAILED_PRECONDITION that does not name the node the volume is attached to"
@@ -503,8 +523,9 @@ func stormEnvInt(t *testing.T, name string, def int) int {
 // TestConcurrentCSICalls fires 100 CSI calls at once (VCO_STORM_CALLS) at
 // five volumes that overlap (VCO_STORM_VOLUMES): CreateVolume with the
 // same names, publish and unpublish to two nodes, stage, publish,
-// unpublish and unstage on the same paths, expand, snapshot, reads that
-// take no lock, and DeleteVolume among them, through the real controller and node plugin to
+// unpublish and unstage on the same paths, expand, snapshot, copies
+// (CreateVolume from the volume), reads that take no lock, and
+// DeleteVolume among them, through the real controller and node plugin to
 // the simulator and the agent. Every answer must be a code right for the
 // call's situation with a message naming the volume. Then the volumes are
 // settled the way the kubelet and the external-attacher would, retrying,
@@ -734,6 +755,18 @@ func retry(t *testing.T, what string, fn func(ctx context.Context) error) {
 func (e *stormEnv) settle(t *testing.T, rng *rand.Rand, vols []*stormVolume) map[string]bool {
 	t.Helper()
 	end := map[string]bool{}
+	copies := map[string]bool{}
+	for _, v := range vols {
+		copies[v.copyName()] = true
+	}
+	// The copies go first, and their temporary snapshots with them, so
+	// that nothing holds a source: the provisioner knows their ids from
+	// the create it retried; here they are read from the simulator.
+	for _, d := range e.sim.Snapshot().Disks {
+		if copies[d.Name] {
+			e.tearDown(t, hostLoc+"/"+strconv.FormatInt(d.ID, 10))
+		}
+	}
 	for _, v := range vols {
 		inUse := rng != nil && rng.IntN(2) == 0
 		end[v.name] = inUse

@@ -165,7 +165,7 @@ const reportIntro = `What runs (all on this host, as root, against the real bina
   node plugin (two servers, each with its own per-volume locks) to the simulator in host
   mode and the agent's volume manager with its claim check running: CreateVolume with the
   same names, publish and unpublish to two nodes, stage, publish, unpublish and unstage on
-  the same paths, expand, snapshot, delete, and reads. Every answer is OK or the code right for its
+  the same paths, expand, snapshot, copy, delete, and reads. Every answer is OK or the code right for its
   situation (ABORTED for a busy volume, FAILED_PRECONDITION for a disk attached elsewhere
   or still published, NOT_FOUND only after a delete) with a message naming the volume; no
   two API requests changing one disk are in flight at once. Then every volume is settled
