@@ -251,11 +251,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		id := req.GetVolumeContentSource().GetSnapshot().GetSnapshotId()
 		l, disk, snap, ok := parseSnapshotID(id)
 		if !ok {
-			return nil, failf(ErrNotFound, "source snapshot %q does not exist", id)
+			return nil, failf(ErrNotFound, "source snapshot %q of volume %q does not exist", id, name)
 		}
 		snaps, err := d.cfg.Cloud.ListSnapshots(ctx, l, disk)
 		if errors.Is(err, cloud.ErrNotFound) {
-			return nil, failf(ErrNotFound, "source snapshot %s does not exist (its disk is gone)", id)
+			return nil, failf(ErrNotFound, "source snapshot %s of volume %q does not exist (its disk is gone)", id, name)
 		}
 		if err != nil {
 			return nil, err
@@ -265,7 +265,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			found = found || s.ID == snap
 		}
 		if !found {
-			return nil, failf(ErrNotFound, "source snapshot %s does not exist", id)
+			return nil, failf(ErrNotFound, "source snapshot %s of volume %q does not exist", id, name)
 		}
 		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
 		if err != nil {
@@ -277,7 +277,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		id := req.GetVolumeContentSource().GetVolume().GetVolumeId()
 		l, disk, ok := parseVolumeID(id)
 		if !ok {
-			return nil, failf(ErrNotFound, "source volume %q does not exist", id)
+			return nil, failf(ErrNotFound, "source volume %q of volume %q does not exist", id, name)
 		}
 		// The copy goes through a snapshot of the source, which, as
 		// CreateSnapshot does, holds the source volume's lock.
@@ -287,8 +287,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 		defer releaseSrc()
 		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+		if errors.Is(err, cloud.ErrNotFound) {
+			return nil, failf(ErrNotFound, "source volume %s of volume %q does not exist", id, name)
+		}
 		if err != nil {
-			return nil, fmt.Errorf("source volume %s: %w", id, err)
+			return nil, fmt.Errorf("source volume %s of volume %q: %w", id, name, err)
 		}
 		srcLoc, srcDisk, floorGiB = l, disk, src.SizeGiB
 		meta.Source = "volume:" + id
@@ -303,12 +306,6 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, failf(ErrInvalid, "the source is in location %s, which the requested topology does not allow", srcLoc)
 		}
 		loc = srcLoc
-		if size < floorGiB {
-			if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && floorGiB*gib > lim {
-				return nil, failf(ErrOutOfRange, "the source is %d GiB, more than the limit of %d bytes", floorGiB, lim)
-			}
-			size = floorGiB
-		}
 	} else if loc, err = d.pickLocation(ctx, req.GetAccessibilityRequirements()); err != nil {
 		return nil, err
 	}
@@ -336,6 +333,15 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, failf(ErrAlreadyExists, "volume %q exists as disk type %s, not %s", name, existing.Type, params.diskType)
 		}
 		return &csi.CreateVolumeResponse{Volume: d.volume(loc, existing, meta)}, nil
+	}
+	// A new copy is at least its source's size. (An existing one is
+	// checked against the request alone: the source may have grown
+	// since it was made.)
+	if srcLoc != "" && size < floorGiB {
+		if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && floorGiB*gib > lim {
+			return nil, failf(ErrOutOfRange, "the source of volume %q is %d GiB, more than the limit of %d bytes", name, floorGiB, lim)
+		}
+		size = floorGiB
 	}
 
 	var id int64

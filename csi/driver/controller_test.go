@@ -135,6 +135,46 @@ func TestCreateVolumeSizingParametersAndIdempotency(t *testing.T) {
 	wantCode(t, err, codes.InvalidArgument, "one VM at a time")
 }
 
+// A copy made before its source grew still answers a repeated create of
+// it (the request has not changed); a new copy is the source's new size.
+func TestCopyOfAGrownSource(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	src, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "src", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := src.GetVolume().GetVolumeId()
+	copyOf := func(name string) *csi.CreateVolumeRequest {
+		return &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: rwo, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}}}
+	}
+	first, err := e.ctrl.CreateVolume(ctx, copyOf("copy"))
+	if err != nil || first.GetVolume().GetCapacityBytes() != 1<<30 {
+		t.Fatalf("copy: %v, %v", first, err)
+	}
+	if _, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 3 << 30}}); err != nil {
+		t.Fatal(err)
+	}
+	again, err := e.ctrl.CreateVolume(ctx, copyOf("copy"))
+	if err != nil || again.GetVolume().GetVolumeId() != first.GetVolume().GetVolumeId() || again.GetVolume().GetCapacityBytes() != 1<<30 {
+		t.Fatalf("repeated copy after the source grew: %v, %v; want %s with 1 GiB", again, err, first.GetVolume().GetVolumeId())
+	}
+	fresh, err := e.ctrl.CreateVolume(ctx, copyOf("copy-2"))
+	if err != nil || fresh.GetVolume().GetCapacityBytes() != 3<<30 {
+		t.Fatalf("copy of the grown source: %v, %v; want 3 GiB", fresh, err)
+	}
+	over := copyOf("copy-3")
+	over.CapacityRange.LimitBytes = 2 << 30
+	_, err = e.ctrl.CreateVolume(ctx, over)
+	wantCode(t, err, codes.OutOfRange, "copy-3", "3 GiB")
+	if _, err := e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.ctrl.CreateVolume(ctx, copyOf("copy-4"))
+	wantCode(t, err, codes.NotFound, id, "copy-4")
+}
+
 func splitID(t *testing.T, id string) (string, int64) {
 	t.Helper()
 	var n int64
