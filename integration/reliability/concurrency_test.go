@@ -910,35 +910,44 @@ func (e *stormEnv) checkEndState(t *testing.T, vols []*stormVolume, end map[stri
 	// The host: one mount at the staging path and one at the pod's target
 	// per volume in use, each of its disk's loop device; loop devices
 	// only for the disks attached here.
-	var wantMounts, gotMounts, wantLoops, gotLoops []string
-	for id := range want {
+	var wantMounts, wantLoops []string
+	for id, v := range want {
 		wantMounts = append(wantMounts, e.staging(id), e.target(id))
 		_, disk, _ := strings.Cut(id, "/")
 		n, _ := strconv.ParseInt(disk, 10, 64)
 		wantLoops = append(wantLoops, e.backend.DiskFile(n))
-	}
-	for _, m := range mounts() {
-		if strings.HasPrefix(m[0], e.dir+"/") {
-			gotMounts = append(gotMounts, m[0])
-		}
-	}
-	for _, l := range loopsUnder(t, e.dir) {
-		gotLoops = append(gotLoops, strings.SplitN(l, " ", 2)[1])
-	}
-	// An encrypted volume's mapping is a loop device stacked on its disk's.
-	for id, v := range want {
-		if v.encrypted {
-			_, disk, _ := strings.Cut(id, "/")
-			n, _ := strconv.ParseInt(disk, 10, 64)
-			if dev := e.sim.Device(n); dev != "" {
-				wantLoops = append(wantLoops, dev)
-			}
+		// An encrypted volume's mapping is a loop device stacked on its
+		// disk's.
+		if dev := e.sim.Device(n); v.encrypted && dev != "" {
+			wantLoops = append(wantLoops, dev)
 		}
 	}
 	sort.Strings(wantMounts)
-	sort.Strings(gotMounts)
 	sort.Strings(wantLoops)
-	sort.Strings(gotLoops)
+	// A loop device detached while open (the disk detached under its
+	// mount) goes when its last user closes it, which the kernel finishes
+	// in the background: the host gets a moment to agree.
+	var gotMounts, gotLoops []string
+	start := time.Now()
+	for deadline := start.Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		gotMounts, gotLoops = nil, nil
+		for _, m := range mounts() {
+			if strings.HasPrefix(m[0], e.dir+"/") {
+				gotMounts = append(gotMounts, m[0])
+			}
+		}
+		for _, l := range loopsUnder(t, e.dir) {
+			gotLoops = append(gotLoops, strings.SplitN(l, " ", 2)[1])
+		}
+		sort.Strings(gotMounts)
+		sort.Strings(gotLoops)
+		if slices.Equal(wantMounts, gotMounts) && slices.Equal(wantLoops, gotLoops) || time.Now().After(deadline) {
+			break
+		}
+	}
+	if waited := time.Since(start); waited > 100*time.Millisecond {
+		t.Logf("the host's mounts and loop devices took %v to settle", waited.Round(time.Millisecond))
+	}
 	if !slices.Equal(wantMounts, gotMounts) {
 		fail("mounts under the test directory:\n  got  %v\n  want %v", gotMounts, wantMounts)
 	}
