@@ -548,6 +548,9 @@ func TestConcurrentCSICalls(t *testing.T) {
 		}
 	}
 	t.Logf("storm: %d rounds of %d concurrent calls on %d volumes, seed %d (VCO_STORM_SEED=%d repeats the plan)", rounds, calls, nvols, seed, seed)
+	if !growsExt4Online() {
+		t.Logf("storm: every volume is XFS: this process lacks CAP_SYS_RESOURCE, without which a mounted ext4 cannot grow")
+	}
 	rng := rand.New(rand.NewPCG(seed, 0x5707))
 	tally := map[string]map[codes.Code]int{}
 	examples := map[string]string{} // the first message of each method and code
@@ -634,7 +637,9 @@ func TestConcurrentCSICalls(t *testing.T) {
 		"%d unexpected answers; %d API requests that change a disk, %d of them while another changing the same disk was in flight. "+
 		"Checked after each round, once settled to a mixed end state and once torn down: one disk per name, no attachment "+
 		"the plugin does not report, mounts, loop devices and agent claim records exactly those of the volumes in use. "+
-		"A ControllerUnpublishVolume that lands while this node still has the volume staged (the attacher never sends one then) detaches the disk under its mount: the agent marks the claim missing, and refuses a second device of the same disk with FAILED_PRECONDITION, until the volume is unstaged. "+
+		"A ControllerUnpublishVolume that lands while this node still has the volume staged (the attacher never sends one then) "+
+		"detaches the disk under its mount: the agent marks the claim missing, and refuses a second device of the same disk "+
+		"with FAILED_PRECONDITION, until the volume is unstaged. "+
 		"`make soak` first runs the test under the race detector as well.",
 		rounds, calls, nvols, seed, b.String(), unexpected, changes, overlapped))
 }
