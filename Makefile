@@ -192,12 +192,17 @@ test-fuzz-brief:
 # written to docs/reliability.md (integration/reliability). Root; about
 # FUZZTIME x the number of targets plus a few minutes.
 SOAK_ROUNDS ?= 200
+# Rounds of 100 concurrent CSI calls (TestConcurrentCSICalls), and of the
+# same under the race detector.
+STORM_SOAK_ROUNDS ?= 20
+STORM_RACE_ROUNDS ?= 5
 .PHONY: soak
 soak: deps-apt
 	@mkdir -p $(BIN)
 	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
-	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
-	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)'
+	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
+	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_STORM_ROUNDS=$(STORM_SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
+	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)|: storm: '
 	@echo "soak: figures written to docs/reliability.md"
 
 fuzz-all:

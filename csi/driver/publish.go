@@ -120,7 +120,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 
 	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("volume %s: reading its holder note: %w", id, err)
 	}
 	previous := previousHolders(notes, node)
 	never := neverPublished(notes)
