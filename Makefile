@@ -77,7 +77,9 @@ bench: bench-agent bench-csi bench-lab
 	@$(GO) run ./cmd/vco-bench $(foreach p,$(BENCH_PARTS),$(BIN)/bench-$(p).txt)
 
 # Guest boot and lab set-up against a guest booting alone; reservation
-# latency of the engine against sg_persist, in a guest.
+# latency of the engine against sg_persist, in a guest; attach-to-staged
+# (ControllerPublish to NodeStage done) against the same hot-plug then
+# mkfs and mount by hand, per disk kind.
 bench-lab: deps build
 	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
 

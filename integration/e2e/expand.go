@@ -17,9 +17,11 @@ import (
 )
 
 // fsBytes is the size of the filesystem mounted at p in g, in bytes, as
-// df reports it.
+// df reports it. -P keeps each filesystem on one line: busybox df
+// otherwise moves the figures of a long device name, such as a dm-crypt
+// mapping's, to a line of their own.
 func fsBytes(ctx context.Context, g *lab.Guest, p string) (int64, error) {
-	out, err := g.MustSh(ctx, "df -k "+p+" | tail -n 1")
+	out, err := g.MustSh(ctx, "df -P -k "+p+" | tail -n 1")
 	if err != nil {
 		return 0, err
 	}

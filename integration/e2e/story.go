@@ -81,10 +81,7 @@ const (
 	fsType  = "ext4"
 )
 
-func stagingPath(vol string) string {
-	h := sha256.Sum256([]byte(vol))
-	return fmt.Sprintf("%s/plugins/kubernetes.io/csi/%s/%x/globalmount", simlab.KubeletRoot, simlab.DriverName, h[:8])
-}
+func stagingPath(vol string) string { return simlab.StagingPath(vol) }
 
 func targetPath(pod string) string {
 	return fmt.Sprintf("%s/pods/%s/volumes/kubernetes.io~csi/pv-e2e/mount", simlab.KubeletRoot, pod)

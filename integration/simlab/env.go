@@ -2,6 +2,7 @@ package simlab
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -37,6 +38,13 @@ const (
 	// lab value, not a secret of any real API.
 	Token = "vco-lab-simulator-token"
 )
+
+// StagingPath is where the kubelet has a node plugin stage volume vol:
+// a directory of its own under the driver's plugin directory.
+func StagingPath(vol string) string {
+	h := sha256.Sum256([]byte(vol))
+	return fmt.Sprintf("%s/plugins/kubernetes.io/csi/%s/%x/globalmount", KubeletRoot, DriverName, h[:8])
+}
 
 // Options shape an Env.
 type Options struct {
