@@ -53,13 +53,13 @@ var attachKinds = []struct {
 	kind    lab.DiskKind
 	fencing string
 }{
-	{lab.SCSIBlock, "SCSI-3 reservation"},
-	{lab.VirtioBlk, "on-disk lease"},
+	{lab.SCSIBlock, "PR"},
+	{lab.VirtioBlk, "lease"},
 }
 
 // attachBench runs rounds of both sides for every disk kind on one guest
 // and returns the table rows: per kind, the reference then the agent's
-// row, each the median of its rounds.
+// row, each the median of its rounds (each round is printed first).
 func attachBench(ctx context.Context, c *common, rounds int) ([]benchRow, error) {
 	cfg, err := simLabConfig(c, false)
 	if err != nil {
@@ -110,8 +110,8 @@ func attachBench(ctx context.Context, c *common, rounds int) ([]benchRow, error)
 		}
 		ref, got := median(byHand), median(agent)
 		rows = append(rows,
-			benchRow{fmt.Sprintf("attach-to-staged, %s: hot-plug, wait for the device, mkfs.ext4, mount, by hand (reference)", k.kind), secs(ref), "1.00x"},
-			benchRow{fmt.Sprintf("attach-to-staged, %s: ControllerPublish to NodeStage done (%s; median of %d)", k.kind, k.fencing, rounds), secs(got),
+			benchRow{fmt.Sprintf("attach-to-staged %s, hot-plug then device wait, mkfs.ext4, mount by hand (reference)", k.kind), secs(ref), "1.00x"},
+			benchRow{fmt.Sprintf("attach-to-staged %s, ControllerPublish to NodeStage done (agent, %s)", k.kind, k.fencing), secs(got),
 				fmt.Sprintf("%.2fx", got.Seconds()/ref.Seconds())})
 	}
 	return rows, nil
