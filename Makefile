@@ -139,6 +139,9 @@ test-deploy: deps
 # The RWO story on the simulator in lab mode and two guests; the text
 # report goes to the terminal and bin/lab-report.txt, the timeline to
 # bin/lab-report.html. Exits non-zero unless every safety property held.
+# E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
+# vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
+# says how to point it at a real one.
 lab: deps build
 	$(BIN)/vco-lab run -report $(BIN)
 
