@@ -140,16 +140,7 @@ func (s *story) e6(ctx context.Context) (err error) {
 	}); err != nil {
 		return err
 	}
-	if err := c.unpublishAndUnstage(ctx, sc, s.b); err != nil {
-		return err
-	}
-	if err := c.unpublish(ctx, sc, s.b); err != nil {
-		return err
-	}
-	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
-		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
-		return "", err
-	})
+	return c.takeDown(ctx, sc, s.b)
 }
 
 // cryptsetupCheck finds the device under the volume's dm-crypt mapping in

@@ -88,16 +88,7 @@ func (s *story) e7(ctx context.Context) error {
 	if err := c.growOnline(ctx, sc, g, sum); err != nil {
 		return err
 	}
-	if err := c.unpublishAndUnstage(ctx, sc, g); err != nil {
-		return err
-	}
-	if err := c.unpublish(ctx, sc, g); err != nil {
-		return err
-	}
-	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
-		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
-		return "", err
-	})
+	return c.takeDown(ctx, sc, g)
 }
 
 // growOnline grows the volume, published into its pod on g and holding

@@ -333,6 +333,21 @@ func (s *story) unpublishAndUnstage(ctx context.Context, scenario string, g *lab
 	})
 }
 
+// takeDown ends a scenario's volume as Kubernetes does when its pod and
+// claim go: unpublish and unstage on g, ControllerUnpublish, DeleteVolume.
+func (s *story) takeDown(ctx context.Context, scenario string, g *lab.Guest) error {
+	if err := s.unpublishAndUnstage(ctx, scenario, g); err != nil {
+		return err
+	}
+	if err := s.unpublish(ctx, scenario, g); err != nil {
+		return err
+	}
+	return s.step(scenario, "controller", "DeleteVolume "+s.volID, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: s.volID})
+		return "", err
+	})
+}
+
 // writeFile writes size MiB of random data to the pod's volume, syncs it
 // and returns its sha256.
 func writeFile(ctx context.Context, g *lab.Guest, pod, name string, mib int) (string, error) {
