@@ -32,14 +32,14 @@ import (
 
 // byHandStage is the reference's guest side: $1 the disk's serial, $2 the
 // mount point. The guests run no udev, so it reads serials from sysfs, as
-// lab.Guest.Disks does.
+// lab.Guest.Disks does; tgt pads the SCSI unit serial with spaces.
 const byHandStage = `ser=$1; dir=$2; dev=
 while [ -z "$dev" ]; do
 	for b in /sys/block/sd* /sys/block/vd*; do
 		[ -e "$b" ] || continue
 		s=
 		[ -r "$b/serial" ] && s=$(cat "$b/serial")
-		[ -z "$s" ] && [ -r "$b/device/vpd_pg80" ] && s=$(tail -c +5 "$b/device/vpd_pg80" | tr -d '\000')
+		[ -z "$s" ] && [ -r "$b/device/vpd_pg80" ] && s=$(tail -c +5 "$b/device/vpd_pg80" | tr -d '\000 ')
 		[ "$s" = "$ser" ] && dev=/dev/${b##*/}
 	done
 	[ -n "$dev" ] || sleep 0.1

@@ -48,15 +48,20 @@ type benchRow struct {
 // mkfs and mount by hand is the reference for attach-to-staged latency.
 func bench(args []string) int {
 	var rounds int
+	var attachOnly bool
 	c, err := oneShotFlags("bench", args, func(fs *flag.FlagSet) {
 		fs.IntVar(&rounds, "attach-rounds", 5, "volumes staged per disk kind on each side of the attach-to-staged comparison (0: leave it out)")
+		fs.BoolVar(&attachOnly, "attach-only", false, "only the attach-to-staged comparison")
 	})
 	if err != nil {
 		return fail("%v", err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
 	defer cancel()
-	rows, err := labRows(ctx, c)
+	var rows []benchRow
+	if !attachOnly {
+		rows, err = labRows(ctx, c)
+	}
 	if err == nil && rounds > 0 {
 		var more []benchRow
 		more, err = attachBench(ctx, c, rounds)

@@ -45,7 +45,10 @@ commands:
                            a real one on 127.0.0.1 (with -transit-token-file)
   smoke                    the reservation smoke scenario on one shared LUN
   csi-call METHOD JSON     (inside a guest) one CSI node call to the local plugin
-  bench                    guest boot time and lab set-up time
+  bench [-attach-rounds N] [-attach-only]
+                           guest boot and lab set-up time, PR latency, and
+                           attach-to-staged latency per disk kind, each against
+                           a reference (make bench-lab)
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
 
