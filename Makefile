@@ -86,7 +86,7 @@ bench-lab: deps build
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ && \
-	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./agent/volume/ ; } | tee $(BIN)/bench-agent.txt | $(GO) run ./agent/internal/benchtable
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./agent/volume/ ; } > $(BIN)/bench-agent.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-agent.txt
 
 # 100 concurrent CreateVolume+ControllerPublish against the simulator,
 # reported as a ratio to the bare API calls for the same work; a node
@@ -103,7 +103,7 @@ bench: bench-fence
 bench-fence: deps
 	@mkdir -p $(BIN)
 	@{ $(GO) test -count=1 -run '^$$' -bench . -benchtime 3x ./fence/lease/ && \
-	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 20x ./fence/uevent/ ; } | tee $(BIN)/bench-fence.txt | $(GO) run ./agent/internal/benchtable
+	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 20x ./fence/uevent/ ; } > $(BIN)/bench-fence.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-fence.txt
 
 # The vco-csi container image as an OCI image layout tarball, built
 # without a container daemon: dist/vco-csi-$(VERSION).oci.tar.
@@ -178,7 +178,7 @@ fuzz-crypt:
 # LUKS2 unlock and format against cryptsetup with the same KDF cost.
 bench: bench-crypt
 bench-crypt: deps build
-	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ | tee $(BIN)/bench-crypt.txt | $(GO) run ./agent/internal/benchtable
+	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ > $(BIN)/bench-crypt.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-crypt.txt
 
 # Every fuzz target in the repository, found with `go test -list`, each for
 # FUZZTIME (default 30s); `make test` runs each for FUZZBRIEF through

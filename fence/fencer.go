@@ -155,7 +155,9 @@ type Claim struct {
 //
 // A Fencer that has observed the loss of its claim stays lost: Acquire then
 // fails with a *LostError until a new Fencer is made. This is what keeps a
-// preempted node from re-registering by itself (DESIGN.md P4).
+// preempted node from re-registering by itself (DESIGN.md P4). The one
+// exception is a Reestablisher taking back a claim that the disk itself
+// forgot.
 type Fencer interface {
 	// Probe reports whether the disk supports this fencing method and with
 	// which reservation types. It changes nothing on the disk.
@@ -170,6 +172,17 @@ type Fencer interface {
 	// Check verifies that the claim is still intact; a lost claim is a
 	// *LostError.
 	Check(ctx context.Context) error
+}
+
+// Reestablisher is a Fencer that can take back a claim whose loss Check
+// reported because the storage forgot it (a target that keeps reservations
+// in memory restarted), not because another node took it. Reestablish
+// claims the disk again only when the disk shows that no other node has
+// registered since; otherwise it returns a *LostError (naming the foreign
+// key when there is one) and the claim stays lost. It never preempts and
+// never needs a grant. Any other error leaves the claim lost as well.
+type Reestablisher interface {
+	Reestablish(ctx context.Context) (Claim, error)
 }
 
 // ErrNotSupported is wrapped when a disk does not support the fencing method

@@ -26,20 +26,22 @@ func (m *Manager) Reconcile(ctx context.Context) {
 	for _, err := range errs {
 		m.log.Error("a claim record cannot be read; its volume is left alone", "err", err)
 	}
+	disks := &diskScan{f: m.finder}
 	for _, c := range claims {
 		release, err := m.locks.try(c.Volume, "start-up check")
 		if err != nil {
 			continue
 		}
-		m.reconcile(ctx, c)
+		m.reconcile(ctx, c, disks)
 		release()
 	}
 	m.updateGauge()
 }
 
-func (m *Manager) reconcile(ctx context.Context, c *Claim) {
+// reconcile re-verifies one claim; disks is the pass's shared scan.
+func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	log := m.log.With("volume", c.Volume, "device", c.Device)
-	dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices)
+	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
 	if err != nil {
 		if agenterr.KindOf(err) == agenterr.NotFound {
 			m.cleanupGone(c, err)
@@ -175,6 +177,11 @@ func (m *Manager) checkFence(ctx context.Context, c *Claim, dev *Device, f fence
 		}
 	case errors.As(err, &lost):
 		m.o.Metrics.checks.WithLabelValues("lost").Inc()
+		if r, ok := f.(fence.Reestablisher); ok {
+			if lost = m.reestablish(ctx, c, dev, r, lost); lost == nil {
+				return
+			}
+		}
 		if lost.Holder == 0 {
 			// A unit attention says the claim is gone but not to whom;
 			// the reservation says, for the event and the operator.
@@ -198,6 +205,8 @@ func (m *Manager) checkFence(ctx context.Context, c *Claim, dev *Device, f fence
 func (m *Manager) CheckAll(ctx context.Context) {
 	start := time.Now()
 	claims, _ := m.store.List()
+	// Scanned only if a claim has no open device to verify.
+	disks := &diskScan{f: m.finder}
 	for _, c := range claims {
 		if c.Phase != PhaseStaged || c.State == StateLost {
 			continue
@@ -208,7 +217,7 @@ func (m *Manager) CheckAll(ctx context.Context) {
 		}
 		// Re-read under the lock: an API call may have changed it.
 		if now, err := m.store.Get(c.Volume); err == nil && now != nil {
-			m.checkOne(ctx, now)
+			m.checkOne(ctx, now, disks)
 		}
 		release()
 	}
@@ -216,13 +225,13 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	m.updateGauge()
 }
 
-func (m *Manager) checkOne(ctx context.Context, c *Claim) {
+func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 	if c.Phase != PhaseStaged || c.State == StateLost {
 		return
 	}
 	l := m.getLive(c.Volume)
 	if l == nil {
-		m.reconcile(ctx, c)
+		m.reconcile(ctx, c, disks)
 		return
 	}
 	if err := l.dev.Verify(ctx); err != nil {
@@ -242,7 +251,7 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim) {
 	if l.fencer == nil {
 		if c.State == StateHeld {
 			// Opened without its fencer (resuming it failed at start).
-			m.reconcile(ctx, c)
+			m.reconcile(ctx, c, disks)
 			return
 		}
 		m.o.Metrics.checks.WithLabelValues("ok").Inc()

@@ -9,90 +9,44 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 
 	"google.golang.org/grpc/codes"
 
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/dmcrypt/dmcrypttest"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
 // hostLUKS is the real LUKS (header formatting, inspection and the
 // passphrase check run for real, and cryptsetup reads what it wrote) with
-// a FAKE mapping, labelled as such: this host's kernel has no
-// device-mapper, so Open maps the data segment with a loop device,
-// unencrypted, after checking the passphrase against the real header.
-// mkfs, mount and resize then run for real; real dm-crypt is exercised by
-// the guest test in integration/scenarios.
+// dmcrypttest's FAKE mapping, labelled as such: this host's kernel has no
+// device-mapper. Real dm-crypt is exercised by the guest test in
+// integration/scenarios.
 type hostLUKS struct {
 	LUKS
-	t      *testing.T
-	mu     sync.Mutex
-	maps   map[string]string
-	opened int
-	closed int
-	resize int
+	*dmcrypttest.LoopMapping
 }
 
 func newHostLUKS(t *testing.T) *hostLUKS {
-	return &hostLUKS{t: t, maps: map[string]string{}}
+	return &hostLUKS{LoopMapping: dmcrypttest.NewLoopMapping(t)}
 }
 
-func (f *hostLUKS) Open(_ context.Context, device, name string, pass []byte, _ bool) (string, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if _, ok := f.maps[name]; ok {
-		return "", fmt.Errorf("a mapping named %s already exists", name)
-	}
-	v, err := luks2.Open(device, false)
-	if err != nil {
-		return "", err
-	}
-	defer v.Close()
-	key, _, err := v.Unlock(pass)
-	clear(key)
-	if err != nil {
-		return "", err
-	}
-	out, err := exec.Command("losetup", "--find", "--show", "--offset", fmt.Sprint(v.DataOffset()), device).CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("losetup: %v %s", err, out)
-	}
-	mapped := strings.TrimSpace(string(out))
-	// Only a mapping still open is detached at the end: once closed, its
-	// loop device number may already belong to another test's device.
-	f.t.Cleanup(func() {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		if f.maps[name] == mapped {
-			exec.Command("losetup", "-d", mapped).Run()
-		}
-	})
-	f.maps[name] = mapped
-	f.opened++
-	return mapped, nil
+func (f *hostLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (string, error) {
+	return f.LoopMapping.Open(ctx, device, name, pass, ro)
 }
 
-func (f *hostLUKS) Close(_ context.Context, name string) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if m, ok := f.maps[name]; ok {
-		if out, err := exec.Command("losetup", "-d", m).CombinedOutput(); err != nil {
-			return fmt.Errorf("%v %s", err, out)
-		}
-		delete(f.maps, name)
-		f.closed++
-	}
-	return nil
+func (f *hostLUKS) Close(ctx context.Context, name string) error {
+	return f.LoopMapping.Close(ctx, name)
 }
 
-func (f *hostLUKS) Resize(_ context.Context, name string) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.resize++
-	return exec.Command("losetup", "-c", f.maps[name]).Run()
+func (f *hostLUKS) Resize(ctx context.Context, name string) error {
+	return f.LoopMapping.Resize(ctx, name)
 }
+
+func opened(c *hostLUKS) int  { n, _, _ := c.Counts(); return n }
+func closed(c *hostLUKS) int  { _, n, _ := c.Counts(); return n }
+func resized(c *hostLUKS) int { _, _, n := c.Counts(); return n }
 
 const secret = "correct horse battery staple"
 
@@ -196,8 +150,8 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	}
 
 	os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644)
-	if res2, err := e.m.Stage(ctx, req); err != nil || res2.Formatted || crypt.opened != 1 {
-		t.Fatalf("retried encrypted stage: %+v %v (opened %d)", res2, err, crypt.opened)
+	if res2, err := e.m.Stage(ctx, req); err != nil || res2.Formatted || opened(crypt) != 1 {
+		t.Fatalf("retried encrypted stage: %+v %v (opened %d)", res2, err, opened(crypt))
 	}
 	if err := os.Truncate(img, 672<<20); err != nil {
 		t.Fatal(err)
@@ -206,14 +160,14 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	// required_bytes is the disk's new size; the mapping is that less the
 	// LUKS2 header, and the expansion is still what was asked for.
 	before, _ := e.m.Stats(ctx, "vol-enc", "")
-	if n, err := e.m.Expand(ctx, "vol-enc", req.StagingPath, 672<<20); err != nil || n != 672<<20-16<<20 || crypt.resize != 1 {
-		t.Fatalf("expand: %d %v (resized %d)", n, err, crypt.resize)
+	if n, err := e.m.Expand(ctx, "vol-enc", req.StagingPath, 672<<20); err != nil || n != 672<<20-16<<20 || resized(crypt) != 1 {
+		t.Fatalf("expand: %d %v (resized %d)", n, err, resized(crypt))
 	}
 	if after, _ := e.m.Stats(ctx, "vol-enc", ""); after.TotalBytes <= before.TotalBytes {
 		t.Fatalf("the filesystem on the mapping did not grow: %d -> %d bytes", before.TotalBytes, after.TotalBytes)
 	}
-	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil || crypt.closed != 1 {
-		t.Fatalf("unstage: %v (closed %d)", err, crypt.closed)
+	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil || closed(crypt) != 1 {
+		t.Fatalf("unstage: %v (closed %d)", err, closed(crypt))
 	}
 	// A wrong passphrase opens nothing and mounts nothing, and says where
 	// the right one is.
@@ -259,13 +213,13 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil {
 		t.Fatal(err)
 	}
-	closed := crypt.closed
+	closedBefore := closed(crypt)
 	wrongFS := req
 	wrongFS.FsType = "ext4"
 	_, err = e.m.Stage(ctx, wrongFS)
 	wantCode(t, err, codes.FailedPrecondition, `carries "xfs"`)
-	if crypt.closed != closed+1 || len(crypt.maps) != 0 || isMounted(t, req.StagingPath) {
-		t.Fatalf("after a failed stage: %d closes (was %d), mappings %v", crypt.closed, closed, crypt.maps)
+	if closed(crypt) != closedBefore+1 || len(crypt.Mapped()) != 0 || isMounted(t, req.StagingPath) {
+		t.Fatalf("after a failed stage: %d closes (was %d), mappings %v", closed(crypt), closedBefore, crypt.Mapped())
 	}
 }
 

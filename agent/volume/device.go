@@ -48,34 +48,69 @@ func (d *Device) Close() error {
 // Locate finds the disk a locator names and opens it. allowLoop admits
 // loop devices named by their backing file.
 func locate(ctx context.Context, f discovery.Finder, loc Locator, allowLoop bool) (*Device, error) {
+	return (&diskScan{f: f}).locate(ctx, loc, allowLoop)
+}
+
+// diskScan is the view of the attached disks shared by the claims of one
+// pass over them (the start-up check, or one periodic check). The first
+// claim scans sysfs; each further one is looked up in that scan and
+// opened, which proves the disk still is the one the scan saw. A claim the
+// scan does not resolve to an open, verified disk (its disk is not in it,
+// or changed since) is looked up again in a fresh scan, which then serves
+// the rest of the pass. So every claim gets the answer a scan of its own
+// would give, at the cost of one scan per pass while nothing changes
+// instead of one per claim.
+type diskScan struct {
+	f   discovery.Finder
+	inv *discovery.Inventory
+}
+
+func (s *diskScan) locate(ctx context.Context, loc Locator, allowLoop bool) (*Device, error) {
 	if loc.BackingFile != "" {
 		if !allowLoop {
 			return nil, agenterr.New(agenterr.InvalidArgument,
 				"the locator names a loop device (backing file %s), which this agent does not accept: loop devices are for the simulator's host mode and tests (volumes.allow_loop_devices)", loc.BackingFile)
 		}
-		return openLoop(ctx, f, loc.BackingFile)
+		return openLoop(ctx, s.f, loc.BackingFile)
 	}
 	dl, err := discovery.ParseLocator(loc.Disk)
 	if err != nil {
 		return nil, agenterr.New(agenterr.InvalidArgument, "%v", err)
 	}
-	d, err := f.Find(dl)
+	if s.inv != nil {
+		if d, err := s.inv.Find(dl); err == nil {
+			if o, err := s.f.Open(ctx, d, dl); err == nil {
+				return openedDevice(d, o), nil
+			}
+		}
+		// Whatever went wrong is judged on a fresh scan below.
+	}
+	inv, err := s.f.Scan()
+	if err != nil {
+		return nil, agenterr.New(agenterr.FailedPrecondition, "%v", err)
+	}
+	s.inv = inv
+	d, err := inv.Find(dl)
 	switch {
 	case errors.Is(err, discovery.ErrNotFound):
 		return nil, agenterr.New(agenterr.NotFound, "%v; is the disk attached to this node?", err)
 	case err != nil:
 		return nil, agenterr.New(agenterr.FailedPrecondition, "%v", err)
 	}
-	o, err := f.Open(ctx, d, dl)
+	o, err := s.f.Open(ctx, d, dl)
 	if err != nil {
 		return nil, agenterr.New(agenterr.FailedPrecondition, "%v", err)
 	}
+	return openedDevice(d, o), nil
+}
+
+func openedDevice(d discovery.Disk, o *discovery.Opened) *Device {
 	dev := &Device{Path: d.DevPath, Name: d.Name, Major: d.Major, Minor: d.Minor, Kind: d.Kind,
 		Serial: d.Serial, WWNs: d.WWNs, File: o.File, SCSI: o.SCSI, Verify: o.Verify}
 	if d.PCI != nil {
 		dev.PCI = d.PCI.String()
 	}
-	return dev, nil
+	return dev
 }
 
 func sysfsRoot(f discovery.Finder) string {

@@ -10,13 +10,16 @@ import (
 
 // Metrics are the volume manager's Prometheus series.
 type Metrics struct {
-	reg       *prometheus.Registry
-	claims    *prometheus.GaugeVec
-	checks    *prometheus.CounterVec
-	refusals  prometheus.Counter
-	fences    prometheus.Counter
-	stages    *prometheus.CounterVec
-	checkTime prometheus.Histogram
+	reg      *prometheus.Registry
+	claims   *prometheus.GaugeVec
+	checks   *prometheus.CounterVec
+	refusals prometheus.Counter
+	fences   prometheus.Counter
+	// reestablishes counts claims found lost because the storage forgot
+	// them, by what re-establishing did.
+	reestablishes *prometheus.CounterVec
+	stages        *prometheus.CounterVec
+	checkTime     prometheus.Histogram
 }
 
 // NewMetrics registers the series on a registry of their own.
@@ -39,6 +42,10 @@ func NewMetrics() *Metrics {
 			Namespace: "vco_agent", Name: "fences_total",
 			Help: "Claims found lost; I/O to the disk was stopped.",
 		}),
+		reestablishes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "vco_agent", Name: "reestablishes_total",
+			Help: "Claims whose reservation the storage target forgot (a restart), by result: ok (re-established), refused (another key appeared, or registrations changed: fenced), error (fenced).",
+		}, []string{"result"}),
 		stages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "vco_agent", Name: "volume_operations_total",
 			Help: "Volume API operations, by operation and gRPC-facing result kind.",
@@ -49,7 +56,7 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
 		}),
 	}
-	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.stages, m.checkTime,
+	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.reestablishes, m.stages, m.checkTime,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -58,6 +58,8 @@ type env struct {
 	crypt   Encryption
 	cfg     config.Volumes
 	logs    *bytes.Buffer
+	// sysfs, when set, replaces /sys for disk discovery.
+	sysfs *fakeSysfs
 }
 
 func newEnv(t *testing.T) *env {
@@ -102,7 +104,11 @@ func (e *env) start() {
 		e.logs = &bytes.Buffer{}
 	}
 	log := slog.New(slog.NewTextHandler(e.logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: "/sys", Fencers: e.fencers, Crypt: e.crypt, Bus: e.bus, Log: log})
+	sysfs := "/sys"
+	if e.sysfs != nil {
+		sysfs = e.sysfs.root
+	}
+	m, err := New(Options{Config: e.cfg, StateDir: e.state, SysfsRoot: sysfs, Fencers: e.fencers, Crypt: e.crypt, Bus: e.bus, Log: log})
 	if err != nil {
 		e.t.Fatal(err)
 	}

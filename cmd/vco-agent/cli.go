@@ -83,3 +83,19 @@ func apiError(socket string, err error) error {
 	s := status.Convert(err)
 	return fmt.Errorf("the agent at %s answered %s: %s", socket, s.Code(), s.Message())
 }
+
+// parseInterleaved parses args with fs, letting flags come before, between
+// or after the positional arguments, which it returns in order.
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos = append(pos, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+}

@@ -120,18 +120,9 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "bound on the whole operation")
 	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
 	fs.IntVar(&o.count, "count", 20, "cycle: number of acquire/release cycles")
-	// Flags may come before or after DEVICE.
-	var pos []string
-	rest := args[1:]
-	for {
-		if err := fs.Parse(rest); err != nil {
-			return 2
-		}
-		if fs.NArg() == 0 {
-			break
-		}
-		pos = append(pos, fs.Arg(0))
-		rest = fs.Args()[1:]
+	pos, err := parseInterleaved(fs, args[1:])
+	if err != nil {
+		return 2
 	}
 	out := &fenceOutput{o: &o, stdout: stdout, stderr: stderr}
 	ctx, cancel := context.WithTimeout(context.Background(), o.timeout)

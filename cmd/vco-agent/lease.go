@@ -103,17 +103,9 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
 	fs.DurationVar(&o.wdog, "watchdog", def.Watchdog, "lease timing: host watchdog reset time (W)")
 	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
-	var pos []string
-	rest := args[1:]
-	for {
-		if err := fs.Parse(rest); err != nil {
-			return 2
-		}
-		if fs.NArg() == 0 {
-			break
-		}
-		pos = append(pos, fs.Arg(0))
-		rest = fs.Args()[1:]
+	pos, err := parseInterleaved(fs, args[1:])
+	if err != nil {
+		return 2
 	}
 	switch sub {
 	case "show", "format", "acquire", "release", "check", "watch":

@@ -112,20 +112,12 @@ func (c luksCLI) run(args []string) int {
 		fmt.Fprintf(c.stderr, "vco-agent luks: unknown subcommand %q\n\n%s\n", sub, luksUsage)
 		return 2
 	}
-	// Flags may come before or after the positional arguments.
-	var pos []string
-	for {
-		if err := fs.Parse(rest); err != nil {
-			if errors.Is(err, flag.ErrHelp) {
-				return 0
-			}
-			return 2
+	pos, err := parseInterleaved(fs, rest)
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
 		}
-		if fs.NArg() == 0 {
-			break
-		}
-		pos = append(pos, fs.Arg(0))
-		rest = fs.Args()[1:]
+		return 2
 	}
 	if len(pos) != npos {
 		fmt.Fprintf(c.stderr, "vco-agent luks %s: expected %d argument(s), got %d\n", sub, npos, len(pos))
@@ -136,7 +128,6 @@ func (c luksCLI) run(args []string) int {
 		return luks2.KDFParams{Type: *kdfType, Time: *kdfTime, MemoryKiB: *kdfMem, Threads: *kdfThread, Iterations: *pbkdfIter}
 	}
 
-	var err error
 	switch sub {
 	case "format":
 		err = c.format(pos[0], *passFile, luks2.FormatOptions{KDF: kdf(), SectorSize: *sector, Label: *label, AllowDiscards: *discards, Force: *force})

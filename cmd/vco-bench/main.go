@@ -5,7 +5,7 @@
 // timings inside QEMU guests), so their outputs are read here rather than
 // made to share one harness.
 //
-// Go benchmark lines follow the convention of agent/internal/benchtable: a
+// Go benchmark lines follow one convention: a
 // sub-benchmark "vs=NAME" names the reference, the figure is reported in a
 // unit U, the reference's as "ref-U", the ratio as "x-ref". The controller
 // benchmark reports "drv-U", "ref-U" and "drv/ref". The lab prints a table
@@ -36,6 +36,7 @@ var titles = map[string]string{
 	"EventsTo10Subscribers":    "events/s delivered to each of 10 subscribers",
 	"StageUnstage":             "stage+unstage, ext4 on a loop device",
 	"Check64Claims":            "agent check of 64 PR claims",
+	"Reconcile64Claims":        "agent start-up check of 64 claims",
 	"CreatePublish100":         "100 concurrent CreateVolume+ControllerPublish",
 	"UnlockArgon2idDefault":    "LUKS2 unlock, argon2id",
 	"UnlockPBKDF2":             "LUKS2 unlock, pbkdf2",
@@ -54,6 +55,7 @@ var refTitles = map[string]string{
 	"channel-fanout":             "bare Go channel fan-out to 10 readers",
 	"mount-umount":               "mount(2)+umount(2) of the same ext4",
 	"engine-checks":              "the 64 reservation engines' own Check",
+	"one-scan":                   "one discovery scan of the 64 disks",
 	"cryptsetup-test-passphrase": "cryptsetup open --test-passphrase",
 	"cryptsetup-luksFormat":      "cryptsetup luksFormat",
 	"expiry+settle-bound":        "bound: lease expiry + settle time",

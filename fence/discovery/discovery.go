@@ -363,41 +363,66 @@ var ErrAmbiguous = errors.New("disk locator is ambiguous")
 // discovery found (replaced, stale, or changed serial).
 var ErrIdentity = errors.New("device identity check failed")
 
-// Find returns the one disk matching l. Its error says what was looked for
-// and lists what was found instead.
-func (f Finder) Find(l Locator) (Disk, error) {
+// Inventory is what one scan of sysfs found: every whole disk, as List
+// returns them. A caller resolving many locators at once (the agent
+// re-verifying all its claims) scans once and finds each locator in the
+// inventory instead of scanning once per locator. It is a snapshot: a disk
+// found in it is still proved by Open before use, and one missing from it
+// may have been attached since.
+type Inventory struct {
+	Disks []Disk
+	root  string
+}
+
+// Scan lists every whole disk once.
+func (f Finder) Scan() (*Inventory, error) {
+	all, err := f.List()
+	if err != nil {
+		return nil, err
+	}
+	return &Inventory{Disks: all, root: f.sys()}, nil
+}
+
+// Find returns the one disk of the inventory matching l. Its error says
+// what was looked for and lists what was found instead.
+func (inv *Inventory) Find(l Locator) (Disk, error) {
 	if l.PCI == nil && l.Serial == "" && l.WWN == "" {
 		return Disk{}, fmt.Errorf("%w: the locator names nothing to look for", ErrNotFound)
 	}
-	all, err := f.List()
-	if err != nil {
-		return Disk{}, err
-	}
 	var hits []Disk
-	for _, d := range all {
+	for _, d := range inv.Disks {
 		if l.Matches(d) {
 			hits = append(hits, d)
 		}
-	}
-	seen := make([]string, len(all))
-	for i, d := range all {
-		seen[i] = d.describe()
-	}
-	found := "no disks"
-	if len(seen) > 0 {
-		found = strings.Join(seen, "; ")
 	}
 	switch len(hits) {
 	case 1:
 		return hits[0], nil
 	case 0:
-		return Disk{}, fmt.Errorf("%w: looked for %s under %s; found %s", ErrNotFound, l, f.sys(), found)
+		found := "no disks"
+		if len(inv.Disks) > 0 {
+			seen := make([]string, len(inv.Disks))
+			for i, d := range inv.Disks {
+				seen[i] = d.describe()
+			}
+			found = strings.Join(seen, "; ")
+		}
+		return Disk{}, fmt.Errorf("%w: looked for %s under %s; found %s", ErrNotFound, l, inv.root, found)
 	}
 	names := make([]string, len(hits))
 	for i, d := range hits {
 		names[i] = d.describe()
 	}
 	return Disk{}, fmt.Errorf("%w: %s matches %d disks: %s; add the serial or WWN", ErrAmbiguous, l, len(hits), strings.Join(names, "; "))
+}
+
+// Find scans sysfs and returns the one disk matching l (Inventory.Find).
+func (f Finder) Find(l Locator) (Disk, error) {
+	inv, err := f.Scan()
+	if err != nil {
+		return Disk{}, err
+	}
+	return inv.Find(l)
 }
 
 // ByDevice describes the disk behind a device path (which may be a symlink

@@ -223,6 +223,53 @@ func TestFindSCSI(t *testing.T) {
 	}
 }
 
+// One scan resolves many locators, with Find's answers and errors; it is
+// a snapshot, so a disk attached after it is found only by a new scan.
+func TestInventory(t *testing.T) {
+	s := newSysfs(t)
+	s.virtioBlk("vda", "0000:00:04.0", "virtio1", "254:0", "root-disk")
+	s.scsiDisk("sda", "0000:00:07.0", "2:0:0:1", "8:0", "sda", "beaf11", "naa.6001405fa83b1c2d0011223344556677", naa1)
+	s.scsiDisk("sdb", "0000:00:07.0", "2:0:0:2", "8:16", "sdb", "beaf12", "", nil)
+	f := Finder{SysfsRoot: s.root}
+	inv, err := f.Scan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(inv.Disks) != 3 {
+		t.Fatalf("scanned %d disks: %+v", len(inv.Disks), inv.Disks)
+	}
+	for loc, want := range map[string]string{"serial=beaf11": "sda", "serial=beaf12": "sdb", "pci=00:04": "vda", "wwn=6001405fa83b1c2d0011223344556677": "sda"} {
+		l, err := ParseLocator(loc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, err := inv.Find(l)
+		if err != nil || d.Name != want {
+			t.Errorf("%s in the inventory: %+v, %v; want %s", loc, d, err, want)
+		}
+		if fd, err := f.Find(l); err != nil || fd.Name != d.Name || fd.Major != d.Major || fd.Minor != d.Minor {
+			t.Errorf("%s: the inventory says %+v, a scan of its own %+v, %v", loc, d, fd, err)
+		}
+	}
+	if _, err := inv.Find(Locator{PCI: &PCIAddress{Slot: 7, AnyFunction: true}}); !errors.Is(err, ErrAmbiguous) {
+		t.Fatalf("ambiguous in the inventory: %v", err)
+	}
+	if _, err := inv.Find(Locator{}); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("empty locator: %v", err)
+	}
+	s.scsiDisk("sdc", "0000:00:08.0", "3:0:0:1", "8:32", "sdc", "beaf13", "", nil)
+	_, err = inv.Find(Locator{Serial: "beaf13"})
+	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), s.root) || !strings.Contains(err.Error(), "sdb (scsi") {
+		t.Fatalf("a disk attached after the scan, in the old inventory: %v", err)
+	}
+	if d, err := f.Find(Locator{Serial: "beaf13"}); err != nil || d.Name != "sdc" {
+		t.Fatalf("a disk attached after the scan, in a new scan: %+v, %v", d, err)
+	}
+	if _, err := (Finder{SysfsRoot: filepath.Join(s.root, "nope")}).Scan(); err == nil {
+		t.Fatal("a scan of a missing sysfs succeeded")
+	}
+}
+
 // loopDevice attaches a loop device to a small file, for tests that need a
 // real block device node. It needs root.
 func loopDevice(t *testing.T) (path string, major, minor uint32) {

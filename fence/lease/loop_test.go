@@ -26,9 +26,10 @@ var (
 )
 
 // testTiming keeps the lease's proportions at a scale a test can wait for:
-// Expiry is 900ms, Settle 200ms. The I/O timeout leaves room for a loaded
-// test machine.
-var testTiming = Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: 800 * time.Millisecond}
+// Expiry is 2.25s, Settle 500ms. The fail bound leaves a holder's renewals
+// room to be late on a loaded test machine without the holder fencing
+// itself, which a test of who wins would misread.
+var testTiming = Timing{IOTimeout: 250 * time.Millisecond, Renew: 500 * time.Millisecond, Fail: 2 * time.Second}
 
 // loopDevice attaches a real loop device (with the given logical sector
 // size) to a sparse file of size bytes, optionally prepared by

@@ -10,6 +10,73 @@
 // The engine talks to the device through scsi.Transport, so its decisions
 // are unit-tested against a model of the target (fence/scsi/scsitest) and
 // proven against a real target in the lab.
+//
+// # Re-establishing after a target restart
+//
+// A target that keeps reservations in memory only (tgt has no APTPL)
+// forgets every registration and reservation when it restarts. The holder's
+// next Check then finds its key gone, which is otherwise the sign of a
+// preemption (P4). Engine.Reestablish (fence.Reestablisher) takes the claim
+// back, but only when the target's own state proves that nobody else acted:
+//
+//  1. The loss was found by Check reading a target with no registration and
+//     no reservation at all. A loss reported by a unit attention 2A/03 or
+//     2A/05 (our reservation or registration preempted), by MarkLost
+//     (a write met a reservation conflict), or a check that found any
+//     other key, is never re-established.
+//  2. A fresh read (READ KEYS, READ RESERVATION) again shows no key and no
+//     reservation, both reads report the same PRgeneration, and that
+//     generation is 0. SPC-4 has every REGISTER, REGISTER AND IGNORE
+//     EXISTING KEY, CLEAR, PREEMPT and PREEMPT AND ABORT increment the
+//     generation and a power on reset it to 0 (tgt: a new logical unit
+//     starts at 0). An empty target at generation 0 has therefore seen no
+//     registration since it started: it forgot our claim and no other node
+//     has touched the disk since. An empty target at any other generation
+//     had registrations come and go (a takeover and a release, a CLEAR)
+//     and is not ours to take.
+//  3. REGISTER (not REGISTER AND IGNORE EXISTING KEY, so it fails if this
+//     nexus already carries a registration we did not read), then a read
+//     that must show our key alone, no reservation and the generation
+//     exactly one higher: anything else means another registration came
+//     or went in between.
+//  4. RESERVE with the type the claim had, then a read that must show our
+//     key alone holding that reservation, the generation unchanged.
+//
+// At every read, a foreign key ends the attempt with a *fence.LostError
+// naming that key, and the agent fences itself (P4). The foreign
+// registration is never touched. If the read after RESERVE finds the
+// foreign key, our reservation stays in place (released with the volume's
+// unstage): the other node registered against a disk that was ours a
+// moment ago, so it is refused, not let in without a grant; a node that
+// has neither reservation nor the right to it unregisters its key, leaving
+// nothing behind.
+//
+// What this guarantees, together with Acquire: the target gives the
+// reservation to one I_T nexus only, and each side counts the disk as its
+// own only after a read following its own RESERVE shows it as the holder.
+// Another node's agent registers only when it finds no reservation or holds
+// a grant naming our key (Acquire refuses any other foreign holder). If it
+// finds the disk free in the window between the restart and our next check,
+// its RESERVE and ours cannot both succeed. If ours came first, its RESERVE
+// conflicts and its re-read shows us holding: it unregisters and refuses;
+// if its key was already registered when we re-read, we fence ourselves
+// too, keeping the reservation. If its RESERVE came first, ours conflicts
+// and we fence ourselves. So two agents never both count the disk as
+// theirs, and once a re-establish has seen a foreign key this node does
+// not write to the disk again without a grant.
+//
+// What it cannot do: before anybody reserves again, the restarted target
+// enforces nothing. Until the holder's next check (volumes.check_interval)
+// a node that writes to the disk without claiming it is not stopped, and
+// another agent asked to stage the disk finds it free and claims it; the
+// holder then fences itself. Kubernetes asks a second node to stage a
+// ReadWriteOnce volume only after the controller published it there, which
+// it does only when the cloud says the disk is attached to no other VM.
+// And a takeover followed by a target restart inside one check interval,
+// whose 2A/05 unit attention the guest kernel consumed before the engine
+// saw it, looks like a plain restart: the generation is 0 again. The
+// controller grants a takeover only when the old VM's attachment is gone,
+// and a VM with no attachment no longer reaches the disk.
 package pr
 
 import (
@@ -74,6 +141,15 @@ type Engine struct {
 	watch bool
 	held  bool
 	lost  *fence.LostError
+	// typ is the type of the reservation we hold or last held, for
+	// re-establishing it as it was.
+	typ fence.ReservationType
+	// forgotten: the loss was found by Check reading a target with no
+	// registration and no reservation at all (see Reestablish).
+	forgotten bool
+	// reestablishing: a Reestablish is running; a preemption reported now
+	// stops it.
+	reestablishing bool
 }
 
 var _ fence.Fencer = (*Engine)(nil)
@@ -119,6 +195,14 @@ func (e *Engine) Device() *scsi.Device { return e.dev }
 func (e *Engine) onUnitAttention(cmd string, s scsi.Sense) error {
 	preempted := s.ASC == scsi.ASCParametersChanged &&
 		(s.ASCQ == scsi.ASCQReservationsPreempted || s.ASCQ == scsi.ASCQRegistrationsPreempted)
+	if preempted && e.lost != nil {
+		// Another node preempted us: whatever the target reads like
+		// later, the loss is not a target that forgot.
+		e.forgotten = false
+		if e.reestablishing {
+			return fmt.Errorf("%s: target reported unit attention %s while this node re-established its claim: %w", e.name, s, e.lost)
+		}
+	}
 	if preempted && e.watch {
 		return e.markLost(fmt.Sprintf("target reported unit attention %s", s))
 	}
@@ -133,6 +217,7 @@ func (e *Engine) markLost(reason string) *fence.LostError {
 	}
 	e.held = false
 	e.watch = false
+	e.forgotten = false
 	return e.lost
 }
 
@@ -260,10 +345,30 @@ func (e *Engine) probe(ctx context.Context) (fence.Support, scsi.Capabilities, e
 	return s, caps, nil
 }
 
+// probePR verifies the device and probes it before a claim; a disk without
+// usable persistent reservations fails with fence.ErrNotSupported.
+func (e *Engine) probePR(ctx context.Context) (fence.Support, error) {
+	if err := e.verify(ctx); err != nil {
+		return fence.Support{}, err
+	}
+	sup, _, err := e.probe(ctx)
+	if err != nil {
+		return fence.Support{}, err
+	}
+	if sup.Method != fence.MethodPR {
+		return sup, fmt.Errorf("%s: %w: %s", e.name, fence.ErrNotSupported, sup.Reason)
+	}
+	return sup, nil
+}
+
 // state is one read of the PR state.
 type state struct {
 	keys []fence.Key
 	res  scsi.Reservation
+	// gen is READ KEYS' PRgeneration; READ RESERVATION reports its own in
+	// res.Generation, and the two differ when a registration changed
+	// between the reads.
+	gen uint32
 }
 
 func (s state) registered(k fence.Key) bool { return slices.Contains(s.keys, k) }
@@ -293,7 +398,7 @@ func (e *Engine) read(ctx context.Context) (state, error) {
 	if err != nil {
 		return state{}, err
 	}
-	st := state{res: r}
+	st := state{res: r, gen: k.Generation}
 	for _, key := range k.Keys {
 		st.keys = append(st.keys, fence.Key(key))
 	}
@@ -351,15 +456,9 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			return fence.Claim{}, fmt.Errorf("%s: takeover grant rejected: %w", e.name, err)
 		}
 	}
-	if err := e.verify(ctx); err != nil {
-		return fence.Claim{}, err
-	}
-	sup, _, err := e.probe(ctx)
+	sup, err := e.probePR(ctx)
 	if err != nil {
 		return fence.Claim{}, err
-	}
-	if sup.Method != fence.MethodPR {
-		return fence.Claim{}, fmt.Errorf("%s: %w: %s", e.name, fence.ErrNotSupported, sup.Reason)
 	}
 	typ := sup.Preferred
 	mine := e.cfg.Key
@@ -383,7 +482,7 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 				return fence.Claim{}, err
 			}
 		}
-		e.held, e.watch = true, true
+		e.held, e.watch, e.typ = true, true, t
 		e.log.Info("disk already claimed by this node", "type", t.String())
 		return fence.Claim{Method: fence.MethodPR, Key: mine, Type: t, Already: true}, nil
 	case st.res.Present:
@@ -515,7 +614,7 @@ func (e *Engine) claimFree(ctx context.Context, typ fence.ReservationType, grant
 		}
 		return fence.Claim{}, e.verifyErr("RESERVE", st)
 	}
-	e.held, e.watch = true, true
+	e.held, e.watch, e.typ = true, true, typ
 	e.log.Info("disk claimed", "type", typ.String())
 	return fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ}, nil
 }
@@ -592,7 +691,7 @@ func (e *Engine) takeover(ctx context.Context, before state, typ fence.Reservati
 			return fence.Claim{}, e.verifyErr(fmt.Sprintf("preempting key %s", k), st)
 		}
 	}
-	e.held, e.watch = true, true
+	e.held, e.watch, e.typ = true, true, typ
 	e.log.Warn("disk taken over", "preempted", fmt.Sprint(claim.Preempted), "preempt_and_abort", claim.PreemptAndAbort)
 	return claim, nil
 }
@@ -667,6 +766,10 @@ func (e *Engine) Check(ctx context.Context) error {
 		return l
 	}
 	switch {
+	case len(st.keys) == 0 && !st.res.Present:
+		err := lost(fmt.Sprintf("the target holds no registration and no reservation at all (PR generation %d): it restarted or was reset, or every key was removed", st.gen))
+		e.forgotten = true
+		return err
 	case !st.registered(mine):
 		return lost("our key is no longer registered (preempted or cleared)")
 	case !st.res.Present:
@@ -683,7 +786,7 @@ func (e *Engine) Check(ctx context.Context) error {
 	if !here {
 		return lost("this path to the disk does not hold the reservation (our key holds it through another path or session)")
 	}
-	e.held = true
+	e.held, e.typ = true, fence.ReservationType(st.res.Type)
 	return nil
 }
 

@@ -100,20 +100,28 @@ func TestAcquireFreeDiskWriteExclusive(t *testing.T) {
 	}
 	// The log shows the fence_scsi order: read before register, register
 	// before reserve, re-read after each.
+	wantClaimOrder(t, tgt.Log(), "a", "PR OUT REGISTER AND IGNORE EXISTING KEY")
+}
+
+// wantClaimOrder asserts that ini's reservation commands in log begin with
+// the fence_scsi order: read, register (with the action given), re-read,
+// reserve, re-read.
+func wantClaimOrder(t *testing.T, log []string, ini, register string) {
+	t.Helper()
 	var outs []string
-	for _, l := range tgt.Log() {
-		if strings.HasPrefix(l, "a: PR OUT") || strings.HasPrefix(l, "a: PR IN READ") {
-			outs = append(outs, strings.TrimPrefix(l, "a: "))
+	for _, l := range log {
+		if strings.HasPrefix(l, ini+": PR OUT") || strings.HasPrefix(l, ini+": PR IN READ") {
+			outs = append(outs, strings.TrimPrefix(l, ini+": "))
 		}
 	}
 	want := []string{
 		"PR IN READ KEYS", "PR IN READ RESERVATION",
-		"PR OUT REGISTER AND IGNORE EXISTING KEY",
+		register,
 		"PR IN READ KEYS", "PR IN READ RESERVATION",
 		"PR OUT RESERVE",
 		"PR IN READ KEYS", "PR IN READ RESERVATION",
 	}
-	if !slices.Equal(outs[:len(want)], want) {
+	if len(outs) < len(want) || !slices.Equal(outs[:len(want)], want) {
 		t.Fatalf("command order:\n%s\nwant prefix:\n%s", strings.Join(outs, "\n"), strings.Join(want, "\n"))
 	}
 }

@@ -148,11 +148,30 @@ echo $(( $(now) - s ))`, strings.Join(serials, " "))
 	// Start-up with 64 claims on record: each one re-verified before the
 	// socket serves.
 	stopLoadAgent(t, ctx, g)
+	out, err = g.MustSh(ctx, "wc -l < /run/agent.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	logged := strings.TrimSpace(out)
 	reconcile := startLoadAgent(t, ctx, g)
 	figure(t, "load_agent_start_64_claims_ms", reconcile.Milliseconds())
 	figure(t, "load_reconcile_per_claim_ms", fmt.Sprintf("%.1f", float64(reconcile.Milliseconds()-base.Milliseconds())/loadDisks))
 	if held := metric(t, ctx, g, `vco_agent_claims{state="held"}`); held != loadDisks {
 		t.Fatalf("after the restart the agent reports %v held claims, want %d", held, loadDisks)
+	}
+	// Each claim's fence was checked on its disk at start (not only its
+	// record kept), and none was cleaned up, marked missing or lost.
+	restartLog, err := g.MustSh(ctx, "tail -n +$(( "+logged+" + 1 )) /run/agent.log")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(restartLog, `msg="claim re-verified at start"`); n != loadDisks {
+		t.Fatalf("%d claims re-verified at start, want %d:\n%s", n, loadDisks, lastLines(restartLog, 30))
+	}
+	for _, line := range strings.Split(restartLog, "\n") {
+		if strings.Contains(line, " volume=") && (strings.Contains(line, "level=ERROR") || strings.Contains(line, "level=WARN")) {
+			t.Fatalf("the start-up check logged a problem with a claim: %s", line)
+		}
 	}
 	// The periodic check: a few rounds at 1 s.
 	c0, s0 := metric(t, ctx, g, "vco_agent_claim_check_seconds_count"), metric(t, ctx, g, "vco_agent_claim_check_seconds_sum")
@@ -166,8 +185,16 @@ echo $(( $(now) - s ))`, strings.Join(serials, " "))
 	if lost := metric(t, ctx, g, `vco_agent_claim_checks_total{result="lost"}`); lost != 0 {
 		t.Fatalf("%v claim checks found a claim lost; nothing touched the disks", lost)
 	}
-	if okc := metric(t, ctx, g, `vco_agent_claim_checks_total{result="ok"}`); okc < loadDisks {
-		t.Fatalf("only %v claim checks passed, want at least one per claim (%d)", okc, loadDisks)
+	if okc := metric(t, ctx, g, `vco_agent_claim_checks_total{result="ok"}`); okc < loadDisks*(1+c1-c0) {
+		t.Fatalf("only %v claim checks passed, want one per claim at start and in each of %v rounds (%v)", okc, c1-c0, loadDisks*(1+c1-c0))
+	}
+	for _, r := range []string{"missing", "error"} {
+		if n := metric(t, ctx, g, `vco_agent_claim_checks_total{result="`+r+`"}`); n != 0 {
+			t.Fatalf("%v claim checks ended %q; nothing touched the disks", n, r)
+		}
+	}
+	if held := metric(t, ctx, g, `vco_agent_claims{state="held"}`); held != loadDisks {
+		t.Fatalf("after %v check rounds the agent reports %v held claims, want %d", c1-c0, held, loadDisks)
 	}
 	stopLoadAgent(t, ctx, g)
 

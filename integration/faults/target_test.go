@@ -2,6 +2,7 @@ package faults
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"os"
@@ -13,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	fencekey "github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -137,11 +140,120 @@ func untilDeviceAnswers(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 	}
 }
 
-// TestTargetRestart restarts the iSCSI target while node-a holds a disk
-// that node-b also sees. The restart wipes every registration and
-// reservation. The contract (issue 9): the holder notices the loss; it
-// re-establishes its claim only if no other key appeared, otherwise it
-// fences itself; the other node never gains access without a grant.
+// restartVolume is the volume the agents stage in TestTargetRestart, as
+// the CSI node plugin would (a raw block volume: the test writes to the
+// device itself).
+const (
+	restartVolume  = "vol-restart"
+	restartStaging = "/var/lib/kubelet/plugins/kubernetes.io/csi/cloud.whitesky.csi/vol-restart/globalmount"
+)
+
+// stageRestartVolume asks g's agent to stage the LUN with serial as
+// restartVolume, without a grant. An ABORTED answer (the agent's claim
+// check holds the volume at that moment) is retried, as kubelet retries.
+func stageRestartVolume(t *testing.T, ctx context.Context, g *lab.Guest, serial string) *guestexec.Result {
+	t.Helper()
+	argv := []string{"/bin/vco-agent", "volume", "stage", restartVolume, "--serial", serial, "--block", "--staging", restartStaging}
+	for i := 0; ; i++ {
+		r, err := g.Exec().Run(ctx, 0, argv...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Exit == 0 || !strings.Contains(r.Stderr, "Aborted") || i == 30 {
+			return r
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// agentEvent is one line of `vco-agent events --json`.
+type agentEvent struct {
+	Type      string `json:"type"`
+	Volume    string `json:"volume"`
+	HolderKey string `json:"holder_key"`
+	Reason    string `json:"reason"`
+	Message   string `json:"message"`
+}
+
+// agentEvents returns the events g's agent keeps of type typ (the API's
+// name, e.g. EVENT_TYPE_DISK_FENCED) for restartVolume.
+func agentEvents(t *testing.T, ctx context.Context, g *lab.Guest, typ string) []agentEvent {
+	t.Helper()
+	r, err := g.Exec().Run(ctx, 0, "/bin/vco-agent", "events", "--json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Exit != 0 {
+		t.Fatalf("%s: vco-agent events: %s", g.Name, r)
+	}
+	var out []agentEvent
+	for _, line := range strings.Split(strings.TrimSpace(r.Stdout), "\n") {
+		var e agentEvent
+		if json.Unmarshal([]byte(line), &e) == nil && e.Type == typ && e.Volume == restartVolume {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// waitAgentEvent polls g's agent until it has published n events of type
+// typ for restartVolume, and returns the n-th.
+func waitAgentEvent(t *testing.T, ctx context.Context, g *lab.Guest, typ string, n int, within time.Duration) agentEvent {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		if evs := agentEvents(t, ctx, g, typ); len(evs) >= n {
+			return evs[n-1]
+		}
+		if time.Now().After(deadline) {
+			log, _ := g.MustSh(ctx, "tail -n 30 /run/agent.log")
+			t.Fatalf("%s: no %s event #%d for %s within %s; agent log:\n%s", g.Name, typ, n, restartVolume, within, log)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// hexKey is a node's fence key as events carry it (16 hex digits).
+func hexKey(t *testing.T, g *lab.Guest) string {
+	t.Helper()
+	k, err := fencekey.KeyFromUUID(g.UUID)
+	if err != nil {
+		t.Fatalf("%s: %v", g.Name, err)
+	}
+	return strings.TrimPrefix(k.String(), "0x")
+}
+
+// targetRefusesWrite clears the block layer's read-only flag the agent
+// set on a refused or fenced disk, so that the write reaches the target,
+// and asserts that the target refuses it (the fence is the target's, not
+// only the host's flag).
+func targetRefusesWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n int, marker string) {
+	t.Helper()
+	if _, err := g.MustSh(ctx, "blockdev --setrw "+dev); err != nil {
+		t.Fatal(err)
+	}
+	mustNotWrite(t, ctx, g, dev, n, marker)
+}
+
+// TestTargetRestart restarts the iSCSI target while node-a's agent holds
+// a disk that node-b also sees. The restart wipes every registration and
+// reservation. The contract (issue 9): the holder re-establishes its claim
+// only if no other key appeared, otherwise it fences itself; the other
+// node never gains access without a grant.
+//
+// Both nodes run the agent, and every claim goes through it, as the CSI
+// node plugin's would. What the test proves about node-b: while node-a
+// holds the disk (before the restart, and once its agent re-established
+// the claim) node-b's agent refuses to stage it without a grant, naming
+// node-a's key, and the target refuses node-b's writes; so does the
+// low-level `vco-agent fence acquire`, which an operator runs by hand.
+// What it cannot prove, because it is not so: in the window between the
+// restart and node-a's next check the target holds no reservation, so
+// there is no holder to refuse and no grant to ask for, and a node-b asked
+// to stage the disk then gets it (the second sub-test makes node-b move
+// first by pausing node-a's agent). The contract then holds on node-a's
+// side: it fences itself at once, never takes the disk back without a
+// grant, and the target refuses its writes.
 func TestTargetRestart(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
@@ -157,110 +269,118 @@ func TestTargetRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
+	startLoadAgent(t, ctx, a)
+	startLoadAgent(t, ctx, b)
+	keyA, keyB := hexKey(t, a), hexKey(t, b)
 	restarts, lost := 0, 0
 
-	// holds asserts that g holds the disk and the other node cannot take
-	// it or write to it.
-	acquire := func(g *lab.Guest, dev string) *fenceReply {
+	// refused asserts that node-b gets no access without a grant while
+	// node-a holds the disk: its agent refuses the stage naming node-a's
+	// key, the operator's acquire is refused naming node-a, and the
+	// target refuses its write.
+	refused := func(block int, marker string) {
 		t.Helper()
-		rep, code, out, err := fence(ctx, g, nodes, "acquire", dev)
-		if err != nil {
-			t.Fatal(err)
+		r := stageRestartVolume(t, ctx, b, lun.Serial)
+		if r.Exit == 0 || !strings.Contains(r.Stderr, "held by another node") || !strings.Contains(r.Stderr, keyA) {
+			t.Fatalf("node-b: stage without a grant while node-a holds the disk: want a refusal naming key %s, got %s", keyA, r)
 		}
-		if code != 0 || !rep.OK {
-			t.Fatalf("%s: fence acquire %s: exit %d: %s", g.Name, dev, code, out)
-		}
-		return rep
-	}
-	refused := func(g *lab.Guest, dev string, holder *lab.Guest) {
-		t.Helper()
-		rep, code, out, err := fence(ctx, g, nodes, "acquire", dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if code == 0 || !rep.Refused || rep.HolderNode != holder.Name {
-			t.Fatalf("%s: fence acquire %s without a grant: want a refusal naming %s, got exit %d: %s", g.Name, dev, holder.Name, code, out)
-		}
-	}
-	checkLost := func(g *lab.Guest, dev string) *fenceReply {
-		t.Helper()
-		rep, code, out, err := fence(ctx, g, nodes, "check", dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if code != 1 || !rep.Lost {
-			t.Fatalf("%s: fence check %s after the target restart: want the claim reported lost, got exit %d: %s", g.Name, dev, code, out)
-		}
-		t.Logf("%s: loss noticed: %s", g.Name, strings.TrimSpace(out))
-		lost++
-		return rep
-	}
-
-	acquire(a, devA)
-	mustWrite(t, ctx, a, devA, 0, "restart-a-before")
-	refused(b, devB, a)
-	mustNotWrite(t, ctx, b, devB, 1, "restart-b-before")
-
-	t.Run("no other key: the holder re-establishes", func(t *testing.T) {
-		d := restartTarget(t, ctx, l, lun)
-		restarts++
-		figure(t, "target_restart_ms", d.Milliseconds())
-		figure(t, "target_reconnect_a_ms", untilDeviceAnswers(t, ctx, a, devA).Milliseconds())
-		untilDeviceAnswers(t, ctx, b, devB)
-		checkLost(a, devA)
-		// No key is registered after the restart, so the holder may claim
-		// again; with the CLI the re-establishing is the caller's move.
-		rep := acquire(a, devA)
-		if rep.Claim == nil || rep.Claim.Already {
-			t.Fatalf("node-a's acquire after the restart should be a new claim: %+v", rep)
-		}
-		refused(b, devB, a)
-		mustNotWrite(t, ctx, b, devB, 2, "restart-b-after-reclaim")
-		mustWrite(t, ctx, a, devA, 3, "restart-a-after-reclaim")
-		if got := backingBlock(t, lun.File, 0); got != "restart-a-before" {
-			t.Errorf("block 0 holds %q after the restart, want node-a's data", got)
-		}
-		// The daemon itself never registers again after a loss
-		// (docs/fencing.md): a lost claim stays fenced until a new stage.
-		// The automatic re-establishing the contract asks for is not in
-		// the agent, so that half cannot be asserted here.
-		t.Log("agent: no automatic re-establishing of a claim lost to a target restart (docs/fencing.md: 'The agent never registers again by itself'); re-established by 'vco-agent fence acquire' instead")
-	})
-
-	t.Run("the agent re-establishes by itself", func(t *testing.T) {
-		t.Skip("not in the agent: after a loss it never registers again by itself (docs/fencing.md, agent/volume checkFence -> lose); " +
-			"a claim lost to a target restart stays fenced even when no other key appeared, until a new stage")
-	})
-
-	t.Run("another key appeared: the holder fences itself", func(t *testing.T) {
-		d := restartTarget(t, ctx, l, lun)
-		restarts++
-		figure(t, "target_restart_ms", d.Milliseconds())
-		untilDeviceAnswers(t, ctx, a, devA)
-		untilDeviceAnswers(t, ctx, b, devB)
-		// node-b moves first: with every reservation gone, nothing on the
-		// target can stop its acquire -- the window the holder's check
-		// interval bounds.
 		rep, code, out, err := fence(ctx, b, nodes, "acquire", devB)
 		if err != nil {
 			t.Fatal(err)
 		}
-		bWon := code == 0 && rep.OK
+		if code == 0 || !rep.Refused || rep.HolderNode != a.Name {
+			t.Fatalf("node-b: fence acquire %s without a grant: want a refusal naming node-a, got exit %d: %s", devB, code, out)
+		}
+		targetRefusesWrite(t, ctx, b, devB, block, marker)
+	}
+
+	if r := stageRestartVolume(t, ctx, a, lun.Serial); r.Exit != 0 {
+		t.Fatalf("node-a: stage: %s", r)
+	}
+	mustWrite(t, ctx, a, devA, 0, "restart-a-before")
+	refused(1, "restart-b-before")
+
+	t.Run("no other key: the agent re-establishes by itself", func(t *testing.T) {
+		d := restartTarget(t, ctx, l, lun)
+		restarts++
+		figure(t, "target_restart_ms", d.Milliseconds())
+		restarted := time.Now()
+		figure(t, "target_reconnect_a_ms", untilDeviceAnswers(t, ctx, a, devA).Milliseconds())
+		answered := time.Now()
+		// The agent checks every second (loadAgentConfig); polling the
+		// events through the guest adds its own delay, so allow a few.
+		ev := waitAgentEvent(t, ctx, a, "EVENT_TYPE_DISK_CLAIMED", 2, 15*time.Second)
+		figure(t, "target_restart_reestablished_ms", time.Since(restarted).Milliseconds())
+		figure(t, "target_restart_reestablished_after_reconnect_ms", time.Since(answered).Milliseconds())
+		if ev.Reason != "reservation-reestablished" || ev.HolderKey != keyA {
+			t.Fatalf("node-a's second DiskClaimed: %+v, want the re-established claim with key %s", ev, keyA)
+		}
+		t.Logf("node-a: %s", ev.Message)
+		if evs := agentEvents(t, ctx, a, "EVENT_TYPE_DISK_FENCED"); len(evs) != 0 {
+			t.Fatalf("node-a fenced itself although no other key appeared: %+v", evs)
+		}
+		if n := metric(t, ctx, a, `vco_agent_reestablishes_total{result="ok"}`); n != 1 {
+			t.Fatalf("node-a counts %v re-established claims, want 1", n)
+		}
+		// node-a keeps writing; node-b still gets nothing without a grant.
+		mustWrite(t, ctx, a, devA, 2, "restart-a-after-reestablish")
+		untilDeviceAnswers(t, ctx, b, devB)
+		refused(3, "restart-b-after-reestablish")
+		if got := backingBlock(t, lun.File, 2); got != "restart-a-after-reestablish" {
+			t.Errorf("block 2 holds %q, want node-a's write after the re-establish", got)
+		}
+	})
+
+	t.Run("another key appeared: the holder fences itself", func(t *testing.T) {
+		// Pause node-a's agent so that node-b moves first, inside the
+		// window a check interval would otherwise close.
+		if _, err := a.MustSh(ctx, "kill -STOP $(cat /run/agent.pid)"); err != nil {
+			t.Fatal(err)
+		}
+		paused := true
+		defer func() {
+			if paused {
+				_, _ = a.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)")
+			}
+		}()
+		d := restartTarget(t, ctx, l, lun)
+		restarts++
+		figure(t, "target_restart_ms", d.Milliseconds())
+		untilDeviceAnswers(t, ctx, b, devB)
+		r := stageRestartVolume(t, ctx, b, lun.Serial)
+		bWon := r.Exit == 0
 		figure(t, "target_restart_window_other_node_claimed", map[bool]int{true: 1, false: 0}[bWon])
 		if !bWon {
-			t.Skipf("node-b's acquire after the restart did not succeed (exit %d): %s", code, out)
+			t.Fatalf("node-b's stage after the restart, with node-a's agent paused, failed: %s", r)
 		}
-		t.Logf("FINDING: after the target restart node-b claimed the disk without a grant before node-a's next check: %s", strings.TrimSpace(out))
-		rep = checkLost(a, devA)
-		if rep.HolderNode != "node-b" {
-			t.Errorf("node-a's loss should name node-b as the new holder, got %q", rep.HolderNode)
+		t.Logf("FINDING: with the restarted target holding no reservation, node-b's agent staged the disk without a grant before node-a's next check; the window is node-a's check interval")
+		mustWrite(t, ctx, b, devB, 4, "restart-b-claimed")
+
+		if _, err := a.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)"); err != nil {
+			t.Fatal(err)
 		}
-		// The holder must not take the disk back without a grant ...
-		refused(a, devA, b)
-		// ... and its writes fail: it is fenced.
-		mustNotWrite(t, ctx, a, devA, 4, "restart-a-fenced")
+		paused = false
+		ev := waitAgentEvent(t, ctx, a, "EVENT_TYPE_DISK_FENCED", 1, 30*time.Second)
+		lost++
+		if ev.HolderKey != keyB {
+			t.Errorf("node-a's DiskFenced names holder key %q, want node-b's %s: %+v", ev.HolderKey, keyB, ev)
+		}
+		t.Logf("node-a: %s", ev.Message)
+		if n := metric(t, ctx, a, `vco_agent_reestablishes_total{result="ok"}`); n != 1 {
+			t.Errorf("node-a counts %v re-established claims, want still 1", n)
+		}
+		// node-a does not take the disk back without a grant ...
+		r = stageRestartVolume(t, ctx, a, lun.Serial)
+		if r.Exit == 0 || !strings.Contains(r.Stderr, "grant") {
+			t.Fatalf("node-a: stage of its fenced volume without a grant: want a refusal asking for a grant, got %s", r)
+		}
+		// ... and the target refuses its writes.
+		targetRefusesWrite(t, ctx, a, devA, 5, "restart-a-fenced")
 		if backingHas(t, lun.File, "restart-a-fenced") {
 			t.Error("node-a's write after the loss reached the LUN")
+		}
+		if got := backingBlock(t, lun.File, 4); got != "restart-b-claimed" {
+			t.Errorf("block 4 holds %q, want node-b's write", got)
 		}
 	})
 	figure(t, "target_restart_faults", restarts)

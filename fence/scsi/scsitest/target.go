@@ -74,11 +74,37 @@ type Target struct {
 	notReady     map[string]int
 	notReadyCode [2]uint8
 	log          []string
+	// seen holds every initiator that sent a command, for Restart.
+	seen map[string]bool
 }
 
 // New returns a target with no registrations.
 func New(o Options) *Target {
-	return &Target{Opts: o, regs: map[string]uint64{}, ua: map[string][][2]uint8{}, notReady: map[string]int{}}
+	return &Target{Opts: o, regs: map[string]uint64{}, ua: map[string][][2]uint8{}, notReady: map[string]int{}, seen: map[string]bool{}}
+}
+
+// Restart models a target that keeps its persistent reservation state in
+// memory only (no APTPL; tgt) being restarted: every registration and the
+// reservation are gone, the PR generation is back to 0 (SPC-4: a power on
+// resets it), pending unit attentions are dropped, and each initiator that
+// had talked to the target finds a 29/00 POWER ON, RESET unit attention
+// on its next command, as it would on its new I_T nexus.
+func (t *Target) Restart() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.regs, t.order, t.res, t.gen = map[string]uint64{}, nil, nil, 0
+	t.ua, t.notReady = map[string][][2]uint8{}, map[string]int{}
+	for ini := range t.seen {
+		t.ua[ini] = [][2]uint8{{0x29, 0x00}}
+	}
+	t.log = append(t.log, "target restarted")
+}
+
+// Generation returns the PR generation (READ KEYS' PRGENERATION).
+func (t *Target) Generation() uint32 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.gen
 }
 
 // Port is one initiator's I_T nexus to the target; it is a scsi.Transport.
@@ -232,6 +258,7 @@ func (t *Target) execute(ini string, cdb []byte, dir scsi.Direction, data []byte
 		return check(scsi.IllegalRequest, 0x20, 0)
 	}
 	t.log = append(t.log, ini+": "+describe(cdb))
+	t.seen[ini] = true
 	if cdb[0] != scsi.OpInquiry {
 		if q := t.ua[ini]; len(q) > 0 {
 			t.ua[ini] = q[1:]

@@ -115,3 +115,44 @@ func TestModelFollowsSPC4(t *testing.T) {
 		t.Fatal("unit attention consumed by INQUIRY")
 	}
 }
+
+func TestRestartForgetsEverythingAndResetsTheGeneration(t *testing.T) {
+	ctx := context.Background()
+	tgt := New(Options{})
+	a, b := dev(tgt, "a"), dev(tgt, "b")
+	if err := a.PersistentReserveOut(ctx, scsi.PROut{Action: scsi.Register, ServiceActionKey: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.PersistentReserveOut(ctx, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.ReadKeys(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if tgt.Generation() == 0 {
+		t.Fatal("REGISTER did not move the generation")
+	}
+	tgt.Restart()
+	// Every initiator that had talked to the target is told, once.
+	for _, d := range []*scsi.Device{a, b} {
+		if _, err := d.ReadKeys(ctx); err == nil {
+			t.Fatalf("%s: first command after the restart answered without a unit attention", d.Name)
+		} else if asc, _, ok := scsi.UnitAttentionCode(err); !ok || asc != 0x29 {
+			t.Fatalf("%s: first command after the restart: %v, want UNIT ATTENTION 29h", d.Name, err)
+		}
+	}
+	k, err := a.ReadKeys(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := a.ReadReservation(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(k.Keys) != 0 || r.Present || k.Generation != 0 || r.Generation != 0 {
+		t.Fatalf("after the restart: keys %v (generation %d), reservation %+v", k.Keys, k.Generation, r)
+	}
+	if !tgt.CanWrite("b") {
+		t.Fatal("a restarted target with no reservation still refuses a write")
+	}
+}

@@ -1,0 +1,121 @@
+package volume
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/scsi"
+)
+
+// Issue 9: the iSCSI target restarts and forgets every reservation. The
+// agent takes its claim back when no other key appeared, by the periodic
+// check and by the start-up check alike, and fences itself when one did.
+func TestClaimForgottenByARestartedTargetIsReestablishedUnlessAnotherKeyAppeared(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	req := e.stageReq("vol-r", img, "staging/r")
+	req.AllowUnfenced = false
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	e.event(events.DiskClaimed)
+	write := func(name string) error {
+		return os.WriteFile(filepath.Join(req.StagingPath, name), []byte(name), 0o644)
+	}
+	held := func(when string) {
+		t.Helper()
+		if h, k, _, ok := tgt.Reservation(); !ok || h != nodeA || fence.Key(k) != keyA {
+			t.Fatalf("%s: reservation (%q, %s, %v), want node A's", when, h, fence.Key(k), ok)
+		}
+		if c, _ := e.m.Store().Get("vol-r"); c == nil || c.State != StateHeld || c.Detail != "" {
+			t.Fatalf("%s: claim %+v", when, c)
+		}
+		if deviceReadOnly(t, dev) {
+			t.Fatalf("%s: device read-only", when)
+		}
+		if err := write(strings.ReplaceAll(when, " ", "-")); err != nil {
+			t.Fatalf("%s: write: %v", when, err)
+		}
+	}
+	reestablished := func() {
+		t.Helper()
+		ev := e.event(events.DiskClaimed)
+		if ev.Reason != "reservation-reestablished" || ev.Volume != "vol-r" || ev.HolderKey != uint64(keyA) || !strings.Contains(ev.Message, "forgot") {
+			t.Fatalf("event: %+v", ev)
+		}
+	}
+
+	// The periodic check finds the target empty and re-establishes.
+	tgt.Restart()
+	e.m.CheckAll(ctx)
+	reestablished()
+	held("after the first restart")
+	if metric(t, e.m, "vco_agent_reestablishes_total", "result", "ok") != 1 || metric(t, e.m, "vco_agent_fences_total") != 0 {
+		t.Fatal("re-establish not counted, or counted as a fence")
+	}
+	e.m.CheckAll(ctx)
+	if metric(t, e.m, "vco_agent_claim_checks_total", "result", "ok") < 1 {
+		t.Fatal("the re-established claim does not pass the next check")
+	}
+
+	// The agent and the target restart together: the start-up check does
+	// the same.
+	e.m.Close()
+	tgt.Restart()
+	e.start()
+	e.m.Reconcile(ctx)
+	reestablished()
+	held("after an agent and target restart")
+
+	// Node B finds the disk free and claims it while node A re-registers:
+	// node A fences itself and leaves node B's claim alone.
+	tgt.Restart()
+	b := nodeBEngine(t, tgt, "vol-r")
+	raced := false
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		if ini == nodeA && !raced && len(cdb) > 1 && cdb[0] == scsi.OpPersistentReserveOut && scsi.PROutAction(cdb[1]&0x1f) == scsi.Register {
+			raced = true
+			if _, err := b.Acquire(ctx, nil); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	e.m.CheckAll(ctx)
+	tgt.BeforeCommand = nil
+	if !raced {
+		t.Fatal("node A never registered again, so node B never raced it")
+	}
+	ev := e.event(events.DiskFenced)
+	if ev.Volume != "vol-r" || ev.HolderKey != uint64(keyB) || ev.HolderNode != "node-b" {
+		t.Fatalf("fenced event: %+v", ev)
+	}
+	if !deviceReadOnly(t, dev) || write("after-b") == nil {
+		t.Fatal("node A still writes after node B claimed the disk")
+	}
+	if _, reg := tgt.Registered(nodeA); reg {
+		t.Fatal("node A registered while node B held the disk")
+	}
+	if err := b.Check(ctx); err != nil {
+		t.Fatalf("node B's claim after node A's check: %v", err)
+	}
+	if metric(t, e.m, "vco_agent_reestablishes_total", "result", "refused") != 1 || metric(t, e.m, "vco_agent_fences_total") != 1 {
+		t.Fatalf("refused re-establish not counted: refused %v, fences %v", metric(t, e.m, "vco_agent_reestablishes_total", "result", "refused"), metric(t, e.m, "vco_agent_fences_total"))
+	}
+	// Fenced for good: neither the check nor a restart takes it back.
+	e.m.CheckAll(ctx)
+	e.start()
+	e.m.Reconcile(ctx)
+	if c, _ := e.m.Store().Get("vol-r"); c == nil || c.State != StateLost {
+		t.Fatalf("claim after the refusal: %+v", c)
+	}
+	if _, reg := tgt.Registered(nodeA); reg {
+		t.Fatal("node A registered again")
+	}
+}

@@ -1,0 +1,139 @@
+package pr
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/scsi"
+)
+
+var _ fence.Reestablisher = (*Engine)(nil)
+
+// Reestablish implements fence.Reestablisher: after Check found the target
+// empty (no registration, no reservation), it registers and reserves again
+// with the claim's type, if and only if the target shows that nobody else
+// registered since it started. The package documentation gives the steps
+// and why the result is safe. On success the engine holds the disk again
+// and Check passes; otherwise the claim stays lost and the returned
+// *fence.LostError says why, naming a foreign key when one appeared.
+func (e *Engine) Reestablish(ctx context.Context) (fence.Claim, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.lost == nil {
+		return fence.Claim{}, fmt.Errorf("%s: the claim is not lost; there is nothing to re-establish", e.name)
+	}
+	if !e.forgotten {
+		return fence.Claim{}, e.lost
+	}
+	e.reestablishing = true
+	defer func() { e.reestablishing = false }()
+	mine := e.cfg.Key
+
+	// refuse makes the loss final with the reason found, naming the first
+	// foreign key (the reservation holder when there is one).
+	refuse := func(reason string, st state) (fence.Claim, error) {
+		l := &fence.LostError{Device: e.name, Reason: reason}
+		if st.res.Present && !st.allRegistrants() && st.holder() != mine {
+			l.Holder = st.holder()
+		} else if f := st.foreign(mine); len(f) > 0 {
+			l.Holder = f[0]
+		}
+		if l.Holder != 0 {
+			l.HolderNode = e.resolve(l.Holder)
+		}
+		e.lost, e.forgotten = l, false
+		e.log.Error("claim not re-established", "reason", reason, "holder", l.Holder.String())
+		return fence.Claim{}, l
+	}
+	// clean reports whether st is a state we may build on: only our own
+	// key (want: registered or not), both reads at generation gen.
+	clean := func(st state, registered bool, gen uint32) bool {
+		return len(st.foreign(mine)) == 0 && st.registered(mine) == registered &&
+			st.gen == gen && st.res.Generation == gen
+	}
+
+	// The probe waits out the unit attentions a restarted target queues
+	// for every new I_T nexus (29/00 POWER ON, RESET); the device retries
+	// them.
+	sup, err := e.probePR(ctx)
+	if errors.Is(err, fence.ErrNotSupported) {
+		return refuse(err.Error(), state{})
+	}
+	if err != nil {
+		return fence.Claim{}, err
+	}
+	typ := e.typ
+	if typ == 0 {
+		typ = sup.Preferred
+	}
+
+	st, err := e.read(ctx)
+	if err != nil {
+		return fence.Claim{}, err
+	}
+	switch {
+	case len(st.foreign(mine)) > 0 || st.res.Present:
+		return refuse(fmt.Sprintf("after the target forgot this node's claim, keys %v and %s appeared before it was re-established", st.keys, describeReservation(st.res)), st)
+	case len(st.keys) > 0:
+		return refuse(fmt.Sprintf("this node's key %s is registered again, but not by this engine (another path or process?); not re-establishing over it", mine), st)
+	case st.gen != 0 || st.res.Generation != 0:
+		return refuse(fmt.Sprintf("the target holds no registration, but its PR generation is %d (READ KEYS) / %d (READ RESERVATION), not 0: registrations came and went since it started, so another node may have held the disk", st.gen, st.res.Generation), st)
+	}
+	base := st.gen
+	e.log.Warn("the target forgot every registration and reservation (restarted); re-establishing this node's claim", "type", typ.String())
+
+	// REGISTER, not REGISTER AND IGNORE EXISTING KEY: with a reservation
+	// key of 0 it succeeds only on a nexus that carries no registration.
+	err = e.out(ctx, scsi.PROut{Action: scsi.Register, ServiceActionKey: uint64(mine)})
+	if err != nil && !errors.Is(err, scsi.ErrReservationConflict) {
+		return fence.Claim{}, fmt.Errorf("%s: registering key %s again: %w", e.name, mine, err)
+	}
+	st, rerr := e.read(ctx)
+	if rerr != nil {
+		return fence.Claim{}, rerr
+	}
+	if err != nil || !clean(st, true, base+1) || st.res.Present {
+		e.dropRegistration(ctx, st)
+		return refuse(fmt.Sprintf("while this node registered again, the target changed: keys %v, %s, PR generation %d (want %d with only key %s)",
+			st.keys, describeReservation(st.res), st.gen, base+1, mine), st)
+	}
+
+	err = e.out(ctx, scsi.PROut{Action: scsi.Reserve, Type: uint8(typ), Key: uint64(mine)})
+	if err != nil && !errors.Is(err, scsi.ErrReservationConflict) {
+		e.dropRegistration(ctx, st)
+		return fence.Claim{}, fmt.Errorf("%s: reserving (%s) again: %w", e.name, typ, err)
+	}
+	st, rerr = e.read(ctx)
+	if rerr != nil {
+		return fence.Claim{}, rerr
+	}
+	ours := st.res.Present && !st.allRegistrants() && st.holder() == mine && fence.ReservationType(st.res.Type) == typ
+	if err != nil || !ours || !clean(st, true, base+1) {
+		// Holding the reservation, we keep it: the foreign key registered
+		// against a disk that is ours, and must not get it without a
+		// grant. Without it, we leave nothing behind.
+		if !ours {
+			e.dropRegistration(ctx, st)
+		}
+		return refuse(fmt.Sprintf("while this node reserved again, the target changed: keys %v, %s, PR generation %d (want %d with only key %s holding a %s reservation)",
+			st.keys, describeReservation(st.res), st.gen, base+1, mine, typ), st)
+	}
+	e.lost, e.forgotten = nil, false
+	e.held, e.watch, e.typ = true, true, typ
+	e.log.Warn("claim re-established after the target forgot it", "type", typ.String())
+	return fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ}, nil
+}
+
+// dropRegistration removes our key from this nexus after a re-establish
+// that did not get the reservation, when a read showed it registered.
+// Best effort: the loss is what gets reported.
+func (e *Engine) dropRegistration(ctx context.Context, st state) {
+	if !st.registered(e.cfg.Key) {
+		return
+	}
+	if err := e.unregister(ctx); err != nil {
+		e.log.Warn("could not remove this node's registration after a failed re-establish", "error", err)
+	}
+}
