@@ -181,7 +181,7 @@ func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool,
 	}
 
 	if viaAgent {
-		err = simlab.NodeCall(ctx, b.g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}, nil)
+		err = simlab.KubeletCall(ctx, b.g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}, nil)
 	} else {
 		_, err = b.g.MustSh(ctx, "umount "+staging)
 	}
@@ -204,7 +204,7 @@ func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool,
 func stageWhenPresent(ctx context.Context, g *lab.Guest, req *csi.NodeStageVolumeRequest) error {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
-		err := simlab.NodeCall(ctx, g, "NodeStageVolume", req, nil)
+		err := simlab.KubeletCall(ctx, g, "NodeStageVolume", req, nil)
 		if grpcstatus.Code(err) != codes.NotFound || time.Now().After(deadline) {
 			return err
 		}

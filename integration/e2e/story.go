@@ -297,7 +297,7 @@ func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) e
 	deadline := time.Now().Add(90 * time.Second)
 	wait := 500 * time.Millisecond
 	for tries := 1; ; tries++ {
-		err := simlab.NodeCall(ctx, g, "NodeStageVolume", req, nil)
+		err := simlab.KubeletCall(ctx, g, "NodeStageVolume", req, nil)
 		if status.Code(err) != codes.NotFound || time.Now().After(deadline) {
 			if tries > 1 && err == nil {
 				s.progress("         %s: NodeStageVolume succeeded on try %d (the disk was still being probed)", g.Name, tries)
@@ -314,7 +314,7 @@ func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Gue
 		return err
 	}
 	return s.step(scenario, g.Name, "NodePublishVolume "+s.name+" into "+s.pod+g.Name, func() (string, error) {
-		return "", simlab.NodeCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
+		return "", simlab.KubeletCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
 			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name),
 			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap(), VolumeContext: s.volCtx}, nil)
 	})
@@ -322,13 +322,13 @@ func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Gue
 
 func (s *story) unpublishAndUnstage(ctx context.Context, scenario string, g *lab.Guest) error {
 	if err := s.step(scenario, g.Name, "NodeUnpublishVolume", func() (string, error) {
-		return "", simlab.NodeCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
+		return "", simlab.KubeletCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
 			VolumeId: s.volID, TargetPath: targetPath(s.pod + g.Name)}, nil)
 	}); err != nil {
 		return err
 	}
 	return s.step(scenario, g.Name, "NodeUnstageVolume", func() (string, error) {
-		return "", simlab.NodeCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
+		return "", simlab.KubeletCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
 			VolumeId: s.volID, StagingTargetPath: stagingPath(s.name)}, nil)
 	})
 }
