@@ -77,7 +77,9 @@ bench: bench-agent bench-csi bench-lab
 	@$(GO) run ./cmd/vco-bench $(foreach p,$(BENCH_PARTS),$(BIN)/bench-$(p).txt)
 
 # Guest boot and lab set-up against a guest booting alone; reservation
-# latency of the engine against sg_persist, in a guest.
+# latency of the engine against sg_persist, in a guest; attach-to-staged
+# (ControllerPublish to NodeStage done) against the same hot-plug then
+# mkfs and mount by hand, per disk kind.
 bench-lab: deps build
 	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
 
@@ -137,6 +139,9 @@ test-deploy: deps
 # The RWO story on the simulator in lab mode and two guests; the text
 # report goes to the terminal and bin/lab-report.txt, the timeline to
 # bin/lab-report.html. Exits non-zero unless every safety property held.
+# E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
+# vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
+# says how to point it at a real one.
 lab: deps build
 	$(BIN)/vco-lab run -report $(BIN)
 
