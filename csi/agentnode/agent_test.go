@@ -24,6 +24,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -183,20 +184,9 @@ func newFencedNode(t *testing.T, tgt *scsitest.Target, reclaimWait time.Duration
 		t.Fatal(err)
 	}
 	t.Cleanup(m.Close)
-	agentSock := filepath.Join(dir, "agent.sock")
-	ln, err := net.Listen("unix", agentSock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	asrv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
-		Identity: server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}}).NewGRPC()
-	go asrv.Serve(ln)
-	t.Cleanup(asrv.Stop)
-	a, err := agentnode.Dial(agentSock, agentnode.Options{LoopDiskDir: diskDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Close() })
+	a := agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
+		server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}, nil,
+		agentnode.Options{LoopDiskDir: diskDir})
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet})
 	if err != nil {
 		t.Fatal(err)

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -29,12 +28,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
-	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
-	"github.com/whitesky-cloud/vco-storage/crypt/transit"
-	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
@@ -135,30 +131,10 @@ func newStormEnv(t *testing.T) *stormEnv {
 	checked := make(chan struct{})
 	go func() { e.mgr.Run(checks); close(checked) }()
 	t.Cleanup(func() { stopChecks(); <-checked; e.mgr.Close() })
-	asock := filepath.Join(dir, "agent.sock")
-	ln, err := net.Listen("unix", asock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	asrv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: e.mgr, Log: log.With("part", "agent-api"),
-		Identity: server.NodeIdentity{SystemUUID: hostUUID, Location: hostLoc}}).NewGRPC()
-	go asrv.Serve(ln)
-	t.Cleanup(asrv.Stop)
-	agent, err := agentnode.Dial(asock, agentnode.Options{AllowUnfenced: true, LoopDiskDir: e.backend.Dir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { agent.Close() })
-
-	vault := transittest.New() // FAKE: no Vault or OpenBao runs here
-	vault.Rotate("vco-volumes")
-	vault.StaticToken("node-token")
-	vs := httptest.NewServer(vault)
-	t.Cleanup(vs.Close)
-	tc, err := transit.New(transit.Config{Address: vs.URL, Token: "node-token"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	agent := agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), e.mgr,
+		server.NodeIdentity{SystemUUID: hostUUID, Location: hostLoc}, log.With("part", "agent-api"),
+		agentnode.Options{AllowUnfenced: true, LoopDiskDir: e.backend.Dir})
+	tc, _ := agentnodetest.Transit(t)
 
 	name := driver.NameFromPortal("try.whitesky.cloud")
 	serve := func(mode driver.Mode, cfg driver.Config) *grpc.ClientConn {
