@@ -17,6 +17,7 @@ import (
 	fencekey "github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/lab/labtest"
 )
 
 // restartTarget kills the lab's tgtd with SIGKILL -- the reservations it
@@ -252,7 +253,7 @@ func targetRefusesWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 	if _, err := g.MustSh(ctx, "blockdev --setrw "+dev); err != nil {
 		t.Fatal(err)
 	}
-	mustNotWrite(t, ctx, g, dev, n, marker)
+	labtest.MustNotWrite(t, ctx, g, dev, n, marker)
 }
 
 // TestTargetRestart restarts the iSCSI target while node-a's agent holds
@@ -319,7 +320,7 @@ func TestTargetRestart(t *testing.T) {
 	if r := stageRestartVolume(t, ctx, a, lun.Serial); r.Exit != 0 {
 		t.Fatalf("node-a: stage: %s", r)
 	}
-	mustWrite(t, ctx, a, devA, 0, "restart-a-before")
+	labtest.MustWrite(t, ctx, a, devA, 0, "restart-a-before")
 	refused(1, "restart-b-before")
 
 	t.Run("no other key: the agent re-establishes by itself", func(t *testing.T) {
@@ -345,7 +346,7 @@ func TestTargetRestart(t *testing.T) {
 			t.Fatalf("node-a counts %v re-established claims, want 1", n)
 		}
 		// node-a keeps writing; node-b still gets nothing without a grant.
-		mustWrite(t, ctx, a, devA, 2, "restart-a-after-reestablish")
+		labtest.MustWrite(t, ctx, a, devA, 2, "restart-a-after-reestablish")
 		untilDeviceAnswers(t, ctx, b, devB)
 		refused(3, "restart-b-after-reestablish")
 		if got := backingBlock(t, lun.File, 2); got != "restart-a-after-reestablish" {
@@ -443,7 +444,7 @@ func TestTargetRestart(t *testing.T) {
 			t.Fatalf("node-a counts %v re-established claims, want 2", n)
 		}
 		// node-a keeps its claim and its writes; node-b gets nothing.
-		mustWrite(t, ctx, a, devA, 4, "restart-a-after-b-waited")
+		labtest.MustWrite(t, ctx, a, devA, 4, "restart-a-after-b-waited")
 		refused(5, "restart-b-after-waiting")
 		if got := backingBlock(t, lun.File, 4); got != "restart-a-after-b-waited" {
 			t.Errorf("block 4 holds %q, want node-a's write", got)
@@ -465,7 +466,7 @@ func TestTargetRestart(t *testing.T) {
 		if _, err := b.MustSh(ctx, "blockdev --setrw "+devB); err != nil {
 			t.Fatal(err)
 		}
-		mustWrite(t, ctx, b, devB, 6, "restart-b-by-hand")
+		labtest.MustWrite(t, ctx, b, devB, 6, "restart-b-by-hand")
 
 		resume()
 		ev := waitAgentEvent(t, ctx, a, "EVENT_TYPE_DISK_FENCED", 1, time.Minute)
@@ -508,7 +509,7 @@ func TestTargetRestart(t *testing.T) {
 		if n := metric(t, ctx, b, `vco_agent_reclaim_waits_total{result="claimed"}`); n != 0 {
 			t.Fatalf("node-b waited %v times before claiming a disk released by its holder", n)
 		}
-		mustWrite(t, ctx, b, devB, 8, "restart-b-staged-after-release")
+		labtest.MustWrite(t, ctx, b, devB, 8, "restart-b-staged-after-release")
 	})
 	figure(t, "target_restart_faults", restarts)
 	figure(t, "target_restart_losses_noticed", lost)
