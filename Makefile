@@ -78,7 +78,9 @@ bench: bench-agent bench-csi bench-lab
 	@$(GO) run ./cmd/vco-bench $(foreach p,$(BENCH_PARTS),$(BIN)/bench-$(p).txt)
 
 # Guest boot and lab set-up against a guest booting alone; reservation
-# latency of the engine against sg_persist, in a guest.
+# latency of the engine against sg_persist, in a guest; attach-to-staged
+# (ControllerPublish to NodeStage done) against the same hot-plug then
+# mkfs and mount by hand, per disk kind.
 bench-lab: deps build
 	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
 
@@ -138,8 +140,11 @@ test-deploy: deps
 # The RWO story on the simulator in lab mode and two guests; the text
 # report goes to the terminal and bin/lab-report.txt, the timeline to
 # bin/lab-report.html. Exits non-zero unless every safety property held.
-# E9 runs in a Debian guest with the .deb under systemd when the Debian
-# root is cached (make guest-root), else in a busybox guest.
+# E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
+# vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
+# says how to point it at a real one. E9 runs in a Debian guest with the
+# .deb under systemd when the Debian root is cached (make guest-root), else
+# in a busybox guest.
 lab: deps build packages
 	$(BIN)/vco-lab run -report $(BIN)
 
@@ -195,12 +200,17 @@ test-fuzz-brief:
 # written to docs/reliability.md (integration/reliability). Root; about
 # FUZZTIME x the number of targets plus a few minutes.
 SOAK_ROUNDS ?= 200
+# Rounds of 100 concurrent CSI calls (TestConcurrentCSICalls), and of the
+# same under the race detector.
+STORM_SOAK_ROUNDS ?= 20
+STORM_RACE_ROUNDS ?= 5
 .PHONY: soak
 soak: deps-apt
 	@mkdir -p $(BIN)
 	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
-	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
-	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)'
+	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
+	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_STORM_ROUNDS=$(STORM_SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
+	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)|: storm: '
 	@echo "soak: figures written to docs/reliability.md"
 
 fuzz-all:

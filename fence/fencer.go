@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 )
 
 // ReservationType is a persistent reservation type code (SPC-4
@@ -183,6 +184,36 @@ type Fencer interface {
 // never needs a grant. Any other error leaves the claim lost as well.
 type Reestablisher interface {
 	Reestablish(ctx context.Context) (Claim, error)
+}
+
+// ReclaimWait says how a WaitingAcquirer treats a disk whose storage shows
+// no claim and no sign of any claim since the storage started. That is
+// what a new disk looks like, and also a disk whose storage restarted and
+// forgot its holder's claim, which the holder takes back at its next check
+// (Reestablisher). A blank disk is new and is claimed at once; a disk
+// holding data is claimed only when no holder has re-established within
+// Wait.
+type ReclaimWait struct {
+	// Wait is how long the holders' agents get to re-establish: longer
+	// than their claim check interval, with a margin for their paths to
+	// the storage to come back. Zero claims at once.
+	Wait time.Duration
+	// Poll is how often the disk is read during the wait, so that a
+	// holder's re-established claim ends it early; zero means a second.
+	Poll time.Duration
+	// Contents reports what the disk holds, "" when it is blank. Without
+	// it, or when it fails, the disk counts as holding data.
+	Contents func(ctx context.Context) (string, error)
+}
+
+// WaitingAcquirer is a Fencer whose storage can forget claims (a target
+// that keeps reservations in memory only). AcquireWaiting is Acquire for a
+// stage: with a grant, or when the disk shows a claim or signs of an
+// earlier one, it is Acquire; otherwise w decides, and a holder that
+// re-establishes during the wait gets the disk refused with a *HeldError
+// naming it. The wait ends with the context's error when ctx ends first.
+type WaitingAcquirer interface {
+	AcquireWaiting(ctx context.Context, grant *Grant, w ReclaimWait) (Claim, error)
 }
 
 // ErrNotSupported is wrapped when a disk does not support the fencing method

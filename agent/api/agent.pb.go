@@ -602,8 +602,14 @@ type StageVolumeRequest struct {
 	// allow_unfenced stages a disk that offers no fencing method. Refused
 	// unless the agent's configuration also allows it; always logged.
 	AllowUnfenced bool `protobuf:"varint,10,opt,name=allow_unfenced,json=allowUnfenced,proto3" json:"allow_unfenced,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// never_published says the controller had returned no publish context
+	// for this disk before the one this stage carries, so no node can have
+	// claimed it: a disk with data whose target shows no claim since it
+	// started is claimed without the reclaim wait. It skips only that wait;
+	// a disk with a registration or a reservation is refused as without it.
+	NeverPublished bool `protobuf:"varint,11,opt,name=never_published,json=neverPublished,proto3" json:"never_published,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *StageVolumeRequest) Reset() {
@@ -702,6 +708,13 @@ func (x *StageVolumeRequest) GetEncryption() *Encryption {
 func (x *StageVolumeRequest) GetAllowUnfenced() bool {
 	if x != nil {
 		return x.AllowUnfenced
+	}
+	return false
+}
+
+func (x *StageVolumeRequest) GetNeverPublished() bool {
+	if x != nil {
+		return x.NeverPublished
 	}
 	return false
 }
@@ -2420,7 +2433,7 @@ const file_agent_proto_rawDesc = "" +
 	"passphrase\x18\x01 \x01(\fR\n" +
 	"passphrase\x12&\n" +
 	"\x0fformat_if_blank\x18\x02 \x01(\bR\rformatIfBlank\x12?\n" +
-	"\rtransit_token\x18\x03 \x01(\v2\x1a.vco.agent.v1.TransitTokenR\ftransitToken\"\x8a\x03\n" +
+	"\rtransit_token\x18\x03 \x01(\v2\x1a.vco.agent.v1.TransitTokenR\ftransitToken\"\xb3\x03\n" +
 	"\x12StageVolumeRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x123\n" +
 	"\x06device\x18\x02 \x01(\v2\x1b.vco.agent.v1.DeviceLocatorR\x06device\x12!\n" +
@@ -2435,7 +2448,8 @@ const file_agent_proto_rawDesc = "" +
 	"encryption\x18\t \x01(\v2\x18.vco.agent.v1.EncryptionR\n" +
 	"encryption\x12%\n" +
 	"\x0eallow_unfenced\x18\n" +
-	" \x01(\bR\rallowUnfenced\"\x82\x01\n" +
+	" \x01(\bR\rallowUnfenced\x12'\n" +
+	"\x0fnever_published\x18\v \x01(\bR\x0eneverPublished\"\x82\x01\n" +
 	"\x13StageVolumeResponse\x12\x16\n" +
 	"\x06device\x18\x01 \x01(\tR\x06device\x125\n" +
 	"\afencing\x18\x02 \x01(\x0e2\x1b.vco.agent.v1.FencingMethodR\afencing\x12\x1c\n" +

@@ -54,6 +54,14 @@ type Volumes struct {
 	// CheckInterval is how often every claim is checked (reservation still
 	// ours, device still there).
 	CheckInterval time.Duration `yaml:"check_interval"`
+	// ReclaimWait is how long a stage without a grant waits before it
+	// claims a SCSI disk that holds data but whose target shows no
+	// registration since it started: what a target that restarted and
+	// forgot its holder's claim looks like. The holder re-establishes its
+	// claim at its next check, so the wait must be longer than the
+	// holders' check interval; 0 (the default) means three times this
+	// agent's, assuming every node runs the same configuration.
+	ReclaimWait time.Duration `yaml:"reclaim_wait"`
 	// AllowUnfenced lets a stage request that asks for it use a disk that
 	// offers no fencing method. Without it such a disk is refused.
 	AllowUnfenced bool `yaml:"allow_unfenced"`
@@ -74,6 +82,14 @@ type Volumes struct {
 	// WatchDisks runs the uevent watcher that refuses a disk held by
 	// another node the moment it appears.
 	WatchDisks bool `yaml:"watch_disks"`
+}
+
+// ReclaimAfter is the effective ReclaimWait.
+func (v Volumes) ReclaimAfter() time.Duration {
+	if v.ReclaimWait == 0 {
+		return 3 * v.CheckInterval
+	}
+	return v.ReclaimWait
 }
 
 // LeaseTiming is lease.Timing in the configuration's units.
@@ -255,6 +271,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Volumes.CheckInterval < 100*time.Millisecond || c.Volumes.CheckInterval > time.Hour {
 		errs = append(errs, fmt.Errorf("volumes.check_interval %s must be between 100ms and 1h", c.Volumes.CheckInterval))
+	}
+	if w := c.Volumes.ReclaimWait; w != 0 && (w <= c.Volumes.CheckInterval || w > time.Hour) {
+		errs = append(errs, fmt.Errorf("volumes.reclaim_wait %s must be longer than volumes.check_interval (%s), at most 1h, or 0 for three check intervals", w, c.Volumes.CheckInterval))
 	}
 	// The lease's own rules (fence/lease Timing): positive values, a
 	// renewal no shorter than an I/O, a fail bound of two renewals.

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func write(t *testing.T, body string) string {
@@ -94,6 +95,9 @@ func TestBadValuesAreNamed(t *testing.T) {
 		"volumes:\n  kubelet_root: kubelet\n":  "volumes.kubelet_root",
 		"volumes:\n  check_interval: 1ms\n":    "volumes.check_interval",
 		"volumes:\n  check_interval: often\n":  "line 2",
+		"volumes:\n  reclaim_wait: 5s\n":       "volumes.reclaim_wait",
+		"volumes:\n  reclaim_wait: -1s\n":      "volumes.reclaim_wait",
+		"volumes:\n  reclaim_wait: 2h\n":       "volumes.reclaim_wait",
 		"metrics:\n  listen: 0.0.0.0:9465\n":   "loopback",
 		"metrics:\n  listen: 10.0.0.1:9465\n":  "loopback",
 		"metrics:\n  listen: 127.0.0.1\n":      "host:port",
@@ -141,6 +145,12 @@ func TestVolumesAndMetricsSections(t *testing.T) {
 	if cfg.Volumes.KubeletRoot != "/srv/kubelet" || cfg.Volumes.CheckInterval.Seconds() != 2 || !cfg.Volumes.AllowUnfenced ||
 		cfg.Volumes.AllowLoopDevices || cfg.Volumes.DevRoot != "/dev" || cfg.Metrics.Listen != "[::1]:9465" {
 		t.Fatalf("volumes/metrics not applied: %+v %+v", cfg.Volumes, cfg.Metrics)
+	}
+	if got := cfg.Volumes.ReclaimAfter(); got != 6*time.Second {
+		t.Fatalf("reclaim wait by default %s, want three check intervals (6s)", got)
+	}
+	if cfg, err := Load(write(t, "volumes:\n  reclaim_wait: 45s\n"), true); err != nil || cfg.Volumes.ReclaimAfter() != 45*time.Second {
+		t.Fatalf("reclaim_wait 45s: %v %v", cfg.Volumes.ReclaimAfter(), err)
 	}
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	f := RegisterFlags(fs)

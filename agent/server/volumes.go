@@ -97,7 +97,7 @@ func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (
 	r := volume.StageRequest{
 		Volume: req.GetVolumeId(), Locator: loc, StagingPath: req.GetStagingPath(), FsType: req.GetFsType(),
 		Block: req.GetBlock(), MountFlags: req.GetMountFlags(), ReadOnly: req.GetReadOnly(), Grant: grant,
-		AllowUnfenced: req.GetAllowUnfenced(),
+		AllowUnfenced: req.GetAllowUnfenced(), NeverPublished: req.GetNeverPublished(),
 	}
 	if e := req.GetEncryption(); e != nil {
 		r.Encrypted, r.Passphrase, r.FormatLUKS = true, e.GetPassphrase(), e.GetFormatIfBlank()

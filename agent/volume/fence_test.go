@@ -56,8 +56,17 @@ func (f *modelFencing) Choose(_ context.Context, dev *Device, volume string, onL
 		f.onLost = onLost
 		f.mu.Unlock()
 	}
-	return Choice{Fencer: e, Method: fence.MethodPR, DataOffset: f.offset}, nil
+	if f.offset > 0 {
+		// Metadata kept on the disk is not forgotten by a restarting
+		// target: such a method is no fence.WaitingAcquirer.
+		return Choice{Fencer: onDisk{e}, Method: fence.MethodPR, DataOffset: f.offset}, nil
+	}
+	return Choice{Fencer: e, Method: fence.MethodPR}, nil
 }
+
+// onDisk is a fencer that keeps its claim on the disk itself, as the
+// lease does.
+type onDisk struct{ fence.Fencer }
 
 func newFencedEnv(t *testing.T) (*env, *scsitest.Target) {
 	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})

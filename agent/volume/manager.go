@@ -74,6 +74,9 @@ type Manager struct {
 
 	mu   sync.Mutex
 	live map[string]*live
+	// reclaims holds when a stage of each volume began waiting for a
+	// holder to re-establish (acquire), for its retries.
+	reclaims map[string]time.Time
 }
 
 // live is what the agent holds open for a claimed volume.
@@ -102,7 +105,7 @@ func New(o Options) (*Manager, error) {
 		o: o, log: o.Log, store: st, exec: ex,
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		mounter: mount.NewSafeFormatAndMount(mount.NewWithoutSystemd(""), ex),
-		live:    map[string]*live{},
+		live:    map[string]*live{}, reclaims: map[string]time.Time{},
 	}, nil
 }
 
@@ -201,6 +204,9 @@ type StageRequest struct {
 	FormatLUKS    bool
 	Token         *TransitToken
 	AllowUnfenced bool
+	// NeverPublished is the controller's word that no node was given the
+	// disk before this stage's: the reclaim wait is skipped (acquire).
+	NeverPublished bool
 }
 
 // StageResult says what Stage did.
@@ -538,7 +544,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 				}
 			}
 		}
-		claim, err := fencer.Acquire(ctx, r.Grant)
+		claim, err := m.acquire(ctx, fencer, c.Volume, dev, r.Grant, r.NeverPublished)
 		var held *fence.HeldError
 		switch {
 		case errors.As(err, &held):
@@ -548,6 +554,11 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			var lost *fence.LostError
 			if errors.As(err, &lost) {
 				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+			}
+			if ctx.Err() != nil {
+				// The caller gave up (the reclaim wait outlasted its
+				// deadline): its code says so, and its retry waits again.
+				return res, fmt.Errorf("volume %s: %w", c.Volume, err)
 			}
 			return res, agenterr.New(agenterr.Unavailable, "volume %s: fencing %s: %v", c.Volume, dev.Path, err)
 		}

@@ -18,8 +18,11 @@ type Metrics struct {
 	// reestablishes counts claims found lost because the storage forgot
 	// them, by what re-establishing did.
 	reestablishes *prometheus.CounterVec
-	stages        *prometheus.CounterVec
-	checkTime     prometheus.Histogram
+	// reclaimWaits counts stages that waited for a holder to re-establish
+	// before claiming a disk its target may have forgotten.
+	reclaimWaits *prometheus.CounterVec
+	stages       *prometheus.CounterVec
+	checkTime    prometheus.Histogram
 }
 
 // NewMetrics registers the series on a registry of their own.
@@ -46,6 +49,10 @@ func NewMetrics() *Metrics {
 			Namespace: "vco_agent", Name: "reestablishes_total",
 			Help: "Claims whose reservation the storage target forgot (a restart), by result: ok (re-established), refused (another key appeared, or registrations changed: fenced), error (fenced).",
 		}, []string{"result"}),
+		reclaimWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "vco_agent", Name: "reclaim_waits_total",
+			Help: "Stages without a grant that found a disk holding data whose target showed no registration since it started (a restart may have forgotten its holder's claim) and waited volumes.reclaim_wait, by result: claimed (no holder came back), refused (a holder re-established), ended (the caller gave up; its retry waits what is left), error.",
+		}, []string{"result"}),
 		stages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "vco_agent", Name: "volume_operations_total",
 			Help: "Volume API operations, by operation and gRPC-facing result kind.",
@@ -56,7 +63,7 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
 		}),
 	}
-	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.reestablishes, m.stages, m.checkTime,
+	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.reestablishes, m.reclaimWaits, m.stages, m.checkTime,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

@@ -38,6 +38,7 @@ var titles = map[string]string{
 	"Check64Claims":            "agent check of 64 PR claims",
 	"Reconcile64Claims":        "agent start-up check of 64 claims",
 	"CreatePublish100":         "100 concurrent CreateVolume+ControllerPublish",
+	"NodeStageUnstage":         "NodeStage+NodeUnstage, plugin and agent, loop device",
 	"UnlockArgon2idDefault":    "LUKS2 unlock, argon2id",
 	"UnlockPBKDF2":             "LUKS2 unlock, pbkdf2",
 	"FormatArgon2idDefault":    "LUKS2 format, argon2id",
@@ -63,6 +64,7 @@ var refTitles = map[string]string{
 	"raw-odirect-reads":          "64 raw O_DIRECT reads of the lease area",
 	"one-second-budget":          "the 1 s budget",
 	"bare-api":                   "the same API calls made bare",
+	"mount-umount-cmd":           "mount + umount commands, same device",
 }
 
 var (

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"strings"
@@ -43,35 +44,63 @@ type benchRow struct {
 
 // bench prints the lab's timings as ratios against a reference: a guest
 // booting alone is the reference for boot and set-up times; sg_persist is
-// the reference for reservation latency.
+// the reference for reservation latency; the same hot-plug followed by
+// mkfs and mount by hand is the reference for attach-to-staged latency.
 func bench(args []string) int {
-	c, err := oneShotFlags("bench", args, nil)
+	var rounds int
+	var attachOnly bool
+	c, err := oneShotFlags("bench", args, func(fs *flag.FlagSet) {
+		fs.IntVar(&rounds, "attach-rounds", 5, "volumes staged per disk kind on each side of the attach-to-staged comparison (0: leave it out)")
+		fs.BoolVar(&attachOnly, "attach-only", false, "only the attach-to-staged comparison")
+	})
 	if err != nil {
 		return fail("%v", err)
 	}
-	return c.finish(benchIn(c))
+	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
+	defer cancel()
+	var rows []benchRow
+	if !attachOnly {
+		rows, err = labRows(ctx, c)
+	}
+	if err == nil && rounds > 0 {
+		var more []benchRow
+		more, err = attachBench(ctx, c, rounds)
+		rows = append(rows, more...)
+	}
+	if err != nil {
+		return c.finish(fail("%v", err))
+	}
+	// cmd/vco-bench reads this table: names, then two or more spaces.
+	w := len("benchmark")
+	for _, r := range rows {
+		w = max(w, len(r.name))
+	}
+	fmt.Printf("%-*s  %10s %8s\n", w, "benchmark", "value", "ratio")
+	for _, r := range rows {
+		fmt.Printf("%-*s  %10s %8s\n", w, r.name, r.value, r.ratio)
+	}
+	return c.finish(0)
 }
 
-func benchIn(c *common) int {
+// labRows times guest boots, lab set-up and reservation commands.
+func labRows(ctx context.Context, c *common) ([]benchRow, error) {
 	cfg, err := labConfig(c, false)
 	if err != nil {
-		return fail("%v", err)
+		return nil, err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
-	defer cancel()
 
 	l1, _, err := startShared(ctx, cfg, 1)
 	if err != nil {
-		return fail("%v", err)
+		return nil, err
 	}
 	alone, setup1 := l1.Guests[0].BootTime, l1.SetupTime()
 	if err := l1.Close(); err != nil {
-		return fail("teardown: %v", err)
+		return nil, fmt.Errorf("teardown: %w", err)
 	}
 
 	l2, lun, err := startShared(ctx, cfg, 2)
 	if err != nil {
-		return fail("%v", err)
+		return nil, err
 	}
 	defer func() {
 		if err := l2.Close(); err != nil {
@@ -92,15 +121,15 @@ func benchIn(c *common) int {
 	g := l2.Guests[0]
 	d, err := g.DiskBySerial(ctx, lun.Serial)
 	if err != nil {
-		return fail("%v", err)
+		return nil, err
 	}
 	start := time.Now()
 	r, err := g.Exec().Run(ctx, 0, "/bin/sh", "-c", sgPersistSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
 	if err != nil {
-		return fail("%v", err)
+		return nil, err
 	}
 	if r.Exit != 0 {
-		return fail("sg_persist sequence failed in %s: %s", g.Name, r)
+		return nil, fmt.Errorf("sg_persist sequence failed in %s: %s", g.Name, r)
 	}
 	sg := time.Since(start) / prRounds
 	rows = append(rows, benchRow{"PR acquire+release, sg_persist (reference)", ms(sg), "1.00x"})
@@ -108,16 +137,16 @@ func benchIn(c *common) int {
 	// The engine's row, when the guest's vco-agent has it.
 	probe, err := g.Sh(ctx, "/bin/vco-agent fence --help 2>&1")
 	if err != nil {
-		return fail("%v", err)
+		return nil, err
 	}
 	if strings.Contains(probe.Stdout, "usage: vco-agent fence") {
 		start = time.Now()
 		r, err = g.Exec().Run(ctx, 0, "/bin/sh", "-c", agentSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
 		if err != nil {
-			return fail("%v", err)
+			return nil, err
 		}
 		if r.Exit != 0 {
-			return fail("vco-agent fence sequence failed in %s: %s", g.Name, r)
+			return nil, fmt.Errorf("vco-agent fence sequence failed in %s: %s", g.Name, r)
 		}
 		engine := time.Since(start) / prRounds
 		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", ms(engine), ratio(engine, sg)})
@@ -125,11 +154,7 @@ func benchIn(c *common) int {
 		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", "n/a", "(no fence command in this vco-agent)"})
 	}
 
-	fmt.Printf("%-48s %10s %8s\n", "benchmark", "value", "ratio")
-	for _, r := range rows {
-		fmt.Printf("%-48s %10s %8s\n", r.name, r.value, r.ratio)
-	}
-	return 0
+	return rows, nil
 }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2fs", d.Seconds()) }

@@ -55,18 +55,27 @@ func simLabConfig(c *common, detached bool) (lab.Config, error) {
 // runStory is `vco-lab run` (make lab): the simulator in lab mode, tgtd,
 // two guests with the agent and the node plugin, the RWO story, its text
 // report on stdout and report.txt/report.html in the report directory.
-func runStory(c *common, kind string, skip map[string]bool, reportDir string) int {
+func runStory(c *common, kind string, skip map[string]bool, reportDir string, te *transitEngine) int {
 	cfg, err := simLabConfig(c, false)
 	if err != nil {
 		return fail("%v", err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
-	env, err := simlab.Start(ctx, simlab.Options{Lab: cfg, Kind: lab.DiskKind(kind), Log: os.Stdout})
+	so := simlab.Options{Lab: cfg, Kind: lab.DiskKind(kind), Log: os.Stdout}
+	eo := e2e.Options{Progress: os.Stdout, Skip: skip}
+	if te != nil {
+		defer te.stop()
+		simlab.ForEncryption(&so)
+		eo.TransitPort, eo.TransitToken, eo.TransitEngine = te.port, te.token, te.description
+		fmt.Printf("vco-lab: E6 wraps passphrases with the %s\n", te.description)
+	}
+	env, err := simlab.Start(ctx, so)
 	if err != nil {
 		return fail("starting the lab: %v", err)
 	}
-	rep := e2e.Run(ctx, e2e.Options{Env: env, Progress: os.Stdout, Skip: skip})
+	eo.Env = env
+	rep := e2e.Run(ctx, eo)
 	if err := env.Close(); err != nil {
 		fmt.Fprintln(os.Stderr, "vco-lab: teardown:", err)
 	}

@@ -35,14 +35,20 @@ commands:
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run [-kind K] [-skip E4,E7,E8,E9] [-report DIR]
+  run [-kind K] [-skip E4,E7,E8,E9] [-report DIR] [-transit fake|none|URL]
                            the RWO story (make lab): simulator in lab mode, tgtd,
                            two guests with vco-agent and vco-csi; CSI calls in
                            Kubernetes' order; report per safety property; writes
-                           DIR/lab-report.txt and .html (default: bin/ or .)
+                           DIR/lab-report.txt and .html (default: bin/ or .).
+                           E6 (encrypted volume) uses a FAKE transit engine
+                           standing in for Vault/OpenBao unless -transit names
+                           a real one on 127.0.0.1 (with -transit-token-file)
   smoke                    the reservation smoke scenario on one shared LUN
   csi-call METHOD JSON     (inside a guest) one CSI node call to the local plugin
-  bench                    guest boot time and lab set-up time
+  bench [-attach-rounds N] [-attach-only]
+                           guest boot and lab set-up time, PR latency, and
+                           attach-to-staged latency per disk kind, each against
+                           a reference (make bench-lab)
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
 
@@ -428,9 +434,11 @@ func down(args []string) int {
 }
 
 func run(args []string) int {
-	var kind, report string
+	var kind, report, transitSpec, transitTokenFile string
 	var skipList string
 	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
+		fs.StringVar(&transitSpec, "transit", "fake", "transit engine for E6: fake (a FAKE engine standing in for Vault/OpenBao, started on 127.0.0.1), none (leave E6 out), or http://127.0.0.1:PORT of a real Vault/OpenBao with transit key "+transitKey)
+		fs.StringVar(&transitTokenFile, "transit-token-file", "", "with -transit URL: file holding a Vault/OpenBao token for that key")
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests: scsi-block (SCSI-3 PR) or virtio-blk")
 		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E7, E8, E9")
 		fs.StringVar(&report, "report", "", "directory for lab-report.txt and lab-report.html (default: the -bin directory)")
@@ -447,7 +455,11 @@ func run(args []string) int {
 			skip[sc] = true
 		}
 	}
-	return c.finish(runStory(c, kind, skip, report))
+	te, err := startTransit(transitSpec, transitTokenFile)
+	if err != nil {
+		return c.finish(fail("%v", err))
+	}
+	return c.finish(runStory(c, kind, skip, report, te))
 }
 
 func smoke(args []string) int {

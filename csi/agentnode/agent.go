@@ -150,7 +150,8 @@ func (a *Agent) Stage(ctx context.Context, r driver.StageRequest) error {
 		return err
 	}
 	req := &api.StageVolumeRequest{VolumeId: r.VolumeID, Device: loc, StagingPath: r.StagingPath, Block: r.Block,
-		MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Grant: g, AllowUnfenced: a.o.AllowUnfenced}
+		MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Grant: g, AllowUnfenced: a.o.AllowUnfenced,
+		NeverPublished: driver.NeverPublished(r.PublishContext)}
 	if !r.Block {
 		req.FsType = r.FsType
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
+	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -137,12 +138,19 @@ func (f *modelFencing) Choose(_ context.Context, dev *volume.Device, vol string,
 	return volume.Choice{Fencer: e, Method: fence.MethodPR}, nil
 }
 
-// TestFencingThroughTheNodeService drives the CSI node service over gRPC,
-// through the agent's API, onto a loop device fenced by the reservation
-// engine: a disk held by another node is refused with FAILED_PRECONDITION
-// naming the holder; the controller's grant in the publish context takes
-// it over; a later preempt by the other node shows as INACCESSIBLE health.
-func TestFencingThroughTheNodeService(t *testing.T) {
+// fencedNode is a node's CSI service, served over gRPC, in front of the
+// agent's API and volume manager, which fences disks with the reservation
+// engine on a model target. Its disk is the simulator host backend's disk
+// 7, a 64 MiB loop device.
+type fencedNode struct {
+	node     csi.NodeClient
+	m        *volume.Manager
+	kubelet  string
+	img, dev string
+}
+
+func newFencedNode(t *testing.T, tgt *scsitest.Target, reclaimWait time.Duration) *fencedNode {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root for loop devices and mounts")
 	}
@@ -167,29 +175,18 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
 	t.Cleanup(func() { clearRO(dev) })
 
-	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
 	m, err := volume.New(volume.Options{
-		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowLoopDevices: true},
+		Config: config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, ReclaimWait: reclaimWait,
+			AllowLoopDevices: true},
 		StateDir: filepath.Join(dir, "state"), SysfsRoot: "/sys", Fencers: &modelFencing{tgt: tgt, node: nodeA},
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(m.Close)
-	agentSock := filepath.Join(dir, "agent.sock")
-	ln, err := net.Listen("unix", agentSock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	asrv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
-		Identity: server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}}).NewGRPC()
-	go asrv.Serve(ln)
-	t.Cleanup(asrv.Stop)
-	a, err := agentnode.Dial(agentSock, agentnode.Options{LoopDiskDir: diskDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Close() })
+	a := agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
+		server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}, nil,
+		agentnode.Options{LoopDiskDir: diskDir})
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet})
 	if err != nil {
 		t.Fatal(err)
@@ -207,7 +204,18 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	node := csi.NewNodeClient(conn)
+	return &fencedNode{node: csi.NewNodeClient(conn), m: m, kubelet: kubelet, img: img, dev: dev}
+}
+
+// TestFencingThroughTheNodeService drives the CSI node service over gRPC,
+// through the agent's API, onto a loop device fenced by the reservation
+// engine: a disk held by another node is refused with FAILED_PRECONDITION
+// naming the holder; the controller's grant in the publish context takes
+// it over; a later preempt by the other node shows as INACCESSIBLE health.
+func TestFencingThroughTheNodeService(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
+	f := newFencedNode(t, tgt, 0)
+	node, m, kubelet := f.node, f.m, f.kubelet
 	ctx := context.Background()
 
 	const vol = "ch-gen-1/7"
@@ -225,7 +233,7 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	staging := filepath.Join(kubelet, "plugins", "staging", "7")
 	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
 		PublishContext: map[string]string{driver.PubDiskID: "7"}}
-	_, err = node.NodeStageVolume(ctx, stage)
+	_, err := node.NodeStageVolume(ctx, stage)
 	st := status.Convert(err)
 	if st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "node-b") || !strings.Contains(st.Message(), vol) ||
 		strings.Contains(st.Message(), "rpc error") {
@@ -275,6 +283,86 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestNeverPublishedSkipsTheReclaimWait: the controller's never-published
+// flag in the publish context reaches the agent's stage. The disk holds a
+// filesystem and its target shows no registration since it started, as a
+// volume restored from a snapshot does at its first stage. Without the
+// flag the stage waits for a holder to re-establish (here until the
+// caller's deadline); with it the disk is claimed at once.
+func TestNeverPublishedSkipsTheReclaimWait(t *testing.T) {
+	tgt := scsitest.New(scsitest.Options{NoPreemptAndAbort: true})
+	f := newFencedNode(t, tgt, time.Hour)
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", f.img).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v: %s", err, out)
+	}
+	const vol = "ch-gen-1/7"
+	staging := filepath.Join(f.kubelet, "plugins", "staging", "7")
+	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
+		PublishContext: map[string]string{driver.PubDiskID: "7"}}
+
+	short, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	_, err := f.node.NodeStageVolume(short, stage)
+	cancel()
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("stage without the flag: %v, want it to wait past its deadline", err)
+	}
+	// A stage that waited would outlast this.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for reclaimWaits(t, f.m, "ended") != 1 {
+		if ctx.Err() != nil {
+			t.Fatal("the agent counted no reclaim wait for the stage without the flag")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	stage.PublishContext[driver.PubNeverPublished] = "true"
+	start := time.Now()
+	for {
+		_, err = f.node.NodeStageVolume(ctx, stage)
+		// The agent may still be unwinding the first stage.
+		if status.Code(err) != codes.Aborted {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatalf("stage with the flag: %v", err)
+	}
+	t.Logf("stage with the flag took %s", time.Since(start))
+	if holder, key, _, ok := tgt.Reservation(); !ok || holder != nodeA || key != uint64(keyA) {
+		t.Fatalf("reservation after the stage with the flag: %s %x %v", holder, key, ok)
+	}
+	if n := reclaimWaits(t, f.m, "claimed"); n != 0 {
+		t.Fatalf("the stage with the flag counted %v reclaim waits", n)
+	}
+	if _, err := f.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// reclaimWaits reads the agent's vco_agent_reclaim_waits_total{result}.
+func reclaimWaits(t *testing.T, m *volume.Manager, result string) float64 {
+	t.Helper()
+	mfs, err := m.Metrics().Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "vco_agent_reclaim_waits_total" {
+			continue
+		}
+		for _, c := range mf.GetMetric() {
+			for _, l := range c.GetLabel() {
+				if l.GetName() == "result" && l.GetValue() == result {
+					return c.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
 }
 
 func clearRO(dev string) {

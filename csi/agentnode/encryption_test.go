@@ -2,8 +2,6 @@ package agentnode_test
 
 import (
 	"context"
-	"net"
-	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,12 +14,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
-	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
-	"github.com/whitesky-cloud/vco-storage/crypt/transit"
-	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
@@ -66,15 +61,7 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	os.MkdirAll(diskDir, 0o700)
 	_, dev := loopDisk(t, diskDir, 8)
 
-	vault := transittest.New()
-	vault.Rotate("vco-volumes")
-	vault.StaticToken("node-token")
-	hs := httptest.NewServer(vault)
-	t.Cleanup(hs.Close)
-	tc, err := transit.New(transit.Config{Address: hs.URL, Token: "node-token"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	tc, vault := agentnodetest.Transit(t)
 
 	key, _ := fence.KeyFromUUID(nodeA)
 	m, err := volume.New(volume.Options{
@@ -86,20 +73,9 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(m.Close)
-	sock := filepath.Join(dir, "agent.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
-		Identity: server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}}).NewGRPC()
-	go srv.Serve(ln)
-	t.Cleanup(srv.Stop)
-	a, err := agentnode.Dial(sock, agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Close() })
+	a := agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
+		server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}, nil,
+		agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet,
 		Transit: tc, TransitKey: crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}})
 	if err != nil {

@@ -3,6 +3,7 @@ package driver_test
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"k8s.io/klog/v2"
 )
 
 // BenchmarkCreatePublish100 runs 100 concurrent CreateVolume +
@@ -173,10 +175,19 @@ func cleanup(b *testing.B, e *testEnv) {
 // and the stage's share of the plugin's cycle. Each b.N iteration runs 10
 // cycles of each.
 func BenchmarkNodeStageUnstage(b *testing.B) {
+	b.Run("vs=mount-umount-cmd", benchNodeStageUnstage)
+}
+
+func benchNodeStageUnstage(b *testing.B) {
 	if os.Geteuid() != 0 {
 		b.Skip("loop devices and mounts need root")
 	}
 	const cycles = 10
+	// mount-utils logs each mkfs and mount through klog on stderr, which
+	// go test interleaves with the benchmark's result line.
+	klog.LogToStderr(false)
+	klog.SetOutput(io.Discard)
+	b.Cleanup(func() { klog.LogToStderr(true) })
 	e := newTestEnv(b, envOpts{backend: &sim.HostBackend{Dir: filepath.Join(b.TempDir(), "disks")}, realAgent: true})
 	ctx := context.Background()
 	v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "bench-stage", VolumeCapabilities: rwo})

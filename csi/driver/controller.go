@@ -251,11 +251,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		id := req.GetVolumeContentSource().GetSnapshot().GetSnapshotId()
 		l, disk, snap, ok := parseSnapshotID(id)
 		if !ok {
-			return nil, failf(ErrNotFound, "source snapshot %q does not exist", id)
+			return nil, failf(ErrNotFound, "source snapshot %q of volume %q does not exist", id, name)
 		}
 		snaps, err := d.cfg.Cloud.ListSnapshots(ctx, l, disk)
 		if errors.Is(err, cloud.ErrNotFound) {
-			return nil, failf(ErrNotFound, "source snapshot %s does not exist (its disk is gone)", id)
+			return nil, failf(ErrNotFound, "source snapshot %s of volume %q does not exist (its disk is gone)", id, name)
 		}
 		if err != nil {
 			return nil, err
@@ -265,7 +265,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			found = found || s.ID == snap
 		}
 		if !found {
-			return nil, failf(ErrNotFound, "source snapshot %s does not exist", id)
+			return nil, failf(ErrNotFound, "source snapshot %s of volume %q does not exist", id, name)
 		}
 		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
 		if err != nil {
@@ -277,11 +277,21 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		id := req.GetVolumeContentSource().GetVolume().GetVolumeId()
 		l, disk, ok := parseVolumeID(id)
 		if !ok {
-			return nil, failf(ErrNotFound, "source volume %q does not exist", id)
+			return nil, failf(ErrNotFound, "source volume %q of volume %q does not exist", id, name)
 		}
-		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+		// The copy goes through a snapshot of the source, which, as
+		// CreateSnapshot does, holds the source volume's lock.
+		releaseSrc, err := d.locks.tryAs("volume "+id, fmt.Sprintf("volume %s (the source of volume %s)", id, name))
 		if err != nil {
-			return nil, fmt.Errorf("source volume %s: %w", id, err)
+			return nil, err
+		}
+		defer releaseSrc()
+		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+		if errors.Is(err, cloud.ErrNotFound) {
+			return nil, failf(ErrNotFound, "source volume %s of volume %q does not exist", id, name)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("source volume %s of volume %q: %w", id, name, err)
 		}
 		srcLoc, srcDisk, floorGiB = l, disk, src.SizeGiB
 		meta.Source = "volume:" + id
@@ -296,12 +306,6 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return nil, failf(ErrInvalid, "the source is in location %s, which the requested topology does not allow", srcLoc)
 		}
 		loc = srcLoc
-		if size < floorGiB {
-			if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && floorGiB*gib > lim {
-				return nil, failf(ErrOutOfRange, "the source is %d GiB, more than the limit of %d bytes", floorGiB, lim)
-			}
-			size = floorGiB
-		}
 	} else if loc, err = d.pickLocation(ctx, req.GetAccessibilityRequirements()); err != nil {
 		return nil, err
 	}
@@ -317,14 +321,27 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		switch {
 		case !ours:
 			return nil, failf(ErrAlreadyExists, "a disk named %q (id %d in %s) exists that this driver did not create", name, existing.ID, loc)
-		case existing.SizeGiB != size:
-			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, not the requested %d GiB", name, existing.SizeGiB, size)
+		// Compatible with the capacity range is enough: a volume grown
+		// since it was made still answers a repeated create.
+		case existing.SizeGiB < size:
+			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, less than the requested %d GiB", name, existing.SizeGiB, size)
+		case req.GetCapacityRange().GetLimitBytes() > 0 && existing.SizeGiB*gib > req.GetCapacityRange().GetLimitBytes():
+			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, more than the limit of %d bytes", name, existing.SizeGiB, req.GetCapacityRange().GetLimitBytes())
 		case m != meta:
 			return nil, failf(ErrAlreadyExists, "volume %q exists with other parameters (encryption or source differ)", name)
 		case existing.Type != params.diskType:
 			return nil, failf(ErrAlreadyExists, "volume %q exists as disk type %s, not %s", name, existing.Type, params.diskType)
 		}
 		return &csi.CreateVolumeResponse{Volume: d.volume(loc, existing, meta)}, nil
+	}
+	// A new copy is at least its source's size. (An existing one is
+	// checked against the request alone: the source may have grown
+	// since it was made.)
+	if srcLoc != "" && size < floorGiB {
+		if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && floorGiB*gib > lim {
+			return nil, failf(ErrOutOfRange, "the source of volume %q is %d GiB, more than the limit of %d bytes", name, floorGiB, lim)
+		}
+		size = floorGiB
 	}
 
 	var id int64
@@ -645,11 +662,19 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if name == "" || src == "" {
 		return nil, failf(ErrInvalid, "CreateSnapshot needs a name and a source volume id")
 	}
-	release, err := d.locks.try("snapshot name " + name)
+	// The source volume is locked as every other call on it is, so a
+	// snapshot is not taken while the disk is deleted or grown; the name
+	// too, since a name is unique across volumes.
+	release, err := d.locks.try("volume " + src)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
+	releaseName, err := d.locks.tryAs("snapshot name "+name, fmt.Sprintf("snapshot name %s (asked of volume %s)", name, src))
+	if err != nil {
+		return nil, err
+	}
+	defer releaseName()
 	disk, err := d.getDisk(ctx, src)
 	if err != nil {
 		return nil, err

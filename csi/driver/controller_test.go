@@ -103,6 +103,20 @@ func TestCreateVolumeSizingParametersAndIdempotency(t *testing.T) {
 	other.CapacityRange = &csi.CapacityRange{RequiredBytes: 8 << 30}
 	_, err = e.ctrl.CreateVolume(ctx, other)
 	wantCode(t, err, codes.AlreadyExists, "pvc-a", "4 GiB")
+	// Grown since it was made: a repeated create is still answered with
+	// it, unless its size is now above the request's limit.
+	if _, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: v.VolumeId,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 6 << 30}}); err != nil {
+		t.Fatal(err)
+	}
+	again, err = e.ctrl.CreateVolume(ctx, req)
+	if err != nil || again.GetVolume().VolumeId != v.VolumeId || again.GetVolume().CapacityBytes != 6<<30 {
+		t.Fatalf("repeat after expansion: %v, %v; want volume %s with 6 GiB", again, err, v.VolumeId)
+	}
+	other = proto.Clone(req).(*csi.CreateVolumeRequest)
+	other.CapacityRange.LimitBytes = 5 << 30
+	_, err = e.ctrl.CreateVolume(ctx, other)
+	wantCode(t, err, codes.AlreadyExists, "pvc-a", "6 GiB", "limit")
 	other = proto.Clone(req).(*csi.CreateVolumeRequest)
 	other.Parameters = map[string]string{"type": "physical", "iops": "700"}
 	_, err = e.ctrl.CreateVolume(ctx, other)
@@ -119,6 +133,46 @@ func TestCreateVolumeSizingParametersAndIdempotency(t *testing.T) {
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER}}}
 	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "rwx", VolumeCapabilities: rwx})
 	wantCode(t, err, codes.InvalidArgument, "one VM at a time")
+}
+
+// A copy made before its source grew still answers a repeated create of
+// it (the request has not changed); a new copy is the source's new size.
+func TestCopyOfAGrownSource(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	src, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "src", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := src.GetVolume().GetVolumeId()
+	copyOf := func(name string) *csi.CreateVolumeRequest {
+		return &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: rwo, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}}}
+	}
+	first, err := e.ctrl.CreateVolume(ctx, copyOf("copy"))
+	if err != nil || first.GetVolume().GetCapacityBytes() != 1<<30 {
+		t.Fatalf("copy: %v, %v", first, err)
+	}
+	if _, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 3 << 30}}); err != nil {
+		t.Fatal(err)
+	}
+	again, err := e.ctrl.CreateVolume(ctx, copyOf("copy"))
+	if err != nil || again.GetVolume().GetVolumeId() != first.GetVolume().GetVolumeId() || again.GetVolume().GetCapacityBytes() != 1<<30 {
+		t.Fatalf("repeated copy after the source grew: %v, %v; want %s with 1 GiB", again, err, first.GetVolume().GetVolumeId())
+	}
+	fresh, err := e.ctrl.CreateVolume(ctx, copyOf("copy-2"))
+	if err != nil || fresh.GetVolume().GetCapacityBytes() != 3<<30 {
+		t.Fatalf("copy of the grown source: %v, %v; want 3 GiB", fresh, err)
+	}
+	over := copyOf("copy-3")
+	over.CapacityRange.LimitBytes = 2 << 30
+	_, err = e.ctrl.CreateVolume(ctx, over)
+	wantCode(t, err, codes.OutOfRange, "copy-3", "3 GiB")
+	if _, err := e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = e.ctrl.CreateVolume(ctx, copyOf("copy-4"))
+	wantCode(t, err, codes.NotFound, id, "copy-4")
 }
 
 func splitID(t *testing.T, id string) (string, int64) {
@@ -283,8 +337,36 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 	}
 	_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "same", VolumeCapabilities: rwo})
 	wantCode(t, err, codes.Aborted, "same", "in progress")
+	r := <-first
+	if r != nil {
+		t.Fatalf("first call: %v", r)
+	}
+
+	// A snapshot, and a copy (made through one), are operations on their
+	// source volume: they wait for no delete or expand of that volume,
+	// and their refusal names the volume.
+	v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "snapped", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := v.GetVolume().GetVolumeId()
+	before := sum(e.sim.Calls())
+	go func() {
+		_, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}})
+		first <- err
+	}()
+	for deadline := time.Now().Add(10 * time.Second); sum(e.sim.Calls()) == before; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the expansion never reached the simulator")
+		}
+	}
+	_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-during-expand", SourceVolumeId: id})
+	wantCode(t, err, codes.Aborted, id, "in progress")
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "copy", VolumeCapabilities: rwo,
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}}})
+	wantCode(t, err, codes.Aborted, id, "source of volume copy", "in progress")
 	if err := <-first; err != nil {
-		t.Fatalf("first call: %v", err)
+		t.Fatalf("expansion: %v", err)
 	}
 }
 

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"net"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
@@ -24,12 +23,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
-	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
-	"github.com/whitesky-cloud/vco-storage/crypt/transit"
-	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
@@ -162,7 +158,8 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 	cfg := driver.Config{Agent: identityAgent{hostUUID, hostLoc}}
 	if o.realAgent {
 		cfg.Agent = startAgent(t, dir, kubelet, o.backend.(*sim.HostBackend).Dir)
-		cfg.Transit, cfg.TransitKey = fakeTransit(t), crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}
+		tc, _ := agentnodetest.Transit(t)
+		cfg.Transit, cfg.TransitKey = tc, crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}
 	}
 	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeAll,
 		Cloud: api, DefaultLocation: hostLoc, Agent: cfg.Agent, Transit: cfg.Transit, TransitKey: cfg.TransitKey, KubeletRoot: kubelet,
@@ -217,22 +214,9 @@ func startAgent(t testing.TB, dir, kubelet, diskDir string) *agentnode.Agent {
 		t.Fatal(err)
 	}
 	t.Cleanup(m.Close)
-	sock := filepath.Join(dir, "agent.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := server.New(server.Options{Version: "test", Policy: peercred.Policy{GID: -1}, Volumes: m,
-		Log:      slog.New(slog.DiscardHandler),
-		Identity: server.NodeIdentity{SystemUUID: hostUUID, Location: hostLoc}}).NewGRPC()
-	go srv.Serve(ln)
-	t.Cleanup(srv.Stop)
-	a, err := agentnode.Dial(sock, agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Close() })
-	return a
+	return agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
+		server.NodeIdentity{SystemUUID: hostUUID, Location: hostLoc}, nil,
+		agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
 }
 
 // unmountUnder lazily unmounts every mount below dir, deepest first.
@@ -250,20 +234,4 @@ func unmountUnder(dir string) {
 			unix.Unmount(p, unix.MNT_DETACH)
 		}
 	}
-}
-
-// fakeTransit serves a FAKE Vault transit engine (no Vault runs here) with
-// the key vco-volumes and returns a client logged in to it.
-func fakeTransit(t testing.TB) *transit.Client {
-	t.Helper()
-	f := transittest.New()
-	f.Rotate("vco-volumes")
-	f.StaticToken("node-token")
-	hs := httptest.NewServer(f)
-	t.Cleanup(hs.Close)
-	c, err := transit.New(transit.Config{Address: hs.URL, Token: "node-token"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
 }

@@ -14,11 +14,15 @@ type inflight struct {
 func newInflight() *inflight { return &inflight{keys: map[string]struct{}{}} }
 
 // try takes key, or returns an ErrBusy failure naming it.
-func (l *inflight) try(key string) (release func(), err error) {
+func (l *inflight) try(key string) (release func(), err error) { return l.tryAs(key, key) }
+
+// tryAs takes key, or returns an ErrBusy failure naming what, for a key
+// that does not name the volume the call is about.
+func (l *inflight) tryAs(key, what string) (release func(), err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, busy := l.keys[key]; busy {
-		return nil, failf(ErrBusy, "an operation on %s is already in progress; retry later", key)
+		return nil, failf(ErrBusy, "an operation on %s is already in progress; retry later", what)
 	}
 	l.keys[key] = struct{}{}
 	return func() {

@@ -24,7 +24,16 @@ const (
 	PubPCISlot    = "cloud.whitesky/pci-slot"
 	PubSerial     = "cloud.whitesky/serial"
 	PubFenceGrant = "cloud.whitesky/fence-grant"
+	// PubNeverPublished is "true" when no publish context had been
+	// returned for the disk before this one (see neverPublished): no node
+	// can have claimed it, so its stage need not wait for a holder to
+	// re-establish a claim the target forgot. Any other value, or none,
+	// means the disk may have had a holder.
+	PubNeverPublished = "cloud.whitesky/never-published"
 )
+
+// NeverPublished reads PubNeverPublished from a publish context.
+func NeverPublished(pc map[string]string) bool { return pc[PubNeverPublished] == "true" }
 
 // holderNote is the disk note in which the controller records the node the
 // disk was last published to. It survives controller restarts and detaches,
@@ -32,6 +41,43 @@ const (
 // detaches the disk first and publishes it elsewhere later, and by then the
 // cloud no longer says who had it.
 const holderNote = "vco-csi/holder"
+
+// Two more notes say whether a publish context was ever returned for the
+// disk. The driver writes each once and never changes or removes either:
+// an unpublish leaves them, unlike a note that tracked the attachment.
+//
+// publishedNote names the node the first publish context went to. It is
+// written before that context is returned, so a disk without it has had
+// none. firstPublishNote names the node of the first publish attempt; it
+// is written before the holder note on a disk that has neither, so a
+// holder note without it comes from a driver that did not keep
+// publishedNote, and such a disk counts as published. A clone or a
+// restored snapshot is a new disk without notes; were the cloud to copy
+// its source's notes, it would count as published (its first stage waits).
+const (
+	publishedNote    = "vco-csi/published"
+	firstPublishNote = "vco-csi/first-publish"
+)
+
+// neverPublished says whether no publish context was ever returned for
+// the disk: no published note, and either no holder note or the holder
+// note of a first publish attempt that did not return (a retry after an
+// attach that timed out).
+func neverPublished(notes []cloud.Note) bool {
+	if hasNote(notes, publishedNote) {
+		return false
+	}
+	return !hasNote(notes, holderNote) || hasNote(notes, firstPublishNote)
+}
+
+func hasNote(notes []cloud.Note, title string) bool {
+	for _, n := range notes {
+		if n.Title == title {
+			return true
+		}
+	}
+	return false
+}
 
 // canonicalUUID is the form node ids and fence keys are derived from.
 func canonicalUUID(s string) string { return strings.ToLower(strings.TrimSpace(s)) }
@@ -74,9 +120,15 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 
 	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("volume %s: reading its holder note: %w", id, err)
 	}
 	previous := previousHolders(notes, node)
+	never := neverPublished(notes)
+	if never && !hasNote(notes, firstPublishNote) {
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, firstPublishNote, canonicalUUID(node)); err != nil {
+			return nil, fmt.Errorf("recording the first publish of volume %s (to node %s): %w", id, node, err)
+		}
+	}
 	// Record the new holder before attaching: if the attach happens and
 	// the controller dies, the next grant still knows who may hold a key.
 	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, canonicalUUID(node)); err != nil {
@@ -122,6 +174,14 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 			grant.Supersedes = append(grant.Supersedes, k)
 		}
 		pc[PubFenceGrant] = grant.Encode()
+	}
+	if never {
+		// Recorded before the context leaves: once a node may have it,
+		// no later publish may say the disk never had a holder.
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, publishedNote, canonicalUUID(node)); err != nil {
+			return nil, fmt.Errorf("recording that volume %s is published to node %s: %w", id, node, err)
+		}
+		pc[PubNeverPublished] = "true"
 	}
 	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
 }

@@ -55,28 +55,49 @@
 // reservation to one I_T nexus only, and each side counts the disk as its
 // own only after a read following its own RESERVE shows it as the holder.
 // Another node's agent registers only when it finds no reservation or holds
-// a grant naming our key (Acquire refuses any other foreign holder). If it
-// finds the disk free in the window between the restart and our next check,
-// its RESERVE and ours cannot both succeed. If ours came first, its RESERVE
-// conflicts and its re-read shows us holding: it unregisters and refuses;
-// if its key was already registered when we re-read, we fence ourselves
-// too, keeping the reservation. If its RESERVE came first, ours conflicts
-// and we fence ourselves. So two agents never both count the disk as
+// a grant naming our key (Acquire refuses any other foreign holder), and
+// without a grant it leaves us the time to re-establish first (see below).
+// If it finds the disk free all the same (a blank disk, an Acquire by
+// hand), its RESERVE and ours cannot both succeed. If ours came first, its
+// RESERVE conflicts and its re-read shows us holding: it unregisters and
+// refuses; if its key was already registered when we re-read, we fence
+// ourselves too, keeping the reservation. If its RESERVE came first, ours
+// conflicts and we fence ourselves. So two agents never both count the disk as
 // theirs, and once a re-establish has seen a foreign key this node does
 // not write to the disk again without a grant.
 //
+// # Claiming a disk the target may have forgotten
+//
+// To another node, a target that forgot its holder's claim looks like a
+// new disk: no registration, no reservation, PR generation 0. Every disk
+// that was registered since the target started is at a higher generation
+// (unregistering moves it too), including one its holder released. So
+// AcquireWaiting (a stage without a grant) treats a pristine target as
+// possibly forgotten. A blank disk (fence.ReclaimWait's Contents finds
+// nothing) is new and is claimed at once. A disk holding data is claimed
+// only if during fence.ReclaimWait's Wait, which is longer than the
+// holders' check interval, no holder re-established: the wait only reads,
+// every Poll, and a reservation that appears ends it with a
+// *fence.HeldError naming the holder, as does a key found registered
+// without a reservation at its end (a holder between REGISTER and
+// RESERVE). A grant skips the wait: the controller grants only once the
+// old attachment is gone. Acquire (the operator's command) claims at once.
+//
 // What it cannot do: before anybody reserves again, the restarted target
-// enforces nothing. Until the holder's next check (volumes.check_interval)
-// a node that writes to the disk without claiming it is not stopped, and
-// another agent asked to stage the disk finds it free and claims it; the
-// holder then fences itself. Kubernetes asks a second node to stage a
-// ReadWriteOnce volume only after the controller published it there, which
-// it does only when the cloud says the disk is attached to no other VM.
-// And a takeover followed by a target restart inside one check interval,
-// whose 2A/05 unit attention the guest kernel consumed before the engine
-// saw it, looks like a plain restart: the generation is 0 again. The
-// controller grants a takeover only when the old VM's attachment is gone,
-// and a VM with no attachment no longer reaches the disk.
+// enforces nothing, so a node that writes to the disk without claiming it
+// is not stopped until the holder's next check. A holder whose agent does
+// not re-establish within the wait (hung, paused, its path to the target
+// still down) loses the disk to an agent that asks after it, and then
+// fences itself; so does a holder of a raw block volume that had not yet
+// written where Contents looks (the agent reads the first and last MiB
+// and asks blkid): the disk looks blank, and nothing of the holder's is
+// on it. The wait assumes that every node's agent checks its claims at
+// least as often as this one's. And a takeover followed by a target
+// restart inside one check interval, whose 2A/05 unit attention the guest
+// kernel consumed before the engine saw it, looks like a plain restart:
+// the generation is 0 again. The controller grants a takeover only when
+// the old VM's attachment is gone, and a VM with no attachment no longer
+// reaches the disk.
 package pr
 
 import (
@@ -385,6 +406,12 @@ func (s state) foreign(mine fence.Key) []fence.Key {
 
 func (s state) holder() fence.Key { return fence.Key(s.res.Key) }
 
+// pristine: no registration, no reservation, and both reads at PR
+// generation 0, so no registration since the target started.
+func (s state) pristine() bool {
+	return len(s.keys) == 0 && !s.res.Present && s.gen == 0 && s.res.Generation == 0
+}
+
 func (s state) allRegistrants() bool {
 	return s.res.Present && fence.ReservationType(s.res.Type).AllRegistrants()
 }
@@ -444,8 +471,15 @@ func (e *Engine) refusal(st state, grant *fence.Grant) *fence.HeldError {
 	return he
 }
 
-// Acquire implements fence.Fencer.
+// Acquire implements fence.Fencer. It claims a disk that shows no claim at
+// once; a stage uses AcquireWaiting.
 func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
+	return e.AcquireWaiting(ctx, grant, fence.ReclaimWait{})
+}
+
+// AcquireWaiting implements fence.WaitingAcquirer; the package
+// documentation says when it waits and why.
+func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence.ReclaimWait) (fence.Claim, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.lost != nil {
@@ -466,6 +500,11 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	st, err := e.read(ctx)
 	if err != nil {
 		return fence.Claim{}, err
+	}
+	if grant == nil && w.Wait > 0 && st.pristine() {
+		if st, err = e.awaitHolder(ctx, st, w); err != nil {
+			return fence.Claim{}, err
+		}
 	}
 	switch {
 	case st.res.Present && !st.allRegistrants() && st.holder() == mine:

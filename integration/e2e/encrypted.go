@@ -2,8 +2,11 @@ package e2e
 
 import (
 	"context"
-	"encoding/base64"
 	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -20,8 +23,15 @@ import (
 // to it (simlab.ConnectTransit), and its node plugin is restarted with
 // --vault-addr. First use on node-a formats LUKS2 with a passphrase the
 // engine wrapped; data written there reads back on node-b after a move;
-// cryptsetup in node-b accepts the passphrase unwrapped from the LUKS2
-// token of the disk's backing file, and refuses another.
+// node-b then grows the volume online, dm-crypt mapping and filesystem,
+// while it stays mounted; cryptsetup in node-b accepts the passphrase
+// unwrapped from the LUKS2 token read off the disk's backing file, and
+// refuses another.
+//
+// The disk is shown as virtio-blk over its backing file
+// (simlab.FileVirtioBlk), the lab's only disk that can grow while a
+// guest uses it (see e7), so the agent fences it with its on-disk lease
+// and LUKS2 sits on the data area past the lease.
 func (s *story) e6(ctx context.Context) (err error) {
 	const sc = "E6"
 	if s.o.TransitPort == 0 {
@@ -31,21 +41,25 @@ func (s *story) e6(ctx context.Context) (err error) {
 	for _, g := range []*lab.Guest{s.a, s.b} {
 		g := g
 		if err := s.step(sc, g.Name, "transit link (restricted user network) and vco-csi with --vault-addr", func() (string, error) {
+			engine := s.o.TransitEngine
+			if engine == "" {
+				engine = fmt.Sprintf("transit engine on 127.0.0.1:%d", s.o.TransitPort)
+			}
 			if err := simlab.ConnectTransit(ctx, g, s.o.TransitPort); err != nil {
 				return "", err
 			}
 			if err := simlab.StopNodeStack(ctx, g); err != nil {
 				return "", err
 			}
-			return "transit at " + simlab.TransitGuestAddr + ", forwarded to 127.0.0.1 on the host",
+			return fmt.Sprintf("%s; the guest reaches it at %s", engine, simlab.TransitGuestAddr),
 				simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{VaultAddr: simlab.TransitGuestAddr, VaultToken: s.o.TransitToken})
 		}); err != nil {
 			return err
 		}
 	}
 	c := *s
-	c.name, c.pod, c.kind = "pvc-e2e-crypt", "pod-crypt-", lab.SCSIBlock
-	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-crypt (1 GiB, encryption=true)", func() (string, error) {
+	c.name, c.pod, c.kind = "pvc-e2e-crypt", "pod-crypt-", simlab.FileVirtioBlk
+	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-crypt (1 GiB, encryption=true, "+string(c.kind)+")", func() (string, error) {
 		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
 			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
 			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
@@ -118,61 +132,108 @@ func (s *story) e6(ctx context.Context) (err error) {
 	}); err != nil {
 		return err
 	}
+	if err := c.growOnline(ctx, sc, s.b, sum); err != nil {
+		return err
+	}
 	if err := s.step(sc, s.b.Name, "cryptsetup accepts the unwrapped passphrase, refuses another", func() (string, error) {
-		v, err := luks2.Open(s.env.Backend.DiskFile(c.diskID), false)
-		if err != nil {
-			return "", fmt.Errorf("reading the LUKS2 header of the backing file: %w", err)
-		}
-		_, tok, err := v.TransitToken()
-		if err != nil {
-			return "", err
-		}
-		tc, err := transit.New(transit.Config{Address: fmt.Sprintf("http://127.0.0.1:%d", s.o.TransitPort), Mount: tok.Mount, Token: s.o.TransitToken})
-		if err != nil {
-			return "", err
-		}
-		pass, err := tc.Decrypt(ctx, tok.KeyName, tok.Ciphertext)
-		if err != nil {
-			return "", fmt.Errorf("unwrapping the token's passphrase: %w", err)
-		}
-		out, err := s.b.MustSh(ctx, "for m in /dev/mapper/*; do cryptsetup status $(basename $m) 2>/dev/null | awk '$1==\"device:\"{print $2}'; done | head -n 1")
-		if err != nil {
-			return "", err
-		}
-		dev := strings.TrimSpace(out)
-		if dev == "" {
-			return "", fmt.Errorf("no dm-crypt mapping in %s names its disk", s.b.Name)
-		}
-		try := func(p []byte) (bool, string, error) {
-			r, err := s.b.Sh(ctx, "umask 077; echo "+base64.StdEncoding.EncodeToString(p)+" | base64 -d >/run/e6-key; cryptsetup open --test-passphrase --key-file /run/e6-key "+dev+" 2>&1; rc=$?; rm -f /run/e6-key; exit $rc")
-			if err != nil {
-				return false, "", err
-			}
-			return r.Exit == 0 && !r.TimedOut, strings.TrimSpace(r.Stdout + r.Stderr), nil
-		}
-		ok, okOut, err := try(pass)
-		if err != nil {
-			return "", err
-		}
-		bad, badOut, err := try(append([]byte("not-"), pass...))
-		if err != nil {
-			return "", err
-		}
-		if !ok || bad {
-			return "", fmt.Errorf("cryptsetup on %s: unwrapped passphrase accepted %v (%s), another accepted %v (%s)", dev, ok, okOut, bad, badOut)
-		}
-		return fmt.Sprintf("token key %s version %d; %s opens with the unwrapped passphrase, not with another", tok.KeyName, tok.KeyVersion, dev), nil
+		return c.cryptsetupCheck(ctx, s.b)
 	}); err != nil {
 		return err
 	}
-	if err := c.unpublishAndUnstage(ctx, sc, s.b); err != nil {
-		return err
-	}
-	if err := c.unpublish(ctx, sc, s.b); err != nil {
-		return err
-	}
-	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
-		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
+	return c.takeDown(ctx, sc, s.b)
+}
+
+// cryptsetupCheck finds the device under the volume's dm-crypt mapping in
+// g, reads the vco-transit token from the LUKS2 header where that device
+// starts in the disk's backing file on the host, has the transit engine
+// unwrap the passphrase, and asks cryptsetup in g whether it opens the
+// device with it (and refuses the passphrase changed).
+func (s *story) cryptsetupCheck(ctx context.Context, g *lab.Guest) (string, error) {
+	// The mapping's device, and where it starts on the disk: a loop
+	// device over the data area past the lease, or the disk itself.
+	out, err := g.MustSh(ctx, `for m in /dev/mapper/*; do cryptsetup status ${m##*/} 2>/dev/null | awk '$1=="device:"{print $2}'; done | head -n 1`)
+	if err != nil {
 		return "", err
-	})
+	}
+	dev := strings.TrimSpace(out)
+	if dev == "" {
+		return "", fmt.Errorf("no dm-crypt mapping in %s names its disk", g.Name)
+	}
+	var offset int64
+	if name, ok := strings.CutPrefix(dev, "/dev/loop"); ok {
+		o, err := g.MustSh(ctx, "cat /sys/block/loop"+name+"/loop/offset")
+		if err != nil {
+			return "", err
+		}
+		if offset, err = strconv.ParseInt(strings.TrimSpace(o), 10, 64); err != nil {
+			return "", fmt.Errorf("loop%s offset %q: %w", name, o, err)
+		}
+	}
+	tok, err := tokenAt(s.env.Backend.DiskFile(s.diskID), offset, filepath.Join(s.env.Lab.Dir(), "e6-header.img"))
+	if err != nil {
+		return "", err
+	}
+	tc, err := transit.New(transit.Config{Address: fmt.Sprintf("http://127.0.0.1:%d", s.o.TransitPort), Mount: tok.Mount, Token: s.o.TransitToken})
+	if err != nil {
+		return "", err
+	}
+	pass, err := tc.Decrypt(ctx, tok.KeyName, tok.Ciphertext)
+	if err != nil {
+		return "", fmt.Errorf("unwrapping the token's passphrase: %w", err)
+	}
+	// The passphrase goes in on stdin (--key-file -), never on a
+	// command line.
+	try := func(p []byte) (bool, string, error) {
+		r, err := g.Exec().RunInput(ctx, 0, p, "cryptsetup", "open", "--test-passphrase", "--key-file", "-", dev)
+		if err != nil {
+			return false, "", err
+		}
+		return r.Exit == 0 && !r.TimedOut, strings.TrimSpace(r.Stdout + r.Stderr), nil
+	}
+	ok, okOut, err := try(pass)
+	if err != nil {
+		return "", err
+	}
+	bad, badOut, err := try(append([]byte("not-"), pass...))
+	if err != nil {
+		return "", err
+	}
+	if !ok || bad {
+		return "", fmt.Errorf("cryptsetup on %s: unwrapped passphrase accepted %v (%s), another accepted %v (%s)", dev, ok, okOut, bad, badOut)
+	}
+	return fmt.Sprintf("LUKS2 header at byte %d of the disk; token key %s version %d; %s opens with the unwrapped passphrase, not with another", offset, tok.KeyName, tok.KeyVersion, dev), nil
+}
+
+// tokenAt reads the vco-transit token of the LUKS2 volume that starts
+// offset bytes into file, through a copy of its header area at tmp.
+func tokenAt(file string, offset int64, tmp string) (*luks2.TransitToken, error) {
+	// Both header copies and the keyslots lie in the first 16 MiB.
+	const area = 16 << 20
+	src, err := os.Open(file)
+	if err != nil {
+		return nil, err
+	}
+	defer src.Close()
+	dst, err := os.OpenFile(tmp, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	defer os.Remove(tmp)
+	_, err = io.Copy(dst, io.NewSectionReader(src, offset, area))
+	if cerr := dst.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("copying the header area of %s at byte %d: %w", file, offset, err)
+	}
+	v, err := luks2.Open(tmp, false)
+	if err != nil {
+		return nil, fmt.Errorf("reading the LUKS2 header at byte %d of %s: %w", offset, file, err)
+	}
+	defer v.Close()
+	_, tok, err := v.TransitToken()
+	if err == nil && tok == nil {
+		err = fmt.Errorf("the LUKS2 header at byte %d of %s has no %s token", offset, file, luks2.TransitTokenType)
+	}
+	return tok, err
 }

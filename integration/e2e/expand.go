@@ -16,9 +16,11 @@ import (
 )
 
 // fsBytes is the size of the filesystem mounted at p in g, in bytes, as
-// df reports it.
+// df reports it. -P keeps each filesystem on one line: busybox df
+// otherwise moves the figures of a long device name, such as a dm-crypt
+// mapping's, to a line of their own.
 func fsBytes(ctx context.Context, g *lab.Guest, p string) (int64, error) {
-	out, err := g.MustSh(ctx, "df -k "+p+" | tail -n 1")
+	out, err := g.MustSh(ctx, "df -P -k "+p+" | tail -n 1")
 	if err != nil {
 		return 0, err
 	}
@@ -50,16 +52,31 @@ func (s *story) e7(ctx context.Context) error {
 		return err
 	}
 	var sum string
-	var before int64
-	if err := s.step(sc, g.Name, "write 8 MiB to data.bin, measure the filesystem", func() (string, error) {
+	if err := s.step(sc, g.Name, "write 8 MiB to data.bin", func() (string, error) {
 		var err error
-		if sum, err = writeFile(ctx, g, c.pod+g.Name, "data.bin", 8); err != nil {
-			return "", err
-		}
-		if before, err = fsBytes(ctx, g, targetPath(c.pod+g.Name)); err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("sha256 %s, filesystem %d bytes", sum, before), nil
+		sum, err = writeFile(ctx, g, c.pod+g.Name, "data.bin", 8)
+		return "sha256 " + sum, err
+	}); err != nil {
+		return err
+	}
+	if err := c.growOnline(ctx, sc, g, sum); err != nil {
+		return err
+	}
+	return c.takeDown(ctx, sc, g)
+}
+
+// growOnline grows the volume, published into its pod on g and holding
+// data.bin with sha256 sum, from 1 to 2 GiB while its filesystem stays
+// mounted and a file on it stays open: ControllerExpandVolume, then
+// NodeExpandVolume as the kubelet calls it. The filesystem, as df in the
+// guest sees it, must grow by about the GiB added and data.bin read back
+// unchanged (P5).
+func (s *story) growOnline(ctx context.Context, sc string, g *lab.Guest, sum string) error {
+	var before int64
+	if err := s.step(sc, g.Name, "measure the filesystem (df)", func() (string, error) {
+		var err error
+		before, err = fsBytes(ctx, g, targetPath(s.pod+g.Name))
+		return fmt.Sprintf("%d bytes", before), err
 	}); err != nil {
 		return err
 	}
@@ -67,7 +84,7 @@ func (s *story) e7(ctx context.Context) error {
 	// filesystem is in use, not merely mounted.
 	holdPID := ""
 	if err := s.step(sc, g.Name, "hold a file open on the volume", func() (string, error) {
-		out, err := g.MustSh(ctx, "( exec 3>>"+targetPath(c.pod+g.Name)+"/held; exec sleep 600 ) >/dev/null 2>&1 & echo $!")
+		out, err := g.MustSh(ctx, "( exec 3>>"+targetPath(s.pod+g.Name)+"/held; exec sleep 600 ) >/dev/null 2>&1 & echo $!")
 		holdPID = strings.TrimSpace(out)
 		return "pid " + holdPID, err
 	}); err != nil {
@@ -80,7 +97,7 @@ func (s *story) e7(ctx context.Context) error {
 	}()
 	if err := s.step(sc, "controller", "ControllerExpandVolume to 2 GiB", func() (string, error) {
 		resp, err := s.ctl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
-			VolumeId: c.volID, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()})
+			VolumeId: s.volID, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()})
 		if err != nil {
 			return "", err
 		}
@@ -93,8 +110,8 @@ func (s *story) e7(ctx context.Context) error {
 	}
 	var after int64
 	if err := s.step(sc, g.Name, "NodeExpandVolume (filesystem mounted)", func() (string, error) {
-		req := &csi.NodeExpandVolumeRequest{VolumeId: c.volID, VolumePath: targetPath(c.pod + g.Name),
-			StagingTargetPath: stagingPath(c.name), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()}
+		req := &csi.NodeExpandVolumeRequest{VolumeId: s.volID, VolumePath: targetPath(s.pod + g.Name),
+			StagingTargetPath: stagingPath(s.name), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()}
 		// The kubelet retries while the grown disk has not reached the
 		// node yet (the agent answers FAILED_PRECONDITION then).
 		var resp csi.NodeExpandVolumeResponse
@@ -109,41 +126,30 @@ func (s *story) e7(ctx context.Context) error {
 			}
 			time.Sleep(time.Second)
 		}
-		var err error
-		if after, err = fsBytes(ctx, g, targetPath(c.pod+g.Name)); err != nil {
+		dev, err := g.MustSh(ctx, "awk '$2==\""+stagingPath(s.name)+"\"{print $1}' /proc/mounts")
+		if err != nil {
+			return "", err
+		}
+		if after, err = fsBytes(ctx, g, targetPath(s.pod+g.Name)); err != nil {
 			return "", err
 		}
 		if after < before+(800<<20) {
 			return "", fmt.Errorf("the filesystem holds %d bytes after expansion, %d before: not grown by the GiB added", after, before)
 		}
-		return fmt.Sprintf("device %d bytes; filesystem %d -> %d bytes", resp.CapacityBytes, before, after), nil
+		return fmt.Sprintf("device %d bytes; filesystem on %s %d -> %d bytes", resp.CapacityBytes, strings.TrimSpace(dev), before, after), nil
 	}); err != nil {
 		return err
 	}
-	if err := s.step(sc, g.Name, "read data.bin after the expansion", func() (string, error) {
-		got, err := readSum(ctx, g, c.pod+g.Name, "data.bin")
+	return s.step(sc, g.Name, "read data.bin after the expansion", func() (string, error) {
+		got, err := readSum(ctx, g, s.pod+g.Name, "data.bin")
 		if err != nil {
 			s.check(P5, sc, false, "data.bin unreadable after online expansion on %s: %v", g.Name, err)
 			return "", err
 		}
-		s.check(P5, sc, got == sum, "after online expansion data.bin reads sha256 %s (written %s); the filesystem grew from %d to %d bytes without a remount", got, sum, before, after)
+		s.check(P5, sc, got == sum, "after online expansion on %s data.bin reads sha256 %s (written %s); the filesystem grew from %d to %d bytes without a remount", g.Name, got, sum, before, after)
 		if got != sum {
 			return "", fmt.Errorf("data.bin sha256 %s, want %s", got, sum)
 		}
 		return "sha256 " + got, nil
-	}); err != nil {
-		return err
-	}
-	_, _ = g.Sh(ctx, "kill "+holdPID)
-	holdPID = ""
-	if err := c.unpublishAndUnstage(ctx, sc, g); err != nil {
-		return err
-	}
-	if err := c.unpublish(ctx, sc, g); err != nil {
-		return err
-	}
-	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
-		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
-		return "", err
 	})
 }

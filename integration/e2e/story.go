@@ -16,7 +16,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -24,9 +23,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
@@ -49,9 +46,14 @@ type Options struct {
 	Only string
 	// TransitPort is the port on 127.0.0.1 of the transit engine E6 wraps
 	// passphrases with, and TransitToken a token it accepts. E6 runs only
-	// when it is set (the story's binaries carry no transit engine).
+	// when it is set; `vco-lab run` sets it to a fake engine it starts,
+	// unless told to use a real one. The guests must be made with
+	// simlab.ForEncryption.
 	TransitPort  int
 	TransitToken string
+	// TransitEngine says in the report what the transit engine is (a
+	// real Vault/OpenBao, or a fake standing in for one).
+	TransitEngine string
 }
 
 type story struct {
@@ -79,10 +81,7 @@ const (
 	fsType  = "ext4"
 )
 
-func stagingPath(vol string) string {
-	h := sha256.Sum256([]byte(vol))
-	return fmt.Sprintf("%s/plugins/kubernetes.io/csi/%s/%x/globalmount", simlab.KubeletRoot, simlab.DriverName, h[:8])
-}
+func stagingPath(vol string) string { return simlab.StagingPath(vol) }
 
 func targetPath(pod string) string {
 	return fmt.Sprintf("%s/pods/%s/volumes/kubernetes.io~csi/pv-e2e/mount", simlab.KubeletRoot, pod)
@@ -149,38 +148,13 @@ func (s *story) check(p Property, scenario string, held bool, format string, a .
 	s.r.Checks = append(s.r.Checks, Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
 }
 
-// startController serves the vco-csi controller in this process on a
-// unix socket in the lab directory and dials it, so controller calls go
-// through the same gRPC server (and error-code mapping) as in a cluster.
-func (s *story) startController(ctx context.Context) (func(), error) {
-	d, err := driver.New(driver.Config{Name: simlab.DriverName, Version: "lab", Mode: driver.ModeController,
-		Cloud: s.env.Cloud, AttachTimeout: 2 * time.Minute})
-	if err != nil {
-		return nil, err
-	}
-	sock := filepath.Join(s.env.Lab.Dir(), "controller.sock")
-	_ = os.Remove(sock)
-	ln, err := driver.Listen("unix://" + sock)
-	if err != nil {
-		return nil, err
-	}
-	srv := d.NewGRPCServer(slog.New(slog.DiscardHandler))
-	go func() { _ = srv.Serve(ln) }()
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		srv.Stop()
-		return nil, err
-	}
-	s.ctl = csi.NewControllerClient(conn)
-	return func() { conn.Close(); srv.Stop() }, nil
-}
-
 func (s *story) run(ctx context.Context) error {
 	if len(s.env.Lab.Guests) < 2 {
 		return errors.New("the story needs two guests")
 	}
 	s.a, s.b = s.env.Lab.Guests[0], s.env.Lab.Guests[1]
-	stop, err := s.startController(ctx)
+	ctl, stop, err := s.env.StartController()
+	s.ctl = ctl
 	if err != nil {
 		return fmt.Errorf("starting the controller: %w", err)
 	}
@@ -240,7 +214,7 @@ func (s *story) run(ctx context.Context) error {
 		return err
 	}
 	if s.o.TransitPort == 0 {
-		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: needs a transit engine (Vault/OpenBao); the guest tier runs it against a fake one (TestEncryptedVolume)")
+		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: no transit engine given (vco-lab run starts a fake one unless run with -transit none)")
 	} else if err := s.e6(ctx); err != nil {
 		return err
 	}
@@ -323,7 +297,7 @@ func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) e
 	deadline := time.Now().Add(90 * time.Second)
 	wait := 500 * time.Millisecond
 	for tries := 1; ; tries++ {
-		err := simlab.NodeCall(ctx, g, "NodeStageVolume", req, nil)
+		err := simlab.KubeletCall(ctx, g, "NodeStageVolume", req, nil)
 		if status.Code(err) != codes.NotFound || time.Now().After(deadline) {
 			if tries > 1 && err == nil {
 				s.progress("         %s: NodeStageVolume succeeded on try %d (the disk was still being probed)", g.Name, tries)
@@ -340,7 +314,7 @@ func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Gue
 		return err
 	}
 	return s.step(scenario, g.Name, "NodePublishVolume "+s.name+" into "+s.pod+g.Name, func() (string, error) {
-		return "", simlab.NodeCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
+		return "", simlab.KubeletCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
 			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name),
 			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap(), VolumeContext: s.volCtx}, nil)
 	})
@@ -348,14 +322,29 @@ func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Gue
 
 func (s *story) unpublishAndUnstage(ctx context.Context, scenario string, g *lab.Guest) error {
 	if err := s.step(scenario, g.Name, "NodeUnpublishVolume", func() (string, error) {
-		return "", simlab.NodeCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
+		return "", simlab.KubeletCall(ctx, g, "NodeUnpublishVolume", &csi.NodeUnpublishVolumeRequest{
 			VolumeId: s.volID, TargetPath: targetPath(s.pod + g.Name)}, nil)
 	}); err != nil {
 		return err
 	}
 	return s.step(scenario, g.Name, "NodeUnstageVolume", func() (string, error) {
-		return "", simlab.NodeCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
+		return "", simlab.KubeletCall(ctx, g, "NodeUnstageVolume", &csi.NodeUnstageVolumeRequest{
 			VolumeId: s.volID, StagingTargetPath: stagingPath(s.name)}, nil)
+	})
+}
+
+// takeDown ends a scenario's volume as Kubernetes does when its pod and
+// claim go: unpublish and unstage on g, ControllerUnpublish, DeleteVolume.
+func (s *story) takeDown(ctx context.Context, scenario string, g *lab.Guest) error {
+	if err := s.unpublishAndUnstage(ctx, scenario, g); err != nil {
+		return err
+	}
+	if err := s.unpublish(ctx, scenario, g); err != nil {
+		return err
+	}
+	return s.step(scenario, "controller", "DeleteVolume "+s.volID, func() (string, error) {
+		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: s.volID})
+		return "", err
 	})
 }
 

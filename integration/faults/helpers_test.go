@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/lab/labtest"
 )
 
-const blockSize = 4096
+const blockSize = labtest.BlockSize
 
 // figure prints one figure in the form the soak run collects.
 func figure(t *testing.T, name string, value any) {
@@ -23,35 +23,14 @@ func figure(t *testing.T, name string, value any) {
 	t.Logf("FIGURE %s=%v", name, value)
 }
 
-// newLab starts a lab in a temporary directory, torn down when the test
-// ends (with the guests' console tails when it failed).
+// newLab starts a lab the test owns, with util-linux losetup in the
+// guests: the agent maps a leased disk's data area with --find and an
+// offset, which busybox's lacks.
 func newLab(t *testing.T, ctx context.Context) *lab.Lab {
 	t.Helper()
-	if ok, why := lab.GuestTierEnabled(); !ok {
-		t.Skip(why)
-	}
-	cfg, err := lab.TestConfig(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	// util-linux losetup: the agent maps a leased disk's data area with
-	// --find and an offset, which busybox's lacks.
-	cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
-	l, err := lab.New(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			for _, g := range l.Guests {
-				t.Logf("%s console tail:\n%s", g.Name, g.ConsoleTail(30))
-			}
-		}
-		if err := l.Close(); err != nil {
-			t.Errorf("lab teardown: %v", err)
-		}
+	return labtest.Start(t, ctx, 30, func(cfg *lab.Config) {
+		cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
 	})
-	return l
 }
 
 // attach hot-plugs lun into g as a scsi-block disk and returns its device
@@ -68,39 +47,6 @@ func attach(t *testing.T, ctx context.Context, g *lab.Guest, lun *lab.LUN) strin
 		t.Fatal(err)
 	}
 	return "/dev/" + d.Name
-}
-
-// writeBlock writes marker at block n of dev with O_DIRECT and fsync, so
-// the write reaches the target or fails there.
-func writeBlock(ctx context.Context, g *lab.Guest, dev string, n int, marker string) (*guestexec.Result, error) {
-	return g.Sh(ctx, fmt.Sprintf("printf %%s %s | dd of=%s bs=%d seek=%d count=1 conv=sync,fsync oflag=direct 2>&1", marker, dev, blockSize, n))
-}
-
-func mustWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n int, marker string) {
-	t.Helper()
-	r, err := writeBlock(ctx, g, dev, n, marker)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.Exit != 0 {
-		t.Fatalf("%s: write of %q to block %d of %s failed: %s", g.Name, marker, n, dev, r)
-	}
-}
-
-// mustNotWrite asserts that the target refuses g's write with a
-// reservation conflict (EBADE, "Invalid exchange" in the guest).
-func mustNotWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n int, marker string) {
-	t.Helper()
-	r, err := writeBlock(ctx, g, dev, n, marker)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.Exit == 0 {
-		t.Fatalf("%s: write of %q to block %d of %s succeeded; the target should have refused it: %s", g.Name, marker, n, dev, r)
-	}
-	if !strings.Contains(r.Stdout, "Invalid exchange") {
-		t.Fatalf("%s: write to %s failed, but not with a reservation conflict (EBADE): %s", g.Name, dev, r)
-	}
 }
 
 // backingBlock reads block n of a LUN's or disk's backing file on the host.

@@ -17,6 +17,7 @@ import (
 	fencekey "github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/lab/labtest"
 )
 
 // restartTarget kills the lab's tgtd with SIGKILL -- the reservations it
@@ -223,6 +224,26 @@ func hexKey(t *testing.T, g *lab.Guest) string {
 	return strings.TrimPrefix(k.String(), "0x")
 }
 
+// prState is the PR generation of dev, and how many keys are registered,
+// as g reads them (vco-agent fence show).
+func prState(t *testing.T, ctx context.Context, g *lab.Guest, dev string) (generation uint32, keys int) {
+	t.Helper()
+	r, err := g.Exec().Run(ctx, 0, "/bin/vco-agent", "fence", "show", dev, "--json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep struct {
+		Status struct {
+			Generation uint32            `json:"generation"`
+			Keys       []json.RawMessage `json:"keys"`
+		} `json:"status"`
+	}
+	if r.Exit != 0 || json.Unmarshal([]byte(r.Stdout), &rep) != nil {
+		t.Fatalf("%s: vco-agent fence show %s: %s", g.Name, dev, r)
+	}
+	return rep.Status.Generation, len(rep.Status.Keys)
+}
+
 // targetRefusesWrite clears the block layer's read-only flag the agent
 // set on a refused or fenced disk, so that the write reaches the target,
 // and asserts that the target refuses it (the fence is the target's, not
@@ -232,7 +253,7 @@ func targetRefusesWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 	if _, err := g.MustSh(ctx, "blockdev --setrw "+dev); err != nil {
 		t.Fatal(err)
 	}
-	mustNotWrite(t, ctx, g, dev, n, marker)
+	labtest.MustNotWrite(t, ctx, g, dev, n, marker)
 }
 
 // TestTargetRestart restarts the iSCSI target while node-a's agent holds
@@ -242,18 +263,20 @@ func targetRefusesWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 // node never gains access without a grant.
 //
 // Both nodes run the agent, and every claim goes through it, as the CSI
-// node plugin's would. What the test proves about node-b: while node-a
-// holds the disk (before the restart, and once its agent re-established
-// the claim) node-b's agent refuses to stage it without a grant, naming
-// node-a's key, and the target refuses node-b's writes; so does the
-// low-level `vco-agent fence acquire`, which an operator runs by hand.
-// What it cannot prove, because it is not so: in the window between the
-// restart and node-a's next check the target holds no reservation, so
-// there is no holder to refuse and no grant to ask for, and a node-b asked
-// to stage the disk then gets it (the second sub-test makes node-b move
-// first by pausing node-a's agent). The contract then holds on node-a's
-// side: it fences itself at once, never takes the disk back without a
-// grant, and the target refuses its writes.
+// node plugin's would. While node-a holds the disk (before the restarts,
+// and once its agent re-established the claim) node-b's agent refuses to
+// stage it without a grant, naming node-a's key, and the target refuses
+// node-b's writes; so does the low-level `vco-agent fence acquire`, which
+// an operator runs by hand. Between a restart and node-a's next check the
+// target holds no reservation; node-b's agent, asked to stage the disk
+// then (the second sub-test pauses node-a's agent so that it is), finds
+// no registration since the target started on a disk with data, and waits
+// (volumes.reclaim_wait) instead of claiming it: node-a re-establishes
+// during the wait and node-b is refused. The third sub-test has node-b
+// claim the restarted target by hand, which does not wait: node-a then
+// fences itself, never takes the disk back without a grant, and the
+// target refuses its writes. Once node-b releases, tgt shows the target
+// empty at a PR generation above 0, and node-b's stage claims it at once.
 func TestTargetRestart(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
@@ -297,7 +320,7 @@ func TestTargetRestart(t *testing.T) {
 	if r := stageRestartVolume(t, ctx, a, lun.Serial); r.Exit != 0 {
 		t.Fatalf("node-a: stage: %s", r)
 	}
-	mustWrite(t, ctx, a, devA, 0, "restart-a-before")
+	labtest.MustWrite(t, ctx, a, devA, 0, "restart-a-before")
 	refused(1, "restart-b-before")
 
 	t.Run("no other key: the agent re-establishes by itself", func(t *testing.T) {
@@ -323,7 +346,7 @@ func TestTargetRestart(t *testing.T) {
 			t.Fatalf("node-a counts %v re-established claims, want 1", n)
 		}
 		// node-a keeps writing; node-b still gets nothing without a grant.
-		mustWrite(t, ctx, a, devA, 2, "restart-a-after-reestablish")
+		labtest.MustWrite(t, ctx, a, devA, 2, "restart-a-after-reestablish")
 		untilDeviceAnswers(t, ctx, b, devB)
 		refused(3, "restart-b-after-reestablish")
 		if got := backingBlock(t, lun.File, 2); got != "restart-a-after-reestablish" {
@@ -331,57 +354,162 @@ func TestTargetRestart(t *testing.T) {
 		}
 	})
 
-	t.Run("another key appeared: the holder fences itself", func(t *testing.T) {
-		// Pause node-a's agent so that node-b moves first, inside the
-		// window a check interval would otherwise close.
+	// restartWithHolderPaused stops node-a's agent (SIGSTOP) and restarts
+	// the target, so that node-b moves before node-a's next check. The
+	// agent runs again when resume is called, or the sub-test ends.
+	restartWithHolderPaused := func(t *testing.T) (resume func()) {
+		t.Helper()
 		if _, err := a.MustSh(ctx, "kill -STOP $(cat /run/agent.pid)"); err != nil {
 			t.Fatal(err)
 		}
 		paused := true
-		defer func() {
+		resume = func() {
 			if paused {
-				_, _ = a.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)")
+				paused = false
+				if _, err := a.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)"); err != nil {
+					t.Fatal(err)
+				}
 			}
-		}()
+		}
+		t.Cleanup(resume)
 		d := restartTarget(t, ctx, l, lun)
 		restarts++
 		figure(t, "target_restart_ms", d.Milliseconds())
 		untilDeviceAnswers(t, ctx, b, devB)
-		r := stageRestartVolume(t, ctx, b, lun.Serial)
-		bWon := r.Exit == 0
-		figure(t, "target_restart_window_other_node_claimed", map[bool]int{true: 1, false: 0}[bWon])
-		if !bWon {
-			t.Fatalf("node-b's stage after the restart, with node-a's agent paused, failed: %s", r)
-		}
-		t.Logf("FINDING: with the restarted target holding no reservation, node-b's agent staged the disk without a grant before node-a's next check; the window is node-a's check interval")
-		mustWrite(t, ctx, b, devB, 4, "restart-b-claimed")
+		return resume
+	}
 
-		if _, err := a.MustSh(ctx, "kill -CONT $(cat /run/agent.pid)"); err != nil {
+	t.Run("the other node asks first: it waits, the holder re-establishes, it is refused", func(t *testing.T) {
+		// node-b's stage finds the restarted target empty at PR generation
+		// 0, and a disk with data on it.
+		resume := restartWithHolderPaused(t)
+		type staged struct {
+			r    *guestexec.Result
+			err  error
+			took time.Duration
+		}
+		done := make(chan staged, 1)
+		go func() {
+			start := time.Now()
+			r, err := b.Exec().Run(ctx, 0, "/bin/vco-agent", "volume", "stage", restartVolume, "--serial", lun.Serial, "--block", "--staging", restartStaging)
+			done <- staged{r, err, time.Since(start)}
+		}()
+		// node-b's agent says when it starts waiting for a holder.
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			out, err := b.MustSh(ctx, "grep -c 'waiting for a holder to re-establish' /run/agent.log || true")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if strings.TrimSpace(out) != "0" {
+				break
+			}
+			select {
+			case s := <-done:
+				t.Fatalf("node-b's stage ended before node-b waited for a holder: %v %s", s.err, s.r)
+			default:
+			}
+			if time.Now().After(deadline) {
+				log, _ := b.MustSh(ctx, "tail -n 30 /run/agent.log")
+				t.Fatalf("node-b's agent did not start waiting for a holder; its log:\n%s", log)
+			}
+			time.Sleep(250 * time.Millisecond)
+		}
+		resume()
+		ev := waitAgentEvent(t, ctx, a, "EVENT_TYPE_DISK_CLAIMED", 3, time.Minute)
+		if ev.Reason != "reservation-reestablished" || ev.HolderKey != keyA {
+			t.Fatalf("node-a's third DiskClaimed: %+v, want the re-established claim with key %s", ev, keyA)
+		}
+		var s staged
+		select {
+		case s = <-done:
+		case <-time.After(2 * time.Minute):
+			t.Fatal("node-b's stage did not end after node-a re-established")
+		}
+		if s.err != nil {
+			t.Fatal(s.err)
+		}
+		figure(t, "target_restart_other_node_stage_ms", s.took.Milliseconds())
+		if s.r.Exit == 0 || !strings.Contains(s.r.Stderr, "held by another node") || !strings.Contains(s.r.Stderr, keyA) {
+			t.Fatalf("node-b: stage that waited while node-a re-established: want a refusal naming key %s, got %s", keyA, s.r)
+		}
+		t.Logf("node-b: %s", strings.TrimSpace(s.r.Stderr))
+		if n := metric(t, ctx, b, `vco_agent_reclaim_waits_total{result="refused"}`); n != 1 {
+			t.Fatalf("node-b counts %v waits ended by a holder, want 1", n)
+		}
+		if evs := agentEvents(t, ctx, a, "EVENT_TYPE_DISK_FENCED"); len(evs) != 0 {
+			t.Fatalf("node-a fenced itself although node-b only waited: %+v", evs)
+		}
+		if n := metric(t, ctx, a, `vco_agent_reestablishes_total{result="ok"}`); n != 2 {
+			t.Fatalf("node-a counts %v re-established claims, want 2", n)
+		}
+		// node-a keeps its claim and its writes; node-b gets nothing.
+		labtest.MustWrite(t, ctx, a, devA, 4, "restart-a-after-b-waited")
+		refused(5, "restart-b-after-waiting")
+		if got := backingBlock(t, lun.File, 4); got != "restart-a-after-b-waited" {
+			t.Errorf("block 4 holds %q, want node-a's write", got)
+		}
+	})
+
+	t.Run("another key appeared: the holder fences itself", func(t *testing.T) {
+		// An operator's `fence acquire` does not wait: node-b claims the
+		// restarted target by hand.
+		resume := restartWithHolderPaused(t)
+		rep, code, out, err := fence(ctx, b, nodes, "acquire", devB)
+		if err != nil {
 			t.Fatal(err)
 		}
-		paused = false
-		ev := waitAgentEvent(t, ctx, a, "EVENT_TYPE_DISK_FENCED", 1, 30*time.Second)
+		if code != 0 || !rep.OK {
+			t.Fatalf("node-b: fence acquire %s by hand on the restarted target: exit %d: %s", devB, code, out)
+		}
+		// The refusal earlier left node-b's device read-only.
+		if _, err := b.MustSh(ctx, "blockdev --setrw "+devB); err != nil {
+			t.Fatal(err)
+		}
+		labtest.MustWrite(t, ctx, b, devB, 6, "restart-b-by-hand")
+
+		resume()
+		ev := waitAgentEvent(t, ctx, a, "EVENT_TYPE_DISK_FENCED", 1, time.Minute)
 		lost++
 		if ev.HolderKey != keyB {
 			t.Errorf("node-a's DiskFenced names holder key %q, want node-b's %s: %+v", ev.HolderKey, keyB, ev)
 		}
 		t.Logf("node-a: %s", ev.Message)
-		if n := metric(t, ctx, a, `vco_agent_reestablishes_total{result="ok"}`); n != 1 {
-			t.Errorf("node-a counts %v re-established claims, want still 1", n)
+		if n := metric(t, ctx, a, `vco_agent_reestablishes_total{result="ok"}`); n != 2 {
+			t.Errorf("node-a counts %v re-established claims, want still 2", n)
 		}
 		// node-a does not take the disk back without a grant ...
-		r = stageRestartVolume(t, ctx, a, lun.Serial)
+		r := stageRestartVolume(t, ctx, a, lun.Serial)
 		if r.Exit == 0 || !strings.Contains(r.Stderr, "grant") {
 			t.Fatalf("node-a: stage of its fenced volume without a grant: want a refusal asking for a grant, got %s", r)
 		}
 		// ... and the target refuses its writes.
-		targetRefusesWrite(t, ctx, a, devA, 5, "restart-a-fenced")
+		targetRefusesWrite(t, ctx, a, devA, 7, "restart-a-fenced")
 		if backingHas(t, lun.File, "restart-a-fenced") {
 			t.Error("node-a's write after the loss reached the LUN")
 		}
-		if got := backingBlock(t, lun.File, 4); got != "restart-b-claimed" {
-			t.Errorf("block 4 holds %q, want node-b's write", got)
+		if got := backingBlock(t, lun.File, 6); got != "restart-b-by-hand" {
+			t.Errorf("block 6 holds %q, want node-b's write", got)
 		}
+		if _, code, out, err := fence(ctx, b, nodes, "release", devB); err != nil || code != 0 {
+			t.Fatalf("node-b: fence release: %v exit %d: %s", err, code, out)
+		}
+
+		// What the reclaim wait rests on, on tgt: a release leaves the
+		// target empty at a PR generation above 0, so the next stage
+		// without a grant claims the disk at once, data and all.
+		gen, keys := prState(t, ctx, b, devB)
+		figure(t, "target_restart_generation_after_release", gen)
+		if gen == 0 || keys != 0 {
+			t.Fatalf("after node-b's release the target shows %d keys at PR generation %d, want none at a generation above 0", keys, gen)
+		}
+		if r := stageRestartVolume(t, ctx, b, lun.Serial); r.Exit != 0 {
+			t.Fatalf("node-b: stage of the released disk: %s", r)
+		}
+		if n := metric(t, ctx, b, `vco_agent_reclaim_waits_total{result="claimed"}`); n != 0 {
+			t.Fatalf("node-b waited %v times before claiming a disk released by its holder", n)
+		}
+		labtest.MustWrite(t, ctx, b, devB, 8, "restart-b-staged-after-release")
 	})
 	figure(t, "target_restart_faults", restarts)
 	figure(t, "target_restart_losses_noticed", lost)

@@ -278,17 +278,20 @@ func (h *host) snap() snapshot {
 	return s
 }
 
-// loopDevices lists the loop devices that belong to this host: backed by
-// a file under its directory, or stacked on one that is. Other tests on
-// the machine make loop devices of their own at the same time.
-func (h *host) loopDevices() []string {
-	all := loopDevices(h.t)
+// loopDevices lists the loop devices that belong to this host. Other
+// tests on the machine make loop devices of their own at the same time.
+func (h *host) loopDevices() []string { return loopsUnder(h.t, h.dir) }
+
+// loopsUnder lists the loop devices backed by a file under dir, or
+// stacked on one that is, as "NAME BACK-FILE".
+func loopsUnder(t *testing.T, dir string) []string {
+	all := loopDevices(t)
 	ours := map[string]bool{}
 	for changed := true; changed; {
 		changed = false
 		for _, l := range all {
 			f := strings.SplitN(l, " ", 2)
-			if len(f) == 2 && !ours[f[0]] && (strings.HasPrefix(f[1], h.dir+"/") || ours[f[1]]) {
+			if len(f) == 2 && !ours[f[0]] && (strings.HasPrefix(f[1], dir+"/") || ours[f[1]]) {
 				ours[f[0]], changed = true, true
 			}
 		}

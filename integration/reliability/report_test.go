@@ -160,6 +160,18 @@ const reportIntro = `What runs (all on this host, as root, against the real bina
   to the CSI plugin; each answer's code is checked, and that no mount, state file, loop
   device or simulator disk changed. Cases skipped as known plugin bugs are listed by
   go test -v.
+- **Concurrent CSI calls** (TestConcurrentCSICalls): 100 calls fired at once on five
+  overlapping volumes (one encrypted), round after round, through the CSI controller and
+  node plugin (two servers, each with its own per-volume locks) to the simulator in host
+  mode and the agent's volume manager with its claim check running: CreateVolume with the
+  same names, publish and unpublish to two nodes, stage, publish, unpublish and unstage on
+  the same paths, expand, snapshot, copy, delete, and reads. Every answer is OK or the code right for its
+  situation (ABORTED for a busy volume, FAILED_PRECONDITION for a disk attached elsewhere
+  or still published, NOT_FOUND only after a delete) with a message naming the volume; no
+  two API requests changing one disk are in flight at once. Then every volume is settled
+  in the kubelet's and attacher's order, with retries: the simulator holds one disk per
+  name, ListVolumes reports exactly its attachments, and the mounts, loop devices and
+  agent claim records are those of the volumes in use; after teardown, none.
 - **State directory** (TestStateDirSymlinks): symlinks planted as claim records, as a
   record's temporary file and as the claims directory; none is followed or written through.
 - **Secrets** (TestPassphraseNeverShown, TestJWTNeverShown, TestVaultTokenNeverShown): a

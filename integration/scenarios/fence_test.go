@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/lab/labtest"
 )
 
-const blockSize = 4096
+const blockSize = labtest.BlockSize
 
 // pair is a lab with two guests, node-a and node-b, and no disks yet:
 // each scenario hot-plugs its own LUN, the way the cloud attaches a disk.
@@ -25,27 +25,7 @@ type pair struct {
 
 func newPair(t *testing.T, ctx context.Context) *pair {
 	t.Helper()
-	if ok, why := lab.GuestTierEnabled(); !ok {
-		t.Skip(why)
-	}
-	cfg, err := lab.TestConfig(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := lab.New(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			for _, g := range l.Guests {
-				t.Logf("%s console tail:\n%s", g.Name, g.ConsoleTail(20))
-			}
-		}
-		if err := l.Close(); err != nil {
-			t.Errorf("lab teardown: %v", err)
-		}
-	})
+	l := labtest.Start(t, ctx, 20, nil)
 	gs, err := l.StartGuests(ctx, lab.GuestConfig{Name: "node-a"}, lab.GuestConfig{Name: "node-b"})
 	if err != nil {
 		t.Fatal(err)
@@ -82,41 +62,6 @@ func attach(t *testing.T, ctx context.Context, g *lab.Guest, lun *lab.LUN) strin
 		t.Fatal(err)
 	}
 	return "/dev/" + d.Name
-}
-
-// writeBlock writes marker (padded to a block) at block n of dev with
-// O_DIRECT and fsync, so the write reaches the target or fails there.
-func writeBlock(ctx context.Context, g *lab.Guest, dev string, n int, marker string) (*guestexec.Result, error) {
-	return g.Sh(ctx, fmt.Sprintf("printf %%s %s | dd of=%s bs=%d seek=%d count=1 conv=sync,fsync oflag=direct 2>&1", marker, dev, blockSize, n))
-}
-
-func mustWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n int, marker string) {
-	t.Helper()
-	r, err := writeBlock(ctx, g, dev, n, marker)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.Exit != 0 {
-		t.Fatalf("%s: write of %q to block %d of %s failed: %s", g.Name, marker, n, dev, r)
-	}
-}
-
-// mustNotWrite asserts that the target refuses g's write with a
-// reservation conflict, which the kernel reports as EBADE ("Invalid
-// exchange"); any other I/O error would not prove the fence.
-func mustNotWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev string, n int, marker string) {
-	t.Helper()
-	r, err := writeBlock(ctx, g, dev, n, marker)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.Exit == 0 {
-		t.Fatalf("%s: write of %q to block %d of %s succeeded; the target should have refused it: %s", g.Name, marker, n, dev, r)
-	}
-	if !strings.Contains(r.Stdout, "Invalid exchange") {
-		t.Fatalf("%s: write to %s failed, but not with a reservation conflict (EBADE): %s", g.Name, dev, r)
-	}
-	t.Logf("%s: write refused: %s", g.Name, strings.TrimSpace(r.Stdout))
 }
 
 // readBlock reads block n of dev in the guest, without the page cache.
@@ -227,7 +172,7 @@ func TestFenceScenarios(t *testing.T) {
 			lun := p.newLUN(t, ctx, lunName("l1"))
 			devA := attach(t, ctx, a, lun)
 			mustAcquire(t, ctx, d, a, devA)
-			mustWrite(t, ctx, a, devA, 0, "L1-data-of-node-a")
+			labtest.MustWrite(t, ctx, a, devA, 0, "L1-data-of-node-a")
 			// The same disk now attached to B as well.
 			devB := attach(t, ctx, b, lun)
 			// A type under which a registered non-holder cannot write.
@@ -235,8 +180,8 @@ func TestFenceScenarios(t *testing.T) {
 				t.Fatalf("node-b sees reservation key %q type %q; want node-a's key %s, Write Exclusive or Exclusive Access", key, typ, ka)
 			}
 			mustRefuse(t, ctx, d, b, devB, a)
-			mustNotWrite(t, ctx, b, devB, 0, "L1-data-of-node-b")
-			mustNotWrite(t, ctx, b, devB, 1, "L1-data-of-node-b")
+			labtest.MustNotWrite(t, ctx, b, devB, 0, "L1-data-of-node-b")
+			labtest.MustNotWrite(t, ctx, b, devB, 1, "L1-data-of-node-b")
 			if got := backing(t, lun, 0); got != "L1-data-of-node-a" {
 				t.Errorf("block 0 of the LUN holds %q, want node-a's data", got)
 			}
@@ -255,7 +200,7 @@ func TestFenceScenarios(t *testing.T) {
 			lun := p.newLUN(t, ctx, lunName("l2"))
 			devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
 			mustAcquire(t, ctx, d, a, devA)
-			mustWrite(t, ctx, a, devA, 0, "L2-data-of-node-a")
+			labtest.MustWrite(t, ctx, a, devA, 0, "L2-data-of-node-a")
 			if err := d.Release(ctx, a, devA); err != nil {
 				t.Fatal(err)
 			}
@@ -263,11 +208,11 @@ func TestFenceScenarios(t *testing.T) {
 			if got := readBlock(t, ctx, b, devB, 0); got != "L2-data-of-node-a" {
 				t.Errorf("node-b reads %q from block 0, want node-a's data", got)
 			}
-			mustWrite(t, ctx, b, devB, 1, "L2-data-of-node-b")
+			labtest.MustWrite(t, ctx, b, devB, 1, "L2-data-of-node-b")
 			if got := backing(t, lun, 1); got != "L2-data-of-node-b" {
 				t.Errorf("block 1 of the LUN holds %q, want node-b's data", got)
 			}
-			mustNotWrite(t, ctx, a, devA, 2, "L2-late-write-of-node-a")
+			labtest.MustNotWrite(t, ctx, a, devA, 2, "L2-late-write-of-node-a")
 			if err := d.Release(ctx, b, devB); err != nil {
 				t.Fatal(err)
 			}
@@ -277,7 +222,7 @@ func TestFenceScenarios(t *testing.T) {
 			lun := p.newLUN(t, ctx, lunName("l3"))
 			devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
 			mustAcquire(t, ctx, d, a, devA)
-			mustWrite(t, ctx, a, devA, 0, "L3-before-of-node-a")
+			labtest.MustWrite(t, ctx, a, devA, 0, "L3-before-of-node-a")
 			// A grant that names some other key does not let B in.
 			mustRefuse(t, ctx, d, b, devB, a, "0x5643000000000001")
 			o := mustAcquire(t, ctx, d, b, devB, ka)
@@ -290,12 +235,12 @@ func TestFenceScenarios(t *testing.T) {
 			if key, _ := reservationAsSeenBy(t, ctx, b, devB); key != kb {
 				t.Errorf("the reservation key after the takeover is %q, want node-b's %s", key, kb)
 			}
-			mustNotWrite(t, ctx, a, devA, 1, "L3-after-of-node-a")
+			labtest.MustNotWrite(t, ctx, a, devA, 1, "L3-after-of-node-a")
 			if ok, detail, err := d.Check(ctx, a, devA); err != nil || ok {
 				t.Errorf("node-a's check does not report the claim lost (%v): %s", err, detail)
 			}
-			mustWrite(t, ctx, b, devB, 2, "L3-after-of-node-b")
-			mustNotWrite(t, ctx, a, devA, 3, "L3-later-of-node-a")
+			labtest.MustWrite(t, ctx, b, devB, 2, "L3-after-of-node-b")
+			labtest.MustNotWrite(t, ctx, a, devA, 3, "L3-later-of-node-a")
 			// A must not have registered again on its own.
 			keys, err := a.MustSh(ctx, "sg_persist -n -i -k "+devA)
 			if err != nil {

@@ -114,3 +114,22 @@ func NodeCall(ctx context.Context, g *lab.Guest, method string, req, resp proto.
 	}
 	return nil
 }
+
+// KubeletCall is NodeCall retried as the kubelet retries a call answered
+// ABORTED: the plugin says another operation on the volume (or the
+// agent's periodic claim check) is in progress and the call must wait.
+// It tries every 200 ms for up to a minute, then returns the last answer.
+func KubeletCall(ctx context.Context, g *lab.Guest, method string, req, resp proto.Message) error {
+	deadline := time.Now().Add(time.Minute)
+	for {
+		err := NodeCall(ctx, g, method, req, resp)
+		if status.Code(err) != codes.Aborted || time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}

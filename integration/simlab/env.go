@@ -2,6 +2,7 @@ package simlab
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,7 +16,12 @@ import (
 	"sync"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
@@ -32,6 +38,13 @@ const (
 	// lab value, not a secret of any real API.
 	Token = "vco-lab-simulator-token"
 )
+
+// StagingPath is where the kubelet has a node plugin stage volume vol:
+// a directory of its own under the driver's plugin directory.
+func StagingPath(vol string) string {
+	h := sha256.Sum256([]byte(vol))
+	return fmt.Sprintf("%s/plugins/kubernetes.io/csi/%s/%x/globalmount", KubeletRoot, DriverName, h[:8])
+}
 
 // Options shape an Env.
 type Options struct {
@@ -151,6 +164,31 @@ func (e *Env) logf(format string, a ...any) {
 	fmt.Fprintf(e.log, "simlab: "+format+"\n", a...)
 }
 
+// StartController serves the vco-csi controller in this process on a
+// unix socket in the lab directory and dials it, so controller calls go
+// through the same gRPC server (and error-code mapping) as in a cluster.
+func (e *Env) StartController() (csi.ControllerClient, func(), error) {
+	d, err := driver.New(driver.Config{Name: DriverName, Version: "lab", Mode: driver.ModeController,
+		Cloud: e.Cloud, AttachTimeout: 2 * time.Minute})
+	if err != nil {
+		return nil, nil, err
+	}
+	sock := filepath.Join(e.Lab.Dir(), "controller.sock")
+	_ = os.Remove(sock)
+	ln, err := driver.Listen("unix://" + sock)
+	if err != nil {
+		return nil, nil, err
+	}
+	srv := d.NewGRPCServer(slog.New(slog.DiscardHandler))
+	go func() { _ = srv.Serve(ln) }()
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		srv.Stop()
+		return nil, nil, err
+	}
+	return csi.NewControllerClient(conn), func() { conn.Close(); srv.Stop() }, nil
+}
+
 // Guest returns the lab guest of the given name.
 func (e *Env) Guest(name string) *lab.Guest { return e.Lab.Guest(name) }
 
@@ -170,6 +208,23 @@ type StackOptions struct {
 	// (--vault-addr, and a token file holding VaultToken) for encrypted
 	// volumes.
 	VaultAddr, VaultToken string
+}
+
+// ForEncryption makes o fit for encrypted volumes: the virtio-net module
+// ConnectTransit's NIC needs, libgcc_s for cryptsetup (its argon2 threads
+// load it at pthread_exit, so copying the tool's linked libraries misses
+// it), and 512 MiB per guest, since unlocking LUKS2 with argon2id (64 MiB)
+// beside the RAM-backed root gets the agent OOM-killed in the default
+// 320 MiB. o.Lab.Binaries must be set.
+func ForEncryption(o *Options) {
+	mods := o.Lab.Modules
+	if mods == nil {
+		mods = lab.DefaultModules
+	}
+	o.Lab.Modules = append(append([]string{}, mods...), "virtio_net")
+	const libgcc = "/lib/x86_64-linux-gnu/libgcc_s.so.1"
+	o.Lab.Binaries[libgcc] = libgcc
+	o.MemMB = max(o.MemMB, 512)
 }
 
 // TransitGuestAddr is where a guest given a transit link by
@@ -219,7 +274,13 @@ func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error
 		csiArgs = " --allow-unfenced"
 	}
 	if o.VaultAddr != "" {
-		if _, err := g.MustSh(ctx, "mkdir -p /run/csi && umask 077 && printf %s '"+o.VaultToken+"' >/run/csi/vault-token"); err != nil {
+		// The token goes in on stdin, so that no command line (which
+		// a failure's error text quotes) ever carries it.
+		r, err := g.Exec().RunInput(ctx, 0, []byte(o.VaultToken), "/bin/sh", "-c", "mkdir -p /run/csi && umask 077 && cat >/run/csi/vault-token")
+		if err == nil && r.Exit != 0 {
+			err = fmt.Errorf("exit %d: %s", r.Exit, strings.TrimSpace(r.Stderr))
+		}
+		if err != nil {
 			return fmt.Errorf("%s: writing the Vault token file: %w", g.Name, err)
 		}
 		csiArgs += " --vault-addr " + o.VaultAddr + " --vault-token-file /run/csi/vault-token"

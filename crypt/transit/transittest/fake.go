@@ -2,7 +2,9 @@
 // No Vault or OpenBao server can run on the build machines, so the transit
 // client and the code that stores wrapped passphrases in LUKS2 tokens are
 // tested against this fake; a real server is used when VCO_TEST_VAULT_ADDR
-// is set. It is never linked into a binary.
+// is set. Besides tests, only the lab harness vco-lab links it, to run the
+// encrypted-volume scenario of `make lab`, where it says it is a fake; no
+// binary that is shipped to nodes does.
 package transittest
 
 import (

@@ -1,8 +1,11 @@
 // Package agentnodetest holds what the node plugin's tests need to run
 // vco-agent's volume manager on this host: LoopLUKS, the agent's real
 // LUKS2 support with a FAKE dm-crypt mapping (crypt/dmcrypt/dmcrypttest),
-// because the host kernel has no device-mapper. It is imported by tests only and never linked into a
-// binary; real dm-crypt runs in the lab's guests.
+// because the host kernel has no device-mapper; ServeAgent, the agent's
+// API over a unix socket with the plugin's client dialled to it; and
+// Transit, a FAKE transit engine, because no Vault or OpenBao runs here.
+// It is imported by tests only and never linked into a binary; real
+// dm-crypt runs in the lab's guests.
 package agentnodetest
 
 import (
