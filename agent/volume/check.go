@@ -79,11 +79,16 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 			}
 		}
 		l.close()
+		unstaging := c.Phase == PhaseUnstaging
 		c.Phase, c.State = PhaseInterrupted, ""
 		if err := m.store.Put(c); err != nil {
 			log.Error("recording the interrupted stage", "err", err)
 		}
-		log.Info("found a stage cut short; its retry will finish it")
+		if unstaging {
+			log.Info("found an unstage cut short after it began releasing the disk; released it, and its retry removes the record")
+		} else {
+			log.Info("found a stage cut short; its retry will finish it")
+		}
 		return
 	}
 	switch c.State {

@@ -78,9 +78,18 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			}
 		}
 		if l != nil && l.fencer != nil {
+			c.Phase = PhaseUnstaging
+			if err := m.store.Put(c); err != nil {
+				return err
+			}
 			if err := l.fencer.Release(ctx); err != nil {
 				var lost *fence.LostError
 				if !errors.As(err, &lost) {
+					// Still held: checked as staged until the retry.
+					c.Phase = PhaseStaged
+					if perr := m.store.Put(c); perr != nil {
+						m.log.Error("recording a claim whose release failed", "volume", volume, "err", perr)
+					}
 					return agenterr.New(agenterr.Unavailable, "volume %s: releasing the fence of %s: %v; the claim stays recorded, retry", volume, c.Device, err)
 				}
 			}

@@ -119,3 +119,67 @@ func TestClaimForgottenByARestartedTargetIsReestablishedUnlessAnotherKeyAppeared
 		t.Fatal("node A registered again")
 	}
 }
+
+// An agent killed during an unstage, after it released the reservation and
+// before it removed the record, finds its own key gone when it comes back.
+// That was its own release, not a loss: no DiskFenced, nothing stopped,
+// and the retried unstage finishes.
+func TestUnstageCutShortAfterTheReleaseIsNotALoss(t *testing.T) {
+	e, tgt := newFencedEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	req := e.stageReq("vol-u", img, "staging/u")
+	req.AllowUnfenced = false
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	e.event(events.DiskClaimed)
+	// The record as a crash right after node A's release would leave it.
+	var left *Claim
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		if ini == nodeA && left == nil && len(cdb) > 1 && cdb[0] == scsi.OpPersistentReserveOut {
+			left, _ = e.m.Store().Get("vol-u")
+		}
+	}
+	if err := e.m.Unstage(ctx, "vol-u", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	tgt.BeforeCommand = nil
+	if left == nil || left.Phase != PhaseUnstaging {
+		t.Fatalf("record when the release began: %+v", left)
+	}
+	if _, reg := tgt.Registered(nodeA); reg {
+		t.Fatal("node A still registered after the unstage")
+	}
+	e.event(events.DiskReleased)
+
+	e.m.Close()
+	if err := e.m.Store().Put(left); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	e.m.Reconcile(ctx)
+	if n := metric(t, e.m, "vco_agent_fences_total"); n != 0 {
+		t.Fatalf("its own release counted as %v fence(s)", n)
+	}
+	if deviceReadOnly(t, dev) {
+		t.Fatal("device set read-only after its own release")
+	}
+	c, _ := e.m.Store().Get("vol-u")
+	if c == nil || c.Phase != PhaseInterrupted || c.State == StateLost {
+		t.Fatalf("record after the restart: %+v", c)
+	}
+	if err := e.m.Unstage(ctx, "vol-u", req.StagingPath); err != nil {
+		t.Fatalf("retried unstage: %v", err)
+	}
+	if c, _ := e.m.Store().Get("vol-u"); c != nil {
+		t.Fatalf("record kept after the retried unstage: %+v", c)
+	}
+	if ev := e.event(events.DiskReleased); ev.Volume != "vol-u" || strings.Contains(ev.Message, "lost") {
+		t.Fatalf("released event: %+v", ev)
+	}
+	if _, reg := tgt.Registered(nodeA); reg {
+		t.Fatal("node A registered again")
+	}
+}

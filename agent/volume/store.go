@@ -29,6 +29,10 @@ const (
 	// PhaseInterrupted: the agent found the stage cut short at start and
 	// undid the partial steps; the retried stage carries on from here.
 	PhaseInterrupted Phase = "interrupted"
+	// PhaseUnstaging: recorded before an unstage releases the fence, so
+	// that an agent restarted before the record is gone knows the missing
+	// registration was its own release, not a loss to another node.
+	PhaseUnstaging Phase = "unstaging"
 )
 
 // State is the claim's fence state.
