@@ -35,11 +35,14 @@ commands:
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run [-kind K] [-skip E4,E7,E8,E9] [-report DIR] [-transit fake|none|URL]
+  run [-kind K[,K]] [-skip E4,E7,E8,E9] [-report DIR] [-transit fake|none|URL]
                            the RWO story (make lab): simulator in lab mode, tgtd,
                            two guests with vco-agent and vco-csi; CSI calls in
                            Kubernetes' order; report per safety property; writes
-                           DIR/lab-report.txt and .html (default: bin/ or .).
+                           DIR/lab-report-KIND.txt and .html per disk kind
+                           (default: bin/ or .). Given several kinds, the story
+                           runs once per kind in a lab of its own; E6, E7 and E9
+                           do not depend on the kind and run in the first only.
                            E6 (encrypted volume) uses a FAKE transit engine
                            standing in for Vault/OpenBao unless -transit names
                            a real one on 127.0.0.1 (with -transit-token-file)
@@ -439,9 +442,9 @@ func run(args []string) int {
 	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&transitSpec, "transit", "fake", "transit engine for E6: fake (a FAKE engine standing in for Vault/OpenBao, started on 127.0.0.1), none (leave E6 out), or http://127.0.0.1:PORT of a real Vault/OpenBao with transit key "+transitKey)
 		fs.StringVar(&transitTokenFile, "transit-token-file", "", "with -transit URL: file holding a Vault/OpenBao token for that key")
-		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests: scsi-block (SCSI-3 PR) or virtio-blk")
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests, comma-separated for one run each: scsi-block (SCSI-3 PR), virtio-blk (the on-disk lease)")
 		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E7, E8, E9")
-		fs.StringVar(&report, "report", "", "directory for lab-report.txt and lab-report.html (default: the -bin directory)")
+		fs.StringVar(&report, "report", "", "directory for lab-report-KIND.txt and lab-report-KIND.html (default: the -bin directory)")
 	})
 	if err != nil {
 		return fail("%v", err)
@@ -455,11 +458,23 @@ func run(args []string) int {
 			skip[sc] = true
 		}
 	}
+	var kinds []lab.DiskKind
+	for _, k := range strings.Split(kind, ",") {
+		switch k := lab.DiskKind(strings.TrimSpace(k)); k {
+		case lab.SCSIBlock, lab.VirtioBlk:
+			kinds = append(kinds, k)
+		default:
+			return fail("-kind %q: want scsi-block, virtio-blk, or both comma-separated", k)
+		}
+	}
 	te, err := startTransit(transitSpec, transitTokenFile)
 	if err != nil {
 		return c.finish(fail("%v", err))
 	}
-	return c.finish(runStory(c, kind, skip, report, te))
+	if te != nil {
+		defer te.stop()
+	}
+	return c.finish(runStories(c, kinds, skip, report, te))
 }
 
 func smoke(args []string) int {

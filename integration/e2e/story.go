@@ -38,9 +38,12 @@ type Options struct {
 	Env *simlab.Env
 	// Progress receives a line per step as it finishes (may be nil).
 	Progress io.Writer
-	// Skip names scenarios to leave out: E4, E5, E7, E8, E9 (E1-E3 are the
-	// story's spine and always run).
+	// Skip names scenarios to leave out: E4, E5, E6, E7, E8, E9 (E1-E3 are
+	// the story's spine and always run).
 	Skip map[string]bool
+	// SkipWhy says, for the report, why a skipped scenario was left out
+	// (default: by request); it reads after "left out", e.g. "because ...".
+	SkipWhy map[string]string
 	// Only, if set, runs just the setup and that one self-contained
 	// scenario (E6, E7 or E9), on a volume of its own.
 	Only string
@@ -204,36 +207,48 @@ func (s *story) run(ctx context.Context) error {
 		return err
 	}
 	if s.o.Skip["E5"] {
-		s.r.NotRun = append(s.r.NotRun, "E5 topology: left out by request")
+		s.leftOut("E5", "E5 topology")
 	} else if err := s.e5(ctx); err != nil {
 		return err
 	}
 	if s.o.Skip["E8"] {
-		s.r.NotRun = append(s.r.NotRun, "E8 volume from a snapshot: left out by request")
+		s.leftOut("E8", "E8 volume from a snapshot")
 	} else if err := s.e8(ctx, sumA); err != nil {
 		return err
 	}
-	if s.o.TransitPort == 0 {
+	if s.o.Skip["E6"] {
+		s.leftOut("E6", "E6 encrypted volume")
+	} else if s.o.TransitPort == 0 {
 		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: no transit engine given (vco-lab run starts a fake one unless run with -transit none)")
 	} else if err := s.e6(ctx); err != nil {
 		return err
 	}
 	if s.o.Skip["E7"] {
-		s.r.NotRun = append(s.r.NotRun, "E7 online expansion: left out by request")
+		s.leftOut("E7", "E7 online expansion")
 	} else if err := s.e7(ctx); err != nil {
 		return err
 	}
 	if s.o.Skip["E9"] {
-		s.r.NotRun = append(s.r.NotRun, "E9 agent killed during stage and unstage: left out by request")
+		s.leftOut("E9", "E9 agent killed during stage and unstage")
 	} else if err := s.e9(ctx); err != nil {
 		return err
 	}
 	if s.o.Skip["E4"] {
-		s.r.NotRun = append(s.r.NotRun, "E4 node death: left out by request")
+		s.leftOut("E4", "E4 node death")
 	} else if err := s.e4(ctx, sumA); err != nil {
 		return err
 	}
 	return s.cleanup(ctx)
+}
+
+// leftOut records in the report that scenario sc was skipped, and why if
+// the caller said.
+func (s *story) leftOut(sc, what string) {
+	why := s.o.SkipWhy[sc]
+	if why == "" {
+		why = "by request"
+	}
+	s.r.NotRun = append(s.r.NotRun, what+": left out "+why)
 }
 
 func (s *story) create(ctx context.Context) error {
@@ -824,12 +839,31 @@ func (s *story) e8(ctx context.Context, sumA string) error {
 	})
 }
 
-// e4: B (the holder now) stops without releasing; the disk moves to A with
-// a grant; B resumes and is fenced.
+// e4: B (the holder now) is lost to the controller without releasing; the
+// disk moves to A with a grant; B is fenced.
+//
+// On scsi-block B is frozen (QMP stop) and resumed after the takeover: the
+// target's reservation refuses whatever it writes. On virtio-blk the lease
+// fences only through B's agent, which must see the lease taken, so B
+// is stopped only while the platform detaches the disk in its API and
+// runs again before the takeover: A's takeover waits until B's agent has
+// seen A's claim and fenced itself, and B's writes after that must all
+// fail. A guest
+// frozen by its hypervisor cannot be fenced by a lease at all (its clocks
+// stop with it, so on resuming it writes before its agent's next renewal
+// notices); on that disk kind only a detach at the hypervisor stops it,
+// and the report says so.
 func (s *story) e4(ctx context.Context, sumA string) error {
 	const sc = "E4"
 	dead, live := s.b, s.a
+	frozen := s.kind == lab.SCSIBlock
 	var dev string
+	if !frozen {
+		s.r.NotRun = append(s.r.NotRun, "E4 frozen holder: on "+string(s.kind)+" a guest frozen by its hypervisor while it holds the lease, "+
+			"and resumed with the disk still attached after the takeover, writes before its agent's next renewal sees the lease taken "+
+			"(its clocks stood still, so it cannot have fenced itself in time); the lease cannot stop that, only a detach at the "+
+			"hypervisor (or reservations, scsi-block) can, so E4 shows the lease fencing a holder that keeps running")
+	}
 	if err := s.step(sc, dead.Name, "find the device; stop the guest (QMP stop)", func() (string, error) {
 		d, err := dead.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
 		if err != nil {
@@ -848,6 +882,20 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 	}()
 	if err := s.unpublish(ctx, sc+" (force detach)", dead); err != nil {
 		return err
+	}
+	if !frozen {
+		// The platform has detached the disk in its API only (the guest
+		// was stopped), so it comes back still seeing the disk and holding
+		// the lease, its agent renewing it.
+		if err := s.step(sc, dead.Name, "resume the guest before the takeover (QMP cont); it still has the disk", func() (string, error) {
+			if err := dead.Resume(ctx); err != nil {
+				return "", err
+			}
+			resumed = true
+			return "", nil
+		}); err != nil {
+			return err
+		}
 	}
 	pc, err := s.publish(ctx, sc, live)
 	if err != nil {
@@ -873,21 +921,32 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 	}); err != nil {
 		return err
 	}
-	if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
-		if err := dead.Resume(ctx); err != nil {
-			return "", err
-		}
-		resumed = true
+	// lateWrites has dead write its marker through its mount and to the
+	// raw device; it answers whether each write failed.
+	lateWrites := func() (string, bool, error) {
 		m := marker(dead.Name)
-		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo rc=$?",
+		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; fs=$?; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
 			m, targetPath(s.pod+dead.Name), dev)
 		r, err := dead.Sh(ctx, script)
 		if err != nil {
-			return "", err
+			return "", false, err
 		}
-		return strings.TrimSpace(r.Stdout + r.Stderr), nil
-	}); err != nil {
-		return err
+		out := strings.TrimSpace(r.Stdout + r.Stderr)
+		f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
+		refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
+		return out, refused, nil
+	}
+	if frozen {
+		if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
+			if err := dead.Resume(ctx); err != nil {
+				return "", err
+			}
+			resumed = true
+			out, _, err := lateWrites()
+			return out, err
+		}); err != nil {
+			return err
+		}
 	}
 	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
 		deadline := time.Now().Add(60 * time.Second)
@@ -910,6 +969,21 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		}
 	}); err != nil {
 		return err
+	}
+	if !frozen {
+		if err := s.step(sc, dead.Name, "it tries to write after fencing itself: through its mount and to the raw device", func() (string, error) {
+			out, refused, err := lateWrites()
+			if err != nil {
+				return "", err
+			}
+			s.check(P4, sc, refused, "%s's writes after it fenced itself (its mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
+			if !refused {
+				return out, fmt.Errorf("a write from fenced %s succeeded", dead.Name)
+			}
+			return out, nil
+		}); err != nil {
+			return err
+		}
 	}
 	if err := s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
 		var resp csi.NodeGetVolumeHealthResponse
@@ -967,7 +1041,7 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		if err != nil {
 			return "", err
 		}
-		s.check(P4, sc, !found, "backing file holds %s's marker written after resuming: %v", dead.Name, found)
+		s.check(P4, sc, !found, "backing file holds %s's marker written after it lost the disk: %v", dead.Name, found)
 		s.check(P1, sc, !found, "no write from fenced %s reached the disk while %s holds it", dead.Name, live.Name)
 		sum, err := readSum(ctx, live, s.pod+live.Name, "after.bin")
 		if err != nil {
