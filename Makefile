@@ -137,16 +137,20 @@ csi-addon:
 test-deploy: deps
 	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/...
 
-# The RWO story on the simulator in lab mode and two guests; the text
-# report goes to the terminal and bin/lab-report.txt, the timeline to
-# bin/lab-report.html. Exits non-zero unless every safety property held.
+# The RWO story on the simulator in lab mode and two guests, once with
+# scsi-block disks (reservations) and once with virtio-blk disks (the
+# on-disk lease), each in a lab of its own; the text reports go to the
+# terminal and bin/lab-report-KIND.txt, the timelines to
+# bin/lab-report-KIND.html, with a verdict per kind at the end. Exits
+# non-zero unless every safety property held on both kinds. E6, E7 and E9
+# do not depend on the kind and run in the scsi-block story only.
 # E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
 # vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
 # says how to point it at a real one. E9 runs in a Debian guest with the
 # .deb under systemd when the Debian root is cached (make guest-root), else
 # in a busybox guest.
 lab: deps build packages
-	$(BIN)/vco-lab run -report $(BIN)
+	$(BIN)/vco-lab run -kind scsi-block,virtio-blk -report $(BIN)
 
 # Faults injected in the lab (integration/faults, about 10 min): the
 # iSCSI target restarted under a held disk, power cut during luksFormat and
