@@ -844,15 +844,14 @@ func (s *story) e8(ctx context.Context, sumA string) error {
 //
 // On scsi-block B is frozen (QMP stop) and resumed after the takeover: the
 // target's reservation refuses whatever it writes. On virtio-blk the lease
-// fences only through B's agent, which must see the lease taken, so B
-// is stopped only while the platform detaches the disk in its API and
-// runs again before the takeover: A's takeover waits until B's agent has
-// seen A's claim and fenced itself, and B's writes after that must all
-// fail. A guest
-// frozen by its hypervisor cannot be fenced by a lease at all (its clocks
-// stop with it, so on resuming it writes before its agent's next renewal
-// notices); on that disk kind only a detach at the hypervisor stops it,
-// and the report says so.
+// fences only through B's agent, which must see the lease taken, so B is
+// stopped only while the platform detaches the disk in its API and runs
+// again before the takeover: A's takeover waits until B's agent has seen
+// A's claim and fenced itself, and B's writes after that must all fail. A
+// guest frozen by its hypervisor cannot be fenced by a lease at all (its
+// clocks stop with it, so on resuming it writes before its agent's next
+// renewal notices); on that disk kind only a detach at the hypervisor
+// stops it, and the report says so.
 func (s *story) e4(ctx context.Context, sumA string) error {
 	const sc = "E4"
 	dead, live := s.b, s.a
