@@ -265,7 +265,7 @@ type HeldError struct {
 
 func (e *HeldError) Error() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "disk %s is held by another node: reservation key %s", e.Device, e.Holder)
+	fmt.Fprintf(&b, "disk %s is held by another node: fence key %s", e.Device, e.Holder)
 	if e.HolderNode != "" {
 		fmt.Fprintf(&b, " (node %s)", e.HolderNode)
 	} else {
