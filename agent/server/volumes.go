@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"unicode"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/api"
@@ -42,16 +43,20 @@ func LocatorFromAPI(l *api.DeviceLocator) (volume.Locator, error) {
 		}
 		parts = append(parts, "pci="+a.String())
 	}
-	for k, v := range map[string]string{"serial": l.GetSerial(), "wwn": l.GetWwn()} {
-		if strings.ContainsAny(v, ",=") {
-			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "device %s %q holds a comma or '='", k, v)
+	// Targets pad serials with spaces, and discovery compares them
+	// trimmed; a comma, '=' or a control character can be in no real one
+	// and would not survive the record.
+	serial, wwn := strings.TrimSpace(l.GetSerial()), strings.TrimSpace(l.GetWwn())
+	for k, v := range map[string]string{"serial": serial, "wwn": wwn} {
+		if strings.ContainsAny(v, ",=") || strings.IndexFunc(v, unicode.IsControl) >= 0 {
+			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "device %s %q holds a comma, '=' or a control character", k, v)
 		}
 	}
-	if l.GetSerial() != "" {
-		parts = append(parts, "serial="+l.GetSerial())
+	if serial != "" {
+		parts = append(parts, "serial="+serial)
 	}
-	if l.GetWwn() != "" {
-		parts = append(parts, "wwn="+l.GetWwn())
+	if wwn != "" {
+		parts = append(parts, "wwn="+wwn)
 	}
 	return volume.Locator{Disk: strings.Join(parts, ","), BackingFile: l.GetLoopBackingFile()}, nil
 }
