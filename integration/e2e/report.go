@@ -27,7 +27,7 @@ var propertyText = map[Property]string{
 	P1: "a RWO volume is never writable from two nodes at once",
 	P2: "a node that finds a disk held by another live holder refuses it (read-only, not mounted, DiskRefused naming the holder, FAILED_PRECONDITION)",
 	P3: "takeover only with a grant from the controller",
-	P4: "a node that loses its reservation stops I/O, emits DiskFenced, never re-registers by itself",
+	P4: "a node that loses its claim to another holder stops I/O, emits DiskFenced, never takes it back by itself",
 	P5: "no operation destroys data it did not create (no mkfs over data, no double format)",
 }
 

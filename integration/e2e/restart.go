@@ -11,7 +11,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -407,22 +406,9 @@ func (s *story) e9(ctx context.Context) (err error) {
 // simulator show its disk as c.kind.
 func (c *story) createOwn(ctx context.Context, sc string) error {
 	return c.step(sc, "controller", "CreateVolume "+c.name+" (1 GiB, "+string(c.kind)+")", func() (string, error) {
-		resp, err := c.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-			},
-		})
-		if err != nil {
+		if _, err := c.createVolume(ctx, c.name); err != nil {
 			return "", err
 		}
-		c.volID = resp.Volume.VolumeId
-		_, rest, _ := strings.Cut(c.volID, "/")
-		if c.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
-			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
-		}
-		c.env.Backend.SetKind(c.diskID, c.kind)
 		return "volume " + c.volID, nil
 	})
 }

@@ -253,24 +253,35 @@ func (s *story) leftOut(sc, what string) {
 
 func (s *story) create(ctx context.Context) error {
 	return s.step("create", "controller", "CreateVolume "+volName+" (1 GiB, preferred "+simlab.Location+")", func() (string, error) {
-		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: volName, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-			},
-		})
+		v, err := s.createVolume(ctx, volName)
 		if err != nil {
 			return "", err
 		}
-		s.volID = resp.Volume.VolumeId
-		_, rest, _ := strings.Cut(s.volID, "/")
-		if s.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
-			return "", fmt.Errorf("volume id %q names no disk id", s.volID)
-		}
-		s.env.Backend.SetKind(s.diskID, s.kind)
-		return fmt.Sprintf("volume %s, topology %v, LUN file %s", s.volID, resp.Volume.AccessibleTopology, s.env.Backend.DiskFile(s.diskID)), nil
+		return fmt.Sprintf("volume %s, topology %v, LUN file %s", s.volID, v.AccessibleTopology, s.env.Backend.DiskFile(s.diskID)), nil
 	})
+}
+
+// createVolume makes a 1 GiB volume named name, preferring the lab's
+// location, records its volume and disk ids in s, and has the simulator
+// show its disk as s.kind.
+func (s *story) createVolume(ctx context.Context, name string) (*csi.Volume, error) {
+	resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+		VolumeCapabilities: []*csi.VolumeCapability{volCap()},
+		AccessibilityRequirements: &csi.TopologyRequirement{
+			Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.volID = resp.Volume.VolumeId
+	_, rest, _ := strings.Cut(s.volID, "/")
+	if s.diskID, err = strconv.ParseInt(rest, 10, 64); err != nil {
+		return nil, fmt.Errorf("volume id %q names no disk id", s.volID)
+	}
+	s.env.Backend.SetKind(s.diskID, s.kind)
+	return resp.Volume, nil
 }
 
 func (s *story) publish(ctx context.Context, scenario string, g *lab.Guest) (map[string]string, error) {
