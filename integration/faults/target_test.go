@@ -3,14 +3,7 @@ package faults
 import (
 	"context"
 	"encoding/json"
-	"fmt"
-	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -20,105 +13,16 @@ import (
 	"github.com/whitesky-cloud/vco-storage/integration/lab/labtest"
 )
 
-// restartTarget kills the lab's tgtd with SIGKILL -- the reservations it
-// held in memory are gone, as tgt keeps no APTPL state -- and starts a new
-// tgtd on the same control port and portal serving the same LUNs under the
-// same target ids, names, serials and backing files, so that the guests'
-// initiators reconnect to what looks like the same disk after a target
-// reboot. The new tgtd is recorded in the lab's pid directory and killed
-// when the test ends. Package lab starts tgtd only once, so the restart is
-// here, from its exported pieces.
+// restartTarget restarts the lab's tgtd (lab.Target.Restart: its
+// reservations are lost, the same LUNs are served again) and returns how
+// long that took.
 func restartTarget(t *testing.T, ctx context.Context, l *lab.Lab, luns ...*lab.LUN) time.Duration {
 	t.Helper()
-	tg := l.Target
 	start := time.Now()
-	if err := tg.Proc.Kill(); err != nil {
-		t.Fatalf("killing tgtd (pid %d): %v", tg.Proc.PID, err)
-	}
-	logf, err := os.OpenFile(filepath.Join(l.Dir(), "tgtd.log"), os.O_APPEND|os.O_WRONLY|os.O_CREATE, 0o644)
-	if err != nil {
+	if err := l.Target.Restart(ctx, luns...); err != nil {
 		t.Fatal(err)
 	}
-	defer logf.Close()
-	cmd := exec.Command("tgtd", "-f", "-C", strconv.Itoa(tg.CtlPort), "--iscsi", fmt.Sprintf("portal=127.0.0.1:%d", tg.Port))
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("restarting tgtd: %v", err)
-	}
-	pid := cmd.Process.Pid
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	pidFile := filepath.Join(lab.PIDDir(l.Dir()), fmt.Sprintf("tgtd-restart-%d.pid", pid))
-	if st, err := procStartTime(pid); err == nil {
-		_ = os.WriteFile(pidFile, fmt.Appendf(nil, "%d %d %s\n", pid, st, cmd.Path), 0o644)
-	}
-	t.Cleanup(func() {
-		_ = syscall.Kill(pid, syscall.SIGKILL)
-		<-exited
-		_ = os.Remove(pidFile)
-	})
-	tgtadm := func(args ...string) error {
-		full := append([]string{"-C", strconv.Itoa(tg.CtlPort), "--lld", "iscsi"}, args...)
-		out, err := exec.CommandContext(ctx, "tgtadm", full...).CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("tgtadm %v: %w: %s", full, err, out)
-		}
-		return nil
-	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		err := tgtadm("--mode", "sys", "--op", "show")
-		if err == nil {
-			var c net.Conn
-			if c, err = net.DialTimeout("tcp", tg.Portal(), time.Second); err == nil {
-				c.Close()
-				break
-			}
-		}
-		select {
-		case <-exited:
-			t.Fatalf("restarted tgtd exited (log %s)", filepath.Join(l.Dir(), "tgtd.log"))
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("restarted tgtd not ready: %v", err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	for _, lun := range luns {
-		tid := strconv.Itoa(lun.TID)
-		for _, s := range [][]string{
-			{"--mode", "target", "--op", "new", "--tid", tid, "-T", lun.IQN},
-			{"--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", "1", "-b", lun.File},
-			{"--mode", "logicalunit", "--op", "update", "--tid", tid, "--lun", "1", "--params", "scsi_sn=" + lun.Serial + ",scsi_id=" + lun.SCSIID},
-			{"--mode", "target", "--op", "bind", "--tid", tid, "-I", "ALL"},
-		} {
-			if err := tgtadm(s...); err != nil {
-				t.Fatalf("serving %s again: %v", lun.IQN, err)
-			}
-		}
-	}
 	return time.Since(start)
-}
-
-// procStartTime is field 22 of /proc/PID/stat, recorded with the pid so a
-// later cleanup never kills a recycled pid.
-func procStartTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, fmt.Errorf("malformed /proc/%d/stat", pid)
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	return strconv.ParseUint(f[19], 10, 64)
 }
 
 // untilDeviceAnswers retries a harmless read of dev in g until the

@@ -25,6 +25,7 @@ type Target struct {
 	Proc    *Proc
 	dir     string
 	nextTID int
+	spawn   spawner
 }
 
 // LUN is a logical unit the target serves, backed by a sparse file.
@@ -99,7 +100,7 @@ func startTarget(ctx context.Context, dir string, spawn spawner) (*Target, error
 		if err != nil {
 			return nil, err
 		}
-		t := &Target{CtlPort: ctl, Port: port, Proc: p, dir: dir}
+		t := &Target{CtlPort: ctl, Port: port, Proc: p, dir: dir, spawn: spawn}
 		if err := t.waitReady(ctx); err != nil {
 			lastErr = err
 			t.Stop()
@@ -180,21 +181,61 @@ func (t *Target) ServeFile(ctx context.Context, iqn, file, serial, scsiID string
 	if err != nil {
 		return nil, err
 	}
-	size := st.Size()
 	t.nextTID++
-	tid := strconv.Itoa(t.nextTID)
+	l := &LUN{IQN: iqn, TID: t.nextTID, File: file, Size: st.Size(), Serial: serial, SCSIID: scsiID, Portal: t.Portal()}
+	if err := t.serve(ctx, l); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// serve makes tgtd serve l under l's target id.
+func (t *Target) serve(ctx context.Context, l *LUN) error {
+	tid, iqn, file := strconv.Itoa(l.TID), l.IQN, l.File
 	steps := [][]string{
 		{"--mode", "target", "--op", "new", "--tid", tid, "-T", iqn},
 		{"--mode", "logicalunit", "--op", "new", "--tid", tid, "--lun", "1", "-b", file},
-		{"--mode", "logicalunit", "--op", "update", "--tid", tid, "--lun", "1", "--params", "scsi_sn=" + serial + ",scsi_id=" + scsiID},
+		{"--mode", "logicalunit", "--op", "update", "--tid", tid, "--lun", "1", "--params", "scsi_sn=" + l.Serial + ",scsi_id=" + l.SCSIID},
 		{"--mode", "target", "--op", "bind", "--tid", tid, "-I", "ALL"},
 	}
 	for _, s := range steps {
 		if _, err := t.tgtadm(ctx, s...); err != nil {
-			return nil, fmt.Errorf("creating LUN %s on %s: %w", iqn, file, err)
+			return fmt.Errorf("creating LUN %s on %s: %w", iqn, file, err)
 		}
 	}
-	return &LUN{IQN: iqn, TID: t.nextTID, File: file, Size: size, Serial: serial, SCSIID: scsiID, Portal: t.Portal()}, nil
+	return nil
+}
+
+// Restart kills tgtd with SIGKILL -- the reservations it held in memory
+// are gone, as tgt keeps no APTPL state -- and starts a new one on the same
+// control port and portal serving luns again under their target ids,
+// names, serials and backing files, so that initiators reconnect to what
+// looks like the same disk after a target reboot.
+func (t *Target) Restart(ctx context.Context, luns ...*LUN) error {
+	if err := t.Proc.Kill(); err != nil {
+		return fmt.Errorf("killing tgtd (pid %d): %w", t.Proc.PID, err)
+	}
+	logf, err := os.OpenFile(filepath.Join(t.dir, "tgtd.log"), os.O_APPEND|os.O_WRONLY|os.O_CREATE, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command("tgtd", "-f", "-C", strconv.Itoa(t.CtlPort), "--iscsi", fmt.Sprintf("portal=127.0.0.1:%d", t.Port))
+	cmd.Stdout, cmd.Stderr = logf, logf
+	p, err := t.spawn.start("tgtd", cmd, PIDDir(t.dir))
+	logf.Close()
+	if err != nil {
+		return err
+	}
+	t.Proc = p
+	if err := t.waitReady(ctx); err != nil {
+		return fmt.Errorf("restarted tgtd (log %s): %w", filepath.Join(t.dir, "tgtd.log"), err)
+	}
+	for _, l := range luns {
+		if err := t.serve(ctx, l); err != nil {
+			return fmt.Errorf("serving %s again: %w", l.IQN, err)
+		}
+	}
+	return nil
 }
 
 // RemoveTarget deletes target tid with its LUN, logging out any initiator
