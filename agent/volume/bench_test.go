@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 func init() {
@@ -205,7 +206,7 @@ func BenchmarkReconcile64Claims(b *testing.B) {
 		if err := os.MkdirAll(kubelet, 0o755); err != nil {
 			b.Fatal(err)
 		}
-		b.Cleanup(func() { unmountUnder(nil, kubelet) })
+		b.Cleanup(func() { mounttest.UnmountUnder(kubelet) })
 		opts := Options{Config: config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowLoopDevices: true},
 			StateDir: filepath.Join(dir, "state"), SysfsRoot: sys.root, Fencers: f}
 		m, err := New(opts)

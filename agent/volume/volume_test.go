@@ -1,7 +1,6 @@
 package volume
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -10,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 // These tests run on this host with real loop devices, real mkfs, blkid and
@@ -83,7 +82,7 @@ func newEnvWith(t *testing.T, fencers FencerFactory) *env {
 	// Every mount made under the test's kubelet root goes, even when the
 	// test fails half-way; registered first, so it runs after the loop
 	// devices' cleanup has been registered... and before it runs.
-	t.Cleanup(func() { unmountUnder(t, dir) })
+	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	e.cfg = config.Volumes{KubeletRoot: e.kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowUnfenced: true, AllowLoopDevices: true}
 	e.fencers = fencers
 	e.bus = events.NewBus(64, 64, nil)
@@ -130,28 +129,6 @@ func (e *env) event(typ events.Type) events.Event {
 			}
 		case <-deadline:
 			e.t.Fatalf("no %s event", typ)
-		}
-	}
-}
-
-func unmountUnder(t *testing.T, dir string) {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	var mps []string
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fs := strings.Fields(s.Text())
-		if len(fs) > 4 && strings.HasPrefix(fs[4], dir+"/") {
-			mps = append(mps, fs[4])
-		}
-	}
-	f.Close()
-	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
-	for _, p := range mps {
-		if err := unix.Unmount(p, 0); err != nil {
-			unix.Unmount(p, unix.MNT_DETACH)
 		}
 	}
 }

@@ -7,14 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -24,6 +21,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 // stack is the three real binaries running together on this host:
@@ -46,7 +44,7 @@ func startStack(t *testing.T, lease bool) *stack {
 		t.Skip("the host backend makes loop devices and the agent mounts them, which needs root")
 	}
 	dir := t.TempDir()
-	t.Cleanup(func() { unmountUnder(dir) })
+	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	bins := os.Getenv("VCO_BIN")
 	if bins == "" {
 		if testing.Short() {
@@ -282,23 +280,6 @@ func mountFSType(p string) string {
 		}
 	}
 	return ""
-}
-
-// unmountUnder lazily unmounts every mount below dir, deepest first.
-func unmountUnder(dir string) {
-	b, _ := os.ReadFile("/proc/self/mountinfo")
-	var mps []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			mps = append(mps, f[4])
-		}
-	}
-	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
-	for _, p := range mps {
-		if unix.Unmount(p, 0) != nil {
-			unix.Unmount(p, unix.MNT_DETACH)
-		}
-	}
 }
 
 // loopFor names the loop device backed by file, or "".

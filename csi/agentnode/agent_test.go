@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -30,6 +29,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 const (
@@ -155,7 +155,7 @@ func newFencedNode(t *testing.T, tgt *scsitest.Target, reclaimWait time.Duration
 		t.Skip("needs root for loop devices and mounts")
 	}
 	dir := t.TempDir()
-	t.Cleanup(func() { unmountUnder(dir) })
+	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	kubelet := filepath.Join(dir, "kubelet")
 	diskDir := filepath.Join(dir, "disks")
 	os.MkdirAll(kubelet, 0o750)
@@ -369,22 +369,5 @@ func clearRO(dev string) {
 	if f, err := os.Open(dev); err == nil {
 		unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0)
 		f.Close()
-	}
-}
-
-// unmountUnder lazily unmounts every mount below dir, deepest first.
-func unmountUnder(dir string) {
-	b, _ := os.ReadFile("/proc/self/mountinfo")
-	var mps []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			mps = append(mps, f[4])
-		}
-	}
-	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
-	for _, p := range mps {
-		if unix.Unmount(p, 0) != nil {
-			unix.Unmount(p, unix.MNT_DETACH)
-		}
 	}
 }

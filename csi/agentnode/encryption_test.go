@@ -22,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 // loopDisk makes the simulator host backend's file for disk id in dir and
@@ -55,7 +56,7 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 		t.Skip("needs root for loop devices and mounts")
 	}
 	dir := t.TempDir()
-	t.Cleanup(func() { unmountUnder(dir) })
+	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	kubelet, diskDir := filepath.Join(dir, "kubelet"), filepath.Join(dir, "disks")
 	os.MkdirAll(kubelet, 0o750)
 	os.MkdirAll(diskDir, 0o700)

@@ -8,13 +8,10 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -32,6 +29,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 const (
@@ -200,7 +198,7 @@ func startAgent(t testing.TB, dir, kubelet, diskDir string) *agentnode.Agent {
 	t.Helper()
 	// Registered first so it runs last: whatever a failed test left
 	// mounted under dir goes before the temporary directory does.
-	t.Cleanup(func() { unmountUnder(dir) })
+	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	key, err := fence.KeyFromUUID(hostUUID)
 	if err != nil {
 		t.Fatal(err)
@@ -217,21 +215,4 @@ func startAgent(t testing.TB, dir, kubelet, diskDir string) *agentnode.Agent {
 	return agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
 		server.NodeIdentity{SystemUUID: hostUUID, Location: hostLoc}, nil,
 		agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
-}
-
-// unmountUnder lazily unmounts every mount below dir, deepest first.
-func unmountUnder(dir string) {
-	b, _ := os.ReadFile("/proc/self/mountinfo")
-	var mps []string
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir+"/") {
-			mps = append(mps, f[4])
-		}
-	}
-	sort.Sort(sort.Reverse(sort.StringSlice(mps)))
-	for _, p := range mps {
-		if unix.Unmount(p, 0) != nil {
-			unix.Unmount(p, unix.MNT_DETACH)
-		}
-	}
 }
