@@ -108,7 +108,7 @@ func runStory(c *common, kind lab.DiskKind, skip map[string]bool, skipWhy map[st
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
 	// A lab of its own per kind, under the run's directory.
-	cfg.Dir = filepath.Join(cfg.Dir, string(kind))
+	cfg.Dir = lab.KindDir(cfg.Dir, kind)
 	so := simlab.Options{Lab: cfg, Kind: kind, Log: os.Stdout}
 	eo := e2e.Options{Progress: os.Stdout, Skip: skip, SkipWhy: skipWhy}
 	if te != nil {

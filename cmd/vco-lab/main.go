@@ -423,7 +423,7 @@ func execCmd(args []string) int {
 
 func down(args []string) int {
 	c, _ := flags("down", args, nil)
-	killed, err := lab.Down(c.dir)
+	killed, err := lab.DownRun(c.dir)
 	for _, k := range killed {
 		fmt.Println("killed", k)
 	}

@@ -60,6 +60,8 @@ func waitGone(t *testing.T, recs []recorded) {
 }
 
 // startVcoLab runs `vco-lab ARGS` and returns it with its lab directory.
+// `run` keeps the lab of each disk kind in a directory of its own under
+// -dir; the tests name one kind, and the directory returned is its lab's.
 func startVcoLab(t *testing.T, args ...string) (*exec.Cmd, string) {
 	t.Helper()
 	if ok, why := GuestTierEnabled(); !ok {
@@ -69,8 +71,9 @@ func startVcoLab(t *testing.T, args ...string) (*exec.Cmd, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
-	cmd := exec.Command(filepath.Join(bin, "vco-lab"), append(args, "-dir", dir, "-bin", bin)...)
+	top := t.TempDir()
+	dir := KindDir(top, SCSIBlock)
+	cmd := exec.Command(filepath.Join(bin, "vco-lab"), append(args, "-kind", string(SCSIBlock), "-dir", top, "-bin", bin)...)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -78,7 +81,7 @@ func startVcoLab(t *testing.T, args ...string) (*exec.Cmd, string) {
 	t.Cleanup(func() {
 		_ = cmd.Process.Kill()
 		_, _ = cmd.Process.Wait()
-		_, _ = Down(dir)
+		_, _ = DownRun(top)
 	})
 	return cmd, dir
 }

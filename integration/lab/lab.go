@@ -313,6 +313,28 @@ func Down(dir string) ([]string, error) {
 	return killed, err
 }
 
+// KindDir is where a run over several disk kinds keeps the lab of kind k:
+// each kind gets a target and guests of its own under the run's directory.
+func KindDir(dir string, k DiskKind) string { return filepath.Join(dir, string(k)) }
+
+// DownRun is Down for the directory of a whole run: the lab in dir itself
+// and the lab of each disk kind under it (KindDir), so an interrupted
+// `vco-lab run` is cleaned up from the directory it was given.
+func DownRun(dir string) ([]string, error) {
+	killed, err := Down(dir)
+	errs := []error{err}
+	for _, k := range []DiskKind{SCSIBlock, SCSIHD, VirtioBlk} {
+		kd := KindDir(dir, k)
+		if _, serr := os.Stat(kd); serr != nil {
+			continue
+		}
+		more, err := Down(kd)
+		killed = append(killed, more...)
+		errs = append(errs, err)
+	}
+	return killed, errors.Join(errs...)
+}
+
 // lockFile takes an exclusive flock on path, so two labs do not unpack the
 // kernel into the cache at the same time.
 func lockFile(path string) (func(), error) {

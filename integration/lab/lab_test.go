@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -383,4 +384,52 @@ type testWriter struct{ t *testing.T }
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
+}
+
+// TestDownRunFindsKindLabs: a run over several disk kinds keeps one lab
+// per kind under its directory; DownRun, given the run's directory, kills
+// what was recorded there and in each kind's lab, and nothing else.
+func TestDownRunFindsKindLabs(t *testing.T) {
+	top := t.TempDir()
+	var procs []*Proc
+	for _, at := range []struct{ name, dir string }{
+		{"top-sleeper", top},
+		{"virtio-sleeper", KindDir(top, VirtioBlk)},
+		{"scsi-sleeper", KindDir(top, SCSIBlock)},
+	} {
+		p, err := startProc(at.name, exec.Command("sleep", "600"), PIDDir(at.dir))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = p.Kill() })
+		procs = append(procs, p)
+	}
+	bystander, err := startProc("bystander", exec.Command("sleep", "600"), PIDDir(filepath.Join(top, "not-a-kind")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = bystander.Kill() })
+
+	killed, err := DownRun(top)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, k := range killed {
+		names = append(names, strings.Fields(k)[0])
+	}
+	slices.Sort(names)
+	if want := []string{"scsi-sleeper", "top-sleeper", "virtio-sleeper"}; !slices.Equal(names, want) {
+		t.Errorf("DownRun killed %v, want %v", killed, want)
+	}
+	for _, p := range procs {
+		select {
+		case <-p.Exited():
+		case <-time.After(10 * time.Second):
+			t.Errorf("%s (pid %d) still runs after DownRun", p.Name, p.PID)
+		}
+	}
+	if !Alive(bystander.PID, bystander.StartTime) {
+		t.Error("DownRun killed a process recorded outside the run's labs")
+	}
 }
