@@ -493,7 +493,7 @@ func leaseFor(cfg config.Volumes, f volume.LeaseFactory) volume.LeaseFactory {
 	if cfg.LeaseLoopDevices {
 		return f
 	}
-	return func(ctx context.Context, dev *volume.Device, vol string, onLost func(*fence.LostError)) (volume.Choice, error) {
+	return func(ctx context.Context, dev *volume.Device, vol string, onLost func(*fence.LostError) bool) (volume.Choice, error) {
 		if strings.HasPrefix(dev.Name, "loop") {
 			return volume.Choice{Method: fence.MethodNone,
 				Reason: "the on-disk lease is off for loop devices (volumes.lease_loop_devices)"}, nil

@@ -134,7 +134,7 @@ func (p *perDiskTargets) target(dev string) *scsitest.Target {
 	return p.tgts[dev]
 }
 
-func (p *perDiskTargets) Choose(_ context.Context, dev *Device, volume string, _ func(*fence.LostError)) (Choice, error) {
+func (p *perDiskTargets) Choose(_ context.Context, dev *Device, volume string, _ func(*fence.LostError) bool) (Choice, error) {
 	e, err := pr.New(dev.Path, p.target(dev.Path).Initiator(nodeA), pr.Config{Key: keyA, Node: nodeA, Disk: volume, Verify: dev.Verify})
 	return Choice{Fencer: e, Method: fence.MethodPR}, err
 }

@@ -17,16 +17,26 @@ import (
 // device-mapper.
 
 // dataMapping returns the loop device over disk at offset, attaching one
-// when there is none.
-func (m *Manager) dataMapping(disk string, offset int64) (string, error) {
-	if p, ok := m.findDataMapping(disk, offset); ok {
-		return p, nil
+// when there is none. A mapping found from before may have been set
+// read-only when an earlier claim was lost (drainData); a writable stage
+// clears that.
+func (m *Manager) dataMapping(disk string, offset int64, readOnlyStage bool) (string, error) {
+	p, ok := m.findDataMapping(disk, offset)
+	if !ok {
+		out, err := exec.Command("losetup", "--find", "--show", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
+		if err != nil {
+			return "", fmt.Errorf("mapping the data area of %s from byte %d (losetup): %v: %s", disk, offset, err, strings.TrimSpace(string(out)))
+		}
+		p = strings.TrimSpace(string(out))
 	}
-	out, err := exec.Command("losetup", "--find", "--show", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("mapping the data area of %s from byte %d (losetup): %v: %s", disk, offset, err, strings.TrimSpace(string(out)))
+	// The read-only flag of a loop device outlives its detach, so a free
+	// one may come with it set by its last user.
+	if !readOnlyStage {
+		if err := clearReadOnly(p); err != nil {
+			return "", fmt.Errorf("data mapping %s of %s: %w", p, disk, err)
+		}
 	}
-	return strings.TrimSpace(string(out)), nil
+	return p, nil
 }
 
 // findDataMapping looks for a loop device over disk at offset in sysfs.
@@ -59,6 +69,9 @@ func dropDataMapping(p string) error {
 	if _, err := os.Stat(p); err != nil {
 		return nil
 	}
+	// Not left behind for the loop device's next user (drainData set it
+	// when the claim was lost).
+	_ = clearReadOnly(p)
 	if out, err := exec.Command("losetup", "-d", p).CombinedOutput(); err != nil {
 		return fmt.Errorf("detaching the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
 	}
@@ -71,4 +84,17 @@ func growDataMapping(p string) error {
 		return fmt.Errorf("growing the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
 	}
 	return nil
+}
+
+// clearReadOnly clears the block layer's read-only flag of the device at p.
+func clearReadOnly(p string) error {
+	f, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if ro, err := readOnly(f); err != nil || !ro {
+		return err
+	}
+	return setReadOnly(f, false)
 }

@@ -42,10 +42,10 @@ type modelFencing struct {
 	node   string
 	offset int64
 	mu     sync.Mutex
-	onLost func(*fence.LostError)
+	onLost func(*fence.LostError) bool
 }
 
-func (f *modelFencing) Choose(_ context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error) {
+func (f *modelFencing) Choose(_ context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
 	key, _ := fence.KeyFromUUID(f.node)
 	e, err := pr.New(dev.Path, f.tgt.Initiator(f.node), pr.Config{Key: key, Node: f.node, Disk: volume, Resolver: names, Verify: dev.Verify})
 	if err != nil {

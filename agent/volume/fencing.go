@@ -35,14 +35,14 @@ type Choice struct {
 // themselves (the lease's renewal timer): they call it, from any
 // goroutine, the moment the claim is lost, and the manager stops I/O.
 type FencerFactory interface {
-	Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error)
+	Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error)
 }
 
 // LeaseFactory makes the on-disk lease fencer (package fence/lease) for a
 // disk without reservations: Fencer, Method (MethodLease), DataOffset and
 // Prepare (format the lease area on a blank disk) set; or no Fencer and a
 // Reason when the disk cannot carry a lease (a foreign layout).
-type LeaseFactory func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error)
+type LeaseFactory func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error)
 
 // Fencing is the agent's FencerFactory: SCSI-3 PR when the disk's target
 // supports it, else the lease when one is plugged in, else nothing.
@@ -55,7 +55,7 @@ type Fencing struct {
 }
 
 // Choose implements FencerFactory.
-func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error) {
+func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
 	t := dev.SCSI
 	if t == nil {
 		// Not SCSI as far as sysfs knows; SG_IO on the node says so

@@ -36,7 +36,7 @@ func NewLease(o LeaseOptions) LeaseFactory {
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
-	return func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError)) (Choice, error) {
+	return func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
 		ld, err := lease.OpenDevice(dev.Path)
 		if err != nil {
 			return Choice{}, err
@@ -51,12 +51,14 @@ func NewLease(o LeaseOptions) LeaseFactory {
 			return Choice{Method: fence.MethodNone, Reason: fmt.Sprintf("the disk holds %s, not a lease area, and is never formatted with one", cls.Signature)}, nil
 		}
 		f := &leaseFencer{dev: ld, key: o.Key, timing: o.Timing}
-		lost := func(l *fence.LostError) {
+		lost := func(l *fence.LostError) bool {
 			// A closed fencer's engine is no longer the claim's: its
-			// renewals fail on the closed descriptor, which is no loss.
-			if !f.closed.Load() && onLost != nil {
-				onLost(l)
+			// renewals fail on the closed descriptor, which is no loss,
+			// and nothing is acknowledged.
+			if f.closed.Load() || onLost == nil {
+				return false
 			}
+			return onLost(l)
 		}
 		verify := func(ctx context.Context) error {
 			if f.closed.Load() {

@@ -3,7 +3,9 @@ package volume
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
@@ -279,4 +282,91 @@ func TestExpandOfALeaseDiskGrowsTheDataMapping(t *testing.T) {
 	if err := e.m.Unstage(ctx, "vol-lx", req.StagingPath); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A live holder loses its lease to a granted takeover (the controller says
+// the disk left the holder's VM, but the platform still shows it there):
+// its agent stops the volume's I/O, drains what was on the way down,
+// including the disk's own page cache under the buffered data mapping,
+// and only then marks its slot fenced, which ends the taker's wait. No
+// write of the holder's lands after that mark.
+func TestLiveLeaseHolderAcknowledgesAGrantedTakeover(t *testing.T) {
+	needRoot(t)
+	a := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	a.cfg.AllowUnfenced = false
+	a.start()
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	_, devB := shared(t, img)
+	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
+
+	reqA := a.stageReq("vol-ack", img, "staging/ack")
+	reqA.AllowUnfenced = false
+	res, err := a.m.Stage(ctx, reqA)
+	if err != nil || res.Method != MethodLease {
+		t.Fatalf("A's stage: %+v %v", res, err)
+	}
+	// Writes that went below the filesystem but not yet to the disk: the
+	// file's pages are written into the data mapping (no flush), and the
+	// buffered loop device keeps them as dirty pages of the disk.
+	f, err := os.Create(filepath.Join(reqA.StagingPath, "late"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write(bytes.Repeat([]byte("A's late write "), 1<<16)); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.SyncFileRange(int(f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WAIT_BEFORE|unix.SYNC_FILE_RANGE_WRITE|unix.SYNC_FILE_RANGE_WAIT_AFTER); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+
+	// B takes over with the grant while A's agent runs and renews.
+	var blog bytes.Buffer
+	ld, err := lease.OpenDevice(devB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ld.Close()
+	eb, err := lease.New(ld, lease.Config{Key: keyB, Node: nodeB, NodeName: "node-b", Disk: "vol-ack", Resolver: names, Timing: testTiming,
+		Logger: slog.New(slog.NewTextHandler(&blog, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	grant := &fence.Grant{Disk: "vol-ack", Node: nodeB, Supersedes: []fence.Key{keyA}}
+	if c, err := eb.Acquire(ctx, grant); err != nil || len(c.Preempted) != 1 {
+		t.Fatalf("B's granted takeover: %+v %v", c, err)
+	}
+	defer eb.Release(ctx)
+	if !strings.Contains(blog.String(), "superseded holder acknowledged the takeover") || !strings.Contains(blog.String(), "state=fenced") {
+		t.Fatalf("B's takeover did not end on A's fenced mark (it waited for expiry):\n%s\nA's agent:\n%s", blog.String(), a.logs.String())
+	}
+	// The mark is on the disk now; what the disk holds must not change any
+	// more: flush every page cache of this host and compare.
+	before := sha256File(t, img)
+	if err := exec.Command("sync").Run(); err != nil {
+		t.Fatal(err)
+	}
+	if after := sha256File(t, img); after != before {
+		t.Fatal("the disk changed after A's fenced mark: a write of A's landed after it acknowledged the takeover")
+	}
+	ev := a.event(events.DiskFenced)
+	if ev.Volume != "vol-ack" || ev.HolderKey != uint64(keyB) {
+		t.Fatalf("A's fenced event: %+v", ev)
+	}
+	if !deviceReadOnly(t, devA) {
+		t.Fatal("A's disk is writable again after its fenced mark")
+	}
+	if err := a.m.Unstage(ctx, "vol-ack", reqA.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func sha256File(t *testing.T, p string) [32]byte {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sha256.Sum256(b)
 }

@@ -584,7 +584,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	m.setLive(c.Volume, &live{dev: dev, fencer: fencer})
 	c.DataOffset, c.DataDevice = choice.DataOffset, ""
 	if choice.DataOffset > 0 {
-		if c.DataDevice, err = m.dataMapping(dev.Path, choice.DataOffset); err != nil {
+		if c.DataDevice, err = m.dataMapping(dev.Path, choice.DataOffset, r.ReadOnly); err != nil {
 			return res, fmt.Errorf("volume %s: %w", c.Volume, err)
 		}
 	}
@@ -734,20 +734,37 @@ func (m *Manager) refuse(c *Claim, dev *Device, held *fence.HeldError) {
 
 // onLost is given to fencers that notice a loss by themselves. I/O stops
 // at once, without waiting for the volume's lock (an API call may hold
-// it); the loss is then recorded and announced under the lock.
-func (m *Manager) onLost(volume string) func(*fence.LostError) {
-	return func(lost *fence.LostError) {
-		if l := m.getLive(volume); l != nil {
+// it); the loss is then recorded and announced under the lock. It
+// reports stopped (the fencer may then tell the taker so) only when the
+// disk was set read-only, the filesystem stopped and every layer below
+// it drained.
+func (m *Manager) onLost(volume string) func(*fence.LostError) bool {
+	return func(lost *fence.LostError) bool {
+		l := m.getLive(volume)
+		stopped := l != nil
+		if l != nil {
 			if err := setReadOnly(l.dev.File, true); err != nil {
 				m.log.Error("could not set a fenced disk read-only", "volume", volume, "err", err)
+				stopped = false
 			}
 		}
-		if c, err := m.store.Get(volume); err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
+		c, err := m.store.Get(volume)
+		if err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
 			if err := m.stopFilesystem(c.StagingPath); err != nil {
 				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
+				stopped = false
 			}
 		}
 		go m.recordLoss(volume, lost)
+		if l == nil || err != nil || c == nil {
+			m.log.Warn("the stop of a lost claim's I/O cannot be confirmed here", "volume", volume)
+			return false
+		}
+		if err := m.drainData(c, l.dev.File); err != nil {
+			m.log.Error("could not show the fenced volume's devices quiet", "volume", volume, "err", err)
+			stopped = false
+		}
+		return stopped
 	}
 }
 

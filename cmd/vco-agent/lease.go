@@ -241,7 +241,7 @@ func (o *leaseOptions) logger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(o.stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 }
 
-func (o *leaseOptions) engineConfig(onLost func(*fence.LostError)) lease.Config {
+func (o *leaseOptions) engineConfig(onLost func(*fence.LostError) bool) lease.Config {
 	return lease.Config{Key: o.key, Node: o.uuid, NodeName: o.name, Disk: o.disk, Resolver: o.resolver,
 		Timing: o.timing, OnLost: onLost, Logger: o.logger()}
 }
@@ -255,7 +255,9 @@ func (o *leaseOptions) nodeName(s *lease.Slot) string {
 
 func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device) int {
 	lost := make(chan *fence.LostError, 1)
-	e, err := lease.New(dev, o.engineConfig(func(l *fence.LostError) { lost <- l }))
+	// The command itself writes nothing but the lease: on a loss there
+	// is no other I/O of its to stop, so the slot may be marked fenced.
+	e, err := lease.New(dev, o.engineConfig(func(l *fence.LostError) bool { lost <- l; return true }))
 	if err != nil {
 		return o.fail(err)
 	}

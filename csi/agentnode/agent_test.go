@@ -129,7 +129,7 @@ type modelFencing struct {
 	node string
 }
 
-func (f *modelFencing) Choose(_ context.Context, dev *volume.Device, vol string, _ func(*fence.LostError)) (volume.Choice, error) {
+func (f *modelFencing) Choose(_ context.Context, dev *volume.Device, vol string, _ func(*fence.LostError) bool) (volume.Choice, error) {
 	key, _ := fence.KeyFromUUID(f.node)
 	e, err := pr.New(dev.Path, f.tgt.Initiator(f.node), pr.Config{Key: key, Node: f.node, Disk: vol, Resolver: names, Verify: dev.Verify})
 	if err != nil {

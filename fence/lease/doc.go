@@ -74,9 +74,10 @@
 // renewal for F (a timer fires at that deadline; while a renewal I/O is
 // in flight, at most d later, which Expiry allows for) marks the claim
 // lost for good (fence.LostError): renewals stop, Config.
-// OnLost is called to stop I/O at once, and then our slot is marked
-// fenced. The engine never acquires again; a new stage request makes a new
-// Engine.
+// OnLost is called to stop I/O at once, and once it reports that every
+// write of this host has completed or failed, our slot is marked fenced
+// (past the read-only flag that stopped the I/O). The engine never
+// acquires again; a new stage request makes a new Engine.
 //
 // Release: stop renewing, mark our slot released. The next acquirer then
 // needs only the 2d settle wait.

@@ -32,11 +32,16 @@ type Config struct {
 	// Timing; the zero value means DefaultTiming().
 	Timing Timing
 	// OnLost is called once, from its own goroutine, when the claim is
-	// lost: it must stop I/O to the volume at once (set the data device
-	// read-only, abort or remount the filesystem read-only). After it
-	// returns, the engine marks its slot fenced, which lets a granted
-	// taker proceed without waiting for the full expiry.
-	OnLost func(*fence.LostError)
+	// lost: it must stop I/O to the volume at once (set the disk
+	// read-only, shut the filesystem down). It returns true only when,
+	// besides, every write this host had issued to the disk has
+	// completed or failed and nothing but the engine can write to it any
+	// more. The engine then marks its slot fenced, the acknowledgement
+	// that lets a granted taker proceed without waiting for the full
+	// expiry; it lifts the disk's read-only flag for that one write and
+	// sets it again. On false (or with no OnLost) the slot is left alone
+	// and the taker waits for the expiry bound.
+	OnLost func(*fence.LostError) (stopped bool)
 	// Verify, if set, runs before every operation and aborts it on error
 	// (discovery's Opened.Verify).
 	Verify func(ctx context.Context) error
@@ -592,19 +597,23 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 		e.renewer = nil
 	}
 	e.log.Error("lease lost", "reason", reason, "holder", holder.String())
-	if wasHeld {
+	if wasHeld && e.cfg.OnLost != nil {
 		go func() {
-			if e.cfg.OnLost != nil {
-				e.cfg.OnLost(l)
+			if e.cfg.OnLost(l) {
+				e.ackFenced()
+			} else {
+				e.log.Warn("I/O to the disk could not be shown to have stopped; the slot is not marked fenced, so a taker waits for the expiry bound")
 			}
-			e.ackFenced()
 		}()
 	}
 	return l
 }
 
-// ackFenced marks our slot fenced after I/O was stopped, if the slot still
-// holds our last write.
+// ackFenced marks our slot fenced after I/O was stopped and drained (the
+// OnLost contract), if the slot still holds our last write. Stopping I/O
+// usually sets the whole disk read-only, which refuses this write too, so
+// the flag is lifted for it and set again: nothing else of this host can
+// write to the disk by then.
 func (e *Engine) ackFenced() {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -618,11 +627,12 @@ func (e *Engine) ackFenced() {
 	s.Counter++
 	s.Written = time.Now().UnixNano()
 	blk := EncodeSlot(s)
-	if err := e.dev.writeSlot(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
-		e.log.Warn("could not mark our lease slot fenced", "error", err)
+	if err := e.dev.writeSlotPastReadOnly(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
+		e.log.Warn("could not mark our lease slot fenced; a taker waits for the expiry bound", "error", err)
 		return
 	}
 	e.mine, e.lastRaw = s, blk
+	e.log.Info("lease slot marked fenced: I/O stopped, a granted taker may proceed")
 }
 
 // MarkLost records a loss found outside the engine. From then on Acquire

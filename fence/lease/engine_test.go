@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"golang.org/x/sys/unix"
 )
 
 func heldBy(t *testing.T, err error, holder fence.Key, node string) {
@@ -408,4 +409,51 @@ func waitSlotState(t *testing.T, dev string, k fence.Key, want State) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// The fenced mark is the acknowledgement a granted taker waits for: it is
+// written only when OnLost reports the host's I/O stopped, and it gets
+// past the read-only flag that stopped it, which stays set.
+func TestFencedMarkFollowsStoppedIO(t *testing.T) {
+	ctx := context.Background()
+	t.Run("stopped, disk set read-only", func(t *testing.T) {
+		dev := formattedLoop(t, 512)
+		a := newNode(t, dev, uuidA, "node-a")
+		ro := openDev(t, dev)
+		a.stop = func() bool {
+			if err := unix.IoctlSetPointerInt(int(ro.Fd()), unix.BLKROSET, 1); err != nil {
+				t.Error(err)
+				return false
+			}
+			return true
+		}
+		t.Cleanup(func() { _ = unix.IoctlSetPointerInt(int(ro.Fd()), unix.BLKROSET, 0) })
+		if _, err := a.e.Acquire(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		a.e.MarkLost("test: the claim is lost")
+		<-a.lost
+		waitSlotState(t, dev, keyA, StateFenced)
+		if v, err := unix.IoctlGetInt(int(ro.Fd()), unix.BLKROGET); err != nil || v != 1 {
+			t.Fatalf("the disk is no longer read-only after the fenced mark: BLKROGET %d %v", v, err)
+		}
+	})
+	t.Run("not shown stopped", func(t *testing.T) {
+		dev := formattedLoop(t, 512)
+		a := newNode(t, dev, uuidA, "node-a")
+		done := make(chan struct{})
+		a.stop = func() bool { defer close(done); return false }
+		if _, err := a.e.Acquire(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		a.e.MarkLost("test: the claim is lost")
+		<-a.lost
+		<-done
+		time.Sleep(testTiming.IOTimeout) // room for a mark that must not come
+		for _, s := range status(t, dev).Slots {
+			if s.Key == keyA && s.State != StateHeld {
+				t.Fatalf("slot of a holder whose I/O was not shown stopped is %s, want still held", s.State)
+			}
+		}
+	})
 }

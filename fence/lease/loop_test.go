@@ -96,10 +96,13 @@ func formattedLoop(t testing.TB, sector int) string {
 	return dev
 }
 
-// node is one "host": its own open descriptor and engine.
+// node is one "host": its own open descriptor and engine. Its OnLost
+// reports the loss and answers stopped (nil) unless stop says otherwise;
+// the hosts share one device, so no test node sets it read-only.
 type node struct {
 	e    *Engine
 	lost chan *fence.LostError
+	stop func() bool
 }
 
 func newNode(t testing.TB, dev string, uuid string, name string) *node {
@@ -115,7 +118,10 @@ func newNodeTiming(t testing.TB, dev string, uuid string, name string, tm Timing
 	}
 	n := &node{lost: make(chan *fence.LostError, 1)}
 	n.e, err = New(openDev(t, dev), Config{Key: k, Node: uuid, NodeName: name, Disk: "disk-1", Resolver: nodes,
-		Timing: tm, OnLost: func(l *fence.LostError) { n.lost <- l }})
+		Timing: tm, OnLost: func(l *fence.LostError) bool {
+			n.lost <- l
+			return n.stop == nil || n.stop()
+		}})
 	if err != nil {
 		t.Fatal(err)
 	}
