@@ -186,6 +186,16 @@ type Reestablisher interface {
 	Reestablish(ctx context.Context) (Claim, error)
 }
 
+// FirstClaimer is a Fencer whose claims are kept on the disk itself (the
+// on-disk lease), so that they travel with the disk's contents into a
+// clone or a volume restored from a snapshot. AcquireFirst claims a disk
+// that the controller says it gave to no node before: the claims found
+// on it are copies from the source disk, and are set aside instead of
+// being waited out, unless they show a live holder. It needs no grant.
+type FirstClaimer interface {
+	AcquireFirst(ctx context.Context) (Claim, error)
+}
+
 // ReclaimWait says how a WaitingAcquirer treats a disk whose storage shows
 // no claim and no sign of any claim since the storage started. That is
 // what a new disk looks like, and also a disk whose storage restarted and

@@ -69,7 +69,7 @@ func NewLease(o LeaseOptions) LeaseFactory {
 			}
 			return dev.Verify(ctx)
 		}
-		f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Resolver: o.Resolver,
+		f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Serial: dev.Serial, Resolver: o.Resolver,
 			Timing: o.Timing, OnLost: lost, Verify: verify, Logger: o.Log.With("volume", volume)})
 		if err != nil {
 			ld.Close()

@@ -21,8 +21,15 @@ import (
 // neverPublished skips the wait: the controller says it had given the disk
 // to no node before this stage's, so there is no holder to wait for. It
 // changes nothing else; a disk that shows a registration or a reservation
-// is refused as ever.
+// is refused as ever. On a fencer that keeps its claims on the disk
+// (fence.FirstClaimer, the lease) it sets aside the claims copied from the
+// source of a clone or a restore, unless one shows a live holder.
 func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, dev *Device, grant *fence.Grant, neverPublished bool) (fence.Claim, error) {
+	if fc, ok := f.(fence.FirstClaimer); ok && neverPublished && grant == nil {
+		// A clone or restore of a disk that was in use carries its
+		// source's lease slots; they are no holders of this disk.
+		return fc.AcquireFirst(ctx)
+	}
 	wa, ok := f.(fence.WaitingAcquirer)
 	if !ok {
 		return f.Acquire(ctx, grant)

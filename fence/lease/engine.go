@@ -27,6 +27,11 @@ type Config struct {
 	NodeName string
 	// Disk is the cloud disk id, when known; a grant must then name it.
 	Disk string
+	// Serial is the disk's serial number as this host sees it, when
+	// known. It is written into our slot, so that a copy of the slot in a
+	// clone of the disk can be told from a claim on the clone itself
+	// (AcquireFirst).
+	Serial string
 	// Resolver names the node behind a foreign key; optional.
 	Resolver fence.Resolver
 	// Timing; the zero value means DefaultTiming().
@@ -232,6 +237,96 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	}
 }
 
+// AcquireFirst implements fence.FirstClaimer. The lease lives on the disk,
+// so a clone of a disk in use, or a volume restored from a snapshot of
+// one, starts with the source's held slots: claims on another disk, whose
+// writers never renew here. Acquire would wait the expiry bound for each.
+// Told that no node was given this disk before (the controller's word),
+// the engine treats a held slot whose serial is set and is not this
+// disk's as a copy at once, and any other held slot as a copy once it has
+// stayed unchanged for its writer's renewal interval plus 2d, which a
+// live holder's renewal cannot outlast. A slot that changes is a live
+// holder: the disk is refused, as ever. The copies are then cleared and
+// the disk acquired as usual.
+func (e *Engine) AcquireFirst(ctx context.Context) (fence.Claim, error) {
+	e.mu.Lock()
+	if e.lost != nil || e.held {
+		e.mu.Unlock()
+		return e.Acquire(ctx, nil)
+	}
+	err := e.clearCopies(ctx)
+	e.mu.Unlock()
+	if err != nil {
+		return fence.Claim{}, err
+	}
+	return e.Acquire(ctx, nil)
+}
+
+// clearCopies is AcquireFirst's part before the acquisition. Called with
+// e.mu held.
+func (e *Engine) clearCopies(ctx context.Context) error {
+	if err := e.verify(ctx); err != nil {
+		return err
+	}
+	a, err := e.read(ctx)
+	if err != nil {
+		return err
+	}
+	ours := SlotSerial(e.cfg.Serial)
+	var copies, watch []int
+	bound := time.Duration(0)
+	for i, s := range a.Slots {
+		if !s.Live() || a.Corrupt[i] {
+			continue
+		}
+		copies = append(copies, i)
+		if ours != "" && s.Serial != "" && s.Serial != ours {
+			continue
+		}
+		watch = append(watch, i)
+		bound = max(bound, s.Timing.Renew+2*s.Timing.IOTimeout)
+	}
+	if len(copies) == 0 {
+		return nil
+	}
+	if len(watch) > 0 {
+		e.log.Info("the disk was given to no node before, yet carries held lease slots: watching them for a renewal",
+			"slots", fmt.Sprint(watch), "bound", bound.String())
+		if err := sleep(ctx, bound); err != nil {
+			return fmt.Errorf("%s: watching lease slots copied from another disk: %w", e.dev.name, err)
+		}
+		a2, err := e.read(ctx)
+		if err != nil {
+			return err
+		}
+		for _, i := range watch {
+			if !bytes.Equal(a2.Raw[i], a.Raw[i]) {
+				s := a2.Slots[i]
+				he := e.refusal(a2, s.Key, &s, nil)
+				return fmt.Errorf("%w (the controller says no node was given this disk before, yet this holder renews its lease on it)", he)
+			}
+		}
+		for i := range a2.Slots {
+			if !bytes.Equal(a2.Raw[i], a.Raw[i]) {
+				// Another host is claiming at the same time: the usual
+				// acquisition sorts it out, with the copies left alone
+				// (and waited for).
+				e.log.Warn("the lease area changed while copied slots were watched; acquiring without clearing them", "slot", i)
+				return nil
+			}
+		}
+	}
+	zero := make([]byte, BlockSize)
+	for _, i := range copies {
+		s := a.Slots[i]
+		if err := e.dev.writeSlot(ctx, i, zero, e.cfg.Timing.IOTimeout); err != nil {
+			return fmt.Errorf("%s: clearing lease slot %d copied from another disk: %w", e.dev.name, i, err)
+		}
+		e.log.Warn("cleared a lease slot copied from another disk", "slot", i, "key", s.Key.String(), "node", s.Node, "serial", s.Serial)
+	}
+	return nil
+}
+
 func (e *Engine) claim() fence.Claim {
 	return fence.Claim{Method: Method, Key: e.cfg.Key}
 }
@@ -302,7 +397,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		return fence.Claim{}, fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
 	}
 	s := Slot{Key: mine, Epoch: a.MaxEpoch() + 1, Counter: a.Slots[idx].Counter + 1, State: StateHeld,
-		Timing: t, Node: e.cfg.NodeName}
+		Timing: t, Node: e.cfg.NodeName, Serial: SlotSerial(e.cfg.Serial)}
 	if a.Slots[idx].Key != mine {
 		s.Counter = 1
 	}

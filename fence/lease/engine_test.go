@@ -1,8 +1,11 @@
 package lease
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
+	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -456,4 +459,95 @@ func TestFencedMarkFollowsStoppedIO(t *testing.T) {
 			}
 		}
 	})
+}
+
+// A clone of a disk in use (or a volume restored from a snapshot of one)
+// starts with the source's held slots. Told the disk was given to no node
+// before, AcquireFirst sets such copies aside: at once when the slot names
+// another disk's serial, after one renewal interval without a change when
+// it names none; a slot that changes is a live holder and is refused.
+func TestAcquireFirstSetsCopiedSlotsAside(t *testing.T) {
+	ctx := context.Background()
+	src := formattedLoop(t, 512)
+	a := newNodeWith(t, src, uuidA, "node-a", "disk-src", nil)
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	// The copies are taken while A holds the source and renews.
+	clone := func() string {
+		return loopDevice(t, 8<<20, 512, func(img string) {
+			b, err := os.ReadFile(src)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(img, b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	heldBy := func(dev string, k fence.Key) bool {
+		for _, s := range status(t, dev).Slots {
+			if s.Key == k && s.State == StateHeld {
+				return true
+			}
+		}
+		return false
+	}
+
+	t.Run("copy naming another disk", func(t *testing.T) {
+		dev := clone()
+		if !heldBy(dev, keyA) {
+			t.Fatal("the clone does not carry the source's held slot")
+		}
+		var log bytes.Buffer
+		b := newNodeWith(t, dev, uuidB, "node-b", "disk-clone", &log)
+		c, err := b.e.AcquireFirst(ctx)
+		if err != nil || len(c.Preempted) != 0 {
+			t.Fatalf("first claim of the clone: %+v %v", c, err)
+		}
+		if strings.Contains(log.String(), "watching them") || strings.Contains(log.String(), "waiting for the lease to expire") {
+			t.Fatalf("a slot naming another disk's serial was waited for:\n%s", log.String())
+		}
+		if heldBy(dev, keyA) || status(t, dev).Owner.Key != keyB {
+			t.Fatalf("after the first claim: %+v", status(t, dev))
+		}
+	})
+	t.Run("copy naming no disk", func(t *testing.T) {
+		dev := clone()
+		var log bytes.Buffer
+		b := newNodeWith(t, dev, uuidB, "node-b", "", &log)
+		if _, err := b.e.AcquireFirst(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(log.String(), "watching them for a renewal") || strings.Contains(log.String(), "waiting for the lease to expire") {
+			t.Fatalf("a slot of unknown disk was not watched for one renewal interval, or was waited out:\n%s", log.String())
+		}
+		if heldBy(dev, keyA) || status(t, dev).Owner.Key != keyB {
+			t.Fatalf("after the first claim: %+v", status(t, dev))
+		}
+	})
+	t.Run("live holder", func(t *testing.T) {
+		// The controller's word is wrong: A renews on this very disk.
+		b := newNodeWith(t, src, uuidB, "node-b", "disk-src", nil)
+		_, err := b.e.AcquireFirst(ctx)
+		var held *fence.HeldError
+		if !errors.As(err, &held) || held.Holder != keyA {
+			t.Fatalf("first claim of a disk a live node renews: %v, want refused naming %s", err, keyA)
+		}
+		if !heldBy(src, keyA) || status(t, src).Owner.Key != keyA {
+			t.Fatalf("the live holder's slot was touched: %+v", status(t, src))
+		}
+	})
+}
+
+// newNodeWith is newNode with the disk's serial and, when log is set, the
+// engine's log.
+func newNodeWith(t *testing.T, dev, uuid, name, serial string, log *bytes.Buffer) *node {
+	t.Helper()
+	n := newNode(t, dev, uuid, name)
+	n.e.cfg.Serial = serial
+	if log != nil {
+		n.e.log = slog.New(slog.NewTextHandler(log, nil))
+	}
+	return n
 }

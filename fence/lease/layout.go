@@ -34,6 +34,7 @@ const (
 	version     = 1
 	crcOffset   = BlockSize - 4
 	nodeNameLen = 64
+	serialLen   = 64
 )
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
@@ -105,6 +106,22 @@ type Slot struct {
 	Supersedes fence.Key `json:"supersedes,omitempty"`
 	// Node is the writer's node name (informational).
 	Node string `json:"node,omitempty"`
+	// Serial is the disk's serial number as the writer saw it, or empty.
+	// A slot whose serial is not the disk's was copied with the disk's
+	// contents from another disk (a clone, a restored snapshot).
+	Serial string `json:"serial,omitempty"`
+}
+
+// SlotSerial is serial as a slot keeps it (at most 64 bytes), for
+// comparing a device's serial with a slot's.
+func SlotSerial(serial string) string {
+	if len(serial) > serialLen {
+		serial = serial[:serialLen]
+	}
+	if i := strings.IndexByte(serial, 0); i >= 0 {
+		serial = serial[:i]
+	}
+	return strings.ToValidUTF8(serial, "?")
 }
 
 // Live reports whether the slot claims the disk.
@@ -227,6 +244,7 @@ func EncodeSlot(s Slot) []byte {
 	be.PutUint32(b[60:], ms(s.Timing.Watchdog))
 	be.PutUint64(b[64:], uint64(s.Supersedes))
 	copy(b[72:72+nodeNameLen], s.Node)
+	copy(b[136:136+serialLen], s.Serial)
 	be.PutUint32(b[crcOffset:], crc32.Checksum(b[:crcOffset], castagnoli))
 	return b
 }
@@ -266,6 +284,11 @@ func DecodeSlot(b []byte) (Slot, error) {
 		name = name[:i]
 	}
 	s.Node = strings.ToValidUTF8(string(name), "?")
+	serial := b[136 : 136+serialLen]
+	if i := bytes.IndexByte(serial, 0); i >= 0 {
+		serial = serial[:i]
+	}
+	s.Serial = strings.ToValidUTF8(string(serial), "?")
 	switch {
 	case s.Key == 0:
 		return s, fmt.Errorf("lease slot names key 0")
