@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
@@ -372,4 +374,16 @@ func unmountUnder(dir string) {
 			unix.Unmount(mps[i], unix.MNT_DETACH)
 		}
 	}
+}
+
+// askAgain makes call until it answers something other than ABORTED, as
+// the kubelet does: the agent's periodic claim check holds a volume for a
+// moment, and a call that meets it is told to come back.
+func askAgain(ctx context.Context, call func(ctx context.Context) error) error {
+	err := call(ctx)
+	for tries := 0; status.Code(err) == codes.Aborted && tries < 100 && ctx.Err() == nil; tries++ {
+		time.Sleep(20 * time.Millisecond)
+		err = call(ctx)
+	}
+	return err
 }

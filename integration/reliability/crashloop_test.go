@@ -225,7 +225,7 @@ func TestCrashLoop(t *testing.T) {
 	// A last stage reads every marker back.
 	h.stop()
 	h.start()
-	if _, err := h.c.StageVolume(context.Background(), req); err != nil {
+	if err := askAgain(context.Background(), func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, req); return err }); err != nil {
 		t.Fatalf("final stage: %v", err)
 	}
 	for i := 1; i <= rounds; i++ {
@@ -234,7 +234,10 @@ func TestCrashLoop(t *testing.T) {
 		}
 		checks++
 	}
-	if _, err := h.c.UnstageVolume(context.Background(), &api.UnstageVolumeRequest{VolumeId: req.VolumeId, StagingPath: staging}); err != nil {
+	if err := askAgain(context.Background(), func(ctx context.Context) error {
+		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: req.VolumeId, StagingPath: staging})
+		return err
+	}); err != nil {
 		t.Fatalf("final unstage: %v", err)
 	}
 	total := 0

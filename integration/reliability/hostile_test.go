@@ -111,7 +111,7 @@ func TestHostileAgentRequests(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	good := &api.StageVolumeRequest{VolumeId: "vol-1", Device: dev, StagingPath: staging, FsType: "ext4", AllowUnfenced: true}
-	if _, err := h.c.StageVolume(ctx, good); err != nil {
+	if err := askAgain(ctx, func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, good); return err }); err != nil {
 		t.Fatalf("stage: %v", err)
 	}
 	target := filepath.Join(h.kubelet, "pods", "p1", "mount")
@@ -157,7 +157,10 @@ func TestHostileAgentRequests(t *testing.T) {
 		}, invOrNF},
 	}
 	runHostile(t, h, during)
-	if _, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-1", StagingPath: staging}); err != nil {
+	if err := askAgain(ctx, func(ctx context.Context) error {
+		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-1", StagingPath: staging})
+		return err
+	}); err != nil {
 		t.Fatalf("unstage: %v", err)
 	}
 	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
@@ -170,12 +173,12 @@ func runHostile(t *testing.T, h *host, calls []hostileCall) {
 	for _, hc := range calls {
 		before := h.snap()
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		err := hc.call(ctx, h.c)
-		// A volume busy with the agent's periodic claim check answers
-		// ABORTED; the caller (kubelet) asks again, and so does this.
-		for tries := 0; status.Code(err) == codes.Aborted && !slices.Contains(hc.want, codes.Aborted) && tries < 50; tries++ {
-			time.Sleep(20 * time.Millisecond)
-			err = hc.call(ctx, h.c)
+		call := func(ctx context.Context) error { return hc.call(ctx, h.c) }
+		var err error
+		if slices.Contains(hc.want, codes.Aborted) {
+			err = call(ctx)
+		} else {
+			err = askAgain(ctx, call)
 		}
 		cancel()
 		got := status.Code(err)
