@@ -143,7 +143,9 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mount -t tmpfs tmpfs /run
-mount -t tmpfs tmpfs /tmp
+# Host tools keep their host paths; a checkout under /tmp brings its tools
+# there, and a fresh tmpfs would hide them (the initramfs is writable).
+[ -n "$(ls -A /tmp 2>/dev/null)" ] || mount -t tmpfs tmpfs /tmp
 mkdir -p /dev/pts /run/lock
 mount -t devpts devpts /dev/pts
 while read -r m; do
