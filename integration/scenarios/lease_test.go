@@ -320,6 +320,16 @@ func TestLeaseScenarios(t *testing.T) {
 		}
 		st := mustStage(t, ctx, b, "vol-l3", "lease-l3", keyOf(a))
 		t.Logf("node-b took over: %+v", st)
+		// A is alive: B's stage ended on A's fenced mark, which A's agent
+		// wrote once it had stopped and drained A's I/O, not on the
+		// expiry bound.
+		logHas := func(g *lab.Guest, line string) bool {
+			out, err := g.MustSh(ctx, "grep '"+line+"' /run/agent.log | grep -c 'volume=vol-l3' || true")
+			return err == nil && strings.TrimSpace(out) != "0"
+		}
+		if !logHas(b, "superseded holder acknowledged the takeover") || !logHas(a, "lease slot marked fenced") {
+			t.Fatalf("the takeover of a live holder did not end on its fenced mark\nnode-a:\n%s\nnode-b:\n%s", agentLog(ctx, a), agentLog(ctx, b))
+		}
 		waitEvent(t, ctx, b, "EVENT_TYPE_TAKEOVER_GRANTED", func(e agentEvent) bool { return e.Volume == "vol-l3" }, 10*time.Second)
 		// A's agent finds the higher claim at its next renewal and stops
 		// I/O on its own.
