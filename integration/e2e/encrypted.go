@@ -118,18 +118,8 @@ func (s *story) e6(ctx context.Context) (err error) {
 	if err := c.stageAndPublish(ctx, sc, s.b, pc); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.b.Name, "read data.bin", func() (string, error) {
-		got, err := readSum(ctx, s.b, c.pod+s.b.Name, "data.bin")
-		if err != nil {
-			s.check(P5, sc, false, "the encrypted volume moved to %s has no readable data.bin: %v", s.b.Name, err)
-			return "", err
-		}
-		s.check(P5, sc, got == sum, "the encrypted volume moved to %s reads data.bin with sha256 %s (written on %s: %s): opened, not formatted again", s.b.Name, got, s.a.Name, sum)
-		if got != sum {
-			return "", fmt.Errorf("data.bin sha256 %s, want %s", got, sum)
-		}
-		return "sha256 " + got, nil
-	}); err != nil {
+	if err := s.readBack(ctx, sc, s.b, c.pod+s.b.Name, "read data.bin", sum,
+		"the encrypted volume moved to "+s.b.Name, "opened, not formatted again"); err != nil {
 		return err
 	}
 	if err := c.growOnline(ctx, sc, s.b, sum); err != nil {

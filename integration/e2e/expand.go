@@ -140,16 +140,6 @@ func (s *story) growOnline(ctx context.Context, sc string, g *lab.Guest, sum str
 	}); err != nil {
 		return err
 	}
-	return s.step(sc, g.Name, "read data.bin after the expansion", func() (string, error) {
-		got, err := readSum(ctx, g, s.pod+g.Name, "data.bin")
-		if err != nil {
-			s.check(P5, sc, false, "data.bin unreadable after online expansion on %s: %v", g.Name, err)
-			return "", err
-		}
-		s.check(P5, sc, got == sum, "after online expansion on %s data.bin reads sha256 %s (written %s); the filesystem grew from %d to %d bytes without a remount", g.Name, got, sum, before, after)
-		if got != sum {
-			return "", fmt.Errorf("data.bin sha256 %s, want %s", got, sum)
-		}
-		return "sha256 " + got, nil
-	})
+	return s.readBack(ctx, sc, g, s.pod+g.Name, "read data.bin after the expansion", sum,
+		"after online expansion "+g.Name, fmt.Sprintf("the filesystem grew from %d to %d bytes without a remount", before, after))
 }

@@ -394,6 +394,25 @@ func readSum(ctx context.Context, g *lab.Guest, pod, name string) (string, error
 	return strings.Fields(out + " x")[0], nil
 }
 
+// readBack is the P5 step of a scenario that moved or copied the volume:
+// g reads data.bin in pod, and the property holds when it is the data
+// written before (sha256 want). who names the reader in the check, why
+// says what a match shows.
+func (s *story) readBack(ctx context.Context, sc string, g *lab.Guest, pod, title, want, who, why string) error {
+	return s.step(sc, g.Name, title, func() (string, error) {
+		sum, err := readSum(ctx, g, pod, "data.bin")
+		if err != nil {
+			s.check(P5, sc, false, "%s cannot read data.bin: %v", who, err)
+			return "", err
+		}
+		s.check(P5, sc, sum == want, "%s reads data.bin with sha256 %s (written %s): %s", who, sum, want, why)
+		if sum != want {
+			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, want)
+		}
+		return "sha256 " + sum, nil
+	})
+}
+
 func (s *story) firstUse(ctx context.Context) (string, error) {
 	const sc = "first use"
 	pc, err := s.publish(ctx, sc, s.a)
@@ -719,18 +738,8 @@ func (s *story) e3(ctx context.Context, sumA string) error {
 	if err := s.stageAndPublish(ctx, sc, s.b, pc); err != nil {
 		return err
 	}
-	return s.step(sc, s.b.Name, "read data.bin written on "+s.a.Name, func() (string, error) {
-		sum, err := readSum(ctx, s.b, s.pod+s.b.Name, "data.bin")
-		if err != nil {
-			s.check(P5, sc, false, "%s cannot read data.bin after the move: %v", s.b.Name, err)
-			return "", err
-		}
-		s.check(P5, sc, sum == sumA, "after the move %s reads data.bin with sha256 %s (written %s): staging found the filesystem and did not format", s.b.Name, sum, sumA)
-		if sum != sumA {
-			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
-		}
-		return "sha256 " + sum, nil
-	})
+	return s.readBack(ctx, sc, s.b, s.pod+s.b.Name, "read data.bin written on "+s.a.Name, sumA,
+		"after the move "+s.b.Name, "staging found the filesystem and did not format")
 }
 
 // e5: a volume asked for in another location lands there, and a node of
@@ -821,18 +830,8 @@ func (s *story) e8(ctx context.Context, sumA string) error {
 	if err := c.stageAndPublish(ctx, sc, s.a, pc); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.a.Name, "read data.bin on the new volume", func() (string, error) {
-		sum, err := readSum(ctx, s.a, c.pod+s.a.Name, "data.bin")
-		if err != nil {
-			s.check(P5, sc, false, "the volume made from a snapshot has no readable data.bin on %s: %v", s.a.Name, err)
-			return "", err
-		}
-		s.check(P5, sc, sum == sumA, "the volume made from a snapshot reads data.bin with sha256 %s (written %s): staging did not format it", sum, sumA)
-		if sum != sumA {
-			return "", fmt.Errorf("data.bin sha256 %s, want %s", sum, sumA)
-		}
-		return "sha256 " + sum, nil
-	}); err != nil {
+	if err := s.readBack(ctx, sc, s.a, c.pod+s.a.Name, "read data.bin on the new volume", sumA,
+		"the volume made from a snapshot, on "+s.a.Name+",", "staging did not format it"); err != nil {
 		return err
 	}
 	if err := c.unpublishAndUnstage(ctx, sc, s.a); err != nil {
