@@ -13,7 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
 
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/integration/e2e"
 	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
@@ -124,13 +124,6 @@ type attachRun struct {
 	node string
 }
 
-func volCap() *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
-}
-
 // round makes a blank 1 GiB volume of the given kind, times publish to
 // mounted (through the agent or by hand), then takes it all down again.
 func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool, name string) (time.Duration, error) {
@@ -138,13 +131,7 @@ func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool,
 	if !viaAgent {
 		name += "-ref"
 	}
-	resp, err := b.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-		Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-		VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-		AccessibilityRequirements: &csi.TopologyRequirement{
-			Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-		},
-	})
+	resp, err := b.ctl.CreateVolume(ctx, e2e.VolumeRequest(name))
 	if err != nil {
 		return 0, fmt.Errorf("CreateVolume %s: %w", name, err)
 	}
@@ -161,13 +148,13 @@ func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool,
 	}
 
 	start := time.Now()
-	pub, err := b.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: volID, NodeId: b.node, VolumeCapability: volCap()})
+	pub, err := b.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: volID, NodeId: b.node, VolumeCapability: e2e.VolumeCapability()})
 	if err != nil {
 		return 0, fmt.Errorf("ControllerPublishVolume %s: %w", volID, err)
 	}
 	if viaAgent {
 		err = stageWhenPresent(ctx, b.g, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
-			StagingTargetPath: staging, VolumeCapability: volCap(), VolumeContext: resp.Volume.VolumeContext})
+			StagingTargetPath: staging, VolumeCapability: e2e.VolumeCapability(), VolumeContext: resp.Volume.VolumeContext})
 	} else {
 		var r *guestexec.Result
 		r, err = b.g.Exec().Run(ctx, 2*time.Minute, "/bin/sh", "-c", byHandStage, "bench", strconv.FormatInt(diskID, 10), staging)

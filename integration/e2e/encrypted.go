@@ -9,11 +9,8 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
-
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit"
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -60,22 +57,13 @@ func (s *story) e6(ctx context.Context) (err error) {
 	c := *s
 	c.name, c.pod, c.kind = "pvc-e2e-crypt", "pod-crypt-", simlab.FileVirtioBlk
 	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-crypt (1 GiB, encryption=true, "+string(c.kind)+")", func() (string, error) {
-		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			Parameters:         map[string]string{"encryption": "true"},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-			},
-		})
+		req := VolumeRequest(c.name)
+		req.Parameters = map[string]string{"encryption": "true"}
+		v, err := c.createVolume(ctx, req)
 		if err != nil {
 			return "", err
 		}
-		c.volID, c.volCtx = resp.Volume.VolumeId, resp.Volume.VolumeContext
-		if _, err := fmt.Sscanf(c.volID[strings.Index(c.volID, "/")+1:], "%d", &c.diskID); err != nil {
-			return "", fmt.Errorf("volume id %q names no disk id", c.volID)
-		}
-		s.env.Backend.SetKind(c.diskID, c.kind)
+		c.volCtx = v.VolumeContext
 		return fmt.Sprintf("volume %s, context %v", c.volID, c.volCtx), nil
 	}); err != nil {
 		return err

@@ -97,7 +97,7 @@ func (s *story) growOnline(ctx context.Context, sc string, g *lab.Guest, sum str
 	}()
 	if err := s.step(sc, "controller", "ControllerExpandVolume to 2 GiB", func() (string, error) {
 		resp, err := s.ctl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
-			VolumeId: s.volID, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()})
+			VolumeId: s.volID, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: VolumeCapability()})
 		if err != nil {
 			return "", err
 		}
@@ -111,7 +111,7 @@ func (s *story) growOnline(ctx context.Context, sc string, g *lab.Guest, sum str
 	var after int64
 	if err := s.step(sc, g.Name, "NodeExpandVolume (filesystem mounted)", func() (string, error) {
 		req := &csi.NodeExpandVolumeRequest{VolumeId: s.volID, VolumePath: targetPath(s.pod + g.Name),
-			StagingTargetPath: stagingPath(s.name), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: volCap()}
+			StagingTargetPath: stagingPath(s.name), CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}, VolumeCapability: VolumeCapability()}
 		// The kubelet retries while the grown disk has not reached the
 		// node yet (the agent answers FAILED_PRECONDITION then).
 		var resp csi.NodeExpandVolumeResponse

@@ -224,7 +224,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 		return err
 	}
 	staging := stagingPath(c.name)
-	stageReq := &csi.NodeStageVolumeRequest{VolumeId: c.volID, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: volCap()}
+	stageReq := &csi.NodeStageVolumeRequest{VolumeId: c.volID, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: VolumeCapability()}
 	unstageReq := &csi.NodeUnstageVolumeRequest{VolumeId: c.volID, StagingTargetPath: staging}
 	mountedDev := func() (string, error) {
 		out, err := g.MustSh(ctx, fmt.Sprintf("awk '$2==\"%s\"{print $1}' /proc/mounts", staging))
@@ -406,7 +406,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 // simulator show its disk as c.kind.
 func (c *story) createOwn(ctx context.Context, sc string) error {
 	return c.step(sc, "controller", "CreateVolume "+c.name+" (1 GiB, "+string(c.kind)+")", func() (string, error) {
-		if _, err := c.createVolume(ctx, c.name); err != nil {
+		if _, err := c.createVolume(ctx, VolumeRequest(c.name)); err != nil {
 			return "", err
 		}
 		return "volume " + c.volID, nil
@@ -460,16 +460,7 @@ func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
 	}); err != nil {
 		return err
 	}
-	if err := c.unpublishAndUnstage(ctx, sc, g); err != nil {
-		return err
-	}
-	if err := c.unpublish(ctx, sc, g); err != nil {
-		return err
-	}
-	return s.step(sc, "controller", "DeleteVolume "+c.volID, func() (string, error) {
-		_, err := s.ctl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: c.volID})
-		return "", err
-	})
+	return c.takeDown(ctx, sc, g)
 }
 
 // burstKills is how many times E9 kills the agent in the systemd guest

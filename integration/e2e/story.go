@@ -90,10 +90,25 @@ func targetPath(pod string) string {
 	return fmt.Sprintf("%s/pods/%s/volumes/kubernetes.io~csi/pv-e2e/mount", simlab.KubeletRoot, pod)
 }
 
-func volCap() *csi.VolumeCapability {
+// VolumeCapability is what the story's claims ask for: an ext4 filesystem
+// on a ReadWriteOnce volume.
+func VolumeCapability() *csi.VolumeCapability {
 	return &csi.VolumeCapability{
 		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// VolumeRequest asks for a 1 GiB volume named name with VolumeCapability,
+// preferring the lab's location, as a claim of the story does; callers add
+// parameters or a content source.
+func VolumeRequest(name string) *csi.CreateVolumeRequest {
+	return &csi.CreateVolumeRequest{
+		Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+		VolumeCapabilities: []*csi.VolumeCapability{VolumeCapability()},
+		AccessibilityRequirements: &csi.TopologyRequirement{
+			Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
+		},
 	}
 }
 
@@ -253,7 +268,7 @@ func (s *story) leftOut(sc, what string) {
 
 func (s *story) create(ctx context.Context) error {
 	return s.step("create", "controller", "CreateVolume "+volName+" (1 GiB, preferred "+simlab.Location+")", func() (string, error) {
-		v, err := s.createVolume(ctx, volName)
+		v, err := s.createVolume(ctx, VolumeRequest(volName))
 		if err != nil {
 			return "", err
 		}
@@ -261,17 +276,10 @@ func (s *story) create(ctx context.Context) error {
 	})
 }
 
-// createVolume makes a 1 GiB volume named name, preferring the lab's
-// location, records its volume and disk ids in s, and has the simulator
-// show its disk as s.kind.
-func (s *story) createVolume(ctx context.Context, name string) (*csi.Volume, error) {
-	resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-		Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-		VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-		AccessibilityRequirements: &csi.TopologyRequirement{
-			Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-		},
-	})
+// createVolume makes the volume req asks for (VolumeRequest), records its
+// volume and disk ids in s, and has the simulator show its disk as s.kind.
+func (s *story) createVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.Volume, error) {
+	resp, err := s.ctl.CreateVolume(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -288,7 +296,7 @@ func (s *story) publish(ctx context.Context, scenario string, g *lab.Guest) (map
 	var pc map[string]string
 	err := s.step(scenario, "controller", "ControllerPublishVolume to "+g.Name, func() (string, error) {
 		resp, err := s.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
-			VolumeId: s.volID, NodeId: s.ids[g.Name], VolumeCapability: volCap()})
+			VolumeId: s.volID, NodeId: s.ids[g.Name], VolumeCapability: VolumeCapability()})
 		if err != nil {
 			return "", err
 		}
@@ -319,7 +327,7 @@ func (s *story) stage(ctx context.Context, g *lab.Guest, pc map[string]string) e
 	// The kubelet retries a failed stage with backoff; a disk that the
 	// guest has not finished probing after a hot-plug answers NOT_FOUND
 	// until it has.
-	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name), VolumeCapability: volCap(), VolumeContext: s.volCtx}
+	req := &csi.NodeStageVolumeRequest{VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name), VolumeCapability: VolumeCapability(), VolumeContext: s.volCtx}
 	deadline := time.Now().Add(90 * time.Second)
 	wait := 500 * time.Millisecond
 	for tries := 1; ; tries++ {
@@ -342,7 +350,7 @@ func (s *story) stageAndPublish(ctx context.Context, scenario string, g *lab.Gue
 	return s.step(scenario, g.Name, "NodePublishVolume "+s.name+" into "+s.pod+g.Name, func() (string, error) {
 		return "", simlab.KubeletCall(ctx, g, "NodePublishVolume", &csi.NodePublishVolumeRequest{
 			VolumeId: s.volID, PublishContext: pc, StagingTargetPath: stagingPath(s.name),
-			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: volCap(), VolumeContext: s.volCtx}, nil)
+			TargetPath: targetPath(s.pod + g.Name), VolumeCapability: VolumeCapability(), VolumeContext: s.volCtx}, nil)
 	})
 }
 
@@ -438,7 +446,7 @@ func (s *story) e1(ctx context.Context) error {
 		cctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
 		_, err := s.ctl.ControllerPublishVolume(cctx, &csi.ControllerPublishVolumeRequest{
-			VolumeId: s.volID, NodeId: s.ids[s.b.Name], VolumeCapability: volCap()})
+			VolumeId: s.volID, NodeId: s.ids[s.b.Name], VolumeCapability: VolumeCapability()})
 		st, _ := status.FromError(err)
 		named := strings.Contains(st.Message(), s.a.Name) || strings.Contains(st.Message(), strconv.FormatInt(s.env.VMs[s.a.Name], 10))
 		held := err != nil && st.Code() == codes.FailedPrecondition && named
@@ -749,13 +757,11 @@ func (s *story) e5(ctx context.Context) error {
 	const other = "ch-gen-1"
 	var id string
 	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-elsewhere (requisite "+other+")", func() (string, error) {
-		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: "pvc-e2e-elsewhere", CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: other}}},
-			},
-		})
+		req := VolumeRequest("pvc-e2e-elsewhere")
+		req.AccessibilityRequirements = &csi.TopologyRequirement{
+			Requisite: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: other}}},
+		}
+		resp, err := s.ctl.CreateVolume(ctx, req)
 		if err != nil {
 			return "", err
 		}
@@ -770,7 +776,7 @@ func (s *story) e5(ctx context.Context) error {
 	}
 	if err := s.step(sc, "controller", "ControllerPublishVolume to "+s.a.Name+" ("+simlab.Location+")", func() (string, error) {
 		_, err := s.ctl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
-			VolumeId: id, NodeId: s.ids[s.a.Name], VolumeCapability: volCap()})
+			VolumeId: id, NodeId: s.ids[s.a.Name], VolumeCapability: VolumeCapability()})
 		st, _ := status.FromError(err)
 		if st.Code() != codes.FailedPrecondition {
 			return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
@@ -806,15 +812,10 @@ func (s *story) e8(ctx context.Context, sumA string) error {
 	c := *s
 	c.name, c.pod = "pvc-e2e-clone", "pod-clone-"
 	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-clone from the snapshot", func() (string, error) {
-		resp, err := s.ctl.CreateVolume(ctx, &csi.CreateVolumeRequest{
-			Name: c.name, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-			VolumeCapabilities: []*csi.VolumeCapability{volCap()},
-			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
-				Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}},
-			AccessibilityRequirements: &csi.TopologyRequirement{
-				Preferred: []*csi.Topology{{Segments: map[string]string{driver.TopologyKey: simlab.Location}}},
-			},
-		})
+		req := VolumeRequest(c.name)
+		req.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}
+		resp, err := s.ctl.CreateVolume(ctx, req)
 		if err != nil {
 			return "", err
 		}
