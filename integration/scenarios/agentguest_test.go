@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/lab/labtest"
 )
 
 // agentConfig is the configuration the scenarios run the agent daemon
@@ -55,6 +56,24 @@ echo "the agent did not stop" >&2; exit 1`); err != nil {
 }
 
 // agentLog is the tail of the guest agent's log, for failure messages.
+// agentLab starts a lab for guests that run the agent (labtest.Start),
+// with losetup for a lease disk's data mapping, and logs each guest's
+// agent log, before the lab goes, when t failed.
+func agentLab(t *testing.T, ctx context.Context) *lab.Lab {
+	t.Helper()
+	l := labtest.Start(t, ctx, 20, func(cfg *lab.Config) {
+		cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
+	})
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, g := range l.Guests {
+				t.Logf("%s agent log:\n%s", g.Name, agentLog(context.Background(), g))
+			}
+		}
+	})
+	return l
+}
+
 func agentLog(ctx context.Context, g *lab.Guest) string {
 	r, err := g.Sh(ctx, "tail -n 40 /run/agent.log")
 	if err != nil {

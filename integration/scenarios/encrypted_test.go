@@ -58,21 +58,9 @@ type stageReply struct {
 // volume restages with the unwrapped passphrase after unstaging and after
 // an agent restart, and grows online.
 func TestEncryptedVolumeInGuest(t *testing.T) {
-	if ok, why := lab.GuestTierEnabled(); !ok {
-		t.Skip(why)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	cfg, err := lab.TestConfig(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
-	l, err := lab.New(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
+	l := agentLab(t, ctx)
 	img := filepath.Join(t.TempDir(), "enc.img")
 	if err := os.WriteFile(img, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -86,11 +74,6 @@ func TestEncryptedVolumeInGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	g := gs[0]
-	defer func() {
-		if t.Failed() {
-			t.Logf("agent log:\n%s\nconsole:\n%s", agentLog(context.Background(), g), g.ConsoleTail(20))
-		}
-	}()
 	sh := func(script string) string {
 		t.Helper()
 		out, err := g.MustSh(ctx, script)

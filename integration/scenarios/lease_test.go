@@ -32,28 +32,7 @@ type leasePair struct {
 
 func newLeasePair(t *testing.T, ctx context.Context) *leasePair {
 	t.Helper()
-	if ok, why := lab.GuestTierEnabled(); !ok {
-		t.Skip(why)
-	}
-	cfg, err := lab.TestConfig(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
-	l, err := lab.New(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			for _, g := range l.Guests {
-				t.Logf("%s agent log:\n%s\nconsole tail:\n%s", g.Name, agentLog(context.Background(), g), g.ConsoleTail(10))
-			}
-		}
-		if err := l.Close(); err != nil {
-			t.Errorf("lab teardown: %v", err)
-		}
-	})
+	l := agentLab(t, ctx)
 	gs, err := l.StartGuests(ctx, lab.GuestConfig{Name: "node-a", MemMB: 512}, lab.GuestConfig{Name: "node-b", MemMB: 512})
 	if err != nil {
 		t.Fatal(err)
