@@ -360,6 +360,11 @@ func TestLiveLeaseHolderAcknowledgesAGrantedTakeover(t *testing.T) {
 	if err := a.m.Unstage(ctx, "vol-ack", reqA.StagingPath); err != nil {
 		t.Fatal(err)
 	}
+	// The drain set the data mapping read-only; a loop device keeps that
+	// flag after its detach, and its next user must not inherit it.
+	if ro, err := os.ReadFile("/sys/block/" + filepath.Base(res.Device) + "/ro"); err != nil || strings.TrimSpace(string(ro)) != "0" {
+		t.Fatalf("the detached data mapping %s is left read-only (ro=%q, %v)", res.Device, ro, err)
+	}
 }
 
 func sha256File(t *testing.T, p string) [32]byte {
