@@ -812,7 +812,7 @@ func (e *Engine) Release(ctx context.Context) error {
 	s.Counter++
 	s.Written = time.Now().UnixNano()
 	blk := EncodeSlot(s)
-	if err := e.dev.writeSlot(ctx, i, blk, e.cfg.Timing.IOTimeout); err != nil {
+	if err := e.writeReleased(ctx, i, blk); err != nil {
 		return fmt.Errorf("%s: releasing the lease: %w", e.dev.name, err)
 	}
 	if i == e.slot {
@@ -820,6 +820,20 @@ func (e *Engine) Release(ctx context.Context) error {
 	}
 	e.log.Info("lease released", "slot", i)
 	return nil
+}
+
+// writeReleased writes a released slot. No deadline runs against a
+// release, and until its write lands the next holder waits out our whole
+// expiry bound, so a write that timed out (a slow disk, a loaded host) is
+// tried again. The same block written twice is harmless: the device lock
+// keeps the two in order.
+func (e *Engine) writeReleased(ctx context.Context, i int, blk []byte) error {
+	err := e.dev.writeSlot(ctx, i, blk, e.cfg.Timing.IOTimeout)
+	for try := 1; try < 3 && errors.Is(err, errIOTimeout); try++ {
+		e.log.Warn("lease release write timed out; writing again", "error", err)
+		err = e.dev.writeSlot(ctx, i, blk, e.cfg.Timing.IOTimeout)
+	}
+	return err
 }
 
 // renewer is the goroutine that renews a held lease.

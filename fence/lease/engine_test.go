@@ -150,6 +150,59 @@ func TestL2Handover(t *testing.T) {
 	}
 }
 
+// A release write that outlasts the I/O timeout (here: an earlier request
+// still holds the device) is written again, so the next holder is handed
+// the lease instead of waiting out the expiry bound.
+func TestReleaseOutlastsASlowWrite(t *testing.T) {
+	ctx := context.Background()
+	dev := formattedLoop(t, 512)
+	a, b := newNode(t, dev, uuidA, "node-a"), newNode(t, dev, uuidB, "node-b")
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	// What Release does up to its write, with the renewer stopped so the
+	// stalled device is met by the release write alone.
+	a.e.mu.Lock()
+	r := a.e.renewer
+	a.e.renewer = nil
+	a.e.mu.Unlock()
+	r.stopAndWait()
+	ar, err := a.e.read(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := ar.Find(keyA)
+	s := ar.Slots[i]
+	s.State = StateReleased
+	s.Counter++
+	s.Written = time.Now().UnixNano()
+
+	a.e.dev.mu.Lock()
+	stall := testTiming.IOTimeout * 3 / 2
+	go func() { time.Sleep(stall); a.e.dev.mu.Unlock() }()
+	t0 := time.Now()
+	if err := a.e.writeReleased(ctx, i, EncodeSlot(s)); err != nil {
+		t.Fatalf("release write past a %s stall: %v", stall, err)
+	}
+	if el := time.Since(t0); el < stall {
+		t.Fatalf("release write returned after %s, before the stalled device was free", el)
+	}
+	if ar, err = a.e.read(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if ar.Slots[i].State != StateReleased {
+		t.Fatalf("A's slot after the release write: %+v", ar.Slots[i])
+	}
+	a.e.held = false
+	c, err := b.e.Acquire(ctx, nil)
+	if err != nil || len(c.Preempted) != 0 {
+		t.Fatalf("acquire after the slow release: %+v %v", c, err)
+	}
+	if err := b.e.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // L3: the holder freezes (stops renewing). Without a grant, the other
 // node takes over after the expiry bound; the frozen node, when it runs
 // again, finds out, reports the loss naming the new holder, marks its slot
