@@ -177,11 +177,11 @@ func init() {
 		// The default timing renews every 10 s; a shorter one puts
 		// several renewals inside the window.
 		run: func(serial string) string {
-			return findDisk(serial) + "\n/bin/vco-agent lease acquire $d --renew 1s --fail 4s --io-timeout 500ms --watchdog 6s --hold-for 10m"
+			return findDisk(serial) + "\n/bin/vco-agent lease acquire $d --renew 1s --fail 4s --io-timeout 1s --watchdog 6s --hold-for 10m"
 		},
 		window: 8 * time.Second,
 		next: func(serial string) string {
-			return findDisk(serial) + "\n/bin/vco-agent lease acquire $d --renew 1s --fail 4s --io-timeout 500ms --watchdog 6s --hold-for 3s"
+			return findDisk(serial) + "\n/bin/vco-agent lease acquire $d --renew 1s --fail 4s --io-timeout 1s --watchdog 6s --hold-for 3s"
 		},
 		judge: func(t *testing.T, file string) string {
 			out, err := exec.Command(os.Getenv("VCO_LAB_BIN")+"/vco-agent", "lease", "show", file, "--uuid", plNode, "--json").CombinedOutput()
