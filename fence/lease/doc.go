@@ -59,7 +59,10 @@
 // no change for the holder's Expiry bound means it is gone and may be
 // taken over. Then write our slot (held, epoch = highest epoch + 1). If the
 // read and this write together took longer than d, withdraw and start
-// over (the race check needs our write to land within d of our read). Wait
+// over (the race check needs our write to land within d of our read). A
+// write that timed out may still land: start over as well, and the next
+// read (which waits for the device's earlier requests) withdraws it if it
+// landed; such a claim is never resumed as ours. Wait
 // Settle (2d), read again: our slot must still hold exactly what we wrote,
 // we must be the owner, and an expired holder's slot must be unchanged;
 // otherwise withdraw (mark our slot released) and refuse, naming the
@@ -79,7 +82,8 @@
 // (past the read-only flag that stopped the I/O). The engine never
 // acquires again; a new stage request makes a new Engine.
 //
-// Release: stop renewing, mark our slot released. The next acquirer then
+// Release: stop renewing, mark our slot released (a write that timed out
+// is tried again: no deadline runs against it). The next acquirer then
 // needs only the 2d settle wait.
 //
 // # Grants

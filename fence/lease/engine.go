@@ -74,6 +74,17 @@ type Engine struct {
 	// holder whose process is frozen.
 	paused bool
 	stats  Stats
+	// unconfirmed is a claim whose write timed out: it may still land.
+	// The next read settles it (a read waits for the device's earlier
+	// requests), and a claim that landed is withdrawn, never resumed: its
+	// racers' settle waits assumed it would land within the I/O timeout.
+	unconfirmed *claimWrite
+}
+
+type claimWrite struct {
+	idx  int
+	slot Slot
+	blk  []byte
 }
 
 // Stats count what the engine did, for metrics.
@@ -339,6 +350,17 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	if err != nil {
 		return fence.Claim{}, err
 	}
+	if p := e.unconfirmed; p != nil && !e.held {
+		if !bytes.Equal(a.Raw[p.idx], p.blk) {
+			e.unconfirmed = nil
+		} else {
+			e.log.Warn("withdrawing our lease claim that landed after the I/O timeout", "slot", p.idx)
+			if e.withdraw(ctx, p.idx, p.slot, p.blk) {
+				e.unconfirmed = nil
+			}
+			return fence.Claim{}, errRetry
+		}
+	}
 	owner := a.Owner()
 	if e.held {
 		if lerr := e.verifyOwn(a); lerr != nil {
@@ -412,7 +434,15 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	s.Written = time.Now().UnixNano()
 	blk := EncodeSlot(s)
 	issued := time.Now()
+	if testHookClaimWrite != nil {
+		testHookClaimWrite(e, idx, blk)
+	}
 	if err := e.dev.writeSlot(ctx, idx, blk, t.IOTimeout); err != nil {
+		if errors.Is(err, errIOTimeout) {
+			e.unconfirmed = &claimWrite{idx: idx, slot: s, blk: blk}
+			e.log.Warn("lease claim write timed out; starting over", "error", err)
+			return fence.Claim{}, errRetry
+		}
 		return fence.Claim{}, err
 	}
 	// The race check below holds only if our write landed within d of
@@ -591,18 +621,27 @@ func (e *Engine) pickSlot(a *Area, victim int) int {
 
 // withdraw marks a slot we wrote during a failed acquisition released, if
 // it still holds what we wrote.
-func (e *Engine) withdraw(ctx context.Context, idx int, s Slot, blk []byte) {
+func (e *Engine) withdraw(ctx context.Context, idx int, s Slot, blk []byte) bool {
 	b, err := e.dev.ReadArea(context.WithoutCancel(ctx), e.cfg.Timing.IOTimeout)
-	if err != nil || !bytes.Equal(b[BlockSize*(1+idx):BlockSize*(2+idx)], blk) {
-		return
+	if err != nil {
+		return false
+	}
+	if !bytes.Equal(b[BlockSize*(1+idx):BlockSize*(2+idx)], blk) {
+		return true
 	}
 	s.State = StateReleased
 	s.Counter++
 	s.Written = time.Now().UnixNano()
 	if err := e.dev.writeSlot(context.WithoutCancel(ctx), idx, EncodeSlot(s), e.cfg.Timing.IOTimeout); err != nil {
 		e.log.Warn("could not withdraw our lease record after a failed acquisition", "slot", idx, "error", err)
+		return false
 	}
+	return true
 }
+
+// testHookClaimWrite, when set by a test, runs just before a claim is
+// written to slot idx.
+var testHookClaimWrite func(e *Engine, idx int, blk []byte)
 
 func (e *Engine) refusal(a *Area, holder fence.Key, s *Slot, grant *fence.Grant) *fence.HeldError {
 	he := &fence.HeldError{Device: e.dev.name, Holder: holder, HolderNode: e.resolve(holder, s), Granted: grant != nil}
@@ -803,6 +842,9 @@ func (e *Engine) Release(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// The read settled any claim write that timed out; a claim of ours
+	// that landed is released below like any other.
+	e.unconfirmed = nil
 	i := a.Find(e.cfg.Key)
 	if i < 0 || !a.Slots[i].Live() {
 		return nil

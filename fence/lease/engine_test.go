@@ -203,6 +203,75 @@ func TestReleaseOutlastsASlowWrite(t *testing.T) {
 	}
 }
 
+// A claim write that outlasts the I/O timeout may still land, after the
+// racers' settle waits assumed it would have. The acquisition starts over;
+// a claim that landed late is withdrawn, never resumed as ours, and the
+// lease is claimed afresh with a new settle wait.
+func TestTimedOutClaimWriteIsWithdrawnNotResumed(t *testing.T) {
+	for _, lands := range []bool{false, true} {
+		t.Run(map[bool]string{false: "lost", true: "landed-late"}[lands], func(t *testing.T) {
+			ctx := context.Background()
+			dev := formattedLoop(t, 512)
+			a := newNode(t, dev, uuidA, "node-a")
+			var logs bytes.Buffer
+			a.e.log = slog.New(slog.NewTextHandler(&logs, nil))
+			stall := testTiming.IOTimeout * 3 / 2
+			var late []byte
+			var once sync.Once
+			testHookClaimWrite = func(e *Engine, idx int, blk []byte) {
+				once.Do(func() {
+					// An earlier request holds the device past the claim
+					// write's timeout; with lands, the claim is written
+					// while it is held, as a request stuck in the device
+					// queue completes.
+					e.dev.mu.Lock()
+					late = blk
+					go func() {
+						time.Sleep(stall)
+						if lands {
+							buf := alignedBuf(BlockSize)
+							copy(buf, blk)
+							if _, err := e.dev.f.WriteAt(buf, int64(BlockSize*(1+idx))); err != nil {
+								t.Error(err)
+							}
+						}
+						e.dev.mu.Unlock()
+					}()
+				})
+			}
+			t.Cleanup(func() { testHookClaimWrite = nil })
+			c, err := a.e.Acquire(ctx, nil)
+			if err != nil {
+				t.Fatalf("acquire after a timed-out claim write: %v\n%s", err, logs.String())
+			}
+			unsettled := a.e.unconfirmed != nil
+			ar, err := a.e.read(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Released before the log is read: the renewer logs too.
+			if err := a.e.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if c.Already {
+				t.Fatalf("the timed-out claim was resumed: %+v\n%s", c, logs.String())
+			}
+			if o := ar.Owner(); o < 0 || bytes.Equal(ar.Raw[o], late) || ar.Slots[o].Key != keyA {
+				t.Fatalf("owner after the acquisition: %d %+v", o, ar.Slots)
+			}
+			if unsettled {
+				t.Fatal("the timed-out claim is still unsettled after a successful acquisition")
+			}
+			if !strings.Contains(logs.String(), "lease claim write timed out; starting over") {
+				t.Fatalf("no word of the timed-out claim write:\n%s", logs.String())
+			}
+			if got := strings.Contains(logs.String(), "withdrawing our lease claim that landed after the I/O timeout"); got != lands {
+				t.Fatalf("withdrawal logged %v, want %v:\n%s", got, lands, logs.String())
+			}
+		})
+	}
+}
+
 // L3: the holder freezes (stops renewing). Without a grant, the other
 // node takes over after the expiry bound; the frozen node, when it runs
 // again, finds out, reports the loss naming the new holder, marks its slot
