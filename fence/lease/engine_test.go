@@ -162,11 +162,7 @@ func TestReleaseOutlastsASlowWrite(t *testing.T) {
 	}
 	// What Release does up to its write, with the renewer stopped so the
 	// stalled device is met by the release write alone.
-	a.e.mu.Lock()
-	r := a.e.renewer
-	a.e.renewer = nil
-	a.e.mu.Unlock()
-	r.stopAndWait()
+	a.stopRenewing()
 	ar, err := a.e.read(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -501,11 +497,7 @@ func TestRestartResumesOwnRecord(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The old agent dies without releasing.
-	a.e.mu.Lock()
-	r := a.e.renewer
-	a.e.renewer = nil
-	a.e.mu.Unlock()
-	r.stopAndWait()
+	a.stopRenewing()
 	a2 := newNode(t, dev, uuidA, "node-a")
 	c, err := a2.e.Acquire(ctx, nil)
 	if err != nil || !c.Already {

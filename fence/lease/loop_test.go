@@ -125,16 +125,20 @@ func newNodeTiming(t testing.TB, dev string, uuid string, name string, tm Timing
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		n.e.mu.Lock()
-		r := n.e.renewer
-		n.e.renewer = nil
-		n.e.mu.Unlock()
-		if r != nil {
-			r.stopAndWait()
-		}
-	})
+	t.Cleanup(n.stopRenewing)
 	return n
+}
+
+// stopRenewing stops the node's renewer without releasing, as when its
+// agent dies.
+func (n *node) stopRenewing() {
+	n.e.mu.Lock()
+	r := n.e.renewer
+	n.e.renewer = nil
+	n.e.mu.Unlock()
+	if r != nil {
+		r.stopAndWait()
+	}
 }
 
 func (n *node) pause(p bool) {
