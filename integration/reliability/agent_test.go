@@ -376,6 +376,18 @@ func unmountUnder(dir string) {
 	}
 }
 
+// stage and unstage ask the agent as the kubelet does: again on ABORTED.
+func (h *host) stage(ctx context.Context, req *api.StageVolumeRequest) error {
+	return askAgain(ctx, func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, req); return err })
+}
+
+func (h *host) unstage(ctx context.Context, vol, staging string) error {
+	return askAgain(ctx, func(ctx context.Context) error {
+		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: vol, StagingPath: staging})
+		return err
+	})
+}
+
 // askAgain makes call until it answers something other than ABORTED, as
 // the kubelet does: the agent's periodic claim check holds a volume for a
 // moment, and a call that meets it is told to come back.

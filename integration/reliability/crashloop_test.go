@@ -225,7 +225,7 @@ func TestCrashLoop(t *testing.T) {
 	// A last stage reads every marker back.
 	h.stop()
 	h.start()
-	if err := askAgain(context.Background(), func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, req); return err }); err != nil {
+	if err := h.stage(context.Background(), req); err != nil {
 		t.Fatalf("final stage: %v", err)
 	}
 	for i := 1; i <= rounds; i++ {
@@ -234,10 +234,7 @@ func TestCrashLoop(t *testing.T) {
 		}
 		checks++
 	}
-	if err := askAgain(context.Background(), func(ctx context.Context) error {
-		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: req.VolumeId, StagingPath: staging})
-		return err
-	}); err != nil {
+	if err := h.unstage(context.Background(), req.VolumeId, staging); err != nil {
 		t.Fatalf("final unstage: %v", err)
 	}
 	total := 0

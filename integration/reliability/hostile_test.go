@@ -111,7 +111,7 @@ func TestHostileAgentRequests(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	good := &api.StageVolumeRequest{VolumeId: "vol-1", Device: dev, StagingPath: staging, FsType: "ext4", AllowUnfenced: true}
-	if err := askAgain(ctx, func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, good); return err }); err != nil {
+	if err := h.stage(ctx, good); err != nil {
 		t.Fatalf("stage: %v", err)
 	}
 	target := filepath.Join(h.kubelet, "pods", "p1", "mount")
@@ -157,10 +157,7 @@ func TestHostileAgentRequests(t *testing.T) {
 		}, invOrNF},
 	}
 	runHostile(t, h, during)
-	if err := askAgain(ctx, func(ctx context.Context) error {
-		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-1", StagingPath: staging})
-		return err
-	}); err != nil {
+	if err := h.unstage(ctx, "vol-1", staging); err != nil {
 		t.Fatalf("unstage: %v", err)
 	}
 	if ents, _ := os.ReadDir(outside); len(ents) != 0 {

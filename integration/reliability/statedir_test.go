@@ -43,11 +43,8 @@ func TestStateDirSymlinks(t *testing.T) {
 	defer cancel()
 	staging := filepath.Join(h.kubelet, "staging")
 	stage := func(vol string) error {
-		return askAgain(ctx, func(ctx context.Context) error {
-			_, err := h.c.StageVolume(ctx, &api.StageVolumeRequest{VolumeId: vol, Device: &api.DeviceLocator{LoopBackingFile: h.img},
-				StagingPath: filepath.Join(staging, vol), FsType: "ext4", AllowUnfenced: true})
-			return err
-		})
+		return h.stage(ctx, &api.StageVolumeRequest{VolumeId: vol, Device: &api.DeviceLocator{LoopBackingFile: h.img},
+			StagingPath: filepath.Join(staging, vol), FsType: "ext4", AllowUnfenced: true})
 	}
 	for _, vol := range []string{"v-link", "v-dangling"} {
 		before := h.snap()
@@ -73,10 +70,7 @@ func TestStateDirSymlinks(t *testing.T) {
 	if st, err := os.Lstat(claimFile(h.state, "v-tmp")); err != nil || !st.Mode().IsRegular() {
 		t.Errorf("claim record of v-tmp: %v %v, want a regular file", st, err)
 	}
-	if err := askAgain(ctx, func(ctx context.Context) error {
-		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "v-tmp", StagingPath: filepath.Join(staging, "v-tmp")})
-		return err
-	}); err != nil {
+	if err := h.unstage(ctx, "v-tmp", filepath.Join(staging, "v-tmp")); err != nil {
 		t.Fatalf("unstage v-tmp: %v", err)
 	}
 	// A restart reads the claims directory again: the links are reported,
