@@ -741,7 +741,7 @@ func (m *Manager) refuse(c *Claim, dev *Device, held *fence.HeldError) {
 func (m *Manager) onLost(volume string) func(*fence.LostError) bool {
 	return func(lost *fence.LostError) bool {
 		l := m.getLive(volume)
-		stopped := l != nil
+		stopped := true
 		if l != nil {
 			if err := setReadOnly(l.dev.File, true); err != nil {
 				m.log.Error("could not set a fenced disk read-only", "volume", volume, "err", err)

@@ -350,7 +350,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	if err != nil {
 		return fence.Claim{}, err
 	}
-	if p := e.unconfirmed; p != nil && !e.held {
+	if p := e.unconfirmed; p != nil {
 		if !bytes.Equal(a.Raw[p.idx], p.blk) {
 			e.unconfirmed = nil
 		} else {

@@ -115,13 +115,17 @@ type Slot struct {
 // SlotSerial is serial as a slot keeps it (at most 64 bytes), for
 // comparing a device's serial with a slot's.
 func SlotSerial(serial string) string {
-	if len(serial) > serialLen {
-		serial = serial[:serialLen]
+	b := []byte(serial)
+	return fieldText(b[:min(len(b), serialLen)])
+}
+
+// fieldText is the text of a fixed-size, NUL-padded slot field, made
+// valid UTF-8 (a torn or foreign write may have cut a character).
+func fieldText(b []byte) string {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		b = b[:i]
 	}
-	if i := strings.IndexByte(serial, 0); i >= 0 {
-		serial = serial[:i]
-	}
-	return strings.ToValidUTF8(serial, "?")
+	return strings.ToValidUTF8(string(b), "?")
 }
 
 // Live reports whether the slot claims the disk.
@@ -279,16 +283,8 @@ func DecodeSlot(b []byte) (Slot, error) {
 		},
 		Supersedes: fence.Key(be.Uint64(b[64:])),
 	}
-	name := b[72 : 72+nodeNameLen]
-	if i := bytes.IndexByte(name, 0); i >= 0 {
-		name = name[:i]
-	}
-	s.Node = strings.ToValidUTF8(string(name), "?")
-	serial := b[136 : 136+serialLen]
-	if i := bytes.IndexByte(serial, 0); i >= 0 {
-		serial = serial[:i]
-	}
-	s.Serial = strings.ToValidUTF8(string(serial), "?")
+	s.Node = fieldText(b[72 : 72+nodeNameLen])
+	s.Serial = fieldText(b[136 : 136+serialLen])
 	switch {
 	case s.Key == 0:
 		return s, fmt.Errorf("lease slot names key 0")

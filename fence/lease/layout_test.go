@@ -38,6 +38,19 @@ func TestSlotRoundTrip(t *testing.T) {
 	if s, err := DecodeSlot(make([]byte, BlockSize)); err != nil || s.State != StateEmpty {
 		t.Fatalf("zero block: %+v %v", s, err)
 	}
+	// A serial is compared as the slot keeps it: one that is cut in the
+	// middle of a character, or holds a NUL, still matches its slot.
+	for _, serial := range []string{"5002", strings.Repeat("s", 63) + "é-tail", "ab\x00cd", ""} {
+		sl := s
+		sl.Serial = serial
+		got, err := DecodeSlot(EncodeSlot(sl))
+		if err != nil || got.Serial != SlotSerial(serial) {
+			t.Errorf("serial %q: slot keeps %q, SlotSerial says %q (%v)", serial, got.Serial, SlotSerial(serial), err)
+		}
+	}
+	if got := SlotSerial(strings.Repeat("s", 63) + "é"); got != strings.Repeat("s", 63)+"?" {
+		t.Errorf("a serial cut inside a character: %q", got)
+	}
 }
 
 func TestSlotRejectsNonsense(t *testing.T) {
