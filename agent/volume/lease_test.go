@@ -32,6 +32,16 @@ import (
 
 var testTiming = lease.Timing{IOTimeout: 500 * time.Millisecond, Renew: time.Second, Fail: 4 * time.Second, Watchdog: 0}
 
+// fencedLeaseEnv is a started agent on node that stages nothing unfenced,
+// so a disk without reservations is staged on the lease or not at all.
+func fencedLeaseEnv(t *testing.T, node, name string) *env {
+	t.Helper()
+	e := newEnvWith(t, leaseFencing(node, name))
+	e.cfg.AllowUnfenced = false
+	e.start()
+	return e
+}
+
 func leaseFencing(node, name string) *Fencing {
 	key, _ := fence.KeyFromUUID(node)
 	return &Fencing{Key: key, Node: node, Resolver: names,
@@ -65,12 +75,8 @@ func devEvent(t *testing.T, dev string) uevent.Event {
 
 func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	needRoot(t)
-	a := newEnvWith(t, leaseFencing(nodeA, "node-a"))
-	a.cfg.AllowUnfenced = false
-	a.start()
-	b := newEnvWith(t, leaseFencing(nodeB, "node-b"))
-	b.cfg.AllowUnfenced = false
-	b.start()
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	b := fencedLeaseEnv(t, nodeB, "node-b")
 	ctx := context.Background()
 	img, devA := loop(t, 64)
 	linkB, devB := shared(t, img)
@@ -292,9 +298,7 @@ func TestExpandOfALeaseDiskGrowsTheDataMapping(t *testing.T) {
 // write of the holder's lands after that mark.
 func TestLiveLeaseHolderAcknowledgesAGrantedTakeover(t *testing.T) {
 	needRoot(t)
-	a := newEnvWith(t, leaseFencing(nodeA, "node-a"))
-	a.cfg.AllowUnfenced = false
-	a.start()
+	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
 	img, devA := loop(t, 64)
 	_, devB := shared(t, img)

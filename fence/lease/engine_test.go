@@ -189,7 +189,6 @@ func TestReleaseOutlastsASlowWrite(t *testing.T) {
 	if ar.Slots[i].State != StateReleased {
 		t.Fatalf("A's slot after the release write: %+v", ar.Slots[i])
 	}
-	a.e.held = false
 	c, err := b.e.Acquire(ctx, nil)
 	if err != nil || len(c.Preempted) != 0 {
 		t.Fatalf("acquire after the slow release: %+v %v", c, err)
@@ -208,9 +207,8 @@ func TestTimedOutClaimWriteIsWithdrawnNotResumed(t *testing.T) {
 		t.Run(map[bool]string{false: "lost", true: "landed-late"}[lands], func(t *testing.T) {
 			ctx := context.Background()
 			dev := formattedLoop(t, 512)
-			a := newNode(t, dev, uuidA, "node-a")
 			var logs bytes.Buffer
-			a.e.log = slog.New(slog.NewTextHandler(&logs, nil))
+			a := newNodeWith(t, dev, uuidA, "node-a", "", &logs)
 			stall := testTiming.IOTimeout * 3 / 2
 			var late []byte
 			var once sync.Once
@@ -619,6 +617,7 @@ func TestAcquireFirstSetsCopiedSlotsAside(t *testing.T) {
 		if err != nil || len(c.Preempted) != 0 {
 			t.Fatalf("first claim of the clone: %+v %v", c, err)
 		}
+		b.stopRenewing() // its warnings would write the log read below
 		if strings.Contains(log.String(), "watching them") || strings.Contains(log.String(), "waiting for the lease to expire") {
 			t.Fatalf("a slot naming another disk's serial was waited for:\n%s", log.String())
 		}
@@ -633,6 +632,7 @@ func TestAcquireFirstSetsCopiedSlotsAside(t *testing.T) {
 		if _, err := b.e.AcquireFirst(ctx); err != nil {
 			t.Fatal(err)
 		}
+		b.stopRenewing() // its warnings would write the log read below
 		if !strings.Contains(log.String(), "watching them for a renewal") || strings.Contains(log.String(), "waiting for the lease to expire") {
 			t.Fatalf("a slot of unknown disk was not watched for one renewal interval, or was waited out:\n%s", log.String())
 		}

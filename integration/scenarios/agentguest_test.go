@@ -55,7 +55,6 @@ echo "the agent did not stop" >&2; exit 1`); err != nil {
 	}
 }
 
-// agentLog is the tail of the guest agent's log, for failure messages.
 // agentLab starts a lab for guests that run the agent (labtest.Start),
 // with losetup for a lease disk's data mapping, and logs each guest's
 // agent log, before the lab goes, when t failed.
@@ -74,6 +73,7 @@ func agentLab(t *testing.T, ctx context.Context) *lab.Lab {
 	return l
 }
 
+// agentLog is the tail of the guest agent's log, for failure messages.
 func agentLog(ctx context.Context, g *lab.Guest) string {
 	r, err := g.Sh(ctx, "tail -n 40 /run/agent.log")
 	if err != nil {
