@@ -5,6 +5,7 @@
 package client
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -13,7 +14,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 )
@@ -64,3 +67,22 @@ func explain(socket string, err error) error {
 
 // Close closes the connection.
 func (c *Client) Close() error { return c.conn.Close() }
+
+// AskAgain makes call, and makes it again while the agent answers ABORTED:
+// another request, or the agent's periodic claim check, holds the volume
+// for a moment, and the answer asks the caller to come back, as the
+// kubelet does. When ctx ends it returns the last answer.
+func AskAgain(ctx context.Context, call func(ctx context.Context) error) error {
+	err := call(ctx)
+	for status.Code(err) == codes.Aborted {
+		t := time.NewTimer(50 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+		err = call(ctx)
+	}
+	return err
+}

@@ -153,7 +153,8 @@ func runVolume(args []string) int {
 					Ciphertext: strings.TrimSpace(string(w))}
 			}
 		}
-		r, err := c.StageVolume(ctx, req)
+		var r *api.StageVolumeResponse
+		err := client.AskAgain(ctx, func(ctx context.Context) (err error) { r, err = c.StageVolume(ctx, req); return err })
 		if err != nil {
 			return fail("volume stage", apiError(o.socket, err))
 		}
@@ -163,7 +164,10 @@ func runVolume(args []string) int {
 		}
 		out = protoJSON(r)
 	case "unstage":
-		if _, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: vol, StagingPath: o.staging}); err != nil {
+		if err := client.AskAgain(ctx, func(ctx context.Context) error {
+			_, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: vol, StagingPath: o.staging})
+			return err
+		}); err != nil {
 			return fail("volume unstage", apiError(o.socket, err))
 		}
 		out = map[string]any{"ok": true}
@@ -172,7 +176,11 @@ func runVolume(args []string) int {
 			return 0
 		}
 	case "expand":
-		r, err := c.ExpandVolume(ctx, &api.ExpandVolumeRequest{VolumeId: vol, VolumePath: o.path, RequiredBytes: o.required})
+		var r *api.ExpandVolumeResponse
+		err := client.AskAgain(ctx, func(ctx context.Context) (err error) {
+			r, err = c.ExpandVolume(ctx, &api.ExpandVolumeRequest{VolumeId: vol, VolumePath: o.path, RequiredBytes: o.required})
+			return err
+		})
 		if err != nil {
 			return fail("volume expand", apiError(o.socket, err))
 		}

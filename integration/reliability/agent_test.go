@@ -18,8 +18,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
@@ -376,26 +374,22 @@ func unmountUnder(dir string) {
 	}
 }
 
-// stage and unstage ask the agent as the kubelet does: again on ABORTED.
+// askTimeout bounds how long stage and unstage ask again on ABORTED.
+const askTimeout = time.Minute
+
+// stage and unstage ask the agent as the kubelet does: again on ABORTED
+// (client.AskAgain).
 func (h *host) stage(ctx context.Context, req *api.StageVolumeRequest) error {
-	return askAgain(ctx, func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, req); return err })
+	ctx, cancel := context.WithTimeout(ctx, askTimeout)
+	defer cancel()
+	return client.AskAgain(ctx, func(ctx context.Context) error { _, err := h.c.StageVolume(ctx, req); return err })
 }
 
 func (h *host) unstage(ctx context.Context, vol, staging string) error {
-	return askAgain(ctx, func(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, askTimeout)
+	defer cancel()
+	return client.AskAgain(ctx, func(ctx context.Context) error {
 		_, err := h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: vol, StagingPath: staging})
 		return err
 	})
-}
-
-// askAgain makes call until it answers something other than ABORTED, as
-// the kubelet does: the agent's periodic claim check holds a volume for a
-// moment, and a call that meets it is told to come back.
-func askAgain(ctx context.Context, call func(ctx context.Context) error) error {
-	err := call(ctx)
-	for tries := 0; status.Code(err) == codes.Aborted && tries < 100 && ctx.Err() == nil; tries++ {
-		time.Sleep(20 * time.Millisecond)
-		err = call(ctx)
-	}
-	return err
 }

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/agent/client"
 )
 
 // hostileCall is one request the agent must refuse without changing
@@ -175,7 +176,7 @@ func runHostile(t *testing.T, h *host, calls []hostileCall) {
 		if slices.Contains(hc.want, codes.Aborted) {
 			err = call(ctx)
 		} else {
-			err = askAgain(ctx, call)
+			err = client.AskAgain(ctx, call)
 		}
 		cancel()
 		got := status.Code(err)
