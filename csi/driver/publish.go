@@ -77,7 +77,7 @@ const maxHolders = 32
 // publishedNote names the node the first publish context went to. It is
 // written before that context is returned, so a disk without it has had
 // none. firstPublishNote names the node of the first publish attempt; it
-// is written before the holder note on a disk that has neither, so a
+// is written before the holder notes on a disk that has neither, so a
 // holder note without it comes from a driver that did not keep
 // publishedNote, and such a disk counts as published. A clone or a
 // restored snapshot is a new disk without notes; were the cloud to copy
@@ -88,9 +88,9 @@ const (
 )
 
 // neverPublished says whether no publish context was ever returned for
-// the disk: no published note, and either no holder note or the holder
-// note of a first publish attempt that did not return (a retry after an
-// attach that timed out).
+// the disk: no published note, and either no holder note (of either form)
+// or the holder notes of a first publish attempt that did not return (a
+// retry after an attach that timed out).
 func neverPublished(notes []cloud.Note) bool {
 	if hasNote(notes, publishedNote) {
 		return false

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
@@ -76,8 +77,9 @@ type faultCloud struct {
 	dead   bool
 	fired  string // the call that failed, for the report
 	diskID int64
-	// attached is called after every attach that reached the cloud.
-	attached func()
+	// changed is called after every attach or detach that reached the
+	// cloud.
+	changed func()
 }
 
 func injected(op string) error {
@@ -145,11 +147,11 @@ func (f *faultCloud) ListVMDisks(ctx context.Context, cs string, vm int64) (ds [
 }
 
 func (f *faultCloud) AttachDisk(ctx context.Context, cs string, vm, id int64) error {
-	return f.do("AttachDisk", func() error { err := f.Cloud.AttachDisk(ctx, cs, vm, id); f.attached(); return err })
+	return f.do("AttachDisk", func() error { err := f.Cloud.AttachDisk(ctx, cs, vm, id); f.changed(); return err })
 }
 
 func (f *faultCloud) DetachDisk(ctx context.Context, cs string, vm, id int64) error {
-	return f.do("DetachDisk", func() error { return f.Cloud.DetachDisk(ctx, cs, vm, id) })
+	return f.do("DetachDisk", func() error { err := f.Cloud.DetachDisk(ctx, cs, vm, id); f.changed(); return err })
 }
 
 // simOp is one CO request: publish (or unpublish) the volume to node.
@@ -263,6 +265,10 @@ type simWorld struct {
 	// asked: a publish to the node reached the controller while the disk
 	// was attached to no other VM; only such a node may be recorded.
 	asked map[int]bool
+	// on is the node the disk is attached to (-1: none), known while
+	// onKnown; an attach or detach that reaches the cloud unsets it.
+	on      int
+	onKnown bool
 }
 
 func newSimWorld(t testing.TB, tokenFile string) *simWorld {
@@ -301,7 +307,7 @@ func newSimWorld(t testing.TB, tokenFile string) *simWorld {
 
 // start makes a new controller over the same cloud: a restart.
 func (w *simWorld) start() {
-	w.fc = &faultCloud{Cloud: w.api, at: -1, diskID: w.diskID, attached: w.observe}
+	w.fc = &faultCloud{Cloud: w.api, at: -1, diskID: w.diskID, changed: w.changed}
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "sim", Mode: driver.ModeController,
 		Cloud: w.fc, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 15 * time.Millisecond})
 	if err != nil {
@@ -314,6 +320,14 @@ func (w *simWorld) start() {
 // attachedTo is the node whose VM has the disk, -1 for none; the test's
 // own look, not counted as a controller call.
 func (w *simWorld) attachedTo() int {
+	if w.onKnown {
+		return w.on
+	}
+	w.on, w.onKnown = w.lookOn(), true
+	return w.on
+}
+
+func (w *simWorld) lookOn() int {
 	d, err := w.api.GetDisk(context.Background(), hostLoc, w.diskID)
 	if err != nil {
 		w.t.Fatal(err)
@@ -327,6 +341,12 @@ func (w *simWorld) attachedTo() int {
 		w.t.Fatalf("disk on VM %d, not one of the simulation's nodes", d.VMID)
 	}
 	return -1
+}
+
+// changed notes an attach or detach that reached the cloud.
+func (w *simWorld) changed() {
+	w.onKnown = false
+	w.observe()
 }
 
 func (w *simWorld) observe() {
@@ -456,20 +476,37 @@ func (w *simWorld) run(seq []simOp, f simFault) []int {
 			if err != nil {
 				w.fail("%s failed without a fault: %v", op, err)
 			}
+			w.probe()
 			continue
 		}
 		n, err := w.attempt(op, f.kind, f.at)
 		counts[i] = n
 		if err == nil {
+			w.probe()
 			continue
 		}
 		if f.abandon && op.publish {
 			w.untilOK(simOp{false, op.node})
-			continue
+		} else {
+			w.untilOK(op)
 		}
-		w.untilOK(op)
+		w.probe()
 	}
 	return counts
+}
+
+// probe asks, as a CO must not, to publish the disk to another node while
+// it is attached: the controller refuses, and must record nothing (the
+// grant check's "never published the free disk").
+func (w *simWorld) probe() {
+	x := w.attachedTo()
+	if x < 0 {
+		return
+	}
+	other := simOp{true, (x + 1) % len(w.refs)}
+	if _, err := w.attempt(other, noFault, -1); driver.CodeForError(err) != codes.FailedPrecondition {
+		w.fail("%s while the disk is attached to node %c: %v, want FailedPrecondition", other, 'A'+x, err)
+	}
 }
 
 func TestPublishSimulation(t *testing.T) {
