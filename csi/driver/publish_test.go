@@ -2,6 +2,8 @@ package driver_test
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -227,4 +229,91 @@ func TestRetriedTakeoverPublishKeepsItsGrant(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantSupersedes(t, grantOf(t, pc, id, c), a, b)
+}
+
+// TestHolderNotesOfEarlierVersionsAreRead: a disk published by a version
+// that kept only the last holder (vco-csi/holder), or by one run in
+// between, loses none of its holders.
+func TestHolderNotesOfEarlierVersionsAreRead(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "upgraded"})
+	vms := vmsOf(t, e, hostLoc)
+	a, b, c := vms[0].ReferenceID, vms[1].ReferenceID, vms[2].ReferenceID
+	// An earlier version published the disk to a.
+	if err := e.api.SetDiskNote(ctx, hostLoc, mustDisk(t, id), "vco-csi/holder", strings.ToUpper(a)); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, b), a)
+	unpublishFrom(t, e, id, b)
+	// The controller is rolled back, publishes to c (its note: c alone),
+	// and rolled forward again.
+	if err := e.api.SetDiskNote(ctx, hostLoc, mustDisk(t, id), "vco-csi/holder", c); err != nil {
+		t.Fatal(err)
+	}
+	r, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, a), b, c)
+	// What a controller of the earlier version reads: the last holder.
+	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range notes {
+		if n.Title == "vco-csi/holder" && n.Content != a {
+			t.Fatalf("vco-csi/holder says %q after the publish to %s", n.Content, a)
+		}
+	}
+}
+
+// TestHoldersAreBounded: the list keeps the most recent 32 nodes, so the
+// grant after 34 different nodes names the 31 others among them.
+func TestHoldersAreBounded(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "travelled"})
+	var refs []string
+	for i := range 34 {
+		ref := fmt.Sprintf("b0b00000-0000-4000-8000-%012d", i+1)
+		if _, err := e.sim.AddVM("cs-"+hostLoc, fmt.Sprintf("node-%d", i), ref, false); err != nil {
+			t.Fatal(err)
+		}
+		refs = append(refs, ref)
+	}
+	var last *fence.Grant
+	for i, ref := range refs {
+		r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: ref, VolumeCapability: rwo[0]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = grantOf(t, r.PublishContext, id, ref)
+		if i > 0 && i < 32 {
+			wantSupersedes(t, last, refs[:i]...)
+		}
+		unpublishFrom(t, e, id, ref)
+	}
+	wantSupersedes(t, last, refs[2:33]...)
+}
+
+// TestUnreadableHoldersNoteRefusesPublish: a holders note that names no
+// node (edited by hand) stops the publish before anything is attached,
+// saying which note to correct.
+func TestUnreadableHoldersNoteRefusesPublish(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "edited"})
+	if err := e.api.SetDiskNote(ctx, hostLoc, mustDisk(t, id), "vco-csi/holders", vmsOf(t, e, hostLoc)[0].ReferenceID+",node-7"); err != nil {
+		t.Fatal(err)
+	}
+	_, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.FailedPrecondition, id, "vco-csi/holders", "node-7")
+	if d, _ := e.api.GetDisk(ctx, hostLoc, mustDisk(t, id)); d.VMID != 0 {
+		t.Fatalf("the refused publish attached the disk to VM %d", d.VMID)
+	}
 }
