@@ -30,8 +30,11 @@ import (
 // a publish, an attach that does not show within the wait. The CO then
 // retries the failed call until it succeeds, or gives a failed publish up
 // and unpublishes. After every publish that returns, the grant must name
-// the key of every node that may have the disk's key on it and of no node
-// that never could, and never the node published to.
+// the key of every node whose key may be on the disk, of no node that was
+// never asked for the free disk, and never the node published to. No
+// controller can name exactly the keys on the disk: it cannot know whether
+// an attach whose answer it lost took effect, nor whether a publish
+// context it returned reached the node; the test holds it to these bounds.
 //
 // The cloud is the simulator (csi/sim), served in-process; faults are
 // injected between the driver and its API client (faultCloud), so each is
@@ -243,7 +246,6 @@ func (f simFault) String() string {
 // simWorld is one run's cloud and the truth the test keeps about it.
 type simWorld struct {
 	t       testing.TB
-	sim     *sim.Server
 	api     *cloud.Client
 	id      string
 	diskID  int64
@@ -292,7 +294,7 @@ func newSimWorld(t testing.TB, tokenFile string) *simWorld {
 	if err != nil || len(vms) < 3 {
 		t.Fatalf("the simulator's VMs in %s: %v %v", hostLoc, vms, err)
 	}
-	w := &simWorld{t: t, sim: s, api: api, id: fmt.Sprintf("%s/%d", hostLoc, diskID), diskID: diskID, vms: vms[:3],
+	w := &simWorld{t: t, api: api, id: fmt.Sprintf("%s/%d", hostLoc, diskID), diskID: diskID, vms: vms[:3],
 		attachedEver: map[int]bool{}, given: map[int]bool{}, asked: map[int]bool{}}
 	for _, vm := range w.vms {
 		k, err := fence.KeyFromUUID(vm.ReferenceID)
