@@ -64,10 +64,10 @@ const (
 
 // maxHolders bounds holdersNote. When a node is added to a full list the
 // oldest is dropped. Its key can still hold the disk only if none of the
-// maxHolders nodes published after it staged the disk (each stage
-// takes over every key its grant names, and the grants named the dropped
-// node); a publish that meets it anyway is refused naming the key, as
-// before this list existed.
+// maxHolders nodes published after it staged the disk (a stage leaves the
+// disk held by the node that staged, and their grants named the dropped
+// node); a stage that meets it anyway is refused naming the key, as for
+// any holder no grant names.
 const maxHolders = 32
 
 // Two more notes say whether a publish context was ever returned for the
@@ -77,7 +77,7 @@ const maxHolders = 32
 // publishedNote names the node the first publish context went to. It is
 // written before that context is returned, so a disk without it has had
 // none. firstPublishNote names the node of the first publish attempt; it
-// is written before the holder notes on a disk that has neither, so a
+// is written before the holder notes on a disk that has none of these, so a
 // holder note without it comes from a driver that did not keep
 // publishedNote, and such a disk counts as published. A clone or a
 // restored snapshot is a new disk without notes; were the cloud to copy
@@ -156,7 +156,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	}
 	me, err := fence.CanonicalUUID(node)
 	if err != nil {
-		return nil, failf(ErrPrecondition, "volume %s: node %s (VM %s) has no fence key: %v", id, node, vm.Name, err)
+		return nil, failf(ErrPrecondition, "volume %s: node %s (VM %s) has no fence key to record, its id is not an SMBIOS UUID: %v", id, node, vm.Name, err)
 	}
 	holders := withHolder(recorded, me)
 	never := neverPublished(notes)
