@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -35,12 +37,38 @@ const (
 // NeverPublished reads PubNeverPublished from a publish context.
 func NeverPublished(pc map[string]string) bool { return pc[PubNeverPublished] == "true" }
 
-// holderNote is the disk note in which the controller records the node the
-// disk was last published to. It survives controller restarts and detaches,
-// which is what a takeover grant needs: after a node dies, Kubernetes
-// detaches the disk first and publishes it elsewhere later, and by then the
-// cloud no longer says who had it.
-const holderNote = "vco-csi/holder"
+// The controller records on the disk's notes which nodes may hold a fence
+// key on it, because a takeover grant must name them and the notes are the
+// only state that outlives a controller restart. After a node dies,
+// Kubernetes detaches the disk first and publishes it elsewhere later, and
+// by then the cloud no longer says who had it.
+//
+// holdersNote lists, oldest first and comma-separated, the canonical UUID
+// of every node the controller has attached the disk to or may have: a node
+// goes into the list before the attach to it is asked for, and stays. A
+// node can only have registered a key on the disk by staging it, which
+// needs an attachment; nothing the controller sees proves that the key is
+// gone again (an unpublish follows a clean unstage or a dead node's forced
+// detach alike, and a publish is no proof that the node staged and took the
+// earlier keys over), so no event removes a node but the bound below.
+//
+// holderNote is the form earlier versions kept, the last node only. It is
+// still written, after holdersNote, so that an earlier controller run
+// after this one grants at least the takeover of the last holder, and read,
+// so that a disk published by an earlier version (or by one run in
+// between) loses none of its holders.
+const (
+	holdersNote = "vco-csi/holders"
+	holderNote  = "vco-csi/holder"
+)
+
+// maxHolders bounds holdersNote. When a node is added to a full list the
+// oldest is dropped. Its key can still hold the disk only if none of the
+// maxHolders nodes published after it staged the disk (a stage leaves the
+// disk held by the node that staged, and their grants named the dropped
+// node); a stage that meets it anyway is refused naming the key, as for
+// any holder no grant names.
+const maxHolders = 32
 
 // Two more notes say whether a publish context was ever returned for the
 // disk. The driver writes each once and never changes or removes either:
@@ -49,7 +77,7 @@ const holderNote = "vco-csi/holder"
 // publishedNote names the node the first publish context went to. It is
 // written before that context is returned, so a disk without it has had
 // none. firstPublishNote names the node of the first publish attempt; it
-// is written before the holder note on a disk that has neither, so a
+// is written before the holder notes on a disk that has none of these, so a
 // holder note without it comes from a driver that did not keep
 // publishedNote, and such a disk counts as published. A clone or a
 // restored snapshot is a new disk without notes; were the cloud to copy
@@ -60,14 +88,14 @@ const (
 )
 
 // neverPublished says whether no publish context was ever returned for
-// the disk: no published note, and either no holder note or the holder
-// note of a first publish attempt that did not return (a retry after an
-// attach that timed out).
+// the disk: no published note, and either no holder note (of either form)
+// or the holder notes of a first publish attempt that did not return (a
+// retry after an attach that timed out).
 func neverPublished(notes []cloud.Note) bool {
 	if hasNote(notes, publishedNote) {
 		return false
 	}
-	return !hasNote(notes, holderNote) || hasNote(notes, firstPublishNote)
+	return !(hasNote(notes, holderNote) || hasNote(notes, holdersNote)) || hasNote(notes, firstPublishNote)
 }
 
 func hasNote(notes []cloud.Note, title string) bool {
@@ -120,18 +148,30 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 
 	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
 	if err != nil {
-		return nil, fmt.Errorf("volume %s: reading its holder note: %w", id, err)
+		return nil, fmt.Errorf("volume %s: reading its holder notes: %w", id, err)
 	}
-	previous := previousHolders(notes, node)
+	recorded, err := recordedHolders(notes)
+	if err != nil {
+		return nil, failf(ErrPrecondition, "volume %s: %v; correct or remove that note (vco-csi/holders lists node UUIDs, comma-separated) and retry", id, err)
+	}
+	me, err := fence.CanonicalUUID(node)
+	if err != nil {
+		return nil, failf(ErrPrecondition, "volume %s: node %s (VM %s) has no fence key to record, its id is not an SMBIOS UUID: %v", id, node, vm.Name, err)
+	}
+	holders := withHolder(recorded, me)
 	never := neverPublished(notes)
 	if never && !hasNote(notes, firstPublishNote) {
-		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, firstPublishNote, canonicalUUID(node)); err != nil {
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, firstPublishNote, me); err != nil {
 			return nil, fmt.Errorf("recording the first publish of volume %s (to node %s): %w", id, node, err)
 		}
 	}
-	// Record the new holder before attaching: if the attach happens and
-	// the controller dies, the next grant still knows who may hold a key.
-	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, canonicalUUID(node)); err != nil {
+	// Record the node before attaching: if the attach happens and this
+	// call fails or the controller dies, every later grant still names it.
+	// A retry reads the list it wrote and grants the same takeover.
+	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holdersNote, strings.Join(holders, ",")); err != nil {
+		return nil, fmt.Errorf("recording node %s among the holders of volume %s: %w", node, id, err)
+	}
+	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, me); err != nil {
 		return nil, fmt.Errorf("recording node %s as holder of volume %s: %w", node, id, err)
 	}
 	if disk.VMID == 0 {
@@ -164,15 +204,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	}
 	// A grant only when there is someone to take over from: the agent
 	// refuses a grant that supersedes nothing.
-	if len(previous) > 0 {
-		grant := fence.Grant{Disk: id, Node: canonicalUUID(node)}
-		for _, p := range previous {
-			k, err := fence.KeyFromUUID(p)
-			if err != nil {
-				return nil, failf(ErrPrecondition, "volume %s: the earlier holder recorded in its %q note is not a node id: %v", id, holderNote, err)
-			}
-			grant.Supersedes = append(grant.Supersedes, k)
-		}
+	if grant := takeoverGrant(id, me, holders); grant != nil {
 		pc[PubFenceGrant] = grant.Encode()
 	}
 	if never {
@@ -195,16 +227,76 @@ func (d *Driver) attachedElsewhere(ctx context.Context, id string, vmID int64, n
 	return failf(ErrPrecondition, "volume %s is attached to %s; it must be unpublished there before node %s can have it", id, other, node)
 }
 
-// previousHolders returns the earlier holder recorded on the disk, if it
-// is not this node.
-func previousHolders(notes []cloud.Note, node string) []string {
+// recordedHolders reads the nodes the disk's notes say may hold a key on
+// it, oldest first: holdersNote's list, then a holderNote naming a node not
+// in it (written by an earlier version, after the list). Every note of
+// either title counts, should the cloud hold two.
+func recordedHolders(notes []cloud.Note) ([]string, error) {
 	var out []string
+	add := func(title, entry string) error {
+		u, err := fence.CanonicalUUID(entry)
+		if err != nil {
+			return fmt.Errorf("its %q note names a holder that is not a node id: %v", title, err)
+		}
+		if !slices.Contains(out, u) {
+			out = append(out, u)
+		}
+		return nil
+	}
 	for _, n := range notes {
-		if n.Title == holderNote && n.Content != "" && !cloud.SameReference(n.Content, node) {
-			out = append(out, canonicalUUID(n.Content))
+		if n.Title != holdersNote {
+			continue
+		}
+		for _, entry := range strings.FieldsFunc(n.Content, func(r rune) bool { return r == ',' || unicode.IsSpace(r) }) {
+			if err := add(holdersNote, entry); err != nil {
+				return nil, err
+			}
 		}
 	}
+	for _, n := range notes {
+		if n.Title == holderNote && strings.TrimSpace(n.Content) != "" {
+			if err := add(holderNote, n.Content); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return out, nil
+}
+
+// withHolder returns holders with node moved to the end, the oldest
+// dropped beyond maxHolders.
+func withHolder(holders []string, node string) []string {
+	out := make([]string, 0, len(holders)+1)
+	for _, h := range holders {
+		if h != node {
+			out = append(out, h)
+		}
+	}
+	out = append(out, node)
+	if len(out) > maxHolders {
+		out = out[len(out)-maxHolders:]
+	}
 	return out
+}
+
+// takeoverGrant is the grant for node: every recorded holder's key but its
+// own; nil when there is none.
+func takeoverGrant(id, node string, holders []string) *fence.Grant {
+	g := &fence.Grant{Disk: id, Node: node}
+	for _, h := range holders {
+		if h == node {
+			continue
+		}
+		k, err := fence.KeyFromUUID(h)
+		if err != nil {
+			continue // recordedHolders let only node ids in
+		}
+		g.Supersedes = append(g.Supersedes, k)
+	}
+	if len(g.Supersedes) == 0 {
+		return nil
+	}
+	return g
 }
 
 // waitAttached polls the VM's disks until the disk shows with its PCI

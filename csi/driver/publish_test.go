@@ -2,6 +2,8 @@ package driver_test
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +12,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 // publishTo publishes volume id to the node with reference ref and returns
@@ -123,5 +126,194 @@ func TestDiskWithAnEarlierDriversHolderNoteCountsAsPublished(t *testing.T) {
 	}
 	if publishTo(t, e, id, a) {
 		t.Fatal("a disk with an earlier holder says never published")
+	}
+}
+
+// grantOf parses the publish context's grant for volume id and node ref,
+// nil when there is none, and checks the agent would accept it there.
+func grantOf(t *testing.T, pc map[string]string, id, ref string) *fence.Grant {
+	t.Helper()
+	raw, ok := pc[driver.PubFenceGrant]
+	if !ok {
+		return nil
+	}
+	g, err := fence.ParseGrant(raw)
+	if err != nil {
+		t.Fatalf("publish context's grant %q: %v", raw, err)
+	}
+	if err := g.ForNode(ref, id); err != nil {
+		t.Fatalf("grant %s is not for node %s and volume %s: %v", raw, ref, id, err)
+	}
+	return g
+}
+
+// wantSupersedes checks that g names exactly the keys of the nodes refs.
+func wantSupersedes(t *testing.T, g *fence.Grant, refs ...string) {
+	t.Helper()
+	if g == nil {
+		t.Fatalf("no grant; want one superseding the keys of %v", refs)
+	}
+	want := map[fence.Key]bool{}
+	for _, r := range refs {
+		k, err := fence.KeyFromUUID(r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want[k] = true
+	}
+	got := map[fence.Key]bool{}
+	for _, k := range g.Supersedes {
+		got[k] = true
+	}
+	if len(got) != len(g.Supersedes) || len(got) != len(want) {
+		t.Fatalf("grant supersedes %v; want exactly the keys of %v", g.Supersedes, refs)
+	}
+	for k := range want {
+		if !got[k] {
+			t.Fatalf("grant supersedes %v; want exactly the keys of %v", g.Supersedes, refs)
+		}
+	}
+}
+
+// TestRetriedTakeoverPublishKeepsItsGrant is the safety issue's defect 1:
+// node a died holding the disk, the disk was detached from it, and the
+// publish to node b timed out once. The retry must still grant b the
+// takeover of a's key, and a later publish to c must supersede both.
+func TestRetriedTakeoverPublishKeepsItsGrant(t *testing.T) {
+	e := newTestEnv(t, envOpts{attach: 50 * time.Millisecond})
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "takeover"})
+	vms := vmsOf(t, e, hostLoc)
+	a, b, c := vms[0].ReferenceID, vms[1].ReferenceID, vms[2].ReferenceID
+	ctx := context.Background()
+	publish := func(ref string) (map[string]string, error) {
+		r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: ref, VolumeCapability: rwo[0]})
+		return r.GetPublishContext(), err
+	}
+
+	pc, err := publish(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := grantOf(t, pc, id, a); g != nil {
+		t.Fatalf("the first publish carries grant %+v", g)
+	}
+	// Node a dies; Kubernetes detaches the disk from it (the controller
+	// cannot tell this from a clean unpublish).
+	unpublishFrom(t, e, id, a)
+
+	// The publish to b attaches, then its wait runs out.
+	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(100 * time.Millisecond)})
+	_, err = publish(b)
+	wantCode(t, err, codes.DeadlineExceeded, id)
+	e.sim.SetFaults(sim.Faults{})
+	if d, _ := e.api.GetDisk(ctx, hostLoc, mustDisk(t, id)); d.VMID != vms[1].ID {
+		t.Fatalf("the timed-out publish left the disk on VM %d, want it attached to b (VM %d)", d.VMID, vms[1].ID)
+	}
+	// The CO's retry: a's key may still be on the disk, so b needs the grant.
+	pc, err = publish(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, pc, id, b), a)
+	// And again, as after a controller restart: the same grant.
+	pc, err = publish(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, pc, id, b), a)
+
+	// b goes too; c may meet a's key (b never staged) or b's (it did).
+	unpublishFrom(t, e, id, b)
+	pc, err = publish(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, pc, id, c), a, b)
+}
+
+// TestHolderNotesOfEarlierVersionsAreRead: a disk published by a version
+// that kept only the last holder (vco-csi/holder), or by one run in
+// between, loses none of its holders.
+func TestHolderNotesOfEarlierVersionsAreRead(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "upgraded"})
+	vms := vmsOf(t, e, hostLoc)
+	a, b, c := vms[0].ReferenceID, vms[1].ReferenceID, vms[2].ReferenceID
+	// An earlier version published the disk to a.
+	if err := e.api.SetDiskNote(ctx, hostLoc, mustDisk(t, id), "vco-csi/holder", strings.ToUpper(a)); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, b), a)
+	unpublishFrom(t, e, id, b)
+	// The controller is rolled back, publishes to c (its note: c alone),
+	// and rolled forward again.
+	if err := e.api.SetDiskNote(ctx, hostLoc, mustDisk(t, id), "vco-csi/holder", c); err != nil {
+		t.Fatal(err)
+	}
+	r, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, a), b, c)
+	// What a controller of the earlier version reads: the last holder.
+	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range notes {
+		if n.Title == "vco-csi/holder" && n.Content != a {
+			t.Fatalf("vco-csi/holder says %q after the publish to %s", n.Content, a)
+		}
+	}
+}
+
+// TestHoldersAreBounded: the list keeps the most recent 32 nodes, so the
+// grant after 34 different nodes names the 31 others among them.
+func TestHoldersAreBounded(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "travelled"})
+	var refs []string
+	for i := range 34 {
+		ref := fmt.Sprintf("b0b00000-0000-4000-8000-%012d", i+1)
+		if _, err := e.sim.AddVM("cs-"+hostLoc, fmt.Sprintf("node-%d", i), ref, false); err != nil {
+			t.Fatal(err)
+		}
+		refs = append(refs, ref)
+	}
+	var last *fence.Grant
+	for i, ref := range refs {
+		r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: ref, VolumeCapability: rwo[0]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = grantOf(t, r.PublishContext, id, ref)
+		if i > 0 && i < 32 {
+			wantSupersedes(t, last, refs[:i]...)
+		}
+		unpublishFrom(t, e, id, ref)
+	}
+	wantSupersedes(t, last, refs[2:33]...)
+}
+
+// TestUnreadableHoldersNoteRefusesPublish: a holders note that names no
+// node (edited by hand) stops the publish before anything is attached,
+// saying which note to correct.
+func TestUnreadableHoldersNoteRefusesPublish(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "edited"})
+	if err := e.api.SetDiskNote(ctx, hostLoc, mustDisk(t, id), "vco-csi/holders", vmsOf(t, e, hostLoc)[0].ReferenceID+",node-7"); err != nil {
+		t.Fatal(err)
+	}
+	_, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.FailedPrecondition, id, "vco-csi/holders", "node-7")
+	if d, _ := e.api.GetDisk(ctx, hostLoc, mustDisk(t, id)); d.VMID != 0 {
+		t.Fatalf("the refused publish attached the disk to VM %d", d.VMID)
 	}
 }
