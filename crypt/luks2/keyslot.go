@@ -68,7 +68,7 @@ func (p KDFParams) withDefaults() KDFParams {
 	return p
 }
 
-func (p KDFParams) kdf() (KDF, error) {
+func (p KDFParams) kdf(keyLen int) (KDF, error) {
 	p = p.withDefaults()
 	salt := make([]byte, 32)
 	if _, err := rand.Read(salt); err != nil {
@@ -83,7 +83,7 @@ func (p KDFParams) kdf() (KDF, error) {
 	default:
 		return KDF{}, fmt.Errorf("KDF type %q is not supported", p.Type)
 	}
-	if err := k.validate("kdf"); err != nil {
+	if err := k.validate("kdf", keyLen); err != nil {
 		return KDF{}, err
 	}
 	return k, nil
@@ -195,6 +195,9 @@ func newDigest(key []byte, iterations int) (*Digest, error) {
 	}
 	d := &Digest{Type: "pbkdf2", Hash: "sha256", Iterations: iterations,
 		Salt: make([]byte, 32), Digest: make([]byte, 32), Segments: []string{"0"}}
+	if err := d.validateCost("digests.0"); err != nil {
+		return nil, err
+	}
 	if _, err := rand.Read(d.Salt); err != nil {
 		return nil, err
 	}
@@ -209,11 +212,11 @@ func newDigest(key []byte, iterations int) (*Digest, error) {
 // sealSlot builds keyslot metadata at area offset off and the encrypted key
 // material to write there.
 func sealSlot(volumeKey, passphrase []byte, p KDFParams, off uint64) (*Keyslot, []byte, error) {
-	kdf, err := p.kdf()
+	ks := len(volumeKey)
+	kdf, err := p.kdf(ks)
 	if err != nil {
 		return nil, nil, err
 	}
-	ks := len(volumeKey)
 	k := &Keyslot{
 		Type:    "luks2",
 		KeySize: ks,
