@@ -1,6 +1,7 @@
 package luks2
 
 import (
+	"context"
 	"crypto/aes"
 	"crypto/rand"
 	"crypto/subtle"
@@ -138,12 +139,18 @@ var ErrWrongPassphrase = errors.New("no keyslot accepts this passphrase")
 // openSlot recovers the volume key from keyslot id, or returns
 // ErrWrongPassphrase when the digest does not confirm it.
 func (v *Volume) openSlot(id string, passphrase []byte) ([]byte, error) {
+	return v.openSlotContext(context.Background(), id, passphrase, nil)
+}
+
+// openSlotContext is openSlot with its key derivation run within budget
+// and abandoned when ctx ends (deriveContext).
+func (v *Volume) openSlotContext(ctx context.Context, id string, passphrase []byte, budget *KDFBudget) ([]byte, error) {
 	m := v.Header.Meta
 	k, ok := m.Keyslots[id]
 	if !ok {
 		return nil, fmt.Errorf("%s: keyslot %s does not exist", v.path, id)
 	}
-	areaKey, err := k.KDF.derive(passphrase, k.Area.KeySize)
+	areaKey, err := deriveContext(ctx, k.KDF, passphrase, k.Area.KeySize, budget)
 	if err != nil {
 		return nil, fmt.Errorf("%s: keyslot %s: %w", v.path, id, err)
 	}
