@@ -220,3 +220,41 @@ func writeFuzzSeed(t *testing.T, p, name string) {
 		t.Fatal(err)
 	}
 }
+
+// TestWorstAllowedKeyslotTime measures what the bounds still allow: one
+// keyslot of each kind at its bound, with the digest at its bound, through
+// the real unlock path. It takes minutes, so it runs only when asked
+// (VCO_LUKS2_WORST=1); docs/encryption.md quotes its figures. The worst
+// header has 32 such keyslots.
+func TestWorstAllowedKeyslotTime(t *testing.T) {
+	if os.Getenv("VCO_LUKS2_WORST") == "" {
+		t.Skip("set VCO_LUKS2_WORST=1 to measure (minutes)")
+	}
+	p, v := formatImage(t, 32<<20, FormatOptions{})
+	if _, err := v.AddKeyslot([]byte("correct horse"), []byte("one"), testKDF); err != nil {
+		t.Fatal(err)
+	}
+	v.Close()
+	rewriteJSON(t, p, 0, []bool{true, false}, func(m map[string]any) {
+		setArgon(m, MaxArgonWorkKiB/MaxArgonMemoryKiB, MaxArgonMemoryKiB, 4)
+		s1 := m["keyslots"].(map[string]any)["1"].(map[string]any)
+		s1["kdf"] = map[string]any{"type": "pbkdf2", "hash": "sha512", "iterations": MaxPBKDF2Blocks, "salt": kdf0(m)["salt"]}
+		digest0(m)["hash"], digest0(m)["iterations"] = "sha512", MaxDigestBlocks
+	})
+	w, err := Open(p, false)
+	if err != nil {
+		t.Fatalf("the worst allowed header is refused: %v", err)
+	}
+	defer w.Close()
+	var worst time.Duration
+	for slot, what := range []string{"argon2id 32 passes over 1 GiB, 4 lanes", "pbkdf2-sha512 2^26 iterations"} {
+		start := time.Now()
+		if _, err := w.UnlockSlot(slot, []byte("x")); !errors.Is(err, ErrWrongPassphrase) {
+			t.Fatalf("keyslot %d: %v", slot, err)
+		}
+		took := time.Since(start)
+		worst = max(worst, took)
+		t.Logf("keyslot %d (%s, then the digest: pbkdf2-sha512 2^24): %v", slot, what, took)
+	}
+	t.Logf("worst allowed header, 32 keyslots: about %v", 32*worst)
+}
