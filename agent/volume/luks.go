@@ -194,6 +194,9 @@ func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok T
 	if err := tok.check(); err != nil {
 		return err
 	}
+	if mem, max := l.formatMemoryKiB(), orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB); mem > max {
+		return fmt.Errorf("the agent's keyslot cost (%d KiB of argon2 memory) is above what its own unlock allows (%d KiB); it would format %s into a volume it cannot open", mem, max, device)
+	}
 	o := luks2.FormatOptions{
 		Passphrase: passphrase, KDF: l.KDF, Force: force,
 		TransitToken: &luks2.TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext},
@@ -206,6 +209,15 @@ func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok T
 		return err
 	}
 	return v.Close()
+}
+
+// formatMemoryKiB is the argon2 memory of the keyslot Format makes.
+func (l *LUKS) formatMemoryKiB() int {
+	switch l.KDF.Type {
+	case "", "argon2id", "argon2i":
+		return orDefault(l.KDF.MemoryKiB, luks2.DefaultKDF.MemoryKiB)
+	}
+	return 0
 }
 
 // Open implements Encryption. The unlock gives up when ctx ends or

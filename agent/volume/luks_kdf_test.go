@@ -82,3 +82,23 @@ func TestLUKSOpenSkipsKeyslotsAboveTheMemoryLimit(t *testing.T) {
 		t.Fatalf("want the keyslot left out for its memory, got %v", err)
 	}
 }
+
+// The agent does not format a volume its own unlock would refuse, and
+// writes nothing when it refuses.
+func TestLUKSFormatKeepsWithinTheUnlockLimit(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "blank.img")
+	if err := os.WriteFile(p, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(p, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	l := &LUKS{KDF: luks2.KDFParams{MemoryKiB: 32 << 10}, KDFMaxMemoryKiB: 16 << 10}
+	err := l.Format(context.Background(), p, []byte(secret), wrapped, false)
+	if err == nil || !strings.Contains(err.Error(), "cannot open") {
+		t.Fatalf("want a refusal, got %v", err)
+	}
+	if ct, err := l.Inspect(context.Background(), p); err != nil || ct.Kind != ContentBlank {
+		t.Fatalf("the refused format left %+v (%v)", ct, err)
+	}
+}
