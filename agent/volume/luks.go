@@ -194,8 +194,8 @@ func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok T
 	if err := tok.check(); err != nil {
 		return err
 	}
-	if mem, max := l.formatMemoryKiB(), orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB); mem > max {
-		return fmt.Errorf("the agent's keyslot cost (%d KiB of argon2 memory) is above what its own unlock allows (%d KiB); it would format %s into a volume it cannot open", mem, max, device)
+	if mem, limit := l.formatMemoryKiB(), orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB); mem > limit {
+		return fmt.Errorf("the agent's keyslot cost (%d KiB of argon2 memory) is above what its own unlock allows (%d KiB); it would format %s into a volume it cannot open", mem, limit, device)
 	}
 	o := luks2.FormatOptions{
 		Passphrase: passphrase, KDF: l.KDF, Force: force,

@@ -495,8 +495,8 @@ func (d *Digest) validateCost(f string) error {
 	if d.Iterations < 1 {
 		return invalid(f+".iterations", "%d", d.Iterations)
 	}
-	if max := MaxDigestBlocks / pbkdf2Blocks(d.Hash, len(d.Digest)); d.Iterations > max {
-		return tooCostly(f+".iterations", digestCostAdvice, "%d pbkdf2-%s iterations is above the bound of %d for a %d-byte digest", d.Iterations, d.Hash, max, len(d.Digest))
+	if bound := MaxDigestBlocks / pbkdf2Blocks(d.Hash, len(d.Digest)); d.Iterations > bound {
+		return tooCostly(f+".iterations", digestCostAdvice, "%d pbkdf2-%s iterations is above the bound of %d for a %d-byte digest", d.Iterations, d.Hash, bound, len(d.Digest))
 	}
 	return nil
 }
@@ -512,9 +512,8 @@ func (k *KDF) validate(f string, keyLen int) error {
 		if !hashSupported(k.Hash) || k.Iterations < 1 || k.Time != 0 || k.Memory != 0 || k.CPUs != 0 {
 			return invalid(f, "pbkdf2 needs a supported hash and iterations and nothing else")
 		}
-		blocks := pbkdf2Blocks(k.Hash, keyLen)
-		if max := MaxPBKDF2Blocks / blocks; k.Iterations > max {
-			return tooCostly(f+".iterations", keyslotCostAdvice, "%d pbkdf2-%s iterations is above the bound of %d for a %d-byte key", k.Iterations, k.Hash, max, keyLen)
+		if bound := MaxPBKDF2Blocks / pbkdf2Blocks(k.Hash, keyLen); k.Iterations > bound {
+			return tooCostly(f+".iterations", keyslotCostAdvice, "%d pbkdf2-%s iterations is above the bound of %d for a %d-byte key", k.Iterations, k.Hash, bound, keyLen)
 		}
 	case "argon2i", "argon2id":
 		if k.Hash != "" || k.Iterations != 0 {
@@ -526,8 +525,8 @@ func (k *KDF) validate(f string, keyLen int) error {
 		if k.CPUs < 1 || k.CPUs > MaxArgonThreads {
 			return invalid(f+".cpus", "%d is outside the bounds 1 to %d", k.CPUs, MaxArgonThreads)
 		}
-		if max := min(MaxArgonTime, MaxArgonWorkKiB/k.Memory); k.Time < 1 || k.Time > max {
-			return tooCostly(f+".time", keyslotCostAdvice, "%d passes over %d KiB is outside the bounds 1 to %d (at most %d passes, and time × memory at most %d KiB, 32 passes over 1 GiB)", k.Time, k.Memory, max, MaxArgonTime, MaxArgonWorkKiB)
+		if bound := min(MaxArgonTime, MaxArgonWorkKiB/k.Memory); k.Time < 1 || k.Time > bound {
+			return tooCostly(f+".time", keyslotCostAdvice, "%d passes over %d KiB is outside the bounds 1 to %d (at most %d passes, and time × memory at most %d KiB, 32 passes over 1 GiB)", k.Time, k.Memory, bound, MaxArgonTime, MaxArgonWorkKiB)
 		}
 	default:
 		return invalid(f+".type", "%q is not supported", k.Type)
