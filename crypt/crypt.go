@@ -1,6 +1,7 @@
 package crypt
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"time"
@@ -16,18 +17,27 @@ type OpenOptions struct {
 	// AllowDiscards passes discards through; the volume's own
 	// allow-discards flag turns it on too.
 	AllowDiscards bool
+	// KDF bounds the key derivations of the unlock (none beyond the
+	// header bounds when zero).
+	KDF luks2.UnlockLimits
 }
 
 // Open unlocks the LUKS2 volume on device with passphrase and maps it as
 // /dev/mapper/<name>, which it returns. The volume key exists only for the
 // duration of the call.
 func Open(device, name string, passphrase []byte, o OpenOptions) (string, error) {
+	return OpenContext(context.Background(), device, name, passphrase, o)
+}
+
+// OpenContext is Open whose unlock stops when ctx ends
+// (luks2.Volume.UnlockContext).
+func OpenContext(ctx context.Context, device, name string, passphrase []byte, o OpenOptions) (string, error) {
 	v, err := luks2.Open(device, false)
 	if err != nil {
 		return "", err
 	}
 	defer v.Close()
-	key, _, err := v.Unlock(passphrase)
+	key, _, err := v.UnlockContext(ctx, passphrase, o.KDF)
 	if err != nil {
 		return "", err
 	}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/crypt"
@@ -67,6 +68,48 @@ type LUKS struct {
 	// CloseTimeout is how long Close waits for a busy mapping
 	// (crypt.CloseTimeout when 0).
 	CloseTimeout time.Duration
+
+	// Open's key derivations are bounded (docs/encryption.md): a header
+	// is not secret, so its cost is whatever its writer chose, and the
+	// agent unlocks under the volume's lock. KDFMaxMemoryKiB: keyslots
+	// declaring more memory are not tried (DefaultKDFMaxMemoryKiB when 0).
+	// KDFBudgetKiB and KDFConcurrent: the memory and number of derivations
+	// running at once, abandoned ones included (DefaultKDFBudgetKiB and
+	// DefaultKDFConcurrent when 0). UnlockTimeout: no keyslot is tried, and
+	// a derivation in flight is abandoned, after this long
+	// (DefaultUnlockTimeout when 0).
+	KDFMaxMemoryKiB int
+	KDFBudgetKiB    int
+	KDFConcurrent   int
+	UnlockTimeout   time.Duration
+
+	budgetOnce sync.Once
+	budget     *luks2.KDFBudget
+}
+
+// The defaults of the bounds on Open's key derivations. The agent's own
+// keyslots declare 64 MiB (luks2.DefaultKDF); a keyslot declaring more than
+// four times that was not made by the agent, and the agent, which only
+// holds the passphrase of the keyslot its token opens, has no use for it.
+const (
+	DefaultKDFMaxMemoryKiB = 256 << 10
+	DefaultKDFBudgetKiB    = 512 << 10
+	DefaultKDFConcurrent   = 2
+	DefaultUnlockTimeout   = time.Minute
+)
+
+func orDefault[T int | time.Duration](v, d T) T {
+	if v == 0 {
+		return d
+	}
+	return v
+}
+
+func (l *LUKS) unlockLimits() luks2.UnlockLimits {
+	l.budgetOnce.Do(func() {
+		l.budget = luks2.NewKDFBudget(orDefault(l.KDFBudgetKiB, DefaultKDFBudgetKiB), orDefault(l.KDFConcurrent, DefaultKDFConcurrent))
+	})
+	return luks2.UnlockLimits{MaxMemoryKiB: orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB), Budget: l.budget}
 }
 
 var _ Encryption = (*LUKS)(nil)
@@ -151,6 +194,9 @@ func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok T
 	if err := tok.check(); err != nil {
 		return err
 	}
+	if mem, limit := l.formatMemoryKiB(), orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB); mem > limit {
+		return fmt.Errorf("the agent's keyslot cost (%d KiB of argon2 memory) is above what its own unlock allows (%d KiB); it would format %s into a volume it cannot open", mem, limit, device)
+	}
 	o := luks2.FormatOptions{
 		Passphrase: passphrase, KDF: l.KDF, Force: force,
 		TransitToken: &luks2.TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext},
@@ -165,9 +211,24 @@ func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok T
 	return v.Close()
 }
 
-// Open implements Encryption.
-func (l *LUKS) Open(_ context.Context, device, name string, passphrase []byte, readOnly bool) (string, error) {
-	return crypt.Open(device, name, passphrase, crypt.OpenOptions{ReadOnly: readOnly})
+// formatMemoryKiB is the argon2 memory of the keyslot Format makes.
+func (l *LUKS) formatMemoryKiB() int {
+	switch l.KDF.Type {
+	case "", "argon2id", "argon2i":
+		return orDefault(l.KDF.MemoryKiB, luks2.DefaultKDF.MemoryKiB)
+	}
+	return 0
+}
+
+// Open implements Encryption. The unlock gives up when ctx ends or
+// UnlockTimeout passes, whichever is first, so the volume's lock is never
+// held across an unbounded run of key derivations.
+func (l *LUKS) Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (string, error) {
+	timeout := orDefault(l.UnlockTimeout, DefaultUnlockTimeout)
+	ctx, cancel := context.WithTimeoutCause(ctx, timeout,
+		fmt.Errorf("unlocking took longer than the agent allows (%v): %w", timeout, context.DeadlineExceeded))
+	defer cancel()
+	return crypt.OpenContext(ctx, device, name, passphrase, crypt.OpenOptions{ReadOnly: readOnly, KDF: l.unlockLimits()})
 }
 
 // Close implements Encryption.

@@ -608,7 +608,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			if errors.Is(err, luks2.ErrWrongPassphrase) {
 				hint = "; the node plugin must unwrap the passphrase kept in the header's transit token (GetVolumeToken)"
 			}
-			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %v%s", c.Volume, target, err, hint)
+			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %w%s", c.Volume, target, err, hint)
 		}
 		mapped = true
 		c.Mapper, target = dmPath, dmPath

@@ -17,7 +17,10 @@
 // anti-forensic splitter and argon2i/argon2id/pbkdf2 key derivation, pbkdf2
 // digests, sha256 header checksums, and no requirements, integrity or
 // reencryption state. Anything else is refused before any key material is
-// touched, with an error that names the device and the offending field.
+// touched, with an error that names the device and the offending field; so
+// are key derivation costs beyond fixed bounds (MaxArgonMemoryKiB and the
+// others), since a header is not secret. UnlockContext bounds an unlock
+// further for a caller that unlocks on others' behalf.
 //
 // Headers are never repaired behind the caller's back: when the primary
 // header is damaged the secondary is used and the damage is reported in

@@ -31,7 +31,9 @@ func FuzzReadHeader(f *testing.F) {
 	})
 }
 
-// FuzzParseMetadata feeds arbitrary JSON to the validator.
+// FuzzParseMetadata feeds arbitrary JSON to the validator: what it accepts
+// must be supported and within the key derivation bounds (the seeds
+// hostile-* carry costs of 2^30 and more memory than allowed).
 func FuzzParseMetadata(f *testing.F) {
 	hc, err := readCopy(bytes.NewReader(seedImage(f)), 0)
 	if err != nil {
@@ -46,6 +48,15 @@ func FuzzParseMetadata(f *testing.F) {
 		}
 		if len(m.Segments) != 1 || m.segment().Encryption != cipherXTS || len(m.Config.Requirements) > 0 && !emptyRequirements(m.Config.Requirements) {
 			t.Fatalf("accepted unsupported metadata: %s", data)
+		}
+		for id, k := range m.Keyslots {
+			if w := int64(k.KDF.Time) * int64(k.KDF.Memory); k.KDF.Memory > MaxArgonMemoryKiB || k.KDF.Time > MaxArgonTime || w > MaxArgonWorkKiB ||
+				int64(k.KDF.Iterations)*int64(pbkdf2Blocks(k.KDF.Hash, k.Area.KeySize)) > MaxPBKDF2Blocks {
+				t.Fatalf("accepted keyslot %s whose key derivation costs more than the bounds: %+v", id, k.KDF)
+			}
+		}
+		if d := m.digest(); len(d.Digest) > maxDigestLen || int64(d.Iterations)*int64(pbkdf2Blocks(d.Hash, len(d.Digest))) > MaxDigestBlocks {
+			t.Fatalf("accepted a digest that costs more than the bound: %d iterations, %d bytes", d.Iterations, len(d.Digest))
 		}
 	})
 }

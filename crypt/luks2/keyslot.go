@@ -1,6 +1,7 @@
 package luks2
 
 import (
+	"context"
 	"crypto/aes"
 	"crypto/rand"
 	"crypto/subtle"
@@ -68,7 +69,7 @@ func (p KDFParams) withDefaults() KDFParams {
 	return p
 }
 
-func (p KDFParams) kdf() (KDF, error) {
+func (p KDFParams) kdf(keyLen int) (KDF, error) {
 	p = p.withDefaults()
 	salt := make([]byte, 32)
 	if _, err := rand.Read(salt); err != nil {
@@ -83,7 +84,7 @@ func (p KDFParams) kdf() (KDF, error) {
 	default:
 		return KDF{}, fmt.Errorf("KDF type %q is not supported", p.Type)
 	}
-	if err := k.validate("kdf"); err != nil {
+	if err := k.validate("kdf", keyLen); err != nil {
 		return KDF{}, err
 	}
 	return k, nil
@@ -138,12 +139,18 @@ var ErrWrongPassphrase = errors.New("no keyslot accepts this passphrase")
 // openSlot recovers the volume key from keyslot id, or returns
 // ErrWrongPassphrase when the digest does not confirm it.
 func (v *Volume) openSlot(id string, passphrase []byte) ([]byte, error) {
+	return v.openSlotContext(context.Background(), id, passphrase, nil)
+}
+
+// openSlotContext is openSlot with its key derivation run within budget
+// and abandoned when ctx ends (deriveContext).
+func (v *Volume) openSlotContext(ctx context.Context, id string, passphrase []byte, budget *KDFBudget) ([]byte, error) {
 	m := v.Header.Meta
 	k, ok := m.Keyslots[id]
 	if !ok {
 		return nil, fmt.Errorf("%s: keyslot %s does not exist", v.path, id)
 	}
-	areaKey, err := k.KDF.derive(passphrase, k.Area.KeySize)
+	areaKey, err := deriveContext(ctx, k.KDF, passphrase, k.Area.KeySize, budget)
 	if err != nil {
 		return nil, fmt.Errorf("%s: keyslot %s: %w", v.path, id, err)
 	}
@@ -195,6 +202,9 @@ func newDigest(key []byte, iterations int) (*Digest, error) {
 	}
 	d := &Digest{Type: "pbkdf2", Hash: "sha256", Iterations: iterations,
 		Salt: make([]byte, 32), Digest: make([]byte, 32), Segments: []string{"0"}}
+	if err := d.validateCost("digests.0"); err != nil {
+		return nil, err
+	}
 	if _, err := rand.Read(d.Salt); err != nil {
 		return nil, err
 	}
@@ -209,11 +219,11 @@ func newDigest(key []byte, iterations int) (*Digest, error) {
 // sealSlot builds keyslot metadata at area offset off and the encrypted key
 // material to write there.
 func sealSlot(volumeKey, passphrase []byte, p KDFParams, off uint64) (*Keyslot, []byte, error) {
-	kdf, err := p.kdf()
+	ks := len(volumeKey)
+	kdf, err := p.kdf(ks)
 	if err != nil {
 		return nil, nil, err
 	}
-	ks := len(volumeKey)
 	k := &Keyslot{
 		Type:    "luks2",
 		KeySize: ks,

@@ -116,11 +116,79 @@ const (
 	afStripes   = 4000
 	maxKeyslots = 32
 	maxTokens   = 32
-	// maxArgonMemoryKiB is cryptsetup's own ceiling; a keyslot asking for
-	// more is refused rather than allowed to exhaust the node's memory.
-	maxArgonMemoryKiB = 4 << 20
-	maxArgonThreads   = 16
 )
+
+// Bounds on what a header may ask the key derivation to spend. The header
+// is not secret and anyone who can write a disk can write one, so without
+// them a header asking for 2^30 passes or iterations would keep whoever
+// unlocks it busy for years, and one asking for 4 GiB of argon2 memory
+// would take that from the node. Each bound lies well above what this
+// package and cryptsetup choose with their defaults (docs/encryption.md,
+// "Bounds on the key derivation", gives the figures), so that no genuine
+// header is refused; a header above a bound is refused by name before any
+// key derivation runs.
+const (
+	// MaxArgonMemoryKiB is the argon2 memory bound: cryptsetup's default
+	// ceiling (it benchmarks up to 1 GiB), 16 times this package's default.
+	MaxArgonMemoryKiB = 1 << 20
+	// MaxArgonThreads bounds argon2 lanes (cryptsetup uses at most 4 by
+	// default); lanes add goroutines, not work.
+	MaxArgonThreads = 16
+	// MaxArgonTime bounds the argon2 passes whatever the memory.
+	MaxArgonTime = 4096
+	// MaxArgonWorkKiB bounds time × memory, the work of an argon2
+	// derivation in KiB-passes: 32 passes over 1 GiB. cryptsetup's 2 s
+	// benchmark settles on 4 to 8 passes over 1 GiB on fast hardware.
+	MaxArgonWorkKiB = 32 << 20
+	// MaxPBKDF2Blocks bounds a keyslot's pbkdf2 work: iterations times
+	// the hash blocks of the derived key. cryptsetup's 2 s benchmark
+	// gives at most about 16 million on fast hardware (sha256, 32-byte
+	// key); this package's default is 2 million (1,000,000 iterations of
+	// sha256 for a 64-byte key).
+	MaxPBKDF2Blocks = 1 << 26
+	// MaxDigestBlocks bounds the digest's pbkdf2 work the same way; the
+	// digest runs for every keyslot tried. cryptsetup benchmarks it at
+	// 1/16 of the keyslot's time (about a million iterations on fast
+	// hardware); this package uses 100,000.
+	MaxDigestBlocks = 1 << 24
+	// maxDigestLen is the longest digest any supported hash produces in
+	// one block; a longer one would multiply the digest's work.
+	maxDigestLen = 64
+)
+
+// What an operator can do about a refused cost: a keyslot's can be
+// replaced, the digest's only by a new volume key.
+const (
+	keyslotCostAdvice = "if the header is genuine, open the volume with cryptsetup, add a keyslot with a lower cost (luksAddKey with --pbkdf-memory, --iter-time or --pbkdf-force-iterations) and remove this one; a header nobody here wrote may be hostile: do not unlock it"
+	digestCostAdvice  = "if the header is genuine, give the volume a new volume key and digest with cryptsetup reencrypt, or copy its data to a new volume; a header nobody here wrote may be hostile: do not unlock it"
+)
+
+func tooCostly(field, advice, format string, args ...any) error {
+	return invalid(field, "%s; %s", fmt.Sprintf(format, args...), advice)
+}
+
+// hashLen is the output size of a supported hash, in bytes.
+func hashLen(h string) int {
+	switch h {
+	case "sha1":
+		return 20
+	case "sha256":
+		return 32
+	case "sha512":
+		return 64
+	}
+	return 0
+}
+
+// pbkdf2Blocks is how many hash blocks pbkdf2 computes per iteration to
+// derive keyLen bytes with hash h.
+func pbkdf2Blocks(h string, keyLen int) int {
+	n := hashLen(h)
+	if n == 0 {
+		return 1 // an unsupported hash, refused on its own
+	}
+	return max(1, (keyLen+n-1)/n)
+}
 
 func hashSupported(h string) bool {
 	return h == "sha1" || h == "sha256" || h == "sha512"
@@ -324,11 +392,11 @@ func (m *Metadata) validate(hdrSize uint64) error {
 		if !hashSupported(d.Hash) {
 			return invalid("digests."+id+".hash", "hash %q is not supported", d.Hash)
 		}
-		if d.Iterations < 1 {
-			return invalid("digests."+id+".iterations", "%d", d.Iterations)
-		}
 		if len(d.Salt) == 0 || len(d.Digest) < 16 {
 			return invalid("digests."+id, "salt or digest missing or too short")
+		}
+		if err := d.validateCost("digests." + id); err != nil {
+			return err
 		}
 		if len(d.Segments) != 1 || d.Segments[0] != "0" {
 			return invalid("digests."+id+".segments", "%v, the digest must cover segment 0 only", d.Segments)
@@ -382,7 +450,7 @@ func (m *Metadata) validate(hdrSize uint64) error {
 			return invalid(f+".area", "[%d, %d) lies outside the keyslots area [%d, %d)", a.Offset, a.Offset+a.Size, areaStart, areaEnd)
 		}
 		spans = append(spans, span{id, uint64(a.Offset), uint64(a.Offset + a.Size)})
-		if err := k.KDF.validate(f + ".kdf"); err != nil {
+		if err := k.KDF.validate(f+".kdf", a.KeySize); err != nil {
 			return err
 		}
 		if k.Priority != nil && (*k.Priority < 0 || *k.Priority > 2) {
@@ -419,7 +487,23 @@ func (m *Metadata) validate(hdrSize uint64) error {
 	return nil
 }
 
-func (k *KDF) validate(f string) error {
+// validateCost checks the digest's pbkdf2 work against MaxDigestBlocks.
+func (d *Digest) validateCost(f string) error {
+	if len(d.Digest) > maxDigestLen {
+		return invalid(f+".digest", "%d bytes is above the bound of %d bytes, the longest supported hash", len(d.Digest), maxDigestLen)
+	}
+	if d.Iterations < 1 {
+		return invalid(f+".iterations", "%d", d.Iterations)
+	}
+	if bound := MaxDigestBlocks / pbkdf2Blocks(d.Hash, len(d.Digest)); d.Iterations > bound {
+		return tooCostly(f+".iterations", digestCostAdvice, "%d pbkdf2-%s iterations is above the bound of %d for a %d-byte digest", d.Iterations, d.Hash, bound, len(d.Digest))
+	}
+	return nil
+}
+
+// validate checks a key derivation that makes keyLen bytes: its shape,
+// then its cost against the bounds above, each refusal naming the field.
+func (k *KDF) validate(f string, keyLen int) error {
 	if len(k.Salt) == 0 {
 		return invalid(f+".salt", "missing")
 	}
@@ -428,14 +512,35 @@ func (k *KDF) validate(f string) error {
 		if !hashSupported(k.Hash) || k.Iterations < 1 || k.Time != 0 || k.Memory != 0 || k.CPUs != 0 {
 			return invalid(f, "pbkdf2 needs a supported hash and iterations and nothing else")
 		}
+		if bound := MaxPBKDF2Blocks / pbkdf2Blocks(k.Hash, keyLen); k.Iterations > bound {
+			return tooCostly(f+".iterations", keyslotCostAdvice, "%d pbkdf2-%s iterations is above the bound of %d for a %d-byte key", k.Iterations, k.Hash, bound, keyLen)
+		}
 	case "argon2i", "argon2id":
-		if k.Time < 1 || k.Memory < 8 || k.Memory > maxArgonMemoryKiB || k.CPUs < 1 || k.CPUs > maxArgonThreads || k.Hash != "" || k.Iterations != 0 {
-			return invalid(f, "argon2 cost time=%d memory=%dKiB cpus=%d is out of range", k.Time, k.Memory, k.CPUs)
+		if k.Hash != "" || k.Iterations != 0 {
+			return invalid(f, "argon2 takes time, memory and cpus, not hash or iterations")
+		}
+		if k.Memory < 8 || k.Memory > MaxArgonMemoryKiB {
+			return tooCostly(f+".memory", keyslotCostAdvice, "%d KiB is outside the bounds 8 to %d KiB (1 GiB)", k.Memory, MaxArgonMemoryKiB)
+		}
+		if k.CPUs < 1 || k.CPUs > MaxArgonThreads {
+			return invalid(f+".cpus", "%d is outside the bounds 1 to %d", k.CPUs, MaxArgonThreads)
+		}
+		if bound := min(MaxArgonTime, MaxArgonWorkKiB/k.Memory); k.Time < 1 || k.Time > bound {
+			return tooCostly(f+".time", keyslotCostAdvice, "%d passes over %d KiB is outside the bounds 1 to %d (at most %d passes, and time × memory at most %d KiB, 32 passes over 1 GiB)", k.Time, k.Memory, bound, MaxArgonTime, MaxArgonWorkKiB)
 		}
 	default:
 		return invalid(f+".type", "%q is not supported", k.Type)
 	}
 	return nil
+}
+
+// memoryKiB is the memory a derivation declares it needs (argon2's cost;
+// pbkdf2 needs next to none).
+func (k *KDF) memoryKiB() int {
+	if k.Type == "argon2i" || k.Type == "argon2id" {
+		return k.Memory
+	}
+	return 0
 }
 
 // sortedSlots returns keyslot numbers in unlock order: high priority first,

@@ -159,7 +159,7 @@ func TestTamperedHeadersRefused(t *testing.T) {
 		{"data over keyslots", "segments.0.offset", func(m map[string]any) {
 			seg(m)["offset"] = "32768"
 		}},
-		{"huge argon2 memory", "keyslots.0.kdf", func(m map[string]any) {
+		{"huge argon2 memory", "keyslots.0.kdf.memory", func(m map[string]any) {
 			m["keyslots"].(map[string]any)["0"].(map[string]any)["kdf"].(map[string]any)["memory"] = 1 << 30
 		}},
 		{"unbound keyslot", "digests.0.keyslots", func(m map[string]any) {

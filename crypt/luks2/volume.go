@@ -2,6 +2,7 @@ package luks2
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -189,19 +190,10 @@ func (v *Volume) DataSize() (uint64, error) {
 func (v *Volume) Slots() []int { return v.Header.Meta.sortedSlots() }
 
 // Unlock tries the keyslots in priority order and returns the volume key
-// and the keyslot that opened it. The caller must clear the key.
+// and the keyslot that opened it. The caller must clear the key. Only the
+// header bounds limit what it spends; UnlockContext takes limits.
 func (v *Volume) Unlock(passphrase []byte) ([]byte, int, error) {
-	for _, n := range v.Slots() {
-		key, err := v.openSlot(strconv.Itoa(n), passphrase)
-		if errors.Is(err, ErrWrongPassphrase) {
-			continue
-		}
-		if err != nil {
-			return nil, -1, err
-		}
-		return key, n, nil
-	}
-	return nil, -1, fmt.Errorf("%s: %w", v.path, ErrWrongPassphrase)
+	return v.UnlockContext(context.Background(), passphrase, UnlockLimits{})
 }
 
 // UnlockSlot opens one keyslot, whatever its priority.
