@@ -30,6 +30,8 @@ const (
 	Kernel Source = 1
 	// Udev events (multicast group 2), after udev's rules ran.
 	Udev Source = 2
+	// Scan is a device the Watcher found listed in sysfs, not announced.
+	Scan Source = 3
 )
 
 func (s Source) String() string {
@@ -38,6 +40,8 @@ func (s Source) String() string {
 		return "kernel"
 	case Udev:
 		return "udev"
+	case Scan:
+		return "sysfs scan"
 	}
 	return fmt.Sprintf("source %d", int(s))
 }
