@@ -223,7 +223,7 @@ func TestLeaseScenarios(t *testing.T) {
 		}
 		// The watcher's own measure, from the add uevent to the refusal
 		// (the guest's clock is not the host's).
-		lat, _ := b.MustSh(ctx, "grep 'disk refused on arrival' /run/agent.log | grep -o 'latency=[^ ]*' | tail -n1")
+		lat, _ := b.MustSh(ctx, "grep 'disk held by another node refused' /run/agent.log | grep -o 'latency=[^ ]*' | tail -n1")
 		t.Logf("node-b refused %s (%s after the uevent; hot-plug requested %s before the check): %s", devB, strings.TrimSpace(lat),
 			time.Since(plugged).Round(time.Millisecond), ev.Message)
 		if ro := roFlag(t, ctx, b, devB); ro != "1" {
