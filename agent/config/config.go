@@ -80,8 +80,12 @@ type Volumes struct {
 	// turns the marks off.
 	ClaimedDir string `yaml:"claimed_dir"`
 	// WatchDisks runs the uevent watcher that refuses a disk held by
-	// another node the moment it appears.
+	// another node the moment it appears, and at start every disk
+	// already attached.
 	WatchDisks bool `yaml:"watch_disks"`
+	// WatchRescan is how often the watcher classifies every attached disk
+	// again, catching a disk another node took since (no uevent says so).
+	WatchRescan time.Duration `yaml:"watch_rescan"`
 }
 
 // ReclaimAfter is the effective ReclaimWait.
@@ -167,7 +171,7 @@ func Default() Config {
 		Log:       Log{Level: "info"},
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
-		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true, ClaimedDir: "/run/vco-agent/claimed",
+		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true, WatchRescan: 30 * time.Second, ClaimedDir: "/run/vco-agent/claimed",
 			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog}},
 	}
 }
@@ -271,6 +275,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Volumes.CheckInterval < 100*time.Millisecond || c.Volumes.CheckInterval > time.Hour {
 		errs = append(errs, fmt.Errorf("volumes.check_interval %s must be between 100ms and 1h", c.Volumes.CheckInterval))
+	}
+	if c.Volumes.WatchRescan < time.Second || c.Volumes.WatchRescan > time.Hour {
+		errs = append(errs, fmt.Errorf("volumes.watch_rescan %s must be between 1s and 1h", c.Volumes.WatchRescan))
 	}
 	if w := c.Volumes.ReclaimWait; w != 0 && (w <= c.Volumes.CheckInterval || w > time.Hour) {
 		errs = append(errs, fmt.Errorf("volumes.reclaim_wait %s must be longer than volumes.check_interval (%s), at most 1h, or 0 for three check intervals", w, c.Volumes.CheckInterval))

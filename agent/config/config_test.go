@@ -98,6 +98,8 @@ func TestBadValuesAreNamed(t *testing.T) {
 		"volumes:\n  reclaim_wait: 5s\n":       "volumes.reclaim_wait",
 		"volumes:\n  reclaim_wait: -1s\n":      "volumes.reclaim_wait",
 		"volumes:\n  reclaim_wait: 2h\n":       "volumes.reclaim_wait",
+		"volumes:\n  watch_rescan: 10ms\n":     "volumes.watch_rescan",
+		"volumes:\n  watch_rescan: 0s\n":       "volumes.watch_rescan",
 		"metrics:\n  listen: 0.0.0.0:9465\n":   "loopback",
 		"metrics:\n  listen: 10.0.0.1:9465\n":  "loopback",
 		"metrics:\n  listen: 127.0.0.1\n":      "host:port",

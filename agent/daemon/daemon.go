@@ -250,8 +250,11 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	go func() { defer close(done); m.Run(cctx) }()
 	watched := make(chan struct{})
 	if cfg.Volumes.WatchDisks {
+		// Ready comes after the watcher's scan of the disks already
+		// attached, so a disk held elsewhere is read-only before READY=1.
 		w := &uevent.Watcher{Classify: m.Classify, OnDecision: m.Refused, OnRemove: m.Removed,
-			Match: watchMatch(cfg.Volumes.AllowLoopDevices), Logger: log.With("part", "uevent")}
+			Match: watchMatch(cfg.Volumes.AllowLoopDevices), Logger: log.With("part", "uevent"),
+			SysfsRoot: cfg.SysfsRoot, Rescan: cfg.Volumes.WatchRescan, Serialize: m.WatchLock()}
 		go func() {
 			defer close(watched)
 			if err := w.Run(cctx); err != nil {

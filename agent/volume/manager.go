@@ -72,6 +72,11 @@ type Manager struct {
 	mounter *mount.SafeFormatAndMount
 	exec    utilexec.Interface
 
+	// watchMu is held by the uevent watcher around a classification and
+	// its refusal (WatchLock), and by a stage while it records the disk it
+	// claims: a refusal decided before the record never lands after it.
+	watchMu sync.Mutex
+
 	mu   sync.Mutex
 	live map[string]*live
 	// reclaims holds when a stage of each volume began waiting for a
@@ -497,11 +502,15 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			"volume %s: disk %s is already staged on this node as volume %s; unstage that volume first", c.Volume, dev.Path, other)
 	}
 	m.setLive(c.Volume, nil)
-	c.Device, c.DevNum, c.Serial = dev.Path, dev.DevNum(), dev.Serial
+	c.Device, c.DevNum, c.Serial, c.Missing = dev.Path, dev.DevNum(), dev.Serial, false
 	if c.Phase == "" {
 		c.Phase = PhaseClaiming
 	}
-	if err := m.store.Put(c); err != nil {
+	// From this record on the watcher leaves the disk alone (Classify).
+	m.watchMu.Lock()
+	err = m.store.Put(c)
+	m.watchMu.Unlock()
+	if err != nil {
 		return res, err
 	}
 

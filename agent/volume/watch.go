@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -14,21 +15,29 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 )
 
-// The agent refuses a disk held by another node the moment it appears
-// (DESIGN.md P2), before any pod asks for it: the uevent watcher (package
-// fence/uevent) calls Classify for every new disk and sets a refused one
-// read-only; Refused announces it.
+// The agent refuses a disk held by another node without being asked
+// (docs/architecture.md P2): the uevent watcher (package fence/uevent)
+// calls Classify for every disk, whether it appears while the agent runs
+// or was attached before the agent started, again after lost uevents and
+// at each rescan, and sets a refused one read-only; Refused announces it.
+
+// WatchLock is the watcher's Serialize: a stage records the disk it
+// claims under it, so a refusal decided before the record does not land
+// after it.
+func (m *Manager) WatchLock() sync.Locker { return &m.watchMu }
 
 // Classify is the uevent watcher's classifier: a disk that another node
 // holds (its reservation, or a live lease owner with another key) is to be
-// refused. It reads, never writes. A disk of one of this agent's claims,
-// and a disk nobody holds, is left alone.
+// refused. It reads, never writes. A disk of one of this agent's claims
+// (held, or a stage in progress or cut short: recorded before the disk is
+// fenced) is left alone, and so is a disk nobody holds. A claim whose
+// disk went away does not cover the disk that now has its device number.
 func (m *Manager) Classify(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
 	node := ev.Node()
 	dn := fmtDevnum(ev.Major, ev.Minor)
 	claims, _ := m.store.List()
 	for _, c := range claims {
-		if c.DevNum == dn && c.State != StateLost {
+		if c.DevNum == dn && c.State != StateLost && !c.Missing {
 			return uevent.Verdict{Method: c.Method}, nil
 		}
 	}
@@ -69,18 +78,19 @@ func (m *Manager) Classify(ctx context.Context, ev uevent.Event) (uevent.Verdict
 		if v.HolderNode != "" {
 			holder += " (node " + v.HolderNode + ")"
 		}
-		v.Reason = fmt.Sprintf("disk %s appeared on this node while %s holds it by %s; it is set read-only and nothing is mounted", node, holder, v.Method)
+		v.Reason = fmt.Sprintf("disk %s is attached to this node while %s holds it by %s; it is set read-only and nothing is mounted", node, holder, v.Method)
 	}
 	return v, nil
 }
 
-// Refused records what the watcher decided about a new disk: a refusal
-// is counted and published as DiskRefused; a failure to classify or to
-// set the disk read-only is logged.
+// Refused records what the watcher decided about a disk (once per
+// appearance or change of outcome): a refusal is counted and published as
+// DiskRefused; a failure to classify or to set the disk read-only is
+// logged.
 func (m *Manager) Refused(d uevent.Decision) {
 	node := d.Event.Node()
 	if d.Err != nil {
-		m.log.Error("a disk that appeared could not be checked or refused", "device", node, "err", d.Err)
+		m.log.Error("a disk could not be checked or refused", "device", node, "cause", string(d.Cause), "err", d.Err)
 	}
 	if !d.Verdict.Refuse {
 		return
@@ -92,7 +102,7 @@ func (m *Manager) Refused(d uevent.Decision) {
 	}
 	m.publish(events.Event{Type: events.DiskRefused, Device: node, Serial: m.serialOf(node),
 		HolderKey: uint64(d.Verdict.Holder), HolderNode: d.Verdict.HolderNode, Reason: "held-by-another-node", Message: msg})
-	m.log.Warn("disk refused on arrival", "device", node, "holder", d.Verdict.Holder.String(), "holder_node", d.Verdict.HolderNode,
+	m.log.Warn("disk held by another node refused", "device", node, "cause", string(d.Cause), "holder", d.Verdict.Holder.String(), "holder_node", d.Verdict.HolderNode,
 		"fence", d.Verdict.Method, "read_only", d.ReadOnly, "latency", d.Done.Sub(d.Received).String())
 }
 

@@ -34,9 +34,12 @@ DEVICE is a block device path (/dev/vdb, /dev/disk/by-id/...).
            exit 3 when the claim is lost while held
   release  mark this node's slot released
   check    exit 0 when this node owns the lease, 1 otherwise
-  watch    (no DEVICE) refuse every disk that appears held by another
-           node's lease, as the agent does: read-only at the block layer;
-           one line per decision, until interrupted or --hold-for ends
+  watch    (no DEVICE) refuse every disk held by another node's lease,
+           as the agent does: read-only at the block layer; the disks
+           already attached first, then each that appears, every one
+           again after lost uevents and every --rescan; one line per
+           decision (again only when it changes), until interrupted or
+           --hold-for ends
 
 flags:
 `
@@ -45,7 +48,7 @@ type leaseOptions struct {
 	json                              bool
 	sysfsRoot, uuid, disk, grant      string
 	nodes                             multiFlag
-	timeout, holdFor                  time.Duration
+	timeout, holdFor, rescan          time.Duration
 	ioTimeout, renew, failBound, wdog time.Duration
 	verbose                           bool
 	name                              string
@@ -98,6 +101,7 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
 	fs.DurationVar(&o.timeout, "timeout", 0, "bound on acquiring (default: the holder's expiry bound plus a minute)")
 	fs.DurationVar(&o.holdFor, "hold-for", 0, "acquire: release after this long; watch: stop after this long (default: until interrupted)")
+	fs.DurationVar(&o.rescan, "rescan", uevent.DefaultRescan, "watch: classify every attached disk again this often")
 	fs.DurationVar(&o.ioTimeout, "io-timeout", def.IOTimeout, "lease timing: bound on one lease I/O (d)")
 	fs.DurationVar(&o.renew, "renew", def.Renew, "lease timing: renewal interval (R)")
 	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
@@ -348,9 +352,13 @@ func (o *leaseOptions) show(st lease.Status) int {
 func (o *leaseOptions) watch() int {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
+	if o.rescan <= 0 {
+		return o.fail(fmt.Errorf("--rescan %s must be positive", o.rescan))
+	}
 	w := &uevent.Watcher{
 		Groups: uevent.GroupKernel,
 		Match:  o.match,
+		Rescan: o.rescan,
 		Classify: func(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
 			s, err := lease.Inspect(ctx, ev.Node(), o.timing.IOTimeout)
 			if errors.Is(err, lease.ErrNoLease) {
@@ -374,9 +382,12 @@ func (o *leaseOptions) watch() int {
 			switch {
 			case d.Err != nil:
 				fmt.Fprintf(o.stdout, "error %s: %v\n", d.Event.Node(), d.Err)
-			case d.Verdict.Refuse:
+			case d.Verdict.Refuse && d.Cause == uevent.CauseEvent:
 				fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set %s after the kernel's %s event\n",
 					d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, lat, d.Event.Action)
+			case d.Verdict.Refuse:
+				fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set by the %s\n",
+					d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, d.Cause)
 			default:
 				fmt.Fprintf(o.stdout, "accepted %s (%d:%d): %s\n", d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason)
 			}

@@ -210,3 +210,75 @@ func TestLeaseWatch(t *testing.T) {
 		t.Fatalf("refused device not read-only: %q %v", ro, err)
 	}
 }
+
+// lease watch started while a disk that another node holds is already
+// attached (the reported case: B's watch started after the disk was
+// there) refuses it before it says it is watching, and B's raw write
+// fails.
+func TestLeaseWatchRefusesDiskPresentAtStart(t *testing.T) {
+	img := ""
+	holder := leaseLoop(t, func(p string) { img = p })
+	if code, _, errs := runLeaseCLI(t, nil, "format", holder, "--uuid", cliUUIDA); code != 0 {
+		t.Fatal(errs)
+	}
+	stopA := make(chan os.Signal, 1)
+	claimed := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var o, e bytes.Buffer
+		leaseMainWith(append([]string{"acquire", holder, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &o, &e, stopA, leaseHooks{ready: func() { close(claimed) }})
+	}()
+	defer func() { stopA <- os.Interrupt; wg.Wait() }()
+	<-claimed
+
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() {
+		exec.Command("blockdev", "--setrw", dev).Run()
+		exec.Command("losetup", "-d", dev).Run()
+	})
+	stopW := make(chan os.Signal, 1)
+	atReady := make(chan string, 1)
+	var wout syncBuffer
+	var werr bytes.Buffer
+	done := make(chan int, 1)
+	go func() {
+		done <- leaseMainWith(append([]string{"watch", "--uuid", cliUUIDB, "--node", "node-a=" + cliUUIDA}, fastLease...), &wout, &werr, stopW,
+			leaseHooks{ready: func() {
+				ro, _ := os.ReadFile("/sys/block/" + filepath.Base(dev) + "/ro")
+				atReady <- strings.TrimSpace(string(ro))
+			}, match: func(ev uevent.Event) bool { return ev.Disk() && "/dev/"+ev.DevName == dev }})
+	}()
+	var ro string
+	select {
+	case ro = <-atReady:
+	case code := <-done:
+		t.Fatalf("watch exited %d: %s %s", code, wout.String(), werr.String())
+	case <-time.After(10 * time.Second):
+		t.Fatal("watch did not start")
+	}
+	stopW <- os.Interrupt
+	if code := <-done; code != 0 {
+		t.Fatalf("watch exited %d: %s", code, werr.String())
+	}
+	line := wout.String()
+	if ro != "1" || !strings.Contains(line, "refused "+dev) || !strings.Contains(line, "node node-a") || !strings.Contains(line, "start-up scan") {
+		t.Fatalf("when watch was ready: ro=%q, output %q %q", ro, line, werr.String())
+	}
+	if strings.Index(line, "refused "+dev) > strings.Index(line, "watching for disks") {
+		t.Fatalf("watch said it was watching before it had decided the disk present at start: %q", line)
+	}
+	f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err == nil {
+		_, err = f.WriteAt([]byte("node-b's write"), 2<<20)
+		f.Close()
+	}
+	if err == nil {
+		t.Fatal("a raw write to the refused disk succeeded")
+	}
+}

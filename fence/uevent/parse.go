@@ -1,7 +1,8 @@
 // Package uevent receives device events from the kernel and from udev over
 // netlink, so that the agent sees a disk the moment it is hot-plugged and
 // can refuse it (read-only at the block layer) before anything on the node
-// uses it. It talks to the socket with golang.org/x/sys/unix directly: the
+// uses it; the Watcher also classifies the disks already attached (listed
+// in sysfs) at start, after lost events and periodically. It talks to the socket with golang.org/x/sys/unix directly: the
 // protocol is two small message formats, and the Go libraries for it are
 // not available from the module proxy this project builds with.
 //
@@ -30,6 +31,8 @@ const (
 	Kernel Source = 1
 	// Udev events (multicast group 2), after udev's rules ran.
 	Udev Source = 2
+	// Scan is a device the Watcher found listed in sysfs, not announced.
+	Scan Source = 3
 )
 
 func (s Source) String() string {
@@ -38,6 +41,8 @@ func (s Source) String() string {
 		return "kernel"
 	case Udev:
 		return "udev"
+	case Scan:
+		return "sysfs scan"
 	}
 	return fmt.Sprintf("source %d", int(s))
 }

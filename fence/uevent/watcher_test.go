@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -41,6 +44,16 @@ func leaseClassifier(mine fence.Key) Classifier {
 // its own loop device.
 func heldImage(t testing.TB) string {
 	t.Helper()
+	img, acquire := leaseImage(t)
+	acquire()
+	return img
+}
+
+// leaseImage is a disk image with node A's lease area, free until
+// acquire makes A take the lease (and renew it) through its own loop
+// device.
+func leaseImage(t testing.TB) (string, func()) {
+	t.Helper()
 	img := image(t, 8<<20)
 	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
 	if err != nil {
@@ -63,22 +76,31 @@ func heldImage(t testing.TB) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.Acquire(ctx, nil); err != nil {
-		t.Fatal(err)
+	return img, func() {
+		t.Helper()
+		if _, err := e.Acquire(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.Release(context.Background()) })
 	}
-	t.Cleanup(func() { e.Release(context.Background()) })
-	return img
 }
 
 // watch runs a watcher for one device name and returns its decisions and
 // removals.
 func watch(t testing.TB, mine fence.Key, name func() string) (<-chan Decision, <-chan Event) {
 	t.Helper()
+	return watchEvery(t, mine, name, 0)
+}
+
+// watchEvery is watch with the periodic rescan's interval.
+func watchEvery(t testing.TB, mine fence.Key, name func() string, rescan time.Duration) (<-chan Decision, <-chan Event) {
+	t.Helper()
 	decisions := make(chan Decision, 16)
 	removals := make(chan Event, 16)
 	ctx, cancel := context.WithCancel(context.Background())
 	w := &Watcher{
 		Groups:   GroupKernel,
+		Rescan:   rescan,
 		Classify: leaseClassifier(mine),
 		Match:    func(ev Event) bool { return ev.Disk() && ev.DevName == name() },
 		OnDecision: func(d Decision) {
@@ -272,4 +294,93 @@ func benchRefusalLatency(b *testing.B) {
 	b.ReportMetric(float64(mean)/float64(time.Millisecond), "ms")
 	b.ReportMetric(1000, "ref-ms")
 	b.ReportMetric(float64(mean)/float64(time.Second), "x-ref")
+}
+
+// A disk that node A holds is already attached on node B when B's
+// watcher starts (attached while the agent was down, or at boot): the
+// start-up scan refuses it before Ready, exactly as a new disk, and a raw
+// write from B fails.
+func TestWatcherRefusesDiskPresentAtStart(t *testing.T) {
+	needRoot(t)
+	img := heldImage(t)
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() {
+		SetReadOnly(dev, 0, 0, false)
+		exec.Command("losetup", "-d", dev).Run()
+	})
+	name := filepath.Base(dev)
+	keyB, _ := fence.KeyFromUUID(uuidB)
+	decisions, _ := watch(t, keyB, func() string { return name })
+	// Ready means the scan is done: the disk is read-only already.
+	if ro, err := ReadOnly(dev); err != nil || !ro {
+		t.Fatalf("held disk present at start is writable when the watcher is ready: %v %v", ro, err)
+	}
+	var d Decision
+	select {
+	case d = <-decisions:
+	case <-time.After(5 * time.Second):
+		t.Fatal("no decision about the disk present at start")
+	}
+	keyA, _ := fence.KeyFromUUID(uuidA)
+	if d.Err != nil || !d.Verdict.Refuse || !d.ReadOnly || d.Verdict.Holder != keyA || d.Event.DevName != name {
+		t.Fatalf("decision %+v", d)
+	}
+	f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err == nil {
+		_, err = f.WriteAt([]byte("B's write"), 1<<20)
+		f.Close()
+	}
+	if err == nil {
+		t.Fatal("a raw write to the refused disk succeeded")
+	}
+	// Nothing is decided twice for the same appearance.
+	select {
+	case d := <-decisions:
+		t.Fatalf("second decision %+v", d)
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+// A disk accepted while free is taken by node A later, which changes its
+// contents but sends no uevent on B: B's periodic rescan refuses it.
+func TestWatcherRescanRefusesDiskTakenLater(t *testing.T) {
+	needRoot(t)
+	img, acquire := leaseImage(t)
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() {
+		SetReadOnly(dev, 0, 0, false)
+		exec.Command("losetup", "-d", dev).Run()
+	})
+	name := filepath.Base(dev)
+	keyB, _ := fence.KeyFromUUID(uuidB)
+	decisions, _ := watchEvery(t, keyB, func() string { return name }, 200*time.Millisecond)
+	select {
+	case d := <-decisions:
+		if d.Err != nil || d.Verdict.Refuse || d.Cause != CauseStart {
+			t.Fatalf("decision on the free disk: %+v", d)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no decision about the free disk")
+	}
+	acquire()
+	select {
+	case d := <-decisions:
+		keyA, _ := fence.KeyFromUUID(uuidA)
+		if d.Err != nil || !d.Verdict.Refuse || !d.ReadOnly || d.Verdict.Holder != keyA || d.Cause != CausePeriodic {
+			t.Fatalf("decision after A took the disk: %+v", d)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the rescan did not refuse the disk A took")
+	}
+	if ro, err := ReadOnly(dev); err != nil || !ro {
+		t.Fatalf("disk A took is writable on B: %v %v", ro, err)
+	}
 }

@@ -223,7 +223,7 @@ func TestLeaseScenarios(t *testing.T) {
 		}
 		// The watcher's own measure, from the add uevent to the refusal
 		// (the guest's clock is not the host's).
-		lat, _ := b.MustSh(ctx, "grep 'disk refused on arrival' /run/agent.log | grep -o 'latency=[^ ]*' | tail -n1")
+		lat, _ := b.MustSh(ctx, "grep 'disk held by another node refused' /run/agent.log | grep -o 'latency=[^ ]*' | tail -n1")
 		t.Logf("node-b refused %s (%s after the uevent; hot-plug requested %s before the check): %s", devB, strings.TrimSpace(lat),
 			time.Since(plugged).Round(time.Millisecond), ev.Message)
 		if ro := roFlag(t, ctx, b, devB); ro != "1" {
@@ -366,8 +366,31 @@ func TestLeaseScenarios(t *testing.T) {
 	t.Run("agent restarts", func(t *testing.T) {
 		img := p.sharedDisk(t, "lease-rs")
 		devA := plug(t, ctx, a, "lease-rs", img)
-		plug(t, ctx, b, "lease-rs", img)
 		mustStage(t, ctx, a, "vol-rs", "lease-rs")
+		if err := writeFile(ctx, a, "vol-rs", "first", "RS-first-of-node-a"); err != nil {
+			t.Fatal(err)
+		}
+		// The disk is attached to B while B's agent is down (at boot, or
+		// during a restart) and A holds it: B's agent refuses it at start,
+		// before it serves, with no uevent to go by.
+		began := time.Now()
+		stopAgent(t, ctx, b)
+		devB := plug(t, ctx, b, "lease-rs", img)
+		if ro := roFlag(t, ctx, b, devB); ro != "0" {
+			t.Fatalf("precondition: the disk is read-only on node-b before its agent starts (ro=%s)", ro)
+		}
+		startAgent(t, ctx, b)
+		if ro := roFlag(t, ctx, b, devB); ro != "1" {
+			t.Fatalf("node-b's agent serves, and the disk node-a holds is writable on node-b (ro=%s)", ro)
+		}
+		ev := waitEvent(t, ctx, b, "EVENT_TYPE_DISK_REFUSED", func(e agentEvent) bool { return e.Device == devB }, 10*time.Second)
+		if ev.HolderNode != "node-a" || !strings.Contains(agentLog(ctx, b), "start-up scan") {
+			t.Fatalf("node-b's refusal at start does not name node-a or the start-up scan: %+v\n%s", ev, agentLog(ctx, b))
+		}
+		if r, err := b.Sh(ctx, fmt.Sprintf("printf RS-raw-of-node-b | dd of=%s bs=4096 seek=4000 conv=sync,fsync oflag=direct 2>&1", devB)); err != nil || r.Exit == 0 {
+			t.Fatalf("node-b wrote to the disk node-a holds: %v %v", r, err)
+		}
+		t.Logf("node-b's agent restarted with the held disk attached and refused it at start (%s for this step)", time.Since(began).Round(time.Millisecond))
 		// A's agent restarts while it holds the claim: re-verified, kept,
 		// renewed by the new process.
 		stopAgent(t, ctx, a)
@@ -410,8 +433,8 @@ func TestLeaseScenarios(t *testing.T) {
 		}
 		mustUnstage(t, ctx, b, "vol-rs")
 		mustUnstage(t, ctx, a, "vol-rs")
-		if fileHas(t, img, "RS-late-of-node-a") {
-			t.Fatal("a late write of node-a reached the disk")
+		if fileHas(t, img, "RS-late-of-node-a") || fileHas(t, img, "RS-raw-of-node-b") || !fileHas(t, img, "RS-first-of-node-a") {
+			t.Fatal("a late write of node-a, or node-b's raw write while node-a held the disk, reached the disk")
 		}
 	})
 }
