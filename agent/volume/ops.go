@@ -50,6 +50,22 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if err := m.unmountIfMounted(staging); err != nil {
 		return fmt.Errorf("volume %s: %w", volume, err)
 	}
+	// A raw block volume's writes may still sit in the page cache of the
+	// devices the pod wrote through (the data mapping is a buffered loop
+	// device, so even the disk's own cache holds them). They are pushed
+	// down before those devices go, and the disk is flushed again right
+	// before the fence is released below: nothing of this node lands
+	// after another node may have claimed the disk. (A lost claim's disk
+	// is read-only and another node's: its writes were failed on purpose,
+	// and there is no fence to release.)
+	for _, p := range []string{c.Mapper, c.DataDevice} {
+		if c.State != StateHeld {
+			break
+		}
+		if err := flushPath(p); err != nil {
+			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", volume, err)
+		}
+	}
 	if c.Mapper != "" {
 		if m.o.Crypt == nil {
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", volume, c.Mapper)
@@ -79,6 +95,9 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			}
 		}
 		if l != nil && l.fencer != nil {
+			if err := flushDevice(l.dev.File); err != nil {
+				return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", volume, c.Device, err)
+			}
 			c.Phase = PhaseUnstaging
 			if err := m.store.Put(c); err != nil {
 				return err
@@ -112,6 +131,37 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 		Reason: "unstaged", Message: msg})
 	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
 	return nil
+}
+
+// flushDevice writes a block device's page cache down and flushes the
+// device's write cache (fsync on a block device does both). A variable so
+// that a test can make it fail.
+var flushDevice = func(f *os.File) error {
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("flushing %s: %w", f.Name(), err)
+	}
+	return nil
+}
+
+// flushPath flushes the block device at p; a device that is not there
+// (already closed or detached by an earlier attempt) holds nothing.
+func flushPath(p string) error {
+	if p == "" {
+		return nil
+	}
+	if strings.HasPrefix(filepath.Base(p), "loop") && !loopBound(p) {
+		// A detached loop device keeps its node, and a flush of it fails.
+		return nil
+	}
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("opening %s to flush it: %w", p, err)
+	}
+	defer f.Close()
+	return flushDevice(f)
 }
 
 // PublishRequest is PublishVolume's input.
