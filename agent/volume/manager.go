@@ -872,7 +872,7 @@ func (m *Manager) stopFilesystem(p, device string) error {
 // unmountIfMounted unmounts the mount at p, reached beneath the kubelet
 // root without following a symlink (unmountBeneath).
 func (m *Manager) unmountIfMounted(p string) error {
-	if _, err := unmountBeneath(m.o.Config.KubeletRoot, p); err != nil {
+	if _, err := unmountBeneath(m.o.Config.KubeletRoot, p, 0); err != nil {
 		if agenterr.KindOf(err) != agenterr.Internal {
 			return err
 		}

@@ -334,7 +334,7 @@ func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err
 		m.log.Info("volume unpublished", "volume", volume, "target", target, "recorded", false)
 		return nil
 	}
-	if _, err := unmountBeneath(root, target); err != nil {
+	if _, err := unmountBeneath(root, target, 0); err != nil {
 		if agenterr.KindOf(err) != agenterr.Internal {
 			return fmt.Errorf("volume %s: %w", volume, err)
 		}
@@ -381,7 +381,8 @@ func (m *Manager) removeStrayTarget(volume string, known bool, target string) er
 	if !known {
 		whose = fmt.Sprintf("volume %s is not staged or published on this node", volume)
 	}
-	f, err := openBeneath(root, target, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK)
+	// O_PATH: a device node or FIFO planted there is looked at, not opened.
+	f, err := openBeneath(root, target, unix.O_PATH)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
@@ -404,9 +405,17 @@ func (m *Manager) removeStrayTarget(volume string, known bool, target string) er
 	}
 	isDir, isFile := st.Mode&unix.S_IFMT == unix.S_IFDIR, st.Mode&unix.S_IFMT == unix.S_IFREG
 	empty := isFile && st.Size == 0
-	if isDir {
-		names, _ := f.Readdirnames(1)
-		empty = len(names) == 0
+	if isDir && !mp {
+		d, err := openBeneath(root, target, unix.O_RDONLY|unix.O_DIRECTORY)
+		if err != nil {
+			return fmt.Errorf("volume %s: %w", volume, err)
+		}
+		var dst unix.Stat_t
+		names, _ := d.Readdirnames(1)
+		serr := unix.Fstat(int(d.Fd()), &dst)
+		d.Close()
+		// Empty only if it is still the directory looked at above.
+		empty = len(names) == 0 && serr == nil && dst.Dev == st.Dev && dst.Ino == st.Ino
 	}
 	switch {
 	case mp:

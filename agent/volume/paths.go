@@ -320,13 +320,13 @@ func bindAt(src, target *os.File, opts []string) error {
 }
 
 // unmountBeneath unmounts the mount whose root is p (under root), found
-// without following symlinks. It reports whether there was one; a p that
+// without following symlinks; flags are umount2's (MNT_DETACH). It reports whether there was one; a p that
 // does not exist had none. The unmount names p as /proc/self/fd/N/<name>,
 // N the descriptor of p's verified parent, with UMOUNT_NOFOLLOW: the
 // kernel reaches the very parent directory that was opened, and a symlink
 // put in the last element's place since is not followed. (A descriptor of
 // the mount itself cannot be used: it keeps the mount busy.)
-func unmountBeneath(root, p string) (bool, error) {
+func unmountBeneath(root, p string, flags int) (bool, error) {
 	dir, err := openBeneath(root, filepath.Dir(p), unix.O_PATH|unix.O_DIRECTORY)
 	if errors.Is(err, fs.ErrNotExist) {
 		return false, nil
@@ -349,7 +349,7 @@ func unmountBeneath(root, p string) (bool, error) {
 	if err != nil || !mp {
 		return false, err
 	}
-	if err := unix.Unmount(fdPath(dir)+"/"+name, unix.UMOUNT_NOFOLLOW); err != nil {
+	if err := unix.Unmount(fdPath(dir)+"/"+name, flags|unix.UMOUNT_NOFOLLOW); err != nil {
 		return true, fmt.Errorf("unmounting %s: %w", p, err)
 	}
 	return true, nil
@@ -397,7 +397,7 @@ func (b beneathMounter) MountSensitive(source, target, fstype string, options, s
 
 // Unmount unmounts the mount at target through its descriptor.
 func (b beneathMounter) Unmount(target string) error {
-	mp, err := unmountBeneath(b.root, target)
+	mp, err := unmountBeneath(b.root, target, 0)
 	if err == nil && !mp {
 		return fmt.Errorf("%s is not a mount point", target)
 	}

@@ -203,3 +203,16 @@ func TestUnmountDoesNotFollowASwappedPath(t *testing.T) {
 		t.Fatalf("the filesystem behind the swapped path: %v", err)
 	}
 }
+
+// Forgetting the claim of a vanished disk detaches its mounts; a staging
+// path swapped for a symlink since its stage must not have the detach
+// land on the filesystem the symlink leads to.
+func TestVanishedDiskCleanupDoesNotFollowASwappedPath(t *testing.T) {
+	e := newEnv(t)
+	staging, victim := swapped(t, e, e.path("plugins/kubernetes.io/csi/pv-gone"), "globalmount")
+	c := &Claim{Volume: "vol-gone", StagingPath: staging, Phase: PhaseStaged, FsType: "ext4"}
+	e.m.cleanupGone(c, errors.New("test: the disk was detached"))
+	if !isMounted(t, victim) {
+		t.Fatal("the cleanup followed the swapped symlink and detached the filesystem it leads to")
+	}
+}
