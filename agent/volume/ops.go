@@ -261,8 +261,9 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 			return fmt.Errorf("volume %s: creating the block target file %s: %w", r.Volume, target, err)
 		}
 		// The device node lives under /dev, which nobody under the
-		// kubelet root can change.
-		fd, oerr := unix.Open(c.MountDevice(), unix.O_PATH|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+		// kubelet root can change; /dev/mapper's names are symlinks to
+		// the dm-N nodes, followed here.
+		fd, oerr := unix.Open(c.MountDevice(), unix.O_PATH|unix.O_CLOEXEC, 0)
 		if oerr != nil {
 			err = agenterr.New(agenterr.FailedPrecondition, "volume %s: opening its device %s: %v", r.Volume, c.MountDevice(), oerr)
 		} else {
@@ -274,8 +275,10 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 			return fmt.Errorf("volume %s: creating the target directory %s: %w", r.Volume, target, err)
 		}
 		if src, err = openBeneath(root, staging, unix.O_PATH|unix.O_DIRECTORY); err == nil {
-			if mp, merr := isMountRoot(src); merr != nil || !mp {
-				err = agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s is not mounted (%v); stage the volume again", r.Volume, staging, merr)
+			if mp, merr := isMountRoot(src); merr != nil {
+				err = fmt.Errorf("volume %s: %w", r.Volume, merr)
+			} else if !mp {
+				err = agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s is not mounted; stage the volume again", r.Volume, staging)
 			}
 		}
 	}

@@ -20,7 +20,9 @@ import (
 // resolved. ".." is refused outright; the nearest existing parent is
 // resolved with EvalSymlinks and compared with the resolved root, so a
 // symlink planted anywhere along the path cannot point a mount elsewhere;
-// the last element itself may not be a symlink.
+// the last element itself may not be a symlink. This is the check; each
+// act on the path later resolves it again, refusing any symlink (see
+// openBeneath below).
 func confine(root, what, p string) (string, error) {
 	if p == "" {
 		return "", agenterr.New(agenterr.InvalidArgument, "%s is required", what)
