@@ -111,7 +111,12 @@ func relBeneath(root, p string) (string, string, error) {
 	if err != nil {
 		return "", "", agenterr.New(agenterr.FailedPrecondition, "the kubelet root %s is not usable (%v): set volumes.kubelet_root", root, err)
 	}
-	rel, ok := strings.CutPrefix(filepath.Clean(p), rroot+"/")
+	clean := filepath.Clean(p)
+	if clean == rroot {
+		// The parent of a path directly under the root.
+		return rroot, ".", nil
+	}
+	rel, ok := strings.CutPrefix(clean, rroot+"/")
 	if !ok || rel == "" {
 		return "", "", agenterr.New(agenterr.InvalidArgument, "%s is not under the kubelet directory %s; refused", p, root)
 	}

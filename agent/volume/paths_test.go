@@ -216,3 +216,17 @@ func TestVanishedDiskCleanupDoesNotFollowASwappedPath(t *testing.T) {
 		t.Fatal("the cleanup followed the swapped symlink and detached the filesystem it leads to")
 	}
 }
+
+// A staging path directly under the kubelet root is unmounted through the
+// root's own descriptor.
+func TestUnmountOfAPathDirectlyUnderTheKubeletRoot(t *testing.T) {
+	e := newEnv(t)
+	p := e.path("staging")
+	mountExt4(t, p)
+	if err := e.m.unmountIfMounted(p); err != nil {
+		t.Fatal(err)
+	}
+	if isMounted(t, p) {
+		t.Fatal("still mounted")
+	}
+}
