@@ -85,8 +85,13 @@ func GrantFromAPI(g *api.TakeoverGrant) (*fence.Grant, error) {
 	return out, nil
 }
 
-// StageVolume implements api.AgentServer.
+// StageVolume implements api.AgentServer. The passphrase of an encrypted
+// volume is the decoded request's own buffer, which the volume manager
+// uses in place (it makes no copy); it is zeroed when the call returns,
+// whatever the outcome. The copies gRPC made while receiving the request
+// are gRPC's and are not reached from here (docs/security.md).
 func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (*api.StageVolumeResponse, error) {
+	defer clear(req.GetEncryption().GetPassphrase())
 	m, err := s.volumes()
 	if err != nil {
 		return nil, err

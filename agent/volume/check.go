@@ -145,10 +145,10 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 func (m *Manager) cleanupGone(c *Claim, why error) {
 	log := m.log.With("volume", c.Volume, "device", c.Device)
 	for _, p := range append(append([]string(nil), c.Publications...), c.StagingPath) {
-		if mp, _ := m.mounter.IsMountPoint(p); mp {
-			if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {
-				log.Error("detaching a mount of a vanished disk", "path", p, "err", err)
-			}
+		// Reached beneath the kubelet root without following a symlink
+		// (unmountBeneath), as every unmount of the agent's.
+		if _, err := unmountBeneath(m.o.Config.KubeletRoot, p, unix.MNT_DETACH); err != nil {
+			log.Error("detaching a mount of a vanished disk", "path", p, "err", err)
 		}
 	}
 	if c.Mapper != "" && m.o.Crypt != nil {

@@ -1,12 +1,15 @@
 package volume
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // A fencing method that keeps metadata at the start of the disk (the
@@ -66,7 +69,9 @@ func dropDataMapping(p string) error {
 	if p == "" {
 		return nil
 	}
-	if _, err := os.Stat(p); err != nil {
+	if _, err := os.Stat(p); err != nil || !loopBound(p) {
+		// Gone, or detached already (an unstage retried after a later
+		// step failed): a detached loop device keeps its node.
 		return nil
 	}
 	// Not left behind for the loop device's next user (drainData set it
@@ -76,6 +81,19 @@ func dropDataMapping(p string) error {
 		return fmt.Errorf("detaching the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
 	}
 	return nil
+}
+
+// loopBound reports whether the loop device at p is attached to a
+// backing file; anything else (not a loop device, not readable) counts as
+// bound, so that the caller goes on and reports what it finds.
+func loopBound(p string) bool {
+	f, err := os.Open(p)
+	if err != nil {
+		return true
+	}
+	defer f.Close()
+	_, err = unix.IoctlLoopGetStatus64(int(f.Fd()))
+	return !errors.Is(err, unix.ENXIO)
 }
 
 // growDataMapping makes the loop device see a grown disk.

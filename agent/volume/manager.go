@@ -7,7 +7,6 @@ import (
 	"io"
 	"io/fs"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -109,7 +108,7 @@ func New(o Options) (*Manager, error) {
 	return &Manager{
 		o: o, log: o.Log, store: st, exec: ex,
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
-		mounter: mount.NewSafeFormatAndMount(mount.NewWithoutSystemd(""), ex),
+		mounter: mount.NewSafeFormatAndMount(beneathMounter{Interface: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot}, ex),
 		live:    map[string]*live{}, reclaims: map[string]time.Time{},
 	}, nil
 }
@@ -684,9 +683,11 @@ func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
 			"volume %s: %s carries %q, not the requested %s filesystem; the agent neither formats over existing data nor mounts it as another type",
 			c.Volume, device, existing, c.FsType)
 	}
-	if err := os.MkdirAll(c.StagingPath, 0o750); err != nil {
+	d, err := mkdirBeneath(m.o.Config.KubeletRoot, c.StagingPath, 0o750)
+	if err != nil {
 		return false, fmt.Errorf("volume %s: creating the staging path: %w", c.Volume, err)
 	}
+	d.Close()
 	opts := slices.Clone(c.MountFlags)
 	if c.ReadOnly {
 		opts = append(opts, "ro")
@@ -759,7 +760,7 @@ func (m *Manager) onLost(volume string) func(*fence.LostError) bool {
 		}
 		c, err := m.store.Get(volume)
 		if err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
-			if err := m.stopFilesystem(c.StagingPath); err != nil {
+			if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
 				stopped = false
 			}
@@ -811,7 +812,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
 		}
 	}
 	if !c.Block && c.Phase == PhaseStaged {
-		if err := m.stopFilesystem(c.StagingPath); err != nil {
+		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
 		}
 	}
@@ -834,45 +835,57 @@ const (
 	fsShutdownNoLogFlush = 2
 )
 
-// stopFilesystem remounts the filesystem at p read-only (the superblock,
-// so every bind mount of it too); when files are open for writing and the
-// remount is refused, it shuts the filesystem down instead. The block
-// layer's read-only flag alone does not stop a mounted filesystem from
-// writing.
+// stopFilesystem remounts the filesystem mounted at p (the staging path
+// of a claim whose device is device) read-only (the superblock, so every
+// bind mount of it too); when files are open for writing and the remount
+// is refused, it shuts the filesystem down instead. The block layer's
+// read-only flag alone does not stop a mounted filesystem from writing.
 //
-// Only a mount point is touched: a claim recorded as staged whose staging
-// path is no longer mounted (an unstage killed after its unmount) has no
-// filesystem there, and the remount and shutdown would otherwise land on
-// the filesystem holding the directory -- the node's root.
-func (m *Manager) stopFilesystem(p string) error {
-	if mp, err := m.mounter.IsMountPoint(p); err != nil || !mp {
-		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+// p is opened once, beneath the kubelet root and through no symlink, and
+// both the remount and the shutdown act on that descriptor. Only a mount
+// root is touched, and only one whose filesystem is on device (when the
+// device node is there to compare): a claim recorded as staged whose
+// staging path is no longer mounted (an unstage killed after its
+// unmount), or a path swapped since it was checked, would otherwise have
+// the remount and the shutdown land on another filesystem -- the node's
+// root.
+func (m *Manager) stopFilesystem(p, device string) error {
+	f, err := openBeneath(m.o.Config.KubeletRoot, p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NONBLOCK)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w; left alone", p, err)
+	}
+	defer f.Close()
+	if mp, err := isMountRoot(f); err != nil || !mp {
+		if err != nil {
 			return fmt.Errorf("%s: is it a mount point? %w; left alone", p, err)
 		}
 		return nil
 	}
-	err := unix.Mount("", p, "", unix.MS_REMOUNT|unix.MS_RDONLY, "")
+	var mst, dst unix.Stat_t
+	if device != "" && unix.Fstat(int(f.Fd()), &mst) == nil && unix.Stat(device, &dst) == nil && mst.Dev != dst.Rdev {
+		return fmt.Errorf("%s holds the filesystem of device %d:%d, not %s's; left alone", p, unix.Major(mst.Dev), unix.Minor(mst.Dev), device)
+	}
+	err = unix.Mount("", fdPath(f), "", unix.MS_REMOUNT|unix.MS_RDONLY, "")
 	if err == nil {
 		return nil
 	}
-	f, oerr := os.Open(p)
-	if oerr != nil {
-		return fmt.Errorf("remount read-only: %v; open for shutdown: %v", err, oerr)
-	}
-	defer f.Close()
 	if serr := unix.IoctlSetPointerInt(int(f.Fd()), fsIocShutdown, fsShutdownNoLogFlush); serr != nil {
 		return fmt.Errorf("remount read-only: %v; shutdown: %v", err, serr)
 	}
 	return nil
 }
 
+// unmountIfMounted unmounts the mount at p, reached beneath the kubelet
+// root without following a symlink (unmountBeneath).
 func (m *Manager) unmountIfMounted(p string) error {
-	mp, err := m.mounter.IsMountPoint(p)
-	if err != nil || !mp {
-		return nil
-	}
-	if err := m.mounter.Unmount(p); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "unmounting %s: %v; is something still using it?", p, err)
+	if _, err := unmountBeneath(m.o.Config.KubeletRoot, p, 0); err != nil {
+		if agenterr.KindOf(err) != agenterr.Internal {
+			return err
+		}
+		return agenterr.New(agenterr.FailedPrecondition, "%v; is something still using it?", err)
 	}
 	return nil
 }

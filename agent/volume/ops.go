@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"golang.org/x/sys/unix"
 	mount "k8s.io/mount-utils"
@@ -49,6 +50,22 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if err := m.unmountIfMounted(staging); err != nil {
 		return fmt.Errorf("volume %s: %w", volume, err)
 	}
+	// A raw block volume's writes may still sit in the page cache of the
+	// devices the pod wrote through (the data mapping is a buffered loop
+	// device, so even the disk's own cache holds them). They are pushed
+	// down before those devices go, and the disk is flushed again right
+	// before the fence is released below: nothing of this node lands
+	// after another node may have claimed the disk. (A lost claim's disk
+	// is read-only and another node's: its writes were failed on purpose,
+	// and there is no fence to release.)
+	for _, p := range []string{c.Mapper, c.DataDevice} {
+		if c.State != StateHeld {
+			break
+		}
+		if err := flushPath(p); err != nil {
+			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", volume, err)
+		}
+	}
 	if c.Mapper != "" {
 		if m.o.Crypt == nil {
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", volume, c.Mapper)
@@ -78,6 +95,9 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			}
 		}
 		if l != nil && l.fencer != nil {
+			if err := flushDevice(l.dev.File); err != nil {
+				return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", volume, c.Device, err)
+			}
 			c.Phase = PhaseUnstaging
 			if err := m.store.Put(c); err != nil {
 				return err
@@ -111,6 +131,37 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 		Reason: "unstaged", Message: msg})
 	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
 	return nil
+}
+
+// flushDevice writes a block device's page cache down and flushes the
+// device's write cache (fsync on a block device does both). A variable so
+// that a test can make it fail.
+var flushDevice = func(f *os.File) error {
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("flushing %s: %w", f.Name(), err)
+	}
+	return nil
+}
+
+// flushPath flushes the block device at p; a device that is not there
+// (already closed or detached by an earlier attempt) holds nothing.
+func flushPath(p string) error {
+	if p == "" {
+		return nil
+	}
+	if strings.HasPrefix(filepath.Base(p), "loop") && !loopBound(p) {
+		// A detached loop device keeps its node, and a flush of it fails.
+		return nil
+	}
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("opening %s to flush it: %w", p, err)
+	}
+	defer f.Close()
+	return flushDevice(f)
 }
 
 // PublishRequest is PublishVolume's input.
@@ -170,31 +221,8 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 		if !sameDevice(src, want) {
 			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", r.Volume, target, src)
 		}
-	} else {
-		opts := []string{"bind"}
-		if r.ReadOnly {
-			opts = append(opts, "ro")
-		}
-		src := staging
-		if c.Block {
-			src = c.MountDevice()
-			if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
-				return fmt.Errorf("volume %s: %w", r.Volume, err)
-			}
-			f, err := os.OpenFile(target, os.O_CREATE|os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
-			if err != nil {
-				return agenterr.New(agenterr.InvalidArgument, "volume %s: creating the block target file %s: %v", r.Volume, target, err)
-			}
-			f.Close()
-		} else {
-			opts = append(opts, r.MountFlags...)
-			if err := os.MkdirAll(target, 0o750); err != nil {
-				return agenterr.New(agenterr.InvalidArgument, "volume %s: creating the target directory %s: %v", r.Volume, target, err)
-			}
-		}
-		if err := m.mounter.Mount(src, target, "", opts); err != nil {
-			return agenterr.New(agenterr.Internal, "volume %s: bind-mounting %s at %s: %v", r.Volume, src, target, err)
-		}
+	} else if err := m.bind(r, c, staging, target); err != nil {
+		return err
 	}
 	if !slices.Contains(c.Publications, target) {
 		c.Publications = append(c.Publications, target)
@@ -213,7 +241,76 @@ func kindName(block bool) string {
 	return "filesystem"
 }
 
+// bind makes the publication: a bind mount of the staging path's mount
+// (or, for a raw block volume, of the device node onto a file) at target.
+// Both ends are held as descriptors opened beneath the kubelet root
+// without following symlinks, and the mount is made between them
+// (bindAt). A target the call created is removed again when the mount
+// fails, so no stray directory or file is left for Unpublish to refuse.
+func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error {
+	root := m.o.Config.KubeletRoot
+	var opts []string
+	if r.ReadOnly {
+		opts = append(opts, "ro")
+	}
+	_, existed := os.Lstat(target)
+	var src, dst *os.File
+	var err error
+	if c.Block {
+		if dst, err = createBeneath(root, target, 0o600); err != nil {
+			return fmt.Errorf("volume %s: creating the block target file %s: %w", r.Volume, target, err)
+		}
+		// The device node lives under /dev, which nobody under the
+		// kubelet root can change; /dev/mapper's names are symlinks to
+		// the dm-N nodes, followed here.
+		fd, oerr := unix.Open(c.MountDevice(), unix.O_PATH|unix.O_CLOEXEC, 0)
+		if oerr != nil {
+			err = agenterr.New(agenterr.FailedPrecondition, "volume %s: opening its device %s: %v", r.Volume, c.MountDevice(), oerr)
+		} else {
+			src = os.NewFile(uintptr(fd), c.MountDevice())
+		}
+	} else {
+		opts = append(opts, r.MountFlags...)
+		if dst, err = mkdirBeneath(root, target, 0o750); err != nil {
+			return fmt.Errorf("volume %s: creating the target directory %s: %w", r.Volume, target, err)
+		}
+		if src, err = openBeneath(root, staging, unix.O_PATH|unix.O_DIRECTORY); err == nil {
+			if mp, merr := isMountRoot(src); merr != nil {
+				err = fmt.Errorf("volume %s: %w", r.Volume, merr)
+			} else if !mp {
+				err = agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s is not mounted; stage the volume again", r.Volume, staging)
+			}
+		}
+	}
+	defer dst.Close()
+	if src != nil {
+		defer src.Close()
+	}
+	if err == nil {
+		err = bindAt(src, dst, opts)
+		if err != nil {
+			err = agenterr.New(agenterr.Internal, "volume %s: bind-mounting %s at %s: %v", r.Volume, src.Name(), target, err)
+		}
+	}
+	if err != nil && existed != nil {
+		if rerr := removeBeneath(root, target); rerr != nil {
+			m.log.Error("could not remove the target a failed publish made", "volume", r.Volume, "target", target, "err", rerr)
+		}
+	}
+	return err
+}
+
 // Unpublish implements UnpublishVolume: unmount the target and remove it.
+//
+// Only a publication of this volume is unmounted: a target the claim
+// records. A target it does not record (or any, for a volume this node
+// does not know) is removed only when it is an empty directory or file
+// of the form the kubelet gives a pod's CSI volume (pubTargetShape), with
+// nothing mounted on it, which is what a publish that never completed
+// leaves; anything else is refused, saying why, and left as it is. A
+// target that does not exist is unpublished (CSI: NodeUnpublishVolume is
+// idempotent). Every step acts beneath the kubelet root without
+// following symlinks.
 func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err error) {
 	defer m.count("unpublish", &err)
 	if volume == "" {
@@ -228,27 +325,138 @@ func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err
 		return err
 	}
 	defer release()
-	if err := mount.CleanupMountPoint(target, m.mounter, true); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s: unmounting %s: %v", volume, target, err)
-	}
-	if _, err := os.Lstat(target); err == nil {
-		// A raw block target is a file, which CleanupMountPoint leaves.
-		if err := os.Remove(target); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("volume %s: removing %s: %w", volume, target, err)
-		}
-	}
 	c, err := m.store.Get(volume)
-	if err != nil || c == nil {
+	if err != nil {
 		return err
 	}
-	if i := slices.Index(c.Publications, target); i >= 0 {
-		c.Publications = slices.Delete(c.Publications, i, i+1)
-		if err := m.store.Put(c); err != nil {
+	root := m.o.Config.KubeletRoot
+	if c == nil || !slices.Contains(c.Publications, target) {
+		if err := m.removeStrayTarget(volume, c != nil, target); err != nil {
 			return err
 		}
+		m.log.Info("volume unpublished", "volume", volume, "target", target, "recorded", false)
+		return nil
+	}
+	if _, err := unmountBeneath(root, target, 0); err != nil {
+		if agenterr.KindOf(err) != agenterr.Internal {
+			return fmt.Errorf("volume %s: %w", volume, err)
+		}
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v; is something still using it?", volume, err)
+	}
+	if f, err := openBeneath(root, target, unix.O_PATH); err == nil {
+		mp, _ := isMountRoot(f)
+		f.Close()
+		if mp {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is still a mount point after unmounting it once: another mount is stacked on the publication; unmount it by hand", volume, target)
+		}
+	}
+	if err := removeBeneath(root, target); err != nil {
+		return fmt.Errorf("volume %s: %w", volume, err)
+	}
+	c.Publications = slices.DeleteFunc(c.Publications, func(p string) bool { return p == target })
+	if err := m.store.Put(c); err != nil {
+		return err
 	}
 	m.log.Info("volume unpublished", "volume", volume, "target", target)
 	return nil
+}
+
+// pubTargetShape reports whether rel (a target relative to the kubelet
+// root) has the form the kubelet gives a pod's CSI volume: a filesystem
+// volume's pods/<pod uid>/volumes/kubernetes.io~csi/<volume>/mount, or a
+// raw block volume's plugins/kubernetes.io/csi/volumeDevices/publish/<volume>/<pod uid>.
+func pubTargetShape(rel string) (block, ok bool) {
+	p := strings.Split(rel, "/")
+	switch {
+	case len(p) == 6 && p[0] == "pods" && p[2] == "volumes" && p[3] == "kubernetes.io~csi" && p[5] == "mount":
+		return false, true
+	case len(p) == 7 && strings.Join(p[:5], "/") == "plugins/kubernetes.io/csi/volumeDevices/publish":
+		return true, true
+	}
+	return false, false
+}
+
+// removeStrayTarget removes a target the volume's claim does not record
+// (see Unpublish), or says why it will not.
+func (m *Manager) removeStrayTarget(volume string, known bool, target string) error {
+	root := m.o.Config.KubeletRoot
+	whose := fmt.Sprintf("volume %s is not published at %s on this node", volume, target)
+	if !known {
+		whose = fmt.Sprintf("volume %s is not staged or published on this node", volume)
+	}
+	// O_PATH: a device node or FIFO planted there is looked at, not opened.
+	f, err := openBeneath(root, target, unix.O_PATH)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("volume %s: %w", volume, err)
+	}
+	defer f.Close()
+	_, rel, err := relBeneath(root, target)
+	if err != nil {
+		return err
+	}
+	block, shaped := pubTargetShape(rel)
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fmt.Errorf("volume %s: %s: %w", volume, target, err)
+	}
+	mp, err := isMountRoot(f)
+	if err != nil {
+		return fmt.Errorf("volume %s: %w", volume, err)
+	}
+	isDir, isFile := st.Mode&unix.S_IFMT == unix.S_IFDIR, st.Mode&unix.S_IFMT == unix.S_IFREG
+	empty := isFile && st.Size == 0
+	if isDir && !mp {
+		d, err := openBeneath(root, target, unix.O_RDONLY|unix.O_DIRECTORY)
+		if err != nil {
+			return fmt.Errorf("volume %s: %w", volume, err)
+		}
+		var dst unix.Stat_t
+		names, _ := d.Readdirnames(1)
+		serr := unix.Fstat(int(d.Fd()), &dst)
+		d.Close()
+		// Empty only if it is still the directory looked at above.
+		empty = len(names) == 0 && serr == nil && dst.Dev == st.Dev && dst.Ino == st.Ino
+	}
+	switch {
+	case mp:
+		return agenterr.New(agenterr.FailedPrecondition, "%s, and something else is mounted there: refused, nothing unmounted. Unpublish it with the volume id it was published with", whose)
+	case !shaped:
+		return agenterr.New(agenterr.FailedPrecondition, "%s, and %s is not a pod volume path of the kubelet's form: refused, nothing removed", whose, target)
+	case !empty || (block && !isFile) || (!block && !isDir):
+		return agenterr.New(agenterr.FailedPrecondition, "%s, and %s is not an empty %s: refused, nothing removed", whose, target, map[bool]string{true: "file", false: "directory"}[block])
+	}
+	return removeBeneath(root, target)
+}
+
+// removeBeneath removes the file or empty directory p through its parent
+// directory's descriptor: a symlink put in p's place is removed itself,
+// never followed.
+func removeBeneath(root, p string) error {
+	dir, err := openBeneath(root, filepath.Dir(p), unix.O_PATH|unix.O_DIRECTORY)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	name := filepath.Base(p)
+	err = unix.Unlinkat(int(dir.Fd()), name, 0)
+	if errors.Is(err, unix.EISDIR) {
+		err = unix.Unlinkat(int(dir.Fd()), name, unix.AT_REMOVEDIR)
+	}
+	switch {
+	case err == nil, errors.Is(err, unix.ENOENT):
+		return nil
+	case errors.Is(err, unix.ENOTEMPTY), errors.Is(err, unix.EEXIST):
+		return agenterr.New(agenterr.FailedPrecondition, "%s is not empty after its unmount; it is left as it is: look at what was written into it", p)
+	case errors.Is(err, unix.EBUSY):
+		return agenterr.New(agenterr.FailedPrecondition, "%s is still a mount point; it is left as it is", p)
+	}
+	return fmt.Errorf("removing %s: %w", p, err)
 }
 
 // volumePath checks that p is the staging path or a target of c.

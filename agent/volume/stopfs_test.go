@@ -34,24 +34,24 @@ func mountExt4(t *testing.T, dir string) {
 // test's own, on a loop device.
 func TestStopFilesystemTouchesOnlyAMountedStagingPath(t *testing.T) {
 	e := newEnv(t)
-	parent := filepath.Join(t.TempDir(), "parent")
+	parent := e.path("parent")
 	mountExt4(t, parent)
 	staging := filepath.Join(parent, "staging")
 	if err := os.Mkdir(staging, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.m.stopFilesystem(staging); err != nil {
+	if err := e.m.stopFilesystem(staging, ""); err != nil {
 		t.Fatalf("stopping an unmounted staging path: %v", err)
 	}
 	if err := os.WriteFile(filepath.Join(parent, "probe"), []byte("x"), 0o644); err != nil {
 		t.Fatalf("the filesystem holding an unmounted staging path was stopped: %v", err)
 	}
-	if err := e.m.stopFilesystem(filepath.Join(parent, "gone")); err != nil {
+	if err := e.m.stopFilesystem(filepath.Join(parent, "gone"), ""); err != nil {
 		t.Fatalf("stopping a staging path that does not exist: %v", err)
 	}
 
 	mountExt4(t, staging)
-	if err := e.m.stopFilesystem(staging); err != nil {
+	if err := e.m.stopFilesystem(staging, ""); err != nil {
 		t.Fatalf("stopping a mounted staging path: %v", err)
 	}
 	if err := os.WriteFile(filepath.Join(staging, "late"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {

@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // ClaimedDir is where the agent marks the disks it has claimed. The udev
@@ -31,11 +33,18 @@ func MarkClaimed(dir, kernelName string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("marking %s claimed: %w", kernelName, err)
 	}
-	f, err := os.OpenFile(p, os.O_CREATE|os.O_WRONLY, 0o644)
+	// The mark is created without following a symlink planted in its
+	// place (O_NOFOLLOW: ELOOP) nor blocking on a FIFO (O_NONBLOCK); the
+	// agent runs as root, and a followed link would create or open a
+	// file anywhere on the host.
+	fd, err := unix.Open(p, unix.O_CREAT|unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0o644)
 	if err != nil {
-		return fmt.Errorf("marking %s claimed: %w", kernelName, err)
+		if errors.Is(err, unix.ELOOP) {
+			return fmt.Errorf("marking %s claimed: %s is a symlink, which the agent does not follow; remove it", kernelName, p)
+		}
+		return fmt.Errorf("marking %s claimed: %s: %w", kernelName, p, err)
 	}
-	return f.Close()
+	return unix.Close(fd)
 }
 
 // ClearClaimed removes the mark (on release, refusal, loss or removal).

@@ -63,3 +63,40 @@ func TestTriggerChange(t *testing.T) {
 		}
 	}
 }
+
+// A symlink planted where a claim mark goes is not followed: the mark
+// fails, and neither a file it names is created nor an existing one opened.
+func TestClaimMarkDoesNotFollowSymlinks(t *testing.T) {
+	base := t.TempDir()
+	dir := filepath.Join(base, "claimed")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	absent := filepath.Join(base, "created-through-link")
+	if err := os.Symlink(absent, filepath.Join(dir, "vdb")); err != nil {
+		t.Fatal(err)
+	}
+	if err := MarkClaimed(dir, "vdb"); err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Errorf("marking through a dangling symlink: %v, want a refusal naming the symlink", err)
+	}
+	if _, err := os.Lstat(absent); !os.IsNotExist(err) {
+		t.Errorf("the symlink's target was created: %v", err)
+	}
+
+	existing := filepath.Join(base, "config")
+	if err := os.WriteFile(existing, []byte("keep"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(existing, filepath.Join(dir, "vdc")); err != nil {
+		t.Fatal(err)
+	}
+	if err := MarkClaimed(dir, "vdc"); err == nil {
+		t.Error("marking through a symlink to an existing file succeeded")
+	}
+	if b, err := os.ReadFile(existing); err != nil || string(b) != "keep" {
+		t.Errorf("the symlink's target changed: %q, %v", b, err)
+	}
+	if st, err := os.Stat(existing); err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("the symlink's target's mode changed: %v, %v", st.Mode(), err)
+	}
+}
