@@ -26,8 +26,8 @@ const (
 	// HeadSize is how much of the start of a device is read and must be
 	// zeros: the first MiB, the lease area's data offset region (the
 	// lease keeps its data from 1 MiB) and every offset a LUKS2 secondary
-	// header can sit at (16 KiB to 4 MiB).
-	HeadSize = 4 << 20
+	// header can sit at (16 KiB to 4 MiB), with that header.
+	HeadSize = 5 << 20
 	// TailSize is how much of the end of a device must be zeros (GPT
 	// backup headers, md 0.90/1.0 superblocks and others live there).
 	TailSize = 1 << 20
