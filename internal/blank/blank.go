@@ -143,8 +143,14 @@ type regions struct {
 	tailOff int64
 }
 
-// signature names the first known signature in the head or tail.
+// signature names the first known signature in the head or tail:
+// crypt/luks2's list first (it names the lease and LUKS headers too), then
+// the lease and LUKS headers this package looks for itself, which include
+// the LUKS2 secondary headers past the first MiB.
 func (r *regions) signature() string {
+	if sig, err := luks2.DetectSignature(r, uint64(r.size)); err == nil && sig != "" {
+		return sig
+	}
 	if bytes.HasPrefix(r.head, []byte(LeaseMagic)) {
 		return "a vco-agent lease area (its header at byte 0)"
 	}
@@ -155,9 +161,6 @@ func (r *regions) signature() string {
 		if off+int64(len(luksSecondary)) <= int64(len(r.head)) && bytes.Equal(r.head[off:off+int64(len(luksSecondary))], luksSecondary) {
 			return fmt.Sprintf("a LUKS2 secondary header at byte %d", off)
 		}
-	}
-	if sig, err := luks2.DetectSignature(r, uint64(r.size)); err == nil && sig != "" {
-		return sig
 	}
 	return ""
 }

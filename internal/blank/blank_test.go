@@ -47,9 +47,9 @@ func TestProveNamesWhatItFinds(t *testing.T) {
 		data string
 		want string
 	}{
-		{"lease header", 0, LeaseMagic, "lease area"},
-		{"LUKS primary header", 0, "LUKS\xba\xbe\x00\x02", "LUKS header at byte 0"},
-		{"LUKS2 secondary header at 16 KiB", 16 << 10, "SKUL\xba\xbe\x00\x02", "LUKS2 secondary header at byte 16384"},
+		{"lease header", 0, LeaseMagic, "lease"},
+		{"LUKS primary header", 0, "LUKS\xba\xbe\x00\x02", "LUKS signature at offset 0"},
+		{"LUKS2 secondary header at 16 KiB", 16 << 10, "SKUL\xba\xbe\x00\x02", "LUKS2 secondary header signature at offset 16384"},
 		{"LUKS2 secondary header at 4 MiB", 4 << 20, "SKUL\xba\xbe\x00\x02", "LUKS2 secondary header at byte 4194304"},
 		{"ext4 magic", 1024 + 56, "\x53\xef", "ext2/ext3/ext4"},
 		{"a byte in the first MiB", 5000, "x", "5000"},
