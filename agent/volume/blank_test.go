@@ -112,8 +112,15 @@ func TestLeaseDiskIsStagedPastItsLeaseAreaOnEveryPath(t *testing.T) {
 	for _, p := range paths {
 		t.Run(p.name, func(t *testing.T) {
 			e := p.env(t)
+			e.crypt = &LUKS{} // for VolumeToken, which only reads
+			e.start()
 			img, dev := loop(t, 64)
 			leaseDiskWithFile(t, dev)
+			// What the node plugin reads before a stage is the data area too.
+			tok, err := e.m.VolumeToken(ctx, "vol-l", Locator{BackingFile: img})
+			if err != nil || tok.Device == dev || tok.Kind != ContentOther || !strings.Contains(tok.Detail, "ext") {
+				t.Fatalf("the token read of a lease disk is not of its data area: %+v %v", tok, err)
+			}
 			res, err := e.m.Stage(ctx, e.stageReq("vol-l", img, "staging/l"))
 			if err != nil {
 				t.Fatal(err)
@@ -258,5 +265,36 @@ func TestOnlyAProvenBlankDeviceIsFormatted(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// A LUKS2 format of this agent's that a crash cut short is done again over
+// its own leftovers (the header area), but not over a disk that holds
+// anything past that area.
+func TestACutShortLUKSFormatIsRedoneOnlyOverItsOwnLeftovers(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	e := newEnvWith(t, nil)
+	e.crypt = newHostLUKS(t)
+	e.start()
+	img, _ := loop(t, 64)
+	f, err := os.OpenFile(img, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)          // key material of the cut-short format
+	f.WriteAt([]byte("data past the LUKS2 header area"), 20<<20) // not the format's
+	f.Close()
+	c := &Claim{Volume: "vol-c", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/c"), FsType: "ext4",
+		Encrypted: true, Phase: PhaseInterrupted, LUKSFormatting: true}
+	if err := e.m.Store().Put(c); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	before := imageSum(t, img)
+	_, err = e.m.Stage(ctx, encReq(e, "vol-c", img, "staging/c"))
+	wantCode(t, err, codes.FailedPrecondition, "cut short", "past the header area", "byte 20971520")
+	if imageSum(t, img) != before {
+		t.Fatal("the disk was written")
 	}
 }
