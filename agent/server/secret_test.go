@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -34,7 +35,7 @@ func (c *recordingCrypt) Inspect(context.Context, string) (volume.Content, error
 	return volume.Content{Kind: volume.ContentLUKS2, UUID: "fake"}, nil
 }
 
-func (c *recordingCrypt) Format(context.Context, string, []byte, volume.TransitToken, bool) error {
+func (c *recordingCrypt) Format(context.Context, blank.Proof, []byte, volume.TransitToken) error {
 	return errors.New("the fake formats nothing")
 }
 

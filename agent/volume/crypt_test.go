@@ -16,6 +16,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/crypt/dmcrypt/dmcrypttest"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // hostLUKS is the real LUKS (header formatting, inspection and the
@@ -332,7 +333,11 @@ func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
 	// 1. The format completed, the record of it did not: the retry opens
 	// the header it finds (same UUID), it does not format again.
 	img, dev := loop(t, 64)
-	if err := (&LUKS{}).Format(ctx, dev, []byte(secret), wrapped, false); err != nil {
+	proof, err := blank.Prove(ctx, dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := (&LUKS{}).Format(ctx, proof, []byte(secret), wrapped); err != nil {
 		t.Fatal(err)
 	}
 	first, _ := e.m.VolumeToken(ctx, "vol-1", Locator{BackingFile: img})

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // An encrypted volume's passphrase is made and wrapped by the node plugin
@@ -59,20 +59,39 @@ func (m *Manager) prepareLUKS(ctx context.Context, c *Claim, target string, r St
 		case r.ReadOnly:
 			return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to open", c.Volume, target)
 		}
-		return m.formatLUKS(ctx, c, target, r, false)
+		proof, err := proveBlank(ctx, c.Volume, target, "LUKS2 header")
+		if err != nil {
+			return false, err
+		}
+		return m.formatLUKS(ctx, c, proof, r)
 	}
 	if c.LUKSFormatting && !c.LUKSFormatted && !c.Formatted && r.FormatLUKS && r.Token != nil {
+		// What this agent's own format leaves lies in the header area;
+		// past it the device must still be as blank as it was proven
+		// when that format began.
+		proof, err := blank.ProvePast(ctx, target, luksHeaderArea)
+		var nb *blank.NotBlankError
+		switch {
+		case errors.As(err, &nb):
+			return false, agenterr.New(agenterr.FailedPrecondition,
+				"volume %s: the LUKS2 format this agent began on %s was cut short, but %s is not as that format left it: it holds %s past the header area; it is not formatted again: check that the right disk is attached",
+				c.Volume, target, target, nb.Found)
+		case err != nil:
+			return false, agenterr.New(agenterr.Unavailable, "volume %s: %s was not formatted again, what it holds past its LUKS2 header area could not be read: %v", c.Volume, target, err)
+		}
 		m.log.Warn("the LUKS2 format this agent began on the volume was cut short; formatting it again", "volume", c.Volume, "device", target, "found", ct.Detail)
-		return m.formatLUKS(ctx, c, target, r, true)
+		return m.formatLUKS(ctx, c, proof, r)
 	}
 	return false, agenterr.New(agenterr.FailedPrecondition,
 		"volume %s: %s carries %s, not a LUKS2 header; the agent never formats over existing data: check that the right disk is attached, or wipe it by hand if its data is not wanted",
 		c.Volume, target, ct.Detail)
 }
 
-// formatLUKS formats target, marking the claim before and after, so a
-// crash in between is recognised as the agent's own unfinished format.
-func (m *Manager) formatLUKS(ctx context.Context, c *Claim, target string, r StageRequest, force bool) (bool, error) {
+// formatLUKS formats the device proof names, marking the claim before and
+// after, so a crash in between is recognised as the agent's own
+// unfinished format.
+func (m *Manager) formatLUKS(ctx context.Context, c *Claim, proof blank.Proof, r StageRequest) (bool, error) {
+	target := proof.Device()
 	if r.Token == nil {
 		return false, agenterr.New(agenterr.InvalidArgument,
 			"volume %s: formatting LUKS2 needs the passphrase's wrapped form (transit_token) to keep in the header; without it the passphrase could never be recovered", c.Volume)
@@ -84,7 +103,7 @@ func (m *Manager) formatLUKS(ctx context.Context, c *Claim, target string, r Sta
 	if err := m.store.Put(c); err != nil {
 		return false, err
 	}
-	if err := m.o.Crypt.Format(ctx, target, r.Passphrase, *r.Token, force); err != nil {
+	if err := m.o.Crypt.Format(ctx, proof, r.Passphrase, *r.Token); err != nil {
 		if ct, ierr := m.o.Crypt.Inspect(ctx, target); ierr == nil && ct.Kind == ContentBlank {
 			// Nothing was written: the device is not ours yet.
 			c.LUKSFormatting = false
@@ -155,8 +174,9 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 		if err != nil {
 			return res, agenterr.New(agenterr.Unavailable, "volume %s: choosing how %s is fenced, to find its data area: %v", volume, dev.Path, err)
 		}
-		if cl, ok := ch.Fencer.(io.Closer); ok {
-			cl.Close()
+		closeChoice(ch)
+		if err := m.leaseDataRule(ctx, dev, volume, &ch); err != nil {
+			return res, err
 		}
 		res.Device = dev.Path
 		if ch.DataOffset > 0 {

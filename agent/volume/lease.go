@@ -10,6 +10,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // LeaseOptions configure the on-disk lease (package fence/lease) for
@@ -45,6 +46,19 @@ func NewLease(o LeaseOptions) LeaseFactory {
 		if err != nil {
 			ld.Close()
 			return Choice{}, err
+		}
+		if cls.Layout == lease.LayoutBlank {
+			// Zeros in the first and last MiB are not yet blank: the
+			// lease area is written only on a disk the blank proof
+			// passes (Prepare proves it again before writing).
+			if _, err := blank.Prove(ctx, dev.Path); err != nil {
+				var nb *blank.NotBlankError
+				if !errors.As(err, &nb) {
+					ld.Close()
+					return Choice{}, err
+				}
+				cls = lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}
+			}
 		}
 		if cls.Layout != lease.LayoutBlank && cls.Layout != lease.LayoutLease {
 			ld.Close()

@@ -12,6 +12,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // TransitToken is a volume passphrase wrapped by a Vault/OpenBao transit
@@ -185,26 +186,34 @@ func probeSignature(device string) (string, error) {
 	return "blkid finds " + strings.Join(found, ", "), nil
 }
 
+// luksHeaderArea is what luks2.Format writes: the two headers and the
+// keyslot area before the data, 16 MiB.
+const luksHeaderArea = 16 << 20
+
 // Format implements Encryption: aes-xts-plain64 with a 512-bit key, one
 // argon2id keyslot, 4096-byte sectors where the data area allows (else
-// 512), the token in the very first header. Without force it refuses any
-// device that holds a signature; force is only for the agent's own format
-// that a crash cut short.
-func (l *LUKS) Format(_ context.Context, device string, passphrase []byte, tok TransitToken, force bool) error {
+// 512), the token in the very first header. The device is the one p
+// proved blank; luks2's own signature check is set aside (Force) only for
+// a proof of everything past the header area, which is the agent's own
+// format a crash cut short.
+func (l *LUKS) Format(_ context.Context, p blank.Proof, passphrase []byte, tok TransitToken) error {
+	if !p.Valid() || p.From() > luksHeaderArea {
+		return errors.New("no proof that the device is blank; no LUKS2 header is written")
+	}
 	if err := tok.check(); err != nil {
 		return err
 	}
 	if mem, limit := l.formatMemoryKiB(), orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB); mem > limit {
-		return fmt.Errorf("the agent's keyslot cost (%d KiB of argon2 memory) is above what its own unlock allows (%d KiB); it would format %s into a volume it cannot open", mem, limit, device)
+		return fmt.Errorf("the agent's keyslot cost (%d KiB of argon2 memory) is above what its own unlock allows (%d KiB); it would format %s into a volume it cannot open", mem, limit, p.Device())
 	}
 	o := luks2.FormatOptions{
-		Passphrase: passphrase, KDF: l.KDF, Force: force,
+		Passphrase: passphrase, KDF: l.KDF, Force: p.From() > 0,
 		TransitToken: &luks2.TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext},
 	}
-	if n, err := deviceSize(device); err == nil && (n-16<<20)%4096 != 0 {
+	if n, err := deviceSize(p.Device()); err == nil && (n-16<<20)%4096 != 0 {
 		o.SectorSize = 512
 	}
-	v, err := luks2.Format(device, o)
+	v, err := luks2.Format(p.Device(), o)
 	if err != nil {
 		return err
 	}

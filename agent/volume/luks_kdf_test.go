@@ -3,6 +3,7 @@ package volume
 import (
 	"context"
 	"errors"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"os"
 	"path/filepath"
 	"strings"
@@ -94,7 +95,11 @@ func TestLUKSFormatKeepsWithinTheUnlockLimit(t *testing.T) {
 		t.Fatal(err)
 	}
 	l := &LUKS{KDF: luks2.KDFParams{MemoryKiB: 32 << 10}, KDFMaxMemoryKiB: 16 << 10}
-	err := l.Format(context.Background(), p, []byte(secret), wrapped, false)
+	proof, err := blank.Prove(context.Background(), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = l.Format(context.Background(), proof, []byte(secret), wrapped)
 	if err == nil || !strings.Contains(err.Error(), "cannot open") {
 		t.Fatalf("want a refusal, got %v", err)
 	}

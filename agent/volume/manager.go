@@ -23,6 +23,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // Encryption formats, opens and closes LUKS2 volumes (LUKS, built on
@@ -34,9 +35,11 @@ type Encryption interface {
 	// nothing.
 	Inspect(ctx context.Context, device string) (Content, error)
 	// Format writes a new LUKS2 header with one keyslot for passphrase and
-	// tok as its vco-transit token. Without force a device that carries
-	// any signature is refused.
-	Format(ctx context.Context, device string, passphrase []byte, tok TransitToken, force bool) error
+	// tok as its vco-transit token on the device p proved blank. A proof
+	// of the device past the LUKS2 header area only (blank.ProvePast, for
+	// the agent's own format a crash cut short) lets it write over that
+	// area; nothing else is ever formatted.
+	Format(ctx context.Context, p blank.Proof, passphrase []byte, tok TransitToken) error
 	// Open unlocks the LUKS2 volume on device and maps it as name,
 	// returning the mapped device's path.
 	Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (mapped string, err error)
@@ -68,7 +71,7 @@ type Manager struct {
 	finder  discovery.Finder
 	store   *Store
 	locks   locks
-	mounter *mount.SafeFormatAndMount
+	mounter mount.Interface // mounts only: every format takes a blank proof (format.go)
 	exec    utilexec.Interface
 
 	// watchMu is held by the uevent watcher around a classification and
@@ -108,7 +111,7 @@ func New(o Options) (*Manager, error) {
 	return &Manager{
 		o: o, log: o.Log, store: st, exec: ex,
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
-		mounter: mount.NewSafeFormatAndMount(beneathMounter{Interface: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot}, ex),
+		mounter: beneathMounter{Interface: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
 		live:    map[string]*live{}, reclaims: map[string]time.Time{},
 	}, nil
 }
@@ -517,6 +520,10 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	if err != nil {
 		return res, agenterr.New(agenterr.Unavailable, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
 	}
+	if err := m.leaseDataRule(ctx, dev, c.Volume, &choice); err != nil {
+		closeChoice(choice)
+		return res, err
+	}
 	fencer = choice.Fencer
 	if fencer == nil {
 		if !r.AllowUnfenced || !m.o.Config.AllowUnfenced {
@@ -626,7 +633,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	}
 
 	if !r.Block {
-		made, err := m.mountFS(c, target)
+		made, err := m.mountFS(ctx, c, target)
 		if err != nil {
 			return res, err
 		}
@@ -651,8 +658,10 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	return StageResult{Device: target, Method: c.Method, Formatted: res.Formatted}, nil
 }
 
-// mountFS makes a filesystem on a blank device only, and mounts it.
-func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
+// mountFS mounts the filesystem device carries, or makes one on a device
+// proven blank and mounts that; a device with anything else on it is
+// refused, never formatted.
+func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, error) {
 	if mp, err := m.mounter.IsMountPoint(c.StagingPath); err == nil && mp {
 		src, err := m.mountSource(c.StagingPath)
 		if err != nil {
@@ -664,11 +673,11 @@ func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
 		}
 		return false, nil
 	}
-	existing, err := m.mounter.GetDiskFormat(device)
+	existing, err := filesystemOn(ctx, device)
 	if err != nil {
 		return false, fmt.Errorf("volume %s: reading the signatures on %s (blkid): %w", c.Volume, device, err)
 	}
-	format := false
+	var proof blank.Proof
 	switch {
 	case existing == "" && c.Formatted:
 		return false, agenterr.New(agenterr.FailedPrecondition,
@@ -677,7 +686,9 @@ func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
 	case existing == "" && c.ReadOnly:
 		return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to mount", c.Volume, device)
 	case existing == "":
-		format = true
+		if proof, err = proveBlank(ctx, c.Volume, device, "filesystem"); err != nil {
+			return false, err
+		}
 	case existing != c.FsType:
 		return false, agenterr.New(agenterr.FailedPrecondition,
 			"volume %s: %s carries %q, not the requested %s filesystem; the agent neither formats over existing data nor mounts it as another type",
@@ -697,14 +708,23 @@ func (m *Manager) mountFS(c *Claim, device string) (bool, error) {
 		// without nouuid the second of the two would not mount here.
 		opts = append(opts, "nouuid")
 	}
-	if err := m.mounter.FormatAndMount(device, c.StagingPath, c.FsType, opts); err != nil {
-		return false, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
-	}
-	if format {
+	opts = append(opts, "defaults")
+	formatted := proof.Valid()
+	if formatted {
+		if err := makeFS(ctx, proof, c.FsType); err != nil {
+			return false, agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
+		}
 		c.Formatted = true
-		m.log.Info("made a filesystem on a blank device", "volume", c.Volume, "device", device, "fs", c.FsType)
+		m.log.Info("made a filesystem on a device proven blank", "volume", c.Volume, "device", device, "fs", c.FsType)
+	} else if !c.ReadOnly {
+		if err := m.fsck(ctx, c.Volume, device); err != nil {
+			return false, err
+		}
 	}
-	return format, nil
+	if err := m.mounter.Mount(device, c.StagingPath, c.FsType, opts); err != nil {
+		return formatted, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
+	}
+	return formatted, nil
 }
 
 func (m *Manager) mountSource(p string) (string, error) {

@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // acquire claims the disk for a stage. A fencer whose storage can forget
@@ -90,28 +90,15 @@ func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, de
 }
 
 // contents says what the disk at path holds, "" when it is blank, by the
-// rule that lets the lease format a disk: the first and last MiB are zeros
-// and blkid finds no signature. The reads bypass the page cache, which may
-// still hold what this node read before another node wrote the disk.
+// proof every format passes (package internal/blank): no signature, no
+// lease or LUKS header, zeros at the start, at the lease data offset and
+// at the end. The reads bypass the page cache, which may still hold what
+// this node read before another node wrote the disk.
 func (m *Manager) contents(ctx context.Context, path string) (string, error) {
-	d, err := lease.OpenDeviceReadOnly(path)
-	if err != nil {
-		return "", err
+	_, err := blank.Prove(ctx, path)
+	var nb *blank.NotBlankError
+	if errors.As(err, &nb) {
+		return nb.Found, nil
 	}
-	defer d.Close()
-	timeout := m.o.Config.Lease.IOTimeout
-	if timeout <= 0 {
-		timeout = lease.DefaultTiming().IOTimeout
-	}
-	cls, err := lease.ReadLayout(ctx, d, timeout)
-	if err != nil {
-		return "", err
-	}
-	switch cls.Layout {
-	case lease.LayoutLease:
-		return "a lease area", nil
-	case lease.LayoutForeign:
-		return cls.Signature, nil
-	}
-	return lease.ProbeBlkid(ctx, path)
+	return "", err
 }

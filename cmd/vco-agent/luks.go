@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -14,6 +15,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/dmcrypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // luksCLI is the operator's tool for LUKS2 volumes on a device or image
@@ -194,6 +196,13 @@ func (c luksCLI) format(dev, passFile string, o luks2.FormatOptions) error {
 	}
 	defer clear(pass)
 	o.Passphrase = pass
+	if !o.Force {
+		// The agent's own blank proof (P5), which reads more of the
+		// device than luks2's signature check.
+		if _, err := blank.Prove(context.Background(), dev); err != nil {
+			return fmt.Errorf("format %s: %w; refusing to format over existing data (P5)", dev, err)
+		}
+	}
 	v, err := luks2.Format(dev, o)
 	if err != nil {
 		return err

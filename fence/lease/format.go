@@ -3,11 +3,13 @@ package lease
 import (
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // ReadLayout reads the first and last MiB of the device and classifies
@@ -35,9 +37,8 @@ type FormatOptions struct {
 	Key fence.Key
 	// Timeout bounds each I/O; zero means DefaultTiming's.
 	Timeout time.Duration
-	// Blkid, when true, also asks `blkid -p` and refuses anything it
-	// recognises; the agent sets it (blkid is part of util-linux on every
-	// node).
+	// Blkid is no longer a choice: the blank proof Format requires always
+	// asks `blkid -p`. The field stays for the callers that still set it.
 	Blkid  bool
 	Logger *slog.Logger
 }
@@ -82,23 +83,34 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	case LayoutForeign:
 		return false, &ForeignError{Device: d.name, Signature: c.Signature}
 	}
-	if o.Blkid {
-		sig, err := ProbeBlkid(ctx, d.name)
-		if err != nil {
-			return false, fmt.Errorf("%s: not formatting without blkid's second opinion: %w", d.name, err)
-		}
-		if sig != "" {
-			return false, &ForeignError{Device: d.name, Signature: sig}
-		}
+	// The layout check above only tells a lease area from the rest; the
+	// header is written on nothing but a disk proven blank, by the proof
+	// every format of the agent passes (package internal/blank).
+	proof, err := blank.Prove(ctx, d.name)
+	var nb *blank.NotBlankError
+	switch {
+	case errors.As(err, &nb):
+		return false, &ForeignError{Device: d.name, Signature: nb.Found}
+	case err != nil:
+		return false, fmt.Errorf("%s: not formatted, its blankness could not be proven: %w", d.name, err)
 	}
 	h := Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset,
 		Created: time.Now().Unix(), Creator: o.Key}
 	if _, err := rand.Read(h.VolumeID[:]); err != nil {
 		return false, err
 	}
-	if _, err := d.io(ctx, true, 0, EncodeHeader(h), o.Timeout); err != nil {
+	if err := writeHeader(ctx, d, proof, h, o.Timeout); err != nil {
 		return false, err
 	}
 	log.Info("lease area written", "device", d.name, "data_offset", DataOffset, "creator", o.Key.String())
 	return true, nil
+}
+
+// writeHeader writes a new lease header on d, which proof says is blank.
+func writeHeader(ctx context.Context, d *Device, proof blank.Proof, h Header, timeout time.Duration) error {
+	if !proof.Valid() || proof.Device() != d.name || proof.From() != 0 {
+		return fmt.Errorf("%s: no proof that the disk is blank; the lease area is not written", d.name)
+	}
+	_, err := d.io(ctx, true, 0, EncodeHeader(h), timeout)
+	return err
 }

@@ -5,9 +5,8 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
-	"os/exec"
-	"strings"
-	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // Layout is what a disk holds, as far as formatting it is concerned.
@@ -122,25 +121,8 @@ func firstNonZero(b []byte) int {
 // ProbeBlkid asks util-linux's blkid (low-level probe, no cache) for any
 // signature on path, as a second opinion that knows far more formats than
 // Classify. It returns "" when blkid finds nothing (exit status 2) and
-// an error when blkid cannot run.
+// an error when blkid cannot run. It is the blank proof's own probe
+// (package internal/blank).
 func ProbeBlkid(ctx context.Context, path string) (string, error) {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "blkid", "-p", "-o", "export", path).Output()
-	if ee, ok := err.(*exec.ExitError); ok && ee.ExitCode() == 2 {
-		return "", nil
-	}
-	if err != nil {
-		return "", fmt.Errorf("blkid -p %s: %w", path, err)
-	}
-	var found []string
-	for _, l := range strings.Split(string(out), "\n") {
-		if k, v, ok := strings.Cut(l, "="); ok && (k == "TYPE" || k == "PTTYPE" || k == "USAGE") {
-			found = append(found, k+"="+v)
-		}
-	}
-	if len(found) == 0 {
-		return "", nil
-	}
-	return "blkid: " + strings.Join(found, " "), nil
+	return blank.ProbeBlkid(ctx, path)
 }

@@ -1,0 +1,300 @@
+package volume
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+)
+
+// P5 on every path: the agent formats only a device it proves blank, and a
+// disk carrying the lease area is staged past it whatever fences it. Real
+// loop devices, mkfs, blkid and mounts; reservations through the model
+// target (this host has no SCSI).
+
+const keepsake = "written through the lease data area; must survive\n"
+
+// leaseDiskWithFile makes dev a lease disk as a lease-fenced stage leaves
+// it: the lease area written by the lease's own Format, an ext4
+// filesystem from the data offset holding one file.
+func leaseDiskWithFile(t *testing.T, dev string) {
+	t.Helper()
+	ld, err := lease.OpenDevice(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _ := fence.KeyFromUUID(nodeB)
+	if wrote, err := lease.Format(context.Background(), ld, lease.FormatOptions{Key: key}); err != nil || !wrote {
+		t.Fatalf("lease format: %v %v", wrote, err)
+	}
+	ld.Close()
+	withDataArea(t, dev, func(data string) {
+		if out, err := exec.Command("mkfs.ext4", "-q", data).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs: %v: %s", err, out)
+		}
+		dir := t.TempDir()
+		if out, err := exec.Command("mount", data, dir).CombinedOutput(); err != nil {
+			t.Fatalf("mount: %v: %s", err, out)
+		}
+		werr := os.WriteFile(filepath.Join(dir, "keepsake"), []byte(keepsake), 0o644)
+		if out, err := exec.Command("umount", dir).CombinedOutput(); err != nil {
+			t.Fatalf("umount: %v: %s", err, out)
+		}
+		if werr != nil {
+			t.Fatal(werr)
+		}
+	})
+}
+
+// withDataArea runs f on a loop device over dev from the lease data offset.
+func withDataArea(t *testing.T, dev string, f func(data string)) {
+	t.Helper()
+	out, err := exec.Command("losetup", "--find", "--show", "--offset", strconv.Itoa(lease.DataOffset), dev).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	data := strings.TrimSpace(string(out))
+	defer exec.Command("losetup", "-d", data).Run()
+	f(data)
+}
+
+func imageSum(t *testing.T, img string) [32]byte {
+	t.Helper()
+	b, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sha256.Sum256(b)
+}
+
+func startsWithLease(t *testing.T, img string) bool {
+	t.Helper()
+	f, err := os.Open(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, 8)
+	f.ReadAt(b, 0)
+	return string(b) == "VCOLEASE"
+}
+
+func TestLeaseDiskIsStagedPastItsLeaseAreaOnEveryPath(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	paths := []struct {
+		name string
+		env  func(t *testing.T) *env
+	}{
+		// The disk shows up with reservations (another bus, a target that
+		// gained PR): fenced by PR, never by the lease.
+		{"reservations", func(t *testing.T) *env {
+			e := newEnvWith(t, &modelFencing{tgt: scsitest.New(scsitest.Options{}), node: nodeA})
+			e.cfg.AllowUnfenced = false
+			e.start()
+			return e
+		}},
+		// An agent without the lease stages it with the unfenced opt-in.
+		{"unfenced opt-in", newEnv},
+	}
+	for _, p := range paths {
+		t.Run(p.name, func(t *testing.T) {
+			e := p.env(t)
+			e.crypt = &LUKS{} // for VolumeToken, which only reads
+			e.start()
+			img, dev := loop(t, 64)
+			leaseDiskWithFile(t, dev)
+			// What the node plugin reads before a stage is the data area too.
+			tok, err := e.m.VolumeToken(ctx, "vol-l", Locator{BackingFile: img})
+			if err != nil || tok.Device == dev || tok.Kind != ContentOther || !strings.Contains(tok.Detail, "ext") {
+				t.Fatalf("the token read of a lease disk is not of its data area: %+v %v", tok, err)
+			}
+			res, err := e.m.Stage(ctx, e.stageReq("vol-l", img, "staging/l"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Formatted {
+				t.Fatal("the stage formatted a disk carrying the lease area")
+			}
+			got, err := os.ReadFile(filepath.Join(e.path("staging/l"), "keepsake"))
+			if err != nil || string(got) != keepsake {
+				t.Fatalf("the file in the lease data area does not read back: %q %v", got, err)
+			}
+			if !startsWithLease(t, img) {
+				t.Fatal("the lease header was overwritten")
+			}
+			if c, _ := e.m.Store().Get("vol-l"); c.DataOffset != lease.DataOffset || c.DataDevice == "" {
+				t.Fatalf("the claim does not stage past the lease area: %+v", c)
+			}
+			if err := e.m.Unstage(ctx, "vol-l", e.path("staging/l")); err != nil {
+				t.Fatal(err)
+			}
+
+			// A raw block volume of it is the data area, not the disk.
+			req := e.stageReq("vol-b", img, "staging/b")
+			req.Block, req.FsType = true, ""
+			res, err = e.m.Stage(ctx, req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Device == dev || blkid(t, res.Device, "TYPE") != "ext4" {
+				t.Fatalf("raw block volume of a lease disk is %s (%q), not its data area", res.Device, blkid(t, res.Device, "TYPE"))
+			}
+		})
+	}
+
+	// A lease header this agent cannot read (another version): where the
+	// data begins is unknown; refused with a sentence, nothing written.
+	t.Run("unreadable lease header", func(t *testing.T) {
+		e := newEnv(t)
+		img, dev := loop(t, 64)
+		leaseDiskWithFile(t, dev)
+		f, err := os.OpenFile(img, os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt(lease.EncodeHeader(lease.Header{Version: 9, BlockSize: lease.BlockSize, Slots: lease.Slots, SlotOffset: lease.BlockSize, DataOffset: 2 << 20}), 0); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		before := imageSum(t, img)
+		_, err = e.m.Stage(ctx, e.stageReq("vol-v", img, "staging/v"))
+		wantCode(t, err, codes.FailedPrecondition, "lease area", "neither formatted nor staged from byte 0")
+		if imageSum(t, img) != before {
+			t.Fatal("the disk changed")
+		}
+	})
+}
+
+// secondaryHeader is a LUKS2 secondary header (16 KiB at byte 16384 of a
+// LUKS2 volume), cut from a real one.
+func secondaryHeader(t *testing.T) []byte {
+	t.Helper()
+	img := filepath.Join(t.TempDir(), "luks.img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	v, err := luks2.Format(img, luks2.FormatOptions{Passphrase: []byte("another volume's passphrase")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v.Close()
+	b, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.HasPrefix(b[16<<10:], []byte("SKUL\xba\xbe")) {
+		t.Fatal("no secondary header at 16 KiB")
+	}
+	return b[16<<10 : 32<<10]
+}
+
+func TestOnlyAProvenBlankDeviceIsFormatted(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	const size = 64 << 20
+	pattern := bytes.Repeat([]byte("not blank "), 400)
+	cases := []struct {
+		name  string
+		at    int64
+		data  func(t *testing.T) []byte
+		found string
+	}{
+		{"data only in the last MiB", size - 300<<10, func(*testing.T) []byte { return pattern }, "in the last MiB"},
+		{"data only at the lease data offset", lease.DataOffset + 64<<10, func(*testing.T) []byte { return pattern }, "lease data offset"},
+		{"a LUKS2 secondary header alone", 16 << 10, secondaryHeader, "LUKS"},
+		// The secondary header of an encrypted volume that lived in a lease
+		// disk's data area, its lease header and LUKS2 primary gone: blkid
+		// probes the standard offsets from byte 0 only.
+		{"a LUKS2 secondary header alone in the lease data area", lease.DataOffset + 16<<10, secondaryHeader, "lease data offset"},
+	}
+	paths := []struct {
+		name string
+		env  func(t *testing.T) *env
+		req  func(e *env, img string) StageRequest
+	}{
+		{"filesystem", newEnv, func(e *env, img string) StageRequest { return e.stageReq("vol-1", img, "staging/1") }},
+		{"LUKS2", func(t *testing.T) *env {
+			e := newEnvWith(t, nil)
+			e.crypt = newHostLUKS(t)
+			e.start()
+			return e
+		}, func(e *env, img string) StageRequest { return encReq(e, "vol-1", img, "staging/1") }},
+		{"lease", func(t *testing.T) *env { return fencedLeaseEnv(t, nodeA, "node-a") },
+			func(e *env, img string) StageRequest { return e.stageReq("vol-1", img, "staging/1") }},
+	}
+	for _, c := range cases {
+		for _, p := range paths {
+			t.Run(c.name+"/"+p.name, func(t *testing.T) {
+				e := p.env(t)
+				img, _ := loop(t, size>>20)
+				f, err := os.OpenFile(img, os.O_WRONLY, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := f.WriteAt(c.data(t), c.at); err != nil {
+					t.Fatal(err)
+				}
+				f.Close()
+				before := imageSum(t, img)
+				res, err := e.m.Stage(ctx, p.req(e, img))
+				if err == nil {
+					t.Fatalf("staged (%+v) a disk that is not blank", res)
+				}
+				wantCode(t, err, codes.FailedPrecondition)
+				if !strings.Contains(err.Error(), c.found) && !strings.Contains(err.Error(), "offers no fencing") {
+					t.Fatalf("the refusal %q does not name what was found (%q)", err, c.found)
+				}
+				if imageSum(t, img) != before {
+					t.Fatal("the disk was written")
+				}
+			})
+		}
+	}
+}
+
+// A LUKS2 format of this agent's that a crash cut short is done again over
+// its own leftovers (the header area), but not over a disk that holds
+// anything past that area.
+func TestACutShortLUKSFormatIsRedoneOnlyOverItsOwnLeftovers(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	e := newEnvWith(t, nil)
+	e.crypt = newHostLUKS(t)
+	e.start()
+	img, _ := loop(t, 64)
+	f, err := os.OpenFile(img, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)          // key material of the cut-short format
+	f.WriteAt([]byte("data past the LUKS2 header area"), 20<<20) // not the format's
+	f.Close()
+	c := &Claim{Volume: "vol-c", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/c"), FsType: "ext4",
+		Encrypted: true, Phase: PhaseInterrupted, LUKSFormatting: true}
+	if err := e.m.Store().Put(c); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	before := imageSum(t, img)
+	_, err = e.m.Stage(ctx, encReq(e, "vol-c", img, "staging/c"))
+	wantCode(t, err, codes.FailedPrecondition, "cut short", "past the header area", "byte 20971520")
+	if imageSum(t, img) != before {
+		t.Fatal("the disk was written")
+	}
+}

@@ -1,0 +1,105 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os/exec"
+	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+)
+
+// Formatting (P5, docs/architecture.md). The agent formats a device only
+// when package blank proves it blank; every format here takes the
+// blank.Proof, and the manager has no other way to run mkfs (its mounter
+// is a plain mount.Interface, without FormatAndMount). A device that is
+// not proven blank is mounted as the filesystem it carries, or refused.
+
+// proveBlank proves device blank before a format of volume's, turning
+// what was found into the refusal's sentence.
+func proveBlank(ctx context.Context, volume, device, what string) (blank.Proof, error) {
+	p, err := blank.Prove(ctx, device)
+	var nb *blank.NotBlankError
+	switch {
+	case errors.As(err, &nb):
+		return p, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: %s has no %s but is not blank: it holds %s; the agent formats only a device it proves blank: check that the right disk is attached, or wipe it by hand if its data is not wanted",
+			volume, device, what, nb.Found)
+	case err != nil:
+		return p, agenterr.New(agenterr.Unavailable, "volume %s: %s was not formatted, its blankness could not be proven: %v", volume, device, err)
+	}
+	return p, nil
+}
+
+// makeFS makes a filesystem of type fsType on the device p proved blank,
+// with the options of mount-utils' FormatAndMount (ext4 with no blocks
+// reserved for root).
+func makeFS(ctx context.Context, p blank.Proof, fsType string) error {
+	if !p.Valid() || p.From() != 0 {
+		return errors.New("no proof that the device is blank; no filesystem is made")
+	}
+	var args []string
+	switch fsType {
+	case "ext4":
+		args = []string{"-F", "-m0", p.Device()}
+	case "xfs":
+		args = []string{"-f", p.Device()}
+	default:
+		return fmt.Errorf("filesystem type %q is not one the agent makes", fsType)
+	}
+	if out, err := exec.CommandContext(ctx, "mkfs."+fsType, args...).CombinedOutput(); err != nil {
+		return fmt.Errorf("mkfs.%s %s: %v: %s", fsType, p.Device(), err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// filesystemOn names the filesystem blkid finds on device ("" for none),
+// as mount-utils' GetDiskFormat does: a partition table alone is
+// "unknown data, probably partitions".
+func filesystemOn(ctx context.Context, device string) (string, error) {
+	out, err := exec.CommandContext(ctx, "blkid", "-p", "-s", "TYPE", "-s", "PTTYPE", "-o", "export", device).Output()
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee) && ee.ExitCode() == 2:
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("blkid -p %s: %w", device, err)
+	}
+	var fs, pt string
+	for _, l := range strings.Split(string(out), "\n") {
+		k, v, _ := strings.Cut(l, "=")
+		switch k {
+		case "TYPE":
+			fs = v
+		case "PTTYPE":
+			pt = v
+		}
+	}
+	if fs == "" && pt != "" {
+		return "unknown data, probably partitions", nil
+	}
+	return fs, nil
+}
+
+// fsck checks and repairs the filesystem on device before a writable
+// mount, as mount-utils' FormatAndMount did: errors fsck corrected are
+// logged, errors it could not correct refuse the mount.
+func (m *Manager) fsck(ctx context.Context, volume, device string) error {
+	out, err := exec.CommandContext(ctx, "fsck", "-a", device).CombinedOutput()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+	case errors.Is(err, exec.ErrNotFound):
+		m.log.Warn("fsck is not installed; mounting without checking the filesystem", "volume", volume, "device", device)
+	case errors.As(err, &ee) && ee.ExitCode() == 1:
+		m.log.Info("fsck corrected errors on the filesystem", "volume", volume, "device", device)
+	case errors.As(err, &ee) && ee.ExitCode() == 4:
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: fsck found errors on %s it could not correct; repair the filesystem by hand: %s",
+			volume, device, strings.TrimSpace(string(out)))
+	default:
+		m.log.Warn("fsck failed; mounting anyway", "volume", volume, "device", device, "err", err, "output", strings.TrimSpace(string(out)))
+	}
+	return nil
+}

@@ -1,0 +1,56 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+)
+
+// The blank proof knows the lease header's magic and data offset without
+// importing this package (which uses it); these keep them in step.
+func TestBlankProofKnowsTheLeaseLayout(t *testing.T) {
+	if !strings.HasPrefix(string(EncodeHeader(Header{})), blank.LeaseMagic) {
+		t.Fatalf("the lease header does not begin with blank.LeaseMagic %q", blank.LeaseMagic)
+	}
+	if blank.LeaseDataOffset != DataOffset || DataOffset+AreaSize > blank.HeadSize {
+		t.Fatalf("the blank proof reads %d bytes from the start with the data offset at %d; the lease keeps its data from %d",
+			blank.HeadSize, blank.LeaseDataOffset, DataOffset)
+	}
+}
+
+// Format writes the lease area only on a disk the blank proof passes:
+// data past the first MiB (where the volume of a lease disk lives) is
+// found too, and the disk is left as it was.
+func TestFormatRefusesDataAtTheDataOffset(t *testing.T) {
+	ctx := context.Background()
+	dev := loopDevice(t, 64<<20, 512, func(img string) {
+		f, err := os.OpenFile(img, os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if _, err := f.WriteAt([]byte("the data area of a volume whose lease header is gone"), DataOffset+8192); err != nil {
+			t.Fatal(err)
+		}
+	})
+	d := openDev(t, dev)
+	wrote, err := Format(ctx, d, FormatOptions{Key: keyA})
+	var fe *ForeignError
+	if wrote || !errors.As(err, &fe) || !strings.Contains(fe.Signature, "lease data offset") {
+		t.Fatalf("format: wrote %v, %v; want a refusal naming the data at the lease data offset", wrote, err)
+	}
+	area, err := d.ReadArea(ctx, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range area {
+		if c != 0 {
+			t.Fatalf("format refused but wrote byte %d", i)
+		}
+	}
+}

@@ -1,0 +1,402 @@
+// Package blank proves a block device blank: the one test every format the
+// agent makes (a filesystem, a LUKS2 header, the lease area) must pass
+// first, so that nothing is written over data the project did not create
+// (docs/architecture.md, P5). A format takes a Proof, and only Prove and
+// ProvePast make one.
+package blank
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+)
+
+const (
+	// HeadSize is how much of the start of a device is read and must be
+	// zeros: the first MiB, the lease area's data offset region (the
+	// lease keeps its data from 1 MiB) and every offset a LUKS2 secondary
+	// header can sit at (16 KiB to 4 MiB), with that header.
+	HeadSize = 5 << 20
+	// TailSize is how much of the end of a device must be zeros (GPT
+	// backup headers, md 0.90/1.0 superblocks and others live there).
+	TailSize = 1 << 20
+
+	// LeaseMagic begins block 0 of the on-disk lease area (fence/lease);
+	// a test there keeps the two in step.
+	LeaseMagic = "VCOLEASE"
+	// LeaseDataOffset is where a lease-carrying disk keeps its data; the
+	// head read covers the MiB from there (a test in fence/lease keeps
+	// it in step).
+	LeaseDataOffset = 1 << 20
+)
+
+var (
+	luksPrimary   = []byte("LUKS\xba\xbe")
+	luksSecondary = []byte("SKUL\xba\xbe")
+	// luksSecondaryOffsets are the LUKS2 header sizes, hence where the
+	// secondary header can start.
+	luksSecondaryOffsets = []int64{16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20}
+)
+
+// Proof says that a device was found blank. Only Prove and ProvePast make
+// a non-zero one; every format of the agent takes one.
+type Proof struct {
+	path string
+	size int64
+	from int64
+}
+
+// Device is the path that was proven blank.
+func (p Proof) Device() string { return p.path }
+
+// Size is the device's size when it was proven blank.
+func (p Proof) Size() int64 { return p.size }
+
+// From is where the proven-blank part begins: 0 for the whole device
+// (Prove), the given offset for ProvePast.
+func (p Proof) From() int64 { return p.from }
+
+// Valid reports whether p was made by Prove or ProvePast.
+func (p Proof) Valid() bool { return p.path != "" }
+
+// NotBlankError says what was found on a device that is not blank.
+type NotBlankError struct {
+	Device string
+	// Found names it: "a vco-agent lease area (header at byte 0)",
+	// "blkid: TYPE=ext4", "non-zero data at byte 1052672 (the lease data
+	// offset region)".
+	Found string
+}
+
+func (e *NotBlankError) Error() string {
+	return fmt.Sprintf("%s is not blank: it holds %s", e.Device, e.Found)
+}
+
+// Prove reads the device at path and returns a Proof when it is blank:
+// no lease header, no LUKS header (primary or secondary), no signature the
+// project knows (crypt/luks2's list) or `blkid -p` finds, and the first
+// HeadSize and last TailSize bytes read as zeros. The reads bypass the
+// page cache (O_DIRECT). Anything found is a *NotBlankError naming it; an
+// error of another kind means the device could not be read, and is no
+// proof either.
+func Prove(ctx context.Context, path string) (Proof, error) {
+	r, err := read(ctx, path)
+	if err != nil {
+		return Proof{}, err
+	}
+	if found := r.signature(); found != "" {
+		return Proof{}, &NotBlankError{Device: path, Found: found}
+	}
+	found, err := probeBlkid(ctx, path)
+	if err != nil {
+		return Proof{}, err
+	}
+	if found != "" {
+		return Proof{}, &NotBlankError{Device: path, Found: found}
+	}
+	if found := r.nonZero(); found != "" {
+		return Proof{}, &NotBlankError{Device: path, Found: found}
+	}
+	return Proof{path: path, size: r.size}, nil
+}
+
+// ProvePast proves blank everything of the device the checks cover from
+// offset from on: no lease header at byte 0, zeros in the HeadSize bytes
+// from from and in the last TailSize bytes. It is for a format this agent
+// began and a crash cut short: what lies before from is its own
+// leftovers, which no signature check can tell from foreign data.
+func ProvePast(ctx context.Context, path string, from int64) (Proof, error) {
+	if from <= 0 {
+		return Prove(ctx, path)
+	}
+	r, err := readFrom(ctx, path, from)
+	if err != nil {
+		return Proof{}, err
+	}
+	if bytes.HasPrefix(r.lead, []byte(LeaseMagic)) {
+		return Proof{}, &NotBlankError{Device: path, Found: "a vco-agent lease area (its header at byte 0)"}
+	}
+	if found := r.nonZero(); found != "" {
+		return Proof{}, &NotBlankError{Device: path, Found: found}
+	}
+	return Proof{path: path, size: r.size, from: from}, nil
+}
+
+// regions is what was read of a device.
+type regions struct {
+	size    int64
+	lead    []byte // the first block, for the lease magic (ProvePast)
+	head    []byte // HeadSize bytes from headOff (or up to the end)
+	headOff int64
+	tail    []byte // the last TailSize bytes (or the whole device)
+	tailOff int64
+}
+
+// signature names the first known signature in the head or tail:
+// crypt/luks2's list first (it names the lease and LUKS headers too), then
+// the lease and LUKS headers this package looks for itself, which include
+// the LUKS2 secondary headers past the first MiB.
+func (r *regions) signature() string {
+	if sig, err := luks2.DetectSignature(r, uint64(r.size)); err == nil && sig != "" {
+		return sig
+	}
+	if bytes.HasPrefix(r.head, []byte(LeaseMagic)) {
+		return "a vco-agent lease area (its header at byte 0)"
+	}
+	if bytes.HasPrefix(r.head, luksPrimary) {
+		return "a LUKS header at byte 0"
+	}
+	for _, off := range luksSecondaryOffsets {
+		if off+int64(len(luksSecondary)) <= int64(len(r.head)) && bytes.Equal(r.head[off:off+int64(len(luksSecondary))], luksSecondary) {
+			return fmt.Sprintf("a LUKS2 secondary header at byte %d", off)
+		}
+	}
+	return ""
+}
+
+// ReadAt serves luks2.DetectSignature from what was read; it reads only
+// the first MiB and the last 64 KiB, both inside head and tail.
+func (r *regions) ReadAt(p []byte, off int64) (int, error) {
+	for _, s := range []struct {
+		b   []byte
+		off int64
+	}{{r.head, r.headOff}, {r.tail, r.tailOff}} {
+		if off >= s.off && off+int64(len(p)) <= s.off+int64(len(s.b)) {
+			return copy(p, s.b[off-s.off:]), nil
+		}
+	}
+	if off >= r.size {
+		return 0, io.EOF
+	}
+	return 0, fmt.Errorf("bytes %d-%d were not read for the blank check", off, off+int64(len(p)))
+}
+
+// nonZero names the first non-zero byte of the head and tail.
+func (r *regions) nonZero() string {
+	if i := firstNonZero(r.head); i >= 0 {
+		return describe(r.headOff + i)
+	}
+	if i := firstNonZero(r.tail); i >= 0 {
+		return fmt.Sprintf("non-zero data at byte %d, in the last MiB", r.tailOff+i)
+	}
+	return ""
+}
+
+func firstNonZero(b []byte) int64 {
+	for i, c := range b {
+		if c != 0 {
+			return int64(i)
+		}
+	}
+	return -1
+}
+
+func describe(at int64) string {
+	switch {
+	case at < 1<<20:
+		return fmt.Sprintf("non-zero data at byte %d, in the first MiB", at)
+	case at < LeaseDataOffset+1<<20:
+		return fmt.Sprintf("non-zero data at byte %d, in the MiB at the lease data offset (%d)", at, LeaseDataOffset)
+	}
+	return fmt.Sprintf("non-zero data at byte %d, in the first %d MiB", at, HeadSize>>20)
+}
+
+func read(ctx context.Context, path string) (*regions, error) { return readFrom(ctx, path, 0) }
+
+// readFrom reads the first block, HeadSize bytes from headOff and the
+// last TailSize bytes, with O_DIRECT where the file allows it.
+func readFrom(ctx context.Context, path string, headOff int64) (*regions, error) {
+	f, direct, err := open(path)
+	if err != nil {
+		return nil, err
+	}
+	size, align, err := geometry(f)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if !direct {
+		align = 1
+	}
+	r := &regions{size: size, headOff: min(headOff, size)}
+	r.headOff -= r.headOff % align
+	r.tailOff = max(0, size-TailSize)
+	r.tailOff -= r.tailOff % align
+	done := make(chan error, 1)
+	go func() {
+		defer f.Close()
+		var err error
+		if r.lead, err = readAt(f, 0, min(4096, size), align); err == nil {
+			if r.head, err = readAt(f, r.headOff, min(HeadSize, size-r.headOff), align); err == nil {
+				r.tail, err = readAt(f, r.tailOff, size-r.tailOff, align)
+			}
+		}
+		done <- err
+	}()
+	// A read of a disk whose path is gone can hang; the caller's context
+	// bounds the wait (the reading goroutine keeps its buffers).
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			return nil, fmt.Errorf("reading %s for the blank check: %w", path, err)
+		}
+		return r, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("reading %s for the blank check: %w", path, ctx.Err())
+	}
+}
+
+// open opens path with O_DIRECT, so that what this node cached before
+// another node wrote the disk is not what is judged; a regular file on a
+// filesystem without O_DIRECT (tmpfs, in tests) is read through the cache.
+func open(path string) (*os.File, bool, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err == nil {
+		return os.NewFile(uintptr(fd), path), true, nil
+	}
+	if !errors.Is(err, unix.EINVAL) {
+		return nil, false, fmt.Errorf("opening %s for the blank check: %w", path, err)
+	}
+	f, err := os.Open(path)
+	return f, false, err
+}
+
+// geometry returns the size and the logical block size (the alignment
+// O_DIRECT needs) of a block device, or the size of a file.
+func geometry(f *os.File) (int64, int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, 0, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return st.Size, 4096, nil
+	}
+	var sz uint64
+	if _, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&sz))); e != 0 {
+		return 0, 0, fmt.Errorf("reading the device size: %w", e)
+	}
+	ssz, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKSSZGET)
+	if err != nil {
+		return 0, 0, fmt.Errorf("reading the logical block size: %w", err)
+	}
+	return int64(sz), int64(max(ssz, 4096)), nil
+}
+
+// readAt reads n bytes at off into a buffer aligned for O_DIRECT.
+func readAt(f *os.File, off, n, align int64) ([]byte, error) {
+	if n <= 0 {
+		return nil, nil
+	}
+	padded := (n + align - 1) / align * align
+	raw := make([]byte, padded+align)
+	skip := int64(0)
+	if a := int64(uintptr(unsafe.Pointer(&raw[0]))) % align; a != 0 {
+		skip = align - a
+	}
+	buf := raw[skip : skip+padded]
+	got := int64(0)
+	for got < n {
+		m, err := unix.Pread(int(f.Fd()), buf[got:], off+got)
+		if err != nil {
+			return nil, err
+		}
+		if m == 0 {
+			break
+		}
+		got += int64(m)
+	}
+	if got < n {
+		return nil, fmt.Errorf("short read at byte %d: %d of %d bytes", off, got, n)
+	}
+	return buf[:n], nil
+}
+
+// probeBlkid asks util-linux's blkid for any signature (-p: a low-level
+// probe of the device itself, no cache file). The block device's buffer
+// cache is dropped first, so blkid reads what is on the disk now. Exit
+// status 2 is "nothing found"; any other failure (blkid missing, an
+// ambivalent probe) is no proof.
+func probeBlkid(ctx context.Context, path string) (string, error) {
+	if f, err := os.Open(path); err == nil {
+		if st, err := f.Stat(); err == nil && st.Mode()&os.ModeDevice != 0 {
+			_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
+		}
+		f.Close()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "blkid", "-p", "-o", "export", path).Output()
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee) && ee.ExitCode() == 2:
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("%s: blkid -p, which must find nothing before a format, failed: %w", path, err)
+	}
+	var found []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if k, v, ok := strings.Cut(l, "="); ok && (k == "TYPE" || k == "PTTYPE" || k == "USAGE") {
+			found = append(found, k+"="+v)
+		}
+	}
+	if len(found) == 0 {
+		found = []string{"a signature"}
+	}
+	return "blkid: " + strings.Join(found, " "), nil
+}
+
+// ProbeBlkid is probeBlkid for callers that want blkid's opinion alone
+// (fence/lease's ProbeBlkid): "" when it finds nothing.
+func ProbeBlkid(ctx context.Context, path string) (string, error) { return probeBlkid(ctx, path) }
+
+// ReadHead reads the first n bytes of the device at path, bypassing the
+// page cache as Prove does (for a header that decides how a disk is used,
+// such as the lease's).
+func ReadHead(ctx context.Context, path string, n int64) ([]byte, error) {
+	f, direct, err := open(path)
+	if err != nil {
+		return nil, err
+	}
+	size, align, err := geometry(f)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if !direct {
+		align = 1
+	}
+	type result struct {
+		b   []byte
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		defer f.Close()
+		b, err := readAt(f, 0, min(n, size), align)
+		done <- result{b, err}
+	}()
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	select {
+	case r := <-done:
+		if r.err != nil {
+			return nil, fmt.Errorf("reading the start of %s: %w", path, r.err)
+		}
+		return r.b, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("reading the start of %s: %w", path, ctx.Err())
+	}
+}

@@ -1,0 +1,140 @@
+package blank
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// image makes a sparse file of size bytes with data written at off (none
+// when data is nil).
+func image(t *testing.T, size, off int64, data []byte) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "disk.img")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	if data != nil {
+		if _, err := f.WriteAt(data, off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return p
+}
+
+func needBlkid(t *testing.T) {
+	if _, err := exec.LookPath("blkid"); err != nil {
+		t.Skip("blkid (util-linux) is not installed")
+	}
+}
+
+func TestProveNamesWhatItFinds(t *testing.T) {
+	needBlkid(t)
+	ctx := context.Background()
+	const size = 32 << 20
+	cases := []struct {
+		name string
+		off  int64
+		data string
+		want string
+	}{
+		{"lease header", 0, LeaseMagic, "lease"},
+		{"LUKS primary header", 0, "LUKS\xba\xbe\x00\x02", "LUKS signature at offset 0"},
+		{"LUKS2 secondary header at 16 KiB", 16 << 10, "SKUL\xba\xbe\x00\x02", "LUKS2 secondary header signature at offset 16384"},
+		{"LUKS2 secondary header at 4 MiB", 4 << 20, "SKUL\xba\xbe\x00\x02", "LUKS2 secondary header at byte 4194304"},
+		{"ext4 magic", 1024 + 56, "\x53\xef", "ext2/ext3/ext4"},
+		{"a byte in the first MiB", 5000, "x", "5000"},
+		{"a byte at the lease data offset", LeaseDataOffset + 4096, "x", "at the lease data offset"},
+		{"a byte in the fifth MiB", 4<<20 + 100, "x", "in the first 5 MiB"},
+		{"a byte in the last MiB", size - 1, "x", "in the last MiB"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := image(t, size, c.off, []byte(c.data))
+			proof, err := Prove(ctx, p)
+			var nb *NotBlankError
+			if !errors.As(err, &nb) || !strings.Contains(nb.Found, c.want) || proof.Valid() {
+				t.Fatalf("Prove: %+v %v; want a refusal naming %q", proof, err, c.want)
+			}
+			if !strings.Contains(err.Error(), p) {
+				t.Fatalf("the refusal does not name the device: %v", err)
+			}
+		})
+	}
+}
+
+func TestProveOfABlankImage(t *testing.T) {
+	needBlkid(t)
+	ctx := context.Background()
+	for _, size := range []int64{32 << 20, 3 << 20, 1 << 20} {
+		p := image(t, size, 0, nil)
+		proof, err := Prove(ctx, p)
+		if err != nil || !proof.Valid() || proof.Device() != p || proof.Size() != size || proof.From() != 0 {
+			t.Fatalf("%d-byte blank image: %+v %v", size, proof, err)
+		}
+	}
+	if (Proof{}).Valid() {
+		t.Fatal("the zero Proof is valid")
+	}
+}
+
+func TestProbeBlkidNamesWhatItFinds(t *testing.T) {
+	needBlkid(t)
+	if _, err := exec.LookPath("mkswap"); err != nil {
+		t.Skip("mkswap is not installed")
+	}
+	p := image(t, 32<<20, 0, nil)
+	if found, err := ProbeBlkid(context.Background(), p); err != nil || found != "" {
+		t.Fatalf("blkid of a blank image: %q %v", found, err)
+	}
+	if out, err := exec.Command("mkswap", p).CombinedOutput(); err != nil {
+		t.Fatalf("mkswap: %v: %s", err, out)
+	}
+	found, err := ProbeBlkid(context.Background(), p)
+	if err != nil || !strings.Contains(found, "TYPE=swap") {
+		t.Fatalf("blkid of a swap image: %q %v", found, err)
+	}
+}
+
+// Without blkid's answer there is no proof: a blank image whose blkid
+// cannot run is not proven blank.
+func TestNoProofWithoutBlkid(t *testing.T) {
+	p := image(t, 32<<20, 0, nil)
+	t.Setenv("PATH", t.TempDir())
+	proof, err := Prove(context.Background(), p)
+	var nb *NotBlankError
+	if err == nil || errors.As(err, &nb) || proof.Valid() {
+		t.Fatalf("Prove without blkid: %+v %v; want an error and no proof", proof, err)
+	}
+}
+
+// ProvePast sets aside what lies before from (the agent's own cut-short
+// LUKS2 format) but nothing after it, nor a lease header.
+func TestProvePast(t *testing.T) {
+	ctx := context.Background()
+	const size, from = 64 << 20, 16 << 20
+	p := image(t, size, 32<<10, []byte("keyslot material of a format cut short"))
+	if proof, err := ProvePast(ctx, p, from); err != nil || !proof.Valid() || proof.From() != from {
+		t.Fatalf("leftovers before %d: %+v %v", from, proof, err)
+	}
+	for _, c := range []struct {
+		off  int64
+		data string
+	}{{0, LeaseMagic}, {from + 100, "x"}, {size - 100, "x"}} {
+		p := image(t, size, c.off, []byte(c.data))
+		_, err := ProvePast(ctx, p, from)
+		var nb *NotBlankError
+		if !errors.As(err, &nb) {
+			t.Fatalf("data at %d: %v; want a refusal", c.off, err)
+		}
+	}
+}
