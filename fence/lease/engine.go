@@ -8,6 +8,7 @@ import (
 	"hash/fnv"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -60,7 +61,7 @@ type Engine struct {
 	cfg Config
 	log *slog.Logger
 
-	mu      sync.Mutex
+	mu      chanLock
 	held    bool
 	slot    int
 	mine    Slot
@@ -79,6 +80,40 @@ type Engine struct {
 	// requests), and a claim that landed is withdrawn, never resumed: its
 	// racers' settle waits assumed it would land within the I/O timeout.
 	unconfirmed *claimWrite
+	// health is what Health returns, stored at each change of held,
+	// lastOK or lost, so that it is read without e.mu.
+	health atomic.Pointer[Health]
+}
+
+// Health is the engine's state as a host watchdog's feeder needs it. It
+// is read without the engine's lock, which an acquisition holds for as
+// long as it waits.
+type Health struct {
+	// Held: the engine holds the lease and renews it.
+	Held bool
+	// RenewedAt is when the last successful write of our slot was issued
+	// (this host's monotonic clock); the claim is lost Fail after it.
+	RenewedAt time.Time
+	// Fail is the fail bound F.
+	Fail time.Duration
+	// Lost: the claim was lost; Drained: and OnLost reported that every
+	// write of this host to the disk has completed or failed.
+	Lost, Drained bool
+}
+
+// Health returns the engine's state without waiting for its lock.
+func (e *Engine) Health() Health {
+	if h := e.health.Load(); h != nil {
+		return *h
+	}
+	return Health{Fail: e.cfg.Timing.Fail}
+}
+
+// storeHealth records the state for Health. Called with e.mu held, after
+// held, lastOK or lost changed.
+func (e *Engine) storeHealth() {
+	old := e.Health()
+	e.health.Store(&Health{Held: e.held, RenewedAt: e.lastOK, Fail: e.cfg.Timing.Fail, Lost: e.lost != nil, Drained: old.Drained})
 }
 
 type claimWrite struct {
@@ -113,7 +148,7 @@ func New(dev *Device, cfg Config) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Engine{dev: dev, cfg: cfg, slot: -1, log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+	return &Engine{dev: dev, cfg: cfg, slot: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
 }
 
 // Device returns the engine's device.
@@ -476,9 +511,11 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		return fence.Claim{}, e.refusal(a2, a2.Slots[victim].Key, &a2.Slots[victim], grant)
 	}
 	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
+	e.storeHealth()
 	if victim >= 0 && granted {
 		if err := e.awaitVictim(ctx, victim, a2); err != nil {
 			e.held = false
+			e.storeHealth()
 			e.withdraw(ctx, idx, s, blk)
 			return fence.Claim{}, err
 		}
@@ -662,6 +699,7 @@ func (e *Engine) resume(ctx context.Context, idx int, a *Area, readAt time.Time)
 	e.held = true
 	if err := e.renewLocked(ctx, a); err != nil {
 		e.held = false
+		e.storeHealth()
 		return err
 	}
 	e.startRenewer()
@@ -708,6 +746,7 @@ func (e *Engine) renewLocked(ctx context.Context, a *Area) error {
 		return err
 	}
 	e.mine, e.lastRaw, e.lastOK = s, blk, issued
+	e.storeHealth()
 	e.stats.Renewals++
 	e.stats.LastRenewal = time.Now()
 	return nil
@@ -726,6 +765,7 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 	e.lost = l
 	wasHeld := e.held
 	e.held = false
+	e.storeHealth()
 	if e.renewer != nil {
 		e.renewer.signal()
 		e.renewer = nil
@@ -734,6 +774,9 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 	if wasHeld && e.cfg.OnLost != nil {
 		go func() {
 			if e.cfg.OnLost(l) {
+				h := e.Health()
+				h.Drained = true
+				e.health.Store(&h)
 				e.ackFenced()
 			} else {
 				e.log.Warn("I/O to the disk could not be shown to have stopped; the slot is not marked fenced, so a taker waits for the expiry bound")
@@ -835,6 +878,7 @@ func (e *Engine) Release(ctx context.Context) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.held = false
+	e.storeHealth()
 	if err := e.verify(ctx); err != nil {
 		return err
 	}
@@ -877,6 +921,15 @@ func (e *Engine) writeReleased(ctx context.Context, i int, blk []byte) error {
 	}
 	return err
 }
+
+// chanLock is a mutex made of a channel. The engine holds its lock across
+// lease I/O and the waits of an acquisition; a goroutine waiting for it is
+// then blocked on a channel, which the schedule simulator's fake clock
+// (testing/synctest, sim_test.go) can tell from a running one.
+type chanLock chan struct{}
+
+func (l chanLock) Lock()   { l <- struct{}{} }
+func (l chanLock) Unlock() { <-l }
 
 // renewer is the goroutine that renews a held lease.
 type renewer struct {

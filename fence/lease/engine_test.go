@@ -173,9 +173,9 @@ func TestReleaseOutlastsASlowWrite(t *testing.T) {
 	s.Counter++
 	s.Written = time.Now().UnixNano()
 
-	a.e.dev.mu.Lock()
+	a.e.dev.sem <- struct{}{}
 	stall := testTiming.IOTimeout * 3 / 2
-	go func() { time.Sleep(stall); a.e.dev.mu.Unlock() }()
+	go func() { time.Sleep(stall); <-a.e.dev.sem }()
 	t0 := time.Now()
 	if err := a.e.writeReleased(ctx, i, EncodeSlot(s)); err != nil {
 		t.Fatalf("release write past a %s stall: %v", stall, err)
@@ -218,7 +218,7 @@ func TestTimedOutClaimWriteIsWithdrawnNotResumed(t *testing.T) {
 					// write's timeout; with lands, the claim is written
 					// while it is held, as a request stuck in the device
 					// queue completes.
-					e.dev.mu.Lock()
+					e.dev.sem <- struct{}{}
 					late = blk
 					go func() {
 						time.Sleep(stall)
@@ -229,7 +229,7 @@ func TestTimedOutClaimWriteIsWithdrawnNotResumed(t *testing.T) {
 								t.Error(err)
 							}
 						}
-						e.dev.mu.Unlock()
+						<-e.dev.sem
 					}()
 				})
 			}
