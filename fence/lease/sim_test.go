@@ -204,6 +204,7 @@ type simDevice struct {
 	inflight int
 	done     bool
 	writes   int // writes issued
+	failed   int // writes that failed (EIO), which may have landed in part
 }
 
 func (f *simDevice) busy(delta int) {
@@ -351,6 +352,9 @@ func (f *simDevice) WriteAt(p []byte, off int64) (int, error) {
 	}
 	sleepUntil(start.Add(lat))
 	if fails {
+		f.mu.Lock()
+		f.failed++
+		f.mu.Unlock()
 		return 0, syscall.EIO
 	}
 	return len(p), nil
@@ -526,6 +530,11 @@ func (h *simHost) life(ctx context.Context, life int) {
 			}
 		}
 	}
+	// A node handles a lost claim before it stages the volume again (the
+	// agent's volume lock): the next life waits for the drain.
+	for e.Lost() != nil && !e.Health().Drained {
+		time.Sleep(100 * time.Millisecond)
+	}
 	if e.Lost() == nil {
 		s.closeWindow(w, "released", time.Now())
 		if err := e.Release(context.Background()); err != nil {
@@ -618,9 +627,16 @@ func (s *sim) othersWritesLocked(self *window) int {
 }
 
 // checkLoss: a loss because our own slot changed needs another writer of
-// that slot.
+// that slot, or a write of ours that failed and may have torn it (a
+// failing disk may cost the claim; a slow one must not).
 func (s *sim) checkLoss(w *window, l *fence.LostError) {
 	if !strings.Contains(l.Reason, "changed under us") {
+		return
+	}
+	w.dev.mu.Lock()
+	failed := w.dev.failed
+	w.dev.mu.Unlock()
+	if failed > 0 {
 		return
 	}
 	s.disk.mu.Lock()
@@ -642,12 +658,17 @@ func (s *sim) checkLoss(w *window, l *fence.LostError) {
 	s.failf("host %d life %d lost its claim because its slot changed, yet nobody else wrote its slot: %s", w.host, w.life, l.Reason)
 }
 
-// checkGrantBound: a granted takeover returns within the superseded
-// holder's expiry bound plus a settle wait and a few I/O timeouts.
+// checkGrantBound: a granted takeover on a healthy disk path returns
+// within the superseded holder's expiry bound plus a settle wait and a
+// few I/O timeouts, or twice the bound when another held slot (a host
+// superseded earlier, not yet cleared) is waited out first.
 func (s *sim) checkGrantBound(w *window, took time.Duration) {
+	if w.dev.prof != calmIO {
+		return
+	}
 	var b time.Duration
 	for _, t := range simTiming {
-		b = max(b, t.Expiry()+t.Settle()+t.Renew+8*t.IOTimeout)
+		b = max(b, 2*t.Expiry()+t.Settle()+t.Renew+8*t.IOTimeout)
 	}
 	if took > b {
 		s.failf("host %d life %d: a granted acquisition took %s, above its bound %s", w.host, w.life, took, b)
