@@ -854,6 +854,11 @@ func (e *Engine) ownRaw(raw []byte) bool {
 // verifyOwn checks a read against our claim.
 func (e *Engine) verifyOwn(a *Area) *fence.LostError {
 	if !e.ownRaw(a.Raw[e.slot]) {
+		if o := a.Owner(); o >= 0 && a.Slots[o].Key != e.cfg.Key {
+			// A taker that waited out our expiry bound clears our slot.
+			s := a.Slots[o]
+			return e.markLost(fmt.Sprintf("key %s holds the lease at epoch %d, and our slot was cleared or overwritten", s.Key, s.Epoch), s.Key, &s)
+		}
 		s := a.Slots[e.slot]
 		if s.Key != e.cfg.Key && s.Key != 0 {
 			return e.markLost(fmt.Sprintf("our lease slot was overwritten by key %s", s.Key), s.Key, &s)

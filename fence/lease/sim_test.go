@@ -58,7 +58,7 @@ import (
 )
 
 var (
-	simSeeds = flag.Int("lease.seeds", 1500, "schedules TestLeaseSchedules runs (make soak runs more)")
+	simSeeds = flag.Int("lease.seeds", 2000, "schedules TestLeaseSchedules runs (make soak runs more)")
 	simSeed  = flag.Int64("lease.seed", -1, "run only this schedule, with its trace")
 	simFrom  = flag.Int64("lease.from", 1, "first seed of TestLeaseSchedules")
 	simOnly  = flag.Int("lease.class", -1, "run only the seeds of this class (0 mixed, 1 slow, 2 churn, 3 takeover)")
