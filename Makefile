@@ -163,11 +163,18 @@ FAULTS_SOAK_ROUNDS ?= 10
 test-faults: deps build
 	@mkdir -p $(BIN)
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -v -timeout 60m ./integration/faults | tee $(BIN)/faults.txt
-soak: soak-faults
+soak: soak-faults soak-lease
 soak-faults: deps build
 	@mkdir -p $(BIN)
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) VCO_FAULTS_ROUNDS=$(FAULTS_SOAK_ROUNDS) $(GO) test -count=1 -p 1 -v -timeout 4h ./integration/faults | tee $(BIN)/soak-faults.txt
 	@grep -h '^FIGURE ' $(BIN)/soak-faults.txt
+
+# The lease's schedule simulator (fence/lease/sim_test.go) over many more
+# seeds than the unit tier's; a broken seed prints its replay command.
+LEASE_SOAK_SEEDS ?= 40000
+.PHONY: soak-lease
+soak-lease:
+	$(GO) test -count=1 -timeout 4h -run 'TestLeaseSchedules$$' ./fence/lease -lease.from=100000 -lease.seeds=$(LEASE_SOAK_SEEDS)
 
 # dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
 # vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest

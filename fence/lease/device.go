@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"sync"
 	"time"
 	"unsafe"
 
@@ -18,11 +17,26 @@ import (
 // has reached stable storage when it returns.
 type Device struct {
 	name string
-	f    *os.File
-	// mu serialises I/O, so at most one request per device is in flight;
-	// a request that timed out keeps its buffer until it completes.
-	mu   sync.Mutex
+	f    blockFile
+	// sem serialises I/O, so at most one request per device is in flight;
+	// a request that timed out keeps its buffer and the device until it
+	// completes. It is a channel rather than a mutex so that waiting for
+	// it is a blocking receive the simulator's fake clock can see through
+	// (testing/synctest).
+	sem  chan struct{}
 	size int64
+	// gate, when set by the simulator, runs where this host's process
+	// enters and leaves a lease I/O: a paused host blocks there. Nil in
+	// production.
+	gate func()
+}
+
+// blockFile is what a Device does its I/O on: the opened disk, or the
+// simulator's disk in the lease's schedule tests (sim_test.go).
+type blockFile interface {
+	ReadAt(p []byte, off int64) (int, error)
+	WriteAt(p []byte, off int64) (int, error)
+	Close() error
 }
 
 // OpenDevice opens path for lease I/O. It rejects devices whose logical
@@ -43,7 +57,7 @@ func openDevice(path string, mode int) (*Device, error) {
 		return nil, fmt.Errorf("opening %s for lease I/O (O_DIRECT): %w", path, err)
 	}
 	f := os.NewFile(uintptr(fd), path)
-	d := &Device{name: path, f: f}
+	d := &Device{name: path, f: f, sem: make(chan struct{}, 1)}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		f.Close()
@@ -78,7 +92,7 @@ func (d *Device) Name() string { return d.name }
 func (d *Device) Size() int64 { return d.size }
 
 // Fd is the open descriptor (for ioctls such as BLKROSET).
-func (d *Device) Fd() uintptr { return d.f.Fd() }
+func (d *Device) Fd() uintptr { return d.f.(*os.File).Fd() }
 
 // Close closes the device.
 func (d *Device) Close() error { return d.f.Close() }
@@ -111,17 +125,17 @@ func (d *Device) io(ctx context.Context, write bool, off int64, data []byte, tim
 	if write {
 		copy(buf, data)
 	}
-	lock := make(chan struct{})
-	go func() { d.mu.Lock(); close(lock) }()
+	if d.gate != nil {
+		d.gate()
+		defer d.gate()
+	}
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	select {
-	case <-lock:
+	case d.sem <- struct{}{}:
 	case <-t.C:
-		go func() { <-lock; d.mu.Unlock() }()
 		return nil, fmt.Errorf("%s: %w (%s): an earlier request is still in flight", d.name, errIOTimeout, timeout)
 	case <-ctx.Done():
-		go func() { <-lock; d.mu.Unlock() }()
 		return nil, ctx.Err()
 	}
 	type result struct {
@@ -130,7 +144,7 @@ func (d *Device) io(ctx context.Context, write bool, off int64, data []byte, tim
 	}
 	done := make(chan result, 1)
 	go func() {
-		defer d.mu.Unlock()
+		defer func() { <-d.sem }()
 		var r result
 		if write {
 			r.n, r.err = d.f.WriteAt(buf, off)
@@ -176,7 +190,11 @@ func (d *Device) writeSlot(ctx context.Context, i int, blk []byte, timeout time.
 // that is read-only for a reason BLKROSET does not control (the
 // hypervisor's) still refuses the write.
 func (d *Device) writeSlotPastReadOnly(ctx context.Context, i int, blk []byte, timeout time.Duration) error {
-	fd := int(d.f.Fd())
+	of, ok := d.f.(*os.File)
+	if !ok {
+		return d.writeSlot(ctx, i, blk, timeout)
+	}
+	fd := int(of.Fd())
 	ro, err := unix.IoctlGetInt(fd, unix.BLKROGET)
 	if err != nil || ro == 0 {
 		// Not a block device (a test image) or writable: a plain write.

@@ -71,7 +71,18 @@
 //
 // Renew: every R, read the area, check that our slot holds our last write
 // and that we still own the lease, and write the slot with the next
-// counter. Check does the same reads without the write.
+// counter. A renewal write that timed out may still land: until a read
+// settles it, our slot may hold either our last confirmed write or that
+// one (the late write does not move the fail deadline). Check does the
+// same reads without the write.
+//
+// A slot whose bytes changed and do not decode is a write caught half
+// landed: it counts as live everywhere, never as a release or an
+// acknowledgement. A taker waits for every held slot of another key (a
+// host superseded by a claim it has not yet seen still writes), clears
+// the slots it waited out once it holds the lease, and with every slot
+// used reclaims one waited out for its expiry bound. A fresh record of
+// our own is resumed only after a settle wait and a second read.
 //
 // Lose: a foreign owner above us, our slot changed, or no successful
 // renewal for F (a timer fires at that deadline; while a renewal I/O is

@@ -8,6 +8,7 @@ import (
 	"hash/fnv"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -60,7 +61,7 @@ type Engine struct {
 	cfg Config
 	log *slog.Logger
 
-	mu      sync.Mutex
+	mu      chanLock
 	held    bool
 	slot    int
 	mine    Slot
@@ -79,6 +80,45 @@ type Engine struct {
 	// requests), and a claim that landed is withdrawn, never resumed: its
 	// racers' settle waits assumed it would land within the I/O timeout.
 	unconfirmed *claimWrite
+	// pending is a renewal (or resume) write of our slot that timed out
+	// or failed: it may still land, or have landed. Until a read settles it, our slot may hold
+	// either our last confirmed write or this one; neither is a change by
+	// another host.
+	pending *claimWrite
+	// health is what Health returns, stored at each change of held,
+	// lastOK or lost, so that it is read without e.mu.
+	health atomic.Pointer[Health]
+}
+
+// Health is the engine's state as a host watchdog's feeder needs it. It
+// is read without the engine's lock, which an acquisition holds for as
+// long as it waits.
+type Health struct {
+	// Held: the engine holds the lease and renews it.
+	Held bool
+	// RenewedAt is when the last successful write of our slot was issued
+	// (this host's monotonic clock); the claim is lost Fail after it.
+	RenewedAt time.Time
+	// Fail is the fail bound F.
+	Fail time.Duration
+	// Lost: the claim was lost; Drained: and OnLost reported that every
+	// write of this host to the disk has completed or failed.
+	Lost, Drained bool
+}
+
+// Health returns the engine's state without waiting for its lock.
+func (e *Engine) Health() Health {
+	if h := e.health.Load(); h != nil {
+		return *h
+	}
+	return Health{Fail: e.cfg.Timing.Fail}
+}
+
+// storeHealth records the state for Health. Called with e.mu held, after
+// held, lastOK or lost changed.
+func (e *Engine) storeHealth() {
+	old := e.Health()
+	e.health.Store(&Health{Held: e.held, RenewedAt: e.lastOK, Fail: e.cfg.Timing.Fail, Lost: e.lost != nil, Drained: old.Drained})
 }
 
 type claimWrite struct {
@@ -113,7 +153,7 @@ func New(dev *Device, cfg Config) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Engine{dev: dev, cfg: cfg, slot: -1, log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+	return &Engine{dev: dev, cfg: cfg, slot: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
 }
 
 // Device returns the engine's device.
@@ -376,7 +416,15 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		// eyes; both times come from this host's clock.
 		s := a.Slots[owner]
 		age := time.Since(time.Unix(0, s.Written))
-		if age >= 0 && age < t.Fail {
+		// Another held slot below ours may be a host our record
+		// superseded that has not yet let go (an acquisition of ours,
+		// cut short, that never waited for it): then the record is
+		// not resumed but acquired again, waiting for that host.
+		others := a.ownerExcept(mine) >= 0
+		for i := range a.Corrupt {
+			others = others || a.Corrupt[i]
+		}
+		if age >= 0 && age < t.Fail && !others {
 			if err := e.resume(ctx, owner, a, readAt); err != nil {
 				return fence.Claim{}, err
 			}
@@ -385,16 +433,20 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			c.Already = true
 			return c, nil
 		}
-		e.log.Info("own lease record is too old to resume; acquiring anew", "age", age.String())
+		e.log.Info("own lease record is not resumed (too old, or another host's slot is held); acquiring anew", "age", age.String(), "others_held", others)
 	}
 
 	victim := -1
 	var victimRaw []byte
+	var victimSlot Slot
 	granted := false
-	if owner >= 0 && a.Slots[owner].Key != mine {
-		victim = owner
-		victimRaw = a.Raw[owner]
-		granted = grant.Names(a.Slots[owner].Key)
+	// The holder to take over is the highest held slot of another key,
+	// even below a record of ours too old to resume: a host keeps writing
+	// until its own renewal sees a claim above it.
+	if v := a.ownerExcept(mine); v >= 0 {
+		victim = v
+		victimRaw, victimSlot = a.Raw[v], a.Slots[v]
+		granted = grant.Names(a.Slots[v].Key)
 	}
 	// Slots that do not decode may be a host's torn write; they are
 	// waited for as a holder would be.
@@ -407,6 +459,17 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			watch = append(watch, i)
 		}
 	}
+	// Every other held slot may be a host that has not yet seen the claim
+	// above it and still writes: it is waited out as the victim is (a
+	// grant names the victim only). Slots waited out are cleared once we
+	// hold the lease, so the next acquirer does not wait for them again.
+	// With no free slot, one of them is reclaimed for our claim.
+	for i := range a.Slots {
+		if i != victim && a.Slots[i].Key != mine && a.Slots[i].Live() && !a.Corrupt[i] {
+			watch = append(watch, i)
+		}
+	}
+	reclaim := e.pickSlot(a, victim) < 0
 	if len(watch) > 0 {
 		a, readAt, err = e.awaitExpiry(ctx, a, watch, victim, grant)
 		if err != nil {
@@ -415,6 +478,9 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	}
 
 	idx := e.pickSlot(a, victim)
+	if idx < 0 && reclaim {
+		idx = e.reclaimSlot(a, victim)
+	}
 	if idx < 0 {
 		return fence.Claim{}, fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
 	}
@@ -470,19 +536,32 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		e.withdraw(ctx, idx, s, blk)
 		return fence.Claim{}, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
 	}
-	if victim >= 0 && !granted && !bytes.Equal(a2.Raw[victim], victimRaw) && a2.Slots[victim].Live() {
-		// The holder we found expired wrote again: it is alive after all.
+	if victim >= 0 && !granted && !bytes.Equal(a2.Raw[victim], victimRaw) && a2.alive(victim) {
+		// The holder we found expired wrote again: it is alive after all
+		// (a slot that changed and does not decode is a write in flight).
 		e.withdraw(ctx, idx, s, blk)
-		return fence.Claim{}, e.refusal(a2, a2.Slots[victim].Key, &a2.Slots[victim], grant)
+		return fence.Claim{}, e.refusal(a2, victimSlot.Key, &victimSlot, grant)
+	}
+	for i := range a2.Slots {
+		if i != idx && !(i == victim && granted) && a2.Corrupt[i] && !bytes.Equal(a2.Raw[i], a.Raw[i]) {
+			// A slot caught half written: a racing claim may be landing
+			// there, and who won cannot be told from this read.
+			e.withdraw(ctx, idx, s, blk)
+			e.log.Warn("a lease slot was being written during our race check; starting over", "slot", i)
+			return fence.Claim{}, errRetry
+		}
 	}
 	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
+	e.storeHealth()
 	if victim >= 0 && granted {
-		if err := e.awaitVictim(ctx, victim, a2); err != nil {
+		if err := e.awaitVictim(ctx, victim, victimSlot, a2); err != nil {
 			e.held = false
+			e.storeHealth()
 			e.withdraw(ctx, idx, s, blk)
 			return fence.Claim{}, err
 		}
 	}
+	e.clearGone(ctx, a2, watch, idx)
 	e.startRenewer()
 	e.log.Info("lease acquired", "slot", idx, "epoch", s.Epoch)
 	c := e.claim()
@@ -506,6 +585,16 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 		}
 		bound = max(bound, tm.Expiry())
 		poll = min(poll, tm.Renew)
+	}
+	// A held slot below the victim may be a host that has not yet seen
+	// the claim above it (its next renewal will, or its watchdog resets
+	// it): wait for the longest expiry among them too.
+	if victim >= 0 {
+		for i, s := range a.Slots {
+			if s.Live() && !a.Corrupt[i] && s.Key != e.cfg.Key {
+				bound = max(bound, s.Timing.Expiry())
+			}
+		}
 	}
 	e.log.Info("waiting for the lease to expire", "bound", bound.String(), "slots", fmt.Sprint(watch))
 	began := time.Now()
@@ -548,14 +637,15 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 // superseded holder has acknowledged (its slot says released or fenced)
 // or has not written for its expiry bound. A live holder sees our higher
 // epoch at its next renewal, stops I/O and acknowledges.
-func (e *Engine) awaitVictim(ctx context.Context, victim int, a *Area) error {
-	vs := a.Slots[victim]
+func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) error {
 	bound := vs.Timing.Expiry()
 	lastRaw := a.Raw[victim]
 	changed := time.Now()
 	for {
-		if !vs.Live() {
-			e.log.Info("superseded holder acknowledged the takeover", "holder", vs.Key.String(), "state", vs.State.String())
+		// A slot that does not decode is the holder's write caught half
+		// landed, never an acknowledgement.
+		if !a.alive(victim) {
+			e.log.Info("superseded holder acknowledged the takeover", "holder", vs.Key.String(), "state", a.Slots[victim].State.String())
 			return nil
 		}
 		if time.Since(changed) >= bound {
@@ -582,7 +672,7 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, a *Area) error {
 		if !bytes.Equal(a2.Raw[victim], lastRaw) {
 			lastRaw, changed = a2.Raw[victim], time.Now()
 		}
-		vs = a2.Slots[victim]
+		a = a2
 		// Keep our own slot fresh while we wait.
 		if err := e.renewLocked(ctx, a2); err != nil {
 			return err
@@ -599,16 +689,13 @@ func (e *Engine) refusalFromLoss(a *Area, l *fence.LostError) error {
 
 // pickSlot chooses our slot: the one already carrying our key, else the
 // first unused one in an order derived from the key, so that hosts tend
-// not to compete for the same slot. Held slots of other hosts, even stale
-// ones, are never reused: a frozen host that wakes up writes its slot
-// once more before it notices it lost.
+// not to compete for the same slot. Held slots of other hosts are reused
+// only through reclaimSlot, after their expiry bound.
 func (e *Engine) pickSlot(a *Area, victim int) int {
 	if i := a.Find(e.cfg.Key); i >= 0 {
 		return i
 	}
-	h := fnv.New32a()
-	fmt.Fprint(h, uint64(e.cfg.Key))
-	start := int(h.Sum32() % Slots)
+	start := e.slotOrder()
 	for j := range Slots {
 		i := (start + j) % Slots
 		if i == victim || a.Corrupt[i] || a.Slots[i].Live() {
@@ -619,11 +706,65 @@ func (e *Engine) pickSlot(a *Area, victim int) int {
 	return -1
 }
 
+// clearGone clears the held slots of other hosts that the acquisition
+// just waited out for their expiry bound (and that a is the last read
+// of), if they still hold what was waited on. Those hosts have stopped
+// their I/O or been reset; a write of theirs landing later makes the slot
+// held again, and the next acquirer waits for it as before. Called with
+// the lease held; a failure only costs the next acquirer a wait.
+func (e *Engine) clearGone(ctx context.Context, a *Area, gone []int, ours int) {
+	zero := make([]byte, BlockSize)
+	for _, i := range gone {
+		if i == ours || a.Corrupt[i] || !a.Slots[i].Live() {
+			continue
+		}
+		b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
+		if err != nil || !bytes.Equal(b[BlockSize*(1+i):BlockSize*(2+i)], a.Raw[i]) {
+			continue
+		}
+		if err := e.dev.writeSlot(ctx, i, zero, e.cfg.Timing.IOTimeout); err != nil {
+			e.log.Warn("could not clear the lease slot of a holder that is gone", "slot", i, "error", err)
+			continue
+		}
+		e.log.Info("cleared the lease slot of a holder gone for its expiry bound", "slot", i, "key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
+	}
+}
+
+// slotOrder is where this key starts looking for a slot.
+func (e *Engine) slotOrder() int {
+	h := fnv.New32a()
+	fmt.Fprint(h, uint64(e.cfg.Key))
+	return int(h.Sum32() % Slots)
+}
+
+// reclaimSlot picks a held slot of another host, other than the victim's,
+// that awaitExpiry has just seen unchanged for its writer's expiry bound
+// (a holder that died, on a disk whose every slot is used). A write that
+// the gone holder had in flight and that lands later can only overwrite
+// our claim, which we then lose: safe, if slower. Hosts racing for the
+// same slot see each other's claim in the settle check.
+func (e *Engine) reclaimSlot(a *Area, victim int) int {
+	start := e.slotOrder()
+	for j := range Slots {
+		i := (start + j) % Slots
+		if i != victim && !a.Corrupt[i] && a.Slots[i].Key != e.cfg.Key {
+			e.log.Warn("every lease slot is used; reclaiming the slot of a holder gone for its expiry bound", "slot", i,
+				"key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
+			return i
+		}
+	}
+	return -1
+}
+
 // withdraw marks a slot we wrote during a failed acquisition released, if
-// it still holds what we wrote.
+// it still holds what we wrote. When it cannot tell or cannot write, the
+// claim is kept as unconfirmed: the next acquisition's read withdraws it
+// then, and it is never resumed as ours.
 func (e *Engine) withdraw(ctx context.Context, idx int, s Slot, blk []byte) bool {
+	keep := &claimWrite{idx: idx, slot: s, blk: blk}
 	b, err := e.dev.ReadArea(context.WithoutCancel(ctx), e.cfg.Timing.IOTimeout)
 	if err != nil {
+		e.unconfirmed = keep
 		return false
 	}
 	if !bytes.Equal(b[BlockSize*(1+idx):BlockSize*(2+idx)], blk) {
@@ -634,6 +775,7 @@ func (e *Engine) withdraw(ctx context.Context, idx int, s Slot, blk []byte) bool
 	s.Written = time.Now().UnixNano()
 	if err := e.dev.writeSlot(context.WithoutCancel(ctx), idx, EncodeSlot(s), e.cfg.Timing.IOTimeout); err != nil {
 		e.log.Warn("could not withdraw our lease record after a failed acquisition", "slot", idx, "error", err)
+		e.unconfirmed = keep
 		return false
 	}
 	return true
@@ -662,15 +804,61 @@ func (e *Engine) resume(ctx context.Context, idx int, a *Area, readAt time.Time)
 	e.held = true
 	if err := e.renewLocked(ctx, a); err != nil {
 		e.held = false
+		e.storeHealth()
 		return err
+	}
+	// The resumed record was written without an acquisition's settle
+	// wait. Between our read and our write the record may have been ended
+	// (the previous engine of this node lost the lease and marked the
+	// slot fenced) and another host may have claimed the free disk; its
+	// claim shows within 2d, as in an acquisition's race check.
+	fail := func(err error) error {
+		e.held = false
+		e.storeHealth()
+		return err
+	}
+	if err := sleep(ctx, e.cfg.Timing.Settle()); err != nil {
+		return fail(err)
+	}
+	a2, err := e.read(ctx)
+	if err != nil {
+		return fail(err)
+	}
+	if !e.ownRaw(a2.Raw[idx]) || a2.Owner() != idx {
+		e.withdraw(ctx, idx, e.mine, e.lastRaw)
+		if o := a2.Owner(); o >= 0 && o != idx {
+			return fail(e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], nil))
+		}
+		return fail(fmt.Errorf("%s: our lease record changed while it was being resumed: %w", e.dev.name, errRetry))
 	}
 	e.startRenewer()
 	return nil
 }
 
+// ownRaw reports whether raw, our slot as just read, holds our last
+// write: the last confirmed one, or a timed-out one that landed after all
+// (which then becomes the last). A read waits for the device's earlier
+// requests, so it settles a pending write either way. The late write does
+// not move lastOK: its issue time counts as a renewal only had it
+// completed within d.
+func (e *Engine) ownRaw(raw []byte) bool {
+	p := e.pending
+	e.pending = nil
+	if p != nil && bytes.Equal(raw, p.blk) {
+		e.mine, e.lastRaw = p.slot, p.blk
+		return true
+	}
+	return bytes.Equal(raw, e.lastRaw)
+}
+
 // verifyOwn checks a read against our claim.
 func (e *Engine) verifyOwn(a *Area) *fence.LostError {
-	if !bytes.Equal(a.Raw[e.slot], e.lastRaw) {
+	if !e.ownRaw(a.Raw[e.slot]) {
+		if o := a.Owner(); o >= 0 && a.Slots[o].Key != e.cfg.Key {
+			// A taker that waited out our expiry bound clears our slot.
+			s := a.Slots[o]
+			return e.markLost(fmt.Sprintf("key %s holds the lease at epoch %d, and our slot was cleared or overwritten", s.Key, s.Epoch), s.Key, &s)
+		}
 		s := a.Slots[e.slot]
 		if s.Key != e.cfg.Key && s.Key != 0 {
 			return e.markLost(fmt.Sprintf("our lease slot was overwritten by key %s", s.Key), s.Key, &s)
@@ -705,9 +893,13 @@ func (e *Engine) renewLocked(ctx context.Context, a *Area) error {
 	issued := time.Now()
 	if err := e.dev.writeSlot(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
 		e.stats.RenewFailures++
+		// A slow or failing disk, not a lost claim: the write may
+		// still land (after a timeout, or in spite of an error).
+		e.pending = &claimWrite{idx: e.slot, slot: s, blk: blk}
 		return err
 	}
 	e.mine, e.lastRaw, e.lastOK = s, blk, issued
+	e.storeHealth()
 	e.stats.Renewals++
 	e.stats.LastRenewal = time.Now()
 	return nil
@@ -726,6 +918,7 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 	e.lost = l
 	wasHeld := e.held
 	e.held = false
+	e.storeHealth()
 	if e.renewer != nil {
 		e.renewer.signal()
 		e.renewer = nil
@@ -734,6 +927,9 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 	if wasHeld && e.cfg.OnLost != nil {
 		go func() {
 			if e.cfg.OnLost(l) {
+				h := e.Health()
+				h.Drained = true
+				e.health.Store(&h)
 				e.ackFenced()
 			} else {
 				e.log.Warn("I/O to the disk could not be shown to have stopped; the slot is not marked fenced, so a taker waits for the expiry bound")
@@ -753,7 +949,7 @@ func (e *Engine) ackFenced() {
 	defer e.mu.Unlock()
 	ctx := context.Background()
 	b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
-	if err != nil || e.slot < 0 || !bytes.Equal(b[BlockSize*(1+e.slot):BlockSize*(2+e.slot)], e.lastRaw) {
+	if err != nil || e.slot < 0 || !e.ownRaw(b[BlockSize*(1+e.slot):BlockSize*(2+e.slot)]) {
 		return
 	}
 	s := e.mine
@@ -835,6 +1031,7 @@ func (e *Engine) Release(ctx context.Context) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.held = false
+	e.storeHealth()
 	if err := e.verify(ctx); err != nil {
 		return err
 	}
@@ -877,6 +1074,15 @@ func (e *Engine) writeReleased(ctx context.Context, i int, blk []byte) error {
 	}
 	return err
 }
+
+// chanLock is a mutex made of a channel. The engine holds its lock across
+// lease I/O and the waits of an acquisition; a goroutine waiting for it is
+// then blocked on a channel, which the schedule simulator's fake clock
+// (testing/synctest, sim_test.go) can tell from a running one.
+type chanLock chan struct{}
+
+func (l chanLock) Lock()   { l <- struct{}{} }
+func (l chanLock) Unlock() { <-l }
 
 // renewer is the goroutine that renews a held lease.
 type renewer struct {

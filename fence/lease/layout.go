@@ -144,12 +144,31 @@ type Area struct {
 	Corrupt [Slots]bool
 }
 
+// alive reports whether slot i may belong to a live host: it is held, or
+// it does not decode (a write caught half landed, which only a live host
+// makes). A reader never takes such a slot for a release.
+func (a *Area) alive(i int) bool { return a.Corrupt[i] || a.Slots[i].Live() }
+
 // Owner returns the slot index that owns the disk: the held slot with the
 // highest epoch, the lowest key breaking a tie. -1 when no slot is held.
 func (a *Area) Owner() int {
 	o := -1
 	for i, s := range a.Slots {
 		if !s.Live() || a.Corrupt[i] {
+			continue
+		}
+		if o < 0 || s.Epoch > a.Slots[o].Epoch || (s.Epoch == a.Slots[o].Epoch && s.Key < a.Slots[o].Key) {
+			o = i
+		}
+	}
+	return o
+}
+
+// ownerExcept is Owner among the slots of keys other than k.
+func (a *Area) ownerExcept(k fence.Key) int {
+	o := -1
+	for i, s := range a.Slots {
+		if !s.Live() || a.Corrupt[i] || s.Key == k {
 			continue
 		}
 		if o < 0 || s.Epoch > a.Slots[o].Epoch || (s.Epoch == a.Slots[o].Epoch && s.Key < a.Slots[o].Key) {
