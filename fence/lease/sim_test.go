@@ -135,7 +135,6 @@ type window struct {
 	acqStart     time.Time
 	start, end   time.Time // zero end: still open
 	granted      bool
-	victimExpiry time.Duration
 	dev          *simDevice
 }
 
