@@ -129,13 +129,13 @@ type sim struct {
 // window is one engine's life on the disk: from its Acquire's return
 // until it may no longer write.
 type window struct {
-	host         int
-	life         int
-	key          fence.Key
-	acqStart     time.Time
-	start, end   time.Time // zero end: still open
-	granted      bool
-	dev          *simDevice
+	host       int
+	life       int
+	key        fence.Key
+	acqStart   time.Time
+	start, end time.Time // zero end: still open
+	granted    bool
+	dev        *simDevice
 }
 
 func (w *window) String() string {
@@ -192,8 +192,8 @@ type simDevice struct {
 	rng  *rand.Rand // used only under the Device's sem (one I/O at a time)
 	// drainRng draws OnLost's drain time.
 	drainRng *rand.Rand
-	prof ioProfile
-	d    time.Duration
+	prof     ioProfile
+	d        time.Duration
 
 	mu     sync.Mutex
 	dead   bool
