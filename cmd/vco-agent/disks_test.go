@@ -67,7 +67,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	// (and refuse) the loop devices of other tests running beside this
 	// one; the lab's scenarios test it on real hot-plugged disks.
 	cfg := filepath.Join(dir, "config.yaml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  lease_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s}\nmetrics:\n  listen: %s\n",
+	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  lease_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s, watchdog_device: none-unsafe}\nmetrics:\n  listen: %s\n",
 		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"), metricsAddr)), 0o644)
 	sock := filepath.Join(dir, "agent.sock")
 	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")

@@ -17,6 +17,9 @@ import (
 // unfenced disks allowed only where the request opts in too, and a lease
 // timing scaled down from the defaults' proportions so that a takeover
 // after expiry (max(fail+watchdog+io, renew+6*io) = 9s) fits a test.
+// The scenarios stop agents that hold leases on purpose, so no host
+// watchdog is armed (watchdog_device: none-unsafe); TestWatchdogResets
+// proves the watchdog.
 const agentConfig = `dbus:
   enabled: false
 volumes:
@@ -27,6 +30,7 @@ volumes:
     renew: 2s
     fail: 8s
     watchdog: 0s
+    watchdog_device: none-unsafe
 `
 
 // startAgent runs `vco-agent serve` in g in the background, as systemd
