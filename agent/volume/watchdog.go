@@ -41,7 +41,11 @@ func (m *Manager) Leases() []watchdog.Lease {
 		case lossStopped:
 			l.Fenced = true
 		case lossNone:
-			if !held {
+			// A claim just lost is no longer held, and its loss handler
+			// may not have started yet: it stays listed (stale) until
+			// the handler says whether its I/O stopped. An engine that
+			// never held has no renewal time.
+			if !held && (f.Lost() == nil || renewed.IsZero()) {
 				continue
 			}
 		}
