@@ -37,13 +37,19 @@ volumes:
 // would, and waits until it answers on its socket.
 func startAgent(t *testing.T, ctx context.Context, g *lab.Guest) {
 	t.Helper()
+	startAgentWith(t, ctx, g, agentConfig)
+}
+
+// startAgentWith is startAgent with another configuration.
+func startAgentWith(t *testing.T, ctx context.Context, g *lab.Guest, config string) {
+	t.Helper()
 	script := fmt.Sprintf(`mkdir -p /etc/vco-agent /var/lib/kubelet /run/vco-agent
 cat > /etc/vco-agent/config.yaml <<'EOF'
 %sEOF
 setsid /bin/vco-agent serve --config /etc/vco-agent/config.yaml --log-level debug >>/run/agent.log 2>&1 </dev/null &
 echo $! > /run/agent.pid
 for i in $(seq 150); do /bin/vco-agent status >/dev/null 2>&1 && exit 0; sleep 0.2; done
-echo "the agent did not come up:" >&2; tail -n 30 /run/agent.log >&2; exit 1`, agentConfig)
+echo "the agent did not come up:" >&2; tail -n 30 /run/agent.log >&2; exit 1`, config)
 	if _, err := g.MustSh(ctx, script); err != nil {
 		t.Fatalf("%s: %v", g.Name, err)
 	}
