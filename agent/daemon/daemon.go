@@ -224,8 +224,10 @@ func hostWatchdog(cfg config.Config, leases func() []watchdog.Lease, log *slog.L
 	t := lt.Timing()
 	return watchdog.New(watchdog.Config{Device: lt.WatchdogDevice, Timeout: lt.Watchdog, Leases: leases,
 		Linger: t.Expiry() + t.Settle() + 3*t.IOTimeout,
-		Find:   func(want string) (watchdog.Info, error) { return watchdog.Find(cfg.SysfsRoot, cfg.Volumes.DevRoot, want) },
-		Log:    log.With("part", "host-watchdog")})
+		Find: func(want string) (watchdog.Info, error) {
+			return watchdog.Find(cfg.SysfsRoot, cfg.Volumes.DevRoot, want)
+		},
+		Log: log.With("part", "host-watchdog")})
 }
 
 // guarded arms the host watchdog before a stage takes a lease (the

@@ -390,7 +390,9 @@ func TestFindLoadsSoftdogWhenNoDeviceExists(t *testing.T) {
 	if err != nil || !loaded || in.Path != "/dev/watchdog0" || !in.Soft {
 		t.Fatalf("no device: loaded=%v %+v %v", loaded, in, err)
 	}
-	noModprobe(t, func(context.Context) ([]byte, error) { return []byte("modprobe: FATAL: Module softdog not found"), errors.New("exit status 1") })
+	noModprobe(t, func(context.Context) ([]byte, error) {
+		return []byte("modprobe: FATAL: Module softdog not found"), errors.New("exit status 1")
+	})
 	if _, err := Find(t.TempDir(), "/dev", Auto); !errors.Is(err, ErrNone) || !strings.Contains(err.Error(), "Module softdog not found") {
 		t.Fatalf("modprobe fails: %v", err)
 	}
