@@ -195,24 +195,20 @@ func TestRunFeedsOnlyOnAFreshLook(t *testing.T) {
 	r := newRig(t, Config{Timeout: time.Second})
 	r.maxT = time.Second
 	l := fresh("vol")
-	l.Fail, l.IOTimeout = 600*time.Millisecond, 100*time.Millisecond
+	l.Fail, l.IOTimeout = 3*time.Second, 500*time.Millisecond
 	r.set(l)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); r.w.Run(ctx) }()
 	defer func() { cancel(); <-done }()
-	time.Sleep(time.Second) // a tick is 250 ms; the lease is stale after 500 ms
+	// A tick is 250 ms; the lease is stale 2.5 s after its renewal.
+	time.Sleep(time.Until(l.feedDeadline()) + time.Second)
 	st := r.w.Status()
-	if !st.Armed || st.Feeds < 2 {
-		t.Fatalf("not armed and fed while fresh: %+v", st)
+	if !st.Armed || st.Feeds < 3 {
+		t.Fatalf("not armed and fed while the lease was fresh: %+v", st)
 	}
-	fedAt := st.LastFeed
-	if late := fedAt.Sub(l.Renewed); late >= l.Fail-l.IOTimeout {
-		t.Fatalf("fed %s after the renewal, past F-d", late)
-	}
-	time.Sleep(600 * time.Millisecond)
-	if st := r.w.Status(); !st.LastFeed.Equal(fedAt) || len(st.Withheld) != 1 {
-		t.Fatalf("fed again with a stale lease: %+v", st)
+	if !st.LastFeed.Before(l.feedDeadline()) || len(st.Withheld) != 1 || st.Misses < 2 {
+		t.Fatalf("fed %s after the renewal, past F-d (%s): %+v", st.LastFeed.Sub(l.Renewed), l.Fail-l.IOTimeout, st)
 	}
 }
 

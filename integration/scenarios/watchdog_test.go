@@ -15,7 +15,8 @@ import (
 )
 
 // watchdogConfig holds leases with the host watchdog the package ships
-// (softdog, loaded at boot as modules-load.d does on a node), and times
+// (watchdog_device: auto, the default, finds softdog, loaded at boot as
+// modules-load.d does on a node), and times
 // scaled for TCG guests: W = 6s, so a taker waits max(F+W+d, R+6d) = 15s.
 const watchdogConfig = `dbus:
   enabled: false
@@ -26,7 +27,6 @@ volumes:
     renew: 2s
     fail: 8s
     watchdog: 6s
-    watchdog_device: auto
 `
 
 const watchdogW = 6 * time.Second
