@@ -2,8 +2,10 @@
 // opens the API socket (handed over by systemd, or created here), wires the
 // event bus to its sinks, serves the gRPC API, and speaks the sd_notify
 // protocol (READY, STATUS, WATCHDOG, STOPPING) so that systemd knows when
-// the agent is really up. It stops on SIGTERM or SIGINT and leaves nothing
-// behind: no socket it created, no directory it created, no goroutine.
+// the agent is really up. While it holds an on-disk lease it keeps a host
+// watchdog armed (package agent/watchdog). It stops on SIGTERM or SIGINT and
+// leaves nothing behind: no socket it created, no directory it created, no
+// goroutine; only a host watchdog stays armed while leases are still held.
 package daemon
 
 import (
