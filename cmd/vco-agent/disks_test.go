@@ -308,6 +308,10 @@ func TestLeaseRefusedWithoutAHostWatchdog(t *testing.T) {
 	defer cancel()
 	req := &api.StageVolumeRequest{VolumeId: "vol-wd", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: filepath.Join(kubelet, "staging"), FsType: "ext4"}
 	_, err = c.StageVolume(ctx, req)
+	if err == nil {
+		// Leave nothing mounted behind the failure.
+		c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-wd", StagingPath: req.StagingPath})
+	}
 	if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "/dev/watchdog7") ||
 		!strings.Contains(st.Message(), "none-unsafe") || !strings.Contains(st.Message(), "vol-wd") {
 		t.Fatalf("stage of a lease disk without a watchdog: %v", err)
