@@ -190,5 +190,33 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 		t.Fatal("node-b's write did not reach the disk")
 	}
 	mustUnstage(t, ctx, b, "vol-wd")
+
+	// node-b's watchdog, armed for its lease, is stopped by the magic
+	// close once no lease has been held for an acquisition's time
+	// (Expiry + Settle + 3d = 20s): its guest then lives on past W.
+	unstaged := time.Now()
+	for {
+		if err := agentJSON(ctx, b, &st, "status"); err != nil {
+			t.Fatal(err)
+		}
+		if !st.HostWatchdog.Armed {
+			break
+		}
+		if time.Since(unstaged) > time.Minute {
+			t.Fatalf("node-b's watchdog still armed a minute after its last unstage: %+v", st.HostWatchdog)
+		}
+		time.Sleep(time.Second)
+	}
+	disarmed := time.Now()
+	time.Sleep(watchdogW + 3*time.Second)
+	select {
+	case <-b.Proc.Exited():
+		t.Fatalf("node-b's guest reset after its watchdog was disarmed")
+	default:
+	}
+	if _, err := b.MustSh(ctx, "true"); err != nil {
+		t.Fatalf("node-b after its watchdog was disarmed: %v", err)
+	}
+	t.Logf("node-b's watchdog disarmed %s after its unstage; the guest lives on past W", disarmed.Sub(unstaged).Round(time.Millisecond))
 	t.Logf("whole test after the lab was up: %s", time.Since(began).Round(time.Second))
 }
