@@ -229,6 +229,9 @@ func hostWatchdog(cfg config.Config, leases func() []watchdog.Lease, log *slog.L
 		Find: func(want string) (watchdog.Info, error) {
 			return watchdog.Find(cfg.SysfsRoot, cfg.Volumes.DevRoot, want)
 		},
+		Active: func(want string) (watchdog.Info, bool) {
+			return watchdog.FindActive(cfg.SysfsRoot, cfg.Volumes.DevRoot, want)
+		},
 		Log: log.With("part", "host-watchdog")})
 }
 
@@ -281,9 +284,11 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 		return nil, err
 	}
 	m.Metrics().Registry().MustRegister(wd.Collector())
-	// Fed from before the start-up check: a lease it resumes after an
-	// agent restart is guarded at once (the last agent's device is still
-	// counting down).
+	// A device the last agent process left counting down is taken over,
+	// and fed from before the start-up check: a lease resumed after an
+	// agent restart is guarded at once, and a host that holds none is not
+	// reset for a crash of the agent.
+	wd.Adopt()
 	wctx, wcancel := context.WithCancel(ctx)
 	wdone := make(chan struct{})
 	go func() { defer close(wdone); wd.Run(wctx) }()

@@ -81,6 +81,40 @@ func names(infos []Info) string {
 	return strings.Join(n, ", ")
 }
 
+// FindActive is the device Find would pick when it is counting down
+// already (sysfs state "active"), as an agent that died or stopped while
+// it had the device armed leaves it. It loads nothing.
+func FindActive(sysfs, dev, want string) (Info, bool) {
+	infos, err := scan(sysfs, dev)
+	if err != nil || len(infos) == 0 {
+		return Info{}, false
+	}
+	pick := infos[0]
+	if want != Auto && want != "" {
+		base := filepath.Base(want)
+		if base == "watchdog" {
+			base = "watchdog0"
+		}
+		found := false
+		for _, in := range infos {
+			if filepath.Base(in.Path) == base {
+				pick, found = in, true
+			}
+		}
+		if !found {
+			return Info{}, false
+		}
+	} else {
+		for _, in := range infos {
+			if !in.Soft {
+				pick = in
+				break
+			}
+		}
+	}
+	return pick, pick.Active
+}
+
 // checkSoft refuses softdog loaded to only log (soft_noboot=1).
 func checkSoft(sysfs string, in Info) (Info, error) {
 	if !in.Soft {
@@ -122,7 +156,8 @@ func scan(sysfs, dev string) ([]Info, error) {
 		if !strings.HasPrefix(n, "watchdog") || err != nil || idx < 0 {
 			continue
 		}
-		in := Info{Path: filepath.Join(dev, n), Identity: attr(dir, n, "identity"), Nowayout: attr(dir, n, "nowayout") == "1"}
+		in := Info{Path: filepath.Join(dev, n), Identity: attr(dir, n, "identity"), Nowayout: attr(dir, n, "nowayout") == "1",
+			Active: attr(dir, n, "state") == "active"}
 		in.Soft = in.Identity == softIdentity
 		found = append(found, indexed{idx, in})
 	}

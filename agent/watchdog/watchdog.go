@@ -49,6 +49,8 @@ type Info struct {
 	MagicClose bool
 	// Soft is the kernel's software watchdog (softdog).
 	Soft bool
+	// Active: the device is counting down (opened and not stopped).
+	Active bool
 }
 
 // Lease is one lease the agent holds, as the watchdog sees it.
@@ -87,6 +89,9 @@ type Config struct {
 	// kernel's (Find and Open in device_linux.go).
 	Find func(want string) (Info, error)
 	Open func(Info) (Device, Info, error)
+	// Active finds the device when it is counting down already (Adopt);
+	// nil adopts nothing.
+	Active func(want string) (Info, bool)
 	Log  *slog.Logger
 }
 
@@ -220,6 +225,33 @@ func (w *Watchdog) release(dev Device, info Info) {
 	if err := dev.Disarm(); err != nil {
 		w.log.Error("could not stop the host watchdog after a failed arm; the host resets when it runs out", "device", info.Path, "err", err)
 	}
+}
+
+// Adopt takes over the device when an earlier agent process left it
+// counting down (it died, or stopped while it held leases). The device is
+// then fed while the leases this process resumes renew, and stopped once
+// none is held, instead of resetting a host whose agent came back in
+// time. A device another program holds is left alone.
+func (w *Watchdog) Adopt() {
+	if w.Unsafe() || w.cfg.Active == nil {
+		return
+	}
+	info, active := w.cfg.Active(w.cfg.Device)
+	if !active {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.dev != nil {
+		return
+	}
+	w.readyAt = time.Now()
+	if err := w.arm(); err != nil {
+		w.log.Warn("the host watchdog is counting down, but this agent could not take it over; the host resets when it runs out unless its holder feeds it",
+			"device", info.Path, "err", err)
+		return
+	}
+	w.log.Warn("took over the host watchdog an earlier agent left armed", "device", info.Path)
 }
 
 // Interval is how often Run looks at the leases and feeds: a quarter of

@@ -393,3 +393,67 @@ func TestFindLoadsSoftdogWhenNoDeviceExists(t *testing.T) {
 		t.Fatalf("modprobe fails: %v", err)
 	}
 }
+
+// An agent that died while the device was armed left it counting down:
+// the next agent takes it over, feeds it while leases it resumes renew,
+// and stops it once none is held, instead of letting the host reset.
+func TestAdoptTakesOverADeviceLeftCountingDown(t *testing.T) {
+	active := false
+	r := newRig(t, Config{Linger: time.Hour})
+	r.w.cfg.Active = func(string) (Info, bool) { return r.info, active }
+	r.w.Adopt()
+	if len(r.opened) != 0 {
+		t.Fatal("adopted a device that was not counting down")
+	}
+	active = true
+	r.w.Adopt()
+	d := r.dev()
+	if !r.w.Status().Armed || d.timeout != 60*time.Second || d.count() != 1 {
+		t.Fatalf("not adopted: %+v", r.w.Status())
+	}
+	// A resumed lease keeps it fed.
+	r.set(fresh("vol"))
+	r.w.Tick()
+	if d.count() != 2 {
+		t.Fatal("an adopted device is not fed for a resumed lease")
+	}
+	// No lease: fed through the linger, then stopped.
+	r.set()
+	r.w.Tick()
+	if d.disarmed || d.count() != 3 {
+		t.Fatalf("within the linger: disarmed=%v feeds=%d", d.disarmed, d.count())
+	}
+	r.w.cfg.Linger = 0
+	r.w.Tick()
+	if !d.disarmed || r.w.Status().Armed {
+		t.Fatal("an adopted device no lease needs was not stopped")
+	}
+	// The unsafe setting adopts nothing.
+	u := newRig(t, Config{Device: Unsafe})
+	u.w.cfg.Active = func(string) (Info, bool) { return u.info, true }
+	u.w.Adopt()
+	if len(u.opened) != 0 {
+		t.Fatal("the unsafe setting adopted a device")
+	}
+}
+
+func TestFindActiveReadsTheDeviceState(t *testing.T) {
+	noModprobe(t, func(context.Context) ([]byte, error) {
+		t.Fatal("FindActive loaded a module")
+		return nil, nil
+	})
+	if _, ok := FindActive(t.TempDir(), "/dev", Auto); ok {
+		t.Fatal("an active device on a host without any")
+	}
+	root := sysfsTree(t, map[string][2]string{"watchdog0": {softIdentity, "0"}, "watchdog1": {"i6300ESB timer", "0"}})
+	if _, ok := FindActive(root, "/dev", Auto); ok {
+		t.Fatal("inactive devices reported active")
+	}
+	os.WriteFile(filepath.Join(root, "class/watchdog/watchdog1/state"), []byte("active\n"), 0o644)
+	if in, ok := FindActive(root, "/dev", Auto); !ok || in.Path != "/dev/watchdog1" {
+		t.Fatalf("the active hardware device: %+v %v", in, ok)
+	}
+	if _, ok := FindActive(root, "/dev", "/dev/watchdog0"); ok {
+		t.Fatal("watchdog0 is not active")
+	}
+}
