@@ -92,7 +92,7 @@ type Config struct {
 	// Active finds the device when it is counting down already (Adopt);
 	// nil adopts nothing.
 	Active func(want string) (Info, bool)
-	Log  *slog.Logger
+	Log    *slog.Logger
 }
 
 // Status is what `vco-agent status` and the metrics show.
