@@ -55,7 +55,9 @@ func maxSeq(t *testing.T, img string) int {
 // SIGSTOPped, so nothing renews the lease and nothing stops the writer
 // but the watchdog. node-a's guest must reset (QEMU exits: -no-reboot)
 // before node-b's takeover completes, and no block of node-a's may land
-// after that.
+// after that. Then node-b's agent is killed and restarted while it holds
+// the lease (no reset: the new process takes the device over), and after
+// its unstage its watchdog is stopped (no reset either).
 func TestWatchdogResetsAStoppedHolder(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -189,6 +191,31 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 	if !fileHas(t, img, "WDSEQ-B-after-takeover") {
 		t.Fatal("node-b's write did not reach the disk")
 	}
+	// node-b's agent is killed while it holds the lease and comes back at
+	// once (a crash, an upgrade): the new process takes the device over
+	// before it runs out, resumes the lease and feeds it; no reset.
+	if _, err := b.MustSh(ctx, "kill -KILL $(cat /run/agent.pid)"); err != nil {
+		t.Fatal(err)
+	}
+	killed := time.Now()
+	startAgentWith(t, ctx, b, watchdogConfig)
+	back := time.Since(killed)
+	time.Sleep(watchdogW + 3*time.Second)
+	select {
+	case <-b.Proc.Exited():
+		t.Fatalf("node-b's guest reset after its agent was killed and back in %s", back.Round(time.Millisecond))
+	default:
+	}
+	if err := agentJSON(ctx, b, &st, "status"); err != nil {
+		t.Fatal(err)
+	}
+	if w := st.HostWatchdog; !w.Armed || w.Leases != 1 {
+		t.Fatalf("node-b's host watchdog after its agent restarted: %+v", w)
+	}
+	if err := writeFile(ctx, b, "vol-wd", "b2", "WDSEQ-B-after-restart"); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("node-b's agent killed and back in %s: the device taken over, the lease resumed, no reset", back.Round(time.Millisecond))
 	mustUnstage(t, ctx, b, "vol-wd")
 
 	// node-b's watchdog, armed for its lease, is stopped by the magic
