@@ -2012,8 +2012,10 @@ type Status struct {
 	DbusDetail      string `protobuf:"bytes,11,opt,name=dbus_detail,json=dbusDetail,proto3" json:"dbus_detail,omitempty"`
 	SocketActivated bool   `protobuf:"varint,12,opt,name=socket_activated,json=socketActivated,proto3" json:"socket_activated,omitempty"`
 	SocketPath      string `protobuf:"bytes,13,opt,name=socket_path,json=socketPath,proto3" json:"socket_path,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// host_watchdog is the watchdog armed while an on-disk lease is held.
+	HostWatchdog  *HostWatchdog `protobuf:"bytes,14,opt,name=host_watchdog,json=hostWatchdog,proto3" json:"host_watchdog,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Status) Reset() {
@@ -2137,6 +2139,139 @@ func (x *Status) GetSocketPath() string {
 	return ""
 }
 
+func (x *Status) GetHostWatchdog() *HostWatchdog {
+	if x != nil {
+		return x.HostWatchdog
+	}
+	return nil
+}
+
+// HostWatchdog is the host watchdog that resets this host when its agent
+// stops renewing a lease it holds (hung, stopped or killed).
+type HostWatchdog struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// unsafe: leases are held without a watchdog
+	// (volumes.lease.watchdog_device: none-unsafe).
+	Unsafe   bool   `protobuf:"varint,1,opt,name=unsafe,proto3" json:"unsafe,omitempty"`
+	Armed    bool   `protobuf:"varint,2,opt,name=armed,proto3" json:"armed,omitempty"`
+	Device   string `protobuf:"bytes,3,opt,name=device,proto3" json:"device,omitempty"`
+	Identity string `protobuf:"bytes,4,opt,name=identity,proto3" json:"identity,omitempty"`
+	// timeout is the device's actual timeout, at most the lease's W.
+	Timeout  *durationpb.Duration   `protobuf:"bytes,5,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	LastFeed *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=last_feed,json=lastFeed,proto3" json:"last_feed,omitempty"`
+	// nowayout: the device cannot be stopped once armed.
+	Nowayout bool `protobuf:"varint,7,opt,name=nowayout,proto3" json:"nowayout,omitempty"`
+	// leases counts the leases the watchdog guards now.
+	Leases uint32 `protobuf:"varint,8,opt,name=leases,proto3" json:"leases,omitempty"`
+	// withheld names the leases that stop the feeding (not renewed in
+	// time, I/O not stopped).
+	Withheld []string `protobuf:"bytes,9,rep,name=withheld,proto3" json:"withheld,omitempty"`
+	// error is the last failure to arm or feed.
+	Error         string `protobuf:"bytes,10,opt,name=error,proto3" json:"error,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *HostWatchdog) Reset() {
+	*x = HostWatchdog{}
+	mi := &file_agent_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *HostWatchdog) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*HostWatchdog) ProtoMessage() {}
+
+func (x *HostWatchdog) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use HostWatchdog.ProtoReflect.Descriptor instead.
+func (*HostWatchdog) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *HostWatchdog) GetUnsafe() bool {
+	if x != nil {
+		return x.Unsafe
+	}
+	return false
+}
+
+func (x *HostWatchdog) GetArmed() bool {
+	if x != nil {
+		return x.Armed
+	}
+	return false
+}
+
+func (x *HostWatchdog) GetDevice() string {
+	if x != nil {
+		return x.Device
+	}
+	return ""
+}
+
+func (x *HostWatchdog) GetIdentity() string {
+	if x != nil {
+		return x.Identity
+	}
+	return ""
+}
+
+func (x *HostWatchdog) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
+func (x *HostWatchdog) GetLastFeed() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastFeed
+	}
+	return nil
+}
+
+func (x *HostWatchdog) GetNowayout() bool {
+	if x != nil {
+		return x.Nowayout
+	}
+	return false
+}
+
+func (x *HostWatchdog) GetLeases() uint32 {
+	if x != nil {
+		return x.Leases
+	}
+	return 0
+}
+
+func (x *HostWatchdog) GetWithheld() []string {
+	if x != nil {
+		return x.Withheld
+	}
+	return nil
+}
+
+func (x *HostWatchdog) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
 type WatchEventsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// replay_recent sends the events in the recent ring first.
@@ -2147,7 +2282,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_agent_proto_msgTypes[26]
+	mi := &file_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2159,7 +2294,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[26]
+	mi := &file_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2172,7 +2307,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{26}
+	return file_agent_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *WatchEventsRequest) GetReplayRecent() bool {
@@ -2190,7 +2325,7 @@ type ListRecentEventsRequest struct {
 
 func (x *ListRecentEventsRequest) Reset() {
 	*x = ListRecentEventsRequest{}
-	mi := &file_agent_proto_msgTypes[27]
+	mi := &file_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2202,7 +2337,7 @@ func (x *ListRecentEventsRequest) String() string {
 func (*ListRecentEventsRequest) ProtoMessage() {}
 
 func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[27]
+	mi := &file_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2215,7 +2350,7 @@ func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{27}
+	return file_agent_proto_rawDescGZIP(), []int{28}
 }
 
 type ListRecentEventsResponse struct {
@@ -2227,7 +2362,7 @@ type ListRecentEventsResponse struct {
 
 func (x *ListRecentEventsResponse) Reset() {
 	*x = ListRecentEventsResponse{}
-	mi := &file_agent_proto_msgTypes[28]
+	mi := &file_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2239,7 +2374,7 @@ func (x *ListRecentEventsResponse) String() string {
 func (*ListRecentEventsResponse) ProtoMessage() {}
 
 func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[28]
+	mi := &file_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2252,7 +2387,7 @@ func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{28}
+	return file_agent_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ListRecentEventsResponse) GetEvents() []*Event {
@@ -2287,7 +2422,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_agent_proto_msgTypes[29]
+	mi := &file_agent_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2299,7 +2434,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[29]
+	mi := &file_agent_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2312,7 +2447,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{29}
+	return file_agent_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *Event) GetType() EventType {
@@ -2550,7 +2685,7 @@ const file_agent_proto_rawDesc = "" +
 	"\ragent_version\x18\t \x01(\tR\fagentVersion\x129\n" +
 	"\afencing\x18\n" +
 	" \x03(\v2\x1f.vco.agent.v1.FencingCapabilityR\afencing\"\x12\n" +
-	"\x10GetStatusRequest\"\x97\x04\n" +
+	"\x10GetStatusRequest\"\xd8\x04\n" +
 	"\x06Status\x12#\n" +
 	"\ragent_version\x18\x01 \x01(\tR\fagentVersion\x129\n" +
 	"\n" +
@@ -2568,7 +2703,20 @@ const file_agent_proto_rawDesc = "" +
 	"dbusDetail\x12)\n" +
 	"\x10socket_activated\x18\f \x01(\bR\x0fsocketActivated\x12\x1f\n" +
 	"\vsocket_path\x18\r \x01(\tR\n" +
-	"socketPath\"9\n" +
+	"socketPath\x12?\n" +
+	"\rhost_watchdog\x18\x0e \x01(\v2\x1a.vco.agent.v1.HostWatchdogR\fhostWatchdog\"\xc4\x02\n" +
+	"\fHostWatchdog\x12\x16\n" +
+	"\x06unsafe\x18\x01 \x01(\bR\x06unsafe\x12\x14\n" +
+	"\x05armed\x18\x02 \x01(\bR\x05armed\x12\x16\n" +
+	"\x06device\x18\x03 \x01(\tR\x06device\x12\x1a\n" +
+	"\bidentity\x18\x04 \x01(\tR\bidentity\x123\n" +
+	"\atimeout\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\atimeout\x127\n" +
+	"\tlast_feed\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\blastFeed\x12\x1a\n" +
+	"\bnowayout\x18\a \x01(\bR\bnowayout\x12\x16\n" +
+	"\x06leases\x18\b \x01(\rR\x06leases\x12\x1a\n" +
+	"\bwithheld\x18\t \x03(\tR\bwithheld\x12\x14\n" +
+	"\x05error\x18\n" +
+	" \x01(\tR\x05error\"9\n" +
 	"\x12WatchEventsRequest\x12#\n" +
 	"\rreplay_recent\x18\x01 \x01(\bR\freplayRecent\"\x19\n" +
 	"\x17ListRecentEventsRequest\"G\n" +
@@ -2645,7 +2793,7 @@ func file_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
 var file_agent_proto_goTypes = []any{
 	(VolumeContent)(0),               // 0: vco.agent.v1.VolumeContent
 	(ClaimState)(0),                  // 1: vco.agent.v1.ClaimState
@@ -2677,12 +2825,13 @@ var file_agent_proto_goTypes = []any{
 	(*Identity)(nil),                 // 27: vco.agent.v1.Identity
 	(*GetStatusRequest)(nil),         // 28: vco.agent.v1.GetStatusRequest
 	(*Status)(nil),                   // 29: vco.agent.v1.Status
-	(*WatchEventsRequest)(nil),       // 30: vco.agent.v1.WatchEventsRequest
-	(*ListRecentEventsRequest)(nil),  // 31: vco.agent.v1.ListRecentEventsRequest
-	(*ListRecentEventsResponse)(nil), // 32: vco.agent.v1.ListRecentEventsResponse
-	(*Event)(nil),                    // 33: vco.agent.v1.Event
-	(*timestamppb.Timestamp)(nil),    // 34: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 35: google.protobuf.Duration
+	(*HostWatchdog)(nil),             // 30: vco.agent.v1.HostWatchdog
+	(*WatchEventsRequest)(nil),       // 31: vco.agent.v1.WatchEventsRequest
+	(*ListRecentEventsRequest)(nil),  // 32: vco.agent.v1.ListRecentEventsRequest
+	(*ListRecentEventsResponse)(nil), // 33: vco.agent.v1.ListRecentEventsResponse
+	(*Event)(nil),                    // 34: vco.agent.v1.Event
+	(*timestamppb.Timestamp)(nil),    // 35: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 36: google.protobuf.Duration
 }
 var file_agent_proto_depIdxs = []int32{
 	6,  // 0: vco.agent.v1.Encryption.transit_token:type_name -> vco.agent.v1.TransitToken
@@ -2699,40 +2848,43 @@ var file_agent_proto_depIdxs = []int32{
 	23, // 11: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
 	2,  // 12: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
 	26, // 13: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
-	34, // 14: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
-	35, // 15: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
-	33, // 16: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
-	3,  // 17: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
-	34, // 18: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
-	25, // 19: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
-	28, // 20: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
-	30, // 21: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
-	31, // 22: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
-	8,  // 23: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
-	10, // 24: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
-	12, // 25: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
-	14, // 26: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
-	16, // 27: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
-	18, // 28: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
-	22, // 29: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
-	20, // 30: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
-	27, // 31: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
-	29, // 32: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
-	33, // 33: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
-	32, // 34: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
-	9,  // 35: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
-	11, // 36: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
-	13, // 37: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
-	15, // 38: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
-	17, // 39: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
-	19, // 40: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
-	24, // 41: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
-	21, // 42: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
-	31, // [31:43] is the sub-list for method output_type
-	19, // [19:31] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	35, // 14: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
+	36, // 15: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
+	30, // 16: vco.agent.v1.Status.host_watchdog:type_name -> vco.agent.v1.HostWatchdog
+	36, // 17: vco.agent.v1.HostWatchdog.timeout:type_name -> google.protobuf.Duration
+	35, // 18: vco.agent.v1.HostWatchdog.last_feed:type_name -> google.protobuf.Timestamp
+	34, // 19: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
+	3,  // 20: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
+	35, // 21: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
+	25, // 22: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
+	28, // 23: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
+	31, // 24: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
+	32, // 25: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
+	8,  // 26: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
+	10, // 27: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
+	12, // 28: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
+	14, // 29: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
+	16, // 30: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
+	18, // 31: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
+	22, // 32: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
+	20, // 33: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
+	27, // 34: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
+	29, // 35: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
+	34, // 36: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
+	33, // 37: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
+	9,  // 38: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
+	11, // 39: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
+	13, // 40: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
+	15, // 41: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
+	17, // 42: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
+	19, // 43: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
+	24, // 44: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
+	21, // 45: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
+	34, // [34:46] is the sub-list for method output_type
+	22, // [22:34] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -2746,7 +2898,7 @@ func file_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   30,
+			NumMessages:   31,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -25,6 +25,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
 
@@ -96,12 +97,17 @@ func (v Volumes) ReclaimAfter() time.Duration {
 	return v.ReclaimWait
 }
 
-// LeaseTiming is lease.Timing in the configuration's units.
+// LeaseTiming is lease.Timing in the configuration's units, and the host
+// watchdog that makes its W true.
 type LeaseTiming struct {
 	IOTimeout time.Duration `yaml:"io_timeout"`
 	Renew     time.Duration `yaml:"renew"`
 	Fail      time.Duration `yaml:"fail"`
 	Watchdog  time.Duration `yaml:"watchdog"`
+	// WatchdogDevice is the host watchdog armed while a lease is held:
+	// "auto" (a hardware one, else softdog), a device path, or
+	// "none-unsafe" to hold leases without one (package agent/watchdog).
+	WatchdogDevice string `yaml:"watchdog_device"`
 }
 
 // Timing is the lease package's form.
@@ -172,7 +178,7 @@ func Default() Config {
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
 		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true, WatchRescan: 30 * time.Second, ClaimedDir: "/run/vco-agent/claimed",
-			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog}},
+			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog, WatchdogDevice: watchdog.Auto}},
 	}
 }
 
@@ -291,6 +297,17 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("volumes.lease %s: renew must not be shorter than io_timeout", lt.Timing()))
 	case lt.Fail < 2*lt.Renew:
 		errs = append(errs, fmt.Errorf("volumes.lease %s: fail must be at least twice renew", lt.Timing()))
+	}
+	// A taker waits out the holder's watchdog time W, which is only true
+	// while a watchdog device is armed (docs/fencing.md).
+	switch lt := c.Volumes.Lease; {
+	case lt.WatchdogDevice != watchdog.Auto && lt.WatchdogDevice != watchdog.Unsafe && !strings.HasPrefix(lt.WatchdogDevice, "/dev/"):
+		errs = append(errs, fmt.Errorf("volumes.lease.watchdog_device %q must be %s, a device path under /dev, or %s", lt.WatchdogDevice, watchdog.Auto, watchdog.Unsafe))
+	case lt.WatchdogDevice == watchdog.Unsafe:
+	case lt.Watchdog == 0:
+		errs = append(errs, fmt.Errorf("volumes.lease.watchdog is 0, but other nodes take a lease over after the holder's watchdog time, which only a host watchdog makes true: give it a time (default %s), or set volumes.lease.watchdog_device: %s to hold leases without one (unsafe)", lease.DefaultTiming().Watchdog, watchdog.Unsafe))
+	case lt.Watchdog < time.Second || lt.Watchdog%time.Second != 0:
+		errs = append(errs, fmt.Errorf("volumes.lease.watchdog %s must be a whole number of seconds, at least 1s: watchdog devices count seconds", lt.Watchdog))
 	}
 	if c.Metrics.Listen != "" {
 		if err := loopbackAddr(c.Metrics.Listen); err != nil {

@@ -173,3 +173,32 @@ func TestExampleFileIsTheDefaults(t *testing.T) {
 		t.Fatalf("example.yaml drifted from the defaults:\n%+v\n%+v", cfg, Default())
 	}
 }
+
+// The lease's W holds only with a host watchdog armed: W = 0 (no
+// watchdog) is accepted only with the explicit unsafe setting.
+func TestLeaseWithoutAWatchdogNeedsTheUnsafeSetting(t *testing.T) {
+	bad := map[string]string{
+		"volumes:\n  lease:\n    watchdog: 0s\n":                                 "watchdog_device: none-unsafe",
+		"volumes:\n  lease:\n    watchdog: 0s\n    watchdog_device: auto\n":      "volumes.lease.watchdog is 0",
+		"volumes:\n  lease:\n    watchdog_device: softdog\n":                     "volumes.lease.watchdog_device",
+		"volumes:\n  lease:\n    watchdog_device: \"\"\n":                        "volumes.lease.watchdog_device",
+		"volumes:\n  lease:\n    watchdog: 1500ms\n":                             "whole number of seconds",
+		"volumes:\n  lease:\n    watchdog: 500ms\n    watchdog_device: /dev/w\n": "at least 1s",
+	}
+	for body, want := range bad {
+		_, err := Load(write(t, body), true)
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%q: got %v, want mention of %q", body, err, want)
+		}
+	}
+	cfg, err := Load(write(t, "volumes:\n  lease:\n    watchdog: 0s\n    watchdog_device: none-unsafe\n"), true)
+	if err != nil || cfg.Volumes.Lease.Watchdog != 0 || cfg.Volumes.Lease.WatchdogDevice != "none-unsafe" {
+		t.Fatalf("the explicit unsafe setting: %+v %v", cfg.Volumes.Lease, err)
+	}
+	if d := Default().Volumes.Lease; d.WatchdogDevice != "auto" || d.Watchdog != time.Minute {
+		t.Fatalf("defaults: %+v", d)
+	}
+	if cfg, err := Load(write(t, "volumes:\n  lease:\n    watchdog_device: /dev/watchdog1\n"), true); err != nil || cfg.Volumes.Lease.WatchdogDevice != "/dev/watchdog1" {
+		t.Fatalf("a device path: %+v %v", cfg.Volumes.Lease, err)
+	}
+}

@@ -2,8 +2,10 @@
 // opens the API socket (handed over by systemd, or created here), wires the
 // event bus to its sinks, serves the gRPC API, and speaks the sd_notify
 // protocol (READY, STATUS, WATCHDOG, STOPPING) so that systemd knows when
-// the agent is really up. It stops on SIGTERM or SIGINT and leaves nothing
-// behind: no socket it created, no directory it created, no goroutine.
+// the agent is really up. While it holds an on-disk lease it keeps a host
+// watchdog armed (package agent/watchdog). It stops on SIGTERM or SIGINT and
+// leaves nothing behind: no socket it created, no directory it created, no
+// goroutine; only a host watchdog stays armed while leases are still held.
 package daemon
 
 import (
@@ -38,6 +40,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 	"github.com/whitesky-cloud/vco-storage/smbios"
@@ -155,6 +158,7 @@ func Run(ctx context.Context, o Options) error {
 		return err
 	}
 	defer vols.close()
+	rt.Watchdog = vols.wd.Status
 
 	srv := server.New(server.Options{Version: o.Version, Identity: ident, Bus: bus, Started: started, Runtime: rt, Log: log, Policy: policy, Volumes: vols.m})
 	g := srv.NewGRPC()
@@ -205,10 +209,54 @@ func Run(ctx context.Context, o Options) error {
 }
 
 type volumes struct {
-	m *volume.Manager
-	// stopChecks ends the periodic claim check and the metrics listener;
-	// close (after the API has stopped) also closes the devices.
+	m  *volume.Manager
+	wd *watchdog.Watchdog
+	// stopChecks ends the periodic claim check, the host watchdog's
+	// feeding and the metrics listener; close (after the API has stopped)
+	// also leaves the host watchdog as the held leases need it
+	// (watchdog.Stop) and closes the devices.
 	stopChecks, close func()
+}
+
+// hostWatchdog is the watchdog armed while a lease is held, guarding the
+// leases leases lists. Its Linger covers a stage's acquisition, which may
+// wait out another holder's expiry bound before the lease is held.
+func hostWatchdog(cfg config.Config, leases func() []watchdog.Lease, log *slog.Logger) *watchdog.Watchdog {
+	lt := cfg.Volumes.Lease
+	t := lt.Timing()
+	return watchdog.New(watchdog.Config{Device: lt.WatchdogDevice, Timeout: lt.Watchdog, Leases: leases,
+		Linger: t.Expiry() + t.Settle() + 3*t.IOTimeout,
+		Find: func(want string) (watchdog.Info, error) {
+			return watchdog.Find(cfg.SysfsRoot, cfg.Volumes.DevRoot, want)
+		},
+		Active: func(want string) (watchdog.Info, bool) {
+			return watchdog.FindActive(cfg.SysfsRoot, cfg.Volumes.DevRoot, want)
+		},
+		Log: log.With("part", "host-watchdog")})
+}
+
+// guarded arms the host watchdog before a stage takes a lease (the
+// factory's Prepare runs before its first Acquire): a lease is never
+// taken on a host that cannot be reset within W, unless the
+// configuration says so (watchdog.Unsafe).
+func guarded(wd *watchdog.Watchdog, f volume.LeaseFactory) volume.LeaseFactory {
+	return func(ctx context.Context, dev *volume.Device, vol string, onLost func(*fence.LostError) bool) (volume.Choice, error) {
+		ch, err := f(ctx, dev, vol, onLost)
+		if err != nil || ch.Fencer == nil {
+			return ch, err
+		}
+		prepare := ch.Prepare
+		ch.Prepare = func(ctx context.Context) (bool, error) {
+			if err := wd.Ready(ctx); err != nil {
+				return false, err
+			}
+			if prepare == nil {
+				return false, nil
+			}
+			return prepare(ctx)
+		}
+		return ch, nil
+	}
 }
 
 // startVolumes opens the claim store, re-verifies every recorded claim,
@@ -221,21 +269,37 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	if err != nil {
 		return nil, fmt.Errorf("deriving this node's fence key from its SMBIOS UUID: %w", err)
 	}
-	m, err := volume.New(volume.Options{
+	// The watchdog asks the manager for its leases once it runs, after
+	// the manager is made.
+	var m *volume.Manager
+	wd := hostWatchdog(cfg, func() []watchdog.Lease { return m.Leases() }, log)
+	m, err = volume.New(volume.Options{
 		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
 		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence"),
-			Lease: leaseFor(cfg.Volumes, volume.NewLease(volume.LeaseOptions{Key: key, Node: ident.SystemUUID, NodeName: ident.NodeName,
-				Timing: cfg.Volumes.Lease.Timing(), Log: log.With("part", "lease")}))},
+			Lease: leaseFor(cfg.Volumes, guarded(wd, volume.NewLease(volume.LeaseOptions{Key: key, Node: ident.SystemUUID, NodeName: ident.NodeName,
+				Timing: cfg.Volumes.Lease.Timing(), Log: log.With("part", "lease")})))},
 		Crypt: &volume.LUKS{},
 	})
 	if err != nil {
 		return nil, err
 	}
+	m.Metrics().Registry().MustRegister(wd.Collector())
+	// A device the last agent process left counting down is taken over,
+	// and fed from before the start-up check: a lease resumed after an
+	// agent restart is guarded at once, and a host that holds none is not
+	// reset for a crash of the agent.
+	wd.Adopt()
+	wctx, wcancel := context.WithCancel(ctx)
+	wdone := make(chan struct{})
+	go func() { defer close(wdone); wd.Run(wctx) }()
 	m.Reconcile(ctx)
 	var srv *http.Server
 	if cfg.Metrics.Listen != "" {
 		l, err := net.Listen("tcp", cfg.Metrics.Listen)
 		if err != nil {
+			wcancel()
+			<-wdone
+			wd.Stop()
 			m.Close()
 			return nil, fmt.Errorf("metrics.listen %s: %w", cfg.Metrics.Listen, err)
 		}
@@ -274,12 +338,16 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 			cancel()
 			<-done
 			<-watched
+			wcancel()
+			<-wdone
 			if srv != nil {
 				srv.Close()
 			}
 		})
 	}
-	return &volumes{m: m, stopChecks: stopChecks, close: func() { stopChecks(); m.Close() }}, nil
+	// The watchdog decides on the leases before the manager closes their
+	// fencers, which ends their renewals.
+	return &volumes{m: m, wd: wd, stopChecks: stopChecks, close: func() { stopChecks(); wd.Stop(); m.Close() }}, nil
 }
 
 func notify(state string) {

@@ -20,6 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/fencecaps"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 )
 
 // NodeIdentity is what the agent learnt about the machine at start.
@@ -37,6 +38,8 @@ type Runtime struct {
 	DBusDetail      string
 	SocketActivated bool
 	SocketPath      string
+	// Watchdog reports the host watchdog; nil when the agent runs none.
+	Watchdog func() watchdog.Status
 }
 
 // Options configure a Server.
@@ -153,7 +156,24 @@ func (s *Server) GetStatus(context.Context, *api.GetStatusRequest) (*api.Status,
 		Subscribers: uint32(st.Subscribers), EventsDropped: st.Dropped,
 		DbusConnected: r.DBusConnected, DbusDetail: r.DBusDetail,
 		SocketActivated: r.SocketActivated, SocketPath: r.SocketPath,
+		HostWatchdog: watchdogProto(r.Watchdog),
 	}, nil
+}
+
+func watchdogProto(f func() watchdog.Status) *api.HostWatchdog {
+	if f == nil {
+		return nil
+	}
+	w := f()
+	p := &api.HostWatchdog{Unsafe: w.Unsafe, Armed: w.Armed, Device: w.Device, Identity: w.Identity, Nowayout: w.Nowayout,
+		Leases: uint32(w.Leases), Withheld: w.Withheld, Error: w.Error}
+	if w.Timeout > 0 {
+		p.Timeout = durationpb.New(w.Timeout)
+	}
+	if !w.LastFeed.IsZero() {
+		p.LastFeed = timestamppb.New(w.LastFeed)
+	}
+	return p
 }
 
 // WatchEvents implements api.AgentServer. The stream ends when the caller

@@ -72,7 +72,10 @@ func NewLease(o LeaseOptions) LeaseFactory {
 			if f.closed.Load() || onLost == nil {
 				return false
 			}
-			return onLost(l)
+			f.loss.Store(lossStopping)
+			stopped := onLost(l)
+			f.loss.Store(lossOutcome(stopped))
+			return stopped
 		}
 		verify := func(ctx context.Context) error {
 			if f.closed.Load() {
@@ -105,6 +108,8 @@ type leaseFencer struct {
 	key    fence.Key
 	timing lease.Timing
 	closed atomic.Bool
+	// loss is what became of a lost claim's I/O, for the host watchdog.
+	loss atomic.Int32
 }
 
 // errFencerClosed stops the engine from touching the disk once closed.

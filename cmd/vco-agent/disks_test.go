@@ -67,7 +67,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	// (and refuse) the loop devices of other tests running beside this
 	// one; the lab's scenarios test it on real hot-plugged disks.
 	cfg := filepath.Join(dir, "config.yaml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  lease_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s}\nmetrics:\n  listen: %s\n",
+	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  lease_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s, watchdog_device: none-unsafe}\nmetrics:\n  listen: %s\n",
 		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"), metricsAddr)), 0o644)
 	sock := filepath.Join(dir, "agent.sock")
 	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
@@ -186,6 +186,15 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	if !strings.Contains(body, `vco_agent_claims{state="held"} 1`) || !strings.Contains(body, `vco_agent_claim_checks_total{result="ok"}`) {
 		t.Fatalf("metrics lack the claim and its checks:\n%s", body)
 	}
+	// The lease is held without a host watchdog, by the configuration's
+	// explicit unsafe setting: the metrics and the status say so.
+	if !strings.Contains(body, "vco_agent_host_watchdog_unsafe 1") || !strings.Contains(body, "vco_agent_host_watchdog_leases 1") ||
+		!strings.Contains(body, "vco_agent_host_watchdog_armed 0") {
+		t.Fatalf("metrics do not show the lease held without a watchdog:\n%s", body)
+	}
+	if out, errs, code := run(t, "status", "--socket", sock); code != 0 || !strings.Contains(out, "Host watchdog:") || !strings.Contains(out, "UNSAFE") || !strings.Contains(out, "1 leases held without one") {
+		t.Fatalf("status with a lease held without a watchdog: exit %d\n%s%s", code, out, errs)
+	}
 
 	// The claim check runs every 200 ms here; a call that meets it is
 	// answered ABORTED and asked again.
@@ -237,5 +246,81 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 		return err
 	}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A lease is never taken on a host whose watchdog cannot be armed, unless
+// the configuration says none-unsafe: the stage is refused naming the
+// device and the setting, and the status shows the watchdog unarmed.
+// The device named is absent from the fixture's sysfs, so nothing on this
+// machine is armed (it would reset the host the tests run on).
+func TestLeaseRefusedWithoutAHostWatchdog(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop devices")
+	}
+	dir := t.TempDir()
+	kubelet := filepath.Join(dir, "kubelet")
+	os.MkdirAll(kubelet, 0o755)
+	img := filepath.Join(dir, "disk.img")
+	os.WriteFile(img, nil, 0o600)
+	os.Truncate(img, 64<<20)
+	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v %s", err, out)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+	root := sysfs(t)
+	for _, d := range []string{"block", "dev"} {
+		if err := os.Symlink("/sys/"+d, filepath.Join(root, d)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := filepath.Join(dir, "config.yaml")
+	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_loop_devices: true\n  lease_loop_devices: true\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 4s, watchdog_device: /dev/watchdog7}\n",
+		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"))), 0o644)
+	sock := filepath.Join(dir, "agent.sock")
+	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
+	var agentErr bytes.Buffer
+	agent.Stderr = &agentErr
+	if err := agent.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		agent.Process.Signal(unix.SIGTERM)
+		agent.Wait()
+		if t.Failed() {
+			t.Logf("agent log:\n%s", agentErr.String())
+		}
+	})
+	var c *client.Client
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		if c, err = client.Dial(sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	req := &api.StageVolumeRequest{VolumeId: "vol-wd", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: filepath.Join(kubelet, "staging"), FsType: "ext4"}
+	_, err = c.StageVolume(ctx, req)
+	if err == nil {
+		// Leave nothing mounted behind the failure.
+		c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-wd", StagingPath: req.StagingPath})
+	}
+	if st := status.Convert(err); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "/dev/watchdog7") ||
+		!strings.Contains(st.Message(), "none-unsafe") || !strings.Contains(st.Message(), "vol-wd") {
+		t.Fatalf("stage of a lease disk without a watchdog: %v", err)
+	}
+	if b, _ := os.ReadFile(img); bytes.HasPrefix(b, []byte("VCOLEASE")) {
+		t.Fatal("the lease area was written although the stage was refused")
+	}
+	out2, errs, code := run(t, "status", "--socket", sock)
+	if code != 0 || !strings.Contains(out2, "Host watchdog:") || !strings.Contains(out2, "not armed") || !strings.Contains(out2, "/dev/watchdog7") {
+		t.Fatalf("status: exit %d\n%s%s", code, out2, errs)
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -47,6 +48,34 @@ func runStatus(args []string) int {
 	fmt.Fprintf(tw, "Events published:\t%d\n", st.EventsPublished)
 	fmt.Fprintf(tw, "Recent events held:\t%d of %d\n", st.EventsRecent, st.EventsRingCapacity)
 	fmt.Fprintf(tw, "Event subscribers:\t%d (%d events dropped for slow ones)\n", st.Subscribers, st.EventsDropped)
+	if w := st.HostWatchdog; w != nil {
+		fmt.Fprintf(tw, "Host watchdog:\t%s\n", watchdogLine(w))
+		if w.LastFeed != nil {
+			fmt.Fprintf(tw, "Host watchdog fed:\t%s (%s ago)\n", w.LastFeed.AsTime().Local().Format(time.RFC3339), time.Since(w.LastFeed.AsTime()).Round(time.Millisecond))
+		}
+		if len(w.Withheld) > 0 {
+			fmt.Fprintf(tw, "Host watchdog NOT fed for:\t%s\n", strings.Join(w.Withheld, "; "))
+		}
+		if w.Error != "" {
+			fmt.Fprintf(tw, "Host watchdog error:\t%s\n", w.Error)
+		}
+	}
 	tw.Flush()
 	return 0
+}
+
+// watchdogLine says in one line whether the host watchdog guards the
+// leases, on which device and with what timeout.
+func watchdogLine(w *api.HostWatchdog) string {
+	switch {
+	case w.Unsafe:
+		return fmt.Sprintf("UNSAFE: none, by volumes.lease.watchdog_device: none-unsafe (%d leases held without one)", w.Leases)
+	case !w.Armed:
+		return fmt.Sprintf("not armed (%d leases held; armed while one is)", w.Leases)
+	}
+	s := fmt.Sprintf("armed: %s (%s), timeout %s, guarding %d leases", w.Device, w.Identity, w.Timeout.AsDuration(), w.Leases)
+	if w.Nowayout {
+		s += "; nowayout: it cannot be stopped, and is fed while the agent runs"
+	}
+	return s
 }

@@ -100,12 +100,14 @@ func startStack(t *testing.T, lease bool) *stack {
 	// it stages them unfenced by both opt-ins: its volumes.allow_unfenced
 	// and the plugin's --allow-unfenced. The agent watches no udev events
 	// and marks claimed disks under the test's directory: other tests'
-	// disks on this machine are none of its business.
+	// disks on this machine are none of its business. No host watchdog is
+	// armed (watchdog_device: none-unsafe): this host's would reset the
+	// machine the tests run on.
 	cfg := filepath.Join(dir, "agent.yaml")
 	os.WriteFile(cfg, []byte("volumes:\n  kubelet_root: "+s.kubelet+"\n  allow_unfenced: true\n  allow_loop_devices: true\n"+
 		"  watch_disks: false\n  claimed_dir: "+filepath.Join(dir, "claimed")+"\n"+
 		"  lease_loop_devices: "+strconv.FormatBool(lease)+"\n"+
-		"  lease:\n    io_timeout: 1s\n    renew: 2s\n    fail: 10s\n    watchdog: 0s\n"), 0o644)
+		"  lease:\n    io_timeout: 1s\n    renew: 2s\n    fail: 10s\n    watchdog: 0s\n    watchdog_device: none-unsafe\n"), 0o644)
 	start("vco-agent", "serve", "--config", cfg, "--socket", s.agentSock, "--sysfs-root", sysfs, "--dbus=false",
 		"--location", "ch-gen-1", "--state-dir", filepath.Join(dir, "agent-state"))
 

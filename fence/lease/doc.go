@@ -118,7 +118,7 @@
 //	d  IOTimeout   5s    bound on one lease read or write
 //	R  Renew      10s    renewal interval (2d)
 //	F  Fail       40s    self-fence after no successful renewal for F (8d)
-//	W  Watchdog   60s    host watchdog reset time, for a holder whose agent hung
+//	W  Watchdog   60s    host watchdog reset time after its last feed (agent/watchdog)
 //	Expiry  max(F+W+d, R+6d) = 105s   observation without change before takeover
 //	Settle  2d = 10s                  wait between writing a claim and checking it
 //
@@ -138,9 +138,11 @@
 // What it cannot give: the storage target does not enforce the lease. A
 // holder whose agent hangs or is killed, or whose VM is frozen, keeps its
 // filesystem's writes flowing until something stops them; safety then
-// rests on the holder's own watchdog resetting the host within W (the
-// agent's systemd watchdog and a hardware or hypervisor watchdog device),
-// and a VM frozen longer than the expiry bound can still issue writes
+// rests on the holder's host watchdog resetting the host within W of its
+// last feed. The agent arms one while it holds any lease and feeds it only
+// while every lease's last renewal is younger than F - d or the lease was
+// fenced (agent/watchdog; Engine.Health gives that state without the
+// engine's lock). A VM frozen longer than the expiry bound can still issue writes
 // queued before the freeze after it resumes. Only SCSI-3 reservations
 // (fence/pr) are enforced by the target.
 //

@@ -21,7 +21,9 @@ type Timing struct {
 	Fail time.Duration `json:"fail"`
 	// Watchdog (W) is the time the holder's host watchdog needs to reset
 	// a host whose agent stopped renewing without fencing itself (hung or
-	// killed). Zero only where no watchdog is armed (tests).
+	// killed). The agent arms that watchdog (agent/watchdog); zero only
+	// where none is armed, which the agent allows only when told so
+	// (volumes.lease.watchdog_device: none-unsafe) and tests.
 	Watchdog time.Duration `json:"watchdog"`
 }
 

@@ -23,12 +23,15 @@ const (
 // loadAgentConfig checks every claim each second and serves metrics on
 // the guest's loopback, where the test reads the check cost. Its reclaim
 // wait gives TestTargetRestart room to resume a paused holder while the
-// other node waits; the blank disks of TestManyDisks never wait.
+// other node waits; the blank disks of TestManyDisks never wait. The
+// guests load no watchdog driver: leases are held without one.
 const loadAgentConfig = `dbus:
   enabled: false
 volumes:
   check_interval: 1s
   reclaim_wait: 30s
+  lease:
+    watchdog_device: none-unsafe
 metrics:
   listen: 127.0.0.1:9101
 `

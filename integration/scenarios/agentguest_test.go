@@ -17,6 +17,9 @@ import (
 // unfenced disks allowed only where the request opts in too, and a lease
 // timing scaled down from the defaults' proportions so that a takeover
 // after expiry (max(fail+watchdog+io, renew+6*io) = 9s) fits a test.
+// The scenarios stop agents that hold leases on purpose, so no host
+// watchdog is armed (watchdog_device: none-unsafe); TestWatchdogResets
+// proves the watchdog.
 const agentConfig = `dbus:
   enabled: false
 volumes:
@@ -27,11 +30,18 @@ volumes:
     renew: 2s
     fail: 8s
     watchdog: 0s
+    watchdog_device: none-unsafe
 `
 
 // startAgent runs `vco-agent serve` in g in the background, as systemd
 // would, and waits until it answers on its socket.
 func startAgent(t *testing.T, ctx context.Context, g *lab.Guest) {
+	t.Helper()
+	startAgentWith(t, ctx, g, agentConfig)
+}
+
+// startAgentWith is startAgent with another configuration.
+func startAgentWith(t *testing.T, ctx context.Context, g *lab.Guest, config string) {
 	t.Helper()
 	script := fmt.Sprintf(`mkdir -p /etc/vco-agent /var/lib/kubelet /run/vco-agent
 cat > /etc/vco-agent/config.yaml <<'EOF'
@@ -39,7 +49,7 @@ cat > /etc/vco-agent/config.yaml <<'EOF'
 setsid /bin/vco-agent serve --config /etc/vco-agent/config.yaml --log-level debug >>/run/agent.log 2>&1 </dev/null &
 echo $! > /run/agent.pid
 for i in $(seq 150); do /bin/vco-agent status >/dev/null 2>&1 && exit 0; sleep 0.2; done
-echo "the agent did not come up:" >&2; tail -n 30 /run/agent.log >&2; exit 1`, agentConfig)
+echo "the agent did not come up:" >&2; tail -n 30 /run/agent.log >&2; exit 1`, config)
 	if _, err := g.MustSh(ctx, script); err != nil {
 		t.Fatalf("%s: %v", g.Name, err)
 	}

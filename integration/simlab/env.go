@@ -268,7 +268,9 @@ func StartNodeStack(ctx context.Context, g *lab.Guest) error {
 
 // StartNodeStackWith is StartNodeStack with options.
 func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error {
-	agentArgs, csiArgs := "", ""
+	// The lab's guests load no watchdog driver: the agent holds leases
+	// without one (watchdog_device: none-unsafe).
+	agentArgs, csiArgs := " --config /run/vco-agent/lab.yaml", ""
 	if o.AllowUnfenced {
 		agentArgs = " --config /run/vco-agent/allow-unfenced.yaml"
 		csiArgs = " --allow-unfenced"
@@ -303,7 +305,8 @@ EOF
 	}
 	script := fmt.Sprintf(`set -e
 mkdir -p /run/vco-agent /run/csi /var/lib/vco-agent %[1]s /var/log
-printf 'volumes:\n  allow_unfenced: true\n' >/run/vco-agent/allow-unfenced.yaml
+printf 'volumes:\n  lease:\n    watchdog_device: none-unsafe\n' >/run/vco-agent/lab.yaml
+printf 'volumes:\n  allow_unfenced: true\n  lease:\n    watchdog_device: none-unsafe\n' >/run/vco-agent/allow-unfenced.yaml
 %[7]s
 i=0; while [ ! -S %[4]s ]; do i=$((i+1)); [ $i -lt 300 ] || { cat /var/log/vco-agent.log; exit 1; }; sleep 0.1; done
 ( /bin/vco-csi --mode=node --driver-name %[5]s --endpoint unix://%[6]s --agent-socket %[4]s --kubelet-root %[1]s%[8]s >>/var/log/vco-csi.log 2>&1 & )

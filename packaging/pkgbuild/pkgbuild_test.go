@@ -172,6 +172,7 @@ func TestBuild(t *testing.T) {
 		"/usr/lib/systemd/system/vco-agent.socket",
 		"/usr/lib/tmpfiles.d/vco-agent.conf",
 		"/usr/lib/sysusers.d/vco-agent.conf",
+		"/usr/lib/modules-load.d/vco-agent.conf",
 		"/usr/lib/udev/rules.d/60-vco-agent.rules",
 		"/usr/share/dbus-1/system.d/cloud.whitesky.VcoAgent1.conf",
 		"/etc/vco-agent/config.yaml",

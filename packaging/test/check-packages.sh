@@ -118,6 +118,7 @@ in_chroot dpkg -i /tmp/v1.deb
 [ "$(status)" = "install ok installed 0.0.1-1" ] || fail "after install: status $(status)"
 for f in /usr/bin/vco-agent /usr/lib/systemd/system/vco-agent.service /usr/lib/systemd/system/vco-agent.socket \
 	/usr/lib/tmpfiles.d/vco-agent.conf /usr/lib/sysusers.d/vco-agent.conf /usr/lib/udev/rules.d/60-vco-agent.rules \
+	/usr/lib/modules-load.d/vco-agent.conf \
 	/usr/share/dbus-1/system.d/cloud.whitesky.VcoAgent1.conf /etc/vco-agent/config.yaml \
 	/usr/share/man/man8/vco-agent.8.gz /usr/share/doc/vco-agent/copyright \
 	/etc/systemd/system/multi-user.target.wants/vco-agent.service \

@@ -1,0 +1,134 @@
+package volume
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
+)
+
+// countingDevice stands in for a watchdog device: the host the tests run
+// on is the team's machine, whose own watchdog must never be armed. The
+// real device is armed in a QEMU guest (integration/scenarios).
+type countingDevice struct {
+	mu             sync.Mutex
+	feeds          int
+	disarmed, shut bool
+}
+
+func (d *countingDevice) SetTimeout(t time.Duration) (time.Duration, error) { return t, nil }
+func (d *countingDevice) Feed() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.feeds++
+	return nil
+}
+func (d *countingDevice) Disarm() error { d.mu.Lock(); d.disarmed = true; d.mu.Unlock(); return nil }
+func (d *countingDevice) Close() error  { d.mu.Lock(); d.shut = true; d.mu.Unlock(); return nil }
+func (d *countingDevice) count() int    { d.mu.Lock(); defer d.mu.Unlock(); return d.feeds }
+
+// The host watchdog reads the real lease engines: armed once a lease is
+// held, fed while it renews, not fed once its renewals stop landing (the
+// disk refuses them, as a hung renewal path would look), fed again once
+// the lease is lost and its I/O stopped, and disarmed after the unstage.
+func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	t.Cleanup(func() { clearRO(devA) })
+
+	dev := &countingDevice{}
+	wd := watchdog.New(watchdog.Config{Device: watchdog.Auto, Timeout: 10 * time.Second, Leases: a.m.Leases,
+		Find: func(string) (watchdog.Info, error) {
+			return watchdog.Info{Path: "/dev/fake-watchdog", MagicClose: true}, nil
+		},
+		Open: func(in watchdog.Info) (watchdog.Device, watchdog.Info, error) { return dev, in, nil }})
+	wd.Tick()
+	if wd.Status().Armed {
+		t.Fatal("armed before any lease is held")
+	}
+	req := a.stageReq("vol-w", img, "staging/w")
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	ls := a.m.Leases()
+	if len(ls) != 1 || ls[0].Volume != "vol-w" || ls[0].Fenced || ls[0].Fail != testTiming.Fail || ls[0].IOTimeout != testTiming.IOTimeout ||
+		time.Since(ls[0].Renewed) > testTiming.Renew+testTiming.Settle()+testTiming.IOTimeout {
+		t.Fatalf("leases after the stage: %+v", ls)
+	}
+	wd.Tick()
+	if !wd.Status().Armed || dev.count() != 2 { // armed with a feed, then fed
+		t.Fatalf("not armed and fed with a lease held: %+v", wd.Status())
+	}
+	// Renewals keep it fresh: fed at every tick for two fail bounds.
+	for end := time.Now().Add(2 * testTiming.Fail); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		n := dev.count()
+		wd.Tick()
+		if dev.count() != n+1 {
+			t.Fatalf("not fed while the lease renews: %+v %+v", wd.Status(), a.m.Leases())
+		}
+	}
+
+	// The disk refuses the renewals from now on.
+	f, err := os.Open(devA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 1)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Now()
+	withheld, fenced := false, false
+	for !fenced && time.Since(stopped) < testTiming.Fail+10*time.Second {
+		time.Sleep(50 * time.Millisecond)
+		n := dev.count()
+		wd.Tick()
+		ls := a.m.Leases()
+		st := wd.Status()
+		switch {
+		case len(ls) == 1 && ls[0].Fenced:
+			fenced = true
+		case len(st.Withheld) == 1:
+			withheld = true
+			if dev.count() != n {
+				t.Fatalf("fed while a lease was withheld: %+v %+v %d->%d", ls, st, n, dev.count())
+			}
+			if age := time.Since(ls[0].Renewed); age < testTiming.Fail-testTiming.IOTimeout {
+				t.Fatalf("withheld at a renewal age of %s, before F-d", age)
+			}
+		default:
+			if len(ls) == 1 && time.Since(ls[0].Renewed) >= testTiming.Fail-testTiming.IOTimeout+100*time.Millisecond {
+				t.Fatalf("fed with a renewal %s old: %+v", time.Since(ls[0].Renewed), st)
+			}
+		}
+	}
+	if !withheld || !fenced {
+		t.Fatalf("after the renewals stopped: withheld=%v fenced=%v; status %+v; log:\n%s", withheld, fenced, wd.Status(), a.logs)
+	}
+	n := dev.count()
+	wd.Tick()
+	if dev.count() != n+1 || len(wd.Status().Withheld) != 0 {
+		t.Fatalf("not fed again once the lost lease's I/O was stopped: %+v", wd.Status())
+	}
+
+	clearRO(devA)
+	if err := a.m.Unstage(ctx, "vol-w", filepath.Join(a.kubelet, "staging/w")); err != nil {
+		t.Fatal(err)
+	}
+	if ls := a.m.Leases(); len(ls) != 0 {
+		t.Fatalf("leases after the unstage: %+v", ls)
+	}
+	wd.Tick()
+	if wd.Status().Armed || !dev.disarmed {
+		t.Fatalf("not disarmed after the last lease went: %+v", wd.Status())
+	}
+}
