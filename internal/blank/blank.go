@@ -214,20 +214,30 @@ func describe(at int64) string {
 
 func read(ctx context.Context, path string) (*regions, error) { return readFrom(ctx, path, 0) }
 
-// readFrom reads the first block, HeadSize bytes from headOff and the
-// last TailSize bytes, with O_DIRECT where the file allows it.
-func readFrom(ctx context.Context, path string, headOff int64) (*regions, error) {
+// openAligned opens path for reading, with O_DIRECT where it allows, and
+// returns its size and the alignment its reads need (1 without O_DIRECT).
+func openAligned(path string) (f *os.File, size, align int64, err error) {
 	f, direct, err := open(path)
 	if err != nil {
-		return nil, err
+		return nil, 0, 0, err
 	}
-	size, align, err := geometry(f)
+	size, align, err = geometry(f)
 	if err != nil {
 		f.Close()
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, 0, 0, fmt.Errorf("%s: %w", path, err)
 	}
 	if !direct {
 		align = 1
+	}
+	return f, size, align, nil
+}
+
+// readFrom reads the first block, HeadSize bytes from headOff and the
+// last TailSize bytes, with O_DIRECT where the file allows it.
+func readFrom(ctx context.Context, path string, headOff int64) (*regions, error) {
+	f, size, align, err := openAligned(path)
+	if err != nil {
+		return nil, err
 	}
 	r := &regions{size: size, headOff: min(headOff, size)}
 	r.headOff -= r.headOff % align
@@ -366,17 +376,9 @@ func ProbeBlkid(ctx context.Context, path string) (string, error) { return probe
 // page cache as Prove does (for a header that decides how a disk is used,
 // such as the lease's).
 func ReadHead(ctx context.Context, path string, n int64) ([]byte, error) {
-	f, direct, err := open(path)
+	f, size, align, err := openAligned(path)
 	if err != nil {
 		return nil, err
-	}
-	size, align, err := geometry(f)
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	if !direct {
-		align = 1
 	}
 	type result struct {
 		b   []byte
