@@ -70,30 +70,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_unfenced: true\n  allow_loop_devices: true\n  lease_loop_devices: true\n  check_interval: 200ms\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s, watchdog_device: none-unsafe}\nmetrics:\n  listen: %s\n",
 		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"), metricsAddr)), 0o644)
 	sock := filepath.Join(dir, "agent.sock")
-	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
-	var agentErr bytes.Buffer
-	agent.Stderr = &agentErr
-	if err := agent.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		agent.Process.Signal(unix.SIGTERM)
-		agent.Wait()
-		if t.Failed() {
-			t.Logf("agent log:\n%s", agentErr.String())
-		}
-	})
-	var c *client.Client
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		if c, err = client.Dial(sock); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	defer c.Close()
+	c := serveAgent(t, cfg, sock, root)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 
@@ -280,30 +257,7 @@ func TestLeaseRefusedWithoutAHostWatchdog(t *testing.T) {
 	os.WriteFile(cfg, []byte(fmt.Sprintf("state_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_loop_devices: true\n  lease_loop_devices: true\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 4s, watchdog_device: /dev/watchdog7}\n",
 		filepath.Join(dir, "state"), kubelet, filepath.Join(dir, "claimed"))), 0o644)
 	sock := filepath.Join(dir, "agent.sock")
-	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
-	var agentErr bytes.Buffer
-	agent.Stderr = &agentErr
-	if err := agent.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		agent.Process.Signal(unix.SIGTERM)
-		agent.Wait()
-		if t.Failed() {
-			t.Logf("agent log:\n%s", agentErr.String())
-		}
-	})
-	var c *client.Client
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		if c, err = client.Dial(sock); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	defer c.Close()
+	c := serveAgent(t, cfg, sock, root)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	req := &api.StageVolumeRequest{VolumeId: "vol-wd", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: filepath.Join(kubelet, "staging"), FsType: "ext4"}
@@ -322,5 +276,36 @@ func TestLeaseRefusedWithoutAHostWatchdog(t *testing.T) {
 	out2, errs, code := run(t, "status", "--socket", sock)
 	if code != 0 || !strings.Contains(out2, "Host watchdog:") || !strings.Contains(out2, "not armed") || !strings.Contains(out2, "/dev/watchdog7") {
 		t.Fatalf("status: exit %d\n%s%s", code, out2, errs)
+	}
+}
+
+// serveAgent starts 'vco-agent serve' with cfg on sock and dials it. The
+// agent is stopped, and its log printed if the test failed, when the test
+// ends.
+func serveAgent(t *testing.T, cfg, sock, root string) *client.Client {
+	t.Helper()
+	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", root, "--dbus=false")
+	var agentErr bytes.Buffer
+	agent.Stderr = &agentErr
+	if err := agent.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		agent.Process.Signal(unix.SIGTERM)
+		agent.Wait()
+		if t.Failed() {
+			t.Logf("agent log:\n%s", agentErr.String())
+		}
+	})
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		c, err := client.Dial(sock)
+		if err == nil {
+			t.Cleanup(func() { c.Close() })
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
