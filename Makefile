@@ -41,7 +41,7 @@ test: deps lint build unit test-fuzz-brief test-csi-sanity test-deploy \
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
 unit:
-	$(GO) test -count=1 -p 1 ./...
+	$(GO) test -count=1 -p 1 -timeout 30m ./...
 
 # The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
 # backend) and `vco-csi --mode=all`, the agent mounting real loop devices;

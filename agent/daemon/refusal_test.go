@@ -76,7 +76,7 @@ func TestDiskHeldElsewhereIsRefusedBeforeReady(t *testing.T) {
 	}
 	cfg := filepath.Join(dir, "config.yaml")
 	if err := os.WriteFile(cfg, []byte("state_dir: "+filepath.Join(dir, "state")+"\nvolumes:\n  kubelet_root: "+filepath.Join(dir, "kubelet")+
-		"\n  allow_loop_devices: true\n  lease_loop_devices: true\n  claimed_dir: \"\"\n  lease: {io_timeout: 100ms, renew: 200ms, fail: 800ms, watchdog: 0s}\n"), 0o644); err != nil {
+		"\n  allow_loop_devices: true\n  lease_loop_devices: true\n  claimed_dir: \"\"\n  lease: {io_timeout: 100ms, renew: 200ms, fail: 800ms, watchdog: 0s, watchdog_device: none-unsafe}\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	n := listenNotify(t)
