@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
 
 // volumeSnapshotClass is snapshot.storage.k8s.io/v1 VolumeSnapshotClass
@@ -280,28 +281,17 @@ func TestCSIDriver(t *testing.T) {
 	})
 }
 
-// pluginParams mirrors the StorageClass parameters vco-csi's controller
-// accepts (csi/driver parseParams): anything else fails CreateVolume.
+// checkPluginParams runs a class's parameters through the plugin's own
+// check (csi/driver ValidateParameters, what CreateVolume applies): a
+// class it refuses would fail every provision, and a StorageClass's
+// parameters cannot be edited in place.
 func checkPluginParams(t *testing.T, class string, p map[string]string) {
 	t.Helper()
-	for k, v := range p {
-		switch {
-		case k == "type":
-			if v != "standard" && v != "physical" {
-				t.Errorf("StorageClass %s: type=%q; the plugin takes standard or physical", class, v)
-			}
-		case k == "iops":
-			if n, err := strconv.ParseInt(v, 10, 64); err != nil || n < 1 {
-				t.Errorf("StorageClass %s: iops=%q is not a positive integer", class, v)
-			}
-		case k == "encryption":
-			if _, err := strconv.ParseBool(v); err != nil {
-				t.Errorf("StorageClass %s: encryption=%q is not a boolean", class, v)
-			}
-		case strings.HasPrefix(k, "csi.storage.k8s.io/"):
-		default:
-			t.Errorf("StorageClass %s: parameter %q is unknown to the plugin", class, k)
-		}
+	if err := driver.ValidateParameters(p); err != nil {
+		t.Errorf("StorageClass %s: the plugin refuses its parameters: %v", class, err)
+	}
+	if _, ok := p["type"]; ok {
+		t.Errorf("StorageClass %s: gives type, the older alias; the documented spelling is diskType", class)
 	}
 }
 
@@ -329,9 +319,9 @@ func TestStorageClasses(t *testing.T) {
 			t.Errorf("default classes %v, want [vco-csi]", defaults)
 		}
 		for name, want := range map[string]map[string]string{
-			"vco-csi":                 {"type": "standard"},
-			"vco-csi-physical":        {"type": "physical"},
-			"vco-csi-encrypted-vault": {"encryption": "true"},
+			"vco-csi":                 {"diskType": "STANDARD"},
+			"vco-csi-physical":        {"diskType": "PHYSICAL"},
+			"vco-csi-encrypted-vault": {"diskType": "STANDARD", "encryption": "true"},
 		} {
 			c, ok := byName[name]
 			if !ok {
