@@ -37,6 +37,7 @@ type volumeSnapshotClass struct {
 // addon is a decoded rendering of the bundle.
 type addon struct {
 	image, driver string
+	apiVersions   []string // of every object, in order
 
 	namespaces      []corev1.Namespace
 	drivers         []storagev1.CSIDriver
@@ -86,11 +87,43 @@ func strict[T any](t *testing.T, doc []byte, into *T) {
 	}
 }
 
-// decode renders the bundle and decodes every document strictly into its
-// Kubernetes type; an unknown kind fails.
+// builtinAPIs are the API versions every cluster serves, without CRDs.
+var builtinAPIs = []string{"v1", "storage.k8s.io/v1", "rbac.authorization.k8s.io/v1", "apps/v1"}
+
+// decode renders the core part (csi.yaml) and decodes every document
+// strictly into its Kubernetes type; an unknown kind fails, and so does
+// a kind no cluster serves without CRDs: kubectl apply and a
+// ClusterResourceSet fail on the whole file when one object's kind is
+// missing.
 func decode(t *testing.T, image, driver string) *addon {
 	t.Helper()
-	b, err := Bundle()
+	a := decodePart(t, Core, image, driver)
+	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 ||
+		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
+		t.Fatalf("csi.yaml holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1",
+			len(a.namespaces), len(a.drivers), len(a.classes), len(a.deployments), len(a.daemonSets))
+	}
+	if len(a.snapshotClasses) != 0 {
+		t.Fatalf("csi.yaml holds %d VolumeSnapshotClasses; they belong in the snapshots part", len(a.snapshotClasses))
+	}
+	return a
+}
+
+// decodeSnapshots renders the opt-in snapshots part
+// (csi-snapshots.yaml) and decodes it strictly.
+func decodeSnapshots(t *testing.T, image, driver string) *addon {
+	t.Helper()
+	a := decodePart(t, Snapshots, image, driver)
+	if len(a.snapshotClasses) != 1 || len(a.apiVersions) != 1 {
+		t.Fatalf("csi-snapshots.yaml holds %d objects, %d of them VolumeSnapshotClasses; want the one VolumeSnapshotClass",
+			len(a.apiVersions), len(a.snapshotClasses))
+	}
+	return a
+}
+
+func decodePart(t *testing.T, part Part, image, driver string) *addon {
+	t.Helper()
+	b, err := BundleOf(part)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -99,7 +132,7 @@ func decode(t *testing.T, image, driver string) *addon {
 		t.Fatal(err)
 	}
 	if bytes.Contains(r, []byte("${")) {
-		t.Fatalf("rendered bundle still holds a placeholder")
+		t.Fatalf("rendered %s still holds a placeholder", part.FileName())
 	}
 	a := &addon{image: image, driver: driver}
 	for _, doc := range splitDocs(r) {
@@ -107,6 +140,7 @@ func decode(t *testing.T, image, driver string) *addon {
 		if err := yaml.Unmarshal(doc, &tm); err != nil {
 			t.Fatalf("reading kind: %v\n%s", err, doc)
 		}
+		a.apiVersions = append(a.apiVersions, tm.APIVersion)
 		switch tm.APIVersion + " " + tm.Kind {
 		case "v1 Namespace":
 			var o corev1.Namespace
@@ -153,13 +187,8 @@ func decode(t *testing.T, image, driver string) *addon {
 			strict(t, doc, &o)
 			a.daemonSets = append(a.daemonSets, o)
 		default:
-			t.Fatalf("unexpected object %s %s in the bundle", tm.APIVersion, tm.Kind)
+			t.Fatalf("unexpected object %s %s in %s", tm.APIVersion, tm.Kind, part.FileName())
 		}
-	}
-	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 || len(a.snapshotClasses) != 1 ||
-		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
-		t.Fatalf("bundle holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d VolumeSnapshotClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1, 1",
-			len(a.namespaces), len(a.drivers), len(a.classes), len(a.snapshotClasses), len(a.deployments), len(a.daemonSets))
 	}
 	return a
 }
@@ -178,32 +207,59 @@ func forEachRendering(t *testing.T, f func(t *testing.T, a *addon)) {
 }
 
 func TestCommittedBundleIsCurrent(t *testing.T) {
-	want, err := Bundle()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := os.ReadFile("csi.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Fatalf("deploy/csi.yaml differs from the concatenation of deploy/manifests; run `make csi-yaml`")
+	for _, p := range Parts() {
+		want, err := BundleOf(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(p.FileName())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("deploy/%s differs from the concatenation of its part of deploy/manifests; run `make csi-yaml`", p.FileName())
+		}
 	}
 }
 
 func TestBundleCarriesOnlyTheTwoPlaceholders(t *testing.T) {
-	b, err := Bundle()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if refs := ForeignRefs(b); len(refs) > 0 {
-		t.Errorf("bundle refers to %v, which envsubst would blank", refs)
-	}
-	for _, p := range []string{"${" + ImageVar + "}", "${" + DriverNameVar + "}"} {
-		if !bytes.Contains(b, []byte(p)) {
-			t.Errorf("bundle lacks %s", p)
+	for _, p := range Parts() {
+		b, err := BundleOf(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if refs := ForeignRefs(b); len(refs) > 0 {
+			t.Errorf("%s refers to %v, which envsubst would blank", p.FileName(), refs)
+		}
+		want := []string{"${" + DriverNameVar + "}"}
+		if p == Core {
+			want = append(want, "${"+ImageVar+"}")
+		}
+		for _, v := range want {
+			if !bytes.Contains(b, []byte(v)) {
+				t.Errorf("%s lacks %s", p.FileName(), v)
+			}
 		}
 	}
+}
+
+// TestCoreNeedsNoCRD: csi.yaml applies on a cluster without the snapshot
+// CRDs (seed 001 deploys neither them nor snapshot-controller): every
+// object it holds is of an API every cluster serves, so none is of
+// snapshot.storage.k8s.io; the VolumeSnapshotClass is in the snapshots
+// part.
+func TestCoreNeedsNoCRD(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		for _, v := range a.apiVersions {
+			if !slices.Contains(builtinAPIs, v) {
+				t.Errorf("csi.yaml holds an object of %s, which a cluster serves only with its CRDs; kubectl apply of the file fails without them", v)
+			}
+		}
+		s := decodeSnapshots(t, a.image, a.driver)
+		if s.apiVersions[0] != "snapshot.storage.k8s.io/v1" || s.snapshotClasses[0].Name != "vco-csi" {
+			t.Errorf("csi-snapshots.yaml holds %s %s, want the VolumeSnapshotClass vco-csi", s.apiVersions[0], s.snapshotClasses[0].Name)
+		}
+	})
 }
 
 func TestNamespaces(t *testing.T) {
@@ -237,7 +293,7 @@ func TestNamespaces(t *testing.T) {
 		for _, o := range a.classes {
 			cluster = append(cluster, obj{"StorageClass", o.ObjectMeta})
 		}
-		for _, o := range a.snapshotClasses {
+		for _, o := range decodeSnapshots(t, a.image, a.driver).snapshotClasses {
 			cluster = append(cluster, obj{"VolumeSnapshotClass", o.ObjectMeta})
 		}
 		for _, o := range a.clusterRoles {
@@ -344,7 +400,7 @@ func TestStorageClasses(t *testing.T) {
 
 func TestVolumeSnapshotClass(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
-		c := a.snapshotClasses[0]
+		c := decodeSnapshots(t, a.image, a.driver).snapshotClasses[0]
 		if c.Driver != a.driver {
 			t.Errorf("VolumeSnapshotClass %s: driver %q, want %q", c.Name, c.Driver, a.driver)
 		}
