@@ -156,9 +156,10 @@ csi-addon:
 	    echo "make csi-addon: stdout: $(ADDON_DIR)/csi-addon.yaml; the snapshots part, $(ADDON_DIR)/csi-snapshots-addon.yaml, is not included (VCO_CSI_SNAPSHOTS=1 adds it; docs/csi-addon.md)" >&2;; esac
 
 # Manifests decoded strictly and cross-checked; the image built, read back
-# and opened with skopeo and umoci (installed by deps).
+# and opened with skopeo and umoci (installed by deps); vco-addon and make
+# csi-addon's stdout.
 test-deploy: deps
-	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/...
+	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/... ./cmd/vco-addon
 
 # The RWO story on the simulator in lab mode and two guests, once with
 # scsi-block disks (reservations) and once with virtio-blk disks (the
