@@ -117,25 +117,49 @@ image:
 	  $(GO) run ./cmd/vco-addon image $(foreach a,$(IMAGE_ARCHS),-binary $(a)=$(BIN)/image/vco-csi-$(a)) \
 	  -version $(VERSION) -o dist/vco-csi-$(VERSION).oci.tar
 
-# deploy/csi.yaml, the add-on bundle with its two placeholders, from
-# deploy/manifests (make test fails when it is stale).
+# deploy/csi.yaml, the add-on bundle with its two placeholders, and
+# deploy/csi-snapshots.yaml, the opt-in snapshots part, from
+# deploy/manifests (make test fails when they are stale).
 csi-yaml:
-	$(GO) run ./cmd/vco-addon bundle -o deploy/csi.yaml
+	$(GO) run ./cmd/vco-addon bundle -part core -o deploy/csi.yaml
+	$(GO) run ./cmd/vco-addon bundle -part snapshots -o deploy/csi-snapshots.yaml
 
-# The add-on for one image: make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag>
-# [VCO_CSI_DRIVER_NAME=...]; the driver name defaults to one derived from
-# the image's registry host (docs/csi-addon.md).
+# The add-on for one image, on stdout, so that
+#   make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag> | kubectl apply -f -
+# installs it; [VCO_CSI_DRIVER_NAME=...] overrides the driver name derived
+# from the image's registry host, VCO_CSI_SNAPSHOTS=1 adds the snapshots
+# part (the VolumeSnapshotClass: needs the snapshot CRDs) after the core
+# (docs/csi-addon.md). The files are kept in $(ADDON_DIR): csi.yaml and
+# csi-snapshots.yaml with their placeholders, csi-addon.yaml and
+# csi-snapshots-addon.yaml filled in. Every recipe line is silent (@):
+# stdout carries the YAML only, notes go to stderr. From another directory
+# use make -s -C <repo>: without -s, -C prints "Entering directory" lines
+# on stdout.
 VCO_CSI_IMAGE       ?=
 VCO_CSI_DRIVER_NAME ?=
+VCO_CSI_SNAPSHOTS   ?=
+ADDON_DIR           ?= dist
 csi-addon:
 	@test -n "$(VCO_CSI_IMAGE)" || { echo "make csi-addon: set VCO_CSI_IMAGE=<host>/<path>:<tag>" >&2; exit 2; }
-	$(GO) run ./cmd/vco-addon bundle -o dist/csi.yaml
-	$(GO) run ./cmd/vco-addon render -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o dist/csi-addon.yaml
+	@case '$(VCO_CSI_SNAPSHOTS)' in ''|0|false|no|1|true|yes) ;; \
+	  *) echo "make csi-addon: VCO_CSI_SNAPSHOTS='$(VCO_CSI_SNAPSHOTS)': use 1 (add the snapshots part) or leave it empty" >&2; exit 2;; esac
+	@mkdir -p $(BIN) '$(ADDON_DIR)'
+	@CGO_ENABLED=0 $(GO) build -o $(BIN)/vco-addon ./cmd/vco-addon
+	@$(BIN)/vco-addon bundle -part core -o '$(ADDON_DIR)/csi.yaml'
+	@$(BIN)/vco-addon bundle -part snapshots -o '$(ADDON_DIR)/csi-snapshots.yaml'
+	@$(BIN)/vco-addon render -part core -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-addon.yaml'
+	@$(BIN)/vco-addon render -part snapshots -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-snapshots-addon.yaml'
+	@case '$(VCO_CSI_SNAPSHOTS)' in \
+	  1|true|yes) cat '$(ADDON_DIR)/csi-addon.yaml' '$(ADDON_DIR)/csi-snapshots-addon.yaml'; \
+	    echo "make csi-addon: stdout: $(ADDON_DIR)/csi-addon.yaml and $(ADDON_DIR)/csi-snapshots-addon.yaml (the snapshots part needs the snapshot CRDs and snapshot-controller)" >&2;; \
+	  *) cat '$(ADDON_DIR)/csi-addon.yaml'; \
+	    echo "make csi-addon: stdout: $(ADDON_DIR)/csi-addon.yaml; the snapshots part, $(ADDON_DIR)/csi-snapshots-addon.yaml, is not included (VCO_CSI_SNAPSHOTS=1 adds it; docs/csi-addon.md)" >&2;; esac
 
 # Manifests decoded strictly and cross-checked; the image built, read back
-# and opened with skopeo and umoci (installed by deps).
+# and opened with skopeo and umoci (installed by deps); vco-addon and make
+# csi-addon's stdout.
 test-deploy: deps
-	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/...
+	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/... ./cmd/vco-addon
 
 # The RWO story on the simulator in lab mode and two guests, once with
 # scsi-block disks (reservations) and once with virtio-blk disks (the

@@ -1,10 +1,13 @@
 // Package deploy holds the Kubernetes manifests of the vco-csi add-on and
 // renders them. The manifests under manifests/ are templates with exactly
 // two placeholders, ${VCO_CSI_IMAGE} and ${VCO_CSI_DRIVER_NAME}, so that
-// the release artifact csi.yaml (their concatenation) can be filled in
-// with envsubst by CAPVCO's ClusterResourceSet tooling, and by
-// `make csi-addon` through Render. The package exists so that the
-// bundle, the rendering and the checks on both share one definition.
+// the release artifacts (their concatenations) can be filled in with
+// envsubst by CAPVCO's ClusterResourceSet tooling, and by
+// `make csi-addon` through Render. The add-on comes in two parts: csi.yaml,
+// which every cluster applies, and the opt-in csi-snapshots.yaml
+// (manifests/snapshots/), whose objects need the snapshot CRDs. The
+// package exists so that the bundles, the rendering and the checks on
+// them share one definition.
 package deploy
 
 import (
@@ -42,36 +45,98 @@ const ImageUID = 65532
 // openbao-ca, key ca.crt) and a projected service account token (token).
 const KeyBackendDir = "/etc/vco-csi/key-backend"
 
-//go:embed manifests/*.yaml
+//go:embed manifests/*.yaml manifests/snapshots/*.yaml
 var manifests embed.FS
 
-// header opens csi.yaml; it says how to fill the placeholders.
-const header = `# vco-csi add-on for whitesky.cloud Kubernetes clusters.
+// Part is a piece of the add-on applied on its own.
+type Part string
+
+const (
+	// Core is csi.yaml, what every cluster applies: it holds no object
+	// whose kind the cluster may lack, so kubectl apply and a
+	// ClusterResourceSet succeed on a cluster without the snapshot CRDs.
+	Core Part = "core"
+	// Snapshots is csi-snapshots.yaml, the opt-in VolumeSnapshotClass,
+	// applied after Core on a cluster with the snapshot CRDs and
+	// snapshot-controller.
+	Snapshots Part = "snapshots"
+)
+
+// Parts lists the parts in the order they are applied.
+func Parts() []Part { return []Part{Core, Snapshots} }
+
+// ParsePart reads a part's name as the command line gives it.
+func ParsePart(s string) (Part, error) {
+	for _, p := range Parts() {
+		if string(p) == s {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("unknown part %q; the parts are %s and %s", s, Core, Snapshots)
+}
+
+// FileName is the part's file in deploy/ and in a release.
+func (p Part) FileName() string {
+	if p == Snapshots {
+		return "csi-snapshots.yaml"
+	}
+	return "csi.yaml"
+}
+
+func (p Part) glob() string {
+	if p == Snapshots {
+		return "manifests/snapshots/*.yaml"
+	}
+	return "manifests/*.yaml"
+}
+
+// header opens a part's file; it says how to fill the placeholders.
+func (p Part) header() string {
+	h := `# vco-csi add-on for whitesky.cloud Kubernetes clusters.
 # Generated from deploy/manifests by ` + "`make csi-yaml`" + `; do not edit.
 # Two placeholders, VCO_CSI_IMAGE and VCO_CSI_DRIVER_NAME, are filled in
 # by envsubst (or make csi-addon); no other variable appears. The Secret
 # and ConfigMaps the add-on reads are described in docs/csi-addon.md.
 `
+	if p == Snapshots {
+		h += `# This is the opt-in snapshots part: apply it after csi.yaml, and only
+# on a cluster with the snapshot CRDs and snapshot-controller of
+# kubernetes-csi/external-snapshotter (docs/csi-addon.md, "Snapshots").
+`
+	}
+	return h
+}
 
-// Files lists the manifest templates in the order they are applied.
-func Files() ([]string, error) {
-	names, err := fs.Glob(manifests, "manifests/*.yaml")
+// Files lists the core part's manifest templates in the order they are
+// applied.
+func Files() ([]string, error) { return FilesOf(Core) }
+
+// FilesOf lists a part's manifest templates in the order they are applied.
+func FilesOf(p Part) ([]string, error) {
+	names, err := fs.Glob(manifests, p.glob())
 	if err != nil {
 		return nil, err
+	}
+	if len(names) == 0 {
+		return nil, fmt.Errorf("part %s has no manifests", p)
 	}
 	sort.Strings(names)
 	return names, nil
 }
 
-// Bundle returns csi.yaml: every manifest template, in order, as one
-// multi-document YAML stream with the placeholders still in it.
-func Bundle() ([]byte, error) {
-	names, err := Files()
+// Bundle returns csi.yaml, the core part.
+func Bundle() ([]byte, error) { return BundleOf(Core) }
+
+// BundleOf returns a part's file: every manifest template of the part,
+// in order, as one multi-document YAML stream with the placeholders
+// still in it.
+func BundleOf(p Part) ([]byte, error) {
+	names, err := FilesOf(p)
 	if err != nil {
 		return nil, err
 	}
 	var b bytes.Buffer
-	b.WriteString(header)
+	b.WriteString(p.header())
 	for _, n := range names {
 		data, err := manifests.ReadFile(n)
 		if err != nil {

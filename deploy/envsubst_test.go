@@ -7,10 +7,10 @@ import (
 	"testing"
 )
 
-// TestEnvsubstAgreesWithRender fills csi.yaml the way CAPVCO's tooling
-// does, with GNU envsubst, both with the two names given and without any
-// (which substitutes every variable of the environment), and expects
-// Render's bytes each time.
+// TestEnvsubstAgreesWithRender fills csi.yaml and csi-snapshots.yaml the
+// way CAPVCO's tooling does, with GNU envsubst, both with the two names
+// given and without any (which substitutes every variable of the
+// environment), and expects Render's bytes each time.
 func TestEnvsubstAgreesWithRender(t *testing.T) {
 	envsubst, err := exec.LookPath("envsubst")
 	if err != nil {
@@ -19,7 +19,13 @@ func TestEnvsubstAgreesWithRender(t *testing.T) {
 		}
 		t.Skip("envsubst is not installed (make deps installs gettext-base)")
 	}
-	tmpl, err := os.ReadFile("csi.yaml")
+	for _, p := range Parts() {
+		envsubstPart(t, envsubst, p.FileName())
+	}
+}
+
+func envsubstPart(t *testing.T, envsubst, file string) {
+	tmpl, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,10 +41,10 @@ func TestEnvsubstAgreesWithRender(t *testing.T) {
 				"HOME=/nonexistent", "VCO_PORTAL_URL=https://wrong.example", "VCO_CUSTOMER=wrong"}
 			got, err := cmd.Output()
 			if err != nil {
-				t.Fatalf("envsubst %q: %v", args, err)
+				t.Fatalf("envsubst %q < %s: %v", args, file, err)
 			}
 			if !bytes.Equal(got, want) {
-				t.Errorf("envsubst %q differs from Render for %s", args, v.DriverName)
+				t.Errorf("envsubst %q < %s differs from Render for %s", args, file, v.DriverName)
 			}
 		}
 	}

@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
 
 // volumeSnapshotClass is snapshot.storage.k8s.io/v1 VolumeSnapshotClass
@@ -36,6 +37,7 @@ type volumeSnapshotClass struct {
 // addon is a decoded rendering of the bundle.
 type addon struct {
 	image, driver string
+	apiVersions   []string // of every object, in order
 
 	namespaces      []corev1.Namespace
 	drivers         []storagev1.CSIDriver
@@ -85,11 +87,43 @@ func strict[T any](t *testing.T, doc []byte, into *T) {
 	}
 }
 
-// decode renders the bundle and decodes every document strictly into its
-// Kubernetes type; an unknown kind fails.
+// builtinAPIs are the API versions every cluster serves, without CRDs.
+var builtinAPIs = []string{"v1", "storage.k8s.io/v1", "rbac.authorization.k8s.io/v1", "apps/v1"}
+
+// decode renders the core part (csi.yaml) and decodes every document
+// strictly into its Kubernetes type; an unknown kind fails, and so does
+// a kind no cluster serves without CRDs: kubectl apply and a
+// ClusterResourceSet fail on the whole file when one object's kind is
+// missing.
 func decode(t *testing.T, image, driver string) *addon {
 	t.Helper()
-	b, err := Bundle()
+	a := decodePart(t, Core, image, driver)
+	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 ||
+		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
+		t.Fatalf("csi.yaml holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1",
+			len(a.namespaces), len(a.drivers), len(a.classes), len(a.deployments), len(a.daemonSets))
+	}
+	if len(a.snapshotClasses) != 0 {
+		t.Fatalf("csi.yaml holds %d VolumeSnapshotClasses; they belong in the snapshots part", len(a.snapshotClasses))
+	}
+	return a
+}
+
+// decodeSnapshots renders the opt-in snapshots part
+// (csi-snapshots.yaml) and decodes it strictly.
+func decodeSnapshots(t *testing.T, image, driver string) *addon {
+	t.Helper()
+	a := decodePart(t, Snapshots, image, driver)
+	if len(a.snapshotClasses) != 1 || len(a.apiVersions) != 1 {
+		t.Fatalf("csi-snapshots.yaml holds %d objects, %d of them VolumeSnapshotClasses; want the one VolumeSnapshotClass",
+			len(a.apiVersions), len(a.snapshotClasses))
+	}
+	return a
+}
+
+func decodePart(t *testing.T, part Part, image, driver string) *addon {
+	t.Helper()
+	b, err := BundleOf(part)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -98,7 +132,7 @@ func decode(t *testing.T, image, driver string) *addon {
 		t.Fatal(err)
 	}
 	if bytes.Contains(r, []byte("${")) {
-		t.Fatalf("rendered bundle still holds a placeholder")
+		t.Fatalf("rendered %s still holds a placeholder", part.FileName())
 	}
 	a := &addon{image: image, driver: driver}
 	for _, doc := range splitDocs(r) {
@@ -106,6 +140,7 @@ func decode(t *testing.T, image, driver string) *addon {
 		if err := yaml.Unmarshal(doc, &tm); err != nil {
 			t.Fatalf("reading kind: %v\n%s", err, doc)
 		}
+		a.apiVersions = append(a.apiVersions, tm.APIVersion)
 		switch tm.APIVersion + " " + tm.Kind {
 		case "v1 Namespace":
 			var o corev1.Namespace
@@ -152,13 +187,8 @@ func decode(t *testing.T, image, driver string) *addon {
 			strict(t, doc, &o)
 			a.daemonSets = append(a.daemonSets, o)
 		default:
-			t.Fatalf("unexpected object %s %s in the bundle", tm.APIVersion, tm.Kind)
+			t.Fatalf("unexpected object %s %s in %s", tm.APIVersion, tm.Kind, part.FileName())
 		}
-	}
-	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 || len(a.snapshotClasses) != 1 ||
-		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
-		t.Fatalf("bundle holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d VolumeSnapshotClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1, 1",
-			len(a.namespaces), len(a.drivers), len(a.classes), len(a.snapshotClasses), len(a.deployments), len(a.daemonSets))
 	}
 	return a
 }
@@ -177,32 +207,59 @@ func forEachRendering(t *testing.T, f func(t *testing.T, a *addon)) {
 }
 
 func TestCommittedBundleIsCurrent(t *testing.T) {
-	want, err := Bundle()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := os.ReadFile("csi.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Fatalf("deploy/csi.yaml differs from the concatenation of deploy/manifests; run `make csi-yaml`")
+	for _, p := range Parts() {
+		want, err := BundleOf(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(p.FileName())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Errorf("deploy/%s differs from the concatenation of its part of deploy/manifests; run `make csi-yaml`", p.FileName())
+		}
 	}
 }
 
 func TestBundleCarriesOnlyTheTwoPlaceholders(t *testing.T) {
-	b, err := Bundle()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if refs := ForeignRefs(b); len(refs) > 0 {
-		t.Errorf("bundle refers to %v, which envsubst would blank", refs)
-	}
-	for _, p := range []string{"${" + ImageVar + "}", "${" + DriverNameVar + "}"} {
-		if !bytes.Contains(b, []byte(p)) {
-			t.Errorf("bundle lacks %s", p)
+	for _, p := range Parts() {
+		b, err := BundleOf(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if refs := ForeignRefs(b); len(refs) > 0 {
+			t.Errorf("%s refers to %v, which envsubst would blank", p.FileName(), refs)
+		}
+		want := []string{"${" + DriverNameVar + "}"}
+		if p == Core {
+			want = append(want, "${"+ImageVar+"}")
+		}
+		for _, v := range want {
+			if !bytes.Contains(b, []byte(v)) {
+				t.Errorf("%s lacks %s", p.FileName(), v)
+			}
 		}
 	}
+}
+
+// TestCoreNeedsNoCRD: csi.yaml applies on a cluster without the snapshot
+// CRDs (seed 001 deploys neither them nor snapshot-controller): every
+// object it holds is of an API every cluster serves, so none is of
+// snapshot.storage.k8s.io; the VolumeSnapshotClass is in the snapshots
+// part.
+func TestCoreNeedsNoCRD(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		for _, v := range a.apiVersions {
+			if !slices.Contains(builtinAPIs, v) {
+				t.Errorf("csi.yaml holds an object of %s, which a cluster serves only with its CRDs; kubectl apply of the file fails without them", v)
+			}
+		}
+		s := decodeSnapshots(t, a.image, a.driver)
+		if s.apiVersions[0] != "snapshot.storage.k8s.io/v1" || s.snapshotClasses[0].Name != "vco-csi" {
+			t.Errorf("csi-snapshots.yaml holds %s %s, want the VolumeSnapshotClass vco-csi", s.apiVersions[0], s.snapshotClasses[0].Name)
+		}
+	})
 }
 
 func TestNamespaces(t *testing.T) {
@@ -236,7 +293,7 @@ func TestNamespaces(t *testing.T) {
 		for _, o := range a.classes {
 			cluster = append(cluster, obj{"StorageClass", o.ObjectMeta})
 		}
-		for _, o := range a.snapshotClasses {
+		for _, o := range decodeSnapshots(t, a.image, a.driver).snapshotClasses {
 			cluster = append(cluster, obj{"VolumeSnapshotClass", o.ObjectMeta})
 		}
 		for _, o := range a.clusterRoles {
@@ -280,28 +337,17 @@ func TestCSIDriver(t *testing.T) {
 	})
 }
 
-// pluginParams mirrors the StorageClass parameters vco-csi's controller
-// accepts (csi/driver parseParams): anything else fails CreateVolume.
+// checkPluginParams runs a class's parameters through the plugin's own
+// check (csi/driver ValidateParameters, what CreateVolume applies): a
+// class it refuses would fail every provision, and a StorageClass's
+// parameters cannot be edited in place.
 func checkPluginParams(t *testing.T, class string, p map[string]string) {
 	t.Helper()
-	for k, v := range p {
-		switch {
-		case k == "type":
-			if v != "standard" && v != "physical" {
-				t.Errorf("StorageClass %s: type=%q; the plugin takes standard or physical", class, v)
-			}
-		case k == "iops":
-			if n, err := strconv.ParseInt(v, 10, 64); err != nil || n < 1 {
-				t.Errorf("StorageClass %s: iops=%q is not a positive integer", class, v)
-			}
-		case k == "encryption":
-			if _, err := strconv.ParseBool(v); err != nil {
-				t.Errorf("StorageClass %s: encryption=%q is not a boolean", class, v)
-			}
-		case strings.HasPrefix(k, "csi.storage.k8s.io/"):
-		default:
-			t.Errorf("StorageClass %s: parameter %q is unknown to the plugin", class, k)
-		}
+	if err := driver.ValidateParameters(p); err != nil {
+		t.Errorf("StorageClass %s: the plugin refuses its parameters: %v", class, err)
+	}
+	if _, ok := p["type"]; ok {
+		t.Errorf("StorageClass %s: gives type, the older alias; the documented spelling is diskType", class)
 	}
 }
 
@@ -329,9 +375,9 @@ func TestStorageClasses(t *testing.T) {
 			t.Errorf("default classes %v, want [vco-csi]", defaults)
 		}
 		for name, want := range map[string]map[string]string{
-			"vco-csi":                 {"type": "standard"},
-			"vco-csi-physical":        {"type": "physical"},
-			"vco-csi-encrypted-vault": {"encryption": "true"},
+			"vco-csi":                 {"diskType": "STANDARD"},
+			"vco-csi-physical":        {"diskType": "PHYSICAL"},
+			"vco-csi-encrypted-vault": {"diskType": "STANDARD", "encryption": "true"},
 		} {
 			c, ok := byName[name]
 			if !ok {
@@ -354,7 +400,7 @@ func TestStorageClasses(t *testing.T) {
 
 func TestVolumeSnapshotClass(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
-		c := a.snapshotClasses[0]
+		c := decodeSnapshots(t, a.image, a.driver).snapshotClasses[0]
 		if c.Driver != a.driver {
 			t.Errorf("VolumeSnapshotClass %s: driver %q, want %q", c.Name, c.Driver, a.driver)
 		}

@@ -1,7 +1,8 @@
 // Command vco-addon builds the release artifacts of the vco-csi add-on:
-// the manifest bundle csi.yaml with its placeholders, a rendering of it
-// for one image and driver name, and the vco-csi container image as an
-// OCI image layout tarball.
+// the manifest bundles csi.yaml and the opt-in csi-snapshots.yaml with
+// their placeholders, renderings of them for one image and driver name,
+// and the vco-csi container image as an OCI image layout tarball. Output
+// goes to stdout unless -o names a file; notes go to stderr.
 package main
 
 import (
@@ -41,23 +42,59 @@ func main() {
 
 func usage() {
 	fmt.Fprint(os.Stderr, `usage:
-  vco-addon bundle [-o csi.yaml]        the manifests with their placeholders
-  vco-addon render -image REF [-driver-name NAME] [-o FILE]
+  vco-addon bundle [-part P] [-o FILE]  the manifests with their placeholders
+  vco-addon render -image REF [-driver-name NAME] [-part P] [-o FILE]
                                         the manifests for one image; the driver
                                         name defaults to one derived from the
                                         image's registry host
+      -part core       csi.yaml, what every cluster applies (the default)
+      -part snapshots  csi-snapshots.yaml, the opt-in VolumeSnapshotClass;
+                       needs the snapshot CRDs (docs/csi-addon.md)
+      -part all        both, core first, as one stream
   vco-addon image -binary FILE -version V -o FILE.oci.tar
                                         the vco-csi image as an OCI layout tarball
 `)
 }
 
+const partUsage = "which part: core (csi.yaml), snapshots (csi-snapshots.yaml, needs the snapshot CRDs) or all (both, core first)"
+
+// parts reads -part.
+func parts(s string) ([]deploy.Part, error) {
+	if s == "all" {
+		return deploy.Parts(), nil
+	}
+	p, err := deploy.ParsePart(s)
+	if err != nil {
+		return nil, fmt.Errorf("-part: %w, or all", err)
+	}
+	return []deploy.Part{p}, nil
+}
+
+// bundle concatenates the parts' files, in order, into one stream.
+func bundle(ps []deploy.Part) ([]byte, error) {
+	var out []byte
+	for _, p := range ps {
+		b, err := deploy.BundleOf(p)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, b...)
+	}
+	return out, nil
+}
+
 func runBundle(args []string) error {
 	fs := flag.NewFlagSet("bundle", flag.ContinueOnError)
 	out := fs.String("o", "-", "output file (- for stdout)")
+	part := fs.String("part", string(deploy.Core), partUsage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	b, err := deploy.Bundle()
+	ps, err := parts(*part)
+	if err != nil {
+		return err
+	}
+	b, err := bundle(ps)
 	if err != nil {
 		return err
 	}
@@ -69,7 +106,12 @@ func runRender(args []string) error {
 	image := fs.String("image", "", "vco-csi image reference, host/path/name:tag")
 	name := fs.String("driver-name", "", "CSI driver name (default: derived from the image's registry host)")
 	out := fs.String("o", "-", "output file (- for stdout)")
+	part := fs.String("part", string(deploy.Core), partUsage)
 	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	ps, err := parts(*part)
+	if err != nil {
 		return err
 	}
 	if err := deploy.ValidateImage(*image); err != nil {
@@ -82,7 +124,7 @@ func runRender(args []string) error {
 		}
 		*name = n
 	}
-	b, err := deploy.Bundle()
+	b, err := bundle(ps)
 	if err != nil {
 		return err
 	}
@@ -90,7 +132,7 @@ func runRender(args []string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(os.Stderr, "vco-addon: image %s, driver name %s\n", *image, *name)
+	fmt.Fprintf(os.Stderr, "vco-addon: %s for image %s, driver name %s\n", *part, *image, *name)
 	return write(*out, r)
 }
 

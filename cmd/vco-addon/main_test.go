@@ -55,3 +55,53 @@ func TestCreationTime(t *testing.T) {
 		t.Error("accepted SOURCE_DATE_EPOCH=yesterday")
 	}
 }
+
+// TestParts: -part picks csi.yaml, the opt-in csi-snapshots.yaml, or both
+// in that order; only the snapshots part holds the VolumeSnapshotClass.
+func TestParts(t *testing.T) {
+	core, err := deploy.BundleOf(deploy.Core)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snaps, err := deploy.BundleOf(deploy.Snapshots)
+	if err != nil {
+		t.Fatal(err)
+	}
+	image := "try.whitesky.cloud/vco/csi:1.0"
+	v := deploy.Values{Image: image, DriverName: "cloud.whitesky.csi"}
+	for part, tmpl := range map[string][]byte{"": core, "core": core, "snapshots": snaps, "all": append(bytes.Clone(core), snaps...)} {
+		var flags []string
+		if part != "" {
+			flags = []string{"-part", part}
+		}
+		dir := t.TempDir()
+		if err := runBundle(append(flags, "-o", filepath.Join(dir, "b.yaml"))); err != nil {
+			t.Fatalf("bundle -part %q: %v", part, err)
+		}
+		if got, _ := os.ReadFile(filepath.Join(dir, "b.yaml")); !bytes.Equal(got, tmpl) {
+			t.Errorf("bundle -part %q is not the part's file", part)
+		}
+		if err := runRender(append(flags, "-image", image, "-o", filepath.Join(dir, "r.yaml"))); err != nil {
+			t.Fatalf("render -part %q: %v", part, err)
+		}
+		want, err := deploy.Render(tmpl, v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := os.ReadFile(filepath.Join(dir, "r.yaml"))
+		if !bytes.Equal(got, want) {
+			t.Errorf("render -part %q is not the part rendered", part)
+		}
+		if has, want := bytes.Contains(got, []byte("kind: VolumeSnapshotClass")), part == "snapshots" || part == "all"; has != want {
+			t.Errorf("render -part %q: holds a VolumeSnapshotClass: %v, want %v", part, has, want)
+		}
+	}
+	for _, err := range []error{
+		runBundle([]string{"-part", "snapshot", "-o", filepath.Join(t.TempDir(), "x")}),
+		runRender([]string{"-part", "snapshot", "-image", image, "-o", filepath.Join(t.TempDir(), "x")}),
+	} {
+		if err == nil || !strings.Contains(err.Error(), "snapshots") {
+			t.Errorf("-part snapshot: %v; want an error naming the parts", err)
+		}
+	}
+}

@@ -17,9 +17,13 @@ import (
 
 const gib = int64(1) << 30
 
-// StorageClass parameters.
+// StorageClass parameters (docs/storage.md). diskType is the documented
+// spelling, the one CAPVCO's classes use; type is kept as an alias for
+// classes written before it, since a StorageClass's parameters cannot be
+// edited in place.
 const (
-	paramType       = "type"       // standard (default) | physical
+	paramDiskType   = "diskType"   // STANDARD (default) | PHYSICAL, any case
+	paramType       = "type"       // alias of diskType
 	paramIOPS       = "iops"       // positive integer
 	paramEncryption = "encryption" // "true" | "false"
 )
@@ -120,17 +124,24 @@ type createParams struct {
 
 func parseParams(p map[string]string) (createParams, error) {
 	out := createParams{diskType: cloud.DiskTypeData}
+	var typeKey, typeVal string // the first disk type parameter seen, for a clash
 	for k, v := range p {
 		switch {
-		case k == paramType:
-			switch strings.ToLower(v) {
-			case "", "standard":
-				out.diskType = cloud.DiskTypeData
-			case "physical":
-				out.diskType = cloud.DiskTypePhysical
-			default:
-				return out, failf(ErrInvalid, "parameter type=%q: use standard or physical", v)
+		case k == paramDiskType || k == paramType:
+			t, err := parseDiskType(k, v)
+			if err != nil {
+				return out, err
 			}
+			if typeKey != "" && t != out.diskType {
+				a, b := typeKey, k
+				av, bv := typeVal, v
+				if a != paramDiskType { // name diskType first, whatever the map's order
+					a, b, av, bv = b, a, bv, av
+				}
+				return out, failf(ErrInvalid, "parameters %s=%q and %s=%q disagree; a StorageClass gives %s only (%s is its older alias)",
+					a, av, b, bv, paramDiskType, paramType)
+			}
+			out.diskType, typeKey, typeVal = t, k, v
 		case k == paramIOPS:
 			n, err := strconv.ParseInt(v, 10, 64)
 			if err != nil || n < 1 {
@@ -146,10 +157,30 @@ func parseParams(p map[string]string) (createParams, error) {
 		case strings.HasPrefix(k, "csi.storage.k8s.io/"):
 			// Passed by the provisioner for its own use.
 		default:
-			return out, failf(ErrInvalid, "unknown parameter %q; known: type, iops, encryption", k)
+			return out, failf(ErrInvalid, "unknown parameter %q; known: diskType (alias type), iops, encryption", k)
 		}
 	}
 	return out, nil
+}
+
+// parseDiskType maps a class's disk type, in any case, to the API's:
+// STANDARD is the API's DATA disk, PHYSICAL its PHYSICAL disk.
+func parseDiskType(key, v string) (string, error) {
+	switch strings.ToUpper(v) {
+	case "", "STANDARD":
+		return cloud.DiskTypeData, nil
+	case "PHYSICAL":
+		return cloud.DiskTypePhysical, nil
+	}
+	return "", failf(ErrInvalid, "parameter %s=%q: use STANDARD or PHYSICAL (any case)", key, v)
+}
+
+// ValidateParameters checks StorageClass parameters as CreateVolume does,
+// so the add-on's own classes can be checked against the plugin's rules
+// (deploy/).
+func ValidateParameters(p map[string]string) error {
+	_, err := parseParams(p)
+	return err
 }
 
 // pickLocation chooses where a new disk goes: the first preferred
