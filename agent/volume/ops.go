@@ -509,8 +509,11 @@ func (m *Manager) volumePath(c *Claim, p string) (string, error) {
 
 // Expand implements ExpandVolume: once the disk has reached required bytes,
 // grow the data mapping (lease disks), the dm-crypt mapping (encrypted
-// volumes) and the filesystem, online. It returns the usable size: the
-// disk less the metadata kept before the volume's data.
+// volumes) and the filesystem, online. A raw block volume has no
+// filesystem: growing its mappings is what makes the pod's device node
+// see the new size, and with no mapping (an unfenced or PR-fenced disk,
+// not encrypted) the call only reads the size. It returns the usable
+// size: the disk less the metadata kept before the volume's data.
 func (m *Manager) Expand(ctx context.Context, volume, path string, required int64) (n int64, err error) {
 	defer m.count("expand", &err)
 	if volume == "" {
