@@ -44,11 +44,13 @@ unit:
 	$(GO) test -count=1 -p 1 -timeout 30m ./...
 
 # The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
-# backend) and `vco-csi --mode=all`, the agent mounting real loop devices;
-# then the in-process suite with every volume encrypted.
+# backend) and `vco-csi --mode=all`, the agent mounting real loop devices,
+# with filesystem and then raw block volumes; then the in-process suite
+# with every volume encrypted, filesystem and then raw block.
 test-csi-sanity: deps build
 	VCO_CSI_SANITY=$(TOOLS)/csi-sanity VCO_BIN=$(BIN) $(GO) test -count=1 -run '^TestCSISanityBinary$$' ./cmd/vco-csi
 	VCO_SANITY_ENCRYPTED=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
+	VCO_SANITY_ENCRYPTED=1 VCO_SANITY_BLOCK=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 
 lint: deps-go
 	$(GO) vet ./...

@@ -382,3 +382,92 @@ func sha256File(t *testing.T, p string) [32]byte {
 	}
 	return sha256.Sum256(b[lease.DataOffset:])
 }
+
+// A raw block volume is grown on the node like a filesystem one, less the
+// filesystem: the pod's device node is the data mapping past the lease
+// area (a lease disk), the dm-crypt mapping (encrypted; a loop device
+// stands in for dm-crypt, which this host lacks) or the disk itself.
+// After the disk has grown, expansion grows every mapping in between and
+// the device the pod sees has the new size; with no mapping in between it
+// changes nothing and reports the disk's size.
+func TestExpandOfARawBlockVolumeGrowsTheDeviceThePodSees(t *testing.T) {
+	needRoot(t)
+	const header = 16 << 20 // the LUKS2 header before an encrypted volume's data
+	for _, tc := range []struct {
+		name             string
+		lease, encrypted bool
+	}{
+		{name: "unfenced"},
+		{name: "lease", lease: true},
+		{name: "encrypted", encrypted: true},
+		{name: "encrypted-lease", lease: true, encrypted: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var fencing FencerFactory // none: the node's key, no lease
+			if tc.lease {
+				fencing = leaseFencing(nodeA, "node-a")
+			}
+			e := newEnvWith(t, fencing)
+			var crypt *hostLUKS
+			if tc.encrypted {
+				crypt = newHostLUKS(t)
+				e.crypt = crypt
+			}
+			e.start()
+			ctx := context.Background()
+			img, dev := loop(t, 64)
+			req := e.stageReq("vol-rb", img, "staging/rb")
+			if tc.encrypted {
+				req = encReq(e, "vol-rb", img, "staging/rb")
+			}
+			req.Block, req.FsType, req.AllowUnfenced = true, "", !tc.lease
+			res, err := e.m.Stage(ctx, req)
+			if err != nil || (res.Device == dev) != (!tc.lease && !tc.encrypted) {
+				t.Fatalf("stage: %+v %v", res, err)
+			}
+			target := e.path("pods/p/volumeDevices/rb")
+			if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-rb", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+				t.Fatal(err)
+			}
+			var meta int64
+			if tc.lease {
+				meta += lease.DataOffset
+			}
+			if tc.encrypted {
+				meta += header
+			}
+			if n, err := deviceSize(target); err != nil || n != 64<<20-meta {
+				t.Fatalf("the pod's device holds %d bytes (%v), want %d", n, err, 64<<20-meta)
+			}
+			// Nothing grown yet: a no-op that reports the size.
+			if n, err := e.m.Expand(ctx, "vol-rb", target, 64<<20); err != nil || n != 64<<20-meta {
+				t.Fatalf("expand at the same size: %d %v; want %d", n, err, 64<<20-meta)
+			}
+			if err := os.Truncate(img, 128<<20); err != nil {
+				t.Fatal(err)
+			}
+			if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+				t.Fatalf("losetup -c: %v %s", err, out)
+			}
+			n, err := e.m.Expand(ctx, "vol-rb", target, 128<<20)
+			if err != nil || n != 128<<20-meta {
+				t.Fatalf("expand: %d %v; want %d", n, err, 128<<20-meta)
+			}
+			if got, err := deviceSize(target); err != nil || got != n {
+				t.Fatalf("the pod's device holds %d bytes after the expansion (%v), want %d", got, err, n)
+			}
+			if st, err := e.m.Stats(ctx, "vol-rb", target); err != nil || !st.Block || st.TotalBytes != n {
+				t.Fatalf("stats after the expansion: %+v %v", st, err)
+			}
+			if tc.encrypted && resized(crypt) != 2 {
+				t.Fatalf("the dm-crypt mapping was resized %d times, want once per expansion", resized(crypt))
+			}
+			if err := e.m.Unpublish(ctx, "vol-rb", target); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.m.Unstage(ctx, "vol-rb", req.StagingPath); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

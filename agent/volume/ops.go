@@ -216,9 +216,11 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 		return agenterr.New(agenterr.InvalidArgument, "volume %s: the target path is the staging path", r.Volume)
 	}
 	if mp, _ := m.mounter.IsMountPoint(target); mp {
-		src, _ := m.mountSource(target)
-		want := c.MountDevice()
-		if !sameDevice(src, want) {
+		if c.Block {
+			if err := blockTargetHolds(m.o.Config.KubeletRoot, target, c); err != nil {
+				return err
+			}
+		} else if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
 			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", r.Volume, target, src)
 		}
 	} else if err := m.bind(r, c, staging, target); err != nil {
@@ -231,6 +233,37 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 		}
 	}
 	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
+	return nil
+}
+
+// blockTargetHolds checks that the mount on a raw block volume's target
+// is this volume's publication: the bind mount of its device node. The
+// mount table cannot say so (such a mount's source reads as the
+// filesystem /dev is, devtmpfs), so the device numbers of the target
+// itself, opened beneath the kubelet root without following a symlink,
+// are compared with those of the staged device. Anything else on the
+// target is AlreadyExists.
+func blockTargetHolds(root, target string, c *Claim) error {
+	f, err := openBeneath(root, target, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	var got, want unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &got); err != nil {
+		return fmt.Errorf("volume %s: stat of the target %s: %w", c.Volume, target, err)
+	}
+	if err := unix.Stat(c.MountDevice(), &want); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: its device %s: %v", c.Volume, c.MountDevice(), err)
+	}
+	if got.Mode&unix.S_IFMT != unix.S_IFBLK || got.Rdev != want.Rdev {
+		what := "something that is not a block device"
+		if got.Mode&unix.S_IFMT == unix.S_IFBLK {
+			what = fmt.Sprintf("block device %d:%d", unix.Major(got.Rdev), unix.Minor(got.Rdev))
+		}
+		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it, not the volume's device %s (%d:%d); unpublish what is there first",
+			c.Volume, target, what, c.MountDevice(), unix.Major(want.Rdev), unix.Minor(want.Rdev))
+	}
 	return nil
 }
 
@@ -476,8 +509,11 @@ func (m *Manager) volumePath(c *Claim, p string) (string, error) {
 
 // Expand implements ExpandVolume: once the disk has reached required bytes,
 // grow the data mapping (lease disks), the dm-crypt mapping (encrypted
-// volumes) and the filesystem, online. It returns the usable size: the
-// disk less the metadata kept before the volume's data.
+// volumes) and the filesystem, online. A raw block volume has no
+// filesystem: growing its mappings is what makes the pod's device node
+// see the new size, and with no mapping (an unfenced or PR-fenced disk,
+// not encrypted) the call only reads the size. It returns the usable
+// size: the disk less the metadata kept before the volume's data.
 func (m *Manager) Expand(ctx context.Context, volume, path string, required int64) (n int64, err error) {
 	defer m.count("expand", &err)
 	if volume == "" {

@@ -397,6 +397,28 @@ func TestBlockVolumePublishesTheDevice(t *testing.T) {
 	if err := unix.Stat(target, &st); err != nil || unix.Stat(dev, &want) != nil || st.Rdev != want.Rdev || st.Mode&unix.S_IFMT != unix.S_IFBLK {
 		t.Fatalf("target %s is not %s: %v", target, dev, err)
 	}
+	// The kubelet publishes again after its own restart: the agent knows
+	// its bind mount of the device node (whose mount source reads as
+	// devtmpfs, not the device) and answers OK, once more.
+	for i := 0; i < 2; i++ {
+		if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+			t.Fatalf("publish %d of the same block volume to the same target: %v", i+2, err)
+		}
+	}
+	if b, _ := os.ReadFile("/proc/self/mountinfo"); strings.Count(string(b), " "+target+" ") != 1 {
+		t.Fatalf("not one mount at %s after three publishes:\n%s", target, b)
+	}
+	// Another block volume's device on that target is not this one's.
+	img2, _ := loop(t, 8)
+	req2 := StageRequest{Volume: "vol-b2", Locator: Locator{BackingFile: img2}, StagingPath: e.path("staging/b2"), Block: true, AllowUnfenced: true}
+	if _, err := e.m.Stage(ctx, req2); err != nil {
+		t.Fatal(err)
+	}
+	err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b2", StagingPath: req2.StagingPath, TargetPath: target, Block: true})
+	wantCode(t, err, codes.AlreadyExists, target)
+	if err := e.m.Unstage(ctx, "vol-b2", req2.StagingPath); err != nil {
+		t.Fatal(err)
+	}
 	s, err := e.m.Stats(ctx, "vol-b", "")
 	if err != nil || !s.Block || s.TotalBytes != 16<<20 {
 		t.Fatalf("block stats: %+v %v", s, err)

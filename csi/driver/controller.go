@@ -601,7 +601,12 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 }
 
 // ControllerExpandVolume grows the disk to whole GiB; the filesystem and
-// any dm-crypt mapping are grown by the node.
+// any mapping between the disk and the pod (the data mapping past an
+// on-disk lease, the dm-crypt mapping) are grown by the node. Node
+// expansion is required for raw block volumes too: the controller cannot
+// know whether the node fences the disk with a lease or it is encrypted,
+// and the node's expansion of a block volume with no mapping only reads
+// the device's size (docs/csi-plugin.md).
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
 	id := req.GetVolumeId()
 	if id == "" {
@@ -623,15 +628,14 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
-	nodeExpand := req.GetVolumeCapability().GetBlock() == nil
 	if disk.SizeGiB >= size {
-		return &csi.ControllerExpandVolumeResponse{CapacityBytes: disk.SizeGiB * gib, NodeExpansionRequired: nodeExpand}, nil
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: disk.SizeGiB * gib, NodeExpansionRequired: true}, nil
 	}
 	loc, diskID, _ := parseVolumeID(id)
 	if err := d.cfg.Cloud.ResizeDisk(ctx, loc, diskID, size); err != nil {
 		return nil, fmt.Errorf("growing volume %s to %d GiB: %w", id, size, err)
 	}
-	return &csi.ControllerExpandVolumeResponse{CapacityBytes: size * gib, NodeExpansionRequired: nodeExpand}, nil
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: size * gib, NodeExpansionRequired: true}, nil
 }
 
 // snapshotEntry is a snapshot with the disk it belongs to.

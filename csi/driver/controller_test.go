@@ -429,6 +429,18 @@ func TestListVolumesPagingAndSnapshots(t *testing.T) {
 	if err != nil || x.CapacityBytes != 5<<30 || !x.NodeExpansionRequired {
 		t.Fatalf("expand: %v %v", x, err)
 	}
+	// A raw block volume needs the node too: a lease's data mapping or a
+	// dm-crypt mapping may sit between the disk and the pod, which the
+	// controller cannot see; grown or already at the size.
+	block := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	for _, want := range []int64{6 << 30, 6 << 30} {
+		x, err = e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: r.Volume.VolumeId,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: want}, VolumeCapability: block})
+		if err != nil || x.CapacityBytes != want || !x.NodeExpansionRequired {
+			t.Fatalf("expand of a raw block volume: %v %v; want node expansion required", x, err)
+		}
+	}
 	ls, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: ids[0]})
 	if err != nil || len(ls.Entries) != 1 {
 		t.Fatalf("list snapshots: %v %v", ls, err)

@@ -357,7 +357,9 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
 
-// NodeExpandVolume asks the agent to grow dm-crypt and the filesystem.
+// NodeExpandVolume asks the agent to grow what lies between the disk and
+// the pod: the lease data mapping, dm-crypt, the filesystem (none on a raw
+// block volume, where a disk with no mapping needs nothing grown).
 func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, failf(ErrInvalid, "NodeExpandVolume needs a volume id")

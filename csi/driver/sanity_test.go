@@ -26,15 +26,21 @@ import (
 // formats and checks real LUKS2 headers, its dm-crypt mapping faked by a
 // loop device at the data offset (no device-mapper on this host). Ginkgo
 // runs one suite per process, hence the variable rather than a second test.
+// With VCO_SANITY_BLOCK=1 as well (make test-csi-sanity), every volume is a
+// raw block volume.
 func TestSanity(t *testing.T) {
+	access := "mount"
+	if os.Getenv("VCO_SANITY_BLOCK") == "1" {
+		access = "block"
+	}
 	if os.Getenv("VCO_SANITY_ENCRYPTED") == "1" {
-		runSanity(t, map[string]string{"encryption": "true"})
+		runSanity(t, access, map[string]string{"encryption": "true"})
 		return
 	}
-	runSanity(t, nil)
+	runSanity(t, access, nil)
 }
 
-func runSanity(t *testing.T, params map[string]string) {
+func runSanity(t *testing.T, access string, params map[string]string) {
 	if os.Geteuid() != 0 {
 		t.Skip("the host backend makes loop devices, which needs root")
 	}
@@ -48,6 +54,7 @@ func runSanity(t *testing.T, params map[string]string) {
 	cfg.TestNodeVolumeAttachLimit = true
 	cfg.IdempotentCount = 2
 	cfg.TestVolumeParameters = params
+	cfg.TestVolumeAccessType = access
 	cfg.TestVolumeSize = 1 << 30
 	cfg.TestVolumeExpandSize = 2 << 30
 
