@@ -10,6 +10,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // A fencing method that keeps metadata at the start of the disk (the
@@ -24,6 +26,10 @@ import (
 // read-only when an earlier claim was lost (drainData); a writable stage
 // clears that.
 func (m *Manager) dataMapping(disk string, offset int64, readOnlyStage bool) (string, error) {
+	// The mapping reads through the disk's page cache, which may still
+	// hold what the disk held before another node wrote it (an earlier
+	// claim of ours, a probe of the blank disk): drop it first.
+	blank.DropBuffers(disk)
 	p, ok := m.findDataMapping(disk, offset)
 	if !ok {
 		out, err := exec.Command("losetup", "--find", "--show", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
@@ -39,6 +45,7 @@ func (m *Manager) dataMapping(disk string, offset int64, readOnlyStage bool) (st
 			return "", fmt.Errorf("data mapping %s of %s: %w", p, disk, err)
 		}
 	}
+	blank.DropBuffers(p)
 	return p, nil
 }
 

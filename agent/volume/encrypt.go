@@ -199,6 +199,7 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 // stage's own when there is one, else a read-only loop device that done
 // detaches.
 func (m *Manager) readOnlyDataMapping(disk string, offset int64) (string, func(), error) {
+	blank.DropBuffers(disk) // as dataMapping does
 	if p, ok := m.findDataMapping(disk, offset); ok {
 		return p, func() {}, nil
 	}

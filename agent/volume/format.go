@@ -33,6 +33,22 @@ func proveBlank(ctx context.Context, volume, device, what string) (blank.Proof, 
 	return p, nil
 }
 
+// proveEncrypted is proveBlank for the opened mapping of a LUKS2 volume
+// whose header this agent wrote (blank.ProveEncrypted).
+func proveEncrypted(ctx context.Context, volume, mapping string) (blank.Proof, error) {
+	p, err := blank.ProveEncrypted(ctx, mapping)
+	var nb *blank.NotBlankError
+	switch {
+	case errors.As(err, &nb):
+		return p, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: the encrypted volume this agent formatted shows no filesystem, yet %s holds %s; it is not formatted: check that the right disk is attached",
+			volume, mapping, nb.Found)
+	case err != nil:
+		return p, agenterr.New(agenterr.Unavailable, "volume %s: %s was not formatted, what it holds could not be read: %v", volume, mapping, err)
+	}
+	return p, nil
+}
+
 // makeFS makes a filesystem of type fsType on the device p proved blank,
 // with the options of mount-utils' FormatAndMount (ext4 with no blocks
 // reserved for root).
@@ -59,6 +75,9 @@ func makeFS(ctx context.Context, p blank.Proof, fsType string) error {
 // as mount-utils' GetDiskFormat does: a partition table alone is
 // "unknown data, probably partitions".
 func filesystemOn(ctx context.Context, device string) (string, error) {
+	// blkid reads through the page cache, which may hold what the disk
+	// held before another node wrote it.
+	blank.DropBuffers(device)
 	out, err := exec.CommandContext(ctx, "blkid", "-p", "-s", "TYPE", "-s", "PTTYPE", "-o", "export", device).Output()
 	var ee *exec.ExitError
 	switch {

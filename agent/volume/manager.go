@@ -685,6 +685,12 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 			c.Volume, c.FsType, device)
 	case existing == "" && c.ReadOnly:
 		return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to mount", c.Volume, device)
+	case existing == "" && c.Encrypted && c.LUKSFormatted:
+		// The plaintext of a LUKS2 volume this agent formatted over a
+		// device it proved blank reads as noise, not zeros.
+		if proof, err = proveEncrypted(ctx, c.Volume, device); err != nil {
+			return false, err
+		}
 	case existing == "":
 		if proof, err = proveBlank(ctx, c.Volume, device, "filesystem"); err != nil {
 			return false, err

@@ -49,8 +49,8 @@ var (
 	luksSecondaryOffsets = []int64{16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20}
 )
 
-// Proof says that a device was found blank. Only Prove and ProvePast make
-// a non-zero one; every format of the agent takes one.
+// Proof says that a device was found blank. Only Prove, ProvePast and
+// ProveEncrypted make a non-zero one; every format of the agent takes one.
 type Proof struct {
 	path string
 	size int64
@@ -67,7 +67,7 @@ func (p Proof) Size() int64 { return p.size }
 // (Prove), the given offset for ProvePast.
 func (p Proof) From() int64 { return p.from }
 
-// Valid reports whether p was made by Prove or ProvePast.
+// Valid reports whether p was made by Prove, ProvePast or ProveEncrypted.
 func (p Proof) Valid() bool { return p.path != "" }
 
 // NotBlankError says what was found on a device that is not blank.
@@ -111,6 +111,32 @@ func Prove(ctx context.Context, path string) (Proof, error) {
 	return Proof{path: path, size: r.size}, nil
 }
 
+// ProveEncrypted proves blank the opened dm-crypt mapping of a LUKS2
+// volume whose header the caller wrote itself, over a device Prove
+// proved blank: its plaintext is the decryption of those zeros, which
+// reads as noise, so no zero check can speak for it. What is asked of it
+// is that no signature the project knows or `blkid -p` finds is there,
+// which would mean someone wrote the volume since.
+func ProveEncrypted(ctx context.Context, mapping string) (Proof, error) {
+	r, err := read(ctx, mapping)
+	if err != nil {
+		return Proof{}, err
+	}
+	// Not r.signature: crypt/luks2's check takes any non-zero data for
+	// an unknown signature, and noise is what this device holds.
+	if found := r.headers(); found != "" {
+		return Proof{}, &NotBlankError{Device: mapping, Found: found}
+	}
+	found, err := probeBlkid(ctx, mapping)
+	if err != nil {
+		return Proof{}, err
+	}
+	if found != "" {
+		return Proof{}, &NotBlankError{Device: mapping, Found: found}
+	}
+	return Proof{path: mapping, size: r.size}, nil
+}
+
 // ProvePast proves blank everything of the device the checks cover from
 // offset from on: no lease header at byte 0, zeros in the HeadSize bytes
 // from from and in the last TailSize bytes. It is for a format this agent
@@ -151,6 +177,11 @@ func (r *regions) signature() string {
 	if sig, err := luks2.DetectSignature(r, uint64(r.size)); err == nil && sig != "" {
 		return sig
 	}
+	return r.headers()
+}
+
+// headers names a lease or LUKS header in what was read, or "".
+func (r *regions) headers() string {
 	if bytes.HasPrefix(r.head, []byte(LeaseMagic)) {
 		return "a vco-agent lease area (its header at byte 0)"
 	}
@@ -340,12 +371,13 @@ func readAt(f *os.File, off, n, align int64) ([]byte, error) {
 // status 2 is "nothing found"; any other failure (blkid missing, an
 // ambivalent probe) is no proof.
 func probeBlkid(ctx context.Context, path string) (string, error) {
-	if f, err := os.Open(path); err == nil {
-		if st, err := f.Stat(); err == nil && st.Mode()&os.ModeDevice != 0 {
-			_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
-		}
-		f.Close()
-	}
+	// blkid reads through the page cache: before, so that it sees what
+	// the disk holds now (another node may have written it); after, so
+	// that what it read is not served, stale, to a later buffered reader
+	// (a buffered loop device over this disk, once another node has
+	// written the volume).
+	DropBuffers(path)
+	defer DropBuffers(path)
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, "blkid", "-p", "-o", "export", path).Output()
@@ -366,6 +398,19 @@ func probeBlkid(ctx context.Context, path string) (string, error) {
 		found = []string{"a signature"}
 	}
 	return "blkid: " + strings.Join(found, " "), nil
+}
+
+// DropBuffers writes out and drops the page cache of the block device at
+// path (BLKFLSBUF); anything else is left alone.
+func DropBuffers(path string) {
+	f, err := os.Open(path)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Mode()&os.ModeDevice != 0 {
+		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
+	}
 }
 
 // ProbeBlkid is probeBlkid for callers that want blkid's opinion alone
