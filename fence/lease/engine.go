@@ -3,10 +3,12 @@ package lease
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -551,10 +553,31 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			return fence.Claim{}, errRetry
 		}
 	}
+	// A claim of another host that landed after the read ours was based
+	// on raced ours. Its writer may have checked it before ours landed (a
+	// host with a shorter I/O timeout has a shorter settle wait) and
+	// believe it holds the disk; it lets go once its next renewal sees our
+	// claim above its own. Wait for that, as for a granted victim.
+	var racers []int
+	for i := range a2.Slots {
+		if i != idx && i != victim && a2.Slots[i].Live() && !a2.Corrupt[i] && a2.Slots[i].Key != mine && !bytes.Equal(a2.Raw[i], a.Raw[i]) {
+			racers = append(racers, i)
+		}
+	}
 	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
 	e.storeHealth()
 	if victim >= 0 && granted {
-		if err := e.awaitVictim(ctx, victim, victimSlot, a2); err != nil {
+		racers = append([]int{victim}, racers...)
+	}
+	for _, i := range racers {
+		vs := a2.Slots[i]
+		if i == victim {
+			// As found expired or granted: its slot may be torn now.
+			vs = victimSlot
+		} else {
+			e.log.Warn("another host's claim landed while ours settled; waiting for it to let go", "slot", i, "key", vs.Key.String())
+		}
+		if err := e.awaitVictim(ctx, i, vs, a2); err != nil {
 			e.held = false
 			e.storeHealth()
 			e.withdraw(ctx, idx, s, blk)
@@ -579,9 +602,9 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 	bound := time.Duration(0)
 	poll := e.cfg.Timing.Renew
 	for _, i := range watch {
-		tm := e.cfg.Timing
-		if !a.Corrupt[i] {
-			tm = a.Slots[i].Timing
+		tm := a.Slots[i].Timing
+		if a.Corrupt[i] {
+			tm = e.tornTiming(a.Raw[i])
 		}
 		bound = max(bound, tm.Expiry())
 		poll = min(poll, tm.Renew)
@@ -627,10 +650,42 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 			s := a2.Slots[i]
 			return nil, time.Time{}, e.refusal(a2, s.Key, &s, grant)
 		}
+		for i := range a2.Slots {
+			if slices.Contains(watch, i) || bytes.Equal(a2.Raw[i], a.Raw[i]) || !a2.alive(i) ||
+				(!a2.Corrupt[i] && a2.Slots[i].Key == e.cfg.Key) {
+				continue
+			}
+			// A slot that was not held when the wait began has been
+			// written since: a claim, or one caught half landed, which
+			// owns nothing in this read and whose epoch MaxEpoch does
+			// not see, yet may own the disk. Start over: the fresh read
+			// waits for it.
+			e.log.Warn("a lease slot was written while we waited for expiry; starting over", "slot", i)
+			return nil, time.Time{}, errRetry
+		}
 		if time.Since(began) >= bound {
 			return a2, readAt, nil
 		}
 	}
+}
+
+// tornTiming is the timing a slot that does not decode is waited for
+// with: ours, or the one its bytes still carry, whichever has the longer
+// expiry bound. A torn write's first sector, where the timing is, is its
+// writer's (new or previous write), and that writer may be a holder with
+// a longer bound than ours, frozen with its renewal half written.
+func (e *Engine) tornTiming(raw []byte) Timing {
+	own := e.cfg.Timing
+	if len(raw) < 64 || string(raw[0:8]) != slotMagic {
+		return own
+	}
+	be := binary.BigEndian
+	t := Timing{IOTimeout: fromMS(be.Uint32(raw[48:])), Renew: fromMS(be.Uint32(raw[52:])),
+		Fail: fromMS(be.Uint32(raw[56:])), Watchdog: fromMS(be.Uint32(raw[60:]))}
+	if t.validate() != nil || t.Expiry() <= own.Expiry() {
+		return own
+	}
+	return t
 }
 
 // awaitVictim waits, after a granted takeover was written, until the
@@ -688,20 +743,27 @@ func (e *Engine) refusalFromLoss(a *Area, l *fence.LostError) error {
 }
 
 // pickSlot chooses our slot: the one already carrying our key, else the
-// first unused one in an order derived from the key, so that hosts tend
-// not to compete for the same slot. Held slots of other hosts are reused
-// only through reclaimSlot, after their expiry bound.
+// first empty one in an order derived from the key, so that hosts tend
+// not to compete for the same slot, else the first released or fenced one
+// of another key. A slot of another key is the last choice: its host may
+// be claiming it again right now (its new claim goes to the slot that
+// carries its key), and of two claims written to one slot the later
+// erases the earlier, which its writer may already hold. Held slots of
+// other hosts are reused only through reclaimSlot, after their expiry
+// bound.
 func (e *Engine) pickSlot(a *Area, victim int) int {
 	if i := a.Find(e.cfg.Key); i >= 0 {
 		return i
 	}
 	start := e.slotOrder()
-	for j := range Slots {
-		i := (start + j) % Slots
-		if i == victim || a.Corrupt[i] || a.Slots[i].Live() {
-			continue
+	for _, empty := range []bool{true, false} {
+		for j := range Slots {
+			i := (start + j) % Slots
+			if i == victim || a.Corrupt[i] || a.Slots[i].Live() || (empty && a.Slots[i].State != StateEmpty) {
+				continue
+			}
+			return i
 		}
-		return i
 	}
 	return -1
 }
