@@ -651,12 +651,13 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 			return nil, time.Time{}, e.refusal(a2, s.Key, &s, grant)
 		}
 		for i := range a2.Slots {
-			if slices.Contains(watch, i) || bytes.Equal(a2.Raw[i], a.Raw[i]) || !a2.alive(i) ||
+			if i == victim || slices.Contains(watch, i) || bytes.Equal(a2.Raw[i], a.Raw[i]) || !a2.alive(i) ||
 				(!a2.Corrupt[i] && a2.Slots[i].Key == e.cfg.Key) {
 				continue
 			}
-			// A slot that was not held when the wait began has been
-			// written since: a claim, or one caught half landed, which
+			// A slot that was not held when the wait began (a granted
+			// victim renews as it likes) has been written since: a
+			// claim, or one caught half landed, which
 			// owns nothing in this read and whose epoch MaxEpoch does
 			// not see, yet may own the disk. Start over: the fresh read
 			// waits for it.

@@ -51,6 +51,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -238,6 +239,13 @@ type simDevice struct {
 	done     bool
 	writes   int // writes issued
 	failed   int // writes that failed (EIO), which may have landed in part
+	// rate is the host's clock rate (1: true time; 0 when unset). Its
+	// engine runs with its timing divided by the rate, as a clock that
+	// runs fast makes every wait shorter in true time; the timing in the
+	// slots it writes is multiplied back, so that the disk carries the
+	// figures of its configuration, and the timing in the slots it reads
+	// is divided, as its clock measures them.
+	rate float64
 	// script, when set (scripted tests), gives each I/O's duration: a
 	// read sees the disk as it is when issued, a write lands whole when
 	// it completes.
@@ -309,6 +317,37 @@ func (f *simDevice) latency() (time.Duration, bool) {
 	return time.Duration(1 + f.rng.Float64()*p.maxFast*d), false
 }
 
+// rescaleSlot multiplies the timing a slot block carries by k, if the
+// block decodes, and seals it again.
+func rescaleSlot(b []byte, k float64) {
+	s, err := DecodeSlot(b)
+	if err != nil || s.State == StateEmpty {
+		return
+	}
+	s.Timing = scaleTiming(s.Timing, k)
+	copy(b, EncodeSlot(s))
+}
+
+// scaleTiming multiplies t by k, to the millisecond the slots keep.
+func scaleTiming(t Timing, k float64) Timing {
+	f := func(d time.Duration) time.Duration {
+		return time.Duration(math.Round(float64(d.Milliseconds())*k)) * time.Millisecond
+	}
+	return Timing{IOTimeout: f(t.IOTimeout), Renew: f(t.Renew), Fail: f(t.Fail), Watchdog: f(t.Watchdog)}
+}
+
+// clockRate draws a clock rate within ±skew for a host configured with
+// t, one its timing survives scaled there and back (1 if none is found).
+func clockRate(r *rand.Rand, t Timing, skew float64) float64 {
+	for range 20 {
+		k := 1 + skew*(2*r.Float64()-1)
+		if in := scaleTiming(t, 1/k); in.validate() == nil && scaleTiming(in, k) == t {
+			return k
+		}
+	}
+	return 1
+}
+
 func sleepUntil(t time.Time) {
 	if d := time.Until(t); d > 0 {
 		time.Sleep(d)
@@ -344,6 +383,13 @@ func (f *simDevice) ReadAt(p []byte, off int64) (int, error) {
 		for i := range nb {
 			if at[i] == k {
 				f.disk.readBlock(p[i*BlockSize:(i+1)*BlockSize], int(off)+i*BlockSize)
+			}
+		}
+	}
+	if f.rate != 0 && f.rate != 1 {
+		for i := range nb {
+			if o := int(off) + i*BlockSize; o >= BlockSize {
+				rescaleSlot(p[i*BlockSize:(i+1)*BlockSize], 1/f.rate)
 			}
 		}
 	}
@@ -392,6 +438,9 @@ func (f *simDevice) WriteAt(p []byte, off int64) (int, error) {
 	}
 	slices.SortFunc(ls, func(a, b landing) int { return int(a.at - b.at) })
 	buf := bytes.Clone(p)
+	if f.rate != 0 && f.rate != 1 && off >= BlockSize {
+		rescaleSlot(buf, f.rate)
+	}
 	for _, l := range ls {
 		sleepUntil(start.Add(l.at))
 		o := l.sec * f.disk.sector
@@ -430,6 +479,17 @@ type simHost struct {
 	x             *rand.Rand
 	releaseFirstP float64
 	first         bool
+	// rate is the host's clock rate (0 or 1: true time); timing is then
+	// its configuration, and its engine and watchdog run on its clock.
+	rate float64
+}
+
+// clock is the host's timing measured in true time.
+func (h *simHost) clock() Timing {
+	if h.rate == 0 || h.rate == 1 {
+		return h.timing
+	}
+	return scaleTiming(h.timing, 1/h.rate)
 }
 
 func (s *sim) freshKey(r *rand.Rand) fence.Key {
@@ -492,7 +552,7 @@ func (h *simHost) run(ctx context.Context) {
 func (h *simHost) life(ctx context.Context, life int) {
 	s := h.s
 	w := &window{host: h.idx, life: life, key: h.key}
-	dev := &simDevice{s: s, disk: s.disk, host: h.idx, w: w, prof: h.prof, d: h.timing.IOTimeout,
+	dev := &simDevice{s: s, disk: s.disk, host: h.idx, w: w, prof: h.prof, d: h.timing.IOTimeout, rate: h.rate,
 		rng: rand.New(rand.NewPCG(uint64(s.seed), uint64(h.idx)<<32|uint64(life)))}
 	w.dev = dev
 	dev.drainRng = rand.New(rand.NewPCG(uint64(s.seed)^0xd1a1, uint64(h.idx)<<32|uint64(life)))
@@ -501,7 +561,7 @@ func (h *simHost) life(ctx context.Context, life int) {
 	s.mu.Unlock()
 	d := &Device{name: fmt.Sprintf("sim%d.%d", h.idx, life), f: dev, sem: make(chan struct{}, 1), size: 1 << 30, gate: dev.gate}
 	var lostOnce sync.Once
-	e, err := New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.timing, Serial: s.serial,
+	e, err := New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.clock(), Serial: s.serial,
 		Logger: s.log.With("host", h.idx, "life", life),
 		OnLost: func(l *fence.LostError) bool {
 			lostOnce.Do(func() {
@@ -627,7 +687,7 @@ func (h *simHost) life(ctx context.Context, life int) {
 // resets the host W later. It reports whether the host was reset.
 func (h *simHost) pause(ctx context.Context, e *Engine, dev *simDevice, w *window) bool {
 	s := h.s
-	t := h.timing
+	t := h.clock()
 	var dur time.Duration
 	switch h.rng.IntN(3) {
 	case 0:
@@ -835,6 +895,11 @@ func newSim(t *testing.T, seed int64, trace *syncBuffer, extras bool) (*sim, []*
 			if x.Float64() < 0.4 {
 				h.timing = all[x.IntN(len(all))]
 			}
+			if h.x.IntN(2) == 0 {
+				// Clocks that run at rates up to 1% apart (the package
+				// doc assumes "about the same rate").
+				h.rate = clockRate(h.x, h.timing, 0.01)
+			}
 		}
 		if (class == classMixed || class == classTakeover) && x.IntN(4) == 0 {
 			// A clone of a disk in use: it starts with the source's held
@@ -883,7 +948,7 @@ func runSchedule(t *testing.T, seed int64, extras bool) (failures []string, trac
 		s, hosts = newSim(t, seed, buf, extras)
 		s.event(-1, "schedule", "seed", seed, "class", s.class.String(), "hosts", len(hosts), "sector", s.disk.sector, "extras", extras, "clone", s.first != nil)
 		for _, h := range hosts {
-			s.event(h.idx, "host", "timing", h.timing.String())
+			s.event(h.idx, "host", "timing", h.timing.String(), "clock_rate", h.rate)
 		}
 		ctx, cancel := context.WithDeadline(context.Background(), s.end.Add(time.Hour))
 		var wg sync.WaitGroup
@@ -1173,5 +1238,41 @@ func TestSlotTornDuringExpiryWaitIsWaitedFor(t *testing.T) {
 				time.Since(start), time.Since(tornAt), tm.Expiry())
 		}
 		_ = e.Release(context.Background())
+	})
+}
+
+// A granted takeover while another held slot (a host gone without
+// releasing) is waited out: the victim the grant names renews all the
+// while, which is no reason to start over.
+func TestGrantedTakeoverPastAGoneHostsSlot(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		tm := simTiming[1]
+		fast := func(bool) time.Duration { return 10 * time.Millisecond }
+		node := func(key fence.Key, onLost func(*fence.LostError) bool) *Engine {
+			e, err := New(&Device{name: key.String(), f: &simDevice{disk: disk, script: fast}, sem: make(chan struct{}, 1), size: 1 << 30},
+				Config{Key: key, Node: fmt.Sprintf("00000000-0000-4000-8000-%012x", uint64(key)), Timing: tm, OnLost: onLost})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return e
+		}
+		v := node(0x1000, func(*fence.LostError) bool { return true })
+		if _, err := v.Acquire(context.Background(), nil); err != nil {
+			t.Fatal(err)
+		}
+		// A host that held the disk before v, superseded and gone, whose
+		// slot was never cleared.
+		copy(disk.data[BlockSize*(1+9):], EncodeSlot(Slot{Key: 0x3000, Epoch: 1, Counter: 5, State: StateHeld, Timing: tm}))
+		taker := node(0x2000, nil)
+		grant := &fence.Grant{Node: taker.cfg.Node, Supersedes: []fence.Key{v.cfg.Key}}
+		if _, err := taker.Acquire(context.Background(), grant); err != nil {
+			t.Errorf("granted takeover from a live holder, past a gone host's slot: %v", err)
+		} else if v.Lost() == nil {
+			t.Error("the taker holds the disk and the granted victim has not lost it")
+		}
+		_ = taker.Release(context.Background())
+		_ = v.Release(context.Background())
 	})
 }
