@@ -64,7 +64,10 @@
 // over (the race check needs our write to land within d of our read). A
 // write that timed out may still land: start over as well, and the next
 // read (which waits for the device's earlier requests) withdraws it if it
-// landed; such a claim is never resumed as ours. Wait
+// landed; such a claim is never resumed as ours. Landed in a slot that
+// did not carry our key, it may have erased the claim of a host that
+// picked the same slot and holds the disk since its own check: the next
+// acquisition waits that slot out for our expiry bound first. Wait
 // Settle (2d), read again: our slot must still hold exactly what we wrote,
 // we must be the owner, and an expired holder's slot must be unchanged;
 // otherwise withdraw (mark our slot released) and refuse, naming the

@@ -82,6 +82,13 @@ type Engine struct {
 	// requests), and a claim that landed is withdrawn, never resumed: its
 	// racers' settle waits assumed it would land within the I/O timeout.
 	unconfirmed *claimWrite
+	// erased is the slot a claim of ours landed in late, over what the
+	// read it was based on showed as empty or another key's, or -1. The
+	// late write may have erased the claim of a host that picked the same
+	// slot and holds the disk since its own check; that host lets go only
+	// at its next renewal. The next acquisition waits out that slot, as a
+	// dead holder's, before it takes the disk for free.
+	erased int
 	// pending is a renewal (or resume) write of our slot that timed out
 	// or failed: it may still land, or have landed. Until a read settles it, our slot may hold
 	// either our last confirmed write or this one; neither is a change by
@@ -127,6 +134,8 @@ type claimWrite struct {
 	idx  int
 	slot Slot
 	blk  []byte
+	// foreign: the slot did not carry our key when the claim was written.
+	foreign bool
 }
 
 // Stats count what the engine did, for metrics.
@@ -155,7 +164,7 @@ func New(dev *Device, cfg Config) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Engine{dev: dev, cfg: cfg, slot: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+	return &Engine{dev: dev, cfg: cfg, slot: -1, erased: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
 }
 
 // Device returns the engine's device.
@@ -397,6 +406,9 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			e.unconfirmed = nil
 		} else {
 			e.log.Warn("withdrawing our lease claim that landed after the I/O timeout", "slot", p.idx)
+			if p.foreign {
+				e.erased = p.idx
+			}
 			if e.withdraw(ctx, p.idx, p.slot, p.blk) {
 				e.unconfirmed = nil
 			}
@@ -457,7 +469,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		watch = append(watch, victim)
 	}
 	for i := range a.Corrupt {
-		if a.Corrupt[i] {
+		if a.Corrupt[i] || (i == e.erased && i != victim) {
 			watch = append(watch, i)
 		}
 	}
@@ -477,6 +489,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		if err != nil {
 			return fence.Claim{}, err
 		}
+		e.erased = -1
 	}
 
 	idx := e.pickSlot(a, victim)
@@ -507,7 +520,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	}
 	if err := e.dev.writeSlot(ctx, idx, blk, t.IOTimeout); err != nil {
 		if errors.Is(err, errIOTimeout) {
-			e.unconfirmed = &claimWrite{idx: idx, slot: s, blk: blk}
+			e.unconfirmed = &claimWrite{idx: idx, slot: s, blk: blk, foreign: a.Slots[idx].Key != mine}
 			e.log.Warn("lease claim write timed out; starting over", "error", err)
 			return fence.Claim{}, errRetry
 		}
@@ -605,6 +618,9 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 		tm := a.Slots[i].Timing
 		if a.Corrupt[i] {
 			tm = e.tornTiming(a.Raw[i])
+		}
+		if i == e.erased && tm.Expiry() < e.cfg.Timing.Expiry() {
+			tm = e.cfg.Timing
 		}
 		bound = max(bound, tm.Expiry())
 		poll = min(poll, tm.Renew)

@@ -1276,3 +1276,66 @@ func TestGrantedTakeoverPastAGoneHostsSlot(t *testing.T) {
 		_ = v.Release(context.Background())
 	})
 }
+
+// X and Y, new to a free disk, pick the same empty slot (their keys start
+// their slot orders at the same one). X's claim write is slow: it times
+// out and lands after Y's race check has passed, erasing Y's claim. X
+// withdraws its late claim; the disk then looks free, but Y holds it until
+// its next renewal. X must wait that slot out before it takes the disk.
+func TestLateClaimOverASharedEmptySlot(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		short := Timing{IOTimeout: time.Second, Renew: 5 * time.Second, Fail: 10 * time.Second, Watchdog: 15 * time.Second}
+		node := func(key fence.Key, script func(bool) time.Duration, onLost func(*fence.LostError) bool) *Engine {
+			e, err := New(&Device{name: fmt.Sprintf("slot-%s", key), f: &simDevice{disk: disk, script: script}, sem: make(chan struct{}, 1), size: 1 << 30},
+				Config{Key: key, Node: key.String(), Timing: short, OnLost: onLost})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return e
+		}
+		fast := func(bool) time.Duration { return 10 * time.Millisecond }
+		const xKey = fence.Key(0x1000)
+		yKey := fence.Key(0x2000)
+		for ; node(yKey, fast, nil).slotOrder() != node(xKey, fast, nil).slotOrder(); yKey++ {
+		}
+		var mu sync.Mutex
+		var yLostAt time.Time
+		y := node(yKey, fast, func(*fence.LostError) bool {
+			mu.Lock()
+			yLostAt = time.Now()
+			mu.Unlock()
+			return true
+		})
+		xWrites := 0
+		x := node(xKey, func(write bool) time.Duration {
+			if write {
+				if xWrites++; xWrites == 1 {
+					return 2500 * time.Millisecond // the claim, past d
+				}
+			}
+			return 10 * time.Millisecond
+		}, nil)
+		var wg sync.WaitGroup
+		var xAt time.Time
+		var xErr error
+		wg.Go(func() {
+			_, xErr = x.Acquire(context.Background(), nil)
+			xAt = time.Now()
+		})
+		time.Sleep(50 * time.Millisecond) // X's claim is on its way
+		if _, err := y.Acquire(context.Background(), nil); err != nil {
+			t.Fatalf("Y: %v", err)
+		}
+		wg.Wait()
+		mu.Lock()
+		lostAt := yLostAt
+		mu.Unlock()
+		if xErr == nil && (lostAt.IsZero() || xAt.Before(lostAt)) {
+			t.Errorf("X acquired the disk at %s while Y held it (Y lost it at %s)", simTime(xAt), simTime(lostAt))
+		}
+		_ = x.Release(context.Background())
+		_ = y.Release(context.Background())
+	})
+}
