@@ -26,9 +26,11 @@
 //	from 1 MiB    the volume's data
 //
 // A host finds its slot by its fence key (the slot already carrying the
-// key, else the first unused one in an order hashed from the key); it never
-// writes another host's slot, so a torn or late write damages only its
-// own. One read of ReadSize (68 KiB) sees the whole state.
+// key, else the first empty one in an order hashed from the key, else a
+// released or fenced one of another key: its host may be claiming it
+// again, and of two claims in one slot the later erases the earlier); it
+// never writes another host's slot while that host may be writing it, so
+// a torn or late write damages only its own. One read of ReadSize (68 KiB) sees the whole state.
 //
 // # Using the data area
 //
@@ -62,12 +64,21 @@
 // over (the race check needs our write to land within d of our read). A
 // write that timed out may still land: start over as well, and the next
 // read (which waits for the device's earlier requests) withdraws it if it
-// landed; such a claim is never resumed as ours. Wait
+// landed; such a claim is never resumed as ours. Landed in a slot that
+// did not carry our key, it may have erased the claim of a host that
+// picked the same slot and holds the disk since its own check: the next
+// acquisition waits that slot out for our expiry bound first. Wait
 // Settle (2d), read again: our slot must still hold exactly what we wrote,
 // we must be the owner, and an expired holder's slot must be unchanged;
 // otherwise withdraw (mark our slot released) and refuse, naming the
 // winner. Two hosts racing for a free disk both write epoch e+1 and both
-// see both writes after 2d, so exactly one (the lower key) wins.
+// see both writes after 2d, so exactly one (the lower key) wins. Nodes
+// may be configured with different timings: a racer with a shorter d
+// settles sooner and may have checked its claim before ours landed, so a
+// winner whose check finds another host's claim that landed since its
+// read waits, as for a granted victim, until that host has let go
+// (released, or fenced once its renewal saw our claim) or has not
+// written for its expiry bound.
 //
 // Renew: every R, read the area, check that our slot holds our last write
 // and that we still own the lease, and write the slot with the next
@@ -78,10 +89,14 @@
 //
 // A slot whose bytes changed and do not decode is a write caught half
 // landed: it counts as live everywhere, never as a release or an
-// acknowledgement. A taker waits for every held slot of another key (a
-// host superseded by a claim it has not yet seen still writes), clears
-// the slots it waited out once it holds the lease, and with every slot
-// used reclaims one waited out for its expiry bound. A fresh record of
+// acknowledgement, and is waited for with the longer of the reader's
+// expiry bound and the one its bytes still carry (its writer's). A taker
+// waits for every held slot of another key (a host superseded by a claim
+// it has not yet seen still writes); a slot written during that wait
+// that was not waited for (a claim, perhaps caught half landed, whose
+// epoch the taker cannot see) starts the acquisition over. It clears the
+// slots it waited out once it holds the lease, and with every slot used
+// reclaims one waited out for its expiry bound. A fresh record of
 // our own is resumed only after a settle wait and a second read.
 //
 // Lose: a foreign owner above us, our slot changed, or no successful

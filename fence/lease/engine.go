@@ -3,10 +3,12 @@ package lease
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -80,6 +82,13 @@ type Engine struct {
 	// requests), and a claim that landed is withdrawn, never resumed: its
 	// racers' settle waits assumed it would land within the I/O timeout.
 	unconfirmed *claimWrite
+	// erased is the slot a claim of ours landed in late, over what the
+	// read it was based on showed as empty or another key's, or -1. The
+	// late write may have erased the claim of a host that picked the same
+	// slot and holds the disk since its own check; that host lets go only
+	// at its next renewal. The next acquisition waits out that slot, as a
+	// dead holder's, before it takes the disk for free.
+	erased int
 	// pending is a renewal (or resume) write of our slot that timed out
 	// or failed: it may still land, or have landed. Until a read settles it, our slot may hold
 	// either our last confirmed write or this one; neither is a change by
@@ -125,6 +134,8 @@ type claimWrite struct {
 	idx  int
 	slot Slot
 	blk  []byte
+	// foreign: the slot did not carry our key when the claim was written.
+	foreign bool
 }
 
 // Stats count what the engine did, for metrics.
@@ -153,7 +164,7 @@ func New(dev *Device, cfg Config) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Engine{dev: dev, cfg: cfg, slot: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+	return &Engine{dev: dev, cfg: cfg, slot: -1, erased: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
 }
 
 // Device returns the engine's device.
@@ -395,6 +406,9 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			e.unconfirmed = nil
 		} else {
 			e.log.Warn("withdrawing our lease claim that landed after the I/O timeout", "slot", p.idx)
+			if p.foreign {
+				e.erased = p.idx
+			}
 			if e.withdraw(ctx, p.idx, p.slot, p.blk) {
 				e.unconfirmed = nil
 			}
@@ -455,7 +469,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		watch = append(watch, victim)
 	}
 	for i := range a.Corrupt {
-		if a.Corrupt[i] {
+		if a.Corrupt[i] || (i == e.erased && i != victim) {
 			watch = append(watch, i)
 		}
 	}
@@ -475,6 +489,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		if err != nil {
 			return fence.Claim{}, err
 		}
+		e.erased = -1
 	}
 
 	idx := e.pickSlot(a, victim)
@@ -505,7 +520,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	}
 	if err := e.dev.writeSlot(ctx, idx, blk, t.IOTimeout); err != nil {
 		if errors.Is(err, errIOTimeout) {
-			e.unconfirmed = &claimWrite{idx: idx, slot: s, blk: blk}
+			e.unconfirmed = &claimWrite{idx: idx, slot: s, blk: blk, foreign: a.Slots[idx].Key != mine}
 			e.log.Warn("lease claim write timed out; starting over", "error", err)
 			return fence.Claim{}, errRetry
 		}
@@ -551,10 +566,31 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			return fence.Claim{}, errRetry
 		}
 	}
+	// A claim of another host that landed after the read ours was based
+	// on raced ours. Its writer may have checked it before ours landed (a
+	// host with a shorter I/O timeout has a shorter settle wait) and
+	// believe it holds the disk; it lets go once its next renewal sees our
+	// claim above its own. Wait for that, as for a granted victim.
+	var racers []int
+	for i := range a2.Slots {
+		if i != idx && i != victim && a2.Slots[i].Live() && !a2.Corrupt[i] && a2.Slots[i].Key != mine && !bytes.Equal(a2.Raw[i], a.Raw[i]) {
+			racers = append(racers, i)
+		}
+	}
 	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
 	e.storeHealth()
 	if victim >= 0 && granted {
-		if err := e.awaitVictim(ctx, victim, victimSlot, a2); err != nil {
+		racers = append([]int{victim}, racers...)
+	}
+	for _, i := range racers {
+		vs := a2.Slots[i]
+		if i == victim {
+			// As found expired or granted: its slot may be torn now.
+			vs = victimSlot
+		} else {
+			e.log.Warn("another host's claim landed while ours settled; waiting for it to let go", "slot", i, "key", vs.Key.String())
+		}
+		if err := e.awaitVictim(ctx, i, vs, a2); err != nil {
 			e.held = false
 			e.storeHealth()
 			e.withdraw(ctx, idx, s, blk)
@@ -579,9 +615,12 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 	bound := time.Duration(0)
 	poll := e.cfg.Timing.Renew
 	for _, i := range watch {
-		tm := e.cfg.Timing
-		if !a.Corrupt[i] {
-			tm = a.Slots[i].Timing
+		tm := a.Slots[i].Timing
+		if a.Corrupt[i] {
+			tm = e.tornTiming(a.Raw[i])
+		}
+		if i == e.erased && tm.Expiry() < e.cfg.Timing.Expiry() {
+			tm = e.cfg.Timing
 		}
 		bound = max(bound, tm.Expiry())
 		poll = min(poll, tm.Renew)
@@ -627,10 +666,43 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 			s := a2.Slots[i]
 			return nil, time.Time{}, e.refusal(a2, s.Key, &s, grant)
 		}
+		for i := range a2.Slots {
+			if i == victim || slices.Contains(watch, i) || bytes.Equal(a2.Raw[i], a.Raw[i]) || !a2.alive(i) ||
+				(!a2.Corrupt[i] && a2.Slots[i].Key == e.cfg.Key) {
+				continue
+			}
+			// A slot that was not held when the wait began (a granted
+			// victim renews as it likes) has been written since: a
+			// claim, or one caught half landed, which
+			// owns nothing in this read and whose epoch MaxEpoch does
+			// not see, yet may own the disk. Start over: the fresh read
+			// waits for it.
+			e.log.Warn("a lease slot was written while we waited for expiry; starting over", "slot", i)
+			return nil, time.Time{}, errRetry
+		}
 		if time.Since(began) >= bound {
 			return a2, readAt, nil
 		}
 	}
+}
+
+// tornTiming is the timing a slot that does not decode is waited for
+// with: ours, or the one its bytes still carry, whichever has the longer
+// expiry bound. A torn write's first sector, where the timing is, is its
+// writer's (new or previous write), and that writer may be a holder with
+// a longer bound than ours, frozen with its renewal half written.
+func (e *Engine) tornTiming(raw []byte) Timing {
+	own := e.cfg.Timing
+	if len(raw) < 64 || string(raw[0:8]) != slotMagic {
+		return own
+	}
+	be := binary.BigEndian
+	t := Timing{IOTimeout: fromMS(be.Uint32(raw[48:])), Renew: fromMS(be.Uint32(raw[52:])),
+		Fail: fromMS(be.Uint32(raw[56:])), Watchdog: fromMS(be.Uint32(raw[60:]))}
+	if t.validate() != nil || t.Expiry() <= own.Expiry() {
+		return own
+	}
+	return t
 }
 
 // awaitVictim waits, after a granted takeover was written, until the
@@ -688,20 +760,27 @@ func (e *Engine) refusalFromLoss(a *Area, l *fence.LostError) error {
 }
 
 // pickSlot chooses our slot: the one already carrying our key, else the
-// first unused one in an order derived from the key, so that hosts tend
-// not to compete for the same slot. Held slots of other hosts are reused
-// only through reclaimSlot, after their expiry bound.
+// first empty one in an order derived from the key, so that hosts tend
+// not to compete for the same slot, else the first released or fenced one
+// of another key. A slot of another key is the last choice: its host may
+// be claiming it again right now (its new claim goes to the slot that
+// carries its key), and of two claims written to one slot the later
+// erases the earlier, which its writer may already hold. Held slots of
+// other hosts are reused only through reclaimSlot, after their expiry
+// bound.
 func (e *Engine) pickSlot(a *Area, victim int) int {
 	if i := a.Find(e.cfg.Key); i >= 0 {
 		return i
 	}
 	start := e.slotOrder()
-	for j := range Slots {
-		i := (start + j) % Slots
-		if i == victim || a.Corrupt[i] || a.Slots[i].Live() {
-			continue
+	for _, empty := range []bool{true, false} {
+		for j := range Slots {
+			i := (start + j) % Slots
+			if i == victim || a.Corrupt[i] || a.Slots[i].Live() || (empty && a.Slots[i].State != StateEmpty) {
+				continue
+			}
+			return i
 		}
-		return i
 	}
 	return -1
 }

@@ -19,7 +19,13 @@ package lease
 // already issued go on; its host watchdog (fed while the lease is
 // healthy, see docs/fencing.md) resets the host W after the last feed if
 // the pause lasts that long. A dead host issues nothing more, but what it
-// issued before still lands.
+// issued before still lands. Unless -lease.plain is given, a schedule also
+// draws, from a stream of its own (so that a seed's plain schedule stays
+// what it was): hosts configured with their own timings (a short d with a
+// long renewal interval, and the like), new engines released before they
+// acquire (an unstage after an agent restart), and clones: a disk that
+// starts with a source disk's held slots, which the first node given it
+// acquires with AcquireFirst before any other node is given it.
 //
 // Invariants, checked on every schedule:
 //   - no two keys may write at overlapping times: a host may write from the
@@ -45,6 +51,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -62,6 +69,7 @@ var (
 	simSeed  = flag.Int64("lease.seed", -1, "run only this schedule, with its trace")
 	simFrom  = flag.Int64("lease.from", 1, "first seed of TestLeaseSchedules")
 	simOnly  = flag.Int("lease.class", -1, "run only the seeds of this class (0 mixed, 1 slow, 2 churn, 3 takeover)")
+	simPlain = flag.Bool("lease.plain", false, "run the schedules without the extra faults (hosts' own timings, clones, releases before acquiring)")
 )
 
 // simClass is the kind of schedule a seed draws.
@@ -106,7 +114,19 @@ var (
 		{IOTimeout: time.Second, Renew: 2 * time.Second, Fail: 8 * time.Second, Watchdog: 12 * time.Second},
 		{IOTimeout: 2 * time.Second, Renew: 5 * time.Second, Fail: 20 * time.Second, Watchdog: 30 * time.Second},
 	}
+	// simOwnTiming are timings a node's agent may be configured with
+	// besides the ones above (each node has its own configuration, so
+	// hosts sharing a disk may differ): a short d with a long renewal
+	// interval, and a long d with a short one.
+	simOwnTiming = []Timing{
+		{IOTimeout: time.Second, Renew: 5 * time.Second, Fail: 10 * time.Second, Watchdog: 15 * time.Second},
+		{IOTimeout: 3 * time.Second, Renew: 3 * time.Second, Fail: 12 * time.Second, Watchdog: 20 * time.Second},
+		{IOTimeout: time.Second, Renew: 15 * time.Second, Fail: 30 * time.Second, Watchdog: 30 * time.Second},
+	}
 )
+
+// simAllTiming is every timing a schedule may give a host.
+func simAllTiming() []Timing { return append(slices.Clone(simTiming), simOwnTiming...) }
 
 // sim is one schedule.
 type sim struct {
@@ -124,6 +144,20 @@ type sim struct {
 	acquiring map[*window]bool // acquisitions in flight, by their would-be window
 	failures  []string
 	keys      int // keys handed out, for fresh keys
+
+	// serial is the disk's serial as every host sees it ("" unless the
+	// disk is a clone). first, when not nil, is closed once host 0's first
+	// acquisition (AcquireFirst: the controller says no node was given the
+	// disk before) has returned; no other host is given the disk before.
+	serial    string
+	first     chan struct{}
+	firstOnce sync.Once
+}
+
+func (s *sim) firstDone() {
+	if s.first != nil {
+		s.firstOnce.Do(func() { close(s.first) })
+	}
 }
 
 // window is one engine's life on the disk: from its Acquire's return
@@ -204,6 +238,17 @@ type simDevice struct {
 	done     bool
 	writes   int // writes issued
 	failed   int // writes that failed (EIO), which may have landed in part
+	// rate is the host's clock rate (1: true time; 0 when unset). Its
+	// engine runs with its timing divided by the rate, as a clock that
+	// runs fast makes every wait shorter in true time; the timing in the
+	// slots it writes is multiplied back, so that the disk carries the
+	// figures of its configuration, and the timing in the slots it reads
+	// is divided, as its clock measures them.
+	rate float64
+	// script, when set (scripted tests), gives each I/O's duration: a
+	// read sees the disk as it is when issued, a write lands whole when
+	// it completes.
+	script func(write bool) time.Duration
 }
 
 func (f *simDevice) busy(delta int) {
@@ -271,6 +316,47 @@ func (f *simDevice) latency() (time.Duration, bool) {
 	return time.Duration(1 + f.rng.Float64()*p.maxFast*d), false
 }
 
+// rescaleSlot multiplies the timing a slot block carries by k, if the
+// block decodes, and seals it again.
+func rescaleSlot(b []byte, k float64) {
+	s, err := DecodeSlot(b)
+	if err != nil || s.State == StateEmpty {
+		return
+	}
+	s.Timing = scaleTiming(s.Timing, k)
+	copy(b, EncodeSlot(s))
+}
+
+// scaleTiming multiplies t by k, to the millisecond the slots keep. The
+// rounding must not break a bound the timing keeps exactly (F = 2R, R =
+// d): a slot whose timing does not validate does not decode, and the
+// reader would take it for a torn write.
+func scaleTiming(t Timing, k float64) Timing {
+	f := func(d time.Duration) time.Duration {
+		return time.Duration(math.Round(float64(d.Milliseconds())*k)) * time.Millisecond
+	}
+	s := Timing{IOTimeout: f(t.IOTimeout), Renew: f(t.Renew), Fail: f(t.Fail), Watchdog: f(t.Watchdog)}
+	if t.Renew == t.IOTimeout {
+		s.Renew = s.IOTimeout
+	}
+	if t.Fail == 2*t.Renew {
+		s.Fail = 2 * s.Renew
+	}
+	return s
+}
+
+// clockRate draws a clock rate within ±skew for a host configured with
+// t, one its timing survives scaled there and back (1 if none is found).
+func clockRate(r *rand.Rand, t Timing, skew float64) float64 {
+	for range 20 {
+		k := 1 + skew*(2*r.Float64()-1)
+		if in := scaleTiming(t, 1/k); in.validate() == nil && scaleTiming(in, k) == t {
+			return k
+		}
+	}
+	return 1
+}
+
 func sleepUntil(t time.Time) {
 	if d := time.Until(t); d > 0 {
 		time.Sleep(d)
@@ -283,6 +369,11 @@ func (f *simDevice) ReadAt(p []byte, off int64) (int, error) {
 	}
 	f.busy(1)
 	defer f.busy(-1)
+	if f.script != nil {
+		f.disk.readBlock(p, int(off))
+		time.Sleep(f.script(false))
+		return len(p), nil
+	}
 	lat, fails := f.latency()
 	start := time.Now()
 	nb := len(p) / BlockSize
@@ -304,6 +395,13 @@ func (f *simDevice) ReadAt(p []byte, off int64) (int, error) {
 			}
 		}
 	}
+	if f.rate != 0 && f.rate != 1 {
+		for i := range nb {
+			if o := int(off) + i*BlockSize; o >= BlockSize {
+				rescaleSlot(p[i*BlockSize:(i+1)*BlockSize], 1/f.rate)
+			}
+		}
+	}
 	sleepUntil(start.Add(lat))
 	if fails {
 		return 0, syscall.EIO
@@ -320,6 +418,11 @@ func (f *simDevice) WriteAt(p []byte, off int64) (int, error) {
 	f.mu.Lock()
 	f.writes++
 	f.mu.Unlock()
+	if f.script != nil {
+		time.Sleep(f.script(true))
+		f.disk.landSector(int(off), p)
+		return len(p), nil
+	}
 	lat, fails := f.latency()
 	start := time.Now()
 	if slot := int(off)/BlockSize - 1; slot >= 0 && slot < Slots {
@@ -344,6 +447,9 @@ func (f *simDevice) WriteAt(p []byte, off int64) (int, error) {
 	}
 	slices.SortFunc(ls, func(a, b landing) int { return int(a.at - b.at) })
 	buf := bytes.Clone(p)
+	if f.rate != 0 && f.rate != 1 && off >= BlockSize {
+		rescaleSlot(buf, f.rate)
+	}
 	for _, l := range ls {
 		sleepUntil(start.Add(l.at))
 		o := l.sec * f.disk.sector
@@ -375,6 +481,24 @@ type simHost struct {
 	// the current holder; pauseP, dieP and releaseP what ends a hold.
 	grantP, pauseP, dieP float64
 	hold                 time.Duration // mean hold time
+	// x draws the extra faults (nil: none); releaseFirstP is the chance
+	// that a life's new engine is released before it acquires (an
+	// unstage after an agent restart); first: the first life acquires
+	// with AcquireFirst.
+	x             *rand.Rand
+	releaseFirstP float64
+	first         bool
+	// rate is the host's clock rate (0 or 1: true time); timing is then
+	// its configuration, and its engine and watchdog run on its clock.
+	rate float64
+}
+
+// clock is the host's timing measured in true time.
+func (h *simHost) clock() Timing {
+	if h.rate == 0 || h.rate == 1 {
+		return h.timing
+	}
+	return scaleTiming(h.timing, 1/h.rate)
 }
 
 func (s *sim) freshKey(r *rand.Rand) fence.Key {
@@ -412,6 +536,15 @@ func (s *sim) closeWindow(w *window, why string, at time.Time) {
 
 func (h *simHost) run(ctx context.Context) {
 	s := h.s
+	if h.first {
+		defer s.firstDone()
+	} else if s.first != nil {
+		select {
+		case <-s.first:
+		case <-ctx.Done():
+			return
+		}
+	}
 	for life := 0; h.lives == 0 || life < h.lives; life++ {
 		time.Sleep(time.Duration(h.rng.Int64N(int64(2 * h.timing.Renew))))
 		if time.Now().After(s.end) || ctx.Err() != nil {
@@ -428,7 +561,7 @@ func (h *simHost) run(ctx context.Context) {
 func (h *simHost) life(ctx context.Context, life int) {
 	s := h.s
 	w := &window{host: h.idx, life: life, key: h.key}
-	dev := &simDevice{s: s, disk: s.disk, host: h.idx, w: w, prof: h.prof, d: h.timing.IOTimeout,
+	dev := &simDevice{s: s, disk: s.disk, host: h.idx, w: w, prof: h.prof, d: h.timing.IOTimeout, rate: h.rate,
 		rng: rand.New(rand.NewPCG(uint64(s.seed), uint64(h.idx)<<32|uint64(life)))}
 	w.dev = dev
 	dev.drainRng = rand.New(rand.NewPCG(uint64(s.seed)^0xd1a1, uint64(h.idx)<<32|uint64(life)))
@@ -437,7 +570,7 @@ func (h *simHost) life(ctx context.Context, life int) {
 	s.mu.Unlock()
 	d := &Device{name: fmt.Sprintf("sim%d.%d", h.idx, life), f: dev, sem: make(chan struct{}, 1), size: 1 << 30, gate: dev.gate}
 	var lostOnce sync.Once
-	e, err := New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.timing,
+	e, err := New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.clock(), Serial: s.serial,
 		Logger: s.log.With("host", h.idx, "life", life),
 		OnLost: func(l *fence.LostError) bool {
 			lostOnce.Do(func() {
@@ -459,8 +592,13 @@ func (h *simHost) life(ctx context.Context, life int) {
 		dev.done = !hl.Lost || hl.Drained
 		dev.mu.Unlock()
 	}()
+	if h.x != nil && h.x.Float64() < h.releaseFirstP {
+		err := e.Release(context.Background())
+		s.event(h.idx, "released before acquiring", "life", life, "error", fmt.Sprint(err))
+	}
+	first := h.first && life == 0
 	var grant *fence.Grant
-	if h.rng.Float64() < h.grantP {
+	if !first && h.rng.Float64() < h.grantP {
 		if k, ok := s.holder(); ok && k != h.key {
 			grant = &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{k}}
 			w.granted = true
@@ -472,9 +610,14 @@ func (h *simHost) life(ctx context.Context, life int) {
 	lone := s.loneLocked(w)
 	othersWrote := s.othersWritesLocked(w)
 	s.mu.Unlock()
-	s.event(h.idx, "acquire", "life", life, "key", h.key.String(), "grant", grant != nil, "lone", lone)
+	s.event(h.idx, "acquire", "life", life, "key", h.key.String(), "grant", grant != nil, "lone", lone, "first", first)
 	actx, cancel := context.WithTimeout(ctx, 6*simMaxExpiry())
-	c, err := e.Acquire(actx, grant)
+	var c fence.Claim
+	if first {
+		c, err = e.AcquireFirst(actx)
+	} else {
+		c, err = e.Acquire(actx, grant)
+	}
 	cancel()
 	took := time.Since(w.acqStart)
 	if err != nil {
@@ -492,6 +635,9 @@ func (h *simHost) life(ctx context.Context, life int) {
 		if grant != nil {
 			s.checkGrantBound(w, took)
 		}
+		if first {
+			s.firstDone()
+		}
 		return
 	}
 	s.mu.Lock()
@@ -500,6 +646,9 @@ func (h *simHost) life(ctx context.Context, life int) {
 	s.windows = append(s.windows, w)
 	s.mu.Unlock()
 	s.event(h.idx, "acquired", "life", life, "took", took.String(), "preempted", fmt.Sprint(c.Preempted), "already", c.Already)
+	if first {
+		s.firstDone()
+	}
 	if grant != nil {
 		s.checkGrantBound(w, took)
 	}
@@ -547,7 +696,7 @@ func (h *simHost) life(ctx context.Context, life int) {
 // resets the host W later. It reports whether the host was reset.
 func (h *simHost) pause(ctx context.Context, e *Engine, dev *simDevice, w *window) bool {
 	s := h.s
-	t := h.timing
+	t := h.clock()
 	var dur time.Duration
 	switch h.rng.IntN(3) {
 	case 0:
@@ -587,7 +736,7 @@ func minTime(a, b time.Time) time.Time {
 
 func simMaxExpiry() time.Duration {
 	m := time.Duration(0)
-	for _, t := range simTiming {
+	for _, t := range simAllTiming() {
 		m = max(m, t.Expiry()+t.Settle())
 	}
 	return m
@@ -666,7 +815,7 @@ func (s *sim) checkGrantBound(w *window, took time.Duration) {
 		return
 	}
 	var b time.Duration
-	for _, t := range simTiming {
+	for _, t := range simAllTiming() {
 		b = max(b, 2*t.Expiry()+t.Settle()+t.Renew+8*t.IOTimeout)
 	}
 	if took > b {
@@ -692,7 +841,7 @@ func (s *sim) checkWindows() {
 }
 
 // newSim draws a schedule from its seed.
-func newSim(t *testing.T, seed int64, trace *syncBuffer) (*sim, []*simHost) {
+func newSim(t *testing.T, seed int64, trace *syncBuffer, extras bool) (*sim, []*simHost) {
 	r := rand.New(rand.NewPCG(uint64(seed), 0x5eed))
 	class := simClass(seed % int64(nClasses))
 	s := &sim{t: t, seed: seed, class: class, trace: trace, acquiring: map[*window]bool{}}
@@ -744,6 +893,38 @@ func newSim(t *testing.T, seed int64, trace *syncBuffer) (*sim, []*simHost) {
 		}
 		span = 15 * time.Minute
 	}
+	if extras {
+		// Drawn from their own stream, so a seed's schedule without
+		// them is the one it always was.
+		x := rand.New(rand.NewPCG(uint64(seed), 0xe7a5))
+		all := simAllTiming()
+		for _, h := range hosts {
+			h.x = rand.New(rand.NewPCG(uint64(seed)^0xe7a5, uint64(h.idx)+1))
+			h.releaseFirstP = 0.15
+			if x.Float64() < 0.4 {
+				h.timing = all[x.IntN(len(all))]
+			}
+			if h.x.IntN(2) == 0 {
+				// Clocks that run at rates up to 1% apart (the package
+				// doc assumes "about the same rate").
+				h.rate = clockRate(h.x, h.timing, 0.01)
+			}
+		}
+		if (class == classMixed || class == classTakeover) && x.IntN(4) == 0 {
+			// A clone of a disk in use: it starts with the source's held
+			// slots, whose writers never write here, and the first node
+			// given it acquires with AcquireFirst.
+			s.serial, s.first, hosts[0].first = "sim-disk", make(chan struct{}), true
+			for range 1 + x.IntN(3) {
+				sl := Slot{Key: s.freshKey(x), Epoch: 1 + x.Uint64N(5), Counter: 1 + x.Uint64N(100), State: StateHeld,
+					Timing: all[x.IntN(len(all))], Node: "source-host"}
+				if x.IntN(2) == 0 {
+					sl.Serial = "source-disk"
+				}
+				copy(s.disk.data[BlockSize*(1+x.IntN(Slots)):], EncodeSlot(sl))
+			}
+		}
+	}
 	s.end = simEpoch.Add(span)
 	return s, hosts
 }
@@ -768,13 +949,16 @@ func (b *syncBuffer) String() string {
 
 // runSchedule runs one seed and returns the broken invariants and the
 // trace.
-func runSchedule(t *testing.T, seed int64) (failures []string, trace string, class simClass) {
+func runSchedule(t *testing.T, seed int64, extras bool) (failures []string, trace string, class simClass) {
 	buf := &syncBuffer{}
 	var s *sim
 	synctest.Test(t, func(t *testing.T) {
 		var hosts []*simHost
-		s, hosts = newSim(t, seed, buf)
-		s.event(-1, "schedule", "seed", seed, "class", s.class.String(), "hosts", len(hosts), "sector", s.disk.sector)
+		s, hosts = newSim(t, seed, buf, extras)
+		s.event(-1, "schedule", "seed", seed, "class", s.class.String(), "hosts", len(hosts), "sector", s.disk.sector, "extras", extras, "clone", s.first != nil)
+		for _, h := range hosts {
+			s.event(h.idx, "host", "timing", h.timing.String(), "clock_rate", h.rate)
+		}
 		ctx, cancel := context.WithDeadline(context.Background(), s.end.Add(time.Hour))
 		var wg sync.WaitGroup
 		for _, h := range hosts {
@@ -793,7 +977,7 @@ func runSchedule(t *testing.T, seed int64) (failures []string, trace string, cla
 
 func TestLeaseSchedules(t *testing.T) {
 	if *simSeed >= 0 {
-		failures, trace, class := runSchedule(t, *simSeed)
+		failures, trace, class := runSchedule(t, *simSeed, !*simPlain)
 		t.Logf("seed %d (%s):\n%s", *simSeed, class, trace)
 		for _, f := range failures {
 			t.Error(f)
@@ -814,7 +998,7 @@ func TestLeaseSchedules(t *testing.T) {
 				if *simOnly >= 0 && seed%int64(nClasses) != int64(*simOnly) {
 					continue
 				}
-				failures, trace, class := runSchedule(t, seed)
+				failures, trace, class := runSchedule(t, seed, !*simPlain)
 				if len(failures) == 0 {
 					continue
 				}
@@ -845,22 +1029,334 @@ func lastLines(s string, n int) string {
 // Seeds that broke the engine as it was before the fixes they name, kept
 // as regression cases: each broke an invariant then, and must hold now.
 var simRegressions = []struct {
-	seed int64
-	what string
+	seed   int64
+	what   string
+	extras bool // the schedule has the extra faults (-lease.plain=false)
 }{
-	{1, "slow: a renewal write that timed out landed later, and the next renewal took the holder's own slot as changed by another host (its claim lost for good)"},
-	{1051, "takeover: a torn read of the superseded holder's slot, in the middle of its renewal, was taken as its acknowledgement; both then wrote"},
-	{519, "takeover: the same, on another schedule"},
-	{66, "churn: sixteen dead holders' slots were never reused, so the disk could not be acquired again"},
-	{308, "mixed: a new engine resumed its own record while the previous engine of the same node, which had lost the lease, marked the slot fenced; another node took the free disk and both wrote"},
+	{1, "slow: a renewal write that timed out landed later, and the next renewal took the holder's own slot as changed by another host (its claim lost for good)", false},
+	{1051, "takeover: a torn read of the superseded holder's slot, in the middle of its renewal, was taken as its acknowledgement; both then wrote", false},
+	{519, "takeover: the same, on another schedule", false},
+	{66, "churn: sixteen dead holders' slots were never reused, so the disk could not be acquired again", false},
+	{308, "mixed: a new engine resumed its own record while the previous engine of the same node, which had lost the lease, marked the slot fenced; another node took the free disk and both wrote", false},
+	{288, "mixed, extras: a racer's renewal was read torn in the last read of a taker's expiry wait, so its claim was neither owner nor waited for and its epoch unseen; the taker claimed the same epoch, won the tie on its lower key, and both wrote", true},
+	{2392, "mixed, extras: the same kind of schedule, another seed", true},
 }
 
 func TestLeaseScheduleRegressions(t *testing.T) {
 	for _, r := range simRegressions {
-		failures, trace, class := runSchedule(t, r.seed)
+		failures, trace, class := runSchedule(t, r.seed, r.extras)
 		if len(failures) > 0 {
 			t.Errorf("seed %d (%s), once %s:\n  %s\ntrace (last 150 lines):\n%s", r.seed, class, r.what,
 				strings.Join(failures, "\n  "), lastLines(trace, 150))
 		}
 	}
+}
+
+// A holder with a long expiry bound (the default timing) froze with a
+// renewal half written: its slot does not decode. A taker configured with
+// a shorter bound must still wait for the holder's, which the torn slot's
+// first sector carries, not its own: the holder's watchdog resets it only
+// F+W after its last renewal.
+func TestTornSlotWaitsForItsWritersBound(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		holder := DefaultTiming()
+		last := EncodeSlot(Slot{Key: 0x1111, Epoch: 3, Counter: 7, State: StateHeld, Timing: holder})
+		torn := EncodeSlot(Slot{Key: 0x1111, Epoch: 3, Counter: 8, State: StateHeld, Timing: holder})
+		copy(torn[512:], last[512:]) // only the renewal's first sector landed
+		copy(disk.data[BlockSize*(1+5):], torn)
+		taker := simTiming[1]
+		dev := &simDevice{disk: disk, rng: rand.New(rand.NewPCG(1, 2)), prof: calmIO, d: taker.IOTimeout}
+		e, err := New(&Device{name: "torn", f: dev, sem: make(chan struct{}, 1), size: 1 << 30},
+			Config{Key: 0x2222, Node: "taker", Timing: taker})
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if _, err := e.Acquire(context.Background(), nil); err != nil {
+			t.Fatalf("acquiring past a torn slot left unchanged: %v", err)
+		}
+		if took := time.Since(start); took < holder.Expiry() {
+			t.Errorf("took the disk %s after finding a torn slot of a holder whose expiry bound is %s (the taker's own is %s)",
+				took, holder.Expiry(), taker.Expiry())
+		}
+		if err := e.Release(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	})
+}
+
+// Two hosts race for a free disk, and their agents are configured with
+// different timings. A (I/O timeout 1s, renewal every 15s) settles for
+// 2s and checks its claim before B's lands: B (the default timing, I/O
+// timeout 5s) read the disk before A's claim landed and took 4.5s to
+// write its own. B's key is lower, so B's claim wins the tie at the same
+// epoch and B's own check passes; but A already holds and writes until
+// its next renewal, 15s after its claim. B must not return before A has
+// let go.
+func TestRacerWithShorterSettleLetsGoFirst(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		node := func(key fence.Key, tm Timing, script func(bool) time.Duration, onLost func(*fence.LostError) bool) *Engine {
+			dev := &simDevice{disk: disk, script: script}
+			e, err := New(&Device{name: fmt.Sprintf("race-%s", key), f: dev, sem: make(chan struct{}, 1), size: 1 << 30},
+				Config{Key: key, Node: key.String(), Timing: tm, OnLost: onLost})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return e
+		}
+		var aLost sync.Mutex
+		aLostAt := time.Time{}
+		a := node(0x2000, Timing{IOTimeout: time.Second, Renew: 15 * time.Second, Fail: 30 * time.Second, Watchdog: 30 * time.Second},
+			func(bool) time.Duration { return 10 * time.Millisecond },
+			func(*fence.LostError) bool {
+				aLost.Lock()
+				aLostAt = time.Now()
+				aLost.Unlock()
+				return true
+			})
+		bWrites := 0
+		b := node(0x1000, DefaultTiming(), func(write bool) time.Duration {
+			if write {
+				bWrites++
+				if bWrites == 1 {
+					return 4500 * time.Millisecond // the claim
+				}
+			}
+			return 100 * time.Millisecond
+		}, nil)
+		var wg sync.WaitGroup
+		var bAt time.Time
+		var bErr error
+		wg.Go(func() {
+			_, bErr = b.Acquire(context.Background(), nil)
+			bAt = time.Now()
+		})
+		time.Sleep(50 * time.Millisecond) // B's read has seen the free disk
+		if _, err := a.Acquire(context.Background(), nil); err != nil {
+			t.Fatalf("A: %v", err)
+		}
+		wg.Wait()
+		if bErr != nil {
+			t.Fatalf("B: %v", bErr)
+		}
+		aLost.Lock()
+		lostAt := aLostAt
+		aLost.Unlock()
+		if lostAt.IsZero() || bAt.Before(lostAt) {
+			t.Errorf("B returned holding the lease at %s while A, which holds it since its own check, had not let go (lost at %s)",
+				simTime(bAt), simTime(lostAt))
+		}
+		_ = a.Release(context.Background())
+		_ = b.Release(context.Background())
+	})
+}
+
+// X released the disk earlier; its slot says released. X claims the disk
+// again (its claim goes to the slot carrying its key) while Y, finding
+// the disk free, claims it too. X's claim write is slow: it times out and
+// lands after Y's race check has passed. Had Y written its claim into X's
+// released slot, X's late claim would erase it: X then withdraws the late
+// claim, finds the disk free and takes it while Y still holds it until
+// its next renewal. Y's claim goes to an empty slot instead.
+func TestClaimAvoidsAnotherKeysReleasedSlot(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		short := Timing{IOTimeout: time.Second, Renew: 5 * time.Second, Fail: 10 * time.Second, Watchdog: 15 * time.Second}
+		const xKey, xSlot = fence.Key(0x1000), 3
+		copy(disk.data[BlockSize*(1+xSlot):], EncodeSlot(Slot{Key: xKey, Epoch: 5, Counter: 9, State: StateReleased, Timing: short}))
+		node := func(key fence.Key, script func(bool) time.Duration, onLost func(*fence.LostError) bool) *Engine {
+			e, err := New(&Device{name: fmt.Sprintf("slot-%s", key), f: &simDevice{disk: disk, script: script}, sem: make(chan struct{}, 1), size: 1 << 30},
+				Config{Key: key, Node: key.String(), Timing: short, OnLost: onLost})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return e
+		}
+		fast := func(bool) time.Duration { return 10 * time.Millisecond }
+		// Y's key starts its slot order at X's slot.
+		yKey := fence.Key(0x2000)
+		for ; node(yKey, fast, nil).slotOrder() != xSlot; yKey++ {
+		}
+		var mu sync.Mutex
+		var yLostAt time.Time
+		y := node(yKey, fast, func(*fence.LostError) bool {
+			mu.Lock()
+			yLostAt = time.Now()
+			mu.Unlock()
+			return true
+		})
+		xWrites := 0
+		x := node(xKey, func(write bool) time.Duration {
+			if write {
+				if xWrites++; xWrites == 1 {
+					return 2500 * time.Millisecond // the claim, past d
+				}
+			}
+			return 10 * time.Millisecond
+		}, nil)
+		var wg sync.WaitGroup
+		var xAt time.Time
+		var xErr error
+		wg.Go(func() {
+			_, xErr = x.Acquire(context.Background(), nil)
+			xAt = time.Now()
+		})
+		time.Sleep(50 * time.Millisecond) // X's claim is on its way
+		if _, err := y.Acquire(context.Background(), nil); err != nil {
+			t.Fatalf("Y: %v", err)
+		}
+		wg.Wait()
+		mu.Lock()
+		lostAt := yLostAt
+		mu.Unlock()
+		if xErr == nil && (lostAt.IsZero() || xAt.Before(lostAt)) {
+			t.Errorf("X acquired the disk at %s while Y held it (Y lost it at %s)", simTime(xAt), simTime(lostAt))
+		}
+		_ = x.Release(context.Background())
+		_ = y.Release(context.Background())
+	})
+}
+
+// While a taker waits out a dead holder's slot, another host claims the
+// disk in a slot the taker was not waiting for, and its next renewal tears
+// (the write fails after its first sector landed) before the taker reads
+// the disk again. The torn slot owns nothing in that read and its epoch
+// is not seen, yet its writer holds the disk until its own bound passes:
+// the taker must start over and wait for it, not claim the disk when its
+// wait for the dead holder ends.
+func TestSlotTornDuringExpiryWaitIsWaitedFor(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		tm := simTiming[1]
+		start := time.Now()
+		copy(disk.data[BlockSize*(1+2):], EncodeSlot(Slot{Key: 0x3000, Epoch: 4, Counter: 3, State: StateHeld, Timing: tm}))
+		const hSlot = 7
+		hHeld := Slot{Key: 0x1000, Epoch: 5, Counter: 1, State: StateHeld, Timing: tm}
+		torn := make(chan time.Time, 1)
+		go func() {
+			time.Sleep(10500 * time.Millisecond)
+			disk.landSector(BlockSize*(1+hSlot), EncodeSlot(hHeld)) // H's claim
+			time.Sleep(time.Second)
+			hHeld.Counter++
+			disk.landSector(BlockSize*(1+hSlot), EncodeSlot(hHeld)[:512]) // H's renewal, torn
+			torn <- time.Now()
+		}()
+		e, err := New(&Device{name: "taker", f: &simDevice{disk: disk, script: func(bool) time.Duration { return 10 * time.Millisecond }},
+			sem: make(chan struct{}, 1), size: 1 << 30}, Config{Key: 0x2000, Node: "taker", Timing: tm})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = e.Acquire(context.Background(), nil)
+		tornAt := <-torn
+		if err == nil && time.Since(tornAt) < tm.Expiry() {
+			t.Errorf("took the disk %s after starting, %s after another host's slot tore while it waited; that host's bound is %s",
+				time.Since(start), time.Since(tornAt), tm.Expiry())
+		}
+		_ = e.Release(context.Background())
+	})
+}
+
+// A granted takeover while another held slot (a host gone without
+// releasing) is waited out: the victim the grant names renews all the
+// while, which is no reason to start over.
+func TestGrantedTakeoverPastAGoneHostsSlot(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		tm := simTiming[1]
+		fast := func(bool) time.Duration { return 10 * time.Millisecond }
+		node := func(key fence.Key, onLost func(*fence.LostError) bool) *Engine {
+			e, err := New(&Device{name: key.String(), f: &simDevice{disk: disk, script: fast}, sem: make(chan struct{}, 1), size: 1 << 30},
+				Config{Key: key, Node: fmt.Sprintf("00000000-0000-4000-8000-%012x", uint64(key)), Timing: tm, OnLost: onLost})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return e
+		}
+		v := node(0x1000, func(*fence.LostError) bool { return true })
+		if _, err := v.Acquire(context.Background(), nil); err != nil {
+			t.Fatal(err)
+		}
+		// A host that held the disk before v, superseded and gone, whose
+		// slot was never cleared.
+		copy(disk.data[BlockSize*(1+9):], EncodeSlot(Slot{Key: 0x3000, Epoch: 1, Counter: 5, State: StateHeld, Timing: tm}))
+		taker := node(0x2000, nil)
+		grant := &fence.Grant{Node: taker.cfg.Node, Supersedes: []fence.Key{v.cfg.Key}}
+		if _, err := taker.Acquire(context.Background(), grant); err != nil {
+			t.Errorf("granted takeover from a live holder, past a gone host's slot: %v", err)
+		} else if v.Lost() == nil {
+			t.Error("the taker holds the disk and the granted victim has not lost it")
+		}
+		_ = taker.Release(context.Background())
+		_ = v.Release(context.Background())
+	})
+}
+
+// X and Y, new to a free disk, pick the same empty slot (their keys start
+// their slot orders at the same one). X's claim write is slow: it times
+// out and lands after Y's race check has passed, erasing Y's claim. X
+// withdraws its late claim; the disk then looks free, but Y holds it until
+// its next renewal. X must wait that slot out before it takes the disk.
+func TestLateClaimOverASharedEmptySlot(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
+		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		short := Timing{IOTimeout: time.Second, Renew: 5 * time.Second, Fail: 10 * time.Second, Watchdog: 15 * time.Second}
+		node := func(key fence.Key, script func(bool) time.Duration, onLost func(*fence.LostError) bool) *Engine {
+			e, err := New(&Device{name: fmt.Sprintf("slot-%s", key), f: &simDevice{disk: disk, script: script}, sem: make(chan struct{}, 1), size: 1 << 30},
+				Config{Key: key, Node: key.String(), Timing: short, OnLost: onLost})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return e
+		}
+		fast := func(bool) time.Duration { return 10 * time.Millisecond }
+		const xKey = fence.Key(0x1000)
+		yKey := fence.Key(0x2000)
+		for ; node(yKey, fast, nil).slotOrder() != node(xKey, fast, nil).slotOrder(); yKey++ {
+		}
+		var mu sync.Mutex
+		var yLostAt time.Time
+		y := node(yKey, fast, func(*fence.LostError) bool {
+			mu.Lock()
+			yLostAt = time.Now()
+			mu.Unlock()
+			return true
+		})
+		xWrites := 0
+		x := node(xKey, func(write bool) time.Duration {
+			if write {
+				if xWrites++; xWrites == 1 {
+					return 2500 * time.Millisecond // the claim, past d
+				}
+			}
+			return 10 * time.Millisecond
+		}, nil)
+		var wg sync.WaitGroup
+		var xAt time.Time
+		var xErr error
+		wg.Go(func() {
+			_, xErr = x.Acquire(context.Background(), nil)
+			xAt = time.Now()
+		})
+		time.Sleep(50 * time.Millisecond) // X's claim is on its way
+		if _, err := y.Acquire(context.Background(), nil); err != nil {
+			t.Fatalf("Y: %v", err)
+		}
+		wg.Wait()
+		mu.Lock()
+		lostAt := yLostAt
+		mu.Unlock()
+		if xErr == nil && (lostAt.IsZero() || xAt.Before(lostAt)) {
+			t.Errorf("X acquired the disk at %s while Y held it (Y lost it at %s)", simTime(xAt), simTime(lostAt))
+		}
+		_ = x.Release(context.Background())
+		_ = y.Release(context.Background())
+	})
 }
