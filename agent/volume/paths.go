@@ -123,15 +123,65 @@ func relBeneath(root, p string) (string, string, error) {
 	return rroot, rel, nil
 }
 
-// openat2 opens name under dir with the act's resolution rules.
+// openat2 opens name under dir with the act's resolution rules. Where the
+// kernel or a seccomp filter has no openat2 (ENOSYS: the packaged unit's
+// filter on a systemd that does not know the call), the same rules are
+// kept by walking the path one element at a time.
 func openat2(dir int, name string, flags int, mode uint32) (int, error) {
 	for {
 		fd, err := unix.Openat2(dir, name, &unix.OpenHow{Flags: uint64(flags | unix.O_CLOEXEC), Mode: uint64(mode), Resolve: resolveBeneath})
-		if err == unix.EINTR || err == unix.EAGAIN {
+		switch err {
+		case unix.EINTR, unix.EAGAIN:
 			continue
+		case unix.ENOSYS:
+			return walkBeneath(dir, name, flags, mode)
 		}
 		return fd, err
 	}
+}
+
+// walkBeneath resolves name under dir as openat2 with resolveBeneath
+// does: an absolute name or a ".." element leaves dir (EXDEV), and no
+// element may be a symlink (each is opened with O_NOFOLLOW; a symlink
+// where a directory must be is ENOTDIR, a symlink at the end ELOOP).
+func walkBeneath(dir int, name string, flags int, mode uint32) (int, error) {
+	if filepath.IsAbs(name) {
+		return -1, unix.EXDEV
+	}
+	parts := strings.Split(filepath.Clean(name), "/")
+	cur, owned := dir, false
+	for i, p := range parts {
+		if p == ".." {
+			if owned {
+				unix.Close(cur)
+			}
+			return -1, unix.EXDEV
+		}
+		var fd int
+		var err error
+		if i < len(parts)-1 {
+			fd, err = unix.Openat(cur, p, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		} else {
+			fd, err = unix.Openat(cur, p, flags|unix.O_NOFOLLOW|unix.O_CLOEXEC, mode)
+		}
+		if owned {
+			unix.Close(cur)
+		}
+		if err != nil {
+			return -1, err
+		}
+		cur, owned = fd, true
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(cur, &st); err != nil {
+		unix.Close(cur)
+		return -1, err
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFLNK {
+		unix.Close(cur)
+		return -1, unix.ELOOP
+	}
+	return cur, nil
 }
 
 // refusedPath turns openat2's refusals into errors that say what happened.
