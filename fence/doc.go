@@ -5,7 +5,7 @@
 // persistent reservation engine (package fence/pr) and the on-disk lease
 // implement, and the typed errors a refusal or a lost claim is reported with.
 //
-// The safety contract (DESIGN.md §3) is: a disk held by another live node is
+// The safety contract (docs/architecture.md, Safety properties) is: a disk held by another live node is
 // refused, a takeover happens only with a grant naming the superseded key, and
 // a node that loses its claim says so and never re-claims by itself.
 //

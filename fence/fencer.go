@@ -156,7 +156,7 @@ type Claim struct {
 //
 // A Fencer that has observed the loss of its claim stays lost: Acquire then
 // fails with a *LostError until a new Fencer is made. This is what keeps a
-// preempted node from re-registering by itself (DESIGN.md P4). The one
+// preempted node from re-registering by itself (docs/architecture.md P4). The one
 // exception is a Reestablisher taking back a claim that the disk itself
 // forgot.
 type Fencer interface {
@@ -259,7 +259,7 @@ func (d Directory) NodeForKey(k Key) (string, bool) {
 	return n, ok
 }
 
-// HeldError refuses a disk held by another node (DESIGN.md P2). Its text names
+// HeldError refuses a disk held by another node (docs/architecture.md P2). Its text names
 // the holder's key and, where known, its node, and says what may be done.
 type HeldError struct {
 	Device     string
@@ -292,7 +292,7 @@ func (e *HeldError) Error() string {
 	return b.String()
 }
 
-// LostError reports that a claim this node had is gone (DESIGN.md P4): its
+// LostError reports that a claim this node had is gone (docs/architecture.md P4): its
 // key was preempted or removed, or another node holds the reservation. The
 // node must stop I/O to the disk and must not re-claim it by itself.
 type LostError struct {

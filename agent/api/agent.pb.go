@@ -380,7 +380,7 @@ func (x *DeviceLocator) GetLoopBackingFile() string {
 }
 
 // TakeoverGrant is the controller's permission to preempt the named fence
-// keys on this disk (DESIGN.md §4).
+// keys on this disk (docs/fencing.md).
 type TakeoverGrant struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// disk is what the grant is for; it must equal the volume id.

@@ -8,7 +8,7 @@
 // touched and updated after each step, so a stage cut short by a crash is
 // finished (never formatted twice) by its retry, and the agent re-verifies
 // each claim when it starts. A periodic check of every claim stops I/O on
-// a disk whose fence was lost (DESIGN.md P4): the block device is set
+// a disk whose fence was lost (docs/architecture.md P4): the block device is set
 // read-only, the filesystem remounted read-only, DiskFenced published, and
 // the volume reported abnormal until a new stage carrying a grant.
 //

@@ -137,7 +137,7 @@ func (l *LUKS) Inspect(_ context.Context, device string) (Content, error) {
 			return Content{}, fmt.Errorf("reading %s: %w", device, err)
 		}
 		// A header that does not pass validation is data we must not
-		// touch (DESIGN.md §5: refuse, never guess).
+		// touch (docs/encryption.md: refuse, never guess).
 		return Content{Kind: ContentOther, Detail: fmt.Sprintf("a LUKS2 header this agent refuses: %v", err)}, nil
 	}
 	sig, err := probeSignature(device)

@@ -94,7 +94,7 @@ type Claim struct {
 	// Formatted is set once this agent made the filesystem, and
 	// LUKSFormatted once it made the LUKS2 header: from then on a device
 	// that looks blank is a fault to report, never a device to format
-	// (DESIGN.md P5).
+	// (docs/architecture.md P5).
 	Formatted     bool `json:"formatted,omitempty"`
 	LUKSFormatted bool `json:"luks_formatted,omitempty"`
 	// LUKSFormatting is set just before this agent formats a blank device

@@ -14,7 +14,7 @@ import (
 // round trip is spread over all rounds.
 const prRounds = 20
 
-// sgPersistSequence is DESIGN.md §4's acquire and release done with
+// sgPersistSequence is docs/fencing.md's acquire and release done with
 // sg_persist: read keys and reservation, register and ignore existing
 // key, reserve Write Exclusive, re-read; then release and unregister.
 const sgPersistSequence = `dev=$1; n=$2; k=0x5643000000b0b0b0

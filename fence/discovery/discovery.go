@@ -555,7 +555,7 @@ func fmtDevnum(ma, mi uint32) string {
 }
 
 // SetReadOnly sets or clears the kernel's read-only flag of the whole disk
-// (BLKROSET), the refusal of DESIGN.md P2: once set, the kernel rejects
+// (BLKROSET), the refusal of docs/architecture.md P2: once set, the kernel rejects
 // writes to the disk from this host, whatever the target allows. It needs
 // CAP_SYS_ADMIN.
 func (o *Opened) SetReadOnly(ro bool) error {

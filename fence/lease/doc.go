@@ -166,7 +166,7 @@
 // Format writes a lease area only on a disk whose first and last MiB are
 // zeros and on which neither our signature checks (blkid-style magics:
 // filesystems, LUKS, partition tables, LVM, MD, swap) nor `blkid -p` find
-// anything; it never writes over data (DESIGN.md P5) and leaves an
+// anything; it never writes over data (docs/architecture.md P5) and leaves an
 // existing lease area alone. A disk with a foreign layout and no PR has no
 // fencing at all; staging it is the volume's explicit opt-in, which the
 // agent logs.

@@ -1,6 +1,6 @@
 // Package pr fences a disk with SCSI-3 persistent reservations. Its Engine
 // implements fence.Fencer for one device and one node key, following the
-// flow of DESIGN.md §4 (modelled on ClusterLabs fence_scsi): read before
+// flow of docs/fencing.md (modelled on ClusterLabs fence_scsi): read before
 // writing, register with REGISTER AND IGNORE EXISTING KEY, reserve with a
 // type under which a registered non-holder cannot write, refuse a foreign
 // holder unless a grant names its key, take over with PREEMPT AND ABORT

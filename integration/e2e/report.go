@@ -14,7 +14,7 @@ import (
 // Property is one of the safety properties of the design (P1-P5).
 type Property string
 
-// The safety properties, as DESIGN.md §3 words them.
+// The safety properties, as docs/architecture.md, Safety properties words them.
 const (
 	P1 Property = "P1"
 	P2 Property = "P2"
@@ -138,7 +138,7 @@ func (r *Report) WriteText(w io.Writer) {
 			fmt.Fprintf(w, "  - %s\n", n)
 		}
 	}
-	fmt.Fprintf(w, "\nsafety properties (DESIGN.md §3):\n")
+	fmt.Fprintf(w, "\nsafety properties (docs/architecture.md, Safety properties):\n")
 	for _, p := range Properties {
 		held, checks := r.Verdict(p)
 		v := "HELD"

@@ -5,7 +5,7 @@
 // exec channel, as the kubelet on that node), platform misbehaviour
 // through the simulator's faults, and checks of the disk's backing file on
 // the host. It turns what happened into a Report with a verdict per safety
-// property (DESIGN.md §3); `vco-lab run` (make lab) and the guest-tier
+// property (docs/architecture.md, Safety properties); `vco-lab run` (make lab) and the guest-tier
 // tests both run it.
 package e2e
 

@@ -39,7 +39,7 @@ type fenceDriver interface {
 	Check(ctx context.Context, g *lab.Guest, dev string) (intact bool, detail string, err error)
 }
 
-// sgPersistDriver follows DESIGN.md §4's PR flow with sg3-utils'
+// sgPersistDriver follows docs/fencing.md's PR flow with sg3-utils'
 // sg_persist in the guest: the reference implementation, and the proof
 // that the lab carries every PR command a fencing engine needs to the
 // target. Its keys are 0x5643 followed by 6 bytes of a hash of the node's

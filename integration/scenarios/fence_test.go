@@ -154,7 +154,7 @@ func drivers(nodes ...*lab.Guest) []fenceDriver {
 	return []fenceDriver{agentDriver{nodes: nodes}, sgPersistDriver{}}
 }
 
-// TestFenceScenarios runs the fencing scenarios of DESIGN.md §3 (P1-P4) on
+// TestFenceScenarios runs the fencing scenarios of docs/architecture.md, Safety properties (P1-P4) on
 // two guests, once per driver.
 func TestFenceScenarios(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
