@@ -1059,8 +1059,7 @@ func TestLeaseScheduleRegressions(t *testing.T) {
 // F+W after its last renewal.
 func TestTornSlotWaitsForItsWritersBound(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
-		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		disk := formattedSimDisk(512)
 		holder := DefaultTiming()
 		last := EncodeSlot(Slot{Key: 0x1111, Epoch: 3, Counter: 7, State: StateHeld, Timing: holder})
 		torn := EncodeSlot(Slot{Key: 0x1111, Epoch: 3, Counter: 8, State: StateHeld, Timing: holder})
@@ -1097,8 +1096,7 @@ func TestTornSlotWaitsForItsWritersBound(t *testing.T) {
 // let go.
 func TestRacerWithShorterSettleLetsGoFirst(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
-		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		disk := formattedSimDisk(4096)
 		node := func(key fence.Key, tm Timing, script func(bool) time.Duration, onLost func(*fence.LostError) bool) *Engine {
 			dev := &simDevice{disk: disk, script: script}
 			e, err := New(&Device{name: fmt.Sprintf("race-%s", key), f: dev, sem: make(chan struct{}, 1), size: 1 << 30},
@@ -1164,8 +1162,7 @@ func TestRacerWithShorterSettleLetsGoFirst(t *testing.T) {
 // its next renewal. Y's claim goes to an empty slot instead.
 func TestClaimAvoidsAnotherKeysReleasedSlot(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
-		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		disk := formattedSimDisk(4096)
 		short := Timing{IOTimeout: time.Second, Renew: 5 * time.Second, Fail: 10 * time.Second, Watchdog: 15 * time.Second}
 		const xKey, xSlot = fence.Key(0x1000), 3
 		copy(disk.data[BlockSize*(1+xSlot):], EncodeSlot(Slot{Key: xKey, Epoch: 5, Counter: 9, State: StateReleased, Timing: short}))
@@ -1182,43 +1179,7 @@ func TestClaimAvoidsAnotherKeysReleasedSlot(t *testing.T) {
 		yKey := fence.Key(0x2000)
 		for ; node(yKey, fast, nil).slotOrder() != xSlot; yKey++ {
 		}
-		var mu sync.Mutex
-		var yLostAt time.Time
-		y := node(yKey, fast, func(*fence.LostError) bool {
-			mu.Lock()
-			yLostAt = time.Now()
-			mu.Unlock()
-			return true
-		})
-		xWrites := 0
-		x := node(xKey, func(write bool) time.Duration {
-			if write {
-				if xWrites++; xWrites == 1 {
-					return 2500 * time.Millisecond // the claim, past d
-				}
-			}
-			return 10 * time.Millisecond
-		}, nil)
-		var wg sync.WaitGroup
-		var xAt time.Time
-		var xErr error
-		wg.Go(func() {
-			_, xErr = x.Acquire(context.Background(), nil)
-			xAt = time.Now()
-		})
-		time.Sleep(50 * time.Millisecond) // X's claim is on its way
-		if _, err := y.Acquire(context.Background(), nil); err != nil {
-			t.Fatalf("Y: %v", err)
-		}
-		wg.Wait()
-		mu.Lock()
-		lostAt := yLostAt
-		mu.Unlock()
-		if xErr == nil && (lostAt.IsZero() || xAt.Before(lostAt)) {
-			t.Errorf("X acquired the disk at %s while Y held it (Y lost it at %s)", simTime(xAt), simTime(lostAt))
-		}
-		_ = x.Release(context.Background())
-		_ = y.Release(context.Background())
+		lateClaimMustNotTakeYsDisk(t, node, xKey, yKey)
 	})
 }
 
@@ -1231,8 +1192,7 @@ func TestClaimAvoidsAnotherKeysReleasedSlot(t *testing.T) {
 // wait for the dead holder ends.
 func TestSlotTornDuringExpiryWaitIsWaitedFor(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
-		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		disk := formattedSimDisk(512)
 		tm := simTiming[1]
 		start := time.Now()
 		copy(disk.data[BlockSize*(1+2):], EncodeSlot(Slot{Key: 0x3000, Epoch: 4, Counter: 3, State: StateHeld, Timing: tm}))
@@ -1267,8 +1227,7 @@ func TestSlotTornDuringExpiryWaitIsWaitedFor(t *testing.T) {
 // while, which is no reason to start over.
 func TestGrantedTakeoverPastAGoneHostsSlot(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		disk := &simDisk{sector: 512, data: make([]byte, ReadSize)}
-		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		disk := formattedSimDisk(512)
 		tm := simTiming[1]
 		fast := func(bool) time.Duration { return 10 * time.Millisecond }
 		node := func(key fence.Key, onLost func(*fence.LostError) bool) *Engine {
@@ -1305,8 +1264,7 @@ func TestGrantedTakeoverPastAGoneHostsSlot(t *testing.T) {
 // its next renewal. X must wait that slot out before it takes the disk.
 func TestLateClaimOverASharedEmptySlot(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		disk := &simDisk{sector: 4096, data: make([]byte, ReadSize)}
-		copy(disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+		disk := formattedSimDisk(4096)
 		short := Timing{IOTimeout: time.Second, Renew: 5 * time.Second, Fail: 10 * time.Second, Watchdog: 15 * time.Second}
 		node := func(key fence.Key, script func(bool) time.Duration, onLost func(*fence.LostError) bool) *Engine {
 			e, err := New(&Device{name: fmt.Sprintf("slot-%s", key), f: &simDevice{disk: disk, script: script}, sem: make(chan struct{}, 1), size: 1 << 30},
@@ -1321,42 +1279,60 @@ func TestLateClaimOverASharedEmptySlot(t *testing.T) {
 		yKey := fence.Key(0x2000)
 		for ; node(yKey, fast, nil).slotOrder() != node(xKey, fast, nil).slotOrder(); yKey++ {
 		}
-		var mu sync.Mutex
-		var yLostAt time.Time
-		y := node(yKey, fast, func(*fence.LostError) bool {
-			mu.Lock()
-			yLostAt = time.Now()
-			mu.Unlock()
-			return true
-		})
-		xWrites := 0
-		x := node(xKey, func(write bool) time.Duration {
-			if write {
-				if xWrites++; xWrites == 1 {
-					return 2500 * time.Millisecond // the claim, past d
-				}
-			}
-			return 10 * time.Millisecond
-		}, nil)
-		var wg sync.WaitGroup
-		var xAt time.Time
-		var xErr error
-		wg.Go(func() {
-			_, xErr = x.Acquire(context.Background(), nil)
-			xAt = time.Now()
-		})
-		time.Sleep(50 * time.Millisecond) // X's claim is on its way
-		if _, err := y.Acquire(context.Background(), nil); err != nil {
-			t.Fatalf("Y: %v", err)
-		}
-		wg.Wait()
-		mu.Lock()
-		lostAt := yLostAt
-		mu.Unlock()
-		if xErr == nil && (lostAt.IsZero() || xAt.Before(lostAt)) {
-			t.Errorf("X acquired the disk at %s while Y held it (Y lost it at %s)", simTime(xAt), simTime(lostAt))
-		}
-		_ = x.Release(context.Background())
-		_ = y.Release(context.Background())
+		lateClaimMustNotTakeYsDisk(t, node, xKey, yKey)
 	})
+}
+
+// formattedSimDisk is a simulated disk with sectors of sector bytes and a
+// lease header, for the scripted tests.
+func formattedSimDisk(sector int) *simDisk {
+	d := &simDisk{sector: sector, data: make([]byte, ReadSize)}
+	copy(d.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
+	return d
+}
+
+// lateClaimMustNotTakeYsDisk: X's first write (its claim) takes past d and
+// lands after Y, starting 50 ms later on a fast path, has acquired. X must
+// not hold the disk while Y does: either it fails, or it acquires only
+// after Y lost its claim.
+func lateClaimMustNotTakeYsDisk(t *testing.T, node func(fence.Key, func(bool) time.Duration, func(*fence.LostError) bool) *Engine, xKey, yKey fence.Key) {
+	t.Helper()
+	fast := func(bool) time.Duration { return 10 * time.Millisecond }
+	var mu sync.Mutex
+	var yLostAt time.Time
+	y := node(yKey, fast, func(*fence.LostError) bool {
+		mu.Lock()
+		yLostAt = time.Now()
+		mu.Unlock()
+		return true
+	})
+	xWrites := 0
+	x := node(xKey, func(write bool) time.Duration {
+		if write {
+			if xWrites++; xWrites == 1 {
+				return 2500 * time.Millisecond // the claim, past d
+			}
+		}
+		return 10 * time.Millisecond
+	}, nil)
+	var wg sync.WaitGroup
+	var xAt time.Time
+	var xErr error
+	wg.Go(func() {
+		_, xErr = x.Acquire(context.Background(), nil)
+		xAt = time.Now()
+	})
+	time.Sleep(50 * time.Millisecond) // X's claim is on its way
+	if _, err := y.Acquire(context.Background(), nil); err != nil {
+		t.Fatalf("Y: %v", err)
+	}
+	wg.Wait()
+	mu.Lock()
+	lostAt := yLostAt
+	mu.Unlock()
+	if xErr == nil && (lostAt.IsZero() || xAt.Before(lostAt)) {
+		t.Errorf("X acquired the disk at %s while Y held it (Y lost it at %s)", simTime(xAt), simTime(lostAt))
+	}
+	_ = x.Release(context.Background())
+	_ = y.Release(context.Background())
 }
