@@ -154,22 +154,7 @@ func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return 
 // lease watch refuses a loop device whose lease another node holds the
 // moment its contents appear (the kernel's change event), and says so.
 func TestLeaseWatch(t *testing.T) {
-	img := ""
-	holder := leaseLoop(t, func(p string) { img = p })
-	if code, _, errs := runLeaseCLI(t, nil, "format", holder, "--uuid", cliUUIDA); code != 0 {
-		t.Fatal(errs)
-	}
-	stopA := make(chan os.Signal, 1)
-	claimed := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		var o, e bytes.Buffer
-		leaseMainWith(append([]string{"acquire", holder, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &o, &e, stopA, leaseHooks{ready: func() { close(claimed) }})
-	}()
-	defer func() { stopA <- os.Interrupt; wg.Wait() }()
-	<-claimed
+	img := heldByNodeA(t)
 
 	// The second device is picked before it exists, so the watcher can be
 	// told to look at it alone.
@@ -182,6 +167,8 @@ func TestLeaseWatch(t *testing.T) {
 	listening := make(chan struct{})
 	var wout syncBuffer
 	var werr bytes.Buffer
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -216,22 +203,7 @@ func TestLeaseWatch(t *testing.T) {
 // there) refuses it before it says it is watching, and B's raw write
 // fails.
 func TestLeaseWatchRefusesDiskPresentAtStart(t *testing.T) {
-	img := ""
-	holder := leaseLoop(t, func(p string) { img = p })
-	if code, _, errs := runLeaseCLI(t, nil, "format", holder, "--uuid", cliUUIDA); code != 0 {
-		t.Fatal(errs)
-	}
-	stopA := make(chan os.Signal, 1)
-	claimed := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		var o, e bytes.Buffer
-		leaseMainWith(append([]string{"acquire", holder, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &o, &e, stopA, leaseHooks{ready: func() { close(claimed) }})
-	}()
-	defer func() { stopA <- os.Interrupt; wg.Wait() }()
-	<-claimed
+	img := heldByNodeA(t)
 
 	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
 	if err != nil {
@@ -281,4 +253,27 @@ func TestLeaseWatchRefusesDiskPresentAtStart(t *testing.T) {
 	if err == nil {
 		t.Fatal("a raw write to the refused disk succeeded")
 	}
+}
+
+// heldByNodeA formats a lease loop device and has node-a hold it with
+// `lease acquire` until the test ends; it returns the device's backing
+// image.
+func heldByNodeA(t *testing.T) (img string) {
+	t.Helper()
+	holder := leaseLoop(t, func(p string) { img = p })
+	if code, _, errs := runLeaseCLI(t, nil, "format", holder, "--uuid", cliUUIDA); code != 0 {
+		t.Fatal(errs)
+	}
+	stopA := make(chan os.Signal, 1)
+	claimed := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var o, e bytes.Buffer
+		leaseMainWith(append([]string{"acquire", holder, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &o, &e, stopA, leaseHooks{ready: func() { close(claimed) }})
+	}()
+	t.Cleanup(func() { stopA <- os.Interrupt; wg.Wait() })
+	<-claimed
+	return img
 }
