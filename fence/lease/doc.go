@@ -28,9 +28,11 @@
 // A host finds its slot by its fence key (the slot already carrying the
 // key, else the first empty one in an order hashed from the key, else a
 // released or fenced one of another key: its host may be claiming it
-// again, and of two claims in one slot the later erases the earlier); it
-// never writes another host's slot while that host may be writing it, so
-// a torn or late write damages only its own. One read of ReadSize (68 KiB) sees the whole state.
+// again, and of two claims in one slot the later erases the earlier).
+// Otherwise it writes another host's slot only once that host is gone: a
+// slot waited out for its expiry bound (cleared, or reclaimed when every
+// slot is used) or one copied from another disk. One read of ReadSize
+// (68 KiB) sees the whole state.
 //
 // # Using the data area
 //
