@@ -52,6 +52,9 @@ commands:
                            guest boot and lab set-up time, PR latency, and
                            attach-to-staged latency per disk kind, each against
                            a reference (make bench-lab)
+  k8s up|status|down|run   a Kubernetes cluster built from source: control plane on
+                           127.0.0.1, workers as guests with the vco-agent package,
+                           the add-on applied (make k8s-lab runs the scenarios)
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
 
@@ -94,6 +97,8 @@ func main() {
 		code = csiCall(args)
 	case "bench":
 		code = bench(args)
+	case "k8s":
+		code = k8sCmd(args)
 	case "-h", "--help", "help":
 		usage()
 	default:

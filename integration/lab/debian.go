@@ -108,7 +108,22 @@ var quietUnits = []string{
 // next lab with the same inputs boots it without building (a build takes
 // about a minute: unpacking the root, dpkg, mkfs.ext4 -d).
 func (l *Lab) DebianImage(ctx context.Context, root *DebianRoot, files map[string]string) (*SystemBoot, error) {
-	key, err := l.debianKey(root, files)
+	return l.DebianImageWith(ctx, root, files, nil)
+}
+
+// DebianImageWith is DebianImage with more host binaries (guest path ->
+// host path) copied into the image, such as a kubelet: large files that
+// the lab's busybox initramfs, which gets every binary of the lab's
+// Config, must not carry.
+func (l *Lab) DebianImageWith(ctx context.Context, root *DebianRoot, files, binaries map[string]string) (*SystemBoot, error) {
+	bins := map[string]string{}
+	for g, h := range l.cfg.Binaries {
+		bins[g] = h
+	}
+	for g, h := range binaries {
+		bins[g] = h
+	}
+	key, err := l.debianKey(root, files, bins)
 	if err != nil {
 		return nil, err
 	}
@@ -142,7 +157,7 @@ func (l *Lab) DebianImage(ctx context.Context, root *DebianRoot, files map[strin
 		return nil, err
 	}
 	defer os.RemoveAll(tmp)
-	if err := l.buildDebian(ctx, root, files, tmp); err != nil {
+	if err := l.buildDebian(ctx, root, files, bins, tmp); err != nil {
 		return nil, fmt.Errorf("building the systemd guest image from %s and %s: %w", root.Tar, root.Deb, err)
 	}
 	if err := os.Rename(filepath.Join(tmp, "out"), dir); err != nil {
@@ -152,7 +167,7 @@ func (l *Lab) DebianImage(ctx context.Context, root *DebianRoot, files map[strin
 }
 
 // debianKey is the digest of everything that goes into the image.
-func (l *Lab) debianKey(root *DebianRoot, files map[string]string) (string, error) {
+func (l *Lab) debianKey(root *DebianRoot, files, bins map[string]string) (string, error) {
 	h := sha256.New()
 	st, err := os.Stat(root.Tar)
 	if err != nil {
@@ -174,9 +189,9 @@ func (l *Lab) debianKey(root *DebianRoot, files map[string]string) (string, erro
 	if err := hashFile(root.Deb); err != nil {
 		return "", err
 	}
-	for _, g := range sortedKeys(l.cfg.Binaries) {
+	for _, g := range sortedKeys(bins) {
 		fmt.Fprintf(h, "binary %s\n", g)
-		if err := hashFile(l.cfg.Binaries[g]); err != nil {
+		if err := hashFile(bins[g]); err != nil {
 			return "", err
 		}
 	}
@@ -204,7 +219,7 @@ var debianExtra = map[string]string{
 	"/etc/cloud/cloud-init.disabled": "",
 }
 
-func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files map[string]string, tmp string) error {
+func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map[string]string, tmp string) error {
 	rootfs, out := filepath.Join(tmp, "root"), filepath.Join(tmp, "out")
 	for _, d := range []string{rootfs, out} {
 		if err := os.Mkdir(d, 0o755); err != nil {
@@ -230,12 +245,15 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files map[strin
 		return err
 	}
 	_ = os.Remove(filepath.Join(rootfs, "tmp", "vco-agent.deb"))
-	for _, g := range sortedKeys(l.cfg.Binaries) {
+	for _, g := range sortedKeys(bins) {
 		dst := filepath.Join(rootfs, g)
 		if _, err := os.Lstat(dst); err == nil {
 			continue // the package's own (vco-agent): that is what is under test
 		}
-		if err := copyFile(l.cfg.Binaries[g], dst, 0o755); err != nil {
+		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+			return err
+		}
+		if err := copyFile(bins[g], dst, 0o755); err != nil {
 			return err
 		}
 	}

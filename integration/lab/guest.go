@@ -49,6 +49,33 @@ type GuestConfig struct {
 	// initrd and init (systemd) of its own instead of the lab's busybox
 	// initramfs (debian.go).
 	System *SystemBoot
+	// Forwards, if any, give the guest a virtio-net NIC on QEMU user
+	// networking with restrict=on (no route anywhere) whose only ways out
+	// are these: each takes the guest's connections to a 10.0.2.x address
+	// and port to a port on the host's loopback. The guest sees the NIC as
+	// eth0 (MAC 52:54:00:12:34:56) and configures it itself (10.0.2.15/24).
+	Forwards []Forward
+}
+
+// Forward takes a guest's TCP connections to GuestAddr (a 10.0.2.x
+// address and port) to 127.0.0.1:HostPort, one `busybox nc` per
+// connection.
+type Forward struct {
+	GuestAddr string
+	HostPort  int
+}
+
+// netArgs is the QEMU networking of cfg: none, or the restricted user
+// network with its forwards.
+func netArgs(cfg GuestConfig) []string {
+	if len(cfg.Forwards) == 0 {
+		return []string{"-nic", "none"}
+	}
+	nd := "user,id=net0,restrict=on,net=10.0.2.0/24"
+	for _, f := range cfg.Forwards {
+		nd += fmt.Sprintf(",guestfwd=tcp:%s-cmd:busybox nc 127.0.0.1 %d", f.GuestAddr, f.HostPort)
+	}
+	return []string{"-netdev", nd, "-device", "virtio-net-pci,netdev=net0,mac=52:54:00:12:34:56"}
 }
 
 // Guest is a running QEMU guest.
@@ -94,8 +121,7 @@ func qemuArgs(cfg GuestConfig, k *Kernel, initrd, dir string) []string {
 		"-device", "virtserialport,bus=vser.0,chardev=exec,name=" + guestexec.PortName,
 		"-device", "virtio-scsi-pci,id=scsi0",
 		"-smbios", "type=1,uuid=" + cfg.UUID,
-		"-nic", "none",
-	}, root...)
+	}, append(netArgs(cfg), root...)...)
 }
 
 // startGuest starts QEMU paused, attaches the disks, resumes it and waits

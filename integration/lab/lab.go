@@ -194,6 +194,12 @@ func (l *Lab) StartGuests(ctx context.Context, cfgs ...GuestConfig) ([]*Guest, e
 	return guests, l.saveState()
 }
 
+// Spawn starts cmd as one of the lab's processes: recorded in a pid file,
+// killed on Close and, unless the lab is detached, when this process dies.
+func (l *Lab) Spawn(name string, cmd *exec.Cmd) (*Proc, error) {
+	return l.spawn.start(name, cmd, PIDDir(l.cfg.Dir))
+}
+
 // Guest returns the running guest with the given name.
 func (l *Lab) Guest(name string) *Guest {
 	l.mu.Lock()
@@ -337,6 +343,11 @@ func DownRun(dir string) ([]string, error) {
 
 // lockFile takes an exclusive flock on path, so two labs do not unpack the
 // kernel into the cache at the same time.
+// LockFile takes an exclusive flock on path (created if missing), waiting
+// for it; the returned function releases it. Caches shared by concurrent
+// runs are built under one.
+func LockFile(path string) (func(), error) { return lockFile(path) }
+
 func lockFile(path string) (func(), error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, err

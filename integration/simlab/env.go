@@ -59,6 +59,11 @@ type Options struct {
 	Kind lab.DiskKind
 	// NoNodeStack leaves the agent and node plugin out of the guests.
 	NoNodeStack bool
+	// Boot, if set, boots the guests in place of the lab's busybox
+	// guests of Guests (and no node stack is started in them): it is
+	// given the simulator's port on 127.0.0.1, for guests that reach it
+	// through a forward. Each guest of the lab becomes a VM.
+	Boot func(ctx context.Context, l *lab.Lab, apiPort int) error
 	// Log receives progress lines (default discarded).
 	Log io.Writer
 }
@@ -110,13 +115,29 @@ func Start(ctx context.Context, o Options) (_ *Env, err error) {
 	}
 	e.Backend = &Backend{Lab: e.Lab, Dir: filepath.Join(o.Lab.Dir, "disks"), Kind: o.Kind,
 		Logf: func(f string, a ...any) { e.logf(f, a...) }}
-	var gcs []lab.GuestConfig
-	for _, n := range o.Guests {
-		gcs = append(gcs, lab.GuestConfig{Name: n, MemMB: o.MemMB})
-	}
-	e.logf("booting %s", strings.Join(o.Guests, ", "))
-	if _, err = e.Lab.StartGuests(ctx, gcs...); err != nil {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
 		return nil, err
+	}
+	defer func() {
+		if e.srv == nil {
+			ln.Close()
+		}
+	}()
+	if o.Boot != nil {
+		if err := o.Boot(ctx, e.Lab, ln.Addr().(*net.TCPAddr).Port); err != nil {
+			return nil, err
+		}
+		o.NoNodeStack = true
+	} else {
+		var gcs []lab.GuestConfig
+		for _, n := range o.Guests {
+			gcs = append(gcs, lab.GuestConfig{Name: n, MemMB: o.MemMB})
+		}
+		e.logf("booting %s", strings.Join(o.Guests, ", "))
+		if _, err = e.Lab.StartGuests(ctx, gcs...); err != nil {
+			return nil, err
+		}
 	}
 	e.Sim, err = sim.New(sim.Options{Customer: Customer, Token: Token, Backend: e.Backend,
 		Seed:   sim.Seed{Locations: []string{Location, "ch-gen-1"}},
@@ -130,10 +151,6 @@ func Start(ctx context.Context, o Options) (_ *Env, err error) {
 			return nil, err
 		}
 		e.VMs[g.Name] = id
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
 	}
 	e.srv = &http.Server{Handler: e.Sim, ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = e.srv.Serve(ln) }()

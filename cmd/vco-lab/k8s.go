@@ -1,0 +1,234 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+)
+
+const k8sUsage = `usage: vco-lab k8s <up|status|down|run> [flags]
+
+  up      build what is not cached, start a cluster (control plane on
+          127.0.0.1, workers as QEMU guests) with the add-on applied, and
+          leave it running; prints the kubeconfig path
+  status  the cluster's nodes and the add-on's pods
+  down    stop the cluster and everything of the lab
+  run [-scenarios K1,K2,K4] [-report DIR]
+          a cluster of its own, the scenarios, a report per safety
+          property (DIR/k8s-report.txt and .html); nothing is left running
+flags: -dir DIR (default $VCO_LAB_DIR or /var/tmp/vco-lab), -bin DIR, -kind scsi-block|virtio-blk
+`
+
+// k8sInfo is k8s.json in the lab directory: how to reach a cluster that
+// `vco-lab k8s up` left running.
+type k8sInfo struct {
+	Kubeconfig string `json:"kubeconfig"`
+	Kubectl    string `json:"kubectl"`
+	PID        int    `json:"pid"`
+}
+
+func k8sInfoPath(dir string) string { return filepath.Join(dir, "k8s.json") }
+
+func k8sCmd(args []string) int {
+	if len(args) == 0 {
+		fmt.Fprint(os.Stderr, k8sUsage)
+		return 2
+	}
+	var kind, scenarios, report string
+	extra := func(fs *flag.FlagSet) {
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block or virtio-blk")
+		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "scenarios to run")
+		fs.StringVar(&report, "report", "", "report directory (default: -bin)")
+	}
+	switch args[0] {
+	case "up":
+		c, _ := flags("k8s up", args[1:], extra)
+		return k8sUp(c, kind)
+	case "serve":
+		c, _ := flags("k8s serve", args[1:], extra)
+		return k8sServe(c, kind)
+	case "status":
+		c, _ := flags("k8s status", args[1:], extra)
+		return k8sStatus(c)
+	case "down":
+		c, _ := flags("k8s down", args[1:], extra)
+		return k8sDown(c)
+	case "run":
+		c, err := oneShotFlags("k8s-run", args[1:], extra)
+		if err != nil {
+			return fail("%v", err)
+		}
+		if report == "" {
+			report = c.bin
+		}
+		return c.finish(k8sRun(c, kind, strings.Split(scenarios, ","), report))
+	}
+	fmt.Fprint(os.Stderr, k8sUsage)
+	return 2
+}
+
+func k8sOptions(c *common, kind string, detached bool) (k8s.Options, error) {
+	cfg, err := simLabConfig(c, detached)
+	if err != nil {
+		return k8s.Options{}, err
+	}
+	return k8s.Options{Lab: cfg, Kind: lab.DiskKind(kind), Log: os.Stderr}, nil
+}
+
+// k8sRun is `make k8s-lab`: a cluster, the story, the report; it fails
+// unless every scenario passed and every property held.
+func k8sRun(c *common, kind string, scenarios []string, report string) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	o, err := k8sOptions(c, kind, false)
+	if err != nil {
+		return fail("%v", err)
+	}
+	cl, err := k8s.Up(ctx, o)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer cl.Close()
+	r := k8s.RunStory(ctx, cl, scenarios, os.Stderr)
+	if err := k8s.WriteReport(r, report); err != nil {
+		return fail("%v", err)
+	}
+	r.WriteText(os.Stdout)
+	if r.Err != nil || !r.AllHeld() {
+		return 1
+	}
+	return 0
+}
+
+// k8sUp starts `vco-lab k8s serve` in a session of its own and waits
+// until it has written k8s.json (or died).
+func k8sUp(c *common, kind string) int {
+	if _, err := lab.Down(c.dir); err != nil {
+		return fail("cleaning up an earlier lab in %s: %v", c.dir, err)
+	}
+	_ = os.Remove(k8sInfoPath(c.dir))
+	if err := os.MkdirAll(c.dir, 0o755); err != nil {
+		return fail("%v", err)
+	}
+	logPath := filepath.Join(c.dir, "k8s-serve.log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer logf.Close()
+	self, _ := os.Executable()
+	cmd := exec.Command(self, "k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return fail("starting the cluster: %v", err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	fmt.Fprintf(os.Stderr, "vco-lab: starting the cluster (progress in %s)\n", logPath)
+	for {
+		select {
+		case err := <-exited:
+			b, _ := os.ReadFile(logPath)
+			return fail("the cluster did not come up (%v):\n%s", err, lastN(string(b), 30))
+		case <-time.After(2 * time.Second):
+		}
+		if b, err := os.ReadFile(k8sInfoPath(c.dir)); err == nil {
+			var info k8sInfo
+			if json.Unmarshal(b, &info) == nil {
+				fmt.Printf("cluster up; kubeconfig: %s\n  %s --kubeconfig %s get nodes\nstop it with: vco-lab k8s down -dir %s\n",
+					info.Kubeconfig, info.Kubectl, info.Kubeconfig, c.dir)
+				return 0
+			}
+		}
+	}
+}
+
+// k8sServe runs the cluster in this process until SIGTERM.
+func k8sServe(c *common, kind string) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	o, err := k8sOptions(c, kind, true)
+	if err != nil {
+		return fail("%v", err)
+	}
+	cl, err := k8s.Up(ctx, o)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer cl.Close()
+	out, err := cl.InstallAddon(ctx)
+	if err != nil {
+		return fail("%v", err)
+	}
+	fmt.Fprintln(os.Stderr, out)
+	b, _ := json.Marshal(k8sInfo{Kubeconfig: cl.Kubeconfig, Kubectl: cl.Bins.Kubectl, PID: os.Getpid()})
+	if err := os.WriteFile(k8sInfoPath(c.dir), b, 0o644); err != nil {
+		return fail("%v", err)
+	}
+	<-ctx.Done()
+	_ = os.Remove(k8sInfoPath(c.dir))
+	return 0
+}
+
+func readK8sInfo(dir string) (*k8sInfo, error) {
+	b, err := os.ReadFile(k8sInfoPath(dir))
+	if err != nil {
+		return nil, fmt.Errorf("no cluster in %s (vco-lab k8s up starts one): %w", dir, err)
+	}
+	var info k8sInfo
+	return &info, json.Unmarshal(b, &info)
+}
+
+func k8sStatus(c *common) int {
+	info, err := readK8sInfo(c.dir)
+	if err != nil {
+		return fail("%v", err)
+	}
+	fmt.Printf("kubeconfig: %s (server process %d)\n", info.Kubeconfig, info.PID)
+	for _, a := range [][]string{{"get", "nodes", "-o", "wide"}, {"-n", k8s.AddonNamespace, "get", "pods", "-o", "wide"}} {
+		cmd := exec.Command(info.Kubectl, append([]string{"--kubeconfig", info.Kubeconfig}, a...)...)
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return fail("kubectl %s: %v", strings.Join(a, " "), err)
+		}
+	}
+	return 0
+}
+
+func k8sDown(c *common) int {
+	if info, err := readK8sInfo(c.dir); err == nil && info.PID > 0 {
+		if p, err := os.FindProcess(info.PID); err == nil {
+			_ = p.Signal(syscall.SIGTERM)
+			for i := 0; i < 100 && p.Signal(syscall.Signal(0)) == nil; i++ {
+				time.Sleep(100 * time.Millisecond)
+			}
+		}
+	}
+	killed, err := lab.Down(c.dir)
+	if err != nil {
+		return fail("%v", err)
+	}
+	_ = os.Remove(k8sInfoPath(c.dir))
+	fmt.Printf("stopped %d processes\n", len(killed))
+	return 0
+}
+
+func lastN(s string, n int) string {
+	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(l) > n {
+		l = l[len(l)-n:]
+	}
+	return strings.Join(l, "\n")
+}

@@ -1,0 +1,186 @@
+// Package k8s runs a Kubernetes cluster in the lab, built from upstream
+// sources: etcd, kube-apiserver, kube-controller-manager and
+// kube-scheduler on the host on loopback, and workers that are QEMU guests
+// of the lab's Debian 12 root with the vco-agent package, containerd,
+// runc, the CNI plugins and a kubelet. The simulator of the whitesky.cloud
+// API hot-plugs the disks into the workers, as in the rest of the lab.
+// docs/development.md ("The Kubernetes lab") says what it takes and costs.
+package k8s
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// Options shape a cluster.
+type Options struct {
+	// Lab is the lab's configuration (its Binaries hold the exec server).
+	Lab lab.Config
+	// Workers are the worker names (default node-a, node-b).
+	Workers []string
+	// Kind is how the simulator shows disks to the workers (default
+	// scsi-block).
+	Kind lab.DiskKind
+	// MemMB and CPUs of each worker (default 2048 and 2).
+	MemMB, CPUs int
+	// RegistryPort is the host port of the registry that serves the
+	// cluster's images (registry.k8s.io and PortalHost are mirrored to it).
+	RegistryPort int
+	// Log receives progress lines.
+	Log io.Writer
+}
+
+// Cluster is a running cluster.
+type Cluster struct {
+	Env  *simlab.Env
+	Bins *Binaries
+	// Kubeconfig is the administrator's kubeconfig on the host.
+	Kubeconfig string
+	// SetupTime is how long Up took.
+	SetupTime time.Duration
+
+	cp  *controlPlane
+	log io.Writer
+}
+
+// Up builds what is not cached and starts the cluster: the control plane,
+// the simulator, the workers (joined, Ready).
+func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
+	start := time.Now()
+	if len(o.Workers) == 0 {
+		o.Workers = []string{"node-a", "node-b"}
+	}
+	if o.MemMB == 0 {
+		o.MemMB = 2048
+	}
+	if o.CPUs == 0 {
+		o.CPUs = 2
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	if o.Lab.CacheDir == "" {
+		o.Lab.CacheDir = lab.DefaultCacheDir()
+	}
+	c := &Cluster{log: o.Log}
+	if c.Bins, err = Build(ctx, o.Lab.CacheDir, o.Log); err != nil {
+		return nil, err
+	}
+	base, err := lab.FindDebianRoot()
+	if err != nil {
+		return nil, err
+	}
+	root, err := NodeRoot(ctx, base, o.Log)
+	if err != nil {
+		return nil, err
+	}
+	boot := func(ctx context.Context, l *lab.Lab, apiPort int) error {
+		dir := filepath.Join(l.Dir(), "k8s")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+		if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, o.Workers, o.Log); err != nil {
+			return err
+		}
+		c.Kubeconfig = c.cp.Kubeconfig
+		fmt.Fprintf(o.Log, "k8s: making the worker image (kubelet %s, containerd, the vco-agent package)\n", Version)
+		sb, err := l.DebianImageWith(ctx, root, workerFiles(), map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
+		if err != nil {
+			return err
+		}
+		var cfgs []lab.GuestConfig
+		for _, n := range o.Workers {
+			cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: o.MemMB, CPUs: o.CPUs,
+				Forwards: workerForwards(c.cp.apiPort, o.RegistryPort, apiPort, 0)})
+		}
+		fmt.Fprintf(o.Log, "k8s: booting %s\n", strings.Join(o.Workers, ", "))
+		gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
+		if err != nil {
+			return err
+		}
+		for i, g := range gs {
+			if err := joinNode(ctx, g, c.cp, i+1); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	c.Env, err = simlab.Start(ctx, simlab.Options{Lab: o.Lab, Kind: o.Kind, Boot: boot, Log: o.Log})
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			c.Close()
+		}
+	}()
+	fmt.Fprintf(o.Log, "k8s: waiting for the workers to be Ready\n")
+	if err := waitFor(ctx, 5*time.Minute, "workers Ready", func() (bool, string, error) {
+		out, err := c.Kubectl(ctx, "get", "nodes", "-o", `jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Ready")].status}{" "}{end}`)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		ready := 0
+		for _, f := range strings.Fields(out) {
+			if strings.HasSuffix(f, "=True") {
+				ready++
+			}
+		}
+		return ready == len(o.Workers), out, nil
+	}); err != nil {
+		return nil, c.withLogs(err)
+	}
+	c.SetupTime = time.Since(start)
+	fmt.Fprintf(o.Log, "k8s: cluster up in %s; kubeconfig %s\n", c.SetupTime.Round(time.Second), c.Kubeconfig)
+	return c, nil
+}
+
+// Kubectl runs kubectl with the administrator's kubeconfig and returns its
+// standard output; a failure's error carries its standard error.
+func (c *Cluster) Kubectl(ctx context.Context, args ...string) (string, error) {
+	return c.KubectlInput(ctx, nil, args...)
+}
+
+// KubectlInput is Kubectl with stdin.
+func (c *Cluster) KubectlInput(ctx context.Context, stdin io.Reader, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, c.Bins.Kubectl, append([]string{"--kubeconfig", c.Kubeconfig}, args...)...)
+	cmd.Stdin = stdin
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return string(out), fmt.Errorf("kubectl %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return string(out), nil
+}
+
+// withLogs adds the end of each worker's kubelet journal to err.
+func (c *Cluster) withLogs(err error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	msg := err.Error()
+	for _, g := range c.Env.Lab.Guests {
+		if out, e := g.MustSh(ctx, "journalctl -u kubelet -u containerd --no-pager -n 40 2>&1"); e == nil {
+			msg += fmt.Sprintf("\n--- %s: kubelet and containerd\n%s", g.Name, out)
+		}
+	}
+	return errors.New(msg)
+}
+
+// Close stops everything the cluster started.
+func (c *Cluster) Close() error {
+	if c.Env == nil {
+		return nil
+	}
+	return c.Env.Close()
+}

@@ -1,0 +1,177 @@
+package k8s
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// PortalHost is the registry host of the vco-csi image in the lab, as an
+// operator's portal would serve it: the add-on derives the driver name
+// (cloud.whitesky.csi) from it, and containerd takes it, like
+// registry.k8s.io, from the lab's registry.
+const PortalHost = "try.whitesky.cloud"
+
+// Image is the vco-csi image reference the add-on is rendered with.
+const Image = PortalHost + "/csi-driver:latest"
+
+// The worker's files that are the same on every node. Per-node ones (its
+// kubelet's credentials, its pod network) are written at boot (joinNode).
+func workerFiles() map[string]string {
+	mirror := fmt.Sprintf(`["http://%s:%d"]`, HostInGuest, GuestRegistryPort)
+	return map[string]string{
+		// The CRI writes each sandbox's hosts file from this one.
+		"/etc/hosts": "127.0.0.1 localhost\n::1 localhost\n",
+		// No name server: nothing in the lab resolves names.
+		"/etc/resolv.conf": "# the lab's workers resolve no names\n",
+		"/etc/sysctl.d/90-vco-lab-k8s.conf": "net.ipv4.ip_forward = 1\n",
+		"/etc/containerd/config.toml": `version = 2
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.k8s.io/pause:3.10.1"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    runtime_type = "io.containerd.runc.v2"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      SystemdCgroup = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."registry.k8s.io"]
+    endpoint = ` + mirror + `
+  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."` + PortalHost + `"]
+    endpoint = ` + mirror + `
+`,
+		"/etc/kubernetes/kubelet.yaml": `apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: /etc/kubernetes/pki/ca.crt}
+authorization: {mode: Webhook}
+cgroupDriver: systemd
+containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
+failSwapOn: false
+resolvConf: /etc/resolv.conf
+clusterDomain: cluster.local
+serializeImagePulls: false
+# The workers' disks are small and TCG is slow: no eviction for space,
+# and status reported often enough for the scenarios' waits.
+evictionHard: {memory.available: "50Mi", nodefs.available: "1%", imagefs.available: "1%"}
+nodeStatusUpdateFrequency: 5s
+`,
+		"/etc/systemd/system/kubelet.service": `[Unit]
+Description=kubelet (vco-lab worker)
+After=containerd.service vco-agent.socket
+Wants=containerd.service
+ConditionPathExists=/etc/kubernetes/kubelet.kubeconfig
+
+[Service]
+ExecStart=/usr/local/bin/kubelet --config=/etc/kubernetes/kubelet.yaml --kubeconfig=/etc/kubernetes/kubelet.kubeconfig --node-ip=` + NodeIP + ` --v=1
+Restart=always
+RestartSec=2s
+
+[Install]
+WantedBy=multi-user.target
+`,
+		"/etc/vco-agent/config.yaml": `socket:
+  path: /run/vco-agent/agent.sock
+  group: vco-agent
+node:
+  location: ` + simlab.Location + `
+`,
+	}
+}
+
+// workerForwards are a worker's ways to the host: the API server, the
+// registry, the cloud API simulator and the transit engine.
+func workerForwards(apiPort, registryPort, cloudPort, transitPort int) []lab.Forward {
+	f := []lab.Forward{
+		{GuestAddr: fmt.Sprintf("%s:%d", HostInGuest, GuestAPIPort), HostPort: apiPort},
+		{GuestAddr: fmt.Sprintf("%s:%d", HostInGuest, GuestRegistryPort), HostPort: registryPort},
+		{GuestAddr: fmt.Sprintf("%s:%d", HostInGuest, GuestCloudPort), HostPort: cloudPort},
+	}
+	if transitPort != 0 {
+		f = append(f, lab.Forward{GuestAddr: fmt.Sprintf("%s:%d", HostInGuest, GuestTransitPort), HostPort: transitPort})
+	}
+	return f
+}
+
+// joinNode gives a booted worker its network (eth0, the kubernetes
+// service address sent to the API server's forward in place of
+// kube-proxy, a bridge pod network of its own), its kubelet's
+// credentials, and starts the kubelet.
+func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int) error {
+	kc, err := cp.pki.kubeconfig("node-"+g.Name, fmt.Sprintf("https://%s:%d", HostInGuest, GuestAPIPort))
+	if err != nil {
+		return err
+	}
+	ca, err := os.ReadFile(cp.pki.path("ca.crt"))
+	if err != nil {
+		return err
+	}
+	cni := fmt.Sprintf(`{
+  "cniVersion": "1.0.0",
+  "name": "vco-lab",
+  "plugins": [
+    {"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": true,
+     "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.%d.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+`, index)
+	files := map[string]string{
+		"/etc/kubernetes/kubelet.kubeconfig": kc,
+		"/etc/kubernetes/pki/ca.crt":         string(ca),
+		"/etc/cni/net.d/10-vco-lab.conflist": cni,
+	}
+	for path, content := range files {
+		r, err := g.Exec().RunInput(ctx, 0, []byte(content), "/bin/sh", "-c", fmt.Sprintf("mkdir -p $(dirname %[1]s) && umask 077 && cat >%[1]s", path))
+		if err == nil && r.Exit != 0 {
+			err = fmt.Errorf("exit %d: %s", r.Exit, strings.TrimSpace(r.Stderr))
+		}
+		if err != nil {
+			return fmt.Errorf("%s: writing %s: %w", g.Name, path, err)
+		}
+	}
+	script := fmt.Sprintf(`set -e
+ip link set eth0 up
+ip addr add %[1]s/24 dev eth0
+ip route add default via 10.0.2.2
+sysctl -qw net.ipv4.ip_forward=1
+for chain in OUTPUT PREROUTING; do
+	iptables -t nat -A $chain -d %[2]s/32 -p tcp --dport 443 -j DNAT --to-destination %[3]s:%[4]d
+done
+systemctl start kubelet`, NodeIP, KubernetesSvc, HostInGuest, GuestAPIPort)
+	if _, err := g.MustSh(ctx, script); err != nil {
+		return fmt.Errorf("%s: joining the cluster: %w", g.Name, err)
+	}
+	return nil
+}
+
+// waitFor polls f until it returns true, an error, or limit passes.
+func waitFor(ctx context.Context, limit time.Duration, what string, f func() (bool, string, error)) error {
+	deadline := time.Now().Add(limit)
+	var last string
+	for {
+		ok, state, err := f()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		last = state
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: not after %s (last: %s)", what, limit, last)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s: %w (last: %s)", what, ctx.Err(), last)
+		case <-time.After(time.Second):
+		}
+	}
+}

@@ -1,0 +1,531 @@
+package k8s
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+)
+
+// WorkloadImage is the image of the scenarios' pods (a shell and sleep),
+// served by the lab's registry under the name Kubernetes' own tests use.
+const WorkloadImage = "registry.k8s.io/e2e-test-images/busybox:1.36.1-1"
+
+// Namespace holds the scenarios' objects.
+const Namespace = "vco-lab"
+
+// Scenarios are the ones RunStory knows, in order.
+var Scenarios = []string{"K1", "K2", "K4"}
+
+type story struct {
+	c   *Cluster
+	r   *e2e.Report
+	log io.Writer
+}
+
+// RunStory installs the add-on and runs the scenarios on the cluster,
+// recording each step and each piece of evidence for P1-P5.
+func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer) *e2e.Report {
+	s := &story{c: c, log: log, r: &e2e.Report{Started: time.Now(), Kind: string(c.Env.Backend.Kind),
+		Setup: c.SetupTime, Boot: map[string]time.Duration{}}}
+	if s.r.Kind == "" {
+		s.r.Kind = string(lab.SCSIBlock)
+	}
+	for _, g := range c.Env.Lab.Guests {
+		s.r.Boot[g.Name] = g.BootTime
+	}
+	defer func() { s.r.Finished = time.Now() }()
+	if err := s.step("setup", "cluster", "apply the add-on as seed 001 says (Secret, make csi-addon | kubectl apply -f -)", func() (string, error) {
+		return c.InstallAddon(ctx)
+	}); err != nil {
+		s.r.Err = err
+		return s.r
+	}
+	if _, err := c.Kubectl(ctx, "create", "namespace", Namespace); err != nil {
+		s.r.Err = err
+		return s.r
+	}
+	run := map[string]func(context.Context) error{"K1": s.k1, "K2": s.k2, "K4": s.k4}
+	for _, sc := range scenarios {
+		f := run[sc]
+		if f == nil {
+			s.r.Err = fmt.Errorf("no scenario %s (known: %v)", sc, Scenarios)
+			return s.r
+		}
+		if err := f(ctx); err != nil {
+			s.r.Err = fmt.Errorf("%s: %w", sc, err)
+			return s.r
+		}
+	}
+	return s.r
+}
+
+func (s *story) step(scenario, node, name string, f func() (string, error)) error {
+	st := e2e.Step{Scenario: scenario, Node: node, Name: name, Start: time.Now()}
+	detail, err := f()
+	st.Duration, st.OK, st.Detail = time.Since(st.Start), err == nil, detail
+	if err != nil {
+		st.Detail = strings.TrimSpace(st.Detail + "\n" + err.Error())
+	}
+	s.r.Steps = append(s.r.Steps, st)
+	mark := "ok  "
+	if err != nil {
+		mark = "FAIL"
+	}
+	fmt.Fprintf(s.log, "%s %-6s %-9s %s (%.1fs)\n", mark, scenario, node, name, st.Duration.Seconds())
+	return err
+}
+
+func (s *story) check(p e2e.Property, scenario string, held bool, format string, a ...any) {
+	s.r.Checks = append(s.r.Checks, e2e.Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
+}
+
+func (s *story) apply(ctx context.Context, yaml string) error {
+	_, err := s.c.KubectlInput(ctx, strings.NewReader(yaml), "-n", Namespace, "apply", "-f", "-")
+	return err
+}
+
+// pvc is a claim of the default class (no storageClassName).
+func pvc(name, size string) string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: %s
+spec:
+  accessModes: [ReadWriteOnce]
+  resources:
+    requests:
+      storage: %s
+`, name, size)
+}
+
+// writerSpec is a pod spec, indented by indent: a container that appends
+// a line naming its node to /data/log, syncs, and sleeps; extra is more
+// of the spec (unindented).
+func writerSpec(claim, extra, indent string) string {
+	spec := fmt.Sprintf(`terminationGracePeriodSeconds: 2
+%scontainers:
+  - name: writer
+    image: %s
+    command: ["sh", "-c", "echo written-on-$NODE >>/data/log && sync && exec sleep 1000000"]
+    env:
+      - name: NODE
+        valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+    volumeMounts:
+      - {name: data, mountPath: /data}
+volumes:
+  - name: data
+    persistentVolumeClaim: {claimName: %s}
+`, extra, WorkloadImage, claim)
+	lines := strings.SplitAfter(spec, "\n")
+	var b strings.Builder
+	for _, l := range lines {
+		if l != "" {
+			b.WriteString(indent + l)
+		}
+	}
+	return b.String()
+}
+
+type podInfo struct {
+	Name, Node, Phase, UID string
+	Ready                  bool
+}
+
+func (s *story) pods(ctx context.Context, selector string) ([]podInfo, error) {
+	out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "pods", "-l", selector, "-o", "json")
+	if err != nil {
+		return nil, err
+	}
+	var list struct {
+		Items []struct {
+			Metadata struct {
+				Name              string
+				UID               string
+				DeletionTimestamp *string
+			}
+			Spec   struct{ NodeName string }
+			Status struct {
+				Phase      string
+				Conditions []struct{ Type, Status string }
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &list); err != nil {
+		return nil, err
+	}
+	var ps []podInfo
+	for _, it := range list.Items {
+		if it.Metadata.DeletionTimestamp != nil {
+			continue
+		}
+		p := podInfo{Name: it.Metadata.Name, Node: it.Spec.NodeName, Phase: it.Status.Phase, UID: it.Metadata.UID}
+		for _, c := range it.Status.Conditions {
+			if c.Type == "Ready" && c.Status == "True" {
+				p.Ready = true
+			}
+		}
+		ps = append(ps, p)
+	}
+	return ps, nil
+}
+
+// waitPods waits until the selector's pods number n and want(pods) holds.
+func (s *story) waitPods(ctx context.Context, selector string, limit time.Duration, what string, want func([]podInfo) bool) ([]podInfo, error) {
+	var ps []podInfo
+	err := waitFor(ctx, limit, what, func() (bool, string, error) {
+		var err error
+		ps, err = s.pods(ctx, selector)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		return want(ps), fmt.Sprintf("%+v", ps), nil
+	})
+	if err != nil {
+		ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--sort-by=.lastTimestamp")
+		return ps, fmt.Errorf("%w\nevents:\n%s", err, lastLines(ev, 20))
+	}
+	return ps, nil
+}
+
+func allReady(n int) func([]podInfo) bool {
+	return func(ps []podInfo) bool {
+		if len(ps) != n {
+			return false
+		}
+		for _, p := range ps {
+			if !p.Ready {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+// pvOf returns the name of the PV bound to claim.
+func (s *story) pvOf(ctx context.Context, claim string) (string, error) {
+	out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", claim, "-o", "jsonpath={.spec.volumeName}")
+	out = strings.TrimSpace(out)
+	if err == nil && out == "" {
+		err = fmt.Errorf("claim %s is not bound", claim)
+	}
+	return out, err
+}
+
+// volumeMount is where the kubelet mounted pv for pod uid on g.
+func volumeMount(uid, pv string) string {
+	return fmt.Sprintf("/var/lib/kubelet/pods/%s/volumes/kubernetes.io~csi/%s/mount", uid, pv)
+}
+
+// readLog reads /data/log of pod p through its node (the API server does
+// not reach the workers' kubelets, so kubectl exec is not used).
+func (s *story) readLog(ctx context.Context, p podInfo, pv string) (string, error) {
+	g := s.c.Env.Lab.Guest(p.Node)
+	if g == nil {
+		return "", fmt.Errorf("pod %s is on %q, not a lab worker", p.Name, p.Node)
+	}
+	out, err := g.MustSh(ctx, "cat "+volumeMount(p.UID, pv)+"/log")
+	return strings.TrimSpace(out), err
+}
+
+// mountsOf lists the lines of g's /proc/mounts that name pv (its staging
+// or publish paths) or the device mapped for it.
+func (s *story) mountsOf(ctx context.Context, g *lab.Guest, pv string) ([]string, error) {
+	out, err := g.MustSh(ctx, "grep -F "+pv+" /proc/mounts || true")
+	if err != nil {
+		return nil, err
+	}
+	var l []string
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		if line != "" {
+			l = append(l, line)
+		}
+	}
+	return l, nil
+}
+
+func (s *story) other(node string) string {
+	for _, g := range s.c.Env.Lab.Guests {
+		if g.Name != node {
+			return g.Name
+		}
+	}
+	return ""
+}
+
+// k1: a claim of the default class and a pod. The PV carries a
+// nodeAffinity on the topology key equal to the pod's node's label;
+// CSINode shows the driver under the class's provisioner name; nodes carry
+// the topology label.
+func (s *story) k1(ctx context.Context) error {
+	const sc = "K1"
+	var p podInfo
+	if err := s.step(sc, "cluster", "PVC of the default class and a pod writing to it", func() (string, error) {
+		if err := s.apply(ctx, pvc("k1", "1Gi")+"---\n"+fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata:
+  name: k1
+  labels: {app: k1}
+spec:
+%s`, writerSpec("k1", "", "  "))); err != nil {
+			return "", err
+		}
+		ps, err := s.waitPods(ctx, "app=k1", 10*time.Minute, "pod k1 Ready", allReady(1))
+		if err != nil {
+			return "", err
+		}
+		p = ps[0]
+		return "pod k1 Ready on " + p.Node, nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "PV nodeAffinity, CSINode and node labels (the seed's checks)", func() (string, error) {
+		pv, err := s.pvOf(ctx, "k1")
+		if err != nil {
+			return "", err
+		}
+		aff, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={range .spec.nodeAffinity.required.nodeSelectorTerms[*].matchExpressions[*]}{.key}={.values[*]}{\"\\n\"}{end}")
+		if err != nil {
+			return "", err
+		}
+		label, err := s.c.Kubectl(ctx, "get", "node", p.Node, "-o", "jsonpath={.metadata.labels.cloud\\.whitesky/location}")
+		if err != nil {
+			return "", err
+		}
+		want := "cloud.whitesky/location=" + label
+		if label == "" || !strings.Contains(aff, want) {
+			return "", fmt.Errorf("PV %s nodeAffinity %q does not require %q (node %s's label)", pv, strings.TrimSpace(aff), want, p.Node)
+		}
+		prov, err := s.c.Kubectl(ctx, "get", "storageclass", "vco-csi", "-o", "jsonpath={.provisioner}")
+		if err != nil {
+			return "", err
+		}
+		drivers, err := s.c.Kubectl(ctx, "get", "csinode", p.Node, "-o", "jsonpath={.spec.drivers[*].name}")
+		if err != nil {
+			return "", err
+		}
+		if !strings.Contains(" "+drivers+" ", " "+prov+" ") {
+			return "", fmt.Errorf("CSINode %s lists %q, not the class's provisioner %q", p.Node, drivers, prov)
+		}
+		data, err := s.readLog(ctx, p, pv)
+		if err != nil {
+			return "", err
+		}
+		if data != "written-on-"+p.Node {
+			return "", fmt.Errorf("the pod's volume holds %q", data)
+		}
+		s.check(e2e.P5, sc, true, "K1: a new volume was formatted once and holds what the pod wrote (%q)", data)
+		return fmt.Sprintf("PV %s requires %s; CSINode %s lists %s; node label %s", pv, want, p.Node, prov, label), nil
+	})
+}
+
+// k2: the seed's failure: two replicas of a Deployment share one RWO
+// claim and are forced onto two workers. The second is held with the
+// Multi-Attach error and never mounts; the first keeps its data.
+func (s *story) k2(ctx context.Context) error {
+	const sc = "K2"
+	var first, second podInfo
+	var pv string
+	aff := `affinity:
+  podAntiAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - labelSelector: {matchLabels: {app: k2}}
+        topologyKey: kubernetes.io/hostname
+`
+	if err := s.step(sc, "cluster", "Deployment of 2 replicas sharing one RWO claim, one per worker", func() (string, error) {
+		if err := s.apply(ctx, pvc("k2", "1Gi")+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: k2
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: k2}}
+  template:
+    metadata: {labels: {app: k2}}
+    spec:
+%s`, writerSpec("k2", aff, "      "))); err != nil {
+			return "", err
+		}
+		ps, err := s.waitPods(ctx, "app=k2", 10*time.Minute, "one k2 pod Ready, the other scheduled", func(ps []podInfo) bool {
+			ready, sched := 0, 0
+			for _, p := range ps {
+				if p.Ready {
+					ready++
+				}
+				if p.Node != "" {
+					sched++
+				}
+			}
+			return len(ps) == 2 && ready == 1 && sched == 2
+		})
+		if err != nil {
+			return "", err
+		}
+		for _, p := range ps {
+			if p.Ready {
+				first = p
+			} else {
+				second = p
+			}
+		}
+		if pv, err = s.pvOf(ctx, "k2"); err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("%s Ready on %s; %s scheduled on %s", first.Name, first.Node, second.Name, second.Node), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "the second pod is held with Multi-Attach error; no second mount; the first keeps its data", func() (string, error) {
+		var msg string
+		if err := waitFor(ctx, 3*time.Minute, "a Multi-Attach error event for "+second.Name, func() (bool, string, error) {
+			out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name="+second.Name,
+				"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			for _, l := range strings.Split(out, "\n") {
+				if strings.Contains(l, "Multi-Attach error for volume") {
+					msg = l
+					return true, out, nil
+				}
+			}
+			return false, out, nil
+		}); err != nil {
+			return "", err
+		}
+		// Held, not merely slow: it stays not ready for a while.
+		time.Sleep(20 * time.Second)
+		ps, err := s.pods(ctx, "app=k2")
+		if err != nil {
+			return "", err
+		}
+		for _, p := range ps {
+			if p.Name == second.Name && (p.Ready || p.Phase == "Running") {
+				return "", fmt.Errorf("the second pod %s became %s on %s", p.Name, p.Phase, p.Node)
+			}
+		}
+		secondMounts, err := s.mountsOf(ctx, s.c.Env.Lab.Guest(second.Node), pv)
+		if err != nil {
+			return "", err
+		}
+		s.check(e2e.P1, sc, len(secondMounts) == 0, "K2: %s on %s held (%s); mounts of %s there: %d", second.Name, second.Node, msg, pv, len(secondMounts))
+		if len(secondMounts) > 0 {
+			return "", fmt.Errorf("%s has %s mounted: %v", second.Node, pv, secondMounts)
+		}
+		data, err := s.readLog(ctx, first, pv)
+		if err != nil {
+			return "", err
+		}
+		if data != "written-on-"+first.Node {
+			return "", fmt.Errorf("the first pod's volume holds %q", data)
+		}
+		// Leave the claim to K4's own Deployment: scale to none.
+		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "deployment", "k2", "--wait=true"); err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("event %q; %s never mounted on %s; %s's data intact", msg, pv, second.Node, first.Name), nil
+	})
+}
+
+// k4: kubectl drain of the pod's node: the pod comes back on the other
+// worker with its data, the VolumeAttachment moved.
+func (s *story) k4(ctx context.Context) error {
+	const sc = "K4"
+	var before podInfo
+	var pv string
+	if err := s.step(sc, "cluster", "a Deployment of one replica with its claim", func() (string, error) {
+		if err := s.apply(ctx, pvc("k4", "1Gi")+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: k4
+spec:
+  replicas: 1
+  strategy: {type: Recreate}
+  selector: {matchLabels: {app: k4}}
+  template:
+    metadata: {labels: {app: k4}}
+    spec:
+%s`, writerSpec("k4", "", "      "))); err != nil {
+			return "", err
+		}
+		ps, err := s.waitPods(ctx, "app=k4", 10*time.Minute, "k4 Ready", allReady(1))
+		if err != nil {
+			return "", err
+		}
+		before = ps[0]
+		pv, err = s.pvOf(ctx, "k4")
+		return "Ready on " + before.Node, err
+	}); err != nil {
+		return err
+	}
+	to := s.other(before.Node)
+	if err := s.step(sc, before.Node, "kubectl drain", func() (string, error) {
+		out, err := s.c.Kubectl(ctx, "drain", before.Node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=5m")
+		return lastLines(out, 3), err
+	}); err != nil {
+		return err
+	}
+	defer func() { _, _ = s.c.Kubectl(context.WithoutCancel(ctx), "uncordon", before.Node) }()
+	return s.step(sc, to, "the pod back on the other worker with its data", func() (string, error) {
+		ps, err := s.waitPods(ctx, "app=k4", 10*time.Minute, "k4 Ready on "+to, func(ps []podInfo) bool {
+			return allReady(1)(ps) && ps[0].Node == to
+		})
+		if err != nil {
+			return "", err
+		}
+		after := ps[0]
+		data, err := s.readLog(ctx, after, pv)
+		if err != nil {
+			return "", err
+		}
+		want := "written-on-" + before.Node + "\nwritten-on-" + to
+		s.check(e2e.P5, sc, data == want, "K4: after the drain the volume holds %q", data)
+		if data != want {
+			return "", fmt.Errorf("the volume holds %q, want %q", data, want)
+		}
+		va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o",
+			"jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName}={.status.attached}{\" \"}{end}")
+		if err != nil {
+			return "", err
+		}
+		if strings.TrimSpace(va) != to+"=true" {
+			return "", fmt.Errorf("VolumeAttachments of %s: %q, want only %s=true", pv, va, to)
+		}
+		old, err := s.mountsOf(ctx, s.c.Env.Lab.Guest(before.Node), pv)
+		if err != nil {
+			return "", err
+		}
+		s.check(e2e.P1, sc, len(old) == 0, "K4: %s left %s (mounts there: %d) before %s used it", pv, before.Node, len(old), to)
+		return fmt.Sprintf("%s Ready on %s with %q; VolumeAttachment %s", after.Name, to, data, va), nil
+	})
+}
+
+
+// WriteReport writes r as dir/k8s-report-KIND.txt and .html.
+func WriteReport(r *e2e.Report, dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	base := filepath.Join(dir, "k8s-report-"+r.Kind)
+	var txt strings.Builder
+	r.WriteText(&txt)
+	if err := os.WriteFile(base+".txt", []byte(txt.String()), 0o644); err != nil {
+		return err
+	}
+	f, err := os.Create(base + ".html")
+	if err != nil {
+		return err
+	}
+	if err := r.WriteHTML(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
