@@ -22,9 +22,9 @@ const Version = "v1.34.2"
 
 // Binaries are the cluster's programs, built from Kubernetes' sources.
 type Binaries struct {
-	Dir                                                     string
+	Dir                                                       string
 	APIServer, ControllerManager, Scheduler, Kubelet, Kubectl string
-	Etcd                                                    string
+	Etcd                                                      string
 }
 
 var commands = []string{

@@ -28,7 +28,7 @@ func workerFiles() map[string]string {
 		// The CRI writes each sandbox's hosts file from this one.
 		"/etc/hosts": "127.0.0.1 localhost\n::1 localhost\n",
 		// No name server: nothing in the lab resolves names.
-		"/etc/resolv.conf": "# the lab's workers resolve no names\n",
+		"/etc/resolv.conf":                  "# the lab's workers resolve no names\n",
 		"/etc/sysctl.d/90-vco-lab-k8s.conf": "net.ipv4.ip_forward = 1\n",
 		"/etc/containerd/config.toml": `version = 2
 [plugins."io.containerd.grpc.v1.cri"]

@@ -507,7 +507,6 @@ spec:
 	})
 }
 
-
 // WriteReport writes r as dir/k8s-report-KIND.txt and .html.
 func WriteReport(r *e2e.Report, dir string) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
