@@ -62,13 +62,26 @@ LAB_TIMEOUT ?= 60m
 E2E_PKGS := ./integration/simlab ./integration/e2e
 test-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) \
-	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e -e /integration/faults)
+	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e -e /integration/faults -e /integration/k8s)
 
 # The end-to-end tier (guest tier too): the simulator in lab mode and the
 # RWO story on two guests running vco-agent and the vco-csi node plugin;
 # E9 boots a third, Debian 12 guest with the .deb under systemd.
 test-e2e: deps build packages guest-root
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) $(E2E_PKGS)
+
+# The Kubernetes tier (docs/development.md, "The Kubernetes lab"): a
+# cluster built from Kubernetes' sources (cached after the first build),
+# workers as Debian 12 guests with the vco-agent package, the add-on
+# applied with make csi-addon, scenarios K1, K2 and K4 judged per safety
+# property. make k8s-lab is the same from the command line, with its report
+# in bin/k8s-report-*.txt and .html.
+K8S_TIMEOUT ?= 70m
+.PHONY: test-k8s k8s-lab
+test-k8s: deps build packages guest-root image
+	VCO_LAB=1 VCO_K8S=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
+k8s-lab: deps build packages guest-root image
+	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN)
 
 # Benchmarks print one table of figures against named references; they
 # are never asserted. Each part adds a bench-* target as a prerequisite and
