@@ -50,6 +50,7 @@ type addon struct {
 	bindings        []rbacv1.RoleBinding
 	deployments     []appsv1.Deployment
 	daemonSets      []appsv1.DaemonSet
+	secrets         []corev1.Secret
 }
 
 // splitDocs splits a YAML stream at its "---" lines and drops documents
@@ -98,9 +99,9 @@ var builtinAPIs = []string{"v1", "storage.k8s.io/v1", "rbac.authorization.k8s.io
 func decode(t *testing.T, image, driver string) *addon {
 	t.Helper()
 	a := decodePart(t, Core, image, driver)
-	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 ||
+	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 2 ||
 		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
-		t.Fatalf("csi.yaml holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1",
+		t.Fatalf("csi.yaml holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d Deployments, %d DaemonSets; want 1, 1, 2, 1, 1",
 			len(a.namespaces), len(a.drivers), len(a.classes), len(a.deployments), len(a.daemonSets))
 	}
 	if len(a.snapshotClasses) != 0 {
@@ -117,6 +118,18 @@ func decodeSnapshots(t *testing.T, image, driver string) *addon {
 	if len(a.snapshotClasses) != 1 || len(a.apiVersions) != 1 {
 		t.Fatalf("csi-snapshots.yaml holds %d objects, %d of them VolumeSnapshotClasses; want the one VolumeSnapshotClass",
 			len(a.apiVersions), len(a.snapshotClasses))
+	}
+	return a
+}
+
+// decodeEncryption renders the opt-in encryption part
+// (csi-encryption.yaml) and decodes it strictly.
+func decodeEncryption(t *testing.T, image, driver string) *addon {
+	t.Helper()
+	a := decodePart(t, Encryption, image, driver)
+	if len(a.classes) != 1 || len(a.accounts) != 1 || len(a.secrets) != 1 || len(a.clusterBindings) != 1 || len(a.apiVersions) != 4 {
+		t.Fatalf("csi-encryption.yaml holds %d objects: %d StorageClasses, %d ServiceAccounts, %d Secrets, %d ClusterRoleBindings; want 1 of each",
+			len(a.apiVersions), len(a.classes), len(a.accounts), len(a.secrets), len(a.clusterBindings))
 	}
 	return a
 }
@@ -158,6 +171,10 @@ func decodePart(t *testing.T, part Part, image, driver string) *addon {
 			var o volumeSnapshotClass
 			strict(t, doc, &o)
 			a.snapshotClasses = append(a.snapshotClasses, o)
+		case "v1 Secret":
+			var o corev1.Secret
+			strict(t, doc, &o)
+			a.secrets = append(a.secrets, o)
 		case "v1 ServiceAccount":
 			var o corev1.ServiceAccount
 			strict(t, doc, &o)
@@ -356,6 +373,11 @@ func TestStorageClasses(t *testing.T) {
 		byName := map[string]storagev1.StorageClass{}
 		var defaults []string
 		for _, c := range a.classes {
+			if b, _ := strconv.ParseBool(c.Parameters["encryption"]); b {
+				t.Errorf("csi.yaml ships the encrypted StorageClass %s; it belongs in the encryption part, applied only with a key backend", c.Name)
+			}
+		}
+		for _, c := range append(slices.Clone(a.classes), decodeEncryption(t, a.image, a.driver).classes...) {
 			byName[c.Name] = c
 			if c.Provisioner != a.driver {
 				t.Errorf("StorageClass %s: provisioner %q, want the driver name %q", c.Name, c.Provisioner, a.driver)
@@ -394,6 +416,38 @@ func TestStorageClasses(t *testing.T) {
 					t.Errorf("StorageClass %s asks for encryption", name)
 				}
 			}
+		}
+	})
+}
+
+// TestEncryptionPart: the encryption part holds the encrypted class and
+// what docs/encryption.md's recipe gives the key backend to review the
+// node plugin's tokens: a ServiceAccount of its own (not the node
+// plugin's, whose token has audience vault only) bound to
+// system:auth-delegator, and its long-lived token Secret.
+func TestEncryptionPart(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		e := decodeEncryption(t, a.image, a.driver)
+		for _, v := range e.apiVersions {
+			if !slices.Contains(builtinAPIs, v) {
+				t.Errorf("csi-encryption.yaml holds an object of %s, which needs a CRD", v)
+			}
+		}
+		sa, sec, b := e.accounts[0], e.secrets[0], e.clusterBindings[0]
+		if sa.Namespace != Namespace || sa.Name == a.daemonSets[0].Spec.Template.Spec.ServiceAccountName {
+			t.Errorf("token reviewer ServiceAccount %s/%s; want one of its own in %s", sa.Namespace, sa.Name, Namespace)
+		}
+		if sec.Type != corev1.SecretTypeServiceAccountToken || sec.Namespace != Namespace ||
+			sec.Annotations[corev1.ServiceAccountNameKey] != sa.Name {
+			t.Errorf("token reviewer Secret %s: type %s, for %q; want a service-account-token for %s", sec.Name, sec.Type,
+				sec.Annotations[corev1.ServiceAccountNameKey], sa.Name)
+		}
+		if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != "system:auth-delegator" || len(b.Subjects) != 1 ||
+			b.Subjects[0].Kind != "ServiceAccount" || b.Subjects[0].Name != sa.Name || b.Subjects[0].Namespace != Namespace {
+			t.Errorf("ClusterRoleBinding %s: %+v to %+v; want system:auth-delegator for %s/%s", b.Name, b.RoleRef, b.Subjects, Namespace, sa.Name)
+		}
+		if c := e.classes[0]; c.Name != "vco-csi-encrypted-vault" || c.Parameters["encryption"] != "true" {
+			t.Errorf("encryption part's class %s %v", c.Name, c.Parameters)
 		}
 	})
 }
@@ -773,6 +827,23 @@ func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
 		p := a.plugin(t, w)
 		if kd, _ := flag(p.Args, "key-backend-dir"); kd != KeyBackendDir {
 			t.Errorf("node plugin --key-backend-dir=%q; the key backend volume is mounted at %s", kd, KeyBackendDir)
+		}
+		// A key-backend problem shows as not ready: the probe asks the
+		// address the plugin serves /readyz on.
+		ha, _ := flag(p.Args, "health-addr")
+		rp := p.ReadinessProbe
+		if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
+			t.Errorf("node plugin readinessProbe %+v; want GET /readyz", rp)
+		} else {
+			port := -1
+			for _, cp := range p.Ports {
+				if cp.Name == rp.HTTPGet.Port.StrVal || cp.ContainerPort == rp.HTTPGet.Port.IntVal {
+					port = int(cp.ContainerPort)
+				}
+			}
+			if ha != fmt.Sprintf(":%d", port) {
+				t.Errorf("node plugin --health-addr=%q; the readiness probe asks port %d", ha, port)
+			}
 		}
 		m, v := mountFor(t, w, p, KeyBackendDir+"/token")
 		if m.MountPath != KeyBackendDir || v.Projected == nil {

@@ -231,6 +231,20 @@ func loadKeyBackend(dir string) (*keyBackend, error) {
 	return kb, nil
 }
 
+// nodeKeyBackend reads the key backend directory and makes its transit
+// client: nil, nil, nil when no key backend is configured.
+func nodeKeyBackend(dir string) (*transit.Client, *keyBackend, error) {
+	kb, err := loadKeyBackend(dir)
+	if err != nil || kb == nil {
+		return nil, nil, err
+	}
+	w, err := transit.New(kb.Transit)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: %v", keyBackendConfig, err)
+	}
+	return w, kb, nil
+}
+
 // checkPEMCertificates requires at least one PEM block and every block to
 // be a parseable certificate, so a truncated paste fails at start.
 func checkPEMCertificates(b []byte) error {

@@ -84,6 +84,11 @@ type Config struct {
 	// TransitKey; nil means this node stages no encrypted volume.
 	Transit    crypt.Wrapper
 	TransitKey crypt.TransitKey
+	// KeyBackendProblem, with Transit nil, is why the key backend the
+	// cluster configured cannot be used: an encrypted stage is refused
+	// with it (FAILED_PRECONDITION) while plain volumes are served as
+	// usual. It names settings, never a secret.
+	KeyBackendProblem error
 }
 
 // DefaultMaxVolumesPerNode is how many data disks a VM takes: hot-plug
