@@ -43,8 +43,10 @@ const TopologyKey = "cloud.whitesky/location"
 const ImageUID = 65532
 
 // KeyBackendDir is where the node plugin finds the key backend's
-// settings (ConfigMap csi-key-backend-config), its CA (ConfigMap
-// openbao-ca, key ca.crt) and a projected service account token (token).
+// settings (ConfigMap csi-key-backend-config), its CA (ConfigMap or
+// Secret openbao-ca, keys ca.crt, ca.pem or ca-bundle.crt, under
+// ca/configmap/ and ca/secret/) and a projected service account token
+// (token).
 const KeyBackendDir = "/etc/vco-csi/key-backend"
 
 //go:embed manifests/*.yaml manifests/snapshots/*.yaml manifests/encryption/*.yaml

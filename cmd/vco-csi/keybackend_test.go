@@ -106,7 +106,8 @@ func TestPartialKeyBackendKeepsPlainVolumes(t *testing.T) {
 	}{
 		{"no role", map[string]string{"address": "https://openbao.example.net:8200", "transit_key": "k"}, "has no key role"},
 		{"address misspelt", map[string]string{"addr": "https://openbao.example.net:8200", "role": "vco-csi-node"},
-			"has key role but no key address"},
+			"has key addr, which the node plugin does not know"},
+		{"no address", map[string]string{"transitMount": "transit-prod-1", "role": "vco-csi-node"}, "has key role but no key address"},
 		{"address not a URL", map[string]string{"address": "openbao.example.net", "role": "vco-csi-node", "transit_key": "k"},
 			"is not an http(s) URL with a host"},
 	} {

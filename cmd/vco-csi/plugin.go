@@ -105,7 +105,7 @@ func runPlugin(args []string) int {
 			default:
 				cfg.Transit, cfg.TransitKey = w, kb.Key
 				log.Info("key backend configured", "address", kb.Transit.Address, "transit_mount", kb.Key.Mount, "transit_key", kb.Key.Name,
-					"auth_mount", kb.Transit.KubernetesMount, "role", kb.Transit.KubernetesRole, "ca", kb.Transit.CACertFile)
+					"k8s_auth_path", kb.Transit.KubernetesMount, "role", kb.Transit.KubernetesRole, "ca_ref", kb.CARef, "ca", kb.CASource)
 			}
 		} else if *vaultAddr != "" {
 			tc := transit.Config{Address: *vaultAddr, Mount: *transitMount, Namespace: *vaultNamespace, CACertFile: *vaultCA,
