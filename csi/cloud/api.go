@@ -2,11 +2,13 @@ package cloud
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Disk is a customer disk as the disks endpoints return it. Sizes are GiB.
@@ -245,6 +247,75 @@ func (c *Client) ListSnapshots(ctx context.Context, loc string, diskID int64) ([
 	err := c.do(ctx, call{op: "list snapshots", target: "of " + diskTarget(loc, diskID), method: http.MethodGet,
 		path: diskPath(loc, diskID) + "/snapshots", out: &out})
 	return out.Result, err
+}
+
+// SnapshotDetail is one snapshot as the snapshot endpoint
+// (getDiskSnapshot) answers it.
+type SnapshotDetail struct {
+	ID   string `json:"snapshot_id"`
+	Name string `json:"snapshot_name"`
+	// CreationTime is the API's creation_time, a string in this
+	// endpoint's schema (an integer in the list's): empty while the
+	// platform reports none.
+	CreationTime flexString `json:"creation_time"`
+	Disks        []struct {
+		ID int64 `json:"disk_id"`
+	} `json:"disks"`
+}
+
+// Created reads the creation time: seconds since the epoch, or an
+// RFC 3339 time. ok is false when the answer carries none or another form.
+func (s *SnapshotDetail) Created() (t time.Time, ok bool) {
+	v := strings.TrimSpace(string(s.CreationTime))
+	if n, err := strconv.ParseFloat(v, 64); err == nil && n > 0 {
+		return time.Unix(int64(n), 0), true
+	}
+	if t, err := time.Parse(time.RFC3339, v); err == nil {
+		return t, true
+	}
+	return time.Time{}, false
+}
+
+// HasDisk reports whether the snapshot names the disk among its disks.
+func (s *SnapshotDetail) HasDisk(id int64) bool {
+	for _, d := range s.Disks {
+		if d.ID == id {
+			return true
+		}
+	}
+	return false
+}
+
+// flexString is a JSON string that also reads a number as its text.
+type flexString string
+
+func (f *flexString) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		*f = ""
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		*f = flexString(s)
+		return nil
+	}
+	var n json.Number
+	if err := json.Unmarshal(b, &n); err != nil {
+		return err
+	}
+	*f = flexString(n.String())
+	return nil
+}
+
+// GetSnapshot asks the snapshot endpoint about one snapshot of a disk.
+func (c *Client) GetSnapshot(ctx context.Context, loc string, diskID int64, snapID string) (*SnapshotDetail, error) {
+	var out SnapshotDetail
+	err := c.do(ctx, call{op: "get snapshot " + snapID, target: "of " + diskTarget(loc, diskID), method: http.MethodGet,
+		path: diskPath(loc, diskID) + "/snapshots/" + url.PathEscape(snapID), out: &out})
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
 }
 
 // DeleteSnapshot deletes one snapshot.

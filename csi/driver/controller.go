@@ -43,6 +43,7 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 	csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
 	csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+	csi.ControllerServiceCapability_RPC_GET_SNAPSHOT,
 	csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 }
 
@@ -643,16 +644,64 @@ type snapshotEntry struct {
 	loc  string
 	disk cloud.Disk
 	snap cloud.Snapshot
+	// taken stands in for the creation time while the API reports none.
+	taken time.Time
 }
 
+// csi is the snapshot as CSI reports it. whitesky.cloud's snapshots have
+// no status field: a snapshot is ready to use once the API reports its
+// creation time (creation_time in the list and in the snapshot endpoint),
+// and not before, even when its id is already known (docs/storage.md).
 func (e snapshotEntry) csi() *csi.Snapshot {
+	created := time.Unix(e.snap.CreationTime, 0)
+	if e.snap.CreationTime <= 0 {
+		created = e.taken
+		if created.IsZero() {
+			created = time.Now()
+		}
+	}
 	return &csi.Snapshot{
 		SnapshotId:     snapshotID(e.loc, e.disk.ID, e.snap.ID),
 		SourceVolumeId: volumeID(e.loc, e.disk.ID),
 		SizeBytes:      e.disk.SizeGiB * gib,
-		CreationTime:   timestamppb.New(time.Unix(e.snap.CreationTime, 0)),
-		ReadyToUse:     true,
+		CreationTime:   timestamppb.New(created),
+		ReadyToUse:     e.snap.CreationTime > 0,
 	}
+}
+
+// askSnapshot asks the snapshot endpoint about one snapshot of a disk and
+// gives it as an entry, its creation time set only when the API reports
+// one. cloud.ErrNotFound is passed on.
+func (d *Driver) askSnapshot(ctx context.Context, loc string, disk cloud.Disk, snapID string) (snapshotEntry, error) {
+	det, err := d.cfg.Cloud.GetSnapshot(ctx, loc, disk.ID, snapID)
+	if err != nil {
+		return snapshotEntry{}, err
+	}
+	if len(det.Disks) > 0 && !det.HasDisk(disk.ID) {
+		return snapshotEntry{}, fmt.Errorf("the API's answer about snapshot %s of volume %s names other disks (%v)",
+			snapID, volumeID(loc, disk.ID), det.Disks)
+	}
+	e := snapshotEntry{loc: loc, disk: disk, snap: cloud.Snapshot{ID: snapID, Name: det.Name}}
+	if string(det.CreationTime) != "" {
+		t, ok := det.Created()
+		if !ok {
+			// Reported, in a form this driver does not read: the list
+			// carries it as an integer.
+			list, err := d.cfg.Cloud.ListSnapshots(ctx, loc, disk.ID)
+			if err != nil {
+				return snapshotEntry{}, err
+			}
+			for _, s := range list {
+				if s.ID == snapID && s.CreationTime > 0 {
+					t = time.Unix(s.CreationTime, 0)
+				}
+			}
+		}
+		if !t.IsZero() {
+			e.snap.CreationTime = t.Unix()
+		}
+	}
+	return e, nil
 }
 
 func (d *Driver) snapshotsOf(ctx context.Context, loc string, disk cloud.Disk) ([]snapshotEntry, error) {
@@ -743,16 +792,46 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err != nil {
 		return nil, fmt.Errorf("snapshotting volume %s: %w", src, err)
 	}
-	snaps, err := d.cfg.Cloud.ListSnapshots(ctx, loc, disk.ID)
+	taken := time.Now()
+	e, err := d.askSnapshot(ctx, loc, *disk, sid)
+	switch {
+	case errors.Is(err, cloud.ErrNotFound):
+		// Taken, and not yet answered by the snapshot endpoint: not
+		// ready; the snapshotter asks again and finds it by its name.
+		e = snapshotEntry{loc: loc, disk: *disk, snap: cloud.Snapshot{ID: sid, Name: name}}
+	case err != nil:
+		return nil, fmt.Errorf("snapshot %s of volume %s was taken; asking the API about it: %w", sid, src, err)
+	}
+	e.taken = taken
+	return &csi.CreateSnapshotResponse{Snapshot: e.csi()}, nil
+}
+
+// GetSnapshot reports one snapshot as the API's snapshot endpoint
+// answers it, ready once the API reports its creation time.
+func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (*csi.GetSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "GetSnapshot needs a snapshot id")
+	}
+	loc, diskID, snap, ok := parseSnapshotID(id)
+	if !ok {
+		return nil, failf(ErrNotFound, "snapshot %s: not a snapshot id of this driver (<location>/<disk id>/<snapshot id>)", id)
+	}
+	disk, err := d.cfg.Cloud.GetDisk(ctx, loc, diskID)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return nil, failf(ErrNotFound, "snapshot %s: its volume %s does not exist", id, volumeID(loc, diskID))
+	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
-	for _, s := range snaps {
-		if s.ID == sid {
-			return &csi.CreateSnapshotResponse{Snapshot: snapshotEntry{loc: loc, disk: *disk, snap: s}.csi()}, nil
-		}
+	e, err := d.askSnapshot(ctx, loc, *disk, snap)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return nil, failf(ErrNotFound, "snapshot %s does not exist", id)
 	}
-	return nil, fmt.Errorf("snapshot %s of volume %s was taken but is not listed", sid, src)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	return &csi.GetSnapshotResponse{Snapshot: e.csi()}, nil
 }
 
 // DeleteSnapshot deletes a snapshot; one already gone is success.

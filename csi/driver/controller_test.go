@@ -529,3 +529,78 @@ func TestFlakyAPI(t *testing.T) {
 		}
 	}
 }
+
+// TestSnapshotReadinessIsTheAPIs: a snapshot is ready once the API
+// reports its creation time, not before; CreateSnapshot, its repeats,
+// ListSnapshots and GetSnapshot (the API's snapshot endpoint) all say so.
+// The simulator's SnapshotPendingReads stands in for a platform that has
+// not finished a snapshot (the API has no status field).
+func TestSnapshotReadinessIsTheAPIs(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "src", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	caps, err := e.ctrl.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hasGet := false
+	for _, c := range caps.Capabilities {
+		hasGet = hasGet || c.GetRpc().GetType() == csi.ControllerServiceCapability_RPC_GET_SNAPSHOT
+	}
+	if !hasGet {
+		t.Error("the controller does not offer GET_SNAPSHOT")
+	}
+
+	// Pending for its first three reads: the snapshot endpoint right
+	// after the take, the list on the repeat, GetSnapshot.
+	e.sim.SetFaults(sim.Faults{SnapshotPendingReads: 3})
+	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || s.Snapshot.ReadyToUse || s.Snapshot.CreationTime == nil {
+		t.Fatalf("a snapshot the API gives no creation time: %v %v; want not ready, with a creation time", s, err)
+	}
+	id := s.Snapshot.SnapshotId
+	again, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || again.Snapshot.SnapshotId != id || again.Snapshot.ReadyToUse {
+		t.Fatalf("repeated CreateSnapshot while pending: %v %v; want the same snapshot, not ready", again, err)
+	}
+	g, err := e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
+	if err != nil || g.Snapshot.ReadyToUse || g.Snapshot.SnapshotId != id || g.Snapshot.SourceVolumeId != v.Volume.VolumeId {
+		t.Fatalf("GetSnapshot while pending: %v %v", g, err)
+	}
+	// The API now reports the creation time.
+	before := e.sim.Calls()["getDiskSnapshot"]
+	g, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
+	if err != nil || !g.Snapshot.ReadyToUse || g.Snapshot.SizeBytes != v.Volume.CapacityBytes ||
+		time.Since(g.Snapshot.CreationTime.AsTime()) > time.Minute || e.sim.Calls()["getDiskSnapshot"] != before+1 {
+		t.Fatalf("GetSnapshot once the API reports it: %v %v (snapshot endpoint asked %d times)", g, err, e.sim.Calls()["getDiskSnapshot"]-before)
+	}
+	l, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: id})
+	if err != nil || len(l.Entries) != 1 || !l.Entries[0].Snapshot.ReadyToUse {
+		t.Fatalf("ListSnapshots by id: %v %v", l, err)
+	}
+	again, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || !again.Snapshot.ReadyToUse || !again.Snapshot.CreationTime.AsTime().Equal(g.Snapshot.CreationTime.AsTime()) {
+		t.Fatalf("repeated CreateSnapshot once ready: %v %v", again, err)
+	}
+
+	// Without pending reads a snapshot is ready at once.
+	e.sim.SetFaults(sim.Faults{})
+	s, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "at-once", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || !s.Snapshot.ReadyToUse {
+		t.Fatalf("snapshot: %v %v", s, err)
+	}
+
+	// Gone, or never of this driver: NOT_FOUND.
+	if _, err := e.ctrl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: id}); err != nil {
+		t.Fatal(err)
+	}
+	for _, gone := range []string{id, "ch-lug-1/999999/snap-1", "nonsense"} {
+		_, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: gone})
+		wantCode(t, err, codes.NotFound, gone)
+	}
+	_, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{})
+	wantCode(t, err, codes.InvalidArgument)
+}

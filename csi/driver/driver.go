@@ -36,6 +36,7 @@ type Cloud interface {
 	ResizeDisk(ctx context.Context, loc string, id, sizeGiB int64) error
 	CreateSnapshot(ctx context.Context, loc string, diskID int64, name string) (string, error)
 	ListSnapshots(ctx context.Context, loc string, diskID int64) ([]cloud.Snapshot, error)
+	GetSnapshot(ctx context.Context, loc string, diskID int64, snapID string) (*cloud.SnapshotDetail, error)
 	DeleteSnapshot(ctx context.Context, loc string, diskID int64, snapID string) error
 	CloneSnapshot(ctx context.Context, loc string, diskID int64, snapID, name, description string) (int64, error)
 	ListDiskNotes(ctx context.Context, loc string, diskID int64) ([]cloud.Note, error)

@@ -26,6 +26,12 @@ type Faults struct {
 	// AllowMultiAttach lets a disk be attached to a second VM. The real
 	// platform never does this; it exists to prove the node side refuses.
 	AllowMultiAttach bool `json:"allow_multi_attach"`
+	// SnapshotPendingReads makes a snapshot taken from now on answer its
+	// first reads (the list's entry and the snapshot endpoint, this many
+	// in all) without a creation time. The API has no snapshot status;
+	// this is how the simulator models a snapshot the platform has not
+	// finished, which the driver reports as not ready.
+	SnapshotPendingReads int `json:"snapshot_pending_reads,omitempty"`
 }
 
 // Duration is a time.Duration that reads and writes as "250ms" in JSON.
@@ -458,8 +464,12 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) (any, *ht
 	}
 	res := []map[string]any{}
 	for _, sn := range s.sortedSnaps(d.ID) {
+		created := sn.Created
+		if sn.pendingRead() {
+			created = 0
+		}
 		res = append(res, map[string]any{"snapshot_id": sn.ID, "snapshot_name": sn.Name,
-			"creation_time": sn.Created, "is_automatic": false})
+			"creation_time": created, "is_automatic": false})
 	}
 	return map[string]any{"result": res}, nil
 }
@@ -493,7 +503,7 @@ func (s *Server) takeSnapshot(w http.ResponseWriter, r *http.Request) (any, *htt
 		return nil, errf(500, "%v", err)
 	}
 	s.st.Snapshots[id] = &SnapState{ID: id, Name: name, DiskID: d.ID, Location: d.Location,
-		SizeGiB: d.SizeGiB, Created: time.Now().Unix()}
+		SizeGiB: d.SizeGiB, Created: time.Now().Unix(), PendingReads: s.faults.SnapshotPendingReads} // s.mu is held
 	return id, nil
 }
 
@@ -514,8 +524,12 @@ func (s *Server) getSnapshot(w http.ResponseWriter, r *http.Request) (any, *http
 	if herr != nil {
 		return nil, herr
 	}
+	created := strconv.FormatInt(sn.Created, 10)
+	if sn.pendingRead() {
+		created = ""
+	}
 	return map[string]any{"snapshot_id": sn.ID, "snapshot_name": sn.Name,
-		"creation_time": strconv.FormatInt(sn.Created, 10), "disks": []map[string]int64{{"disk_id": d.ID}}}, nil
+		"creation_time": created, "disks": []map[string]int64{{"disk_id": d.ID}}}, nil
 }
 
 func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request) (any, *httpError) {

@@ -88,6 +88,19 @@ type SnapState struct {
 	Location string `json:"location"`
 	SizeGiB  int64  `json:"disk_size"`
 	Created  int64  `json:"creation_time"`
+	// PendingReads is how many more reads answer it without a creation
+	// time (Faults.SnapshotPendingReads).
+	PendingReads int `json:"pending_reads,omitempty"`
+}
+
+// pendingRead counts one read of the snapshot and reports whether it is
+// still answered without a creation time.
+func (sn *SnapState) pendingRead() bool {
+	if sn.PendingReads <= 0 {
+		return false
+	}
+	sn.PendingReads--
+	return true
 }
 
 // Seed describes a fresh simulator's world.
