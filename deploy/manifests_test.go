@@ -348,6 +348,9 @@ func TestCSIDriver(t *testing.T) {
 		if s.FSGroupPolicy == nil || *s.FSGroupPolicy != storagev1.FileFSGroupPolicy {
 			t.Errorf("fsGroupPolicy %v, want File", s.FSGroupPolicy)
 		}
+		if s.StorageCapacity == nil || !*s.StorageCapacity {
+			t.Error("storageCapacity is not true: the scheduler would place WaitForFirstConsumer pods in a full location")
+		}
 		if !slices.Equal(s.VolumeLifecycleModes, []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent}) {
 			t.Errorf("volumeLifecycleModes %v, want [Persistent]", s.VolumeLifecycleModes)
 		}
@@ -968,6 +971,35 @@ func TestControllerRBAC(t *testing.T) {
 					t.Errorf("%s needs %s on %s.%s; the controller's ClusterRole does not grant it", sidecar, p[2], p[1], p[0])
 				}
 			}
+		}
+		// Storage capacity (--enable-capacity): the provisioner keeps
+		// CSIStorageCapacity objects in its namespace, owned by the
+		// Deployment it walks up to from its pod.
+		for _, p := range [][3]string{
+			{"storage.k8s.io", "csistoragecapacities", "list"}, {"storage.k8s.io", "csistoragecapacities", "watch"},
+			{"storage.k8s.io", "csistoragecapacities", "create"}, {"storage.k8s.io", "csistoragecapacities", "update"},
+			{"storage.k8s.io", "csistoragecapacities", "delete"}, {"", "pods", "get"}, {"apps", "replicasets", "get"},
+		} {
+			if !granted(local, p[0], p[1], p[2]) {
+				t.Errorf("csi-provisioner --enable-capacity needs %s on %s.%s in %s", p[2], p[1], p[0], Namespace)
+			}
+		}
+		prov := slices.IndexFunc(a.deployments[0].Spec.Template.Spec.Containers, func(c corev1.Container) bool { return c.Name == "csi-provisioner" })
+		if prov < 0 {
+			t.Fatal("no csi-provisioner container")
+		}
+		pc := a.deployments[0].Spec.Template.Spec.Containers[prov]
+		if !slices.Contains(pc.Args, "--enable-capacity") {
+			t.Error("csi-provisioner runs without --enable-capacity: no CSIStorageCapacity is published")
+		}
+		env := map[string]string{}
+		for _, e := range pc.Env {
+			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+				env[e.Name] = e.ValueFrom.FieldRef.FieldPath
+			}
+		}
+		if env["NAMESPACE"] != "metadata.namespace" || env["POD_NAME"] != "metadata.name" {
+			t.Errorf("csi-provisioner with --enable-capacity needs NAMESPACE and POD_NAME from the downward API; has %v", env)
 		}
 		for _, verb := range []string{"get", "create", "update"} {
 			if !granted(local, "coordination.k8s.io", "leases", verb) {

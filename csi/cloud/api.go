@@ -122,6 +122,29 @@ func (c *Client) ListLocations(ctx context.Context) ([]string, error) {
 	return names, nil
 }
 
+// Capacity is a location's capacity as the location capacity endpoint
+// (getCustomerLocationCapacity) answers it, in the platform's units.
+type Capacity struct {
+	// SU is the vdisk capacity in storage units: 1 SU is 1 TiB of
+	// allocated vdisk capacity (whitesky.cloud's billing unit).
+	SU int64 `json:"su"`
+}
+
+// SUBytes is one storage unit.
+const SUBytes = int64(1) << 40
+
+// LocationCapacity asks what the customer can still allocate in a
+// location.
+func (c *Client) LocationCapacity(ctx context.Context, loc string) (*Capacity, error) {
+	var out Capacity
+	err := c.do(ctx, call{op: "get capacity", target: "of location " + loc, method: http.MethodGet,
+		path: "/locations/" + url.PathEscape(loc) + "/capacity", out: &out, forbiddenHint: locationGrantHint(loc)})
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
 // CreateDisk creates a data disk and returns its id. The create call is not
 // idempotent, so before a retry it looks for a disk of the same name that
 // the first attempt may have made after all.

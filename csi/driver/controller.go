@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/types/known/timestamppb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 )
@@ -24,7 +27,7 @@ const gib = int64(1) << 30
 const (
 	paramDiskType   = "diskType"   // STANDARD (default) | PHYSICAL, any case
 	paramType       = "type"       // alias of diskType
-	paramIOPS       = "iops"       // positive integer
+	paramIOPS       = "iops"       // integer, at least MinIOPS
 	paramEncryption = "encryption" // "true" | "false"
 )
 
@@ -44,10 +47,55 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
 	csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
 	csi.ControllerServiceCapability_RPC_GET_SNAPSHOT,
+	csi.ControllerServiceCapability_RPC_GET_CAPACITY,
 	csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 }
 
 // ControllerGetCapabilities lists what the controller does.
+// MinIOPS is the least iops the API's disk create call takes.
+const MinIOPS = 100
+
+// GetCapacity answers how much a new volume of the class can have in a
+// location: what the API's location capacity endpoint says the customer
+// can still allocate there (su, storage units of 1 TiB). The location is
+// the request's topology segment, or the one a volume without topology
+// gets. The external-provisioner publishes it as CSIStorageCapacity, so
+// WaitForFirstConsumer scheduling avoids a full location.
+func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	if _, err := parseParams(req.GetParameters()); err != nil {
+		return nil, err
+	}
+	if len(req.GetVolumeCapabilities()) > 0 {
+		if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+			return nil, err
+		}
+	}
+	loc := req.GetAccessibleTopology().GetSegments()[TopologyKey]
+	locs, err := d.locations(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if loc == "" {
+		if loc, err = d.pickLocation(ctx, nil); err != nil {
+			return nil, err
+		}
+	}
+	if !slices.Contains(locs, loc) {
+		// Not one of the customer's locations: nothing can be made there.
+		return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
+	}
+	c, err := d.cfg.Cloud.LocationCapacity(ctx, loc)
+	if err != nil {
+		return nil, fmt.Errorf("capacity of location %s: %w", loc, err)
+	}
+	avail := max(c.SU, 0)
+	if avail > math.MaxInt64/cloud.SUBytes {
+		avail = math.MaxInt64 / cloud.SUBytes
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: avail * cloud.SUBytes,
+		MaximumVolumeSize: wrapperspb.Int64(min(avail*cloud.SUBytes, maxDiskGiB*gib))}, nil
+}
+
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
 	var caps []*csi.ControllerServiceCapability
 	for _, c := range controllerCaps {
@@ -145,8 +193,8 @@ func parseParams(p map[string]string) (createParams, error) {
 			out.diskType, typeKey, typeVal = t, k, v
 		case k == paramIOPS:
 			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil || n < 1 {
-				return out, failf(ErrInvalid, "parameter iops=%q is not a positive integer", v)
+			if err != nil || n < MinIOPS {
+				return out, failf(ErrInvalid, "parameter iops=%q is not an integer of at least %d, the API's minimum", v, MinIOPS)
 			}
 			out.iops = n
 		case k == paramEncryption:

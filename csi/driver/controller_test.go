@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -603,4 +604,70 @@ func TestSnapshotReadinessIsTheAPIs(t *testing.T) {
 	}
 	_, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{})
 	wantCode(t, err, codes.InvalidArgument)
+}
+
+// TestGetCapacityIsTheLocationsAPI: GET_CAPACITY answers what the API's
+// location capacity endpoint says is left in the location asked for (su,
+// storage units of 1 TiB), shrinking as disks are made; a location the
+// customer lacks has none; a class the plugin refuses is refused here too.
+func TestGetCapacityIsTheLocationsAPI(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	caps, err := e.ctrl.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(caps.Capabilities, func(c *csi.ControllerServiceCapability) bool {
+		return c.GetRpc().GetType() == csi.ControllerServiceCapability_RPC_GET_CAPACITY
+	}) {
+		t.Error("the controller does not offer GET_CAPACITY")
+	}
+	const tib = int64(1) << 40
+	e.sim.SetCapacity("ch-gen-1", 3)
+	e.sim.SetCapacity("nl-ams-1", 0)
+	at := func(loc string) *csi.Topology { return &csi.Topology{Segments: map[string]string{driver.TopologyKey: loc}} }
+	capacity := func(loc string, params map[string]string) (int64, error) {
+		r, err := e.ctrl.GetCapacity(ctx, &csi.GetCapacityRequest{AccessibleTopology: at(loc), Parameters: params, VolumeCapabilities: rwo})
+		if err != nil {
+			return 0, err
+		}
+		if r.GetMaximumVolumeSize() != nil && r.GetMaximumVolumeSize().GetValue() > r.AvailableCapacity {
+			t.Errorf("%s: maximum volume size %d above the available %d", loc, r.GetMaximumVolumeSize().GetValue(), r.AvailableCapacity)
+		}
+		return r.AvailableCapacity, nil
+	}
+	before := e.sim.Calls()["getCustomerLocationCapacity"]
+	for loc, want := range map[string]int64{"ch-gen-1": 3 * tib, "nl-ams-1": 0, "xx-none-1": 0} {
+		got, err := capacity(loc, map[string]string{"diskType": "PHYSICAL"})
+		if err != nil || got != want {
+			t.Errorf("capacity of %s: %d, %v; want %d", loc, got, err, want)
+		}
+	}
+	if n := e.sim.Calls()["getCustomerLocationCapacity"] - before; n != 2 {
+		t.Errorf("the location capacity endpoint was asked %d times for the two known locations", n)
+	}
+	// A disk of 600 GiB leaves less than 3 SU: 2.
+	if _, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "big", VolumeCapabilities: rwo,
+		CapacityRange:             &csi.CapacityRange{RequiredBytes: 600 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{at("ch-gen-1")}}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := capacity("ch-gen-1", nil); err != nil || got != 2*tib {
+		t.Errorf("capacity of ch-gen-1 after a 600 GiB disk: %d, %v; want 2 TiB", got, err)
+	}
+	// A full location refuses the disk the scheduler would have been warned off.
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "nowhere", VolumeCapabilities: rwo,
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{at("nl-ams-1")}}})
+	if err == nil {
+		t.Error("a disk was made in a location whose capacity is 0")
+	}
+	// Without topology: the location a volume without topology gets.
+	r, err := e.ctrl.GetCapacity(ctx, &csi.GetCapacityRequest{})
+	if err != nil || r.AvailableCapacity != sim.DefaultCapacitySU*tib {
+		t.Errorf("capacity without topology: %v %v", r, err)
+	}
+	_, err = capacity("ch-gen-1", map[string]string{"iops": "99"})
+	wantCode(t, err, codes.InvalidArgument, "iops")
+	_, err = capacity("ch-gen-1", map[string]string{"size": "big"})
+	wantCode(t, err, codes.InvalidArgument, "size")
 }

@@ -28,6 +28,7 @@ const TopologyKey = "cloud.whitesky/location"
 // *cloud.Client implements it.
 type Cloud interface {
 	ListLocations(ctx context.Context) ([]string, error)
+	LocationCapacity(ctx context.Context, loc string) (*cloud.Capacity, error)
 	CreateDisk(ctx context.Context, loc string, spec cloud.DiskSpec) (int64, error)
 	FindDiskByName(ctx context.Context, loc, name string) (*cloud.Disk, error)
 	GetDisk(ctx context.Context, loc string, id int64) (*cloud.Disk, error)

@@ -17,7 +17,6 @@ import (
 // NotAdvertised maps csi-sanity's skip messages that name a capability
 // vco-csi does not advertise to why it does not.
 var NotAdvertised = map[string]string{
-	"GetCapacity not supported":                                 "not implemented yet: the controller does not call the API's location capacity (getCustomerLocationCapacity)",
 	"ControllerGetVolumeHealth not supported":                   "volume health is reported by the node, where the fence is",
 	"ControllerListVolumeHealth not supported":                  "volume health is reported by the node, where the fence is",
 	"ControllerModifyVolume not supported":                      "no volume attribute classes: a disk's type and IOPS are fixed at creation",

@@ -7,11 +7,16 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 )
+
+// MinIOPS is the least iops the disk create call takes (the API's
+// documented minimum).
+const MinIOPS = 100
 
 // Faults are the misbehaviours the simulator can be told to show, by flag
 // at start or later through PUT /admin/faults.
@@ -172,6 +177,7 @@ func (s *Server) routes() {
 		s.mux.HandleFunc(method+" "+api+path, s.wrap(op, h))
 	}
 	add("GET", "/locations", "listLocations", s.listLocations)
+	add("GET", "/locations/{loc}/capacity", "getCustomerLocationCapacity", s.locationCapacity)
 	add("GET", "/locations/{loc}/disks", "listDisks", s.listDisks)
 	add("POST", "/locations/{loc}/disks", "createDisk", s.createDisk)
 	add("GET", "/locations/{loc}/disks/{disk}", "getDisk", s.getDisk)
@@ -220,6 +226,17 @@ func (s *Server) routes() {
 			return
 		}
 		writeJSON(w, 200, map[string]int64{"vm_id": id})
+	})
+	s.mux.HandleFunc("PUT /admin/capacity", func(w http.ResponseWriter, r *http.Request) {
+		var c map[string]int64 // location -> storage units
+		if err := json.NewDecoder(r.Body).Decode(&c); err != nil {
+			writeJSON(w, 400, map[string]string{"message": "capacity: " + err.Error()})
+			return
+		}
+		for loc, su := range c {
+			s.SetCapacity(loc, su)
+		}
+		writeJSON(w, 200, c)
 	})
 	s.mux.HandleFunc("GET /admin/state", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, 200, s.Snapshot())
@@ -330,6 +347,28 @@ func (s *Server) listLocations(w http.ResponseWriter, r *http.Request) (any, *ht
 	return out, nil
 }
 
+// locationCapacity answers the location capacity endpoint in the
+// CapacityModel's shape. su is the storage units the customer can still
+// allocate there: the capacity less every disk of the location, rounded
+// down; the other units are not modelled and answer 0.
+func (s *Server) locationCapacity(w http.ResponseWriter, r *http.Request) (any, *httpError) {
+	loc := r.PathValue("loc")
+	if !slices.Contains(s.st.Locations, loc) {
+		return nil, errf(403, "Forbidden: Customer has no access to location %s", loc)
+	}
+	return map[string]int64{"su": s.st.freeGiB(loc) >> 10, "cu": 0, "mu": 0, "vcu": 0, "piu": 0, "ou": 0}, nil
+}
+
+// SetCapacity sets a location's vdisk capacity in storage units (1 TiB).
+func (s *Server) SetCapacity(loc string, su int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.st.CapacitySU == nil {
+		s.st.CapacitySU = map[string]int64{}
+	}
+	s.st.CapacitySU[loc] = su
+}
+
 // diskJSON renders a disk in the shape of the disk endpoints.
 func (s *Server) diskJSON(d *DiskState) map[string]any {
 	m := map[string]any{
@@ -380,10 +419,13 @@ func (s *Server) createDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	iops := int64(2000)
 	if v := q.Get("iops"); v != "" {
 		n, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || n < 1 {
-			return nil, errf(400, "iops %q is not a positive integer", v)
+		if err != nil || n < MinIOPS {
+			return nil, errf(400, "iops %q is not an integer of at least %d", v, MinIOPS)
 		}
 		iops = n
+	}
+	if size > s.st.freeGiB(loc) {
+		return nil, errf(400, "not enough vdisk capacity in location %s for %d GiB", loc, size)
 	}
 	typ := q.Get("disk_type")
 	if typ == "" {
@@ -449,6 +491,9 @@ func (s *Server) resizeDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	}
 	if size < d.SizeGiB {
 		return nil, errf(400, "disk %d cannot shrink from %d to %d GiB", d.ID, d.SizeGiB, size)
+	}
+	if size-d.SizeGiB > s.st.freeGiB(d.Location) {
+		return nil, errf(400, "not enough vdisk capacity in location %s to grow disk %d to %d GiB", d.Location, d.ID, size)
 	}
 	if err := s.opts.Backend.ResizeDisk(d.ID, size); err != nil {
 		return nil, errf(500, "%v", err)
@@ -555,6 +600,9 @@ func (s *Server) cloneSnapshot(w http.ResponseWriter, r *http.Request) (any, *ht
 	name := r.URL.Query().Get("name")
 	if name == "" {
 		return nil, errf(400, "name is required")
+	}
+	if sn.SizeGiB > s.st.freeGiB(d.Location) {
+		return nil, errf(400, "not enough vdisk capacity in location %s for a copy of %d GiB", d.Location, sn.SizeGiB)
 	}
 	id := s.st.nextID()
 	if err := s.opts.Backend.CloneSnapshot(sn.ID, id); err != nil {

@@ -30,6 +30,33 @@ type State struct {
 	Disks       map[int64]*DiskState  `json:"disks"`
 	Snapshots   map[string]*SnapState `json:"snapshots"`
 	NoteSeq     int64                 `json:"note_seq"`
+	// CapacitySU is each location's vdisk capacity for the customer in
+	// storage units (1 SU = 1 TiB of allocated vdisk capacity, the
+	// platform's billing unit); a location without an entry has
+	// DefaultCapacitySU.
+	CapacitySU map[string]int64 `json:"capacity_su,omitempty"`
+}
+
+// DefaultCapacitySU is a location's capacity unless set: 1 PiB.
+const DefaultCapacitySU = 1024
+
+// capacitySU is the location's capacity in storage units.
+func (st *State) capacitySU(loc string) int64 {
+	if n, ok := st.CapacitySU[loc]; ok {
+		return n
+	}
+	return DefaultCapacitySU
+}
+
+// freeGiB is what the location's disks leave of its capacity.
+func (st *State) freeGiB(loc string) int64 {
+	free := st.capacitySU(loc) << 10
+	for _, d := range st.Disks {
+		if d.Location == loc {
+			free -= d.SizeGiB
+		}
+	}
+	return max(free, 0)
 }
 
 // CloudspaceState is one cloudspace; it lives in one location.
