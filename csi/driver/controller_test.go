@@ -625,7 +625,9 @@ func TestGetCapacityIsTheLocationsAPI(t *testing.T) {
 	const tib = int64(1) << 40
 	e.sim.SetCapacity("ch-gen-1", 3)
 	e.sim.SetCapacity("nl-ams-1", 0)
-	at := func(loc string) *csi.Topology { return &csi.Topology{Segments: map[string]string{driver.TopologyKey: loc}} }
+	at := func(loc string) *csi.Topology {
+		return &csi.Topology{Segments: map[string]string{driver.TopologyKey: loc}}
+	}
 	capacity := func(loc string, params map[string]string) (int64, error) {
 		r, err := e.ctrl.GetCapacity(ctx, &csi.GetCapacityRequest{AccessibleTopology: at(loc), Parameters: params, VolumeCapabilities: rwo})
 		if err != nil {
