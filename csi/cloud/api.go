@@ -145,6 +145,17 @@ func (c *Client) LocationCapacity(ctx context.Context, loc string) (*Capacity, e
 	return &out, nil
 }
 
+// CreateSizeGB is the disk_size the create call is given for a disk of
+// at least sizeGiB GiB. The API documents the create call's disk_size in GB
+// and the resize call's in GiB (docs/storage.md, "Sizes"). Asked in GB,
+// rounded up, the disk holds the GiB asked whichever unit the platform
+// applies: exactly that many GB (at least sizeGiB GiB), or that many GiB
+// (up to 7.4% more, plus the rounding).
+func CreateSizeGB(sizeGiB int64) int64 {
+	const gb, gib = 1_000_000_000, 1 << 30
+	return (sizeGiB*gib + gb - 1) / gb
+}
+
 // CreateDisk creates a data disk and returns its id. The create call is not
 // idempotent, so before a retry it looks for a disk of the same name that
 // the first attempt may have made after all.
@@ -152,7 +163,7 @@ func (c *Client) CreateDisk(ctx context.Context, loc string, spec DiskSpec) (int
 	q := url.Values{
 		"disk_name":   {spec.Name},
 		"description": {spec.Description},
-		"disk_size":   {strconv.FormatInt(spec.SizeGiB, 10)},
+		"disk_size":   {strconv.FormatInt(CreateSizeGB(spec.SizeGiB), 10)},
 	}
 	if spec.IOPS > 0 {
 		q.Set("iops", strconv.FormatInt(spec.IOPS, 10))

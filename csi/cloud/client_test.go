@@ -419,3 +419,18 @@ func TestSnapshotDetailCreationTime(t *testing.T) {
 		t.Errorf("HasDisk: %+v", d)
 	}
 }
+
+// TestCreateSizeGB: the create call's disk_size (documented in GB) for a
+// disk of n GiB holds n GiB read as GB or as GiB, and is the least that does.
+func TestCreateSizeGB(t *testing.T) {
+	const gb, gib = int64(1_000_000_000), int64(1) << 30
+	for n := int64(1); n <= 64<<10; n++ {
+		c := cloud.CreateSizeGB(n)
+		if c*gb < n*gib || (c-1)*gb >= n*gib || c < n {
+			t.Fatalf("%d GiB: disk_size %d GB", n, c)
+		}
+	}
+	if c := cloud.CreateSizeGB(10); c != 11 {
+		t.Errorf("10 GiB: disk_size %d, want 11 GB", c)
+	}
+}

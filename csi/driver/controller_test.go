@@ -673,3 +673,52 @@ func TestGetCapacityIsTheLocationsAPI(t *testing.T) {
 	_, err = capacity("ch-gen-1", map[string]string{"size": "big"})
 	wantCode(t, err, codes.InvalidArgument, "size")
 }
+
+// TestSizesNeverLessThanAsked: the simulator takes the create call's
+// disk_size in GB, as the API documents it, and the resize call's in GiB.
+// Every volume holds at least the bytes asked, and reports no more than it
+// holds nor less than asked, made and grown, repeated or listed.
+func TestSizesNeverLessThanAsked(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	holds := func(id string) int64 {
+		_, diskID := splitID(t, id)
+		d := e.sim.Snapshot().Disks[diskID]
+		if d.Bytes > 0 {
+			return d.Bytes
+		}
+		return d.SizeGiB << 30
+	}
+	for i, req := range []int64{1, 1_000_000_000, 1 << 30, 1<<30 + 1, 3 << 30, 10 << 30, 100<<30 - 512, 1000 << 30} {
+		name := fmt.Sprintf("size-%d", i)
+		r, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: rwo,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: req}})
+		if err != nil {
+			t.Fatalf("%d bytes: %v", req, err)
+		}
+		id, got := r.Volume.VolumeId, r.Volume.CapacityBytes
+		if h := holds(id); h < req || got < req || got > h {
+			t.Errorf("asked %d bytes: the disk holds %d, reported %d", req, h, got)
+		}
+		again, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: rwo,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: req}})
+		if err != nil || again.Volume.CapacityBytes < req || again.Volume.CapacityBytes > holds(id) {
+			t.Errorf("asked %d bytes again: %v %v (holds %d)", req, again, err, holds(id))
+		}
+		grow := req + 3<<30 + 7
+		x, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: grow}})
+		if err != nil || x.CapacityBytes < grow || x.CapacityBytes > holds(id) || holds(id) < grow {
+			t.Errorf("grown to %d bytes: %v %v, holds %d", grow, x, err, holds(id))
+		}
+	}
+	l, err := e.ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, en := range l.Entries {
+		if h := holds(en.Volume.VolumeId); en.Volume.CapacityBytes > h {
+			t.Errorf("ListVolumes reports %s with %d bytes; it holds %d", en.Volume.VolumeId, en.Volume.CapacityBytes, h)
+		}
+	}
+}

@@ -424,8 +424,8 @@ func (s *Server) createDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 		}
 		iops = n
 	}
-	if size > s.st.freeGiB(loc) {
-		return nil, errf(400, "not enough vdisk capacity in location %s for %d GiB", loc, size)
+	if size*1_000_000_000>>30 > s.st.freeGiB(loc) {
+		return nil, errf(400, "not enough vdisk capacity in location %s for %d GB", loc, size)
 	}
 	typ := q.Get("disk_type")
 	if typ == "" {
@@ -434,12 +434,23 @@ func (s *Server) createDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	if typ != "DATA" && typ != "PHYSICAL" {
 		return nil, errf(400, "disk_type %q is not DATA or PHYSICAL", typ)
 	}
+	// disk_size is in GB here, as the create call documents (resize takes
+	// GiB). The disk holds size GB; the disk endpoints report it in whole
+	// GiB, rounded down; a backend that cannot make such a disk gets it
+	// rounded up to whole GiB.
+	bytes := size * 1_000_000_000
 	id := s.st.nextID()
-	if err := s.opts.Backend.CreateDisk(id, size); err != nil {
+	var err error
+	if b, ok := s.opts.Backend.(ByteSizer); ok {
+		err = b.CreateDiskBytes(id, bytes)
+	} else {
+		err = s.opts.Backend.CreateDisk(id, (bytes+1<<30-1)>>30)
+	}
+	if err != nil {
 		return nil, errf(500, "creating disk %d: %v", id, err)
 	}
 	s.st.Disks[id] = &DiskState{ID: id, Name: name, Description: q.Get("description"), Location: loc,
-		SizeGiB: size, Type: typ, IOPS: iops}
+		SizeGiB: bytes >> 30, Bytes: bytes, Type: typ, IOPS: iops}
 	return map[string]int64{"disk_id": id}, nil
 }
 
@@ -489,8 +500,8 @@ func (s *Server) resizeDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	if herr != nil {
 		return nil, herr
 	}
-	if size < d.SizeGiB {
-		return nil, errf(400, "disk %d cannot shrink from %d to %d GiB", d.ID, d.SizeGiB, size)
+	if size<<30 < d.bytes() {
+		return nil, errf(400, "disk %d cannot shrink from %d bytes to %d GiB", d.ID, d.bytes(), size)
 	}
 	if size-d.SizeGiB > s.st.freeGiB(d.Location) {
 		return nil, errf(400, "not enough vdisk capacity in location %s to grow disk %d to %d GiB", d.Location, d.ID, size)
@@ -498,7 +509,7 @@ func (s *Server) resizeDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	if err := s.opts.Backend.ResizeDisk(d.ID, size); err != nil {
 		return nil, errf(500, "%v", err)
 	}
-	d.SizeGiB = size
+	d.SizeGiB, d.Bytes = size, 0
 	return success, nil
 }
 
@@ -548,7 +559,7 @@ func (s *Server) takeSnapshot(w http.ResponseWriter, r *http.Request) (any, *htt
 		return nil, errf(500, "%v", err)
 	}
 	s.st.Snapshots[id] = &SnapState{ID: id, Name: name, DiskID: d.ID, Location: d.Location,
-		SizeGiB: d.SizeGiB, Created: time.Now().Unix(), PendingReads: s.faults.SnapshotPendingReads} // s.mu is held
+		SizeGiB: d.SizeGiB, Bytes: d.Bytes, Created: time.Now().Unix(), PendingReads: s.faults.SnapshotPendingReads} // s.mu is held
 	return id, nil
 }
 
@@ -609,7 +620,7 @@ func (s *Server) cloneSnapshot(w http.ResponseWriter, r *http.Request) (any, *ht
 		return nil, errf(500, "%v", err)
 	}
 	s.st.Disks[id] = &DiskState{ID: id, Name: name, Description: r.URL.Query().Get("description"),
-		Location: d.Location, SizeGiB: sn.SizeGiB, Type: d.Type, IOPS: d.IOPS}
+		Location: d.Location, SizeGiB: sn.SizeGiB, Bytes: sn.Bytes, Type: d.Type, IOPS: d.IOPS}
 	return map[string]any{"result": []map[string]int64{{"original_disk_id": d.ID, "new_disk_id": id}}}, nil
 }
 

@@ -79,11 +79,14 @@ type VMState struct {
 // DiskState is one disk with its attachments (more than one only when the
 // multi-attach fault is on) and notes.
 type DiskState struct {
-	ID          int64         `json:"disk_id"`
-	Name        string        `json:"disk_name"`
-	Description string        `json:"description"`
-	Location    string        `json:"location"`
-	SizeGiB     int64         `json:"disk_size"`
+	ID          int64  `json:"disk_id"`
+	Name        string `json:"disk_name"`
+	Description string `json:"description"`
+	Location    string `json:"location"`
+	SizeGiB     int64  `json:"disk_size"`
+	// Bytes is what the disk holds when that is not whole GiB (a disk
+	// created in GB); SizeGiB is then the whole GiB it holds.
+	Bytes       int64         `json:"size_bytes,omitempty"`
 	Type        string        `json:"disk_type"`
 	IOPS        int64         `json:"iops"`
 	Attachments []*Attachment `json:"attachments,omitempty"`
@@ -107,6 +110,14 @@ type NoteState struct {
 	Created float64 `json:"creation_time"`
 }
 
+// bytes is what the disk holds.
+func (d *DiskState) bytes() int64 {
+	if d.Bytes > 0 {
+		return d.Bytes
+	}
+	return d.SizeGiB << 30
+}
+
 // SnapState is a snapshot of a disk.
 type SnapState struct {
 	ID       string `json:"snapshot_id"`
@@ -114,6 +125,7 @@ type SnapState struct {
 	DiskID   int64  `json:"disk_id"`
 	Location string `json:"location"`
 	SizeGiB  int64  `json:"disk_size"`
+	Bytes    int64  `json:"size_bytes,omitempty"` // as DiskState.Bytes
 	Created  int64  `json:"creation_time"`
 	// PendingReads is how many more reads answer it without a creation
 	// time (Faults.SnapshotPendingReads).
