@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -9,14 +10,18 @@ import (
 	"encoding/pem"
 	"maps"
 	"math/big"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 )
 
 func writeFiles(t *testing.T, dir string, files map[string]string) {
@@ -381,4 +386,60 @@ func captureStderr(t *testing.T, f func()) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// TestSeedKeyBackendReachesTheTransitEngine: the seed's ConfigMaps, laid
+// out as the DaemonSet projects them, make a transit client that trusts
+// the CA of openbao-ca, logs in at the seed's k8sAuthPath with its role
+// and wraps and unwraps with the default transit key in the seed's
+// transitMount. The transit engine is the FAKE of crypt/transit/transittest
+// (no Vault or OpenBao runs here), served over TLS.
+func TestSeedKeyBackendReachesTheTransitEngine(t *testing.T) {
+	fake := transittest.New()
+	fake.AuthMount, fake.TransitMount, fake.Role = "kubernetes-prod-1", "transit-prod-1", "vco-csi-node"
+	fake.Rotate(DefaultTransitKey)
+	srv := httptest.NewTLSServer(fake)
+	defer srv.Close()
+	caPEM := string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}))
+
+	var cm corev1.ConfigMap
+	if err := yaml.UnmarshalStrict([]byte(seedKeyBackend), &cm); err != nil {
+		t.Fatal(err)
+	}
+	cm.Data["address"] = srv.URL // the seed's form, pointed at the fake
+	for _, kind := range []string{"ConfigMap", "Secret"} {
+		dir := projectKeyBackend(t, cm.Data, kind, map[string]string{"ca.crt": caPEM})
+		writeFiles(t, dir, map[string]string{"token": fake.JWT})
+		w, kb, err := nodeKeyBackend(dir)
+		if err != nil || w == nil {
+			t.Fatalf("%s openbao-ca: %v", kind, err)
+		}
+		ctx := context.Background()
+		ct, err := w.Encrypt(ctx, kb.Key.Name, []byte("passphrase"))
+		if err != nil {
+			t.Fatalf("%s openbao-ca: wrap: %v", kind, err)
+		}
+		pt, err := w.Decrypt(ctx, kb.Key.Name, ct.Text)
+		if err != nil || string(pt) != "passphrase" {
+			t.Fatalf("%s openbao-ca: unwrap: %q %v", kind, pt, err)
+		}
+	}
+	fake.Mu.Lock()
+	defer fake.Mu.Unlock()
+	for _, want := range []string{"POST /v1/auth/kubernetes-prod-1/login", "POST /v1/transit-prod-1/encrypt/vco-csi-volumes",
+		"POST /v1/transit-prod-1/decrypt/vco-csi-volumes"} {
+		if !slices.Contains(fake.Requests, want) {
+			t.Errorf("the transit engine was not asked %s; it was asked %v", want, fake.Requests)
+		}
+	}
+	// Without the CA the server's certificate is not trusted.
+	dir := projectKeyBackend(t, map[string]string{"address": srv.URL, "role": "vco-csi-node", "k8sAuthPath": "kubernetes-prod-1",
+		"transitMount": "transit-prod-1"}, "", nil)
+	w, kb, err := nodeKeyBackend(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Encrypt(context.Background(), kb.Key.Name, []byte("x")); err == nil {
+		t.Error("a server whose CA is not in openbao-ca was trusted")
+	}
 }
