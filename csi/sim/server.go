@@ -367,6 +367,7 @@ func (s *Server) SetCapacity(loc string, su int64) {
 		s.st.CapacitySU = map[string]int64{}
 	}
 	s.st.CapacitySU[loc] = su
+	_ = s.st.save(s.opts.StateFile) // kept for a restart; the next change saves again
 }
 
 // diskJSON renders a disk in the shape of the disk endpoints.
