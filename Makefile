@@ -133,18 +133,22 @@ image:
 	  -version $(VERSION) -o dist/vco-csi-$(VERSION).oci.tar
 
 # deploy/csi.yaml, the add-on bundle with its two placeholders, and
-# deploy/csi-snapshots.yaml, the opt-in snapshots part, from
+# deploy/csi-snapshots.yaml and deploy/csi-encryption.yaml, the opt-in
+# snapshots and encryption parts, from
 # deploy/manifests (make test fails when they are stale).
 csi-yaml:
 	$(GO) run ./cmd/vco-addon bundle -part core -o deploy/csi.yaml
 	$(GO) run ./cmd/vco-addon bundle -part snapshots -o deploy/csi-snapshots.yaml
+	$(GO) run ./cmd/vco-addon bundle -part encryption -o deploy/csi-encryption.yaml
 
 # The add-on for one image, on stdout, so that
 #   make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag> | kubectl apply -f -
 # installs it; [VCO_CSI_DRIVER_NAME=...] overrides the driver name derived
 # from the image's registry host, VCO_CSI_SNAPSHOTS=1 adds the snapshots
 # part (the VolumeSnapshotClass: needs the snapshot CRDs) after the core
-# (docs/csi-addon.md). The files are kept in $(ADDON_DIR): csi.yaml and
+# (docs/csi-addon.md), VCO_CSI_ENCRYPTION=1 adds the encryption part (the
+# encrypted class and the key backend's token reviewer: only with a key
+# backend configured, docs/encryption.md). The files are kept in $(ADDON_DIR): csi.yaml and
 # csi-snapshots.yaml with their placeholders, csi-addon.yaml and
 # csi-snapshots-addon.yaml filled in. Every recipe line is silent (@):
 # stdout carries the YAML only, notes go to stderr. From another directory
@@ -153,22 +157,31 @@ csi-yaml:
 VCO_CSI_IMAGE       ?=
 VCO_CSI_DRIVER_NAME ?=
 VCO_CSI_SNAPSHOTS   ?=
+VCO_CSI_ENCRYPTION  ?=
 ADDON_DIR           ?= dist
 csi-addon:
 	@test -n "$(VCO_CSI_IMAGE)" || { echo "make csi-addon: set VCO_CSI_IMAGE=<host>/<path>:<tag>" >&2; exit 2; }
 	@case '$(VCO_CSI_SNAPSHOTS)' in ''|0|false|no|1|true|yes) ;; \
 	  *) echo "make csi-addon: VCO_CSI_SNAPSHOTS='$(VCO_CSI_SNAPSHOTS)': use 1 (add the snapshots part) or leave it empty" >&2; exit 2;; esac
+	@case '$(VCO_CSI_ENCRYPTION)' in ''|0|false|no|1|true|yes) ;; \
+	  *) echo "make csi-addon: VCO_CSI_ENCRYPTION='$(VCO_CSI_ENCRYPTION)': use 1 (add the encryption part) or leave it empty" >&2; exit 2;; esac
 	@mkdir -p $(BIN) '$(ADDON_DIR)'
 	@CGO_ENABLED=0 $(GO) build -o $(BIN)/vco-addon ./cmd/vco-addon
 	@$(BIN)/vco-addon bundle -part core -o '$(ADDON_DIR)/csi.yaml'
 	@$(BIN)/vco-addon bundle -part snapshots -o '$(ADDON_DIR)/csi-snapshots.yaml'
 	@$(BIN)/vco-addon render -part core -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-addon.yaml'
 	@$(BIN)/vco-addon render -part snapshots -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-snapshots-addon.yaml'
+	@$(BIN)/vco-addon bundle -part encryption -o '$(ADDON_DIR)/csi-encryption.yaml'
+	@$(BIN)/vco-addon render -part encryption -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-encryption-addon.yaml'
 	@case '$(VCO_CSI_SNAPSHOTS)' in \
 	  1|true|yes) cat '$(ADDON_DIR)/csi-addon.yaml' '$(ADDON_DIR)/csi-snapshots-addon.yaml'; \
 	    echo "make csi-addon: stdout: $(ADDON_DIR)/csi-addon.yaml and $(ADDON_DIR)/csi-snapshots-addon.yaml (the snapshots part needs the snapshot CRDs and snapshot-controller)" >&2;; \
 	  *) cat '$(ADDON_DIR)/csi-addon.yaml'; \
 	    echo "make csi-addon: stdout: $(ADDON_DIR)/csi-addon.yaml; the snapshots part, $(ADDON_DIR)/csi-snapshots-addon.yaml, is not included (VCO_CSI_SNAPSHOTS=1 adds it; docs/csi-addon.md)" >&2;; esac
+	@case '$(VCO_CSI_ENCRYPTION)' in \
+	  1|true|yes) cat '$(ADDON_DIR)/csi-encryption-addon.yaml'; \
+	    echo "make csi-addon: stdout: and $(ADDON_DIR)/csi-encryption-addon.yaml (the encrypted class: needs the key backend's ConfigMaps, docs/encryption.md)" >&2;; \
+	  *) echo "make csi-addon: the encryption part, $(ADDON_DIR)/csi-encryption-addon.yaml, is not included (VCO_CSI_ENCRYPTION=1 adds it once a key backend is configured; docs/encryption.md)" >&2;; esac
 
 # Manifests decoded strictly and cross-checked; the image built, read back
 # and opened with skopeo and umoci (installed by deps); vco-addon and make

@@ -3,9 +3,11 @@
 // two placeholders, ${VCO_CSI_IMAGE} and ${VCO_CSI_DRIVER_NAME}, so that
 // the release artifacts (their concatenations) can be filled in with
 // envsubst by CAPVCO's ClusterResourceSet tooling, and by
-// `make csi-addon` through Render. The add-on comes in two parts: csi.yaml,
-// which every cluster applies, and the opt-in csi-snapshots.yaml
-// (manifests/snapshots/), whose objects need the snapshot CRDs. The
+// `make csi-addon` through Render. The add-on comes in parts: csi.yaml,
+// which every cluster applies, the opt-in csi-snapshots.yaml
+// (manifests/snapshots/), whose objects need the snapshot CRDs, and the
+// opt-in csi-encryption.yaml (manifests/encryption/), the encrypted class
+// and the token reviewer a key backend needs. The
 // package exists so that the bundles, the rendering and the checks on
 // them share one definition.
 package deploy
@@ -41,11 +43,13 @@ const TopologyKey = "cloud.whitesky/location"
 const ImageUID = 65532
 
 // KeyBackendDir is where the node plugin finds the key backend's
-// settings (ConfigMap csi-key-backend-config), its CA (ConfigMap
-// openbao-ca, key ca.crt) and a projected service account token (token).
+// settings (ConfigMap csi-key-backend-config), its CA (ConfigMap or
+// Secret openbao-ca, keys ca.crt, ca.pem or ca-bundle.crt, under
+// ca/configmap/ and ca/secret/) and a projected service account token
+// (token).
 const KeyBackendDir = "/etc/vco-csi/key-backend"
 
-//go:embed manifests/*.yaml manifests/snapshots/*.yaml
+//go:embed manifests/*.yaml manifests/snapshots/*.yaml manifests/encryption/*.yaml
 var manifests embed.FS
 
 // Part is a piece of the add-on applied on its own.
@@ -60,10 +64,16 @@ const (
 	// applied after Core on a cluster with the snapshot CRDs and
 	// snapshot-controller.
 	Snapshots Part = "snapshots"
+	// Encryption is csi-encryption.yaml, the opt-in encrypted
+	// StorageClass and the token reviewer of the key backend's Kubernetes
+	// auth, applied after Core on a cluster whose key backend is
+	// configured (docs/encryption.md): a class whose every volume would
+	// be refused is not shipped by default.
+	Encryption Part = "encryption"
 )
 
 // Parts lists the parts in the order they are applied.
-func Parts() []Part { return []Part{Core, Snapshots} }
+func Parts() []Part { return []Part{Core, Snapshots, Encryption} }
 
 // ParsePart reads a part's name as the command line gives it.
 func ParsePart(s string) (Part, error) {
@@ -72,22 +82,22 @@ func ParsePart(s string) (Part, error) {
 			return p, nil
 		}
 	}
-	return "", fmt.Errorf("unknown part %q; the parts are %s and %s", s, Core, Snapshots)
+	return "", fmt.Errorf("unknown part %q; the parts are %s, %s and %s", s, Core, Snapshots, Encryption)
 }
 
 // FileName is the part's file in deploy/ and in a release.
 func (p Part) FileName() string {
-	if p == Snapshots {
-		return "csi-snapshots.yaml"
+	if p == Core {
+		return "csi.yaml"
 	}
-	return "csi.yaml"
+	return "csi-" + string(p) + ".yaml"
 }
 
 func (p Part) glob() string {
-	if p == Snapshots {
-		return "manifests/snapshots/*.yaml"
+	if p == Core {
+		return "manifests/*.yaml"
 	}
-	return "manifests/*.yaml"
+	return "manifests/" + string(p) + "/*.yaml"
 }
 
 // header opens a part's file; it says how to fill the placeholders.
@@ -102,6 +112,12 @@ func (p Part) header() string {
 		h += `# This is the opt-in snapshots part: apply it after csi.yaml, and only
 # on a cluster with the snapshot CRDs and snapshot-controller of
 # kubernetes-csi/external-snapshotter (docs/csi-addon.md, "Snapshots").
+`
+	}
+	if p == Encryption {
+		h += `# This is the opt-in encryption part: apply it after csi.yaml, on a
+# cluster whose key backend is configured (the ConfigMaps
+# csi-key-backend-config and openbao-ca; docs/encryption.md).
 `
 	}
 	return h

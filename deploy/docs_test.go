@@ -28,6 +28,7 @@ func TestDocumentedFormats(t *testing.T) {
 	a := decode(t, renderings[0].Image, renderings[0].DriverName)
 	var secrets []corev1.Secret
 	configMaps := map[string]corev1.ConfigMap{}
+	var keyBackends []corev1.ConfigMap
 	var classes []storagev1.StorageClass
 	for _, m := range yamlBlock.FindAllSubmatch(doc, -1) {
 		var tm metav1.TypeMeta
@@ -43,6 +44,9 @@ func TestDocumentedFormats(t *testing.T) {
 			var c corev1.ConfigMap
 			strict(t, m[1], &c)
 			configMaps[c.Name] = c
+			if c.Name == "csi-key-backend-config" {
+				keyBackends = append(keyBackends, c)
+			}
 		case "StorageClass":
 			var c storagev1.StorageClass
 			strict(t, m[1], &c)
@@ -80,21 +84,23 @@ func TestDocumentedFormats(t *testing.T) {
 	}
 
 	// The key backend: documented keys, none shadowing a projected file.
-	kb, ok := configMaps["csi-key-backend-config"]
-	if !ok {
-		t.Fatal("no example ConfigMap csi-key-backend-config")
+	// The seed's form first, then our older names.
+	if len(keyBackends) != 2 || keyBackends[0].Data["transitMount"] == "" || keyBackends[1].Data["transit_mount"] == "" {
+		t.Fatalf("want two example ConfigMaps csi-key-backend-config, the seed's names (transitMount) then ours (transit_mount); have %d", len(keyBackends))
 	}
-	for _, k := range []string{"address", "transit_key", "role"} {
-		if kb.Data[k] == "" {
-			t.Errorf("example csi-key-backend-config lacks required key %q", k)
+	for _, kb := range keyBackends {
+		for _, k := range []string{"address", "role"} {
+			if kb.Data[k] == "" {
+				t.Errorf("example csi-key-backend-config lacks required key %q", k)
+			}
 		}
-	}
-	for k := range kb.Data {
-		if k == "token" || k == "ca.crt" {
-			t.Errorf("csi-key-backend-config key %q collides with a file of the projected volume", k)
-		}
-		if !strings.Contains(string(doc), "| `"+k+"` |") {
-			t.Errorf("%s does not document the key-backend key %q", addonDoc, k)
+		for k := range kb.Data {
+			if k == "token" || k == "ca" {
+				t.Errorf("csi-key-backend-config key %q collides with a file of the projected volume", k)
+			}
+			if !strings.Contains(string(doc), "| `"+k+"` |") {
+				t.Errorf("%s does not document the key-backend key %q", addonDoc, k)
+			}
 		}
 	}
 	// The CA key is the one the DaemonSet projects.

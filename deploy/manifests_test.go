@@ -50,6 +50,7 @@ type addon struct {
 	bindings        []rbacv1.RoleBinding
 	deployments     []appsv1.Deployment
 	daemonSets      []appsv1.DaemonSet
+	secrets         []corev1.Secret
 }
 
 // splitDocs splits a YAML stream at its "---" lines and drops documents
@@ -98,9 +99,9 @@ var builtinAPIs = []string{"v1", "storage.k8s.io/v1", "rbac.authorization.k8s.io
 func decode(t *testing.T, image, driver string) *addon {
 	t.Helper()
 	a := decodePart(t, Core, image, driver)
-	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 3 ||
+	if len(a.namespaces) != 1 || len(a.drivers) != 1 || len(a.classes) != 2 ||
 		len(a.deployments) != 1 || len(a.daemonSets) != 1 {
-		t.Fatalf("csi.yaml holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d Deployments, %d DaemonSets; want 1, 1, 3, 1, 1",
+		t.Fatalf("csi.yaml holds %d namespaces, %d CSIDrivers, %d StorageClasses, %d Deployments, %d DaemonSets; want 1, 1, 2, 1, 1",
 			len(a.namespaces), len(a.drivers), len(a.classes), len(a.deployments), len(a.daemonSets))
 	}
 	if len(a.snapshotClasses) != 0 {
@@ -117,6 +118,18 @@ func decodeSnapshots(t *testing.T, image, driver string) *addon {
 	if len(a.snapshotClasses) != 1 || len(a.apiVersions) != 1 {
 		t.Fatalf("csi-snapshots.yaml holds %d objects, %d of them VolumeSnapshotClasses; want the one VolumeSnapshotClass",
 			len(a.apiVersions), len(a.snapshotClasses))
+	}
+	return a
+}
+
+// decodeEncryption renders the opt-in encryption part
+// (csi-encryption.yaml) and decodes it strictly.
+func decodeEncryption(t *testing.T, image, driver string) *addon {
+	t.Helper()
+	a := decodePart(t, Encryption, image, driver)
+	if len(a.classes) != 1 || len(a.accounts) != 1 || len(a.secrets) != 1 || len(a.clusterBindings) != 1 || len(a.apiVersions) != 4 {
+		t.Fatalf("csi-encryption.yaml holds %d objects: %d StorageClasses, %d ServiceAccounts, %d Secrets, %d ClusterRoleBindings; want 1 of each",
+			len(a.apiVersions), len(a.classes), len(a.accounts), len(a.secrets), len(a.clusterBindings))
 	}
 	return a
 }
@@ -158,6 +171,10 @@ func decodePart(t *testing.T, part Part, image, driver string) *addon {
 			var o volumeSnapshotClass
 			strict(t, doc, &o)
 			a.snapshotClasses = append(a.snapshotClasses, o)
+		case "v1 Secret":
+			var o corev1.Secret
+			strict(t, doc, &o)
+			a.secrets = append(a.secrets, o)
 		case "v1 ServiceAccount":
 			var o corev1.ServiceAccount
 			strict(t, doc, &o)
@@ -331,6 +348,9 @@ func TestCSIDriver(t *testing.T) {
 		if s.FSGroupPolicy == nil || *s.FSGroupPolicy != storagev1.FileFSGroupPolicy {
 			t.Errorf("fsGroupPolicy %v, want File", s.FSGroupPolicy)
 		}
+		if s.StorageCapacity == nil || !*s.StorageCapacity {
+			t.Error("storageCapacity is not true: the scheduler would place WaitForFirstConsumer pods in a full location")
+		}
 		if !slices.Equal(s.VolumeLifecycleModes, []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent}) {
 			t.Errorf("volumeLifecycleModes %v, want [Persistent]", s.VolumeLifecycleModes)
 		}
@@ -356,6 +376,11 @@ func TestStorageClasses(t *testing.T) {
 		byName := map[string]storagev1.StorageClass{}
 		var defaults []string
 		for _, c := range a.classes {
+			if b, _ := strconv.ParseBool(c.Parameters["encryption"]); b {
+				t.Errorf("csi.yaml ships the encrypted StorageClass %s; it belongs in the encryption part, applied only with a key backend", c.Name)
+			}
+		}
+		for _, c := range append(slices.Clone(a.classes), decodeEncryption(t, a.image, a.driver).classes...) {
 			byName[c.Name] = c
 			if c.Provisioner != a.driver {
 				t.Errorf("StorageClass %s: provisioner %q, want the driver name %q", c.Name, c.Provisioner, a.driver)
@@ -394,6 +419,38 @@ func TestStorageClasses(t *testing.T) {
 					t.Errorf("StorageClass %s asks for encryption", name)
 				}
 			}
+		}
+	})
+}
+
+// TestEncryptionPart: the encryption part holds the encrypted class and
+// what docs/encryption.md's recipe gives the key backend to review the
+// node plugin's tokens: a ServiceAccount of its own (not the node
+// plugin's, whose token has audience vault only) bound to
+// system:auth-delegator, and its long-lived token Secret.
+func TestEncryptionPart(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		e := decodeEncryption(t, a.image, a.driver)
+		for _, v := range e.apiVersions {
+			if !slices.Contains(builtinAPIs, v) {
+				t.Errorf("csi-encryption.yaml holds an object of %s, which needs a CRD", v)
+			}
+		}
+		sa, sec, b := e.accounts[0], e.secrets[0], e.clusterBindings[0]
+		if sa.Namespace != Namespace || sa.Name == a.daemonSets[0].Spec.Template.Spec.ServiceAccountName {
+			t.Errorf("token reviewer ServiceAccount %s/%s; want one of its own in %s", sa.Namespace, sa.Name, Namespace)
+		}
+		if sec.Type != corev1.SecretTypeServiceAccountToken || sec.Namespace != Namespace ||
+			sec.Annotations[corev1.ServiceAccountNameKey] != sa.Name {
+			t.Errorf("token reviewer Secret %s: type %s, for %q; want a service-account-token for %s", sec.Name, sec.Type,
+				sec.Annotations[corev1.ServiceAccountNameKey], sa.Name)
+		}
+		if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != "system:auth-delegator" || len(b.Subjects) != 1 ||
+			b.Subjects[0].Kind != "ServiceAccount" || b.Subjects[0].Name != sa.Name || b.Subjects[0].Namespace != Namespace {
+			t.Errorf("ClusterRoleBinding %s: %+v to %+v; want system:auth-delegator for %s/%s", b.Name, b.RoleRef, b.Subjects, Namespace, sa.Name)
+		}
+		if c := e.classes[0]; c.Name != "vco-csi-encrypted-vault" || c.Parameters["encryption"] != "true" {
+			t.Errorf("encryption part's class %s %v", c.Name, c.Parameters)
 		}
 	})
 }
@@ -750,6 +807,9 @@ func TestOnlyTheControllerPluginReadsTheCloudCredential(t *testing.T) {
 		readers := map[string]bool{}
 		for _, w := range a.workloads() {
 			for s, who := range secretRefs(w) {
+				if s == "openbao-ca" && w.kind == "DaemonSet" {
+					continue // the key backend's CA bundle (docs/csi-addon.md); checked in TestKeyBackendConfigReachesTheNodePlugin
+				}
 				if s != "csi-driver-secret" {
 					t.Errorf("%v read Secret %s, which the add-on does not document", who, s)
 					continue
@@ -774,6 +834,23 @@ func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
 		if kd, _ := flag(p.Args, "key-backend-dir"); kd != KeyBackendDir {
 			t.Errorf("node plugin --key-backend-dir=%q; the key backend volume is mounted at %s", kd, KeyBackendDir)
 		}
+		// A key-backend problem shows as not ready: the probe asks the
+		// address the plugin serves /readyz on.
+		ha, _ := flag(p.Args, "health-addr")
+		rp := p.ReadinessProbe
+		if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
+			t.Errorf("node plugin readinessProbe %+v; want GET /readyz", rp)
+		} else {
+			port := -1
+			for _, cp := range p.Ports {
+				if cp.Name == rp.HTTPGet.Port.StrVal || cp.ContainerPort == rp.HTTPGet.Port.IntVal {
+					port = int(cp.ContainerPort)
+				}
+			}
+			if ha != fmt.Sprintf(":%d", port) {
+				t.Errorf("node plugin --health-addr=%q; the readiness probe asks port %d", ha, port)
+			}
+		}
 		m, v := mountFor(t, w, p, KeyBackendDir+"/token")
 		if m.MountPath != KeyBackendDir || v.Projected == nil {
 			t.Fatalf("%s is not a projected volume mount: %+v", KeyBackendDir, v.VolumeSource)
@@ -786,6 +863,17 @@ func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
 					t.Errorf("ConfigMap %s is required: clusters without encrypted volumes would have no node plugin", s.ConfigMap.Name)
 				}
 				got[s.ConfigMap.Name] = true
+			case s.Secret != nil:
+				if s.Secret.Name != "openbao-ca" || s.Secret.Optional == nil || !*s.Secret.Optional || len(s.Secret.Items) == 0 {
+					t.Errorf("the node plugin's key backend volume projects Secret %s (optional %v, items %v); want only the optional openbao-ca's CA keys",
+						s.Secret.Name, s.Secret.Optional, s.Secret.Items)
+				}
+				for _, it := range s.Secret.Items {
+					if !slices.Contains([]string{"ca.crt", "ca.pem", "ca-bundle.crt"}, it.Key) || it.Path != "ca/secret/"+it.Key {
+						t.Errorf("Secret openbao-ca key %s projected to %s; want only CA bundle keys, under ca/secret/", it.Key, it.Path)
+					}
+				}
+				got["Secret openbao-ca"] = true
 			case s.ServiceAccountToken != nil:
 				if s.ServiceAccountToken.Audience == "" || s.ServiceAccountToken.Path != "token" {
 					t.Errorf("key backend token: %+v", s.ServiceAccountToken)
@@ -793,7 +881,7 @@ func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
 				got["token"] = true
 			}
 		}
-		for _, want := range []string{"csi-key-backend-config", "openbao-ca", "token"} {
+		for _, want := range []string{"csi-key-backend-config", "openbao-ca", "Secret openbao-ca", "token"} {
 			if !got[want] {
 				t.Errorf("the node plugin's key backend volume lacks %s", want)
 			}
@@ -883,6 +971,35 @@ func TestControllerRBAC(t *testing.T) {
 					t.Errorf("%s needs %s on %s.%s; the controller's ClusterRole does not grant it", sidecar, p[2], p[1], p[0])
 				}
 			}
+		}
+		// Storage capacity (--enable-capacity): the provisioner keeps
+		// CSIStorageCapacity objects in its namespace, owned by the
+		// Deployment it walks up to from its pod.
+		for _, p := range [][3]string{
+			{"storage.k8s.io", "csistoragecapacities", "list"}, {"storage.k8s.io", "csistoragecapacities", "watch"},
+			{"storage.k8s.io", "csistoragecapacities", "create"}, {"storage.k8s.io", "csistoragecapacities", "update"},
+			{"storage.k8s.io", "csistoragecapacities", "delete"}, {"", "pods", "get"}, {"apps", "replicasets", "get"},
+		} {
+			if !granted(local, p[0], p[1], p[2]) {
+				t.Errorf("csi-provisioner --enable-capacity needs %s on %s.%s in %s", p[2], p[1], p[0], Namespace)
+			}
+		}
+		prov := slices.IndexFunc(a.deployments[0].Spec.Template.Spec.Containers, func(c corev1.Container) bool { return c.Name == "csi-provisioner" })
+		if prov < 0 {
+			t.Fatal("no csi-provisioner container")
+		}
+		pc := a.deployments[0].Spec.Template.Spec.Containers[prov]
+		if !slices.Contains(pc.Args, "--enable-capacity") {
+			t.Error("csi-provisioner runs without --enable-capacity: no CSIStorageCapacity is published")
+		}
+		env := map[string]string{}
+		for _, e := range pc.Env {
+			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+				env[e.Name] = e.ValueFrom.FieldRef.FieldPath
+			}
+		}
+		if env["NAMESPACE"] != "metadata.namespace" || env["POD_NAME"] != "metadata.name" {
+			t.Errorf("csi-provisioner with --enable-capacity needs NAMESPACE and POD_NAME from the downward API; has %v", env)
 		}
 		for _, verb := range []string{"get", "create", "update"} {
 			if !granted(local, "coordination.k8s.io", "leases", verb) {

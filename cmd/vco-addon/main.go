@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	"github.com/whitesky-cloud/vco-storage/deploy"
 )
@@ -50,24 +52,36 @@ func usage() {
       -part core       csi.yaml, what every cluster applies (the default)
       -part snapshots  csi-snapshots.yaml, the opt-in VolumeSnapshotClass;
                        needs the snapshot CRDs (docs/csi-addon.md)
-      -part all        both, core first, as one stream
+      -part encryption csi-encryption.yaml, the opt-in encrypted class and
+                       the key backend's token reviewer; only with a key
+                       backend configured (docs/encryption.md)
+      -part all        every part, core first, as one stream
+      -part core,encryption  the parts named, in the order given
   vco-addon image -binary FILE -version V -o FILE.oci.tar
                                         the vco-csi image as an OCI layout tarball
 `)
 }
 
-const partUsage = "which part: core (csi.yaml), snapshots (csi-snapshots.yaml, needs the snapshot CRDs) or all (both, core first)"
+const partUsage = "which parts, comma-separated: core (csi.yaml), snapshots (csi-snapshots.yaml, needs the snapshot CRDs), " +
+	"encryption (csi-encryption.yaml, needs a key backend) or all (every part, core first)"
 
 // parts reads -part.
 func parts(s string) ([]deploy.Part, error) {
 	if s == "all" {
 		return deploy.Parts(), nil
 	}
-	p, err := deploy.ParsePart(s)
-	if err != nil {
-		return nil, fmt.Errorf("-part: %w, or all", err)
+	var out []deploy.Part
+	for _, n := range strings.Split(s, ",") {
+		p, err := deploy.ParsePart(n)
+		if err != nil {
+			return nil, fmt.Errorf("-part: %w, or all", err)
+		}
+		if slices.Contains(out, p) {
+			return nil, fmt.Errorf("-part: %s is named twice", p)
+		}
+		out = append(out, p)
 	}
-	return []deploy.Part{p}, nil
+	return out, nil
 }
 
 // bundle concatenates the parts' files, in order, into one stream.

@@ -67,9 +67,14 @@ func TestParts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	enc, err := deploy.BundleOf(deploy.Encryption)
+	if err != nil {
+		t.Fatal(err)
+	}
 	image := "try.whitesky.cloud/vco/csi:1.0"
 	v := deploy.Values{Image: image, DriverName: "cloud.whitesky.csi"}
-	for part, tmpl := range map[string][]byte{"": core, "core": core, "snapshots": snaps, "all": append(bytes.Clone(core), snaps...)} {
+	for part, tmpl := range map[string][]byte{"": core, "core": core, "snapshots": snaps, "encryption": enc,
+		"core,encryption": append(bytes.Clone(core), enc...), "all": append(append(bytes.Clone(core), snaps...), enc...)} {
 		var flags []string
 		if part != "" {
 			flags = []string{"-part", part}
@@ -95,10 +100,14 @@ func TestParts(t *testing.T) {
 		if has, want := bytes.Contains(got, []byte("kind: VolumeSnapshotClass")), part == "snapshots" || part == "all"; has != want {
 			t.Errorf("render -part %q: holds a VolumeSnapshotClass: %v, want %v", part, has, want)
 		}
+		if has, want := bytes.Contains(got, []byte(`encryption: "true"`)), strings.Contains(part, "encryption") || part == "all"; has != want {
+			t.Errorf("render -part %q: holds the encrypted class: %v, want %v", part, has, want)
+		}
 	}
 	for _, err := range []error{
 		runBundle([]string{"-part", "snapshot", "-o", filepath.Join(t.TempDir(), "x")}),
 		runRender([]string{"-part", "snapshot", "-image", image, "-o", filepath.Join(t.TempDir(), "x")}),
+		runBundle([]string{"-part", "core,snapshot", "-o", filepath.Join(t.TempDir(), "x")}),
 	} {
 		if err == nil || !strings.Contains(err.Error(), "snapshots") {
 			t.Errorf("-part snapshot: %v; want an error naming the parts", err)

@@ -27,7 +27,6 @@ import (
 const (
 	credentialSecret = "Secret csi-driver-secret"
 	keyBackendConfig = "ConfigMap csi-key-backend-config"
-	keyBackendCA     = "ConfigMap openbao-ca"
 	apiPath          = "/api/1"
 )
 
@@ -128,16 +127,78 @@ func nonEmptyFile(object, key, path string) error {
 type keyBackend struct {
 	Transit transit.Config
 	Key     crypt.TransitKey
+	// CARef is the caRef the ConfigMap gave, and CASource the object and
+	// key the CA bundle was read from ("" for the system roots).
+	CARef, CASource string
 }
+
+// DefaultTransitKey is the transit key that wraps passphrases when the
+// ConfigMap names none (the seed's VCOCluster settings have no such
+// field). docs/encryption.md gives every cluster a transit mount of its
+// own, so each cluster's key is a different one.
+const DefaultTransitKey = "vco-csi-volumes"
+
+// DefaultCARef is the object the CA bundle is delivered in, and the only
+// one the node DaemonSet projects (as a ConfigMap and as a Secret).
+const DefaultCARef = "openbao-ca"
+
+// caKeys are the keys a CA bundle is found under in a ConfigMap or
+// Secret, in the order they are tried: Kubernetes' own, and the usual
+// names of bundles made by hand and by cert-manager's trust tooling.
+var caKeys = []string{"ca.crt", "ca.pem", "ca-bundle.crt"}
+
+// caSources are the directories of the key backend directory the node
+// DaemonSet projects DefaultCARef's keys into.
+var caSources = []struct{ kind, dir string }{{"ConfigMap", "ca/configmap"}, {"Secret", "ca/secret"}}
+
+// keySetting is one setting of csi-key-backend-config: its names, the
+// seed's (CAPVCO's VCOCluster) first and ours after it as aliases.
+type keySetting struct {
+	names    []string
+	required bool
+	mount    bool // a path of segments; slashes around it are dropped
+	def      string
+}
+
+// normal is a value as it is used: a mount path without the slashes
+// around it, and the Kubernetes auth path without the "auth/" the seed's
+// k8sAuthPath may carry (the login is POST /v1/auth/<path>/login).
+func (ks keySetting) normal(v string) string {
+	if !ks.mount {
+		return v
+	}
+	v = strings.Trim(v, "/")
+	if ks.names[0] == "k8sAuthPath" {
+		v = strings.TrimPrefix(v, "auth/")
+	}
+	return v
+}
+
+var (
+	settingAddress   = keySetting{names: []string{"address"}, required: true}
+	settingTransit   = keySetting{names: []string{"transitMount", "transit_mount"}, mount: true, def: "transit"}
+	settingKey       = keySetting{names: []string{"transitKey", "transit_key"}, def: DefaultTransitKey}
+	settingAuth      = keySetting{names: []string{"k8sAuthPath", "auth_mount"}, mount: true, def: "kubernetes"}
+	settingRole      = keySetting{names: []string{"role"}, required: true}
+	settingNamespace = keySetting{names: []string{"namespace"}, mount: true}
+	settingCARef     = keySetting{names: []string{"caRef"}, def: DefaultCARef}
+	keySettings      = []keySetting{settingAddress, settingTransit, settingKey, settingAuth, settingRole, settingNamespace, settingCARef}
+)
 
 // mountPath matches a Vault mount path: segments of letters, digits,
 // '-', '_' and '.', separated by single slashes.
 var mountPath = regexp.MustCompile(`^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$`)
 
+// objectName matches a Kubernetes object name (a DNS subdomain).
+var objectName = regexp.MustCompile(`^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$`)
+
 // loadKeyBackend reads the key backend directory of the node pod: the keys
-// of csi-key-backend-config, ca.crt of openbao-ca and the ServiceAccount
-// token. Without the key address there is no key backend (nil, nil): the
+// of csi-key-backend-config, the CA bundle of openbao-ca (ConfigMap or
+// Secret) and the ServiceAccount token. Without any key of
+// csi-key-backend-config there is no key backend (nil, nil): the
 // ConfigMap is optional and encrypted volumes are then refused at stage.
+// Any error names the ConfigMap's key as written, never a value of the
+// token.
 func loadKeyBackend(dir string) (*keyBackend, error) {
 	if st, err := os.Stat(dir); err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
@@ -147,88 +208,168 @@ func loadKeyBackend(dir string) (*keyBackend, error) {
 	} else if !st.IsDir() {
 		return nil, fmt.Errorf("key backend directory %s is not a directory", dir)
 	}
-	read := func(key string) (string, bool, error) {
-		b, err := os.ReadFile(filepath.Join(dir, key))
-		if errors.Is(err, fs.ErrNotExist) {
-			return "", false, nil
-		}
-		if err != nil {
-			return "", false, fmt.Errorf("%s key %s: %v", keyBackendConfig, key, err)
-		}
-		return strings.TrimSpace(string(b)), true, nil
-	}
-	addr, ok, err := read("address")
+	entries, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("key backend directory: %v", err)
 	}
-	if !ok {
-		for _, k := range []string{"transit_key", "role", "transit_mount", "auth_mount", "namespace"} {
-			if _, present, _ := read(k); present {
-				return nil, fmt.Errorf("%s has key %s but no key address (in %s); set address to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200", keyBackendConfig, k, dir)
-			}
+	known := map[string]bool{}
+	var all []string
+	for _, ks := range keySettings {
+		for _, n := range ks.names {
+			known[n] = true
+			all = append(all, n)
 		}
+	}
+	var given []string
+	for _, e := range entries {
+		n := e.Name()
+		// The kubelet's own entries of a projected volume start with "..".
+		if strings.HasPrefix(n, ".") || n == "token" || n == "ca" {
+			continue
+		}
+		if !known[n] {
+			return nil, fmt.Errorf("%s has key %s, which the node plugin does not know; the keys are %s (docs/encryption.md)",
+				keyBackendConfig, n, strings.Join(all, ", "))
+		}
+		given = append(given, n)
+	}
+	if len(given) == 0 {
 		return nil, nil
 	}
+	values := map[string]string{}
+	named := map[string]string{} // the name a setting was given under
+	for _, ks := range keySettings {
+		var from string
+		for _, n := range ks.names {
+			b, err := os.ReadFile(filepath.Join(dir, n))
+			if errors.Is(err, fs.ErrNotExist) {
+				continue
+			}
+			if err != nil {
+				return nil, fmt.Errorf("%s key %s: %v", keyBackendConfig, n, err)
+			}
+			v := ks.normal(strings.TrimSpace(string(b)))
+			if from != "" {
+				if v != values[ks.names[0]] {
+					return nil, fmt.Errorf("%s has both %s and %s, with different values; keep %s (the VCOCluster's name)",
+						keyBackendConfig, from, n, ks.names[0])
+				}
+				continue
+			}
+			from = n
+			values[ks.names[0]] = v
+		}
+		named[ks.names[0]] = from
+		v := values[ks.names[0]]
+		switch {
+		case from == "" && ks.required && ks.names[0] == "address":
+			return nil, fmt.Errorf("%s has key %s but no key address; set address to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200",
+				keyBackendConfig, given[0])
+		case from == "" && ks.required:
+			return nil, fmt.Errorf("%s has no key %s; it is required with address", keyBackendConfig, ks.names[0])
+		case from == "":
+			values[ks.names[0]] = ks.def
+			continue
+		case v == "" && ks.names[0] == "address":
+			return nil, fmt.Errorf("%s key address is empty; set it to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200", keyBackendConfig)
+		case v == "":
+			return nil, fmt.Errorf("%s key %s is empty; give it a value or remove the key", keyBackendConfig, from)
+		case ks.mount && !mountPath.MatchString(v):
+			return nil, fmt.Errorf("%s key %s %q is not a path of letters, digits, '-', '_' and '.' segments", keyBackendConfig, from, v)
+		case !ks.mount && ks.names[0] != "address" && ks.names[0] != "caRef" && strings.ContainsAny(v, " \t\r\n/"):
+			return nil, fmt.Errorf("%s key %s %q contains white space or '/'", keyBackendConfig, from, v)
+		}
+	}
+
+	addr := values["address"]
 	u, err := url.Parse(addr)
 	switch {
-	case addr == "":
-		return nil, fmt.Errorf("%s key address is empty; set it to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200", keyBackendConfig)
 	case err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Hostname() == "":
 		return nil, fmt.Errorf("%s key address %q is not an http(s) URL with a host, e.g. https://openbao.example.net:8200", keyBackendConfig, addr)
 	case u.Path != "" && u.Path != "/" || u.RawQuery != "" || u.Fragment != "" || u.User != nil:
 		return nil, fmt.Errorf("%s key address %q has a path, query, fragment or user; want scheme://host:port only", keyBackendConfig, addr)
 	}
-	kb := &keyBackend{Transit: transit.Config{Address: strings.TrimRight(addr, "/"), Mount: "transit", KubernetesMount: "kubernetes",
-		ServiceAccountTokenFile: filepath.Join(dir, "token")}}
-	for _, f := range []struct {
-		key      string
-		required bool
-		mount    bool
-		to       *string
-	}{
-		{"transit_key", true, false, &kb.Key.Name},
-		{"role", true, false, &kb.Transit.KubernetesRole},
-		{"transit_mount", false, true, &kb.Transit.Mount},
-		{"auth_mount", false, true, &kb.Transit.KubernetesMount},
-		{"namespace", false, true, &kb.Transit.Namespace},
-	} {
-		v, present, err := read(f.key)
-		if err != nil {
-			return nil, err
-		}
-		switch {
-		case !present && f.required:
-			return nil, fmt.Errorf("%s has no key %s (in %s); it is required with address", keyBackendConfig, f.key, dir)
-		case !present:
-			continue
-		case v == "":
-			return nil, fmt.Errorf("%s key %s is empty; give it a value or remove the key", keyBackendConfig, f.key)
-		case f.mount && !mountPath.MatchString(strings.Trim(v, "/")):
-			return nil, fmt.Errorf("%s key %s %q is not a path of letters, digits, '-', '_' and '.' segments", keyBackendConfig, f.key, v)
-		case !f.mount && strings.ContainsAny(v, " \t\r\n/"):
-			return nil, fmt.Errorf("%s key %s %q contains white space or '/'", keyBackendConfig, f.key, v)
-		}
-		if f.mount {
-			v = strings.Trim(v, "/")
-		}
-		*f.to = v
+	kb := &keyBackend{
+		Transit: transit.Config{Address: strings.TrimRight(addr, "/"), Mount: values["transitMount"], Namespace: values["namespace"],
+			KubernetesRole: values["role"], KubernetesMount: values["k8sAuthPath"], ServiceAccountTokenFile: filepath.Join(dir, "token")},
+		Key:   crypt.TransitKey{Mount: values["transitMount"], Name: values["transitKey"]},
+		CARef: values["caRef"],
 	}
-	kb.Key.Mount = kb.Transit.Mount
-
-	ca := filepath.Join(dir, "ca.crt")
-	if b, err := os.ReadFile(ca); err == nil {
-		if err := checkPEMCertificates(b); err != nil {
-			return nil, fmt.Errorf("%s key ca.crt (%s): %v", keyBackendCA, ca, err)
-		}
-		kb.Transit.CACertFile = ca
-	} else if !errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("%s key ca.crt: %v", keyBackendCA, err)
+	if err := findCA(dir, kb, named["caRef"] != ""); err != nil {
+		return nil, err
 	}
-
 	if err := nonEmptyFile("projected ServiceAccount token (audience vault)", "token", kb.Transit.ServiceAccountTokenFile); err != nil {
 		return nil, err
 	}
 	return kb, nil
+}
+
+// findCA sets the CA bundle from the object caRef names: "name",
+// "ConfigMap/name" or "Secret/name". The DaemonSet projects DefaultCARef
+// only, as a ConfigMap and as a Secret; a caRef naming another object is
+// served by the bundle delivered as DefaultCARef, and is a problem only
+// when there is none. Without a caRef and a bundle the system roots are
+// trusted.
+func findCA(dir string, kb *keyBackend, explicit bool) error {
+	kind, name := "", kb.CARef
+	if k, n, ok := strings.Cut(kb.CARef, "/"); ok {
+		switch strings.ToLower(k) {
+		case "configmap":
+			kind = "ConfigMap"
+		case "secret":
+			kind = "Secret"
+		default:
+			return fmt.Errorf("%s key caRef %q: the kind before '/' is neither ConfigMap nor Secret", keyBackendConfig, kb.CARef)
+		}
+		name = n
+	}
+	if !objectName.MatchString(name) {
+		return fmt.Errorf("%s key caRef %q does not name a ConfigMap or Secret (want name, ConfigMap/name or Secret/name)", keyBackendConfig, kb.CARef)
+	}
+	for _, src := range caSources {
+		if kind != "" && name == DefaultCARef && src.kind != kind {
+			continue
+		}
+		for _, key := range caKeys {
+			p := filepath.Join(dir, src.dir, key)
+			b, err := os.ReadFile(p)
+			if errors.Is(err, fs.ErrNotExist) {
+				continue
+			}
+			obj := src.kind + " " + DefaultCARef
+			if err != nil {
+				return fmt.Errorf("%s key %s: %v", obj, key, err)
+			}
+			if err := checkPEMCertificates(b); err != nil {
+				return fmt.Errorf("%s key %s (%s): %v", obj, key, p, err)
+			}
+			kb.Transit.CACertFile, kb.CASource = p, obj+" key "+key
+			return nil
+		}
+	}
+	if explicit {
+		where := "ConfigMap or Secret " + DefaultCARef
+		if kind != "" && name == DefaultCARef {
+			where = kind + " " + DefaultCARef
+		}
+		return fmt.Errorf("%s key caRef %q: no CA bundle found in the %s in namespace csi-driver under %s; "+
+			"the node plugin reads the bundle delivered there, whatever object caRef names", keyBackendConfig, kb.CARef, where, strings.Join(caKeys, ", "))
+	}
+	return nil
+}
+
+// nodeKeyBackend reads the key backend directory and makes its transit
+// client: nil, nil, nil when no key backend is configured.
+func nodeKeyBackend(dir string) (*transit.Client, *keyBackend, error) {
+	kb, err := loadKeyBackend(dir)
+	if err != nil || kb == nil {
+		return nil, nil, err
+	}
+	w, err := transit.New(kb.Transit)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s: %v", keyBackendConfig, err)
+	}
+	return w, kb, nil
 }
 
 // checkPEMCertificates requires at least one PEM block and every block to

@@ -1,18 +1,27 @@
 package main
 
 import (
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"maps"
 	"math/big"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 )
 
 func writeFiles(t *testing.T, dir string, files map[string]string) {
@@ -99,47 +108,144 @@ func TestCredential(t *testing.T) {
 	}
 }
 
+// seedKeyBackend is the ConfigMap csi-key-backend-config in the form the
+// seed's VCOCluster settings deliver it (address, transitMount,
+// k8sAuthPath, role, caRef), and seedCA the openbao-ca ConfigMap beside
+// it. docs/encryption.md shows the same objects.
+const seedKeyBackend = `apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: csi-key-backend-config
+  namespace: csi-driver
+data:
+  address: https://openbao.example.net:8200
+  transitMount: transit-prod-1
+  k8sAuthPath: kubernetes-prod-1
+  role: vco-csi-node
+  caRef: openbao-ca
+`
+
+const seedCA = `apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: openbao-ca
+  namespace: csi-driver
+data:
+  ca.crt: |
+`
+
+// projectKeyBackend lays the ConfigMaps out as the node DaemonSet's
+// projected volume does: the settings' keys as files, the CA object's
+// keys under ca/configmap/ or ca/secret/, and the token.
+func projectKeyBackend(t *testing.T, settings map[string]string, caKind string, ca map[string]string) string {
+	t.Helper()
+	dir := t.TempDir()
+	writeFiles(t, dir, settings)
+	writeFiles(t, dir, map[string]string{"token": "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"})
+	if len(ca) > 0 {
+		sub := filepath.Join(dir, "ca", strings.ToLower(caKind))
+		if err := os.MkdirAll(sub, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		writeFiles(t, sub, ca)
+	}
+	return dir
+}
+
 func TestKeyBackend(t *testing.T) {
 	ca := testCA(t)
-	full := map[string]string{"address": "https://openbao.example.net:8200/\n", "transit_key": "vco-csi-volumes",
-		"role": "vco-csi-node", "transit_mount": "kv/transit", "auth_mount": "/k8s-prod/", "namespace": "team-a",
-		"ca.crt": ca, "token": "eyJhbGciOiJSUzI1NiJ9.e30.c2ln"}
 
-	t.Run("full", func(t *testing.T) {
-		dir := t.TempDir()
-		writeFiles(t, dir, full)
+	t.Run("seed", func(t *testing.T) {
+		var cm, caCM corev1.ConfigMap
+		if err := yaml.UnmarshalStrict([]byte(seedKeyBackend), &cm); err != nil {
+			t.Fatal(err)
+		}
+		indented := "    " + strings.ReplaceAll(strings.TrimSpace(ca), "\n", "\n    ") + "\n"
+		if err := yaml.UnmarshalStrict([]byte(seedCA+indented), &caCM); err != nil {
+			t.Fatal(err)
+		}
+		dir := projectKeyBackend(t, cm.Data, "ConfigMap", caCM.Data)
+		kb, err := loadKeyBackend(dir)
+		if err != nil || kb == nil {
+			t.Fatalf("the seed's ConfigMaps: %v, %v", kb, err)
+		}
+		tc := kb.Transit
+		if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "transit-prod-1" || tc.KubernetesMount != "kubernetes-prod-1" ||
+			tc.KubernetesRole != "vco-csi-node" || tc.CACertFile != filepath.Join(dir, "ca", "configmap", "ca.crt") ||
+			tc.ServiceAccountTokenFile != filepath.Join(dir, "token") || tc.Token != "" || tc.Namespace != "" {
+			t.Errorf("transit config %+v", tc)
+		}
+		if kb.Key.Name != DefaultTransitKey || kb.Key.Mount != "transit-prod-1" || kb.CASource != "ConfigMap openbao-ca key ca.crt" {
+			t.Errorf("key %+v, CA from %q", kb.Key, kb.CASource)
+		}
+	})
+
+	t.Run("our names", func(t *testing.T) {
+		dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200/\n", "transit_key": "vco-csi-volumes",
+			"role": "vco-csi-node", "transit_mount": "kv/transit", "auth_mount": "/k8s-prod/", "namespace": "team-a"}, "ConfigMap", map[string]string{"ca.crt": ca})
 		kb, err := loadKeyBackend(dir)
 		if err != nil || kb == nil {
 			t.Fatalf("%v, %v", kb, err)
 		}
 		tc := kb.Transit
 		if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "kv/transit" || tc.KubernetesMount != "k8s-prod" ||
-			tc.Namespace != "team-a" || tc.KubernetesRole != "vco-csi-node" || tc.CACertFile != filepath.Join(dir, "ca.crt") ||
-			tc.ServiceAccountTokenFile != filepath.Join(dir, "token") || tc.Token != "" {
-			t.Errorf("transit config %+v", tc)
-		}
-		if kb.Key.Name != "vco-csi-volumes" || kb.Key.Mount != "kv/transit" {
-			t.Errorf("key %+v", kb.Key)
+			tc.Namespace != "team-a" || tc.KubernetesRole != "vco-csi-node" || kb.Key.Name != "vco-csi-volumes" || kb.Key.Mount != "kv/transit" {
+			t.Errorf("transit config %+v, key %+v", tc, kb.Key)
 		}
 	})
 
 	t.Run("defaults", func(t *testing.T) {
-		dir := t.TempDir()
-		writeFiles(t, dir, map[string]string{"address": "https://openbao.example.net:8200", "transit_key": "k", "role": "r", "token": "t"})
+		dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200", "role": "r"}, "", nil)
 		kb, err := loadKeyBackend(dir)
 		if err != nil || kb == nil {
 			t.Fatalf("%v, %v", kb, err)
 		}
-		if kb.Transit.Mount != "transit" || kb.Transit.KubernetesMount != "kubernetes" || kb.Transit.CACertFile != "" || kb.Key.Mount != "transit" {
-			t.Errorf("defaults %+v %+v", kb.Transit, kb.Key)
+		if kb.Transit.Mount != "transit" || kb.Transit.KubernetesMount != "kubernetes" || kb.Transit.CACertFile != "" ||
+			kb.Key.Mount != "transit" || kb.Key.Name != DefaultTransitKey || kb.CARef != DefaultCARef {
+			t.Errorf("defaults %+v %+v %q", kb.Transit, kb.Key, kb.CARef)
+		}
+	})
+
+	t.Run("auth path", func(t *testing.T) {
+		dir := projectKeyBackend(t, map[string]string{"address": "https://b:8200", "role": "r", "k8sAuthPath": "auth/kubernetes-prod-1/"}, "", nil)
+		if kb, err := loadKeyBackend(dir); err != nil || kb.Transit.KubernetesMount != "kubernetes-prod-1" {
+			t.Errorf("k8sAuthPath auth/kubernetes-prod-1/: %+v, %v; want the mount kubernetes-prod-1", kb, err)
+		}
+	})
+
+	// The CA is found under every key such an object carries, in a
+	// ConfigMap or a Secret, and caRef may name the kind.
+	t.Run("ca", func(t *testing.T) {
+		base := map[string]string{"address": "https://b:8200", "role": "r"}
+		for _, tc := range []struct {
+			caRef, kind, key, want string
+		}{
+			{"", "ConfigMap", "ca.crt", "ConfigMap openbao-ca key ca.crt"},
+			{"", "ConfigMap", "ca.pem", "ConfigMap openbao-ca key ca.pem"},
+			{"", "ConfigMap", "ca-bundle.crt", "ConfigMap openbao-ca key ca-bundle.crt"},
+			{"", "Secret", "ca.crt", "Secret openbao-ca key ca.crt"},
+			{"openbao-ca", "Secret", "ca-bundle.crt", "Secret openbao-ca key ca-bundle.crt"},
+			{"Secret/openbao-ca", "Secret", "ca.pem", "Secret openbao-ca key ca.pem"},
+			{"configmap/openbao-ca", "ConfigMap", "ca.pem", "ConfigMap openbao-ca key ca.pem"},
+			// Another object's name: the bundle delivered as openbao-ca.
+			{"corp-root-ca", "ConfigMap", "ca.crt", "ConfigMap openbao-ca key ca.crt"},
+		} {
+			s := maps.Clone(base)
+			if tc.caRef != "" {
+				s["caRef"] = tc.caRef
+			}
+			dir := projectKeyBackend(t, s, tc.kind, map[string]string{tc.key: ca})
+			kb, err := loadKeyBackend(dir)
+			if err != nil || kb.CASource != tc.want || kb.Transit.CACertFile != filepath.Join(dir, "ca", strings.ToLower(tc.kind), tc.key) {
+				t.Errorf("caRef %q, %s key %s: %+v, %v; want the CA from %s", tc.caRef, tc.kind, tc.key, kb, err, tc.want)
+			}
 		}
 	})
 
 	t.Run("none", func(t *testing.T) {
-		// No ConfigMap yet (both are optional): only the token is there,
-		// or the directory is not mounted at all.
-		dir := t.TempDir()
-		writeFiles(t, dir, map[string]string{"token": "t", "ca.crt": ca})
+		// No ConfigMap yet (both are optional): only the token and the
+		// CA are there, or the directory is not mounted at all.
+		dir := projectKeyBackend(t, nil, "ConfigMap", map[string]string{"ca.crt": ca})
 		for _, d := range []string{dir, filepath.Join(dir, "absent")} {
 			if kb, err := loadKeyBackend(d); kb != nil || err != nil {
 				t.Errorf("%s: %+v, %v; want no key backend and no error", d, kb, err)
@@ -147,41 +253,59 @@ func TestKeyBackend(t *testing.T) {
 		}
 	})
 
+	full := map[string]string{"address": "https://openbao.example.net:8200", "transitMount": "transit-prod-1",
+		"k8sAuthPath": "kubernetes-prod-1", "role": "vco-csi-node", "caRef": "openbao-ca"}
 	for _, tc := range []struct {
-		name string
-		edit map[string]string // "" deletes the file
-		want []string
+		name   string
+		edit   map[string]string // "" deletes the file
+		caKind string
+		ca     map[string]string
+		want   []string
 	}{
-		{"no address", map[string]string{"address": ""}, []string{"csi-key-backend-config has key", "but no key address"}},
-		{"blank address", map[string]string{"address": "\n"}, []string{"csi-key-backend-config key address is empty"}},
-		{"address no scheme", map[string]string{"address": "openbao.example.net:8200"}, []string{"key address", "not an http(s) URL"}},
-		{"address path", map[string]string{"address": "https://openbao.example.net:8200/v1"}, []string{"key address", "has a path"}},
-		{"no transit_key", map[string]string{"transit_key": ""}, []string{"csi-key-backend-config has no key transit_key"}},
-		{"no role", map[string]string{"role": ""}, []string{"csi-key-backend-config has no key role"}},
-		{"blank role", map[string]string{"role": " \n"}, []string{"csi-key-backend-config key role is empty"}},
-		{"spaced key", map[string]string{"transit_key": "a b"}, []string{"key transit_key", "white space"}},
-		{"bad transit_mount", map[string]string{"transit_mount": "a b"}, []string{"key transit_mount", "not a path"}},
-		{"bad auth_mount", map[string]string{"auth_mount": "a//b"}, []string{"key auth_mount", "not a path"}},
-		{"blank namespace", map[string]string{"namespace": ""}, nil}, // optional, absent is fine
-		{"empty namespace", map[string]string{"namespace": "\n"}, []string{"key namespace is empty"}},
-		{"ca not pem", map[string]string{"ca.crt": "not a certificate"}, []string{"openbao-ca key ca.crt", "no PEM certificate"}},
-		{"ca truncated", map[string]string{"ca.crt": ca[:len(ca)-40]}, []string{"openbao-ca key ca.crt"}},
-		{"ca key block", map[string]string{"ca.crt": "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"}, []string{"openbao-ca key ca.crt", `type "PRIVATE KEY"`}},
-		{"ca trailing junk", map[string]string{"ca.crt": ca + "-----BEGIN CERT"}, []string{"openbao-ca key ca.crt", "after its last certificate"}},
-		{"no token", map[string]string{"token": ""}, []string{"ServiceAccount token (audience vault) key token", "does not exist"}},
-		{"empty token", map[string]string{"token": "\n"}, []string{"ServiceAccount token (audience vault) key token", "is empty"}},
+		{"no address", map[string]string{"address": ""}, "", nil, []string{"csi-key-backend-config has key", "but no key address"}},
+		{"address misspelt", map[string]string{"address": "", "Address": "https://b:8200"}, "", nil,
+			[]string{"has key Address, which the node plugin does not know", "address, transitMount"}},
+		{"key misspelt", map[string]string{"transitmount": "t"}, "", nil, []string{"has key transitmount, which the node plugin does not know"}},
+		{"blank address", map[string]string{"address": "\n"}, "", nil, []string{"csi-key-backend-config key address is empty"}},
+		{"address no scheme", map[string]string{"address": "openbao.example.net:8200"}, "", nil, []string{"key address", "not an http(s) URL"}},
+		{"address path", map[string]string{"address": "https://openbao.example.net:8200/v1"}, "", nil, []string{"key address", "has a path"}},
+		{"no role", map[string]string{"role": ""}, "", nil, []string{"csi-key-backend-config has no key role"}},
+		{"blank role", map[string]string{"role": " \n"}, "", nil, []string{"csi-key-backend-config key role is empty"}},
+		{"spaced key", map[string]string{"transitKey": "a b"}, "", nil, []string{"key transitKey", "white space"}},
+		{"spaced key alias", map[string]string{"transit_key": "a b"}, "", nil, []string{"key transit_key", "white space"}},
+		{"both spellings differ", map[string]string{"transit_mount": "transit"}, "", nil,
+			[]string{"has both transitMount and transit_mount, with different values"}},
+		{"both spellings agree", map[string]string{"transit_mount": "/transit-prod-1\n", "auth_mount": "kubernetes-prod-1"}, "", nil, nil},
+		{"bad transitMount", map[string]string{"transitMount": "a b"}, "", nil, []string{"key transitMount", "not a path"}},
+		{"bad auth_mount", map[string]string{"k8sAuthPath": "", "auth_mount": "a//b"}, "", nil, []string{"key auth_mount", "not a path"}},
+		{"empty namespace", map[string]string{"namespace": "\n"}, "", nil, []string{"key namespace is empty"}},
+		{"caRef bad kind", map[string]string{"caRef": "Certificate/openbao-ca"}, "", nil, []string{"key caRef", "neither ConfigMap nor Secret"}},
+		{"caRef bad name", map[string]string{"caRef": "OpenBao CA"}, "", nil, []string{"key caRef", "does not name a ConfigMap or Secret"}},
+		{"caRef without bundle", map[string]string{"caRef": "corp-root-ca"}, "", nil,
+			[]string{`key caRef "corp-root-ca": no CA bundle found in the ConfigMap or Secret openbao-ca`, "ca.crt, ca.pem, ca-bundle.crt"}},
+		{"caRef names the other kind", map[string]string{"caRef": "Secret/openbao-ca"}, "ConfigMap", map[string]string{"ca.crt": ca},
+			[]string{"no CA bundle found in the Secret openbao-ca"}},
+		{"ca not pem", nil, "ConfigMap", map[string]string{"ca.crt": "not a certificate"}, []string{"ConfigMap openbao-ca key ca.crt", "no PEM certificate"}},
+		{"ca truncated", nil, "Secret", map[string]string{"ca.pem": ca[:len(ca)-40]}, []string{"Secret openbao-ca key ca.pem"}},
+		{"ca key block", nil, "Secret", map[string]string{"ca.crt": "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"},
+			[]string{"Secret openbao-ca key ca.crt", `type "PRIVATE KEY"`}},
+		{"ca trailing junk", nil, "ConfigMap", map[string]string{"ca-bundle.crt": ca + "-----BEGIN CERT"},
+			[]string{"ConfigMap openbao-ca key ca-bundle.crt", "after its last certificate"}},
+		{"no token", map[string]string{"token": ""}, "", nil, []string{"ServiceAccount token (audience vault) key token", "does not exist"}},
+		{"empty token", map[string]string{"token": "\n"}, "", nil, []string{"ServiceAccount token (audience vault) key token", "is empty"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			dir := t.TempDir()
-			files := map[string]string{}
-			for k, v := range full {
-				files[k] = v
-			}
+			dir := projectKeyBackend(t, nil, tc.caKind, tc.ca)
+			files := maps.Clone(full)
 			for k, v := range tc.edit {
 				files[k] = v
 				if v == "" {
 					delete(files, k)
+					os.Remove(filepath.Join(dir, k))
 				}
+			}
+			if tc.ca == nil && files["caRef"] == "openbao-ca" {
+				delete(files, "caRef") // the default; explicit, it asks for a bundle
 			}
 			writeFiles(t, dir, files)
 			kb, err := loadKeyBackend(dir)
@@ -208,7 +332,8 @@ func TestKeyBackend(t *testing.T) {
 
 // TestPluginRefusesBadSettingsAtStart runs the plugin's start with settings
 // that must stop it, with the given words, before it listens or dials the
-// agent.
+// agent. A bad key-backend ConfigMap is not one of them: see
+// TestPartialKeyBackendKeepsPlainVolumes.
 func TestPluginRefusesBadSettingsAtStart(t *testing.T) {
 	dir := t.TempDir()
 	kb := filepath.Join(dir, "key-backend")
@@ -229,7 +354,6 @@ func TestPluginRefusesBadSettingsAtStart(t *testing.T) {
 		{append(ctl, "--portal-url=https://try.whitesky.cloud", "--customer=c"), "csi-driver-secret key cloudspace (--cloudspace) is empty"},
 		{append(ctl, "--portal-url=https://try.whitesky.cloud/api/1", "--customer=c", "--cloudspace=s"), "csi-driver-secret key url"},
 		{append(node, "--key-backend-dir="+kb, "--vault-addr=https://vault.example:8200"), "--key-backend-dir and --vault-addr"},
-		{append(node, "--key-backend-dir="+kb), "csi-key-backend-config has no key transit_key"},
 	} {
 		out := captureStderr(t, func() {
 			if rc := runPlugin(tc.args); rc != 1 {
@@ -262,4 +386,60 @@ func captureStderr(t *testing.T, f func()) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// TestSeedKeyBackendReachesTheTransitEngine: the seed's ConfigMaps, laid
+// out as the DaemonSet projects them, make a transit client that trusts
+// the CA of openbao-ca, logs in at the seed's k8sAuthPath with its role
+// and wraps and unwraps with the default transit key in the seed's
+// transitMount. The transit engine is the FAKE of crypt/transit/transittest
+// (no Vault or OpenBao runs here), served over TLS.
+func TestSeedKeyBackendReachesTheTransitEngine(t *testing.T) {
+	fake := transittest.New()
+	fake.AuthMount, fake.TransitMount, fake.Role = "kubernetes-prod-1", "transit-prod-1", "vco-csi-node"
+	fake.Rotate(DefaultTransitKey)
+	srv := httptest.NewTLSServer(fake)
+	defer srv.Close()
+	caPEM := string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}))
+
+	var cm corev1.ConfigMap
+	if err := yaml.UnmarshalStrict([]byte(seedKeyBackend), &cm); err != nil {
+		t.Fatal(err)
+	}
+	cm.Data["address"] = srv.URL // the seed's form, pointed at the fake
+	for _, kind := range []string{"ConfigMap", "Secret"} {
+		dir := projectKeyBackend(t, cm.Data, kind, map[string]string{"ca.crt": caPEM})
+		writeFiles(t, dir, map[string]string{"token": fake.JWT})
+		w, kb, err := nodeKeyBackend(dir)
+		if err != nil || w == nil {
+			t.Fatalf("%s openbao-ca: %v", kind, err)
+		}
+		ctx := context.Background()
+		ct, err := w.Encrypt(ctx, kb.Key.Name, []byte("passphrase"))
+		if err != nil {
+			t.Fatalf("%s openbao-ca: wrap: %v", kind, err)
+		}
+		pt, err := w.Decrypt(ctx, kb.Key.Name, ct.Text)
+		if err != nil || string(pt) != "passphrase" {
+			t.Fatalf("%s openbao-ca: unwrap: %q %v", kind, pt, err)
+		}
+	}
+	fake.Mu.Lock()
+	defer fake.Mu.Unlock()
+	for _, want := range []string{"POST /v1/auth/kubernetes-prod-1/login", "POST /v1/transit-prod-1/encrypt/vco-csi-volumes",
+		"POST /v1/transit-prod-1/decrypt/vco-csi-volumes"} {
+		if !slices.Contains(fake.Requests, want) {
+			t.Errorf("the transit engine was not asked %s; it was asked %v", want, fake.Requests)
+		}
+	}
+	// Without the CA the server's certificate is not trusted.
+	dir := projectKeyBackend(t, map[string]string{"address": srv.URL, "role": "vco-csi-node", "k8sAuthPath": "kubernetes-prod-1",
+		"transitMount": "transit-prod-1"}, "", nil)
+	w, kb, err := nodeKeyBackend(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Encrypt(context.Background(), kb.Key.Name, []byte("x")); err == nil {
+		t.Error("a server whose CA is not in openbao-ca was trusted")
+	}
 }

@@ -5,6 +5,8 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"os/signal"
@@ -46,6 +48,7 @@ func runPlugin(args []string) int {
 	vaultCA := fs.String("vault-ca-file", "", "PEM CA bundle for Vault instead of the system roots (node)")
 	keyBackendDir := fs.String("key-backend-dir", "", "directory holding the keys of the ConfigMaps csi-key-backend-config and openbao-ca and a ServiceAccount token (audience vault), as the node DaemonSet projects them; replaces the --vault-* flags (node)")
 	vaultTokenFile := fs.String("vault-token-file", "", "file holding a Vault token to use instead of Kubernetes auth (node; operators and tests)")
+	healthAddr := fs.String("health-addr", "", "serve GET /readyz on this address: 503 with the reason while the key backend's settings are unusable, else 200 (node; e.g. :9810)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -87,19 +90,22 @@ func runPlugin(args []string) int {
 			if *vaultAddr != "" || *vaultTokenFile != "" {
 				return fail("--key-backend-dir and --vault-addr/--vault-token-file both given; give only one")
 			}
-			kb, err := loadKeyBackend(*keyBackendDir)
-			if err != nil {
-				return fail("%v", err)
-			}
-			if kb == nil {
+			// A wrong or partial key-backend setting must not stop the
+			// plugin: plain volumes are served, the problem is logged and
+			// answered on --health-addr, and encrypted stages are refused
+			// naming it (docs/encryption.md).
+			w, kb, err := nodeKeyBackend(*keyBackendDir)
+			switch {
+			case err != nil:
+				cfg.KeyBackendProblem = err
+				log.Error("key backend configuration problem: encrypted volumes are refused on this node until it is fixed and the node plugin restarted; plain volumes are served",
+					"problem", err.Error(), "dir", *keyBackendDir)
+			case kb == nil:
 				log.Info("no key backend configured: encrypted volumes will be refused", "dir", *keyBackendDir, "configmap", "csi-key-backend-config")
-			} else {
-				w, err := transit.New(kb.Transit)
-				if err != nil {
-					return fail("%s: %v", keyBackendConfig, err)
-				}
+			default:
 				cfg.Transit, cfg.TransitKey = w, kb.Key
-				log.Info("key backend configured", "address", kb.Transit.Address, "transit_key", kb.Key.Name, "role", kb.Transit.KubernetesRole)
+				log.Info("key backend configured", "address", kb.Transit.Address, "transit_mount", kb.Key.Mount, "transit_key", kb.Key.Name,
+					"k8s_auth_path", kb.Transit.KubernetesMount, "role", kb.Transit.KubernetesRole, "ca_ref", kb.CARef, "ca", kb.CASource)
 			}
 		} else if *vaultAddr != "" {
 			tc := transit.Config{Address: *vaultAddr, Mount: *transitMount, Namespace: *vaultNamespace, CACertFile: *vaultCA,
@@ -134,6 +140,15 @@ func runPlugin(args []string) int {
 	if err != nil {
 		return fail("%v", err)
 	}
+	if *healthAddr != "" {
+		hl, err := net.Listen("tcp", *healthAddr)
+		if err != nil {
+			return fail("--health-addr: %v", err)
+		}
+		hs := &http.Server{Handler: readiness(cfg.KeyBackendProblem), ReadHeaderTimeout: 5 * time.Second}
+		go func() { _ = hs.Serve(hl) }()
+		defer hs.Close()
+	}
 	ln, err := driver.Listen(*endpoint)
 	if err != nil {
 		return fail("%v", err)
@@ -147,4 +162,22 @@ func runPlugin(args []string) int {
 		return fail("%v", err)
 	}
 	return 0
+}
+
+// readiness answers the node pod's readiness probe. A key-backend problem
+// makes the pod not ready, which kubectl shows with the reason, while the
+// CSI socket keeps serving plain volumes: the kubelet reaches the plugin
+// through its registration, not through the pod's readiness.
+func readiness(keyBackendProblem error) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		if keyBackendProblem != nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			fmt.Fprintf(w, "key backend: %v; plain volumes are served, encrypted volumes are refused\n", keyBackendProblem)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	return mux
 }

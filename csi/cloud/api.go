@@ -2,11 +2,13 @@ package cloud
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/url"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Disk is a customer disk as the disks endpoints return it. Sizes are GiB.
@@ -120,6 +122,40 @@ func (c *Client) ListLocations(ctx context.Context) ([]string, error) {
 	return names, nil
 }
 
+// Capacity is a location's capacity as the location capacity endpoint
+// (getCustomerLocationCapacity) answers it, in the platform's units.
+type Capacity struct {
+	// SU is the vdisk capacity in storage units: 1 SU is 1 TiB of
+	// allocated vdisk capacity (whitesky.cloud's billing unit).
+	SU int64 `json:"su"`
+}
+
+// SUBytes is one storage unit.
+const SUBytes = int64(1) << 40
+
+// LocationCapacity asks what the customer can still allocate in a
+// location.
+func (c *Client) LocationCapacity(ctx context.Context, loc string) (*Capacity, error) {
+	var out Capacity
+	err := c.do(ctx, call{op: "get capacity", target: "of location " + loc, method: http.MethodGet,
+		path: "/locations/" + url.PathEscape(loc) + "/capacity", out: &out, forbiddenHint: locationGrantHint(loc)})
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
+}
+
+// CreateSizeGB is the disk_size the create call is given for a disk of
+// at least sizeGiB GiB. The API documents the create call's disk_size in GB
+// and the resize call's in GiB (docs/storage.md, "Sizes"). Asked in GB,
+// rounded up, the disk holds the GiB asked whichever unit the platform
+// applies: exactly that many GB (at least sizeGiB GiB), or that many GiB
+// (up to 7.4% more, plus the rounding).
+func CreateSizeGB(sizeGiB int64) int64 {
+	const gb, gib = 1_000_000_000, 1 << 30
+	return (sizeGiB*gib + gb - 1) / gb
+}
+
 // CreateDisk creates a data disk and returns its id. The create call is not
 // idempotent, so before a retry it looks for a disk of the same name that
 // the first attempt may have made after all.
@@ -127,7 +163,7 @@ func (c *Client) CreateDisk(ctx context.Context, loc string, spec DiskSpec) (int
 	q := url.Values{
 		"disk_name":   {spec.Name},
 		"description": {spec.Description},
-		"disk_size":   {strconv.FormatInt(spec.SizeGiB, 10)},
+		"disk_size":   {strconv.FormatInt(CreateSizeGB(spec.SizeGiB), 10)},
 	}
 	if spec.IOPS > 0 {
 		q.Set("iops", strconv.FormatInt(spec.IOPS, 10))
@@ -245,6 +281,75 @@ func (c *Client) ListSnapshots(ctx context.Context, loc string, diskID int64) ([
 	err := c.do(ctx, call{op: "list snapshots", target: "of " + diskTarget(loc, diskID), method: http.MethodGet,
 		path: diskPath(loc, diskID) + "/snapshots", out: &out})
 	return out.Result, err
+}
+
+// SnapshotDetail is one snapshot as the snapshot endpoint
+// (getDiskSnapshot) answers it.
+type SnapshotDetail struct {
+	ID   string `json:"snapshot_id"`
+	Name string `json:"snapshot_name"`
+	// CreationTime is the API's creation_time, a string in this
+	// endpoint's schema (an integer in the list's): empty while the
+	// platform reports none.
+	CreationTime flexString `json:"creation_time"`
+	Disks        []struct {
+		ID int64 `json:"disk_id"`
+	} `json:"disks"`
+}
+
+// Created reads the creation time: seconds since the epoch, or an
+// RFC 3339 time. ok is false when the answer carries none or another form.
+func (s *SnapshotDetail) Created() (t time.Time, ok bool) {
+	v := strings.TrimSpace(string(s.CreationTime))
+	if n, err := strconv.ParseFloat(v, 64); err == nil && n > 0 {
+		return time.Unix(int64(n), 0), true
+	}
+	if t, err := time.Parse(time.RFC3339, v); err == nil {
+		return t, true
+	}
+	return time.Time{}, false
+}
+
+// HasDisk reports whether the snapshot names the disk among its disks.
+func (s *SnapshotDetail) HasDisk(id int64) bool {
+	for _, d := range s.Disks {
+		if d.ID == id {
+			return true
+		}
+	}
+	return false
+}
+
+// flexString is a JSON string that also reads a number as its text.
+type flexString string
+
+func (f *flexString) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		*f = ""
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(b, &s); err == nil {
+		*f = flexString(s)
+		return nil
+	}
+	var n json.Number
+	if err := json.Unmarshal(b, &n); err != nil {
+		return err
+	}
+	*f = flexString(n.String())
+	return nil
+}
+
+// GetSnapshot asks the snapshot endpoint about one snapshot of a disk.
+func (c *Client) GetSnapshot(ctx context.Context, loc string, diskID int64, snapID string) (*SnapshotDetail, error) {
+	var out SnapshotDetail
+	err := c.do(ctx, call{op: "get snapshot " + snapID, target: "of " + diskTarget(loc, diskID), method: http.MethodGet,
+		path: diskPath(loc, diskID) + "/snapshots/" + url.PathEscape(snapID), out: &out})
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
 }
 
 // DeleteSnapshot deletes one snapshot.

@@ -2,6 +2,7 @@ package cloud_test
 
 import (
 	"context"
+	"encoding/json"
 	"encoding/pem"
 	"errors"
 	"net/http"
@@ -385,5 +386,51 @@ func TestCustomCA(t *testing.T) {
 	without, _ := cloud.New(cloud.Config{BaseURL: srv.URL + "/api/1", Customer: customer, TokenFile: tok, MaxAttempts: 1})
 	if _, err := without.ListLocations(context.Background()); err == nil || !strings.Contains(err.Error(), "certificate") {
 		t.Fatalf("without the CA: %v, want a certificate error", err)
+	}
+}
+
+// TestSnapshotDetailCreationTime: the snapshot endpoint's creation_time
+// is a string in the API's schema; the number the list uses, an RFC 3339
+// time, and none at all are read too.
+func TestSnapshotDetailCreationTime(t *testing.T) {
+	for _, tc := range []struct {
+		body string
+		want int64 // 0: none reported
+	}{
+		{`{"snapshot_id":"s","creation_time":"1764560000","disks":[{"disk_id":7}]}`, 1764560000},
+		{`{"snapshot_id":"s","creation_time":1764560000}`, 1764560000},
+		{`{"snapshot_id":"s","creation_time":"2025-12-01T03:33:20Z"}`, 1764560000},
+		{`{"snapshot_id":"s","creation_time":""}`, 0},
+		{`{"snapshot_id":"s"}`, 0},
+		{`{"snapshot_id":"s","creation_time":null}`, 0},
+	} {
+		var d cloud.SnapshotDetail
+		if err := json.Unmarshal([]byte(tc.body), &d); err != nil {
+			t.Fatalf("%s: %v", tc.body, err)
+		}
+		got, ok := d.Created()
+		if ok != (tc.want != 0) || (ok && got.Unix() != tc.want) {
+			t.Errorf("%s: created %v, %v; want %d", tc.body, got, ok, tc.want)
+		}
+	}
+	var d cloud.SnapshotDetail
+	_ = json.Unmarshal([]byte(`{"disks":[{"disk_id":7}]}`), &d)
+	if !d.HasDisk(7) || d.HasDisk(8) {
+		t.Errorf("HasDisk: %+v", d)
+	}
+}
+
+// TestCreateSizeGB: the create call's disk_size (documented in GB) for a
+// disk of n GiB holds n GiB read as GB or as GiB, and is the least that does.
+func TestCreateSizeGB(t *testing.T) {
+	const gb, gib = int64(1_000_000_000), int64(1) << 30
+	for n := int64(1); n <= 64<<10; n++ {
+		c := cloud.CreateSizeGB(n)
+		if c*gb < n*gib || (c-1)*gb >= n*gib || c < n {
+			t.Fatalf("%d GiB: disk_size %d GB", n, c)
+		}
+	}
+	if c := cloud.CreateSizeGB(10); c != 11 {
+		t.Errorf("10 GiB: disk_size %d, want 11 GB", c)
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/types/known/timestamppb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 )
@@ -24,7 +27,7 @@ const gib = int64(1) << 30
 const (
 	paramDiskType   = "diskType"   // STANDARD (default) | PHYSICAL, any case
 	paramType       = "type"       // alias of diskType
-	paramIOPS       = "iops"       // positive integer
+	paramIOPS       = "iops"       // integer, at least MinIOPS
 	paramEncryption = "encryption" // "true" | "false"
 )
 
@@ -43,10 +46,56 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 	csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
 	csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+	csi.ControllerServiceCapability_RPC_GET_SNAPSHOT,
+	csi.ControllerServiceCapability_RPC_GET_CAPACITY,
 	csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 }
 
 // ControllerGetCapabilities lists what the controller does.
+// MinIOPS is the least iops the API's disk create call takes.
+const MinIOPS = 100
+
+// GetCapacity answers how much a new volume of the class can have in a
+// location: what the API's location capacity endpoint says the customer
+// can still allocate there (su, storage units of 1 TiB). The location is
+// the request's topology segment, or the one a volume without topology
+// gets. The external-provisioner publishes it as CSIStorageCapacity, so
+// WaitForFirstConsumer scheduling avoids a full location.
+func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	if _, err := parseParams(req.GetParameters()); err != nil {
+		return nil, err
+	}
+	if len(req.GetVolumeCapabilities()) > 0 {
+		if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+			return nil, err
+		}
+	}
+	loc := req.GetAccessibleTopology().GetSegments()[TopologyKey]
+	locs, err := d.locations(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if loc == "" {
+		if loc, err = d.pickLocation(ctx, nil); err != nil {
+			return nil, err
+		}
+	}
+	if !slices.Contains(locs, loc) {
+		// Not one of the customer's locations: nothing can be made there.
+		return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
+	}
+	c, err := d.cfg.Cloud.LocationCapacity(ctx, loc)
+	if err != nil {
+		return nil, fmt.Errorf("capacity of location %s: %w", loc, err)
+	}
+	avail := max(c.SU, 0)
+	if avail > math.MaxInt64/cloud.SUBytes {
+		avail = math.MaxInt64 / cloud.SUBytes
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: avail * cloud.SUBytes,
+		MaximumVolumeSize: wrapperspb.Int64(min(avail*cloud.SUBytes, maxDiskGiB*gib))}, nil
+}
+
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
 	var caps []*csi.ControllerServiceCapability
 	for _, c := range controllerCaps {
@@ -144,8 +193,8 @@ func parseParams(p map[string]string) (createParams, error) {
 			out.diskType, typeKey, typeVal = t, k, v
 		case k == paramIOPS:
 			n, err := strconv.ParseInt(v, 10, 64)
-			if err != nil || n < 1 {
-				return out, failf(ErrInvalid, "parameter iops=%q is not a positive integer", v)
+			if err != nil || n < MinIOPS {
+				return out, failf(ErrInvalid, "parameter iops=%q is not an integer of at least %d, the API's minimum", v, MinIOPS)
 			}
 			out.iops = n
 		case k == paramEncryption:
@@ -643,16 +692,64 @@ type snapshotEntry struct {
 	loc  string
 	disk cloud.Disk
 	snap cloud.Snapshot
+	// taken stands in for the creation time while the API reports none.
+	taken time.Time
 }
 
+// csi is the snapshot as CSI reports it. whitesky.cloud's snapshots have
+// no status field: a snapshot is ready to use once the API reports its
+// creation time (creation_time in the list and in the snapshot endpoint),
+// and not before, even when its id is already known (docs/storage.md).
 func (e snapshotEntry) csi() *csi.Snapshot {
+	created := time.Unix(e.snap.CreationTime, 0)
+	if e.snap.CreationTime <= 0 {
+		created = e.taken
+		if created.IsZero() {
+			created = time.Now()
+		}
+	}
 	return &csi.Snapshot{
 		SnapshotId:     snapshotID(e.loc, e.disk.ID, e.snap.ID),
 		SourceVolumeId: volumeID(e.loc, e.disk.ID),
 		SizeBytes:      e.disk.SizeGiB * gib,
-		CreationTime:   timestamppb.New(time.Unix(e.snap.CreationTime, 0)),
-		ReadyToUse:     true,
+		CreationTime:   timestamppb.New(created),
+		ReadyToUse:     e.snap.CreationTime > 0,
 	}
+}
+
+// askSnapshot asks the snapshot endpoint about one snapshot of a disk and
+// gives it as an entry, its creation time set only when the API reports
+// one. cloud.ErrNotFound is passed on.
+func (d *Driver) askSnapshot(ctx context.Context, loc string, disk cloud.Disk, snapID string) (snapshotEntry, error) {
+	det, err := d.cfg.Cloud.GetSnapshot(ctx, loc, disk.ID, snapID)
+	if err != nil {
+		return snapshotEntry{}, err
+	}
+	if len(det.Disks) > 0 && !det.HasDisk(disk.ID) {
+		return snapshotEntry{}, fmt.Errorf("the API's answer about snapshot %s of volume %s names other disks (%v)",
+			snapID, volumeID(loc, disk.ID), det.Disks)
+	}
+	e := snapshotEntry{loc: loc, disk: disk, snap: cloud.Snapshot{ID: snapID, Name: det.Name}}
+	if string(det.CreationTime) != "" {
+		t, ok := det.Created()
+		if !ok {
+			// Reported, in a form this driver does not read: the list
+			// carries it as an integer.
+			list, err := d.cfg.Cloud.ListSnapshots(ctx, loc, disk.ID)
+			if err != nil {
+				return snapshotEntry{}, err
+			}
+			for _, s := range list {
+				if s.ID == snapID && s.CreationTime > 0 {
+					t = time.Unix(s.CreationTime, 0)
+				}
+			}
+		}
+		if !t.IsZero() {
+			e.snap.CreationTime = t.Unix()
+		}
+	}
+	return e, nil
 }
 
 func (d *Driver) snapshotsOf(ctx context.Context, loc string, disk cloud.Disk) ([]snapshotEntry, error) {
@@ -743,16 +840,46 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err != nil {
 		return nil, fmt.Errorf("snapshotting volume %s: %w", src, err)
 	}
-	snaps, err := d.cfg.Cloud.ListSnapshots(ctx, loc, disk.ID)
+	taken := time.Now()
+	e, err := d.askSnapshot(ctx, loc, *disk, sid)
+	switch {
+	case errors.Is(err, cloud.ErrNotFound):
+		// Taken, and not yet answered by the snapshot endpoint: not
+		// ready; the snapshotter asks again and finds it by its name.
+		e = snapshotEntry{loc: loc, disk: *disk, snap: cloud.Snapshot{ID: sid, Name: name}}
+	case err != nil:
+		return nil, fmt.Errorf("snapshot %s of volume %s was taken; asking the API about it: %w", sid, src, err)
+	}
+	e.taken = taken
+	return &csi.CreateSnapshotResponse{Snapshot: e.csi()}, nil
+}
+
+// GetSnapshot reports one snapshot as the API's snapshot endpoint
+// answers it, ready once the API reports its creation time.
+func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (*csi.GetSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, failf(ErrInvalid, "GetSnapshot needs a snapshot id")
+	}
+	loc, diskID, snap, ok := parseSnapshotID(id)
+	if !ok {
+		return nil, failf(ErrNotFound, "snapshot %s: not a snapshot id of this driver (<location>/<disk id>/<snapshot id>)", id)
+	}
+	disk, err := d.cfg.Cloud.GetDisk(ctx, loc, diskID)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return nil, failf(ErrNotFound, "snapshot %s: its volume %s does not exist", id, volumeID(loc, diskID))
+	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
 	}
-	for _, s := range snaps {
-		if s.ID == sid {
-			return &csi.CreateSnapshotResponse{Snapshot: snapshotEntry{loc: loc, disk: *disk, snap: s}.csi()}, nil
-		}
+	e, err := d.askSnapshot(ctx, loc, *disk, snap)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return nil, failf(ErrNotFound, "snapshot %s does not exist", id)
 	}
-	return nil, fmt.Errorf("snapshot %s of volume %s was taken but is not listed", sid, src)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	return &csi.GetSnapshotResponse{Snapshot: e.csi()}, nil
 }
 
 // DeleteSnapshot deletes a snapshot; one already gone is success.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -526,6 +527,198 @@ func TestFlakyAPI(t *testing.T) {
 	for n, c := range names {
 		if c != 1 {
 			t.Errorf("%d disks named %s", c, n)
+		}
+	}
+}
+
+// TestSnapshotReadinessIsTheAPIs: a snapshot is ready once the API
+// reports its creation time, not before; CreateSnapshot, its repeats,
+// ListSnapshots and GetSnapshot (the API's snapshot endpoint) all say so.
+// The simulator's SnapshotPendingReads stands in for a platform that has
+// not finished a snapshot (the API has no status field).
+func TestSnapshotReadinessIsTheAPIs(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "src", VolumeCapabilities: rwo})
+	if err != nil {
+		t.Fatal(err)
+	}
+	caps, err := e.ctrl.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hasGet := false
+	for _, c := range caps.Capabilities {
+		hasGet = hasGet || c.GetRpc().GetType() == csi.ControllerServiceCapability_RPC_GET_SNAPSHOT
+	}
+	if !hasGet {
+		t.Error("the controller does not offer GET_SNAPSHOT")
+	}
+
+	// Pending for its first three reads: the snapshot endpoint right
+	// after the take, the list on the repeat, GetSnapshot.
+	e.sim.SetFaults(sim.Faults{SnapshotPendingReads: 3})
+	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || s.Snapshot.ReadyToUse || s.Snapshot.CreationTime == nil {
+		t.Fatalf("a snapshot the API gives no creation time: %v %v; want not ready, with a creation time", s, err)
+	}
+	id := s.Snapshot.SnapshotId
+	again, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || again.Snapshot.SnapshotId != id || again.Snapshot.ReadyToUse {
+		t.Fatalf("repeated CreateSnapshot while pending: %v %v; want the same snapshot, not ready", again, err)
+	}
+	g, err := e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
+	if err != nil || g.Snapshot.ReadyToUse || g.Snapshot.SnapshotId != id || g.Snapshot.SourceVolumeId != v.Volume.VolumeId {
+		t.Fatalf("GetSnapshot while pending: %v %v", g, err)
+	}
+	// The API now reports the creation time.
+	before := e.sim.Calls()["getDiskSnapshot"]
+	g, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
+	if err != nil || !g.Snapshot.ReadyToUse || g.Snapshot.SizeBytes != v.Volume.CapacityBytes ||
+		time.Since(g.Snapshot.CreationTime.AsTime()) > time.Minute || e.sim.Calls()["getDiskSnapshot"] != before+1 {
+		t.Fatalf("GetSnapshot once the API reports it: %v %v (snapshot endpoint asked %d times)", g, err, e.sim.Calls()["getDiskSnapshot"]-before)
+	}
+	l, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: id})
+	if err != nil || len(l.Entries) != 1 || !l.Entries[0].Snapshot.ReadyToUse {
+		t.Fatalf("ListSnapshots by id: %v %v", l, err)
+	}
+	again, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || !again.Snapshot.ReadyToUse || !again.Snapshot.CreationTime.AsTime().Equal(g.Snapshot.CreationTime.AsTime()) {
+		t.Fatalf("repeated CreateSnapshot once ready: %v %v", again, err)
+	}
+
+	// Without pending reads a snapshot is ready at once.
+	e.sim.SetFaults(sim.Faults{})
+	s, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "at-once", SourceVolumeId: v.Volume.VolumeId})
+	if err != nil || !s.Snapshot.ReadyToUse {
+		t.Fatalf("snapshot: %v %v", s, err)
+	}
+
+	// Gone, or never of this driver: NOT_FOUND.
+	if _, err := e.ctrl.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: id}); err != nil {
+		t.Fatal(err)
+	}
+	for _, gone := range []string{id, "ch-lug-1/999999/snap-1", "nonsense"} {
+		_, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: gone})
+		wantCode(t, err, codes.NotFound, gone)
+	}
+	_, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{})
+	wantCode(t, err, codes.InvalidArgument)
+}
+
+// TestGetCapacityIsTheLocationsAPI: GET_CAPACITY answers what the API's
+// location capacity endpoint says is left in the location asked for (su,
+// storage units of 1 TiB), shrinking as disks are made; a location the
+// customer lacks has none; a class the plugin refuses is refused here too.
+func TestGetCapacityIsTheLocationsAPI(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	caps, err := e.ctrl.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(caps.Capabilities, func(c *csi.ControllerServiceCapability) bool {
+		return c.GetRpc().GetType() == csi.ControllerServiceCapability_RPC_GET_CAPACITY
+	}) {
+		t.Error("the controller does not offer GET_CAPACITY")
+	}
+	const tib = int64(1) << 40
+	e.sim.SetCapacity("ch-gen-1", 3)
+	e.sim.SetCapacity("nl-ams-1", 0)
+	at := func(loc string) *csi.Topology {
+		return &csi.Topology{Segments: map[string]string{driver.TopologyKey: loc}}
+	}
+	capacity := func(loc string, params map[string]string) (int64, error) {
+		r, err := e.ctrl.GetCapacity(ctx, &csi.GetCapacityRequest{AccessibleTopology: at(loc), Parameters: params, VolumeCapabilities: rwo})
+		if err != nil {
+			return 0, err
+		}
+		if r.GetMaximumVolumeSize() != nil && r.GetMaximumVolumeSize().GetValue() > r.AvailableCapacity {
+			t.Errorf("%s: maximum volume size %d above the available %d", loc, r.GetMaximumVolumeSize().GetValue(), r.AvailableCapacity)
+		}
+		return r.AvailableCapacity, nil
+	}
+	before := e.sim.Calls()["getCustomerLocationCapacity"]
+	for loc, want := range map[string]int64{"ch-gen-1": 3 * tib, "nl-ams-1": 0, "xx-none-1": 0} {
+		got, err := capacity(loc, map[string]string{"diskType": "PHYSICAL"})
+		if err != nil || got != want {
+			t.Errorf("capacity of %s: %d, %v; want %d", loc, got, err, want)
+		}
+	}
+	if n := e.sim.Calls()["getCustomerLocationCapacity"] - before; n != 2 {
+		t.Errorf("the location capacity endpoint was asked %d times for the two known locations", n)
+	}
+	// A disk of 600 GiB leaves less than 3 SU: 2.
+	if _, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "big", VolumeCapabilities: rwo,
+		CapacityRange:             &csi.CapacityRange{RequiredBytes: 600 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{at("ch-gen-1")}}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := capacity("ch-gen-1", nil); err != nil || got != 2*tib {
+		t.Errorf("capacity of ch-gen-1 after a 600 GiB disk: %d, %v; want 2 TiB", got, err)
+	}
+	// A full location refuses the disk the scheduler would have been warned off.
+	_, err = e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "nowhere", VolumeCapabilities: rwo,
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{at("nl-ams-1")}}})
+	if err == nil {
+		t.Error("a disk was made in a location whose capacity is 0")
+	}
+	// Without topology: the location a volume without topology gets.
+	r, err := e.ctrl.GetCapacity(ctx, &csi.GetCapacityRequest{})
+	if err != nil || r.AvailableCapacity != sim.DefaultCapacitySU*tib {
+		t.Errorf("capacity without topology: %v %v", r, err)
+	}
+	_, err = capacity("ch-gen-1", map[string]string{"iops": "99"})
+	wantCode(t, err, codes.InvalidArgument, "iops")
+	_, err = capacity("ch-gen-1", map[string]string{"size": "big"})
+	wantCode(t, err, codes.InvalidArgument, "size")
+}
+
+// TestSizesNeverLessThanAsked: the simulator takes the create call's
+// disk_size in GB, as the API documents it, and the resize call's in GiB.
+// Every volume holds at least the bytes asked, and reports no more than it
+// holds nor less than asked, made and grown, repeated or listed.
+func TestSizesNeverLessThanAsked(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	holds := func(id string) int64 {
+		_, diskID := splitID(t, id)
+		d := e.sim.Snapshot().Disks[diskID]
+		if d.Bytes > 0 {
+			return d.Bytes
+		}
+		return d.SizeGiB << 30
+	}
+	for i, req := range []int64{1, 1_000_000_000, 1 << 30, 1<<30 + 1, 3 << 30, 10 << 30, 100<<30 - 512, 1000 << 30} {
+		name := fmt.Sprintf("size-%d", i)
+		r, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: rwo,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: req}})
+		if err != nil {
+			t.Fatalf("%d bytes: %v", req, err)
+		}
+		id, got := r.Volume.VolumeId, r.Volume.CapacityBytes
+		if h := holds(id); h < req || got < req || got > h {
+			t.Errorf("asked %d bytes: the disk holds %d, reported %d", req, h, got)
+		}
+		again, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: rwo,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: req}})
+		if err != nil || again.Volume.CapacityBytes < req || again.Volume.CapacityBytes > holds(id) {
+			t.Errorf("asked %d bytes again: %v %v (holds %d)", req, again, err, holds(id))
+		}
+		grow := req + 3<<30 + 7
+		x, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id,
+			CapacityRange: &csi.CapacityRange{RequiredBytes: grow}})
+		if err != nil || x.CapacityBytes < grow || x.CapacityBytes > holds(id) || holds(id) < grow {
+			t.Errorf("grown to %d bytes: %v %v, holds %d", grow, x, err, holds(id))
+		}
+	}
+	l, err := e.ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, en := range l.Entries {
+		if h := holds(en.Volume.VolumeId); en.Volume.CapacityBytes > h {
+			t.Errorf("ListVolumes reports %s with %d bytes; it holds %d", en.Volume.VolumeId, en.Volume.CapacityBytes, h)
 		}
 	}
 }

@@ -28,6 +28,7 @@ const TopologyKey = "cloud.whitesky/location"
 // *cloud.Client implements it.
 type Cloud interface {
 	ListLocations(ctx context.Context) ([]string, error)
+	LocationCapacity(ctx context.Context, loc string) (*cloud.Capacity, error)
 	CreateDisk(ctx context.Context, loc string, spec cloud.DiskSpec) (int64, error)
 	FindDiskByName(ctx context.Context, loc, name string) (*cloud.Disk, error)
 	GetDisk(ctx context.Context, loc string, id int64) (*cloud.Disk, error)
@@ -36,6 +37,7 @@ type Cloud interface {
 	ResizeDisk(ctx context.Context, loc string, id, sizeGiB int64) error
 	CreateSnapshot(ctx context.Context, loc string, diskID int64, name string) (string, error)
 	ListSnapshots(ctx context.Context, loc string, diskID int64) ([]cloud.Snapshot, error)
+	GetSnapshot(ctx context.Context, loc string, diskID int64, snapID string) (*cloud.SnapshotDetail, error)
 	DeleteSnapshot(ctx context.Context, loc string, diskID int64, snapID string) error
 	CloneSnapshot(ctx context.Context, loc string, diskID int64, snapID, name, description string) (int64, error)
 	ListDiskNotes(ctx context.Context, loc string, diskID int64) ([]cloud.Note, error)
@@ -84,6 +86,11 @@ type Config struct {
 	// TransitKey; nil means this node stages no encrypted volume.
 	Transit    crypt.Wrapper
 	TransitKey crypt.TransitKey
+	// KeyBackendProblem, with Transit nil, is why the key backend the
+	// cluster configured cannot be used: an encrypted stage is refused
+	// with it (FAILED_PRECONDITION) while plain volumes are served as
+	// usual. It names settings, never a secret.
+	KeyBackendProblem error
 }
 
 // DefaultMaxVolumesPerNode is how many data disks a VM takes: hot-plug

@@ -261,9 +261,13 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	}
 	encrypted := req.GetVolumeContext()[ctxEncrypted] == "true"
 	if encrypted && d.cfg.Transit == nil {
-		return nil, failf(ErrPrecondition, "volume %s is encrypted, and this node plugin has no transit engine to unwrap its passphrase "+
-			"(encryption not available without --vault-addr); configure the node plugin's Vault/OpenBao transit settings",
-			req.GetVolumeId())
+		if p := d.cfg.KeyBackendProblem; p != nil {
+			return nil, failf(ErrPrecondition, "volume %s is encrypted, and the node plugin's key backend is not usable: %v; "+
+				"plain volumes are not affected (docs/encryption.md)", req.GetVolumeId(), p)
+		}
+		return nil, failf(ErrPrecondition, "volume %s is encrypted, and this node plugin has no key backend to unwrap its passphrase: "+
+			"the ConfigMap csi-key-backend-config (key address) is absent from namespace csi-driver; create it, or give --vault-addr "+
+			"(docs/encryption.md)", req.GetVolumeId())
 	}
 	release, err := d.locks.try("volume " + req.GetVolumeId())
 	if err != nil {

@@ -162,7 +162,8 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 		t.Fatalf("block target %s: %v %v, want a device", target, fi, err)
 	}
 	st, err := e.node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
-	if err != nil || len(st.Usage) != 1 || st.Usage[0].Total != 1<<30 {
+	// A disk asked as 1 GiB is created as 2 GB (the create call's unit).
+	if err != nil || len(st.Usage) != 1 || st.Usage[0].Total != 2_000_000_000 {
 		t.Fatalf("block stats: %v %v", st, err)
 	}
 	if _, err := e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {

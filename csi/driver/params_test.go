@@ -66,3 +66,31 @@ func TestCreateVolumeDiskTypeSpellings(t *testing.T) {
 		}
 	}
 }
+
+// TestIOPSMinimum: a class's iops below the API's documented minimum of
+// 100 is refused before the API is asked; 100 and above reach the disk.
+func TestIOPSMinimum(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	for _, v := range []string{"0", "1", "99", "-100", "1e3"} {
+		before := e.sim.Calls()["createDisk"]
+		_, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-iops-" + v, VolumeCapabilities: rwo,
+			Parameters: map[string]string{"iops": v}})
+		wantCode(t, err, codes.InvalidArgument, "iops", v, "100")
+		if e.sim.Calls()["createDisk"] != before {
+			t.Errorf("iops=%s reached the API", v)
+		}
+	}
+	for _, n := range []int64{100, 2500} {
+		resp, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("pvc-iops-%d", n), VolumeCapabilities: rwo,
+			Parameters: map[string]string{"iops": fmt.Sprint(n)}})
+		if err != nil {
+			t.Fatalf("iops=%d: %v", n, err)
+		}
+		loc, id := splitID(t, resp.GetVolume().VolumeId)
+		disk, err := e.api.GetDisk(ctx, loc, id)
+		if err != nil || disk.IOTune == nil || int64(disk.IOTune.IOPS) != n {
+			t.Errorf("iops=%d made a disk with %+v, %v", n, disk, err)
+		}
+	}
+}

@@ -17,13 +17,11 @@ import (
 // NotAdvertised maps csi-sanity's skip messages that name a capability
 // vco-csi does not advertise to why it does not.
 var NotAdvertised = map[string]string{
-	"GetCapacity not supported":                                 "not implemented yet: the controller does not call the API's location capacity (getCustomerLocationCapacity)",
 	"ControllerGetVolumeHealth not supported":                   "volume health is reported by the node, where the fence is",
 	"ControllerListVolumeHealth not supported":                  "volume health is reported by the node, where the fence is",
 	"ControllerModifyVolume not supported":                      "no volume attribute classes: a disk's type and IOPS are fixed at creation",
 	"Modify Volume not supported":                               "no volume attribute classes: a disk's type and IOPS are fixed at creation",
 	"Modify volume not supported":                               "no volume attribute classes: a disk's type and IOPS are fixed at creation",
-	"GetSnapshot not supported":                                 "not implemented yet: the CO finds a snapshot with ListSnapshots",
 	"GroupControllerService not supported":                      "the cloud API has no consistent group snapshots",
 	"NodeGetStorageHealth not supported":                        "no node-wide storage health: the agent reports per volume (NodeGetVolumeHealth)",
 	"SNAPSHOT_ACCESSIBILITY_CONSTRAINTS not supported":          "a snapshot lives in its disk's location; no separate constraints",

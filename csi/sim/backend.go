@@ -29,6 +29,13 @@ type Backend interface {
 	Detach(vm *VMState, id int64, device string) error
 }
 
+// ByteSizer is a Backend that makes a disk of any byte size, which a disk
+// created in GB needs; a backend without it gets the size rounded up to
+// whole GiB.
+type ByteSizer interface {
+	CreateDiskBytes(id, size int64) error
+}
+
 // HostBackend keeps each disk as a sparse file in Dir. Attaching a disk to
 // the local VM (the one standing for this machine) makes a loop device of
 // its file; attachments to other VMs are bookkeeping only.
@@ -47,7 +54,10 @@ func (h *HostBackend) snapFile(id string) string {
 }
 
 // CreateDisk makes a sparse file of the disk's size.
-func (h *HostBackend) CreateDisk(id, sizeGiB int64) error {
+func (h *HostBackend) CreateDisk(id, sizeGiB int64) error { return h.CreateDiskBytes(id, sizeGiB<<30) }
+
+// CreateDiskBytes makes a sparse file of size bytes.
+func (h *HostBackend) CreateDiskBytes(id, size int64) error {
 	if err := os.MkdirAll(h.Dir, 0o700); err != nil {
 		return err
 	}
@@ -56,7 +66,7 @@ func (h *HostBackend) CreateDisk(id, sizeGiB int64) error {
 		return err
 	}
 	defer f.Close()
-	return f.Truncate(sizeGiB << 30)
+	return f.Truncate(size)
 }
 
 // DeleteDisk removes the disk's file.

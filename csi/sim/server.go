@@ -7,11 +7,16 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 )
+
+// MinIOPS is the least iops the disk create call takes (the API's
+// documented minimum).
+const MinIOPS = 100
 
 // Faults are the misbehaviours the simulator can be told to show, by flag
 // at start or later through PUT /admin/faults.
@@ -26,6 +31,12 @@ type Faults struct {
 	// AllowMultiAttach lets a disk be attached to a second VM. The real
 	// platform never does this; it exists to prove the node side refuses.
 	AllowMultiAttach bool `json:"allow_multi_attach"`
+	// SnapshotPendingReads makes a snapshot taken from now on answer its
+	// first reads (the list's entry and the snapshot endpoint, this many
+	// in all) without a creation time. The API has no snapshot status;
+	// this is how the simulator models a snapshot the platform has not
+	// finished, which the driver reports as not ready.
+	SnapshotPendingReads int `json:"snapshot_pending_reads,omitempty"`
 }
 
 // Duration is a time.Duration that reads and writes as "250ms" in JSON.
@@ -166,6 +177,7 @@ func (s *Server) routes() {
 		s.mux.HandleFunc(method+" "+api+path, s.wrap(op, h))
 	}
 	add("GET", "/locations", "listLocations", s.listLocations)
+	add("GET", "/locations/{loc}/capacity", "getCustomerLocationCapacity", s.locationCapacity)
 	add("GET", "/locations/{loc}/disks", "listDisks", s.listDisks)
 	add("POST", "/locations/{loc}/disks", "createDisk", s.createDisk)
 	add("GET", "/locations/{loc}/disks/{disk}", "getDisk", s.getDisk)
@@ -214,6 +226,17 @@ func (s *Server) routes() {
 			return
 		}
 		writeJSON(w, 200, map[string]int64{"vm_id": id})
+	})
+	s.mux.HandleFunc("PUT /admin/capacity", func(w http.ResponseWriter, r *http.Request) {
+		var c map[string]int64 // location -> storage units
+		if err := json.NewDecoder(r.Body).Decode(&c); err != nil {
+			writeJSON(w, 400, map[string]string{"message": "capacity: " + err.Error()})
+			return
+		}
+		for loc, su := range c {
+			s.SetCapacity(loc, su)
+		}
+		writeJSON(w, 200, c)
 	})
 	s.mux.HandleFunc("GET /admin/state", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, 200, s.Snapshot())
@@ -324,6 +347,29 @@ func (s *Server) listLocations(w http.ResponseWriter, r *http.Request) (any, *ht
 	return out, nil
 }
 
+// locationCapacity answers the location capacity endpoint in the
+// CapacityModel's shape. su is the storage units the customer can still
+// allocate there: the capacity less every disk of the location, rounded
+// down; the other units are not modelled and answer 0.
+func (s *Server) locationCapacity(w http.ResponseWriter, r *http.Request) (any, *httpError) {
+	loc := r.PathValue("loc")
+	if !slices.Contains(s.st.Locations, loc) {
+		return nil, errf(403, "Forbidden: Customer has no access to location %s", loc)
+	}
+	return map[string]int64{"su": s.st.freeGiB(loc) >> 10, "cu": 0, "mu": 0, "vcu": 0, "piu": 0, "ou": 0}, nil
+}
+
+// SetCapacity sets a location's vdisk capacity in storage units (1 TiB).
+func (s *Server) SetCapacity(loc string, su int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.st.CapacitySU == nil {
+		s.st.CapacitySU = map[string]int64{}
+	}
+	s.st.CapacitySU[loc] = su
+	_ = s.st.save(s.opts.StateFile) // kept for a restart; the next change saves again
+}
+
 // diskJSON renders a disk in the shape of the disk endpoints.
 func (s *Server) diskJSON(d *DiskState) map[string]any {
 	m := map[string]any{
@@ -374,10 +420,13 @@ func (s *Server) createDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	iops := int64(2000)
 	if v := q.Get("iops"); v != "" {
 		n, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || n < 1 {
-			return nil, errf(400, "iops %q is not a positive integer", v)
+		if err != nil || n < MinIOPS {
+			return nil, errf(400, "iops %q is not an integer of at least %d", v, MinIOPS)
 		}
 		iops = n
+	}
+	if size*1_000_000_000>>30 > s.st.freeGiB(loc) {
+		return nil, errf(400, "not enough vdisk capacity in location %s for %d GB", loc, size)
 	}
 	typ := q.Get("disk_type")
 	if typ == "" {
@@ -386,12 +435,23 @@ func (s *Server) createDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	if typ != "DATA" && typ != "PHYSICAL" {
 		return nil, errf(400, "disk_type %q is not DATA or PHYSICAL", typ)
 	}
+	// disk_size is in GB here, as the create call documents (resize takes
+	// GiB). The disk holds size GB; the disk endpoints report it in whole
+	// GiB, rounded down; a backend that cannot make such a disk gets it
+	// rounded up to whole GiB.
+	bytes := size * 1_000_000_000
 	id := s.st.nextID()
-	if err := s.opts.Backend.CreateDisk(id, size); err != nil {
+	var err error
+	if b, ok := s.opts.Backend.(ByteSizer); ok {
+		err = b.CreateDiskBytes(id, bytes)
+	} else {
+		err = s.opts.Backend.CreateDisk(id, (bytes+1<<30-1)>>30)
+	}
+	if err != nil {
 		return nil, errf(500, "creating disk %d: %v", id, err)
 	}
 	s.st.Disks[id] = &DiskState{ID: id, Name: name, Description: q.Get("description"), Location: loc,
-		SizeGiB: size, Type: typ, IOPS: iops}
+		SizeGiB: bytes >> 30, Bytes: bytes, Type: typ, IOPS: iops}
 	return map[string]int64{"disk_id": id}, nil
 }
 
@@ -441,13 +501,16 @@ func (s *Server) resizeDisk(w http.ResponseWriter, r *http.Request) (any, *httpE
 	if herr != nil {
 		return nil, herr
 	}
-	if size < d.SizeGiB {
-		return nil, errf(400, "disk %d cannot shrink from %d to %d GiB", d.ID, d.SizeGiB, size)
+	if size<<30 < d.bytes() {
+		return nil, errf(400, "disk %d cannot shrink from %d bytes to %d GiB", d.ID, d.bytes(), size)
+	}
+	if size-d.SizeGiB > s.st.freeGiB(d.Location) {
+		return nil, errf(400, "not enough vdisk capacity in location %s to grow disk %d to %d GiB", d.Location, d.ID, size)
 	}
 	if err := s.opts.Backend.ResizeDisk(d.ID, size); err != nil {
 		return nil, errf(500, "%v", err)
 	}
-	d.SizeGiB = size
+	d.SizeGiB, d.Bytes = size, 0
 	return success, nil
 }
 
@@ -458,8 +521,12 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request) (any, *ht
 	}
 	res := []map[string]any{}
 	for _, sn := range s.sortedSnaps(d.ID) {
+		created := sn.Created
+		if sn.pendingRead() {
+			created = 0
+		}
 		res = append(res, map[string]any{"snapshot_id": sn.ID, "snapshot_name": sn.Name,
-			"creation_time": sn.Created, "is_automatic": false})
+			"creation_time": created, "is_automatic": false})
 	}
 	return map[string]any{"result": res}, nil
 }
@@ -493,7 +560,7 @@ func (s *Server) takeSnapshot(w http.ResponseWriter, r *http.Request) (any, *htt
 		return nil, errf(500, "%v", err)
 	}
 	s.st.Snapshots[id] = &SnapState{ID: id, Name: name, DiskID: d.ID, Location: d.Location,
-		SizeGiB: d.SizeGiB, Created: time.Now().Unix()}
+		SizeGiB: d.SizeGiB, Bytes: d.Bytes, Created: time.Now().Unix(), PendingReads: s.faults.SnapshotPendingReads} // s.mu is held
 	return id, nil
 }
 
@@ -514,8 +581,12 @@ func (s *Server) getSnapshot(w http.ResponseWriter, r *http.Request) (any, *http
 	if herr != nil {
 		return nil, herr
 	}
+	created := strconv.FormatInt(sn.Created, 10)
+	if sn.pendingRead() {
+		created = ""
+	}
 	return map[string]any{"snapshot_id": sn.ID, "snapshot_name": sn.Name,
-		"creation_time": strconv.FormatInt(sn.Created, 10), "disks": []map[string]int64{{"disk_id": d.ID}}}, nil
+		"creation_time": created, "disks": []map[string]int64{{"disk_id": d.ID}}}, nil
 }
 
 func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request) (any, *httpError) {
@@ -542,12 +613,15 @@ func (s *Server) cloneSnapshot(w http.ResponseWriter, r *http.Request) (any, *ht
 	if name == "" {
 		return nil, errf(400, "name is required")
 	}
+	if sn.SizeGiB > s.st.freeGiB(d.Location) {
+		return nil, errf(400, "not enough vdisk capacity in location %s for a copy of %d GiB", d.Location, sn.SizeGiB)
+	}
 	id := s.st.nextID()
 	if err := s.opts.Backend.CloneSnapshot(sn.ID, id); err != nil {
 		return nil, errf(500, "%v", err)
 	}
 	s.st.Disks[id] = &DiskState{ID: id, Name: name, Description: r.URL.Query().Get("description"),
-		Location: d.Location, SizeGiB: sn.SizeGiB, Type: d.Type, IOPS: d.IOPS}
+		Location: d.Location, SizeGiB: sn.SizeGiB, Bytes: sn.Bytes, Type: d.Type, IOPS: d.IOPS}
 	return map[string]any{"result": []map[string]int64{{"original_disk_id": d.ID, "new_disk_id": id}}}, nil
 }
 

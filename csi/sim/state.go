@@ -30,6 +30,33 @@ type State struct {
 	Disks       map[int64]*DiskState  `json:"disks"`
 	Snapshots   map[string]*SnapState `json:"snapshots"`
 	NoteSeq     int64                 `json:"note_seq"`
+	// CapacitySU is each location's vdisk capacity for the customer in
+	// storage units (1 SU = 1 TiB of allocated vdisk capacity, the
+	// platform's billing unit); a location without an entry has
+	// DefaultCapacitySU.
+	CapacitySU map[string]int64 `json:"capacity_su,omitempty"`
+}
+
+// DefaultCapacitySU is a location's capacity unless set: 1 PiB.
+const DefaultCapacitySU = 1024
+
+// capacitySU is the location's capacity in storage units.
+func (st *State) capacitySU(loc string) int64 {
+	if n, ok := st.CapacitySU[loc]; ok {
+		return n
+	}
+	return DefaultCapacitySU
+}
+
+// freeGiB is what the location's disks leave of its capacity.
+func (st *State) freeGiB(loc string) int64 {
+	free := st.capacitySU(loc) << 10
+	for _, d := range st.Disks {
+		if d.Location == loc {
+			free -= d.SizeGiB
+		}
+	}
+	return max(free, 0)
 }
 
 // CloudspaceState is one cloudspace; it lives in one location.
@@ -52,11 +79,14 @@ type VMState struct {
 // DiskState is one disk with its attachments (more than one only when the
 // multi-attach fault is on) and notes.
 type DiskState struct {
-	ID          int64         `json:"disk_id"`
-	Name        string        `json:"disk_name"`
-	Description string        `json:"description"`
-	Location    string        `json:"location"`
-	SizeGiB     int64         `json:"disk_size"`
+	ID          int64  `json:"disk_id"`
+	Name        string `json:"disk_name"`
+	Description string `json:"description"`
+	Location    string `json:"location"`
+	SizeGiB     int64  `json:"disk_size"`
+	// Bytes is what the disk holds when that is not whole GiB (a disk
+	// created in GB); SizeGiB is then the whole GiB it holds.
+	Bytes       int64         `json:"size_bytes,omitempty"`
 	Type        string        `json:"disk_type"`
 	IOPS        int64         `json:"iops"`
 	Attachments []*Attachment `json:"attachments,omitempty"`
@@ -80,6 +110,14 @@ type NoteState struct {
 	Created float64 `json:"creation_time"`
 }
 
+// bytes is what the disk holds.
+func (d *DiskState) bytes() int64 {
+	if d.Bytes > 0 {
+		return d.Bytes
+	}
+	return d.SizeGiB << 30
+}
+
 // SnapState is a snapshot of a disk.
 type SnapState struct {
 	ID       string `json:"snapshot_id"`
@@ -87,7 +125,21 @@ type SnapState struct {
 	DiskID   int64  `json:"disk_id"`
 	Location string `json:"location"`
 	SizeGiB  int64  `json:"disk_size"`
+	Bytes    int64  `json:"size_bytes,omitempty"` // as DiskState.Bytes
 	Created  int64  `json:"creation_time"`
+	// PendingReads is how many more reads answer it without a creation
+	// time (Faults.SnapshotPendingReads).
+	PendingReads int `json:"pending_reads,omitempty"`
+}
+
+// pendingRead counts one read of the snapshot and reports whether it is
+// still answered without a creation time.
+func (sn *SnapState) pendingRead() bool {
+	if sn.PendingReads <= 0 {
+		return false
+	}
+	sn.PendingReads--
+	return true
 }
 
 // Seed describes a fresh simulator's world.

@@ -191,7 +191,7 @@ func runOnly(t *testing.T, scenario string, opts ...func(*simlab.Options, *e2e.O
 }
 
 // TestOnlineExpansion is E7: a plain volume in use on node-a (virtio-blk
-// over its backing file, the lab's growable disk) grows from 1 to 2 GiB
+// over its backing file, the lab's growable disk) grows from 1 to 3 GiB
 // through ControllerExpandVolume and NodeExpandVolume with its filesystem
 // mounted and a file held open; the filesystem grows by about the GiB
 // added and the data written before reads back unchanged.

@@ -121,7 +121,11 @@ func (b *Backend) LUN(id int64) *lab.LUN {
 }
 
 // CreateDisk makes a sparse file of the disk's size and serves it.
-func (b *Backend) CreateDisk(id, sizeGiB int64) error {
+func (b *Backend) CreateDisk(id, sizeGiB int64) error { return b.CreateDiskBytes(id, sizeGiB<<30) }
+
+// CreateDiskBytes makes a sparse file of size bytes and serves it: the
+// simulator's create call takes its disk_size in GB (sim.ByteSizer).
+func (b *Backend) CreateDiskBytes(id, size int64) error {
 	if err := os.MkdirAll(b.Dir, 0o700); err != nil {
 		return err
 	}
@@ -129,7 +133,7 @@ func (b *Backend) CreateDisk(id, sizeGiB int64) error {
 	if err != nil {
 		return err
 	}
-	err = f.Truncate(sizeGiB << 30)
+	err = f.Truncate(size)
 	f.Close()
 	if err != nil {
 		return err

@@ -41,6 +41,10 @@ type Fake struct {
 	Now                  func() time.Time
 	Requests             []string // method+path of every request, for assertions
 	Bodies               []string // raw request bodies, to check what was sent
+	// AuthMount and TransitMount are where the Kubernetes auth method and
+	// the transit engine are mounted ("kubernetes" and "transit" when
+	// empty).
+	AuthMount, TransitMount string
 }
 
 // New makes a fake with no keys, a one-hour token TTL, and a Kubernetes
@@ -95,7 +99,14 @@ func (f *Fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		vaultErr(w, 405, "unsupported operation")
 		return
 	}
-	if r.URL.Path == "/v1/auth/kubernetes/login" {
+	authMount, transitMount := f.AuthMount, f.TransitMount
+	if authMount == "" {
+		authMount = "kubernetes"
+	}
+	if transitMount == "" {
+		transitMount = "transit"
+	}
+	if r.URL.Path == "/v1/auth/"+authMount+"/login" {
 		if body["role"] != f.Role {
 			vaultErr(w, 400, fmt.Sprintf("invalid role name %q", body["role"]))
 			return
@@ -122,8 +133,9 @@ func (f *Fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		f.writeAuth(w, tok)
 		return
 	}
-	parts := strings.Split(strings.TrimPrefix(r.URL.Path, "/v1/transit/"), "/")
-	if len(parts) != 2 {
+	rest, ok := strings.CutPrefix(r.URL.Path, "/v1/"+transitMount+"/")
+	parts := strings.Split(rest, "/")
+	if !ok || len(parts) != 2 {
 		vaultErr(w, 404, "unsupported path")
 		return
 	}
