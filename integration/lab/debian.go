@@ -139,15 +139,21 @@ func (l *Lab) DebianImageWith(ctx context.Context, root *DebianRoot, files, bina
 	dir := filepath.Join(base, key)
 	sb := &SystemBoot{Kernel: filepath.Join(dir, "vmlinuz"), Initrd: filepath.Join(dir, "initrd.img"), Root: filepath.Join(dir, "root.img")}
 	if _, err := os.Stat(sb.Root); err == nil {
+		now := time.Now()
+		_ = os.Chtimes(dir, now, now) // used: kept another imageKeep
 		return sb, nil
 	}
-	// Images of other inputs are stale: a guest still booted from one
-	// keeps its open file. Under the lock, a build directory is what a
-	// killed build left.
+	// Images of other inputs are kept for a while: labs of different
+	// kinds (the story's systemd guest, the Kubernetes workers, the
+	// package check) run side by side and each boots its own. Those not
+	// used for imageKeep go; a guest still booted from one keeps its open
+	// file. Under the lock, a build directory is what a killed build left.
 	old, _ := filepath.Glob(filepath.Join(base, "*", "root.img"))
 	builds, _ := filepath.Glob(filepath.Join(base, ".build-*"))
 	for _, o := range old {
-		_ = os.RemoveAll(filepath.Dir(o))
+		if st, err := os.Stat(filepath.Dir(o)); err == nil && time.Since(st.ModTime()) > imageKeep {
+			_ = os.RemoveAll(filepath.Dir(o))
+		}
 	}
 	for _, b := range builds {
 		_ = os.RemoveAll(b)
@@ -165,6 +171,9 @@ func (l *Lab) DebianImageWith(ctx context.Context, root *DebianRoot, files, bina
 	}
 	return sb, nil
 }
+
+// imageKeep is how long an image nobody asked for stays in the cache.
+const imageKeep = 12 * time.Hour
 
 // debianKey is the digest of everything that goes into the image.
 func (l *Lab) debianKey(root *DebianRoot, files, bins map[string]string) (string, error) {
