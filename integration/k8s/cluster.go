@@ -94,7 +94,7 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		}
 		c.Kubeconfig = c.cp.Kubeconfig
 		fmt.Fprintf(o.Log, "k8s: making the worker image (kubelet %s, containerd, the vco-agent package)\n", Version)
-		sb, err := l.DebianImageWith(ctx, root, workerFiles(), map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
+		sb, err := l.DebianImageWith(ctx, "debian-k8s", root, workerFiles(), map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
 		if err != nil {
 			return err
 		}

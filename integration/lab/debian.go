@@ -108,14 +108,15 @@ var quietUnits = []string{
 // next lab with the same inputs boots it without building (a build takes
 // about a minute: unpacking the root, dpkg, mkfs.ext4 -d).
 func (l *Lab) DebianImage(ctx context.Context, root *DebianRoot, files map[string]string) (*SystemBoot, error) {
-	return l.DebianImageWith(ctx, root, files, nil)
+	return l.DebianImageWith(ctx, "debian", root, files, nil)
 }
 
 // DebianImageWith is DebianImage with more host binaries (guest path ->
 // host path) copied into the image, such as a kubelet: large files that
 // the lab's busybox initramfs, which gets every binary of the lab's
-// Config, must not carry.
-func (l *Lab) DebianImageWith(ctx context.Context, root *DebianRoot, files, binaries map[string]string) (*SystemBoot, error) {
+// Config, must not carry. Images are cached under the cache directory's
+// subdirectory name.
+func (l *Lab) DebianImageWith(ctx context.Context, name string, root *DebianRoot, files, binaries map[string]string) (*SystemBoot, error) {
 	bins := map[string]string{}
 	for g, h := range l.cfg.Binaries {
 		bins[g] = h
@@ -127,7 +128,7 @@ func (l *Lab) DebianImageWith(ctx context.Context, root *DebianRoot, files, bina
 	if err != nil {
 		return nil, err
 	}
-	base := filepath.Join(l.cfg.CacheDir, "debian")
+	base := filepath.Join(l.cfg.CacheDir, name)
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		return nil, err
 	}
