@@ -343,7 +343,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 
 	// Idempotency: a disk of this name in this location is the answer to
 	// an earlier call, if it matches.
-	existing, err := d.cfg.Cloud.FindDiskByName(ctx, loc, name)
+	existing, err := d.disks.byName(ctx, loc, name)
 	if err != nil {
 		return nil, err
 	}

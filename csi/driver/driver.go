@@ -96,9 +96,11 @@ type Driver struct {
 	csi.UnimplementedControllerServer
 	csi.UnimplementedNodeServer
 
-	cfg   Config
-	locks *inflight
-	vms   *vmIndex
+	cfg     Config
+	locks   *inflight
+	vms     *vmIndex
+	disks   *diskReads
+	vmDisks *vmDiskReads
 
 	// Locations change rarely (a customer is granted a new one); they are
 	// listed at most once a minute.
@@ -152,6 +154,8 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{cfg: cfg, locks: newInflight()}
 	if cfg.Cloud != nil {
 		d.vms = newVMIndex(cfg.Cloud)
+		d.disks = newDiskReads(cfg.Cloud)
+		d.vmDisks = newVMDiskReads(cfg.Cloud)
 	}
 	return d, nil
 }
