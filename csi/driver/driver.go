@@ -78,6 +78,10 @@ type Config struct {
 	// KubeletRoot is the directory every staging and target path must lie
 	// under. Default /var/lib/kubelet.
 	KubeletRoot string
+	// NodeLocationsDir is where the controller's map of reference_ids to
+	// locations is projected (one file per reference_id); empty: no map,
+	// and the agent's node.location must be set.
+	NodeLocationsDir string
 	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means the default.
 	MaxVolumesPerNode int64
 	// Transit wraps and unwraps encrypted volumes' passphrases with

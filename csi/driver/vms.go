@@ -89,3 +89,18 @@ func (x *vmIndex) byNode(ctx context.Context, nodeID string) (vmRef, bool, error
 func (x *vmIndex) byVMID(ctx context.Context, id int64) (vmRef, bool, error) {
 	return x.lookup(ctx, func() (vmRef, bool) { r, ok := x.byID[id]; return r, ok })
 }
+
+// locations lists the VMs afresh and maps every reference_id to its VM's
+// location.
+func (x *vmIndex) locations(ctx context.Context) (map[string]string, error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if err := x.refresh(ctx); err != nil {
+		return nil, err
+	}
+	out := make(map[string]string, len(x.byRef))
+	for ref, r := range x.byRef {
+		out[ref] = r.Location
+	}
+	return out, nil
+}
