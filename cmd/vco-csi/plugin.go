@@ -49,7 +49,7 @@ func runPlugin(args []string) int {
 	locMap := fs.String("node-locations-configmap", "", "keep the map of the customer's VMs (reference_id) to their locations in this ConfigMap of the pod's namespace, for the node plugins (controller; deploy: "+driver.NodeLocationsConfigMap+")")
 	locWriteDir := fs.String("node-locations-write-dir", "", "keep that map as one file per reference_id in this directory instead (controller; the lab, without Kubernetes)")
 	locDir := fs.String("node-locations-dir", "", "directory where the controller's map of reference_ids to locations is projected; the node's location is its VM's entry, node.location in the agent's configuration an optional override that must agree (node)")
-	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
+	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "data disks the platform attaches to a VM (virtio, one hot-plug PCI slot each); the controller publishes each VM's limit as this less the VM's data disks that are not volumes of this driver, which the node reports; a node without that entry reports this (controller, node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}

@@ -82,7 +82,10 @@ type Config struct {
 	// locations is projected (one file per reference_id); empty: no map,
 	// and the agent's node.location must be set.
 	NodeLocationsDir string
-	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means the default.
+	// MaxVolumesPerNode is how many data disks the platform attaches to a
+	// VM. The controller subtracts each VM's disks that are not volumes
+	// of this driver and publishes the result with the VM's location; the
+	// node reports its entry, or this when it has none. 0: the default.
 	MaxVolumesPerNode int64
 	// Transit wraps and unwraps encrypted volumes' passphrases with
 	// TransitKey; nil means this node stages no encrypted volume.
@@ -90,8 +93,10 @@ type Config struct {
 	TransitKey crypt.TransitKey
 }
 
-// DefaultMaxVolumesPerNode is how many data disks a VM takes: hot-plug
-// PCI slots left after the VM's own devices.
+// DefaultMaxVolumesPerNode is how many data disks a VM takes: the
+// hot-plug PCI slots on the VM's root bus left after its own devices
+// (boot disk, network interfaces), one per virtio disk (docs/csi-plugin.md,
+// "Volume limit").
 const DefaultMaxVolumesPerNode = 24
 
 // Driver serves the CSI services.

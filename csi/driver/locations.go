@@ -8,9 +8,11 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/internal/location"
 )
 
@@ -26,13 +28,70 @@ import (
 // in its own namespace: key = canonical reference_id, value = location.
 const NodeLocationsConfigMap = "vco-csi-node-locations"
 
+// MaxVolumesSuffix ends the map's key that holds a node's volume limit:
+// "<reference_id>.max-volumes" (volumeLimits).
+const MaxVolumesSuffix = ".max-volumes"
+
 // NodeLocationMap lists every VM of the customer that has a reference_id,
-// with its location, as of a fresh listing.
+// with its location (key: the reference_id) and its volume limit (key:
+// reference_id + MaxVolumesSuffix), as of a fresh listing.
 func (d *Driver) NodeLocationMap(ctx context.Context) (map[string]string, error) {
 	if !d.controller() {
 		return nil, errors.New("driver: only the controller knows the VMs' locations")
 	}
-	return d.vms.locations(ctx)
+	vms, err := d.vms.all(ctx)
+	if err != nil {
+		return nil, err
+	}
+	limits, err := d.volumeLimits(ctx, vms)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]string, 2*len(vms))
+	for ref, r := range vms {
+		out[ref] = r.Location
+		out[ref+MaxVolumesSuffix] = strconv.FormatInt(limits[ref], 10)
+	}
+	return out, nil
+}
+
+// volumeLimits is how many volumes of this driver each VM can take: the
+// data disks the platform attaches to a VM (MaxVolumesPerNode: the PCI
+// slots left for hot-plugged virtio disks, the model the API gives the
+// driver's disks) less the VM's data disks that are not volumes of this
+// driver (an etcd disk, a disk attached by hand). The boot disk is one of
+// the VM's own devices and takes none of those slots. A disk the
+// location's listing does not show counts as not ours. Never less than 1:
+// 0 would mean no limit to Kubernetes (docs/csi-plugin.md, "Volume limit").
+func (d *Driver) volumeLimits(ctx context.Context, vms map[string]vmRef) (map[string]int64, error) {
+	byLoc := map[string]map[int64]cloud.Disk{}
+	for _, r := range vms {
+		if len(r.Disks) == 0 || byLoc[r.Location] != nil {
+			continue
+		}
+		disks, err := d.cfg.Cloud.ListDisks(ctx, r.Location)
+		if err != nil {
+			return nil, err
+		}
+		m := make(map[int64]cloud.Disk, len(disks))
+		for _, dk := range disks {
+			m[dk.ID] = dk
+		}
+		byLoc[r.Location] = m
+	}
+	out := make(map[string]int64, len(vms))
+	for ref, r := range vms {
+		foreign := int64(0)
+		for _, id := range r.Disks {
+			dk, ok := byLoc[r.Location][id]
+			if _, ours := parseDescription(dk.Description); ok && (ours || strings.EqualFold(dk.Type, cloud.DiskTypeBoot)) {
+				continue
+			}
+			foreign++
+		}
+		out[ref] = max(d.cfg.MaxVolumesPerNode-foreign, 1)
+	}
+	return out, nil
 }
 
 // RunNodeLocations writes the map with write now and after every period
@@ -143,4 +202,21 @@ func (d *Driver) learnedLocation(uuid string) (loc, where string, err error) {
 		return "", where, failf(ErrPrecondition, "this node's location is unknown: the controller's map (%s) says %v", where, err)
 	}
 	return loc, where, nil
+}
+
+// nodeVolumeLimit is the node's entry for its volume limit in the
+// controller's map, or MaxVolumesPerNode when there is none.
+func (d *Driver) nodeVolumeLimit(uuid string) int64 {
+	if d.cfg.NodeLocationsDir == "" {
+		return d.cfg.MaxVolumesPerNode
+	}
+	b, err := os.ReadFile(filepath.Join(d.cfg.NodeLocationsDir, canonicalUUID(uuid)+MaxVolumesSuffix))
+	if err != nil {
+		return d.cfg.MaxVolumesPerNode
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil || n < 1 {
+		return d.cfg.MaxVolumesPerNode
+	}
+	return n
 }

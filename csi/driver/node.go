@@ -152,7 +152,7 @@ func (d *Driver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*c
 	if err != nil {
 		return nil, err
 	}
-	return &csi.NodeGetInfoResponse{NodeId: canonicalUUID(id.UUID), MaxVolumesPerNode: d.cfg.MaxVolumesPerNode,
+	return &csi.NodeGetInfoResponse{NodeId: canonicalUUID(id.UUID), MaxVolumesPerNode: d.nodeVolumeLimit(id.UUID),
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: loc}}}, nil
 }
 

@@ -90,17 +90,12 @@ func (x *vmIndex) byVMID(ctx context.Context, id int64) (vmRef, bool, error) {
 	return x.lookup(ctx, func() (vmRef, bool) { r, ok := x.byID[id]; return r, ok })
 }
 
-// locations lists the VMs afresh and maps every reference_id to its VM's
-// location.
-func (x *vmIndex) locations(ctx context.Context) (map[string]string, error) {
+// all lists the VMs afresh: every VM with a reference_id, by it.
+func (x *vmIndex) all(ctx context.Context) (map[string]vmRef, error) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if err := x.refresh(ctx); err != nil {
 		return nil, err
 	}
-	out := make(map[string]string, len(x.byRef))
-	for ref, r := range x.byRef {
-		out[ref] = r.Location
-	}
-	return out, nil
+	return x.byRef, nil // replaced, never changed, by the next refresh
 }
