@@ -110,6 +110,7 @@ type Driver struct {
 	vms     *vmIndex
 	disks   *diskReads
 	vmDisks *vmDiskReads
+	legacy  legacyLocations
 
 	// Locations change rarely (a customer is granted a new one); they are
 	// listed at most once a minute.

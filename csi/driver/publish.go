@@ -135,9 +135,12 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		return nil, err
 	}
 	defer release()
-	loc, diskID, ok := parseVolumeID(id)
+	loc, diskID, ok, err := d.volumeRef(ctx, id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
-		return nil, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver)", id)
+		return nil, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver, nor a disk id any location has)", id)
 	}
 	disk, err := d.disks.byID(ctx, loc, diskID)
 	if errors.Is(err, cloud.ErrNotFound) {
@@ -370,7 +373,10 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	if id == "" {
 		return nil, failf(ErrInvalid, "ControllerUnpublishVolume needs a volume id")
 	}
-	loc, diskID, ok := parseVolumeID(id)
+	loc, diskID, ok, err := d.volumeRef(ctx, id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
