@@ -1,13 +1,19 @@
 package volume
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"google.golang.org/grpc/codes"
+
+	"github.com/whitesky-cloud/vco-storage/agent/adopt"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 // TestDiskOfTheEarlierDriverIsNeverStagedUnfenced: a disk as the driver
@@ -45,5 +51,90 @@ func TestDiskOfTheEarlierDriverIsNeverStagedUnfenced(t *testing.T) {
 	}
 	if sha256File(t, img) != before {
 		t.Fatal("the refused stage changed the disk")
+	}
+}
+
+// earlierDriversDisk prepares a loop disk as the earlier driver left its
+// volumes (mkfs.ext4 -F -m0 on the whole disk, a file written), grown by
+// the given MiB as through the API, and returns the image, its loop
+// device and the file's content.
+func earlierDriversDisk(t *testing.T, mib, growMiB int64) (string, string, []byte) {
+	t.Helper()
+	img, dev := loop(t, mib)
+	if out, err := exec.Command("mkfs.ext4", "-F", "-m0", dev).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v: %s", err, out)
+	}
+	mnt := t.TempDir()
+	if out, err := exec.Command("mount", dev, mnt).CombinedOutput(); err != nil {
+		t.Fatalf("mount: %v: %s", err, out)
+	}
+	content := bytes.Repeat([]byte("the earlier driver's data\n"), 40000) // ~1 MiB, across chunks
+	werr := os.WriteFile(filepath.Join(mnt, "data"), content, 0o644)
+	if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil || werr != nil {
+		t.Fatalf("writing the volume's data: %v %v: %s", werr, err, out)
+	}
+	if growMiB > 0 {
+		if err := os.Truncate(img, (mib+growMiB)<<20); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+			t.Fatalf("losetup -c: %v: %s", err, out)
+		}
+	}
+	return img, dev, content
+}
+
+// TestAdoptedDiskOfTheEarlierDriverStagesFenced: `vco-agent adopt` (package
+// agent/adopt) moves the earlier driver's filesystem up past a lease area
+// it then writes; the volume then stages on the lease, fenced, with its
+// files intact. An adoption cut short is finished by running it again.
+// Without room to move into, it refuses and changes nothing.
+func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
+	needRoot(t)
+	e := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	key, _ := fence.KeyFromUUID(nodeA)
+
+	// Not grown: refused, untouched.
+	img0, dev0, _ := earlierDriversDisk(t, 32, 0)
+	before := sha256File(t, img0)
+	if _, err := adopt.Adopt(ctx, dev0, adopt.Options{Key: key}); err == nil || !strings.Contains(err.Error(), "grow the disk") {
+		t.Fatalf("adopting a disk with no room: %v, want a refusal that says to grow it", err)
+	}
+	if sha256File(t, img0) != before {
+		t.Fatal("the refused adoption changed the disk")
+	}
+
+	// Grown by 8 MiB; the first run is cut short after 5 of its chunks.
+	img, dev, content := earlierDriversDisk(t, 32, 8)
+	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 5}); !errors.Is(err, adopt.ErrStopped) {
+		t.Fatalf("the cut-short adoption: %v", err)
+	}
+	req := e.stageReq("7431", img, "staging/adopted")
+	req.AllowUnfenced = false
+	if _, err := e.m.Stage(ctx, req); err == nil {
+		t.Fatal("a disk whose adoption was cut short staged")
+	}
+	res, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key})
+	if err != nil || !res.Resumed {
+		t.Fatalf("finishing the adoption: %+v %v", res, err)
+	}
+	if res, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key}); err != nil || !res.AlreadyLease {
+		t.Fatalf("adopting an adopted disk again: %+v %v, want it left as a lease volume", res, err)
+	}
+
+	st, err := e.m.Stage(ctx, req)
+	if err != nil {
+		t.Fatalf("staging the adopted volume: %v", err)
+	}
+	if st.Method != MethodLease {
+		t.Fatalf("the adopted volume staged with %q, want the lease", st.Method)
+	}
+	got, err := os.ReadFile(filepath.Join(req.StagingPath, "data"))
+	if err != nil || !bytes.Equal(got, content) {
+		t.Fatalf("the adopted volume's file: %d bytes, %v; want the earlier driver's %d bytes", len(got), err, len(content))
+	}
+	if err := e.m.Unstage(ctx, "7431", req.StagingPath); err != nil {
+		t.Fatal(err)
 	}
 }
