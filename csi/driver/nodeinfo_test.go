@@ -2,9 +2,11 @@ package driver_test
 
 import (
 	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -83,4 +85,43 @@ func TestNodeLocationFromTheControllersMap(t *testing.T) {
 	// Neither a map nor node.location.
 	_, err = nodeInfo(t, "", "")
 	wantCode(t, err, codes.FailedPrecondition, "unknown", "node.location")
+}
+
+// TestNodeLocationMapIsWrittenWhenItChanges: the controller's loop writes
+// the map at once, not again while it is the same, and again when a VM
+// joins.
+func TestNodeLocationMapIsWrittenWhenItChanges(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx, cancel := context.WithCancel(context.Background())
+	writes := make(chan map[string]string, 16)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		e.drv.RunNodeLocations(ctx, slog.New(slog.DiscardHandler), 20*time.Millisecond, func(_ context.Context, m map[string]string) error {
+			writes <- m
+			return nil
+		})
+	}()
+	defer func() { cancel(); <-done }()
+	first := <-writes
+	if first[hostUUID] != hostLoc {
+		t.Fatalf("first map %v lacks this host's VM in %s", first, hostLoc)
+	}
+	select {
+	case m := <-writes:
+		t.Fatalf("the unchanged map was written again: %v", m)
+	case <-time.After(150 * time.Millisecond):
+	}
+	const joined = "10ad0000-0000-4000-8000-000000000001"
+	if _, err := e.sim.AddVM("cs-nl-ams-1", "joined", joined, false); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case m := <-writes:
+		if m[joined] != "nl-ams-1" || m[joined+driver.MaxVolumesSuffix] != "24" {
+			t.Fatalf("the map after a VM joined: %v", m)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the map was not written again after a VM joined")
+	}
 }
