@@ -4,13 +4,14 @@
 // owns the first MiB, the data starts at lease.DataOffset). Adopt moves the
 // filesystem up by lease.DataOffset and writes the lease header in the room
 // that leaves; the disk must first have grown (through the API) by at
-// least two MiB past the filesystem: one for the move, one at the tail for
-// the adoption's own record.
+// least two MiB past the filesystem: one for the move, and room past it
+// for the adoption's own record.
 //
 // The move runs from the last MiB down, one MiB at a time, so a chunk is
-// never written over data not yet moved, and a record in the disk's last
-// block says how far it got: an adoption cut short (a crash, a lost disk)
-// is finished by running it again, and never starts over on moved data.
+// never written over data not yet moved, and a record in the block just
+// past where the moved filesystem ends says how far it got: an adoption
+// cut short (a crash, a lost disk) is finished by running it again, also
+// after the disk grew meanwhile, and never starts over on moved data.
 // The disk must be unused (opened exclusively: nothing mounts or maps it)
 // and stays so until Adopt returns. docs/storage.md, "Volumes of the
 // earlier driver".
@@ -58,6 +59,9 @@ type Options struct {
 	// StopAfter, for tests only, makes the move return ErrStopped after
 	// that many chunks, as a crash would; 0: no stop.
 	StopAfter int
+	// StopBeforeHeader, for tests only, returns ErrStopped after the
+	// move and the zeroing of the first MiB, before the lease header.
+	StopBeforeHeader bool
 }
 
 // ErrStopped is what a move cut short by Options.StopAfter returns.
@@ -89,39 +93,72 @@ func Adopt(ctx context.Context, path string, o Options) (Result, error) {
 	}
 	d := &disk{f: f, path: path, size: int64(size) - int64(size)%block}
 
-	rec, err := d.readRecord()
+	// The record sits just past where the moved filesystem ends, which
+	// depends on the filesystem alone: a disk grown again between a run
+	// cut short and the next finds it where it was. Until the last step
+	// the filesystem's own superblock says its size: at byte 1024 before
+	// the first MiB is moved, at DataOffset+1024 after.
+	head, err := d.read(0, 2*block)
 	if err != nil {
 		return Result{}, err
 	}
-	head, err := d.read(0, block*2)
+	moved, err := d.read(chunk, 2*block)
 	if err != nil {
 		return Result{}, err
 	}
 	res := Result{}
+	var rec *record
 	switch {
-	case rec != nil && string(head[:8]) == "VCOLEASE" && rec.next == 0:
-		// Cut short after the header was written: only the record is left.
-		res.FilesystemBytes, res.Resumed = rec.fsBytes, true
-		return res, d.clearRecord()
-	case rec != nil:
-		res.FilesystemBytes, res.Resumed = rec.fsBytes, true
-		log.Info("finishing an adoption cut short", "device", path, "filesystem_bytes", rec.fsBytes, "chunks_left", rec.next)
 	case string(head[:8]) == "VCOLEASE":
+		if fsBytes, err := ext4Size(moved); err == nil {
+			// Cut short after the header was written: only the record
+			// may be left.
+			if rec, err = d.readRecord(recordOff(fsBytes)); err != nil {
+				return Result{}, err
+			}
+			if rec != nil {
+				return Result{FilesystemBytes: fsBytes, Resumed: true}, d.clearRecord(recordOff(fsBytes))
+			}
+		}
 		return Result{AlreadyLease: true}, nil
-	default:
+	case isExt4(head):
 		fsBytes, err := ext4Size(head)
 		if err != nil {
 			return Result{}, fmt.Errorf("%s: %w", path, err)
 		}
-		if need := roundUp(fsBytes) + 2*chunk; d.size < need {
+		if need := recordOff(fsBytes) + chunk; d.size < need {
 			return Result{}, fmt.Errorf("%s: the filesystem takes %d bytes of the disk's %d; grow the disk to at least %d bytes (for example by 1 GiB, resizing the PVC or through the portal) so that it can be moved up by %d bytes, then adopt it", path, fsBytes, d.size, need, chunk)
 		}
-		rec = &record{fsBytes: fsBytes, next: (roundUp(fsBytes) + chunk - 1) / chunk}
-		if err := d.writeRecord(rec); err != nil {
+		if rec, err = d.readRecord(recordOff(fsBytes)); err != nil {
 			return Result{}, err
 		}
 		res.FilesystemBytes = fsBytes
-		log.Info("adopting a volume of the earlier driver", "device", path, "filesystem_bytes", fsBytes)
+		if rec != nil {
+			res.Resumed = true
+			log.Info("finishing an adoption cut short", "device", path, "filesystem_bytes", fsBytes, "chunks_left", rec.next)
+		} else {
+			rec = &record{fsBytes: fsBytes, next: (roundUp(fsBytes) + chunk - 1) / chunk}
+			if err := d.writeRecord(recordOff(fsBytes), rec); err != nil {
+				return Result{}, err
+			}
+			log.Info("adopting a volume of the earlier driver", "device", path, "filesystem_bytes", fsBytes)
+		}
+	case isExt4(moved):
+		// Cut short after the first MiB was zeroed: the move is done
+		// if the record says so.
+		fsBytes, err := ext4Size(moved)
+		if err == nil {
+			rec, err = d.readRecord(recordOff(fsBytes))
+		}
+		if err != nil {
+			return Result{}, fmt.Errorf("%s: %w", path, err)
+		}
+		if rec == nil || rec.next != 0 {
+			return Result{}, fmt.Errorf("%s: no ext4 filesystem at byte 0 (the earlier driver's layout), and the one at %d has no finished adoption's record: nothing adopted", path, int64(chunk))
+		}
+		res.FilesystemBytes, res.Resumed = fsBytes, true
+	default:
+		return Result{}, fmt.Errorf("%s: no ext4 filesystem at byte 0 (the earlier driver's layout): nothing to adopt", path)
 	}
 	end := roundUp(rec.fsBytes)
 	done := 0
@@ -143,13 +180,16 @@ func Adopt(ctx context.Context, path string, o Options) (Result, error) {
 			return res, err
 		}
 		rec.next = k
-		if err := d.writeRecord(rec); err != nil {
+		if err := d.writeRecord(recordOff(rec.fsBytes), rec); err != nil {
 			return res, err
 		}
 		done++
 	}
 	if err := d.write(0, make([]byte, chunk)); err != nil {
 		return res, err
+	}
+	if o.StopBeforeHeader {
+		return res, ErrStopped
 	}
 	ld, err := lease.OpenDevice(path)
 	if err != nil {
@@ -160,12 +200,14 @@ func Adopt(ctx context.Context, path string, o Options) (Result, error) {
 	if err != nil {
 		return res, err
 	}
-	if err := d.clearRecord(); err != nil {
+	if err := d.clearRecord(recordOff(rec.fsBytes)); err != nil {
 		return res, err
 	}
 	log.Info("volume adopted: its filesystem now starts at the lease data offset", "device", path, "data_offset", int64(chunk))
 	return res, nil
 }
+
+func isExt4(head []byte) bool { return binary.LittleEndian.Uint16(head[extSB+56:]) == extMag }
 
 // ext4Size reads the size of the ext2/3/4 filesystem whose superblock the
 // disk's first two blocks hold.
@@ -187,7 +229,7 @@ func ext4Size(head []byte) (int64, error) {
 
 func roundUp(n int64) int64 { return (n + block - 1) / block * block }
 
-// record is the adoption's progress, in the disk's last block: the size
+// record is the adoption's progress, at recordOff: the size
 // of the filesystem being moved and how many chunks are left to move.
 type record struct {
 	fsBytes int64
@@ -200,10 +242,12 @@ type disk struct {
 	size int64
 }
 
-func (d *disk) recordOff() int64 { return d.size - block }
+// recordOff is where the record of the adoption of a filesystem of fsBytes
+// is kept: the block just past the moved filesystem.
+func recordOff(fsBytes int64) int64 { return roundUp(fsBytes) + chunk }
 
-func (d *disk) readRecord() (*record, error) {
-	b, err := d.read(d.recordOff(), block)
+func (d *disk) readRecord(off int64) (*record, error) {
+	b, err := d.read(off, block)
 	if err != nil {
 		return nil, err
 	}
@@ -211,21 +255,21 @@ func (d *disk) readRecord() (*record, error) {
 		return nil, nil
 	}
 	if crc32.Checksum(b[:28], crc32.MakeTable(crc32.Castagnoli)) != binary.BigEndian.Uint32(b[28:]) {
-		return nil, fmt.Errorf("%s: the adoption record in its last block is damaged; the disk is left as it is", d.path)
+		return nil, fmt.Errorf("%s: the adoption record at byte %d is damaged; the disk is left as it is", d.path, off)
 	}
 	return &record{fsBytes: int64(binary.BigEndian.Uint64(b[8:])), next: int64(binary.BigEndian.Uint64(b[16:]))}, nil
 }
 
-func (d *disk) writeRecord(r *record) error {
+func (d *disk) writeRecord(off int64, r *record) error {
 	b := make([]byte, block)
 	copy(b, magic)
 	binary.BigEndian.PutUint64(b[8:], uint64(r.fsBytes))
 	binary.BigEndian.PutUint64(b[16:], uint64(r.next))
 	binary.BigEndian.PutUint32(b[28:], crc32.Checksum(b[:28], crc32.MakeTable(crc32.Castagnoli)))
-	return d.write(d.recordOff(), b)
+	return d.write(off, b)
 }
 
-func (d *disk) clearRecord() error { return d.write(d.recordOff(), make([]byte, block)) }
+func (d *disk) clearRecord(off int64) error { return d.write(off, make([]byte, block)) }
 
 func (d *disk) read(off, n int64) ([]byte, error) {
 	b := aligned(int(n))

@@ -115,6 +115,25 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	if _, err := e.m.Stage(ctx, req); err == nil {
 		t.Fatal("a disk whose adoption was cut short staged")
 	}
+	// The disk grows again before the next run (a PVC resize): the run
+	// still finds where the first one stopped.
+	if err := os.Truncate(img, 48<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v: %s", err, out)
+	}
+	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 3}); !errors.Is(err, adopt.ErrStopped) {
+		t.Fatalf("the second cut-short run: %v", err)
+	}
+	// A third is cut short after the move, with the first MiB zeroed and
+	// no lease header yet: no stage takes it either.
+	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopBeforeHeader: true}); !errors.Is(err, adopt.ErrStopped) {
+		t.Fatalf("the run cut short before the header: %v", err)
+	}
+	if _, err := e.m.Stage(ctx, req); err == nil {
+		t.Fatal("a disk whose adoption was cut short before its lease header staged")
+	}
 	res, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key})
 	if err != nil || !res.Resumed {
 		t.Fatalf("finishing the adoption: %+v %v", res, err)
