@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -68,7 +69,11 @@ func earlierDriversDisk(t *testing.T, mib, growMiB int64) (string, string, []byt
 	if out, err := exec.Command("mount", dev, mnt).CombinedOutput(); err != nil {
 		t.Fatalf("mount: %v: %s", err, out)
 	}
-	content := bytes.Repeat([]byte("the earlier driver's data\n"), 40000) // ~1 MiB, across chunks
+	// Data in most of the filesystem's MiB, each different, so that a
+	// chunk moved twice or from the wrong place shows.
+	content := make([]byte, (mib*3/4)<<20)
+	rng := rand.NewChaCha8([32]byte{byte(mib), 7})
+	rng.Read(content)
 	werr := os.WriteFile(filepath.Join(mnt, "data"), content, 0o644)
 	if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil || werr != nil {
 		t.Fatalf("writing the volume's data: %v %v: %s", werr, err, out)
@@ -107,6 +112,7 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 
 	// Grown by 8 MiB; the first run is cut short after 5 of its chunks.
 	img, dev, content := earlierDriversDisk(t, 32, 8)
+	orig := readRange(t, img, 0, 32<<20)
 	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 5}); !errors.Is(err, adopt.ErrStopped) {
 		t.Fatalf("the cut-short adoption: %v", err)
 	}
@@ -141,6 +147,10 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	if res, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key}); err != nil || !res.AlreadyLease {
 		t.Fatalf("adopting an adopted disk again: %+v %v, want it left as a lease volume", res, err)
 	}
+	// Every byte of the filesystem moved up by the lease data offset.
+	if !bytes.Equal(readRange(t, img, 1<<20, 32<<20), orig) {
+		t.Fatal("the adopted filesystem is not the earlier driver's, moved up by 1 MiB, byte for byte")
+	}
 
 	st, err := e.m.Stage(ctx, req)
 	if err != nil {
@@ -156,4 +166,18 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	if err := e.m.Unstage(ctx, "7431", req.StagingPath); err != nil {
 		t.Fatal(err)
 	}
+}
+
+func readRange(t *testing.T, img string, off, n int64) []byte {
+	t.Helper()
+	f, err := os.Open(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, n)
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
