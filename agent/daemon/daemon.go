@@ -43,6 +43,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/internal/location"
 	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
@@ -171,7 +172,14 @@ func Run(ctx context.Context, o Options) error {
 	}
 	log.Info("vco-agent serving", "version", o.Version, "socket", sock.path, "socket_origin", how, "node", ident.NodeName,
 		"system_uuid", ident.SystemUUID, "identity_source", ident.Source, "log", logMode, "dbus", rt.DBusDetail)
-	notify(fmt.Sprintf("READY=1\nSTATUS=serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID))
+	status := fmt.Sprintf("serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID)
+	if msg, bad := LocationProblem(ident.Location); bad {
+		log.Error(msg, "location", ident.Location)
+		status += "; " + msg
+	} else {
+		log.Info(msg, "location", ident.Location)
+	}
+	notify("READY=1\nSTATUS=" + status)
 	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", o.Version, sock.path, ident.NodeName)})
 
 	wdDone := make(chan struct{})
@@ -405,6 +413,21 @@ func readIdentity(cfg config.Config) (server.NodeIdentity, error) {
 		NodeName: cfg.Node.Name, Location: cfg.Node.Location,
 		Fencing: func() []fencecaps.Capability { return fencecaps.Detect(root) },
 	}, nil
+}
+
+// LocationProblem says in a sentence what the node's configured location
+// means for its topology, and whether the node cannot be ready with it: a
+// placeholder left from the cloud-init template (or any value that is no
+// location) makes the node plugin's NodeGetInfo fail, so the node is never
+// labelled with it (docs/agent.md, node.location).
+func LocationProblem(loc string) (string, bool) {
+	if loc == "" {
+		return "node.location is not set: the node plugin takes this node's location from the controller's map of VMs to locations", false
+	}
+	if err := location.Check(loc); err != nil {
+		return fmt.Sprintf("node.location %v: this node is not ready for volumes (the node plugin refuses to register it); remove node.location from the configuration, so that the node takes its VM's location from the controller, or set it to that location, and restart vco-agent", err), true
+	}
+	return "node.location is set: the node plugin checks that it agrees with the controller's map of VMs to locations", false
 }
 
 func unwrapPath(err error) error {

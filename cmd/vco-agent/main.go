@@ -31,6 +31,7 @@ func commands() map[string]command {
 		"volume":   {"stage, unstage, expand a volume through the running agent; read its LUKS2 token", runVolume},
 		"luks":     {"LUKS2 volumes: format, dump, test-passphrase, open, close, status, resize, add-key, remove-key, repair", runLuks},
 		"lease":    {"show, format, acquire, release or check a disk's on-disk lease directly", runLease},
+		"adopt":    {"turn a volume of the earlier driver (ext4 at byte 0) into a lease-fenced volume in place", runAdopt},
 	}
 }
 

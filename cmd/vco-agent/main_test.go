@@ -136,7 +136,12 @@ func TestIdentityReadsLocallyWithoutAgent(t *testing.T) {
 // waits for it to answer.
 func startAgent(t *testing.T, sock string) (*exec.Cmd, chan error, *bytes.Buffer) {
 	t.Helper()
-	agent := vcoAgent("serve", "--config", emptyConfig(t), "--socket", sock, "--sysfs-root", sysfs(t), "--dbus=false")
+	return startAgentWith(t, sock, emptyConfig(t))
+}
+
+func startAgentWith(t *testing.T, sock, cfg string) (*exec.Cmd, chan error, *bytes.Buffer) {
+	t.Helper()
+	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", sysfs(t), "--dbus=false")
 	agentErr := &bytes.Buffer{}
 	agent.Stderr = agentErr
 	if err := agent.Start(); err != nil {

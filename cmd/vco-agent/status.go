@@ -9,6 +9,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/agent/daemon"
 )
 
 func runStatus(args []string) int {
@@ -42,6 +43,20 @@ func runStatus(args []string) int {
 	}
 	fmt.Fprintf(tw, "Agent version:\t%s\n", st.AgentVersion)
 	fmt.Fprintf(tw, "Node name:\t%s\n", st.NodeName)
+	if id, err := c.GetIdentity(ctx, &api.GetIdentityRequest{}); err != nil {
+		fmt.Fprintf(tw, "Location:\tnot known: %v\n", apiError(f.socket, err))
+	} else {
+		msg, bad := daemon.LocationProblem(id.Location)
+		state := "ok"
+		if bad {
+			state = "NOT READY"
+		}
+		loc := id.Location
+		if loc == "" {
+			loc = "-"
+		}
+		fmt.Fprintf(tw, "Location:\t%s (%s: %s)\n", loc, state, msg)
+	}
 	fmt.Fprintf(tw, "Started:\t%s (up %s)\n", st.StartedAt.AsTime().Local().Format(time.RFC3339), st.Uptime.AsDuration().Round(time.Second))
 	fmt.Fprintf(tw, "Socket:\t%s (%s)\n", st.SocketPath, origin)
 	fmt.Fprintf(tw, "D-Bus signals:\t%s (%s)\n", dbusState, st.DbusDetail)

@@ -49,7 +49,10 @@ func runPlugin(args []string) int {
 	keyBackendDir := fs.String("key-backend-dir", "", "directory holding the keys of the ConfigMaps csi-key-backend-config and openbao-ca and a ServiceAccount token (audience vault), as the node DaemonSet projects them; replaces the --vault-* flags (node)")
 	vaultTokenFile := fs.String("vault-token-file", "", "file holding a Vault token to use instead of Kubernetes auth (node; operators and tests)")
 	healthAddr := fs.String("health-addr", "", "serve GET /readyz on this address: 503 with the reason while the key backend's settings are unusable, else 200 (node; e.g. :9810)")
-	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
+	locMap := fs.String("node-locations-configmap", "", "keep the map of the customer's VMs (reference_id) to their locations in this ConfigMap of the pod's namespace, for the node plugins (controller; deploy: "+driver.NodeLocationsConfigMap+")")
+	locWriteDir := fs.String("node-locations-write-dir", "", "keep that map as one file per reference_id in this directory instead (controller; the lab, without Kubernetes)")
+	locDir := fs.String("node-locations-dir", "", "directory where the controller's map of reference_ids to locations is projected; the node's location is its VM's entry, node.location in the agent's configuration an optional override that must agree (node)")
+	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "data disks the platform attaches to a VM (virtio, one hot-plug PCI slot each); the controller publishes each VM's limit as this less the VM's data disks that are not volumes of this driver, which the node reports; a node without that entry reports this (controller, node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -59,7 +62,7 @@ func runPlugin(args []string) int {
 		return 1
 	}
 	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
-		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols}
+		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols, NodeLocationsDir: *locDir}
 	if cfg.Mode != driver.ModeNode {
 		if *portalURL != "" {
 			if *apiURL != "" {
@@ -156,6 +159,28 @@ func runPlugin(args []string) int {
 	srv := d.NewGRPCServer(log)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if cfg.Mode != driver.ModeNode {
+		var write func(context.Context, map[string]string) error
+		switch {
+		case *locMap != "" && *locWriteDir != "":
+			return fail("--node-locations-configmap and --node-locations-write-dir both given; give only one")
+		case *locMap != "":
+			// Without it nodes that set no node.location report no
+			// location; volumes are served all the same.
+			if w, err := inClusterConfigMap(*locMap); err != nil {
+				log.Error("the node location map cannot be written; nodes whose agent sets no node.location will not register", "configmap", *locMap, "err", err)
+			} else {
+				write = w.write
+			}
+		case *locWriteDir != "":
+			write = func(_ context.Context, m map[string]string) error {
+				return driver.WriteNodeLocationDir(*locWriteDir, m)
+			}
+		}
+		if write != nil {
+			go d.RunNodeLocations(ctx, log, time.Minute, write)
+		}
+	}
 	go func() { <-ctx.Done(); srv.GracefulStop() }()
 	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version, "cloudspace", *cloudspace)
 	if err := srv.Serve(ln); err != nil {

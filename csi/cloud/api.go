@@ -35,6 +35,8 @@ type IOTune struct {
 const (
 	DiskTypeData     = "DATA"
 	DiskTypePhysical = "PHYSICAL"
+	DiskTypeBoot     = "BOOT" // a VM's boot disk, in listings
+
 )
 
 // VMDisk is a disk as a VM's disk list shows it, with its PCI address.

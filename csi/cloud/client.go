@@ -86,6 +86,11 @@ func New(cfg Config) (*Client, error) {
 	hc := cfg.HTTPClient
 	if hc == nil {
 		tr := http.DefaultTransport.(*http.Transport).Clone()
+		// The controller's calls come in bursts (a StatefulSet scaled
+		// up): keep their connections for the next burst instead of
+		// the default two, so a burst does not open (and, over TLS,
+		// handshake) a connection per request.
+		tr.MaxIdleConnsPerHost = 64
 		if cfg.CAFile != "" {
 			pem, err := os.ReadFile(cfg.CAFile)
 			if err != nil {

@@ -355,7 +355,10 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		meta.Source = "snapshot:" + id
 	case req.GetVolumeContentSource().GetVolume() != nil:
 		id := req.GetVolumeContentSource().GetVolume().GetVolumeId()
-		l, disk, ok := parseVolumeID(id)
+		l, disk, ok, err := d.volumeRef(ctx, id)
+		if err != nil {
+			return nil, err
+		}
 		if !ok {
 			return nil, failf(ErrNotFound, "source volume %q of volume %q does not exist", id, name)
 		}
@@ -392,7 +395,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 
 	// Idempotency: a disk of this name in this location is the answer to
 	// an earlier call, if it matches.
-	existing, err := d.cfg.Cloud.FindDiskByName(ctx, loc, name)
+	existing, err := d.disks.byName(ctx, loc, name)
 	if err != nil {
 		return nil, err
 	}
@@ -483,7 +486,10 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if id == "" {
 		return nil, failf(ErrInvalid, "DeleteVolume needs a volume id")
 	}
-	loc, disk, ok := parseVolumeID(id)
+	loc, disk, ok, err := d.volumeRef(ctx, id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
 		return &csi.DeleteVolumeResponse{}, nil // no such volume can exist
 	}
@@ -528,7 +534,10 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 }
 
 func (d *Driver) getDisk(ctx context.Context, id string) (*cloud.Disk, error) {
-	loc, disk, ok := parseVolumeID(id)
+	loc, disk, ok, err := d.volumeRef(ctx, id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
 		return nil, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver)", id)
 	}
@@ -641,10 +650,12 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err != nil {
 		return nil, err
 	}
-	loc, _, _ := parseVolumeID(req.GetVolumeId())
+	loc, _, _, _ := d.volumeRef(ctx, req.GetVolumeId()) // known since getDisk
 	meta, _ := parseDescription(disk.Description)
+	v := d.volume(loc, disk, meta)
+	v.VolumeId = req.GetVolumeId() // a bare disk id stays what the PV says
 	return &csi.ControllerGetVolumeResponse{
-		Volume: d.volume(loc, disk, meta),
+		Volume: v,
 		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: nodes},
 	}, nil
 }
@@ -680,7 +691,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if disk.SizeGiB >= size {
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: disk.SizeGiB * gib, NodeExpansionRequired: true}, nil
 	}
-	loc, diskID, _ := parseVolumeID(id)
+	loc, diskID, _, _ := d.volumeRef(ctx, id) // known since getDisk
 	if err := d.cfg.Cloud.ResizeDisk(ctx, loc, diskID, size); err != nil {
 		return nil, fmt.Errorf("growing volume %s to %d GiB: %w", id, size, err)
 	}
@@ -811,7 +822,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err != nil {
 		return nil, err
 	}
-	loc, _, _ := parseVolumeID(src)
+	loc, _, _, _ := d.volumeRef(ctx, src) // known since getDisk
 	// A repeated call finds its snapshot on the source disk; only a new
 	// name costs the scan that keeps names unique across volumes.
 	own, err := d.snapshotsOf(ctx, loc, *disk)
@@ -930,7 +941,10 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 			}
 		}
 	case req.GetSourceVolumeId() != "":
-		loc, diskID, ok := parseVolumeID(req.GetSourceVolumeId())
+		loc, diskID, ok, err := d.volumeRef(ctx, req.GetSourceVolumeId())
+		if err != nil {
+			return nil, err
+		}
 		if !ok {
 			return &csi.ListSnapshotsResponse{}, nil
 		}

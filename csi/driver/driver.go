@@ -80,7 +80,14 @@ type Config struct {
 	// KubeletRoot is the directory every staging and target path must lie
 	// under. Default /var/lib/kubelet.
 	KubeletRoot string
-	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means the default.
+	// NodeLocationsDir is where the controller's map of reference_ids to
+	// locations is projected (one file per reference_id); empty: no map,
+	// and the agent's node.location must be set.
+	NodeLocationsDir string
+	// MaxVolumesPerNode is how many data disks the platform attaches to a
+	// VM. The controller subtracts each VM's disks that are not volumes
+	// of this driver and publishes the result with the VM's location; the
+	// node reports its entry, or this when it has none. 0: the default.
 	MaxVolumesPerNode int64
 	// Transit wraps and unwraps encrypted volumes' passphrases with
 	// TransitKey; nil means this node stages no encrypted volume.
@@ -93,8 +100,10 @@ type Config struct {
 	KeyBackendProblem error
 }
 
-// DefaultMaxVolumesPerNode is how many data disks a VM takes: hot-plug
-// PCI slots left after the VM's own devices.
+// DefaultMaxVolumesPerNode is how many data disks a VM takes: the
+// hot-plug PCI slots on the VM's root bus left after its own devices
+// (boot disk, network interfaces), one per virtio disk (docs/csi-plugin.md,
+// "Volume limit").
 const DefaultMaxVolumesPerNode = 24
 
 // Driver serves the CSI services.
@@ -103,9 +112,12 @@ type Driver struct {
 	csi.UnimplementedControllerServer
 	csi.UnimplementedNodeServer
 
-	cfg   Config
-	locks *inflight
-	vms   *vmIndex
+	cfg     Config
+	locks   *inflight
+	vms     *vmIndex
+	disks   *diskReads
+	vmDisks *vmDiskReads
+	legacy  legacyLocations
 
 	// Locations change rarely (a customer is granted a new one); they are
 	// listed at most once a minute.
@@ -159,6 +171,8 @@ func New(cfg Config) (*Driver, error) {
 	d := &Driver{cfg: cfg, locks: newInflight()}
 	if cfg.Cloud != nil {
 		d.vms = newVMIndex(cfg.Cloud)
+		d.disks = newDiskReads(cfg.Cloud)
+		d.vmDisks = newVMDiskReads(cfg.Cloud)
 	}
 	return d, nil
 }

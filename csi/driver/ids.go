@@ -97,7 +97,9 @@ func checkNodeVolumeID(id string) error {
 		return failf(ErrInvalid, "volume id of %d bytes is longer than %d", len(id), maxIDBytes)
 	}
 	if _, _, ok := parseVolumeID(id); !ok {
-		return failf(ErrInvalid, "volume id %s is not <location>/<disk id>", shortQuote(id))
+		if _, legacy := legacyDiskID(id); !legacy {
+			return failf(ErrInvalid, "volume id %s is not <location>/<disk id> (nor a bare disk id, as the earlier driver's)", shortQuote(id))
+		}
 	}
 	return nil
 }

@@ -136,7 +136,10 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 }
 
 // NodeGetInfo reports the node id (the SMBIOS UUID, which the controller
-// maps to a VM through its reference_id) and the node's location.
+// maps to a VM through its reference_id) and the node's location. A node
+// whose location is unknown, a placeholder, or in doubt fails with a
+// sentence saying so: the kubelet then does not register the plugin, rather
+// than label the node with a wrong location (nodeLocation).
 func (d *Driver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	id, err := d.cfg.Agent.Identity(ctx)
 	if err != nil {
@@ -145,11 +148,12 @@ func (d *Driver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*c
 	if id.UUID == "" {
 		return nil, failf(ErrAgent, "the node agent reports no SMBIOS UUID for this machine")
 	}
-	resp := &csi.NodeGetInfoResponse{NodeId: canonicalUUID(id.UUID), MaxVolumesPerNode: d.cfg.MaxVolumesPerNode}
-	if id.Location != "" {
-		resp.AccessibleTopology = &csi.Topology{Segments: map[string]string{TopologyKey: id.Location}}
+	loc, err := d.nodeLocation(id.UUID, id.Location)
+	if err != nil {
+		return nil, err
 	}
-	return resp, nil
+	return &csi.NodeGetInfoResponse{NodeId: canonicalUUID(id.UUID), MaxVolumesPerNode: d.nodeVolumeLimit(id.UUID),
+		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: loc}}}, nil
 }
 
 // underRoot checks that p lies inside the kubelet root once cleaned and

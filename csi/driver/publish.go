@@ -107,6 +107,14 @@ func hasNote(notes []cloud.Note, title string) bool {
 	return false
 }
 
+// mayHoldData says whether a disk may hold data before any node of ours
+// wrote it: a copy (its description names a source) or a disk this driver
+// did not make.
+func mayHoldData(disk *cloud.Disk) bool {
+	m, ours := parseDescription(disk.Description)
+	return !ours || m.Source != ""
+}
+
 // canonicalUUID is the form node ids and fence keys are derived from.
 func canonicalUUID(s string) string { return strings.ToLower(strings.TrimSpace(s)) }
 
@@ -127,11 +135,20 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		return nil, err
 	}
 	defer release()
-	disk, err := d.getDisk(ctx, id)
+	loc, diskID, ok, err := d.volumeRef(ctx, id)
 	if err != nil {
 		return nil, err
 	}
-	loc, diskID, _ := parseVolumeID(id)
+	if !ok {
+		return nil, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver, nor a disk id any location has)", id)
+	}
+	disk, err := d.disks.byID(ctx, loc, diskID)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return nil, failf(ErrNotFound, "volume %s does not exist", id)
+	}
+	if err != nil {
+		return nil, err
+	}
 	vm, ok, err := d.vms.byNode(ctx, node)
 	if err != nil {
 		return nil, err
@@ -146,6 +163,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		return nil, d.attachedElsewhere(ctx, id, disk.VMID, node)
 	}
 
+	// The notes are read once; every write below is decided from them.
 	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
 	if err != nil {
 		return nil, fmt.Errorf("volume %s: reading its holder notes: %w", id, err)
@@ -160,7 +178,16 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	}
 	holders := withHolder(recorded, me)
 	never := neverPublished(notes)
-	if never && !hasNote(notes, firstPublishNote) {
+	// Whether a context was returned before matters to a stage only on a
+	// disk that holds data no node of ours wrote (a copy, or a disk this
+	// driver did not make): its stage may skip the reclaim wait and set
+	// aside copied lease slots. A disk this driver made empty is blank
+	// until a node that got a context writes it, and a blank disk is
+	// claimed at once either way, so its first publish writes the holders
+	// note alone, which makes every later publish say published
+	// (docs/fencing.md).
+	track := mayHoldData(disk)
+	if track && never && !hasNote(notes, firstPublishNote) {
 		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, firstPublishNote, me); err != nil {
 			return nil, fmt.Errorf("recording the first publish of volume %s (to node %s): %w", id, node, err)
 		}
@@ -171,8 +198,12 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holdersNote, strings.Join(holders, ",")); err != nil {
 		return nil, fmt.Errorf("recording node %s among the holders of volume %s: %w", node, id, err)
 	}
-	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, me); err != nil {
-		return nil, fmt.Errorf("recording node %s as holder of volume %s: %w", node, id, err)
+	if hasNote(notes, holderNote) {
+		// A disk an earlier version published: keep its note current
+		// for a controller of that version run after this one.
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, me); err != nil {
+			return nil, fmt.Errorf("recording node %s as holder of volume %s: %w", node, id, err)
+		}
 	}
 	if disk.VMID == 0 {
 		err := d.cfg.Cloud.AttachDisk(ctx, vm.Cloudspace, vm.ID, diskID)
@@ -189,6 +220,9 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 				return nil, d.attachedElsewhere(ctx, id, now.VMID, node)
 			}
 		} else if err != nil {
+			if errors.Is(err, cloud.ErrNotFound) {
+				d.vms.forget() // the VM may be gone; look it up afresh next time
+			}
 			return nil, fmt.Errorf("attaching volume %s to node %s (VM %d): %w", id, node, vm.ID, err)
 		}
 	}
@@ -209,7 +243,12 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	}
 	if never {
 		// Recorded before the context leaves: once a node may have it,
-		// no later publish may say the disk never had a holder.
+		// no later publish may say the disk never had a holder. (On a
+		// disk made empty the holders note, written above, says so.)
+		if !track {
+			pc[PubNeverPublished] = "true"
+			return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
+		}
 		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, publishedNote, canonicalUUID(node)); err != nil {
 			return nil, fmt.Errorf("recording that volume %s is published to node %s: %w", id, node, err)
 		}
@@ -305,8 +344,11 @@ func (d *Driver) waitAttached(ctx context.Context, vm vmRef, diskID int64) (clou
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.AttachTimeout)
 	defer cancel()
 	for {
-		disks, err := d.cfg.Cloud.ListVMDisks(ctx, vm.Cloudspace, vm.ID)
+		disks, err := d.vmDisks.list(ctx, vm)
 		if err != nil && ctx.Err() == nil {
+			if errors.Is(err, cloud.ErrNotFound) {
+				d.vms.forget() // the VM may be gone; look it up afresh next time
+			}
 			return cloud.VMDisk{}, err
 		}
 		for _, x := range disks {
@@ -331,7 +373,10 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	if id == "" {
 		return nil, failf(ErrInvalid, "ControllerUnpublishVolume needs a volume id")
 	}
-	loc, diskID, ok := parseVolumeID(id)
+	loc, diskID, ok, err := d.volumeRef(ctx, id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}

@@ -99,9 +99,13 @@ func TestCopiesAreNeverPublishedAtFirst(t *testing.T) {
 
 func TestPublishRetriedAfterATimeoutStillSaysNeverPublished(t *testing.T) {
 	// Every API call takes 100ms, longer than the 50ms attach wait: the
-	// first publish records the node and attaches, then gives up.
+	// first publish records the node and attaches, then gives up. The
+	// volume is a copy, which holds data at its first stage: there the
+	// flag lets the stage skip the wait for an earlier holder.
 	e := newTestEnv(t, envOpts{attach: 50 * time.Millisecond})
-	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "slow"})
+	src := createVolume(t, e, &csi.CreateVolumeRequest{Name: "source"})
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "slow", VolumeContentSource: &csi.VolumeContentSource{
+		Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: src}}}})
 	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(100 * time.Millisecond)})
 	_, err := e.ctrl.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
 	wantCode(t, err, codes.DeadlineExceeded, id)
@@ -112,6 +116,44 @@ func TestPublishRetriedAfterATimeoutStillSaysNeverPublished(t *testing.T) {
 	}
 	if publishTo(t, e, id, hostUUID) {
 		t.Fatal("a publish after the retry returned says never published")
+	}
+}
+
+// TestEmptyVolumeFirstPublishWritesOneNote: a volume the driver made empty
+// is blank until a node that got a publish context writes it, and a blank
+// disk's stage neither waits nor meets copied lease slots, so its first
+// publish writes the holders note alone (one request), and a retry of a
+// first publish that returned nothing says published, which costs that
+// blank disk's stage nothing.
+func TestEmptyVolumeFirstPublishWritesOneNote(t *testing.T) {
+	e := newTestEnv(t, envOpts{attach: 50 * time.Millisecond})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "empty"})
+	before := e.sim.Calls()
+	if !publishTo(t, e, id, hostUUID) {
+		t.Fatal("the first publish of a new empty volume does not say never published")
+	}
+	after := e.sim.Calls()
+	if w := after["createDiskNote"] + after["updateDiskNote"] - before["createDiskNote"] - before["updateDiskNote"]; w != 1 {
+		t.Fatalf("the first publish of an empty volume wrote %d notes, want 1 (the holders note)", w)
+	}
+	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(notes) != 1 || notes[0].Title != "vco-csi/holders" || notes[0].Content != hostUUID {
+		t.Fatalf("notes after the first publish: %+v, want vco-csi/holders = %s alone", notes, hostUUID)
+	}
+	unpublishFrom(t, e, id, hostUUID)
+
+	// A first publish that timed out: the retry says published.
+	id2 := createVolume(t, e, &csi.CreateVolumeRequest{Name: "empty-slow"})
+	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(100 * time.Millisecond)})
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id2, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.DeadlineExceeded, id2)
+	e.sim.SetFaults(sim.Faults{})
+	if publishTo(t, e, id2, hostUUID) {
+		t.Fatal("the retry of an empty volume's first publish says never published, without a published note behind it")
 	}
 }
 

@@ -16,9 +16,12 @@ type vmRef struct {
 }
 
 // vmIndex finds VMs by reference_id (a node id) and by VM id. Listing every
-// cloudspace's VMs is several calls, so the answer is cached briefly and
-// refreshed when a lookup misses: a node that just joined is found on the
-// first publish to it.
+// cloudspace's VMs is several calls, so the answer is cached and refreshed
+// when a lookup misses: a node that just joined is found on the first
+// publish to it. What a hit returns does not change while the VM lives (its
+// id, cloudspace and location), so hits are served for ttl; a VM call that
+// answers not found drops the index (forget), for a VM deleted and made
+// again under the same reference_id.
 type vmIndex struct {
 	api Cloud
 	ttl time.Duration
@@ -29,7 +32,14 @@ type vmIndex struct {
 	byID    map[int64]vmRef
 }
 
-func newVMIndex(api Cloud) *vmIndex { return &vmIndex{api: api, ttl: 30 * time.Second} }
+func newVMIndex(api Cloud) *vmIndex { return &vmIndex{api: api, ttl: 10 * time.Minute} }
+
+// forget makes the next lookup list the VMs again.
+func (x *vmIndex) forget() {
+	x.mu.Lock()
+	x.byRef, x.byID = nil, nil
+	x.mu.Unlock()
+}
 
 func (x *vmIndex) refresh(ctx context.Context) error {
 	css, err := x.api.ListCloudspaces(ctx)
@@ -78,4 +88,14 @@ func (x *vmIndex) byNode(ctx context.Context, nodeID string) (vmRef, bool, error
 // byVMID finds a VM by id.
 func (x *vmIndex) byVMID(ctx context.Context, id int64) (vmRef, bool, error) {
 	return x.lookup(ctx, func() (vmRef, bool) { r, ok := x.byID[id]; return r, ok })
+}
+
+// all lists the VMs afresh: every VM with a reference_id, by it.
+func (x *vmIndex) all(ctx context.Context) (map[string]vmRef, error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if err := x.refresh(ctx); err != nil {
+		return nil, err
+	}
+	return x.byRef, nil // replaced, never changed, by the next refresh
 }

@@ -50,7 +50,11 @@ echo '/dev/vda / ext4 defaults 0 1' >"$rootfs/etc/fstab"
 printf 'datasource_list: [ NoCloud, None ]\n' >"$rootfs/etc/cloud/cloud.cfg.d/90-vco-guest-check.cfg"
 seed=$rootfs/var/lib/cloud/seed/nocloud
 mkdir -p "$seed"
-sed "s/REPLACE-WITH-LOCATION/$LOCATION/" packaging/cloud-init/user-data.yaml >"$seed/user-data"
+# The template sets no location (the node plugin learns it from the
+# controller); the check turns its commented override on, to see the file
+# written as given.
+sed -e 's/^      # node:$/      node:/' -e "s/^      #   location: ch-lug-1\$/        location: \"$LOCATION\"/" \
+	packaging/cloud-init/user-data.yaml >"$seed/user-data"
 printf 'instance-id: vco-guest-check\nlocal-hostname: vco-guest\n' >"$seed/meta-data"
 # The package enabled the units at install; the seed must be what enables
 # them here, as on a node image built without running maintainer scripts.
