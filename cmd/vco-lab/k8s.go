@@ -105,8 +105,8 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 		return fail("%v", err)
 	}
 	r.WriteText(os.Stdout)
-	if r.Err != nil || !r.AllHeld() {
-		return 1
+	if err := k8s.Judge(r); err != nil {
+		return fail("%v", err)
 	}
 	return 0
 }

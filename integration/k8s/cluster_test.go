@@ -69,10 +69,7 @@ func TestStory(t *testing.T) {
 	var txt strings.Builder
 	r.WriteText(&txt)
 	t.Log(txt.String())
-	if r.Err != nil {
-		t.Fatal(r.Err)
-	}
-	if !r.AllHeld() {
-		t.Fatal("a safety property did not hold (see the report above)")
+	if err := k8s.Judge(r); err != nil {
+		t.Fatal(err)
 	}
 }

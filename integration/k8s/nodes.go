@@ -138,8 +138,10 @@ func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int) er
 		}
 	}
 	script := fmt.Sprintf(`set -e
-ip link set eth0 up
-ip addr add %[1]s/24 dev eth0
+dev=$(ip -o link | awk -F': ' '/link\/ether 52:54:00:12:34:56/ {print $2; exit}')
+[ -n "$dev" ] || { ip -o link; echo "no NIC with the lab's MAC address"; exit 1; }
+ip link set "$dev" up
+ip addr add %[1]s/24 dev "$dev"
 ip route add default via 10.0.2.2
 sysctl -qw net.ipv4.ip_forward=1
 for chain in OUTPUT PREROUTING; do

@@ -2,6 +2,7 @@ package k8s
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -235,10 +236,19 @@ func (s *story) readLog(ctx context.Context, p podInfo, pv string) (string, erro
 	return strings.TrimSpace(out), err
 }
 
-// mountsOf lists the lines of g's /proc/mounts that name pv (its staging
-// or publish paths) or the device mapped for it.
+// mountsOf lists the lines of g's /proc/mounts that are pv's: its publish
+// paths (which name the PV) and its staging path (named by the SHA-256 of
+// its volume handle, kubernetes.io/csi/<driver>/<hash>/globalmount).
 func (s *story) mountsOf(ctx context.Context, g *lab.Guest, pv string) ([]string, error) {
-	out, err := g.MustSh(ctx, "grep -F "+pv+" /proc/mounts || true")
+	handle, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.csi.volumeHandle}")
+	if err != nil {
+		return nil, err
+	}
+	if strings.TrimSpace(handle) == "" {
+		return nil, fmt.Errorf("PV %s has no CSI volume handle", pv)
+	}
+	sum := sha256.Sum256([]byte(strings.TrimSpace(handle)))
+	out, err := g.MustSh(ctx, fmt.Sprintf("grep -F -e %s -e %x /proc/mounts || true", pv, sum))
 	if err != nil {
 		return nil, err
 	}
@@ -527,4 +537,28 @@ func WriteReport(r *e2e.Report, dir string) error {
 		return err
 	}
 	return f.Close()
+}
+
+// Exercised are the safety properties the scenarios in Scenarios give
+// evidence for: P1 (K2, K4) and P5 (K1, K4). P2-P4 need a disk on two
+// VMs or a dead node (K5, K8), which these scenarios do not stage.
+var Exercised = []e2e.Property{e2e.P1, e2e.P5}
+
+// Judge returns nil when the story ran to its end, no check failed and
+// each property of Exercised was checked.
+func Judge(r *e2e.Report) error {
+	if r.Err != nil {
+		return r.Err
+	}
+	for _, c := range r.Checks {
+		if !c.Held {
+			return fmt.Errorf("%s did not hold in %s: %s", c.Property, c.Scenario, c.Evidence)
+		}
+	}
+	for _, p := range Exercised {
+		if _, checks := r.Verdict(p); len(checks) == 0 {
+			return fmt.Errorf("%s was never checked", p)
+		}
+	}
+	return nil
 }

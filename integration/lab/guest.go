@@ -52,8 +52,8 @@ type GuestConfig struct {
 	// Forwards, if any, give the guest a virtio-net NIC on QEMU user
 	// networking with restrict=on (no route anywhere) whose only ways out
 	// are these: each takes the guest's connections to a 10.0.2.x address
-	// and port to a port on the host's loopback. The guest sees the NIC as
-	// eth0 (MAC 52:54:00:12:34:56) and configures it itself (10.0.2.15/24).
+	// and port to a port on the host's loopback. The guest finds the NIC by its
+	// MAC address, 52:54:00:12:34:56, and configures it itself (10.0.2.15/24).
 	Forwards []Forward
 }
 
