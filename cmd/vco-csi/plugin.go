@@ -5,9 +5,12 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
 	"net/url"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -17,6 +20,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/health"
+	"github.com/whitesky-cloud/vco-storage/csi/registration"
 )
 
 // runPlugin serves the CSI services of the chosen mode.
@@ -46,6 +51,9 @@ func runPlugin(args []string) int {
 	vaultCA := fs.String("vault-ca-file", "", "PEM CA bundle for Vault instead of the system roots (node)")
 	keyBackendDir := fs.String("key-backend-dir", "", "directory holding the keys of the ConfigMaps csi-key-backend-config and openbao-ca and a ServiceAccount token (audience vault), as the node DaemonSet projects them; replaces the --vault-* flags (node)")
 	vaultTokenFile := fs.String("vault-token-file", "", "file holding a Vault token to use instead of Kubernetes auth (node; operators and tests)")
+	httpEndpoint := fs.String("http-endpoint", "", "host:port of the HTTP server whose /healthz calls the plugin's CSI Probe, for the kubelet's liveness probe (e.g. :9808); empty: none")
+	regDir := fs.String("registration-dir", "", "the kubelet's plugins_registry directory as mounted in the container; the plugin registers itself with the kubelet through a socket there (node); empty: no registration")
+	regPath := fs.String("kubelet-registration-path", "", "the CSI socket's path on the host, as the kubelet dials it (node; default <kubelet-root>/plugins/<driver-name>/csi.sock)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -130,9 +138,22 @@ func runPlugin(args []string) int {
 	if cfg.Name == "" {
 		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
 	}
+	if *regDir != "" && cfg.Mode == driver.ModeController {
+		return fail("--registration-dir is for the node plugin (--mode=node or all); the controller is not registered with a kubelet")
+	}
+	if *regPath == "" {
+		*regPath = filepath.Join(*kubelet, "plugins", cfg.Name, "csi.sock")
+	}
 	d, err := driver.New(cfg)
 	if err != nil {
 		return fail("%v", err)
+	}
+	var hl net.Listener
+	if *httpEndpoint != "" {
+		if hl, err = health.Listen(*httpEndpoint); err != nil {
+			return fail("%v", err)
+		}
+		defer hl.Close()
 	}
 	ln, err := driver.Listen(*endpoint)
 	if err != nil {
@@ -141,10 +162,51 @@ func runPlugin(args []string) int {
 	srv := d.NewGRPCServer(log)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	go func() { <-ctx.Done(); srv.GracefulStop() }()
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
 	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version, "cloudspace", *cloudspace)
-	if err := srv.Serve(ln); err != nil {
-		return fail("%v", err)
+
+	// Registered only once the CSI socket accepts calls: the kubelet
+	// calls NodeGetInfo on it before it accepts the plugin.
+	var checks []health.Check
+	var reg *registration.Server
+	if *regDir != "" {
+		if reg, err = registration.Start(registration.Config{DriverName: cfg.Name, Endpoint: *regPath, Dir: *regDir, Log: log}); err != nil {
+			srv.Stop()
+			return fail("%v", err)
+		}
+		checks = append(checks, reg.Check)
 	}
+	if hl != nil {
+		h, err := health.New(*endpoint, log, checks...)
+		if err != nil {
+			srv.Stop()
+			return fail("%v", err)
+		}
+		defer h.Close()
+		mux := http.NewServeMux()
+		mux.Handle(health.Path, h)
+		go func() {
+			if err := health.Serve(ctx, hl, mux); err != nil {
+				log.Error("health endpoint stopped", "address", *httpEndpoint, "error", err)
+			}
+		}()
+		log.Info("serving health", "address", hl.Addr().String(), "path", health.Path)
+	}
+	select {
+	case err := <-served:
+		if reg != nil {
+			reg.Stop()
+		}
+		return fail("%v", err)
+	case <-ctx.Done():
+	}
+	// Deregister first, so the kubelet stops sending calls to a plugin
+	// that is going away.
+	if reg != nil {
+		reg.Stop()
+	}
+	srv.GracefulStop()
+	<-served
 	return 0
 }
