@@ -22,6 +22,7 @@ import (
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/deploy"
 )
@@ -95,6 +96,11 @@ func Build(ctx context.Context, cacheDir string, logf Logf) (map[string]v1.Image
 	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
 		return nil, fmt.Errorf("image cache: %w", err)
 	}
+	unlock, err := lockCache(cacheDir, logf)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	sidecars, err := Sidecars()
 	if err != nil {
 		return nil, err
@@ -165,6 +171,23 @@ func run(ctx context.Context, cacheDir string, logf Logf, jobs []job) (map[strin
 		out[j.ref] = img
 	}
 	return out, nil
+}
+
+// lockCache holds <cacheDir>/.lock for one Build at a time, so two lab
+// runs on a machine do not both spend minutes on the same image.
+func lockCache(cacheDir string, logf Logf) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(cacheDir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("image cache lock: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		logf("image cache %s: another build holds it; waiting", cacheDir)
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("image cache lock: %w", err)
+		}
+	}
+	return func() { f.Close() }, nil
 }
 
 // cacheKey turns a reference into a directory name that holds its tag,

@@ -470,3 +470,38 @@ func TestBuildEverything(t *testing.T) {
 	}
 	t.Logf("warm Build: %s", time.Since(start).Round(time.Millisecond))
 }
+
+// TestOneBuildAtATime: a second Build on the same cache waits for the
+// first instead of building the same images beside it.
+func TestOneBuildAtATime(t *testing.T) {
+	cache := t.TempDir()
+	unlock, err := lockCache(cache, t.Logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log strings.Builder
+	got := make(chan func(), 1)
+	go func() {
+		u, err := lockCache(cache, func(f string, a ...any) { fmt.Fprintf(&log, f, a...) })
+		if err != nil {
+			t.Error(err)
+		}
+		got <- u
+	}()
+	select {
+	case u := <-got:
+		u()
+		t.Fatal("a second lock was granted while the first was held")
+	case <-time.After(300 * time.Millisecond):
+	}
+	unlock()
+	select {
+	case u := <-got:
+		u()
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second lock was not granted after the first was released")
+	}
+	if !strings.Contains(log.String(), "waiting") {
+		t.Errorf("the waiting build said nothing: %q", log.String())
+	}
+}
