@@ -611,10 +611,13 @@ func TestWorkloadsAgree(t *testing.T) {
 			if n, _ := flag(p.Args, "driver-name"); n != a.driver {
 				t.Errorf("%s %s: plugin --driver-name=%q, want %q (= CSIDriver = provisioner)", w.kind, w.name, n, a.driver)
 			}
-			// The plugin's health port is the one livenessprobe serves.
-			lp := container(t, w, "liveness-probe")
-			ep, _ := flag(lp.Args, "http-endpoint")
+			// The plugin serves its own /healthz (no livenessprobe sidecar);
+			// its liveness probe asks that port.
+			ep, ok := flag(p.Args, "http-endpoint")
 			_, hp, _ := strings.Cut(ep, ":")
+			if !ok || hp == "" {
+				t.Errorf("%s %s: the plugin has no --http-endpoint=:<port> for its /healthz", w.kind, w.name)
+			}
 			if p.LivenessProbe == nil || p.LivenessProbe.HTTPGet == nil {
 				t.Errorf("%s %s: the plugin has no HTTP liveness probe", w.kind, w.name)
 			} else {
@@ -624,8 +627,9 @@ func TestWorkloadsAgree(t *testing.T) {
 						port = strconv.Itoa(int(cp.ContainerPort))
 					}
 				}
-				if port != hp {
-					t.Errorf("%s %s: the plugin's liveness probe asks port %s; livenessprobe serves %s", w.kind, w.name, port, hp)
+				if port != hp || p.LivenessProbe.HTTPGet.Path != "/healthz" {
+					t.Errorf("%s %s: the plugin's liveness probe asks %s on port %s; the plugin serves /healthz on %s", w.kind, w.name,
+						p.LivenessProbe.HTTPGet.Path, port, hp)
 				}
 			}
 			vols := map[string]bool{}
@@ -651,14 +655,14 @@ func TestController(t *testing.T) {
 		if m, _ := flag(p.Args, "mode"); m != "controller" {
 			t.Errorf("controller plugin --mode=%q", m)
 		}
-		checkSidecars(t, a, w, []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter", "livenessprobe"})
+		checkSidecars(t, a, w, []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter"})
 		prov := container(t, w, "csi-provisioner")
 		if !slices.Contains(prov.Args, "--feature-gates=Topology=true") {
 			t.Errorf("csi-provisioner lacks --feature-gates=Topology=true: PVs would carry no node affinity for %s", TopologyKey)
 		}
 		for _, c := range w.pod.Spec.Containers {
 			if c.Name != p.Name {
-				if le, _ := flag(c.Args, "leader-election"); le != "true" && c.Name != "liveness-probe" {
+				if le, _ := flag(c.Args, "leader-election"); le != "true" {
 					t.Errorf("%s runs without leader election; two controller pods would both act during a rollout", c.Name)
 				}
 			}
@@ -698,7 +702,9 @@ func TestNodePlugin(t *testing.T) {
 		if m, _ := flag(p.Args, "mode"); m != "node" {
 			t.Errorf("node plugin --mode=%q", m)
 		}
-		checkSidecars(t, a, w, []string{"csi-node-driver-registrar", "livenessprobe"})
+		// One container: the plugin registers itself with the kubelet
+		// and serves its own health (docs/csi-addon.md).
+		checkSidecars(t, a, w, nil)
 
 		spec := w.pod.Spec
 		if spec.HostNetwork || spec.HostPID || spec.HostIPC {
@@ -718,7 +724,7 @@ func TestNodePlugin(t *testing.T) {
 			}
 		}
 
-		// The plugin's socket: where the registrar tells kubelet to find it.
+		// The plugin's socket: where the plugin tells kubelet to find it.
 		ep, _ := flag(p.Args, "endpoint")
 		sock := socketPath(t, ep)
 		m, v := mountFor(t, w, p, sock)
@@ -729,13 +735,18 @@ func TestNodePlugin(t *testing.T) {
 		if want := "/var/lib/kubelet/plugins/" + a.driver + "/csi.sock"; hostSock != want {
 			t.Errorf("plugin socket on the host is %s, want %s", hostSock, want)
 		}
-		reg := container(t, w, "node-driver-registrar")
-		if rp, _ := flag(reg.Args, "kubelet-registration-path"); rp != hostSock {
-			t.Errorf("registrar tells kubelet %s; the plugin listens on host path %s", rp, hostSock)
+		if rp, _ := flag(p.Args, "kubelet-registration-path"); rp != hostSock {
+			t.Errorf("the plugin tells kubelet --kubelet-registration-path=%s; it listens on host path %s", rp, hostSock)
 		}
-		_, rv := mountFor(t, w, reg, "/registration")
-		if rv.HostPath == nil || rv.HostPath.Path != "/var/lib/kubelet/plugins_registry" {
-			t.Errorf("registrar's /registration is %+v, want host /var/lib/kubelet/plugins_registry", rv.VolumeSource)
+		// Its registration socket lands in the kubelet's plugins_registry,
+		// writable.
+		rd, _ := flag(p.Args, "registration-dir")
+		rm, rv := mountFor(t, w, p, path.Join(rd, a.driver+"-reg.sock"))
+		if rd == "" || rv.HostPath == nil || path.Join(rv.HostPath.Path, strings.TrimPrefix(rd, rm.MountPath)) != "/var/lib/kubelet/plugins_registry" {
+			t.Errorf("--registration-dir=%q is %+v mounted at %s, want host /var/lib/kubelet/plugins_registry", rd, rv.VolumeSource, rm.MountPath)
+		}
+		if rm.ReadOnly {
+			t.Errorf("the registration directory %s is mounted read-only; the plugin makes its socket there", rm.MountPath)
 		}
 
 		// Kubelet's directory, with the agent's mounts propagated in.

@@ -3,6 +3,9 @@ package deploy
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -95,7 +98,15 @@ func TestPluginAcceptsTheManifestArguments(t *testing.T) {
 			t.Fatal(err)
 		}
 		sock := filepath.Join(dir, "c.sock")
-		args := relocate(relocate(expand(p.Args, env), "endpoint", "unix://"+sock), "token-file", filepath.Join(dir, "jwt"))
+		// The health endpoint on a free loopback port, not the pod's :9808.
+		hl, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		healthAddr := hl.Addr().String()
+		hl.Close()
+		args := relocate(relocate(relocate(expand(p.Args, env), "endpoint", "unix://"+sock), "token-file", filepath.Join(dir, "jwt")),
+			"http-endpoint", healthAddr)
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		cmd := exec.CommandContext(ctx, bin, args...)
@@ -131,6 +142,18 @@ func TestPluginAcceptsTheManifestArguments(t *testing.T) {
 		}
 		if info.GetName() != a.drivers[0].Name {
 			t.Errorf("the controller plugin calls itself %q; the CSIDriver is %q", info.GetName(), a.drivers[0].Name)
+		}
+		// The liveness probe's endpoint is served by the plugin itself;
+		// the example portal is not reachable from here, so it reports the
+		// API, not ok.
+		r, err := http.Get("http://" + healthAddr + "/healthz")
+		if err != nil {
+			t.Fatalf("the controller's --http-endpoint is not served: %v\n%s", err, stderr.String())
+		}
+		body, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if r.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "API does not answer") {
+			t.Errorf("/healthz with an unreachable portal = %d %q, want 503 naming the API", r.StatusCode, body)
 		}
 	})
 

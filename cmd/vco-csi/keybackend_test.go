@@ -78,15 +78,6 @@ func buildVcoCSI(t *testing.T) string {
 	return bin
 }
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
 
 // TestPartialKeyBackendKeepsPlainVolumes starts the node plugin as the
 // DaemonSet does, with a key-backend ConfigMap that is bad or partial. The

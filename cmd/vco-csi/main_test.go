@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -40,12 +41,7 @@ func TestBinaryControllerAgainstSim(t *testing.T) {
 	if out, err := exec.Command(goTool, "build", "-o", bin, ".").CombinedOutput(); err != nil {
 		t.Fatalf("build: %v\n%s", err, out)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
+	addr, healthAddr := freeAddr(t), freeAddr(t)
 
 	start := func(args ...string) {
 		cmd := exec.Command(bin, args...)
@@ -68,8 +64,23 @@ func TestBinaryControllerAgainstSim(t *testing.T) {
 	os.WriteFile(tok, []byte("a.b.c"), 0o600)
 	sock := filepath.Join(dir, "csi.sock")
 	start("--mode=controller", "--endpoint", "unix://"+sock, "--api-url", "http://"+addr+"/api/1",
-		"--customer", "acme", "--token-file", tok, "--driver-name", "cloud.whitesky.csi")
+		"--customer", "acme", "--token-file", tok, "--driver-name", "cloud.whitesky.csi", "--http-endpoint", healthAddr)
 	waitFor(t, func() bool { _, err := os.Stat(sock); return err == nil })
+	// The liveness endpoint follows the driver's Probe: 200 while the API
+	// answers.
+	healthz := func() (int, string) {
+		t.Helper()
+		r, err := http.Get("http://" + healthAddr + "/healthz")
+		if err != nil {
+			t.Fatalf("GET /healthz: %v", err)
+		}
+		defer r.Body.Close()
+		b, _ := io.ReadAll(r.Body)
+		return r.StatusCode, string(b)
+	}
+	if code, body := healthz(); code != http.StatusOK {
+		t.Fatalf("/healthz with the API up = %d %q, want 200", code, body)
+	}
 
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -101,6 +112,20 @@ func TestBinaryControllerAgainstSim(t *testing.T) {
 	if _, err := id.Probe(ctx, &csi.ProbeRequest{}); err == nil {
 		t.Fatal("probe succeeded while every API call fails")
 	}
+	if code, body := healthz(); code != http.StatusServiceUnavailable || !strings.Contains(body, "whitesky.cloud API does not answer") {
+		t.Fatalf("/healthz with every API call failing = %d %q, want 503 naming the API", code, body)
+	}
+}
+
+// freeAddr returns a loopback address no one listens on just now.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
 }
 
 func waitFor(t *testing.T, ok func() bool) {

@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -19,6 +20,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/health"
+	"github.com/whitesky-cloud/vco-storage/csi/registration"
 )
 
 // runPlugin serves the CSI services of the chosen mode.
@@ -53,6 +56,9 @@ func runPlugin(args []string) int {
 	locWriteDir := fs.String("node-locations-write-dir", "", "keep that map as one file per reference_id in this directory instead (controller; the lab, without Kubernetes)")
 	locDir := fs.String("node-locations-dir", "", "directory where the controller's map of reference_ids to locations is projected; the node's location is its VM's entry, node.location in the agent's configuration an optional override that must agree (node)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "data disks the platform attaches to a VM (virtio, one hot-plug PCI slot each); the controller publishes each VM's limit as this less the VM's data disks that are not volumes of this driver, which the node reports; a node without that entry reports this (controller, node)")
+	httpEndpoint := fs.String("http-endpoint", "", "host:port of the HTTP server whose /healthz calls the plugin's CSI Probe, for the kubelet's liveness probe (e.g. :9808); empty: none")
+	regDir := fs.String("registration-dir", "", "the kubelet's plugins_registry directory as mounted in the container; the plugin registers itself with the kubelet through a socket there (node); empty: no registration")
+	regPath := fs.String("kubelet-registration-path", "", "the CSI socket's path on the host, as the kubelet dials it (node; default <kubelet-root>/plugins/<driver-name>/csi.sock)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -139,6 +145,12 @@ func runPlugin(args []string) int {
 	if cfg.Name == "" {
 		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
 	}
+	if *regDir != "" && cfg.Mode == driver.ModeController {
+		return fail("--registration-dir is for the node plugin (--mode=node or all); the controller is not registered with a kubelet")
+	}
+	if *regPath == "" {
+		*regPath = filepath.Join(*kubelet, "plugins", cfg.Name, "csi.sock")
+	}
 	d, err := driver.New(cfg)
 	if err != nil {
 		return fail("%v", err)
@@ -151,6 +163,13 @@ func runPlugin(args []string) int {
 		hs := &http.Server{Handler: readiness(cfg.KeyBackendProblem), ReadHeaderTimeout: 5 * time.Second}
 		go func() { _ = hs.Serve(hl) }()
 		defer hs.Close()
+	}
+	var hl net.Listener
+	if *httpEndpoint != "" {
+		if hl, err = health.Listen(*httpEndpoint); err != nil {
+			return fail("%v", err)
+		}
+		defer hl.Close()
 	}
 	ln, err := driver.Listen(*endpoint)
 	if err != nil {
@@ -181,11 +200,52 @@ func runPlugin(args []string) int {
 			go d.RunNodeLocations(ctx, log, time.Minute, write)
 		}
 	}
-	go func() { <-ctx.Done(); srv.GracefulStop() }()
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
 	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version, "cloudspace", *cloudspace)
-	if err := srv.Serve(ln); err != nil {
-		return fail("%v", err)
+
+	// Registered only once the CSI socket accepts calls: the kubelet
+	// calls NodeGetInfo on it before it accepts the plugin.
+	var checks []health.Check
+	var reg *registration.Server
+	if *regDir != "" {
+		if reg, err = registration.Start(registration.Config{DriverName: cfg.Name, Endpoint: *regPath, Dir: *regDir, Log: log}); err != nil {
+			srv.Stop()
+			return fail("%v", err)
+		}
+		checks = append(checks, reg.Check)
 	}
+	if hl != nil {
+		h, err := health.New(*endpoint, log, checks...)
+		if err != nil {
+			srv.Stop()
+			return fail("%v", err)
+		}
+		defer h.Close()
+		mux := http.NewServeMux()
+		mux.Handle(health.Path, h)
+		go func() {
+			if err := health.Serve(ctx, hl, mux); err != nil {
+				log.Error("health endpoint stopped", "address", *httpEndpoint, "error", err)
+			}
+		}()
+		log.Info("serving health", "address", hl.Addr().String(), "path", health.Path)
+	}
+	select {
+	case err := <-served:
+		if reg != nil {
+			reg.Stop()
+		}
+		return fail("%v", err)
+	case <-ctx.Done():
+	}
+	// Deregister first, so the kubelet stops sending calls to a plugin
+	// that is going away.
+	if reg != nil {
+		reg.Stop()
+	}
+	srv.GracefulStop()
+	<-served
 	return 0
 }
 

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	regv1 "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
@@ -30,6 +31,9 @@ import (
 // host backend, and `vco-csi --mode=all` talking to both.
 type stack struct {
 	kubelet, simDir, agentSock, csiSock string
+	// The plugin's registration directory (the kubelet's plugins_registry)
+	// and its health endpoint.
+	registry, health string
 }
 
 // stackUUID is the SMBIOS UUID the fixture gives this machine.
@@ -83,8 +87,10 @@ func startStack(t *testing.T, lease bool) *stack {
 		})
 	}
 	s := &stack{kubelet: filepath.Join(dir, "kubelet"), simDir: filepath.Join(dir, "sim"),
-		agentSock: filepath.Join(dir, "agent.sock"), csiSock: filepath.Join(dir, "csi.sock")}
+		agentSock: filepath.Join(dir, "agent.sock"), csiSock: filepath.Join(dir, "csi.sock"),
+		registry: filepath.Join(dir, "plugins_registry"), health: freeAddr(t)}
 	os.MkdirAll(s.kubelet, 0o750)
+	os.MkdirAll(s.registry, 0o750)
 
 	sysfs := filepath.Join(dir, "sysfs")
 	os.MkdirAll(filepath.Join(sysfs, "class/dmi/id"), 0o755)
@@ -132,7 +138,8 @@ func startStack(t *testing.T, lease bool) *stack {
 	os.WriteFile(tok, []byte("h.p.s"), 0o600)
 	start("vco-csi", "--mode=all", "--endpoint", "unix://"+s.csiSock, "--api-url", "http://"+addr+"/api/1", "--customer", "acme",
 		"--token-file", tok, "--agent-socket", s.agentSock, "--kubelet-root", s.kubelet, "--attach-timeout", "20s", "--default-location", "ch-gen-1",
-		"--driver-name", "cloud.whitesky.csi", "--allow-unfenced", "--sim-disk-dir", filepath.Join(s.simDir, "disks"))
+		"--driver-name", "cloud.whitesky.csi", "--allow-unfenced", "--sim-disk-dir", filepath.Join(s.simDir, "disks"),
+		"--registration-dir", s.registry, "--http-endpoint", s.health)
 	waitFor(t, func() bool { _, err := os.Stat(s.csiSock); return err == nil })
 	return s
 }
@@ -158,6 +165,26 @@ func TestStackOnThisHost(t *testing.T) {
 	}
 	if p, err := ident.Probe(ctx, &csi.ProbeRequest{}); err != nil || !p.GetReady().GetValue() {
 		t.Fatalf("probe: %v %v", p, err)
+	}
+	// The plugin registers itself as the kubelet expects: its socket in
+	// plugins_registry names the driver and the CSI socket's path on the
+	// host, derived from --kubelet-root.
+	regConn, err := grpc.NewClient("unix://"+filepath.Join(s.registry, "cloud.whitesky.csi-reg.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer regConn.Close()
+	reg, err := regv1.NewRegistrationClient(regConn).GetInfo(ctx, &regv1.InfoRequest{})
+	if err != nil {
+		t.Fatalf("registration GetInfo: %v", err)
+	}
+	if reg.Type != regv1.CSIPlugin || reg.Name != "cloud.whitesky.csi" || reg.Endpoint != filepath.Join(s.kubelet, "plugins", "cloud.whitesky.csi", "csi.sock") {
+		t.Errorf("registration info %v; want the CSI plugin cloud.whitesky.csi at <kubelet-root>/plugins/cloud.whitesky.csi/csi.sock", reg)
+	}
+	if r, err := http.Get("http://" + s.health + "/healthz"); err != nil || r.StatusCode != http.StatusOK {
+		t.Errorf("/healthz of the running stack: %v %v", r, err)
+	} else {
+		r.Body.Close()
 	}
 	ni, err := node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
 	if err != nil {
