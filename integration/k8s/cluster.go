@@ -12,12 +12,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -33,9 +36,9 @@ type Options struct {
 	Kind lab.DiskKind
 	// MemMB and CPUs of each worker (default 2048 and 2).
 	MemMB, CPUs int
-	// RegistryPort is the host port of the registry that serves the
-	// cluster's images (registry.k8s.io and PortalHost are mirrored to it).
-	RegistryPort int
+	// CSIImage is the vco-csi image archive `make image` writes; default
+	// the newest dist/vco-csi-*.oci.tar of the repository.
+	CSIImage string
 	// Log receives progress lines.
 	Log io.Writer
 }
@@ -48,6 +51,10 @@ type Cluster struct {
 	Kubeconfig string
 	// SetupTime is how long Up took.
 	SetupTime time.Duration
+
+	// Registry serves the cluster's images; registry.k8s.io and
+	// PortalHost are mirrored to it on the workers.
+	Registry *images.Registry
 
 	cp  *controlPlane
 	log io.Writer
@@ -84,6 +91,18 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := c.serveImages(ctx, o); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			c.Registry.Stop()
+		}
+	}()
+	regPort, err := portOf(c.Registry.Host)
+	if err != nil {
+		return nil, err
+	}
 	boot := func(ctx context.Context, l *lab.Lab, apiPort int) error {
 		dir := filepath.Join(l.Dir(), "k8s")
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -101,7 +120,7 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		var cfgs []lab.GuestConfig
 		for _, n := range o.Workers {
 			cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: o.MemMB, CPUs: o.CPUs,
-				Forwards: workerForwards(c.cp.apiPort, o.RegistryPort, apiPort, 0)})
+				Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, 0)})
 		}
 		fmt.Fprintf(o.Log, "k8s: booting %s\n", strings.Join(o.Workers, ", "))
 		gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
@@ -179,8 +198,63 @@ func (c *Cluster) withLogs(err error) error {
 
 // Close stops everything the cluster started.
 func (c *Cluster) Close() error {
+	if c.Registry != nil {
+		c.Registry.Stop()
+	}
 	if c.Env == nil {
 		return nil
 	}
 	return c.Env.Close()
+}
+
+// serveImages builds (or finds cached) the images the cluster runs, adds
+// the vco-csi image of o.CSIImage under Image, and serves them on
+// loopback.
+func (c *Cluster) serveImages(ctx context.Context, o Options) error {
+	logf := func(f string, a ...any) { fmt.Fprintf(o.Log, "k8s: images: "+f+"\n", a...) }
+	cache := filepath.Join(o.Lab.CacheDir, "k8s-images")
+	imgs, err := images.Build(ctx, cache, logf)
+	if err != nil {
+		return err
+	}
+	archive := o.CSIImage
+	if archive == "" {
+		if archive, err = newest(filepath.Join(repoRoot(), "dist", "vco-csi-*.oci.tar")); err != nil {
+			return fmt.Errorf("the vco-csi image: %w ('make image' writes it)", err)
+		}
+	}
+	csiImg, err := images.LoadArchive(cache, archive)
+	if err != nil {
+		return err
+	}
+	imgs[Image] = csiImg
+	if c.Registry, err = images.Serve(ctx, "127.0.0.1:0", imgs); err != nil {
+		return err
+	}
+	fmt.Fprintf(o.Log, "k8s: registry on %s serves %d images (vco-csi from %s)\n", c.Registry.Host, len(imgs), archive)
+	return nil
+}
+
+// newest is the most recently changed file matching glob.
+func newest(glob string) (string, error) {
+	m, _ := filepath.Glob(glob)
+	var best string
+	var at time.Time
+	for _, f := range m {
+		if st, err := os.Stat(f); err == nil && st.ModTime().After(at) {
+			best, at = f, st.ModTime()
+		}
+	}
+	if best == "" {
+		return "", fmt.Errorf("no file %s", glob)
+	}
+	return best, nil
+}
+
+func portOf(hostport string) (int, error) {
+	_, p, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(p)
 }

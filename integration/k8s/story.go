@@ -12,12 +12,12 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
-// WorkloadImage is the image of the scenarios' pods (a shell and sleep),
-// served by the lab's registry under the name Kubernetes' own tests use.
-const WorkloadImage = "registry.k8s.io/e2e-test-images/busybox:1.36.1-1"
+// WorkloadImage is the image of the scenarios' pods (a shell and sleep).
+const WorkloadImage = images.WorkloadRef
 
 // Namespace holds the scenarios' objects.
 const Namespace = "vco-lab"
