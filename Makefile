@@ -36,7 +36,7 @@ build:
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
 test: deps lint build unit test-fuzz-brief test-csi-sanity test-deploy \
-      test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages
+      test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
@@ -78,9 +78,11 @@ test-e2e: deps build packages guest-root
 # in bin/k8s-report-*.txt and .html.
 K8S_TIMEOUT ?= 70m
 .PHONY: test-k8s k8s-lab
-test-k8s: deps build packages guest-root image
+test-k8s: deps build packages guest-root
+	$(MAKE) image IMAGE_ARCHS=amd64
 	VCO_LAB=1 VCO_K8S=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
-k8s-lab: deps build packages guest-root image
+k8s-lab: deps build packages guest-root
+	$(MAKE) image IMAGE_ARCHS=amd64
 	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN)
 
 # Benchmarks print one table of figures against named references; they
