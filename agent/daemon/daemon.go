@@ -171,7 +171,11 @@ func Run(ctx context.Context, o Options) error {
 	}
 	log.Info("vco-agent serving", "version", o.Version, "socket", sock.path, "socket_origin", how, "node", ident.NodeName,
 		"system_uuid", ident.SystemUUID, "identity_source", ident.Source, "log", logMode, "dbus", rt.DBusDetail)
-	notify(fmt.Sprintf("READY=1\nSTATUS=serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID))
+	status := fmt.Sprintf("serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID)
+	if vols.metricsProblem != "" {
+		status += "; " + vols.metricsProblem
+	}
+	notify("READY=1\nSTATUS=" + oneLine(status))
 	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", o.Version, sock.path, ident.NodeName)})
 
 	wdDone := make(chan struct{})
@@ -211,6 +215,9 @@ func Run(ctx context.Context, o Options) error {
 type volumes struct {
 	m  *volume.Manager
 	wd *watchdog.Watchdog
+	// metricsProblem says why metrics.listen is not served; empty when
+	// it is, or when it is off.
+	metricsProblem string
 	// stopChecks ends the periodic claim check, the host watchdog's
 	// feeding and the metrics listener; close (after the API has stopped)
 	// also leaves the host watchdog as the held leases need it
@@ -293,22 +300,7 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	wdone := make(chan struct{})
 	go func() { defer close(wdone); wd.Run(wctx) }()
 	m.Reconcile(ctx)
-	var srv *http.Server
-	if cfg.Metrics.Listen != "" {
-		l, err := net.Listen("tcp", cfg.Metrics.Listen)
-		if err != nil {
-			wcancel()
-			<-wdone
-			wd.Stop()
-			m.Close()
-			return nil, fmt.Errorf("metrics.listen %s: %w", cfg.Metrics.Listen, err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", m.Metrics().Handler())
-		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go srv.Serve(l)
-		log.Info("metrics served", "address", l.Addr().String())
-	}
+	srv, metricsProblem := serveMetrics(cfg.Metrics.Listen, m, log)
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); m.Run(cctx) }()
@@ -347,7 +339,32 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	}
 	// The watchdog decides on the leases before the manager closes their
 	// fencers, which ends their renewals.
-	return &volumes{m: m, wd: wd, stopChecks: stopChecks, close: func() { stopChecks(); wd.Stop(); m.Close() }}, nil
+	return &volumes{m: m, wd: wd, metricsProblem: metricsProblem, stopChecks: stopChecks, close: func() { stopChecks(); wd.Stop(); m.Close() }}, nil
+}
+
+// serveMetrics starts the /metrics listener when metrics.listen is set. A
+// listener that cannot start (the address taken, or IP sockets denied by a
+// unit without the loopback permission) is logged and skipped: metrics are
+// an aid, and an agent that exits over them would take every volume on the
+// node down with it (docs/events.md#metrics). The returned sentence says
+// what went wrong, for the systemd status line; it is empty when all is well.
+func serveMetrics(listen string, m *volume.Manager, log *slog.Logger) (*http.Server, string) {
+	if listen == "" {
+		return nil, ""
+	}
+	l, err := net.Listen("tcp", listen)
+	if err != nil {
+		problem := fmt.Sprintf("metrics off: cannot listen on metrics.listen %s: %v", listen, err)
+		log.Error("the metrics listener did not start; the agent serves volumes without it", "address", listen, "err", err,
+			"hint", "free the address or pick another in metrics.listen; under systemd check that the unit allows loopback IP sockets (RestrictAddressFamilies=, IPAddressAllow=), then restart the agent")
+		return nil, problem
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", m.Metrics().Handler())
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(l)
+	log.Info("metrics served", "address", l.Addr().String())
+	return srv, ""
 }
 
 func notify(state string) {

@@ -582,3 +582,39 @@ func TestSocketBelongsToConfiguredGroup(t *testing.T) {
 		t.Error("socket directory left behind")
 	}
 }
+
+// A metrics listener that cannot start must not stop the agent: the
+// address is taken here (under the packaged unit without loopback IP
+// sockets the listen fails the same way), and the agent must still come
+// up, answer its API, and say on its systemd status line and in its log
+// why /metrics is off.
+func TestMetricsListenFailureIsNotFatal(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	n := listenNotify(t)
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	a := startAgent(t, "serve", []string{"NOTIFY_SOCKET=" + n.path}, nil,
+		"--config", emptyConfig(t), "--socket", sock, "--sysfs-root", sysfsFixture(t), "--dbus=false",
+		"--metrics-listen", taken.Addr().String())
+	// Before the fix the agent exits here with "metrics.listen ...: bind:
+	// address already in use" and never sends READY=1.
+	ready := n.wait(t, "READY=1")
+	if !strings.Contains(ready, "metrics off") || !strings.Contains(ready, taken.Addr().String()) {
+		t.Errorf("the READY status does not say why metrics are off: %q", ready)
+	}
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatalf("%v\nagent stderr:\n%s", err, a.stderr)
+	}
+	if _, err := c.GetStatus(context.Background(), &api.GetStatusRequest{}); err != nil {
+		t.Fatalf("the agent does not answer with metrics off: %v", err)
+	}
+	c.Close()
+	a.stop(t)
+	if !strings.Contains(a.stderr.String(), "metrics listener did not start") || !strings.Contains(a.stderr.String(), "metrics.listen") {
+		t.Errorf("the log does not report the metrics listener's failure:\n%s", a.stderr)
+	}
+}
