@@ -140,6 +140,16 @@ grep -q '^# Changed in the upgrade test package\.$' "$chroot_dir/etc/vco-agent/c
 	fail "after upgrade: the new default is not beside it as config.yaml.dpkg-dist"
 has /etc/systemd/system/multi-user.target.wants/vco-agent.service || fail "after upgrade: the service is no longer enabled"
 
+step "chroot: removal and purge refused while a volume is staged"
+claim=/var/lib/vco-agent/volumes/dm9sLTE.json
+mkdir -p "$chroot_dir/var/lib/vco-agent/volumes"
+echo '{"volume":"vol-1","phase":"staged","state":"held"}' >"$chroot_dir$claim"
+in_chroot dpkg -r vco-agent && fail "dpkg -r removed the package with a volume staged"
+in_chroot dpkg -P vco-agent && fail "dpkg -P purged the package with a volume staged"
+[ "$(status)" = "install ok installed 0.0.2-1" ] || fail "after a refused removal: status $(status)"
+has "$claim" || fail "after a refused removal: the claim record is gone"
+rm "$chroot_dir$claim"
+
 step "chroot: remove keeps the configuration"
 in_chroot dpkg -r vco-agent
 [ "$(status)" = "deinstall ok config-files 0.0.2-1" ] || fail "after remove: status $(status)"
@@ -176,7 +186,14 @@ for f in /usr/bin/vco-agent /usr/lib/systemd/system/vco-agent.service /etc/vco-a
 done
 rpm --root "$rpmroot" -qc vco-agent | grep -qx /etc/vco-agent/config.yaml || fail "rpm: config.yaml is not %config"
 chroot "$rpmroot" getent group vco-agent >/dev/null || fail "rpm: group vco-agent missing after install"
-rpm --root "$rpmroot" -e --nodeps vco-agent
+mkdir -p "$rpmroot/var/lib/vco-agent/volumes"
+echo '{"volume":"vol-1","phase":"staged","state":"held"}' >"$rpmroot$claim"
+rpm --root "$rpmroot" -e --nodeps vco-agent && fail "rpm: erased with a volume staged"
+rpm --root "$rpmroot" -q vco-agent >/dev/null || fail "rpm: a refused erase removed the package"
+VCO_AGENT_FORCE_REMOVE=1 rpm --root "$rpmroot" -e --nodeps vco-agent
+[ -e "$rpmroot$claim" ] || fail "rpm: a forced erase deleted the claim record of a staged volume"
+rpm --root "$rpmroot" -q vco-agent >/dev/null && fail "rpm: a forced erase left the package installed"
+rm -rf "$rpmroot/var/lib/vco-agent"
 left=$(cd "$rpmroot" && find . -xdev \( -name '*vco-agent*' -o -name '*VcoAgent*' \) -not -path './var/lib/rpm*' -print)
 [ -z "$left" ] || fail "rpm: after erase, left behind: $left"
 
