@@ -903,3 +903,38 @@ func TestControllerRBAC(t *testing.T) {
 		}
 	})
 }
+
+// The node plugin must run only where vco-agent runs: it tolerates every
+// taint (disks attach to tainted nodes too), so without a node selector on
+// the agent's label it lands on nodes with no agent and waits there forever
+// on a hostPath (issue 20, trap 3). The label must be the one install.md
+// tells the node image to set, and the controller must not need it.
+func TestNodePluginOnlyWhereTheAgentRuns(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.daemonSets[0]
+		if got := d.Spec.Template.Spec.NodeSelector[AgentNodeLabel]; got != "true" {
+			t.Errorf("node DaemonSet nodeSelector %v lacks %s: \"true\"", d.Spec.Template.Spec.NodeSelector, AgentNodeLabel)
+		}
+		if aff := d.Spec.Template.Spec.Affinity; aff != nil && aff.NodeAffinity != nil {
+			t.Errorf("node DaemonSet has a node affinity besides its selector: %+v", aff.NodeAffinity)
+		}
+		for _, dep := range a.deployments {
+			if _, ok := dep.Spec.Template.Spec.NodeSelector[AgentNodeLabel]; ok {
+				t.Errorf("Deployment %s selects on %s; the controller needs no agent", dep.Name, AgentNodeLabel)
+			}
+		}
+	})
+	doc, err := os.ReadFile("../docs/install.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		AgentNodeLabel + "=true",           // kubelet --node-labels and kubectl label
+		"node-labels: " + AgentNodeLabel,   // the CAPI kubeletExtraArgs form
+		"kubectl label node",               // nodes that already run
+	} {
+		if !strings.Contains(string(doc), want) {
+			t.Errorf("docs/install.md does not show %q", want)
+		}
+	}
+}
