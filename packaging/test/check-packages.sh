@@ -181,7 +181,7 @@ rpm --root "$rpmroot" -i --nodeps "$rpm_x86_64"
 rpm --root "$rpmroot" -q vco-agent >/dev/null || fail "rpm: vco-agent not installed"
 rpm --root "$rpmroot" -V --nodeps vco-agent || fail "rpm: installed files do not verify"
 for f in /usr/bin/vco-agent /usr/lib/systemd/system/vco-agent.service /etc/vco-agent/config.yaml \
-	/usr/share/licenses/vco-agent/copyright; do
+	/usr/share/licenses/vco-agent/copyright /usr/lib/systemd/system-preset/50-vco-agent.preset; do
 	[ -e "$rpmroot$f" ] || fail "rpm: $f missing after install"
 done
 rpm --root "$rpmroot" -qc vco-agent | grep -qx /etc/vco-agent/config.yaml || fail "rpm: config.yaml is not %config"
