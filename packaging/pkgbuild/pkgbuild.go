@@ -138,6 +138,11 @@ func Build(o Options) ([]string, error) {
 		if err := writePackage(packager, info, path); err != nil {
 			return nil, fmt.Errorf("%s package %s: %w", format, path, err)
 		}
+		if format == "rpm" {
+			if err := relativePayload(path); err != nil {
+				return nil, fmt.Errorf("rpm package %s: making its payload's member names relative: %w", path, err)
+			}
+		}
 		out = append(out, path)
 	}
 	return out, nil

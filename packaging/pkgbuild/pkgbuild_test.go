@@ -217,6 +217,40 @@ func TestBuild(t *testing.T) {
 	if got := strings.TrimSpace(string(run(t, "rpm", "-qp", "--qf", "%{ARCH} %{VERSION}-%{RELEASE}", paths[1]))); got != "aarch64 1.2.3-1" {
 		t.Errorf("rpm arch/version %q", got)
 	}
+	checkRelativePayload(t, paths[1], rpmList)
+}
+
+// checkRelativePayload: the RPM's payload names its members ./usr/...,
+// as rpmbuild does, so that `rpm2cpio x.rpm | cpio -idm` unpacks into the
+// current directory and never over this machine's root (issue 16, item
+// 12); its digests still verify, and what it unpacks is what rpm lists.
+func checkRelativePayload(t *testing.T, rpm string, rpmList []string) {
+	t.Helper()
+	names := strings.Fields(string(run(t, "sh", "-c", "rpm2cpio "+rpm+" | cpio -t --quiet")))
+	if len(names) == 0 {
+		t.Fatal("rpm2cpio | cpio -t lists nothing")
+	}
+	for _, n := range names {
+		if !strings.HasPrefix(n, "./") {
+			// Fatal: the plain cpio -idm below would write it into /.
+			t.Fatalf("payload member %q is not relative: rpm2cpio | cpio -id would write it outside the current directory", n)
+		}
+		if !slices.Contains(rpmList, strings.TrimPrefix(n, ".")) {
+			t.Errorf("payload member %s is not in the package's file list", n)
+		}
+	}
+	if out, err := exec.Command("rpm", "-Kv", "--nosignature", rpm).CombinedOutput(); err != nil || strings.Contains(string(out), "BAD") {
+		t.Errorf("rpm -K: %v\n%s", err, out)
+	}
+	dir := t.TempDir()
+	unpack := exec.Command("sh", "-c", "rpm2cpio "+rpm+" | cpio -idm --quiet")
+	unpack.Dir = dir
+	if out, err := unpack.CombinedOutput(); err != nil {
+		t.Fatalf("rpm2cpio | cpio -idm: %v\n%s", err, out)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "usr/bin/vco-agent")); err != nil || !strings.Contains(string(b), "stand-in") {
+		t.Errorf("the unpacked usr/bin/vco-agent: %q, %v", b, err)
+	}
 }
 
 func TestBuildMissingSource(t *testing.T) {
