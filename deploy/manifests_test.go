@@ -929,9 +929,9 @@ func TestNodePluginOnlyWhereTheAgentRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		AgentNodeLabel + "=true",           // kubelet --node-labels and kubectl label
-		"node-labels: " + AgentNodeLabel,   // the CAPI kubeletExtraArgs form
-		"kubectl label node",               // nodes that already run
+		AgentNodeLabel + "=true",         // kubelet --node-labels and kubectl label
+		"node-labels: " + AgentNodeLabel, // the CAPI kubeletExtraArgs form
+		"kubectl label node",             // nodes that already run
 	} {
 		if !strings.Contains(string(doc), want) {
 			t.Errorf("docs/install.md does not show %q", want)
