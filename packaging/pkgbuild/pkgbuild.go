@@ -13,12 +13,13 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/goreleaser/nfpm/v2"
+
+	"github.com/whitesky-cloud/vco-storage/internal/version"
 	_ "github.com/goreleaser/nfpm/v2/deb" // registers the deb packager
 	_ "github.com/goreleaser/nfpm/v2/rpm" // registers the rpm packager
 )
@@ -164,41 +165,9 @@ func writePackage(p nfpm.Packager, info *nfpm.Info, path string) error {
 	return os.Rename(f.Name(), path)
 }
 
-var (
-	describeTag = regexp.MustCompile(`^v?(\d+\.\d+\.\d+)(?:-((?:rc|alpha|beta)[.0-9]*))?(?:-(\d+)-g([0-9a-f]+))?(-dirty)?$`)
-	describeSHA = regexp.MustCompile(`^([0-9a-f]{4,40})(-dirty)?$`)
-)
-
-// PackageVersion turns `git describe --tags --always --dirty` output into
-// a version that sorts correctly for both dpkg and rpm: a tag v1.2.3 gives
-// 1.2.3, a pre-release tag sorts before its release (1.2.3~rc1), commits
-// after a tag sort after it (1.2.3+git4.abc1234), and an untagged tree is
-// 0.0.0+git.<sha>. A dirty tree gets ".dirty" so it is never mistaken for
-// a clean build.
-func PackageVersion(describe string) (string, error) {
-	d := strings.TrimSpace(describe)
-	if m := describeTag.FindStringSubmatch(d); m != nil {
-		v := m[1]
-		if m[2] != "" {
-			v += "~" + m[2]
-		}
-		if m[3] != "" {
-			v += "+git" + m[3] + "." + m[4]
-		}
-		if m[5] != "" {
-			v += ".dirty"
-		}
-		return v, nil
-	}
-	if m := describeSHA.FindStringSubmatch(d); m != nil {
-		v := "0.0.0+git." + m[1]
-		if m[2] != "" {
-			v += ".dirty"
-		}
-		return v, nil
-	}
-	return "", fmt.Errorf("version %q: want a git describe of a vX.Y.Z tag or a commit id", describe)
-}
+// PackageVersion is the package version of a `git describe` output
+// (version.Package; the image tag is version.ImageTag of the same).
+func PackageVersion(describe string) (string, error) { return version.Package(describe) }
 
 // gzipBytes compresses like `gzip -9n`: no name or time in the header, so
 // the packages are reproducible and lintian accepts the files.
