@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/user"
@@ -616,5 +618,40 @@ func TestMetricsListenFailureIsNotFatal(t *testing.T) {
 	a.stop(t)
 	if !strings.Contains(a.stderr.String(), "metrics listener did not start") || !strings.Contains(a.stderr.String(), "metrics.listen") {
 		t.Errorf("the log does not report the metrics listener's failure:\n%s", a.stderr)
+	}
+}
+
+// The agent serves /metrics on a unix socket beside its API socket, 0660,
+// for the node plugin to re-export in the cluster without any IP socket on
+// the host (docs/monitoring.md); the file goes when the agent stops.
+func TestMetricsSocket(t *testing.T) {
+	n := listenNotify(t)
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	a := startAgent(t, "serve", []string{"NOTIFY_SOCKET=" + n.path}, nil,
+		"--config", emptyConfig(t), "--socket", sock, "--sysfs-root", sysfsFixture(t), "--dbus=false")
+	n.wait(t, "READY=1")
+	msock := filepath.Join(dir, "metrics.sock")
+	st, err := os.Stat(msock)
+	if err != nil || st.Mode().Type() != os.ModeSocket || st.Mode().Perm() != 0o660 {
+		t.Fatalf("metrics socket %s: %v %v\n%s", msock, st, err, a.stderr)
+	}
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", msock)
+	}}}
+	resp, err := hc.Get("http://agent/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"vco_agent_claims{", "vco_agent_lease_oldest_renewal_seconds 0", "vco_agent_host_watchdog_armed 0"} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics over the socket lacks %q:\n%s", want, body)
+		}
+	}
+	a.stop(t)
+	if _, err := os.Lstat(msock); err == nil {
+		t.Errorf("the agent left %s behind", msock)
 	}
 }
