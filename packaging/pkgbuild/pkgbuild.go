@@ -19,9 +19,9 @@ import (
 
 	"github.com/goreleaser/nfpm/v2"
 
-	"github.com/whitesky-cloud/vco-storage/internal/version"
 	_ "github.com/goreleaser/nfpm/v2/deb" // registers the deb packager
 	_ "github.com/goreleaser/nfpm/v2/rpm" // registers the rpm packager
+	"github.com/whitesky-cloud/vco-storage/internal/version"
 )
 
 // Formats are the package formats Build writes, in order.
