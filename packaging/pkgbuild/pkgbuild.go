@@ -18,9 +18,9 @@ import (
 	"time"
 
 	"github.com/goreleaser/nfpm/v2"
-
 	_ "github.com/goreleaser/nfpm/v2/deb" // registers the deb packager
 	_ "github.com/goreleaser/nfpm/v2/rpm" // registers the rpm packager
+
 	"github.com/whitesky-cloud/vco-storage/internal/version"
 )
 
