@@ -17,6 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 )
 
 // runPlugin serves the CSI services of the chosen mode.
@@ -47,6 +48,8 @@ func runPlugin(args []string) int {
 	keyBackendDir := fs.String("key-backend-dir", "", "directory holding the keys of the ConfigMaps csi-key-backend-config and openbao-ca and a ServiceAccount token (audience vault), as the node DaemonSet projects them; replaces the --vault-* flags (node)")
 	vaultTokenFile := fs.String("vault-token-file", "", "file holding a Vault token to use instead of Kubernetes auth (node; operators and tests)")
 	maxVols := fs.Int64("max-volumes-per-node", driver.DefaultMaxVolumesPerNode, "volumes a node can take (node)")
+	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (CSI calls, API requests; on the node also vco-agent's series); empty: off")
+	agentMetrics := fs.String("agent-metrics-socket", "/run/vco-agent/metrics.sock", "vco-agent's metrics socket, whose series the node plugin re-exports on --metrics-address; empty: none (node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -55,6 +58,7 @@ func runPlugin(args []string) int {
 		fmt.Fprintf(os.Stderr, "vco-csi: "+format+"\n", a...)
 		return 1
 	}
+	mx := metrics.New()
 	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
 		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols}
 	if cfg.Mode != driver.ModeNode {
@@ -68,7 +72,7 @@ func runPlugin(args []string) int {
 			}
 			*apiURL = root
 		}
-		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile})
+		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile, WrapTransport: mx.Transport})
 		if err != nil {
 			return fail("%v", err)
 		}
@@ -138,7 +142,21 @@ func runPlugin(args []string) int {
 	if err != nil {
 		return fail("%v", err)
 	}
-	srv := d.NewGRPCServer(log)
+	srv := d.NewGRPCServer(log, mx.Interceptor())
+	if *metricsAddr != "" {
+		if cfg.Mode != driver.ModeController && *agentMetrics != "" {
+			mx.WithAgent(*agentMetrics)
+		}
+		// Metrics are an aid: a listener that cannot start is reported
+		// and the plugin serves CSI without it.
+		stopMetrics, err := mx.Serve(*metricsAddr, log)
+		if err != nil {
+			log.Error("the metrics listener did not start; serving CSI without it", "address", *metricsAddr, "err", err)
+		} else {
+			defer stopMetrics()
+			log.Info("metrics served", "address", *metricsAddr, "agent_metrics_socket", *agentMetrics)
+		}
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	go func() { <-ctx.Done(); srv.GracefulStop() }()
