@@ -148,8 +148,11 @@ mkdir -p "$chroot_dir/var/lib/vco-agent/volumes"
 echo '{"volume":"vol-1","phase":"staged","state":"held"}' >"$chroot_dir$claim"
 in_chroot dpkg -r vco-agent && fail "dpkg -r removed the package with a volume staged"
 in_chroot dpkg -P vco-agent && fail "dpkg -P purged the package with a volume staged"
-[ "$(status)" = "install ok installed 0.0.2-1" ] || fail "after a refused removal: status $(status)"
+# dpkg records the purge as wanted; the package must still be installed.
+[ "$(in_chroot dpkg-query -W -f='${db:Status-Status} ${Version}' vco-agent)" = "installed 0.0.2-1" ] ||
+	fail "after a refused removal: status $(status)"
 has "$claim" || fail "after a refused removal: the claim record is gone"
+echo vco-agent install | in_chroot dpkg --set-selections
 rm "$chroot_dir$claim"
 
 step "chroot: remove keeps the configuration"
