@@ -485,7 +485,7 @@ d=$(mktemp -d)
 dpkg-deb -R %[1]s $d/pkg
 old=$(dpkg-query -W -f='${Version}' vco-agent)
 sed -i 's/^Version: .*/Version: 99.0.0-1/' $d/pkg/DEBIAN/control
-dpkg-deb -b $d/pkg $d/v2.deb >/dev/null
+dpkg-deb -Znone -b $d/pkg $d/v2.deb >/dev/null
 pid0=$(systemctl show -p MainPID --value vco-agent.service)
 since=$(date '+%%Y-%%m-%%d %%H:%%M:%%S')
 rm -f $d/stop $d/failed
@@ -504,6 +504,7 @@ sleep 15
 touch $d/stop; wait $w
 echo "old=$old new=$(dpkg-query -W -f='${Version}' vco-agent) pid0=$pid0 pid1=$(systemctl show -p MainPID --value vco-agent.service)"
 echo "restart_ms=$(( (t1 - t0) / 1000000 )) writes=$(cat $d/writes) failed=$(cat $d/failed 2>/dev/null | wc -l)"
+echo "down_ms=$(journalctl -u vco-agent.service --since "$since" --no-pager -o short-unix | awk '/vco-agent stopping/ && !s {s=$1} /vco-agent serving/ && s {print int(($1-s)*1000); exit}')"
 echo "resumed=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'lease resumed from an earlier run' || true)"
 echo "fenced=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'DiskFenced' || true)"
 echo "disks=$(vco-agent disks --json | tr -d '\n')"
@@ -521,14 +522,14 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 			return ""
 		}
 		disks := out[strings.Index(out, "disks=")+len("disks="):]
-		held := strings.Contains(disks, `"held"`) && !strings.Contains(disks, `"lost"`)
+		held := strings.Contains(disks, `"CLAIM_STATE_HELD"`) && !strings.Contains(disks, `"CLAIM_STATE_LOST"`)
 		ok := field("new") == "99.0.0-1" && field("pid0") != field("pid1") && field("failed") == "0" && field("fenced") == "0" && field("resumed") != "0" && held
-		s.check(P4, sc, ok, "upgrading vco-agent %s to %s restarted the agent (pid %s to %s) in %s ms under %s O_DSYNC writes: %s failed, leases resumed %s, DiskFenced %s, claim held after: %v",
-			field("old"), field("new"), field("pid0"), field("pid1"), field("restart_ms"), field("writes"), field("failed"), field("resumed"), field("fenced"), held)
+		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving) under %s O_DSYNC writes: %s failed, leases resumed %s, DiskFenced %s, claim held after: %v",
+			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("writes"), field("failed"), field("resumed"), field("fenced"), held)
 		if !ok {
 			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s", out)
 		}
-		return fmt.Sprintf("%s -> %s, agent restarted in %s ms, %s writes, none failed; lease resumed, nothing fenced", field("old"), field("new"), field("restart_ms"), field("writes")), nil
+		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, %s writes, none failed; lease resumed, nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("writes")), nil
 	})
 }
 
