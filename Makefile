@@ -124,7 +124,9 @@ bench-fence: deps
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 20x ./fence/uevent/ ; } > $(BIN)/bench-fence.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-fence.txt
 
 # The vco-csi container image as an OCI image layout tarball, built
-# without a container daemon: dist/vco-csi-$(VERSION).oci.tar.
+# without a container daemon: dist/vco-csi-<tag>.oci.tar, where the tag is
+# the packages' version (v1.2.3 gives vco-csi:1.2.3 and vco-agent 1.2.3-1;
+# internal/version, docs/upgrade.md).
 IMAGE_ARCHS ?= amd64 arm64
 image:
 	@mkdir -p $(BIN)/image dist
@@ -132,7 +134,7 @@ image:
 	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/image/vco-csi-$$a ./cmd/vco-csi; done
 	SOURCE_DATE_EPOCH=$$(git log -1 --format=%ct 2>/dev/null || echo 0) \
 	  $(GO) run ./cmd/vco-addon image $(foreach a,$(IMAGE_ARCHS),-binary $(a)=$(BIN)/image/vco-csi-$(a)) \
-	  -version $(VERSION) -o dist/vco-csi-$(VERSION).oci.tar
+	  -version $(VERSION) -out-dir dist
 
 # deploy/csi.yaml, the add-on bundle with its two placeholders, and
 # deploy/csi-snapshots.yaml and deploy/csi-encryption.yaml, the opt-in

@@ -38,6 +38,13 @@ const Namespace = "csi-driver"
 // whitesky.cloud location.
 const TopologyKey = "cloud.whitesky/location"
 
+// AgentNodeLabel marks the nodes whose image runs vco-agent; the node
+// plugin's DaemonSet selects on it with the value "true", so that it never
+// lands on a node without the agent, where it would wait forever on the
+// agent's socket directory. The node image (kubelet --node-labels) or the
+// operator sets it (docs/install.md).
+const AgentNodeLabel = "cloud.whitesky/vco-agent"
+
 // ImageUID is the unprivileged user (and group) the vco-csi image runs
 // as, the conventional "nonroot" of distroless images.
 const ImageUID = 65532

@@ -1031,3 +1031,124 @@ func TestControllerRBAC(t *testing.T) {
 		}
 	})
 }
+
+// The node plugin must run only where vco-agent runs: it tolerates every
+// taint (disks attach to tainted nodes too), so without a node selector on
+// the agent's label it lands on nodes with no agent and waits there forever
+// on a hostPath (issue 20, trap 3). The label must be the one install.md
+// tells the node image to set, and the controller must not need it.
+func TestNodePluginOnlyWhereTheAgentRuns(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.daemonSets[0]
+		if got := d.Spec.Template.Spec.NodeSelector[AgentNodeLabel]; got != "true" {
+			t.Errorf("node DaemonSet nodeSelector %v lacks %s: \"true\"", d.Spec.Template.Spec.NodeSelector, AgentNodeLabel)
+		}
+		if aff := d.Spec.Template.Spec.Affinity; aff != nil && aff.NodeAffinity != nil {
+			t.Errorf("node DaemonSet has a node affinity besides its selector: %+v", aff.NodeAffinity)
+		}
+		for _, dep := range a.deployments {
+			if _, ok := dep.Spec.Template.Spec.NodeSelector[AgentNodeLabel]; ok {
+				t.Errorf("Deployment %s selects on %s; the controller needs no agent", dep.Name, AgentNodeLabel)
+			}
+		}
+	})
+	doc, err := os.ReadFile("../docs/install.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		AgentNodeLabel + "=true",         // kubelet --node-labels and kubectl label
+		"node-labels: " + AgentNodeLabel, // the CAPI kubeletExtraArgs form
+		"kubectl label node",             // nodes that already run
+	} {
+		if !strings.Contains(string(doc), want) {
+			t.Errorf("docs/install.md does not show %q", want)
+		}
+	}
+}
+
+// The opt-in monitoring file's alerts must watch series the agent and the
+// plugin really export: every vco_* name in an alert's expression is one
+// that agent/volume, agent/watchdog, agent/daemon or csi/metrics defines,
+// and the PodMonitor scrapes ports the add-on's pods name.
+func TestMonitoringWatchesRealSeries(t *testing.T) {
+	defined := map[string]bool{}
+	nameRe := regexp.MustCompile(`Namespace: "(vco_[a-z]+)", Name: "([a-z_]+)"`)
+	descRe := regexp.MustCompile(`NewDesc\("(vco_[a-z_]+)"`)
+	prefixRe := regexp.MustCompile(`return prometheus.NewDesc\("(vco_[a-z_]+)"\+name`)
+	shortRe := regexp.MustCompile(`= desc\("([a-z_]+)"`)
+	for _, f := range []string{"../agent/volume/metrics.go", "../agent/watchdog/metrics.go", "../agent/daemon/daemon.go", "../csi/metrics/metrics.go"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range nameRe.FindAllSubmatch(b, -1) {
+			defined[string(m[1])+"_"+string(m[2])] = true
+		}
+		for _, m := range descRe.FindAllSubmatch(b, -1) {
+			defined[string(m[1])] = true
+		}
+		if p := prefixRe.FindSubmatch(b); p != nil {
+			for _, m := range shortRe.FindAllSubmatch(b, -1) {
+				defined[string(p[1])+string(m[1])] = true
+			}
+		}
+	}
+	if !defined["vco_agent_fences_total"] || !defined["vco_agent_host_watchdog_unsafe"] || !defined["vco_csi_api_requests_total"] {
+		t.Fatalf("the series definitions were not read: %v", defined)
+	}
+	b, err := os.ReadFile("monitoring/vco-csi-monitoring.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ports []string
+	for _, w := range decode(t, renderings[0].Image, renderings[0].DriverName).workloads() {
+		for _, c := range w.pod.Spec.Containers {
+			for _, p := range c.Ports {
+				ports = append(ports, p.Name)
+			}
+		}
+	}
+	used := regexp.MustCompile(`vco_[a-z_]+`)
+	alerts := 0
+	for _, doc := range splitDocs(b) {
+		var o struct {
+			Kind string `json:"kind"`
+			Spec struct {
+				Endpoints []struct {
+					Port string `json:"port"`
+				} `json:"podMetricsEndpoints"`
+				Groups []struct {
+					Rules []struct {
+						Alert string `json:"alert"`
+						Expr  string `json:"expr"`
+					} `json:"rules"`
+				} `json:"groups"`
+			} `json:"spec"`
+		}
+		if err := yaml.Unmarshal(doc, &o); err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range o.Spec.Endpoints {
+			if !slices.Contains(ports, e.Port) {
+				t.Errorf("the PodMonitor scrapes port %q, which no container of the add-on names (%v)", e.Port, ports)
+			}
+		}
+		for _, g := range o.Spec.Groups {
+			for _, r := range g.Rules {
+				alerts++
+				for _, n := range used.FindAllString(r.Expr, -1) {
+					for _, s := range []string{"_bucket", "_sum", "_count"} {
+						n = strings.TrimSuffix(n, s)
+					}
+					if !defined[n] {
+						t.Errorf("alert %s watches %s, which nothing exports", r.Alert, n)
+					}
+				}
+			}
+		}
+	}
+	if alerts < 5 {
+		t.Errorf("%d alerts, want the fencing and API alerts", alerts)
+	}
+}

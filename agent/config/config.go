@@ -119,6 +119,26 @@ func (t LeaseTiming) Timing() lease.Timing {
 type Metrics struct {
 	// Listen is a loopback host:port to serve /metrics on; empty is off.
 	Listen string `yaml:"listen"`
+	// Socket is a unix socket serving the same /metrics, 0660 with the
+	// API socket's group, for the node plugin to re-export in the cluster
+	// (docs/monitoring.md). Empty: metrics.sock beside the API socket;
+	// "off": none.
+	Socket string `yaml:"socket"`
+}
+
+// MetricsOff turns Metrics.Socket off.
+const MetricsOff = "off"
+
+// MetricsSocket is where the metrics socket goes for an API socket at
+// apiSocket: "" when it is off.
+func (m Metrics) MetricsSocket(apiSocket string) string {
+	switch m.Socket {
+	case MetricsOff:
+		return ""
+	case "":
+		return filepath.Join(filepath.Dir(apiSocket), "metrics.sock")
+	}
+	return m.Socket
 }
 
 // Socket is the API's unix socket. Under socket activation systemd owns the
@@ -308,6 +328,9 @@ func (c *Config) Validate() error {
 		errs = append(errs, fmt.Errorf("volumes.lease.watchdog is 0, but other nodes take a lease over after the holder's watchdog time, which only a host watchdog makes true: give it a time (default %s), or set volumes.lease.watchdog_device: %s to hold leases without one (unsafe)", lease.DefaultTiming().Watchdog, watchdog.Unsafe))
 	case lt.Watchdog < time.Second || lt.Watchdog%time.Second != 0:
 		errs = append(errs, fmt.Errorf("volumes.lease.watchdog %s must be a whole number of seconds, at least 1s: watchdog devices count seconds", lt.Watchdog))
+	}
+	if s := c.Metrics.Socket; s != "" && s != MetricsOff && !filepath.IsAbs(s) {
+		errs = append(errs, fmt.Errorf("metrics.socket %q must be an absolute path, empty (beside the API socket) or %s", s, MetricsOff))
 	}
 	if c.Metrics.Listen != "" {
 		if err := loopbackAddr(c.Metrics.Listen); err != nil {

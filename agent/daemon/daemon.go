@@ -30,6 +30,7 @@ import (
 
 	"github.com/coreos/go-systemd/v22/activation"
 	sddaemon "github.com/coreos/go-systemd/v22/daemon"
+	"github.com/prometheus/client_golang/prometheus"
 	"k8s.io/klog/v2"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
@@ -154,7 +155,11 @@ func Run(ctx context.Context, o Options) error {
 	}
 
 	notify("STATUS=re-verifying recorded volume claims")
-	vols, err := startVolumes(ctx, cfg, ident, bus, log)
+	gid := -1
+	if policy.GID >= 0 {
+		gid = int(policy.GID)
+	}
+	vols, err := startVolumes(ctx, cfg, ident, bus, log, cfg.Metrics.MetricsSocket(sock.path), gid)
 	if err != nil {
 		return err
 	}
@@ -179,7 +184,10 @@ func Run(ctx context.Context, o Options) error {
 	} else {
 		log.Info(msg, "location", ident.Location)
 	}
-	notify("READY=1\nSTATUS=" + status)
+	if vols.metricsProblem != "" {
+		status += "; " + vols.metricsProblem
+	}
+	notify("READY=1\nSTATUS=" + oneLine(status))
 	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", o.Version, sock.path, ident.NodeName)})
 
 	wdDone := make(chan struct{})
@@ -219,6 +227,9 @@ func Run(ctx context.Context, o Options) error {
 type volumes struct {
 	m  *volume.Manager
 	wd *watchdog.Watchdog
+	// metricsProblem says why metrics.listen is not served; empty when
+	// it is, or when it is off.
+	metricsProblem string
 	// stopChecks ends the periodic claim check, the host watchdog's
 	// feeding and the metrics listener; close (after the API has stopped)
 	// also leaves the host watchdog as the held leases need it
@@ -270,7 +281,7 @@ func guarded(wd *watchdog.Watchdog, f volume.LeaseFactory) volume.LeaseFactory {
 // startVolumes opens the claim store, re-verifies every recorded claim,
 // and starts the periodic claim check and, when configured, the metrics
 // listener.
-func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdentity, bus *events.Bus, log *slog.Logger) (*volumes, error) {
+func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdentity, bus *events.Bus, log *slog.Logger, metricsSock string, gid int) (*volumes, error) {
 	// mount-utils logs through klog; its lines join the agent's own log.
 	klog.SetSlogLogger(log.With("part", "mount"))
 	key, err := fence.KeyFromUUID(ident.SystemUUID)
@@ -291,7 +302,7 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	if err != nil {
 		return nil, err
 	}
-	m.Metrics().Registry().MustRegister(wd.Collector())
+	m.Metrics().Registry().MustRegister(wd.Collector(), leaseRenewalCollector{m.Leases})
 	// A device the last agent process left counting down is taken over,
 	// and fed from before the start-up check: a lease resumed after an
 	// agent restart is guarded at once, and a host that holds none is not
@@ -301,22 +312,8 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	wdone := make(chan struct{})
 	go func() { defer close(wdone); wd.Run(wctx) }()
 	m.Reconcile(ctx)
-	var srv *http.Server
-	if cfg.Metrics.Listen != "" {
-		l, err := net.Listen("tcp", cfg.Metrics.Listen)
-		if err != nil {
-			wcancel()
-			<-wdone
-			wd.Stop()
-			m.Close()
-			return nil, fmt.Errorf("metrics.listen %s: %w", cfg.Metrics.Listen, err)
-		}
-		mux := http.NewServeMux()
-		mux.Handle("/metrics", m.Metrics().Handler())
-		srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go srv.Serve(l)
-		log.Info("metrics served", "address", l.Addr().String())
-	}
+	srv, metricsProblem := serveMetrics(cfg.Metrics.Listen, m, log)
+	closeSock := serveMetricsSocket(metricsSock, gid, m, log)
 	cctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); m.Run(cctx) }()
@@ -351,11 +348,114 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 			if srv != nil {
 				srv.Close()
 			}
+			closeSock()
 		})
 	}
 	// The watchdog decides on the leases before the manager closes their
 	// fencers, which ends their renewals.
-	return &volumes{m: m, wd: wd, stopChecks: stopChecks, close: func() { stopChecks(); wd.Stop(); m.Close() }}, nil
+	return &volumes{m: m, wd: wd, metricsProblem: metricsProblem, stopChecks: stopChecks, close: func() { stopChecks(); wd.Stop(); m.Close() }}, nil
+}
+
+// serveMetrics starts the /metrics listener when metrics.listen is set. A
+// listener that cannot start (the address taken, or IP sockets denied by a
+// unit without the loopback permission) is logged and skipped: metrics are
+// an aid, and an agent that exits over them would take every volume on the
+// node down with it (docs/events.md#metrics). The returned sentence says
+// what went wrong, for the systemd status line; it is empty when all is well.
+func serveMetrics(listen string, m *volume.Manager, log *slog.Logger) (*http.Server, string) {
+	if listen == "" {
+		return nil, ""
+	}
+	l, err := net.Listen("tcp", listen)
+	if err != nil {
+		problem := fmt.Sprintf("metrics off: cannot listen on metrics.listen %s: %v", listen, err)
+		log.Error("the metrics listener did not start; the agent serves volumes without it", "address", listen, "err", err,
+			"hint", "free the address or pick another in metrics.listen; under systemd check that the unit allows loopback IP sockets (RestrictAddressFamilies=, IPAddressAllow=), then restart the agent")
+		return nil, problem
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", m.Metrics().Handler())
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(l)
+	log.Info("metrics served", "address", l.Addr().String())
+	return srv, ""
+}
+
+// serveMetricsSocket serves /metrics on a unix socket, mode 0660 with the
+// API socket's group, which the node plugin reads and re-exports to the
+// cluster's Prometheus (docs/monitoring.md): no IP socket on the host is
+// needed for that. As with metrics.listen, a socket that cannot be made is
+// logged and skipped. It returns what closes it and removes its file.
+func serveMetricsSocket(path string, gid int, m *volume.Manager, log *slog.Logger) func() {
+	if path == "" {
+		return func() {}
+	}
+	skip := func(err error) func() {
+		log.Error("the metrics socket was not made; the node plugin cannot re-export this agent's metrics", "path", path, "err", err,
+			"hint", "set metrics.socket to a path in a directory the agent may write, or off")
+		return func() {}
+	}
+	if st, err := os.Lstat(path); err == nil {
+		if st.Mode().Type() != fs.ModeSocket {
+			return skip(fmt.Errorf("%s exists and is not a socket", path))
+		}
+		// A stale socket of an earlier run: the agent is the only server.
+		if err := os.Remove(path); err != nil {
+			return skip(err)
+		}
+	}
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return skip(err)
+	}
+	if err := os.Chmod(path, 0o660); err != nil {
+		l.Close()
+		return skip(err)
+	}
+	if err := os.Chown(path, -1, gid); err != nil {
+		l.Close()
+		return skip(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", m.Metrics().Handler())
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go srv.Serve(l)
+	log.Info("metrics served", "socket", path)
+	return func() {
+		srv.Close()
+		os.Remove(path)
+	}
+}
+
+// leaseRenewalCollector reports how old the least recently renewed lease
+// is, against its fail bound: an alert on the ratio warns before the
+// claim is lost (F) and the host watchdog stops being fed (F - d).
+type leaseRenewalCollector struct{ leases func() []watchdog.Lease }
+
+var (
+	descRenewalAge = prometheus.NewDesc("vco_agent_lease_oldest_renewal_seconds",
+		"Age of the least recently renewed lease this agent holds (0 when it holds none); a lease is renewed every volumes.lease.renew.", nil, nil)
+	descRenewalFail = prometheus.NewDesc("vco_agent_lease_fail_bound_seconds",
+		"The fail bound F of that lease: it is lost when its renewal is this old.", nil, nil)
+)
+
+func (leaseRenewalCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descRenewalAge
+	ch <- descRenewalFail
+}
+
+func (c leaseRenewalCollector) Collect(ch chan<- prometheus.Metric) {
+	var age, fail time.Duration
+	for _, l := range c.leases() {
+		if l.Fenced || l.Renewed.IsZero() {
+			continue
+		}
+		if a := time.Since(l.Renewed); a > age {
+			age, fail = a, l.Fail
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(descRenewalAge, prometheus.GaugeValue, age.Seconds())
+	ch <- prometheus.MustNewConstMetric(descRenewalFail, prometheus.GaugeValue, fail.Seconds())
 }
 
 func notify(state string) {

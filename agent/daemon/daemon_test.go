@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/user"
@@ -580,5 +582,76 @@ func TestSocketBelongsToConfiguredGroup(t *testing.T) {
 	}
 	if _, err := os.Lstat(run); err == nil {
 		t.Error("socket directory left behind")
+	}
+}
+
+// A metrics listener that cannot start must not stop the agent: the
+// address is taken here (under the packaged unit without loopback IP
+// sockets the listen fails the same way), and the agent must still come
+// up, answer its API, and say on its systemd status line and in its log
+// why /metrics is off.
+func TestMetricsListenFailureIsNotFatal(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	n := listenNotify(t)
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	a := startAgent(t, "serve", []string{"NOTIFY_SOCKET=" + n.path}, nil,
+		"--config", emptyConfig(t), "--socket", sock, "--sysfs-root", sysfsFixture(t), "--dbus=false",
+		"--metrics-listen", taken.Addr().String())
+	// Before the fix the agent exits here with "metrics.listen ...: bind:
+	// address already in use" and never sends READY=1.
+	ready := n.wait(t, "READY=1")
+	if !strings.Contains(ready, "metrics off") || !strings.Contains(ready, taken.Addr().String()) {
+		t.Errorf("the READY status does not say why metrics are off: %q", ready)
+	}
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatalf("%v\nagent stderr:\n%s", err, a.stderr)
+	}
+	if _, err := c.GetStatus(context.Background(), &api.GetStatusRequest{}); err != nil {
+		t.Fatalf("the agent does not answer with metrics off: %v", err)
+	}
+	c.Close()
+	a.stop(t)
+	if !strings.Contains(a.stderr.String(), "metrics listener did not start") || !strings.Contains(a.stderr.String(), "metrics.listen") {
+		t.Errorf("the log does not report the metrics listener's failure:\n%s", a.stderr)
+	}
+}
+
+// The agent serves /metrics on a unix socket beside its API socket, 0660,
+// for the node plugin to re-export in the cluster without any IP socket on
+// the host (docs/monitoring.md); the file goes when the agent stops.
+func TestMetricsSocket(t *testing.T) {
+	n := listenNotify(t)
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	a := startAgent(t, "serve", []string{"NOTIFY_SOCKET=" + n.path}, nil,
+		"--config", emptyConfig(t), "--socket", sock, "--sysfs-root", sysfsFixture(t), "--dbus=false")
+	n.wait(t, "READY=1")
+	msock := filepath.Join(dir, "metrics.sock")
+	st, err := os.Stat(msock)
+	if err != nil || st.Mode().Type() != os.ModeSocket || st.Mode().Perm() != 0o660 {
+		t.Fatalf("metrics socket %s: %v %v\n%s", msock, st, err, a.stderr)
+	}
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", msock)
+	}}}
+	resp, err := hc.Get("http://agent/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"vco_agent_claims{", "vco_agent_lease_oldest_renewal_seconds 0", "vco_agent_host_watchdog_armed 0"} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("/metrics over the socket lacks %q:\n%s", want, body)
+		}
+	}
+	a.stop(t)
+	if _, err := os.Lstat(msock); err == nil {
+		t.Errorf("the agent left %s behind", msock)
 	}
 }

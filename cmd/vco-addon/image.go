@@ -4,10 +4,12 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/deploy/ociimage"
+	"github.com/whitesky-cloud/vco-storage/internal/version"
 )
 
 // binaries collects -binary ARCH=FILE flags; a bare FILE is amd64.
@@ -30,26 +32,36 @@ func runImage(args []string) error {
 	fs := flag.NewFlagSet("image", flag.ContinueOnError)
 	bins := binaries{}
 	fs.Var(bins, "binary", "static vco-csi binary, ARCH=FILE (repeat per architecture; FILE alone is amd64)")
-	version := fs.String("version", "", "image version (the layout's ref name)")
-	out := fs.String("o", "", "output tarball, e.g. dist/vco-csi-VERSION.oci.tar")
+	describe := fs.String("version", "", "the release as `git describe --tags` gives it (v1.2.3); the image is tagged as its packages are versioned (1.2.3)")
+	out := fs.String("o", "", "output tarball")
+	outDir := fs.String("out-dir", "", "write DIR/vco-csi-TAG.oci.tar instead of -o")
 	ca := fs.String("ca-bundle", "/etc/ssl/certs/ca-certificates.crt", "PEM CA bundle to install; empty for none")
 	created := fs.String("created", "", "creation time, RFC 3339 (default: SOURCE_DATE_EPOCH, else the Unix epoch)")
 	source := fs.String("source", "https://github.com/whitesky-cloud/vco-storage", "org.opencontainers.image.source label")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	if *out == "" {
-		return fmt.Errorf("-o is required")
+	tag, err := version.ImageTag(*describe)
+	if err != nil {
+		return fmt.Errorf("-version: %w", err)
+	}
+	switch {
+	case *out == "" && *outDir == "":
+		return fmt.Errorf("-o or -out-dir is required")
+	case *out != "" && *outDir != "":
+		return fmt.Errorf("-o and -out-dir exclude each other")
+	case *outDir != "":
+		*out = filepath.Join(*outDir, "vco-csi-"+tag+".oci.tar")
 	}
 	t, err := creationTime(*created)
 	if err != nil {
 		return err
 	}
-	o := ociimage.Options{Version: *version, Binaries: bins, CABundle: *ca, Created: t, Source: *source}
+	o := ociimage.Options{Version: tag, Binaries: bins, CABundle: *ca, Created: t, Source: *source}
 	if err := ociimage.WriteArchive(o, *out); err != nil {
 		return err
 	}
-	fmt.Fprintf(os.Stderr, "vco-addon: wrote %s (vco-csi %s for %v)\n", *out, *version, bins)
+	fmt.Fprintf(os.Stderr, "vco-addon: wrote %s (vco-csi:%s, from %s, for %v)\n", *out, tag, *describe, bins)
 	return nil
 }
 

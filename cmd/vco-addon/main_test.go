@@ -2,8 +2,11 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -112,5 +115,65 @@ func TestParts(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "snapshots") {
 			t.Errorf("-part snapshot: %v; want an error naming the parts", err)
 		}
+	}
+}
+
+// make image writes dist/vco-csi-<tag>.oci.tar tagged as the packages are
+// versioned (v1.2.3-4-gabc1234: image 1.2.3-git4.abc1234, package
+// 1.2.3+git4.abc1234); it used to take the raw git describe. And the
+// commands docs/install.md gives name the file and tag make image writes.
+func TestImageTaggedAsThePackages(t *testing.T) {
+	dir := t.TempDir()
+	// A static amd64 ELF stands in for vco-csi.
+	src := filepath.Join(dir, "main.go")
+	if err := os.WriteFile(src, []byte("package main\n\nfunc main() {}\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "vco-csi")
+	build := exec.Command("go", "build", "-o", bin, src)
+	build.Dir = dir
+	build.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	if b, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("building a stand-in: %v\n%s", err, b)
+	}
+	out := filepath.Join(dir, "dist")
+	if err := os.Mkdir(out, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := runImage([]string{"-binary", "amd64=" + bin, "-ca-bundle", "", "-version", "v1.2.3-4-gabc1234", "-out-dir", out}); err != nil {
+		t.Fatal(err)
+	}
+	archive := filepath.Join(out, "vco-csi-1.2.3-git4.abc1234.oci.tar")
+	b, err := exec.Command("tar", "-xOf", archive, "index.json").Output()
+	if err != nil {
+		t.Fatalf("%s: %v", archive, err)
+	}
+	var idx struct {
+		Manifests []struct {
+			Annotations map[string]string `json:"annotations"`
+		} `json:"manifests"`
+	}
+	if err := json.Unmarshal(b, &idx); err != nil {
+		t.Fatal(err)
+	}
+	if len(idx.Manifests) != 1 || idx.Manifests[0].Annotations["org.opencontainers.image.ref.name"] != "1.2.3-git4.abc1234" {
+		t.Errorf("index.json does not tag the image 1.2.3-git4.abc1234: %s", b)
+	}
+
+	doc, err := os.ReadFile("../../docs/install.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	skopeo := regexp.MustCompile(`skopeo copy oci-archive:dist/vco-csi-([^ ]+)\.oci\.tar:(\S+) docker://\S+:(\S+)`)
+	m := skopeo.FindStringSubmatch(string(doc))
+	if m == nil {
+		t.Fatal("docs/install.md has no skopeo copy oci-archive:dist/vco-csi-TAG.oci.tar:TAG docker://...:TAG line")
+	}
+	if m[1] != m[2] || m[2] != m[3] {
+		t.Errorf("docs/install.md copies file tag %s, ref %s, to tag %s: they must be one tag", m[1], m[2], m[3])
+	}
+	pkg := regexp.MustCompile(`vco-agent_` + regexp.QuoteMeta(m[1]) + `-1_amd64\.deb`)
+	if !pkg.Match(doc) {
+		t.Errorf("docs/install.md does not show the package vco-agent_%s-1_amd64.deb of the image it deploys", m[1])
 	}
 }

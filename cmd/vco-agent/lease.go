@@ -22,7 +22,7 @@ import (
 // The lease subcommands work on the on-disk lease of a disk without
 // reservations, directly, with or without a running agent.
 
-const leaseUsage = `usage: vco-agent lease <show|format|acquire|release|check> DEVICE [flags]
+const leaseUsage = `usage: vco-agent lease <show|format|acquire|release|check|clear> DEVICE [flags]
 
 DEVICE is a block device path (/dev/vdb, /dev/disk/by-id/...).
 
@@ -34,6 +34,10 @@ DEVICE is a block device path (/dev/vdb, /dev/disk/by-id/...).
            exit 3 when the claim is lost while held
   release  mark this node's slot released
   check    exit 0 when this node owns the lease, 1 otherwise
+  clear    with --yes: take the lease (refused while another node holds
+           it), release it and zero the lease area, for good; refused
+           while this node mounts, maps or has staged the disk. The
+           volume's data past the area (byte 1048576) is not touched.
   watch    (no DEVICE) refuse every disk held by another node's lease,
            as the agent does: read-only at the block layer; the disks
            already attached first, then each that appears, every one
@@ -51,6 +55,8 @@ type leaseOptions struct {
 	timeout, holdFor, rescan          time.Duration
 	ioTimeout, renew, failBound, wdog time.Duration
 	verbose                           bool
+	yes                               bool
+	stateDir                          string
 	name                              string
 	interrupt                         <-chan os.Signal
 	ready                             func()
@@ -107,12 +113,14 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
 	fs.DurationVar(&o.wdog, "watchdog", def.Watchdog, "lease timing: host watchdog reset time (W)")
 	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
+	fs.BoolVar(&o.yes, "yes", false, "clear: do it")
+	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/vco-agent", "clear: the agent's state directory, whose claim records name the disks staged here")
 	pos, err := parseInterleaved(fs, args[1:])
 	if err != nil {
 		return 2
 	}
 	switch sub {
-	case "show", "format", "acquire", "release", "check", "watch":
+	case "show", "format", "acquire", "release", "check", "watch", "clear":
 	default:
 		fmt.Fprintf(stderr, "vco-agent lease: unknown subcommand %q\n\n", sub)
 		fs.Usage()
@@ -132,8 +140,11 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 		fs.Usage()
 		return 2
 	}
-	if sub != "acquire" && (o.grant != "" || o.holdFor != 0) {
-		return o.fail(errors.New("--grant and --hold-for only apply to acquire and watch"))
+	if sub != "acquire" && sub != "clear" && o.grant != "" {
+		return o.fail(errors.New("--grant only applies to acquire and clear"))
+	}
+	if sub != "acquire" && o.holdFor != 0 {
+		return o.fail(errors.New("--hold-for only applies to acquire and watch"))
 	}
 	if err := o.setup(); err != nil {
 		return o.fail(err)
@@ -176,6 +187,9 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 			return o.fail(&fence.HeldError{Device: dev.Name(), Holder: owner.Key, HolderNode: o.nodeName(owner)})
 		}
 		return o.ok(fmt.Sprintf("%s: this node (key %s) owns the lease at epoch %d", dev.Name(), o.key, owner.Epoch), nil)
+	}
+	if sub == "clear" {
+		return o.clear(ctx, dev, pos[0])
 	}
 	e, err := lease.New(dev, o.engineConfig(nil))
 	if err != nil {

@@ -22,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/health"
 	"github.com/whitesky-cloud/vco-storage/csi/registration"
+	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 )
 
 // runPlugin serves the CSI services of the chosen mode.
@@ -59,6 +60,8 @@ func runPlugin(args []string) int {
 	httpEndpoint := fs.String("http-endpoint", "", "host:port of the HTTP server whose /healthz calls the plugin's CSI Probe, for the kubelet's liveness probe (e.g. :9808); empty: none")
 	regDir := fs.String("registration-dir", "", "the kubelet's plugins_registry directory as mounted in the container; the plugin registers itself with the kubelet through a socket there (node); empty: no registration")
 	regPath := fs.String("kubelet-registration-path", "", "the CSI socket's path on the host, as the kubelet dials it (node; default <kubelet-root>/plugins/<driver-name>/csi.sock)")
+	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (CSI calls, API requests; on the node also vco-agent's series); empty: off")
+	agentMetrics := fs.String("agent-metrics-socket", "/run/vco-agent/metrics.sock", "vco-agent's metrics socket, whose series the node plugin re-exports on --metrics-address; empty: none (node)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -67,6 +70,7 @@ func runPlugin(args []string) int {
 		fmt.Fprintf(os.Stderr, "vco-csi: "+format+"\n", a...)
 		return 1
 	}
+	mx := metrics.New()
 	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
 		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols, NodeLocationsDir: *locDir}
 	if cfg.Mode != driver.ModeNode {
@@ -80,7 +84,7 @@ func runPlugin(args []string) int {
 			}
 			*apiURL = root
 		}
-		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile})
+		c, err := cloud.New(cloud.Config{BaseURL: *apiURL, Customer: *customer, TokenFile: *tokenFile, CAFile: *caFile, WrapTransport: mx.Transport})
 		if err != nil {
 			return fail("%v", err)
 		}
@@ -175,7 +179,21 @@ func runPlugin(args []string) int {
 	if err != nil {
 		return fail("%v", err)
 	}
-	srv := d.NewGRPCServer(log)
+	srv := d.NewGRPCServer(log, mx.Interceptor())
+	if *metricsAddr != "" {
+		if cfg.Mode != driver.ModeController && *agentMetrics != "" {
+			mx.WithAgent(*agentMetrics)
+		}
+		// Metrics are an aid: a listener that cannot start is reported
+		// and the plugin serves CSI without it.
+		stopMetrics, err := mx.Serve(*metricsAddr, log)
+		if err != nil {
+			log.Error("the metrics listener did not start; serving CSI without it", "address", *metricsAddr, "err", err)
+		} else {
+			defer stopMetrics()
+			log.Info("metrics served", "address", *metricsAddr, "agent_metrics_socket", *agentMetrics)
+		}
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if cfg.Mode != driver.ModeNode {

@@ -51,6 +51,9 @@ type Config struct {
 	BackoffMax  time.Duration
 	// HTTPClient overrides the transport (tests). CAFile is then ignored.
 	HTTPClient *http.Client
+	// WrapTransport, if set, wraps the client's transport (metrics: every
+	// request, retries included, passes through it).
+	WrapTransport func(http.RoundTripper) http.RoundTripper
 }
 
 // Client talks to one customer's whitesky.cloud API.
@@ -103,6 +106,15 @@ func New(cfg Config) (*Client, error) {
 			tr.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
 		}
 		hc = &http.Client{Transport: tr}
+	}
+	if cfg.WrapTransport != nil {
+		rt := hc.Transport
+		if rt == nil {
+			rt = http.DefaultTransport
+		}
+		wrapped := *hc
+		wrapped.Transport = cfg.WrapTransport(rt)
+		hc = &wrapped
 	}
 	c := &Client{cfg: cfg, base: u, http: hc, tok: &tokenFile{path: cfg.TokenFile}}
 	if cfg.TokenFile != "" {

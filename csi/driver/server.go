@@ -48,8 +48,9 @@ func Listen(endpoint string) (net.Listener, error) {
 
 // NewGRPCServer registers the services of the driver's mode on a gRPC
 // server whose every error goes through CodeForError. Requests are logged
-// with secrets stripped.
-func (d *Driver) NewGRPCServer(log *slog.Logger) *grpc.Server {
+// with secrets stripped. The outer interceptors (metrics) run first and
+// see the code the caller gets.
+func (d *Driver) NewGRPCServer(log *slog.Logger, outer ...grpc.UnaryServerInterceptor) *grpc.Server {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -64,7 +65,7 @@ func (d *Driver) NewGRPCServer(log *slog.Logger) *grpc.Server {
 		}
 		return resp, err
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(logging, StatusInterceptor))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(append(outer, logging, StatusInterceptor)...))
 	csi.RegisterIdentityServer(srv, d)
 	if d.controller() {
 		csi.RegisterControllerServer(srv, d)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -460,7 +461,76 @@ func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
 	}); err != nil {
 		return err
 	}
+	if err := s.e9Upgrade(ctx, sc, g, stagingPath(c.name)); err != nil {
+		return err
+	}
 	return c.takeDown(ctx, sc, g)
+}
+
+// upgradeDeb is where the systemd guest finds the package it booted with,
+// to build a newer version of it (docs/upgrade.md).
+const upgradeDeb = "/var/lib/vco-e2e/vco-agent.deb"
+
+// e9Upgrade upgrades the vco-agent package in the systemd guest to a newer
+// version while a writer keeps writing, O_DSYNC, to the lease-fenced
+// volume staged at staging: dpkg restarts the agent (postinst), which must
+// resume its lease within the bound docs/upgrade.md states, so that nothing
+// is fenced and no write fails. The newer package is the booted one
+// repacked with the version 99.0.0-1, so that dpkg runs the maintainer
+// scripts' upgrade path with the same files.
+func (s *story) e9Upgrade(ctx context.Context, sc string, g *lab.Guest, staging string) error {
+	return s.step(sc, g.Name, "upgrade the vco-agent package under write load with the lease volume staged: nothing fenced, no write fails", func() (string, error) {
+		script := fmt.Sprintf(`set -e
+d=$(mktemp -d)
+dpkg-deb -R %[1]s $d/pkg
+old=$(dpkg-query -W -f='${Version}' vco-agent)
+sed -i 's/^Version: .*/Version: 99.0.0-1/' $d/pkg/DEBIAN/control
+dpkg-deb -Znone -b $d/pkg $d/v2.deb >/dev/null
+pid0=$(systemctl show -p MainPID --value vco-agent.service)
+since=$(date '+%%Y-%%m-%%d %%H:%%M:%%S')
+rm -f $d/stop $d/failed
+( n=0; while [ ! -e $d/stop ]; do
+	dd if=/dev/urandom of=%[2]s/load.bin bs=4k count=1 seek=$((n %% 1024)) conv=notrunc oflag=dsync 2>>$d/dd.err || echo $n >>$d/failed
+	n=$((n+1)); done; echo $n >$d/writes ) &
+w=$!
+sleep 3
+t0=$(date +%%s%%N)
+dpkg -i $d/v2.deb >$d/dpkg.log 2>&1 || { cat $d/dpkg.log; exit 1; }
+i=0; until [ "$(systemctl show -p MainPID --value vco-agent.service)" != "$pid0" ] && systemctl is-active --quiet vco-agent.service; do
+	i=$((i+1)); [ $i -lt 600 ] || { systemctl status --no-pager vco-agent.service; exit 1; }; sleep 0.05; done
+t1=$(date +%%s%%N)
+# Keep writing across the resumed lease's next renewals.
+sleep 15
+touch $d/stop; wait $w
+echo "old=$old new=$(dpkg-query -W -f='${Version}' vco-agent) pid0=$pid0 pid1=$(systemctl show -p MainPID --value vco-agent.service)"
+echo "restart_ms=$(( (t1 - t0) / 1000000 )) writes=$(cat $d/writes) failed=$(cat $d/failed 2>/dev/null | wc -l)"
+echo "down_ms=$(journalctl -u vco-agent.service --since "$since" --no-pager -o short-unix | awk '/vco-agent stopping/ && !s {s=$1} /vco-agent serving/ && s {print int(($1-s)*1000); exit}')"
+echo "resumed=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'lease resumed from an earlier run' || true)"
+echo "fenced=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'DiskFenced' || true)"
+echo "disks=$(vco-agent disks --json | tr -d '\n')"
+cat $d/dd.err | head -n 5`, upgradeDeb, staging)
+		out, err := g.MustSh(ctx, script)
+		if err != nil {
+			return "", fmt.Errorf("%w\n%s", err, out)
+		}
+		field := func(k string) string {
+			for _, f := range strings.Fields(out) {
+				if v, ok := strings.CutPrefix(f, k+"="); ok {
+					return v
+				}
+			}
+			return ""
+		}
+		disks := out[strings.Index(out, "disks=")+len("disks="):]
+		held := strings.Contains(disks, `"CLAIM_STATE_HELD"`) && !strings.Contains(disks, `"CLAIM_STATE_LOST"`)
+		ok := field("new") == "99.0.0-1" && field("pid0") != field("pid1") && field("failed") == "0" && field("fenced") == "0" && field("resumed") != "0" && held
+		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving) under %s O_DSYNC writes: %s failed, leases resumed %s, DiskFenced %s, claim held after: %v",
+			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("writes"), field("failed"), field("resumed"), field("fenced"), held)
+		if !ok {
+			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s", out)
+		}
+		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, %s writes, none failed; lease resumed, nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("writes")), nil
+	})
 }
 
 // burstKills is how many times E9 kills the agent in the systemd guest
@@ -524,7 +594,11 @@ node:
 func (s *story) e9Systemd(ctx context.Context, sc string, root *lab.DebianRoot) (*e9Node, error) {
 	var g *lab.Guest
 	if err := s.step(sc, SystemGuest, "boot Debian 12 with the vco-agent package (its unit, socket, sandbox and syscall filter) under systemd", func() (string, error) {
-		sb, err := s.env.Lab.DebianImage(ctx, root, map[string]string{"/etc/vco-agent/config.yaml": systemGuestConfig})
+		deb, err := os.ReadFile(root.Deb)
+		if err != nil {
+			return "", err
+		}
+		sb, err := s.env.Lab.DebianImage(ctx, root, map[string]string{"/etc/vco-agent/config.yaml": systemGuestConfig, upgradeDeb: string(deb)})
 		if err != nil {
 			return "", err
 		}

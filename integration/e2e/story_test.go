@@ -165,7 +165,9 @@ func runOnly(t *testing.T, scenario string, opts ...func(*simlab.Options, *e2e.O
 	for _, f := range opts {
 		f(&so, &o)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	// E9 with its package upgrade takes about 10 minutes on a loaded
+	// machine (3 under none).
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	env, err := simlab.Start(ctx, so)
 	if err != nil {

@@ -245,3 +245,48 @@ func TestPackagedFilesMatchTheAgent(t *testing.T) {
 		}
 	}
 }
+
+// metrics.listen (loopback only, docs/events.md#metrics) must work under
+// the packaged unit as it is: the unit allows IPv4 and IPv6 sockets, and
+// its cgroup filter lets loopback through while denying every other
+// address. The agent's config must accept the documented address and
+// refuse a non-loopback one, so the filter is never the only guard.
+func TestUnitPermitsLoopbackMetrics(t *testing.T) {
+	svc := unitOptions(t, "vco-agent.service")
+	var families []string
+	for _, v := range svc["Service"]["RestrictAddressFamilies"] {
+		families = append(families, strings.Fields(v)...)
+	}
+	for _, f := range []string{"AF_INET", "AF_INET6", "AF_UNIX", "AF_NETLINK"} {
+		if !slices.Contains(families, f) {
+			t.Errorf("RestrictAddressFamilies=%v lacks %s: a metrics.listen on loopback would fail", families, f)
+		}
+	}
+	if slices.ContainsFunc(families, func(f string) bool { return strings.HasPrefix(f, "~") }) {
+		t.Errorf("RestrictAddressFamilies=%v is a deny list", families)
+	}
+	if got := svc["Service"]["IPAddressDeny"]; !slices.Equal(got, []string{"any"}) {
+		t.Errorf("IPAddressDeny=%v, want any", got)
+	}
+	var allow []string
+	for _, v := range svc["Service"]["IPAddressAllow"] {
+		allow = append(allow, strings.Fields(v)...)
+	}
+	if !slices.Equal(allow, []string{"localhost"}) {
+		t.Errorf("IPAddressAllow=%v, want localhost alone (127.0.0.0/8 and ::1)", allow)
+	}
+	dir := t.TempDir()
+	for addr, ok := range map[string]bool{"127.0.0.1:9465": true, "[::1]:9465": true, "0.0.0.0:9465": false, "10.0.0.5:9465": false} {
+		p := filepath.Join(dir, "config.yaml")
+		if err := os.WriteFile(p, []byte("metrics:\n  listen: \""+addr+"\"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		_, err := config.Load(p, true)
+		if ok && err != nil {
+			t.Errorf("the agent refuses metrics.listen %s: %v", addr, err)
+		}
+		if !ok && err == nil {
+			t.Errorf("the agent accepts metrics.listen %s, which the unit's filter alone would stop", addr)
+		}
+	}
+}

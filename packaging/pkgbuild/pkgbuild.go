@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -21,6 +20,8 @@ import (
 	"github.com/goreleaser/nfpm/v2"
 	_ "github.com/goreleaser/nfpm/v2/deb" // registers the deb packager
 	_ "github.com/goreleaser/nfpm/v2/rpm" // registers the rpm packager
+
+	"github.com/whitesky-cloud/vco-storage/internal/version"
 )
 
 // Formats are the package formats Build writes, in order.
@@ -138,6 +139,11 @@ func Build(o Options) ([]string, error) {
 		if err := writePackage(packager, info, path); err != nil {
 			return nil, fmt.Errorf("%s package %s: %w", format, path, err)
 		}
+		if format == "rpm" {
+			if err := relativePayload(path); err != nil {
+				return nil, fmt.Errorf("rpm package %s: making its payload's member names relative: %w", path, err)
+			}
+		}
 		out = append(out, path)
 	}
 	return out, nil
@@ -159,41 +165,9 @@ func writePackage(p nfpm.Packager, info *nfpm.Info, path string) error {
 	return os.Rename(f.Name(), path)
 }
 
-var (
-	describeTag = regexp.MustCompile(`^v?(\d+\.\d+\.\d+)(?:-((?:rc|alpha|beta)[.0-9]*))?(?:-(\d+)-g([0-9a-f]+))?(-dirty)?$`)
-	describeSHA = regexp.MustCompile(`^([0-9a-f]{4,40})(-dirty)?$`)
-)
-
-// PackageVersion turns `git describe --tags --always --dirty` output into
-// a version that sorts correctly for both dpkg and rpm: a tag v1.2.3 gives
-// 1.2.3, a pre-release tag sorts before its release (1.2.3~rc1), commits
-// after a tag sort after it (1.2.3+git4.abc1234), and an untagged tree is
-// 0.0.0+git.<sha>. A dirty tree gets ".dirty" so it is never mistaken for
-// a clean build.
-func PackageVersion(describe string) (string, error) {
-	d := strings.TrimSpace(describe)
-	if m := describeTag.FindStringSubmatch(d); m != nil {
-		v := m[1]
-		if m[2] != "" {
-			v += "~" + m[2]
-		}
-		if m[3] != "" {
-			v += "+git" + m[3] + "." + m[4]
-		}
-		if m[5] != "" {
-			v += ".dirty"
-		}
-		return v, nil
-	}
-	if m := describeSHA.FindStringSubmatch(d); m != nil {
-		v := "0.0.0+git." + m[1]
-		if m[2] != "" {
-			v += ".dirty"
-		}
-		return v, nil
-	}
-	return "", fmt.Errorf("version %q: want a git describe of a vX.Y.Z tag or a commit id", describe)
-}
+// PackageVersion is the package version of a `git describe` output
+// (version.Package; the image tag is version.ImageTag of the same).
+func PackageVersion(describe string) (string, error) { return version.Package(describe) }
 
 // gzipBytes compresses like `gzip -9n`: no name or time in the header, so
 // the packages are reproducible and lintian accepts the files.

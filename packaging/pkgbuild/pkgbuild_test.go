@@ -200,7 +200,7 @@ func TestBuild(t *testing.T) {
 	}
 
 	rpmList := strings.Fields(string(run(t, "rpm", "-qlp", paths[1])))
-	for _, f := range append(common, "/usr/share/licenses/vco-agent/copyright", "/etc/vco-agent") {
+	for _, f := range append(common, "/usr/share/licenses/vco-agent/copyright", "/etc/vco-agent", "/usr/lib/systemd/system-preset/50-vco-agent.preset") {
 		if !slices.Contains(rpmList, f) {
 			t.Errorf("rpm lacks %s; has %v", f, rpmList)
 		}
@@ -216,6 +216,40 @@ func TestBuild(t *testing.T) {
 	}
 	if got := strings.TrimSpace(string(run(t, "rpm", "-qp", "--qf", "%{ARCH} %{VERSION}-%{RELEASE}", paths[1]))); got != "aarch64 1.2.3-1" {
 		t.Errorf("rpm arch/version %q", got)
+	}
+	checkRelativePayload(t, paths[1], rpmList)
+}
+
+// checkRelativePayload: the RPM's payload names its members ./usr/...,
+// as rpmbuild does, so that `rpm2cpio x.rpm | cpio -idm` unpacks into the
+// current directory and never over this machine's root (issue 16, item
+// 12); its digests still verify, and what it unpacks is what rpm lists.
+func checkRelativePayload(t *testing.T, rpm string, rpmList []string) {
+	t.Helper()
+	names := strings.Fields(string(run(t, "sh", "-c", "rpm2cpio "+rpm+" | cpio -t --quiet")))
+	if len(names) == 0 {
+		t.Fatal("rpm2cpio | cpio -t lists nothing")
+	}
+	for _, n := range names {
+		if !strings.HasPrefix(n, "./") {
+			// Fatal: the plain cpio -idm below would write it into /.
+			t.Fatalf("payload member %q is not relative: rpm2cpio | cpio -id would write it outside the current directory", n)
+		}
+		if !slices.Contains(rpmList, strings.TrimPrefix(n, ".")) {
+			t.Errorf("payload member %s is not in the package's file list", n)
+		}
+	}
+	if out, err := exec.Command("rpm", "-Kv", "--nosignature", rpm).CombinedOutput(); err != nil || strings.Contains(string(out), "BAD") {
+		t.Errorf("rpm -K: %v\n%s", err, out)
+	}
+	dir := t.TempDir()
+	unpack := exec.Command("sh", "-c", "rpm2cpio "+rpm+" | cpio -idm --quiet")
+	unpack.Dir = dir
+	if out, err := unpack.CombinedOutput(); err != nil {
+		t.Fatalf("rpm2cpio | cpio -idm: %v\n%s", err, out)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "usr/bin/vco-agent")); err != nil || !strings.Contains(string(b), "stand-in") {
+		t.Errorf("the unpacked usr/bin/vco-agent: %q, %v", b, err)
 	}
 }
 
@@ -261,4 +295,55 @@ func listTar(t *testing.T, tarball []byte) []string {
 	}
 	sort.Strings(files)
 	return files
+}
+
+// On RHEL-family images the RPM's %post enables the units per the
+// systemd presets, whose default is "disable *": the package must ship a
+// preset that enables both units, as the .deb enables them (issue 20,
+// trap 4). The units are unpacked from a built RPM into a root, and
+// systemctl applies the presets there as %post does.
+func TestRPMPresetEnablesTheUnits(t *testing.T) {
+	root := repoRoot(t)
+	tmp := t.TempDir()
+	bin := filepath.Join(tmp, "bin")
+	gen := filepath.Join(tmp, "gen")
+	if err := os.MkdirAll(bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(bin, "vco-agent"), []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	when := time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
+	if err := Generate(gen, ManPage("1.2.3", when, nil), Changelog("1.2.3", "T <t@localhost>", "v1.2.3", when)); err != nil {
+		t.Fatal(err)
+	}
+	paths, err := Build(Options{
+		Root: root, Version: "1.2.3", Arch: "amd64", BinDir: bin, OutDir: filepath.Join(tmp, "out"), Generated: gen,
+		Maintainer: "T <t@localhost>", Homepage: "https://example.invalid", License: "Proprietary", MTime: when,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img := filepath.Join(tmp, "root")
+	if err := os.MkdirAll(img, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// A RHEL-family image's presets: everything not named is disabled.
+	writeFile(t, filepath.Join(img, "usr/lib/systemd/system-preset/99-default.preset"), "disable *\n")
+	for _, u := range []string{"multi-user.target", "sockets.target"} {
+		writeFile(t, filepath.Join(img, "usr/lib/systemd/system", u), "[Unit]\nDescription="+u+"\n")
+	}
+	unpack := exec.Command("sh", "-c", "rpm2cpio "+paths[1]+" | cpio -idm --no-absolute-filenames --quiet")
+	unpack.Dir = img
+	if out, err := unpack.CombinedOutput(); err != nil {
+		t.Fatalf("unpacking %s: %v\n%s", paths[1], err, out)
+	}
+	if out, err := exec.Command("systemctl", "--root="+img, "preset", "vco-agent.socket", "vco-agent.service").CombinedOutput(); err != nil {
+		t.Fatalf("systemctl preset: %v\n%s", err, out)
+	}
+	for _, link := range []string{"etc/systemd/system/multi-user.target.wants/vco-agent.service", "etc/systemd/system/sockets.target.wants/vco-agent.socket"} {
+		if _, err := os.Lstat(filepath.Join(img, link)); err != nil {
+			t.Errorf("after the RPM's presets are applied, %s is missing: the unit stays disabled", link)
+		}
+	}
 }

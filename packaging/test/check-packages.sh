@@ -30,14 +30,16 @@ rpm_x86_64=$(printf '%s\n' "${rpms[@]}" | grep '\.x86_64\.rpm$') || fail "no x86
 step "lintian: no errors or warnings beyond the package's overrides"
 lintian --fail-on error,warning --info "${debs[@]}"
 
+step "rpm payload: relative member names (./usr/...), as rpmbuild writes them"
+# rpmlint below unpacks each payload with a plain `cpio -id`: an absolute
+# name would land in this machine's /.
+for r in "${rpms[@]}"; do
+	bad=$(rpm2cpio "$r" | cpio -t --quiet | grep -v '^\./' || true)
+	[ -z "$bad" ] || fail "$(basename "$r"): payload members not under ./: $(echo $bad)"
+done
+
 step "rpmlint: no errors (filters in packaging/rpm/rpmlint.toml)"
-# nfpm writes the RPM payload with absolute names, and rpmlint unpacks it
-# with `cpio -id`: without --no-absolute-filenames the files would land in
-# this machine's /.
-mkdir "$WORK/cpio"
-printf '#!/bin/sh\nexec /usr/bin/cpio --no-absolute-filenames "$@"\n' >"$WORK/cpio/cpio"
-chmod +x "$WORK/cpio/cpio"
-(cd "$WORK" && PATH="$WORK/cpio:$PATH" rpmlint -c "$ROOT/packaging/rpm/rpmlint.toml" "${rpms[@]}")
+(cd "$WORK" && rpmlint -c "$ROOT/packaging/rpm/rpmlint.toml" "${rpms[@]}")
 
 step "systemd-analyze verify: both units, as installed by the package"
 unitroot=$WORK/unitroot
@@ -140,6 +142,19 @@ grep -q '^# Changed in the upgrade test package\.$' "$chroot_dir/etc/vco-agent/c
 	fail "after upgrade: the new default is not beside it as config.yaml.dpkg-dist"
 has /etc/systemd/system/multi-user.target.wants/vco-agent.service || fail "after upgrade: the service is no longer enabled"
 
+step "chroot: removal and purge refused while a volume is staged"
+claim=/var/lib/vco-agent/volumes/dm9sLTE.json
+mkdir -p "$chroot_dir/var/lib/vco-agent/volumes"
+echo '{"volume":"vol-1","phase":"staged","state":"held"}' >"$chroot_dir$claim"
+in_chroot dpkg -r vco-agent && fail "dpkg -r removed the package with a volume staged"
+in_chroot dpkg -P vco-agent && fail "dpkg -P purged the package with a volume staged"
+# dpkg records the purge as wanted; the package must still be installed.
+[ "$(in_chroot dpkg-query -W -f='${db:Status-Status} ${Version}' vco-agent)" = "installed 0.0.2-1" ] ||
+	fail "after a refused removal: status $(status)"
+has "$claim" || fail "after a refused removal: the claim record is gone"
+echo vco-agent install | in_chroot dpkg --set-selections
+rm "$chroot_dir$claim"
+
 step "chroot: remove keeps the configuration"
 in_chroot dpkg -r vco-agent
 [ "$(status)" = "deinstall ok config-files 0.0.2-1" ] || fail "after remove: status $(status)"
@@ -171,12 +186,19 @@ rpm --root "$rpmroot" -i --nodeps "$rpm_x86_64"
 rpm --root "$rpmroot" -q vco-agent >/dev/null || fail "rpm: vco-agent not installed"
 rpm --root "$rpmroot" -V --nodeps vco-agent || fail "rpm: installed files do not verify"
 for f in /usr/bin/vco-agent /usr/lib/systemd/system/vco-agent.service /etc/vco-agent/config.yaml \
-	/usr/share/licenses/vco-agent/copyright; do
+	/usr/share/licenses/vco-agent/copyright /usr/lib/systemd/system-preset/50-vco-agent.preset; do
 	[ -e "$rpmroot$f" ] || fail "rpm: $f missing after install"
 done
 rpm --root "$rpmroot" -qc vco-agent | grep -qx /etc/vco-agent/config.yaml || fail "rpm: config.yaml is not %config"
 chroot "$rpmroot" getent group vco-agent >/dev/null || fail "rpm: group vco-agent missing after install"
-rpm --root "$rpmroot" -e --nodeps vco-agent
+mkdir -p "$rpmroot/var/lib/vco-agent/volumes"
+echo '{"volume":"vol-1","phase":"staged","state":"held"}' >"$rpmroot$claim"
+rpm --root "$rpmroot" -e --nodeps vco-agent && fail "rpm: erased with a volume staged"
+rpm --root "$rpmroot" -q vco-agent >/dev/null || fail "rpm: a refused erase removed the package"
+VCO_AGENT_FORCE_REMOVE=1 rpm --root "$rpmroot" -e --nodeps vco-agent
+[ -e "$rpmroot$claim" ] || fail "rpm: a forced erase deleted the claim record of a staged volume"
+rpm --root "$rpmroot" -q vco-agent >/dev/null && fail "rpm: a forced erase left the package installed"
+rm -rf "$rpmroot/var/lib/vco-agent"
 left=$(cd "$rpmroot" && find . -xdev \( -name '*vco-agent*' -o -name '*VcoAgent*' \) -not -path './var/lib/rpm*' -print)
 [ -z "$left" ] || fail "rpm: after erase, left behind: $left"
 

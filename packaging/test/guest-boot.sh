@@ -81,12 +81,11 @@ if ! systemctl is-active --quiet vco-agent.service; then
 	journalctl -b -u vco-agent.service --no-pager -n 20 2>&1 | while IFS= read -r l; do say "journal: $l"; done
 fi
 if [ "$n" -eq 2 ]; then
-	# The packaged metrics drop-in, installed on the first boot, must let
-	# the sandboxed agent serve /metrics on loopback.
+	# metrics.listen, set on the first boot, must be served on loopback
+	# under the packaged unit as it is, with no drop-in.
 	say "metrics=$(bash -c 'exec 3<>/dev/tcp/127.0.0.1/9465 && printf "GET /metrics HTTP/1.0\r\n\r\n" >&3 && grep -c "^vco_agent_claims{state=.held.} " <&3' 2>&1)"
 fi
 if [ "$n" -eq 1 ]; then
-	install -D -m 0644 /usr/share/vco-agent/metrics.conf /etc/systemd/system/vco-agent.service.d/metrics.conf
 	printf 'metrics:\n  listen: 127.0.0.1:9465\n' >>/etc/vco-agent/config.yaml
 	say "rebooting"
 	systemctl reboot
@@ -144,7 +143,7 @@ for n in 1 2; do
 	[ -n "$(line config=1)" ] || fail "boot $n: cloud-init did not write the configuration"
 done
 [ -n "$(grep -a 'VCO-GUEST-CHECK boot=2 metrics=1' "$WORK/serial.log")" ] ||
-	fail "boot 2: with the packaged metrics drop-in the agent does not serve /metrics on loopback: $(grep -a 'VCO-GUEST-CHECK boot=2 metrics=' "$WORK/serial.log")"
+	fail "boot 2: under the packaged unit the agent does not serve /metrics on loopback: $(grep -a 'VCO-GUEST-CHECK boot=2 metrics=' "$WORK/serial.log")"
 [ -n "$(grep -a 'VCO-GUEST-CHECK boot=2 done' "$WORK/serial.log")" ] || fail "the second boot did not finish"
 
 step "guest boot OK"
