@@ -70,7 +70,7 @@ Wants=containerd.service
 ConditionPathExists=/etc/kubernetes/kubelet.kubeconfig
 
 [Service]
-ExecStart=/usr/local/bin/kubelet --config=/etc/kubernetes/kubelet.yaml --kubeconfig=/etc/kubernetes/kubelet.kubeconfig --node-ip=` + NodeIP + ` --v=1
+ExecStart=/usr/local/bin/kubelet --config=/etc/kubernetes/kubelet.yaml --kubeconfig=/etc/kubernetes/kubelet.kubeconfig --node-ip=` + NodeIP + ` --node-labels=cloud.whitesky/vco-agent=true --v=1
 Restart=always
 RestartSec=2s
 
