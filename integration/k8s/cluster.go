@@ -228,7 +228,9 @@ func (c *Cluster) serveImages(ctx context.Context, o Options) error {
 		return err
 	}
 	imgs[Image] = csiImg
-	if c.Registry, err = images.Serve(ctx, "127.0.0.1:0", imgs); err != nil {
+	// The registry lives as long as the cluster (Close stops it), not as
+	// long as the context Up was given.
+	if c.Registry, err = images.Serve(context.WithoutCancel(ctx), "127.0.0.1:0", imgs); err != nil {
 		return err
 	}
 	fmt.Fprintf(o.Log, "k8s: registry on %s serves %d images (vco-csi from %s)\n", c.Registry.Host, len(imgs), archive)
