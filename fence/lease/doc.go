@@ -26,7 +26,8 @@
 //	from 1 MiB    the volume's data
 //
 // A host finds its slot by its fence key (the slot already carrying the
-// key, else the first empty one in an order hashed from the key, else a
+// key, else the first empty one in an order hashed from the key, never an
+// empty FastSlot, which is kept for the fast first claim, else a
 // released or fenced one of another key: its host may be claiming it
 // again, and of two claims in one slot the later erases the earlier).
 // Otherwise it writes another host's slot only once that host is gone: a
@@ -109,6 +110,14 @@
 // write of this host has completed or failed, our slot is marked fenced
 // (past the read-only flag that stopped the I/O). The engine never
 // acquires again; a new stage request makes a new Engine.
+//
+// Fast first claim: AcquireFirst (the controller says no node was given
+// the disk before) on a lease area whose slots are all empty writes its
+// claim to FastSlot and holds the disk once the claim has landed within
+// FastClaimWithin of its read, without the settle wait: a host racing it
+// (a platform that attached the disk to another VM too) never writes an
+// empty FastSlot, and checks its own claim 2d >= 2 x MinIOTimeout after
+// writing it, when ours has landed (docs/fencing.md).
 //
 // Release: stop renewing, mark our slot released (a write that timed out
 // is tried again: no deadline runs against it). The next acquirer then

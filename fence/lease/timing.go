@@ -48,6 +48,21 @@ func (t Timing) Expiry() time.Duration {
 // a node that read before ours landed has landed too.
 func (t Timing) Settle() time.Duration { return 2 * t.IOTimeout }
 
+// MinIOTimeout is the shortest d an engine is configured with. The fast
+// first claim relies on it: it lands within FastClaimWithin of its read,
+// and a host racing it checks its own claim no sooner than 2d after
+// writing it, at least 2 x MinIOTimeout, less 1% for clock rates.
+const MinIOTimeout = 100 * time.Millisecond
+
+// FastClaimWithin bounds the time from the read of a blank lease area to
+// the completion of the fast first claim written after it (AcquireFirst);
+// a slower claim settles and is checked as any other.
+const FastClaimWithin = 150 * time.Millisecond
+
+// FastSlot is the slot a fast first claim writes. While it is empty no
+// other claim writes it.
+const FastSlot = 0
+
 func (t Timing) validate() error {
 	switch {
 	case t.IOTimeout <= 0 || t.Renew <= 0 || t.Fail <= 0 || t.Watchdog < 0:
