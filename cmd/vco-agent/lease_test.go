@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 )
 
@@ -114,6 +115,16 @@ func TestLeaseCommands(t *testing.T) {
 	}
 	if code, out, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB); code != 0 || !strings.Contains(out, "owner:      key "+keyA.String()+" (node node-a)") {
 		t.Fatalf("show text: %d %q", code, out)
+	} else {
+		// The bounds a taker meets, from the holder's timing (fastLease).
+		holder := lease.Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: 800 * time.Millisecond}
+		for _, want := range []string{"with the owner's timing d=100ms R=200ms F=800ms W=0s",
+			"Expiry + Settle = max(F+W+d, R+6d) + 2d = " + holder.Bounds().DeadTakeover.String(),
+			"max(2d, R) + d/2 = " + holder.Bounds().GrantLive.String()} {
+			if !strings.Contains(out, want) {
+				t.Fatalf("show text lacks %q:\n%s", want, out)
+			}
+		}
 	}
 
 	interrupt <- os.Interrupt

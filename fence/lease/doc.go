@@ -141,17 +141,19 @@
 // Every parameter is in Timing and written into the holder's slot, so a
 // taker waits for the holder's bound. Defaults (DefaultTiming):
 //
-//	d  IOTimeout   5s    bound on one lease read or write
-//	R  Renew      10s    renewal interval (2d)
-//	F  Fail       40s    self-fence after no successful renewal for F (8d)
-//	W  Watchdog   60s    host watchdog reset time after its last feed (agent/watchdog)
-//	Expiry  max(F+W+d, R+6d) = 105s   observation without change before takeover
-//	Settle  2d = 10s                  wait between writing a claim and checking it
+//	d  IOTimeout   2s    bound on one lease read or write
+//	R  Renew       4s    renewal interval (2d)
+//	F  Fail       20s    self-fence after no successful renewal for F (5R)
+//	W  Watchdog   30s    host watchdog reset time after its last feed (agent/watchdog)
+//	Expiry  max(F+W+d, R+6d) = 52s   observation without change before takeover
+//	Settle  2d = 4s                  wait between writing a claim and checking it
 //
-// Acquiring a free disk takes Settle plus two reads and a write; a held
-// one is refused within about R + d; an expired one is taken after Expiry
-// plus Settle (the benchmark in this package measures it against that
-// bound).
+// Acquiring a free disk takes Settle plus two reads and a write (a fast
+// first claim one read and a write); a held one is refused within about
+// R + d; an expired one is taken after Expiry plus Settle, 56s; a live
+// holder superseded by a grant has let go within max(2d, R) + d/2 plus its
+// drain (Timing.Bounds; the benchmarks in this package measure the
+// takeovers against these bounds).
 //
 // # Guarantees
 //

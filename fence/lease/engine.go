@@ -772,7 +772,11 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) 
 			e.log.Info("superseded holder's lease expired", "holder", vs.Key.String(), "bound", bound.String())
 			return nil
 		}
-		if err := sleep(ctx, min(vs.Timing.Renew, e.cfg.Timing.Renew)); err != nil {
+		// Polled faster than either renews: the holder lets go at its
+		// next renewal, and each poll after that is time the taker's
+		// volume waits for nothing.
+		poll := min(vs.Timing.Renew, e.cfg.Timing.GrantPoll())
+		if err := sleep(ctx, poll); err != nil {
 			return fmt.Errorf("%s: waiting for key %s to let go of the lease: %w", e.dev.name, vs.Key, err)
 		}
 		a2, err := e.read(ctx)
@@ -793,7 +797,11 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) 
 			lastRaw, changed = a2.Raw[victim], time.Now()
 		}
 		a = a2
-		// Keep our own slot fresh while we wait.
+		// Keep our own slot fresh while we wait, once a renewal interval
+		// (not at every poll).
+		if time.Since(e.lastOK)+poll < e.cfg.Timing.Renew {
+			continue
+		}
 		if err := e.renewLocked(ctx, a2); err != nil {
 			return err
 		}

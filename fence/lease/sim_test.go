@@ -1233,7 +1233,9 @@ func TestRacerWithShorterSettleLetsGoFirst(t *testing.T) {
 				return true
 			})
 		bWrites := 0
-		b := node(0x1000, DefaultTiming(), func(write bool) time.Duration {
+		// B's d (5 s) covers its 4.5 s claim write.
+		long := Timing{IOTimeout: 5 * time.Second, Renew: 10 * time.Second, Fail: 40 * time.Second, Watchdog: time.Minute}
+		b := node(0x1000, long, func(write bool) time.Duration {
 			if write {
 				bWrites++
 				if bWrites == 1 {
