@@ -46,17 +46,17 @@ func benchTakeoverExpired(b *testing.B) {
 		b.StartTimer()
 	}
 	mean := total / time.Duration(b.N)
-	bound := testTiming.Expiry() + testTiming.Settle()
+	bound := testTiming.Bounds().DeadTakeover
 	b.ReportMetric(float64(mean.Milliseconds()), "ms")
 	b.ReportMetric(float64(bound.Milliseconds()), "ref-ms")
 	b.ReportMetric(float64(mean)/float64(bound), "x-ref")
 }
 
 // BenchmarkTakeoverGrantedLive measures a granted takeover from a live
-// holder, which lets go at its next renewal; reference: one renewal
-// interval plus Settle.
+// holder, which lets go at its next renewal; reference: its bound,
+// max(2d, R) + d/2 (Timing.Bounds), the holder's drain being nothing here.
 func BenchmarkLeaseTakeoverGrantedLive(b *testing.B) {
-	b.Run("vs=renew+settle", benchTakeoverGrantedLive)
+	b.Run("vs=grant-live-bound", benchTakeoverGrantedLive)
 }
 
 func benchTakeoverGrantedLive(b *testing.B) {
@@ -84,7 +84,7 @@ func benchTakeoverGrantedLive(b *testing.B) {
 		b.StartTimer()
 	}
 	mean := total / time.Duration(b.N)
-	ref := testTiming.Renew + testTiming.Settle()
+	ref := testTiming.Bounds().GrantLive
 	b.ReportMetric(float64(mean.Milliseconds()), "ms")
 	b.ReportMetric(float64(ref.Milliseconds()), "ref-ms")
 	b.ReportMetric(float64(mean)/float64(ref), "x-ref")

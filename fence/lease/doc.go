@@ -149,11 +149,11 @@
 //	Settle  2d = 4s                  wait between writing a claim and checking it
 //
 // Acquiring a free disk takes Settle plus two reads and a write (a fast
-// first claim one read and a write); a held one is refused within about
-// R + d; an expired one is taken after Expiry plus Settle, 56s; a live
-// holder superseded by a grant has let go within max(2d, R) + d/2 plus its
-// drain (Timing.Bounds; the benchmarks in this package measure the
-// takeovers against these bounds).
+// first claim the reads and the write without the wait); a held one is
+// refused within about R + d; an expired one is taken after Expiry plus
+// Settle, 56s; a live holder superseded by a grant has let go within
+// max(2d, R) + d/2 plus its drain (Timing.Bounds; the benchmarks in this
+// package measure the takeovers against these bounds).
 //
 // # Guarantees
 //
