@@ -46,7 +46,7 @@ var titles = map[string]string{
 	"LeaseTakeoverExpired":     "lease takeover from a dead holder",
 	"LeaseTakeoverGrantedLive": "lease takeover with a grant, holder alive",
 	"LeaseCheck64Claims":       "lease check of 64 claims",
-	"LeaseIOBusyLoop":          "lease read+write on a busy loop device, largest of 400",
+	"LeaseIOBusyLoop":          "lease read+write on a busy loop device, the slowest",
 	"RefusalLatency":           "refusal of a held disk after its uevent",
 }
 

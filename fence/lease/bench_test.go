@@ -149,7 +149,7 @@ func benchCheck64(b *testing.B) {
 // writer keeps the volume's data area busy with 1 MiB O_DIRECT|O_DSYNC
 // writes (the volume in use). It reports the median, the 99th percentile
 // and the largest of 400 operations (each a read and a write), against
-// the default I/O timeout d.
+// the default I/O timeout d (400 operations per iteration).
 func BenchmarkLeaseIOBusyLoop(b *testing.B) {
 	b.Run("vs=default-io-timeout", benchIOBusyLoop)
 }
