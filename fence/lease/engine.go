@@ -325,10 +325,12 @@ func (e *Engine) acquireTries(ctx context.Context, grant *fence.Grant, first boo
 // holder: the disk is refused, as ever. The copies are then cleared and
 // the disk acquired as usual.
 //
-// On a lease area whose slots are all empty (a new disk, or a clone whose
-// copies were just cleared) the claim is the fast first claim: written to
-// FastSlot, it is held as soon as it has landed within FastClaimWithin of
-// the read it was based on, without the settle wait and second read. No
+// On a lease area whose slots are all empty from its first read (a new
+// disk; not a clone whose copies it cleared, which may have been claims
+// of hosts sharing the disk after all) the claim is the fast first claim:
+// written to FastSlot, it is held as soon as it has landed within
+// FastClaimWithin of the read it was based on, without the settle wait
+// and second read. No
 // other node was given the disk, so the only hosts that can race it are
 // VMs a faulty platform attached the disk to besides ours, acquiring
 // without the flag: none of them writes an empty FastSlot, and each checks
