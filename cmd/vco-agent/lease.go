@@ -297,6 +297,13 @@ func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device) int {
 	select {
 	case l := <-lost:
 		fmt.Fprintln(o.stderr, "vco-agent lease:", l)
+		// The engine marks the slot fenced after OnLost returns; a
+		// granted taker proceeds on that mark (docs/fencing.md), so it is
+		// waited for before the command exits.
+		select {
+		case <-e.LossHandled():
+		case <-time.After(4 * o.timing.IOTimeout):
+		}
 		return 3
 	case <-o.interrupt:
 	case <-hold:

@@ -97,6 +97,8 @@ type Engine struct {
 	// health is what Health returns, stored at each change of held,
 	// lastOK or lost, so that it is read without e.mu.
 	health atomic.Pointer[Health]
+	// handled is closed once a loss has been handled (LossHandled).
+	handled chan struct{}
 }
 
 // Health is the engine's state as a host watchdog's feeder needs it. It
@@ -172,7 +174,7 @@ func New(dev *Device, cfg Config) (*Engine, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Engine{dev: dev, cfg: cfg, slot: -1, erased: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+	return &Engine{dev: dev, cfg: cfg, slot: -1, erased: -1, mu: make(chanLock, 1), handled: make(chan struct{}), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
 }
 
 // Device returns the engine's device.
@@ -1076,6 +1078,7 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 	e.log.Error("lease lost", "reason", reason, "holder", holder.String())
 	if wasHeld && e.cfg.OnLost != nil {
 		go func() {
+			defer close(e.handled)
 			if e.cfg.OnLost(l) {
 				h := e.Health()
 				h.Drained = true
@@ -1085,9 +1088,18 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 				e.log.Warn("I/O to the disk could not be shown to have stopped; the slot is not marked fenced, so a taker waits for the expiry bound")
 			}
 		}()
+	} else {
+		close(e.handled)
 	}
 	return l
 }
+
+// LossHandled is closed once a loss has been handled: OnLost has returned
+// and, when it reported the I/O stopped, the slot has been marked fenced
+// (or that write failed). A process that exits on a loss waits for it
+// first: a granted taker proceeds on the mark, and without it waits for
+// the expiry bound.
+func (e *Engine) LossHandled() <-chan struct{} { return e.handled }
 
 // ackFenced marks our slot fenced after I/O was stopped and drained (the
 // OnLost contract), if the slot still holds our last write. Stopping I/O
