@@ -35,13 +35,22 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build unit test-fuzz-brief test-csi-sanity test-deploy \
+test: deps lint build unit test-bench-brief test-fuzz-brief test-csi-sanity test-deploy \
       test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
 unit:
 	$(GO) test -count=1 -p 1 -timeout 30m ./...
+
+# Every benchmark once (-benchtime 1x), so that none hangs or breaks
+# unseen between two `make bench` runs; the figures are not judged here.
+# The packages are those with a Benchmark function, one at a time (many
+# use loop devices). About 2 min.
+BENCH_PKGS = $(shell git ls-files '*_test.go' | xargs grep -l '^func Benchmark' | xargs -n1 dirname | sort -u | sed 's|^|./|')
+.PHONY: test-bench-brief
+test-bench-brief: build
+	VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -p 1 -timeout 20m -run '^$$' -bench . -benchtime 1x $(BENCH_PKGS)
 
 # The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
 # backend) and `vco-csi --mode=all`, the agent mounting real loop devices,

@@ -313,6 +313,8 @@ func (c *Config) Validate() error {
 	switch lt := c.Volumes.Lease; {
 	case lt.IOTimeout <= 0 || lt.Renew <= 0 || lt.Fail <= 0 || lt.Watchdog < 0:
 		errs = append(errs, fmt.Errorf("volumes.lease %s: io_timeout, renew and fail must be positive, watchdog 0 or more", lt.Timing()))
+	case lt.IOTimeout < lease.MinIOTimeout:
+		errs = append(errs, fmt.Errorf("volumes.lease %s: io_timeout must be at least %s (the lease's fast first claim relies on it, docs/fencing.md)", lt.Timing(), lease.MinIOTimeout))
 	case lt.Renew < lt.IOTimeout:
 		errs = append(errs, fmt.Errorf("volumes.lease %s: renew must not be shorter than io_timeout", lt.Timing()))
 	case lt.Fail < 2*lt.Renew:

@@ -184,6 +184,7 @@ func TestLeaseWithoutAWatchdogNeedsTheUnsafeSetting(t *testing.T) {
 		"volumes:\n  lease:\n    watchdog_device: \"\"\n":                        "volumes.lease.watchdog_device",
 		"volumes:\n  lease:\n    watchdog: 1500ms\n":                             "whole number of seconds",
 		"volumes:\n  lease:\n    watchdog: 500ms\n    watchdog_device: /dev/w\n": "at least 1s",
+		"volumes:\n  lease:\n    io_timeout: 50ms\n    renew: 1s\n":              "io_timeout must be at least 100ms",
 	}
 	for body, want := range bad {
 		_, err := Load(write(t, body), true)
@@ -195,7 +196,7 @@ func TestLeaseWithoutAWatchdogNeedsTheUnsafeSetting(t *testing.T) {
 	if err != nil || cfg.Volumes.Lease.Watchdog != 0 || cfg.Volumes.Lease.WatchdogDevice != "none-unsafe" {
 		t.Fatalf("the explicit unsafe setting: %+v %v", cfg.Volumes.Lease, err)
 	}
-	if d := Default().Volumes.Lease; d.WatchdogDevice != "auto" || d.Watchdog != time.Minute {
+	if d := Default().Volumes.Lease; d.WatchdogDevice != "auto" || d.Watchdog != 30*time.Second {
 		t.Fatalf("defaults: %+v", d)
 	}
 	if cfg, err := Load(write(t, "volumes:\n  lease:\n    watchdog_device: /dev/watchdog1\n"), true); err != nil || cfg.Volumes.Lease.WatchdogDevice != "/dev/watchdog1" {

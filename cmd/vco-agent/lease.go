@@ -311,6 +311,13 @@ func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device) int {
 	select {
 	case l := <-lost:
 		fmt.Fprintln(o.stderr, "vco-agent lease:", l)
+		// The engine marks the slot fenced after OnLost returns; a
+		// granted taker proceeds on that mark (docs/fencing.md), so it is
+		// waited for before the command exits.
+		select {
+		case <-e.LossHandled():
+		case <-time.After(4 * o.timing.IOTimeout):
+		}
 		return 3
 	case <-o.interrupt:
 	case <-hold:
@@ -337,9 +344,16 @@ func (o *leaseOptions) fail(err error) int {
 }
 
 func (o *leaseOptions) show(st lease.Status) int {
+	// The bounds another node's stage meets: the owner's timing (a taker
+	// waits for the holder's figures), else this node's.
+	tm, whose := o.timing, "this node's"
+	if st.Owner != nil {
+		tm, whose = st.Owner.Timing, "the owner's"
+	}
+	b := tm.Bounds()
 	if o.json {
 		f := fenceOutput{o: &fenceOptions{json: true}, stdout: o.stdout, stderr: o.stderr}
-		return f.writeJSON(map[string]any{"ok": true, "status": st}, 0)
+		return f.writeJSON(map[string]any{"ok": true, "status": st, "bounds_timing": tm, "bounds": b}, 0)
 	}
 	w := o.stdout
 	fmt.Fprintf(w, "device:     %s (lease volume %s; data at byte %d)\n", st.Device, st.VolumeID, lease.DataOffset)
@@ -349,6 +363,11 @@ func (o *leaseOptions) show(st lease.Status) int {
 	} else {
 		fmt.Fprintf(w, "owner:      key %s (node %s), epoch %d\n", st.Owner.Key, o.nodeName(st.Owner), st.Owner.Epoch)
 	}
+	fmt.Fprintf(w, "bounds:     with %s timing d=%s R=%s F=%s W=%s (docs/fencing.md):\n", whose, tm.IOTimeout, tm.Renew, tm.Fail, tm.Watchdog)
+	fmt.Fprintf(w, "            a live holder refuses another stage within R + d = %s\n", b.Refusal)
+	fmt.Fprintf(w, "            a dead, frozen or hung holder (host watchdog armed) is taken over after Expiry + Settle = max(F+W+d, R+6d) + 2d = %s\n", b.DeadTakeover)
+	fmt.Fprintf(w, "            a live holder superseded by a grant has let go within max(2d, R) + d/2 = %s plus its drain (R + 5d + d/2 = %s if every lease I/O takes d)\n",
+		b.GrantLive, b.GrantLiveSlowIO)
 	for _, s := range st.Slots {
 		if s.Corrupt {
 			fmt.Fprintf(w, "slot %2d:    unreadable (torn or foreign write)\n", s.Index)

@@ -2,7 +2,9 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,6 +14,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 )
 
@@ -114,6 +117,16 @@ func TestLeaseCommands(t *testing.T) {
 	}
 	if code, out, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB); code != 0 || !strings.Contains(out, "owner:      key "+keyA.String()+" (node node-a)") {
 		t.Fatalf("show text: %d %q", code, out)
+	} else {
+		// The bounds a taker meets, from the holder's timing (fastLease).
+		holder := lease.Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: 800 * time.Millisecond}
+		for _, want := range []string{"with the owner's timing d=100ms R=200ms F=800ms W=0s",
+			"Expiry + Settle = max(F+W+d, R+6d) + 2d = " + holder.Bounds().DeadTakeover.String(),
+			"max(2d, R) + d/2 = " + holder.Bounds().GrantLive.String()} {
+			if !strings.Contains(out, want) {
+				t.Fatalf("show text lacks %q:\n%s", want, out)
+			}
+		}
 	}
 
 	interrupt <- os.Interrupt
@@ -276,4 +289,63 @@ func heldByNodeA(t *testing.T) (img string) {
 	t.Cleanup(func() { stopA <- os.Interrupt; wg.Wait() })
 	<-claimed
 	return img
+}
+
+// A holder superseded by a grant marks its slot fenced before `lease
+// acquire` exits with 3: the taker proceeds on that mark, and a command
+// that exited before writing it left the taker waiting for the expiry
+// bound (seen in the lab: 56.5 s with the default timing).
+func TestLeaseHolderMarksItsSlotFencedBeforeExiting(t *testing.T) {
+	dev := leaseLoop(t, nil)
+	keyA, _ := fence.KeyFromUUID(cliUUIDA)
+	if code, out, errs := runLeaseCLI(t, nil, "format", dev, "--uuid", cliUUIDA); code != 0 {
+		t.Fatalf("format: %d %q %q", code, out, errs)
+	}
+	claimed := make(chan struct{})
+	doneA := make(chan int, 1)
+	var outA, errA bytes.Buffer
+	go func() {
+		doneA <- leaseMainWith(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &outA, &errA, make(chan os.Signal), leaseHooks{ready: func() { close(claimed) }})
+	}()
+	select {
+	case <-claimed:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("node A did not claim: %s %s", outA.String(), errA.String())
+	}
+	grant := `{"disk":"d1","node":"` + cliUUIDB + `","supersedes":["` + keyA.String() + `"]}`
+	doneB := make(chan string, 1)
+	go func() {
+		code, out, errs := runLeaseCLI(t, nil, "acquire", dev, "--uuid", cliUUIDB, "--disk", "d1", "--grant", grant, "--hold-for", "2s")
+		doneB <- fmt.Sprintf("%d %s %s", code, out, errs)
+	}()
+	select {
+	case code := <-doneA:
+		if code != 3 {
+			t.Fatalf("node A exited %d after the takeover, want 3: %s %s", code, outA.String(), errA.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("node A did not see the takeover")
+	}
+	// At once, as A exits: its slot says fenced.
+	d, err := lease.OpenDeviceReadOnly(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, _, err := lease.ReadStatus(context.Background(), d, keyA, time.Second)
+	d.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var a *lease.SlotInfo
+	for i := range st.Slots {
+		if st.Slots[i].Key == keyA {
+			a = &st.Slots[i]
+		}
+	}
+	if a == nil || a.State != lease.StateFenced {
+		t.Fatalf("A's slot when A exited: %+v, want fenced", a)
+	}
+	if r := <-doneB; !strings.HasPrefix(r, "0 ") || !strings.Contains(r, "took over") {
+		t.Fatalf("B's granted takeover: %s", r)
+	}
 }

@@ -46,6 +46,7 @@ var titles = map[string]string{
 	"LeaseTakeoverExpired":     "lease takeover from a dead holder",
 	"LeaseTakeoverGrantedLive": "lease takeover with a grant, holder alive",
 	"LeaseCheck64Claims":       "lease check of 64 claims",
+	"LeaseIOBusyLoop":          "lease read+write on a busy loop device, the slowest",
 	"RefusalLatency":           "refusal of a held disk after its uevent",
 }
 
@@ -61,6 +62,8 @@ var refTitles = map[string]string{
 	"cryptsetup-luksFormat":      "cryptsetup luksFormat",
 	"expiry+settle-bound":        "bound: lease expiry + settle time",
 	"renew+settle":               "one renewal interval + settle time",
+	"grant-live-bound":           "bound: max(2d, R) + d/2",
+	"default-io-timeout":         "the default lease I/O timeout d",
 	"raw-odirect-reads":          "64 raw O_DIRECT reads of the lease area",
 	"one-second-budget":          "the 1 s budget",
 	"bare-api":                   "the same API calls made bare",

@@ -26,7 +26,8 @@
 //	from 1 MiB    the volume's data
 //
 // A host finds its slot by its fence key (the slot already carrying the
-// key, else the first empty one in an order hashed from the key, else a
+// key, else the first empty one in an order hashed from the key, never an
+// empty FastSlot, which is kept for the fast first claim, else a
 // released or fenced one of another key: its host may be claiming it
 // again, and of two claims in one slot the later erases the earlier).
 // Otherwise it writes another host's slot only once that host is gone: a
@@ -110,6 +111,14 @@
 // (past the read-only flag that stopped the I/O). The engine never
 // acquires again; a new stage request makes a new Engine.
 //
+// Fast first claim: AcquireFirst (the controller says no node was given
+// the disk before) on a lease area whose slots are all empty writes its
+// claim to FastSlot and holds the disk once the claim has landed within
+// FastClaimWithin of its read, without the settle wait: a host racing it
+// (a platform that attached the disk to another VM too) never writes an
+// empty FastSlot, and checks its own claim 2d >= 2 x MinIOTimeout after
+// writing it, when ours has landed (docs/fencing.md).
+//
 // Release: stop renewing, mark our slot released (a write that timed out
 // is tried again: no deadline runs against it). The next acquirer then
 // needs only the 2d settle wait.
@@ -132,17 +141,19 @@
 // Every parameter is in Timing and written into the holder's slot, so a
 // taker waits for the holder's bound. Defaults (DefaultTiming):
 //
-//	d  IOTimeout   5s    bound on one lease read or write
-//	R  Renew      10s    renewal interval (2d)
-//	F  Fail       40s    self-fence after no successful renewal for F (8d)
-//	W  Watchdog   60s    host watchdog reset time after its last feed (agent/watchdog)
-//	Expiry  max(F+W+d, R+6d) = 105s   observation without change before takeover
-//	Settle  2d = 10s                  wait between writing a claim and checking it
+//	d  IOTimeout   2s    bound on one lease read or write
+//	R  Renew       4s    renewal interval (2d)
+//	F  Fail       20s    self-fence after no successful renewal for F (5R)
+//	W  Watchdog   30s    host watchdog reset time after its last feed (agent/watchdog)
+//	Expiry  max(F+W+d, R+6d) = 52s   observation without change before takeover
+//	Settle  2d = 4s                  wait between writing a claim and checking it
 //
-// Acquiring a free disk takes Settle plus two reads and a write; a held
-// one is refused within about R + d; an expired one is taken after Expiry
-// plus Settle (the benchmark in this package measures it against that
-// bound).
+// Acquiring a free disk takes Settle plus two reads and a write (a fast
+// first claim the reads and the write without the wait); a held one is
+// refused within about R + d; an expired one is taken after Expiry plus
+// Settle, 56s; a live holder superseded by a grant has let go within
+// max(2d, R) + d/2 plus its drain (Timing.Bounds; the benchmarks in this
+// package measure the takeovers against these bounds).
 //
 // # Guarantees
 //

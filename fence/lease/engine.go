@@ -97,6 +97,8 @@ type Engine struct {
 	// health is what Health returns, stored at each change of held,
 	// lastOK or lost, so that it is read without e.mu.
 	health atomic.Pointer[Health]
+	// handled is closed once a loss has been handled (LossHandled).
+	handled chan struct{}
 }
 
 // Health is the engine's state as a host watchdog's feeder needs it. It
@@ -145,6 +147,9 @@ type Stats struct {
 	Checks        uint64
 	LastRenewal   time.Time
 	AcquireWaited time.Duration
+	// FastClaims counts fast first claims (AcquireFirst on a blank lease
+	// area, held without the settle wait).
+	FastClaims uint64
 }
 
 var _ fence.Fencer = (*Engine)(nil)
@@ -160,11 +165,16 @@ func New(dev *Device, cfg Config) (*Engine, error) {
 	if err := cfg.Timing.validate(); err != nil {
 		return nil, err
 	}
+	if cfg.Timing.IOTimeout < MinIOTimeout {
+		// Not a rule of validate: a slot written by such a host still
+		// decodes, and is waited for as usual.
+		return nil, fmt.Errorf("lease timing %s: the I/O timeout must be at least %s", cfg.Timing, MinIOTimeout)
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Engine{dev: dev, cfg: cfg, slot: -1, erased: -1, mu: make(chanLock, 1), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
+	return &Engine{dev: dev, cfg: cfg, slot: -1, erased: -1, mu: make(chanLock, 1), handled: make(chan struct{}), log: log.With("device", dev.name, "key", cfg.Key.String())}, nil
 }
 
 // Device returns the engine's device.
@@ -274,6 +284,12 @@ var errRetry = errors.New("retry")
 func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	return e.acquireTries(ctx, grant, false)
+}
+
+// acquireTries is Acquire with e.mu held. first allows the fast first
+// claim (AcquireFirst).
+func (e *Engine) acquireTries(ctx context.Context, grant *fence.Grant, first bool) (fence.Claim, error) {
 	if e.lost != nil {
 		return fence.Claim{}, e.lost
 	}
@@ -287,7 +303,7 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 	}
 	start := time.Now()
 	for attempt := 0; ; attempt++ {
-		c, err := e.acquire(ctx, grant)
+		c, err := e.acquire(ctx, grant, first)
 		if errors.Is(err, errRetry) && attempt < 4 {
 			continue
 		}
@@ -310,29 +326,47 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 // live holder's renewal cannot outlast. A slot that changes is a live
 // holder: the disk is refused, as ever. The copies are then cleared and
 // the disk acquired as usual.
+//
+// On a lease area whose slots are all empty from its first read (a new
+// disk; not a clone whose copies it cleared, which may have been claims
+// of hosts sharing the disk after all) the claim is the fast first claim:
+// written to FastSlot, it is held as soon as it has landed within
+// FastClaimWithin of the read it was based on, without the settle wait
+// and second read. No
+// other node was given the disk, so the only hosts that can race it are
+// VMs a faulty platform attached the disk to besides ours, acquiring
+// without the flag: none of them writes an empty FastSlot, and each checks
+// its own claim after its settle wait, which our claim has landed before
+// (docs/fencing.md, "The never-published fast path"). A claim that took
+// longer settles and is checked as any other.
 func (e *Engine) AcquireFirst(ctx context.Context) (fence.Claim, error) {
 	e.mu.Lock()
+	defer e.mu.Unlock()
 	if e.lost != nil || e.held {
-		e.mu.Unlock()
-		return e.Acquire(ctx, nil)
+		return e.acquireTries(ctx, nil, false)
 	}
-	err := e.clearCopies(ctx)
-	e.mu.Unlock()
+	cleared, err := e.clearCopies(ctx)
+	if testHookFirstRead != nil {
+		testHookFirstRead(e)
+	}
 	if err != nil {
 		return fence.Claim{}, err
 	}
-	return e.Acquire(ctx, nil)
+	// Only a lease area that was blank from the start gets the fast
+	// claim: the copies cleared may have been claims of hosts that share
+	// the disk after all (docs/fencing.md).
+	return e.acquireTries(ctx, nil, !cleared)
 }
 
-// clearCopies is AcquireFirst's part before the acquisition. Called with
-// e.mu held.
-func (e *Engine) clearCopies(ctx context.Context) error {
+// clearCopies is AcquireFirst's part before the acquisition. It reports
+// whether it found held slots to clear. Called with e.mu held.
+func (e *Engine) clearCopies(ctx context.Context) (bool, error) {
 	if err := e.verify(ctx); err != nil {
-		return err
+		return false, err
 	}
 	a, err := e.read(ctx)
 	if err != nil {
-		return err
+		return false, err
 	}
 	ours := SlotSerial(e.cfg.Serial)
 	var copies, watch []int
@@ -349,23 +383,23 @@ func (e *Engine) clearCopies(ctx context.Context) error {
 		bound = max(bound, s.Timing.Renew+2*s.Timing.IOTimeout)
 	}
 	if len(copies) == 0 {
-		return nil
+		return false, nil
 	}
 	if len(watch) > 0 {
 		e.log.Info("the disk was given to no node before, yet carries held lease slots: watching them for a renewal",
 			"slots", fmt.Sprint(watch), "bound", bound.String())
 		if err := sleep(ctx, bound); err != nil {
-			return fmt.Errorf("%s: watching lease slots copied from another disk: %w", e.dev.name, err)
+			return true, fmt.Errorf("%s: watching lease slots copied from another disk: %w", e.dev.name, err)
 		}
 		a2, err := e.read(ctx)
 		if err != nil {
-			return err
+			return true, err
 		}
 		for _, i := range watch {
 			if !bytes.Equal(a2.Raw[i], a.Raw[i]) {
 				s := a2.Slots[i]
 				he := e.refusal(a2, s.Key, &s, nil)
-				return fmt.Errorf("%w (the controller says no node was given this disk before, yet this holder renews its lease on it)", he)
+				return true, fmt.Errorf("%w (the controller says no node was given this disk before, yet this holder renews its lease on it)", he)
 			}
 		}
 		for i := range a2.Slots {
@@ -374,7 +408,7 @@ func (e *Engine) clearCopies(ctx context.Context) error {
 				// acquisition sorts it out, with the copies left alone
 				// (and waited for).
 				e.log.Warn("the lease area changed while copied slots were watched; acquiring without clearing them", "slot", i)
-				return nil
+				return true, nil
 			}
 		}
 	}
@@ -382,25 +416,29 @@ func (e *Engine) clearCopies(ctx context.Context) error {
 	for _, i := range copies {
 		s := a.Slots[i]
 		if err := e.dev.writeSlot(ctx, i, zero, e.cfg.Timing.IOTimeout); err != nil {
-			return fmt.Errorf("%s: clearing lease slot %d copied from another disk: %w", e.dev.name, i, err)
+			return true, fmt.Errorf("%s: clearing lease slot %d copied from another disk: %w", e.dev.name, i, err)
 		}
 		e.log.Warn("cleared a lease slot copied from another disk", "slot", i, "key", s.Key.String(), "node", s.Node, "serial", s.Serial)
 	}
-	return nil
+	return true, nil
 }
 
 func (e *Engine) claim() fence.Claim {
 	return fence.Claim{Method: Method, Key: e.cfg.Key}
 }
 
-func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
+func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (fence.Claim, error) {
 	t := e.cfg.Timing
 	mine := e.cfg.Key
+	// A claim of ours still in flight, or a slot our late claim may have
+	// erased, is settled the usual way.
+	first = first && e.unconfirmed == nil && e.erased < 0
 	readAt := time.Now()
 	a, err := e.read(ctx)
 	if err != nil {
 		return fence.Claim{}, err
 	}
+	fast := first && a.blank()
 	if p := e.unconfirmed; p != nil {
 		if !bytes.Equal(a.Raw[p.idx], p.blk) {
 			e.unconfirmed = nil
@@ -483,7 +521,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			watch = append(watch, i)
 		}
 	}
-	reclaim := e.pickSlot(a, victim) < 0
+	reclaim := e.pickSlot(a, victim, false) < 0
 	if len(watch) > 0 {
 		a, readAt, err = e.awaitExpiry(ctx, a, watch, victim, grant)
 		if err != nil {
@@ -492,7 +530,7 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 		e.erased = -1
 	}
 
-	idx := e.pickSlot(a, victim)
+	idx := e.pickSlot(a, victim, fast)
 	if idx < 0 && reclaim {
 		idx = e.reclaimSlot(a, victim)
 	}
@@ -525,6 +563,20 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 			return fence.Claim{}, errRetry
 		}
 		return fence.Claim{}, err
+	}
+	if fast {
+		// The fast first claim (AcquireFirst): no settle wait, no second
+		// read, when it landed within FastClaimWithin of its read.
+		if el := time.Since(readAt); el <= min(FastClaimWithin, t.IOTimeout) {
+			e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
+			e.storeHealth()
+			e.stats.FastClaims++
+			e.startRenewer()
+			e.log.Info("lease acquired without the settle wait: a disk given to no node before, with a blank lease area", "slot", idx, "epoch", s.Epoch, "elapsed", el.String())
+			return e.claim(), nil
+		}
+		e.log.Info("first claim of a blank lease area took longer than the fast path allows; settling as usual",
+			"elapsed", time.Since(readAt).String(), "within", min(FastClaimWithin, t.IOTimeout).String())
 	}
 	// The race check below holds only if our write landed within d of
 	// the read it was based on.
@@ -724,7 +776,11 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) 
 			e.log.Info("superseded holder's lease expired", "holder", vs.Key.String(), "bound", bound.String())
 			return nil
 		}
-		if err := sleep(ctx, min(vs.Timing.Renew, e.cfg.Timing.Renew)); err != nil {
+		// Polled faster than either renews: the holder lets go at its
+		// next renewal, and each poll after that is time the taker's
+		// volume waits for nothing.
+		poll := min(vs.Timing.Renew, e.cfg.Timing.GrantPoll())
+		if err := sleep(ctx, poll); err != nil {
 			return fmt.Errorf("%s: waiting for key %s to let go of the lease: %w", e.dev.name, vs.Key, err)
 		}
 		a2, err := e.read(ctx)
@@ -745,7 +801,11 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) 
 			lastRaw, changed = a2.Raw[victim], time.Now()
 		}
 		a = a2
-		// Keep our own slot fresh while we wait.
+		// Keep our own slot fresh while we wait, once a renewal interval
+		// (not at every poll).
+		if time.Since(e.lastOK)+poll < e.cfg.Timing.Renew {
+			continue
+		}
 		if err := e.renewLocked(ctx, a2); err != nil {
 			return err
 		}
@@ -768,15 +828,24 @@ func (e *Engine) refusalFromLoss(a *Area, l *fence.LostError) error {
 // erases the earlier, which its writer may already hold. Held slots of
 // other hosts are reused only through reclaimSlot, after their expiry
 // bound.
-func (e *Engine) pickSlot(a *Area, victim int) int {
+//
+// An empty FastSlot is written only by a fast first claim (fast): a host
+// that did not see that claim in its read, and so may race it, never
+// picks the same slot, where the later of two claims would erase the
+// fast one unseen.
+func (e *Engine) pickSlot(a *Area, victim int, fast bool) int {
 	if i := a.Find(e.cfg.Key); i >= 0 {
 		return i
+	}
+	if fast {
+		return FastSlot
 	}
 	start := e.slotOrder()
 	for _, empty := range []bool{true, false} {
 		for j := range Slots {
 			i := (start + j) % Slots
-			if i == victim || a.Corrupt[i] || a.Slots[i].Live() || (empty && a.Slots[i].State != StateEmpty) {
+			if i == victim || a.Corrupt[i] || a.Slots[i].Live() || (empty && a.Slots[i].State != StateEmpty) ||
+				(i == FastSlot && a.Slots[i].State == StateEmpty) {
 				continue
 			}
 			return i
@@ -826,7 +895,7 @@ func (e *Engine) reclaimSlot(a *Area, victim int) int {
 	start := e.slotOrder()
 	for j := range Slots {
 		i := (start + j) % Slots
-		if i != victim && !a.Corrupt[i] && a.Slots[i].Key != e.cfg.Key {
+		if i != victim && !a.Corrupt[i] && a.Slots[i].Key != e.cfg.Key && !(i == FastSlot && a.Slots[i].State == StateEmpty) {
 			e.log.Warn("every lease slot is used; reclaiming the slot of a holder gone for its expiry bound", "slot", i,
 				"key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
 			return i
@@ -863,6 +932,10 @@ func (e *Engine) withdraw(ctx context.Context, idx int, s Slot, blk []byte) bool
 // testHookClaimWrite, when set by a test, runs just before a claim is
 // written to slot idx.
 var testHookClaimWrite func(e *Engine, idx int, blk []byte)
+
+// testHookFirstRead, when set by a test, runs when AcquireFirst has read
+// the lease area (and cleared any copies), before it claims.
+var testHookFirstRead func(e *Engine)
 
 func (e *Engine) refusal(a *Area, holder fence.Key, s *Slot, grant *fence.Grant) *fence.HeldError {
 	he := &fence.HeldError{Device: e.dev.name, Holder: holder, HolderNode: e.resolve(holder, s), Granted: grant != nil}
@@ -1005,6 +1078,7 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 	e.log.Error("lease lost", "reason", reason, "holder", holder.String())
 	if wasHeld && e.cfg.OnLost != nil {
 		go func() {
+			defer close(e.handled)
 			if e.cfg.OnLost(l) {
 				h := e.Health()
 				h.Drained = true
@@ -1014,9 +1088,18 @@ func (e *Engine) markLost(reason string, holder fence.Key, s *Slot) *fence.LostE
 				e.log.Warn("I/O to the disk could not be shown to have stopped; the slot is not marked fenced, so a taker waits for the expiry bound")
 			}
 		}()
+	} else {
+		close(e.handled)
 	}
 	return l
 }
+
+// LossHandled is closed once a loss has been handled: OnLost has returned
+// and, when it reported the I/O stopped, the slot has been marked fenced
+// (or that write failed). A process that exits on a loss waits for it
+// first: a granted taker proceeds on the mark, and without it waits for
+// the expiry bound.
+func (e *Engine) LossHandled() <-chan struct{} { return e.handled }
 
 // ackFenced marks our slot fenced after I/O was stopped and drained (the
 // OnLost contract), if the slot still holds our last write. Stopping I/O

@@ -2,6 +2,7 @@ package lease_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -249,6 +250,36 @@ func TestLeaseBetweenGuests(t *testing.T) {
 			t.Fatalf("L4 round %d: winners %v, want exactly one", round, won)
 		}
 		t.Logf("L4 round %d: %s won", round, won[0])
+	}
+
+	// L5: a granted takeover of a live holder, both on the default
+	// timing: B's acquire with a grant naming A returns once A has seen
+	// B's claim at its next renewal, stopped and marked its slot fenced,
+	// within Bounds().GrantLive (plus the guests' I/O and this test's
+	// half-second polling), under 10 s.
+	def := lease.DefaultTiming()
+	defArgs := []string{"--io-timeout", def.IOTimeout.String(), "--renew", def.Renew.String(),
+		"--fail", def.Fail.String(), "--watchdog", def.Watchdog.String()}
+	jobA, ok, code, out = a.hold(defArgs...)
+	if !ok {
+		t.Fatalf("L5: A acquire: %d %s", code, out)
+	}
+	grant := fmt.Sprintf(`{"disk":"shared","node":%q,"supersedes":[%q]}`, labUUIDB, keyA.String())
+	t0 = time.Now()
+	jobB, ok, code, out = b.hold(append(defArgs, "--disk", "shared", "--grant", grant)...)
+	took = time.Since(t0)
+	if !ok || !strings.Contains(out, "took over from key(s) ["+keyA.String()+"]") {
+		t.Fatalf("L5: B's granted takeover of the live A: %d %s", code, out)
+	}
+	if took >= 10*time.Second {
+		t.Fatalf("L5: B's granted takeover of the live A took %s; bound max(2d, R) + d/2 = %s, and under 10 s", took, def.Bounds().GrantLive)
+	}
+	t.Logf("L5: B took over the live A with a grant after %s (bound max(2d, R) + d/2 = %s)", took.Round(time.Millisecond), def.Bounds().GrantLive)
+	if code, out := a.wait(jobA); code != 3 || !strings.Contains(out, keyB.String()) {
+		t.Fatalf("L5: A after B's granted takeover: %d %s", code, out)
+	}
+	if code, out := b.stop(jobB); code != 0 {
+		t.Fatalf("L5: B's release: %d %s", code, out)
 	}
 
 	// Hot-plug: a disk A holds is plugged into B, whose watcher refuses

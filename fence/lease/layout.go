@@ -178,6 +178,17 @@ func (a *Area) ownerExcept(k fence.Key) int {
 	return o
 }
 
+// blank reports whether every slot is empty (all zeros): no host has
+// written a claim, a release or half a write.
+func (a *Area) blank() bool {
+	for i, s := range a.Slots {
+		if a.Corrupt[i] || s.State != StateEmpty {
+			return false
+		}
+	}
+	return true
+}
+
 // MaxEpoch is the highest epoch written in any slot.
 func (a *Area) MaxEpoch() uint64 {
 	var m uint64

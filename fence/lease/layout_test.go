@@ -157,7 +157,7 @@ func TestDecodeAreaMarksCorruptSlots(t *testing.T) {
 
 func TestTimingBounds(t *testing.T) {
 	d := DefaultTiming()
-	if d.Expiry() != 105*time.Second || d.Settle() != 10*time.Second {
+	if d.Expiry() != 52*time.Second || d.Settle() != 4*time.Second {
 		t.Fatalf("default expiry %s settle %s", d.Expiry(), d.Settle())
 	}
 	// Without a watchdog the delta lease's own delay can dominate.

@@ -27,6 +27,14 @@ package lease
 // starts with a source disk's held slots, which the first node given it
 // acquires with AcquireFirst before any other node is given it.
 //
+// One class of schedules (classFirst) is the never-published fast path
+// (docs/fencing.md): the node the controller first published the disk to
+// claims its blank lease area with AcquireFirst, holding it without the
+// settle wait, while a platform that attached the disk to other VMs as
+// well lets their nodes acquire it (without the flag, some with a grant
+// naming the first node) within milliseconds of that claim, some with the
+// shortest I/O timeout an engine accepts.
+//
 // Invariants, checked on every schedule:
 //   - no two keys may write at overlapping times: a host may write from the
 //     return of its Acquire until it releases, its loss is reported (plus a
@@ -68,7 +76,7 @@ var (
 	simSeeds = flag.Int("lease.seeds", 2000, "schedules TestLeaseSchedules runs (make soak runs more)")
 	simSeed  = flag.Int64("lease.seed", -1, "run only this schedule, with its trace")
 	simFrom  = flag.Int64("lease.from", 1, "first seed of TestLeaseSchedules")
-	simOnly  = flag.Int("lease.class", -1, "run only the seeds of this class (0 mixed, 1 slow, 2 churn, 3 takeover)")
+	simOnly  = flag.Int("lease.class", -1, "run only the seeds of this class (0 mixed, 1 slow, 2 churn, 3 takeover, 4 first)")
 	simPlain = flag.Bool("lease.plain", false, "run the schedules without the extra faults (hosts' own timings, clones, releases before acquiring)")
 )
 
@@ -88,12 +96,19 @@ const (
 	// classTakeover: a holder whose writes take a good part of d, and
 	// takers with grants naming it.
 	classTakeover
+	// classFirst: the never-published fast path. Host 0 claims a blank
+	// lease area with AcquireFirst; hosts on VMs the platform attached
+	// the disk to as well acquire it at the same moment without the flag.
+	classFirst
 	nClasses
 )
 
 func (c simClass) String() string {
-	return [...]string{"mixed", "slow", "churn", "takeover"}[c]
+	return [...]string{"mixed", "slow", "churn", "takeover", "first"}[c]
 }
+
+// classOf is the class a seed draws.
+func classOf(seed int64) simClass { return simClass(seed % int64(nClasses)) }
 
 // ioProfile is how a host's disk path behaves, as fractions of d.
 type ioProfile struct {
@@ -123,6 +138,10 @@ var (
 		{IOTimeout: 3 * time.Second, Renew: 3 * time.Second, Fail: 12 * time.Second, Watchdog: 20 * time.Second},
 		{IOTimeout: time.Second, Renew: 15 * time.Second, Fail: 30 * time.Second, Watchdog: 30 * time.Second},
 	}
+	// simMinTiming has the shortest I/O timeout an engine accepts: its
+	// settle wait is the shortest a racer of a fast first claim can have
+	// (2% above MinIOTimeout, which its clock, up to 1% fast, must keep).
+	simMinTiming = Timing{IOTimeout: 102 * time.Millisecond, Renew: 204 * time.Millisecond, Fail: 816 * time.Millisecond, Watchdog: time.Second}
 )
 
 // simAllTiming is every timing a schedule may give a host.
@@ -152,6 +171,22 @@ type sim struct {
 	serial    string
 	first     chan struct{}
 	firstOnce sync.Once
+
+	// fast counts fast first claims, and those taken while another
+	// host's acquisition was in flight.
+	fast, fastRaced int
+	// firstRead, when not nil, is closed once host 0's AcquireFirst has
+	// read the lease area (classFirst): the other hosts start after it.
+	firstRead     chan struct{}
+	firstReadOnce sync.Once
+}
+
+func init() {
+	testHookFirstRead = func(e *Engine) {
+		if f, ok := e.dev.f.(*simDevice); ok && f.s != nil && f.s.firstRead != nil {
+			f.s.firstReadOnce.Do(func() { close(f.s.firstRead) })
+		}
+	}
 }
 
 func (s *sim) firstDone() {
@@ -491,6 +526,11 @@ type simHost struct {
 	// rate is the host's clock rate (0 or 1: true time); timing is then
 	// its configuration, and its engine and watchdog run on its clock.
 	rate float64
+	// start, when set, is when the first life begins (else a random
+	// time within two renewal intervals); grantKey, when set, is the key
+	// a grant of the first life names (else the last holder's).
+	start    time.Duration
+	grantKey fence.Key
 }
 
 // clock is the host's timing measured in true time.
@@ -545,8 +585,19 @@ func (h *simHost) run(ctx context.Context) {
 			return
 		}
 	}
+	if !h.first && s.firstRead != nil {
+		select {
+		case <-s.firstRead:
+		case <-ctx.Done():
+			return
+		}
+	}
 	for life := 0; h.lives == 0 || life < h.lives; life++ {
-		time.Sleep(time.Duration(h.rng.Int64N(int64(2 * h.timing.Renew))))
+		wait := time.Duration(h.rng.Int64N(int64(2 * h.timing.Renew)))
+		if life == 0 && h.start > 0 {
+			wait = h.start
+		}
+		time.Sleep(wait)
 		if time.Now().After(s.end) || ctx.Err() != nil {
 			return
 		}
@@ -599,7 +650,12 @@ func (h *simHost) life(ctx context.Context, life int) {
 	first := h.first && life == 0
 	var grant *fence.Grant
 	if !first && h.rng.Float64() < h.grantP {
-		if k, ok := s.holder(); ok && k != h.key {
+		if life == 0 && h.grantKey != 0 {
+			// A publish after the first one: its grant names the first
+			// node, which may not hold the disk yet.
+			grant = &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{h.grantKey}}
+			w.granted = true
+		} else if k, ok := s.holder(); ok && k != h.key {
 			grant = &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{k}}
 			w.granted = true
 		}
@@ -644,6 +700,12 @@ func (h *simHost) life(ctx context.Context, life int) {
 	delete(s.acquiring, w)
 	w.start = time.Now()
 	s.windows = append(s.windows, w)
+	if first && e.Stats().FastClaims > 0 {
+		s.fast++
+		if len(s.acquiring) > 0 {
+			s.fastRaced++
+		}
+	}
 	s.mu.Unlock()
 	s.event(h.idx, "acquired", "life", life, "took", took.String(), "preempted", fmt.Sprint(c.Preempted), "already", c.Already)
 	if first {
@@ -840,10 +902,9 @@ func (s *sim) checkWindows() {
 	}
 }
 
-// newSim draws a schedule from its seed.
-func newSim(t *testing.T, seed int64, trace *syncBuffer, extras bool) (*sim, []*simHost) {
+// newSim draws a schedule of class from its seed.
+func newSim(t *testing.T, seed int64, class simClass, trace *syncBuffer, extras bool) (*sim, []*simHost) {
 	r := rand.New(rand.NewPCG(uint64(seed), 0x5eed))
-	class := simClass(seed % int64(nClasses))
 	s := &sim{t: t, seed: seed, class: class, trace: trace, acquiring: map[*window]bool{}}
 	s.log = slog.New(slog.NewTextHandler(trace, &slog.HandlerOptions{Level: slog.LevelInfo,
 		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
@@ -892,6 +953,42 @@ func newSim(t *testing.T, seed int64, trace *syncBuffer, extras bool) (*sim, []*
 			add(&simHost{timing: tm, prof: calmIO, grantP: 1, hold: 4 * tm.Renew, pauseP: 0.05})
 		}
 		span = 15 * time.Minute
+	case classFirst:
+		// Host 0 was given the disk first (the never-published flag);
+		// the others are VMs a faulty platform attached it to as well,
+		// whose nodes were published it later (some with a grant naming
+		// host 0) and acquire within a few milliseconds of host 0's
+		// claim, as the fast path's read and write take that long.
+		all := simAllTiming()
+		tm := all[r.IntN(len(all))]
+		k0 := s.freshKey(r)
+		base := time.Second
+		// Slow reads and writes of host 0 put racers' claims inside its
+		// fast claim's read-to-write window.
+		firstIO := []ioProfile{calmIO, calmIO, roughIO, draggyIO, laggyIO}
+		add(&simHost{timing: tm, key: k0, prof: firstIO[r.IntN(len(firstIO))], first: true, lives: 1 + r.IntN(3),
+			pauseP: 0.1, dieP: 0.05, hold: 4 * tm.Renew, start: base})
+		racerTiming := append(all, simMinTiming, simMinTiming, simMinTiming, simMinTiming, simMinTiming, simMinTiming)
+		profs := []ioProfile{calmIO, calmIO, roughIO, slowIO}
+		for range 1 + r.IntN(2) {
+			rt := racerTiming[r.IntN(len(racerTiming))]
+			// Each starts within a few ms of host 0's first read of the
+			// lease area (AcquireFirst), which it waits for: a claim
+			// that landed before that read would make the area look like
+			// a clone's, whose copies AcquireFirst clears on the
+			// controller's word alone (docs/fencing.md).
+			spread := float64(tm.IOTimeout) * []float64{0.002, 0.01, 0.05, 0.5}[r.IntN(4)]
+			off := time.Duration(1 + spread*r.Float64())
+			add(&simHost{timing: rt, prof: profs[r.IntN(len(profs))], grantP: 0.5, grantKey: k0, lives: 1 + r.IntN(2),
+				pauseP: 0.1, dieP: 0.05, hold: 4 * rt.Renew, start: off})
+		}
+		s.firstRead = make(chan struct{})
+		span = 3 * time.Minute
+	}
+	for _, h := range hosts {
+		if h.key != 0 && h.uuid == "" {
+			h.uuid = fmt.Sprintf("%08x-0000-4000-8000-%012x", h.idx, uint64(h.key)&(1<<48-1))
+		}
 	}
 	if extras {
 		// Drawn from their own stream, so a seed's schedule without
@@ -910,10 +1007,12 @@ func newSim(t *testing.T, seed int64, trace *syncBuffer, extras bool) (*sim, []*
 				h.rate = clockRate(h.x, h.timing, 0.01)
 			}
 		}
-		if (class == classMixed || class == classTakeover) && x.IntN(4) == 0 {
+		if (class == classMixed || class == classTakeover || class == classFirst) && x.IntN(4) == 0 {
 			// A clone of a disk in use: it starts with the source's held
 			// slots, whose writers never write here, and the first node
-			// given it acquires with AcquireFirst.
+			// given it acquires with AcquireFirst before any other node
+			// is given it (in classFirst too: clearing copies rests on
+			// the controller's word that no other VM has the disk).
 			s.serial, s.first, hosts[0].first = "sim-disk", make(chan struct{}), true
 			for range 1 + x.IntN(3) {
 				sl := Slot{Key: s.freshKey(x), Epoch: 1 + x.Uint64N(5), Counter: 1 + x.Uint64N(100), State: StateHeld,
@@ -947,14 +1046,13 @@ func (b *syncBuffer) String() string {
 	return b.b.String()
 }
 
-// runSchedule runs one seed and returns the broken invariants and the
-// trace.
-func runSchedule(t *testing.T, seed int64, extras bool) (failures []string, trace string, class simClass) {
+// runSchedule runs one seed of class and returns the broken invariants
+// and the trace.
+func runSchedule(t *testing.T, seed int64, class simClass, extras bool) (failures []string, trace string, s *sim) {
 	buf := &syncBuffer{}
-	var s *sim
 	synctest.Test(t, func(t *testing.T) {
 		var hosts []*simHost
-		s, hosts = newSim(t, seed, buf, extras)
+		s, hosts = newSim(t, seed, class, buf, extras)
 		s.event(-1, "schedule", "seed", seed, "class", s.class.String(), "hosts", len(hosts), "sector", s.disk.sector, "extras", extras, "clone", s.first != nil)
 		for _, h := range hosts {
 			s.event(h.idx, "host", "timing", h.timing.String(), "clock_rate", h.rate)
@@ -972,13 +1070,13 @@ func runSchedule(t *testing.T, seed int64, extras bool) (failures []string, trac
 		time.Sleep(simMaxExpiry())
 	})
 	s.checkWindows()
-	return s.failures, buf.String(), s.class
+	return s.failures, buf.String(), s
 }
 
 func TestLeaseSchedules(t *testing.T) {
 	if *simSeed >= 0 {
-		failures, trace, class := runSchedule(t, *simSeed, !*simPlain)
-		t.Logf("seed %d (%s):\n%s", *simSeed, class, trace)
+		failures, trace, s := runSchedule(t, *simSeed, classOf(*simSeed), !*simPlain)
+		t.Logf("seed %d (%s):\n%s", *simSeed, s.class, trace)
 		for _, f := range failures {
 			t.Error(f)
 		}
@@ -990,15 +1088,23 @@ func TestLeaseSchedules(t *testing.T) {
 	}
 	// The schedules are independent: two shards run side by side.
 	var mu sync.Mutex
-	broken := 0
+	broken, firsts, fast, fastRaced := 0, 0, 0, 0
 	for shard := range int64(2) {
 		t.Run(fmt.Sprintf("shard%d", shard), func(t *testing.T) {
 			t.Parallel()
 			for seed := *simFrom + shard; seed < *simFrom+int64(n); seed += 2 {
-				if *simOnly >= 0 && seed%int64(nClasses) != int64(*simOnly) {
+				class := classOf(seed)
+				if *simOnly >= 0 && class != simClass(*simOnly) {
 					continue
 				}
-				failures, trace, class := runSchedule(t, seed, !*simPlain)
+				failures, trace, s := runSchedule(t, seed, class, !*simPlain)
+				mu.Lock()
+				if class == classFirst {
+					firsts++
+				}
+				fast += s.fast
+				fastRaced += s.fastRaced
+				mu.Unlock()
 				if len(failures) == 0 {
 					continue
 				}
@@ -1015,7 +1121,16 @@ func TestLeaseSchedules(t *testing.T) {
 			}
 		})
 	}
-	t.Cleanup(func() { t.Logf("%d schedules from seed %d, %d broken", n, *simFrom, broken) })
+	t.Cleanup(func() {
+		t.Logf("%d schedules from seed %d, %d broken; %d fast first claims, %d of them while another host acquired",
+			n, *simFrom, broken, fast, fastRaced)
+		// The first class must exercise what it is for: fast claims, and
+		// some raced by another host's acquisition.
+		if firsts >= 100 && (fast < firsts/4 || fastRaced == 0) {
+			t.Errorf("%d schedules of class first made only %d fast first claims, %d of them raced: the class no longer tests the fast path",
+				firsts, fast, fastRaced)
+		}
+	})
 }
 
 func lastLines(s string, n int) string {
@@ -1030,23 +1145,24 @@ func lastLines(s string, n int) string {
 // as regression cases: each broke an invariant then, and must hold now.
 var simRegressions = []struct {
 	seed   int64
+	class  simClass // as drawn when the seed broke (seed % 4, before classFirst)
 	what   string
 	extras bool // the schedule has the extra faults (-lease.plain=false)
 }{
-	{1, "slow: a renewal write that timed out landed later, and the next renewal took the holder's own slot as changed by another host (its claim lost for good)", false},
-	{1051, "takeover: a torn read of the superseded holder's slot, in the middle of its renewal, was taken as its acknowledgement; both then wrote", false},
-	{519, "takeover: the same, on another schedule", false},
-	{66, "churn: sixteen dead holders' slots were never reused, so the disk could not be acquired again", false},
-	{308, "mixed: a new engine resumed its own record while the previous engine of the same node, which had lost the lease, marked the slot fenced; another node took the free disk and both wrote", false},
-	{288, "mixed, extras: a racer's renewal was read torn in the last read of a taker's expiry wait, so its claim was neither owner nor waited for and its epoch unseen; the taker claimed the same epoch, won the tie on its lower key, and both wrote", true},
-	{2392, "mixed, extras: the same kind of schedule, another seed", true},
+	{1, classSlow, "slow: a renewal write that timed out landed later, and the next renewal took the holder's own slot as changed by another host (its claim lost for good)", false},
+	{1051, classTakeover, "takeover: a torn read of the superseded holder's slot, in the middle of its renewal, was taken as its acknowledgement; both then wrote", false},
+	{519, classTakeover, "takeover: the same, on another schedule", false},
+	{66, classChurn, "churn: sixteen dead holders' slots were never reused, so the disk could not be acquired again", false},
+	{308, classMixed, "mixed: a new engine resumed its own record while the previous engine of the same node, which had lost the lease, marked the slot fenced; another node took the free disk and both wrote", false},
+	{288, classMixed, "mixed, extras: a racer's renewal was read torn in the last read of a taker's expiry wait, so its claim was neither owner nor waited for and its epoch unseen; the taker claimed the same epoch, won the tie on its lower key, and both wrote", true},
+	{2392, classMixed, "mixed, extras: the same kind of schedule, another seed", true},
 }
 
 func TestLeaseScheduleRegressions(t *testing.T) {
 	for _, r := range simRegressions {
-		failures, trace, class := runSchedule(t, r.seed, r.extras)
+		failures, trace, _ := runSchedule(t, r.seed, r.class, r.extras)
 		if len(failures) > 0 {
-			t.Errorf("seed %d (%s), once %s:\n  %s\ntrace (last 150 lines):\n%s", r.seed, class, r.what,
+			t.Errorf("seed %d (%s), once %s:\n  %s\ntrace (last 150 lines):\n%s", r.seed, r.class, r.what,
 				strings.Join(failures, "\n  "), lastLines(trace, 150))
 		}
 	}
@@ -1117,7 +1233,9 @@ func TestRacerWithShorterSettleLetsGoFirst(t *testing.T) {
 				return true
 			})
 		bWrites := 0
-		b := node(0x1000, DefaultTiming(), func(write bool) time.Duration {
+		// B's d (5 s) covers its 4.5 s claim write.
+		long := Timing{IOTimeout: 5 * time.Second, Renew: 10 * time.Second, Fail: 40 * time.Second, Watchdog: time.Minute}
+		b := node(0x1000, long, func(write bool) time.Duration {
 			if write {
 				bWrites++
 				if bWrites == 1 {

@@ -27,11 +27,15 @@ type Timing struct {
 	Watchdog time.Duration `json:"watchdog"`
 }
 
-// DefaultTiming follows sanlock's proportions (renewal every 2d, failure
-// after 8d) with d = 5s and a 60s host watchdog: an expired holder is
-// taken over after Expiry() = 105s.
+// DefaultTiming: d = 2s, R = 2d, F = 5R, W = 30s. d is far above what a
+// lease read and write take on a loaded disk (BenchmarkLeaseIOBusyLoop,
+// docs/fencing.md), so a slow disk costs a missed renewal, not the claim;
+// F lets a holder miss four renewals in a row (a stall of up to F - R)
+// before it fences itself; W gives the host watchdog's feeder room on a
+// busy host. A dead holder is taken over after Expiry + Settle = F + W + 3d
+// = 56s, a live one with a grant lets go at its next renewal (R).
 func DefaultTiming() Timing {
-	return Timing{IOTimeout: 5 * time.Second, Renew: 10 * time.Second, Fail: 40 * time.Second, Watchdog: 60 * time.Second}
+	return Timing{IOTimeout: 2 * time.Second, Renew: 4 * time.Second, Fail: 20 * time.Second, Watchdog: 30 * time.Second}
 }
 
 // Expiry is how long a taker observes a holder's slot unchanged before it
@@ -48,6 +52,21 @@ func (t Timing) Expiry() time.Duration {
 // a node that read before ours landed has landed too.
 func (t Timing) Settle() time.Duration { return 2 * t.IOTimeout }
 
+// MinIOTimeout is the shortest d an engine is configured with. The fast
+// first claim relies on it: it lands within FastClaimWithin of its read,
+// and a host racing it checks its own claim no sooner than 2d after
+// writing it, at least 2 x MinIOTimeout, less 1% for clock rates.
+const MinIOTimeout = 100 * time.Millisecond
+
+// FastClaimWithin bounds the time from the read of a blank lease area to
+// the completion of the fast first claim written after it (AcquireFirst);
+// a slower claim settles and is checked as any other.
+const FastClaimWithin = 150 * time.Millisecond
+
+// FastSlot is the slot a fast first claim writes. While it is empty no
+// other claim writes it.
+const FastSlot = 0
+
 func (t Timing) validate() error {
 	switch {
 	case t.IOTimeout <= 0 || t.Renew <= 0 || t.Fail <= 0 || t.Watchdog < 0:
@@ -61,6 +80,41 @@ func (t Timing) validate() error {
 	}
 	return nil
 }
+
+// Bounds are the lease's waits for a holder with this timing, each a
+// formula of its settings (docs/fencing.md gives the reasoning).
+type Bounds struct {
+	// Refusal: a stage finds a live holder and is refused within about
+	// R + d (the holder renews within R; one read).
+	Refusal time.Duration `json:"refusal"`
+	// DeadTakeover: a holder that died, froze or hung, with its host
+	// watchdog armed, is taken over after Expiry + Settle =
+	// max(F + W + d, R + 6d) + 2d, with or without a grant.
+	DeadTakeover time.Duration `json:"dead_takeover"`
+	// GrantLive: a live holder superseded by a grant, with lease I/O at
+	// its usual milliseconds, has let go (stopped and drained its I/O,
+	// marked its slot fenced) and the taker has seen it within
+	// max(Settle, R) + GrantPoll, plus the holder's drain.
+	GrantLive time.Duration `json:"grant_live"`
+	// GrantLiveSlowIO is the same when every lease I/O of both takes
+	// the full d: R + 5d + GrantPoll, plus the drain.
+	GrantLiveSlowIO time.Duration `json:"grant_live_slow_io"`
+}
+
+// Bounds returns the waits for a holder with timing t, acquired by a
+// host with the same timing.
+func (t Timing) Bounds() Bounds {
+	return Bounds{
+		Refusal:         t.Renew + t.IOTimeout,
+		DeadTakeover:    t.Expiry() + t.Settle(),
+		GrantLive:       max(t.Settle(), t.Renew) + t.GrantPoll(),
+		GrantLiveSlowIO: t.Renew + 5*t.IOTimeout + t.GrantPoll(),
+	}
+}
+
+// GrantPoll is how often a taker reads the lease while it waits for a
+// superseded holder to let go: d/2, at most R.
+func (t Timing) GrantPoll() time.Duration { return min(t.IOTimeout/2, t.Renew) }
 
 func (t Timing) String() string {
 	return fmt.Sprintf("{io %s, renew %s, fail %s, watchdog %s}", t.IOTimeout, t.Renew, t.Fail, t.Watchdog)
