@@ -78,7 +78,6 @@ func buildVcoCSI(t *testing.T) string {
 	return bin
 }
 
-
 // TestPartialKeyBackendKeepsPlainVolumes starts the node plugin as the
 // DaemonSet does, with a key-backend ConfigMap that is bad or partial. The
 // plugin must start and stage plain volumes; it must say what is wrong in

@@ -21,8 +21,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/health"
-	"github.com/whitesky-cloud/vco-storage/csi/registration"
 	"github.com/whitesky-cloud/vco-storage/csi/metrics"
+	"github.com/whitesky-cloud/vco-storage/csi/registration"
 )
 
 // runPlugin serves the CSI services of the chosen mode.

@@ -24,6 +24,10 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run> [flags]
           leave it running; prints the kubeconfig path
   status  the cluster's nodes and the add-on's pods
   down    stop the cluster and everything of the lab
+  prefetch
+          build what a cluster needs and caches (Kubernetes, the images, the
+          worker root) without starting one: make test starts it in the
+          background at its beginning; the tier waits for its locks
   run [-scenarios K1,K2,K4] [-report DIR]
           a cluster of its own, the scenarios, a report per safety
           property (DIR/k8s-report.txt and .html); nothing is left running
@@ -61,6 +65,8 @@ func k8sCmd(args []string) int {
 	case "status":
 		c, _ := flags("k8s status", args[1:], extra)
 		return k8sStatus(c)
+	case "prefetch":
+		return k8sPrefetch()
 	case "down":
 		c, _ := flags("k8s down", args[1:], extra)
 		return k8sDown(c)
@@ -231,4 +237,18 @@ func lastN(s string, n int) string {
 		l = l[len(l)-n:]
 	}
 	return strings.Join(l, "\n")
+}
+
+// k8sPrefetch builds the caches of a cluster. Each cache is built under
+// its own lock, so a cluster started meanwhile waits for it and then
+// finds it complete.
+func k8sPrefetch() int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	start := time.Now()
+	if err := k8s.Prefetch(ctx, lab.DefaultCacheDir(), os.Stderr); err != nil {
+		return fail("prefetch: %v", err)
+	}
+	fmt.Fprintf(os.Stderr, "vco-lab: the Kubernetes tier's caches are ready (%s)\n", time.Since(start).Round(time.Second))
+	return 0
 }

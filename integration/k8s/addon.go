@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
@@ -20,9 +21,26 @@ const (
 	NodeName       = "vco-csi-node"
 )
 
+// repoRoot is the source tree: this file's when it was compiled without
+// -trimpath (go test), else the nearest directory at or above the
+// working directory that holds integration/k8s/build (make runs vco-lab
+// from the repository's root).
 func repoRoot() string {
-	_, file, _, _ := runtime.Caller(0)
-	return filepath.Join(filepath.Dir(file), "..", "..")
+	if _, file, _, ok := runtime.Caller(0); ok && filepath.IsAbs(file) {
+		return filepath.Join(filepath.Dir(file), "..", "..")
+	}
+	dir, err := os.Getwd()
+	if err != nil {
+		return "."
+	}
+	for d := dir; ; d = filepath.Dir(d) {
+		if _, err := os.Stat(filepath.Join(d, "integration", "k8s", "build", "go.mod")); err == nil {
+			return d
+		}
+		if filepath.Dir(d) == d {
+			return dir
+		}
+	}
 }
 
 // InstallAddon does what seed 001 tells an operator: the Secret

@@ -38,10 +38,7 @@ var commands = []string{
 
 // buildDir is the module that pins the Kubernetes build (build/go.mod),
 // kept out of the product's go.mod.
-func buildDir() string {
-	_, file, _, _ := runtime.Caller(0)
-	return filepath.Join(filepath.Dir(file), "build")
-}
+func buildDir() string { return filepath.Join(repoRoot(), "integration", "k8s", "build") }
 
 // Build returns the cluster's binaries, building them into the cache
 // (cacheDir/k8s/<version>-<digest of the build module>) unless a build of

@@ -260,3 +260,23 @@ func portOf(hostport string) (int, error) {
 	}
 	return strconv.Atoi(p)
 }
+
+// Prefetch builds, or finds cached, what Up needs before it boots
+// anything: the Kubernetes binaries, the images (not vco-csi's) and, when
+// the Debian root is there, the worker root.
+func Prefetch(ctx context.Context, cacheDir string, log io.Writer) error {
+	if _, err := Build(ctx, cacheDir, log); err != nil {
+		return err
+	}
+	logf := func(f string, a ...any) { fmt.Fprintf(log, "k8s: images: "+f+"\n", a...) }
+	if _, err := images.Build(ctx, filepath.Join(cacheDir, "k8s-images"), logf); err != nil {
+		return err
+	}
+	base, err := lab.FindDebianRoot()
+	if err != nil {
+		fmt.Fprintf(log, "k8s: the worker root is made later: %v\n", err)
+		return nil
+	}
+	_, err = NodeRoot(ctx, base, log)
+	return err
+}
