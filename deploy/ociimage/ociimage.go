@@ -121,6 +121,25 @@ func buildOne(o Options, arch string, bin, ca []byte) (v1.Image, error) {
 	if err != nil {
 		return nil, err
 	}
+	return SingleLayer(rootfs, arch, o.Created, v1.Config{
+		User:       fmt.Sprintf("%d:%d", UID, GID),
+		Entrypoint: []string{BinaryPath},
+		WorkingDir: "/",
+		Env:        []string{"PATH=/usr/bin", "SSL_CERT_FILE=" + CABundlePath},
+		Labels: map[string]string{
+			"org.opencontainers.image.title":       "vco-csi",
+			"org.opencontainers.image.description": "whitesky.cloud CSI plugin (controller and unprivileged node plugin)",
+			"org.opencontainers.image.version":     o.Version,
+			"org.opencontainers.image.source":      o.Source,
+			"org.opencontainers.image.created":     o.Created.UTC().Format(time.RFC3339),
+		},
+	}, v1.History{CreatedBy: "vco-addon image", Comment: "vco-csi static binary, nonroot user, CA bundle"})
+}
+
+// SingleLayer is a linux/arch OCI image (OCI media types) whose one layer
+// is the tar archive rootfs, with config cfg, created at created, and one
+// history entry h (its time set to created).
+func SingleLayer(rootfs []byte, arch string, created time.Time, cfg v1.Config, h v1.History) (v1.Image, error) {
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(rootfs)), nil
 	}, tarball.WithMediaType(types.OCILayer))
@@ -137,23 +156,11 @@ func buildOne(o Options, arch string, bin, ca []byte) (v1.Image, error) {
 		return nil, err
 	}
 	cf = cf.DeepCopy()
-	cf.OS = "linux"
-	cf.Architecture = arch
-	cf.Created = v1.Time{Time: o.Created}
-	cf.Config = v1.Config{
-		User:       fmt.Sprintf("%d:%d", UID, GID),
-		Entrypoint: []string{BinaryPath},
-		WorkingDir: "/",
-		Env:        []string{"PATH=/usr/bin", "SSL_CERT_FILE=" + CABundlePath},
-		Labels: map[string]string{
-			"org.opencontainers.image.title":       "vco-csi",
-			"org.opencontainers.image.description": "whitesky.cloud CSI plugin (controller and unprivileged node plugin)",
-			"org.opencontainers.image.version":     o.Version,
-			"org.opencontainers.image.source":      o.Source,
-			"org.opencontainers.image.created":     o.Created.UTC().Format(time.RFC3339),
-		},
-	}
-	cf.History = []v1.History{{Created: v1.Time{Time: o.Created}, CreatedBy: "vco-addon image", Comment: "vco-csi static binary, nonroot user, CA bundle"}}
+	cf.OS, cf.Architecture = "linux", arch
+	cf.Created = v1.Time{Time: created}
+	cf.Config = cfg
+	h.Created = v1.Time{Time: created}
+	cf.History = []v1.History{h}
 	return mutate.ConfigFile(img, cf)
 }
 

@@ -5,17 +5,12 @@ import (
 	"bytes"
 	"debug/elf"
 	"fmt"
-	"io"
 	"path"
 	"sort"
 	"strings"
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
-	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/whitesky-cloud/vco-storage/deploy/ociimage"
 )
@@ -105,33 +100,13 @@ func image(r rootfs, c v1.Config, comment string) (v1.Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
-		return io.NopCloser(bytes.NewReader(data)), nil
-	}, tarball.WithMediaType(types.OCILayer))
-	if err != nil {
-		return nil, err
-	}
-	img := mutate.MediaType(empty.Image, types.OCIManifestSchema1)
-	img = mutate.ConfigMediaType(img, types.OCIConfigJSON)
-	if img, err = mutate.AppendLayers(img, layer); err != nil {
-		return nil, err
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return nil, err
-	}
-	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Created = v1.Time{Time: epoch}
 	if c.WorkingDir == "" {
 		c.WorkingDir = "/"
 	}
 	if len(c.Env) == 0 {
 		c.Env = []string{"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}
 	}
-	cf.Config = c
-	cf.History = []v1.History{{Created: v1.Time{Time: epoch}, CreatedBy: "integration/k8s/images", Comment: comment}}
-	return mutate.ConfigFile(img, cf)
+	return ociimage.SingleLayer(data, "amd64", epoch, c, v1.History{CreatedBy: "integration/k8s/images", Comment: comment})
 }
 
 // staticAMD64 refuses a binary the image could not run: not x86-64 ELF,
