@@ -118,47 +118,21 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 }
 
 // k8sUp starts `vco-lab k8s serve` in a session of its own and waits
-// until it has written k8s.json (or died).
+// until it has written k8s.json (or died). The first run builds
+// Kubernetes and the images: the wait is long.
 func k8sUp(c *common, kind string) int {
-	if _, err := lab.Down(c.dir); err != nil {
-		return fail("cleaning up an earlier lab in %s: %v", c.dir, err)
+	b, code := startDetached(c, "the cluster", k8sInfoPath(c.dir), "k8s-serve.log", 90*time.Minute,
+		"k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind)
+	if code != 0 {
+		return code
 	}
-	_ = os.Remove(k8sInfoPath(c.dir))
-	if err := os.MkdirAll(c.dir, 0o755); err != nil {
-		return fail("%v", err)
+	var info k8sInfo
+	if err := json.Unmarshal(b, &info); err != nil {
+		return fail("%s: %v", k8sInfoPath(c.dir), err)
 	}
-	logPath := filepath.Join(c.dir, "k8s-serve.log")
-	logf, err := os.Create(logPath)
-	if err != nil {
-		return fail("%v", err)
-	}
-	defer logf.Close()
-	self, _ := os.Executable()
-	cmd := exec.Command(self, "k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
-		return fail("starting the cluster: %v", err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	fmt.Fprintf(os.Stderr, "vco-lab: starting the cluster (progress in %s)\n", logPath)
-	for {
-		select {
-		case err := <-exited:
-			b, _ := os.ReadFile(logPath)
-			return fail("the cluster did not come up (%v):\n%s", err, lastN(string(b), 30))
-		case <-time.After(2 * time.Second):
-		}
-		if b, err := os.ReadFile(k8sInfoPath(c.dir)); err == nil {
-			var info k8sInfo
-			if json.Unmarshal(b, &info) == nil {
-				fmt.Printf("cluster up; kubeconfig: %s\n  %s --kubeconfig %s get nodes\nstop it with: vco-lab k8s down -dir %s\n",
-					info.Kubeconfig, info.Kubectl, info.Kubeconfig, c.dir)
-				return 0
-			}
-		}
-	}
+	fmt.Printf("cluster up; kubeconfig: %s\n  %s --kubeconfig %s get nodes\nstop it with: vco-lab k8s down -dir %s\n",
+		info.Kubeconfig, info.Kubectl, info.Kubeconfig, c.dir)
+	return 0
 }
 
 // k8sServe runs the cluster in this process until SIGTERM.

@@ -35,45 +35,60 @@ func simInfoPath(dir string) string { return filepath.Join(dir, "sim.json") }
 // upSim starts `vco-lab sim-serve` in a session of its own and waits until
 // it has written sim.json (or died).
 func upSim(c *common, guests int, kind string) int {
+	b, code := startDetached(c, "the simulator", simInfoPath(c.dir), "sim-serve.log", 10*time.Minute,
+		"sim-serve", "-dir", c.dir, "-bin", c.bin, "-guests", strconv.Itoa(guests), "-kind", kind)
+	if code != 0 {
+		return code
+	}
+	var si simInfo
+	if err := json.Unmarshal(b, &si); err != nil {
+		return fail("%s: %v", simInfoPath(c.dir), err)
+	}
+	printSimInfo(c.dir, &si)
+	fmt.Println("run 'vco-lab exec NODE -- CMD' in a guest, e.g. 'vco-lab exec node-a -- /bin/vco-agent events',")
+	fmt.Println("or 'vco-lab exec node-a -- /bin/vco-lab csi-call NodeGetInfo {}'; 'vco-lab down' stops it all")
+	return 0
+}
+
+// startDetached cleans up an earlier lab in c.dir, starts this binary
+// with args in a session of its own (its output in c.dir/logName), and
+// waits until it has written the JSON file info, which it returns; it
+// fails when the process dies first or limit passes.
+func startDetached(c *common, what, info, logName string, limit time.Duration, args ...string) ([]byte, int) {
 	if _, err := lab.Down(c.dir); err != nil {
-		return fail("cleaning up an earlier lab in %s: %v", c.dir, err)
+		return nil, fail("cleaning up an earlier lab in %s: %v", c.dir, err)
 	}
-	_ = os.Remove(simInfoPath(c.dir))
+	_ = os.Remove(info)
 	if err := os.MkdirAll(c.dir, 0o755); err != nil {
-		return fail("%v", err)
+		return nil, fail("%v", err)
 	}
-	logPath := filepath.Join(c.dir, "sim-serve.log")
+	logPath := filepath.Join(c.dir, logName)
 	logf, err := os.Create(logPath)
 	if err != nil {
-		return fail("%v", err)
+		return nil, fail("%v", err)
 	}
 	defer logf.Close()
 	self, _ := os.Executable()
-	cmd := exec.Command(self, "sim-serve", "-dir", c.dir, "-bin", c.bin, "-guests", strconv.Itoa(guests), "-kind", kind)
+	cmd := exec.Command(self, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
-		return fail("starting the simulator: %v", err)
+		return nil, fail("starting %s: %v", what, err)
 	}
+	fmt.Fprintf(os.Stderr, "vco-lab: starting %s (progress in %s)\n", what, logPath)
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
-	deadline := time.After(10 * time.Minute)
+	deadline := time.After(limit)
 	for {
-		if b, err := os.ReadFile(simInfoPath(c.dir)); err == nil {
-			var si simInfo
-			if json.Unmarshal(b, &si) == nil {
-				printSimInfo(c.dir, &si)
-				fmt.Println("run 'vco-lab exec NODE -- CMD' in a guest, e.g. 'vco-lab exec node-a -- /bin/vco-agent events',")
-				fmt.Println("or 'vco-lab exec node-a -- /bin/vco-lab csi-call NodeGetInfo {}'; 'vco-lab down' stops it all")
-				return 0
-			}
+		if b, err := os.ReadFile(info); err == nil && json.Valid(b) {
+			return b, 0
 		}
 		select {
 		case err := <-exited:
 			b, _ := os.ReadFile(logPath)
-			return fail("the simulator exited while starting (%v):\n%s", err, b)
+			return nil, fail("%s exited while starting (%v):\n%s", what, err, lastN(string(b), 40))
 		case <-deadline:
-			return fail("the simulator did not come up within 10 minutes; see %s", logPath)
+			return nil, fail("%s did not come up within %s; see %s", what, limit, logPath)
 		case <-time.After(500 * time.Millisecond):
 		}
 	}
