@@ -205,14 +205,6 @@ func k8sDown(c *common) int {
 	return 0
 }
 
-func lastN(s string, n int) string {
-	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	if len(l) > n {
-		l = l[len(l)-n:]
-	}
-	return strings.Join(l, "\n")
-}
-
 // k8sPrefetch builds the caches of a cluster. Each cache is built under
 // its own lock, so a cluster started meanwhile waits for it and then
 // finds it complete.

@@ -86,7 +86,7 @@ func startDetached(c *common, what, info, logName string, limit time.Duration, a
 		select {
 		case err := <-exited:
 			b, _ := os.ReadFile(logPath)
-			return nil, fail("%s exited while starting (%v):\n%s", what, err, lastN(string(b), 40))
+			return nil, fail("%s exited while starting (%v):\n%s", what, err, lab.LastLines(string(b), 40))
 		case <-deadline:
 			return nil, fail("%s did not come up within %s; see %s", what, limit, logPath)
 		case <-time.After(500 * time.Millisecond):

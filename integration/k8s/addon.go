@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
 
@@ -113,13 +114,5 @@ func (c *Cluster) Nodes(ctx context.Context) ([]string, error) {
 func (c *Cluster) podsState(ctx context.Context, err error) error {
 	pods, _ := c.Kubectl(ctx, "-n", AddonNamespace, "get", "pods", "-o", "wide")
 	ev, _ := c.Kubectl(ctx, "-n", AddonNamespace, "get", "events", "--sort-by=.lastTimestamp")
-	return fmt.Errorf("%w\npods:\n%s\nevents:\n%s", err, pods, lastLines(ev, 25))
-}
-
-func lastLines(s string, n int) string {
-	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
-	if len(l) > n {
-		l = l[len(l)-n:]
-	}
-	return strings.Join(l, "\n")
+	return fmt.Errorf("%w\npods:\n%s\nevents:\n%s", err, pods, lab.LastLines(ev, 25))
 }

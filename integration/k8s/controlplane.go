@@ -6,7 +6,6 @@ import (
 	"crypto/x509"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -26,15 +25,6 @@ type controlPlane struct {
 	apiPort int
 	// Kubeconfig is the administrator's, for kubectl on the host.
 	Kubeconfig string
-}
-
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
 // startControlPlane writes the certificates and starts the four servers,
@@ -70,7 +60,7 @@ func startControlPlane(ctx context.Context, l *lab.Lab, bins *Binaries, dir stri
 	}
 	var ports [3]int
 	for i := range ports {
-		if ports[i], err = freePort(); err != nil {
+		if ports[i], err = lab.FreePort(); err != nil {
 			return nil, err
 		}
 	}

@@ -61,7 +61,7 @@ func NodeRoot(ctx context.Context, base *lab.DebianRoot, log io.Writer) (*lab.De
 		cmd := exec.CommandContext(ctx, name, args...)
 		cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C", "DEBIAN_FRONTEND=noninteractive"}
 		if b, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("%s %s: %w\n%s", name, strings.Join(args, " "), err, tail(b, 30))
+			return fmt.Errorf("%s %s: %w\n%s", name, strings.Join(args, " "), err, lab.LastLines(string(b), 30))
 		}
 		return nil
 	}
@@ -101,12 +101,4 @@ umount %[1]s/proc`, root, strings.Join(NodePackages, " "))
 	}
 	fmt.Fprintf(log, "k8s: worker root %s made in %s\n", out, time.Since(start).Round(time.Second))
 	return &lab.DebianRoot{Tar: out, Deb: base.Deb}, nil
-}
-
-func tail(b []byte, n int) string {
-	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }

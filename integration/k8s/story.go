@@ -192,7 +192,7 @@ func (s *story) waitPods(ctx context.Context, selector string, limit time.Durati
 	})
 	if err != nil {
 		ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--sort-by=.lastTimestamp")
-		return ps, fmt.Errorf("%w\nevents:\n%s", err, lastLines(ev, 20))
+		return ps, fmt.Errorf("%w\nevents:\n%s", err, lab.LastLines(ev, 20))
 	}
 	return ps, nil
 }
@@ -329,10 +329,11 @@ spec:
 		if err != nil {
 			return "", err
 		}
-		if data != "written-on-"+p.Node {
+		held := data == "written-on-"+p.Node
+		s.check(e2e.P5, sc, held, "K1: a new volume was formatted once and holds what the pod wrote (%q)", data)
+		if !held {
 			return "", fmt.Errorf("the pod's volume holds %q", data)
 		}
-		s.check(e2e.P5, sc, true, "K1: a new volume was formatted once and holds what the pod wrote (%q)", data)
 		return fmt.Sprintf("PV %s requires %s; CSINode %s lists %s; node label %s", pv, want, p.Node, prov, label), nil
 	})
 }
@@ -479,7 +480,7 @@ spec:
 	to := s.other(before.Node)
 	if err := s.step(sc, before.Node, "kubectl drain", func() (string, error) {
 		out, err := s.c.Kubectl(ctx, "drain", before.Node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=5m")
-		return lastLines(out, 3), err
+		return lab.LastLines(out, 3), err
 	}); err != nil {
 		return err
 	}

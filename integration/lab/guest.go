@@ -329,7 +329,12 @@ func (g *Guest) MustSh(ctx context.Context, script string) (string, error) {
 // ConsoleTail returns the end of the guest's console log (diagnostics).
 func (g *Guest) ConsoleTail(n int) string {
 	b, _ := os.ReadFile(g.Console)
-	lines := strings.Split(string(b), "\n")
+	return LastLines(string(b), n)
+}
+
+// LastLines is the last n lines of s, for error texts that quote a log.
+func LastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {
 		lines = lines[len(lines)-n:]
 	}

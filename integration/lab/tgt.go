@@ -39,8 +39,8 @@ type LUN struct {
 	Portal string // 127.0.0.1:PORT
 }
 
-// freePort returns a TCP port on 127.0.0.1 that nothing listens on now.
-func freePort() (int, error) {
+// FreePort returns a TCP port on 127.0.0.1 that nothing listens on now.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
@@ -85,7 +85,7 @@ func startTarget(ctx context.Context, dir string, spawn spawner) (*Target, error
 		if !ctlPortFree(ctl) {
 			continue
 		}
-		port, err := freePort()
+		port, err := FreePort()
 		if err != nil {
 			return nil, err
 		}
