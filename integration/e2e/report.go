@@ -72,6 +72,29 @@ type Report struct {
 	Err error
 }
 
+// Run runs f as one step of the report and returns the step recorded:
+// its detail is f's text, followed by f's error when it failed.
+func (r *Report) Run(scenario, node, name string, f func() (string, error)) (Step, error) {
+	st := Step{Scenario: scenario, Node: node, Name: name, Start: time.Now()}
+	detail, err := f()
+	st.Duration = time.Since(st.Start)
+	st.OK = err == nil
+	st.Detail = detail
+	if err != nil {
+		if st.Detail != "" {
+			st.Detail += "\n"
+		}
+		st.Detail += err.Error()
+	}
+	r.Steps = append(r.Steps, st)
+	return st, err
+}
+
+// Check records one piece of evidence for or against p.
+func (r *Report) Check(p Property, scenario string, held bool, format string, a ...any) {
+	r.Checks = append(r.Checks, Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
+}
+
 // Verdict is a property's outcome: held only when it was checked and no
 // check failed.
 func (r *Report) Verdict(p Property) (held bool, checks []Check) {

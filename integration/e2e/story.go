@@ -142,18 +142,7 @@ func (s *story) progress(format string, a ...any) {
 
 // step runs f as one step of the report.
 func (s *story) step(scenario, node, name string, f func() (string, error)) error {
-	st := Step{Scenario: scenario, Node: node, Name: name, Start: time.Now()}
-	detail, err := f()
-	st.Duration = time.Since(st.Start)
-	st.OK = err == nil
-	st.Detail = detail
-	if err != nil {
-		if st.Detail != "" {
-			st.Detail += "\n"
-		}
-		st.Detail += err.Error()
-	}
-	s.r.Steps = append(s.r.Steps, st)
+	st, err := s.r.Run(scenario, node, name, f)
 	mark := "ok  "
 	if err != nil {
 		mark = "FAIL"
@@ -163,7 +152,7 @@ func (s *story) step(scenario, node, name string, f func() (string, error)) erro
 }
 
 func (s *story) check(p Property, scenario string, held bool, format string, a ...any) {
-	s.r.Checks = append(s.r.Checks, Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
+	s.r.Check(p, scenario, held, format, a...)
 }
 
 func (s *story) run(ctx context.Context) error {

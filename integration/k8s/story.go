@@ -70,13 +70,7 @@ func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer
 }
 
 func (s *story) step(scenario, node, name string, f func() (string, error)) error {
-	st := e2e.Step{Scenario: scenario, Node: node, Name: name, Start: time.Now()}
-	detail, err := f()
-	st.Duration, st.OK, st.Detail = time.Since(st.Start), err == nil, detail
-	if err != nil {
-		st.Detail = strings.TrimSpace(st.Detail + "\n" + err.Error())
-	}
-	s.r.Steps = append(s.r.Steps, st)
+	st, err := s.r.Run(scenario, node, name, f)
 	mark := "ok  "
 	if err != nil {
 		mark = "FAIL"
@@ -86,7 +80,7 @@ func (s *story) step(scenario, node, name string, f func() (string, error)) erro
 }
 
 func (s *story) check(p e2e.Property, scenario string, held bool, format string, a ...any) {
-	s.r.Checks = append(s.r.Checks, e2e.Check{Property: p, Scenario: scenario, Held: held, Evidence: fmt.Sprintf(format, a...)})
+	s.r.Check(p, scenario, held, format, a...)
 }
 
 func (s *story) apply(ctx context.Context, yaml string) error {
