@@ -565,9 +565,23 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 		return fence.Claim{}, err
 	}
 	if fast {
-		// The fast first claim (AcquireFirst): no settle wait, no second
-		// read, when it landed within FastClaimWithin of its read.
-		if el := time.Since(readAt); el <= min(FastClaimWithin, t.IOTimeout) {
+		// The fast first claim (AcquireFirst): no settle wait when it
+		// landed within FastClaimWithin of its read and is still the only
+		// claim.
+		// One more read, at once: this host's clock does not count a pause
+		// of its VM between its read and its write, during which another
+		// host may have written its claim and checked it before ours
+		// landed. Any claim written before ours is seen here; any written
+		// after is checked by its writer after ours landed.
+		el := time.Since(readAt)
+		var a1 *Area
+		if el <= min(FastClaimWithin, t.IOTimeout) {
+			if a1, err = e.read(ctx); err != nil {
+				e.withdraw(ctx, idx, s, blk)
+				return fence.Claim{}, err
+			}
+		}
+		if a1 != nil && a1.onlyClaim(idx, blk) {
 			e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
 			e.storeHealth()
 			e.stats.FastClaims++
@@ -575,8 +589,8 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 			e.log.Info("lease acquired without the settle wait: a disk given to no node before, with a blank lease area", "slot", idx, "epoch", s.Epoch, "elapsed", el.String())
 			return e.claim(), nil
 		}
-		e.log.Info("first claim of a blank lease area took longer than the fast path allows; settling as usual",
-			"elapsed", time.Since(readAt).String(), "within", min(FastClaimWithin, t.IOTimeout).String())
+		e.log.Info("first claim of a blank lease area took longer than the fast path allows, or another claim appeared beside it; settling as usual",
+			"elapsed", el.String(), "within", min(FastClaimWithin, t.IOTimeout).String())
 	}
 	// The race check below holds only if our write landed within d of
 	// the read it was based on.

@@ -143,3 +143,44 @@ func TestEngineRefusesAnIOTimeoutBelowTheMinimum(t *testing.T) {
 		t.Fatalf("New accepted timing %s, below the minimum I/O timeout %s", tm, MinIOTimeout)
 	}
 }
+
+// A host paused between its read of the blank area and its claim write
+// does not see the pause on its clock. Another host that wrote its claim
+// meanwhile (here injected as the pause's outcome: its claim, taken on a
+// disk of its own, copied in just before ours is written) must be seen:
+// the first claim is then not fast, and does not hold the disk beside it.
+func TestFastClaimAfterAPauseSeesAClaimWrittenMeanwhile(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		ctx := context.Background()
+		other := formattedSimDisk(512)
+		b := fastNode(t, other, 0x5678, 5*time.Millisecond)
+		if _, err := b.Acquire(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		ob, _ := DecodeArea(other.data)
+		bslot := ob.Owner()
+		bblk := append([]byte(nil), ob.Raw[bslot]...)
+		defer b.Release(ctx)
+
+		disk := formattedSimDisk(512)
+		a := fastNode(t, disk, 0x1234, 5*time.Millisecond)
+		testHookClaimWrite = func(e *Engine, idx int, blk []byte) {
+			if e == a {
+				disk.mu.Lock()
+				copy(disk.data[BlockSize*(1+bslot):], bblk)
+				disk.mu.Unlock()
+			}
+		}
+		t.Cleanup(func() { testHookClaimWrite = nil })
+		start := time.Now()
+		_, err := a.AcquireFirst(ctx)
+		took := time.Since(start)
+		defer a.Release(ctx) // stops its renewer whatever the outcome
+		if n := a.Stats().FastClaims; n != 0 {
+			t.Fatalf("the first claim was held as fast (%d) beside another host's claim in slot %d", n, bslot)
+		}
+		if err == nil && took < a.cfg.Timing.Settle() {
+			t.Fatalf("the first claim was held after %s, before the settle wait, beside another host's claim", took)
+		}
+	})
+}

@@ -189,6 +189,20 @@ func (a *Area) blank() bool {
 	return true
 }
 
+// onlyClaim reports whether slot idx holds exactly blk and every other
+// slot is empty and readable: no other host has written a claim.
+func (a *Area) onlyClaim(idx int, blk []byte) bool {
+	if !bytes.Equal(a.Raw[idx], blk) {
+		return false
+	}
+	for i, s := range a.Slots {
+		if i != idx && (a.Corrupt[i] || s.State != StateEmpty) {
+			return false
+		}
+	}
+	return true
+}
+
 // MaxEpoch is the highest epoch written in any slot.
 func (a *Area) MaxEpoch() uint64 {
 	var m uint64
