@@ -87,12 +87,13 @@ test-e2e: deps build packages guest-root
 # in bin/k8s-report-*.txt and .html.
 K8S_TIMEOUT ?= 70m
 .PHONY: test-k8s k8s-lab k8s-prefetch
-# make test starts this first: the Kubernetes build and the sidecar images
-# (about half an hour of CPU on a fresh machine) are made in the
-# background at nice 10 while the other tiers run; test-k8s waits for
-# their locks. Its log: bin/k8s-prefetch.log.
-k8s-prefetch: build
-	@nohup nice -n 10 $(BIN)/vco-lab k8s prefetch >$(BIN)/k8s-prefetch.log 2>&1 </dev/null &
+# make test starts this first: the Debian guest root (debootstrap, mostly
+# downloads), the Kubernetes build and the sidecar images (about half an
+# hour of CPU on a fresh machine) are made in the background at nice 10
+# while the other tiers run; the tiers that need them wait for their
+# locks. Its log: bin/k8s-prefetch.log.
+k8s-prefetch: build deps-apt
+	@nohup nice -n 10 bash -c 'packaging/test/guest-root.sh >/dev/null & $(BIN)/vco-lab k8s prefetch; wait' >$(BIN)/k8s-prefetch.log 2>&1 </dev/null &
 test-k8s: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	VCO_LAB=1 VCO_K8S=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
