@@ -52,13 +52,23 @@ func upCluster(t *testing.T, o k8s.Options) *k8s.Cluster {
 }
 
 // TestStory is the Kubernetes tier: a cluster of two workers, the add-on
-// applied as seed 001 says, and the scenarios, each safety property judged
-// from what they saw. The report goes to $VCO_LAB_BIN (make's bin/).
+// applied as seed 001 says, and the scenarios (k8s.Brief, or
+// $VCO_K8S_SCENARIOS: "all" or a list such as K1,K4,K6), each safety
+// property judged from what they saw. The report goes to $VCO_LAB_BIN
+// (make's bin/).
 func TestStory(t *testing.T) {
 	c := upCluster(t, k8s.Options{})
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
 	defer cancel()
-	r := k8s.RunStory(ctx, c, k8s.Scenarios, testWriter{t})
+	scenarios := k8s.Brief
+	switch v := os.Getenv("VCO_K8S_SCENARIOS"); v {
+	case "":
+	case "all":
+		scenarios = k8s.Scenarios
+	default:
+		scenarios = strings.Split(v, ",")
+	}
+	r := k8s.RunStory(ctx, c, scenarios, testWriter{t})
 	dir := os.Getenv("VCO_LAB_BIN")
 	if dir == "" {
 		dir = t.TempDir()

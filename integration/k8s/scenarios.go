@@ -1,0 +1,657 @@
+package k8s
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+)
+
+// The scenarios after K1, K2 and K4 (docs/development.md, "The Kubernetes
+// lab"): K3 a StatefulSet, K6 online expansion, K9 snapshots installed
+// after the bundle, K8 a disk the platform attached to a second VM, K5 a
+// powered-off node. K6, K9, K8 and K5 use K4's claim and Deployment, so
+// they run after it, in this order.
+
+// k3: a StatefulSet of two replicas with volumeClaimTemplates, one per
+// worker: a disk each, each writable, each mounted on its own node only.
+func (s *story) k3(ctx context.Context) error {
+	const sc = "K3"
+	var ps []podInfo
+	aff := `affinity:
+  podAntiAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - labelSelector: {matchLabels: {app: k3}}
+        topologyKey: kubernetes.io/hostname
+`
+	if err := s.step(sc, "cluster", "StatefulSet of 2 replicas with volumeClaimTemplates, one per worker", func() (string, error) {
+		if err := s.apply(ctx, fmt.Sprintf(`apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: k3
+spec:
+  serviceName: k3
+  replicas: 2
+  podManagementPolicy: Parallel
+  selector: {matchLabels: {app: k3}}
+  template:
+    metadata: {labels: {app: k3}}
+    spec:
+%s  volumeClaimTemplates:
+    - metadata: {name: data}
+      spec:
+        accessModes: [ReadWriteOnce]
+        resources: {requests: {storage: 1Gi}}
+`, writerSpec("", aff, "      "))); err != nil {
+			return "", err
+		}
+		var err error
+		ps, err = s.waitPods(ctx, "app=k3", 10*time.Minute, "both k3 replicas Ready", allReady(2))
+		if err != nil {
+			return "", err
+		}
+		if ps[0].Node == ps[1].Node {
+			return "", fmt.Errorf("both replicas on %s", ps[0].Node)
+		}
+		return fmt.Sprintf("%s on %s, %s on %s", ps[0].Name, ps[0].Node, ps[1].Name, ps[1].Node), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "a disk each, each holding what its pod wrote, mounted only on its node", func() (string, error) {
+		var got []string
+		handles := map[string]string{}
+		for _, p := range ps {
+			pv, err := s.pvOf(ctx, "data-"+p.Name)
+			if err != nil {
+				return "", err
+			}
+			h, err := s.handle(ctx, pv)
+			if err != nil {
+				return "", err
+			}
+			if prev, dup := handles[h]; dup {
+				return "", fmt.Errorf("claims of %s and %s are the same disk %s", prev, p.Name, h)
+			}
+			handles[h] = p.Name
+			data, err := s.readLog(ctx, p, pv)
+			if err != nil {
+				return "", err
+			}
+			if data != "written-on-"+p.Node {
+				return "", fmt.Errorf("%s's volume %s holds %q", p.Name, pv, data)
+			}
+			elsewhere, err := s.mountsOf(ctx, s.c.Env.Lab.Guest(s.other(p.Node)), pv)
+			if err != nil {
+				return "", err
+			}
+			s.check(e2e.P1, sc, len(elsewhere) == 0, "K3: %s's disk %s is mounted on %s only (mounts on the other worker: %d)", p.Name, h, p.Node, len(elsewhere))
+			if len(elsewhere) > 0 {
+				return "", fmt.Errorf("%s mounted on the other worker: %v", pv, elsewhere)
+			}
+			got = append(got, fmt.Sprintf("%s: disk %s on %s", p.Name, h, p.Node))
+		}
+		// The claims outlive the StatefulSet; both go, freeing their disks.
+		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "statefulset", "k3", "--wait=true"); err != nil {
+			return "", err
+		}
+		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "data-k3-0", "data-k3-1", "--wait=false"); err != nil {
+			return "", err
+		}
+		return strings.Join(got, "; "), nil
+	})
+}
+
+// k6: the claim of K4's running pod grows with kubectl patch; the
+// filesystem the pod sees grows without a restart.
+func (s *story) k6(ctx context.Context) error {
+	const sc = "K6"
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil {
+		return err
+	}
+	if len(ps) != 1 || !ps[0].Ready {
+		return fmt.Errorf("K6 needs K4's pod running: %+v", ps)
+	}
+	p := ps[0]
+	pv, err := s.pvOf(ctx, "k4")
+	if err != nil {
+		return err
+	}
+	g := s.c.Env.Lab.Guest(p.Node)
+	size := func() (int64, error) {
+		out, err := g.MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
+		if err != nil {
+			return 0, err
+		}
+		return strconv.ParseInt(strings.TrimSpace(out), 10, 64)
+	}
+	before, err := size()
+	if err != nil {
+		return err
+	}
+	return s.step(sc, p.Node, "kubectl patch pvc k4 to 2Gi: the running pod's filesystem grows", func() (string, error) {
+		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`); err != nil {
+			return "", err
+		}
+		var after int64
+		if err := waitFor(ctx, 5*time.Minute, "the filesystem of pod "+p.Name+" grown past 1.5 GiB", func() (bool, string, error) {
+			var err error
+			after, err = size()
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			capacity, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.status.capacity.storage}")
+			return after > 3<<29 && strings.TrimSpace(capacity) == "2Gi", fmt.Sprintf("filesystem %d bytes, claim capacity %q", after, capacity), nil
+		}); err != nil {
+			ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name=k4")
+			return "", fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
+		}
+		now, err := s.pods(ctx, "app=k4")
+		if err != nil {
+			return "", err
+		}
+		if len(now) != 1 || now[0].UID != p.UID || !now[0].Ready {
+			return "", fmt.Errorf("the pod was replaced or is not ready after the expansion: %+v (was %s)", now, p.UID)
+		}
+		data, err := s.readLog(ctx, now[0], pv)
+		if err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("filesystem %d -> %d bytes in pod %s (not restarted); its data %q", before, after, p.Name, data), nil
+	})
+}
+
+// k9: the bundle went in on a cluster without the snapshot CRDs (the
+// story's setup); the CRDs and snapshot-controller of external-snapshotter
+// are installed now, the snapshots part applied the release way (envsubst
+// over deploy/csi-snapshots.yaml), and a snapshot of K4's claim restored
+// into a new claim holds its data.
+func (s *story) k9(ctx context.Context) error {
+	const sc = "K9"
+	if err := s.step(sc, "cluster", "the bundle was applied (exit 0) with no snapshot CRDs in the cluster", func() (string, error) {
+		out, err := s.c.Kubectl(ctx, "get", "crd", "-o", "name")
+		if err != nil {
+			return "", err
+		}
+		if strings.Contains(out, "snapshot.storage.k8s.io") {
+			return "", fmt.Errorf("the cluster already has snapshot CRDs: %s", out)
+		}
+		return fmt.Sprintf("no snapshot.storage.k8s.io CRD; the setup step applied the bundle with exit 0 (%d CRDs in the cluster)", strings.Count(out, "\n")), nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, "cluster", "install external-snapshotter's CRDs and snapshot-controller; apply csi-snapshots.yaml through envsubst", func() (string, error) {
+		f, err := images.Snapshotter(ctx, images.DefaultCacheDir)
+		if err != nil {
+			return "", err
+		}
+		for _, crd := range f.CRDs {
+			if _, err := s.c.Kubectl(ctx, "apply", "-f", crd); err != nil {
+				return "", err
+			}
+		}
+		for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
+			if _, err := s.c.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io"); err != nil {
+				return "", err
+			}
+		}
+		for _, m := range f.Controller {
+			if _, err := s.c.Kubectl(ctx, "apply", "-f", m); err != nil {
+				return "", err
+			}
+		}
+		// The upstream Deployment names the release's image; the lab
+		// serves the one it built from the same release under that name.
+		if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "set", "image", "deployment/snapshot-controller", "snapshot-controller="+f.Image); err != nil {
+			return "", err
+		}
+		if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "rollout", "status", "deployment/snapshot-controller", "--timeout=5m"); err != nil {
+			return "", s.c.podsState(ctx, err)
+		}
+		rendered, err := envsubst(ctx, "deploy/csi-snapshots.yaml")
+		if err != nil {
+			return "", err
+		}
+		out, err := s.c.KubectlInput(ctx, strings.NewReader(rendered), "apply", "-f", "-")
+		if err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
+	}); err != nil {
+		return err
+	}
+	var before string
+	if err := s.step(sc, "cluster", "VolumeSnapshot of claim k4, ready to use", func() (string, error) {
+		ps, err := s.pods(ctx, "app=k4")
+		if err != nil || len(ps) != 1 {
+			return "", fmt.Errorf("K9 needs K4's pod: %+v %v", ps, err)
+		}
+		pv, err := s.pvOf(ctx, "k4")
+		if err != nil {
+			return "", err
+		}
+		if before, err = s.readLog(ctx, ps[0], pv); err != nil {
+			return "", err
+		}
+		if err := s.apply(ctx, `apiVersion: snapshot.storage.k8s.io/v1
+kind: VolumeSnapshot
+metadata:
+  name: k9
+spec:
+  source: {persistentVolumeClaimName: k4}
+`); err != nil {
+			return "", err
+		}
+		var state string
+		err = waitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
+			out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "volumesnapshot", "k9", "-o", "jsonpath={.status.readyToUse} {.status.restoreSize} {.status.error.message}")
+			state = strings.TrimSpace(out)
+			return err == nil && strings.HasPrefix(state, "true"), state, nil
+		})
+		return "readyToUse restoreSize: " + state, err
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "a claim restored from the snapshot holds claim k4's data", func() (string, error) {
+		if err := s.apply(ctx, `apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: k9-restored
+spec:
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 2Gi}}
+  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: k9}
+---
+`+fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata:
+  name: k9
+  labels: {app: k9}
+spec:
+%s`, writerSpec("k9-restored", "", "  "))); err != nil {
+			return "", err
+		}
+		ps, err := s.waitPods(ctx, "app=k9", 10*time.Minute, "pod k9 Ready", allReady(1))
+		if err != nil {
+			return "", err
+		}
+		pv, err := s.pvOf(ctx, "k9-restored")
+		if err != nil {
+			return "", err
+		}
+		data, err := s.readLog(ctx, ps[0], pv)
+		if err != nil {
+			return "", err
+		}
+		want := before + "\nwritten-on-" + ps[0].Node
+		s.check(e2e.P5, sc, data == want, "K9: the claim restored from a snapshot of k4 holds %q (k4 held %q)", data, before)
+		if data != want {
+			return "", fmt.Errorf("the restored volume holds %q, want %q", data, want)
+		}
+		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pod", "k9", "--wait=true"); err != nil {
+			return "", err
+		}
+		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "k9-restored", "--wait=false"); err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("restored claim on %s holds %q", ps[0].Node, data), nil
+	})
+}
+
+// envsubst renders a release file of the repository as the release
+// instructions do: envsubst '$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME'.
+func envsubst(ctx context.Context, file string) (string, error) {
+	f, err := os.Open(repoRoot() + "/" + file)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	cmd := exec.CommandContext(ctx, "envsubst", "$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME")
+	cmd.Stdin = f
+	cmd.Env = append(os.Environ(), "VCO_CSI_IMAGE="+Image, "VCO_CSI_DRIVER_NAME="+simlab.DriverName)
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("envsubst < %s: %w", file, err)
+	}
+	return string(out), nil
+}
+
+// k8: the platform attaches K4's disk to the other worker's VM as well (a
+// fault the real platform must never make). That worker's agent refuses
+// the disk (read-only, nothing mounted, DiskRefused naming the holder),
+// and the refusal reaches Kubernetes as an Event on its Node.
+func (s *story) k8(ctx context.Context) error {
+	const sc = "K8"
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil {
+		return err
+	}
+	if len(ps) != 1 || !ps[0].Ready {
+		return fmt.Errorf("K8 needs K4's pod running: %+v", ps)
+	}
+	holder := ps[0].Node
+	intruder := s.c.Env.Lab.Guest(s.other(holder))
+	pv, err := s.pvOf(ctx, "k4")
+	if err != nil {
+		return err
+	}
+	h, err := s.handle(ctx, pv)
+	if err != nil {
+		return err
+	}
+	diskID, err := diskOf(h)
+	if err != nil {
+		return err
+	}
+	cs := "cs-" + simlab.Location
+	vm := s.c.Env.VMs[intruder.Name]
+	if err := s.step(sc, "platform", fmt.Sprintf("fault allow_multi_attach; attach disk %d to %s's VM too", diskID, intruder.Name), func() (string, error) {
+		s.c.Env.Sim.SetFaults(sim.Faults{AllowMultiAttach: true})
+		return "", s.c.Env.Cloud.AttachDisk(ctx, cs, vm, diskID)
+	}); err != nil {
+		return err
+	}
+	defer func() {
+		_ = s.c.Env.Cloud.DetachDisk(context.WithoutCancel(ctx), cs, vm, diskID)
+		s.c.Env.Sim.SetFaults(sim.Faults{})
+	}()
+	serial := strconv.FormatInt(diskID, 10)
+	var dev string
+	if err := s.step(sc, intruder.Name, "the agent refuses it: DiskRefused naming "+holder+", device read-only, nothing mounted", func() (string, error) {
+		wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		d, err := intruder.WaitDiskBySerial(wctx, serial)
+		cancel()
+		if err != nil {
+			return "", err
+		}
+		dev = "/dev/" + d.Name
+		var refused *simlab.Event
+		if err := waitFor(ctx, 2*time.Minute, "DiskRefused for "+dev+" on "+intruder.Name, func() (bool, string, error) {
+			evs, err := nodeEvents(ctx, intruder)
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			for i, ev := range evs {
+				if ev.Name() == "DiskRefused" && (ev.Device == dev || ev.Serial == serial) {
+					refused = &evs[i]
+					return true, "", nil
+				}
+			}
+			return false, fmt.Sprintf("%d events, none a refusal of %s", len(evs), dev), nil
+		}); err != nil {
+			return "", err
+		}
+		ro, err := intruder.MustSh(ctx, "blockdev --getro /dev/"+d.Name)
+		if err != nil {
+			return "", err
+		}
+		mounts, err := s.mountsOf(ctx, intruder, pv)
+		if err != nil {
+			return "", err
+		}
+		held := refused.HolderNode == holder && strings.TrimSpace(ro) == "1" && len(mounts) == 0
+		s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s holds it: holder %q, /dev/%s read-only=%s, mounts %d: %s",
+			intruder.Name, serial, holder, refused.HolderNode, d.Name, strings.TrimSpace(ro), len(mounts), refused.Message)
+		if !held {
+			return "", fmt.Errorf("refusal incomplete: holder %q, read-only %q, mounts %v", refused.HolderNode, ro, mounts)
+		}
+		return refused.Message, nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "the refusal is an Event on Node "+intruder.Name+" naming "+holder, func() (string, error) {
+		var msg string
+		err := waitFor(ctx, 2*time.Minute, "a DiskRefused Event on Node "+intruder.Name, func() (bool, string, error) {
+			out, err := s.c.Kubectl(ctx, "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+intruder.Name+",reason=DiskRefused",
+				"-o", "json")
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			var list struct {
+				Items []struct{ Message, Type string }
+			}
+			if err := json.Unmarshal([]byte(out), &list); err != nil {
+				return false, err.Error(), nil
+			}
+			for _, it := range list.Items {
+				if strings.Contains(it.Message, holder) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial)) {
+					msg = it.Type + ": " + it.Message
+					return true, "", nil
+				}
+			}
+			return false, fmt.Sprintf("%d DiskRefused events on the Node, none about %s and %s", len(list.Items), dev, holder), nil
+		})
+		return msg, err
+	})
+}
+
+// k5: the node of K4's pod is powered off (QMP stop); an operator marks
+// it out of service (the node.kubernetes.io/out-of-service taint), so
+// Kubernetes deletes its pod and detaches the volume; the pod comes up on
+// the other worker with its data through the controller's grant. The old
+// node, resumed, fences itself (DiskFenced) and none of its writes land.
+//
+// On scsi-block the target's reservation refuses the resumed node's
+// writes. On virtio-blk a guest frozen while it holds the lease cannot be
+// fenced by the lease (docs/fencing.md): the lab's story shows that disk
+// kind with a holder that keeps running, and so K5 runs on scsi-block
+// only.
+func (s *story) k5(ctx context.Context) error {
+	const sc = "K5"
+	if s.r.Kind != string(lab.SCSIBlock) {
+		s.r.NotRun = append(s.r.NotRun, "K5 on "+s.r.Kind+": a guest frozen by its hypervisor while it holds the lease resumes writing before its agent sees the lease taken; only a detach at the hypervisor or reservations (scsi-block) stop it (docs/fencing.md)")
+		return nil
+	}
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil {
+		return err
+	}
+	if len(ps) != 1 || !ps[0].Ready {
+		return fmt.Errorf("K5 needs K4's pod running: %+v", ps)
+	}
+	old := ps[0]
+	dead := s.c.Env.Lab.Guest(old.Node)
+	live := s.c.Env.Lab.Guest(s.other(old.Node))
+	pv, err := s.pvOf(ctx, "k4")
+	if err != nil {
+		return err
+	}
+	h, err := s.handle(ctx, pv)
+	if err != nil {
+		return err
+	}
+	diskID, err := diskOf(h)
+	if err != nil {
+		return err
+	}
+	before, err := s.readLog(ctx, old, pv)
+	if err != nil {
+		return err
+	}
+	var dev string
+	if err := s.step(sc, dead.Name, "power off: QMP stop (the pod's node)", func() (string, error) {
+		d, err := dead.DiskBySerial(ctx, strconv.FormatInt(diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		dev = "/dev/" + d.Name
+		return dev + " held; stopped", dead.Pause(ctx)
+	}); err != nil {
+		return err
+	}
+	resumed := false
+	defer func() {
+		if !resumed {
+			_ = dead.Resume(context.WithoutCancel(ctx))
+		}
+		_, _ = s.c.Kubectl(context.WithoutCancel(ctx), "taint", "node", dead.Name, "node.kubernetes.io/out-of-service-")
+	}()
+	if err := s.step(sc, "cluster", dead.Name+" NotReady; the operator taints it out-of-service", func() (string, error) {
+		if err := waitFor(ctx, 5*time.Minute, dead.Name+" not Ready", func() (bool, string, error) {
+			st, err := s.c.Kubectl(ctx, "get", "node", dead.Name, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
+			return err == nil && strings.TrimSpace(st) != "True", st, nil
+		}); err != nil {
+			return "", err
+		}
+		out, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
+		return strings.TrimSpace(out), err
+	}); err != nil {
+		return err
+	}
+	var grant string
+	if err := s.step(sc, live.Name, "the pod back on "+live.Name+" with its data, attached with a grant", func() (string, error) {
+		ps, err := s.waitPods(ctx, "app=k4", 10*time.Minute, "k4 Ready on "+live.Name, func(ps []podInfo) bool {
+			return allReady(1)(ps) && ps[0].Node == live.Name
+		})
+		if err != nil {
+			return "", err
+		}
+		data, err := s.readLog(ctx, ps[0], pv)
+		if err != nil {
+			return "", err
+		}
+		want := before + "\nwritten-on-" + live.Name
+		s.check(e2e.P5, sc, data == want, "K5: after the takeover from powered-off %s the volume holds %q", dead.Name, data)
+		if data != want {
+			return "", fmt.Errorf("the volume holds %q, want %q", data, want)
+		}
+		meta, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o",
+			"jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {.status.attachmentMetadata}{\"\\n\"}{end}")
+		if err != nil {
+			return "", err
+		}
+		for _, l := range strings.Split(strings.TrimSpace(meta), "\n") {
+			node, js, _ := strings.Cut(l, " ")
+			var pc map[string]string
+			if node == live.Name && json.Unmarshal([]byte(js), &pc) == nil {
+				grant = pc[driver.PubFenceGrant]
+			}
+		}
+		s.check(e2e.P3, sc, grant != "", "K5: the VolumeAttachment to %s carries the controller's grant %q", live.Name, grant)
+		if grant == "" {
+			return "", fmt.Errorf("no grant in the VolumeAttachments of %s: %s", pv, meta)
+		}
+		return fmt.Sprintf("%s on %s holds %q; grant %s", ps[0].Name, live.Name, data, grant), nil
+	}); err != nil {
+		return err
+	}
+	mark := "late-from-" + dead.Name
+	if err := s.step(sc, dead.Name, "power on (QMP cont); it writes through its old mount and to the raw device", func() (string, error) {
+		if err := dead.Resume(ctx); err != nil {
+			return "", err
+		}
+		resumed = true
+		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=1 conv=fsync 2>&1; fs=$?; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
+			mark, volumeMount(old.UID, pv), dev)
+		r, err := dead.Sh(ctx, script)
+		if err != nil {
+			return "", err
+		}
+		out := strings.TrimSpace(r.Stdout + r.Stderr)
+		f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
+		refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
+		s.check(e2e.P4, sc, refused, "K5: resumed %s's writes (its old mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
+		if !refused {
+			return out, fmt.Errorf("a write from %s succeeded after the takeover", dead.Name)
+		}
+		return out, nil
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
+		var msg string
+		err := waitFor(ctx, time.Minute, "DiskFenced on "+dead.Name, func() (bool, string, error) {
+			evs, err := nodeEvents(ctx, dead)
+			if err != nil {
+				return false, err.Error(), nil
+			}
+			for _, ev := range evs {
+				if ev.Name() == "DiskFenced" && (ev.Volume == h || ev.Device == dev) {
+					msg = ev.Message
+					return true, "", nil
+				}
+			}
+			return false, fmt.Sprintf("%d events", len(evs)), nil
+		})
+		s.check(e2e.P4, sc, err == nil, "K5: %s emitted DiskFenced after resuming: %s", dead.Name, msg)
+		return msg, err
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, live.Name, "none of "+dead.Name+"'s writes landed", func() (string, error) {
+		ps, err := s.pods(ctx, "app=k4")
+		if err != nil || len(ps) != 1 {
+			return "", fmt.Errorf("k4's pod: %+v %v", ps, err)
+		}
+		d, err := live.DiskBySerial(ctx, strconv.FormatInt(diskID, 10))
+		if err != nil {
+			return "", err
+		}
+		out, err := live.MustSh(ctx, fmt.Sprintf("ls %s; dd if=/dev/%s bs=4096 count=1 skip=768 iflag=direct 2>/dev/null | head -c %d", volumeMount(ps[0].UID, pv), d.Name, len(mark)))
+		if err != nil {
+			return "", err
+		}
+		landed := strings.Contains(out, mark) || strings.Contains(out, "late.bin")
+		s.check(e2e.P1, sc, !landed, "K5: %s's volume after %s resumed: %q", live.Name, dead.Name, out)
+		if landed {
+			return "", fmt.Errorf("a write of %s landed: %q", dead.Name, out)
+		}
+		if _, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service-"); err != nil {
+			return "", err
+		}
+		return strings.ReplaceAll(strings.TrimSpace(out), "\n", " "), nil
+	})
+}
+
+// handle is pv's CSI volume handle.
+func (s *story) handle(ctx context.Context, pv string) (string, error) {
+	h, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.csi.volumeHandle}")
+	h = strings.TrimSpace(h)
+	if err == nil && h == "" {
+		err = fmt.Errorf("PV %s has no CSI volume handle", pv)
+	}
+	return h, err
+}
+
+// diskOf is the disk id of a volume handle (location/disk).
+func diskOf(handle string) (int64, error) {
+	_, id, ok := strings.Cut(handle, "/")
+	n, err := strconv.ParseInt(id, 10, 64)
+	if !ok || err != nil {
+		return 0, fmt.Errorf("volume handle %q is not <location>/<disk id>", handle)
+	}
+	return n, nil
+}
+
+// nodeEvents are the events of the agent on g (the .deb's vco-agent on
+// its default socket).
+func nodeEvents(ctx context.Context, g *lab.Guest) ([]simlab.Event, error) {
+	out, err := g.MustSh(ctx, "vco-agent events --json")
+	if err != nil {
+		return nil, err
+	}
+	var evs []simlab.Event
+	for _, line := range strings.Split(out, "\n") {
+		if line = strings.TrimSpace(line); line == "" {
+			continue
+		}
+		var ev simlab.Event
+		if err := json.Unmarshal([]byte(line), &ev); err != nil {
+			return nil, fmt.Errorf("%s: vco-agent events printed %q: %w", g.Name, line, err)
+		}
+		ev.Node = g.Name
+		evs = append(evs, ev)
+	}
+	return evs, nil
+}
