@@ -113,7 +113,11 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		}
 		c.Kubeconfig = c.cp.Kubeconfig
 		fmt.Fprintf(o.Log, "k8s: making the worker image (kubelet %s, containerd, the vco-agent package)\n", Version)
-		sb, err := l.DebianImageWith(ctx, "debian-k8s", root, workerFiles(), map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
+		seeded := *root
+		if seeded.UserData, err = nodeUserData(simlab.Location); err != nil {
+			return err
+		}
+		sb, err := l.DebianImageWith(ctx, "debian-k8s", &seeded, workerFiles(), map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
 		if err != nil {
 			return err
 		}

@@ -4,11 +4,11 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
-	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
 
 // PortalHost is the registry host of the vco-csi image in the lab, as an
@@ -77,13 +77,30 @@ RestartSec=2s
 [Install]
 WantedBy=multi-user.target
 `,
-		"/etc/vco-agent/config.yaml": `socket:
-  path: /run/vco-agent/agent.sock
-  group: vco-agent
-node:
-  location: ` + simlab.Location + `
-`,
 	}
+}
+
+// nodeUserData is the package's cloud-init seed (packaging/cloud-init/
+// user-data.yaml) as a node image would carry it, with its commented
+// location override turned on: the workers' vco-agent is configured and
+// enabled by cloud-init on first boot, and their cloud.whitesky/location
+// comes from it.
+func nodeUserData(location string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(repoRoot(), "packaging", "cloud-init", "user-data.yaml"))
+	if err != nil {
+		return "", err
+	}
+	s := string(b)
+	for _, r := range [][2]string{
+		{"\n      # node:\n", "\n      node:\n"},
+		{"\n      #   location: ch-lug-1\n", "\n        location: \"" + location + "\"\n"},
+	} {
+		if !strings.Contains(s, r[0]) {
+			return "", fmt.Errorf("packaging/cloud-init/user-data.yaml has no line %q to turn the location override on", strings.TrimSpace(r[0]))
+		}
+		s = strings.Replace(s, r[0], r[1], 1)
+	}
+	return s, nil
 }
 
 // workerForwards are a worker's ways to the host: the API server, the

@@ -29,6 +29,12 @@ type DebianRoot struct {
 	Tar string
 	// Deb is the vco-agent package for amd64, installed into it with dpkg.
 	Deb string
+	// UserData, when set, is a cloud-init NoCloud seed's user-data: the
+	// image keeps cloud-init, the package's own enablement of its units is
+	// undone, and the seed is what enables and configures the agent, as on
+	// a node image built without running maintainer scripts. Unset, cloud-init
+	// is masked (a minute of Python under TCG that would find no seed).
+	UserData string
 }
 
 // SystemBoot is how a guest boots from a root disk of its own.
@@ -208,6 +214,9 @@ func (l *Lab) debianKey(root *DebianRoot, files, bins map[string]string) (string
 	for _, g := range sortedKeys(files) {
 		fmt.Fprintf(h, "extra %s\n%s\n", g, files[g])
 	}
+	if root.UserData != "" {
+		fmt.Fprintf(h, "user-data\n%s\n%v\n%v\n", root.UserData, cloudInitFiles, packageUnitLinks)
+	}
 	return hex.EncodeToString(h.Sum(nil))[:16], nil
 }
 
@@ -227,6 +236,21 @@ func sortedKeys(m map[string]string) []string {
 var debianExtra = map[string]string{
 	"/etc/fstab":                     "/dev/vda / ext4 defaults 0 1\n",
 	"/etc/cloud/cloud-init.disabled": "",
+}
+
+// cloudInitFiles are written instead of cloud-init.disabled when the root
+// has a seed: only the NoCloud seed on the root file system is looked for,
+// and the network stays the one the lab sets up.
+var cloudInitFiles = map[string]string{
+	"/etc/cloud/cloud.cfg.d/90-vco-lab.cfg": "datasource_list: [ NoCloud, None ]\nnetwork: {config: disabled}\n",
+	"/var/lib/cloud/seed/nocloud/meta-data": "instance-id: vco-lab-node\n",
+}
+
+// packageUnitLinks are the links the package's postinst made to enable the
+// agent; with a seed they are removed, so the seed's runcmd enables it.
+var packageUnitLinks = []string{
+	"etc/systemd/system/multi-user.target.wants/vco-agent.service",
+	"etc/systemd/system/sockets.target.wants/vco-agent.socket",
 }
 
 func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map[string]string, tmp string) error {
@@ -278,6 +302,18 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 	for g, c := range debianExtra {
 		written[g] = c
 	}
+	if root.UserData != "" {
+		delete(written, "/etc/cloud/cloud-init.disabled")
+		for g, c := range cloudInitFiles {
+			written[g] = c
+		}
+		written["/var/lib/cloud/seed/nocloud/user-data"] = root.UserData
+		for _, u := range packageUnitLinks {
+			if err := os.Remove(filepath.Join(rootfs, u)); err != nil {
+				return fmt.Errorf("the package did not enable its unit as expected: %w", err)
+			}
+		}
+	}
 	for g, c := range files {
 		written[g] = c
 	}
@@ -294,6 +330,9 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 		return err
 	}
 	for _, u := range quietUnits {
+		if root.UserData != "" && strings.HasPrefix(u, "cloud-") {
+			continue
+		}
 		p := filepath.Join(units, u)
 		_ = os.Remove(p)
 		if err := os.Symlink("/dev/null", p); err != nil {
