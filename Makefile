@@ -94,12 +94,22 @@ K8S_TIMEOUT ?= 70m
 # locks. Its log: bin/k8s-prefetch.log.
 k8s-prefetch: build deps-apt
 	@nohup nice -n 10 bash -c 'packaging/test/guest-root.sh >/dev/null & $(BIN)/vco-lab k8s prefetch; wait' >$(BIN)/k8s-prefetch.log 2>&1 </dev/null &
+# K8S_SCENARIOS: empty for make test's (K1, K2, K4), "all", or a list
+# such as K1,K4,K6. K8S_KIND: the disk kind of k8s-lab's workers.
+K8S_SCENARIOS ?=
+K8S_KIND      ?= scsi-block
 test-k8s: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
-	VCO_LAB=1 VCO_K8S=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
+	VCO_LAB=1 VCO_K8S=1 VCO_K8S_SCENARIOS=$(K8S_SCENARIOS) VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
 k8s-lab: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
-	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN)
+	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN) -kind $(K8S_KIND)
+# Every scenario on both disk kinds (about 25 min each with warm caches).
+.PHONY: soak-k8s
+soak: soak-k8s
+soak-k8s:
+	$(MAKE) --no-print-directory k8s-lab K8S_KIND=scsi-block
+	$(MAKE) --no-print-directory k8s-lab K8S_KIND=virtio-blk
 
 # Benchmarks print one table of figures against named references; they
 # are never asserted. Each part adds a bench-* target as a prerequisite and

@@ -31,7 +31,8 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run> [flags]
   run [-scenarios K1,K2,K4] [-report DIR]
           a cluster of its own, the scenarios, a report per safety
           property (DIR/k8s-report.txt and .html); nothing is left running
-flags: -dir DIR (default $VCO_LAB_DIR or /var/tmp/vco-lab), -bin DIR, -kind scsi-block|virtio-blk
+flags: -dir DIR (default $VCO_LAB_DIR or /var/tmp/vco-lab), -bin DIR, -kind scsi-block|virtio-blk,
+  -cloud-init=false (the workers' agent enabled by the package, not its cloud-init seed)
 `
 
 // k8sInfo is k8s.json in the lab directory: how to reach a cluster that
@@ -52,6 +53,7 @@ func k8sCmd(args []string) int {
 	var kind, scenarios, report string
 	extra := func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block or virtio-blk")
+		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
 		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "scenarios to run")
 		fs.StringVar(&report, "report", "", "report directory (default: -bin)")
 	}
@@ -89,8 +91,11 @@ func k8sOptions(c *common, kind string, detached bool) (k8s.Options, error) {
 	if err != nil {
 		return k8s.Options{}, err
 	}
-	return k8s.Options{Lab: cfg, Kind: lab.DiskKind(kind), Log: os.Stderr}, nil
+	return k8s.Options{Lab: cfg, Kind: lab.DiskKind(kind), CloudInit: k8sCloudInit, Log: os.Stderr}, nil
 }
+
+// k8sCloudInit is the -cloud-init flag of up, serve and run.
+var k8sCloudInit = true
 
 // k8sRun is `make k8s-lab`: a cluster, the story, the report; it fails
 // unless every scenario passed and every property held.
@@ -122,7 +127,7 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 // Kubernetes and the images: the wait is long.
 func k8sUp(c *common, kind string) int {
 	b, code := startDetached(c, "the cluster", k8sInfoPath(c.dir), "k8s-serve.log", 90*time.Minute,
-		"k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind)
+		"k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind, fmt.Sprintf("-cloud-init=%v", k8sCloudInit))
 	if code != 0 {
 		return code
 	}

@@ -262,3 +262,44 @@ func TestRealVault(t *testing.T) {
 		t.Fatalf("Rewrap: %+v %v", re, err)
 	}
 }
+
+// The fake's Review hook stands where a real Kubernetes auth method asks
+// the cluster's TokenReview API: the token it is given is the one the
+// client read from its ServiceAccount token file, and its verdict decides
+// the login.
+func TestLoginJudgedByTheReviewHook(t *testing.T) {
+	f, cfg := tlsFake(t)
+	var reviewed []string
+	f.Review = func(jwt, role string) error {
+		reviewed = append(reviewed, role+" "+jwt)
+		if jwt != "reviewed.good.jwt" {
+			return errors.New("token review: not authenticated")
+		}
+		return nil
+	}
+	if err := os.WriteFile(cfg.ServiceAccountTokenFile, []byte("reviewed.good.jwt\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := c.Encrypt(ctx, "volumes", []byte("x")); err != nil {
+		t.Fatalf("a token the review accepts: %v", err)
+	}
+	if len(reviewed) != 1 || reviewed[0] != f.Role+" reviewed.good.jwt" {
+		t.Fatalf("reviewed %q", reviewed)
+	}
+	// f.JWT is no longer what counts.
+	if err := os.WriteFile(cfg.ServiceAccountTokenFile, []byte(f.JWT+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c2, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c2.Encrypt(ctx, "volumes", []byte("x")); err == nil || !strings.Contains(err.Error(), "403") && !strings.Contains(err.Error(), "denied") {
+		t.Fatalf("a token the review refuses: %v", err)
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +21,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
@@ -36,6 +38,12 @@ type Options struct {
 	Kind lab.DiskKind
 	// MemMB and CPUs of each worker (default 2048 and 2).
 	MemMB, CPUs int
+	// CloudInit has the workers' vco-agent configured and enabled by the
+	// package's cloud-init seed, as on a node image
+	// (packaging/cloud-init/user-data.yaml); without it the package's
+	// postinst enabled it and the lab writes its configuration. cloud-init
+	// adds a minute or more of Python to each worker's boot under TCG.
+	CloudInit bool
 	// CSIImage is the vco-csi image archive `make image` writes; default
 	// the newest dist/vco-csi-*.oci.tar of the repository.
 	CSIImage string
@@ -55,6 +63,12 @@ type Cluster struct {
 	// Registry serves the cluster's images; registry.k8s.io and
 	// PortalHost are mirrored to it on the workers.
 	Registry *images.Registry
+	// Transit is the key backend K7 sets up as docs/encryption.md says:
+	// the FAKE transit engine of crypt/transit/transittest (no Vault or
+	// OpenBao can be installed here), on loopback, reached by the workers
+	// on HostInGuest:GuestTransitPort.
+	Transit     *transittest.Fake
+	transitStop func()
 
 	cp  *controlPlane
 	log io.Writer
@@ -103,6 +117,15 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	if err != nil {
 		return nil, err
 	}
+	transitPort, err := c.startTransit()
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			c.transitStop()
+		}
+	}()
 	boot := func(ctx context.Context, l *lab.Lab, apiPort int) error {
 		dir := filepath.Join(l.Dir(), "k8s")
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -113,18 +136,22 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		}
 		c.Kubeconfig = c.cp.Kubeconfig
 		fmt.Fprintf(o.Log, "k8s: making the worker image (kubelet %s, containerd, the vco-agent package)\n", Version)
-		seeded := *root
-		if seeded.UserData, err = nodeUserData(simlab.Location); err != nil {
-			return err
+		img, files := *root, workerFiles()
+		if o.CloudInit {
+			if img.UserData, err = nodeUserData(simlab.Location); err != nil {
+				return err
+			}
+		} else {
+			files["/etc/vco-agent/config.yaml"] = agentConfig(simlab.Location)
 		}
-		sb, err := l.DebianImageWith(ctx, "debian-k8s", &seeded, workerFiles(), map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
+		sb, err := l.DebianImageWith(ctx, "debian-k8s", &img, files, map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
 		if err != nil {
 			return err
 		}
 		var cfgs []lab.GuestConfig
 		for _, n := range o.Workers {
 			cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: o.MemMB, CPUs: o.CPUs,
-				Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, 0)})
+				Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort)})
 		}
 		fmt.Fprintf(o.Log, "k8s: booting %s\n", strings.Join(o.Workers, ", "))
 		gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
@@ -205,6 +232,9 @@ func (c *Cluster) Close() error {
 	if c.Registry != nil {
 		c.Registry.Stop()
 	}
+	if c.transitStop != nil {
+		c.transitStop()
+	}
 	if c.Env == nil {
 		return nil
 	}
@@ -283,4 +313,30 @@ func Prefetch(ctx context.Context, cacheDir string, log io.Writer) error {
 	}
 	_, err = NodeRoot(ctx, base, log)
 	return err
+}
+
+// The key backend's names in the lab, one cluster's own as
+// docs/encryption.md sets them up.
+const (
+	TransitMount = "transit-lab"
+	AuthMount    = "kubernetes-lab"
+	TransitRole  = "vco-csi-node"
+	TransitKey   = "vco-csi-volumes"
+)
+
+// startTransit serves the fake transit engine on loopback and returns its
+// port. Until K7 gives it a token reviewer it accepts no login.
+func (c *Cluster) startTransit() (int, error) {
+	f := transittest.New()
+	f.AuthMount, f.TransitMount, f.Role = AuthMount, TransitMount, TransitRole
+	f.Rotate(TransitKey)
+	f.Review = func(string, string) error { return errors.New("no token reviewer configured yet") }
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("listening for the transit engine: %w", err)
+	}
+	srv := &http.Server{Handler: f, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	c.Transit, c.transitStop = f, func() { _ = srv.Close() }
+	return ln.Addr().(*net.TCPAddr).Port, nil
 }

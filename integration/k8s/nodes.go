@@ -80,6 +80,12 @@ WantedBy=multi-user.target
 	}
 }
 
+// agentConfig is the agent's configuration when no cloud-init seed writes
+// it: what the seed writes, with the location override on.
+func agentConfig(location string) string {
+	return "socket:\n  path: /run/vco-agent/agent.sock\n  group: vco-agent\nnode:\n  location: \"" + location + "\"\nlog:\n  level: info\n"
+}
+
 // nodeUserData is the package's cloud-init seed (packaging/cloud-init/
 // user-data.yaml) as a node image would carry it, with its commented
 // location override turned on: the workers' vco-agent is configured and

@@ -45,6 +45,11 @@ type Fake struct {
 	// the transit engine are mounted ("kubernetes" and "transit" when
 	// empty).
 	AuthMount, TransitMount string
+	// Review, when set, judges a login's JWT in place of comparing it with
+	// JWT, as a real Kubernetes auth method does by sending it to the
+	// cluster's TokenReview API: nil accepts it. It is called without Mu
+	// held.
+	Review func(jwt, role string) error
 }
 
 // New makes a fake with no keys, a one-hour token TTL, and a Kubernetes
@@ -111,7 +116,17 @@ func (f *Fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			vaultErr(w, 400, fmt.Sprintf("invalid role name %q", body["role"]))
 			return
 		}
-		if body["jwt"] != f.JWT {
+		if review := f.Review; review != nil {
+			jwt, _ := body["jwt"].(string)
+			role := f.Role
+			f.Mu.Unlock()
+			err := review(jwt, role)
+			f.Mu.Lock()
+			if err != nil {
+				vaultErr(w, 403, "permission denied", err.Error())
+				return
+			}
+		} else if body["jwt"] != f.JWT {
 			vaultErr(w, 403, "permission denied")
 			return
 		}
@@ -222,4 +237,20 @@ func parseVersion(ct string) (int, error) {
 		return 0, fmt.Errorf("bad version")
 	}
 	return n, nil
+}
+
+// Describe sums up what the fake was asked: logins, and requests per
+// transit operation.
+func (f *Fake) Describe() string {
+	f.Mu.Lock()
+	defer f.Mu.Unlock()
+	ops := map[string]int{}
+	for _, r := range f.Requests {
+		for _, op := range []string{"encrypt", "decrypt", "rewrap"} {
+			if strings.Contains(r, "/"+op+"/") {
+				ops[op]++
+			}
+		}
+	}
+	return fmt.Sprintf("FAKE transit engine: %d logins, %d encrypt, %d decrypt, %d rewrap", f.Logins, ops["encrypt"], ops["decrypt"], ops["rewrap"])
 }
