@@ -112,8 +112,13 @@ spec:
 	})
 }
 
-// k6: the claim of K4's running pod grows with kubectl patch; the
-// filesystem the pod sees grows without a restart.
+// k6: the claim of K4's pod grows with kubectl patch. On virtio-blk the
+// disk grows under the running pod (QEMU's block_resize) and the
+// filesystem the pod sees grows without a restart. On scsi-block the lab
+// cannot grow a LUN while a guest is logged in to it (tgtd fixes its size
+// when it opens it), so there K6 grows the claim while it is not in use
+// (the Deployment scaled to none): the controller grows the disk and the
+// next stage grows the filesystem.
 func (s *story) k6(ctx context.Context) error {
 	const sc = "K6"
 	ps, err := s.pods(ctx, "app=k4")
@@ -128,43 +133,94 @@ func (s *story) k6(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	g := s.c.Env.Lab.Guest(p.Node)
-	size := func() (int64, error) {
-		out, err := g.MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
+	size := func(p podInfo) (int64, error) {
+		out, err := s.c.Env.Lab.Guest(p.Node).MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
 		if err != nil {
 			return 0, err
 		}
 		return strconv.ParseInt(strings.TrimSpace(out), 10, 64)
 	}
-	before, err := size()
+	before, err := size(p)
 	if err != nil {
 		return err
 	}
-	return s.step(sc, p.Node, "kubectl patch pvc k4 to 2Gi: the running pod's filesystem grows", func() (string, error) {
-		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`); err != nil {
-			return "", err
-		}
+	patch := func() error {
+		_, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`)
+		return err
+	}
+	// grown waits until the claim reports 2Gi and the filesystem of the
+	// pod k4 has (then) more than 1.5 GiB.
+	grown := func(what string) (podInfo, int64, error) {
 		var after int64
-		if err := waitFor(ctx, 5*time.Minute, "the filesystem of pod "+p.Name+" grown past 1.5 GiB", func() (bool, string, error) {
-			var err error
-			after, err = size()
-			if err != nil {
+		var now podInfo
+		err := waitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
+			ps, err := s.pods(ctx, "app=k4")
+			if err != nil || len(ps) != 1 || !ps[0].Ready {
+				return false, fmt.Sprintf("pods %+v %v", ps, err), nil
+			}
+			now = ps[0]
+			if after, err = size(now); err != nil {
 				return false, err.Error(), nil
 			}
 			capacity, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.status.capacity.storage}")
 			return after > 3<<29 && strings.TrimSpace(capacity) == "2Gi", fmt.Sprintf("filesystem %d bytes, claim capacity %q", after, capacity), nil
-		}); err != nil {
+		})
+		if err != nil {
 			ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name=k4")
-			return "", fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
+			return now, 0, fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
 		}
-		now, err := s.pods(ctx, "app=k4")
+		return now, after, nil
+	}
+	if s.r.Kind == string(lab.SCSIBlock) {
+		s.r.NotRun = append(s.r.NotRun, "K6 online on scsi-block: the lab's tgtd cannot grow a LUN a guest is logged in to; K6 grows the claim while it is not in use there, and online on virtio-blk")
+		return s.step(sc, "cluster", "kubectl patch pvc k4 to 2Gi while it is not in use (scaled to none); the next pod sees the larger filesystem and its data", func() (string, error) {
+			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
+				return "", err
+			}
+			if err := waitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
+				va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o", "jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {end}")
+				return err == nil && strings.TrimSpace(va) == "", va, nil
+			}); err != nil {
+				return "", err
+			}
+			if err := patch(); err != nil {
+				return "", err
+			}
+			if err := waitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
+				st, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.capacity.storage}")
+				return err == nil && strings.TrimSpace(st) == "2Gi", st, nil
+			}); err != nil {
+				return "", err
+			}
+			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=1"); err != nil {
+				return "", err
+			}
+			now, after, err := grown("the next k4 pod on a filesystem past 1.5 GiB")
+			if err != nil {
+				return "", err
+			}
+			data, err := s.readLog(ctx, now, pv)
+			if err != nil {
+				return "", err
+			}
+			if !strings.HasPrefix(data, "written-on-") || strings.Count(data, "\n") < 2 {
+				return "", fmt.Errorf("after growing, the volume holds %q", data)
+			}
+			return fmt.Sprintf("filesystem %d -> %d bytes; pod %s on %s holds %q", before, after, now.Name, now.Node, data), nil
+		})
+	}
+	return s.step(sc, p.Node, "kubectl patch pvc k4 to 2Gi: the running pod's filesystem grows", func() (string, error) {
+		if err := patch(); err != nil {
+			return "", err
+		}
+		now, after, err := grown("the filesystem of pod " + p.Name + " grown past 1.5 GiB")
 		if err != nil {
 			return "", err
 		}
-		if len(now) != 1 || now[0].UID != p.UID || !now[0].Ready {
-			return "", fmt.Errorf("the pod was replaced or is not ready after the expansion: %+v (was %s)", now, p.UID)
+		if now.UID != p.UID {
+			return "", fmt.Errorf("the pod was replaced during the expansion: %s (was %s)", now.UID, p.UID)
 		}
-		data, err := s.readLog(ctx, now[0], pv)
+		data, err := s.readLog(ctx, now, pv)
 		if err != nil {
 			return "", err
 		}
