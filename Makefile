@@ -35,7 +35,9 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
-test: deps lint build k8s-prefetch unit test-bench-brief test-fuzz-brief test-csi-sanity test-deploy \
+# The fuzz engine's runs (test-fuzz-brief, about 9 min) are in make fuzz
+# and make soak, not here: the fuzz targets' seed corpora run in unit.
+test: deps lint build k8s-prefetch unit test-bench-brief test-csi-sanity test-deploy \
       test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
 # Host tests run one package at a time: many attach loop devices and
@@ -277,9 +279,8 @@ bench-crypt: deps build
 	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ > $(BIN)/bench-crypt.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-crypt.txt
 
 # Every fuzz target in the repository, found with `go test -list`, each for
-# FUZZTIME (default 30s); `make test` runs each for FUZZBRIEF executions
-# through test-fuzz-brief (a count: no deadline to race on a loaded
-# machine). Checked-in corpora live in each package's testdata/fuzz.
+# FUZZTIME (default 30s); test-fuzz-brief runs each for FUZZBRIEF
+# executions (a count: no deadline to race on a loaded machine). Checked-in corpora live in each package's testdata/fuzz.
 FUZZBRIEF ?= 3000x
 FUZZ_PKGS  = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u)
 fuzz:
