@@ -423,7 +423,7 @@ func (s *story) k8(ctx context.Context) error {
 		s.c.Env.Sim.SetFaults(sim.Faults{})
 	}()
 	serial := strconv.FormatInt(diskID, 10)
-	var dev string
+	var dev, holderKey string
 	if err := s.step(sc, intruder.Name, "the agent refuses it: DiskRefused naming "+holder+", device read-only, nothing mounted", func() (string, error) {
 		wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 		d, err := intruder.WaitDiskBySerial(wctx, serial)
@@ -448,7 +448,7 @@ func (s *story) k8(ctx context.Context) error {
 		}); err != nil {
 			return "", err
 		}
-		ro, err := intruder.MustSh(ctx, "blockdev --getro /dev/"+d.Name)
+		ro, err := intruder.MustSh(ctx, "blockdev --getro "+dev)
 		if err != nil {
 			return "", err
 		}
@@ -456,17 +456,24 @@ func (s *story) k8(ctx context.Context) error {
 		if err != nil {
 			return "", err
 		}
-		held := refused.HolderNode == holder && strings.TrimSpace(ro) == "1" && len(mounts) == 0
-		s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s holds it: holder %q, /dev/%s read-only=%s, mounts %d: %s",
-			intruder.Name, serial, holder, refused.HolderNode, d.Name, strings.TrimSpace(ro), len(mounts), refused.Message)
+		// The refusal names the holder by its fence key (and by node name
+		// where the agent knows it): the key must be the one the holder's
+		// agent claimed the volume with.
+		if holderKey, err = claimKey(ctx, s.c.Env.Lab.Guest(holder), h); err != nil {
+			return "", err
+		}
+		named := refused.HolderKey == holderKey && (refused.HolderNode == "" || refused.HolderNode == holder)
+		held := named && strings.TrimSpace(ro) == "1" && len(mounts) == 0
+		s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s (key %s) holds it: holder key %s node %q, %s read-only=%s, mounts %d: %s",
+			intruder.Name, serial, holder, holderKey, refused.HolderKey, refused.HolderNode, dev, strings.TrimSpace(ro), len(mounts), refused.Message)
 		if !held {
-			return "", fmt.Errorf("refusal incomplete: holder %q, read-only %q, mounts %v", refused.HolderNode, ro, mounts)
+			return "", fmt.Errorf("refusal incomplete: holder key %q (the holder's is %q) node %q, read-only %q, mounts %v", refused.HolderKey, holderKey, refused.HolderNode, ro, mounts)
 		}
 		return refused.Message, nil
 	}); err != nil {
 		return err
 	}
-	return s.step(sc, "cluster", "the refusal is an Event on Node "+intruder.Name+" naming "+holder, func() (string, error) {
+	return s.step(sc, "cluster", "the refusal is an Event on Node "+intruder.Name+" naming the holder", func() (string, error) {
 		var msg string
 		err := waitFor(ctx, 2*time.Minute, "a DiskRefused Event on Node "+intruder.Name, func() (bool, string, error) {
 			out, err := s.c.Kubectl(ctx, "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+intruder.Name+",reason=DiskRefused",
@@ -481,12 +488,12 @@ func (s *story) k8(ctx context.Context) error {
 				return false, err.Error(), nil
 			}
 			for _, it := range list.Items {
-				if strings.Contains(it.Message, holder) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial)) {
+				if (strings.Contains(it.Message, holder) || strings.Contains(it.Message, holderKey)) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial)) {
 					msg = it.Type + ": " + it.Message
 					return true, "", nil
 				}
 			}
-			return false, fmt.Sprintf("%d DiskRefused events on the Node, none about %s and %s", len(list.Items), dev, holder), nil
+			return false, fmt.Sprintf("%d DiskRefused events on the Node, none about %s and %s (%s)", len(list.Items), dev, holder, holderKey), nil
 		})
 		return msg, err
 	})
@@ -645,7 +652,7 @@ func (s *story) k5(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
-	return s.step(sc, live.Name, "none of "+dead.Name+"'s writes landed", func() (string, error) {
+	if err := s.step(sc, live.Name, "none of "+dead.Name+"'s writes landed", func() (string, error) {
 		ps, err := s.pods(ctx, "app=k4")
 		if err != nil || len(ps) != 1 {
 			return "", fmt.Errorf("k4's pod: %+v %v", ps, err)
@@ -663,10 +670,27 @@ func (s *story) k5(ctx context.Context) error {
 		if landed {
 			return "", fmt.Errorf("a write of %s landed: %q", dead.Name, out)
 		}
+		return strings.ReplaceAll(strings.TrimSpace(out), "\n", " "), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, dead.Name, "its kubelet tears down the deleted pod's volume: nothing of it stays mounted; the taint is lifted", func() (string, error) {
+		var left []string
+		err := waitFor(ctx, 4*time.Minute, "no mount of "+pv+" left on "+dead.Name, func() (bool, string, error) {
+			var err error
+			if left, err = s.mountsOf(ctx, dead, pv); err != nil {
+				return false, err.Error(), nil
+			}
+			return len(left) == 0, strings.Join(left, "; "), nil
+		})
+		if err != nil {
+			out, _ := dead.MustSh(ctx, "journalctl -u kubelet --no-pager -n 15 2>&1 | cut -c1-300")
+			return "", fmt.Errorf("%w\nkubelet on %s:\n%s", err, dead.Name, out)
+		}
 		if _, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service-"); err != nil {
 			return "", err
 		}
-		return strings.ReplaceAll(strings.TrimSpace(out), "\n", " "), nil
+		return "nothing of " + pv + " mounted on " + dead.Name, nil
 	})
 }
 
@@ -710,4 +734,23 @@ func nodeEvents(ctx context.Context, g *lab.Guest) ([]simlab.Event, error) {
 		evs = append(evs, ev)
 	}
 	return evs, nil
+}
+
+// claimKey is the fence key g's agent claimed volume with: the holder key
+// of its last DiskClaimed event for it.
+func claimKey(ctx context.Context, g *lab.Guest, volume string) (string, error) {
+	evs, err := nodeEvents(ctx, g)
+	if err != nil {
+		return "", err
+	}
+	key := ""
+	for _, ev := range evs {
+		if ev.Name() == "DiskClaimed" && ev.Volume == volume {
+			key = ev.HolderKey
+		}
+	}
+	if key == "" {
+		return "", fmt.Errorf("%s's agent has no DiskClaimed event for %s", g.Name, volume)
+	}
+	return key, nil
 }
