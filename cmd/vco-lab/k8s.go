@@ -31,7 +31,7 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run> [flags]
   run [-scenarios K1,K2,K4] [-report DIR]
           a cluster of its own, the scenarios, a report per safety
           property (DIR/k8s-report.txt and .html); nothing is left running
-flags: -dir DIR (default $VCO_LAB_DIR or /var/tmp/vco-lab), -bin DIR, -kind scsi-block|virtio-blk,
+flags: -dir DIR (default $VCO_LAB_DIR or /var/tmp/vco-lab), -bin DIR, -kind scsi-block|virtio-blk|virtio-blk-file,
   -cloud-init=false (the workers' agent enabled by the package, not its cloud-init seed)
 `
 
@@ -52,7 +52,7 @@ func k8sCmd(args []string) int {
 	}
 	var kind, scenarios, report string
 	extra := func(fs *flag.FlagSet) {
-		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block or virtio-blk")
+		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
 		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "scenarios to run")
 		fs.StringVar(&report, "report", "", "report directory (default: -bin)")

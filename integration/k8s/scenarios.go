@@ -112,13 +112,14 @@ spec:
 	})
 }
 
-// k6: the claim of K4's pod grows with kubectl patch. On virtio-blk the
-// disk grows under the running pod (QEMU's block_resize) and the
-// filesystem the pod sees grows without a restart. On scsi-block the lab
-// cannot grow a LUN while a guest is logged in to it (tgtd fixes its size
-// when it opens it), so there K6 grows the claim while it is not in use
-// (the Deployment scaled to none): the controller grows the disk and the
-// next stage grows the filesystem.
+// k6: the claim of K4's pod grows with kubectl patch. With file-backed
+// virtio-blk disks (simlab.FileVirtioBlk) the disk grows under the running
+// pod (QEMU's block_resize) and the filesystem the pod sees grows without
+// a restart. The lab cannot grow an iSCSI LUN (scsi-block, virtio-blk)
+// while a guest is logged in to it (tgtd fixes its size when it opens it),
+// so there K6 grows the claim while it is not in use (the Deployment
+// scaled to none): the controller grows the disk and the next stage grows
+// the filesystem.
 func (s *story) k6(ctx context.Context) error {
 	const sc = "K6"
 	ps, err := s.pods(ctx, "app=k4")
@@ -171,8 +172,8 @@ func (s *story) k6(ctx context.Context) error {
 		}
 		return now, after, nil
 	}
-	if s.r.Kind == string(lab.SCSIBlock) {
-		s.r.NotRun = append(s.r.NotRun, "K6 online on scsi-block: the lab's tgtd cannot grow a LUN a guest is logged in to; K6 grows the claim while it is not in use there, and online on virtio-blk")
+	if s.r.Kind != string(simlab.FileVirtioBlk) {
+		s.r.NotRun = append(s.r.NotRun, "K6 online on "+s.r.Kind+": the lab's tgtd cannot grow an iSCSI LUN a guest is logged in to; K6 grows the claim while it is not in use here, and under the running pod with file-backed virtio-blk disks (-kind "+string(simlab.FileVirtioBlk)+")")
 		return s.step(sc, "cluster", "kubectl patch pvc k4 to 2Gi while it is not in use (scaled to none); the next pod sees the larger filesystem and its data", func() (string, error) {
 			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
 				return "", err
