@@ -91,7 +91,13 @@ func startControlPlane(ctx context.Context, l *lab.Lab, bins *Binaries, dir stri
 	}
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
 	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peerPort)
-	// The lab's etcd does not fsync: its data lives as long as the lab.
+	// The lab's etcd does not fsync: its data lives as long as the lab. A
+	// lab directory used before (vco-lab -dir) may hold an earlier
+	// cluster's data, whose objects the new one must not inherit (its
+	// certificates are new).
+	if err := os.RemoveAll(filepath.Join(dir, "etcd")); err != nil {
+		return nil, err
+	}
 	if err := start("etcd", bins.Etcd, "--name", "lab", "--data-dir", filepath.Join(dir, "etcd"),
 		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL,
 		"--listen-peer-urls", peerURL, "--initial-advertise-peer-urls", peerURL,
