@@ -33,8 +33,19 @@ func newHostLUKS(t *testing.T) *hostLUKS {
 	return &hostLUKS{LoopMapping: dmcrypttest.NewLoopMapping(t)}
 }
 
-func (f *hostLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (string, error) {
-	return f.LoopMapping.Open(ctx, device, name, pass, ro)
+// Open maps with the FAKE loop mapping and reports the header copy it
+// read as crypt.Unlock does.
+func (f *hostLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (Mapped, error) {
+	p, err := f.LoopMapping.Open(ctx, device, name, pass, ro)
+	if err != nil {
+		return Mapped{}, err
+	}
+	v, err := luks2.Open(device, false)
+	if err != nil {
+		return Mapped{}, err
+	}
+	defer v.Close()
+	return Mapped{Path: p, Reader: dmcrypttest.Reader, Source: v.Header.Source, HeaderDamage: v.Header.Damaged}, nil
 }
 
 func (f *hostLUKS) Close(ctx context.Context, name string) error {
