@@ -1,5 +1,6 @@
-// Package dmcrypt maps an unlocked LUKS2 volume as a dm-crypt device, grows
-// the mapping online, and removes it. It uses github.com/anatol/devmapper.go
+// Package dmcrypt maps an unlocked LUKS2 volume as a dm-crypt device where
+// luks.go cannot (package crypt), grows a mapping online and removes it,
+// whether luks.go or this package set it up. It uses github.com/anatol/devmapper.go
 // for device creation, removal and status, and its own ioctls for what that
 // library lacks (see ioctl.go): loading a table with the secure-data flag,
 // resuming with NOFLUSH|SKIP_LOCKFS, and reading a table back. It also makes
