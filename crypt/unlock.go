@@ -113,22 +113,29 @@ func allowDiscards(v *luks2.Volume, o OpenOptions) bool {
 // unsealLuksGo opens the keyslot with luks.go, trying the keyslots v's
 // validated header lists, in its order and within o.KDF (luks2.Unseal),
 // and returns luks.go's Volume with its public fields set to the mapping
-// this agent makes: the device v was validated on, the data size rounded
-// down to whole encryption sectors (luks.go does not round a dynamic
-// segment), and no flag but allow-discards (luks.go would pass on every
-// persistent flag of the header, and refuse ones it does not know). What
-// luks.go read must agree with v: the header is read twice, and a
-// header rewritten in between is refused, not mapped.
+// this agent makes: the device v was validated on (luks.go reads v's
+// Snapshot, so that it parses the very header crypt/luks2 validated, not
+// a second reading of the device that could have been rewritten in
+// between), the data size rounded down to whole encryption sectors
+// (luks.go does not round a dynamic segment), and no flag but
+// allow-discards (luks.go would pass on every persistent flag of the
+// header, and refuse ones it does not know). What luks.go read must agree
+// with v.
 func unsealLuksGo(ctx context.Context, v *luks2.Volume, device string, passphrase []byte, o OpenOptions) (vol *luksgo.Volume, err error) {
-	d, err := luksGoOpen(device)
+	snap, err := v.Snapshot()
+	if err != nil {
+		return nil, err
+	}
+	// A keyslot abandoned when ctx ends may still be reading the
+	// snapshot; its reads then fail and its result is dropped.
+	defer snap.Close()
+	d, err := luksGoOpen(luks2.SnapshotPath(snap))
 	if err != nil {
 		return nil, fmt.Errorf("%s: luks.go cannot read the LUKS2 header this agent validated: %w", device, err)
 	}
-	// A keyslot abandoned when ctx ends may still be reading d; its reads
-	// then fail and its result is dropped.
 	defer d.Close()
 	if d.Version() != 2 || d.UUID() != v.Header.UUID {
-		return nil, fmt.Errorf("%s: luks.go reads LUKS%d volume %s, this agent validated LUKS2 volume %s (the header changed while it was read?); retry", device, d.Version(), d.UUID(), v.Header.UUID)
+		return nil, fmt.Errorf("%s: luks.go reads LUKS%d volume %s where this agent validated LUKS2 volume %s; the two readers disagree", device, d.Version(), d.UUID(), v.Header.UUID)
 	}
 	vol, _, err = luks2.Unseal(ctx, v, passphrase, o.KDF, func(slot int, pass []byte) (*luksgo.Volume, error) {
 		return luksGoUnseal(d, slot, pass)
@@ -144,7 +151,7 @@ func unsealLuksGo(ctx context.Context, v *luks2.Volume, device string, passphras
 	if vol.UUID != v.Header.UUID || vol.LuksType != "LUKS2" || vol.StorageOffset != v.DataOffset() ||
 		vol.StorageEncryption != v.Cipher() || vol.StorageIvTweak != v.IVTweak() || vol.StorageSectorSize != sector ||
 		vol.StorageSize < size || vol.StorageSize-size >= sector {
-		return nil, fmt.Errorf("%s: luks.go reads the data segment as %s at byte %d, %d bytes, sector %d, iv tweak %d; this agent validated %s at byte %d, %d bytes, sector %d, iv tweak %d (the header changed while it was read?); retry",
+		return nil, fmt.Errorf("%s: luks.go reads the data segment as %s at byte %d, %d bytes, sector %d, iv tweak %d where this agent validated %s at byte %d, %d bytes, sector %d, iv tweak %d; the two readers disagree",
 			device, vol.StorageEncryption, vol.StorageOffset, vol.StorageSize, vol.StorageSectorSize, vol.StorageIvTweak,
 			v.Cipher(), v.DataOffset(), size, sector, v.IVTweak())
 	}
@@ -158,8 +165,7 @@ func unsealLuksGo(ctx context.Context, v *luks2.Volume, device string, passphras
 }
 
 // luksGoOpen is luksgo.Open that turns a panic into an error: luks.go
-// trusts what it reads further than crypt/luks2 does, and the header may
-// have been rewritten since crypt/luks2 validated it.
+// trusts what it reads further than crypt/luks2 does.
 func luksGoOpen(device string) (d luksgo.Device, err error) {
 	defer func() {
 		if r := recover(); r != nil {

@@ -1,8 +1,10 @@
 package luks2
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -150,4 +152,85 @@ func TestTransitTokenFromTheSecondaryWhenThePrimaryIsDamaged(t *testing.T) {
 	if _, got, err := v.TransitToken(); err != nil || got == nil || got.Ciphertext != "vault:v1:one" {
 		t.Fatalf("token %+v %v", got, err)
 	}
+}
+
+// luks.go unlocks from the Snapshot, which holds the header as it was
+// validated: a header rewritten on the device afterwards (here with a key
+// derivation cost far beyond the bounds, which would keep luks.go busy for
+// days) is not what luks.go reads.
+func TestSnapshotIsWhatWasValidated(t *testing.T) {
+	pass := []byte("pw")
+	p, v := formatImage(t, 32<<20, FormatOptions{Passphrase: pass, KDF: KDFParams{Type: "pbkdf2", Iterations: 1000}})
+	before := readRange(t, p, 0, formatHdrSize)
+	rewriteJSON(t, p, 1, []bool{true, false}, func(m map[string]any) {
+		kdf0(m)["iterations"] = 1 << 30
+	})
+	if bytes.Equal(readRange(t, p, 0, formatHdrSize), before) {
+		t.Fatal("the header on the device was not rewritten")
+	}
+	if _, err := Open(p, false); err == nil {
+		t.Fatal("the validator admitted 2^30 pbkdf2 iterations")
+	}
+	snap, err := v.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer snap.Close()
+	if got := readRange(t, SnapshotPath(snap), 0, formatHdrSize); !bytes.Equal(got, before) {
+		t.Fatal("the snapshot's header is not the primary copy that was validated")
+	}
+	d, err := luksgo.Open(SnapshotPath(snap))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	start := time.Now()
+	vol, err := d.UnsealVolume(0, pass)
+	if err != nil || vol.UUID != v.Header.UUID {
+		t.Fatalf("luks.go on the snapshot: %+v %v", vol, err)
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("luks.go took %v: it derived with the rewritten cost", took)
+	}
+}
+
+// A volume read from its secondary copy snapshots that copy as the
+// primary, which luks.go reads.
+func TestSnapshotOfTheSecondary(t *testing.T) {
+	pass := []byte("pw")
+	p, v := formatImage(t, 32<<20, FormatOptions{Passphrase: pass})
+	v.Close()
+	corrupt(t, p, binHeaderSize+10, []byte("garbage"))
+	v, err := Open(p, false)
+	if err != nil || v.Header.Source != "secondary" {
+		t.Fatalf("%+v %v", v, err)
+	}
+	defer v.Close()
+	snap, err := v.Snapshot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer snap.Close()
+	d, err := luksgo.Open(SnapshotPath(snap))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if _, err := d.UnsealVolume(0, pass); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func readRange(t *testing.T, p string, off, n int64) []byte {
+	t.Helper()
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, n)
+	if _, err := f.ReadAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
