@@ -8,8 +8,9 @@
 // Every open starts here: both header copies are read and the one in use
 // is validated strictly (the layout rules and key derivation bounds
 // below). The unlock itself then goes through luks.go (package crypt:
-// luks.Open, Device.UnsealVolume, Volume.SetupMapper), run by Unseal on
-// the keyslots and within the limits this package's UnlockContext uses;
+// luks.Open, Device.UnsealVolume, Volume.SetupMapper) reading a Snapshot
+// of the validated header, run by Unseal on the keyslots and within the
+// limits this package's UnlockContext uses;
 // TransitToken reads the token with luks.go's Tokens() and checks it
 // against the validated header. UnlockContext, this package's own keyslot
 // code, unlocks from the secondary header, for read-only mappings (luks.go
