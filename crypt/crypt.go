@@ -1,7 +1,6 @@
 package crypt
 
 import (
-	"context"
 	"fmt"
 	"time"
 
@@ -9,7 +8,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
-// OpenOptions are the activation choices of Open.
+// OpenOptions are the activation choices of Unlock.
 type OpenOptions struct {
 	// ReadOnly maps the volume read-only.
 	ReadOnly bool
@@ -19,18 +18,6 @@ type OpenOptions struct {
 	// KDF bounds the key derivations of the unlock (none beyond the
 	// header bounds when zero).
 	KDF luks2.UnlockLimits
-}
-
-// Open unlocks the LUKS2 volume on device with passphrase and maps it as
-// /dev/mapper/<name>, which it returns (Unlock says how).
-func Open(device, name string, passphrase []byte, o OpenOptions) (string, error) {
-	return OpenContext(context.Background(), device, name, passphrase, o)
-}
-
-// OpenContext is Open whose unlock stops when ctx ends.
-func OpenContext(ctx context.Context, device, name string, passphrase []byte, o OpenOptions) (string, error) {
-	op, err := Unlock(ctx, device, name, passphrase, o)
-	return op.Path, err
 }
 
 // CloseTimeout is how long Close waits for a busy mapping by default.
