@@ -39,12 +39,12 @@ func (c *recordingCrypt) Format(context.Context, blank.Proof, []byte, volume.Tra
 	return errors.New("the fake formats nothing")
 }
 
-func (c *recordingCrypt) Open(_ context.Context, device, _ string, pass []byte, _ bool) (string, error) {
+func (c *recordingCrypt) Open(_ context.Context, device, _ string, pass []byte, _ bool) (volume.Mapped, error) {
 	c.seen = append(c.seen, bytes.Clone(pass))
 	if c.fail {
-		return "", errors.New("the fake refuses this passphrase")
+		return volume.Mapped{}, errors.New("the fake refuses this passphrase")
 	}
-	return device, nil
+	return volume.Mapped{Path: device, Reader: "fake"}, nil
 }
 
 func (c *recordingCrypt) Close(context.Context, string) error  { return nil }

@@ -33,8 +33,19 @@ func newHostLUKS(t *testing.T) *hostLUKS {
 	return &hostLUKS{LoopMapping: dmcrypttest.NewLoopMapping(t)}
 }
 
-func (f *hostLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (string, error) {
-	return f.LoopMapping.Open(ctx, device, name, pass, ro)
+// Open maps with the FAKE loop mapping and reports the header copy it
+// read as crypt.Unlock does.
+func (f *hostLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (Mapped, error) {
+	p, err := f.LoopMapping.Open(ctx, device, name, pass, ro)
+	if err != nil {
+		return Mapped{}, err
+	}
+	v, err := luks2.Open(device, false)
+	if err != nil {
+		return Mapped{}, err
+	}
+	defer v.Close()
+	return Mapped{Path: p, Reader: dmcrypttest.Reader, Source: v.Header.Source, HeaderDamage: v.Header.Damaged}, nil
 }
 
 func (f *hostLUKS) Close(ctx context.Context, name string) error {
@@ -406,4 +417,54 @@ func TestEncryptedVolumeWithoutLUKSSupportIsRefused(t *testing.T) {
 	req.Passphrase = nil
 	_, err = e.m.Stage(context.Background(), req)
 	wantCode(t, err, codes.InvalidArgument, "no passphrase")
+}
+
+// A volume whose primary LUKS2 header is damaged still stages (from the
+// secondary copy), and the stage's event says so, naming the copy, so an
+// operator can repair it; nothing is rewritten behind their back. The
+// mapping is dmcrypttest's FAKE; which code unlocks such a volume for real
+// is crypt's TestChooseReader and the guest test's.
+func TestDamagedLUKS2HeaderStagesAndTheEventSaysSo(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, nil)
+	e.crypt = newHostLUKS(t)
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := encReq(e, "vol-dmg", img, "staging/dmg")
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if ev := e.event(events.DiskClaimed); strings.Contains(ev.Message, "damaged") {
+		t.Fatalf("an intact header reported damaged: %s", ev.Message)
+	}
+	if err := e.m.Unstage(ctx, "vol-dmg", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte("garbage"), 4096+10); err != nil { // the primary's JSON area
+		t.Fatal(err)
+	}
+	f.Close()
+	before, _ := os.ReadFile(img)
+	req.FormatLUKS = false
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatalf("stage with a damaged primary header: %v", err)
+	}
+	ev := e.event(events.DiskClaimed)
+	for _, want := range []string{"LUKS2 header is damaged", "primary header", "secondary copy", "vco-agent luks repair"} {
+		if !strings.Contains(ev.Message, want) {
+			t.Errorf("the stage's event does not say %q: %s", want, ev.Message)
+		}
+	}
+	if err := e.m.Unstage(ctx, "vol-dmg", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	after, _ := os.ReadFile(img)
+	if !bytes.Equal(before[:32<<10], after[:32<<10]) {
+		t.Fatal("the damaged header was rewritten without being asked")
+	}
 }

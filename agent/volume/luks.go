@@ -229,15 +229,33 @@ func (l *LUKS) formatMemoryKiB() int {
 	return 0
 }
 
-// Open implements Encryption. The unlock gives up when ctx ends or
-// UnlockTimeout passes, whichever is first, so the volume's lock is never
-// held across an unbounded run of key derivations.
-func (l *LUKS) Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (string, error) {
+// Mapped is what Encryption.Open mapped, and how.
+type Mapped struct {
+	// Path is the mapping's device node.
+	Path string
+	// Reader names the code that unsealed the keyslot and set the
+	// mapping up (crypt.ReaderLuksGo or crypt.ReaderOwn).
+	Reader string
+	// Source is the LUKS2 header copy read; HeaderDamage, when not
+	// empty, what is wrong with the other copy. The stage's event says
+	// so; nothing is repaired.
+	Source       string
+	HeaderDamage []string
+}
+
+// Open implements Encryption through crypt.Unlock: the header validated by
+// crypt/luks2, the keyslot unsealed and the mapping set up by luks.go, or
+// by crypt/luks2 when the primary header is damaged or the mapping is
+// read-only. The unlock gives up when ctx ends or UnlockTimeout passes,
+// whichever is first, so the volume's lock is never held across an
+// unbounded run of key derivations.
+func (l *LUKS) Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (Mapped, error) {
 	timeout := orDefault(l.UnlockTimeout, DefaultUnlockTimeout)
 	ctx, cancel := context.WithTimeoutCause(ctx, timeout,
 		fmt.Errorf("unlocking took longer than the agent allows (%v): %w", timeout, context.DeadlineExceeded))
 	defer cancel()
-	return crypt.OpenContext(ctx, device, name, passphrase, crypt.OpenOptions{ReadOnly: readOnly, KDF: l.unlockLimits()})
+	op, err := crypt.Unlock(ctx, device, name, passphrase, crypt.OpenOptions{ReadOnly: readOnly, KDF: l.unlockLimits()})
+	return Mapped{Path: op.Path, Reader: op.Reader, Source: op.Source, HeaderDamage: op.HeaderDamage}, err
 }
 
 // Close implements Encryption.

@@ -40,9 +40,8 @@ type Encryption interface {
 	// the agent's own format a crash cut short) lets it write over that
 	// area; nothing else is ever formatted.
 	Format(ctx context.Context, p blank.Proof, passphrase []byte, tok TransitToken) error
-	// Open unlocks the LUKS2 volume on device and maps it as name,
-	// returning the mapped device's path.
-	Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (mapped string, err error)
+	// Open unlocks the LUKS2 volume on device and maps it as name.
+	Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (Mapped, error)
 	// Close removes the mapping; a missing mapping is not an error.
 	Close(ctx context.Context, name string) error
 	// Resize grows the mapping to its backing device, online.
@@ -608,6 +607,8 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	}
 
 	target := c.BaseDevice()
+	var unlock Mapped
+	var headerNote string
 	if r.Encrypted {
 		if m.o.Crypt == nil {
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
@@ -617,7 +618,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			return res, err
 		}
 		res.Formatted = formatted
-		dmPath, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.ReadOnly)
+		mp, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.ReadOnly)
 		if err != nil {
 			hint := ""
 			if errors.Is(err, luks2.ErrWrongPassphrase) {
@@ -626,7 +627,14 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %w%s", c.Volume, target, err, hint)
 		}
 		mapped = true
-		c.Mapper, target = dmPath, dmPath
+		unlock = mp
+		if len(mp.HeaderDamage) > 0 {
+			headerNote = fmt.Sprintf("; its LUKS2 header is damaged (%s), opened from the %s copy by %s; 'vco-agent luks repair' rewrites both copies",
+				strings.Join(mp.HeaderDamage, "; "), mp.Source, mp.Reader)
+			m.log.Warn("opened an encrypted volume whose LUKS2 header is damaged", "volume", c.Volume, "device", target,
+				"source", mp.Source, "reader", mp.Reader, "damage", strings.Join(mp.HeaderDamage, "; "))
+		}
+		c.Mapper, target = mp.Path, mp.Path
 		if err := m.store.Put(c); err != nil {
 			return res, err
 		}
@@ -650,10 +658,11 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (res Stag
 	} else {
 		msg += fmt.Sprintf(", fenced with %s key %s", c.Method, c.Key)
 	}
+	msg += headerNote
 	m.markClaimed(dev.Name)
 	m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
 		HolderKey: uint64(c.Key), Reason: "staged", Message: msg})
-	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "staging", c.StagingPath,
+	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "unlocked_by", unlock.Reader, "staging", c.StagingPath,
 		"fs", c.FsType, "fence", c.Method, "formatted", res.Formatted)
 	return StageResult{Device: target, Method: c.Method, Formatted: res.Formatted}, nil
 }

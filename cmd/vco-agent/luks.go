@@ -320,11 +320,18 @@ func (c luksCLI) open(dev, name, passFile string, o crypt.OpenOptions) error {
 		return err
 	}
 	defer clear(pass)
-	p, err := crypt.Open(dev, name, pass, o)
+	op, err := crypt.Unlock(context.Background(), dev, name, pass, o)
 	if err != nil {
 		return err
 	}
-	fmt.Fprintln(c.stdout, p)
+	if len(op.HeaderDamage) > 0 {
+		fmt.Fprintf(c.stderr, "vco-agent luks open: %s: the LUKS2 header is damaged (%s); opened from the %s copy; 'vco-agent luks repair %s' rewrites both copies\n",
+			dev, strings.Join(op.HeaderDamage, "; "), op.Source, dev)
+	}
+	if op.Reader != crypt.ReaderLuksGo {
+		fmt.Fprintf(c.stderr, "vco-agent luks open: %s: unlocked by %s, not luks.go: %s\n", dev, op.Reader, op.Why)
+	}
+	fmt.Fprintln(c.stdout, op.Path)
 	return nil
 }
 

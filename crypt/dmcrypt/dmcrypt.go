@@ -1,5 +1,6 @@
-// Package dmcrypt maps an unlocked LUKS2 volume as a dm-crypt device, grows
-// the mapping online, and removes it. It uses github.com/anatol/devmapper.go
+// Package dmcrypt maps an unlocked LUKS2 volume as a dm-crypt device where
+// luks.go cannot (package crypt), grows a mapping online and removes it,
+// whether luks.go or this package set it up. It uses github.com/anatol/devmapper.go
 // for device creation, removal and status, and its own ioctls for what that
 // library lacks (see ioctl.go): loading a table with the secure-data flag,
 // resuming with NOFLUSH|SKIP_LOCKFS, and reading a table back. It also makes
@@ -100,7 +101,7 @@ func Create(m Mapping) (string, error) {
 	}
 	if err := devmapper.Create(m.Name, m.UUID); err != nil {
 		if errors.Is(err, unix.EBUSY) || errors.Is(err, unix.EEXIST) {
-			return "", fmt.Errorf("dm-crypt: a mapping named %s already exists; close it first ('vco-agent luks close %s')", m.Name, m.Name)
+			return "", ExistsError(m.Name)
 		}
 		return "", fmt.Errorf("dm-crypt %s: create: %w", m.Name, err)
 	}
@@ -122,6 +123,33 @@ func Create(m Mapping) (string, error) {
 		return fail("device node", err)
 	}
 	return Path(m.Name), nil
+}
+
+// EnsureNode makes /dev/mapper/<name> for a mapping another library set
+// up (luks.go's SetupMapper does not make it when no udev runs) and checks
+// an existing node has the mapping's device number.
+func EnsureNode(name string) error {
+	if err := ensureNode(name); err != nil {
+		return fmt.Errorf("dm-crypt %s: device node: %w", name, err)
+	}
+	return nil
+}
+
+// Exists reports whether a device-mapper device named name exists.
+func Exists(name string) (bool, error) {
+	_, err := devmapper.InfoByName(name)
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENOENT):
+		return false, nil
+	}
+	return false, fmt.Errorf("dm-crypt %s: %w", name, err)
+}
+
+// ExistsError is the error for a name already mapped.
+func ExistsError(name string) error {
+	return fmt.Errorf("dm-crypt: a mapping named %s already exists; close it first ('vco-agent luks close %s')", name, name)
 }
 
 // udevRunning reports whether udevd will create device nodes.

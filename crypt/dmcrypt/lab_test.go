@@ -34,6 +34,19 @@ func (c *cryptGuest) sh(script string) string {
 	return strings.TrimSpace(out)
 }
 
+// shErr runs a script that must succeed and returns its stdout and stderr.
+func (c *cryptGuest) shErr(script string) (string, string) {
+	c.t.Helper()
+	r, err := c.g.Sh(c.ctx, script)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	if r.Exit != 0 {
+		c.t.Fatalf("%q failed: %s", script, r)
+	}
+	return strings.TrimSpace(r.Stdout), strings.TrimSpace(r.Stderr)
+}
+
 // shFail runs a script that must fail and returns its stderr.
 func (c *cryptGuest) shFail(script string) string {
 	c.t.Helper()
@@ -60,10 +73,12 @@ func (c *cryptGuest) disk(serial string) string {
 }
 
 // Real dm-crypt in a guest kernel of the QEMU lab (the guest tier: skipped
-// unless VCO_LAB is set, as make test-crypt-lab does): format and open with
-// vco-agent, use a filesystem, check cryptsetup reads the same data through its own
-// mapping, grow the disk and the mapping online, and open a volume
-// cryptsetup formatted.
+// unless VCO_LAB is set, as make test-crypt-lab does): format with vco-agent
+// and open through luks.go, use a filesystem, check cryptsetup reads the
+// same data through its own mapping, grow the disk and luks.go's mapping
+// online, open the volume with its primary header damaged (our reader,
+// from the secondary copy), and open a volume cryptsetup formatted,
+// read-write through luks.go and read-only through crypt/dmcrypt.
 func TestDMCryptInGuest(t *testing.T) {
 	if ok, _ := lab.GuestTierEnabled(); !ok {
 		t.Skip("guest tier: boots a QEMU guest; run it with 'make test-crypt-lab' (sets " + lab.GuestTierEnv + "=1)")
@@ -118,8 +133,9 @@ func TestDMCryptInGuest(t *testing.T) {
 
 	// Format, open, mkfs, write.
 	c.sh(fmt.Sprintf("vco-agent luks format %s --passphrase-file /tmp/pw %s", dev, kdf))
-	if got := c.sh(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw", dev)); got != "/dev/mapper/ours" {
-		t.Fatalf("open printed %q", got)
+	// luks.go unlocks and maps it (the CLI says on stderr when it is not).
+	if got, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw", dev)); got != "/dev/mapper/ours" || errs != "" {
+		t.Fatalf("open printed %q, stderr %q", got, errs)
 	}
 	var st struct {
 		Length uint64 `json:"length"`
@@ -158,8 +174,11 @@ func TestDMCryptInGuest(t *testing.T) {
 	}
 	c.sh("umount /mnt/b && /usr/sbin/cryptsetup close cs")
 
-	// Reopen, then grow the disk and the mapping online, fs mounted.
-	c.sh(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw && mount /dev/mapper/ours /mnt/a", dev))
+	// Reopen (luks.go's mapping), then grow the disk and the mapping
+	// online, fs mounted.
+	if _, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw && mount /dev/mapper/ours /mnt/a", dev)); errs != "" {
+		t.Fatalf("reopen: %s", errs)
+	}
 	if got := c.sh("sha256sum /mnt/a/data | cut -d' ' -f1"); got != sum {
 		t.Fatal("data changed across close and reopen")
 	}
@@ -184,6 +203,24 @@ func TestDMCryptInGuest(t *testing.T) {
 	}
 	c.sh("dd if=/dev/urandom of=/mnt/a/more bs=1M count=40 2>/dev/null && sync && umount /mnt/a && vco-agent luks close ours")
 
+	// A damaged primary header: luks.go cannot read it, our reader opens
+	// the volume from the secondary copy and says so; the data is there
+	// and the header is left as it was.
+	c.sh(fmt.Sprintf("printf garbage | dd of=%s bs=1 seek=4106 conv=notrunc 2>/dev/null && sync", dev))
+	hdr := c.sh(fmt.Sprintf("head -c 32768 %s | sha256sum", dev))
+	got, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw", dev))
+	if got != "/dev/mapper/ours" || !strings.Contains(errs, "header is damaged") || !strings.Contains(errs, "secondary copy") || !strings.Contains(errs, "unlocked by crypt/luks2") {
+		t.Fatalf("open with a damaged primary header printed %q, stderr %q", got, errs)
+	}
+	c.sh("mount /dev/mapper/ours /mnt/a")
+	if got := c.sh("sha256sum /mnt/a/data | cut -d' ' -f1"); got != sum {
+		t.Fatal("the data read through the secondary header differs")
+	}
+	c.sh("umount /mnt/a && vco-agent luks close ours")
+	if c.sh(fmt.Sprintf("head -c 32768 %s | sha256sum", dev)) != hdr {
+		t.Fatal("opening rewrote the damaged header")
+	}
+
 	// A volume cryptsetup formatted opens with our code, discards on; what
 	// we write there cryptsetup reads back.
 	c.sh(fmt.Sprintf("vco-agent luks open %s theirs --passphrase-file /tmp/pw2 --allow-discards", theirDev))
@@ -195,7 +232,10 @@ func TestDMCryptInGuest(t *testing.T) {
 	}
 	c.sh("dd if=/dev/urandom of=/tmp/blob bs=1M count=3 2>/dev/null && dd if=/tmp/blob of=/dev/mapper/theirs bs=1M conv=fsync 2>/dev/null")
 	c.sh("vco-agent luks close theirs")
-	c.sh(fmt.Sprintf("vco-agent luks open %s ro --passphrase-file /tmp/pw2 --readonly", theirDev))
+	// Read-only: luks.go cannot, crypt/dmcrypt maps it.
+	if _, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ro --passphrase-file /tmp/pw2 --readonly", theirDev)); !strings.Contains(errs, "read-only") {
+		t.Fatalf("read-only open, stderr %q", errs)
+	}
 	var ro struct {
 		ReadOnly bool `json:"read_only"`
 	}

@@ -1,16 +1,22 @@
-// Package luks2 reads, validates, formats and unlocks LUKS2 volumes without
-// cryptsetup, and edits their keyslots and tokens.
+// Package luks2 reads and validates LUKS2 headers, and does what
+// github.com/anatol/luks.go cannot: format, add and remove keyslots, write
+// tokens, repair a damaged header copy, and unlock from the secondary
+// header when the primary is damaged or stale (luks.go reads only the
+// primary). It is written from the LUKS2 on-disk format specification
+// (version 1.1.4).
 //
-// The unlock path of github.com/anatol/luks.go reads only the primary header,
-// does not verify what it reads beyond the checksum, and keeps the volume key
-// to itself; it cannot format, add or remove keyslots, or write tokens. Every
-// operation here needs at least one of those things (the volume key for a
-// dm-crypt table with the secure-data flag and for adding a keyslot; the
-// secondary header when the primary is damaged), so this package carries its
-// own header reader and writer, validator, formatter and keyslot code. It is
-// written from the LUKS2 on-disk format specification (version 1.1.4).
-// luks.go stays in the tests as an independent second reader: every volume
-// this package formats must also unseal with luks.go and with cryptsetup.
+// Every open starts here: both header copies are read and the one in use
+// is validated strictly (the layout rules and key derivation bounds
+// below). The unlock itself then goes through luks.go (package crypt:
+// luks.Open, Device.UnsealVolume, Volume.SetupMapper) reading a Snapshot
+// of the validated header, run by Unseal on the keyslots and within the
+// limits this package's UnlockContext uses;
+// TransitToken reads the token with luks.go's Tokens() and checks it
+// against the validated header. UnlockContext, this package's own keyslot
+// code, unlocks from the secondary header, for read-only mappings (luks.go
+// maps every volume writable), and for keyslot edits that need the volume
+// key, which luks.go keeps to itself. luks.go and cryptsetup must both
+// open every volume this package formats (the interop tests).
 //
 // Only one layout is accepted: one crypt segment of aes-xts-plain64 with a
 // 256- or 512-bit key, sector size 512..4096, luks2 keyslots with the luks1
@@ -19,7 +25,7 @@
 // reencryption state. Anything else is refused before any key material is
 // touched, with an error that names the device and the offending field; so
 // are key derivation costs beyond fixed bounds (MaxArgonMemoryKiB and the
-// others), since a header is not secret. UnlockContext bounds an unlock
+// others), since a header is not secret. UnlockLimits bound an unlock
 // further for a caller that unlocks on others' behalf.
 //
 // Headers are never repaired behind the caller's back: when the primary

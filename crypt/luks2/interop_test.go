@@ -3,6 +3,7 @@ package luks2
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -143,6 +144,23 @@ func TestCryptsetupFormattedVolumesUnlock(t *testing.T) {
 			if _, _, err := v.Unlock([]byte("cryptsetup made me!")); err == nil {
 				t.Fatal("a wrong passphrase unlocked the volume")
 			}
+			// luks.go, the agent's unlock, opens it too (its digest check
+			// confirms the key it recovered) and reads the same segment.
+			d, err := luksgo.Open(p)
+			if err != nil {
+				t.Fatalf("luks.go Open: %v", err)
+			}
+			vol, err := d.UnsealVolume(0, pass)
+			if err != nil {
+				t.Fatalf("luks.go UnsealVolume: %v", err)
+			}
+			if vol.UUID != v.Header.UUID || vol.StorageOffset != v.DataOffset() || vol.StorageSectorSize != uint64(v.SectorSize()) || vol.StorageEncryption != v.Cipher() {
+				t.Fatalf("luks.go reads %+v", vol)
+			}
+			if _, err := d.UnsealVolume(0, []byte("cryptsetup made me!")); !errors.Is(err, luksgo.ErrPassphraseDoesNotMatch) {
+				t.Fatalf("luks.go with a wrong passphrase: %v", err)
+			}
+			d.Close()
 			if withToken {
 				id, tok, err := v.TransitToken()
 				if err != nil {

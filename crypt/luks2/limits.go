@@ -87,6 +87,50 @@ type UnlockLimits struct {
 // finishes in the background, its key is discarded, and it keeps its share
 // of the budget until it does).
 func (v *Volume) UnlockContext(ctx context.Context, passphrase []byte, lim UnlockLimits) ([]byte, int, error) {
+	var key []byte
+	slot, err := v.trySlots(ctx, lim, func(id string) error {
+		k, err := v.openSlotContext(ctx, id, passphrase, lim.Budget)
+		key = k
+		return err
+	})
+	if err != nil {
+		return nil, -1, err
+	}
+	return key, slot, nil
+}
+
+// Unseal opens the volume with another implementation's keyslot code
+// (luks.go's, in package crypt) under the rules of UnlockContext: this
+// validated header decides which keyslots are tried and in which order,
+// keyslots above lim.MaxMemoryKiB are passed over, each call of unseal
+// runs within lim.Budget declaring its keyslot's memory, and once ctx ends
+// no further keyslot is tried and a call in flight is abandoned: it runs
+// to its end in the background on its own copy of the passphrase, keeps
+// its share of the budget until then, and what it returns goes to discard.
+// unseal reports a passphrase its keyslot refuses with ErrWrongPassphrase.
+func Unseal[T any](ctx context.Context, v *Volume, passphrase []byte, lim UnlockLimits, unseal func(slot int, passphrase []byte) (T, error), discard func(T)) (T, int, error) {
+	var out T
+	slot, err := v.trySlots(ctx, lim, func(id string) error {
+		n, _ := strconv.Atoi(id)
+		mem := v.Header.Meta.Keyslots[id].KDF.memoryKiB()
+		r, err := runBounded(ctx, "unseal", mem, lim.Budget, passphrase, func(pass []byte) (T, error) { return unseal(n, pass) }, discard)
+		if err != nil {
+			return fmt.Errorf("%s: keyslot %s: %w", v.path, id, err)
+		}
+		out = r
+		return nil
+	})
+	if err != nil {
+		var zero T
+		return zero, -1, err
+	}
+	return out, slot, nil
+}
+
+// trySlots calls open for each keyslot in priority order within lim until
+// one succeeds, and returns that keyslot's number. open reports a
+// passphrase its keyslot refuses with ErrWrongPassphrase.
+func (v *Volume) trySlots(ctx context.Context, lim UnlockLimits, open func(id string) error) (int, error) {
 	var tried, skipped []string
 	for _, n := range v.Slots() {
 		id := strconv.Itoa(n)
@@ -95,58 +139,70 @@ func (v *Volume) UnlockContext(ctx context.Context, passphrase []byte, lim Unloc
 			continue
 		}
 		if ctx.Err() != nil {
-			return nil, -1, fmt.Errorf("%s: stopped unlocking before keyslot %s, having tried [%s]: %w", v.path, id, strings.Join(tried, " "), context.Cause(ctx))
+			return -1, fmt.Errorf("%s: stopped unlocking before keyslot %s, having tried [%s]: %w", v.path, id, strings.Join(tried, " "), context.Cause(ctx))
 		}
-		key, err := v.openSlotContext(ctx, id, passphrase, lim.Budget)
+		err := open(id)
 		if errors.Is(err, ErrWrongPassphrase) {
 			tried = append(tried, id)
 			continue
 		}
 		if err != nil {
-			return nil, -1, err
+			return -1, err
 		}
-		return key, n, nil
+		return n, nil
 	}
 	if len(skipped) > 0 {
-		return nil, -1, fmt.Errorf("%s: no keyslot tried ([%s]) accepts the passphrase, and keyslots %s were not tried: %w (%d KiB per derivation here)",
+		return -1, fmt.Errorf("%s: no keyslot tried ([%s]) accepts the passphrase, and keyslots %s were not tried: %w (%d KiB per derivation here)",
 			v.path, strings.Join(tried, " "), strings.Join(skipped, ", "), ErrKDFLimit, lim.MaxMemoryKiB)
 	}
-	return nil, -1, fmt.Errorf("%s: %w", v.path, ErrWrongPassphrase)
-}
-
-type derived struct {
-	key []byte
-	err error
+	return -1, fmt.Errorf("%s: %w", v.path, ErrWrongPassphrase)
 }
 
 // deriveContext runs k within budget b and returns when it is done or ctx
 // ends, whichever comes first. It works on its own copy of the passphrase,
 // which the caller may clear as soon as this returns.
 func deriveContext(ctx context.Context, k KDF, passphrase []byte, keyLen int, b *KDFBudget) ([]byte, error) {
-	release, err := b.acquire(ctx, k.memoryKiB())
+	return runBounded(ctx, "key derivation ("+k.Type+")", k.memoryKiB(), b, passphrase,
+		func(pass []byte) ([]byte, error) { return k.derive(pass, keyLen) }, func(key []byte) { clear(key) })
+}
+
+// runBounded runs f (named what in errors), which declares memKiB of
+// memory, within budget b and returns when it is done or ctx ends,
+// whichever comes first. f works on
+// its own copy of the passphrase, which the caller may clear as soon as
+// this returns; a result that arrives after ctx ended goes to discard.
+func runBounded[T any](ctx context.Context, what string, memKiB int, b *KDFBudget, passphrase []byte, f func(pass []byte) (T, error), discard func(T)) (T, error) {
+	var zero T
+	release, err := b.acquire(ctx, memKiB)
 	if err != nil {
-		return nil, err
+		return zero, err
 	}
 	if ctx.Done() == nil {
 		defer release()
-		return k.derive(passphrase, keyLen)
+		return f(passphrase)
+	}
+	type result struct {
+		v   T
+		err error
 	}
 	pass := bytes.Clone(passphrase)
-	out := make(chan derived)
+	out := make(chan result)
 	go func() {
 		defer release()
-		key, err := k.derive(pass, keyLen)
+		r, err := f(pass)
 		clear(pass)
 		select {
-		case out <- derived{key, err}:
+		case out <- result{r, err}:
 		case <-ctx.Done():
-			clear(key)
+			if err == nil && discard != nil {
+				discard(r)
+			}
 		}
 	}()
 	select {
 	case r := <-out:
-		return r.key, r.err
+		return r.v, r.err
 	case <-ctx.Done():
-		return nil, fmt.Errorf("key derivation (%s) abandoned: %w", k.Type, context.Cause(ctx))
+		return zero, fmt.Errorf("%s abandoned: %w", what, context.Cause(ctx))
 	}
 }

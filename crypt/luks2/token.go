@@ -3,8 +3,11 @@ package luks2
 import (
 	"encoding/json"
 	"fmt"
+	"reflect"
 	"sort"
 	"strconv"
+
+	luksgo "github.com/anatol/luks.go"
 )
 
 // TransitTokenType is the LUKS2 token type that carries a volume passphrase
@@ -46,8 +49,62 @@ func (v *Volume) Tokens() map[int]json.RawMessage {
 }
 
 // TransitToken returns the volume's vco-transit token and its id, or
-// id -1 and nil when it has none.
+// id -1 and nil when it has none. When the header in use is the primary
+// copy the token is read with luks.go's Tokens() (the unlock path goes
+// through luks.go, see the package doc) and must agree with this
+// package's reading of the header it validated; from the secondary copy,
+// which luks.go does not read, this package's reading is the answer.
 func (v *Volume) TransitToken() (int, *TransitToken, error) {
+	id, tok, err := v.transitToken()
+	if err != nil || v.Header.Source != "primary" {
+		return id, tok, err
+	}
+	lid, ltok, err := luksGoTransitToken(v.path)
+	if err != nil {
+		return -1, nil, fmt.Errorf("%s: reading the tokens with luks.go: %w", v.path, err)
+	}
+	if lid != id || !reflect.DeepEqual(ltok, tok) {
+		return -1, nil, fmt.Errorf("%s: luks.go reads the %s token differently from the header this agent validated (the header changed while it was read?); retry, and compare with 'vco-agent luks dump'", v.path, TransitTokenType)
+	}
+	return lid, ltok, nil
+}
+
+// luksGoTransitToken reads the vco-transit token of the LUKS2 volume at
+// path with luks.go, parsed by the same rules as this package's reading.
+func luksGoTransitToken(path string) (id int, tok *TransitToken, err error) {
+	defer func() {
+		// luks.go trusts what it reads more than this package does; a
+		// header rewritten after it was validated must not take the
+		// process down.
+		if r := recover(); r != nil {
+			id, tok, err = -1, nil, fmt.Errorf("luks.go failed on the header: %v", r)
+		}
+	}()
+	d, err := luksgo.Open(path)
+	if err != nil {
+		return -1, nil, err
+	}
+	defer d.Close()
+	toks, err := d.Tokens()
+	if err != nil {
+		return -1, nil, err
+	}
+	sort.Slice(toks, func(i, j int) bool { return toks[i].ID < toks[j].ID })
+	for _, t := range toks {
+		if t.Type != TransitTokenType {
+			continue
+		}
+		tok, err := parseTransitToken(t.Payload)
+		if err != nil {
+			return -1, nil, fmt.Errorf("token %d: %w", t.ID, err)
+		}
+		return t.ID, tok, nil
+	}
+	return -1, nil, nil
+}
+
+// transitToken is TransitToken read from the validated header alone.
+func (v *Volume) transitToken() (int, *TransitToken, error) {
 	ids := make([]int, 0)
 	for id := range v.Tokens() {
 		ids = append(ids, id)
@@ -62,17 +119,30 @@ func (v *Volume) TransitToken() (int, *TransitToken, error) {
 		if t.Type != TransitTokenType {
 			continue
 		}
-		if t.KeyName == "" || t.Ciphertext == "" || t.KeyVersion < 1 {
-			return -1, nil, fmt.Errorf("%s: token %d of type %s lacks key_name, key_version or ciphertext", v.path, id, TransitTokenType)
-		}
-		tok := &TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: t.KeyVersion, Ciphertext: t.Ciphertext}
-		for _, s := range t.Keyslots {
-			n, _ := strconv.Atoi(s)
-			tok.Keyslots = append(tok.Keyslots, n)
+		tok, err := parseTransitToken(raw)
+		if err != nil {
+			return -1, nil, fmt.Errorf("%s: token %d: %w", v.path, id, err)
 		}
 		return id, tok, nil
 	}
 	return -1, nil, nil
+}
+
+// parseTransitToken reads a vco-transit token's JSON.
+func parseTransitToken(raw []byte) (*TransitToken, error) {
+	var t transitTokenJSON
+	if err := json.Unmarshal(raw, &t); err != nil {
+		return nil, err
+	}
+	if t.KeyName == "" || t.Ciphertext == "" || t.KeyVersion < 1 {
+		return nil, fmt.Errorf("a token of type %s lacks key_name, key_version or ciphertext", TransitTokenType)
+	}
+	tok := &TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: t.KeyVersion, Ciphertext: t.Ciphertext}
+	for _, s := range t.Keyslots {
+		n, _ := strconv.Atoi(s)
+		tok.Keyslots = append(tok.Keyslots, n)
+	}
+	return tok, nil
 }
 
 // SetTransitToken stores t, replacing the volume's existing vco-transit
@@ -82,7 +152,7 @@ func (v *Volume) SetTransitToken(t TransitToken) (int, error) {
 	if err != nil {
 		return -1, fmt.Errorf("%s: %w", v.path, err)
 	}
-	id, _, err := v.TransitToken()
+	id, _, err := v.transitToken()
 	if err != nil {
 		return -1, err
 	}

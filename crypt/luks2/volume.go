@@ -26,6 +26,8 @@ type Header struct {
 	Meta    *Metadata
 
 	primarySalt, secondarySalt [lenSalt]byte
+	// raw is the JSON text of the copy in use, as read and validated.
+	raw []byte
 }
 
 // device is what a volume is read from and written to: an *os.File for a
@@ -148,6 +150,7 @@ func readHeader(r io.ReaderAt, path string) (*Header, error) {
 		return nil, fmt.Errorf("%s (%s header, seqid %d): %w", path, h.Source, h.Seqid, err)
 	}
 	h.Meta = meta
+	h.raw = chosen.json
 	return h, nil
 }
 
@@ -227,6 +230,7 @@ func (v *Volume) writeHeaders(meta *Metadata) error {
 	}
 	h.Seqid++
 	h.Meta = meta
+	h.raw = raw
 	h.Damaged = nil
 	h.Source = "primary"
 	return nil

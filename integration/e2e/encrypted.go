@@ -110,6 +110,13 @@ func (s *story) e6(ctx context.Context) (err error) {
 		"the encrypted volume moved to "+s.b.Name, "opened, not formatted again"); err != nil {
 		return err
 	}
+	for _, g := range []*lab.Guest{s.a, s.b} {
+		if err := s.step(sc, g.Name, "the agent unlocked the volume through luks.go", func() (string, error) {
+			return unlockedBy(ctx, g, c.volID)
+		}); err != nil {
+			return err
+		}
+	}
 	if err := c.growOnline(ctx, sc, s.b, sum); err != nil {
 		return err
 	}
@@ -214,4 +221,27 @@ func tokenAt(file string, offset int64, tmp string) (*luks2.TransitToken, error)
 		err = fmt.Errorf("the LUKS2 header at byte %d of %s has no %s token", offset, file, luks2.TransitTokenType)
 	}
 	return tok, err
+}
+
+// unlockedBy reads from g's agent log which code unlocked volume at each
+// of its stages there, and fails unless luks.go did every time.
+func unlockedBy(ctx context.Context, g *lab.Guest, volume string) (string, error) {
+	out, err := g.MustSh(ctx, `grep 'msg="volume staged"' /var/log/vco-agent.log || true`)
+	if err != nil {
+		return "", err
+	}
+	n := 0
+	for _, line := range strings.Split(out, "\n") {
+		if !strings.Contains(line, "volume="+volume+" ") && !strings.Contains(line, `volume="`+volume+`"`) {
+			continue
+		}
+		n++
+		if !strings.Contains(line, "unlocked_by=luks.go") {
+			return "", fmt.Errorf("a stage of %s was not unlocked by luks.go: %s", volume, line)
+		}
+	}
+	if n == 0 {
+		return "", fmt.Errorf("the agent's log has no stage of %s", volume)
+	}
+	return fmt.Sprintf("%d stage(s) of %s, each unlocked_by=luks.go", n, volume), nil
 }

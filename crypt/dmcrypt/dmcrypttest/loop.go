@@ -18,6 +18,9 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
+// Reader names the fake where a mapping says who set it up.
+const Reader = "FAKE loop mapping (dmcrypttest)"
+
 // LoopMapping is the fake mapping; its methods have the shape of the
 // agent's crypt interface (Open, Close, Resize) so a test type can embed
 // it beside the real LUKS2 formatting and inspection.

@@ -35,8 +35,9 @@ func NewLoopLUKS(t testing.TB) *LoopLUKS {
 }
 
 // Open checks the passphrase against the header and maps the data segment.
-func (l *LoopLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (string, error) {
-	return l.LoopMapping.Open(ctx, device, name, pass, ro)
+func (l *LoopLUKS) Open(ctx context.Context, device, name string, pass []byte, ro bool) (volume.Mapped, error) {
+	p, err := l.LoopMapping.Open(ctx, device, name, pass, ro)
+	return volume.Mapped{Path: p, Reader: dmcrypttest.Reader}, err
 }
 
 // Close removes the mapping's loop device.
