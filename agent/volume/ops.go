@@ -18,6 +18,228 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
+// StageRequest is StageVolume's input.
+type StageRequest struct {
+	Volume      string
+	Locator     Locator
+	StagingPath string
+	FsType      string
+	Block       bool
+	MountFlags  []string
+	ReadOnly    bool
+	Grant       *fence.Grant
+	// Encrypted volumes carry the passphrase (never stored or logged).
+	Encrypted  bool
+	Passphrase []byte
+	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
+	// passphrase wrapped by the transit engine.
+	FormatLUKS    bool
+	Token         *TransitToken
+	AllowUnfenced bool
+	// NeverPublished is the controller's word that no node was given the
+	// disk before this stage's: the reclaim wait is skipped (acquire).
+	NeverPublished bool
+}
+
+// StageResult says what Stage did.
+type StageResult struct {
+	Device    string
+	Method    fence.Method
+	Formatted bool
+}
+
+// maxVolumeID is CSI's limit on a volume id; it also keeps the claim
+// record's file name (the id in base64) under the kernel's 255 bytes.
+const maxVolumeID = 128
+
+// checkVolumeID refuses an id a claim could not be recorded under, or
+// that would put control characters into log lines and journal fields.
+func checkVolumeID(v string) error {
+	if v == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if len(v) > maxVolumeID {
+		return agenterr.New(agenterr.InvalidArgument, "the volume id is %d bytes long; at most %d are accepted", len(v), maxVolumeID)
+	}
+	for _, r := range v {
+		if r < 0x20 || r == 0x7f {
+			return agenterr.New(agenterr.InvalidArgument, "volume id %q holds a control character", v)
+		}
+	}
+	return nil
+}
+
+func fsTypeOf(r StageRequest) (string, error) {
+	if r.Block {
+		if r.FsType != "" {
+			return "", agenterr.New(agenterr.InvalidArgument, "volume %s: a raw block volume has no filesystem, but fs_type %q was given", r.Volume, r.FsType)
+		}
+		if len(r.MountFlags) > 0 {
+			return "", agenterr.New(agenterr.InvalidArgument, "volume %s: a raw block volume takes no mount flags", r.Volume)
+		}
+		return "", nil
+	}
+	switch r.FsType {
+	case "":
+		return "ext4", nil
+	case "ext4", "xfs":
+		return r.FsType, nil
+	}
+	return "", agenterr.New(agenterr.InvalidArgument, "volume %s: filesystem type %q is not supported; use ext4 or xfs", r.Volume, r.FsType)
+}
+
+func checkFlags(volume string, flags []string) error {
+	for _, f := range flags {
+		if f == "" || strings.ContainsAny(f, ",\n") {
+			return agenterr.New(agenterr.InvalidArgument, "volume %s: mount flag %q is empty or holds a comma or newline; give one option per flag", volume, f)
+		}
+	}
+	return nil
+}
+
+// compatible reports how a retried stage differs from the recorded one.
+func compatible(c *Claim, r StageRequest, staging, fsType string) error {
+	var diff []string
+	if c.StagingPath != staging {
+		diff = append(diff, fmt.Sprintf("staging path %s, not %s", c.StagingPath, staging))
+	}
+	if c.Block != r.Block {
+		diff = append(diff, fmt.Sprintf("block=%v, not %v", c.Block, r.Block))
+	}
+	if c.FsType != fsType {
+		diff = append(diff, fmt.Sprintf("filesystem %q, not %q", c.FsType, fsType))
+	}
+	if c.ReadOnly != r.ReadOnly {
+		diff = append(diff, fmt.Sprintf("read_only=%v, not %v", c.ReadOnly, r.ReadOnly))
+	}
+	if c.Encrypted != r.Encrypted {
+		diff = append(diff, fmt.Sprintf("encrypted=%v, not %v", c.Encrypted, r.Encrypted))
+	}
+	if c.Locator != r.Locator {
+		diff = append(diff, fmt.Sprintf("device %s, not %s", c.Locator, r.Locator))
+	}
+	if !slices.Equal(c.MountFlags, r.MountFlags) {
+		diff = append(diff, fmt.Sprintf("mount flags %v, not %v", c.MountFlags, r.MountFlags))
+	}
+	if len(diff) == 0 {
+		return nil
+	}
+	return agenterr.New(agenterr.AlreadyExists, "volume %s is already staged on this node with %s; unstage it first to stage it differently",
+		c.Volume, strings.Join(diff, ", "))
+}
+
+// Stage implements StageVolume.
+func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, err error) {
+	defer m.count("stage", &err)
+	if err := checkVolumeID(r.Volume); err != nil {
+		return res, err
+	}
+	if r.Locator == (Locator{}) {
+		return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
+	}
+	staging, err := confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath)
+	if err != nil {
+		return res, err
+	}
+	fsType, err := fsTypeOf(r)
+	if err != nil {
+		return res, err
+	}
+	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
+		return res, err
+	}
+	if r.Encrypted && len(r.Passphrase) == 0 {
+		return res, agenterr.New(agenterr.InvalidArgument, "volume %s is encrypted but the request carries no passphrase", r.Volume)
+	}
+	release, err := m.locks.try(r.Volume, "stage")
+	if err != nil {
+		return res, err
+	}
+	defer release()
+
+	c, err := m.store.Get(r.Volume)
+	if err != nil {
+		return res, err
+	}
+	if c != nil {
+		if err := compatible(c, r, staging, fsType); err != nil {
+			return res, err
+		}
+		if c.State == StateLost {
+			if r.Grant == nil {
+				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
+			}
+			if len(c.Publications) > 0 {
+				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
+			}
+			if err := m.dropLost(c); err != nil {
+				return res, err
+			}
+		} else if c.Phase == PhaseStaged {
+			if ok, err := m.stillStaged(ctx, c); err != nil {
+				return res, err
+			} else if ok {
+				m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", staging)
+				return StageResult{Device: c.MountDevice(), Method: c.Method}, nil
+			}
+		}
+	} else {
+		c = &Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: staging, FsType: fsType, Block: r.Block,
+			MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Encrypted: r.Encrypted}
+	}
+	return m.stage(ctx, c, r)
+}
+
+// stillStaged reports whether a recorded stage is intact: device open and
+// verified, fence intact, filesystem mounted.
+func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
+	l := m.getLive(c.Volume)
+	if l == nil {
+		return false, nil
+	}
+	if err := l.dev.Verify(ctx); err != nil {
+		return false, nil
+	}
+	if c.State == StateHeld && l.fencer == nil {
+		// Opened at start without its fencer (the check failed then): the
+		// stage runs again and claims it afresh.
+		return false, nil
+	}
+	if l.fencer != nil {
+		if err := l.fencer.Check(ctx); err != nil {
+			var lost *fence.LostError
+			if errors.As(err, &lost) {
+				m.lose(c, l.dev, lost)
+				return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, lost)
+			}
+			return false, agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s: %v", c.Volume, l.dev.Path, err)
+		}
+	}
+	if c.Block {
+		return true, nil
+	}
+	mp, err := m.mounter.IsMountPoint(c.StagingPath)
+	return err == nil && mp, nil
+}
+
+// dropLost undoes what is left of a lost claim so that a granted stage can
+// start over: the read-only staging mount and the mapping go; the record
+// keeps Formatted.
+func (m *Manager) dropLost(c *Claim) error {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		return err
+	}
+	if c.Mapper != "" && m.o.Crypt != nil {
+		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
+			return fmt.Errorf("volume %s: closing the dm-crypt mapping of the lost claim: %w", c.Volume, err)
+		}
+		c.Mapper = ""
+	}
+	m.setLive(c.Volume, nil)
+	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""
+	return m.store.Put(c)
+}
+
 // Unstage implements UnstageVolume: unmount, close LUKS2, release the
 // fence, forget the claim. A volume the agent does not know is unstaged.
 func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err error) {
