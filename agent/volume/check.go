@@ -156,7 +156,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 			log.Error("closing the mapping of a vanished disk", "err", err)
 		}
 	}
-	if err := dropDataMapping(c.DataDevice); err != nil {
+	if err := m.unmapData(c.DataDevice); err != nil {
 		log.Error("detaching the data mapping of a vanished disk", "err", err)
 	}
 	m.setLive(c.Volume, nil)

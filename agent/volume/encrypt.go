@@ -165,7 +165,7 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 		if loc == (Locator{}) {
 			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
 		}
-		dev, err := locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)
+		dev, err := m.locate(ctx, loc)
 		if err != nil {
 			return res, fmt.Errorf("volume %s: %w", volume, err)
 		}

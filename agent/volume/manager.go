@@ -66,8 +66,15 @@ type Manager struct {
 	finder  discovery.Finder
 	store   *Store
 	locks   locks
-	mounter mount.Interface // mounts only: every format takes a blank proof (format.go)
+	mounter mounter // mounts only: every format takes a blank proof (format.go)
 	exec    utilexec.Interface
+
+	// How the manager opens a volume's disk (locate) and maps and unmaps
+	// its data region (dataMapping, dropDataMapping). The stage's rollback
+	// tests, which run without root, replace them (stage_test.go).
+	locate    func(ctx context.Context, loc Locator) (*Device, error)
+	mapData   func(disk string, offset int64, readOnly bool) (string, error)
+	unmapData func(p string) error
 
 	// watchMu is held by the uevent watcher around a classification and
 	// its refusal (WatchLock), and by a stage while it records the disk it
@@ -102,13 +109,18 @@ func New(o Options) (*Manager, error) {
 	if err != nil {
 		return nil, err
 	}
-	ex := utilexec.New()
-	return &Manager{
-		o: o, log: o.Log, store: st, exec: ex,
+	m := &Manager{
+		o: o, log: o.Log, store: st, exec: utilexec.New(),
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
-		mounter: beneathMounter{Interface: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
+		mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
 		live:    map[string]*live{}, reclaims: map[string]time.Time{},
-	}, nil
+		unmapData: dropDataMapping,
+	}
+	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
+		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)
+	}
+	m.mapData = m.dataMapping
+	return m, nil
 }
 
 // Metrics returns the manager's metrics.

@@ -300,7 +300,7 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 			return err
 		}
 	}
-	if err := dropDataMapping(c.DataDevice); err != nil {
+	if err := m.unmapData(c.DataDevice); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
 	}
 	l := m.getLive(volume)
@@ -308,7 +308,7 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 		if l == nil {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
-			if dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices); err == nil {
+			if dev, err := m.locate(ctx, c.Locator); err == nil {
 				if ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil); err == nil && ch.Fencer != nil {
 					l = &live{dev: dev, fencer: ch.Fencer}
 				} else {
