@@ -169,6 +169,13 @@ func (s *staging) chooseFence(ctx context.Context) error {
 		return err
 	}
 	s.choice = choice
+	s.undo.push(func() {
+		// What the fencer holds open (the lease's descriptor) is the
+		// live claim's to close once it went live, the stage's before.
+		if l := m.getLive(c.Volume); l == nil || l.fencer != choice.Fencer {
+			closeChoice(choice)
+		}
+	})
 	return nil
 }
 

@@ -12,8 +12,10 @@ import (
 	"strings"
 	"testing"
 
+	"google.golang.org/grpc/codes"
 	mount "k8s.io/mount-utils"
 
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
@@ -44,13 +46,21 @@ func (j *journal) do(call string) error {
 	return nil
 }
 
-// fakeFencer takes and gives back a fence that exists only in the journal.
-type fakeFencer struct{ j *journal }
+// fakeFencer takes and gives back a fence that exists only in the
+// journal; held makes it find the disk held by another node.
+type fakeFencer struct {
+	j    *journal
+	held bool
+}
 
 func (f *fakeFencer) Probe(context.Context) (fence.Support, error) {
 	return fence.Support{Method: MethodLease}, nil
 }
 func (f *fakeFencer) Acquire(context.Context, *fence.Grant) (fence.Claim, error) {
+	if f.held {
+		f.j.calls = append(f.j.calls, "acquire: held")
+		return fence.Claim{}, &fence.HeldError{Device: "fake0", Holder: 0x6e6f6465, HolderNode: "node-b"}
+	}
 	return fence.Claim{Method: MethodLease, Key: 0x7663}, f.j.do("acquire")
 }
 func (f *fakeFencer) Release(context.Context) error { return f.j.do("release") }
@@ -120,6 +130,7 @@ type stageEnv struct {
 	m       *Manager
 	j       *journal
 	mounter *fakeMounter
+	fencer  *fakeFencer
 	dev     *Device // the disk the last stage opened
 	kubelet string
 }
@@ -149,9 +160,9 @@ func newStageEnv(t *testing.T) *stageEnv {
 	if out, err := exec.Command("mkfs.ext4", "-q", "-F", plain).CombinedOutput(); err != nil {
 		t.Fatalf("mkfs.ext4 %s: %v: %s", plain, err, out)
 	}
-	ff := &fakeFencer{j: e.j}
+	e.fencer = &fakeFencer{j: e.j}
 	m, err := New(Options{Config: config.Volumes{KubeletRoot: e.kubelet}, StateDir: filepath.Join(dir, "state"),
-		Fencers: ff, Crypt: &fakeCrypt{j: e.j, plain: plain}, Log: slog.New(slog.DiscardHandler)})
+		Fencers: e.fencer, Crypt: &fakeCrypt{j: e.j, plain: plain}, Log: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,7 +213,7 @@ func TestStageFailingAtEachStepUndoesWhatCameBefore(t *testing.T) {
 		want   []string
 	}{
 		{"locate", []string{"locate!"}},
-		{"acquire", []string{"locate", "acquire!"}},
+		{"acquire", []string{"locate", "acquire!", "close fencer"}},
 		{"map", []string{"locate", "acquire", "map!", "release", "close fencer"}},
 		{"unlock", []string{"locate", "acquire", "map", "unlock!", "unmap", "release", "close fencer"}},
 		{"mount", []string{"locate", "acquire", "map", "unlock", "mount!", "lock", "unmap", "release", "close fencer"}},
@@ -297,5 +308,26 @@ func TestInterruptedStageKeepsItsRecordAndDataMapping(t *testing.T) {
 	c, err := e.m.store.Get(r.Volume)
 	if err != nil || c == nil || c.Phase != PhaseInterrupted || !c.Formatted || c.DataDevice == "" || c.Mapper != "" {
 		t.Fatalf("record after the failed retry: %+v, %v", c, err)
+	}
+}
+
+// TestRefusedStageLetsGoOfItsFencer: a stage refused because another node
+// holds the disk (P2) closes what its fencer holds open (the lease's
+// descriptor of the disk), as every failed stage does; the node plugin
+// retries a refused stage, and each refusal used to keep one more
+// descriptor open.
+func TestRefusedStageLetsGoOfItsFencer(t *testing.T) {
+	e := newStageEnv(t)
+	e.fencer.held = true
+	_, err := e.m.Stage(context.Background(), e.request("vol-h"))
+	if agenterr.Code(err) != codes.FailedPrecondition || !strings.Contains(fmt.Sprint(err), "node-b") {
+		t.Fatalf("refused stage answered %v", err)
+	}
+	want := []string{"locate", "acquire: held", "close fencer"}
+	if !slices.Equal(e.j.calls, want) {
+		t.Fatalf("got %v, want %v", e.j.calls, want)
+	}
+	if !e.diskClosed() {
+		t.Error("the refused disk is still open")
 	}
 }
