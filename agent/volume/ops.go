@@ -128,28 +128,14 @@ func compatible(c *Claim, r StageRequest, staging, fsType string) error {
 		c.Volume, strings.Join(diff, ", "))
 }
 
-// Stage implements StageVolume.
+// Stage implements StageVolume: the volume's disk is fenced, unlocked and
+// mounted at the staging path (stage.go). A retry of a stage that is
+// intact answers as the stage did.
 func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, err error) {
 	defer m.count("stage", &err)
-	if err := checkVolumeID(r.Volume); err != nil {
-		return res, err
-	}
-	if r.Locator == (Locator{}) {
-		return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
-	}
-	staging, err := confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath)
+	staging, fsType, err := m.checkStage(r)
 	if err != nil {
 		return res, err
-	}
-	fsType, err := fsTypeOf(r)
-	if err != nil {
-		return res, err
-	}
-	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
-		return res, err
-	}
-	if r.Encrypted && len(r.Passphrase) == 0 {
-		return res, agenterr.New(agenterr.InvalidArgument, "volume %s is encrypted but the request carries no passphrase", r.Volume)
 	}
 	release, err := m.locks.try(r.Volume, "stage")
 	if err != nil {
@@ -161,33 +147,62 @@ func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, e
 	if err != nil {
 		return res, err
 	}
-	if c != nil {
-		if err := compatible(c, r, staging, fsType); err != nil {
-			return res, err
-		}
-		if c.State == StateLost {
-			if r.Grant == nil {
-				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
-			}
-			if len(c.Publications) > 0 {
-				return res, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
-			}
-			if err := m.dropLost(c); err != nil {
-				return res, err
-			}
-		} else if c.Phase == PhaseStaged {
-			if ok, err := m.stillStaged(ctx, c); err != nil {
-				return res, err
-			} else if ok {
-				m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", staging)
-				return StageResult{Device: c.MountDevice(), Method: c.Method}, nil
-			}
-		}
-	} else {
+	if c == nil {
 		c = &Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: staging, FsType: fsType, Block: r.Block,
 			MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Encrypted: r.Encrypted}
+	} else if done, err := m.restage(ctx, c, r, staging, fsType); err != nil || done != nil {
+		return res, err
 	}
 	return m.stage(ctx, c, r)
+}
+
+// checkStage refuses a request no stage could carry out, and returns its
+// staging path and filesystem type.
+func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error) {
+	if err := checkVolumeID(r.Volume); err != nil {
+		return "", "", err
+	}
+	if r.Locator == (Locator{}) {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
+	}
+	if staging, err = confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath); err != nil {
+		return "", "", err
+	}
+	if fsType, err = fsTypeOf(r); err != nil {
+		return "", "", err
+	}
+	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
+		return "", "", err
+	}
+	if r.Encrypted && len(r.Passphrase) == 0 {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s is encrypted but the request carries no passphrase", r.Volume)
+	}
+	return staging, fsType, nil
+}
+
+// restage takes up the recorded claim c for a stage request: a stage that
+// is intact is done (its result returned); a lost claim starts over only
+// with a grant and unpublished; any other goes through the stage again.
+func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging, fsType string) (done *StageResult, err error) {
+	if err := compatible(c, r, staging, fsType); err != nil {
+		return nil, err
+	}
+	switch {
+	case c.State == StateLost && r.Grant == nil:
+		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
+	case c.State == StateLost && len(c.Publications) > 0:
+		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
+	case c.State == StateLost:
+		return nil, m.dropLost(c)
+	case c.Phase != PhaseStaged:
+		return nil, nil
+	}
+	ok, err := m.stillStaged(ctx, c)
+	if err != nil || !ok {
+		return nil, err
+	}
+	m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", staging)
+	return &StageResult{Device: c.MountDevice(), Method: c.Method}, nil
 }
 
 // stillStaged reports whether a recorded stage is intact: device open and
