@@ -24,9 +24,9 @@ import (
 )
 
 // These tests run on this host with real loop devices, real mkfs, blkid and
-// mounts. A loop device has no persistent reservations and the on-disk
-// lease is not part of this agent yet, so the tests that stage through the
-// agent's own fencer factory use the explicit opt-in for unfenced disks
+// mounts. A loop device has no persistent reservations and newEnv's fencer
+// factory has no on-disk lease (the lease tests give it one), so the tests
+// that stage through it use the explicit opt-in for unfenced disks
 // (allow_unfenced in both the request and the configuration), exactly as
 // an operator would have to. The fence-loss tests put the real reservation
 // engine in front of the loop device, talking to fence/scsi/scsitest, the
