@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // The stage's rollback, tested without root. What needs root (opening a
@@ -137,11 +138,7 @@ type stageEnv struct {
 
 func newStageEnv(t *testing.T) *stageEnv {
 	t.Helper()
-	for _, tool := range []string{"blkid", "mkfs.ext4", "fsck"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (make deps installs it)", tool)
-		}
-	}
+	hosttest.NeedTools(t, "blkid", "mkfs.ext4", "fsck")
 	dir := t.TempDir()
 	e := &stageEnv{j: &journal{}, kubelet: filepath.Join(dir, "kubelet")}
 	disk := filepath.Join(dir, "disk.img")

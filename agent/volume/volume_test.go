@@ -20,6 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -36,14 +37,7 @@ const nodeA = "4c4c4544-0042-3610-8052-b4c04f4e3332"
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
-	for _, tool := range []string{"losetup", "blkid", "mkfs.ext4", "mkfs.xfs"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (make deps installs it)", tool)
-		}
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts", "losetup", "blkid", "mkfs.ext4", "mkfs.xfs")
 }
 
 type env struct {
