@@ -284,90 +284,136 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if len(c.Publications) > 0 {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is still published at %v; unpublish it first", volume, c.Publications)
 	}
-	if err := m.unmountIfMounted(staging); err != nil {
-		return fmt.Errorf("volume %s: %w", volume, err)
+	return m.unstage(ctx, c)
+}
+
+// unstage takes the steps of a stage back, last first: unmount, flush,
+// close LUKS2, detach the data mapping, release the fence, forget the
+// claim. A step that fails stops it; the claim stays recorded and the
+// retry takes up where it stopped.
+func (m *Manager) unstage(ctx context.Context, c *Claim) error {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		return fmt.Errorf("volume %s: %w", c.Volume, err)
 	}
-	// A raw block volume's writes may still sit in the page cache of the
-	// devices the pod wrote through (the data mapping is a buffered loop
-	// device, so even the disk's own cache holds them). They are pushed
-	// down before those devices go, and the disk is flushed again right
-	// before the fence is released below: nothing of this node lands
-	// after another node may have claimed the disk. (A lost claim's disk
-	// is read-only and another node's: its writes were failed on purpose,
-	// and there is no fence to release.)
-	for _, p := range []string{c.Mapper, c.DataDevice} {
-		if c.State != StateHeld {
-			break
-		}
-		if err := flushPath(p); err != nil {
-			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", volume, err)
-		}
+	if err := flushLayers(c); err != nil {
+		return err
 	}
-	if c.Mapper != "" {
-		if m.o.Crypt == nil {
-			return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", volume, c.Mapper)
-		}
-		if err := m.o.Crypt.Close(ctx, mapperName(volume)); err != nil {
-			return agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping: %v", volume, err)
-		}
-		c.Mapper = ""
-		if err := m.store.Put(c); err != nil {
-			return err
-		}
+	if err := m.closeLUKS(ctx, c); err != nil {
+		return err
 	}
 	if err := m.unmapData(c.DataDevice); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
-	l := m.getLive(volume)
+	if err := m.releaseFence(ctx, c); err != nil {
+		return err
+	}
+	if err := m.store.Delete(c.Volume); err != nil {
+		return err
+	}
+	m.clearClaimed(filepath.Base(c.Device))
+	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", c.Volume, c.StagingPath, c.Device)
+	if c.State == StateLost {
+		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", c.Volume, c.StagingPath, c.Device)
+	}
+	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
+		Reason: "unstaged", Message: msg})
+	m.log.Info("volume unstaged", "volume", c.Volume, "device", c.Device, "staging", c.StagingPath)
+	return nil
+}
+
+// flushLayers pushes down a held volume's writes that may still sit in the
+// page cache of the devices the pod wrote through (a raw block volume's;
+// the data mapping is a buffered loop device, so even the disk's own cache
+// holds them) before those devices go; the disk is flushed again right
+// before the fence is released (releaseHeld): nothing of this node lands
+// after another node may have claimed the disk. A lost claim's disk is
+// read-only and another node's: its writes were failed on purpose, and
+// there is no fence to release.
+func flushLayers(c *Claim) error {
+	if c.State != StateHeld {
+		return nil
+	}
+	for _, p := range []string{c.Mapper, c.DataDevice} {
+		if err := flushPath(p); err != nil {
+			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, err)
+		}
+	}
+	return nil
+}
+
+// closeLUKS closes the volume's dm-crypt mapping, and records that it did.
+func (m *Manager) closeLUKS(ctx context.Context, c *Claim) error {
+	if c.Mapper == "" {
+		return nil
+	}
+	if m.o.Crypt == nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", c.Volume, c.Mapper)
+	}
+	if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping: %v", c.Volume, err)
+	}
+	c.Mapper = ""
+	return m.store.Put(c)
+}
+
+// releaseFence gives back the fence of a held claim and lets go of what
+// the manager holds open for the volume.
+func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
+	l := m.getLive(c.Volume)
 	if c.State == StateHeld {
 		if l == nil {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
-			if dev, err := m.locate(ctx, c.Locator); err == nil {
-				if ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil); err == nil && ch.Fencer != nil {
-					l = &live{dev: dev, fencer: ch.Fencer}
-				} else {
-					dev.Close()
-				}
-			}
+			l = m.openToRelease(ctx, c)
 		}
 		if l != nil && l.fencer != nil {
-			if err := flushDevice(l.dev.File); err != nil {
-				return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", volume, c.Device, err)
-			}
-			c.Phase = PhaseUnstaging
-			if err := m.store.Put(c); err != nil {
+			if err := m.releaseHeld(ctx, c, l); err != nil {
 				return err
-			}
-			if err := l.fencer.Release(ctx); err != nil {
-				var lost *fence.LostError
-				if !errors.As(err, &lost) {
-					// Still held: checked as staged until the retry.
-					c.Phase = PhaseStaged
-					if perr := m.store.Put(c); perr != nil {
-						m.log.Error("recording a claim whose release failed", "volume", volume, "err", perr)
-					}
-					return agenterr.New(agenterr.Unavailable, "volume %s: releasing the fence of %s: %v; the claim stays recorded, retry", volume, c.Device, err)
-				}
 			}
 		}
 	}
-	if l != nil && l != m.getLive(volume) {
+	if l != nil && l != m.getLive(c.Volume) {
 		l.close()
 	}
-	m.setLive(volume, nil)
-	if err := m.store.Delete(volume); err != nil {
+	m.setLive(c.Volume, nil)
+	return nil
+}
+
+// openToRelease opens the claim's disk and its fencer, nil when either
+// cannot be had.
+func (m *Manager) openToRelease(ctx context.Context, c *Claim) *live {
+	dev, err := m.locate(ctx, c.Locator)
+	if err != nil {
+		return nil
+	}
+	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
+		return &live{dev: dev, fencer: ch.Fencer}
+	}
+	dev.Close()
+	return nil
+}
+
+// releaseHeld flushes the disk and releases its fence. The claim is
+// recorded unstaging first: an agent restarted before the record is gone
+// knows the missing claim was its own release, not a loss. A release that
+// fails leaves the claim staged, checked as ever until the retry.
+func (m *Manager) releaseHeld(ctx context.Context, c *Claim, l *live) error {
+	if err := flushDevice(l.dev.File); err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, err)
+	}
+	c.Phase = PhaseUnstaging
+	if err := m.store.Put(c); err != nil {
 		return err
 	}
-	m.clearClaimed(filepath.Base(c.Device))
-	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)
-	if c.State == StateLost {
-		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", volume, staging, c.Device)
+	err := l.fencer.Release(ctx)
+	if err == nil || errors.As(err, new(*fence.LostError)) {
+		return nil
 	}
-	m.publish(events.Event{Type: events.DiskReleased, Volume: volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
-		Reason: "unstaged", Message: msg})
-	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
-	return nil
+	c.Phase = PhaseStaged
+	if perr := m.store.Put(c); perr != nil {
+		m.log.Error("recording a claim whose release failed", "volume", c.Volume, "err", perr)
+	}
+	return agenterr.New(agenterr.Unavailable, "volume %s: releasing the fence of %s: %v; the claim stays recorded, retry", c.Volume, c.Device, err)
 }
 
 // flushDevice writes a block device's page cache down and flushes the

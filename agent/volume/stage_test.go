@@ -328,3 +328,35 @@ func TestRefusedStageLetsGoOfItsFencer(t *testing.T) {
 		t.Error("the refused disk is still open")
 	}
 }
+
+// TestUnstageTakesTheStageBackInReverse: an unstage undoes what the stage
+// did, last first, as a failed stage does; a release that fails stops it
+// with the claim still recorded staged, and the retry finishes it.
+func TestUnstageTakesTheStageBackInReverse(t *testing.T) {
+	e := newStageEnv(t)
+	r := e.request("vol-u")
+	ctx := context.Background()
+	if _, err := e.m.Stage(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	e.j.calls, e.j.failAt = nil, "release"
+	if err := e.m.Unstage(ctx, r.Volume, r.StagingPath); agenterr.Code(err) != codes.Unavailable {
+		t.Fatalf("unstage whose release fails answered %v", err)
+	}
+	if want := []string{"unmount", "lock", "unmap", "release!"}; !slices.Equal(e.j.calls, want) {
+		t.Fatalf("got %v, want %v", e.j.calls, want)
+	}
+	if c, err := e.m.store.Get(r.Volume); err != nil || c == nil || c.Phase != PhaseStaged || c.Mapper != "" {
+		t.Fatalf("record after the failed release: %+v, %v", c, err)
+	}
+	e.j.calls, e.j.failAt = nil, ""
+	if err := e.m.Unstage(ctx, r.Volume, r.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"unmap", "release", "close fencer"}; !slices.Equal(e.j.calls, want) {
+		t.Fatalf("retry: got %v, want %v", e.j.calls, want)
+	}
+	if c, err := e.m.store.Get(r.Volume); err != nil || c != nil || !e.diskClosed() {
+		t.Fatalf("after the unstage: record %+v (%v), disk closed %v", c, err, e.diskClosed())
+	}
+}
