@@ -484,6 +484,29 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err != nil {
 		return err
 	}
+	if err := publishable(r, c, staging, target); err != nil {
+		return err
+	}
+	if mp, _ := m.mounter.IsMountPoint(target); mp {
+		if err := m.publishedAlready(c, target); err != nil {
+			return err
+		}
+	} else if err := m.bind(r, c, staging, target); err != nil {
+		return err
+	}
+	if !slices.Contains(c.Publications, target) {
+		c.Publications = append(c.Publications, target)
+		if err := m.store.Put(c); err != nil {
+			return err
+		}
+	}
+	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
+	return nil
+}
+
+// publishable refuses a publication of the claim c (nil: none) that the
+// stage does not allow.
+func publishable(r PublishRequest, c *Claim, staging, target string) error {
 	switch {
 	case c == nil || c.Phase != PhaseStaged:
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is not staged on this node; stage it first", r.Volume)
@@ -498,24 +521,18 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	case target == staging:
 		return agenterr.New(agenterr.InvalidArgument, "volume %s: the target path is the staging path", r.Volume)
 	}
-	if mp, _ := m.mounter.IsMountPoint(target); mp {
-		if c.Block {
-			if err := blockTargetHolds(m.o.Config.KubeletRoot, target, c); err != nil {
-				return err
-			}
-		} else if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
-			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", r.Volume, target, src)
-		}
-	} else if err := m.bind(r, c, staging, target); err != nil {
-		return err
+	return nil
+}
+
+// publishedAlready accepts a target that already has the volume mounted
+// on it (a retried publish) and refuses one with anything else.
+func (m *Manager) publishedAlready(c *Claim, target string) error {
+	if c.Block {
+		return blockTargetHolds(m.o.Config.KubeletRoot, target, c)
 	}
-	if !slices.Contains(c.Publications, target) {
-		c.Publications = append(c.Publications, target)
-		if err := m.store.Put(c); err != nil {
-			return err
-		}
+	if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
+		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", c.Volume, target, src)
 	}
-	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
 	return nil
 }
 
@@ -692,6 +709,20 @@ func pubTargetShape(rel string) (block, ok bool) {
 	return false, false
 }
 
+// emptyDirBeneath reports whether the directory at p (beneath root) is
+// empty and still the directory st was taken of.
+func emptyDirBeneath(root, p string, st *unix.Stat_t) (bool, error) {
+	d, err := openBeneath(root, p, unix.O_RDONLY|unix.O_DIRECTORY)
+	if err != nil {
+		return false, err
+	}
+	defer d.Close()
+	var dst unix.Stat_t
+	names, _ := d.Readdirnames(1)
+	serr := unix.Fstat(int(d.Fd()), &dst)
+	return len(names) == 0 && serr == nil && dst.Dev == st.Dev && dst.Ino == st.Ino, nil
+}
+
 // removeStrayTarget removes a target the volume's claim does not record
 // (see Unpublish), or says why it will not.
 func (m *Manager) removeStrayTarget(volume string, known bool, target string) error {
@@ -725,16 +756,9 @@ func (m *Manager) removeStrayTarget(volume string, known bool, target string) er
 	isDir, isFile := st.Mode&unix.S_IFMT == unix.S_IFDIR, st.Mode&unix.S_IFMT == unix.S_IFREG
 	empty := isFile && st.Size == 0
 	if isDir && !mp {
-		d, err := openBeneath(root, target, unix.O_RDONLY|unix.O_DIRECTORY)
-		if err != nil {
+		if empty, err = emptyDirBeneath(root, target, &st); err != nil {
 			return fmt.Errorf("volume %s: %w", volume, err)
 		}
-		var dst unix.Stat_t
-		names, _ := d.Readdirnames(1)
-		serr := unix.Fstat(int(d.Fd()), &dst)
-		d.Close()
-		// Empty only if it is still the directory looked at above.
-		empty = len(names) == 0 && serr == nil && dst.Dev == st.Dev && dst.Ino == st.Ino
 	}
 	switch {
 	case mp:
@@ -823,54 +847,68 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
 	}
+	return m.grow(ctx, c, required)
+}
+
+// grow grows the staged volume c once its disk holds required bytes, and
+// returns the usable size.
+func (m *Manager) grow(ctx context.Context, c *Claim, required int64) (int64, error) {
 	// required_bytes is the capacity the controller granted: the disk's
 	// size. The device the filesystem sits on is the disk less our
 	// metadata (the lease area, the LUKS2 header), so the disk itself is
 	// what must have reached that size before anything is grown.
 	disk, err := deviceSize(c.Device)
 	if err != nil {
-		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
 	if required > 0 && disk < required {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: disk %s holds %d bytes, less than the %d asked for; the grown disk has not reached this node yet, retry",
-			volume, c.Device, disk, required)
+			c.Volume, c.Device, disk, required)
 	}
-	if c.DataDevice != "" {
-		if err := growDataMapping(c.DataDevice); err != nil {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: %v", volume, err)
-		}
-		if n, err := deviceSize(c.DataDevice); err != nil || n != disk-c.DataOffset {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
-				volume, c.DataDevice, n, disk, c.DataOffset, err)
-		}
-	}
-	if c.Mapper != "" {
-		// The hook for package crypt: the mapping grows first, then the
-		// filesystem on it.
-		if m.o.Crypt == nil {
-			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support to grow its mapping", volume)
-		}
-		if err := m.o.Crypt.Resize(ctx, mapperName(volume)); err != nil {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", volume, err)
-		}
+	if err := m.growMappings(ctx, c, disk); err != nil {
+		return 0, err
 	}
 	// The usable size, reported back, is what the mapping the filesystem
 	// sits on now holds.
 	dev := c.MountDevice()
 	size, err := deviceSize(dev)
 	if err != nil {
-		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
 	if !c.Block {
 		if c.ReadOnly {
-			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is staged read-only; its filesystem cannot be grown", volume)
+			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is staged read-only; its filesystem cannot be grown", c.Volume)
 		}
 		if _, err := mount.NewResizeFs(m.exec).Resize(dev, c.StagingPath); err != nil {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the %s filesystem on %s: %v", volume, c.FsType, dev, err)
+			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the %s filesystem on %s: %v", c.Volume, c.FsType, dev, err)
 		}
 	}
-	m.log.Info("volume expanded", "volume", volume, "device", dev, "bytes", size)
+	m.log.Info("volume expanded", "volume", c.Volume, "device", dev, "bytes", size)
 	return size, nil
+}
+
+// growMappings makes the data mapping (lease disks) and then the dm-crypt
+// mapping (encrypted volumes) see the grown disk of disk bytes.
+func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error {
+	if c.DataDevice != "" {
+		if err := growDataMapping(c.DataDevice); err != nil {
+			return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
+		}
+		if n, err := deviceSize(c.DataDevice); err != nil || n != disk-c.DataOffset {
+			return agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
+				c.Volume, c.DataDevice, n, disk, c.DataOffset, err)
+		}
+	}
+	if c.Mapper == "" {
+		return nil
+	}
+	if m.o.Crypt == nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support to grow its mapping", c.Volume)
+	}
+	if err := m.o.Crypt.Resize(ctx, mapperName(c.Volume)); err != nil {
+		return agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", c.Volume, err)
+	}
+	return nil
 }
 
 // Stats is GetVolumeStats's answer.
