@@ -16,11 +16,11 @@ import (
 // (docs/architecture.md, "A volume's life"): open and verify the disk,
 // fence it, map its data region, unlock it, mount it, record it. A step
 // that changes something pushes its undo onto the stage's rollback; when a
-// step fails, the undos run last first. So whatever fails leaves no device
-// open, no fence held, nothing mapped or mounted on a disk whose fence this
-// node gives back and, for a first attempt that wrote nothing on the disk,
-// no record; any other attempt stays recorded as interrupted, and its
-// retry finishes it without formatting twice.
+// step fails, the undos run last first. So whatever fails leaves nothing
+// mounted, no dm-crypt mapping and no fence held, and the disk closed; a
+// first attempt that wrote nothing on the disk leaves no record (nor a data
+// mapping), any other stays recorded as interrupted, with its data
+// mapping, and its retry finishes it without formatting twice.
 
 // staging is one stage in progress.
 type staging struct {
@@ -51,6 +51,7 @@ func (r *rollback) run() {
 	*r = nil
 }
 
+// stage takes the steps of a stage of the claim c, recorded or new.
 func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageResult, error) {
 	s := &staging{m: m, c: c, r: r, isNew: c.Phase == ""}
 	for _, step := range []func(context.Context) error{s.openDisk, s.fence, s.mapDataRegion, s.unlock, s.mount, s.record} {
