@@ -33,7 +33,10 @@ type staging struct {
 	choice Choice
 	// acquired: the fence is taken; the disk is this node's until the
 	// rollback releases it.
-	acquired  bool
+	acquired bool
+	// live: the claim went live; its live record closes the disk and the
+	// fencer.
+	live      bool
 	formatted bool // a filesystem or a LUKS2 header was made
 	undo      rollback
 }
@@ -153,6 +156,7 @@ func (s *staging) fence(ctx context.Context) error {
 		m.log.Info("cleared the read-only flag of a disk now claimed by this node", "volume", c.Volume, "device", dev.Path)
 	}
 	m.setLive(c.Volume, &live{dev: dev, fencer: s.choice.Fencer})
+	s.live = true
 	return nil
 }
 
@@ -173,7 +177,7 @@ func (s *staging) chooseFence(ctx context.Context) error {
 	s.undo.push(func() {
 		// What the fencer holds open (the lease's descriptor) is the
 		// live claim's to close once it went live, the stage's before.
-		if l := m.getLive(c.Volume); l == nil || l.fencer != choice.Fencer {
+		if !s.live {
 			closeChoice(choice)
 		}
 	})

@@ -360,3 +360,38 @@ func TestUnstageTakesTheStageBackInReverse(t *testing.T) {
 		t.Fatalf("after the unstage: record %+v (%v), disk closed %v", c, err, e.diskClosed())
 	}
 }
+
+// funcFencer is a fencer of a type Go cannot compare (it holds a func),
+// as test wrappers such as watchedFencer are: the rollback must not
+// compare fencers.
+type funcFencer struct {
+	*fakeFencer
+	note func()
+}
+
+type funcFencers struct{ f *fakeFencer }
+
+func (ff funcFencers) Choose(ctx context.Context, dev *Device, v string, onLost func(*fence.LostError) bool) (Choice, error) {
+	ch, err := ff.f.Choose(ctx, dev, v, onLost)
+	ch.Fencer = funcFencer{fakeFencer: ff.f, note: func() {}}
+	return ch, err
+}
+
+// TestFailedStageUndoesAFencerOfAnyType: failing before and after the
+// claim goes live, with a fencer that cannot be compared.
+func TestFailedStageUndoesAFencerOfAnyType(t *testing.T) {
+	for failAt, want := range map[string][]string{
+		"acquire": {"locate", "acquire!", "close fencer"},
+		"map":     {"locate", "acquire", "map!", "release", "close fencer"},
+	} {
+		e := newStageEnv(t)
+		e.m.o.Fencers = funcFencers{f: e.fencer}
+		e.j.failAt = failAt
+		if _, err := e.m.Stage(context.Background(), e.request("vol-f")); err == nil {
+			t.Fatalf("failing at %s: the stage succeeded", failAt)
+		}
+		if !slices.Equal(e.j.calls, want) {
+			t.Errorf("failing at %s: got %v, want %v", failAt, e.j.calls, want)
+		}
+	}
+}
