@@ -150,8 +150,10 @@ func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, e
 	if c == nil {
 		c = &Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: staging, FsType: fsType, Block: r.Block,
 			MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Encrypted: r.Encrypted}
-	} else if done, err := m.restage(ctx, c, r, staging, fsType); err != nil || done != nil {
+	} else if done, err := m.restage(ctx, c, r, staging, fsType); err != nil {
 		return res, err
+	} else if done != nil {
+		return *done, nil
 	}
 	return m.stage(ctx, c, r)
 }

@@ -281,6 +281,12 @@ func TestStageThatGetsThroughUndoesNothing(t *testing.T) {
 	if err != nil || c == nil || c.Phase != PhaseStaged || c.Mapper != res.Device || c.DataDevice == "" {
 		t.Fatalf("record of the staged volume: %+v, %v (result %+v)", c, err, res)
 	}
+	// A retry of the intact stage answers as the stage did, doing nothing.
+	e.j.calls = nil
+	again, err := e.m.Stage(context.Background(), e.request("vol-s"))
+	if err != nil || again.Device != res.Device || again.Method != res.Method || len(e.j.calls) > 0 {
+		t.Fatalf("retried stage: %+v %v (first %+v), did %v", again, err, res, e.j.calls)
+	}
 }
 
 // TestInterruptedStageKeepsItsRecordAndDataMapping: a stage retried after
