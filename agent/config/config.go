@@ -74,7 +74,7 @@ type Volumes struct {
 	// on-disk lease too; off, they are staged only by the unfenced opt-in.
 	LeaseLoopDevices bool `yaml:"lease_loop_devices"`
 	// Lease is the timing of the on-disk lease that fences disks without
-	// SCSI-3 reservations (package fence/lease documents each bound).
+	// SCSI-3 reservations (docs/fencing.md states each bound).
 	Lease LeaseTiming `yaml:"lease"`
 	// ClaimedDir is where the agent marks the disks it has claimed for
 	// the packaged udev rules, which hide unclaimed data disks; empty

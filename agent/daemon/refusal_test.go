@@ -12,6 +12,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // A disk that another node holds by the lease is attached before the
@@ -20,9 +21,7 @@ import (
 // stand in for one virtio-blk disk attached to two VMs; node A holds the
 // lease from this process.
 func TestDiskHeldElsewhereIsRefusedBeforeReady(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and BLKROSET")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and BLKROSET")
 	dir := t.TempDir()
 	img := filepath.Join(dir, "disk.img")
 	if err := os.WriteFile(img, nil, 0o644); err != nil {

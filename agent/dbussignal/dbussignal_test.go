@@ -15,6 +15,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/internal/testbus"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 const policy = "../dbus/cloud.whitesky.VcoAgent1.conf"
@@ -136,9 +137,7 @@ func TestIntrospectListsEverySignal(t *testing.T) {
 }
 
 func TestOnlyRootOwnsTheName(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to drop to another user")
-	}
+	hosttest.NeedRoot(t, "needs root to drop to another user")
 	addr := testbus.Start(t, policy)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "VCO_DBUS_CHILD_ADDR="+addr)

@@ -4,13 +4,15 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 
 	"google.golang.org/grpc/codes"
 
@@ -72,9 +74,7 @@ func TestStageVolumeZeroesThePassphrase(t *testing.T) {
 		t.Fatal("the passphrase of a stage refused for want of a manager was not zeroed")
 	}
 
-	if os.Geteuid() != 0 {
-		t.Skip("the rest stages a loop device, which needs root")
-	}
+	hosttest.NeedRoot(t, "the rest stages a loop device, which needs root")
 	dir := t.TempDir()
 	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	kubelet := filepath.Join(dir, "kubelet")

@@ -22,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/fencecaps"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // TestMain doubles as an API caller running as another user: it drops to
@@ -105,9 +106,7 @@ func serve(t *testing.T, policy peercred.Policy) *fixture {
 }
 
 func TestRootGetsIdentityAndStatus(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("runs as root to be the allowed caller")
-	}
+	hosttest.NeedRoot(t, "runs as root to be the allowed caller")
 	f := serve(t, peercred.Policy{GID: -1})
 	ctx := context.Background()
 	id, err := f.c.GetIdentity(ctx, &api.GetIdentityRequest{})
@@ -140,9 +139,7 @@ func runCaller(t *testing.T, sock string, gid int, groups string) string {
 }
 
 func TestOtherUIDRefusedAndGroupMembersAdmitted(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to start callers as another user")
-	}
+	hosttest.NeedRoot(t, "needs root to start callers as another user")
 	const group = 4242 // not a gid the caller has unless given
 	f := serve(t, peercred.Policy{GID: group, GroupName: "vco-test"})
 
@@ -167,9 +164,7 @@ func TestOtherUIDRefusedAndGroupMembersAdmitted(t *testing.T) {
 }
 
 func TestWatchEventsReplayThenLive(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("runs as root to be the allowed caller")
-	}
+	hosttest.NeedRoot(t, "runs as root to be the allowed caller")
 	f := serve(t, peercred.Policy{GID: -1})
 	f.bus.Publish(events.Event{Type: events.DiskClaimed, Volume: "v1"})
 	f.bus.Publish(events.Event{Type: events.DiskReleased, Volume: "v1"})
@@ -255,9 +250,7 @@ func TestDialExplainsAgentNotRunning(t *testing.T) {
 // A stream reader that stops reading must not hold up the bus: its
 // events are dropped and counted, and it is told how many it missed.
 func TestStalledStreamDoesNotBlockBus(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("runs as root to be the allowed caller")
-	}
+	hosttest.NeedRoot(t, "runs as root to be the allowed caller")
 	f := serve(t, peercred.Policy{GID: -1})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()

@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -29,9 +30,7 @@ func init() {
 }
 
 func benchRoot(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root for loop devices and mounts")
-	}
+	hosttest.NeedRoot(b, "needs root for loop devices and mounts")
 }
 
 func benchLoop(b *testing.B, mib int64) (string, string) {

@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
+	"log/slog"
 	"path/filepath"
 	"time"
 
@@ -59,50 +59,59 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		log.Info("the claimed disk has a new device node", "now", dev.Path, "devnum", dev.DevNum())
 		c.Device, c.DevNum = dev.Path, dev.DevNum()
 	}
-	if c.Phase != PhaseStaged {
-		// Interrupted: drop the partial fence and mount; keep the record.
-		if err := m.unmountIfMounted(c.StagingPath); err != nil {
-			log.Error("unmounting an interrupted stage", "err", err)
-		}
-		if c.Mapper != "" && m.o.Crypt != nil {
-			if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
-				log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
-			} else {
-				c.Mapper = ""
-			}
-		}
-		l := &live{dev: dev}
-		if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
-			l.fencer = ch.Fencer
-			if err := ch.Fencer.Release(ctx); err != nil {
-				log.Warn("releasing the fence of an interrupted stage", "err", err)
-			}
-		}
-		l.close()
-		unstaging := c.Phase == PhaseUnstaging
-		c.Phase, c.State = PhaseInterrupted, ""
-		if err := m.store.Put(c); err != nil {
-			log.Error("recording the interrupted stage", "err", err)
-		}
-		if unstaging {
-			log.Info("found an unstage cut short after it began releasing the disk; released it, and its retry removes the record")
-		} else {
-			log.Info("found a stage cut short; its retry will finish it")
-		}
-		return
-	}
-	switch c.State {
-	case StateLost:
+	switch {
+	case c.Phase != PhaseStaged:
+		m.reconcileInterrupted(ctx, c, dev, log)
+	case c.State == StateLost:
 		if err := setReadOnly(dev.File, true); err != nil {
 			log.Error("keeping a fenced disk read-only", "err", err)
 		}
 		m.setLive(c.Volume, &live{dev: dev})
-		return
-	case StateUnfenced:
+	case c.State == StateUnfenced:
 		m.setLive(c.Volume, &live{dev: dev})
 		log.Info("unfenced claim kept (explicit opt-in)")
-		return
+	default:
+		m.reconcileFence(ctx, c, dev, log)
 	}
+}
+
+// reconcileInterrupted takes back what a stage or an unstage cut short
+// had done, the partial fence and mount, and keeps the record for the
+// retry.
+func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		log.Error("unmounting an interrupted stage", "err", err)
+	}
+	if c.Mapper != "" && m.o.Crypt != nil {
+		if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+			log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
+		} else {
+			c.Mapper = ""
+		}
+	}
+	l := &live{dev: dev}
+	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
+		l.fencer = ch.Fencer
+		if err := ch.Fencer.Release(ctx); err != nil {
+			log.Warn("releasing the fence of an interrupted stage", "err", err)
+		}
+	}
+	l.close()
+	unstaging := c.Phase == PhaseUnstaging
+	c.Phase, c.State = PhaseInterrupted, ""
+	if err := m.store.Put(c); err != nil {
+		log.Error("recording the interrupted stage", "err", err)
+	}
+	if unstaging {
+		log.Info("found an unstage cut short after it began releasing the disk; released it, and its retry removes the record")
+	} else {
+		log.Info("found a stage cut short; its retry will finish it")
+	}
+}
+
+// reconcileFence takes back the fence of a held claim (resuming the lease,
+// which the process holding it renews) and checks it (P4).
+func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		m.setLive(c.Volume, &live{dev: dev})
@@ -115,8 +124,6 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		return
 	}
 	if r, ok := ch.Fencer.(resumer); ok {
-		// The lease is renewed by the process holding it: take the claim
-		// back before checking it.
 		if err := r.Resume(ctx); err != nil {
 			var lost *fence.LostError
 			if errors.As(err, &lost) {
@@ -124,9 +131,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 				m.lose(c, dev, lost)
 				return
 			}
-			if cl, ok := ch.Fencer.(io.Closer); ok {
-				cl.Close()
-			}
+			closeChoice(ch)
 			m.setLive(c.Volume, &live{dev: dev})
 			log.Error("cannot resume the fence of a recorded claim; the periodic check retries", "err", err)
 			return
@@ -156,7 +161,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 			log.Error("closing the mapping of a vanished disk", "err", err)
 		}
 	}
-	if err := dropDataMapping(c.DataDevice); err != nil {
+	if err := m.unmapData(c.DataDevice); err != nil {
 		log.Error("detaching the data mapping of a vanished disk", "err", err)
 	}
 	m.setLive(c.Volume, nil)

@@ -48,43 +48,56 @@ func (m *Manager) prepareLUKS(ctx context.Context, c *Claim, target string, r St
 		}
 		return false, nil
 	case ContentBlank:
-		switch {
-		case c.LUKSFormatted:
-			return false, agenterr.New(agenterr.FailedPrecondition,
-				"volume %s: this agent made a LUKS2 header on the volume earlier, but %s now shows no signature; it will not format it again: check that the right disk is attached",
-				c.Volume, target)
-		case !r.FormatLUKS:
-			return false, agenterr.New(agenterr.FailedPrecondition,
-				"volume %s: %s carries no LUKS2 header and the request does not ask to format it (format_if_blank)", c.Volume, target)
-		case r.ReadOnly:
-			return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to open", c.Volume, target)
-		}
-		proof, err := proveBlank(ctx, c.Volume, target, "LUKS2 header")
-		if err != nil {
-			return false, err
-		}
-		return m.formatLUKS(ctx, c, proof, r)
+		return m.formatBlankLUKS(ctx, c, target, r)
 	}
-	if c.LUKSFormatting && !c.LUKSFormatted && !c.Formatted && r.FormatLUKS && r.Token != nil {
-		// What this agent's own format leaves lies in the header area;
-		// past it the device must still be as blank as it was proven
-		// when that format began.
-		proof, err := blank.ProvePast(ctx, target, luksHeaderArea)
-		var nb *blank.NotBlankError
-		switch {
-		case errors.As(err, &nb):
-			return false, agenterr.New(agenterr.FailedPrecondition,
-				"volume %s: the LUKS2 format this agent began on %s was cut short, but %s is not as that format left it: it holds %s past the header area; it is not formatted again: check that the right disk is attached",
-				c.Volume, target, target, nb.Found)
-		case err != nil:
-			return false, agenterr.New(agenterr.Unavailable, "volume %s: %s was not formatted again, what it holds past its LUKS2 header area could not be read: %v", c.Volume, target, err)
-		}
-		m.log.Warn("the LUKS2 format this agent began on the volume was cut short; formatting it again", "volume", c.Volume, "device", target, "found", ct.Detail)
-		return m.formatLUKS(ctx, c, proof, r)
+	return m.formatCutShortLUKS(ctx, c, target, r, ct)
+}
+
+// formatBlankLUKS formats a blank target when the request asks to, and
+// never a volume this agent formatted before.
+func (m *Manager) formatBlankLUKS(ctx context.Context, c *Claim, target string, r StageRequest) (bool, error) {
+	switch {
+	case c.LUKSFormatted:
+		return false, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: this agent made a LUKS2 header on the volume earlier, but %s now shows no signature; it will not format it again: check that the right disk is attached",
+			c.Volume, target)
+	case !r.FormatLUKS:
+		return false, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: %s carries no LUKS2 header and the request does not ask to format it (format_if_blank)", c.Volume, target)
+	case r.ReadOnly:
+		return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to open", c.Volume, target)
 	}
-	return false, agenterr.New(agenterr.FailedPrecondition,
-		"volume %s: %s carries %s, not a LUKS2 header; the agent never formats over existing data: check that the right disk is attached, or wipe it by hand if its data is not wanted",
-		c.Volume, target, ct.Detail)
+	proof, err := proveBlank(ctx, c.Volume, target, "LUKS2 header")
+	if err != nil {
+		return false, err
+	}
+	return m.formatLUKS(ctx, c, proof, r)
+}
+
+// formatCutShortLUKS formats again a target that holds what ct found
+// instead of a LUKS2 header only when that is this agent's own format cut
+// short (docs/architecture.md P5); anything else is refused.
+func (m *Manager) formatCutShortLUKS(ctx context.Context, c *Claim, target string, r StageRequest, ct Content) (bool, error) {
+	if !c.LUKSFormatting || c.LUKSFormatted || c.Formatted || !r.FormatLUKS || r.Token == nil {
+		return false, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: %s carries %s, not a LUKS2 header; the agent never formats over existing data: check that the right disk is attached, or wipe it by hand if its data is not wanted",
+			c.Volume, target, ct.Detail)
+	}
+	// What this agent's own format leaves lies in the header area; past
+	// it the device must still be as blank as it was proven when that
+	// format began.
+	proof, err := blank.ProvePast(ctx, target, luksHeaderArea)
+	var nb *blank.NotBlankError
+	switch {
+	case errors.As(err, &nb):
+		return false, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: the LUKS2 format this agent began on %s was cut short, but %s is not as that format left it: it holds %s past the header area; it is not formatted again: check that the right disk is attached",
+			c.Volume, target, target, nb.Found)
+	case err != nil:
+		return false, agenterr.New(agenterr.Unavailable, "volume %s: %s was not formatted again, what it holds past its LUKS2 header area could not be read: %v", c.Volume, target, err)
+	}
+	m.log.Warn("the LUKS2 format this agent began on the volume was cut short; formatting it again", "volume", c.Volume, "device", target, "found", ct.Detail)
+	return m.formatLUKS(ctx, c, proof, r)
 }
 
 // formatLUKS formats the device proof names, marking the claim before and
@@ -165,7 +178,7 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 		if loc == (Locator{}) {
 			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
 		}
-		dev, err := locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)
+		dev, err := m.locate(ctx, loc)
 		if err != nil {
 			return res, fmt.Errorf("volume %s: %w", volume, err)
 		}

@@ -13,9 +13,9 @@ import (
 
 // Formatting (P5, docs/architecture.md). The agent formats a device only
 // when package blank proves it blank; every format here takes the
-// blank.Proof, and the manager has no other way to run mkfs (its mounter
-// is a plain mount.Interface, without FormatAndMount). A device that is
-// not proven blank is mounted as the filesystem it carries, or refused.
+// blank.Proof, and the manager has no other way to run mkfs (its mounter,
+// mount.go, only mounts). A device that is not proven blank is mounted as
+// the filesystem it carries, or refused.
 
 // proveBlank proves device blank before a format of volume's, turning
 // what was found into the refusal's sentence.

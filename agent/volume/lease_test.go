@@ -471,3 +471,48 @@ func TestExpandOfARawBlockVolumeGrowsTheDeviceThePodSees(t *testing.T) {
 		})
 	}
 }
+
+// TestRefusedLeaseStageKeepsNoDescriptorOpen: a stage refused because
+// another node holds the lease leaves no descriptor of the disk open,
+// however often the node plugin retries it (each refusal used to keep
+// the lease fencer's O_DIRECT descriptor).
+func TestRefusedLeaseStageKeepsNoDescriptorOpen(t *testing.T) {
+	needRoot(t)
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	b := fencedLeaseEnv(t, nodeB, "node-b")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	linkB, devB := shared(t, img)
+	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
+	reqA := a.stageReq("vol-d", img, "staging/d")
+	reqA.AllowUnfenced = false
+	if _, err := a.m.Stage(ctx, reqA); err != nil {
+		t.Fatal(err)
+	}
+	reqB := b.stageReq("vol-d", linkB, "staging/d")
+	reqB.AllowUnfenced = false
+	before := openOn(t, devB)
+	for range 3 {
+		_, err := b.m.Stage(ctx, reqB)
+		wantCode(t, err, codes.FailedPrecondition, "node-a")
+	}
+	if n := openOn(t, devB); n != before {
+		t.Fatalf("%d descriptors of %s open after three refused stages, %d before", n, devB, before)
+	}
+}
+
+// openOn counts this process's descriptors open on the device node dev.
+func openOn(t *testing.T, dev string) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && l == dev {
+			n++
+		}
+	}
+	return n
+}

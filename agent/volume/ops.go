@@ -18,6 +18,245 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
+// StageRequest is StageVolume's input.
+type StageRequest struct {
+	Volume      string
+	Locator     Locator
+	StagingPath string
+	FsType      string
+	Block       bool
+	MountFlags  []string
+	ReadOnly    bool
+	Grant       *fence.Grant
+	// Encrypted volumes carry the passphrase (never stored or logged).
+	Encrypted  bool
+	Passphrase []byte
+	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
+	// passphrase wrapped by the transit engine.
+	FormatLUKS    bool
+	Token         *TransitToken
+	AllowUnfenced bool
+	// NeverPublished is the controller's word that no node was given the
+	// disk before this stage's: the reclaim wait is skipped (acquire).
+	NeverPublished bool
+}
+
+// StageResult says what Stage did.
+type StageResult struct {
+	Device    string
+	Method    fence.Method
+	Formatted bool
+}
+
+// maxVolumeID is CSI's limit on a volume id; it also keeps the claim
+// record's file name (the id in base64) under the kernel's 255 bytes.
+const maxVolumeID = 128
+
+// checkVolumeID refuses an id a claim could not be recorded under, or
+// that would put control characters into log lines and journal fields.
+func checkVolumeID(v string) error {
+	if v == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if len(v) > maxVolumeID {
+		return agenterr.New(agenterr.InvalidArgument, "the volume id is %d bytes long; at most %d are accepted", len(v), maxVolumeID)
+	}
+	for _, r := range v {
+		if r < 0x20 || r == 0x7f {
+			return agenterr.New(agenterr.InvalidArgument, "volume id %q holds a control character", v)
+		}
+	}
+	return nil
+}
+
+func fsTypeOf(r StageRequest) (string, error) {
+	if r.Block {
+		if r.FsType != "" {
+			return "", agenterr.New(agenterr.InvalidArgument, "volume %s: a raw block volume has no filesystem, but fs_type %q was given", r.Volume, r.FsType)
+		}
+		if len(r.MountFlags) > 0 {
+			return "", agenterr.New(agenterr.InvalidArgument, "volume %s: a raw block volume takes no mount flags", r.Volume)
+		}
+		return "", nil
+	}
+	switch r.FsType {
+	case "":
+		return "ext4", nil
+	case "ext4", "xfs":
+		return r.FsType, nil
+	}
+	return "", agenterr.New(agenterr.InvalidArgument, "volume %s: filesystem type %q is not supported; use ext4 or xfs", r.Volume, r.FsType)
+}
+
+func checkFlags(volume string, flags []string) error {
+	for _, f := range flags {
+		if f == "" || strings.ContainsAny(f, ",\n") {
+			return agenterr.New(agenterr.InvalidArgument, "volume %s: mount flag %q is empty or holds a comma or newline; give one option per flag", volume, f)
+		}
+	}
+	return nil
+}
+
+// compatible reports how a retried stage differs from the recorded one.
+func compatible(c *Claim, r StageRequest, staging, fsType string) error {
+	var diff []string
+	if c.StagingPath != staging {
+		diff = append(diff, fmt.Sprintf("staging path %s, not %s", c.StagingPath, staging))
+	}
+	if c.Block != r.Block {
+		diff = append(diff, fmt.Sprintf("block=%v, not %v", c.Block, r.Block))
+	}
+	if c.FsType != fsType {
+		diff = append(diff, fmt.Sprintf("filesystem %q, not %q", c.FsType, fsType))
+	}
+	if c.ReadOnly != r.ReadOnly {
+		diff = append(diff, fmt.Sprintf("read_only=%v, not %v", c.ReadOnly, r.ReadOnly))
+	}
+	if c.Encrypted != r.Encrypted {
+		diff = append(diff, fmt.Sprintf("encrypted=%v, not %v", c.Encrypted, r.Encrypted))
+	}
+	if c.Locator != r.Locator {
+		diff = append(diff, fmt.Sprintf("device %s, not %s", c.Locator, r.Locator))
+	}
+	if !slices.Equal(c.MountFlags, r.MountFlags) {
+		diff = append(diff, fmt.Sprintf("mount flags %v, not %v", c.MountFlags, r.MountFlags))
+	}
+	if len(diff) == 0 {
+		return nil
+	}
+	return agenterr.New(agenterr.AlreadyExists, "volume %s is already staged on this node with %s; unstage it first to stage it differently",
+		c.Volume, strings.Join(diff, ", "))
+}
+
+// Stage implements StageVolume: the volume's disk is fenced, unlocked and
+// mounted at the staging path (stage.go). A retry of a stage that is
+// intact answers as the stage did.
+func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, err error) {
+	defer m.count("stage", &err)
+	staging, fsType, err := m.checkStage(r)
+	if err != nil {
+		return res, err
+	}
+	release, err := m.locks.try(r.Volume, "stage")
+	if err != nil {
+		return res, err
+	}
+	defer release()
+
+	c, err := m.store.Get(r.Volume)
+	if err != nil {
+		return res, err
+	}
+	if c == nil {
+		c = &Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: staging, FsType: fsType, Block: r.Block,
+			MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Encrypted: r.Encrypted}
+	} else if done, err := m.restage(ctx, c, r, staging, fsType); err != nil {
+		return res, err
+	} else if done != nil {
+		return *done, nil
+	}
+	return m.stage(ctx, c, r)
+}
+
+// checkStage refuses a request no stage could carry out, and returns its
+// staging path and filesystem type.
+func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error) {
+	if err := checkVolumeID(r.Volume); err != nil {
+		return "", "", err
+	}
+	if r.Locator == (Locator{}) {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
+	}
+	if staging, err = confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath); err != nil {
+		return "", "", err
+	}
+	if fsType, err = fsTypeOf(r); err != nil {
+		return "", "", err
+	}
+	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
+		return "", "", err
+	}
+	if r.Encrypted && len(r.Passphrase) == 0 {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s is encrypted but the request carries no passphrase", r.Volume)
+	}
+	return staging, fsType, nil
+}
+
+// restage takes up the recorded claim c for a stage request: a stage that
+// is intact is done (its result returned); a lost claim starts over only
+// with a grant and unpublished; any other goes through the stage again.
+func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging, fsType string) (done *StageResult, err error) {
+	if err := compatible(c, r, staging, fsType); err != nil {
+		return nil, err
+	}
+	switch {
+	case c.State == StateLost && r.Grant == nil:
+		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
+	case c.State == StateLost && len(c.Publications) > 0:
+		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
+	case c.State == StateLost:
+		return nil, m.dropLost(c)
+	case c.Phase != PhaseStaged:
+		return nil, nil
+	}
+	ok, err := m.stillStaged(ctx, c)
+	if err != nil || !ok {
+		return nil, err
+	}
+	m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", staging)
+	return &StageResult{Device: c.MountDevice(), Method: c.Method}, nil
+}
+
+// stillStaged reports whether a recorded stage is intact: device open and
+// verified, fence intact, filesystem mounted.
+func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
+	l := m.getLive(c.Volume)
+	if l == nil {
+		return false, nil
+	}
+	if err := l.dev.Verify(ctx); err != nil {
+		return false, nil
+	}
+	if c.State == StateHeld && l.fencer == nil {
+		// Opened at start without its fencer (the check failed then): the
+		// stage runs again and claims it afresh.
+		return false, nil
+	}
+	if l.fencer != nil {
+		if err := l.fencer.Check(ctx); err != nil {
+			var lost *fence.LostError
+			if errors.As(err, &lost) {
+				m.lose(c, l.dev, lost)
+				return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, lost)
+			}
+			return false, agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s: %v", c.Volume, l.dev.Path, err)
+		}
+	}
+	if c.Block {
+		return true, nil
+	}
+	mp, err := m.mounter.IsMountPoint(c.StagingPath)
+	return err == nil && mp, nil
+}
+
+// dropLost undoes what is left of a lost claim so that a granted stage can
+// start over: the read-only staging mount and the mapping go; the record
+// keeps Formatted.
+func (m *Manager) dropLost(c *Claim) error {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		return err
+	}
+	if c.Mapper != "" && m.o.Crypt != nil {
+		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
+			return fmt.Errorf("volume %s: closing the dm-crypt mapping of the lost claim: %w", c.Volume, err)
+		}
+		c.Mapper = ""
+	}
+	m.setLive(c.Volume, nil)
+	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""
+	return m.store.Put(c)
+}
+
 // Unstage implements UnstageVolume: unmount, close LUKS2, release the
 // fence, forget the claim. A volume the agent does not know is unstaged.
 func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err error) {
@@ -47,90 +286,136 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if len(c.Publications) > 0 {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is still published at %v; unpublish it first", volume, c.Publications)
 	}
-	if err := m.unmountIfMounted(staging); err != nil {
-		return fmt.Errorf("volume %s: %w", volume, err)
+	return m.unstage(ctx, c)
+}
+
+// unstage takes the steps of a stage back, last first: unmount, flush,
+// close LUKS2, detach the data mapping, release the fence, forget the
+// claim. A step that fails stops it; the claim stays recorded and the
+// retry takes up where it stopped.
+func (m *Manager) unstage(ctx context.Context, c *Claim) error {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		return fmt.Errorf("volume %s: %w", c.Volume, err)
 	}
-	// A raw block volume's writes may still sit in the page cache of the
-	// devices the pod wrote through (the data mapping is a buffered loop
-	// device, so even the disk's own cache holds them). They are pushed
-	// down before those devices go, and the disk is flushed again right
-	// before the fence is released below: nothing of this node lands
-	// after another node may have claimed the disk. (A lost claim's disk
-	// is read-only and another node's: its writes were failed on purpose,
-	// and there is no fence to release.)
+	if err := flushLayers(c); err != nil {
+		return err
+	}
+	if err := m.closeLUKS(ctx, c); err != nil {
+		return err
+	}
+	if err := m.unmapData(c.DataDevice); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+	}
+	if err := m.releaseFence(ctx, c); err != nil {
+		return err
+	}
+	if err := m.store.Delete(c.Volume); err != nil {
+		return err
+	}
+	m.clearClaimed(filepath.Base(c.Device))
+	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", c.Volume, c.StagingPath, c.Device)
+	if c.State == StateLost {
+		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", c.Volume, c.StagingPath, c.Device)
+	}
+	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
+		Reason: "unstaged", Message: msg})
+	m.log.Info("volume unstaged", "volume", c.Volume, "device", c.Device, "staging", c.StagingPath)
+	return nil
+}
+
+// flushLayers pushes down a held volume's writes that may still sit in the
+// page cache of the devices the pod wrote through (a raw block volume's;
+// the data mapping is a buffered loop device, so even the disk's own cache
+// holds them) before those devices go; the disk is flushed again right
+// before the fence is released (releaseHeld): nothing of this node lands
+// after another node may have claimed the disk. A lost claim's disk is
+// read-only and another node's: its writes were failed on purpose, and
+// there is no fence to release.
+func flushLayers(c *Claim) error {
+	if c.State != StateHeld {
+		return nil
+	}
 	for _, p := range []string{c.Mapper, c.DataDevice} {
-		if c.State != StateHeld {
-			break
-		}
 		if err := flushPath(p); err != nil {
-			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", volume, err)
+			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, err)
 		}
 	}
-	if c.Mapper != "" {
-		if m.o.Crypt == nil {
-			return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", volume, c.Mapper)
-		}
-		if err := m.o.Crypt.Close(ctx, mapperName(volume)); err != nil {
-			return agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping: %v", volume, err)
-		}
-		c.Mapper = ""
-		if err := m.store.Put(c); err != nil {
-			return err
-		}
+	return nil
+}
+
+// closeLUKS closes the volume's dm-crypt mapping, and records that it did.
+func (m *Manager) closeLUKS(ctx context.Context, c *Claim) error {
+	if c.Mapper == "" {
+		return nil
 	}
-	if err := dropDataMapping(c.DataDevice); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+	if m.o.Crypt == nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", c.Volume, c.Mapper)
 	}
-	l := m.getLive(volume)
+	if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping: %v", c.Volume, err)
+	}
+	c.Mapper = ""
+	return m.store.Put(c)
+}
+
+// releaseFence gives back the fence of a held claim and lets go of what
+// the manager holds open for the volume.
+func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
+	l := m.getLive(c.Volume)
 	if c.State == StateHeld {
 		if l == nil {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
-			if dev, err := locate(ctx, m.finder, c.Locator, m.o.Config.AllowLoopDevices); err == nil {
-				if ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil); err == nil && ch.Fencer != nil {
-					l = &live{dev: dev, fencer: ch.Fencer}
-				} else {
-					dev.Close()
-				}
-			}
+			l = m.openToRelease(ctx, c)
 		}
 		if l != nil && l.fencer != nil {
-			if err := flushDevice(l.dev.File); err != nil {
-				return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", volume, c.Device, err)
-			}
-			c.Phase = PhaseUnstaging
-			if err := m.store.Put(c); err != nil {
+			if err := m.releaseHeld(ctx, c, l); err != nil {
 				return err
-			}
-			if err := l.fencer.Release(ctx); err != nil {
-				var lost *fence.LostError
-				if !errors.As(err, &lost) {
-					// Still held: checked as staged until the retry.
-					c.Phase = PhaseStaged
-					if perr := m.store.Put(c); perr != nil {
-						m.log.Error("recording a claim whose release failed", "volume", volume, "err", perr)
-					}
-					return agenterr.New(agenterr.Unavailable, "volume %s: releasing the fence of %s: %v; the claim stays recorded, retry", volume, c.Device, err)
-				}
 			}
 		}
 	}
-	if l != nil && l != m.getLive(volume) {
+	if l != nil && l != m.getLive(c.Volume) {
 		l.close()
 	}
-	m.setLive(volume, nil)
-	if err := m.store.Delete(volume); err != nil {
+	m.setLive(c.Volume, nil)
+	return nil
+}
+
+// openToRelease opens the claim's disk and its fencer, nil when either
+// cannot be had.
+func (m *Manager) openToRelease(ctx context.Context, c *Claim) *live {
+	dev, err := m.locate(ctx, c.Locator)
+	if err != nil {
+		return nil
+	}
+	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
+		return &live{dev: dev, fencer: ch.Fencer}
+	}
+	dev.Close()
+	return nil
+}
+
+// releaseHeld flushes the disk and releases its fence. The claim is
+// recorded unstaging first: an agent restarted before the record is gone
+// knows the missing claim was its own release, not a loss. A release that
+// fails leaves the claim staged, checked as ever until the retry.
+func (m *Manager) releaseHeld(ctx context.Context, c *Claim, l *live) error {
+	if err := flushDevice(l.dev.File); err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, err)
+	}
+	c.Phase = PhaseUnstaging
+	if err := m.store.Put(c); err != nil {
 		return err
 	}
-	m.clearClaimed(filepath.Base(c.Device))
-	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", volume, staging, c.Device)
-	if c.State == StateLost {
-		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", volume, staging, c.Device)
+	err := l.fencer.Release(ctx)
+	if err == nil || errors.As(err, new(*fence.LostError)) {
+		return nil
 	}
-	m.publish(events.Event{Type: events.DiskReleased, Volume: volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
-		Reason: "unstaged", Message: msg})
-	m.log.Info("volume unstaged", "volume", volume, "device", c.Device, "staging", staging)
-	return nil
+	c.Phase = PhaseStaged
+	if perr := m.store.Put(c); perr != nil {
+		m.log.Error("recording a claim whose release failed", "volume", c.Volume, "err", perr)
+	}
+	return agenterr.New(agenterr.Unavailable, "volume %s: releasing the fence of %s: %v; the claim stays recorded, retry", c.Volume, c.Device, err)
 }
 
 // flushDevice writes a block device's page cache down and flushes the
@@ -201,6 +486,29 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err != nil {
 		return err
 	}
+	if err := publishable(r, c, staging, target); err != nil {
+		return err
+	}
+	if mp, _ := m.mounter.IsMountPoint(target); mp {
+		if err := m.publishedAlready(c, target); err != nil {
+			return err
+		}
+	} else if err := m.bind(r, c, staging, target); err != nil {
+		return err
+	}
+	if !slices.Contains(c.Publications, target) {
+		c.Publications = append(c.Publications, target)
+		if err := m.store.Put(c); err != nil {
+			return err
+		}
+	}
+	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
+	return nil
+}
+
+// publishable refuses a publication of the claim c (nil: none) that the
+// stage does not allow.
+func publishable(r PublishRequest, c *Claim, staging, target string) error {
 	switch {
 	case c == nil || c.Phase != PhaseStaged:
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is not staged on this node; stage it first", r.Volume)
@@ -215,24 +523,18 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	case target == staging:
 		return agenterr.New(agenterr.InvalidArgument, "volume %s: the target path is the staging path", r.Volume)
 	}
-	if mp, _ := m.mounter.IsMountPoint(target); mp {
-		if c.Block {
-			if err := blockTargetHolds(m.o.Config.KubeletRoot, target, c); err != nil {
-				return err
-			}
-		} else if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
-			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", r.Volume, target, src)
-		}
-	} else if err := m.bind(r, c, staging, target); err != nil {
-		return err
+	return nil
+}
+
+// publishedAlready accepts a target that already has the volume mounted
+// on it (a retried publish) and refuses one with anything else.
+func (m *Manager) publishedAlready(c *Claim, target string) error {
+	if c.Block {
+		return blockTargetHolds(m.o.Config.KubeletRoot, target, c)
 	}
-	if !slices.Contains(c.Publications, target) {
-		c.Publications = append(c.Publications, target)
-		if err := m.store.Put(c); err != nil {
-			return err
-		}
+	if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
+		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", c.Volume, target, src)
 	}
-	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
 	return nil
 }
 
@@ -409,6 +711,20 @@ func pubTargetShape(rel string) (block, ok bool) {
 	return false, false
 }
 
+// emptyDirBeneath reports whether the directory at p (beneath root) is
+// empty and still the directory st was taken of.
+func emptyDirBeneath(root, p string, st *unix.Stat_t) (bool, error) {
+	d, err := openBeneath(root, p, unix.O_RDONLY|unix.O_DIRECTORY)
+	if err != nil {
+		return false, err
+	}
+	defer d.Close()
+	var dst unix.Stat_t
+	names, _ := d.Readdirnames(1)
+	serr := unix.Fstat(int(d.Fd()), &dst)
+	return len(names) == 0 && serr == nil && dst.Dev == st.Dev && dst.Ino == st.Ino, nil
+}
+
 // removeStrayTarget removes a target the volume's claim does not record
 // (see Unpublish), or says why it will not.
 func (m *Manager) removeStrayTarget(volume string, known bool, target string) error {
@@ -442,16 +758,9 @@ func (m *Manager) removeStrayTarget(volume string, known bool, target string) er
 	isDir, isFile := st.Mode&unix.S_IFMT == unix.S_IFDIR, st.Mode&unix.S_IFMT == unix.S_IFREG
 	empty := isFile && st.Size == 0
 	if isDir && !mp {
-		d, err := openBeneath(root, target, unix.O_RDONLY|unix.O_DIRECTORY)
-		if err != nil {
+		if empty, err = emptyDirBeneath(root, target, &st); err != nil {
 			return fmt.Errorf("volume %s: %w", volume, err)
 		}
-		var dst unix.Stat_t
-		names, _ := d.Readdirnames(1)
-		serr := unix.Fstat(int(d.Fd()), &dst)
-		d.Close()
-		// Empty only if it is still the directory looked at above.
-		empty = len(names) == 0 && serr == nil && dst.Dev == st.Dev && dst.Ino == st.Ino
 	}
 	switch {
 	case mp:
@@ -540,54 +849,68 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
 	}
+	return m.grow(ctx, c, required)
+}
+
+// grow grows the staged volume c once its disk holds required bytes, and
+// returns the usable size.
+func (m *Manager) grow(ctx context.Context, c *Claim, required int64) (int64, error) {
 	// required_bytes is the capacity the controller granted: the disk's
 	// size. The device the filesystem sits on is the disk less our
 	// metadata (the lease area, the LUKS2 header), so the disk itself is
 	// what must have reached that size before anything is grown.
 	disk, err := deviceSize(c.Device)
 	if err != nil {
-		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
 	if required > 0 && disk < required {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: disk %s holds %d bytes, less than the %d asked for; the grown disk has not reached this node yet, retry",
-			volume, c.Device, disk, required)
+			c.Volume, c.Device, disk, required)
 	}
-	if c.DataDevice != "" {
-		if err := growDataMapping(c.DataDevice); err != nil {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: %v", volume, err)
-		}
-		if n, err := deviceSize(c.DataDevice); err != nil || n != disk-c.DataOffset {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
-				volume, c.DataDevice, n, disk, c.DataOffset, err)
-		}
-	}
-	if c.Mapper != "" {
-		// The hook for package crypt: the mapping grows first, then the
-		// filesystem on it.
-		if m.o.Crypt == nil {
-			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support to grow its mapping", volume)
-		}
-		if err := m.o.Crypt.Resize(ctx, mapperName(volume)); err != nil {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", volume, err)
-		}
+	if err := m.growMappings(ctx, c, disk); err != nil {
+		return 0, err
 	}
 	// The usable size, reported back, is what the mapping the filesystem
 	// sits on now holds.
 	dev := c.MountDevice()
 	size, err := deviceSize(dev)
 	if err != nil {
-		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", volume, err)
+		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
 	if !c.Block {
 		if c.ReadOnly {
-			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is staged read-only; its filesystem cannot be grown", volume)
+			return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s is staged read-only; its filesystem cannot be grown", c.Volume)
 		}
 		if _, err := mount.NewResizeFs(m.exec).Resize(dev, c.StagingPath); err != nil {
-			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the %s filesystem on %s: %v", volume, c.FsType, dev, err)
+			return 0, agenterr.New(agenterr.Internal, "volume %s: growing the %s filesystem on %s: %v", c.Volume, c.FsType, dev, err)
 		}
 	}
-	m.log.Info("volume expanded", "volume", volume, "device", dev, "bytes", size)
+	m.log.Info("volume expanded", "volume", c.Volume, "device", dev, "bytes", size)
 	return size, nil
+}
+
+// growMappings makes the data mapping (lease disks) and then the dm-crypt
+// mapping (encrypted volumes) see the grown disk of disk bytes.
+func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error {
+	if c.DataDevice != "" {
+		if err := growDataMapping(c.DataDevice); err != nil {
+			return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
+		}
+		if n, err := deviceSize(c.DataDevice); err != nil || n != disk-c.DataOffset {
+			return agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
+				c.Volume, c.DataDevice, n, disk, c.DataOffset, err)
+		}
+	}
+	if c.Mapper == "" {
+		return nil
+	}
+	if m.o.Crypt == nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support to grow its mapping", c.Volume)
+	}
+	if err := m.o.Crypt.Resize(ctx, mapperName(c.Volume)); err != nil {
+		return agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", c.Volume, err)
+	}
+	return nil
 }
 
 // Stats is GetVolumeStats's answer.

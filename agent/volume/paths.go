@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -412,32 +411,19 @@ func unmountBeneath(root, p string, flags int) (bool, error) {
 	return true, nil
 }
 
-// beneathMounter is the mount-utils interface the manager formats and
-// mounts with, its mounts and unmounts acting through descriptors opened
-// beneath the kubelet root (see above) instead of running mount(8) and
-// umount(8) on names. Everything else (listing, mount point checks, which
-// only read) is mount-utils' own.
+// beneathMounter is the manager's mounter: its mounts and unmounts act
+// through descriptors opened beneath the kubelet root (see above) instead
+// of running mount(8) and umount(8) on names. Listing and mount point
+// checks, which only read, are mount-utils' own.
 type beneathMounter struct {
-	mount.Interface
-	root string
+	table mount.Interface
+	root  string
 }
 
+// Mount mounts the filesystem on source at target: target is opened
+// beneath the kubelet root and the mount made on /proc/self/fd/N.
 func (b beneathMounter) Mount(source, target, fstype string, options []string) error {
-	return b.MountSensitive(source, target, fstype, options, nil)
-}
-
-func (b beneathMounter) MountSensitiveWithoutSystemd(source, target, fstype string, options, sensitive []string) error {
-	return b.MountSensitive(source, target, fstype, options, sensitive)
-}
-
-func (b beneathMounter) MountSensitiveWithoutSystemdWithMountFlags(source, target, fstype string, options, sensitive, _ []string) error {
-	return b.MountSensitive(source, target, fstype, options, sensitive)
-}
-
-// MountSensitive mounts the filesystem on source at target: target is
-// opened beneath the kubelet root and the mount made on /proc/self/fd/N.
-func (b beneathMounter) MountSensitive(source, target, fstype string, options, sensitive []string) error {
-	flags, data, err := splitMountOptions(append(slices.Clone(options), sensitive...))
+	flags, data, err := splitMountOptions(options)
 	if err != nil {
 		return err
 	}
@@ -452,11 +438,14 @@ func (b beneathMounter) MountSensitive(source, target, fstype string, options, s
 	return nil
 }
 
-// Unmount unmounts the mount at target through its descriptor.
+func (b beneathMounter) IsMountPoint(p string) (bool, error) { return b.table.IsMountPoint(p) }
+
+func (b beneathMounter) List() ([]mount.MountPoint, error) { return b.table.List() }
+
+// Unmount unmounts the mount whose root is target, through its parent's
+// descriptor (unmountBeneath); a target that is not a mount point is left
+// alone.
 func (b beneathMounter) Unmount(target string) error {
-	mp, err := unmountBeneath(b.root, target, 0)
-	if err == nil && !mp {
-		return fmt.Errorf("%s is not a mount point", target)
-	}
+	_, err := unmountBeneath(b.root, target, 0)
 	return err
 }

@@ -42,6 +42,13 @@ func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, de
 			"volume", volume, "device", dev.Path)
 		return f.Acquire(ctx, grant)
 	}
+	return m.acquireWaiting(ctx, wa, volume, dev, grant)
+}
+
+// acquireWaiting claims the disk with the reclaim wait, going on from
+// where an earlier stage's wait of the volume stopped, and counts the
+// waits by their outcome.
+func (m *Manager) acquireWaiting(ctx context.Context, wa fence.WaitingAcquirer, volume string, dev *Device, grant *fence.Grant) (fence.Claim, error) {
 	full := m.o.Config.ReclaimAfter()
 	wait := full
 	m.mu.Lock()

@@ -20,13 +20,14 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 // These tests run on this host with real loop devices, real mkfs, blkid and
-// mounts. A loop device has no persistent reservations and the on-disk
-// lease is not part of this agent yet, so the tests that stage through the
-// agent's own fencer factory use the explicit opt-in for unfenced disks
+// mounts. A loop device has no persistent reservations and newEnv's fencer
+// factory has no on-disk lease (the lease tests give it one), so the tests
+// that stage through it use the explicit opt-in for unfenced disks
 // (allow_unfenced in both the request and the configuration), exactly as
 // an operator would have to. The fence-loss tests put the real reservation
 // engine in front of the loop device, talking to fence/scsi/scsitest, the
@@ -36,14 +37,7 @@ const nodeA = "4c4c4544-0042-3610-8052-b4c04f4e3332"
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
-	for _, tool := range []string{"losetup", "blkid", "mkfs.ext4", "mkfs.xfs"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (make deps installs it)", tool)
-		}
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts", "losetup", "blkid", "mkfs.ext4", "mkfs.xfs")
 }
 
 type env struct {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // TestVolumeAPIAndDisksCommand drives the built agent over its socket: a
@@ -29,9 +30,7 @@ import (
 // unstaged; a loop device with a foreign filesystem is staged only with
 // the explicit opt-in in both the configuration and the request.
 func TestVolumeAPIAndDisksCommand(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
 	dir := t.TempDir()
 	kubelet := filepath.Join(dir, "kubelet")
 	os.MkdirAll(kubelet, 0o755)
@@ -232,9 +231,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 // The device named is absent from the fixture's sysfs, so nothing on this
 // machine is armed (it would reset the host the tests run on).
 func TestLeaseRefusedWithoutAHostWatchdog(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices")
 	dir := t.TempDir()
 	kubelet := filepath.Join(dir, "kubelet")
 	os.MkdirAll(kubelet, 0o755)

@@ -13,6 +13,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // The commands run here against scsitest, a model of a SPC-4 target (one
@@ -171,9 +172,7 @@ func TestFenceKeyFromSysfs(t *testing.T) {
 // check, SG_IO) on a loop device: the host has no SCSI, and a loop device
 // answers SG_IO the way virtio-blk does, so the disk has no PR.
 func TestFenceOnLoopDevice(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to attach a loop device")
-	}
+	hosttest.NeedRoot(t, "needs root to attach a loop device")
 	img := filepath.Join(t.TempDir(), "disk.img")
 	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
 		t.Fatal(err)

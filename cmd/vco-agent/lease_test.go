@@ -16,15 +16,14 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // leaseLoop attaches a loop device to a sparse image (in memory where
 // possible), optionally made by prepare first.
 func leaseLoop(t *testing.T, prepare func(img string)) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to attach a loop device")
-	}
+	hosttest.NeedRoot(t, "needs root to attach a loop device")
 	dir := t.TempDir()
 	if d, err := os.MkdirTemp("/dev/shm", "lease-cli-"); err == nil {
 		dir = d

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // The test binary runs as vco-agent itself when VCO_AGENT_MAIN=1, with the
@@ -170,9 +171,7 @@ func startAgentWith(t *testing.T, sock, cfg string) (*exec.Cmd, chan error, *byt
 }
 
 func TestPermissionSentences(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to run the CLI as another user")
-	}
+	hosttest.NeedRoot(t, "needs root to run the CLI as another user")
 	dir, err := os.MkdirTemp("", "vco-cli-")
 	if err != nil {
 		t.Fatal(err)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // The commands of docs/recovery.md that a rescue machine runs on a
@@ -40,9 +41,7 @@ var runbook = []string{
 // file. Loop devices stand in for the rescue VM's disk; the lab's guests
 // are not needed for what the commands do.
 func TestRecoveryRunbook(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
 	doc, err := os.ReadFile("../../docs/recovery.md")
 	if err != nil {
 		t.Fatal(err)

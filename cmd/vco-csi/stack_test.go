@@ -22,6 +22,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -44,9 +45,7 @@ const stackUUID = "8F2D6A1E-9B3C-4D5E-A6F7-0123456789AB"
 // whatever the test left mounted is unmounted.
 func startStack(t *testing.T, lease bool) *stack {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("the host backend makes loop devices and the agent mounts them, which needs root")
-	}
+	hosttest.NeedRoot(t, "the host backend makes loop devices and the agent mounts them, which needs root")
 	dir := t.TempDir()
 	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	bins := os.Getenv("VCO_BIN")

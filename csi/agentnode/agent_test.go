@@ -29,6 +29,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -151,9 +152,7 @@ type fencedNode struct {
 
 func newFencedNode(t *testing.T, tgt *scsitest.Target, reclaimWait time.Duration) *fencedNode {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
 	dir := t.TempDir()
 	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	kubelet := filepath.Join(dir, "kubelet")

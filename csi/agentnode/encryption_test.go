@@ -22,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -52,9 +53,7 @@ func loopDisk(t *testing.T, dir string, id int64) (img, dev string) {
 // staged again, the plugin unwraps the header's token and the data is
 // still there. A disk holding other data is never formatted.
 func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
 	dir := t.TempDir()
 	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
 	kubelet, diskDir := filepath.Join(dir, "kubelet"), filepath.Join(dir, "disks")

@@ -18,6 +18,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"k8s.io/klog/v2"
 )
 
@@ -186,9 +187,7 @@ func BenchmarkNodeStageUnstage(b *testing.B) {
 }
 
 func benchNodeStageUnstage(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("loop devices and mounts need root")
-	}
+	hosttest.NeedRoot(b, "loop devices and mounts need root")
 	const cycles = 10
 	// mount-utils logs each mkfs and mount through klog on stderr, which
 	// go test interleaves with the benchmark's result line.

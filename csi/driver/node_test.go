@@ -12,6 +12,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 func TestNodeGetInfo(t *testing.T) {
@@ -121,9 +122,7 @@ func mountOptions(p string) string {
 // default mount volumes do not exercise: a raw block volume, mount flags,
 // and a read-only publish.
 func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("loop devices and mounts need root")
-	}
+	hosttest.NeedRoot(t, "loop devices and mounts need root")
 	e := newTestEnv(t, envOpts{backend: &sim.HostBackend{Dir: filepath.Join(t.TempDir(), "disks")}, realAgent: true})
 	ctx := context.Background()
 	block := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},

@@ -11,6 +11,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/sanityreport"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // TestSanity runs csi-test's sanity suite in-process against the plugin in
@@ -41,9 +42,7 @@ func TestSanity(t *testing.T) {
 }
 
 func runSanity(t *testing.T, access string, params map[string]string) {
-	if os.Geteuid() != 0 {
-		t.Skip("the host backend makes loop devices, which needs root")
-	}
+	hosttest.NeedRoot(t, "the host backend makes loop devices, which needs root")
 	e := newTestEnv(t, envOpts{backend: &sim.HostBackend{Dir: filepath.Join(t.TempDir(), "disks")}, realAgent: true})
 	cfg := sanity.NewTestConfig()
 	cfg.Address = e.endpoint

@@ -14,6 +14,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 func start(t *testing.T, opts sim.Options) (*sim.Server, *httptest.Server, *cloud.Client) {
@@ -97,9 +98,7 @@ func TestAddVMThroughAdmin(t *testing.T) {
 // machine and checks that a real loop device backs it, grows with it and
 // goes away on detach.
 func TestHostBackendLoopDevice(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("loop devices need root")
-	}
+	hosttest.NeedRoot(t, "loop devices need root")
 	dir := t.TempDir()
 	seed := sim.DefaultSeed()
 	seed.HostVM.ReferenceID = "11111111-2222-4333-8444-555555555555"

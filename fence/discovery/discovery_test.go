@@ -14,6 +14,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/fence/scsi"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // sysfs is a fixture tree laid out as the kernel lays out /sys for
@@ -274,9 +275,7 @@ func TestInventory(t *testing.T) {
 // real block device node. It needs root.
 func loopDevice(t *testing.T) (path string, major, minor uint32) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to attach a loop device")
-	}
+	hosttest.NeedRoot(t, "needs root to attach a loop device")
 	img := filepath.Join(t.TempDir(), "disk.img")
 	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
 		t.Fatal(err)

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // BenchmarkTakeoverExpired measures a takeover from a frozen holder
@@ -155,9 +156,7 @@ func BenchmarkLeaseIOBusyLoop(b *testing.B) {
 }
 
 func benchIOBusyLoop(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root to attach a loop device")
-	}
+	hosttest.NeedRoot(b, "needs root to attach a loop device")
 	ctx := context.Background()
 	dir, err := os.MkdirTemp("/var/tmp", "lease-bench-")
 	if err != nil {

@@ -279,8 +279,8 @@ func sleep(ctx context.Context, d time.Duration) error {
 // errRetry asks Acquire to start over with a fresh read.
 var errRetry = errors.New("retry")
 
-// Acquire implements fence.Fencer; see the package documentation for the
-// algorithm and its waits.
+// Acquire implements fence.Fencer; docs/fencing.md ("The on-disk lease")
+// states the algorithm and its waits.
 func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()

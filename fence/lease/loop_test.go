@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // Test nodes: two SMBIOS UUIDs and their keys.
@@ -36,9 +37,7 @@ var testTiming = Timing{IOTimeout: 250 * time.Millisecond, Renew: 500 * time.Mil
 // prepare(imgPath) first.
 func loopDevice(t testing.TB, size int64, sector int, prepare func(img string)) string {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root to attach a loop device")
-	}
+	hosttest.NeedRoot(t, "needs root to attach a loop device")
 	// Backing files live in memory where possible: the lease's O_DSYNC
 	// writes then cost no flush of the test machine's disk, whose latency
 	// under load says nothing about the lease.

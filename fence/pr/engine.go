@@ -7,97 +7,19 @@
 // (falling back to PREEMPT), and re-read after every step to verify that the
 // target did what was asked.
 //
+// A target that keeps reservations in memory only (tgt has no APTPL)
+// forgets them when it restarts. Engine.Reestablish (fence.Reestablisher)
+// takes such a claim back only when the target's own state proves that
+// nobody else registered since it started (no key, no reservation, PR
+// generation 0), and AcquireWaiting (fence.WaitingAcquirer) gives the
+// holder the time to do so before another node claims a target in that
+// state whose disk holds data. docs/fencing.md ("SCSI-3 persistent
+// reservations") states the steps, why two nodes never both count the
+// disk as theirs, and what the target cannot protect meanwhile.
+//
 // The engine talks to the device through scsi.Transport, so its decisions
 // are unit-tested against a model of the target (fence/scsi/scsitest) and
 // proven against a real target in the lab.
-//
-// # Re-establishing after a target restart
-//
-// A target that keeps reservations in memory only (tgt has no APTPL)
-// forgets every registration and reservation when it restarts. The holder's
-// next Check then finds its key gone, which is otherwise the sign of a
-// preemption (P4). Engine.Reestablish (fence.Reestablisher) takes the claim
-// back, but only when the target's own state proves that nobody else acted:
-//
-//  1. The loss was found by Check reading a target with no registration and
-//     no reservation at all. A loss reported by a unit attention 2A/03 or
-//     2A/05 (our reservation or registration preempted), by MarkLost
-//     (a write met a reservation conflict), or a check that found any
-//     other key, is never re-established.
-//  2. A fresh read (READ KEYS, READ RESERVATION) again shows no key and no
-//     reservation, both reads report the same PRgeneration, and that
-//     generation is 0. SPC-4 has every REGISTER, REGISTER AND IGNORE
-//     EXISTING KEY, CLEAR, PREEMPT and PREEMPT AND ABORT increment the
-//     generation and a power on reset it to 0 (tgt: a new logical unit
-//     starts at 0). An empty target at generation 0 has therefore seen no
-//     registration since it started: it forgot our claim and no other node
-//     has touched the disk since. An empty target at any other generation
-//     had registrations come and go (a takeover and a release, a CLEAR)
-//     and is not ours to take.
-//  3. REGISTER (not REGISTER AND IGNORE EXISTING KEY, so it fails if this
-//     nexus already carries a registration we did not read), then a read
-//     that must show our key alone, no reservation and the generation
-//     exactly one higher: anything else means another registration came
-//     or went in between.
-//  4. RESERVE with the type the claim had, then a read that must show our
-//     key alone holding that reservation, the generation unchanged.
-//
-// At every read, a foreign key ends the attempt with a *fence.LostError
-// naming that key, and the agent fences itself (P4). The foreign
-// registration is never touched. If the read after RESERVE finds the
-// foreign key, our reservation stays in place (released with the volume's
-// unstage): the other node registered against a disk that was ours a
-// moment ago, so it is refused, not let in without a grant; a node that
-// has neither reservation nor the right to it unregisters its key, leaving
-// nothing behind.
-//
-// What this guarantees, together with Acquire: the target gives the
-// reservation to one I_T nexus only, and each side counts the disk as its
-// own only after a read following its own RESERVE shows it as the holder.
-// Another node's agent registers only when it finds no reservation or holds
-// a grant naming our key (Acquire refuses any other foreign holder), and
-// without a grant it leaves us the time to re-establish first (see below).
-// If it finds the disk free all the same (a blank disk, an Acquire by
-// hand), its RESERVE and ours cannot both succeed. If ours came first, its
-// RESERVE conflicts and its re-read shows us holding: it unregisters and
-// refuses; if its key was already registered when we re-read, we fence
-// ourselves too, keeping the reservation. If its RESERVE came first, ours
-// conflicts and we fence ourselves. So two agents never both count the disk as
-// theirs, and once a re-establish has seen a foreign key this node does
-// not write to the disk again without a grant.
-//
-// # Claiming a disk the target may have forgotten
-//
-// To another node, a target that forgot its holder's claim looks like a
-// new disk: no registration, no reservation, PR generation 0. Every disk
-// that was registered since the target started is at a higher generation
-// (unregistering moves it too), including one its holder released. So
-// AcquireWaiting (a stage without a grant) treats a pristine target as
-// possibly forgotten. A blank disk (fence.ReclaimWait's Contents finds
-// nothing) is new and is claimed at once. A disk holding data is claimed
-// only if during fence.ReclaimWait's Wait, which is longer than the
-// holders' check interval, no holder re-established: the wait only reads,
-// every Poll, and a reservation that appears ends it with a
-// *fence.HeldError naming the holder, as does a key found registered
-// without a reservation at its end (a holder between REGISTER and
-// RESERVE). A grant skips the wait: the controller grants only once the
-// old attachment is gone. Acquire (the operator's command) claims at once.
-//
-// What it cannot do: before anybody reserves again, the restarted target
-// enforces nothing, so a node that writes to the disk without claiming it
-// is not stopped until the holder's next check. A holder whose agent does
-// not re-establish within the wait (hung, paused, its path to the target
-// still down) loses the disk to an agent that asks after it, and then
-// fences itself; so does a holder of a raw block volume that had not yet
-// written where Contents looks (the agent reads the first and last MiB
-// and asks blkid): the disk looks blank, and nothing of the holder's is
-// on it. The wait assumes that every node's agent checks its claims at
-// least as often as this one's. And a takeover followed by a target
-// restart inside one check interval, whose 2A/05 unit attention the guest
-// kernel consumed before the engine saw it, looks like a plain restart:
-// the generation is 0 again. The controller grants a takeover only when
-// the old VM's attachment is gone, and a VM with no attachment no longer
-// reaches the disk.
 package pr
 
 import (

@@ -14,8 +14,8 @@ var _ fence.Reestablisher = (*Engine)(nil)
 // Reestablish implements fence.Reestablisher: after Check found the target
 // empty (no registration, no reservation), it registers and reserves again
 // with the claim's type, if and only if the target shows that nobody else
-// registered since it started. The package documentation gives the steps
-// and why the result is safe. On success the engine holds the disk again
+// registered since it started. docs/fencing.md gives the steps and why
+// the result is safe. On success the engine holds the disk again
 // and Check passes; otherwise the claim stays lost and the returned
 // *fence.LostError says why, naming a foreign key when one appeared.
 func (e *Engine) Reestablish(ctx context.Context) (fence.Claim, error) {

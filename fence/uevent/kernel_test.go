@@ -10,14 +10,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"golang.org/x/sys/unix"
 )
 
 func needRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and BLKROSET")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and BLKROSET")
 }
 
 // loopControl creates and removes loop devices by index, which makes the

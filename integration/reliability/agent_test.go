@@ -21,6 +21,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // agentBin is vco-agent built once for the package's tests.
@@ -54,14 +55,7 @@ func TestMain(m *testing.M) {
 
 func needRoot(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices and mounts")
-	}
-	for _, tool := range []string{"losetup", "blkid", "mkfs.ext4"} {
-		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("%s is not installed (make deps installs it)", tool)
-		}
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices and mounts", "losetup", "blkid", "mkfs.ext4")
 }
 
 const nodeUUID = "0f1e2d3c-4b5a-4978-8695-a4b3c2d1e0f9"

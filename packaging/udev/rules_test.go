@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // udevTools is a udevadm and the stock rules it comes with: the system's
@@ -24,9 +25,7 @@ type udevTools struct {
 
 func findUdev(t *testing.T) udevTools {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a mount namespace and a loop device")
-	}
+	hosttest.NeedRoot(t, "needs root for a mount namespace and a loop device")
 	roots := []string{os.Getenv("VCO_UDEV_ROOT"), "../../.tools/udev"}
 	for _, r := range roots {
 		if r == "" {

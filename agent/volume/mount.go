@@ -1,0 +1,155 @@
+package volume
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"golang.org/x/sys/unix"
+	mount "k8s.io/mount-utils"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+)
+
+// mounter is what the manager does with mounts: mount a filesystem at a
+// staging path, unmount it, and read the mount table. beneathMounter
+// (paths.go) is the manager's; the stage's rollback tests use a stand-in
+// that runs without root (stage_test.go).
+type mounter interface {
+	// Mount mounts the filesystem on source at target.
+	Mount(source, target, fstype string, options []string) error
+	// Unmount unmounts the mount whose root is target; a target that is
+	// not one is left alone.
+	Unmount(target string) error
+	IsMountPoint(file string) (bool, error)
+	List() ([]mount.MountPoint, error)
+}
+
+// mountFS mounts the filesystem device carries, or makes one on a device
+// proven blank and mounts that; a device with anything else on it is
+// refused, never formatted. It reports whether it made the filesystem.
+func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, error) {
+	if mp, err := m.mounter.IsMountPoint(c.StagingPath); err == nil && mp {
+		return false, m.mountedAlready(c, device)
+	}
+	proof, err := m.formatProof(ctx, c, device)
+	if err != nil {
+		return false, err
+	}
+	d, err := mkdirBeneath(m.o.Config.KubeletRoot, c.StagingPath, 0o750)
+	if err != nil {
+		return false, fmt.Errorf("volume %s: creating the staging path: %w", c.Volume, err)
+	}
+	d.Close()
+	formatted := proof.Valid()
+	if formatted {
+		if err := makeFS(ctx, proof, c.FsType); err != nil {
+			return false, agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
+		}
+		c.Formatted = true
+		m.log.Info("made a filesystem on a device proven blank", "volume", c.Volume, "device", device, "fs", c.FsType)
+	} else if !c.ReadOnly {
+		if err := m.fsck(ctx, c.Volume, device); err != nil {
+			return false, err
+		}
+	}
+	if err := m.mounter.Mount(device, c.StagingPath, c.FsType, mountOptions(c)); err != nil {
+		return formatted, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
+	}
+	return formatted, nil
+}
+
+// mountedAlready accepts a staging path that already has device mounted on
+// it (a retried stage) and refuses one with anything else.
+func (m *Manager) mountedAlready(c *Claim, device string) error {
+	src, err := m.mountSource(c.StagingPath)
+	if err != nil {
+		return err
+	}
+	if !sameDevice(src, device) {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s already has %s mounted on it, not %s; unmount it first",
+			c.Volume, c.StagingPath, src, device)
+	}
+	return nil
+}
+
+// formatProof reads what device carries (docs/architecture.md P5): the
+// volume's filesystem (no proof: it is mounted as it is), nothing (the
+// proof that it is blank, which the format takes), or anything else
+// (refused).
+func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
+	var proof blank.Proof
+	existing, err := filesystemOn(ctx, device)
+	if err != nil {
+		return proof, fmt.Errorf("volume %s: reading the signatures on %s (blkid): %w", c.Volume, device, err)
+	}
+	switch {
+	case existing == "" && c.Formatted:
+		return proof, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: this agent made a %s filesystem on the volume earlier, but %s now shows no signature; it will not format it again: check that the right disk is attached",
+			c.Volume, c.FsType, device)
+	case existing == "" && c.ReadOnly:
+		return proof, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to mount", c.Volume, device)
+	case existing == "" && c.Encrypted && c.LUKSFormatted:
+		// The plaintext of a LUKS2 volume this agent formatted over a
+		// device it proved blank reads as noise, not zeros.
+		return proveEncrypted(ctx, c.Volume, device)
+	case existing == "":
+		return proveBlank(ctx, c.Volume, device, "filesystem")
+	case existing != c.FsType:
+		return proof, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: %s carries %q, not the requested %s filesystem; the agent neither formats over existing data nor mounts it as another type",
+			c.Volume, device, existing, c.FsType)
+	}
+	return proof, nil
+}
+
+// mountOptions are the staging mount's options: the request's flags, ro
+// for a read-only volume, nouuid for xfs.
+func mountOptions(c *Claim) []string {
+	opts := slices.Clone(c.MountFlags)
+	if c.ReadOnly {
+		opts = append(opts, "ro")
+	}
+	if c.FsType == "xfs" && !slices.Contains(opts, "nouuid") {
+		// A volume cloned from a snapshot carries its source's xfs UUID;
+		// without nouuid the second of the two would not mount here.
+		opts = append(opts, "nouuid")
+	}
+	return append(opts, "defaults")
+}
+
+func (m *Manager) mountSource(p string) (string, error) {
+	mps, err := m.mounter.List()
+	if err != nil {
+		return "", fmt.Errorf("reading the mount table: %w", err)
+	}
+	src := ""
+	for _, mp := range mps {
+		if mp.Path == p {
+			src = mp.Device // the last one is on top
+		}
+	}
+	return src, nil
+}
+
+func sameDevice(a, b string) bool {
+	var sa, sb unix.Stat_t
+	if unix.Stat(a, &sa) != nil || unix.Stat(b, &sb) != nil {
+		return a == b
+	}
+	return sa.Rdev == sb.Rdev
+}
+
+// unmountIfMounted unmounts the mount at p, reached beneath the kubelet
+// root without following a symlink (beneathMounter).
+func (m *Manager) unmountIfMounted(p string) error {
+	if err := m.mounter.Unmount(p); err != nil {
+		if agenterr.KindOf(err) != agenterr.Internal {
+			return err
+		}
+		return agenterr.New(agenterr.FailedPrecondition, "%v; is something still using it?", err)
+	}
+	return nil
+}

@@ -1,0 +1,423 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// A stage takes the steps of a volume's life on a node in their order
+// (docs/architecture.md, "A volume's life"): open and verify the disk,
+// fence it, map its data region, unlock it, mount it, record it. A step
+// that changes something pushes its undo onto the stage's rollback; when a
+// step fails, the undos run last first. So whatever fails leaves nothing
+// mounted, no dm-crypt mapping and no fence held, and the disk closed; a
+// first attempt that wrote nothing on the disk leaves no record (nor a data
+// mapping), any other stays recorded as interrupted, with its data
+// mapping, and its retry finishes it without formatting twice.
+
+// staging is one stage in progress.
+type staging struct {
+	m     *Manager
+	c     *Claim
+	r     StageRequest
+	isNew bool // no claim was recorded before this stage
+
+	dev    *Device
+	choice Choice
+	// acquired: the fence is taken; the disk is this node's until the
+	// rollback releases it.
+	acquired bool
+	// live: the claim went live; its live record closes the disk and the
+	// fencer.
+	live      bool
+	formatted bool // a filesystem or a LUKS2 header was made
+	// unlocked is how the LUKS2 volume was mapped; headerNote tells the
+	// DiskClaimed event of a damaged header it was opened in spite of.
+	unlocked   Mapped
+	headerNote string
+	undo       rollback
+}
+
+// rollback is a stack of undos.
+type rollback []func()
+
+func (r *rollback) push(undo func()) { *r = append(*r, undo) }
+
+// run runs the undos, the last pushed first.
+func (r *rollback) run() {
+	for i := len(*r) - 1; i >= 0; i-- {
+		(*r)[i]()
+	}
+	*r = nil
+}
+
+// stage takes the steps of a stage of the claim c, recorded or new.
+func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageResult, error) {
+	s := &staging{m: m, c: c, r: r, isNew: c.Phase == ""}
+	for _, step := range []func(context.Context) error{s.openDisk, s.fence, s.mapDataRegion, s.unlock, s.mount, s.record} {
+		if err := step(ctx); err != nil {
+			s.undo.run()
+			return StageResult{Formatted: s.formatted}, err
+		}
+	}
+	return StageResult{Device: c.MountDevice(), Method: c.Method, Formatted: s.formatted}, nil
+}
+
+// openDisk finds the disk the locator names, opens and verifies it, and
+// records the claim before anything touches the disk: from that record on
+// the uevent watcher leaves the disk alone (Classify).
+func (s *staging) openDisk(ctx context.Context) error {
+	m, c := s.m, s.c
+	dev, err := m.locate(ctx, s.r.Locator)
+	if err != nil {
+		return fmt.Errorf("volume %s: %w", c.Volume, err)
+	}
+	s.dev = dev
+	s.undo.push(s.unrecord)
+	s.undo.push(func() {
+		m.setLive(c.Volume, nil)
+		dev.Close()
+	})
+	// One disk, one volume: a second volume staged from the same disk
+	// would mount it twice, and its unstage would release the fence the
+	// first one still relies on.
+	if other := m.claimedBy(dev.DevNum(), c.Volume); other != "" {
+		return agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: disk %s is already staged on this node as volume %s; unstage that volume first", c.Volume, dev.Path, other)
+	}
+	m.setLive(c.Volume, nil)
+	c.Device, c.DevNum, c.Serial, c.Missing = dev.Path, dev.DevNum(), dev.Serial, false
+	if c.Phase == "" {
+		c.Phase = PhaseClaiming
+	}
+	m.watchMu.Lock()
+	defer m.watchMu.Unlock()
+	return m.store.Put(c)
+}
+
+// claimedBy names another volume whose staged claim is on the disk devnum.
+func (m *Manager) claimedBy(devnum, volume string) string {
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != volume && o.DevNum == devnum && o.Phase == PhaseStaged && !o.Missing {
+			return o.Volume
+		}
+	}
+	return ""
+}
+
+// unrecord undoes the claim's record: a first attempt that wrote nothing
+// on the disk is forgotten; any other is recorded as interrupted.
+func (s *staging) unrecord() {
+	m, c := s.m, s.c
+	if s.forgotten() {
+		if err := m.store.Delete(c.Volume); err != nil {
+			m.log.Error("could not remove the claim record of a failed stage", "volume", c.Volume, "err", err)
+		}
+		return
+	}
+	c.Phase = PhaseInterrupted
+	if err := m.store.Put(c); err != nil {
+		m.log.Error("could not record the interrupted stage", "volume", c.Volume, "err", err)
+	}
+}
+
+// forgotten reports whether a failed stage leaves no record: it is the
+// volume's first, and it made no filesystem, wrote or began no LUKS2
+// header and wrote no fencing metadata.
+func (s *staging) forgotten() bool {
+	c := s.c
+	return s.isNew && !c.Formatted && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
+}
+
+// fence chooses how the disk is fenced and takes the fence (P1-P3,
+// docs/fencing.md), or refuses the disk. The claim then goes live: the
+// periodic check watches its fence.
+func (s *staging) fence(ctx context.Context) error {
+	m, c, dev := s.m, s.c, s.dev
+	if err := s.chooseFence(ctx); err != nil {
+		return err
+	}
+	if s.choice.Fencer == nil {
+		if err := s.unfenced(); err != nil {
+			return err
+		}
+	} else if err := s.takeFence(ctx); err != nil {
+		return err
+	}
+	// A refusal earlier may have left the device read-only; it is ours now.
+	if ro, rerr := readOnly(dev.File); rerr == nil && ro && !s.r.ReadOnly {
+		if err := setReadOnly(dev.File, false); err != nil {
+			return fmt.Errorf("volume %s: %w", c.Volume, err)
+		}
+		m.log.Info("cleared the read-only flag of a disk now claimed by this node", "volume", c.Volume, "device", dev.Path)
+	}
+	m.setLive(c.Volume, &live{dev: dev, fencer: s.choice.Fencer})
+	s.live = true
+	return nil
+}
+
+// chooseFence asks the fencer factory how the disk is fenced; a disk that
+// carries the lease area is staged past it whatever fences it
+// (leaseDataRule).
+func (s *staging) chooseFence(ctx context.Context) error {
+	m, c, dev := s.m, s.c, s.dev
+	choice, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
+	if err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
+	}
+	if err := m.leaseDataRule(ctx, dev, c.Volume, &choice); err != nil {
+		closeChoice(choice)
+		return err
+	}
+	s.choice = choice
+	s.undo.push(func() {
+		// What the fencer holds open (the lease's descriptor) is the
+		// live claim's to close once it went live, the stage's before.
+		if !s.live {
+			closeChoice(choice)
+		}
+	})
+	return nil
+}
+
+// unfenced admits a disk that offers no fencing only with the explicit
+// opt-in of both the request and the agent's configuration.
+func (s *staging) unfenced() error {
+	m, c, dev := s.m, s.c, s.dev
+	if !s.r.AllowUnfenced || !m.o.Config.AllowUnfenced {
+		return agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: disk %s offers no fencing: %s; such a disk is staged only with an explicit opt-in (the request's allow_unfenced and the agent's volumes.allow_unfenced)",
+			c.Volume, dev.Path, s.choice.Reason)
+	}
+	m.log.Warn("staging a volume WITHOUT fencing by explicit opt-in: nothing stops another node from writing this disk",
+		"volume", c.Volume, "device", dev.Path, "reason", s.choice.Reason)
+	c.Method, c.State, c.Key = fence.MethodNone, StateUnfenced, 0
+	return nil
+}
+
+// takeFence claims the disk with the chosen fencer, writing the method's
+// metadata on a blank disk first; a disk held by another node is refused
+// (P2), one held by a node the request's grant names is taken over (P3).
+func (s *staging) takeFence(ctx context.Context) error {
+	m, c, dev, choice := s.m, s.c, s.dev, s.choice
+	if err := s.writableForLease(ctx); err != nil {
+		return err
+	}
+	if err := s.prepareFence(ctx); err != nil {
+		return err
+	}
+	claim, err := m.acquire(ctx, choice.Fencer, c.Volume, dev, s.r.Grant, s.r.NeverPublished)
+	if err != nil {
+		return s.notAcquired(ctx, err)
+	}
+	s.acquired = true
+	s.undo.push(func() {
+		if err := choice.Fencer.Release(context.WithoutCancel(ctx)); err != nil {
+			m.log.Error("could not release the fence after a failed stage", "volume", c.Volume, "device", dev.Path, "err", err)
+		}
+	})
+	c.Method, c.State, c.Key = choice.Method, StateHeld, claim.Key
+	if len(claim.Preempted) > 0 {
+		s.announceTakeover(claim)
+	}
+	return nil
+}
+
+// writableForLease clears the read-only flag a refusal earlier left on the
+// disk: the lease is taken by writing this node's slot on it. Until the
+// fence is taken, a failure sets the flag again.
+func (s *staging) writableForLease(ctx context.Context) error {
+	m, c, dev := s.m, s.c, s.dev
+	if s.choice.Method != MethodLease {
+		return nil
+	}
+	if ro, rerr := readOnly(dev.File); rerr != nil || !ro {
+		return nil
+	}
+	if err := setReadOnly(dev.File, false); err != nil {
+		return fmt.Errorf("volume %s: %w", c.Volume, err)
+	}
+	s.undo.push(func() {
+		if s.acquired {
+			return
+		}
+		if err := setReadOnly(dev.File, true); err != nil {
+			m.log.Error("could not set a disk read-only again after a failed claim", "volume", c.Volume, "device", dev.Path, "err", err)
+		}
+	})
+	return nil
+}
+
+// prepareFence writes the fencing method's metadata (the lease area) on a
+// blank disk, and records that it did: from then on the disk holds what
+// this agent wrote, and a failed stage is not forgotten.
+func (s *staging) prepareFence(ctx context.Context) error {
+	m, c, dev, choice := s.m, s.c, s.dev, s.choice
+	if choice.Prepare == nil {
+		return nil
+	}
+	wrote, err := choice.Prepare(ctx)
+	if err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: preparing %s for %s fencing: %v", c.Volume, dev.Path, choice.Method, err)
+	}
+	if !wrote {
+		return nil
+	}
+	c.FenceFormatted = true
+	m.log.Info("wrote the fencing metadata on a blank disk", "volume", c.Volume, "device", dev.Path, "fence", choice.Method)
+	return m.store.Put(c)
+}
+
+// notAcquired turns a failed acquire into the stage's answer. A disk held
+// by another node is refused (refuse, P2).
+func (s *staging) notAcquired(ctx context.Context, err error) error {
+	c := s.c
+	var held *fence.HeldError
+	var lost *fence.LostError
+	switch {
+	case errors.As(err, &held):
+		s.m.refuse(c, s.dev, held)
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, held)
+	case errors.As(err, &lost):
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+	case ctx.Err() != nil:
+		// The caller gave up (the reclaim wait outlasted its deadline):
+		// its code says so, and its retry waits again.
+		return fmt.Errorf("volume %s: %w", c.Volume, err)
+	}
+	return agenterr.New(agenterr.Unavailable, "volume %s: fencing %s: %v", c.Volume, s.dev.Path, err)
+}
+
+// announceTakeover publishes TakeoverGranted for a claim that preempted
+// other holders with the controller's grant.
+func (s *staging) announceTakeover(claim fence.Claim) {
+	c, dev := s.c, s.dev
+	keys := make([]string, len(claim.Preempted))
+	for i, k := range claim.Preempted {
+		keys[i] = k.String()
+	}
+	s.m.publish(events.Event{Type: events.TakeoverGranted, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
+		HolderKey: uint64(claim.Preempted[0]), Reason: "takeover-granted",
+		Message: fmt.Sprintf("volume %s: took disk %s over from key(s) %s with the controller's grant", c.Volume, dev.Path, strings.Join(keys, ", "))})
+}
+
+// mapDataRegion puts the volume past the metadata a fencing method keeps
+// at the start of the disk (the lease area), on a mapping of the disk from
+// the data offset (datamap.go).
+func (s *staging) mapDataRegion(context.Context) error {
+	m, c := s.m, s.c
+	c.DataOffset, c.DataDevice = s.choice.DataOffset, ""
+	if c.DataOffset > 0 {
+		p, err := m.mapData(s.dev.Path, c.DataOffset, s.r.ReadOnly)
+		if err != nil {
+			return fmt.Errorf("volume %s: %w", c.Volume, err)
+		}
+		c.DataDevice = p
+		s.undo.push(s.unmapDataRegion)
+	}
+	return m.store.Put(c)
+}
+
+// unmapDataRegion detaches the data mapping of a stage that is forgotten.
+// A stage that stays recorded keeps it: its retry finds it again
+// (findDataMapping) and its unstage detaches it.
+func (s *staging) unmapDataRegion() {
+	if !s.forgotten() {
+		return
+	}
+	if err := s.m.unmapData(s.c.DataDevice); err != nil {
+		s.m.log.Error("could not detach the data mapping of a failed stage", "volume", s.c.Volume, "err", err)
+	}
+}
+
+// unlock opens an encrypted volume's LUKS2 header, formatting a blank
+// device when the request asks to (encrypt.go), and maps it with dm-crypt
+// (docs/encryption.md).
+func (s *staging) unlock(ctx context.Context) error {
+	m, c, r := s.m, s.c, s.r
+	if !r.Encrypted {
+		return nil
+	}
+	if m.o.Crypt == nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support; install an agent built with it", c.Volume)
+	}
+	target := c.BaseDevice()
+	formatted, err := m.prepareLUKS(ctx, c, target, r)
+	if err != nil {
+		return err
+	}
+	s.formatted = formatted
+	mp, err := m.o.Crypt.Open(ctx, target, mapperName(c.Volume), r.Passphrase, r.ReadOnly)
+	if err != nil {
+		hint := ""
+		if errors.Is(err, luks2.ErrWrongPassphrase) {
+			hint = "; the node plugin must unwrap the passphrase kept in the header's transit token (GetVolumeToken)"
+		}
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: opening LUKS2 on %s: %w%s", c.Volume, target, err, hint)
+	}
+	s.undo.push(func() {
+		if err := m.o.Crypt.Close(context.WithoutCancel(ctx), mapperName(c.Volume)); err != nil {
+			m.log.Error("could not close the dm-crypt mapping after a failed stage", "volume", c.Volume, "err", err)
+		}
+		c.Mapper = ""
+	})
+	s.unlocked = mp
+	if len(mp.HeaderDamage) > 0 {
+		s.headerNote = fmt.Sprintf("; its LUKS2 header is damaged (%s), opened from the %s copy by %s; 'vco-agent luks repair' rewrites both copies",
+			strings.Join(mp.HeaderDamage, "; "), mp.Source, mp.Reader)
+		m.log.Warn("opened an encrypted volume whose LUKS2 header is damaged", "volume", c.Volume, "device", target,
+			"source", mp.Source, "reader", mp.Reader, "damage", strings.Join(mp.HeaderDamage, "; "))
+	}
+	c.Mapper = mp.Path
+	return m.store.Put(c)
+}
+
+// mount mounts the volume's filesystem at the staging path, making one
+// only on a device proven blank (mount.go); a raw block volume has none.
+func (s *staging) mount(ctx context.Context) error {
+	m, c := s.m, s.c
+	if s.r.Block {
+		return nil
+	}
+	made, err := m.mountFS(ctx, c, c.MountDevice())
+	if err != nil {
+		return err
+	}
+	s.undo.push(func() {
+		if err := m.unmountIfMounted(c.StagingPath); err != nil {
+			m.log.Error("could not unmount after a failed stage", "volume", c.Volume, "err", err)
+		}
+	})
+	s.formatted = s.formatted || made
+	return nil
+}
+
+// record records the claim as staged and announces it (DiskClaimed).
+func (s *staging) record(context.Context) error {
+	m, c, dev := s.m, s.c, s.dev
+	c.Phase, c.Detail = PhaseStaged, ""
+	if err := m.store.Put(c); err != nil {
+		return err
+	}
+	msg := fmt.Sprintf("volume %s staged on %s", c.Volume, c.MountDevice())
+	if c.State == StateUnfenced {
+		msg += " without fencing (explicit opt-in)"
+	} else {
+		msg += fmt.Sprintf(", fenced with %s key %s", c.Method, c.Key)
+	}
+	msg += s.headerNote
+	m.markClaimed(dev.Name)
+	m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
+		HolderKey: uint64(c.Key), Reason: "staged", Message: msg})
+	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "unlocked_by", s.unlocked.Reader, "staging", c.StagingPath,
+		"fs", c.FsType, "fence", c.Method, "formatted", s.formatted)
+	return nil
+}

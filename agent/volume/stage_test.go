@@ -1,0 +1,403 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	mount "k8s.io/mount-utils"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+)
+
+// The stage's rollback, tested without root. What needs root (opening a
+// block device, a loop device over the data region, dm-crypt, mounts) is
+// done by stand-ins that write what they do to one journal and fail where
+// the test says; everything else is the manager's own code: the claim
+// store, the lease area check, blkid and fsck on a filesystem image, the
+// staging directory. The tests with real devices are in volume_test.go and
+// the others.
+
+var errInjected = errors.New("injected failure")
+
+// journal is what the stand-ins did, in order; a failed call ends in "!".
+type journal struct {
+	calls  []string
+	failAt string
+}
+
+func (j *journal) do(call string) error {
+	if call == j.failAt {
+		j.calls = append(j.calls, call+"!")
+		return fmt.Errorf("%s: %w", call, errInjected)
+	}
+	j.calls = append(j.calls, call)
+	return nil
+}
+
+// fakeFencer takes and gives back a fence that exists only in the
+// journal; held makes it find the disk held by another node.
+type fakeFencer struct {
+	j    *journal
+	held bool
+}
+
+func (f *fakeFencer) Probe(context.Context) (fence.Support, error) {
+	return fence.Support{Method: MethodLease}, nil
+}
+func (f *fakeFencer) Acquire(context.Context, *fence.Grant) (fence.Claim, error) {
+	if f.held {
+		f.j.calls = append(f.j.calls, "acquire: held")
+		return fence.Claim{}, &fence.HeldError{Device: "fake0", Holder: 0x6e6f6465, HolderNode: "node-b"}
+	}
+	return fence.Claim{Method: MethodLease, Key: 0x7663}, f.j.do("acquire")
+}
+func (f *fakeFencer) Release(context.Context) error { return f.j.do("release") }
+func (f *fakeFencer) Check(context.Context) error   { return nil }
+func (f *fakeFencer) Close() error                  { return f.j.do("close fencer") }
+func (f *fakeFencer) Choose(context.Context, *Device, string, func(*fence.LostError) bool) (Choice, error) {
+	// A fencing method that keeps metadata before the data, as the
+	// lease does, so that the stage maps the data region.
+	return Choice{Fencer: f, Method: MethodLease, DataOffset: 1 << 20}, nil
+}
+
+// fakeCrypt maps an encrypted volume onto a filesystem image.
+type fakeCrypt struct {
+	j     *journal
+	plain string
+}
+
+func (f *fakeCrypt) Inspect(context.Context, string) (Content, error) {
+	return Content{Kind: ContentLUKS2}, nil
+}
+func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, TransitToken) error {
+	return errors.New("the stage tests format nothing")
+}
+func (f *fakeCrypt) Open(context.Context, string, string, []byte, bool) (Mapped, error) {
+	return Mapped{Path: f.plain, Reader: "fake"}, f.j.do("unlock")
+}
+func (f *fakeCrypt) Close(context.Context, string) error  { return f.j.do("lock") }
+func (f *fakeCrypt) Resize(context.Context, string) error { return nil }
+
+// fakeMounter keeps its mounts in a map. hook runs after a mount.
+type fakeMounter struct {
+	j      *journal
+	mounts map[string]string
+	hook   func()
+}
+
+func (f *fakeMounter) Mount(source, target, _ string, _ []string) error {
+	if err := f.j.do("mount"); err != nil {
+		return err
+	}
+	f.mounts[target] = source
+	if f.hook != nil {
+		f.hook()
+	}
+	return nil
+}
+func (f *fakeMounter) Unmount(target string) error {
+	if _, ok := f.mounts[target]; !ok {
+		return nil
+	}
+	delete(f.mounts, target)
+	return f.j.do("unmount")
+}
+func (f *fakeMounter) IsMountPoint(p string) (bool, error) {
+	_, ok := f.mounts[p]
+	return ok, nil
+}
+func (f *fakeMounter) List() ([]mount.MountPoint, error) {
+	var mps []mount.MountPoint
+	for p, d := range f.mounts {
+		mps = append(mps, mount.MountPoint{Path: p, Device: d})
+	}
+	return mps, nil
+}
+
+type stageEnv struct {
+	m       *Manager
+	j       *journal
+	mounter *fakeMounter
+	fencer  *fakeFencer
+	dev     *Device // the disk the last stage opened
+	kubelet string
+}
+
+func newStageEnv(t *testing.T) *stageEnv {
+	t.Helper()
+	hosttest.NeedTools(t, "blkid", "mkfs.ext4", "fsck")
+	dir := t.TempDir()
+	e := &stageEnv{j: &journal{}, kubelet: filepath.Join(dir, "kubelet")}
+	disk := filepath.Join(dir, "disk.img")
+	plain := filepath.Join(dir, "plain.img") // what the unlocked volume shows
+	if err := os.MkdirAll(e.kubelet, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range []string{disk, plain} {
+		if err := os.WriteFile(f, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(f, 16<<20); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", plain).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4 %s: %v: %s", plain, err, out)
+	}
+	e.fencer = &fakeFencer{j: e.j}
+	m, err := New(Options{Config: config.Volumes{KubeletRoot: e.kubelet}, StateDir: filepath.Join(dir, "state"),
+		Fencers: e.fencer, Crypt: &fakeCrypt{j: e.j, plain: plain}, Log: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(m.Close)
+	e.m = m
+	e.mounter = &fakeMounter{j: e.j, mounts: map[string]string{}}
+	m.mounter = e.mounter
+	m.locate = func(context.Context, Locator) (*Device, error) {
+		if err := e.j.do("locate"); err != nil {
+			return nil, err
+		}
+		f, err := os.Open(disk)
+		if err != nil {
+			return nil, err
+		}
+		e.dev = &Device{Path: disk, Name: "fake0", Major: 7, Minor: 250, File: f, Verify: func(context.Context) error { return nil }}
+		return e.dev, nil
+	}
+	m.mapData = func(string, int64, bool) (string, error) {
+		return filepath.Join(dir, "data-mapping"), e.j.do("map")
+	}
+	m.unmapData = func(string) error { return e.j.do("unmap") }
+	return e
+}
+
+func (e *stageEnv) request(volume string) StageRequest {
+	return StageRequest{Volume: volume, Locator: Locator{Disk: "serial=fake0"}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
+		Encrypted: true, Passphrase: []byte("not a secret")}
+}
+
+// diskClosed reports whether the stage closed the disk it opened.
+func (e *stageEnv) diskClosed() bool {
+	_, err := e.dev.File.Stat()
+	return errors.Is(err, os.ErrClosed)
+}
+
+// staged is the journal of a stage that gets through every step.
+var staged = []string{"locate", "acquire", "map", "unlock", "mount"}
+
+// TestStageFailingAtEachStepUndoesWhatCameBefore fails each step of a
+// first stage in turn: every earlier step's undo runs, last first,
+// nothing after the failure runs, the disk is closed and nothing of the
+// volume is left recorded or live.
+func TestStageFailingAtEachStepUndoesWhatCameBefore(t *testing.T) {
+	undone := []string{"unmount", "lock", "unmap", "release", "close fencer"}
+	for _, tc := range []struct {
+		failAt string
+		want   []string
+	}{
+		{"locate", []string{"locate!"}},
+		{"acquire", []string{"locate", "acquire!", "close fencer"}},
+		{"map", []string{"locate", "acquire", "map!", "release", "close fencer"}},
+		{"unlock", []string{"locate", "acquire", "map", "unlock!", "unmap", "release", "close fencer"}},
+		{"mount", []string{"locate", "acquire", "map", "unlock", "mount!", "lock", "unmap", "release", "close fencer"}},
+		// The record is the last step: its failure undoes all the others.
+		{"record", append(slices.Clone(staged), undone...)},
+	} {
+		t.Run(tc.failAt, func(t *testing.T) {
+			e := newStageEnv(t)
+			if tc.failAt == "record" {
+				e.failRecord("vol-r")
+			} else {
+				e.j.failAt = tc.failAt
+			}
+			_, err := e.m.Stage(context.Background(), e.request("vol-r"))
+			wantErr := errInjected.Error()
+			if tc.failAt == "record" {
+				wantErr = "is a symlink"
+			}
+			if !strings.Contains(fmt.Sprint(err), wantErr) {
+				t.Fatalf("the stage failing at %s answered %v, not %q", tc.failAt, err, wantErr)
+			}
+			if !slices.Equal(e.j.calls, tc.want) {
+				t.Fatalf("failing at %s:\n got %v\nwant %v", tc.failAt, e.j.calls, tc.want)
+			}
+			if e.dev != nil && !e.diskClosed() {
+				t.Error("the disk is still open after the failed stage")
+			}
+			if l := e.m.getLive("vol-r"); l != nil {
+				t.Errorf("the failed stage left the volume live: %+v", l)
+			}
+			if c, err := e.m.store.Get("vol-r"); err != nil || c != nil {
+				t.Errorf("a first stage that wrote nothing on the disk left a record: %+v, %v", c, err)
+			}
+		})
+	}
+}
+
+// failRecord makes the stage's last write of the claim fail: once the
+// volume is mounted, its record is a symlink, which the store refuses to
+// replace.
+func (e *stageEnv) failRecord(volume string) {
+	e.mounter.hook = func() {
+		p := e.m.store.file(volume)
+		if err := os.Remove(p); err != nil {
+			panic(err)
+		}
+		if err := os.Symlink(p+".elsewhere", p); err != nil {
+			panic(err)
+		}
+	}
+}
+
+// TestStageThatGetsThroughUndoesNothing: a stage that succeeds keeps the
+// disk open and live, the claim recorded staged.
+func TestStageThatGetsThroughUndoesNothing(t *testing.T) {
+	e := newStageEnv(t)
+	res, err := e.m.Stage(context.Background(), e.request("vol-s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(e.j.calls, staged) {
+		t.Fatalf("got %v, want %v", e.j.calls, staged)
+	}
+	if e.diskClosed() || e.m.getLive("vol-s") == nil {
+		t.Error("the staged volume's disk is not held open")
+	}
+	c, err := e.m.store.Get("vol-s")
+	if err != nil || c == nil || c.Phase != PhaseStaged || c.Mapper != res.Device || c.DataDevice == "" {
+		t.Fatalf("record of the staged volume: %+v, %v (result %+v)", c, err, res)
+	}
+	// A retry of the intact stage answers as the stage did, doing nothing.
+	e.j.calls = nil
+	again, err := e.m.Stage(context.Background(), e.request("vol-s"))
+	if err != nil || again.Device != res.Device || again.Method != res.Method || len(e.j.calls) > 0 {
+		t.Fatalf("retried stage: %+v %v (first %+v), did %v", again, err, res, e.j.calls)
+	}
+}
+
+// TestInterruptedStageKeepsItsRecordAndDataMapping: a stage retried after
+// one that made the volume's filesystem fails at the mount; everything it
+// did is undone but the data mapping, and the claim stays recorded as
+// interrupted, for the next retry (which must not format again).
+func TestInterruptedStageKeepsItsRecordAndDataMapping(t *testing.T) {
+	e := newStageEnv(t)
+	r := e.request("vol-i")
+	if err := e.m.store.Put(&Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: r.StagingPath, FsType: "ext4",
+		Encrypted: true, Phase: PhaseInterrupted, Formatted: true, LUKSFormatted: true}); err != nil {
+		t.Fatal(err)
+	}
+	e.j.failAt = "mount"
+	if _, err := e.m.Stage(context.Background(), r); !strings.Contains(fmt.Sprint(err), errInjected.Error()) {
+		t.Fatalf("stage: %v", err)
+	}
+	want := []string{"locate", "acquire", "map", "unlock", "mount!", "lock", "release", "close fencer"}
+	if !slices.Equal(e.j.calls, want) {
+		t.Fatalf("got %v, want %v", e.j.calls, want)
+	}
+	c, err := e.m.store.Get(r.Volume)
+	if err != nil || c == nil || c.Phase != PhaseInterrupted || !c.Formatted || c.DataDevice == "" || c.Mapper != "" {
+		t.Fatalf("record after the failed retry: %+v, %v", c, err)
+	}
+}
+
+// TestRefusedStageLetsGoOfItsFencer: a stage refused because another node
+// holds the disk (P2) closes what its fencer holds open (the lease's
+// descriptor of the disk), as every failed stage does; the node plugin
+// retries a refused stage, and each refusal used to keep one more
+// descriptor open.
+func TestRefusedStageLetsGoOfItsFencer(t *testing.T) {
+	e := newStageEnv(t)
+	e.fencer.held = true
+	_, err := e.m.Stage(context.Background(), e.request("vol-h"))
+	if agenterr.Code(err) != codes.FailedPrecondition || !strings.Contains(fmt.Sprint(err), "node-b") {
+		t.Fatalf("refused stage answered %v", err)
+	}
+	want := []string{"locate", "acquire: held", "close fencer"}
+	if !slices.Equal(e.j.calls, want) {
+		t.Fatalf("got %v, want %v", e.j.calls, want)
+	}
+	if !e.diskClosed() {
+		t.Error("the refused disk is still open")
+	}
+}
+
+// TestUnstageTakesTheStageBackInReverse: an unstage undoes what the stage
+// did, last first, as a failed stage does; a release that fails stops it
+// with the claim still recorded staged, and the retry finishes it.
+func TestUnstageTakesTheStageBackInReverse(t *testing.T) {
+	e := newStageEnv(t)
+	r := e.request("vol-u")
+	ctx := context.Background()
+	if _, err := e.m.Stage(ctx, r); err != nil {
+		t.Fatal(err)
+	}
+	e.j.calls, e.j.failAt = nil, "release"
+	if err := e.m.Unstage(ctx, r.Volume, r.StagingPath); agenterr.Code(err) != codes.Unavailable {
+		t.Fatalf("unstage whose release fails answered %v", err)
+	}
+	if want := []string{"unmount", "lock", "unmap", "release!"}; !slices.Equal(e.j.calls, want) {
+		t.Fatalf("got %v, want %v", e.j.calls, want)
+	}
+	if c, err := e.m.store.Get(r.Volume); err != nil || c == nil || c.Phase != PhaseStaged || c.Mapper != "" {
+		t.Fatalf("record after the failed release: %+v, %v", c, err)
+	}
+	e.j.calls, e.j.failAt = nil, ""
+	if err := e.m.Unstage(ctx, r.Volume, r.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"unmap", "release", "close fencer"}; !slices.Equal(e.j.calls, want) {
+		t.Fatalf("retry: got %v, want %v", e.j.calls, want)
+	}
+	if c, err := e.m.store.Get(r.Volume); err != nil || c != nil || !e.diskClosed() {
+		t.Fatalf("after the unstage: record %+v (%v), disk closed %v", c, err, e.diskClosed())
+	}
+}
+
+// funcFencer is a fencer of a type Go cannot compare (it holds a func),
+// as test wrappers such as watchedFencer are: the rollback must not
+// compare fencers.
+type funcFencer struct {
+	*fakeFencer
+	note func()
+}
+
+type funcFencers struct{ f *fakeFencer }
+
+func (ff funcFencers) Choose(ctx context.Context, dev *Device, v string, onLost func(*fence.LostError) bool) (Choice, error) {
+	ch, err := ff.f.Choose(ctx, dev, v, onLost)
+	ch.Fencer = funcFencer{fakeFencer: ff.f, note: func() {}}
+	return ch, err
+}
+
+// TestFailedStageUndoesAFencerOfAnyType: failing before and after the
+// claim goes live, with a fencer that cannot be compared.
+func TestFailedStageUndoesAFencerOfAnyType(t *testing.T) {
+	for failAt, want := range map[string][]string{
+		"acquire": {"locate", "acquire!", "close fencer"},
+		"map":     {"locate", "acquire", "map!", "release", "close fencer"},
+	} {
+		e := newStageEnv(t)
+		e.m.o.Fencers = funcFencers{f: e.fencer}
+		e.j.failAt = failAt
+		if _, err := e.m.Stage(context.Background(), e.request("vol-f")); err == nil {
+			t.Fatalf("failing at %s: the stage succeeded", failAt)
+		}
+		if !slices.Equal(e.j.calls, want) {
+			t.Errorf("failing at %s: got %v, want %v", failAt, e.j.calls, want)
+		}
+	}
+}
