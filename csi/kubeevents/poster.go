@@ -353,6 +353,15 @@ func (p *Poster) flush(ctx context.Context) time.Duration {
 		if ctx.Err() != nil {
 			return -1
 		}
+		if rej := (*rejectedError)(nil); errors.As(err, &rej) {
+			p.mu.Lock()
+			due.known, due.written, due.unreconciled, due.extra = true, due.count, nil, 0
+			due.notBefore = p.now().Add(p.cfg.Interval)
+			p.mu.Unlock()
+			p.cfg.Observe("failed")
+			p.cfg.Log.Warn("the API server refused a Kubernetes Event as invalid; it is not posted (the journal has the agent's event)", "err", err.Error())
+			continue
+		}
 		p.mu.Lock()
 		if err != nil {
 			p.failures++
@@ -531,9 +540,18 @@ func apiError(code int, msg string) error {
 		return fmt.Errorf("HTTP 401: the API server did not accept the node plugin's ServiceAccount token (%s)", msg)
 	case http.StatusForbidden:
 		return fmt.Errorf("HTTP 403: %s; the node plugin's ServiceAccount needs create, get and patch on events in namespace %s (Role vco-csi-node-events, deploy/manifests/31-rbac-node.yaml)", msg, Namespace)
+	case http.StatusBadRequest, http.StatusUnprocessableEntity:
+		return &rejectedError{fmt.Errorf("HTTP %d: %s", code, msg)}
 	}
 	return fmt.Errorf("HTTP %d: %s", code, msg)
 }
+
+// rejectedError: the API server refused this one Event as invalid. Asking
+// again would get the same answer and hold up every other Event behind
+// it, so it is given up.
+type rejectedError struct{ error }
+
+func (e *rejectedError) Unwrap() error { return e.error }
 
 // do makes one request. The token is read for each request and goes into
 // the Authorization header only: no error or log line carries it.

@@ -29,6 +29,7 @@ type fakeAPI struct {
 	events   map[string]*corev1.Event
 	requests []string // "POST name", "PATCH name", "GET name"
 	answer   int      // when not 0, every request gets this status
+	invalid  string   // requests about the Event of this name get 422
 	hold     chan struct{}
 }
 
@@ -75,6 +76,10 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		name = e.Name
 	}
 	f.requests = append(f.requests, r.Method+" "+name)
+	if name == f.invalid && name != "" {
+		f.status(w, http.StatusUnprocessableEntity, fmt.Sprintf("Event %q is invalid: message: Too long", name))
+		return
+	}
 	if f.answer != 0 {
 		f.status(w, f.answer, fmt.Sprintf(`events is forbidden: User "system:serviceaccount:csi-driver:vco-csi-node" cannot %s resource "events" in API group "" in the namespace "default"`, strings.ToLower(r.Method)))
 		return
@@ -428,6 +433,27 @@ func TestAPIDownDoesNotBlock(t *testing.T) {
 	name := EventName("worker-1", refusal(1))
 	eventually(t, "count 1000", func() bool { ev, _ := r.api.snapshot(); return ev[name].Count == 1000 })
 	eventually(t, "the recovery logged", func() bool { return strings.Contains(r.log.String(), "Kubernetes Events are posted again") })
+}
+
+// An Event the API server refuses as invalid is given up at once and does
+// not hold up the others.
+func TestInvalidEventDoesNotHoldUpTheOthers(t *testing.T) {
+	r := newRig(t)
+	bad := refusal(1)
+	bad.Volume = "pvc-bad"
+	r.api.set(func(f *fakeAPI) { f.invalid = EventName("worker-1", bad) })
+	p, _ := r.poster(t, time.Millisecond)
+	p.Record(bad)
+	p.Record(refusal(2))
+	eventually(t, "the good Event", func() bool { ev, _ := r.api.snapshot(); return len(ev) == 1 })
+	time.Sleep(100 * time.Millisecond)
+	_, reqs := r.api.snapshot()
+	if n := strings.Count(strings.Join(reqs, "\n"), EventName("worker-1", bad)); n != 1 {
+		t.Errorf("the invalid Event was sent %d times: %v", n, reqs)
+	}
+	if !strings.Contains(r.log.String(), "refused a Kubernetes Event as invalid") {
+		t.Errorf("log:\n%s", r.log)
+	}
 }
 
 // Missing RBAC: the log says what to grant, once, and never shows the
