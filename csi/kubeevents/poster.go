@@ -221,7 +221,7 @@ func EventName(node string, r Report) string {
 	}
 	suffix := ".vco-" + hex.EncodeToString(h.Sum(nil)[:8])
 	if len(node)+len(suffix) > 253 {
-		node = node[:253-len(suffix)]
+		node = strings.TrimRight(node[:253-len(suffix)], ".-")
 	}
 	return node + suffix
 }

@@ -541,9 +541,10 @@ func TestEventName(t *testing.T) {
 	if EventName("n", a) == EventName("n", c) || EventName("n", a) == EventName("m", a) {
 		t.Error("another holder or node has the same name")
 	}
-	long := strings.Repeat("a", 253)
-	if n := EventName(long, a); len(n) > 253 {
-		t.Errorf("name of %d characters", len(n))
+	for _, long := range []string{strings.Repeat("a", 253), strings.Repeat("a", 231) + ".b" + strings.Repeat("c", 20)} {
+		if n := EventName(long, a); len(n) > 253 || strings.Contains(n, "..") {
+			t.Errorf("name %q of %d characters", n, len(n))
+		}
 	}
 }
 
