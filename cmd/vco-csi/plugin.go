@@ -282,10 +282,6 @@ func runPlugin(args []string) int {
 // serving as before (docs/events.md, "In Kubernetes").
 func startKubeEvents(ctx context.Context, log *slog.Logger, mx *metrics.Metrics, agent kubeevents.Agent, node, saDir string) {
 	off := "vco-agent's events are not posted as Kubernetes Events; they are in the node's journal and `vco-agent events`"
-	if node == "" {
-		log.Warn(off, "reason", "no node name: set --node-name, or NODE_NAME from the downward API (spec.nodeName)")
-		return
-	}
 	p, err := kubeevents.InCluster(node, saDir, kubeevents.Config{Log: log,
 		Observe: func(result string) { mx.KubeEvent(result, 1) }})
 	switch {

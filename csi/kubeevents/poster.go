@@ -54,6 +54,8 @@ const ServiceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
 // ErrNotInCluster says the process is not in a pod: no API server is named.
 var ErrNotInCluster = errors.New("not in a Kubernetes pod: KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT are not set")
 
+var errNoNode = errors.New("no node name: set --node-name, or NODE_NAME from the downward API (spec.nodeName)")
+
 // Report is one agent event to show in Kubernetes.
 type Report struct {
 	// AgentStarted and Seq identify the event: the agent process's start
@@ -157,7 +159,7 @@ func (s *series) dirty() bool { return !s.known || s.count != s.written }
 // New makes a Poster with cfg.
 func New(cfg Config) (*Poster, error) {
 	if cfg.Node == "" {
-		return nil, errors.New("no node name to post Events about (--node-name, or NODE_NAME from the downward API)")
+		return nil, errNoNode
 	}
 	if cfg.Server == "" || cfg.Client == nil || cfg.TokenFile == "" {
 		return nil, errors.New("kubeevents: Server, Client and TokenFile are required")
@@ -194,6 +196,9 @@ func InCluster(node, dir string, cfg Config) (*Poster, error) {
 	host, port := os.Getenv("KUBERNETES_SERVICE_HOST"), os.Getenv("KUBERNETES_SERVICE_PORT")
 	if host == "" || port == "" {
 		return nil, ErrNotInCluster
+	}
+	if node == "" {
+		return nil, errNoNode
 	}
 	caFile := dir + "/ca.crt"
 	pem, err := os.ReadFile(caFile)
