@@ -21,6 +21,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 )
 
 // volumeSnapshotClass is snapshot.storage.k8s.io/v1 VolumeSnapshotClass
@@ -320,6 +321,12 @@ func TestNamespaces(t *testing.T) {
 			cluster = append(cluster, obj{"ClusterRoleBinding", o.ObjectMeta})
 		}
 		for _, o := range namespaced {
+			// Events about a Node are kept in namespace default, so the
+			// node plugin's permission to post them is there
+			// (TestNodePluginRBAC checks it grants nothing else).
+			if (o.kind == "Role" || o.kind == "RoleBinding") && o.meta.Name == nodeEventsRole && o.meta.Namespace == kubeevents.Namespace {
+				continue
+			}
 			if o.meta.Namespace != Namespace {
 				t.Errorf("%s %s is in namespace %q, want %q", o.kind, o.meta.Name, o.meta.Namespace, Namespace)
 			}
@@ -1020,14 +1027,92 @@ func TestControllerRBAC(t *testing.T) {
 		if granted(cluster, "", "secrets", "get") || granted(local, "", "secrets", "get") {
 			t.Error("the controller may read Secrets through the API; it only needs its mounted one")
 		}
-		// The node's account has no bindings at all.
-		nodeSA := a.daemonSets[0].Spec.Template.Spec.ServiceAccountName
+	})
+}
+
+// nodeEventsRole is the node plugin's Role for its Events.
+const nodeEventsRole = "vco-csi-node-events"
+
+// The node plugin posts the agent's events as Events about its Node
+// (csi/kubeevents): its account may create, get and patch Events in the
+// namespace the code posts them in, and nothing else; the DaemonSet gives
+// it the API token and CA where the code reads them, and the node's name.
+func TestNodePluginRBAC(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.daemonSets[0]
+		sa := d.Spec.Template.Spec.ServiceAccountName
 		for _, b := range a.clusterBindings {
 			for _, s := range b.Subjects {
-				if s.Name == nodeSA {
+				if s.Kind == "ServiceAccount" && s.Name == sa {
 					t.Errorf("ClusterRoleBinding %s binds the node account", b.Name)
 				}
 			}
+		}
+		var rules []rbacv1.PolicyRule
+		for _, b := range a.bindings {
+			if !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
+				return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace
+			}) {
+				continue
+			}
+			if b.Namespace != kubeevents.Namespace || b.RoleRef.Kind != "Role" || b.RoleRef.Name != nodeEventsRole {
+				t.Errorf("RoleBinding %s/%s gives the node account %s %s", b.Namespace, b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+				continue
+			}
+			i := slices.IndexFunc(a.roles, func(r rbacv1.Role) bool { return r.Name == b.RoleRef.Name && r.Namespace == b.Namespace })
+			if i < 0 {
+				t.Fatalf("RoleBinding %s/%s refers to Role %s, not in the bundle", b.Namespace, b.Name, b.RoleRef.Name)
+			}
+			rules = append(rules, a.roles[i].Rules...)
+		}
+		for _, verb := range []string{"create", "get", "patch"} {
+			if !granted(rules, "", "events", verb) {
+				t.Errorf("the node account may not %s events in %s; csi/kubeevents needs it", verb, kubeevents.Namespace)
+			}
+		}
+		for _, r := range rules {
+			if !slices.Equal(r.APIGroups, []string{""}) || !slices.Equal(r.Resources, []string{"events"}) ||
+				slices.ContainsFunc(r.Verbs, func(v string) bool { return v != "create" && v != "get" && v != "patch" }) {
+				t.Errorf("the node account is granted more than create, get and patch on events: %+v", r)
+			}
+		}
+
+		w := workload{"DaemonSet", d.Name, d.Spec.Selector, d.Spec.Template}
+		p := a.plugin(t, w)
+		if v, ok := flag(p.Args, "kube-events"); ok && v != "true" {
+			t.Errorf("--kube-events=%s", v)
+		}
+		if _, ok := flag(p.Args, "node-name"); ok {
+			t.Error("--node-name is set; the plugin takes it from NODE_NAME")
+		}
+		env := map[string]string{}
+		for _, e := range p.Env {
+			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+				env[e.Name] = e.ValueFrom.FieldRef.FieldPath
+			}
+		}
+		if env["NODE_NAME"] != "spec.nodeName" {
+			t.Errorf("NODE_NAME comes from %q, want spec.nodeName", env["NODE_NAME"])
+		}
+		var token, ca bool
+		for _, f := range []string{"token", "ca.crt"} {
+			m, v := mountFor(t, w, p, path.Join(kubeevents.ServiceAccountDir, f))
+			if m.MountPath != kubeevents.ServiceAccountDir || v.Projected == nil {
+				t.Errorf("%s/%s comes from %s (%+v)", kubeevents.ServiceAccountDir, f, m.MountPath, v.VolumeSource)
+				continue
+			}
+			for _, src := range v.Projected.Sources {
+				if st := src.ServiceAccountToken; st != nil && st.Path == f && st.Audience == "" {
+					token = true
+				}
+				if cm := src.ConfigMap; cm != nil && cm.Name == "kube-root-ca.crt" &&
+					slices.Contains(cm.Items, corev1.KeyToPath{Key: "ca.crt", Path: f}) {
+					ca = true
+				}
+			}
+		}
+		if !token || !ca {
+			t.Errorf("the API token (audience: the API server) projected: %v; kube-root-ca.crt's ca.crt: %v", token, ca)
 		}
 	})
 }

@@ -2,10 +2,9 @@ package main
 
 import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
 )
 
 // newAgent connects the node service to vco-agent.
-func newAgent(socket string, o agentnode.Options) (driver.NodeAgent, error) {
+func newAgent(socket string, o agentnode.Options) (*agentnode.Agent, error) {
 	return agentnode.Dial(socket, o)
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -21,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/health"
+	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 	"github.com/whitesky-cloud/vco-storage/csi/registration"
 )
@@ -62,6 +64,8 @@ func runPlugin(args []string) int {
 	regPath := fs.String("kubelet-registration-path", "", "the CSI socket's path on the host, as the kubelet dials it (node; default <kubelet-root>/plugins/<driver-name>/csi.sock)")
 	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (CSI calls, API requests; on the node also vco-agent's series); empty: off")
 	agentMetrics := fs.String("agent-metrics-socket", "/run/vco-agent/metrics.sock", "vco-agent's metrics socket, whose series the node plugin re-exports on --metrics-address; empty: none (node)")
+	kubeEvents := fs.Bool("kube-events", true, "post vco-agent's refusals, fence losses, takeovers and re-established claims as Kubernetes Events about this node, through the pod's ServiceAccount (node; off outside a pod)")
+	nodeName := fs.String("node-name", os.Getenv("NODE_NAME"), "this node's Kubernetes name, which the Events of --kube-events are about (node; default $NODE_NAME, which the DaemonSet sets from spec.nodeName)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -71,6 +75,7 @@ func runPlugin(args []string) int {
 		return 1
 	}
 	mx := metrics.New()
+	var agentAPI kubeevents.Agent
 	cfg := driver.Config{Name: *name, Version: version, Mode: driver.Mode(*mode), DefaultLocation: *defLoc,
 		AttachTimeout: *attachWait, KubeletRoot: *kubelet, MaxVolumesPerNode: *maxVols, NodeLocationsDir: *locDir}
 	if cfg.Mode != driver.ModeNode {
@@ -144,7 +149,7 @@ func runPlugin(args []string) int {
 		if err != nil {
 			return fail("%v", err)
 		}
-		cfg.Agent = a
+		cfg.Agent, agentAPI = a, a.API()
 	}
 	if cfg.Name == "" {
 		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
@@ -218,6 +223,9 @@ func runPlugin(args []string) int {
 			go d.RunNodeLocations(ctx, log, time.Minute, write)
 		}
 	}
+	if agentAPI != nil && *kubeEvents {
+		startKubeEvents(ctx, log, mx, agentAPI, *nodeName, kubeevents.ServiceAccountDir)
+	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
 	log.Info("serving CSI", "driver", cfg.Name, "mode", cfg.Mode, "endpoint", *endpoint, "version", version, "cloudspace", *cloudspace)
@@ -265,6 +273,29 @@ func runPlugin(args []string) int {
 	srv.GracefulStop()
 	<-served
 	return 0
+}
+
+// startKubeEvents posts the agent's events as Kubernetes Events about the
+// node, with the ServiceAccount token and CA in saDir, on goroutines of
+// their own until ctx ends. Whatever is missing (not
+// in a pod, no node name, no CA) is logged once and leaves the plugin
+// serving as before (docs/events.md, "In Kubernetes").
+func startKubeEvents(ctx context.Context, log *slog.Logger, mx *metrics.Metrics, agent kubeevents.Agent, node, saDir string) {
+	off := "vco-agent's events are not posted as Kubernetes Events; they are in the node's journal and `vco-agent events`"
+	p, err := kubeevents.InCluster(node, saDir, kubeevents.Config{Log: log,
+		Observe: func(result string) { mx.KubeEvent(result, 1) }})
+	switch {
+	case errors.Is(err, kubeevents.ErrNotInCluster):
+		log.Info(off, "reason", err.Error())
+		return
+	case err != nil:
+		log.Warn(off, "reason", err.Error())
+		return
+	}
+	go p.Run(ctx)
+	f := &kubeevents.Follower{Agent: agent, To: p, Log: log, Missed: func(n uint64) { mx.KubeEvent("missed", n) }}
+	go f.Run(ctx)
+	log.Info("posting vco-agent's events as Kubernetes Events", "node", node, "namespace", kubeevents.Namespace)
 }
 
 // readiness answers the node pod's readiness probe. A key-backend problem

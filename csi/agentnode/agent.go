@@ -55,6 +55,10 @@ func Dial(socket string, o Options) (*Agent, error) {
 // Close drops the connection.
 func (a *Agent) Close() error { return a.c.Close() }
 
+// API is the agent's API on the same connection, for the follower of its
+// event stream (csi/kubeevents).
+func (a *Agent) API() api.AgentClient { return a.c.AgentClient }
+
 // agentError carries the agent's status with its message alone as the
 // text, so the words the agent chose (the holder of a refused disk, what
 // the operator can do) reach the CO's event without "rpc error: code ="

@@ -3,7 +3,8 @@
 // latency; the whitesky.cloud API requests the controller makes, by
 // operation and status, and their latency; and, on the node plugin,
 // vco-agent's own series read from the agent's metrics socket, so that one
-// scrape of the node plugin's pod carries the node's fencing
+// scrape of the node plugin's pod carries the node's fencing, and the
+// Kubernetes Events the node plugin posts of the agent's events
 // (docs/monitoring.md).
 package metrics
 
@@ -39,6 +40,7 @@ type Metrics struct {
 	apiTime   *prometheus.HistogramVec
 	agentSock string
 	agentErrs prometheus.Counter
+	kubeEvts  *prometheus.CounterVec
 }
 
 // New makes the series on a registry of their own.
@@ -67,10 +69,19 @@ func New() *Metrics {
 			Namespace: "vco_csi", Name: "agent_metrics_errors_total",
 			Help: "Scrapes in which the agent's metrics socket could not be read; its series are then missing.",
 		}),
+		kubeEvts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "vco_csi", Name: "kube_events_total",
+			Help: "The node plugin's Kubernetes Events of the agent's events (docs/events.md, \"In Kubernetes\"), by result: created, updated, failed (a request the API server did not answer or refused), already_posted (an occurrence a previous plugin process posted), dropped (too many Events waiting), missed (agent events gone from its ring before they were read).",
+		}, []string{"result"}),
 	}
-	m.reg.MustRegister(m.calls, m.callTime, m.api, m.apiTime, m.agentErrs,
+	m.reg.MustRegister(m.calls, m.callTime, m.api, m.apiTime, m.agentErrs, m.kubeEvts,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
+}
+
+// KubeEvent counts n outcomes of the node plugin's Kubernetes Events.
+func (m *Metrics) KubeEvent(result string, n uint64) {
+	m.kubeEvts.WithLabelValues(result).Add(float64(n))
 }
 
 // Registry is where the series live.

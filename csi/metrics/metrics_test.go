@@ -134,3 +134,17 @@ func TestAgentSeriesReExported(t *testing.T) {
 		t.Errorf("with the agent gone: %s", body)
 	}
 }
+
+func TestKubeEventsCountedByResult(t *testing.T) {
+	m := New()
+	m.KubeEvent("failed", 1)
+	m.KubeEvent("failed", 1)
+	m.KubeEvent("missed", 6)
+	rec := httptest.NewRecorder()
+	m.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	for _, want := range []string{`vco_csi_kube_events_total{result="failed"} 2`, `vco_csi_kube_events_total{result="missed"} 6`} {
+		if !strings.Contains(rec.Body.String(), want) {
+			t.Errorf("no %s in:\n%s", want, rec.Body)
+		}
+	}
+}
