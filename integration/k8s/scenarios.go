@@ -390,27 +390,12 @@ func envsubst(ctx context.Context, file string) (string, error) {
 // and the refusal reaches Kubernetes as an Event on its Node.
 func (s *story) k8(ctx context.Context) error {
 	const sc = "K8"
-	ps, err := s.pods(ctx, "app=k4")
+	k4, err := s.k4Volume(ctx, sc)
 	if err != nil {
 		return err
 	}
-	if len(ps) != 1 || !ps[0].Ready {
-		return fmt.Errorf("K8 needs K4's pod running: %+v", ps)
-	}
-	holder := ps[0].Node
+	holder, pv, h, diskID := k4.pod.Node, k4.pv, k4.handle, k4.disk
 	intruder := s.c.Env.Lab.Guest(s.other(holder))
-	pv, err := s.pvOf(ctx, "k4")
-	if err != nil {
-		return err
-	}
-	h, err := s.handle(ctx, pv)
-	if err != nil {
-		return err
-	}
-	diskID, err := diskOf(h)
-	if err != nil {
-		return err
-	}
 	cs := "cs-" + simlab.Location
 	vm := s.c.Env.VMs[intruder.Name]
 	if err := s.step(sc, "platform", fmt.Sprintf("fault allow_multi_attach; attach disk %d to %s's VM too", diskID, intruder.Name), func() (string, error) {
@@ -517,28 +502,13 @@ func (s *story) k5(ctx context.Context) error {
 		s.r.NotRun = append(s.r.NotRun, "K5 on "+s.r.Kind+": a guest frozen by its hypervisor while it holds the lease resumes writing before its agent sees the lease taken; only a detach at the hypervisor or reservations (scsi-block) stop it (docs/fencing.md)")
 		return nil
 	}
-	ps, err := s.pods(ctx, "app=k4")
+	k4, err := s.k4Volume(ctx, sc)
 	if err != nil {
 		return err
 	}
-	if len(ps) != 1 || !ps[0].Ready {
-		return fmt.Errorf("K5 needs K4's pod running: %+v", ps)
-	}
-	old := ps[0]
+	old, pv, h, diskID := k4.pod, k4.pv, k4.handle, k4.disk
 	dead := s.c.Env.Lab.Guest(old.Node)
 	live := s.c.Env.Lab.Guest(s.other(old.Node))
-	pv, err := s.pvOf(ctx, "k4")
-	if err != nil {
-		return err
-	}
-	h, err := s.handle(ctx, pv)
-	if err != nil {
-		return err
-	}
-	diskID, err := diskOf(h)
-	if err != nil {
-		return err
-	}
 	before, err := s.readLog(ctx, old, pv)
 	if err != nil {
 		return err
@@ -754,4 +724,33 @@ func claimKey(ctx context.Context, g *lab.Guest, volume string) (string, error) 
 		return "", fmt.Errorf("%s's agent has no DiskClaimed event for %s", g.Name, volume)
 	}
 	return key, nil
+}
+
+// k4Claim is what the scenarios after K4 work on: its running pod and its
+// claim's PV, volume handle and disk.
+type k4Claim struct {
+	pod        podInfo
+	pv, handle string
+	disk       int64
+}
+
+func (s *story) k4Volume(ctx context.Context, sc string) (*k4Claim, error) {
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil {
+		return nil, err
+	}
+	if len(ps) != 1 || !ps[0].Ready {
+		return nil, fmt.Errorf("%s needs K4's pod running: %+v", sc, ps)
+	}
+	k := &k4Claim{pod: ps[0]}
+	if k.pv, err = s.pvOf(ctx, "k4"); err != nil {
+		return nil, err
+	}
+	if k.handle, err = s.handle(ctx, k.pv); err != nil {
+		return nil, err
+	}
+	if k.disk, err = diskOf(k.handle); err != nil {
+		return nil, err
+	}
+	return k, nil
 }
