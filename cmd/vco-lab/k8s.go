@@ -54,6 +54,7 @@ func k8sCmd(args []string) int {
 	extra := func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
+		fs.StringVar(&k8sAddon, "addon", k8s.AddonRelease, "how the add-on's core bundle is applied: release (deploy/csi.yaml through envsubst) or make (make csi-addon | kubectl apply -f -)")
 		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "scenarios to run")
 		fs.StringVar(&report, "report", "", "report directory (default: -bin)")
 	}
@@ -91,11 +92,16 @@ func k8sOptions(c *common, kind string, detached bool) (k8s.Options, error) {
 	if err != nil {
 		return k8s.Options{}, err
 	}
-	return k8s.Options{Lab: cfg, Kind: lab.DiskKind(kind), CloudInit: k8sCloudInit, Log: os.Stderr}, nil
+	return k8s.Options{Lab: cfg, Kind: lab.DiskKind(kind), CloudInit: k8sCloudInit, Addon: k8sAddon, Log: os.Stderr}, nil
 }
 
 // k8sCloudInit is the -cloud-init flag of up, serve and run.
 var k8sCloudInit = true
+
+// k8sAddon is the -addon flag of up, serve and run: the full story
+// applies the release's file; make test's brief story (TestStory) the
+// make command.
+var k8sAddon = k8s.AddonRelease
 
 // k8sRun is `make k8s-lab`: a cluster, the story, the report; it fails
 // unless every scenario passed and every property held.
@@ -127,7 +133,7 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 // Kubernetes and the images: the wait is long.
 func k8sUp(c *common, kind string) int {
 	b, code := startDetached(c, "the cluster", k8sInfoPath(c.dir), "k8s-serve.log", 90*time.Minute,
-		"k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind, fmt.Sprintf("-cloud-init=%v", k8sCloudInit))
+		"k8s", "serve", "-dir", c.dir, "-bin", c.bin, "-kind", kind, fmt.Sprintf("-cloud-init=%v", k8sCloudInit), "-addon", k8sAddon)
 	if code != 0 {
 		return code
 	}

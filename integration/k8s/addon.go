@@ -44,11 +44,21 @@ func repoRoot() string {
 	}
 }
 
+// The two ways seed 001 gives operators to apply the add-on's core bundle
+// (Options.Addon).
+const (
+	// AddonMake: `make csi-addon VCO_CSI_IMAGE=<image> | kubectl apply -f -`.
+	AddonMake = "make"
+	// AddonRelease: `envsubst '$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME' <
+	// csi.yaml | kubectl apply -f -`, the release's file.
+	AddonRelease = "release"
+)
+
 // InstallAddon does what seed 001 tells an operator: the Secret
 // csi-driver-secret (here pointing at the simulator the workers reach on
-// HostInGuest), then `make csi-addon VCO_CSI_IMAGE=<image> | kubectl
-// apply -f -`; and waits until the controller is available, the node
-// plugin runs on every worker and each worker's CSINode lists the driver.
+// HostInGuest), then the core bundle, applied the way Options.Addon
+// names; and waits until the controller is available, the node plugin
+// runs on every worker and each worker's CSINode lists the driver.
 func (c *Cluster) InstallAddon(ctx context.Context) (string, error) {
 	secret := fmt.Sprintf(`apiVersion: v1
 kind: Namespace
@@ -70,13 +80,9 @@ stringData:
 	if _, err := c.KubectlInput(ctx, strings.NewReader(secret), "apply", "-f", "-"); err != nil {
 		return "", err
 	}
-	make := exec.CommandContext(ctx, "make", "-s", "-C", repoRoot(), "csi-addon", "VCO_CSI_IMAGE="+Image,
-		"ADDON_DIR="+filepath.Join(c.Env.Lab.Dir(), "addon"))
-	var stderr bytes.Buffer
-	make.Stderr = &stderr
-	bundle, err := make.Output()
+	bundle, how, err := c.coreBundle(ctx)
 	if err != nil {
-		return "", fmt.Errorf("make csi-addon: %w: %s", err, stderr.String())
+		return "", err
 	}
 	out, err := c.KubectlInput(ctx, bytes.NewReader(bundle), "apply", "-f", "-")
 	if err != nil {
@@ -100,8 +106,38 @@ stringData:
 			return out, c.podsState(ctx, err)
 		}
 	}
-	return fmt.Sprintf("%d objects applied from make csi-addon; controller available, node plugin on %d workers, CSINodes list %s",
-		applied, len(nodes), simlab.DriverName), nil
+	return fmt.Sprintf("%d objects applied from %s; controller available, node plugin on %d workers, CSINodes list %s",
+		applied, how, len(nodes), simlab.DriverName), nil
+}
+
+// coreBundle renders the add-on's core bundle the way c.Opts.Addon names,
+// and says how.
+func (c *Cluster) coreBundle(ctx context.Context) (bundle []byte, how string, err error) {
+	var cmd *exec.Cmd
+	switch c.Opts.Addon {
+	case "", AddonMake:
+		how = "make csi-addon VCO_CSI_IMAGE=" + Image
+		cmd = exec.CommandContext(ctx, "make", "-s", "-C", repoRoot(), "csi-addon", "VCO_CSI_IMAGE="+Image,
+			"ADDON_DIR="+filepath.Join(c.Env.Lab.Dir(), "addon"))
+	case AddonRelease:
+		how = "envsubst '$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME' < deploy/csi.yaml"
+		f, err := os.Open(filepath.Join(repoRoot(), "deploy", "csi.yaml"))
+		if err != nil {
+			return nil, "", err
+		}
+		defer f.Close()
+		cmd = exec.CommandContext(ctx, "envsubst", "$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME")
+		cmd.Stdin = f
+		cmd.Env = append(os.Environ(), "VCO_CSI_IMAGE="+Image, "VCO_CSI_DRIVER_NAME="+simlab.DriverName)
+	default:
+		return nil, "", fmt.Errorf("the add-on's core bundle: unknown way %q (want %s or %s)", c.Opts.Addon, AddonMake, AddonRelease)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if bundle, err = cmd.Output(); err != nil {
+		return nil, "", fmt.Errorf("%s: %w: %s", how, err, stderr.String())
+	}
+	return bundle, how, nil
 }
 
 // Nodes lists the cluster's node names.

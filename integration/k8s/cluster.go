@@ -44,6 +44,11 @@ type Options struct {
 	// postinst enabled it and the lab writes its configuration. cloud-init
 	// adds a minute or more of Python to each worker's boot under TCG.
 	CloudInit bool
+	// Addon is how the add-on's core bundle is applied, both ways seed
+	// 001 gives operators: AddonMake (`make csi-addon ... | kubectl apply
+	// -f -`, the default) or AddonRelease (deploy/csi.yaml through
+	// envsubst, as from a release).
+	Addon string
 	// CSIImage is the vco-csi image archive `make image` writes; default
 	// the newest dist/vco-csi-*.oci.tar of the repository.
 	CSIImage string
@@ -70,6 +75,9 @@ type Cluster struct {
 	Transit     *transittest.Fake
 	transitStop func()
 
+	// Opts are the options the cluster was started with.
+	Opts Options
+
 	cp  *controlPlane
 	log io.Writer
 }
@@ -93,7 +101,7 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	if o.Lab.CacheDir == "" {
 		o.Lab.CacheDir = lab.DefaultCacheDir()
 	}
-	c := &Cluster{log: o.Log}
+	c := &Cluster{Opts: o, log: o.Log}
 	if c.Bins, err = Build(ctx, o.Lab.CacheDir, o.Log); err != nil {
 		return nil, err
 	}
