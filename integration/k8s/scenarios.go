@@ -35,7 +35,7 @@ func (s *story) k3(ctx context.Context) error {
       - labelSelector: {matchLabels: {app: k3}}
         topologyKey: kubernetes.io/hostname
 `
-	if err := s.step(sc, "cluster", "StatefulSet of 2 replicas with volumeClaimTemplates, one per worker", func() (string, error) {
+	if err := s.step(sc, "cluster", "StatefulSet of 2 replicas with volumeClaimTemplates of the seed's class vco-csi-physical (diskType: PHYSICAL), one per worker", func() (string, error) {
 		if err := s.apply(ctx, fmt.Sprintf(`apiVersion: apps/v1
 kind: StatefulSet
 metadata:
@@ -51,6 +51,7 @@ spec:
 %s  volumeClaimTemplates:
     - metadata: {name: data}
       spec:
+        storageClassName: vco-csi-physical
         accessModes: [ReadWriteOnce]
         resources: {requests: {storage: 1Gi}}
 `, writerSpec("", aff, "      "))); err != nil {
@@ -68,7 +69,7 @@ spec:
 	}); err != nil {
 		return err
 	}
-	return s.step(sc, "cluster", "a disk each, each holding what its pod wrote, mounted only on its node", func() (string, error) {
+	return s.step(sc, "cluster", "a PHYSICAL disk each, each holding what its pod wrote, mounted only on its node", func() (string, error) {
 		var got []string
 		handles := map[string]string{}
 		for _, p := range ps {
@@ -84,6 +85,13 @@ spec:
 				return "", fmt.Errorf("claims of %s and %s are the same disk %s", prev, p.Name, h)
 			}
 			handles[h] = p.Name
+			id, err := diskOf(h)
+			if err != nil {
+				return "", err
+			}
+			if d := s.c.Env.Sim.Snapshot().Disks[id]; d == nil || d.Type != "PHYSICAL" {
+				return "", fmt.Errorf("%s's disk %s is not the PHYSICAL disk its class vco-csi-physical asks for: %+v", p.Name, h, d)
+			}
 			data, err := s.readLog(ctx, p, pv)
 			if err != nil {
 				return "", err
@@ -99,7 +107,7 @@ spec:
 			if len(elsewhere) > 0 {
 				return "", fmt.Errorf("%s mounted on the other worker: %v", pv, elsewhere)
 			}
-			got = append(got, fmt.Sprintf("%s: disk %s on %s", p.Name, h, p.Node))
+			got = append(got, fmt.Sprintf("%s: PHYSICAL disk %s on %s", p.Name, h, p.Node))
 		}
 		// The claims outlive the StatefulSet; both go, freeing their disks.
 		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "statefulset", "k3", "--wait=true"); err != nil {
