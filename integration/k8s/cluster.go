@@ -9,6 +9,7 @@ package k8s
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -72,7 +73,11 @@ type Cluster struct {
 	// the FAKE transit engine of crypt/transit/transittest (no Vault or
 	// OpenBao can be installed here), on loopback, reached by the workers
 	// on HostInGuest:GuestTransitPort.
-	Transit     *transittest.Fake
+	Transit *transittest.Fake
+	// TransitCA is the PEM of the CA that signed the transit engine's
+	// serving certificate (a CA of its own, not the cluster's): K7 gives
+	// it to the node plugins as the ConfigMap openbao-ca.
+	TransitCA   []byte
 	transitStop func()
 
 	// Opts are the options the cluster was started with.
@@ -332,19 +337,50 @@ const (
 	TransitKey   = "vco-csi-volumes"
 )
 
-// startTransit serves the fake transit engine on loopback and returns its
-// port. Until K7 gives it a token reviewer it accepts no login.
+// startTransit serves the fake transit engine over TLS on loopback and
+// returns its port. Its certificate, for HostInGuest, is signed by a CA
+// of its own (c.TransitCA), as an OpenBao server's would be. Until K7
+// gives it a token reviewer it accepts no login.
 func (c *Cluster) startTransit() (int, error) {
 	f := transittest.New()
 	f.AuthMount, f.TransitMount, f.Role = AuthMount, TransitMount, TransitRole
 	f.Rotate(TransitKey)
 	f.Review = func(string, string) error { return errors.New("no token reviewer configured yet") }
+	cert, ca, err := transitCert()
+	if err != nil {
+		return 0, fmt.Errorf("the transit engine's certificate: %w", err)
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, fmt.Errorf("listening for the transit engine: %w", err)
 	}
-	srv := &http.Server{Handler: f, ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = srv.Serve(ln) }()
-	c.Transit, c.transitStop = f, func() { _ = srv.Close() }
+	srv := &http.Server{Handler: f, ReadHeaderTimeout: 10 * time.Second,
+		TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}}
+	go func() { _ = srv.ServeTLS(ln, "", "") }()
+	c.Transit, c.TransitCA, c.transitStop = f, ca, func() { _ = srv.Close() }
 	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// transitCert makes a CA for the transit engine and a serving certificate
+// it signs for HostInGuest (and loopback), and returns the certificate
+// and the CA's PEM. The keys stay in memory.
+func transitCert() (tls.Certificate, []byte, error) {
+	dir, err := os.MkdirTemp("", "vco-lab-transit-pki-")
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	defer os.RemoveAll(dir)
+	p, err := newPKI(dir)
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	if err := p.issue("transit", "vco-lab transit engine", nil, HostInGuest, "127.0.0.1"); err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	cert, err := tls.LoadX509KeyPair(p.path("transit.crt"), p.path("transit.key"))
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	ca, err := os.ReadFile(p.path("ca.crt"))
+	return cert, ca, err
 }

@@ -124,12 +124,22 @@ metadata:
   name: csi-key-backend-config
   namespace: %s
 data:
-  address: http://%s:%d
+  address: https://%s:%d
   transitMount: %s
   k8sAuthPath: %s
   role: %s
+  caRef: openbao-ca
 `, AddonNamespace, HostInGuest, GuestTransitPort, TransitMount, AuthMount, TransitRole)
 		if _, err := c.KubectlInput(ctx, strings.NewReader(cm), "apply", "-f", "-"); err != nil {
+			return "", err
+		}
+		// The key backend's CA as the recipe delivers it: kubectl create
+		// configmap openbao-ca --from-file=ca.crt=<the server's CA>.
+		caFile := filepath.Join(c.Env.Lab.Dir(), "openbao-ca.pem")
+		if err := os.WriteFile(caFile, c.TransitCA, 0o644); err != nil {
+			return "", err
+		}
+		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "create", "configmap", "openbao-ca", "--from-file=ca.crt="+caFile); err != nil {
 			return "", err
 		}
 		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "restart", "daemonset/"+NodeName); err != nil {
