@@ -527,7 +527,9 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving) under %s O_DSYNC writes: %s failed, leases resumed %s, DiskFenced %s, claim held after: %v",
 			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("writes"), field("failed"), field("resumed"), field("fenced"), held)
 		if !ok {
-			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s", out)
+			// What the agent and the kernel said is what explains it.
+			logs, _ := g.MustSh(ctx, "journalctl -u vco-agent.service --no-pager -o short-monotonic -n 80; dmesg | tail -n 40; cat /proc/mounts | grep -e /dev/loop -e /dev/vd; losetup -a; true")
+			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s\nthe agent's journal and the kernel's log:\n%s", out, logs)
 		}
 		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, %s writes, none failed; lease resumed, nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("writes")), nil
 	})
