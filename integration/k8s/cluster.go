@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -53,6 +54,9 @@ type Options struct {
 	// CSIImage is the vco-csi image archive `make image` writes; default
 	// the newest dist/vco-csi-*.oci.tar of the repository.
 	CSIImage string
+	// E2EImages adds the test images of Kubernetes' storage suite to the
+	// registry (images.E2EImages), for RunStorageSuite.
+	E2EImages bool
 	// Log receives progress lines.
 	Log io.Writer
 }
@@ -263,6 +267,13 @@ func (c *Cluster) serveImages(ctx context.Context, o Options) error {
 	imgs, err := images.Build(ctx, cache, logf)
 	if err != nil {
 		return err
+	}
+	if o.E2EImages {
+		e2e, err := images.E2EImages(ctx, cache, buildDir(), logf)
+		if err != nil {
+			return err
+		}
+		maps.Copy(imgs, e2e)
 	}
 	archive := o.CSIImage
 	if archive == "" {
