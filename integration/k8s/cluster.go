@@ -84,6 +84,9 @@ type Cluster struct {
 	TransitCA   []byte
 	transitStop func()
 
+	// kubelets is how the API server reaches the workers' kubelets.
+	kubelets *kubeletProxy
+
 	// Opts are the options the cluster was started with.
 	Opts Options
 
@@ -143,12 +146,30 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 			c.transitStop()
 		}
 	}()
+	kubeletPorts := map[string]int{}
+	for _, n := range o.Workers {
+		if kubeletPorts[n], err = lab.FreePort(); err != nil {
+			return nil, err
+		}
+	}
+	if c.kubelets, err = startKubeletProxy(kubeletPorts); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			c.kubelets.Stop()
+		}
+	}()
 	boot := func(ctx context.Context, l *lab.Lab, apiPort int) error {
 		dir := filepath.Join(l.Dir(), "k8s")
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
-		if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, o.Workers, o.Log); err != nil {
+		egress, err := c.kubelets.egressConfig(dir)
+		if err != nil {
+			return err
+		}
+		if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, o.Workers, egress, o.Log); err != nil {
 			return err
 		}
 		c.Kubeconfig = c.cp.Kubeconfig
@@ -168,7 +189,8 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		var cfgs []lab.GuestConfig
 		for _, n := range o.Workers {
 			cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: o.MemMB, CPUs: o.CPUs,
-				Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort)})
+				Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort),
+				Inbound:  []lab.Inbound{{HostPort: kubeletPorts[n], GuestPort: KubeletPort}}})
 		}
 		fmt.Fprintf(o.Log, "k8s: booting %s\n", strings.Join(o.Workers, ", "))
 		gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
@@ -251,6 +273,9 @@ func (c *Cluster) Close() error {
 	}
 	if c.transitStop != nil {
 		c.transitStop()
+	}
+	if c.kubelets != nil {
+		c.kubelets.Stop()
 	}
 	if c.Env == nil {
 		return nil
