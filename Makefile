@@ -111,14 +111,16 @@ k8s-lab: deps build packages guest-root
 # on a cluster of its own (docs/development.md, "The storage suite"). FOCUS
 # narrows the patterns (a Ginkgo regular expression within External.Storage,
 # e.g. FOCUS='Dynamic PV \(ext4\)'), SKIP leaves specs out, K8S_E2E_CLASS
-# picks the StorageClass; the summary in bin/k8s-e2e-KIND/.
-FOCUS         ?=
-SKIP          ?=
-K8S_E2E_CLASS ?=
+# picks the StorageClass, K8S_E2E_TIMEOUT bounds the suite (it then reports
+# what ran); the summary in bin/k8s-e2e-KIND/.
+FOCUS           ?=
+SKIP            ?=
+K8S_E2E_CLASS   ?=
+K8S_E2E_TIMEOUT ?= 6h
 .PHONY: k8s-e2e
 k8s-e2e: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
-	$(BIN)/vco-lab k8s e2e -bin $(BIN) -kind $(K8S_KIND) -focus '$(FOCUS)' -skip '$(SKIP)' -class '$(K8S_E2E_CLASS)'
+	$(BIN)/vco-lab k8s e2e -bin $(BIN) -kind $(K8S_KIND) -focus '$(FOCUS)' -skip '$(SKIP)' -class '$(K8S_E2E_CLASS)' -suite-timeout $(K8S_E2E_TIMEOUT)
 # Every scenario on both disk kinds (about 25 min each with warm caches):
 # scsi-block, and virtio-blk backed by files (the lab's virtio-blk disk
 # that can grow under a running pod; K6).

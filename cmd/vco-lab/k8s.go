@@ -31,7 +31,7 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run|e2e|prefetch> [flags]
   run [-scenarios K1,K2,K4] [-report DIR]
           a cluster of its own, the scenarios, a report per safety
           property (DIR/k8s-report.txt and .html); nothing is left running
-  e2e [-focus REGEXP] [-skip REGEXP] [-class NAME] [-report DIR]
+  e2e [-focus REGEXP] [-skip REGEXP] [-class NAME] [-suite-timeout 6h] [-report DIR]
           Kubernetes' external storage suite (e2e.test, External.Storage)
           against deploy/testdriver.yaml on a cluster of its own with the
           snapshot CRDs installed: -focus narrows the patterns, e.g.
@@ -58,6 +58,7 @@ func k8sCmd(args []string) int {
 		return 2
 	}
 	var kind, scenarios, report, focus, skip, class string
+	var suiteTimeout time.Duration
 	extra := func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
@@ -67,6 +68,7 @@ func k8sCmd(args []string) int {
 		fs.StringVar(&focus, "focus", "", "e2e: Ginkgo focus within External.Storage (a regular expression)")
 		fs.StringVar(&skip, "skip", "", "e2e: Ginkgo skip expression")
 		fs.StringVar(&class, "class", "", "e2e: the StorageClass the suite provisions from (default: the driver file's, vco-csi)")
+		fs.DurationVar(&suiteTimeout, "suite-timeout", 6*time.Hour, "e2e: Ginkgo's timeout for the suite; it then reports what ran")
 	}
 	switch args[0] {
 	case "up":
@@ -100,7 +102,7 @@ func k8sCmd(args []string) int {
 		if report == "" {
 			report = filepath.Join(c.bin, "k8s-e2e-"+kind)
 		}
-		return c.finish(k8sE2E(c, kind, k8s.SuiteOptions{Focus: focus, Skip: skip, Class: class, ReportDir: report}))
+		return c.finish(k8sE2E(c, kind, k8s.SuiteOptions{Focus: focus, Skip: skip, Class: class, ReportDir: report, Timeout: suiteTimeout}))
 	}
 	fmt.Fprint(os.Stderr, k8sUsage)
 	return 2

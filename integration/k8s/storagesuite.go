@@ -37,7 +37,8 @@ type SuiteOptions struct {
 	// ReportDir receives the rendered driver file, the registry list,
 	// e2e.test's log, its JUnit report and the summary.
 	ReportDir string
-	// Timeout bounds the suite (Ginkgo's own timeout); default 6h.
+	// Timeout bounds the suite (Ginkgo's own timeout, after which it
+	// reports what ran); default 6h.
 	Timeout time.Duration
 	// Label says what ran, for the summary's first line (disk kind ...).
 	Label string
@@ -90,6 +91,10 @@ func RunStorageSuite(ctx context.Context, c *Cluster, o SuiteOptions) (*SuiteSum
 	cmd := exec.CommandContext(ctx, o.E2ETest, args...)
 	cmd.Dir = o.ReportDir
 	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+repoList, "KUBECONFIG="+c.Kubeconfig, "PATH="+c.Bins.Dir+":"+os.Getenv("PATH"))
+	// Interrupted (Ctrl-C, a stopped make), Ginkgo still runs its cleanup
+	// and writes the report of what ran.
+	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+	cmd.WaitDelay = 5 * time.Minute
 	cmd.Stdout = io.MultiWriter(logFile, o.Log)
 	cmd.Stderr = cmd.Stdout
 	fmt.Fprintf(o.Log, "k8s: e2e.test -ginkgo.focus %q -ginkgo.skip %q (log %s)\n", focus, o.Skip, logPath)
