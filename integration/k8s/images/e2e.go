@@ -75,13 +75,7 @@ func RepoList(host string) string {
 // made of Debian's busybox-static, as upstream's agnhost is a program on a
 // small shell image.
 func E2EImages(ctx context.Context, cacheDir, buildDir string, logf Logf) (map[string]v1.Image, error) {
-	if logf == nil {
-		logf = func(string, ...any) {}
-	}
-	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
-		return nil, fmt.Errorf("image cache: %w", err)
-	}
-	unlock, err := lockCache(cacheDir, logf)
+	logf, unlock, err := openCache(cacheDir, logf)
 	if err != nil {
 		return nil, err
 	}
