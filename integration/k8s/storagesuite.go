@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strings"
 	"time"
 
@@ -284,5 +285,38 @@ func (s *SuiteSummary) Write(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+	if len(s.Skipped) > 0 {
+		fmt.Fprintln(w, "Skip reasons, by how many specs gave each")
+		for _, r := range s.SkipReasons() {
+			fmt.Fprintf(w, "  %4d  %s\n", r.Count, r.Reason)
+		}
+		fmt.Fprintln(w)
+	}
 	fmt.Fprintf(w, "%d passed, %d failed, %d skipped\n", len(s.Passed), len(s.Failed), len(s.Skipped))
+}
+
+// SkipReason is one reason the suite gave for skipping, and how many
+// specs it skipped with it.
+type SkipReason struct {
+	Reason string
+	Count  int
+}
+
+// SkipReasons tallies the skips by reason, the most frequent first.
+func (s *SuiteSummary) SkipReasons() []SkipReason {
+	n := map[string]int{}
+	for _, c := range s.Skipped {
+		n[c.Reason]++
+	}
+	out := make([]SkipReason, 0, len(n))
+	for r, c := range n {
+		out = append(out, SkipReason{r, c})
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Count != out[j].Count {
+			return out[i].Count > out[j].Count
+		}
+		return out[i].Reason < out[j].Reason
+	})
+	return out
 }

@@ -70,7 +70,8 @@ func TestParseJUnit(t *testing.T) {
 	s.Title = "title"
 	s.Write(&out)
 	for _, want := range []string{"title\n", "2 specs outside the focus", "FAILED (1)\n  External Storage",
-		"      Distro debian doesn't support ntfs -- skipping\n", "PASSED (1)\n", "\n1 passed, 1 failed, 2 skipped\n"} {
+		"      Distro debian doesn't support ntfs -- skipping\n", "PASSED (1)\n",
+		"Skip reasons, by how many specs gave each\n     1  Distro debian doesn't support ntfs -- skipping\n", "\n1 passed, 1 failed, 2 skipped\n"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("summary lacks %q:\n%s", want, out.String())
 		}
