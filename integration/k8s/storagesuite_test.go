@@ -2,6 +2,7 @@ package k8s
 
 import (
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -117,5 +118,60 @@ func TestRenderTestDriverForTheLab(t *testing.T) {
 	}
 	if strings.Contains(b, "${") || strings.Count(b, "FromExistingClassName: vco-csi\n") != 1 {
 		t.Errorf("rendered driver file: a placeholder left, or the snapshot class changed too:\n%s", b)
+	}
+}
+
+// RunStorageSuite against a stand-in e2e.test that records how it was
+// called and writes the report a real one writes.
+func TestRunStorageSuiteCallsE2ETestAsTheSuiteExpects(t *testing.T) {
+	dir := t.TempDir()
+	fake := filepath.Join(dir, "e2e.test")
+	script := `#!/bin/sh
+printf '%s\n' "$@" > "` + dir + `/args"
+cp "$KUBE_TEST_REPO_LIST" "` + dir + `/repo-list"
+echo "$PATH" > "` + dir + `/path"
+while [ $# -gt 0 ]; do [ "$1" = -report-dir ] && rd=$2; shift; done
+cat > "$rd/junit_01.xml" <<'XML'
+` + junitSample + `
+XML
+echo "Ran 2 of 7450 Specs"
+exit 1
+`
+	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c := &Cluster{Kubeconfig: "/lab/k8s/admin.kubeconfig", Bins: &Binaries{Dir: "/cache/k8s/v1.34.2-abc"}}
+	var log strings.Builder
+	report := filepath.Join(dir, "report")
+	s, err := RunStorageSuite(t.Context(), c, SuiteOptions{E2ETest: fake, Focus: `Dynamic PV \(ext4\)`, Skip: `\[Disruptive\]`,
+		Class: "vco-csi-physical", ReportDir: report, Label: ", scsi-block disks", Log: &log})
+	if err == nil || s == nil || len(s.Failed) != 1 {
+		t.Fatalf("a suite with a failure: %v, %+v; want its summary and an error", err, s)
+	}
+	args, _ := os.ReadFile(filepath.Join(dir, "args"))
+	for _, want := range []string{"-kubeconfig\n/lab/k8s/admin.kubeconfig\n", "-storage.testdriver\n" + report + "/testdriver.yaml\n",
+		"-report-dir\n" + report + "\n", "-ginkgo.focus\nExternal.Storage.*(Dynamic PV \\(ext4\\))\n", "-ginkgo.skip\n\\[Disruptive\\]\n",
+		"-provider\nlocal\n"} {
+		if !strings.Contains(string(args), want) {
+			t.Errorf("e2e.test arguments lack %q:\n%s", want, args)
+		}
+	}
+	if rl, _ := os.ReadFile(filepath.Join(dir, "repo-list")); !strings.Contains(string(rl), "promoterE2eRegistry: "+GuestRegistry+"/e2e-test-images\n") {
+		t.Errorf("KUBE_TEST_REPO_LIST file:\n%s", rl)
+	}
+	if p, _ := os.ReadFile(filepath.Join(dir, "path")); !strings.HasPrefix(string(p), c.Bins.Dir+":") {
+		t.Errorf("PATH %q: the suite's kubectl is the cluster's", p)
+	}
+	sum, err := os.ReadFile(filepath.Join(report, "k8s-e2e-summary.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"driver cloud.whitesky.csi, class vco-csi-physical, scsi-block disks", "1 passed, 1 failed, 2 skipped\n"} {
+		if !strings.Contains(string(sum), want) {
+			t.Errorf("summary lacks %q:\n%s", want, sum)
+		}
+	}
+	if l, _ := os.ReadFile(filepath.Join(report, "e2e.log")); !strings.Contains(string(l), "Ran 2 of 7450 Specs") || !strings.Contains(log.String(), "Ran 2 of 7450 Specs") {
+		t.Errorf("e2e.test's output is not in e2e.log and the progress log")
 	}
 }
