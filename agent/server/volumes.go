@@ -9,6 +9,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
@@ -85,6 +86,15 @@ func GrantFromAPI(g *api.TakeoverGrant) (*fence.Grant, error) {
 	return out, nil
 }
 
+// TransitTokenFromAPI converts the API's transit token; nil stays nil. The
+// volume manager checks it (luks2.TransitToken.Check) when it formats.
+func TransitTokenFromAPI(t *api.TransitToken) *luks2.TransitToken {
+	if t == nil {
+		return nil
+	}
+	return &luks2.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
+}
+
 // StageVolume implements api.AgentServer. The passphrase of an encrypted
 // volume is the decoded request's own buffer, which the volume manager
 // uses in place (it makes no copy); it is zeroed when the call returns,
@@ -111,9 +121,7 @@ func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (
 	}
 	if e := req.GetEncryption(); e != nil {
 		r.Encrypted, r.Passphrase, r.FormatLUKS = true, e.GetPassphrase(), e.GetFormatIfBlank()
-		if t := e.GetTransitToken(); t != nil {
-			r.Token = &volume.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
-		}
+		r.Token = TransitTokenFromAPI(e.GetTransitToken())
 	}
 	res, err := m.Stage(ctx, r)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
@@ -34,7 +35,7 @@ type StageRequest struct {
 	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
 	// passphrase wrapped by the transit engine.
 	FormatLUKS    bool
-	Token         *TransitToken
+	Token         *luks2.TransitToken
 	AllowUnfenced bool
 	// NeverPublished is the controller's word that no node was given the
 	// disk before this stage's: the reclaim wait is skipped (acquire).

@@ -17,6 +17,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
@@ -82,7 +83,7 @@ type fakeCrypt struct {
 func (f *fakeCrypt) Inspect(context.Context, string) (Content, error) {
 	return Content{Kind: ContentLUKS2}, nil
 }
-func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, TransitToken) error {
+func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, luks2.TransitToken) error {
 	return errors.New("the stage tests format nothing")
 }
 func (f *fakeCrypt) Open(context.Context, string, string, []byte, bool) (Mapped, error) {

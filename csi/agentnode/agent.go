@@ -16,6 +16,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -191,7 +192,7 @@ func (a *Agent) VolumeToken(ctx context.Context, volumeID string, pc map[string]
 		out.Content, out.Detail = driver.ContentOther, fmt.Sprintf("content the agent calls %s (%s)", r.GetContent(), r.GetDetail())
 	}
 	if t := r.GetTransitToken(); t != nil {
-		out.Token = &driver.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
+		out.Token = &luks2.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
 	}
 	return out, nil
 }
