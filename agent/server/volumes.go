@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"unicode"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/api"
@@ -23,43 +22,36 @@ func (s *Server) volumes() (*volume.Manager, error) {
 	return s.o.Volumes, nil
 }
 
-// LocatorFromAPI turns the API's device locator into the form claims
-// record.
+// LocatorFromAPI turns the API's device locator into the volume
+// manager's, which claims record as it is.
 func LocatorFromAPI(l *api.DeviceLocator) (volume.Locator, error) {
 	if l == nil {
 		return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "the request names no device")
 	}
-	var parts []string
+	var d discovery.Locator
 	switch {
 	case l.GetPciAddress() != "":
 		a, err := discovery.ParsePCIAddress(l.GetPciAddress())
 		if err != nil {
 			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
 		}
-		parts = append(parts, "pci="+a.String())
+		d.PCI = &a
 	case l.GetHasPci():
 		a, err := discovery.PCIFromAPI(int(l.GetPciBus()), int(l.GetPciSlot()))
 		if err != nil {
 			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
 		}
-		parts = append(parts, "pci="+a.String())
+		d.PCI = &a
 	}
 	// Targets pad serials with spaces, and discovery compares them
-	// trimmed; a comma, '=' or a control character can be in no real one
-	// and would not survive the record.
-	serial, wwn := strings.TrimSpace(l.GetSerial()), strings.TrimSpace(l.GetWwn())
-	for k, v := range map[string]string{"serial": serial, "wwn": wwn} {
-		if strings.ContainsAny(v, ",=") || strings.IndexFunc(v, unicode.IsControl) >= 0 {
-			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "device %s %q holds a comma, '=' or a control character", k, v)
+	// trimmed.
+	d.Serial, d.WWN = strings.TrimSpace(l.GetSerial()), strings.TrimSpace(l.GetWwn())
+	if !d.IsZero() {
+		if err := d.Check(); err != nil {
+			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
 		}
 	}
-	if serial != "" {
-		parts = append(parts, "serial="+serial)
-	}
-	if wwn != "" {
-		parts = append(parts, "wwn="+wwn)
-	}
-	return volume.Locator{Disk: strings.Join(parts, ","), BackingFile: l.GetLoopBackingFile()}, nil
+	return volume.Locator{Disk: d, BackingFile: l.GetLoopBackingFile()}, nil
 }
 
 // GrantFromAPI checks and converts a takeover grant; nil stays nil.

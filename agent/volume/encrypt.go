@@ -175,7 +175,7 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 	if c != nil && c.Phase == PhaseStaged {
 		res.Device = c.BaseDevice()
 	} else {
-		if loc == (Locator{}) {
+		if loc.IsZero() {
 			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
 		}
 		dev, err := m.locate(ctx, loc)

@@ -116,7 +116,7 @@ func compatible(c *Claim, r StageRequest, staging, fsType string) error {
 	if c.Encrypted != r.Encrypted {
 		diff = append(diff, fmt.Sprintf("encrypted=%v, not %v", c.Encrypted, r.Encrypted))
 	}
-	if c.Locator != r.Locator {
+	if !c.Locator.Equal(r.Locator) {
 		diff = append(diff, fmt.Sprintf("device %s, not %s", c.Locator, r.Locator))
 	}
 	if !slices.Equal(c.MountFlags, r.MountFlags) {
@@ -165,7 +165,7 @@ func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error)
 	if err := checkVolumeID(r.Volume); err != nil {
 		return "", "", err
 	}
-	if r.Locator == (Locator{}) {
+	if r.Locator.IsZero() {
 		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
 	}
 	if staging, err = confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath); err != nil {

@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
@@ -187,7 +188,7 @@ func newStageEnv(t *testing.T) *stageEnv {
 }
 
 func (e *stageEnv) request(volume string) StageRequest {
-	return StageRequest{Volume: volume, Locator: Locator{Disk: "serial=fake0"}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
+	return StageRequest{Volume: volume, Locator: Locator{Disk: discovery.Locator{Serial: "fake0"}}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
 		Encrypted: true, Passphrase: []byte("not a secret")}
 }
 
