@@ -54,26 +54,15 @@ func LocatorFromAPI(l *api.DeviceLocator) (volume.Locator, error) {
 	return volume.Locator{Disk: d, BackingFile: l.GetLoopBackingFile()}, nil
 }
 
-// GrantFromAPI checks and converts a takeover grant; nil stays nil.
+// GrantFromAPI checks and converts a takeover grant (fence.NewGrant); nil
+// stays nil.
 func GrantFromAPI(g *api.TakeoverGrant) (*fence.Grant, error) {
 	if g == nil {
 		return nil, nil
 	}
-	out := &fence.Grant{Disk: g.GetDisk()}
-	node, err := fence.CanonicalUUID(g.GetNode())
+	out, err := fence.NewGrant(g.GetDisk(), g.GetNode(), g.GetSupersedes())
 	if err != nil {
-		return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant: %v", err)
-	}
-	out.Node = node
-	for _, k := range g.GetSupersedes() {
-		key, err := fence.ParseKey(k)
-		if err != nil {
-			return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant: %v", err)
-		}
-		out.Supersedes = append(out.Supersedes, key)
-	}
-	if out.Disk == "" || len(out.Supersedes) == 0 {
-		return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant must name the disk and at least one superseded key")
+		return nil, agenterr.New(agenterr.InvalidArgument, "%v", err)
 	}
 	return out, nil
 }
