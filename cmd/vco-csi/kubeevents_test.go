@@ -23,6 +23,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 )
 
@@ -82,7 +83,7 @@ func TestKubeEventsFromThePod(t *testing.T) {
 	mx := metrics.New()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	startKubeEvents(ctx, slog.New(slog.NewTextHandler(&logs, nil)), mx, c.AgentClient, "worker-1", sa)
+	startKubeEvents(ctx, slog.New(slog.NewTextHandler(&logs, nil)), mx, c.AgentClient, "worker-1", sa, &kubeevents.Users{})
 	bus.Publish(events.Event{Type: events.DiskRefused, Device: "/dev/sdb", HolderNode: "worker-2", Reason: "held-by-another-node",
 		Message: "disk /dev/sdb is attached to this node while worker-2 holds it by SCSI-3 PR; it is set read-only and nothing is mounted"})
 	// Counted once the API server's answer is read.
@@ -118,10 +119,10 @@ func TestKubeEventsOff(t *testing.T) {
 	// Outside a pod (the lab's node plugins) that is no warning, even
 	// without a node name.
 	t.Setenv("KUBERNETES_SERVICE_HOST", "")
-	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir())
+	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir(), &kubeevents.Users{})
 	t.Setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
 	t.Setenv("KUBERNETES_SERVICE_PORT", "443")
-	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir())
+	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir(), &kubeevents.Users{})
 	out := logs.String()
 	if strings.Count(out, "not posted as Kubernetes Events") != 2 || !strings.Contains(out, `level=INFO msg="vco-agent's events are not posted as Kubernetes Events; they are in the node's journal and `+"`vco-agent events`"+`" reason="not in a Kubernetes pod`) ||
 		!strings.Contains(out, `level=WARN`) || !strings.Contains(out, "no node name") {

@@ -465,7 +465,7 @@ func TestForbiddenSaysWhatToGrant(t *testing.T) {
 	p.Record(refusal(1))
 	eventually(t, "failures", func() bool { return r.res.get("failed") >= 3 })
 	out := r.log.String()
-	if !strings.Contains(out, "HTTP 403") || !strings.Contains(out, "create, get and patch on events in namespace default") {
+	if !strings.Contains(out, "HTTP 403") || !strings.Contains(out, "create, get and patch on events, and get on persistentvolumeclaims, in every namespace (ClusterRole vco-csi-node-events") {
 		t.Errorf("the log does not say what to grant:\n%s", out)
 	}
 	if strings.Count(out, "HTTP 403") != 1 {
