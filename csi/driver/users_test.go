@@ -35,8 +35,10 @@ func (u *usersLog) Staging(id, serial string, c driver.Claim) {
 func (u *usersLog) Published(id, target string, p driver.Pod) {
 	u.add("published %s at %s pod=%s %s/%s %s", id, filepath.Base(target), p.Kind, p.Namespace, p.Name, p.UID)
 }
-func (u *usersLog) Unpublished(id, target string) { u.add("unpublished %s at %s", id, filepath.Base(target)) }
-func (u *usersLog) Unstaged(id string)            { u.add("unstaged %s", id) }
+func (u *usersLog) Unpublished(id, target string) {
+	u.add("unpublished %s at %s", id, filepath.Base(target))
+}
+func (u *usersLog) Unstaged(id string) { u.add("unstaged %s", id) }
 
 // refusingAgent refuses the stage as the agent does a disk held
 // elsewhere, and publishes.
