@@ -98,8 +98,6 @@ type Object struct {
 	UID string
 }
 
-func (o Object) String() string { return o.Kind + " " + o.Namespace + "/" + o.Name }
-
 // Config says where and how to post.
 type Config struct {
 	// Node is the Kubernetes name of the Node the Events are about.
