@@ -248,3 +248,17 @@ func TestClaimGone(t *testing.T) {
 		t.Errorf("log:\n%s", r.log)
 	}
 }
+
+// A file that cannot be written is said once; Users goes on in memory.
+func TestUsersFileThatCannotBeWritten(t *testing.T) {
+	r := newRig(t)
+	r.api.set(func(f *fakeAPI) { f.claims["shop/data-web-0"] = "5d2e8c1a" })
+	u, _ := r.users(t, filepath.Join(t.TempDir(), "no-such-dir", "kube-events.json"))
+	u.Staging(vol, serial, claim)
+	u.Published(vol, target, pod)
+	u.Record(fenced(3))
+	eventually(t, "the Events on the Node, the claim and the pod", func() bool { return r.res.get("created") == 3 })
+	if n := strings.Count(r.log.String(), "cannot be kept"); n != 1 {
+		t.Errorf("said %d times:\n%s", n, r.log)
+	}
+}
