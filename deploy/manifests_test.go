@@ -1045,7 +1045,9 @@ func TestNodePluginRBAC(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
 		d := a.daemonSets[0]
 		sa := d.Spec.Template.Spec.ServiceAccountName
-		isSA := func(s rbacv1.Subject) bool { return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace }
+		isSA := func(s rbacv1.Subject) bool {
+			return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace
+		}
 		for _, b := range a.bindings {
 			if slices.ContainsFunc(b.Subjects, isSA) {
 				t.Errorf("RoleBinding %s/%s gives the node account %s %s; its one grant is the ClusterRole %s", b.Namespace, b.Name, b.RoleRef.Kind, b.RoleRef.Name, nodeEventsRole)
