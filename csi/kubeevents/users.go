@@ -149,8 +149,11 @@ func (u *Users) Published(volumeID, targetPath string, pod Object) {
 	}
 	changed := v.Pods[targetPath] != pod
 	v.Pods[targetPath] = pod
-	recent := append([]Report(nil), v.recent...)
+	var recent []Report
 	if changed {
+		// A repeated publish (the kubelet retries) hands on nothing
+		// twice.
+		recent = append(recent, v.recent...)
 		u.saveLocked()
 	}
 	u.mu.Unlock()

@@ -98,10 +98,12 @@ func TestEventOnThePodAtPublish(t *testing.T) {
 	eventually(t, "the refusal and the takeover on the Node and the claim", func() bool { return r.res.get("created") == 4 })
 	u.Published(vol, target, pod)
 	eventually(t, "the takeover on the pod", func() bool { return r.res.get("created") == 5 })
+	u.Published(vol, target, pod) // the kubelet retries
+	time.Sleep(50 * time.Millisecond)
 	ev, _ := r.api.snapshot()
 	e, ok := ev[EventName("worker-1", about(takeover(2), pod))]
 	want := corev1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: "shop", Name: "web-0", UID: types.UID(pod.UID)}
-	if !ok || e.InvolvedObject != want || e.Namespace != "shop" || e.Reason != "TakeoverGranted" {
+	if !ok || e.InvolvedObject != want || e.Namespace != "shop" || e.Reason != "TakeoverGranted" || e.Count != 1 {
 		t.Fatalf("the pod's Event %+v (Events %v)", e, ev)
 	}
 	if n := len(eventsAbout(ev, "Pod")); n != 1 {
