@@ -1030,50 +1030,76 @@ func TestControllerRBAC(t *testing.T) {
 	})
 }
 
-// nodeEventsRole is the node plugin's Role for its Events.
+// nodeEventsRole is the node plugin's ClusterRole for its Events.
 const nodeEventsRole = "vco-csi-node-events"
 
 // The node plugin posts the agent's events as Events about its Node
-// (csi/kubeevents): its account may create, get and patch Events in the
-// namespace the code posts them in, and nothing else; the DaemonSet gives
-// it the API token and CA where the code reads them, and the node's name.
+// (csi/kubeevents), in the namespace the code posts them in, and about the
+// volume's claim and pods, in theirs: its account may create, get and
+// patch Events and get PersistentVolumeClaims (for the claim's uid) in
+// every namespace, through one ClusterRole, and nothing else; the
+// DaemonSet gives it the API token and CA where the code reads them, the
+// node's name, and a file for what it knows of its volumes in its own
+// directory on the host.
 func TestNodePluginRBAC(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
 		d := a.daemonSets[0]
 		sa := d.Spec.Template.Spec.ServiceAccountName
-		for _, b := range a.clusterBindings {
-			for _, s := range b.Subjects {
-				if s.Kind == "ServiceAccount" && s.Name == sa {
-					t.Errorf("ClusterRoleBinding %s binds the node account", b.Name)
-				}
+		isSA := func(s rbacv1.Subject) bool {
+			return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace
+		}
+		for _, b := range a.bindings {
+			if slices.ContainsFunc(b.Subjects, isSA) {
+				t.Errorf("RoleBinding %s/%s gives the node account %s %s; its one grant is the ClusterRole %s", b.Namespace, b.Name, b.RoleRef.Kind, b.RoleRef.Name, nodeEventsRole)
 			}
 		}
 		var rules []rbacv1.PolicyRule
-		for _, b := range a.bindings {
-			if !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
-				return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace
-			}) {
+		bound := 0
+		for _, b := range a.clusterBindings {
+			if !slices.ContainsFunc(b.Subjects, isSA) {
 				continue
 			}
-			if b.Namespace != kubeevents.Namespace || b.RoleRef.Kind != "Role" || b.RoleRef.Name != nodeEventsRole {
-				t.Errorf("RoleBinding %s/%s gives the node account %s %s", b.Namespace, b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+			bound++
+			if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != nodeEventsRole {
+				t.Errorf("ClusterRoleBinding %s gives the node account %s %s", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
 				continue
 			}
-			i := slices.IndexFunc(a.roles, func(r rbacv1.Role) bool { return r.Name == b.RoleRef.Name && r.Namespace == b.Namespace })
+			i := slices.IndexFunc(a.clusterRoles, func(r rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name })
 			if i < 0 {
-				t.Fatalf("RoleBinding %s/%s refers to Role %s, not in the bundle", b.Namespace, b.Name, b.RoleRef.Name)
+				t.Fatalf("ClusterRoleBinding %s refers to ClusterRole %s, not in the bundle", b.Name, b.RoleRef.Name)
 			}
-			rules = append(rules, a.roles[i].Rules...)
+			if a.clusterRoles[i].AggregationRule != nil {
+				t.Errorf("ClusterRole %s aggregates other roles", b.RoleRef.Name)
+			}
+			rules = append(rules, a.clusterRoles[i].Rules...)
 		}
-		for _, verb := range []string{"create", "get", "patch"} {
-			if !granted(rules, "", "events", verb) {
-				t.Errorf("the node account may not %s events in %s; csi/kubeevents needs it", verb, kubeevents.Namespace)
+		if bound != 1 {
+			t.Errorf("%d ClusterRoleBindings bind the node account, want 1", bound)
+		}
+		// Exactly these permissions: each needed, none more.
+		want := map[[2]string][]string{
+			{"", "events"}:                 {"create", "get", "patch"},
+			{"", "persistentvolumeclaims"}: {"get"},
+		}
+		for k, verbs := range want {
+			for _, verb := range verbs {
+				if !granted(rules, k[0], k[1], verb) {
+					t.Errorf("the node account may not %s %s; csi/kubeevents needs it", verb, k[1])
+				}
 			}
 		}
 		for _, r := range rules {
-			if !slices.Equal(r.APIGroups, []string{""}) || !slices.Equal(r.Resources, []string{"events"}) ||
-				slices.ContainsFunc(r.Verbs, func(v string) bool { return v != "create" && v != "get" && v != "patch" }) {
-				t.Errorf("the node account is granted more than create, get and patch on events: %+v", r)
+			if len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
+				t.Errorf("rule %+v names resources or URLs; the plugin's requests name any claim and Event", r)
+			}
+			for _, g := range r.APIGroups {
+				for _, res := range r.Resources {
+					for _, verb := range r.Verbs {
+						if !slices.Contains(want[[2]string{g, res}], verb) {
+							t.Errorf("the node account is granted %s on %q in group %q, which csi/kubeevents does not use", verb, res, g)
+						}
+					}
+				}
 			}
 		}
 
@@ -1084,6 +1110,14 @@ func TestNodePluginRBAC(t *testing.T) {
 		}
 		if _, ok := flag(p.Args, "node-name"); ok {
 			t.Error("--node-name is set; the plugin takes it from NODE_NAME")
+		}
+		// What the plugin knows of its volumes' claims and pods must
+		// survive its restart: a file in a directory of the host it may
+		// write.
+		if v, ok := flag(p.Args, "kube-events-state"); !ok || !strings.HasPrefix(v, "/") {
+			t.Errorf("--kube-events-state=%q", v)
+		} else if m, vol := mountFor(t, w, p, v); m.ReadOnly || vol.HostPath == nil {
+			t.Errorf("%s is on %s (%+v), not a writable host directory", v, m.MountPath, vol.VolumeSource)
 		}
 		env := map[string]string{}
 		for _, e := range p.Env {

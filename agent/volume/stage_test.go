@@ -21,7 +21,9 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
@@ -86,7 +88,7 @@ type fakeCrypt struct {
 func (f *fakeCrypt) Inspect(context.Context, string) (Content, error) {
 	return Content{Kind: ContentLUKS2}, nil
 }
-func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, TransitToken) error {
+func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, luks2.TransitToken) error {
 	return errors.New("the stage tests format nothing")
 }
 func (f *fakeCrypt) Open(context.Context, string, string, []byte, bool) (Mapped, error) {
@@ -190,7 +192,7 @@ func newStageEnv(t *testing.T) *stageEnv {
 }
 
 func (e *stageEnv) request(volume string) StageRequest {
-	return StageRequest{Volume: volume, Locator: Locator{Disk: "serial=fake0"}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
+	return StageRequest{Volume: volume, Locator: Locator{Disk: discovery.Locator{Serial: "fake0"}}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
 		Encrypted: true, Passphrase: []byte("not a secret")}
 }
 

@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 )
 
@@ -121,8 +122,16 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 	}
 
 	clearRO(devA)
-	if err := a.m.Unstage(ctx, "vol-w", filepath.Join(a.kubelet, "staging/w")); err != nil {
-		t.Fatal(err)
+	// The loss is recorded by its own goroutine; until it is done an
+	// unstage answers Aborted, which the kubelet retries, as here.
+	for end := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		err := a.m.Unstage(ctx, "vol-w", filepath.Join(a.kubelet, "staging/w"))
+		if err == nil {
+			break
+		}
+		if agenterr.KindOf(err) != agenterr.Aborted || time.Now().After(end) {
+			t.Fatal(err)
+		}
 	}
 	if ls := a.m.Leases(); len(ls) != 0 {
 		t.Fatalf("leases after the unstage: %+v", ls)

@@ -18,11 +18,13 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
 	"github.com/whitesky-cloud/vco-storage/agent/server"
+	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 )
 
@@ -36,6 +38,10 @@ func TestKubeEventsFromThePod(t *testing.T) {
 	var posted []corev1.Event
 	var auth []string
 	api := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodGet && r.URL.Path == "/api/v1/namespaces/shop/persistentvolumeclaims/data-web-0" {
+			json.NewEncoder(w).Encode(corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "data-web-0", Namespace: "shop", UID: "5d2e8c1a"}})
+			return
+		}
 		var e corev1.Event
 		json.NewDecoder(r.Body).Decode(&e)
 		mu.Lock()
@@ -82,14 +88,17 @@ func TestKubeEventsFromThePod(t *testing.T) {
 	mx := metrics.New()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	startKubeEvents(ctx, slog.New(slog.NewTextHandler(&logs, nil)), mx, c.AgentClient, "worker-1", sa)
-	bus.Publish(events.Event{Type: events.DiskRefused, Device: "/dev/sdb", HolderNode: "worker-2", Reason: "held-by-another-node",
+	users := &kubeevents.Users{}
+	startKubeEvents(ctx, slog.New(slog.NewTextHandler(&logs, nil)), mx, c.AgentClient, "worker-1", sa, users)
+	// The node service tells users the claim of a volume it stages.
+	users.Staging("ch-gen-1/42", "42", kubeevents.Object{Namespace: "shop", Name: "data-web-0"})
+	bus.Publish(events.Event{Type: events.DiskRefused, Volume: "ch-gen-1/42", Device: "/dev/sdb", HolderNode: "worker-2", Reason: "held-by-another-node",
 		Message: "disk /dev/sdb is attached to this node while worker-2 holds it by SCSI-3 PR; it is set read-only and nothing is mounted"})
 	// Counted once the API server's answer is read.
 	created := func() bool {
 		rec := httptest.NewRecorder()
 		mx.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
-		return strings.Contains(rec.Body.String(), `vco_csi_kube_events_total{result="created"} 1`)
+		return strings.Contains(rec.Body.String(), `vco_csi_kube_events_total{result="created"} 2`)
 	}
 	for deadline := time.Now().Add(5 * time.Second); !created(); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -98,9 +107,16 @@ func TestKubeEventsFromThePod(t *testing.T) {
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if len(posted) != 1 || posted[0].Reason != "DiskRefused" || posted[0].InvolvedObject.Name != "worker-1" || posted[0].Type != "Warning" ||
+	if len(posted) != 2 || posted[0].Reason != "DiskRefused" || posted[0].InvolvedObject.Name != "worker-1" || posted[0].Type != "Warning" ||
 		!strings.Contains(posted[0].Message, "worker-2 holds it") {
 		t.Fatalf("posted %+v", posted)
+	}
+	claim := corev1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1", Namespace: "shop", Name: "data-web-0", UID: "5d2e8c1a"}
+	if posted[1].InvolvedObject != claim || posted[1].Namespace != "shop" || posted[1].Message != posted[0].Message {
+		t.Errorf("the Event on the claim: %+v", posted[1])
+	}
+	if want := "POST /api/v1/namespaces/shop/events Bearer sa-token-value"; auth[1] != want {
+		t.Errorf("request %q, want %q", auth[1], want)
 	}
 	if want := "POST /api/v1/namespaces/default/events Bearer sa-token-value"; auth[0] != want {
 		t.Errorf("request %q, want %q", auth[0], want)
@@ -118,10 +134,10 @@ func TestKubeEventsOff(t *testing.T) {
 	// Outside a pod (the lab's node plugins) that is no warning, even
 	// without a node name.
 	t.Setenv("KUBERNETES_SERVICE_HOST", "")
-	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir())
+	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir(), &kubeevents.Users{})
 	t.Setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
 	t.Setenv("KUBERNETES_SERVICE_PORT", "443")
-	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir())
+	startKubeEvents(context.Background(), log, metrics.New(), nil, "", t.TempDir(), &kubeevents.Users{})
 	out := logs.String()
 	if strings.Count(out, "not posted as Kubernetes Events") != 2 || !strings.Contains(out, `level=INFO msg="vco-agent's events are not posted as Kubernetes Events; they are in the node's journal and `+"`vco-agent events`"+`" reason="not in a Kubernetes pod`) ||
 		!strings.Contains(out, `level=WARN`) || !strings.Contains(out, "no node name") {

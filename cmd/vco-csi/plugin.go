@@ -64,7 +64,8 @@ func runPlugin(args []string) int {
 	regPath := fs.String("kubelet-registration-path", "", "the CSI socket's path on the host, as the kubelet dials it (node; default <kubelet-root>/plugins/<driver-name>/csi.sock)")
 	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (CSI calls, API requests; on the node also vco-agent's series); empty: off")
 	agentMetrics := fs.String("agent-metrics-socket", "/run/vco-agent/metrics.sock", "vco-agent's metrics socket, whose series the node plugin re-exports on --metrics-address; empty: none (node)")
-	kubeEvents := fs.Bool("kube-events", true, "post vco-agent's refusals, fence losses, takeovers and re-established claims as Kubernetes Events about this node, through the pod's ServiceAccount (node; off outside a pod)")
+	kubeEvents := fs.Bool("kube-events", true, "post vco-agent's refusals, fence losses, takeovers and re-established claims as Kubernetes Events about this node, and about the claim and pods of the volume they name, through the pod's ServiceAccount (node; off outside a pod)")
+	kubeEventsState := fs.String("kube-events-state", "", "file that keeps the claim and pods of each volume staged on this node across restarts of the plugin, for --kube-events (node; deploy: /csi/kube-events.json); empty: memory only")
 	nodeName := fs.String("node-name", os.Getenv("NODE_NAME"), "this node's Kubernetes name, which the Events of --kube-events are about (node; default $NODE_NAME, which the DaemonSet sets from spec.nodeName)")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -151,6 +152,11 @@ func runPlugin(args []string) int {
 		}
 		cfg.Agent, agentAPI = a, a.API()
 	}
+	var users *kubeevents.Users
+	if agentAPI != nil && *kubeEvents {
+		users = &kubeevents.Users{File: *kubeEventsState, Log: log}
+		cfg.Users = users
+	}
 	if cfg.Name == "" {
 		return fail("no driver name: set --driver-name (it is derived from --api-url only when that names a host in a domain)")
 	}
@@ -223,8 +229,8 @@ func runPlugin(args []string) int {
 			go d.RunNodeLocations(ctx, log, time.Minute, write)
 		}
 	}
-	if agentAPI != nil && *kubeEvents {
-		startKubeEvents(ctx, log, mx, agentAPI, *nodeName, kubeevents.ServiceAccountDir)
+	if users != nil {
+		startKubeEvents(ctx, log, mx, agentAPI, *nodeName, kubeevents.ServiceAccountDir, users)
 	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
@@ -276,11 +282,12 @@ func runPlugin(args []string) int {
 }
 
 // startKubeEvents posts the agent's events as Kubernetes Events about the
-// node, with the ServiceAccount token and CA in saDir, on goroutines of
-// their own until ctx ends. Whatever is missing (not
-// in a pod, no node name, no CA) is logged once and leaves the plugin
-// serving as before (docs/events.md, "In Kubernetes").
-func startKubeEvents(ctx context.Context, log *slog.Logger, mx *metrics.Metrics, agent kubeevents.Agent, node, saDir string) {
+// node, and through users about the claims and pods of the volumes they
+// name, with the ServiceAccount token and CA in saDir, on goroutines of
+// their own until ctx ends. Whatever is missing (not in a pod, no node
+// name, no CA) is logged once and leaves the plugin serving as before
+// (docs/events.md, "In Kubernetes").
+func startKubeEvents(ctx context.Context, log *slog.Logger, mx *metrics.Metrics, agent kubeevents.Agent, node, saDir string, users *kubeevents.Users) {
 	off := "vco-agent's events are not posted as Kubernetes Events; they are in the node's journal and `vco-agent events`"
 	p, err := kubeevents.InCluster(node, saDir, kubeevents.Config{Log: log,
 		Observe: func(result string) { mx.KubeEvent(result, 1) }})
@@ -293,7 +300,8 @@ func startKubeEvents(ctx context.Context, log *slog.Logger, mx *metrics.Metrics,
 		return
 	}
 	go p.Run(ctx)
-	f := &kubeevents.Follower{Agent: agent, To: p, Log: log, Missed: func(n uint64) { mx.KubeEvent("missed", n) }}
+	users.To = p
+	f := &kubeevents.Follower{Agent: agent, To: users, Log: log, Missed: func(n uint64) { mx.KubeEvent("missed", n) }}
 	go f.Run(ctx)
 	log.Info("posting vco-agent's events as Kubernetes Events", "node", node, "namespace", kubeevents.Namespace)
 }

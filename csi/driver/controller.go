@@ -35,7 +35,40 @@ const (
 const (
 	ctxEncrypted = "cloud.whitesky/encrypted"
 	ctxLocation  = TopologyKey
+	// The claim a volume was made for, from the external-provisioner's
+	// --extra-create-metadata: the node plugin shows what the agent
+	// reports about the volume on it (docs/events.md, "In Kubernetes").
+	// Volumes made before these keys existed have none.
+	ctxClaimName      = "cloud.whitesky/pvc-name"
+	ctxClaimNamespace = "cloud.whitesky/pvc-namespace"
+	ctxPVName         = "cloud.whitesky/pv-name"
 )
+
+// The parameters the external-provisioner adds with --extra-create-metadata,
+// and the pod information the kubelet adds to NodePublishVolume's volume
+// context when the CSIDriver has podInfoOnMount.
+const (
+	paramPVCName      = "csi.storage.k8s.io/pvc/name"
+	paramPVCNamespace = "csi.storage.k8s.io/pvc/namespace"
+	paramPVName       = "csi.storage.k8s.io/pv/name"
+	ctxPodName        = "csi.storage.k8s.io/pod.name"
+	ctxPodNamespace   = "csi.storage.k8s.io/pod.namespace"
+	ctxPodUID         = "csi.storage.k8s.io/pod.uid"
+)
+
+// withClaim adds the claim CreateVolume was asked for to v's context,
+// when the provisioner named it.
+func withClaim(v *csi.Volume, params map[string]string) *csi.Volume {
+	if params[paramPVCName] == "" || params[paramPVCNamespace] == "" {
+		return v
+	}
+	v.VolumeContext[ctxClaimName] = params[paramPVCName]
+	v.VolumeContext[ctxClaimNamespace] = params[paramPVCNamespace]
+	if pv := params[paramPVName]; pv != "" {
+		v.VolumeContext[ctxPVName] = pv
+	}
+	return v
+}
 
 var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
@@ -415,7 +448,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		case existing.Type != params.diskType:
 			return nil, failf(ErrAlreadyExists, "volume %q exists as disk type %s, not %s", name, existing.Type, params.diskType)
 		}
-		return &csi.CreateVolumeResponse{Volume: d.volume(loc, existing, meta)}, nil
+		return &csi.CreateVolumeResponse{Volume: withClaim(d.volume(loc, existing, meta), req.GetParameters())}, nil
 	}
 	// A new copy is at least its source's size. (An existing one is
 	// checked against the request alone: the source may have grown
@@ -453,7 +486,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 		disk.SizeGiB = size
 	}
-	return &csi.CreateVolumeResponse{Volume: d.volume(loc, disk, meta)}, nil
+	return &csi.CreateVolumeResponse{Volume: withClaim(d.volume(loc, disk, meta), req.GetParameters())}, nil
 }
 
 func topologyAllows(t *csi.TopologyRequirement, loc string) bool {

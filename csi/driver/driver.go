@@ -98,6 +98,10 @@ type Config struct {
 	// with it (FAILED_PRECONDITION) while plain volumes are served as
 	// usual. It names settings, never a secret.
 	KeyBackendProblem error
+	// Users, when set, is told which claim each volume staged here was
+	// made for and which pods it is published to, so that what the agent
+	// reports about a volume is shown on them (csi/kubeevents).
+	Users VolumeUsers
 }
 
 // DefaultMaxVolumesPerNode is how many data disks a VM takes: the

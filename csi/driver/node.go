@@ -9,6 +9,9 @@ import (
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 )
 
 // NodeIdentity is what the agent knows about the machine it runs on.
@@ -43,15 +46,9 @@ type StageEncryption struct {
 	// FormatIfBlank lets the agent write a new header, with Token, on a
 	// device that holds nothing at all.
 	FormatIfBlank bool
-	Token         *TransitToken
-}
-
-// TransitToken is a volume's passphrase wrapped by the transit engine, as
-// kept in its LUKS2 header.
-type TransitToken struct {
-	Mount, KeyName string
-	KeyVersion     int
-	Ciphertext     string
+	// Token is the passphrase wrapped by the transit engine, to keep in
+	// the new header.
+	Token *luks2.TransitToken
 }
 
 // What a volume's device holds where its LUKS2 header goes.
@@ -66,7 +63,7 @@ type VolumeToken struct {
 	// Content is ContentBlank, ContentLUKS2 or ContentOther.
 	Content string
 	// Token is the header's wrapped passphrase; nil when it has none.
-	Token *TransitToken
+	Token *luks2.TransitToken
 	// Detail names what the device holds when it is not blank or LUKS2.
 	Detail string
 	Device string
@@ -118,6 +115,26 @@ type NodeAgent interface {
 	// VolumeToken reads, changing nothing, what the volume's device holds
 	// where its LUKS2 header goes.
 	VolumeToken(ctx context.Context, volumeID string, publishContext map[string]string) (VolumeToken, error)
+}
+
+// Claim is the PersistentVolumeClaim a volume was made for; Pod a pod it
+// is published to. They are the csi/kubeevents Object the driver knows
+// them as.
+type (
+	Claim = kubeevents.Object
+	Pod   = kubeevents.Object
+)
+
+// VolumeUsers is told which Kubernetes objects use the volumes of this
+// node: the claim a volume was made for (from the volume context the
+// controller wrote, when the external-provisioner passed the claim on)
+// before its stage is asked for, the pod it is published to (from the
+// kubelet's podInfoOnMount) once published. *kubeevents.Users is one.
+type VolumeUsers interface {
+	Staging(volumeID, serial string, claim Claim)
+	Published(volumeID, targetPath string, pod Pod)
+	Unpublished(volumeID, targetPath string)
+	Unstaged(volumeID string)
 }
 
 // NodeGetCapabilities lists what the node service does.
@@ -278,6 +295,11 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	defer release()
+	if u := d.cfg.Users; u != nil {
+		vc := req.GetVolumeContext()
+		u.Staging(req.GetVolumeId(), req.GetPublishContext()[PubSerial],
+			Claim{Kind: kubeevents.KindClaim, Namespace: vc[ctxClaimNamespace], Name: vc[ctxClaimName]})
+	}
 	sr := StageRequest{VolumeID: req.GetVolumeId(), StagingPath: staging, PublishContext: req.GetPublishContext(),
 		VolumeContext: req.GetVolumeContext(), Block: block, FsType: fs, MountFlags: flags,
 		ReadOnly: readOnlyMode(req.GetVolumeCapability())}
@@ -312,6 +334,9 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := d.cfg.Agent.Unstage(ctx, req.GetVolumeId(), staging); err != nil {
 		return nil, fmt.Errorf("unstaging volume %s from %s: %w", req.GetVolumeId(), staging, err)
 	}
+	if u := d.cfg.Users; u != nil {
+		u.Unstaged(req.GetVolumeId())
+	}
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
 
@@ -342,6 +367,11 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err := d.cfg.Agent.Publish(ctx, pr); err != nil {
 		return nil, fmt.Errorf("publishing volume %s at %s: %w", req.GetVolumeId(), target, err)
 	}
+	if u := d.cfg.Users; u != nil {
+		vc := req.GetVolumeContext()
+		u.Published(req.GetVolumeId(), target,
+			Pod{Kind: kubeevents.KindPod, Namespace: vc[ctxPodNamespace], Name: vc[ctxPodName], UID: vc[ctxPodUID]})
+	}
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
@@ -361,6 +391,9 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	defer release()
 	if err := d.cfg.Agent.Unpublish(ctx, req.GetVolumeId(), target); err != nil {
 		return nil, fmt.Errorf("unpublishing volume %s from %s: %w", req.GetVolumeId(), target, err)
+	}
+	if u := d.cfg.Users; u != nil {
+		u.Unpublished(req.GetVolumeId(), target)
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

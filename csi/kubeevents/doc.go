@@ -1,8 +1,11 @@
 // Package kubeevents shows a node's fencing events in Kubernetes. The node
 // plugin follows vco-agent's event stream (WatchEvents, agent/api) and posts
 // a core/v1 Event about its Node for each refusal, fence loss, takeover and
-// re-established claim, so `kubectl describe node` and `kubectl get events`
-// show what the node's journal shows (docs/events.md, "In Kubernetes").
+// re-established claim, and, through Users, which the node service tells
+// which claim each volume was made for and which pods it is published to,
+// about the volume's PersistentVolumeClaim and pods, so `kubectl describe
+// pvc`, `kubectl describe pod` and `kubectl describe node` show what the
+// node's journal shows (docs/events.md, "In Kubernetes").
 // Neither a missing API server nor missing RBAC ever stops the plugin or
 // delays a CSI call: posting runs on goroutines of its own and only logs
 // and counts its failures.

@@ -53,7 +53,7 @@ type Follower struct {
 func ToReport(started time.Time, e *api.Event) (Report, bool) {
 	r := Report{AgentStarted: started, Seq: e.GetSequence(), Reason: events.Type(e.GetType()).String(),
 		Volume: e.GetVolume(), Device: e.GetDevice(), HolderKey: e.GetHolderKey(), HolderNode: e.GetHolderNode(),
-		Message: e.GetMessage()}
+		Serial: e.GetSerial(), Message: e.GetMessage()}
 	if e.GetTime() != nil {
 		r.Time = e.GetTime().AsTime()
 	}

@@ -137,7 +137,7 @@ func TestFollowerHandsOnWhatOperatorsMustSee(t *testing.T) {
 	refused := a.refuse("pvc-2") // before the follower: from the ring's replay
 	fl := follow(t, sock)
 	eventually(t, "the replayed refusal", func() bool { return len(fl.got.all()) == 1 })
-	fenced := a.bus.Publish(events.Event{Type: events.DiskFenced, Volume: "pvc-3", Device: "/dev/sdc", HolderKey: 0x42, HolderNode: "worker-3",
+	fenced := a.bus.Publish(events.Event{Type: events.DiskFenced, Volume: "pvc-3", Device: "/dev/sdc", Serial: "4711", HolderKey: 0x42, HolderNode: "worker-3",
 		Reason: "claim-lost", Message: "volume pvc-3: the reservation on /dev/sdc was lost"})
 	taken := a.bus.Publish(events.Event{Type: events.TakeoverGranted, Volume: "pvc-4", Device: "/dev/sdd", HolderKey: 0x43, Reason: "takeover-granted",
 		Message: "volume pvc-4: took disk /dev/sdd over from key(s) 0000000000000043 with the controller's grant"})
@@ -158,7 +158,7 @@ func TestFollowerHandsOnWhatOperatorsMustSee(t *testing.T) {
 	for i, w := range want {
 		r := got[i]
 		if r.Seq != w.e.Seq || r.Reason != w.reason || r.Type != w.typ || r.Volume != w.e.Volume || r.Device != w.e.Device ||
-			r.HolderNode != w.e.HolderNode || r.HolderKey != w.e.HolderKeyString() || r.Message != w.e.Message ||
+			r.HolderNode != w.e.HolderNode || r.HolderKey != w.e.HolderKeyString() || r.Serial != w.e.Serial || r.Message != w.e.Message ||
 			!r.AgentStarted.Equal(a.started) || !r.Time.Equal(w.e.Time) {
 			t.Errorf("report %d: %+v, want from %+v (%s, %s, agent started %v)", i, r, w.e, w.reason, w.typ, a.started)
 		}

@@ -28,9 +28,11 @@ import (
 )
 
 const (
-	// Namespace holds the Events: the API server accepts an Event about a
-	// cluster-scoped object such as a Node only in "default" (or in no
-	// namespace), which is where the kubelet puts its own Node Events.
+	// Namespace holds the Events about the Node: the API server accepts an
+	// Event about a cluster-scoped object such as a Node only in "default"
+	// (or in no namespace), which is where the kubelet puts its own Node
+	// Events. An Event about a claim or a pod lives in the object's
+	// namespace.
 	Namespace = "default"
 	// Component is the Events' source and reporting controller.
 	Component = "vco-csi"
@@ -69,8 +71,31 @@ type Report struct {
 	Type string
 	// Volume, Device, HolderKey and HolderNode, where the agent gave them.
 	Volume, Device, HolderKey, HolderNode string
+	// Serial is the disk's serial, where the agent gave it: a refusal
+	// by the uevent watcher names no volume, only the disk.
+	Serial string
 	// Message is the agent's sentence.
 	Message string
+	// About is the object the Event is about besides the Node; the zero
+	// Object means the Node.
+	About Object
+}
+
+// The kinds of Object.
+const (
+	KindClaim = "PersistentVolumeClaim"
+	KindPod   = "Pod"
+)
+
+// Object is a namespaced object an Event is about: the
+// PersistentVolumeClaim a volume was made for, or a pod it is published
+// to.
+type Object struct {
+	Kind, Namespace, Name string
+	// UID is a pod's, from the kubelet (podInfoOnMount); a claim's is read
+	// from the API server when its first Event is written, since `kubectl
+	// describe` finds Events by the object's uid too.
+	UID string
 }
 
 // Config says where and how to post.
@@ -116,6 +141,9 @@ type Poster struct {
 	failing  bool
 	failures int
 	dropping bool
+	// denied: an Event about a claim or a pod was refused for want of
+	// RBAC; said once until one is posted again.
+	denied bool
 }
 
 // pos is an event's place in the agent's history.
@@ -131,10 +159,11 @@ func (a pos) after(b pos) bool {
 	return a.seq > b.seq
 }
 
-// series is one Event: the occurrences of one report.
+// series is one Event: the occurrences of one report about one object.
 type series struct {
 	name        string
 	r           Report // the latest occurrence
+	uid         string // the object's, once known
 	order       uint64
 	first, last time.Time
 	latest      pos
@@ -214,21 +243,27 @@ func InCluster(node, dir string, cfg Config) (*Poster, error) {
 	return New(cfg)
 }
 
-// EventName is the name of the Event reporting r about node: the same
-// report (type, volume, device, holder, sentence) always has the same
-// name, so its occurrences are counted on one Event and a restarted
-// plugin finds the Event it wrote before.
+// EventName is the name of the Event reporting r by node, about node or
+// about r.About: the same report (type, volume, device, holder,
+// sentence) about the same object always has the same name, so its
+// occurrences are counted on one Event and a restarted plugin finds the
+// Event it wrote before.
 func EventName(node string, r Report) string {
 	h := sha256.New()
-	for _, f := range []string{node, r.Reason, r.Type, r.Volume, r.Device, r.HolderKey, r.HolderNode, r.Message} {
+	fields := []string{node, r.Reason, r.Type, r.Volume, r.Device, r.HolderKey, r.HolderNode, r.Message}
+	prefix := node
+	if a := r.About; a.Kind != "" {
+		fields, prefix = append(fields, a.Kind, a.Namespace, a.Name, a.UID), a.Name
+	}
+	for _, f := range fields {
 		h.Write([]byte(f))
 		h.Write([]byte{0})
 	}
 	suffix := ".vco-" + hex.EncodeToString(h.Sum(nil)[:8])
-	if len(node)+len(suffix) > 253 {
-		node = strings.TrimRight(node[:253-len(suffix)], ".-")
+	if len(prefix)+len(suffix) > 253 {
+		prefix = strings.TrimRight(prefix[:253-len(suffix)], ".-")
 	}
-	return node + suffix
+	return prefix + suffix
 }
 
 // Record queues r. It never waits for the API.
@@ -252,7 +287,7 @@ func (p *Poster) Record(r Report) {
 			return
 		}
 		p.order++
-		s = &series{name: name, order: p.order, first: r.Time}
+		s = &series{name: name, order: p.order, first: r.Time, uid: r.About.UID}
 		p.series[name] = s
 	}
 	p.dropping = false
@@ -358,13 +393,7 @@ func (p *Poster) flush(ctx context.Context) time.Duration {
 		if ctx.Err() != nil {
 			return -1
 		}
-		if rej := (*rejectedError)(nil); errors.As(err, &rej) {
-			p.mu.Lock()
-			due.known, due.written, due.unreconciled, due.extra = true, due.count, nil, 0
-			due.notBefore = p.now().Add(p.cfg.Interval)
-			p.mu.Unlock()
-			p.cfg.Observe("failed")
-			p.cfg.Log.Warn("the API server refused a Kubernetes Event as invalid; it is not posted (the journal has the agent's event)", "err", err.Error())
+		if p.givenUp(due, err) {
 			continue
 		}
 		p.mu.Lock()
@@ -394,6 +423,37 @@ func (p *Poster) flush(ctx context.Context) time.Duration {
 	return -1
 }
 
+// givenUp gives s up when err says that asking again would get the same
+// answer (an invalid Event, a claim that is gone, no permission for
+// Events about claims and pods): retrying would hold up every other Event
+// behind it. It says whether it did.
+func (p *Poster) givenUp(s *series, err error) bool {
+	rej, den, gone := (*rejectedError)(nil), (*deniedError)(nil), (*goneError)(nil)
+	if !errors.As(err, &rej) && !errors.As(err, &den) && !errors.As(err, &gone) {
+		return false
+	}
+	p.mu.Lock()
+	s.known, s.written, s.unreconciled, s.extra = true, s.count, nil, 0
+	s.notBefore = p.now().Add(p.cfg.Interval)
+	first := !p.denied
+	if den != nil {
+		p.denied = true
+	}
+	p.mu.Unlock()
+	p.cfg.Observe("failed")
+	switch {
+	case den != nil:
+		if first {
+			p.cfg.Log.Warn("Kubernetes Events about claims and pods cannot be posted; those about the node still are, and the journal has the agent's events", "err", err.Error())
+		}
+	case gone != nil:
+		p.cfg.Log.Info("a claim is gone; the agent's event is posted about the node only", "err", err.Error())
+	default:
+		p.cfg.Log.Warn("the API server refused a Kubernetes Event as invalid; it is not posted (the journal has the agent's event)", "err", err.Error())
+	}
+	return true
+}
+
 // eventLocked is s as the Event to write.
 func (p *Poster) eventLocked(s *series) *corev1.Event {
 	node, r := p.cfg.Node, s.r
@@ -401,19 +461,23 @@ func (p *Poster) eventLocked(s *series) *corev1.Event {
 	if len(inst) > maxInstance {
 		inst = inst[:maxInstance]
 	}
+	// The kubelet refers to its Node with the node's name as the UID
+	// too; `kubectl describe node` looks for both.
+	about := corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: node, UID: types.UID(node)}
+	if a := r.About; a.Kind != "" {
+		about = corev1.ObjectReference{Kind: a.Kind, APIVersion: "v1", Namespace: a.Namespace, Name: a.Name, UID: types.UID(s.uid)}
+	}
 	return &corev1.Event{
 		TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Event"},
 		ObjectMeta: metav1.ObjectMeta{
-			Name: s.name, Namespace: Namespace,
+			Name: s.name, Namespace: namespaceOf(r),
 			Labels: map[string]string{"app.kubernetes.io/part-of": "vco-csi"},
 			Annotations: map[string]string{
 				annStarted: s.latest.started.UTC().Format(time.RFC3339Nano),
 				annSeq:     strconv.FormatUint(s.latest.seq, 10),
 			},
 		},
-		// The kubelet refers to its Node with the node's name as the UID
-		// too; `kubectl describe node` looks for both.
-		InvolvedObject: corev1.ObjectReference{Kind: "Node", APIVersion: "v1", Name: node, UID: types.UID(node)},
+		InvolvedObject: about,
 		Reason:         r.Reason,
 		Message:        truncate(r.Message, maxMessage),
 		Source:         corev1.EventSource{Component: Component, Host: node},
@@ -426,6 +490,14 @@ func (p *Poster) eventLocked(s *series) *corev1.Event {
 		ReportingController: Component,
 		ReportingInstance:   inst,
 	}
+}
+
+// namespaceOf is where the Event reporting r lives.
+func namespaceOf(r Report) string {
+	if r.About.Kind != "" {
+		return r.About.Namespace
+	}
+	return Namespace
 }
 
 func truncate(s string, n int) string {
@@ -445,6 +517,14 @@ func truncate(s string, n int) string {
 // only the occurrences it does not hold yet.
 func (p *Poster) write(ctx context.Context, s *series) error {
 	p.mu.Lock()
+	about, uid := s.r.About, s.uid
+	p.mu.Unlock()
+	if about.Kind == KindClaim && uid == "" {
+		if err := p.claimUID(ctx, s, about); err != nil {
+			return err
+		}
+	}
+	p.mu.Lock()
 	ev, known := p.eventLocked(s), s.known
 	p.mu.Unlock()
 	if known {
@@ -452,7 +532,7 @@ func (p *Poster) write(ctx context.Context, s *series) error {
 			"count": ev.Count, "lastTimestamp": ev.LastTimestamp,
 			"metadata": map[string]any{"annotations": ev.Annotations},
 		}
-		code, msg, err := p.do(ctx, http.MethodPatch, p.eventURL(s.name), patch, nil)
+		code, msg, err := p.do(ctx, http.MethodPatch, p.eventURL(ev.Namespace, s.name), patch, nil)
 		switch {
 		case err != nil:
 			return p.failed("updating", ev, err)
@@ -463,10 +543,10 @@ func (p *Poster) write(ctx context.Context, s *series) error {
 			p.wrote(s, ev.Count, "updated")
 			return nil
 		default:
-			return p.failed("updating", ev, apiError(code, msg))
+			return p.failed("updating", ev, apiError(code, msg, objectOf(ev)))
 		}
 	}
-	code, msg, err := p.do(ctx, http.MethodPost, p.collectionURL(), ev, nil)
+	code, msg, err := p.do(ctx, http.MethodPost, p.collectionURL(ev.Namespace), ev, nil)
 	switch {
 	case err != nil:
 		return p.failed("creating", ev, err)
@@ -476,7 +556,7 @@ func (p *Poster) write(ctx context.Context, s *series) error {
 		p.wrote(s, ev.Count, "created")
 		return nil
 	default:
-		return p.failed("creating", ev, apiError(code, msg))
+		return p.failed("creating", ev, apiError(code, msg, objectOf(ev)))
 	}
 }
 
@@ -484,12 +564,12 @@ func (p *Poster) write(ctx context.Context, s *series) error {
 // occurrences it does not count yet; they are written by the next flush.
 func (p *Poster) reconcile(ctx context.Context, s *series, ev *corev1.Event) error {
 	var old corev1.Event
-	code, msg, err := p.do(ctx, http.MethodGet, p.eventURL(s.name), nil, &old)
+	code, msg, err := p.do(ctx, http.MethodGet, p.eventURL(ev.Namespace, s.name), nil, &old)
 	if err != nil {
 		return p.failed("reading", ev, err)
 	}
 	if code/100 != 2 {
-		return p.failed("reading", ev, apiError(code, msg))
+		return p.failed("reading", ev, apiError(code, msg, objectOf(ev)))
 	}
 	var held pos
 	if t, err := time.Parse(time.RFC3339Nano, old.Annotations[annStarted]); err == nil {
@@ -524,32 +604,89 @@ func (p *Poster) wrote(s *series, count int32, result string) {
 	p.mu.Lock()
 	s.known, s.written, s.unreconciled, s.extra = true, count, nil, 0
 	s.notBefore = p.now().Add(p.cfg.Interval)
+	if s.r.About.Kind != "" {
+		p.denied = false
+	}
 	p.mu.Unlock()
 	p.cfg.Observe(result)
 }
 
+// claimUID reads the uid of the claim s is about: `kubectl describe pvc`
+// finds Events by the claim's uid as well as by its name.
+func (p *Poster) claimUID(ctx context.Context, s *series, c Object) error {
+	var pvc corev1.PersistentVolumeClaim
+	u := p.cfg.Server + "/api/v1/namespaces/" + url.PathEscape(c.Namespace) + "/persistentvolumeclaims/" + url.PathEscape(c.Name)
+	code, msg, err := p.do(ctx, http.MethodGet, u, nil, &pvc)
+	what := fmt.Errorf("reading claim %s/%s of volume %s, to post %s about it", c.Namespace, c.Name, s.r.Volume, s.r.Reason)
+	switch {
+	case err != nil:
+		return fmt.Errorf("%w: %w", what, err)
+	case code == http.StatusNotFound:
+		// The claim is gone (deleted since its volume was staged):
+		// nothing to show the report on but the Node.
+		return &goneError{fmt.Errorf("%w: HTTP 404: %s", what, msg)}
+	case code/100 != 2:
+		return fmt.Errorf("%w: %w", what, apiError(code, msg, c))
+	case pvc.UID == "":
+		return &rejectedError{fmt.Errorf("%w: the API server's answer has no uid", what)}
+	}
+	p.mu.Lock()
+	s.uid = string(pvc.UID)
+	p.mu.Unlock()
+	return nil
+}
+
 func (p *Poster) failed(what string, ev *corev1.Event, err error) error {
-	return fmt.Errorf("%s Event %s/%s (%s about node %s): %w", what, Namespace, ev.Name, ev.Reason, p.cfg.Node, err)
+	about := "node " + p.cfg.Node
+	if ev.InvolvedObject.Kind != "Node" {
+		about = ev.InvolvedObject.Kind + " " + ev.InvolvedObject.Namespace + "/" + ev.InvolvedObject.Name + " (reported by node " + p.cfg.Node + ")"
+	}
+	return fmt.Errorf("%s Event %s/%s (%s about %s): %w", what, ev.Namespace, ev.Name, ev.Reason, about, err)
 }
 
-func (p *Poster) collectionURL() string {
-	return p.cfg.Server + "/api/v1/namespaces/" + Namespace + "/events"
+func (p *Poster) collectionURL(ns string) string {
+	return p.cfg.Server + "/api/v1/namespaces/" + url.PathEscape(ns) + "/events"
 }
 
-func (p *Poster) eventURL(name string) string { return p.collectionURL() + "/" + url.PathEscape(name) }
+func (p *Poster) eventURL(ns, name string) string {
+	return p.collectionURL(ns) + "/" + url.PathEscape(name)
+}
 
-// apiError says what an answer of the API server means for the operator.
-func apiError(code int, msg string) error {
+// apiError says what an answer of the API server to a request about an
+// Event (or about its object) means for the operator.
+func apiError(code int, msg string, about Object) error {
 	switch code {
 	case http.StatusUnauthorized:
 		return fmt.Errorf("HTTP 401: the API server did not accept the node plugin's ServiceAccount token (%s)", msg)
 	case http.StatusForbidden:
-		return fmt.Errorf("HTTP 403: %s; the node plugin's ServiceAccount needs create, get and patch on events in namespace %s (Role vco-csi-node-events, deploy/manifests/31-rbac-node.yaml)", msg, Namespace)
+		err := fmt.Errorf("HTTP 403: %s; the node plugin's ServiceAccount needs create, get and patch on events, and get on persistentvolumeclaims, in every namespace (ClusterRole vco-csi-node-events, deploy/manifests/31-rbac-node.yaml)", msg)
+		if about.Kind != "" && about.Kind != "Node" {
+			return &deniedError{err}
+		}
+		return err
 	case http.StatusBadRequest, http.StatusUnprocessableEntity:
 		return &rejectedError{fmt.Errorf("HTTP %d: %s", code, msg)}
 	}
 	return fmt.Errorf("HTTP %d: %s", code, msg)
 }
+
+// goneError: the claim an Event would be about does not exist.
+type goneError struct{ error }
+
+func (e *goneError) Unwrap() error { return e.error }
+
+// objectOf is what ev is about.
+func objectOf(ev *corev1.Event) Object {
+	o := ev.InvolvedObject
+	return Object{Kind: o.Kind, Namespace: o.Namespace, Name: o.Name, UID: string(o.UID)}
+}
+
+// deniedError: the node plugin may not post an Event about a claim or a
+// pod (an older add-on's RBAC, or one trimmed by hand). The Event is
+// given up, as an invalid one is; the Node's Events go on.
+type deniedError struct{ error }
+
+func (e *deniedError) Unwrap() error { return e.error }
 
 // rejectedError: the API server refused this one Event as invalid. Asking
 // again would get the same answer and hold up every other Event behind

@@ -18,23 +18,31 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
-// fakeAPI is a FAKE of the Kubernetes API server's core/v1 Events in
-// namespace default (no API server runs here): create, get and JSON merge
-// patch, with the bearer token checked, as the node plugin uses them.
+// fakeAPI is a FAKE of the Kubernetes API server's core/v1 Events (no API
+// server runs here): create, get and JSON merge patch in any namespace,
+// with the bearer token checked, as the node plugin uses them; and get of
+// PersistentVolumeClaims, for their uid. Events are kept by name (the
+// names the plugin gives differ across namespaces too).
 type fakeAPI struct {
 	mu       sync.Mutex
 	token    string
 	events   map[string]*corev1.Event
-	requests []string // "POST name", "PATCH name", "GET name"
+	requests []string // "POST name", "PATCH name", "GET name"; "GET pvc ns/name"
 	answer   int      // when not 0, every request gets this status
 	invalid  string   // requests about the Event of this name get 422
 	hold     chan struct{}
+	// claims holds the PersistentVolumeClaims' uids by namespace/name.
+	claims map[string]string
+	// denied namespaces answer 403 to every request, as RBAC does for an
+	// account granted nothing there.
+	denied map[string]bool
 }
 
 func newFakeAPI(token string) *fakeAPI {
-	return &fakeAPI{token: token, events: map[string]*corev1.Event{}}
+	return &fakeAPI{token: token, events: map[string]*corev1.Event{}, claims: map[string]string{}, denied: map[string]bool{}}
 }
 
 func (f *fakeAPI) status(w http.ResponseWriter, code int, msg string) {
@@ -56,14 +64,35 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	const coll = "/api/v1/namespaces/default/events"
-	name := strings.TrimPrefix(strings.TrimPrefix(r.URL.Path, coll), "/")
-	if !strings.HasPrefix(r.URL.Path, coll) {
+	// /api/v1/namespaces/<ns>/<resource>[/<name>]
+	parts := strings.Split(strings.TrimPrefix(r.URL.Path, "/api/v1/namespaces/"), "/")
+	if !strings.HasPrefix(r.URL.Path, "/api/v1/namespaces/") || len(parts) < 2 || len(parts) > 3 ||
+		(parts[1] != "events" && parts[1] != "persistentvolumeclaims") {
 		f.status(w, http.StatusNotFound, "no such path "+r.URL.Path)
 		return
 	}
+	ns, resource, name := parts[0], parts[1], ""
+	if len(parts) == 3 {
+		name = parts[2]
+	}
 	if r.Header.Get("Authorization") != "Bearer "+f.token {
 		f.status(w, http.StatusUnauthorized, "Unauthorized")
+		return
+	}
+	if f.denied[ns] {
+		f.requests = append(f.requests, r.Method+" denied "+ns+"/"+resource)
+		f.status(w, http.StatusForbidden, fmt.Sprintf(`%s is forbidden: User "system:serviceaccount:csi-driver:vco-csi-node" cannot %s resource %q in API group "" in the namespace %q`,
+			resource, strings.ToLower(r.Method), resource, ns))
+		return
+	}
+	if resource == "persistentvolumeclaims" {
+		f.requests = append(f.requests, r.Method+" pvc "+ns+"/"+name)
+		uid, ok := f.claims[ns+"/"+name]
+		if r.Method != http.MethodGet || !ok {
+			f.status(w, http.StatusNotFound, fmt.Sprintf("persistentvolumeclaims %q not found", name))
+			return
+		}
+		json.NewEncoder(w).Encode(corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, UID: types.UID(uid)}})
 		return
 	}
 	body, _ := io.ReadAll(r.Body)
@@ -71,6 +100,10 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		var e corev1.Event
 		if err := json.Unmarshal(body, &e); err != nil {
 			f.status(w, http.StatusBadRequest, err.Error())
+			return
+		}
+		if e.Namespace != ns {
+			f.status(w, http.StatusBadRequest, "the namespace of the provided object does not match the namespace sent on the request")
 			return
 		}
 		name = e.Name
@@ -465,7 +498,7 @@ func TestForbiddenSaysWhatToGrant(t *testing.T) {
 	p.Record(refusal(1))
 	eventually(t, "failures", func() bool { return r.res.get("failed") >= 3 })
 	out := r.log.String()
-	if !strings.Contains(out, "HTTP 403") || !strings.Contains(out, "create, get and patch on events in namespace default") {
+	if !strings.Contains(out, "HTTP 403") || !strings.Contains(out, "create, get and patch on events, and get on persistentvolumeclaims, in every namespace (ClusterRole vco-csi-node-events") {
 		t.Errorf("the log does not say what to grant:\n%s", out)
 	}
 	if strings.Count(out, "HTTP 403") != 1 {

@@ -403,7 +403,8 @@ func envsubst(ctx context.Context, file string) (string, error) {
 // k8: the platform attaches K4's disk to the other worker's VM as well (a
 // fault the real platform must never make). That worker's agent refuses
 // the disk (read-only, nothing mounted, DiskRefused naming the holder),
-// and the refusal reaches Kubernetes as an Event on its Node.
+// and the refusal reaches Kubernetes as an Event on its Node and on the
+// claim.
 func (s *story) k8(ctx context.Context) error {
 	const sc = "K8"
 	k4, err := s.k4Volume(ctx, sc)
@@ -475,30 +476,66 @@ func (s *story) k8(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
-	return s.step(sc, "cluster", "the refusal is an Event on Node "+intruder.Name+" naming the holder", func() (string, error) {
-		var msg string
-		err := waitFor(ctx, 2*time.Minute, "a DiskRefused Event on Node "+intruder.Name, func() (bool, string, error) {
-			out, err := s.c.Kubectl(ctx, "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+intruder.Name+",reason=DiskRefused",
-				"-o", "json")
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			var list struct {
-				Items []struct{ Message, Type string }
-			}
-			if err := json.Unmarshal([]byte(out), &list); err != nil {
-				return false, err.Error(), nil
-			}
-			for _, it := range list.Items {
-				if (strings.Contains(it.Message, holder) || strings.Contains(it.Message, holderKey)) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial)) {
-					msg = it.Type + ": " + it.Message
-					return true, "", nil
-				}
-			}
-			return false, fmt.Sprintf("%d DiskRefused events on the Node, none about %s and %s (%s)", len(list.Items), dev, holder, holderKey), nil
-		})
-		return msg, err
+	about := func(it eventItem) bool {
+		return (strings.Contains(it.Message, holder) || strings.Contains(it.Message, holderKey)) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial))
+	}
+	if err := s.step(sc, "cluster", "the refusal is an Event on Node "+intruder.Name+" naming the holder", func() (string, error) {
+		return s.waitEvent(ctx, []string{"-A"}, "involvedObject.kind=Node,involvedObject.name="+intruder.Name+",reason=DiskRefused", about)
+	}); err != nil {
+		return err
+	}
+	// The intruder staged the claim's volume before (K4 moved its pod from
+	// one worker to the other), so its node plugin knows the disk's claim:
+	// the refusal is on the claim too, where `kubectl describe pvc` finds
+	// it (by the claim's kind, name, namespace and uid).
+	return s.step(sc, "cluster", "the refusal is an Event on claim k4: kubectl describe pvc shows it", func() (string, error) {
+		uid, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.metadata.uid}")
+		if err != nil {
+			return "", err
+		}
+		msg, err := s.waitEvent(ctx, []string{"-n", Namespace}, "involvedObject.kind=PersistentVolumeClaim,involvedObject.name=k4,involvedObject.uid="+strings.TrimSpace(uid)+",reason=DiskRefused", about)
+		if err != nil {
+			return "", err
+		}
+		out, err := s.c.Kubectl(ctx, "-n", Namespace, "describe", "pvc", "k4")
+		if err != nil {
+			return "", err
+		}
+		i := strings.Index(out, "\nEvents:")
+		if i < 0 || !strings.Contains(out[i:], "DiskRefused") || !strings.Contains(out[i:], "vco-csi") ||
+			!(strings.Contains(out[i:], holder) || strings.Contains(out[i:], holderKey)) {
+			return "", fmt.Errorf("kubectl describe pvc k4 does not show the refusal naming %s (%s):\n%s", holder, holderKey, lab.LastLines(out, 15))
+		}
+		return msg, nil
 	})
+}
+
+// eventItem is what the scenarios read of a core/v1 Event.
+type eventItem struct{ Message, Type string }
+
+// waitEvent waits up to two minutes for an Event in scope (kubectl's -A
+// or -n NS) matching the field selector sel of which match holds, and
+// returns its type and message.
+func (s *story) waitEvent(ctx context.Context, scope []string, sel string, match func(eventItem) bool) (string, error) {
+	var msg string
+	err := waitFor(ctx, 2*time.Minute, "an Event with "+sel, func() (bool, string, error) {
+		out, err := s.c.Kubectl(ctx, append(append([]string{"get", "events"}, scope...), "--field-selector", sel, "-o", "json")...)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		var list struct{ Items []eventItem }
+		if err := json.Unmarshal([]byte(out), &list); err != nil {
+			return false, err.Error(), nil
+		}
+		for _, it := range list.Items {
+			if match(it) {
+				msg = it.Type + ": " + it.Message
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("%d Events with %s, none about the disk and its holder", len(list.Items), sel), nil
+	})
+	return msg, err
 }
 
 // k5: the node of K4's pod is powered off (QMP stop); an operator marks
