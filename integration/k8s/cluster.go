@@ -152,11 +152,8 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 			return nil, err
 		}
 	}
-	if c.kubelets, err = startKubeletProxy(kubeletPorts); err != nil {
-		return nil, err
-	}
 	defer func() {
-		if err != nil {
+		if err != nil && c.kubelets != nil {
 			c.kubelets.Stop()
 		}
 	}()
@@ -165,7 +162,12 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
-		egress, err := c.kubelets.egressConfig(dir)
+		kp, err := startKubeletProxy(filepath.Join(dir, "kubelets.sock"), kubeletPorts)
+		if err != nil {
+			return err
+		}
+		c.kubelets = kp
+		egress, err := kp.egressConfig(dir)
 		if err != nil {
 			return err
 		}

@@ -24,25 +24,27 @@ const KubeletPort = 10250
 // egress selector sends its "cluster" traffic through this HTTP CONNECT
 // proxy, which takes a node's name (the API server dials the Hostname
 // address, which is the node's name) to that node's forward. Anything
-// else is refused.
+// else is refused. It listens on a unix socket: kube-apiserver v1.34
+// takes a CONNECT proxy over TCP only with TLS client certificates.
 type kubeletProxy struct {
-	// Addr is the proxy's host:port on loopback.
-	Addr  string
-	ln    net.Listener
-	ports map[string]int // node name -> host port of its kubelet
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	conns map[net.Conn]bool
+	// Socket is the path of the proxy's unix socket.
+	Socket string
+	ln     net.Listener
+	ports  map[string]int // node name -> host port of its kubelet
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	conns  map[net.Conn]bool
 }
 
-// startKubeletProxy serves on loopback for the nodes' kubelet forwards
-// (node name -> host port).
-func startKubeletProxy(ports map[string]int) (*kubeletProxy, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+// startKubeletProxy serves on the unix socket socket for the nodes'
+// kubelet forwards (node name -> host port).
+func startKubeletProxy(socket string, ports map[string]int) (*kubeletProxy, error) {
+	_ = os.Remove(socket) // a lab directory used before
+	ln, err := net.Listen("unix", socket)
 	if err != nil {
 		return nil, fmt.Errorf("the kubelet proxy: %w", err)
 	}
-	p := &kubeletProxy{Addr: ln.Addr().String(), ln: ln, ports: ports, conns: map[net.Conn]bool{}}
+	p := &kubeletProxy{Socket: socket, ln: ln, ports: ports, conns: map[net.Conn]bool{}}
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -116,8 +118,8 @@ func (p *kubeletProxy) serve(c net.Conn) {
 	}()
 	go func() {
 		_, _ = io.Copy(c, up)
-		if tc, ok := c.(*net.TCPConn); ok {
-			_ = tc.CloseWrite()
+		if uc, ok := c.(*net.UnixConn); ok {
+			_ = uc.CloseWrite()
 		}
 		done <- struct{}{}
 	}()
@@ -161,8 +163,8 @@ egressSelections:
   connection:
     proxyProtocol: HTTPConnect
     transport:
-      tcp:
-        url: http://%s
-`, p.Addr)
+      uds:
+        udsName: %s
+`, p.Socket)
 	return path, os.WriteFile(path, []byte(cfg), 0o644)
 }

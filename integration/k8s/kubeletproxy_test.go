@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -15,10 +16,10 @@ import (
 )
 
 // dialThrough dials addr through the proxy as the API server's egress
-// selector does (HTTPConnect over TCP).
-func dialThrough(ctx context.Context, proxyAddr, addr string) (net.Conn, error) {
+// selector does (HTTPConnect over a unix socket).
+func dialThrough(ctx context.Context, socket, addr string) (net.Conn, error) {
 	var d net.Dialer
-	c, err := d.DialContext(ctx, "tcp", proxyAddr)
+	c, err := d.DialContext(ctx, "unix", socket)
 	if err != nil {
 		return nil, err
 	}
@@ -58,14 +59,14 @@ func TestKubeletProxyTunnelsToTheNodesForward(t *testing.T) {
 		}
 	}()
 	port := kl.Addr().(*net.TCPAddr).Port
-	p, err := startKubeletProxy(map[string]int{"node-a": port})
+	p, err := startKubeletProxy(filepath.Join(t.TempDir(), "kubelets.sock"), map[string]int{"node-a": port})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer p.Stop()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := dialThrough(ctx, p.Addr, "node-a:"+strconv.Itoa(KubeletPort))
+	c, err := dialThrough(ctx, p.Socket, "node-a:"+strconv.Itoa(KubeletPort))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +79,7 @@ func TestKubeletProxyTunnelsToTheNodesForward(t *testing.T) {
 	// Only a worker's kubelet port is reached: no other node, no other
 	// port, nothing on the host.
 	for _, addr := range []string{"node-b:10250", "node-a:22", "127.0.0.1:" + strconv.Itoa(port)} {
-		if c, err := dialThrough(ctx, p.Addr, addr); err == nil {
+		if c, err := dialThrough(ctx, p.Socket, addr); err == nil {
 			c.Close()
 			t.Errorf("CONNECT %s went through", addr)
 		} else if !strings.Contains(err.Error(), "502") {
@@ -88,7 +89,7 @@ func TestKubeletProxyTunnelsToTheNodesForward(t *testing.T) {
 }
 
 func TestEgressConfigNamesTheProxy(t *testing.T) {
-	p, err := startKubeletProxy(nil)
+	p, err := startKubeletProxy(filepath.Join(t.TempDir(), "kubelets.sock"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -98,7 +99,7 @@ func TestEgressConfigNamesTheProxy(t *testing.T) {
 		t.Fatal(err)
 	}
 	b, _ := os.ReadFile(path)
-	for _, want := range []string{"kind: EgressSelectorConfiguration", "- name: cluster", "proxyProtocol: HTTPConnect", "url: http://" + p.Addr + "\n"} {
+	for _, want := range []string{"kind: EgressSelectorConfiguration", "- name: cluster", "proxyProtocol: HTTPConnect", "uds:\n        udsName: " + p.Socket + "\n"} {
 		if !strings.Contains(string(b), want) {
 			t.Errorf("egress config lacks %q:\n%s", want, b)
 		}
