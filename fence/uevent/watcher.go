@@ -204,6 +204,10 @@ func (w *Watcher) Run(ctx context.Context) error {
 	for {
 		if !next.IsZero() {
 			if err := c.SetReadDeadline(next); err != nil {
+				if ctx.Err() != nil {
+					// Stopped: the context closed the socket.
+					return nil
+				}
 				return fmt.Errorf("uevent watcher: setting the rescan deadline: %w", err)
 			}
 		}
