@@ -31,7 +31,6 @@ var exempt = map[string]string{
 	"fence/lease/engine.go (*Engine).acquire":      "not yet cut",
 	"fence/lease/engine.go (*Engine).awaitExpiry":  "not yet cut",
 	"integration/e2e/encrypted.go (*story).e6":     "not yet cut",
-	"integration/e2e/restart.go (*story).e9":       "not yet cut",
 	"integration/e2e/story.go (*story).e2":         "not yet cut",
 	"integration/e2e/story.go (*story).e4":         "not yet cut",
 	"integration/e2e/story.go (*story).run":        "not yet cut",
