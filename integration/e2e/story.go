@@ -896,14 +896,53 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 			return err
 		}
 	}
-	pc, err := s.publish(ctx, sc, live)
+	sum2, err := s.e4TakeOver(ctx, sc, live, sumA)
 	if err != nil {
 		return err
+	}
+	if frozen {
+		if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
+			if err := dead.Resume(ctx); err != nil {
+				return "", err
+			}
+			resumed = true
+			out, _, err := s.e4LateWrites(ctx, dead, dev)
+			return out, err
+		}); err != nil {
+			return err
+		}
+	}
+	if err := s.e4Fenced(ctx, sc, dead); err != nil {
+		return err
+	}
+	if !frozen {
+		if err := s.e4WritesRefused(ctx, sc, dead, dev); err != nil {
+			return err
+		}
+	}
+	if err := s.e4Inaccessible(ctx, sc, dead); err != nil {
+		return err
+	}
+	if err := s.e4KubeletCleanup(ctx, sc, dead); err != nil {
+		return err
+	}
+	if err := s.e4Keys(ctx, sc, dead, live); err != nil {
+		return err
+	}
+	return s.e4NoLateWrite(ctx, sc, dead, live, sum2)
+}
+
+// e4TakeOver publishes to live with the controller's grant, stages there
+// and writes after.bin, whose sha256 it returns, checking data.bin.
+func (s *story) e4TakeOver(ctx context.Context, sc string, live *lab.Guest, sumA string) (string, error) {
+	pc, err := s.publish(ctx, sc, live)
+	if err != nil {
+		return "", err
 	}
 	grant := pc[driver.PubFenceGrant]
 	s.check(P3, sc, grant != "", "the controller's publish to %s carries a grant: %s", live.Name, grant)
 	if err := s.stageAndPublish(ctx, sc, live, pc); err != nil {
-		return err
+		return "", err
 	}
 	var sum2 string
 	if err := s.step(sc, live.Name, "write after.bin; data.bin intact", func() (string, error) {
@@ -918,36 +957,30 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		s.check(P5, sc, sum == sumA, "after the takeover %s reads data.bin with sha256 %s (written %s)", live.Name, sum, sumA)
 		return "after.bin sha256 " + sum2, nil
 	}); err != nil {
-		return err
+		return "", err
 	}
-	// lateWrites has dead write its marker through its mount and to the
-	// raw device; it answers whether each write failed.
-	lateWrites := func() (string, bool, error) {
-		m := marker(dead.Name)
-		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; fs=$?; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
-			m, targetPath(s.pod+dead.Name), dev)
-		r, err := dead.Sh(ctx, script)
-		if err != nil {
-			return "", false, err
-		}
-		out := strings.TrimSpace(r.Stdout + r.Stderr)
-		f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
-		refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
-		return out, refused, nil
+	return sum2, nil
+}
+
+// e4LateWrites has dead write its marker through its mount and to the
+// raw device dev; it answers whether each write failed.
+func (s *story) e4LateWrites(ctx context.Context, dead *lab.Guest, dev string) (string, bool, error) {
+	m := marker(dead.Name)
+	script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; fs=$?; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
+		m, targetPath(s.pod+dead.Name), dev)
+	r, err := dead.Sh(ctx, script)
+	if err != nil {
+		return "", false, err
 	}
-	if frozen {
-		if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
-			if err := dead.Resume(ctx); err != nil {
-				return "", err
-			}
-			resumed = true
-			out, _, err := lateWrites()
-			return out, err
-		}); err != nil {
-			return err
-		}
-	}
-	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
+	out := strings.TrimSpace(r.Stdout + r.Stderr)
+	f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
+	refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
+	return out, refused, nil
+}
+
+// e4Fenced waits for dead's DiskFenced event.
+func (s *story) e4Fenced(ctx context.Context, sc string, dead *lab.Guest) error {
+	return s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
 		deadline := time.Now().Add(60 * time.Second)
 		for {
 			evs, err := simlab.Events(ctx, dead)
@@ -966,25 +999,28 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 			}
 			time.Sleep(2 * time.Second)
 		}
-	}); err != nil {
-		return err
-	}
-	if !frozen {
-		if err := s.step(sc, dead.Name, "it tries to write after fencing itself: through its mount and to the raw device", func() (string, error) {
-			out, refused, err := lateWrites()
-			if err != nil {
-				return "", err
-			}
-			s.check(P4, sc, refused, "%s's writes after it fenced itself (its mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
-			if !refused {
-				return out, fmt.Errorf("a write from fenced %s succeeded", dead.Name)
-			}
-			return out, nil
-		}); err != nil {
-			return err
+	})
+}
+
+// e4WritesRefused checks that dead's writes after it fenced itself fail.
+func (s *story) e4WritesRefused(ctx context.Context, sc string, dead *lab.Guest, dev string) error {
+	return s.step(sc, dead.Name, "it tries to write after fencing itself: through its mount and to the raw device", func() (string, error) {
+		out, refused, err := s.e4LateWrites(ctx, dead, dev)
+		if err != nil {
+			return "", err
 		}
-	}
-	if err := s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
+		s.check(P4, sc, refused, "%s's writes after it fenced itself (its mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
+		if !refused {
+			return out, fmt.Errorf("a write from fenced %s succeeded", dead.Name)
+		}
+		return out, nil
+	})
+}
+
+// e4Inaccessible checks that the node plugin on dead reports the volume
+// inaccessible.
+func (s *story) e4Inaccessible(ctx context.Context, sc string, dead *lab.Guest) error {
+	return s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
 		var resp csi.NodeGetVolumeHealthResponse
 		err := simlab.NodeCall(ctx, dead, "NodeGetVolumeHealth", &csi.NodeGetVolumeHealthRequest{VolumeId: s.volID,
 			StagingTargetPath: stagingPath(s.name), VolumePublishPath: targetPath(s.pod + dead.Name)}, &resp)
@@ -997,10 +1033,12 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		}
 		s.check(P4, sc, len(got) > 0, "volume health on fenced %s: %v", dead.Name, got)
 		return strings.Join(got, "; "), nil
-	}); err != nil {
-		return err
-	}
-	if err := s.step(sc, dead.Name, "the kubelet cleans up on the fenced node: NodeUnpublishVolume, NodeUnstageVolume", func() (string, error) {
+	})
+}
+
+// e4KubeletCleanup makes the calls the kubelet makes on the fenced node.
+func (s *story) e4KubeletCleanup(ctx context.Context, sc string, dead *lab.Guest) error {
+	return s.step(sc, dead.Name, "the kubelet cleans up on the fenced node: NodeUnpublishVolume, NodeUnstageVolume", func() (string, error) {
 		// Past one periodic check of the agent (10 s), so a re-registration
 		// it might make by itself would have happened.
 		time.Sleep(12 * time.Second)
@@ -1013,12 +1051,16 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 			return "", err
 		}
 		return "", nil
-	}); err != nil {
-		return err
-	}
+	})
+}
+
+// e4Keys checks, on scsi-block, that only live's key is registered.
+func (s *story) e4Keys(ctx context.Context, sc string, dead, live *lab.Guest) error {
 	if s.kind != lab.SCSIBlock {
 		s.r.NotRun = append(s.r.NotRun, "E4 registered keys: "+string(s.kind)+" disks have no reservations to read")
-	} else if err := s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
+		return nil
+	}
+	return s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
 		d, err := live.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
 		if err != nil {
 			return "", err
@@ -1032,9 +1074,12 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		s.check(P4, sc, !strings.Contains(low, deadKey), "fenced %s's key %s is not registered again after resuming, a periodic check and its cleanup", dead.Name, deadKey)
 		s.check(P1, sc, strings.Contains(low, liveKey), "the reservation is %s's (key %s)", live.Name, liveKey)
 		return strings.TrimSpace(out), nil
-	}); err != nil {
-		return err
-	}
+	})
+}
+
+// e4NoLateWrite checks the disk's backing file for dead's marker and
+// live's data.
+func (s *story) e4NoLateWrite(ctx context.Context, sc string, dead, live *lab.Guest, sum2 string) error {
 	return s.step(sc, "host", "none of "+dead.Name+"'s late writes landed; "+live.Name+"'s data intact", func() (string, error) {
 		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(dead.Name))
 		if err != nil {
