@@ -29,7 +29,6 @@ var exempt = map[string]string{
 	"fence/lease/engine.go (*Engine).awaitExpiry":  "not yet cut",
 	"integration/k8s/cluster.go Up":                "not yet cut",
 	"integration/k8s/encryption.go (*story).k7":    "not yet cut",
-	"integration/k8s/scenarios.go (*story).k5":     "not yet cut",
 	"integration/k8s/scenarios.go (*story).k6":     "not yet cut",
 	"integration/k8s/scenarios.go (*story).k8":     "not yet cut",
 	"integration/k8s/scenarios.go (*story).k9":     "not yet cut",
