@@ -142,99 +142,117 @@ func (s *story) k6(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	size := func(p podInfo) (int64, error) {
-		out, err := s.c.Env.Lab.Guest(p.Node).MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
-		if err != nil {
-			return 0, err
-		}
-		return strconv.ParseInt(strings.TrimSpace(out), 10, 64)
-	}
-	before, err := size(p)
+	before, err := s.k6Size(ctx, p, pv)
 	if err != nil {
 		return err
-	}
-	patch := func() error {
-		_, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`)
-		return err
-	}
-	// grown waits until the claim reports 2Gi and the filesystem of the
-	// pod k4 has (then) more than 1.5 GiB.
-	grown := func(what string) (podInfo, int64, error) {
-		var after int64
-		var now podInfo
-		err := waitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
-			ps, err := s.pods(ctx, "app=k4")
-			if err != nil || len(ps) != 1 || !ps[0].Ready {
-				return false, fmt.Sprintf("pods %+v %v", ps, err), nil
-			}
-			now = ps[0]
-			if after, err = size(now); err != nil {
-				return false, err.Error(), nil
-			}
-			capacity, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.status.capacity.storage}")
-			return after > 3<<29 && strings.TrimSpace(capacity) == "2Gi", fmt.Sprintf("filesystem %d bytes, claim capacity %q", after, capacity), nil
-		})
-		if err != nil {
-			ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name=k4")
-			return now, 0, fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
-		}
-		return now, after, nil
 	}
 	if s.r.Kind != string(simlab.FileVirtioBlk) {
 		s.r.NotRun = append(s.r.NotRun, "K6 online on "+s.r.Kind+": the lab's tgtd cannot grow an iSCSI LUN a guest is logged in to; K6 grows the claim while it is not in use here, and under the running pod with file-backed virtio-blk disks (-kind "+string(simlab.FileVirtioBlk)+")")
 		return s.step(sc, "cluster", "kubectl patch pvc k4 to 2Gi while it is not in use (scaled to none); the next pod sees the larger filesystem and its data", func() (string, error) {
-			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
-				return "", err
-			}
-			if err := waitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
-				va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o", "jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {end}")
-				return err == nil && strings.TrimSpace(va) == "", va, nil
-			}); err != nil {
-				return "", err
-			}
-			if err := patch(); err != nil {
-				return "", err
-			}
-			if err := waitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
-				st, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.capacity.storage}")
-				return err == nil && strings.TrimSpace(st) == "2Gi", st, nil
-			}); err != nil {
-				return "", err
-			}
-			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=1"); err != nil {
-				return "", err
-			}
-			now, after, err := grown("the next k4 pod on a filesystem past 1.5 GiB")
-			if err != nil {
-				return "", err
-			}
-			data, err := s.readLog(ctx, now, pv)
-			if err != nil {
-				return "", err
-			}
-			if !strings.HasPrefix(data, "written-on-") || strings.Count(data, "\n") < 2 {
-				return "", fmt.Errorf("after growing, the volume holds %q", data)
-			}
-			return fmt.Sprintf("filesystem %d -> %d bytes; pod %s on %s holds %q", before, after, now.Name, now.Node, data), nil
+			return s.k6Offline(ctx, pv, before)
 		})
 	}
 	return s.step(sc, p.Node, "kubectl patch pvc k4 to 2Gi: the running pod's filesystem grows", func() (string, error) {
-		if err := patch(); err != nil {
-			return "", err
-		}
-		now, after, err := grown("the filesystem of pod " + p.Name + " grown past 1.5 GiB")
-		if err != nil {
-			return "", err
-		}
-		if now.UID != p.UID {
-			return "", fmt.Errorf("the pod was replaced during the expansion: %s (was %s)", now.UID, p.UID)
-		}
-		data, err := s.readLog(ctx, now, pv)
-		if err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("filesystem %d -> %d bytes in pod %s (not restarted); its data %q", before, after, p.Name, data), nil
+		return s.k6Online(ctx, p, pv, before)
 	})
+}
+
+// k6Size is the size of the filesystem of pv in pod p.
+func (s *story) k6Size(ctx context.Context, p podInfo, pv string) (int64, error) {
+	out, err := s.c.Env.Lab.Guest(p.Node).MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(out), 10, 64)
+}
+
+// k6Patch asks for 2Gi in claim k4.
+func (s *story) k6Patch(ctx context.Context) error {
+	_, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`)
+	return err
+}
+
+// k6Grown waits until the claim reports 2Gi and the filesystem of pv in
+// the pod k4 has (then) more than 1.5 GiB.
+func (s *story) k6Grown(ctx context.Context, pv, what string) (podInfo, int64, error) {
+	var after int64
+	var now podInfo
+	err := waitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
+		ps, err := s.pods(ctx, "app=k4")
+		if err != nil || len(ps) != 1 || !ps[0].Ready {
+			return false, fmt.Sprintf("pods %+v %v", ps, err), nil
+		}
+		now = ps[0]
+		if after, err = s.k6Size(ctx, now, pv); err != nil {
+			return false, err.Error(), nil
+		}
+		capacity, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.status.capacity.storage}")
+		return after > 3<<29 && strings.TrimSpace(capacity) == "2Gi", fmt.Sprintf("filesystem %d bytes, claim capacity %q", after, capacity), nil
+	})
+	if err != nil {
+		ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name=k4")
+		return now, 0, fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
+	}
+	return now, after, nil
+}
+
+// k6Offline grows claim k4 while it is not in use: scaled to none, the
+// disk grown by the controller, the next pod on the larger filesystem
+// with its data; before is the filesystem's size first.
+func (s *story) k6Offline(ctx context.Context, pv string, before int64) (string, error) {
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
+		return "", err
+	}
+	if err := waitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
+		va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o", "jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {end}")
+		return err == nil && strings.TrimSpace(va) == "", va, nil
+	}); err != nil {
+		return "", err
+	}
+	if err := s.k6Patch(ctx); err != nil {
+		return "", err
+	}
+	if err := waitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
+		st, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.capacity.storage}")
+		return err == nil && strings.TrimSpace(st) == "2Gi", st, nil
+	}); err != nil {
+		return "", err
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=1"); err != nil {
+		return "", err
+	}
+	now, after, err := s.k6Grown(ctx, pv, "the next k4 pod on a filesystem past 1.5 GiB")
+	if err != nil {
+		return "", err
+	}
+	data, err := s.readLog(ctx, now, pv)
+	if err != nil {
+		return "", err
+	}
+	if !strings.HasPrefix(data, "written-on-") || strings.Count(data, "\n") < 2 {
+		return "", fmt.Errorf("after growing, the volume holds %q", data)
+	}
+	return fmt.Sprintf("filesystem %d -> %d bytes; pod %s on %s holds %q", before, after, now.Name, now.Node, data), nil
+}
+
+// k6Online grows claim k4 under its running pod p: the same pod sees the
+// larger filesystem; before is the filesystem's size first.
+func (s *story) k6Online(ctx context.Context, p podInfo, pv string, before int64) (string, error) {
+	if err := s.k6Patch(ctx); err != nil {
+		return "", err
+	}
+	now, after, err := s.k6Grown(ctx, pv, "the filesystem of pod "+p.Name+" grown past 1.5 GiB")
+	if err != nil {
+		return "", err
+	}
+	if now.UID != p.UID {
+		return "", fmt.Errorf("the pod was replaced during the expansion: %s (was %s)", now.UID, p.UID)
+	}
+	data, err := s.readLog(ctx, now, pv)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("filesystem %d -> %d bytes in pod %s (not restarted); its data %q", before, after, p.Name, data), nil
 }
 
 // k9: the bundle went in on a cluster without the snapshot CRDs (the
@@ -257,79 +275,95 @@ func (s *story) k9(ctx context.Context) error {
 		return err
 	}
 	if err := s.step(sc, "cluster", "install external-snapshotter's CRDs and snapshot-controller; apply csi-snapshots.yaml through envsubst", func() (string, error) {
-		f, err := images.Snapshotter(ctx, images.DefaultCacheDir)
-		if err != nil {
-			return "", err
-		}
-		for _, crd := range f.CRDs {
-			if _, err := s.c.Kubectl(ctx, "apply", "-f", crd); err != nil {
-				return "", err
-			}
-		}
-		for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
-			if _, err := s.c.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io"); err != nil {
-				return "", err
-			}
-		}
-		for _, m := range f.Controller {
-			if _, err := s.c.Kubectl(ctx, "apply", "-f", m); err != nil {
-				return "", err
-			}
-		}
-		// The upstream Deployment names the release's image; the lab
-		// serves the one it built from the same release under that name.
-		if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "set", "image", "deployment/snapshot-controller", "snapshot-controller="+f.Image); err != nil {
-			return "", err
-		}
-		if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "rollout", "status", "deployment/snapshot-controller", "--timeout=5m"); err != nil {
-			return "", s.c.podsState(ctx, err)
-		}
-		rendered, err := envsubst(ctx, "deploy/csi-snapshots.yaml")
-		if err != nil {
-			return "", err
-		}
-		out, err := s.c.KubectlInput(ctx, strings.NewReader(rendered), "apply", "-f", "-")
-		if err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
+		return s.k9Snapshotter(ctx)
 	}); err != nil {
 		return err
 	}
 	var before string
 	if err := s.step(sc, "cluster", "VolumeSnapshot of claim k4, ready to use", func() (string, error) {
-		ps, err := s.pods(ctx, "app=k4")
-		if err != nil || len(ps) != 1 {
-			return "", fmt.Errorf("K9 needs K4's pod: %+v %v", ps, err)
-		}
-		pv, err := s.pvOf(ctx, "k4")
-		if err != nil {
+		return s.k9Snapshot(ctx, &before)
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "a claim restored from the snapshot holds claim k4's data", func() (string, error) {
+		return s.k9Restored(ctx, sc, before)
+	})
+}
+
+// k9Snapshotter installs external-snapshotter's CRDs and snapshot-controller and applies the bundle's snapshots part the release way.
+func (s *story) k9Snapshotter(ctx context.Context) (string, error) {
+	f, err := images.Snapshotter(ctx, images.DefaultCacheDir)
+	if err != nil {
+		return "", err
+	}
+	for _, crd := range f.CRDs {
+		if _, err := s.c.Kubectl(ctx, "apply", "-f", crd); err != nil {
 			return "", err
 		}
-		if before, err = s.readLog(ctx, ps[0], pv); err != nil {
+	}
+	for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
+		if _, err := s.c.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io"); err != nil {
 			return "", err
 		}
-		if err := s.apply(ctx, `apiVersion: snapshot.storage.k8s.io/v1
+	}
+	for _, m := range f.Controller {
+		if _, err := s.c.Kubectl(ctx, "apply", "-f", m); err != nil {
+			return "", err
+		}
+	}
+	// The upstream Deployment names the release's image; the lab
+	// serves the one it built from the same release under that name.
+	if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "set", "image", "deployment/snapshot-controller", "snapshot-controller="+f.Image); err != nil {
+		return "", err
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "rollout", "status", "deployment/snapshot-controller", "--timeout=5m"); err != nil {
+		return "", s.c.podsState(ctx, err)
+	}
+	rendered, err := envsubst(ctx, "deploy/csi-snapshots.yaml")
+	if err != nil {
+		return "", err
+	}
+	out, err := s.c.KubectlInput(ctx, strings.NewReader(rendered), "apply", "-f", "-")
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
+}
+
+// k9Snapshot reads K4's data into before and takes a snapshot of claim k4.
+func (s *story) k9Snapshot(ctx context.Context, before *string) (string, error) {
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil || len(ps) != 1 {
+		return "", fmt.Errorf("K9 needs K4's pod: %+v %v", ps, err)
+	}
+	pv, err := s.pvOf(ctx, "k4")
+	if err != nil {
+		return "", err
+	}
+	if *before, err = s.readLog(ctx, ps[0], pv); err != nil {
+		return "", err
+	}
+	if err := s.apply(ctx, `apiVersion: snapshot.storage.k8s.io/v1
 kind: VolumeSnapshot
 metadata:
   name: k9
 spec:
   source: {persistentVolumeClaimName: k4}
 `); err != nil {
-			return "", err
-		}
-		var state string
-		err = waitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
-			out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "volumesnapshot", "k9", "-o", "jsonpath={.status.readyToUse} {.status.restoreSize} {.status.error.message}")
-			state = strings.TrimSpace(out)
-			return err == nil && strings.HasPrefix(state, "true"), state, nil
-		})
-		return "readyToUse restoreSize: " + state, err
-	}); err != nil {
-		return err
+		return "", err
 	}
-	return s.step(sc, "cluster", "a claim restored from the snapshot holds claim k4's data", func() (string, error) {
-		if err := s.apply(ctx, `apiVersion: v1
+	var state string
+	err = waitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
+		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "volumesnapshot", "k9", "-o", "jsonpath={.status.readyToUse} {.status.restoreSize} {.status.error.message}")
+		state = strings.TrimSpace(out)
+		return err == nil && strings.HasPrefix(state, "true"), state, nil
+	})
+	return "readyToUse restoreSize: " + state, err
+}
+
+// k9Restored restores the snapshot into a new claim, whose pod must find K4's data (before).
+func (s *story) k9Restored(ctx context.Context, sc, before string) (string, error) {
+	if err := s.apply(ctx, `apiVersion: v1
 kind: PersistentVolumeClaim
 metadata:
   name: k9-restored
@@ -345,33 +379,32 @@ metadata:
   labels: {app: k9}
 spec:
 %s`, writerSpec("k9-restored", "", "  "))); err != nil {
-			return "", err
-		}
-		ps, err := s.waitPods(ctx, "app=k9", 10*time.Minute, "pod k9 Ready", allReady(1))
-		if err != nil {
-			return "", err
-		}
-		pv, err := s.pvOf(ctx, "k9-restored")
-		if err != nil {
-			return "", err
-		}
-		data, err := s.readLog(ctx, ps[0], pv)
-		if err != nil {
-			return "", err
-		}
-		want := before + "\nwritten-on-" + ps[0].Node
-		s.check(e2e.P5, sc, data == want, "K9: the claim restored from a snapshot of k4 holds %q (k4 held %q)", data, before)
-		if data != want {
-			return "", fmt.Errorf("the restored volume holds %q, want %q", data, want)
-		}
-		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pod", "k9", "--wait=true"); err != nil {
-			return "", err
-		}
-		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "k9-restored", "--wait=false"); err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("restored claim on %s holds %q", ps[0].Node, data), nil
-	})
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k9", 10*time.Minute, "pod k9 Ready", allReady(1))
+	if err != nil {
+		return "", err
+	}
+	pv, err := s.pvOf(ctx, "k9-restored")
+	if err != nil {
+		return "", err
+	}
+	data, err := s.readLog(ctx, ps[0], pv)
+	if err != nil {
+		return "", err
+	}
+	want := before + "\nwritten-on-" + ps[0].Node
+	s.check(e2e.P5, sc, data == want, "K9: the claim restored from a snapshot of k4 holds %q (k4 held %q)", data, before)
+	if data != want {
+		return "", fmt.Errorf("the restored volume holds %q, want %q", data, want)
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pod", "k9", "--wait=true"); err != nil {
+		return "", err
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "k9-restored", "--wait=false"); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("restored claim on %s holds %q", ps[0].Node, data), nil
 }
 
 // envsubst renders a release file of the repository as the release
@@ -419,78 +452,88 @@ func (s *story) k8(ctx context.Context) error {
 	serial := strconv.FormatInt(diskID, 10)
 	var dev, holderKey string
 	if err := s.step(sc, intruder.Name, "the agent refuses it: DiskRefused naming "+holder+", device read-only, nothing mounted", func() (string, error) {
-		wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-		d, err := intruder.WaitDiskBySerial(wctx, serial)
-		cancel()
-		if err != nil {
-			return "", err
-		}
-		dev = "/dev/" + d.Name
-		var refused *simlab.Event
-		if err := waitFor(ctx, 2*time.Minute, "DiskRefused for "+dev+" on "+intruder.Name, func() (bool, string, error) {
-			evs, err := nodeEvents(ctx, intruder)
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			for i, ev := range evs {
-				if ev.Name() == "DiskRefused" && (ev.Device == dev || ev.Serial == serial) {
-					refused = &evs[i]
-					return true, "", nil
-				}
-			}
-			return false, fmt.Sprintf("%d events, none a refusal of %s", len(evs), dev), nil
-		}); err != nil {
-			return "", err
-		}
-		ro, err := intruder.MustSh(ctx, "blockdev --getro "+dev)
-		if err != nil {
-			return "", err
-		}
-		mounts, err := s.mountsOf(ctx, intruder, pv)
-		if err != nil {
-			return "", err
-		}
-		// The refusal names the holder by its fence key (and by node name
-		// where the agent knows it): the key must be the one the holder's
-		// agent claimed the volume with.
-		if holderKey, err = claimKey(ctx, s.c.Env.Lab.Guest(holder), h); err != nil {
-			return "", err
-		}
-		named := refused.HolderKey == holderKey && (refused.HolderNode == "" || refused.HolderNode == holder)
-		held := named && strings.TrimSpace(ro) == "1" && len(mounts) == 0
-		s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s (key %s) holds it: holder key %s node %q, %s read-only=%s, mounts %d: %s",
-			intruder.Name, serial, holder, holderKey, refused.HolderKey, refused.HolderNode, dev, strings.TrimSpace(ro), len(mounts), refused.Message)
-		if !held {
-			return "", fmt.Errorf("refusal incomplete: holder key %q (the holder's is %q) node %q, read-only %q, mounts %v", refused.HolderKey, holderKey, refused.HolderNode, ro, mounts)
-		}
-		return refused.Message, nil
+		return s.k8Refused(ctx, sc, intruder, holder, pv, h, serial, &dev, &holderKey)
 	}); err != nil {
 		return err
 	}
 	return s.step(sc, "cluster", "the refusal is an Event on Node "+intruder.Name+" naming the holder", func() (string, error) {
-		var msg string
-		err := waitFor(ctx, 2*time.Minute, "a DiskRefused Event on Node "+intruder.Name, func() (bool, string, error) {
-			out, err := s.c.Kubectl(ctx, "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+intruder.Name+",reason=DiskRefused",
-				"-o", "json")
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			var list struct {
-				Items []struct{ Message, Type string }
-			}
-			if err := json.Unmarshal([]byte(out), &list); err != nil {
-				return false, err.Error(), nil
-			}
-			for _, it := range list.Items {
-				if (strings.Contains(it.Message, holder) || strings.Contains(it.Message, holderKey)) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial)) {
-					msg = it.Type + ": " + it.Message
-					return true, "", nil
-				}
-			}
-			return false, fmt.Sprintf("%d DiskRefused events on the Node, none about %s and %s (%s)", len(list.Items), dev, holder, holderKey), nil
-		})
-		return msg, err
+		return s.k8Event(ctx, sc, intruder, holder, holderKey, dev, serial)
 	})
+}
+
+// k8Refused waits for the disk (serial) on intruder and its refusal there, naming the holder by the key its agent claimed volume h with, and checks the device read-only and nothing of pv mounted; it sets dev and holderKey.
+func (s *story) k8Refused(ctx context.Context, sc string, intruder *lab.Guest, holder, pv, h, serial string, dev, holderKey *string) (string, error) {
+	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	d, err := intruder.WaitDiskBySerial(wctx, serial)
+	cancel()
+	if err != nil {
+		return "", err
+	}
+	*dev = "/dev/" + d.Name
+	var refused *simlab.Event
+	if err := waitFor(ctx, 2*time.Minute, "DiskRefused for "+*dev+" on "+intruder.Name, func() (bool, string, error) {
+		evs, err := nodeEvents(ctx, intruder)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		for i, ev := range evs {
+			if ev.Name() == "DiskRefused" && (ev.Device == *dev || ev.Serial == serial) {
+				refused = &evs[i]
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("%d events, none a refusal of %s", len(evs), *dev), nil
+	}); err != nil {
+		return "", err
+	}
+	ro, err := intruder.MustSh(ctx, "blockdev --getro "+*dev)
+	if err != nil {
+		return "", err
+	}
+	mounts, err := s.mountsOf(ctx, intruder, pv)
+	if err != nil {
+		return "", err
+	}
+	// The refusal names the holder by its fence key (and by node name
+	// where the agent knows it): the key must be the one the holder's
+	// agent claimed the volume with.
+	if *holderKey, err = claimKey(ctx, s.c.Env.Lab.Guest(holder), h); err != nil {
+		return "", err
+	}
+	named := refused.HolderKey == *holderKey && (refused.HolderNode == "" || refused.HolderNode == holder)
+	held := named && strings.TrimSpace(ro) == "1" && len(mounts) == 0
+	s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s (key %s) holds it: holder key %s node %q, %s read-only=%s, mounts %d: %s",
+		intruder.Name, serial, holder, *holderKey, refused.HolderKey, refused.HolderNode, *dev, strings.TrimSpace(ro), len(mounts), refused.Message)
+	if !held {
+		return "", fmt.Errorf("refusal incomplete: holder key %q (the holder's is %q) node %q, read-only %q, mounts %v", refused.HolderKey, *holderKey, refused.HolderNode, ro, mounts)
+	}
+	return refused.Message, nil
+}
+
+// k8Event waits for the refusal as a DiskRefused Event on intruder's Node naming the holder (node or key) and the disk (dev or serial).
+func (s *story) k8Event(ctx context.Context, sc string, intruder *lab.Guest, holder, holderKey, dev, serial string) (string, error) {
+	var msg string
+	err := waitFor(ctx, 2*time.Minute, "a DiskRefused Event on Node "+intruder.Name, func() (bool, string, error) {
+		out, err := s.c.Kubectl(ctx, "get", "events", "-A", "--field-selector", "involvedObject.kind=Node,involvedObject.name="+intruder.Name+",reason=DiskRefused",
+			"-o", "json")
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		var list struct {
+			Items []struct{ Message, Type string }
+		}
+		if err := json.Unmarshal([]byte(out), &list); err != nil {
+			return false, err.Error(), nil
+		}
+		for _, it := range list.Items {
+			if (strings.Contains(it.Message, holder) || strings.Contains(it.Message, holderKey)) && (strings.Contains(it.Message, dev) || strings.Contains(it.Message, serial)) {
+				msg = it.Type + ": " + it.Message
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("%d DiskRefused events on the Node, none about %s and %s (%s)", len(list.Items), dev, holder, holderKey), nil
+	})
+	return msg, err
 }
 
 // k5: the node of K4's pod is powered off (QMP stop); an operator marks
