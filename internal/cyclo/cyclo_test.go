@@ -28,7 +28,6 @@ var exempt = map[string]string{
 	"fence/lease/engine.go (*Engine).acquire":      "not yet cut",
 	"fence/lease/engine.go (*Engine).awaitExpiry":  "not yet cut",
 	"integration/k8s/cluster.go Up":                "not yet cut",
-	"integration/k8s/story.go (*story).k2":         "not yet cut",
 	"integration/lab/debian.go (*Lab).buildDebian": "not yet cut",
 	"integration/lab/initramfs.go BuildInitramfs":  "not yet cut",
 	"integration/lab/smoke.go Smoke":               "not yet cut",
