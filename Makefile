@@ -63,13 +63,13 @@ test-csi-sanity: deps build
 	VCO_SANITY_ENCRYPTED=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 	VCO_SANITY_ENCRYPTED=1 VCO_SANITY_BLOCK=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 
-# internal/cyclo holds every product function to a cyclomatic complexity of
-# 20 at most, counted as gocyclo counts (issue 19; its exemptions are listed
-# in the test).
+# internal/cyclo holds every function, tests too, to a cyclomatic complexity
+# of 20 at most, counted as gocyclo counts (issue 19; the functions still
+# over it are listed in the test).
 lint: deps-go
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck ./...
-	$(GO) test -count=1 -run '^TestNoFunctionOverTheBar$$' ./internal/cyclo
+	$(GO) test -count=1 -run '^TestNo(Function|Test)OverTheBar$$' ./internal/cyclo
 
 # The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
 # 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
