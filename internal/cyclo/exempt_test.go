@@ -38,7 +38,6 @@ var exemptTests = map[string]string{
 	"cmd/vco-agent/main_test.go TestCommandsAgainstRunningAgent": "30",
 
 	// cmd/vco-csi
-	"cmd/vco-csi/config_test.go TestKeyBackend":                             "55",
 	"cmd/vco-csi/keybackend_test.go TestPartialKeyBackendKeepsPlainVolumes": "25",
 	"cmd/vco-csi/stack_test.go TestStackOnThisHost":                         "46",
 
