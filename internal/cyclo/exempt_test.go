@@ -89,7 +89,6 @@ var exemptTests = map[string]string{
 	"fence/lease/sim_test.go newSim":                                  "24",
 
 	// fence/pr
-	"fence/pr/reestablish_test.go TestReestablishRefusedWhenAForeignKeyAppearsBetweenTheReads": "27",
 
 	// fence/scsi/scsitest
 	"fence/scsi/scsitest/target_test.go TestModelFollowsSPC4": "38",
