@@ -108,7 +108,6 @@ var exemptTests = map[string]string{
 	"integration/k8s/images/images_test.go TestPauseAndWorkloadThroughTheRegistry": "24",
 
 	// integration/lab
-	"integration/lab/lab_test.go TestLab": "65",
 
 	// integration/reliability
 	"integration/reliability/concurrency_test.go (*stormEnv).checkEndState": "47",
