@@ -119,7 +119,6 @@ var exemptTests = map[string]string{
 	// integration/scenarios
 	"integration/scenarios/encrypted_test.go TestEncryptedVolumeInGuest":      "51",
 	"integration/scenarios/fence_test.go TestFenceScenarios":                  "46",
-	"integration/scenarios/lease_test.go TestLeaseScenarios":                  "62",
 	"integration/scenarios/watchdog_test.go TestWatchdogResetsAStoppedHolder": "43",
 
 	// integration/simlab
