@@ -91,9 +91,9 @@ func TestLab(t *testing.T) {
 
 	t.Run("dm-crypt and filesystems", func(t *testing.T) { labDmCryptAndFilesystems(t, ctx, a, plain) })
 
-	t.Run("hot-plug and unplug", func(t *testing.T) { labHotPlugAndUnplug(t, ctx, l, a, b, shared) })
+	t.Run("hot-plug and unplug", func(t *testing.T) { labHotPlugAndUnplug(t, ctx, l, b, shared) })
 
-	t.Run("pause and resume", func(t *testing.T) { labPauseAndResume(t, ctx, a, b) })
+	t.Run("pause and resume", func(t *testing.T) { labPauseAndResume(t, ctx, b) })
 
 	t.Run("teardown leaves nothing running", func(t *testing.T) { labTeardownLeavesNothingRunning(t, l, guests) })
 }
@@ -224,7 +224,7 @@ blkid -o value -s TYPE /dev/%s`, vd.Name, hd.Name, hd.Name, hd.Name)
 	}
 }
 
-func labHotPlugAndUnplug(t *testing.T, ctx context.Context, l *Lab, a *Guest, b *Guest, shared *LUN) {
+func labHotPlugAndUnplug(t *testing.T, ctx context.Context, l *Lab, b *Guest, shared *LUN) {
 	hot, err := l.AddLUN(ctx, "hot1", 32<<20)
 	if err != nil {
 		t.Fatal(err)
@@ -280,7 +280,7 @@ func labHotPlugAndUnplug(t *testing.T, ctx context.Context, l *Lab, a *Guest, b 
 	}
 }
 
-func labPauseAndResume(t *testing.T, ctx context.Context, a *Guest, b *Guest) {
+func labPauseAndResume(t *testing.T, ctx context.Context, b *Guest) {
 	if err := b.Pause(ctx); err != nil {
 		t.Fatal(err)
 	}
