@@ -79,7 +79,6 @@ var exemptTests = map[string]string{
 	"deploy/ociimage/ociimage_test.go TestArchiveReadsBack": "32",
 
 	// deploy
-	"deploy/plugin_test.go TestPluginAcceptsTheManifestArguments": "31",
 
 	// fence/lease
 	"fence/lease/data_test.go TestDataArea":          "24",
