@@ -1,5 +1,9 @@
-# vco-storage build, test and lab entry points.
+# vco-storage build, test and lab entry points; `make help` lists every
+# target with one line each. The groups, in order: build, test tiers, lab,
+# benchmarks, fuzz and soak, packaging, deps.
 # `make test` and `make lab` install what they need through `make deps`.
+# Each target has one rule; a line "## text" just above it is its line in
+# `make help` (internal/makehelp checks that every target has one).
 
 SHELL        := /bin/bash
 .SHELLFLAGS  := -eu -o pipefail -c
@@ -24,24 +28,73 @@ PROTOC_GEN_GO_VERSION   := v1.36.12
 PROTOC_GEN_GRPC_VERSION := v1.6.0
 CSI_SANITY_VERSION      := v5.6.0
 
-.PHONY: all build test unit lint bench bench-agent bench-csi bench-lab test-csi-sanity lab deps deps-apt deps-go deps-lab test-lab test-e2e proto clean fuzz fuzz-fence \
-        image csi-yaml csi-addon test-deploy
-.PHONY: packages test-packages fuzz-smbios
+##@ Build
 
+.PHONY: all build proto clean help
+
+## the binaries (the default goal)
 all: build
 
+## static vco-agent, vco-csi and vco-lab in bin/
 build:
 	@mkdir -p $(BIN)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ $(addprefix ./cmd/,$(CMDS))
 
+## regenerates the agent API's Go code from agent/api/agent.proto
+proto: deps
+	protoc --proto_path=agent/api \
+	  --plugin=protoc-gen-go=$(TOOLS)/protoc-gen-go \
+	  --plugin=protoc-gen-go-grpc=$(TOOLS)/protoc-gen-go-grpc \
+	  --go_out=agent/api --go_opt=paths=source_relative \
+	  --go-grpc_out=agent/api --go-grpc_opt=paths=source_relative \
+	  agent/api/agent.proto
+
+## removes bin/ and dist/
+clean:
+	rm -rf $(BIN) dist
+
+# `make help` prints the "##@" group lines and, under them, each target
+# with the "## " line written just above its rule.
+## lists every target with one line each
+help:
+	@awk '/^##@ /{printf "\n%s\n", substr($$0, 5); next} \
+	  /^## /{d = substr($$0, 4); next} \
+	  /^[A-Za-z0-9_-]+:([^=]|$$)/ {if (d != "") {t = $$0; sub(/:.*/, "", t); printf "  %-18s %s\n", t, d}} \
+	  {d = ""}' $(firstword $(MAKEFILE_LIST))
+
+##@ Test tiers (make test runs them in this order)
+
+.PHONY: test unit lint test-bench-brief test-csi-sanity test-deploy test-lab test-crypt-lab \
+        test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s k8s-prefetch
+
 # Everything: lint, unit and host tests, then the later tiers as they land.
 # The fuzz engine's runs (test-fuzz-brief, about 9 min) are in make fuzz
 # and make soak, not here: the fuzz targets' seed corpora run in unit.
+## every test tier below, in order, after deps, lint and build
 test: deps lint build k8s-prefetch unit test-bench-brief test-csi-sanity test-deploy \
       test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
+# internal/cyclo holds every function, tests too, to a cyclomatic complexity
+# of 20 at most, counted as gocyclo counts (issue 19; the functions still
+# over it are listed in the test).
+## go vet, staticcheck and the complexity bar
+lint: deps-go
+	$(GO) vet ./...
+	$(TOOLS)/staticcheck ./...
+	$(GO) test -count=1 -run '^TestNo(Function|Test)OverTheBar$$' ./internal/cyclo
+
+# make test starts this first: the Debian guest root (debootstrap, mostly
+# downloads), the Kubernetes build and the sidecar images (about half an
+# hour of CPU on a fresh machine) are made in the background at nice 10
+# while the other tiers run; the tiers that need them wait for their
+# locks. Its log: bin/k8s-prefetch.log.
+## starts the guest root, Kubernetes build and images in the background
+k8s-prefetch: build deps-apt
+	@nohup nice -n 10 bash -c 'packaging/test/guest-root.sh >/dev/null & $(BIN)/vco-lab k8s prefetch; wait' >$(BIN)/k8s-prefetch.log 2>&1 </dev/null &
+
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
+## unit and host tests (go test ./..., one package at a time)
 unit:
 	$(GO) test -count=1 -p 1 -timeout 30m ./...
 
@@ -50,7 +103,7 @@ unit:
 # The packages are those with a Benchmark function, one at a time (many
 # use loop devices). About 2 min.
 BENCH_PKGS = $(shell git ls-files '*_test.go' | xargs grep -l '^func Benchmark' | xargs -n1 dirname | sort -u | sed 's|^|./|')
-.PHONY: test-bench-brief
+## every benchmark once, figures not judged
 test-bench-brief: build
 	VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -p 1 -timeout 20m -run '^$$' -bench . -benchtime 1x $(BENCH_PKGS)
 
@@ -58,32 +111,74 @@ test-bench-brief: build
 # backend) and `vco-csi --mode=all`, the agent mounting real loop devices,
 # with filesystem and then raw block volumes; then the in-process suite
 # with every volume encrypted, filesystem and then raw block.
+## csi-sanity against the built binaries, then encrypted in process
 test-csi-sanity: deps build
 	VCO_CSI_SANITY=$(TOOLS)/csi-sanity VCO_BIN=$(BIN) $(GO) test -count=1 -run '^TestCSISanityBinary$$' ./cmd/vco-csi
 	VCO_SANITY_ENCRYPTED=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 	VCO_SANITY_ENCRYPTED=1 VCO_SANITY_BLOCK=1 $(GO) test -count=1 -run '^TestSanity$$' ./csi/driver
 
-# internal/cyclo holds every function, tests too, to a cyclomatic complexity
-# of 20 at most, counted as gocyclo counts (issue 19; the functions still
-# over it are listed in the test).
-lint: deps-go
-	$(GO) vet ./...
-	$(TOOLS)/staticcheck ./...
-	$(GO) test -count=1 -run '^TestNo(Function|Test)OverTheBar$$' ./internal/cyclo
+# Manifests decoded strictly and cross-checked; the image built, read back
+# and opened with skopeo and umoci (installed by deps); vco-addon and make
+# csi-addon's stdout.
+## the manifest, image and add-on checks
+test-deploy: deps
+	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/... ./cmd/vco-addon
 
 # The guest tier: QEMU guests (TCG) sharing iSCSI LUNs served by tgtd on
 # 127.0.0.1 (integration/). `go test ./...` skips it unless VCO_LAB is set.
 LAB_TIMEOUT ?= 60m
 E2E_PKGS := ./integration/simlab ./integration/e2e
+## the guest tier: the lab's tests and the fencing scenarios in QEMU guests
 test-lab: deps build
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) \
 	  $$($(GO) list ./integration/... | grep -v -e /integration/simlab -e /integration/e2e -e /integration/faults -e /integration/k8s)
 
+# dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
+# vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
+# of the lab. Plain go test skips it unless VCO_LAB is set.
+## real dm-crypt in a QEMU guest of the lab
+test-crypt-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/
+
+# L1-L4 with the on-disk lease between two lab guests sharing one
+# virtio-blk disk, through vco-agent lease (fence/lease/lab_test.go, 80 s).
+## the on-disk lease between two lab guests
+test-lease-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestLeaseBetweenGuests ./fence/lease/
+
+# The udev rules against real virtio-blk and QEMU SCSI disks in a lab guest
+# (packaging/udev/lab_test.go, about 30 s).
+## the udev rules in a lab guest
+test-udev-lab: deps build
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestRulesInGuest ./packaging/udev/
+
 # The end-to-end tier (guest tier too): the simulator in lab mode and the
 # RWO story on two guests running vco-agent and the vco-csi node plugin;
 # E9 boots a third, Debian 12 guest with the .deb under systemd.
+## the RWO story's guest tests (E1-E9)
 test-e2e: deps build packages guest-root
 	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout $(LAB_TIMEOUT) $(E2E_PKGS)
+
+# Faults injected in the lab (integration/faults, about 10 min): the
+# iSCSI target restarted under a held disk, power cut during luksFormat and
+# the agent's first stage (mkfs), 64 claimed disks and a burst of 200
+# uevents on one guest. Lines "FIGURE name=value" go to the terminal and
+# $(BIN)/faults.txt; `make soak-faults` repeats them FAULTS_SOAK_ROUNDS
+# times each into $(BIN)/soak-faults.txt.
+## faults injected in the lab, figures in bin/faults.txt
+test-faults: deps build
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -v -timeout 60m ./integration/faults | tee $(BIN)/faults.txt
+
+# lintian, rpmlint, systemd-analyze, cloud-init schema, and install,
+# upgrade, remove and purge in a debootstrap chroot and an rpm --root;
+# then a Debian guest boots with the
+# .deb and the cloud-init seed (first run: a debootstrap of about 900 MB,
+# cached in /var/cache/vco-packaging; each run: two boots under TCG).
+## lints, installs, upgrades and purges the packages; boots a guest with the .deb
+test-packages: deps packages
+	packaging/test/check-packages.sh dist
+	packaging/test/guest-boot.sh dist/vco-agent_*_amd64.deb
 
 # The Kubernetes tier (docs/development.md, "The Kubernetes lab"): a
 # cluster built from Kubernetes' sources (cached after the first build),
@@ -92,49 +187,64 @@ test-e2e: deps build packages guest-root
 # property. make k8s-lab is the same from the command line, with its report
 # in bin/k8s-report-*.txt and .html.
 K8S_TIMEOUT ?= 70m
-.PHONY: test-k8s k8s-lab k8s-prefetch
-# make test starts this first: the Debian guest root (debootstrap, mostly
-# downloads), the Kubernetes build and the sidecar images (about half an
-# hour of CPU on a fresh machine) are made in the background at nice 10
-# while the other tiers run; the tiers that need them wait for their
-# locks. Its log: bin/k8s-prefetch.log.
-k8s-prefetch: build deps-apt
-	@nohup nice -n 10 bash -c 'packaging/test/guest-root.sh >/dev/null & $(BIN)/vco-lab k8s prefetch; wait' >$(BIN)/k8s-prefetch.log 2>&1 </dev/null &
 # K8S_SCENARIOS: empty for make test's (K1, K2, K4), "all", or a list
 # such as K1,K4,K6. K8S_KIND: the disk kind of k8s-lab's workers.
 K8S_SCENARIOS ?=
 K8S_KIND      ?= scsi-block
+## a Kubernetes cluster built from source with the add-on, scenarios K1, K2, K4
 test-k8s: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	VCO_LAB=1 VCO_K8S=1 VCO_K8S_SCENARIOS=$(K8S_SCENARIOS) VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
+
+##@ Lab
+
+.PHONY: lab k8s-lab guest-root
+
+# The RWO story on the simulator in lab mode and two guests, once with
+# scsi-block disks (reservations) and once with virtio-blk disks (the
+# on-disk lease), each in a lab of its own; the text reports go to the
+# terminal and bin/lab-report-KIND.txt, the timelines to
+# bin/lab-report-KIND.html, with a verdict per kind at the end. Exits
+# non-zero unless every safety property held on both kinds. E6, E7 and E9
+# do not depend on the kind and run in the scsi-block story only.
+# E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
+# vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
+# says how to point it at a real one. E9 runs in a Debian guest with the
+# .deb under systemd when the Debian root is cached (make guest-root), else
+# in a busybox guest.
+## the RWO story on scsi-block and virtio-blk disks, with reports in bin/
+lab: deps build packages
+	$(BIN)/vco-lab run -kind scsi-block,virtio-blk -report $(BIN)
+
+# The Kubernetes lab of test-k8s from the command line (vco-lab k8s run)
+# on K8S_KIND disks; its report in bin/k8s-report-*.txt and .html.
+## the Kubernetes cluster and scenarios from the command line (vco-lab k8s run)
 k8s-lab: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN) -kind $(K8S_KIND)
-# Every scenario on both disk kinds (about 25 min each with warm caches):
-# scsi-block, and virtio-blk backed by files (the lab's virtio-blk disk
-# that can grow under a running pod; K6).
-.PHONY: soak-k8s
-soak: soak-k8s
-soak-k8s:
-	$(MAKE) --no-print-directory k8s-lab K8S_KIND=scsi-block
-	$(MAKE) --no-print-directory k8s-lab K8S_KIND=virtio-blk-file
+
+# The Debian 12 root that guest-boot.sh and E9's systemd guest boot: a
+# debootstrap of about 900 MB, made once (about 14 min) and cached in
+# /var/cache/vco-packaging (or $$VCO_PKG_CACHE).
+## the cached Debian 12 guest root (debootstrap, once)
+guest-root: deps-apt
+	@packaging/test/guest-root.sh >/dev/null
+
+##@ Benchmarks
+
+.PHONY: bench bench-agent bench-csi bench-lab bench-fence bench-crypt
 
 # Benchmarks print one table of figures against named references; they
-# are never asserted. Each part adds a bench-* target as a prerequisite and
-# keeps its raw output in $(BIN)/bench-<part>.txt; the last step prints them
-# all as one table (cmd/vco-bench; docs/benchmarks.md).
+# are never asserted. Each part is a bench-* target, a prerequisite of
+# bench, that keeps its raw output in $(BIN)/bench-<part>.txt; the last
+# step prints them all as one table (cmd/vco-bench; docs/benchmarks.md).
 BENCH_PARTS := agent csi lab fence crypt
-bench: bench-agent bench-csi bench-lab
+## every part below, then one table of all figures
+bench: bench-agent bench-csi bench-lab bench-fence bench-crypt
 	@echo; echo "== make bench: all parts, $$(date -u +%Y-%m-%d), $$(nproc) cores"
 	@$(GO) run ./cmd/vco-bench $(foreach p,$(BENCH_PARTS),$(BIN)/bench-$(p).txt)
 
-# Guest boot and lab set-up against a guest booting alone; reservation
-# latency of the engine against sg_persist, in a guest; attach-to-staged
-# (ControllerPublish to NodeStage done) against the same hot-plug then
-# mkfs and mount by hand, per disk kind.
-bench-lab: deps build
-	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
-
+## the agent's daemon, events and volume benchmarks
 bench-agent: deps build
 	@{ VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -run '^$$' -bench . -benchtime 10x ./agent/daemon/ && \
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 200000x ./agent/events/ && \
@@ -143,25 +253,165 @@ bench-agent: deps build
 # 100 concurrent CreateVolume+ControllerPublish against the simulator,
 # reported as a ratio to the bare API calls for the same work; a node
 # stage+unstage cycle on a loop device against plain mount+umount of it.
+## the CSI driver against the bare API calls and plain mount
 bench-csi: deps
 	@mkdir -p $(BIN)
 	$(GO) test -count=1 -run '^$$$$' -bench 'CreatePublish100|NodeStageUnstage' -benchtime 5x ./csi/driver | tee $(BIN)/bench-csi.txt
 
+# Guest boot and lab set-up against a guest booting alone; reservation
+# latency of the engine against sg_persist, in a guest; attach-to-staged
+# (ControllerPublish to NodeStage done) against the same hot-plug then
+# mkfs and mount by hand, per disk kind.
+## guest boot, reservation latency and attach-to-staged in the lab
+bench-lab: deps build
+	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab bench | tee $(BIN)/bench-lab.txt
+
 # Lease takeover against its bound, a check of 64 claims against raw
 # reads, refusal latency from the kernel's uevent against the 1 s budget
 # (real loop devices; root).
-.PHONY: bench-fence deps-udev
-bench: bench-fence
+## lease takeover, claim checks and refusal latency
 bench-fence: deps
 	@mkdir -p $(BIN)
 	@{ $(GO) test -count=1 -run '^$$' -bench . -benchtime 3x ./fence/lease/ && \
 	   $(GO) test -count=1 -run '^$$' -bench . -benchtime 20x ./fence/uevent/ ; } > $(BIN)/bench-fence.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-fence.txt
+
+# LUKS2 unlock and format against cryptsetup with the same KDF cost.
+## LUKS2 unlock and format against cryptsetup
+bench-crypt: deps build
+	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ > $(BIN)/bench-crypt.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-crypt.txt
+
+##@ Fuzz and soak
+
+.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-k8s
+
+# Every fuzz target in the repository, found with `go test -list`, each for
+# FUZZTIME (default 30s); test-fuzz-brief runs each for FUZZBRIEF
+# executions (a count: no deadline to race on a loaded machine). Checked-in corpora live in each package's testdata/fuzz.
+FUZZTIME   ?= 30s
+FUZZBRIEF ?= 3000x
+FUZZ_PKGS  = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u)
+## every fuzz target for FUZZTIME (30s)
+fuzz:
+	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s
+
+## every fuzz target for FUZZBRIEF executions (3000x)
+test-fuzz-brief:
+	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZBRIEF) FUZZ_MIN=0s
+
+# Go 1.26's fuzz engine can end a timed run with a bare "context deadline
+# exceeded" when -fuzztime expires mid-exec (golang/go#75804, fixed in
+# 1.27); a real finding always writes a failing input, so only that fails.
+## every fuzz target for FUZZ_FOR, minimising for FUZZ_MIN (fuzz and soak use it)
+fuzz-all:
+	@set -e; out=$$(mktemp); trap 'rm -f $$out' EXIT; n=0; for pkg in $(FUZZ_PKGS); do \
+	  for fn in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
+	    echo "== $$pkg $$fn ($(FUZZ_FOR))"; n=$$((n+1)); \
+	    if $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZ_FOR) -fuzzminimizetime $(FUZZ_MIN) -parallel 1 $$pkg >$$out 2>&1; then cat $$out; \
+	    elif grep -q 'context deadline exceeded' $$out && ! grep -q -e 'Failing input written' -e 'panic:' $$out; then \
+	      cat $$out; echo "fuzz: $$fn stopped by the engine's end-of-run race (golang/go#75804), no failing input: not a finding"; \
+	    else cat $$out; exit 1; fi; \
+	  done; done; echo "fuzz: $$n targets, $(FUZZ_FOR) each"
+
+# Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
+# in `make unit`).
+FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
+  fence/discovery:FuzzParseLocator fence/discovery:FuzzParsePCIAddress fence/discovery:FuzzParseDevnum \
+  fence/scsi:FuzzParseSense fence/scsi:FuzzParseReadKeys fence/scsi:FuzzParseReadReservation \
+  fence/scsi:FuzzParseReportCapabilities fence/scsi:FuzzParseReadFullStatus fence/scsi:FuzzParseInquiry \
+  fence/scsi:FuzzParseUnitSerial fence/scsi:FuzzParseDeviceID \
+  fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/uevent:FuzzParse
+## the fence parsers' fuzz targets for FUZZTIME
+fuzz-fence:
+	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
+	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s -parallel 1 ./$$pkg; done
+
+# The LUKS2 header reader and metadata validator under the fuzzer.
+## the LUKS2 header reader and metadata validator for 60s each
+fuzz-crypt:
+	$(GO) test -run '^$$' -fuzz FuzzReadHeader -fuzztime 60s ./crypt/luks2/
+	$(GO) test -run '^$$' -fuzz FuzzParseMetadata -fuzztime 60s ./crypt/luks2/
+
+# The SMBIOS table walker and parser, each for FUZZTIME.
+## the SMBIOS table walker and parser for FUZZTIME
+fuzz-smbios:
+	@for fn in FuzzParseTable FuzzParseStructures; do echo "== smbios $$fn"; \
+	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./smbios; done
+
+# The long run, root, many hours; in this order:
+#   deps-apt;
+#   soak-k8s: the Kubernetes lab's every scenario on both disk kinds
+#     (about 25 min each with warm caches);
+#   soak-faults: the lab's faults FAULTS_SOAK_ROUNDS times each (up to 4 h);
+#   soak-lease: LEASE_SOAK_SEEDS lease schedules (up to 4 h);
+#   every fuzz target for FUZZTIME (log in $(BIN)/soak-fuzz.log);
+#   TestConcurrentCSICalls under the race detector for STORM_RACE_ROUNDS
+#     rounds;
+#   the reliability tests (integration/reliability): the crash loop for
+#     SOAK_ROUNDS rounds, STORM_SOAK_ROUNDS rounds of 100 concurrent CSI
+#     calls and the others, their figures written to docs/reliability.md.
+SOAK_ROUNDS ?= 200
+# Rounds of 100 concurrent CSI calls (TestConcurrentCSICalls), and of the
+# same under the race detector.
+STORM_SOAK_ROUNDS ?= 20
+STORM_RACE_ROUNDS ?= 5
+## everything long: k8s on both kinds, fault and lease soaks, fuzzers, crash loop, races
+soak: deps-apt soak-k8s soak-faults soak-lease
+	@mkdir -p $(BIN)
+	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
+	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
+	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_STORM_ROUNDS=$(STORM_SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
+	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)|: storm: '
+	@echo "soak: figures written to docs/reliability.md"
+
+# The lab's faults (test-faults) FAULTS_SOAK_ROUNDS times each into
+# $(BIN)/soak-faults.txt, its FIGURE lines printed at the end.
+FAULTS_SOAK_ROUNDS ?= 10
+## the lab's faults FAULTS_SOAK_ROUNDS (10) times each
+soak-faults: deps build
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) VCO_FAULTS_ROUNDS=$(FAULTS_SOAK_ROUNDS) $(GO) test -count=1 -p 1 -v -timeout 4h ./integration/faults | tee $(BIN)/soak-faults.txt
+	@grep -h '^FIGURE ' $(BIN)/soak-faults.txt
+
+# The lease's schedule simulator (fence/lease/sim_test.go) over many more
+# seeds than the unit tier's; a broken seed prints its replay command.
+LEASE_SOAK_SEEDS ?= 40000
+## LEASE_SOAK_SEEDS (40000) lease schedules in the simulator
+soak-lease:
+	$(GO) test -count=1 -timeout 4h -run 'TestLeaseSchedules$$' ./fence/lease -lease.from=100000 -lease.seeds=$(LEASE_SOAK_SEEDS)
+
+# Every Kubernetes scenario on both disk kinds (about 25 min each with warm
+# caches): scsi-block, and virtio-blk backed by files (the lab's virtio-blk
+# disk that can grow under a running pod; K6).
+## every Kubernetes scenario on scsi-block and on virtio-blk-file disks
+soak-k8s:
+	$(MAKE) --no-print-directory k8s-lab K8S_KIND=scsi-block
+	$(MAKE) --no-print-directory k8s-lab K8S_KIND=virtio-blk-file
+
+##@ Packaging
+
+.PHONY: packages image csi-yaml csi-addon
+
+# Node-image packages: dist/vco-agent_<version>_<arch>.deb and
+# dist/vco-agent-<version>.<arch>.rpm for each of PKG_ARCHES.
+PKG_ARCHES     := amd64 arm64
+PKG_MAINTAINER ?= whitesky.cloud <vco-storage@whitesky.cloud>
+comma          := ,
+space          := $(subst x,,x x)
+## the agent's .deb and .rpm in dist/ for amd64 and arm64
+packages: build
+	@rm -f dist/vco-agent_*.deb dist/vco-agent-*.rpm
+	@for a in $(PKG_ARCHES); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/linux_$$a/ ./cmd/vco-agent; \
+	done
+	$(GO) run ./packaging/cmd/vco-pkg -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
+	  -bin-dir '$(BIN)/linux_%s' -help-from $(BIN)/vco-agent -out dist -maintainer '$(PKG_MAINTAINER)'
 
 # The vco-csi container image as an OCI image layout tarball, built
 # without a container daemon: dist/vco-csi-<tag>.oci.tar, where the tag is
 # the packages' version (v1.2.3 gives vco-csi:1.2.3 and vco-agent 1.2.3-1;
 # internal/version, docs/upgrade.md).
 IMAGE_ARCHS ?= amd64 arm64
+## the vco-csi OCI image tarball in dist/
 image:
 	@mkdir -p $(BIN)/image dist
 	for a in $(IMAGE_ARCHS); do \
@@ -174,6 +424,7 @@ image:
 # deploy/csi-snapshots.yaml and deploy/csi-encryption.yaml, the opt-in
 # snapshots and encryption parts, from
 # deploy/manifests (make test fails when they are stale).
+## regenerates deploy/csi*.yaml from deploy/manifests
 csi-yaml:
 	$(GO) run ./cmd/vco-addon bundle -part core -o deploy/csi.yaml
 	$(GO) run ./cmd/vco-addon bundle -part snapshots -o deploy/csi-snapshots.yaml
@@ -197,6 +448,7 @@ VCO_CSI_DRIVER_NAME ?=
 VCO_CSI_SNAPSHOTS   ?=
 VCO_CSI_ENCRYPTION  ?=
 ADDON_DIR           ?= dist
+## the add-on for VCO_CSI_IMAGE on stdout (| kubectl apply -f -)
 csi-addon:
 	@test -n "$(VCO_CSI_IMAGE)" || { echo "make csi-addon: set VCO_CSI_IMAGE=<host>/<path>:<tag>" >&2; exit 2; }
 	@case '$(VCO_CSI_SNAPSHOTS)' in ''|0|false|no|1|true|yes) ;; \
@@ -221,168 +473,14 @@ csi-addon:
 	    echo "make csi-addon: stdout: and $(ADDON_DIR)/csi-encryption-addon.yaml (the encrypted class: needs the key backend's ConfigMaps, docs/encryption.md)" >&2;; \
 	  *) echo "make csi-addon: the encryption part, $(ADDON_DIR)/csi-encryption-addon.yaml, is not included (VCO_CSI_ENCRYPTION=1 adds it once a key backend is configured; docs/encryption.md)" >&2;; esac
 
-# Manifests decoded strictly and cross-checked; the image built, read back
-# and opened with skopeo and umoci (installed by deps); vco-addon and make
-# csi-addon's stdout.
-test-deploy: deps
-	VCO_DEPLOY_REQUIRE_TOOLS=1 $(GO) test -count=1 ./deploy/... ./cmd/vco-addon
+##@ Deps
 
-# The RWO story on the simulator in lab mode and two guests, once with
-# scsi-block disks (reservations) and once with virtio-blk disks (the
-# on-disk lease), each in a lab of its own; the text reports go to the
-# terminal and bin/lab-report-KIND.txt, the timelines to
-# bin/lab-report-KIND.html, with a verdict per kind at the end. Exits
-# non-zero unless every safety property held on both kinds. E6, E7 and E9
-# do not depend on the kind and run in the scsi-block story only.
-# E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
-# vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
-# says how to point it at a real one. E9 runs in a Debian guest with the
-# .deb under systemd when the Debian root is cached (make guest-root), else
-# in a busybox guest.
-lab: deps build packages
-	$(BIN)/vco-lab run -kind scsi-block,virtio-blk -report $(BIN)
+.PHONY: deps deps-apt deps-go deps-lab deps-udev
 
-# Faults injected in the lab (integration/faults, about 10 min): the
-# iSCSI target restarted under a held disk, power cut during luksFormat and
-# the agent's first stage (mkfs), 64 claimed disks and a burst of 200
-# uevents on one guest. Lines "FIGURE name=value" go to the terminal and
-# $(BIN)/faults.txt; `make soak` repeats the power cuts FAULTS_SOAK_ROUNDS
-# times each into $(BIN)/soak-faults.txt.
-FAULTS_SOAK_ROUNDS ?= 10
-.PHONY: test-faults soak soak-faults
-test-faults: deps build
-	@mkdir -p $(BIN)
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -v -timeout 60m ./integration/faults | tee $(BIN)/faults.txt
-soak: soak-faults soak-lease
-soak-faults: deps build
-	@mkdir -p $(BIN)
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) VCO_FAULTS_ROUNDS=$(FAULTS_SOAK_ROUNDS) $(GO) test -count=1 -p 1 -v -timeout 4h ./integration/faults | tee $(BIN)/soak-faults.txt
-	@grep -h '^FIGURE ' $(BIN)/soak-faults.txt
-
-# The lease's schedule simulator (fence/lease/sim_test.go) over many more
-# seeds than the unit tier's; a broken seed prints its replay command.
-LEASE_SOAK_SEEDS ?= 40000
-.PHONY: soak-lease
-soak-lease:
-	$(GO) test -count=1 -timeout 4h -run 'TestLeaseSchedules$$' ./fence/lease -lease.from=100000 -lease.seeds=$(LEASE_SOAK_SEEDS)
-
-# dm-crypt on a real guest kernel (crypt/dmcrypt/lab_test.go, 60-100 s):
-# vco-agent luks format/open/close/resize against cryptsetup in a QEMU guest
-# of the lab. Plain go test skips it unless VCO_LAB is set.
-.PHONY: test-crypt-lab bench-crypt
-test-crypt-lab: deps build
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 20m -run TestDMCryptInGuest ./crypt/dmcrypt/
-
-# The LUKS2 header reader and metadata validator under the fuzzer.
-.PHONY: fuzz-crypt
-fuzz-crypt:
-	$(GO) test -run '^$$' -fuzz FuzzReadHeader -fuzztime 60s ./crypt/luks2/
-	$(GO) test -run '^$$' -fuzz FuzzParseMetadata -fuzztime 60s ./crypt/luks2/
-
-# LUKS2 unlock and format against cryptsetup with the same KDF cost.
-bench: bench-crypt
-bench-crypt: deps build
-	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ > $(BIN)/bench-crypt.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-crypt.txt
-
-# Every fuzz target in the repository, found with `go test -list`, each for
-# FUZZTIME (default 30s); test-fuzz-brief runs each for FUZZBRIEF
-# executions (a count: no deadline to race on a loaded machine). Checked-in corpora live in each package's testdata/fuzz.
-FUZZBRIEF ?= 3000x
-FUZZ_PKGS  = $(shell grep -rl --include='*_test.go' '^func Fuzz' . | xargs -n1 dirname | sort -u)
-fuzz:
-	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s
-
-.PHONY: test-fuzz-brief fuzz-all
-test-fuzz-brief:
-	@$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZBRIEF) FUZZ_MIN=0s
-
-# The long run: every fuzz target for FUZZTIME, the crash loop for
-# SOAK_ROUNDS rounds and the other reliability tests, then the figures
-# written to docs/reliability.md (integration/reliability). Root; about
-# FUZZTIME x the number of targets plus a few minutes.
-SOAK_ROUNDS ?= 200
-# Rounds of 100 concurrent CSI calls (TestConcurrentCSICalls), and of the
-# same under the race detector.
-STORM_SOAK_ROUNDS ?= 20
-STORM_RACE_ROUNDS ?= 5
-.PHONY: soak
-soak: deps-apt
-	@mkdir -p $(BIN)
-	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
-	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
-	VCO_CRASH_ROUNDS=$(SOAK_ROUNDS) VCO_STORM_ROUNDS=$(STORM_SOAK_ROUNDS) VCO_FUZZ_LOG=$(BIN)/soak-fuzz.log VCO_RELIABILITY_REPORT=$(CURDIR)/docs/reliability.md \
-	  $(GO) test -count=1 -p 1 -timeout 90m -v ./integration/reliability | tee $(BIN)/soak.log | grep -E '^(=== RUN|--- |crash loop|ok|FAIL)|: storm: '
-	@echo "soak: figures written to docs/reliability.md"
-
-# Go 1.26's fuzz engine can end a timed run with a bare "context deadline
-# exceeded" when -fuzztime expires mid-exec (golang/go#75804, fixed in
-# 1.27); a real finding always writes a failing input, so only that fails.
-fuzz-all:
-	@set -e; out=$$(mktemp); trap 'rm -f $$out' EXIT; n=0; for pkg in $(FUZZ_PKGS); do \
-	  for fn in $$($(GO) test -list '^Fuzz' $$pkg | grep '^Fuzz'); do \
-	    echo "== $$pkg $$fn ($(FUZZ_FOR))"; n=$$((n+1)); \
-	    if $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZ_FOR) -fuzzminimizetime $(FUZZ_MIN) -parallel 1 $$pkg >$$out 2>&1; then cat $$out; \
-	    elif grep -q 'context deadline exceeded' $$out && ! grep -q -e 'Failing input written' -e 'panic:' $$out; then \
-	      cat $$out; echo "fuzz: $$fn stopped by the engine's end-of-run race (golang/go#75804), no failing input: not a finding"; \
-	    else cat $$out; exit 1; fi; \
-	  done; done; echo "fuzz: $$n targets, $(FUZZ_FOR) each"
-
-# Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
-# in `make unit`).
-FUZZTIME   ?= 30s
-FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
-  fence/discovery:FuzzParseLocator fence/discovery:FuzzParsePCIAddress fence/discovery:FuzzParseDevnum \
-  fence/scsi:FuzzParseSense fence/scsi:FuzzParseReadKeys fence/scsi:FuzzParseReadReservation \
-  fence/scsi:FuzzParseReportCapabilities fence/scsi:FuzzParseReadFullStatus fence/scsi:FuzzParseInquiry \
-  fence/scsi:FuzzParseUnitSerial fence/scsi:FuzzParseDeviceID \
-  fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/uevent:FuzzParse
-fuzz-fence:
-	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
-	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s -parallel 1 ./$$pkg; done
-
-# The SMBIOS table walker and parser, each for FUZZTIME.
-fuzz-smbios:
-	@for fn in FuzzParseTable FuzzParseStructures; do echo "== smbios $$fn"; \
-	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -parallel 1 ./smbios; done
-
-proto: deps
-	protoc --proto_path=agent/api \
-	  --plugin=protoc-gen-go=$(TOOLS)/protoc-gen-go \
-	  --plugin=protoc-gen-go-grpc=$(TOOLS)/protoc-gen-go-grpc \
-	  --go_out=agent/api --go_opt=paths=source_relative \
-	  --go-grpc_out=agent/api --go-grpc_opt=paths=source_relative \
-	  agent/api/agent.proto
-
+## every dependency below
 deps: deps-apt deps-go deps-lab deps-udev
 
-# L1-L4 with the on-disk lease between two lab guests sharing one
-# virtio-blk disk, through vco-agent lease (fence/lease/lab_test.go, 80 s).
-.PHONY: test-lease-lab
-test-lease-lab: deps build
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestLeaseBetweenGuests ./fence/lease/
-
-# The udev rules against real virtio-blk and QEMU SCSI disks in a lab guest
-# (packaging/udev/lab_test.go, about 30 s).
-.PHONY: test-udev-lab
-test-udev-lab: deps build
-	VCO_LAB=1 VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -p 1 -timeout 15m -run TestRulesInGuest ./packaging/udev/
-
-# A udevadm for the rules tests, unpacked from Debian's packages into
-# .tools/udev without installing them: installing udev would start a
-# daemon that reacts to every loop device the tests attach.
-UDEV_ROOT := $(CURDIR)/.tools/udev
-deps-udev: deps-apt
-	@test -x $(UDEV_ROOT)/bin/udevadm || { apt-cache show udev >/dev/null 2>&1 || apt-get update -qq; \
-	  d=$$(mktemp -d) && cd $$d && \
-	  apt-get download -q udev libsystemd-shared >/dev/null && \
-	  mkdir -p $(UDEV_ROOT) && for f in *.deb; do dpkg-deb -x $$f $(UDEV_ROOT); done && rm -rf $$d; }
-
-# The lab's guest kernel: Debian's linux-image-amd64, unpacked into
-# /var/cache/vco-lab (or $$VCO_LAB_CACHE) once.
-deps-lab: deps-apt
-	@apt-cache show linux-image-amd64 >/dev/null 2>&1 || apt-get update -qq
-	@$(GO) run ./cmd/vco-lab prepare
-
+## the Debian packages in DEBS that are missing
 deps-apt:
 	@missing=""; \
 	for p in $(DEBS); do \
@@ -394,6 +492,7 @@ deps-apt:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
+## the pinned Go tools in .tools/bin
 deps-go:
 	@mkdir -p $(TOOLS)
 	@test -x $(TOOLS)/staticcheck || GOBIN=$(TOOLS) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
@@ -401,36 +500,20 @@ deps-go:
 	@test -x $(TOOLS)/protoc-gen-go-grpc || GOBIN=$(TOOLS) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GRPC_VERSION)
 	@test -x $(TOOLS)/csi-sanity || GOBIN=$(TOOLS) $(GO) install github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$(CSI_SANITY_VERSION)
 
-# Node-image packages: dist/vco-agent_<version>_<arch>.deb and
-# dist/vco-agent-<version>.<arch>.rpm for each of PKG_ARCHES.
-PKG_ARCHES     := amd64 arm64
-PKG_MAINTAINER ?= whitesky.cloud <vco-storage@whitesky.cloud>
-comma          := ,
-space          := $(subst x,,x x)
+# The lab's guest kernel: Debian's linux-image-amd64, unpacked into
+# /var/cache/vco-lab (or $$VCO_LAB_CACHE) once.
+## the lab's guest kernel
+deps-lab: deps-apt
+	@apt-cache show linux-image-amd64 >/dev/null 2>&1 || apt-get update -qq
+	@$(GO) run ./cmd/vco-lab prepare
 
-packages: build
-	@rm -f dist/vco-agent_*.deb dist/vco-agent-*.rpm
-	@for a in $(PKG_ARCHES); do \
-	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/linux_$$a/ ./cmd/vco-agent; \
-	done
-	$(GO) run ./packaging/cmd/vco-pkg -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
-	  -bin-dir '$(BIN)/linux_%s' -help-from $(BIN)/vco-agent -out dist -maintainer '$(PKG_MAINTAINER)'
-
-# lintian, rpmlint, systemd-analyze, cloud-init schema, and install,
-# upgrade, remove and purge in a debootstrap chroot and an rpm --root;
-# then a Debian guest boots with the
-# .deb and the cloud-init seed (first run: a debootstrap of about 900 MB,
-# cached in /var/cache/vco-packaging; each run: two boots under TCG).
-test-packages: deps packages
-	packaging/test/check-packages.sh dist
-	packaging/test/guest-boot.sh dist/vco-agent_*_amd64.deb
-
-# The Debian 12 root that guest-boot.sh and E9's systemd guest boot: a
-# debootstrap of about 900 MB, made once (about 14 min) and cached in
-# /var/cache/vco-packaging (or $$VCO_PKG_CACHE).
-.PHONY: guest-root
-guest-root: deps-apt
-	@packaging/test/guest-root.sh >/dev/null
-
-clean:
-	rm -rf $(BIN) dist
+# A udevadm for the rules tests, unpacked from Debian's packages into
+# .tools/udev without installing them: installing udev would start a
+# daemon that reacts to every loop device the tests attach.
+UDEV_ROOT := $(CURDIR)/.tools/udev
+## a udevadm for the udev rules' tests, unpacked, never installed
+deps-udev: deps-apt
+	@test -x $(UDEV_ROOT)/bin/udevadm || { apt-cache show udev >/dev/null 2>&1 || apt-get update -qq; \
+	  d=$$(mktemp -d) && cd $$d && \
+	  apt-get download -q udev libsystemd-shared >/dev/null && \
+	  mkdir -p $(UDEV_ROOT) && for f in *.deb; do dpkg-deb -x $$f $(UDEV_ROOT); done && rm -rf $$d; }

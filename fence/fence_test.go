@@ -95,6 +95,34 @@ func TestGrantRoundTripAndChecks(t *testing.T) {
 	}
 }
 
+func TestNewGrant(t *testing.T) {
+	g, err := NewGrant("disk-7", "8F2D6A1E-9B3C-4D5E-A6F7-0123456789AB", []string{"76638f635b9108ec", "0x7663000000000001"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := ParseGrant(`{"disk":"disk-7","node":"8f2d6a1e-9b3c-4d5e-a6f7-0123456789ab","supersedes":["0x76638f635b9108ec","0x7663000000000001"]}`)
+	if err != nil || g.Encode() != want.Encode() {
+		t.Fatalf("NewGrant: %s, ParseGrant: %s (%v)", g.Encode(), want.Encode(), err)
+	}
+	const node = "8f2d6a1e-9b3c-4d5e-a6f7-0123456789ab"
+	for _, c := range []struct {
+		disk, node string
+		keys       []string
+		want       string
+	}{
+		{"", node, []string{"0x1"}, "names no disk"},
+		{"d", "x", []string{"0x1"}, "8-4-4-4-12"},
+		{"d", "00000000-0000-0000-0000-000000000000", []string{"0x1"}, "not set"},
+		{"d", node, nil, "names no superseded key"},
+		{"d", node, []string{"0x1", "0x0"}, "zero"},
+		{"d", node, []string{"key"}, "hexadecimal"},
+	} {
+		if g, err := NewGrant(c.disk, c.node, c.keys); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("NewGrant(%q, %q, %q) = %+v, %v; want an error saying %q", c.disk, c.node, c.keys, g, err, c.want)
+		}
+	}
+}
+
 func TestErrorsNameTheHolder(t *testing.T) {
 	he := &HeldError{Device: "/dev/sdb", Holder: 0x76638f635b9108ec, HolderNode: "worker-1", Type: WriteExclusive}
 	for _, want := range []string{"/dev/sdb", "0x76638f635b9108ec", "worker-1", "Write Exclusive", "grant"} {

@@ -42,9 +42,15 @@ func FuzzStageVolumeRequest(f *testing.F) {
 				if agenterr.Code(err) != codes.InvalidArgument {
 					t.Fatalf("locator %v: %v, want InvalidArgument", req.GetDevice(), err)
 				}
-			} else if loc.Disk != "" {
-				if _, err := discovery.ParseLocator(loc.Disk); err != nil {
-					t.Fatalf("locator %v became %q, which does not parse back: %v", req.GetDevice(), loc.Disk, err)
+			} else if !loc.Disk.IsZero() {
+				// Claims record the locator as its text form.
+				text, err := loc.Disk.MarshalText()
+				if err != nil {
+					t.Fatalf("locator %v became %+v, which has no text form: %v", req.GetDevice(), loc.Disk, err)
+				}
+				var back discovery.Locator
+				if err := back.UnmarshalText(text); err != nil || !back.Equal(loc.Disk) {
+					t.Fatalf("locator %v became %q, which reads back as %+v: %v", req.GetDevice(), text, back, err)
 				}
 			}
 		}

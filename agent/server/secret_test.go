@@ -20,6 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
@@ -37,7 +38,7 @@ func (c *recordingCrypt) Inspect(context.Context, string) (volume.Content, error
 	return volume.Content{Kind: volume.ContentLUKS2, UUID: "fake"}, nil
 }
 
-func (c *recordingCrypt) Format(context.Context, blank.Proof, []byte, volume.TransitToken) error {
+func (c *recordingCrypt) Format(context.Context, blank.Proof, []byte, luks2.TransitToken) error {
 	return errors.New("the fake formats nothing")
 }
 

@@ -4,11 +4,11 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"unicode"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
@@ -22,67 +22,58 @@ func (s *Server) volumes() (*volume.Manager, error) {
 	return s.o.Volumes, nil
 }
 
-// LocatorFromAPI turns the API's device locator into the form claims
-// record.
+// LocatorFromAPI turns the API's device locator into the volume
+// manager's, which claims record as it is.
 func LocatorFromAPI(l *api.DeviceLocator) (volume.Locator, error) {
 	if l == nil {
 		return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "the request names no device")
 	}
-	var parts []string
+	var d discovery.Locator
 	switch {
 	case l.GetPciAddress() != "":
 		a, err := discovery.ParsePCIAddress(l.GetPciAddress())
 		if err != nil {
 			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
 		}
-		parts = append(parts, "pci="+a.String())
+		d.PCI = &a
 	case l.GetHasPci():
 		a, err := discovery.PCIFromAPI(int(l.GetPciBus()), int(l.GetPciSlot()))
 		if err != nil {
 			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
 		}
-		parts = append(parts, "pci="+a.String())
+		d.PCI = &a
 	}
 	// Targets pad serials with spaces, and discovery compares them
-	// trimmed; a comma, '=' or a control character can be in no real one
-	// and would not survive the record.
-	serial, wwn := strings.TrimSpace(l.GetSerial()), strings.TrimSpace(l.GetWwn())
-	for k, v := range map[string]string{"serial": serial, "wwn": wwn} {
-		if strings.ContainsAny(v, ",=") || strings.IndexFunc(v, unicode.IsControl) >= 0 {
-			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "device %s %q holds a comma, '=' or a control character", k, v)
+	// trimmed.
+	d.Serial, d.WWN = strings.TrimSpace(l.GetSerial()), strings.TrimSpace(l.GetWwn())
+	if !d.IsZero() {
+		if err := d.Check(); err != nil {
+			return volume.Locator{}, agenterr.New(agenterr.InvalidArgument, "%v", err)
 		}
 	}
-	if serial != "" {
-		parts = append(parts, "serial="+serial)
-	}
-	if wwn != "" {
-		parts = append(parts, "wwn="+wwn)
-	}
-	return volume.Locator{Disk: strings.Join(parts, ","), BackingFile: l.GetLoopBackingFile()}, nil
+	return volume.Locator{Disk: d, BackingFile: l.GetLoopBackingFile()}, nil
 }
 
-// GrantFromAPI checks and converts a takeover grant; nil stays nil.
+// GrantFromAPI checks and converts a takeover grant (fence.NewGrant); nil
+// stays nil.
 func GrantFromAPI(g *api.TakeoverGrant) (*fence.Grant, error) {
 	if g == nil {
 		return nil, nil
 	}
-	out := &fence.Grant{Disk: g.GetDisk()}
-	node, err := fence.CanonicalUUID(g.GetNode())
+	out, err := fence.NewGrant(g.GetDisk(), g.GetNode(), g.GetSupersedes())
 	if err != nil {
-		return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant: %v", err)
-	}
-	out.Node = node
-	for _, k := range g.GetSupersedes() {
-		key, err := fence.ParseKey(k)
-		if err != nil {
-			return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant: %v", err)
-		}
-		out.Supersedes = append(out.Supersedes, key)
-	}
-	if out.Disk == "" || len(out.Supersedes) == 0 {
-		return nil, agenterr.New(agenterr.InvalidArgument, "takeover grant must name the disk and at least one superseded key")
+		return nil, agenterr.New(agenterr.InvalidArgument, "%v", err)
 	}
 	return out, nil
+}
+
+// TransitTokenFromAPI converts the API's transit token; nil stays nil. The
+// volume manager checks it (luks2.TransitToken.Check) when it formats.
+func TransitTokenFromAPI(t *api.TransitToken) *luks2.TransitToken {
+	if t == nil {
+		return nil
+	}
+	return &luks2.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
 }
 
 // StageVolume implements api.AgentServer. The passphrase of an encrypted
@@ -111,9 +102,7 @@ func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (
 	}
 	if e := req.GetEncryption(); e != nil {
 		r.Encrypted, r.Passphrase, r.FormatLUKS = true, e.GetPassphrase(), e.GetFormatIfBlank()
-		if t := e.GetTransitToken(); t != nil {
-			r.Token = &volume.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
-		}
+		r.Token = TransitTokenFromAPI(e.GetTransitToken())
 	}
 	res, err := m.Stage(ctx, r)
 	if err != nil {

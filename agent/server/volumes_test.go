@@ -11,27 +11,38 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
-	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
 
 func TestLocatorFromAPI(t *testing.T) {
 	cases := []struct {
-		in   *api.DeviceLocator
-		want volume.Locator
+		in            *api.DeviceLocator
+		disk, backing string
 	}{
-		{&api.DeviceLocator{HasPci: true, PciBus: 0, PciSlot: 7, Serial: "42"}, volume.Locator{Disk: "pci=0000:00:07,serial=42"}},
-		{&api.DeviceLocator{PciAddress: "00:07.0", Wwn: "naa.6001405f"}, volume.Locator{Disk: "pci=0000:00:07.0,wwn=naa.6001405f"}},
-		{&api.DeviceLocator{Serial: "abc"}, volume.Locator{Disk: "serial=abc"}},
-		{&api.DeviceLocator{LoopBackingFile: "/srv/disk-1.img"}, volume.Locator{BackingFile: "/srv/disk-1.img"}},
+		{&api.DeviceLocator{HasPci: true, PciBus: 0, PciSlot: 7, Serial: "42"}, "pci=0000:00:07,serial=42", ""},
+		{&api.DeviceLocator{PciAddress: "00:07.0", Wwn: "naa.6001405f"}, "pci=0000:00:07.0,wwn=naa.6001405f", ""},
+		{&api.DeviceLocator{Serial: "abc"}, "serial=abc", ""},
+		{&api.DeviceLocator{Serial: "  abc  "}, "serial=abc", ""},
+		{&api.DeviceLocator{LoopBackingFile: "/srv/disk-1.img"}, "", "/srv/disk-1.img"},
 	}
 	for _, c := range cases {
 		got, err := LocatorFromAPI(c.in)
-		if err != nil || got != c.want {
-			t.Errorf("%v: %+v %v, want %+v", c.in, got, err, c.want)
+		if err != nil || got.Disk.String() != c.disk || got.BackingFile != c.backing {
+			t.Errorf("%v: %+v %v, want disk %q, backing file %q", c.in, got, err, c.disk, c.backing)
+			continue
+		}
+		if c.disk == "" {
+			continue
+		}
+		// The locator is recorded as its text form, which must read back
+		// as the same locator.
+		back, err := discovery.ParseLocator(c.disk)
+		if err != nil || !back.Equal(got.Disk) {
+			t.Errorf("%v: %q reads back as %+v, %v", c.in, c.disk, back, err)
 		}
 	}
-	for _, bad := range []*api.DeviceLocator{nil, {PciAddress: "zz"}, {HasPci: true, PciSlot: 40}, {Serial: "a,b"}, {Wwn: "x=y"}} {
+	for _, bad := range []*api.DeviceLocator{nil, {PciAddress: "zz"}, {HasPci: true, PciSlot: 40}, {Serial: "a,b"}, {Wwn: "x=y"}, {Serial: "a\x00b"}} {
 		if _, err := LocatorFromAPI(bad); agenterr.Code(err) != codes.InvalidArgument {
 			t.Errorf("%v: %v, want InvalidArgument", bad, err)
 		}

@@ -73,8 +73,8 @@ func (s *diskScan) locate(ctx context.Context, loc Locator, allowLoop bool) (*De
 		}
 		return openLoop(ctx, s.f, loc.BackingFile)
 	}
-	dl, err := discovery.ParseLocator(loc.Disk)
-	if err != nil {
+	dl := loc.Disk
+	if err := dl.Check(); err != nil {
 		return nil, agenterr.New(agenterr.InvalidArgument, "%v", err)
 	}
 	if s.inv != nil {

@@ -109,7 +109,7 @@ func (m *Manager) formatLUKS(ctx context.Context, c *Claim, proof blank.Proof, r
 		return false, agenterr.New(agenterr.InvalidArgument,
 			"volume %s: formatting LUKS2 needs the passphrase's wrapped form (transit_token) to keep in the header; without it the passphrase could never be recovered", c.Volume)
 	}
-	if err := r.Token.check(); err != nil {
+	if err := r.Token.Check(); err != nil {
 		return false, agenterr.New(agenterr.InvalidArgument, "volume %s: %v", c.Volume, err)
 	}
 	c.LUKSFormatting = true
@@ -175,7 +175,7 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 	if c != nil && c.Phase == PhaseStaged {
 		res.Device = c.BaseDevice()
 	} else {
-		if loc == (Locator{}) {
+		if loc.IsZero() {
 			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
 		}
 		dev, err := m.locate(ctx, loc)

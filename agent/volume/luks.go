@@ -15,30 +15,6 @@ import (
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
-// TransitToken is a volume passphrase wrapped by a Vault/OpenBao transit
-// key, as the LUKS2 header keeps it (a vco-transit token). It is not a
-// secret: only the transit engine can unwrap it.
-type TransitToken struct {
-	Mount      string
-	KeyName    string
-	KeyVersion int
-	Ciphertext string
-}
-
-// check refuses a token the node plugin cannot have made: the transit
-// engine's ciphertexts name the key version they were made with.
-func (t TransitToken) check() error {
-	switch {
-	case t.KeyName == "":
-		return errors.New("the transit token names no key")
-	case t.KeyVersion < 1:
-		return fmt.Errorf("the transit token's key version %d is not a version (1 or more)", t.KeyVersion)
-	case !strings.HasPrefix(t.Ciphertext, fmt.Sprintf("vault:v%d:", t.KeyVersion)) || len(t.Ciphertext) <= len(fmt.Sprintf("vault:v%d:", t.KeyVersion)):
-		return fmt.Errorf("the transit token's ciphertext is not a transit ciphertext of key version %d (vault:v%d:...)", t.KeyVersion, t.KeyVersion)
-	}
-	return nil
-}
-
 // ContentKind is what a volume's device holds where LUKS2 goes.
 type ContentKind string
 
@@ -54,7 +30,7 @@ type Content struct {
 	// UUID and Token are those of a LUKS2 header; Token is nil when the
 	// header has no vco-transit token.
 	UUID  string
-	Token *TransitToken
+	Token *luks2.TransitToken
 	// Detail names the data of ContentOther, or why a header was refused.
 	Detail string
 }
@@ -126,9 +102,7 @@ func (l *LUKS) Inspect(_ context.Context, device string) (Content, error) {
 		if err != nil {
 			return Content{Kind: ContentOther, Detail: fmt.Sprintf("a LUKS2 header whose %s token is damaged: %v", luks2.TransitTokenType, err)}, nil
 		}
-		if tok != nil {
-			ct.Token = &TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext}
-		}
+		ct.Token = tok
 		return ct, nil
 	}
 	if !errors.Is(err, luks2.ErrNotLUKS2) {
@@ -196,11 +170,11 @@ const luksHeaderArea = 16 << 20
 // proved blank; luks2's own signature check is set aside (Force) only for
 // a proof of everything past the header area, which is the agent's own
 // format a crash cut short.
-func (l *LUKS) Format(_ context.Context, p blank.Proof, passphrase []byte, tok TransitToken) error {
+func (l *LUKS) Format(_ context.Context, p blank.Proof, passphrase []byte, tok luks2.TransitToken) error {
 	if !p.Valid() || p.From() > luksHeaderArea {
 		return errors.New("no proof that the device is blank; no LUKS2 header is written")
 	}
-	if err := tok.check(); err != nil {
+	if err := tok.Check(); err != nil {
 		return err
 	}
 	if mem, limit := l.formatMemoryKiB(), orDefault(l.KDFMaxMemoryKiB, DefaultKDFMaxMemoryKiB); mem > limit {
@@ -208,7 +182,7 @@ func (l *LUKS) Format(_ context.Context, p blank.Proof, passphrase []byte, tok T
 	}
 	o := luks2.FormatOptions{
 		Passphrase: passphrase, KDF: l.KDF, Force: p.From() > 0,
-		TransitToken: &luks2.TransitToken{Mount: tok.Mount, KeyName: tok.KeyName, KeyVersion: tok.KeyVersion, Ciphertext: tok.Ciphertext},
+		TransitToken: &tok,
 	}
 	if n, err := deviceSize(p.Device()); err == nil && (n-16<<20)%4096 != 0 {
 		o.SectorSize = 512

@@ -16,6 +16,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
@@ -34,7 +35,7 @@ type Encryption interface {
 	// of the device past the LUKS2 header area only (blank.ProvePast, for
 	// the agent's own format a crash cut short) lets it write over that
 	// area; nothing else is ever formatted.
-	Format(ctx context.Context, p blank.Proof, passphrase []byte, tok TransitToken) error
+	Format(ctx context.Context, p blank.Proof, passphrase []byte, tok luks2.TransitToken) error
 	// Open unlocks the LUKS2 volume on device and maps it as name.
 	Open(ctx context.Context, device, name string, passphrase []byte, readOnly bool) (Mapped, error)
 	// Close removes the mapping; a missing mapping is not an error.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
@@ -34,7 +35,7 @@ type StageRequest struct {
 	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
 	// passphrase wrapped by the transit engine.
 	FormatLUKS    bool
-	Token         *TransitToken
+	Token         *luks2.TransitToken
 	AllowUnfenced bool
 	// NeverPublished is the controller's word that no node was given the
 	// disk before this stage's: the reclaim wait is skipped (acquire).
@@ -115,7 +116,7 @@ func compatible(c *Claim, r StageRequest, staging, fsType string) error {
 	if c.Encrypted != r.Encrypted {
 		diff = append(diff, fmt.Sprintf("encrypted=%v, not %v", c.Encrypted, r.Encrypted))
 	}
-	if c.Locator != r.Locator {
+	if !c.Locator.Equal(r.Locator) {
 		diff = append(diff, fmt.Sprintf("device %s, not %s", c.Locator, r.Locator))
 	}
 	if !slices.Equal(c.MountFlags, r.MountFlags) {
@@ -164,7 +165,7 @@ func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error)
 	if err := checkVolumeID(r.Volume); err != nil {
 		return "", "", err
 	}
-	if r.Locator == (Locator{}) {
+	if r.Locator.IsZero() {
 		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
 	}
 	if staging, err = confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath); err != nil {

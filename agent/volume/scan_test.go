@@ -79,7 +79,7 @@ func (s *fakeSysfs) finder() discovery.Finder {
 	return discovery.Finder{SysfsRoot: s.root, DevRoot: "/dev"}
 }
 
-func bySerial(serial string) Locator { return Locator{Disk: "serial=" + serial} }
+func bySerial(serial string) Locator { return Locator{Disk: discovery.Locator{Serial: serial}} }
 
 // The claims of one pass share one scan while it holds; a disk the scan
 // does not have, or no longer has as it saw it, is looked up afresh, with

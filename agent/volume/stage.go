@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
@@ -43,6 +44,9 @@ type staging struct {
 	unlocked   Mapped
 	headerNote string
 	undo       rollback
+	// took says how long each step took, for the log: where a slow
+	// stage spends its time (docs/benchmarks.md).
+	took []string
 }
 
 // rollback is a stack of undos.
@@ -61,8 +65,14 @@ func (r *rollback) run() {
 // stage takes the steps of a stage of the claim c, recorded or new.
 func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageResult, error) {
 	s := &staging{m: m, c: c, r: r, isNew: c.Phase == ""}
-	for _, step := range []func(context.Context) error{s.openDisk, s.fence, s.mapDataRegion, s.unlock, s.mount, s.record} {
-		if err := step(ctx); err != nil {
+	for _, step := range []struct {
+		name string
+		run  func(context.Context) error
+	}{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}} {
+		start := time.Now()
+		err := step.run(ctx)
+		s.took = append(s.took, fmt.Sprintf("%s %s", step.name, time.Since(start).Round(time.Millisecond)))
+		if err != nil {
 			s.undo.run()
 			return StageResult{Formatted: s.formatted}, err
 		}
@@ -418,6 +428,6 @@ func (s *staging) record(context.Context) error {
 	m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: dev.Serial,
 		HolderKey: uint64(c.Key), Reason: "staged", Message: msg})
 	m.log.Info("volume staged", "volume", c.Volume, "device", dev.Path, "mapped", c.Mapper, "unlocked_by", s.unlocked.Reader, "staging", c.StagingPath,
-		"fs", c.FsType, "fence", c.Method, "formatted", s.formatted)
+		"fs", c.FsType, "fence", c.Method, "formatted", s.formatted, "steps", strings.Join(s.took, ", "))
 	return nil
 }

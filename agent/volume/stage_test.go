@@ -1,23 +1,29 @@
 package volume
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	mount "k8s.io/mount-utils"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
@@ -82,7 +88,7 @@ type fakeCrypt struct {
 func (f *fakeCrypt) Inspect(context.Context, string) (Content, error) {
 	return Content{Kind: ContentLUKS2}, nil
 }
-func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, TransitToken) error {
+func (f *fakeCrypt) Format(context.Context, blank.Proof, []byte, luks2.TransitToken) error {
 	return errors.New("the stage tests format nothing")
 }
 func (f *fakeCrypt) Open(context.Context, string, string, []byte, bool) (Mapped, error) {
@@ -186,7 +192,7 @@ func newStageEnv(t *testing.T) *stageEnv {
 }
 
 func (e *stageEnv) request(volume string) StageRequest {
-	return StageRequest{Volume: volume, Locator: Locator{Disk: "serial=fake0"}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
+	return StageRequest{Volume: volume, Locator: Locator{Disk: discovery.Locator{Serial: "fake0"}}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
 		Encrypted: true, Passphrase: []byte("not a secret")}
 }
 
@@ -398,6 +404,37 @@ func TestFailedStageUndoesAFencerOfAnyType(t *testing.T) {
 		}
 		if !slices.Equal(e.j.calls, want) {
 			t.Errorf("failing at %s: got %v, want %v", failAt, e.j.calls, want)
+		}
+	}
+}
+
+// TestStagedLogSaysWhereTheTimeWent: the "volume staged" line names each
+// step with its duration, in the stage's order, so that an operator (and
+// docs/benchmarks.md) can tell where a slow stage spent its time.
+func TestStagedLogSaysWhereTheTimeWent(t *testing.T) {
+	e := newStageEnv(t)
+	var buf bytes.Buffer
+	e.m.log = slog.New(slog.NewJSONHandler(&buf, nil))
+	if _, err := e.m.Stage(context.Background(), e.request("vol-t")); err != nil {
+		t.Fatal(err)
+	}
+	var steps string
+	for line := range strings.Lines(buf.String()) {
+		var rec struct{ Msg, Steps string }
+		if err := json.Unmarshal([]byte(line), &rec); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		if rec.Msg == "volume staged" {
+			steps = rec.Steps
+		}
+	}
+	names := regexp.MustCompile(`^open \S+, fence \S+, map \S+, unlock \S+, mount \S+$`)
+	if !names.MatchString(steps) {
+		t.Fatalf("the volume staged line's steps are %q; want each step with its duration, in order", steps)
+	}
+	for _, d := range strings.Split(steps, ", ") {
+		if _, err := time.ParseDuration(strings.Fields(d)[1]); err != nil {
+			t.Errorf("step %q: its duration does not parse: %v", d, err)
 		}
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
 
 // Phase is how far a stage got.
@@ -44,21 +45,29 @@ const (
 	StateLost     State = "lost"
 )
 
-// Locator is how a claim's disk is found again, in a form that survives
-// the JSON round trip (discovery's locator string and a loop backing file).
+// Locator is how a claim's disk is found again: a cloud disk by its
+// discovery locator, or a loop device by its backing file. In a record
+// the disk is discovery's text form ("pci=…,serial=…"); a record whose
+// locator does not parse is damaged.
 type Locator struct {
-	Disk        string `json:"disk,omitempty"`
-	BackingFile string `json:"loop_backing_file,omitempty"`
+	Disk        discovery.Locator `json:"disk,omitzero"`
+	BackingFile string            `json:"loop_backing_file,omitempty"`
 }
+
+// IsZero reports whether l names no device.
+func (l Locator) IsZero() bool { return l.Disk.IsZero() && l.BackingFile == "" }
+
+// Equal reports whether l and o name the same device the same way.
+func (l Locator) Equal(o Locator) bool { return l.Disk.Equal(o.Disk) && l.BackingFile == o.BackingFile }
 
 func (l Locator) String() string {
 	if l.BackingFile != "" {
-		if l.Disk != "" {
-			return l.Disk + ",loop=" + l.BackingFile
+		if !l.Disk.IsZero() {
+			return l.Disk.String() + ",loop=" + l.BackingFile
 		}
 		return "loop=" + l.BackingFile
 	}
-	return l.Disk
+	return l.Disk.String()
 }
 
 // Claim is the record of one staged (or being staged) volume. It holds no

@@ -20,6 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
@@ -719,12 +720,12 @@ func TestStateFilesAreNotFollowedThroughSymlinks(t *testing.T) {
 		t.Fatal("the symlink's target was overwritten")
 	}
 	// A round trip keeps every field and leaves no temporary file.
-	c := &Claim{Volume: "loc/42", Locator: Locator{Disk: "pci=0000:00:07,serial=42"}, Phase: PhaseStaged, State: StateHeld, Key: 0x7663000000000001, Formatted: true, Publications: []string{"/a"}}
+	c := &Claim{Volume: "loc/42", Locator: Locator{Disk: discovery.Locator{PCI: &discovery.PCIAddress{Slot: 7, AnyFunction: true}, Serial: "42"}}, Phase: PhaseStaged, State: StateHeld, Key: 0x7663000000000001, Formatted: true, Publications: []string{"/a"}}
 	if err := s.Put(c); err != nil {
 		t.Fatal(err)
 	}
 	got, err := s.Get("loc/42")
-	if err != nil || got == nil || got.Locator != c.Locator || got.Key != c.Key || !got.Formatted || got.Publications[0] != "/a" {
+	if err != nil || got == nil || !got.Locator.Equal(c.Locator) || got.Key != c.Key || !got.Formatted || got.Publications[0] != "/a" {
 		t.Fatalf("round trip: %+v %v", got, err)
 	}
 	ents, _ := os.ReadDir(s.Dir())

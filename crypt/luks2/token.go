@@ -2,10 +2,12 @@ package luks2
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"reflect"
 	"sort"
 	"strconv"
+	"strings"
 
 	luksgo "github.com/anatol/luks.go"
 )
@@ -27,6 +29,24 @@ type TransitToken struct {
 	KeyVersion int
 	// Ciphertext is the transit ciphertext, "vault:vN:...".
 	Ciphertext string
+}
+
+// Check refuses a token the node plugin cannot have made: one naming no
+// key, or whose ciphertext is not the transit engine's for the key version
+// it names (the engine's ciphertexts are "vault:vN:..." for version N).
+// The agent checks a token it is asked to write into a new header; a
+// token read from a header is held to parseTransitToken's rules only.
+func (t TransitToken) Check() error {
+	prefix := fmt.Sprintf("vault:v%d:", t.KeyVersion)
+	switch {
+	case t.KeyName == "":
+		return errors.New("the transit token names no key")
+	case t.KeyVersion < 1:
+		return fmt.Errorf("the transit token's key version %d is not a version (1 or more)", t.KeyVersion)
+	case !strings.HasPrefix(t.Ciphertext, prefix) || len(t.Ciphertext) <= len(prefix):
+		return fmt.Errorf("the transit token's ciphertext is not a transit ciphertext of key version %d (vault:v%d:...)", t.KeyVersion, t.KeyVersion)
+	}
+	return nil
 }
 
 type transitTokenJSON struct {

@@ -7,18 +7,18 @@ package agentnode
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strconv"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
-	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 // Options are the node plugin's explicit opt-ins for hosts that are not
@@ -125,21 +125,19 @@ func (a *Agent) locator(volumeID string, pc map[string]string) (*api.DeviceLocat
 	return loc, nil
 }
 
-// grant decodes the controller's takeover grant, if any.
+// grant passes the controller's takeover grant, if any, to the agent as
+// the API's type; the agent checks it (fence.NewGrant). Fields the API
+// has no place for are left out.
 func grant(volumeID string, pc map[string]string) (*api.TakeoverGrant, error) {
 	raw := pc[driver.PubFenceGrant]
 	if raw == "" {
 		return nil, nil
 	}
-	var g fence.Grant
-	if err := json.Unmarshal([]byte(raw), &g); err != nil {
+	g := &api.TakeoverGrant{}
+	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal([]byte(raw), g); err != nil {
 		return nil, invalid("volume %s: the publish context's %s is not a fence grant: %v", volumeID, driver.PubFenceGrant, err)
 	}
-	out := &api.TakeoverGrant{Disk: g.Disk, Node: g.Node}
-	for _, k := range g.Supersedes {
-		out.Supersedes = append(out.Supersedes, k.String())
-	}
-	return out, nil
+	return g, nil
 }
 
 // Stage asks the agent to find, verify and fence the disk and mount it
@@ -191,7 +189,7 @@ func (a *Agent) VolumeToken(ctx context.Context, volumeID string, pc map[string]
 		out.Content, out.Detail = driver.ContentOther, fmt.Sprintf("content the agent calls %s (%s)", r.GetContent(), r.GetDetail())
 	}
 	if t := r.GetTransitToken(); t != nil {
-		out.Token = &driver.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
+		out.Token = &luks2.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
 	}
 	return out, nil
 }

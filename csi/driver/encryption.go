@@ -5,6 +5,8 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"fmt"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
 // passphrase gets what the agent needs to open an encrypted volume. The
@@ -41,7 +43,7 @@ func (d *Driver) passphrase(ctx context.Context, volumeID string, pc map[string]
 			return nil, failf(ErrPrecondition, "volume %s: wrapping a new passphrase with transit key %q: %v; nothing was written to the disk",
 				volumeID, d.cfg.TransitKey.Name, err)
 		}
-		return &StageEncryption{Passphrase: pass, FormatIfBlank: true, Token: &TransitToken{
+		return &StageEncryption{Passphrase: pass, FormatIfBlank: true, Token: &luks2.TransitToken{
 			Mount: d.cfg.TransitKey.Mount, KeyName: d.cfg.TransitKey.Name, KeyVersion: ct.Version, Ciphertext: ct.Text}}, nil
 	default:
 		return nil, failf(ErrPrecondition, "volume %s is encrypted, but %s holds %s instead of a LUKS2 header; it is never formatted over data",

@@ -9,6 +9,8 @@ import (
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 )
 
 // NodeIdentity is what the agent knows about the machine it runs on.
@@ -43,15 +45,9 @@ type StageEncryption struct {
 	// FormatIfBlank lets the agent write a new header, with Token, on a
 	// device that holds nothing at all.
 	FormatIfBlank bool
-	Token         *TransitToken
-}
-
-// TransitToken is a volume's passphrase wrapped by the transit engine, as
-// kept in its LUKS2 header.
-type TransitToken struct {
-	Mount, KeyName string
-	KeyVersion     int
-	Ciphertext     string
+	// Token is the passphrase wrapped by the transit engine, to keep in
+	// the new header.
+	Token *luks2.TransitToken
 }
 
 // What a volume's device holds where its LUKS2 header goes.
@@ -66,7 +62,7 @@ type VolumeToken struct {
 	// Content is ContentBlank, ContentLUKS2 or ContentOther.
 	Content string
 	// Token is the header's wrapped passphrase; nil when it has none.
-	Token *TransitToken
+	Token *luks2.TransitToken
 	// Detail names what the device holds when it is not blank or LUKS2.
 	Detail string
 	Device string

@@ -22,6 +22,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"unicode"
 
 	"golang.org/x/sys/unix"
 
@@ -92,10 +93,13 @@ func PCIFromAPI(bus, slot int) (PCIAddress, error) {
 }
 
 // Locator says how to find a disk. Every field that is set must match.
+// Its text form, String and ParseLocator's, is "pci=…,serial=…,wwn=…";
+// MarshalText and UnmarshalText use it, so a locator kept in JSON (the
+// agent's claim records) is that string.
 type Locator struct {
-	PCI    *PCIAddress `json:"pci,omitempty"`
-	Serial string      `json:"serial,omitempty"`
-	WWN    string      `json:"wwn,omitempty"`
+	PCI    *PCIAddress
+	Serial string
+	WWN    string
 }
 
 func (l Locator) String() string {
@@ -110,6 +114,51 @@ func (l Locator) String() string {
 		p = append(p, "wwn="+l.WWN)
 	}
 	return strings.Join(p, ",")
+}
+
+// IsZero reports whether l names nothing.
+func (l Locator) IsZero() bool { return l.PCI == nil && l.Serial == "" && l.WWN == "" }
+
+// Equal reports whether l and o name the same disk the same way.
+func (l Locator) Equal(o Locator) bool {
+	if (l.PCI == nil) != (o.PCI == nil) || l.PCI != nil && *l.PCI != *o.PCI {
+		return false
+	}
+	return l.Serial == o.Serial && l.WWN == o.WWN
+}
+
+// Check refuses a locator whose text form would not read back as the same
+// locator: one naming nothing, or a serial or WWN with a comma, '=', a
+// control character or surrounding spaces (no real one has them; targets
+// pad serials with spaces, which Describe trims).
+func (l Locator) Check() error {
+	if l.IsZero() {
+		return errors.New("the disk locator names nothing to look for (pci, serial, wwn)")
+	}
+	for _, f := range []struct{ k, v string }{{"serial", l.Serial}, {"wwn", l.WWN}} {
+		if strings.ContainsAny(f.v, ",=") || strings.IndexFunc(f.v, unicode.IsControl) >= 0 || strings.TrimSpace(f.v) != f.v {
+			return fmt.Errorf("device %s %q holds a comma, '=', a control character or surrounding spaces", f.k, f.v)
+		}
+	}
+	return nil
+}
+
+// MarshalText is l's text form; a locator that fails Check has none.
+func (l Locator) MarshalText() ([]byte, error) {
+	if err := l.Check(); err != nil {
+		return nil, err
+	}
+	return []byte(l.String()), nil
+}
+
+// UnmarshalText reads l's text form with ParseLocator.
+func (l *Locator) UnmarshalText(b []byte) error {
+	p, err := ParseLocator(string(b))
+	if err != nil {
+		return err
+	}
+	*l = p
+	return nil
 }
 
 // ParseLocator reads "pci=00:07,serial=abc,wwn=naa.600..." (any subset, at
@@ -136,7 +185,7 @@ func ParseLocator(s string) (Locator, error) {
 			return Locator{}, fmt.Errorf("disk locator %q: unknown key %q (pci, serial, wwn)", s, k)
 		}
 	}
-	if l.PCI == nil && l.Serial == "" && l.WWN == "" {
+	if l.IsZero() {
 		return Locator{}, fmt.Errorf("disk locator %q names nothing to look for", s)
 	}
 	return l, nil

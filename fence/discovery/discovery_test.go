@@ -136,6 +136,43 @@ func TestParsePCIAddressAndLocator(t *testing.T) {
 	}
 }
 
+func TestLocatorText(t *testing.T) {
+	l := Locator{PCI: &PCIAddress{Slot: 7, AnyFunction: true}, Serial: "abc", WWN: "naa.6001"}
+	b, err := l.MarshalText()
+	if err != nil || string(b) != "pci=0000:00:07,serial=abc,wwn=naa.6001" {
+		t.Fatalf("MarshalText = %q, %v", b, err)
+	}
+	var back Locator
+	if err := back.UnmarshalText(b); err != nil || !back.Equal(l) {
+		t.Fatalf("UnmarshalText(%q) = %+v, %v", b, back, err)
+	}
+	if err := back.UnmarshalText([]byte("pci=zz")); err == nil {
+		t.Fatal("UnmarshalText accepted a bad PCI address")
+	}
+	for _, bad := range []Locator{{}, {Serial: "a,b"}, {WWN: "x=y"}, {Serial: "a\nb"}, {Serial: " a"}} {
+		if _, err := bad.MarshalText(); err == nil {
+			t.Errorf("MarshalText(%+v) accepted a locator that would not read back", bad)
+		}
+	}
+	// Equal compares the addresses, not where they are kept.
+	other := Locator{PCI: &PCIAddress{Slot: 7, AnyFunction: true}, Serial: "abc", WWN: "naa.6001"}
+	for _, c := range []struct {
+		a, b Locator
+		want bool
+	}{
+		{l, other, true},
+		{Locator{}, Locator{}, true},
+		{l, Locator{PCI: &PCIAddress{Slot: 7}, Serial: "abc", WWN: "naa.6001"}, false},
+		{l, Locator{Serial: "abc", WWN: "naa.6001"}, false},
+		{Locator{Serial: "a"}, Locator{Serial: "b"}, false},
+		{Locator{WWN: "a"}, Locator{WWN: "b"}, false},
+	} {
+		if c.a.Equal(c.b) != c.want || c.b.Equal(c.a) != c.want {
+			t.Errorf("%+v equal to %+v: want %v", c.a, c.b, c.want)
+		}
+	}
+}
+
 func TestListAndFind(t *testing.T) {
 	s := newSysfs(t)
 	s.virtioBlk("vda", "0000:00:04.0", "virtio1", "254:0", "root-disk")

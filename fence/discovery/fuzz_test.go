@@ -16,6 +16,14 @@ func FuzzParseLocator(f *testing.F) {
 		if l2, err := ParseLocator(l.String()); err == nil && l2.String() != l.String() {
 			t.Fatalf("%q -> %q -> %q", s, l.String(), l2.String())
 		}
+		// What Check admits has a text form that reads back the same.
+		if l.Check() == nil {
+			b, err := l.MarshalText()
+			var back Locator
+			if err != nil || back.UnmarshalText(b) != nil || !back.Equal(l) {
+				t.Fatalf("%q -> %+v -> %q -> %+v (%v)", s, l, b, back, err)
+			}
+		}
 	})
 }
 
