@@ -74,10 +74,14 @@ help:
 test: deps lint build k8s-prefetch unit test-bench-brief test-csi-sanity test-deploy \
       test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
-## go vet and staticcheck
+# internal/cyclo holds every function, tests too, to a cyclomatic complexity
+# of 20 at most, counted as gocyclo counts (issue 19; the functions still
+# over it are listed in the test).
+## go vet, staticcheck and the complexity bar
 lint: deps-go
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck ./...
+	$(GO) test -count=1 -run '^TestNo(Function|Test)OverTheBar$$' ./internal/cyclo
 
 # make test starts this first: the Debian guest root (debootstrap, mostly
 # downloads), the Kubernetes build and the sidecar images (about half an

@@ -83,110 +83,114 @@ func TestPluginAcceptsTheManifestArguments(t *testing.T) {
 	}
 	dir := t.TempDir()
 
-	t.Run("controller", func(t *testing.T) {
-		d := a.deployments[0]
-		w := workload{"Deployment", d.Name, d.Spec.Selector, d.Spec.Template}
-		p := a.plugin(t, w)
-		env := map[string]string{}
-		for _, e := range p.Env {
-			if r := e.ValueFrom.SecretKeyRef; r != nil {
-				env[e.Name] = secret.StringData[r.Key]
-			}
-		}
-		tf, _ := flag(p.Args, "token-file")
-		if err := os.WriteFile(filepath.Join(dir, "jwt"), []byte(secret.StringData[filepath.Base(tf)]), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		sock := filepath.Join(dir, "c.sock")
-		// The health endpoint on a free loopback port, not the pod's :9808.
-		hl, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		healthAddr := hl.Addr().String()
-		hl.Close()
-		args := relocate(relocate(relocate(expand(p.Args, env), "endpoint", "unix://"+sock), "token-file", filepath.Join(dir, "jwt")),
-			"http-endpoint", healthAddr)
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, bin, args...)
-		var stderr strings.Builder
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait() }()
-		defer func() { _ = cmd.Process.Kill(); <-exited }()
-		for {
-			if _, err := os.Stat(sock); err == nil {
-				break
-			}
-			select {
-			case err := <-exited:
-				exited <- err
-				t.Fatalf("vco-csi %q exited: %v\n%s", args, err, stderr.String())
-			case <-ctx.Done():
-				t.Fatalf("vco-csi %q made no socket:\n%s", args, stderr.String())
-			case <-time.After(20 * time.Millisecond):
-			}
-		}
-		conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close()
-		info, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
-		if err != nil {
-			t.Fatalf("GetPluginInfo: %v\n%s", err, stderr.String())
-		}
-		if info.GetName() != a.drivers[0].Name {
-			t.Errorf("the controller plugin calls itself %q; the CSIDriver is %q", info.GetName(), a.drivers[0].Name)
-		}
-		// The liveness probe's endpoint is served by the plugin itself;
-		// the example portal is not reachable from here, so it reports the
-		// API, not ok.
-		r, err := http.Get("http://" + healthAddr + "/healthz")
-		if err != nil {
-			t.Fatalf("the controller's --http-endpoint is not served: %v\n%s", err, stderr.String())
-		}
-		body, _ := io.ReadAll(r.Body)
-		r.Body.Close()
-		if r.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "API does not answer") {
-			t.Errorf("/healthz with an unreachable portal = %d %q, want 503 naming the API", r.StatusCode, body)
-		}
-	})
+	t.Run("controller", func(t *testing.T) { pluginArgsController(t, bin, a, secret, dir) })
 
 	// The node plugin reads the documented example ConfigMap from the
 	// directory the DaemonSet projects it into, then stops at the missing
 	// agent socket; without a required key it says so and goes on to the
 	// same point (a key-backend problem never stops it).
-	t.Run("node", func(t *testing.T) {
-		ds := a.daemonSets[0]
-		w := workload{"DaemonSet", ds.Name, ds.Spec.Selector, ds.Spec.Template}
-		p := a.plugin(t, w)
-		missing := filepath.Join(dir, "no-agent", "agent.sock")
-		for _, tc := range []struct {
-			drop, want string
-		}{{"", missing}, {"role", "ConfigMap csi-key-backend-config has no key role"}} {
-			kb := t.TempDir()
-			for k, v := range keyBackend.Data {
-				if k != tc.drop {
-					if err := os.WriteFile(filepath.Join(kb, k), []byte(v), 0o600); err != nil {
-						t.Fatal(err)
-					}
+	t.Run("node", func(t *testing.T) { pluginArgsNode(t, bin, a, keyBackend, dir) })
+}
+
+func pluginArgsController(t *testing.T, bin string, a *addon, secret corev1.Secret, dir string) {
+	d := a.deployments[0]
+	w := workload{"Deployment", d.Name, d.Spec.Selector, d.Spec.Template}
+	p := a.plugin(t, w)
+	env := map[string]string{}
+	for _, e := range p.Env {
+		if r := e.ValueFrom.SecretKeyRef; r != nil {
+			env[e.Name] = secret.StringData[r.Key]
+		}
+	}
+	tf, _ := flag(p.Args, "token-file")
+	if err := os.WriteFile(filepath.Join(dir, "jwt"), []byte(secret.StringData[filepath.Base(tf)]), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(dir, "c.sock")
+	// The health endpoint on a free loopback port, not the pod's :9808.
+	hl, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	healthAddr := hl.Addr().String()
+	hl.Close()
+	args := relocate(relocate(relocate(expand(p.Args, env), "endpoint", "unix://"+sock), "token-file", filepath.Join(dir, "jwt")),
+		"http-endpoint", healthAddr)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() { _ = cmd.Process.Kill(); <-exited }()
+	for {
+		if _, err := os.Stat(sock); err == nil {
+			break
+		}
+		select {
+		case err := <-exited:
+			exited <- err
+			t.Fatalf("vco-csi %q exited: %v\n%s", args, err, stderr.String())
+		case <-ctx.Done():
+			t.Fatalf("vco-csi %q made no socket:\n%s", args, stderr.String())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	info, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+	if err != nil {
+		t.Fatalf("GetPluginInfo: %v\n%s", err, stderr.String())
+	}
+	if info.GetName() != a.drivers[0].Name {
+		t.Errorf("the controller plugin calls itself %q; the CSIDriver is %q", info.GetName(), a.drivers[0].Name)
+	}
+	// The liveness probe's endpoint is served by the plugin itself;
+	// the example portal is not reachable from here, so it reports the
+	// API, not ok.
+	r, err := http.Get("http://" + healthAddr + "/healthz")
+	if err != nil {
+		t.Fatalf("the controller's --http-endpoint is not served: %v\n%s", err, stderr.String())
+	}
+	body, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	if r.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "API does not answer") {
+		t.Errorf("/healthz with an unreachable portal = %d %q, want 503 naming the API", r.StatusCode, body)
+	}
+}
+
+func pluginArgsNode(t *testing.T, bin string, a *addon, keyBackend corev1.ConfigMap, dir string) {
+	ds := a.daemonSets[0]
+	w := workload{"DaemonSet", ds.Name, ds.Spec.Selector, ds.Spec.Template}
+	p := a.plugin(t, w)
+	missing := filepath.Join(dir, "no-agent", "agent.sock")
+	for _, tc := range []struct {
+		drop, want string
+	}{{"", missing}, {"role", "ConfigMap csi-key-backend-config has no key role"}} {
+		kb := t.TempDir()
+		for k, v := range keyBackend.Data {
+			if k != tc.drop {
+				if err := os.WriteFile(filepath.Join(kb, k), []byte(v), 0o600); err != nil {
+					t.Fatal(err)
 				}
 			}
-			if err := os.WriteFile(filepath.Join(kb, "token"), []byte("eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			args := relocate(relocate(relocate(expand(p.Args, nil), "endpoint", "unix://"+filepath.Join(dir, "n.sock")),
-				"agent-socket", missing), "key-backend-dir", kb)
-			out, err := exec.Command(bin, args...).CombinedOutput()
-			var ee *exec.ExitError
-			if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), tc.want) || !strings.Contains(string(out), missing) {
-				t.Errorf("vco-csi %q: %v\n%s\nwant exit 1 saying %q", args, err, out, tc.want)
-			}
 		}
-	})
+		if err := os.WriteFile(filepath.Join(kb, "token"), []byte("eyJhbGciOiJSUzI1NiJ9.e30.c2ln"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		args := relocate(relocate(relocate(expand(p.Args, nil), "endpoint", "unix://"+filepath.Join(dir, "n.sock")),
+			"agent-socket", missing), "key-backend-dir", kb)
+		out, err := exec.Command(bin, args...).CombinedOutput()
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 || !strings.Contains(string(out), tc.want) || !strings.Contains(string(out), missing) {
+			t.Errorf("vco-csi %q: %v\n%s\nwant exit 1 saying %q", args, err, out, tc.want)
+		}
+	}
 }

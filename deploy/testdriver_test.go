@@ -65,37 +65,11 @@ func readTestDriver(t *testing.T) *testDriver {
 // out skips patterns the driver would pass.
 func TestTestDriverClaimsWhatThePluginDoes(t *testing.T) {
 	d := readTestDriver(t)
-	ctx := context.Background()
-	var zero driver.Driver
-	cc, err := zero.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	controller := map[csi.ControllerServiceCapability_RPC_Type]bool{}
-	for _, c := range cc.GetCapabilities() {
-		controller[c.GetRpc().GetType()] = true
-	}
-	nc, err := zero.NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	node := map[csi.NodeServiceCapability_RPC_Type]bool{}
-	for _, c := range nc.GetCapabilities() {
-		node[c.GetRpc().GetType()] = true
-	}
+	controller, node := pluginCapabilities(t)
 	a := decode(t, "registry.example/csi-driver:v1", "cloud.example.csi")
 	cd := a.drivers[0].Spec
 	caps := d.DriverInfo.Capabilities
-	for c := range caps {
-		if !slices.Contains(suiteCapabilities, c) {
-			t.Errorf("capability %q is not one the suite knows", c)
-		}
-	}
-	for _, c := range suiteCapabilities {
-		if _, ok := caps[c]; !ok && c != "FSResizeFromSourceNotSupported" {
-			t.Errorf("capability %q is neither claimed nor denied: say which", c)
-		}
-	}
+	checkCapabilityNames(t, caps)
 	must := map[string]bool{
 		"controllerExpansion": controller[csi.ControllerServiceCapability_RPC_EXPAND_VOLUME],
 		"nodeExpansion":       node[csi.NodeServiceCapability_RPC_EXPAND_VOLUME],
@@ -123,6 +97,54 @@ func TestTestDriverClaimsWhatThePluginDoes(t *testing.T) {
 	if d.DriverInfo.Name != "${VCO_CSI_DRIVER_NAME}" {
 		t.Errorf("driver name %q: the file is rendered like the add-on, with ${VCO_CSI_DRIVER_NAME}", d.DriverInfo.Name)
 	}
+	checkFilesystemsAndSizes(t, d)
+	checkTimeouts(t, d)
+}
+
+// pluginCapabilities are the controller's and the node service's
+// capabilities as the plugin reports them.
+func pluginCapabilities(t *testing.T) (map[csi.ControllerServiceCapability_RPC_Type]bool, map[csi.NodeServiceCapability_RPC_Type]bool) {
+	t.Helper()
+	ctx := context.Background()
+	var zero driver.Driver
+	cc, err := zero.ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	controller := map[csi.ControllerServiceCapability_RPC_Type]bool{}
+	for _, c := range cc.GetCapabilities() {
+		controller[c.GetRpc().GetType()] = true
+	}
+	nc, err := zero.NodeGetCapabilities(ctx, &csi.NodeGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node := map[csi.NodeServiceCapability_RPC_Type]bool{}
+	for _, c := range nc.GetCapabilities() {
+		node[c.GetRpc().GetType()] = true
+	}
+	return controller, node
+}
+
+// checkCapabilityNames: every claim is one the suite knows, and every
+// capability it knows is claimed or denied.
+func checkCapabilityNames(t *testing.T, caps map[string]bool) {
+	t.Helper()
+	for c := range caps {
+		if !slices.Contains(suiteCapabilities, c) {
+			t.Errorf("capability %q is not one the suite knows", c)
+		}
+	}
+	for _, c := range suiteCapabilities {
+		if _, ok := caps[c]; !ok && c != "FSResizeFromSourceNotSupported" {
+			t.Errorf("capability %q is neither claimed nor denied: say which", c)
+		}
+	}
+}
+
+// checkFilesystemsAndSizes: the agent's filesystems, whole GiB sizes.
+func checkFilesystemsAndSizes(t *testing.T, d *testDriver) {
+	t.Helper()
 	var fs []string
 	for f := range d.DriverInfo.SupportedFsType {
 		fs = append(fs, f)
@@ -139,12 +161,17 @@ func TestTestDriverClaimsWhatThePluginDoes(t *testing.T) {
 	if max, err := resource.ParseQuantity(d.DriverInfo.SupportedSizeRange.Max); err != nil || max.Cmp(min) < 0 {
 		t.Errorf("maximum size %q (%v) below the minimum", d.DriverInfo.SupportedSizeRange.Max, err)
 	}
+}
+
+// checkTimeouts: each is one the suite knows, each a duration (else the
+// suite drops every custom timeout, silently).
+func checkTimeouts(t *testing.T, d *testDriver) {
+	t.Helper()
 	for k, v := range d.Timeouts {
 		if !slices.Contains(suiteTimeouts, k) {
 			t.Errorf("timeout %q is not one the suite knows", k)
 		}
 		if _, err := time.ParseDuration(v); err != nil {
-			// The suite then drops every custom timeout, silently.
 			t.Errorf("timeout %s: %v", k, err)
 		}
 	}

@@ -74,116 +74,17 @@ func Adopt(ctx context.Context, path string, o Options) (Result, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_DIRECT|unix.O_DSYNC|unix.O_EXCL|unix.O_CLOEXEC, 0)
-	if err != nil {
-		if errors.Is(err, unix.EBUSY) {
-			return Result{}, fmt.Errorf("%s is in use (mounted, mapped or held): adopt it only while no pod uses the volume and nothing mounts it", path)
-		}
-		return Result{}, fmt.Errorf("opening %s: %w", path, err)
-	}
-	f := os.NewFile(uintptr(fd), path)
-	defer f.Close()
-	size, err := unix.IoctlGetUint64(fd, unix.BLKGETSIZE64)
-	if err != nil {
-		st, serr := f.Stat()
-		if serr != nil {
-			return Result{}, fmt.Errorf("%s: its size: %w", path, err)
-		}
-		size = uint64(st.Size())
-	}
-	d := &disk{f: f, path: path, size: int64(size) - int64(size)%block}
-
-	// The record sits just past where the moved filesystem ends, which
-	// depends on the filesystem alone: a disk grown again between a run
-	// cut short and the next finds it where it was. Until the last step
-	// the filesystem's own superblock says its size: at byte 1024 before
-	// the first MiB is moved, at DataOffset+1024 after.
-	head, err := d.read(0, 2*block)
+	d, err := openDisk(path)
 	if err != nil {
 		return Result{}, err
 	}
-	moved, err := d.read(chunk, 2*block)
-	if err != nil {
-		return Result{}, err
+	defer d.f.Close()
+	rec, res, finished, err := d.findStart(log)
+	if finished || err != nil {
+		return res, err
 	}
-	res := Result{}
-	var rec *record
-	switch {
-	case string(head[:8]) == "VCOLEASE":
-		if fsBytes, err := ext4Size(moved); err == nil {
-			// Cut short after the header was written: only the record
-			// may be left.
-			if rec, err = d.readRecord(recordOff(fsBytes)); err != nil {
-				return Result{}, err
-			}
-			if rec != nil {
-				return Result{FilesystemBytes: fsBytes, Resumed: true}, d.clearRecord(recordOff(fsBytes))
-			}
-		}
-		return Result{AlreadyLease: true}, nil
-	case isExt4(head):
-		fsBytes, err := ext4Size(head)
-		if err != nil {
-			return Result{}, fmt.Errorf("%s: %w", path, err)
-		}
-		if need := recordOff(fsBytes) + chunk; d.size < need {
-			return Result{}, fmt.Errorf("%s: the filesystem takes %d bytes of the disk's %d; grow the disk to at least %d bytes (for example by 1 GiB, resizing the PVC or through the portal) so that it can be moved up by %d bytes, then adopt it", path, fsBytes, d.size, need, chunk)
-		}
-		if rec, err = d.readRecord(recordOff(fsBytes)); err != nil {
-			return Result{}, err
-		}
-		res.FilesystemBytes = fsBytes
-		if rec != nil {
-			res.Resumed = true
-			log.Info("finishing an adoption cut short", "device", path, "filesystem_bytes", fsBytes, "chunks_left", rec.next)
-		} else {
-			rec = &record{fsBytes: fsBytes, next: (roundUp(fsBytes) + chunk - 1) / chunk}
-			if err := d.writeRecord(recordOff(fsBytes), rec); err != nil {
-				return Result{}, err
-			}
-			log.Info("adopting a volume of the earlier driver", "device", path, "filesystem_bytes", fsBytes)
-		}
-	case isExt4(moved):
-		// Cut short after the first MiB was zeroed: the move is done
-		// if the record says so.
-		fsBytes, err := ext4Size(moved)
-		if err == nil {
-			rec, err = d.readRecord(recordOff(fsBytes))
-		}
-		if err != nil {
-			return Result{}, fmt.Errorf("%s: %w", path, err)
-		}
-		if rec == nil || rec.next != 0 {
-			return Result{}, fmt.Errorf("%s: no ext4 filesystem at byte 0 (the earlier driver's layout), and the one at %d has no finished adoption's record: nothing adopted", path, int64(chunk))
-		}
-		res.FilesystemBytes, res.Resumed = fsBytes, true
-	default:
-		return Result{}, fmt.Errorf("%s: no ext4 filesystem at byte 0 (the earlier driver's layout): nothing to adopt", path)
-	}
-	end := roundUp(rec.fsBytes)
-	done := 0
-	for rec.next > 0 {
-		if err := ctx.Err(); err != nil {
-			return res, fmt.Errorf("%s: adoption interrupted with %d MiB left to move; run it again to finish: %w", path, rec.next, err)
-		}
-		if o.StopAfter > 0 && done == o.StopAfter {
-			return res, ErrStopped
-		}
-		k := rec.next - 1
-		from := k * chunk
-		n := min(chunk, end-from)
-		b, err := d.read(from, n)
-		if err != nil {
-			return res, err
-		}
-		if err := d.write(from+chunk, b); err != nil {
-			return res, err
-		}
-		rec.next = k
-		if err := d.writeRecord(recordOff(rec.fsBytes), rec); err != nil {
-			return res, err
-		}
-		done++
+	if err := d.moveUp(ctx, rec, o.StopAfter); err != nil {
+		return res, err
 	}
 	if err := d.write(0, make([]byte, chunk)); err != nil {
 		return res, err
@@ -205,6 +106,148 @@ func Adopt(ctx context.Context, path string, o Options) (Result, error) {
 	}
 	log.Info("volume adopted: its filesystem now starts at the lease data offset", "device", path, "data_offset", int64(chunk))
 	return res, nil
+}
+
+// openDisk opens the disk at path exclusively, for direct, synchronous
+// I/O.
+func openDisk(path string) (*disk, error) {
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_DIRECT|unix.O_DSYNC|unix.O_EXCL|unix.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, unix.EBUSY) {
+			return nil, fmt.Errorf("%s is in use (mounted, mapped or held): adopt it only while no pod uses the volume and nothing mounts it", path)
+		}
+		return nil, fmt.Errorf("opening %s: %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	size, err := unix.IoctlGetUint64(fd, unix.BLKGETSIZE64)
+	if err != nil {
+		st, serr := f.Stat()
+		if serr != nil {
+			f.Close()
+			return nil, fmt.Errorf("%s: its size: %w", path, err)
+		}
+		size = uint64(st.Size())
+	}
+	return &disk{f: f, path: path, size: int64(size) - int64(size)%block}, nil
+}
+
+// findStart finds where the adoption stands and returns its record: a new
+// one for a filesystem at byte 0, or that of a run cut short. finished
+// says the adoption has nothing left to do, with res and err its result.
+func (d *disk) findStart(log *slog.Logger) (rec *record, res Result, finished bool, err error) {
+	// The record sits just past where the moved filesystem ends, which
+	// depends on the filesystem alone: a disk grown again between a run
+	// cut short and the next finds it where it was. Until the last step
+	// the filesystem's own superblock says its size: at byte 1024 before
+	// the first MiB is moved, at DataOffset+1024 after.
+	head, err := d.read(0, 2*block)
+	if err != nil {
+		return nil, Result{}, false, err
+	}
+	moved, err := d.read(chunk, 2*block)
+	if err != nil {
+		return nil, Result{}, false, err
+	}
+	switch {
+	case string(head[:8]) == "VCOLEASE":
+		res, err := d.finishedHeader(moved)
+		return nil, res, true, err
+	case isExt4(head):
+		rec, res, err := d.startMove(head, log)
+		return rec, res, false, err
+	case isExt4(moved):
+		// Cut short after the first MiB was zeroed: the move is done
+		// if the record says so.
+		fsBytes, err := ext4Size(moved)
+		if err == nil {
+			rec, err = d.readRecord(recordOff(fsBytes))
+		}
+		if err != nil {
+			return nil, Result{}, false, fmt.Errorf("%s: %w", d.path, err)
+		}
+		if rec == nil || rec.next != 0 {
+			return nil, Result{}, false, fmt.Errorf("%s: no ext4 filesystem at byte 0 (the earlier driver's layout), and the one at %d has no finished adoption's record: nothing adopted", d.path, int64(chunk))
+		}
+		return rec, Result{FilesystemBytes: fsBytes, Resumed: true}, false, nil
+	}
+	return nil, Result{}, false, fmt.Errorf("%s: no ext4 filesystem at byte 0 (the earlier driver's layout): nothing to adopt", d.path)
+}
+
+// finishedHeader is the result on a disk that starts with a lease area:
+// adopted already, or cut short after the header was written, when only
+// the record is left to clear. moved is what lies at the data offset.
+func (d *disk) finishedHeader(moved []byte) (Result, error) {
+	if fsBytes, err := ext4Size(moved); err == nil {
+		// Cut short after the header was written: only the record
+		// may be left.
+		rec, err := d.readRecord(recordOff(fsBytes))
+		if err != nil {
+			return Result{}, err
+		}
+		if rec != nil {
+			return Result{FilesystemBytes: fsBytes, Resumed: true}, d.clearRecord(recordOff(fsBytes))
+		}
+	}
+	return Result{AlreadyLease: true}, nil
+}
+
+// startMove is the record of the move of the filesystem at byte 0, whose
+// superblock head holds: that of a run cut short, or a new one, written.
+func (d *disk) startMove(head []byte, log *slog.Logger) (*record, Result, error) {
+	fsBytes, err := ext4Size(head)
+	if err != nil {
+		return nil, Result{}, fmt.Errorf("%s: %w", d.path, err)
+	}
+	if need := recordOff(fsBytes) + chunk; d.size < need {
+		return nil, Result{}, fmt.Errorf("%s: the filesystem takes %d bytes of the disk's %d; grow the disk to at least %d bytes (for example by 1 GiB, resizing the PVC or through the portal) so that it can be moved up by %d bytes, then adopt it", d.path, fsBytes, d.size, need, chunk)
+	}
+	rec, err := d.readRecord(recordOff(fsBytes))
+	if err != nil {
+		return nil, Result{}, err
+	}
+	res := Result{FilesystemBytes: fsBytes}
+	if rec != nil {
+		res.Resumed = true
+		log.Info("finishing an adoption cut short", "device", d.path, "filesystem_bytes", fsBytes, "chunks_left", rec.next)
+		return rec, res, nil
+	}
+	rec = &record{fsBytes: fsBytes, next: (roundUp(fsBytes) + chunk - 1) / chunk}
+	if err := d.writeRecord(recordOff(fsBytes), rec); err != nil {
+		return nil, Result{}, err
+	}
+	log.Info("adopting a volume of the earlier driver", "device", d.path, "filesystem_bytes", fsBytes)
+	return rec, res, nil
+}
+
+// moveUp moves the filesystem up by a chunk, last chunk first, recording
+// each chunk moved; stopAfter > 0 stops it after that many (tests).
+func (d *disk) moveUp(ctx context.Context, rec *record, stopAfter int) error {
+	end := roundUp(rec.fsBytes)
+	done := 0
+	for rec.next > 0 {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("%s: adoption interrupted with %d MiB left to move; run it again to finish: %w", d.path, rec.next, err)
+		}
+		if stopAfter > 0 && done == stopAfter {
+			return ErrStopped
+		}
+		k := rec.next - 1
+		from := k * chunk
+		n := min(chunk, end-from)
+		b, err := d.read(from, n)
+		if err != nil {
+			return err
+		}
+		if err := d.write(from+chunk, b); err != nil {
+			return err
+		}
+		rec.next = k
+		if err := d.writeRecord(recordOff(rec.fsBytes), rec); err != nil {
+			return err
+		}
+		done++
+	}
+	return nil
 }
 
 func isExt4(head []byte) bool { return binary.LittleEndian.Uint16(head[extSB+56:]) == extMag }

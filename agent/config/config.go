@@ -270,7 +270,19 @@ func sectionName(goType string) string {
 }
 
 // Validate checks the values an operator can get wrong, naming the field.
+// Every section is checked and every problem reported, section by
+// section.
 func (c *Config) Validate() error {
+	var errs []error
+	for _, check := range []func() []error{c.validateTop, c.validateEvents, c.validateVolumes,
+		c.validateLeaseTiming, c.validateWatchdog, c.validateMetrics} {
+		errs = append(errs, check()...)
+	}
+	return errors.Join(errs...)
+}
+
+// validateTop checks the top level: paths, the node name and the log level.
+func (c *Config) validateTop() []error {
 	var errs []error
 	if !filepath.IsAbs(c.Socket.Path) {
 		errs = append(errs, fmt.Errorf("socket.path %q must be an absolute path", c.Socket.Path))
@@ -287,12 +299,24 @@ func (c *Config) Validate() error {
 	if _, err := c.SlogLevel(); err != nil {
 		errs = append(errs, err)
 	}
+	return errs
+}
+
+// validateEvents checks the event ring's sizes.
+func (c *Config) validateEvents() []error {
+	var errs []error
 	if c.Events.RingSize < 1 || c.Events.RingSize > 1<<20 {
 		errs = append(errs, fmt.Errorf("events.ring_size %d must be between 1 and 1048576", c.Events.RingSize))
 	}
 	if c.Events.SubscriberBuffer < 1 || c.Events.SubscriberBuffer > 1<<20 {
 		errs = append(errs, fmt.Errorf("events.subscriber_buffer %d must be between 1 and 1048576", c.Events.SubscriberBuffer))
 	}
+	return errs
+}
+
+// validateVolumes checks the volumes section's paths and intervals.
+func (c *Config) validateVolumes() []error {
+	var errs []error
 	if !filepath.IsAbs(c.Volumes.KubeletRoot) || filepath.Clean(c.Volumes.KubeletRoot) == "/" {
 		errs = append(errs, fmt.Errorf("volumes.kubelet_root %q must be an absolute path other than /", c.Volumes.KubeletRoot))
 	}
@@ -308,6 +332,12 @@ func (c *Config) Validate() error {
 	if w := c.Volumes.ReclaimWait; w != 0 && (w <= c.Volumes.CheckInterval || w > time.Hour) {
 		errs = append(errs, fmt.Errorf("volumes.reclaim_wait %s must be longer than volumes.check_interval (%s), at most 1h, or 0 for three check intervals", w, c.Volumes.CheckInterval))
 	}
+	return errs
+}
+
+// validateLeaseTiming checks volumes.lease's times.
+func (c *Config) validateLeaseTiming() []error {
+	var errs []error
 	// The lease's own rules (fence/lease Timing): positive values, a
 	// renewal no shorter than an I/O, a fail bound of two renewals.
 	switch lt := c.Volumes.Lease; {
@@ -320,6 +350,12 @@ func (c *Config) Validate() error {
 	case lt.Fail < 2*lt.Renew:
 		errs = append(errs, fmt.Errorf("volumes.lease %s: fail must be at least twice renew", lt.Timing()))
 	}
+	return errs
+}
+
+// validateWatchdog checks the host watchdog the lease relies on.
+func (c *Config) validateWatchdog() []error {
+	var errs []error
 	// A taker waits out the holder's watchdog time W, which is only true
 	// while a watchdog device is armed (docs/fencing.md).
 	switch lt := c.Volumes.Lease; {
@@ -331,6 +367,12 @@ func (c *Config) Validate() error {
 	case lt.Watchdog < time.Second || lt.Watchdog%time.Second != 0:
 		errs = append(errs, fmt.Errorf("volumes.lease.watchdog %s must be a whole number of seconds, at least 1s: watchdog devices count seconds", lt.Watchdog))
 	}
+	return errs
+}
+
+// validateMetrics checks the metrics section.
+func (c *Config) validateMetrics() []error {
+	var errs []error
 	if s := c.Metrics.Socket; s != "" && s != MetricsOff && !filepath.IsAbs(s) {
 		errs = append(errs, fmt.Errorf("metrics.socket %q must be an absolute path, empty (beside the API socket) or %s", s, MetricsOff))
 	}
@@ -339,7 +381,7 @@ func (c *Config) Validate() error {
 			errs = append(errs, fmt.Errorf("metrics.listen %q: %v", c.Metrics.Listen, err))
 		}
 	}
-	return errors.Join(errs...)
+	return errs
 }
 
 // loopbackAddr accepts host:port where host is a loopback IP or

@@ -106,20 +106,7 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 	}
 	sub := args[0]
 	var o fenceOptions
-	fs := flag.NewFlagSet("fence "+sub, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, fenceUsage); fs.PrintDefaults() }
-	fs.BoolVar(&o.json, "json", false, "print the result as JSON")
-	fs.StringVar(&o.sysfsRoot, "sysfs-root", smbios.DefaultSysfsRoot, "sysfs mount point (node UUID and disk discovery)")
-	fs.StringVar(&o.devRoot, "dev-root", "/dev", "directory holding device nodes")
-	fs.StringVar(&o.uuid, "uuid", "", "this node's SMBIOS UUID (default: read from sysfs)")
-	fs.StringVar(&o.disk, "disk", "", "cloud disk id the device is for (a grant must name it)")
-	fs.StringVar(&o.grant, "grant", "", "takeover grant from the controller: JSON, or @FILE")
-	fs.StringVar(&o.prefer, "type", "we", "reservation type: we (Write Exclusive) or ea (Exclusive Access)")
-	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
-	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "bound on the whole operation")
-	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
-	fs.IntVar(&o.count, "count", 20, "cycle: number of acquire/release cycles")
+	fs := o.flagSet(sub, stderr)
 	pos, err := parseInterleaved(fs, args[1:])
 	if err != nil {
 		return 2
@@ -161,49 +148,79 @@ func fenceMain(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return out.fail(err)
 	}
+	return out.onEngine(ctx, sub, e, t.disk, cfg.Key, grant)
+}
+
+// flagSet is the flags of fence sub, set into o.
+func (o *fenceOptions) flagSet(sub string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("fence "+sub, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, fenceUsage); fs.PrintDefaults() }
+	fs.BoolVar(&o.json, "json", false, "print the result as JSON")
+	fs.StringVar(&o.sysfsRoot, "sysfs-root", smbios.DefaultSysfsRoot, "sysfs mount point (node UUID and disk discovery)")
+	fs.StringVar(&o.devRoot, "dev-root", "/dev", "directory holding device nodes")
+	fs.StringVar(&o.uuid, "uuid", "", "this node's SMBIOS UUID (default: read from sysfs)")
+	fs.StringVar(&o.disk, "disk", "", "cloud disk id the device is for (a grant must name it)")
+	fs.StringVar(&o.grant, "grant", "", "takeover grant from the controller: JSON, or @FILE")
+	fs.StringVar(&o.prefer, "type", "we", "reservation type: we (Write Exclusive) or ea (Exclusive Access)")
+	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
+	fs.DurationVar(&o.timeout, "timeout", 60*time.Second, "bound on the whole operation")
+	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
+	fs.IntVar(&o.count, "count", 20, "cycle: number of acquire/release cycles")
+	return fs
+}
+
+// onEngine runs subcommand sub with the engine e on disk, for this node's
+// key.
+func (f *fenceOutput) onEngine(ctx context.Context, sub string, e *pr.Engine, disk discovery.Disk, key fence.Key, grant *fence.Grant) int {
 	switch sub {
 	case "show":
 		st, err := e.Status(ctx)
 		if err != nil {
-			return out.fail(err)
+			return f.fail(err)
 		}
-		return out.show(t.disk, st)
+		return f.show(disk, st)
 	case "acquire":
 		c, err := e.Acquire(ctx, grant)
 		if err != nil {
-			return out.fail(err)
+			return f.fail(err)
 		}
-		msg := fmt.Sprintf("%s claimed with key %s (%s)", t.disk.DevPath, c.Key, c.Type)
-		if c.Already {
-			msg = fmt.Sprintf("%s already claimed by this node with key %s (%s)", t.disk.DevPath, c.Key, c.Type)
-		}
-		if len(c.Preempted) > 0 {
-			how := "PREEMPT AND ABORT"
-			if !c.PreemptAndAbort {
-				how = "PREEMPT (the target rejects PREEMPT AND ABORT)"
-			}
-			msg += fmt.Sprintf("; took over from key(s) %v with %s", c.Preempted, how)
-		}
-		return out.ok(msg, map[string]any{"claim": c})
+		return f.ok(claimMessage(disk.DevPath, c), map[string]any{"claim": c})
 	case "release":
 		if err := e.Release(ctx); err != nil {
-			return out.fail(err)
+			return f.fail(err)
 		}
-		return out.ok(fmt.Sprintf("%s released by key %s", t.disk.DevPath, cfg.Key), nil)
+		return f.ok(fmt.Sprintf("%s released by key %s", disk.DevPath, key), nil)
 	case "check":
 		if err := e.Check(ctx); err != nil {
-			return out.fail(err)
+			return f.fail(err)
 		}
-		return out.ok(fmt.Sprintf("%s: claim of key %s is intact", t.disk.DevPath, cfg.Key), nil)
+		return f.ok(fmt.Sprintf("%s: claim of key %s is intact", disk.DevPath, key), nil)
 	case "cycle":
-		st, err := pr.Cycle(ctx, e, o.count)
+		st, err := pr.Cycle(ctx, e, f.o.count)
 		if err != nil {
-			return out.fail(err)
+			return f.fail(err)
 		}
-		return out.ok(fmt.Sprintf("%s: %d cycles, median acquire %v, median release %v", t.disk.DevPath, st.Cycles,
+		return f.ok(fmt.Sprintf("%s: %d cycles, median acquire %v, median release %v", disk.DevPath, st.Cycles,
 			pr.Median(st.Acquire), pr.Median(st.Release)), map[string]any{"stats": st})
 	}
 	return 2
+}
+
+// claimMessage says what an acquisition of dev did.
+func claimMessage(dev string, c fence.Claim) string {
+	msg := fmt.Sprintf("%s claimed with key %s (%s)", dev, c.Key, c.Type)
+	if c.Already {
+		msg = fmt.Sprintf("%s already claimed by this node with key %s (%s)", dev, c.Key, c.Type)
+	}
+	if len(c.Preempted) > 0 {
+		how := "PREEMPT AND ABORT"
+		if !c.PreemptAndAbort {
+			how = "PREEMPT (the target rejects PREEMPT AND ABORT)"
+		}
+		msg += fmt.Sprintf("; took over from key(s) %v with %s", c.Preempted, how)
+	}
+	return msg
 }
 
 func fenceConfig(o *fenceOptions) (pr.Config, *fence.Grant, error) {

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -94,34 +95,12 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 	}
 	sub := args[0]
 	o := leaseOptions{interrupt: interrupt, ready: h.ready, match: h.match, stdout: stdout, stderr: stderr}
-	def := lease.DefaultTiming()
-	fs := flag.NewFlagSet("lease "+sub, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, leaseUsage); fs.PrintDefaults() }
-	fs.BoolVar(&o.json, "json", false, "print the result as JSON")
-	fs.StringVar(&o.sysfsRoot, "sysfs-root", smbios.DefaultSysfsRoot, "sysfs mount point (node UUID)")
-	fs.StringVar(&o.uuid, "uuid", "", "this node's SMBIOS UUID (default: read from sysfs)")
-	fs.StringVar(&o.name, "name", "", "this node's name, written into its slot (default: host name)")
-	fs.StringVar(&o.disk, "disk", "", "cloud disk id the device is for (a grant must name it)")
-	fs.StringVar(&o.grant, "grant", "", "takeover grant from the controller: JSON, or @FILE")
-	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
-	fs.DurationVar(&o.timeout, "timeout", 0, "bound on acquiring (default: the holder's expiry bound plus a minute)")
-	fs.DurationVar(&o.holdFor, "hold-for", 0, "acquire: release after this long; watch: stop after this long (default: until interrupted)")
-	fs.DurationVar(&o.rescan, "rescan", uevent.DefaultRescan, "watch: classify every attached disk again this often")
-	fs.DurationVar(&o.ioTimeout, "io-timeout", def.IOTimeout, "lease timing: bound on one lease I/O (d)")
-	fs.DurationVar(&o.renew, "renew", def.Renew, "lease timing: renewal interval (R)")
-	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
-	fs.DurationVar(&o.wdog, "watchdog", def.Watchdog, "lease timing: host watchdog reset time (W)")
-	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
-	fs.BoolVar(&o.yes, "yes", false, "clear: do it")
-	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/vco-agent", "clear: the agent's state directory, whose claim records name the disks staged here")
+	fs := o.flagSet(sub)
 	pos, err := parseInterleaved(fs, args[1:])
 	if err != nil {
 		return 2
 	}
-	switch sub {
-	case "show", "format", "acquire", "release", "check", "watch", "clear":
-	default:
+	if !slices.Contains(leaseSubcommands, sub) {
 		fmt.Fprintf(stderr, "vco-agent lease: unknown subcommand %q\n\n", sub)
 		fs.Usage()
 		return 2
@@ -140,11 +119,8 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 		fs.Usage()
 		return 2
 	}
-	if sub != "acquire" && sub != "clear" && o.grant != "" {
-		return o.fail(errors.New("--grant only applies to acquire and clear"))
-	}
-	if sub != "acquire" && o.holdFor != 0 {
-		return o.fail(errors.New("--hold-for only applies to acquire and watch"))
+	if err := o.flagsApply(sub); err != nil {
+		return o.fail(err)
 	}
 	if err := o.setup(); err != nil {
 		return o.fail(err)
@@ -158,7 +134,51 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 		return o.fail(err)
 	}
 	defer dev.Close()
-	ctx := context.Background()
+	return o.onDevice(context.Background(), sub, dev, pos[0])
+}
+
+// leaseSubcommands are lease's subcommands.
+var leaseSubcommands = []string{"show", "format", "acquire", "release", "check", "watch", "clear"}
+
+// flagSet is the flags of lease sub, set into o.
+func (o *leaseOptions) flagSet(sub string) *flag.FlagSet {
+	def := lease.DefaultTiming()
+	fs := flag.NewFlagSet("lease "+sub, flag.ContinueOnError)
+	fs.SetOutput(o.stderr)
+	fs.Usage = func() { fmt.Fprint(o.stderr, leaseUsage); fs.PrintDefaults() }
+	fs.BoolVar(&o.json, "json", false, "print the result as JSON")
+	fs.StringVar(&o.sysfsRoot, "sysfs-root", smbios.DefaultSysfsRoot, "sysfs mount point (node UUID)")
+	fs.StringVar(&o.uuid, "uuid", "", "this node's SMBIOS UUID (default: read from sysfs)")
+	fs.StringVar(&o.name, "name", "", "this node's name, written into its slot (default: host name)")
+	fs.StringVar(&o.disk, "disk", "", "cloud disk id the device is for (a grant must name it)")
+	fs.StringVar(&o.grant, "grant", "", "takeover grant from the controller: JSON, or @FILE")
+	fs.Var(&o.nodes, "node", "NAME=UUID of a node whose key may appear (repeatable), to name holders")
+	fs.DurationVar(&o.timeout, "timeout", 0, "bound on acquiring (default: the holder's expiry bound plus a minute)")
+	fs.DurationVar(&o.holdFor, "hold-for", 0, "acquire: release after this long; watch: stop after this long (default: until interrupted)")
+	fs.DurationVar(&o.rescan, "rescan", uevent.DefaultRescan, "watch: classify every attached disk again this often")
+	fs.DurationVar(&o.ioTimeout, "io-timeout", def.IOTimeout, "lease timing: bound on one lease I/O (d)")
+	fs.DurationVar(&o.renew, "renew", def.Renew, "lease timing: renewal interval (R)")
+	fs.DurationVar(&o.failBound, "fail", def.Fail, "lease timing: self-fence after no renewal for this long (F)")
+	fs.DurationVar(&o.wdog, "watchdog", def.Watchdog, "lease timing: host watchdog reset time (W)")
+	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
+	fs.BoolVar(&o.yes, "yes", false, "clear: do it")
+	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/vco-agent", "clear: the agent's state directory, whose claim records name the disks staged here")
+	return fs
+}
+
+// flagsApply refuses the flags given to a subcommand they do not apply to.
+func (o *leaseOptions) flagsApply(sub string) error {
+	if sub != "acquire" && sub != "clear" && o.grant != "" {
+		return errors.New("--grant only applies to acquire and clear")
+	}
+	if sub != "acquire" && o.holdFor != 0 {
+		return errors.New("--hold-for only applies to acquire and watch")
+	}
+	return nil
+}
+
+// onDevice runs subcommand sub on the opened device dev (at path).
+func (o *leaseOptions) onDevice(ctx context.Context, sub string, dev *lease.Device, path string) int {
 	switch sub {
 	case "show":
 		st, _, err := lease.ReadStatus(ctx, dev, o.key, o.timing.IOTimeout*4)
@@ -167,29 +187,11 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 		}
 		return o.show(st)
 	case "format":
-		wrote, err := lease.Format(ctx, dev, lease.FormatOptions{Key: o.key, Timeout: o.timing.IOTimeout, Blkid: true, Logger: o.logger()})
-		if err != nil {
-			return o.fail(err)
-		}
-		if !wrote {
-			return o.ok(fmt.Sprintf("%s already has a lease area; nothing written", dev.Name()), map[string]any{"formatted": false})
-		}
-		return o.ok(fmt.Sprintf("%s: lease area written; the volume's data starts at byte %d", dev.Name(), lease.DataOffset), map[string]any{"formatted": true, "data_offset": lease.DataOffset})
+		return o.format(ctx, dev)
 	case "check":
-		owner, err := lease.Inspect(ctx, dev.Name(), o.timing.IOTimeout*4)
-		if err != nil {
-			return o.fail(err)
-		}
-		if owner == nil {
-			return o.fail(fmt.Errorf("%s: nobody holds the lease; this node (key %s) does not", dev.Name(), o.key))
-		}
-		if owner.Key != o.key {
-			return o.fail(&fence.HeldError{Device: dev.Name(), Holder: owner.Key, HolderNode: o.nodeName(owner)})
-		}
-		return o.ok(fmt.Sprintf("%s: this node (key %s) owns the lease at epoch %d", dev.Name(), o.key, owner.Epoch), nil)
-	}
-	if sub == "clear" {
-		return o.clear(ctx, dev, pos[0])
+		return o.check(ctx, dev)
+	case "clear":
+		return o.clear(ctx, dev, path)
 	}
 	e, err := lease.New(dev, o.engineConfig(nil))
 	if err != nil {
@@ -202,6 +204,31 @@ func leaseMainWith(args []string, stdout, stderr io.Writer, interrupt <-chan os.
 		return o.ok(fmt.Sprintf("%s: lease of key %s released", dev.Name(), o.key), nil)
 	}
 	return o.acquire(ctx, dev)
+}
+
+func (o *leaseOptions) format(ctx context.Context, dev *lease.Device) int {
+	wrote, err := lease.Format(ctx, dev, lease.FormatOptions{Key: o.key, Timeout: o.timing.IOTimeout, Blkid: true, Logger: o.logger()})
+	if err != nil {
+		return o.fail(err)
+	}
+	if !wrote {
+		return o.ok(fmt.Sprintf("%s already has a lease area; nothing written", dev.Name()), map[string]any{"formatted": false})
+	}
+	return o.ok(fmt.Sprintf("%s: lease area written; the volume's data starts at byte %d", dev.Name(), lease.DataOffset), map[string]any{"formatted": true, "data_offset": lease.DataOffset})
+}
+
+func (o *leaseOptions) check(ctx context.Context, dev *lease.Device) int {
+	owner, err := lease.Inspect(ctx, dev.Name(), o.timing.IOTimeout*4)
+	if err != nil {
+		return o.fail(err)
+	}
+	if owner == nil {
+		return o.fail(fmt.Errorf("%s: nobody holds the lease; this node (key %s) does not", dev.Name(), o.key))
+	}
+	if owner.Key != o.key {
+		return o.fail(&fence.HeldError{Device: dev.Name(), Holder: owner.Key, HolderNode: o.nodeName(owner)})
+	}
+	return o.ok(fmt.Sprintf("%s: this node (key %s) owns the lease at epoch %d", dev.Name(), o.key, owner.Epoch), nil)
 }
 
 func (o *leaseOptions) setup() error {

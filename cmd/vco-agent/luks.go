@@ -58,59 +58,9 @@ func (c luksCLI) run(args []string) int {
 	sub, rest := args[0], args[1:]
 	fs := flag.NewFlagSet("luks "+sub, flag.ContinueOnError)
 	fs.SetOutput(c.stderr)
-	passFile := fs.String("passphrase-file", "", "file holding the passphrase (\"-\" for stdin)")
-	var (
-		newPassFile                *string
-		jsonOut, force, readOnly   *bool
-		discards                   *bool
-		sector, slot               *int
-		kdfType                    *string
-		kdfTime, kdfMem, kdfThread *int
-		pbkdfIter                  *int
-		label                      *string
-		timeout                    *time.Duration
-	)
-	kdfFlags := func() {
-		kdfType = fs.String("pbkdf", luks2.DefaultKDF.Type, "key derivation: argon2id, argon2i or pbkdf2")
-		kdfTime = fs.Int("kdf-time", luks2.DefaultKDF.Time, "argon2 passes")
-		kdfMem = fs.Int("kdf-memory", luks2.DefaultKDF.MemoryKiB, "argon2 memory in KiB")
-		kdfThread = fs.Int("kdf-threads", luks2.DefaultKDF.Threads, "argon2 parallelism")
-		pbkdfIter = fs.Int("pbkdf-iterations", 0, "pbkdf2 iterations (with --pbkdf pbkdf2)")
-	}
-	var npos int
-	switch sub {
-	case "format":
-		npos = 1
-		kdfFlags()
-		sector = fs.Int("sector-size", 4096, "encryption sector size, 512 or 4096")
-		label = fs.String("label", "", "header label")
-		discards = fs.Bool("allow-discards", false, "store the allow-discards flag")
-		force = fs.Bool("force", false, "format even over existing data (destroys it; tests and checked devices only)")
-	case "dump":
-		npos = 1
-		jsonOut = fs.Bool("json", false, "print JSON")
-	case "test-passphrase":
-		npos = 1
-		slot = fs.Int("key-slot", -1, "only try this keyslot")
-	case "open":
-		npos = 2
-		readOnly = fs.Bool("readonly", false, "map read-only")
-		discards = fs.Bool("allow-discards", false, "pass discards through")
-	case "close":
-		npos = 1
-		timeout = fs.Duration("timeout", crypt.CloseTimeout, "how long to retry while the mapping is busy")
-	case "resize", "status":
-		npos = 1
-	case "add-key":
-		npos = 1
-		kdfFlags()
-		newPassFile = fs.String("new-passphrase-file", "", "file holding the new passphrase (\"-\" for stdin)")
-	case "remove-key":
-		npos = 1
-		slot = fs.Int("key-slot", -1, "keyslot to remove")
-	case "repair":
-		npos = 1
-	default:
+	var f luksFlags
+	npos := f.register(fs, sub)
+	if npos == 0 {
 		fmt.Fprintf(c.stderr, "vco-agent luks: unknown subcommand %q\n\n%s\n", sub, luksUsage)
 		return 2
 	}
@@ -126,45 +76,101 @@ func (c luksCLI) run(args []string) int {
 		fs.Usage()
 		return 2
 	}
-	kdf := func() luks2.KDFParams {
-		return luks2.KDFParams{Type: *kdfType, Time: *kdfTime, MemoryKiB: *kdfMem, Threads: *kdfThread, Iterations: *pbkdfIter}
-	}
-
-	switch sub {
-	case "format":
-		err = c.format(pos[0], *passFile, luks2.FormatOptions{KDF: kdf(), SectorSize: *sector, Label: *label, AllowDiscards: *discards, Force: *force})
-	case "dump":
-		err = c.dump(pos[0], *jsonOut)
-	case "test-passphrase":
-		err = c.testPassphrase(pos[0], *passFile, *slot)
-	case "open":
-		err = c.open(pos[0], pos[1], *passFile, crypt.OpenOptions{ReadOnly: *readOnly, AllowDiscards: *discards})
-	case "close":
-		err = crypt.Close(pos[0], *timeout)
-	case "resize":
-		var n uint64
-		if n, err = crypt.Resize(pos[0]); err == nil {
-			fmt.Fprintf(c.stdout, "%s: %d bytes\n", pos[0], n)
-		}
-	case "status":
-		var st *dmcrypt.Status
-		if st, err = dmcrypt.GetStatus(pos[0]); err == nil {
-			enc := json.NewEncoder(c.stdout)
-			enc.SetIndent("", "  ")
-			err = enc.Encode(st)
-		}
-	case "add-key":
-		err = c.addKey(pos[0], *passFile, *newPassFile, kdf())
-	case "remove-key":
-		err = c.removeKey(pos[0], *passFile, *slot)
-	case "repair":
-		err = c.repair(pos[0])
-	}
-	if err != nil {
+	if err := c.do(sub, pos, &f); err != nil {
 		fmt.Fprintf(c.stderr, "vco-agent luks %s: %v\n", sub, err)
 		return 1
 	}
 	return 0
+}
+
+// luksFlags are the flags of the luks subcommands; each subcommand
+// registers its own.
+type luksFlags struct {
+	passFile, newPassFile    string
+	jsonOut, force, readOnly bool
+	discards                 bool
+	sector, slot             int
+	kdf                      luks2.KDFParams
+	label                    string
+	timeout                  time.Duration
+}
+
+// register registers the flags of subcommand sub with fs and returns how
+// many arguments it takes, or 0 for an unknown subcommand.
+func (f *luksFlags) register(fs *flag.FlagSet, sub string) int {
+	fs.StringVar(&f.passFile, "passphrase-file", "", "file holding the passphrase (\"-\" for stdin)")
+	switch sub {
+	case "format":
+		f.kdfFlags(fs)
+		fs.IntVar(&f.sector, "sector-size", 4096, "encryption sector size, 512 or 4096")
+		fs.StringVar(&f.label, "label", "", "header label")
+		fs.BoolVar(&f.discards, "allow-discards", false, "store the allow-discards flag")
+		fs.BoolVar(&f.force, "force", false, "format even over existing data (destroys it; tests and checked devices only)")
+	case "dump":
+		fs.BoolVar(&f.jsonOut, "json", false, "print JSON")
+	case "test-passphrase":
+		fs.IntVar(&f.slot, "key-slot", -1, "only try this keyslot")
+	case "open":
+		fs.BoolVar(&f.readOnly, "readonly", false, "map read-only")
+		fs.BoolVar(&f.discards, "allow-discards", false, "pass discards through")
+		return 2
+	case "close":
+		fs.DurationVar(&f.timeout, "timeout", crypt.CloseTimeout, "how long to retry while the mapping is busy")
+	case "resize", "status", "repair":
+	case "add-key":
+		f.kdfFlags(fs)
+		fs.StringVar(&f.newPassFile, "new-passphrase-file", "", "file holding the new passphrase (\"-\" for stdin)")
+	case "remove-key":
+		fs.IntVar(&f.slot, "key-slot", -1, "keyslot to remove")
+	default:
+		return 0
+	}
+	return 1
+}
+
+func (f *luksFlags) kdfFlags(fs *flag.FlagSet) {
+	fs.StringVar(&f.kdf.Type, "pbkdf", luks2.DefaultKDF.Type, "key derivation: argon2id, argon2i or pbkdf2")
+	fs.IntVar(&f.kdf.Time, "kdf-time", luks2.DefaultKDF.Time, "argon2 passes")
+	fs.IntVar(&f.kdf.MemoryKiB, "kdf-memory", luks2.DefaultKDF.MemoryKiB, "argon2 memory in KiB")
+	fs.IntVar(&f.kdf.Threads, "kdf-threads", luks2.DefaultKDF.Threads, "argon2 parallelism")
+	fs.IntVar(&f.kdf.Iterations, "pbkdf-iterations", 0, "pbkdf2 iterations (with --pbkdf pbkdf2)")
+}
+
+// do runs subcommand sub on its arguments pos.
+func (c luksCLI) do(sub string, pos []string, f *luksFlags) error {
+	switch sub {
+	case "format":
+		return c.format(pos[0], f.passFile, luks2.FormatOptions{KDF: f.kdf, SectorSize: f.sector, Label: f.label, AllowDiscards: f.discards, Force: f.force})
+	case "dump":
+		return c.dump(pos[0], f.jsonOut)
+	case "test-passphrase":
+		return c.testPassphrase(pos[0], f.passFile, f.slot)
+	case "open":
+		return c.open(pos[0], pos[1], f.passFile, crypt.OpenOptions{ReadOnly: f.readOnly, AllowDiscards: f.discards})
+	case "close":
+		return crypt.Close(pos[0], f.timeout)
+	case "resize":
+		n, err := crypt.Resize(pos[0])
+		if err == nil {
+			fmt.Fprintf(c.stdout, "%s: %d bytes\n", pos[0], n)
+		}
+		return err
+	case "status":
+		st, err := dmcrypt.GetStatus(pos[0])
+		if err != nil {
+			return err
+		}
+		enc := json.NewEncoder(c.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(st)
+	case "add-key":
+		return c.addKey(pos[0], f.passFile, f.newPassFile, f.kdf)
+	case "remove-key":
+		return c.removeKey(pos[0], f.passFile, f.slot)
+	case "repair":
+		return c.repair(pos[0])
+	}
+	return nil
 }
 
 // readPassphrase reads a passphrase exactly as stored (no newline is

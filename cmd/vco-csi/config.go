@@ -200,6 +200,45 @@ var objectName = regexp.MustCompile(`^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$`)
 // Any error names the ConfigMap's key as written, never a value of the
 // token.
 func loadKeyBackend(dir string) (*keyBackend, error) {
+	given, err := keyBackendKeys(dir)
+	if err != nil || len(given) == 0 {
+		return nil, err
+	}
+	values := map[string]string{}
+	named := map[string]string{} // the name a setting was given under
+	for _, ks := range keySettings {
+		v, from, err := ks.read(dir)
+		if err != nil {
+			return nil, err
+		}
+		named[ks.names[0]] = from
+		if values[ks.names[0]], err = ks.check(v, from, given); err != nil {
+			return nil, err
+		}
+	}
+	addr := values["address"]
+	if err := checkKeyBackendAddress(addr); err != nil {
+		return nil, err
+	}
+	kb := &keyBackend{
+		Transit: transit.Config{Address: strings.TrimRight(addr, "/"), Mount: values["transitMount"], Namespace: values["namespace"],
+			KubernetesRole: values["role"], KubernetesMount: values["k8sAuthPath"], ServiceAccountTokenFile: filepath.Join(dir, "token")},
+		Key:   crypt.TransitKey{Mount: values["transitMount"], Name: values["transitKey"]},
+		CARef: values["caRef"],
+	}
+	if err := findCA(dir, kb, named["caRef"] != ""); err != nil {
+		return nil, err
+	}
+	if err := nonEmptyFile("projected ServiceAccount token (audience vault)", "token", kb.Transit.ServiceAccountTokenFile); err != nil {
+		return nil, err
+	}
+	return kb, nil
+}
+
+// keyBackendKeys are the keys of csi-key-backend-config in the key
+// backend directory dir; none when dir does not exist. A key the node
+// plugin does not know is refused.
+func keyBackendKeys(dir string) ([]string, error) {
 	if st, err := os.Stat(dir); err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, nil
@@ -233,75 +272,69 @@ func loadKeyBackend(dir string) (*keyBackend, error) {
 		}
 		given = append(given, n)
 	}
-	if len(given) == 0 {
-		return nil, nil
-	}
-	values := map[string]string{}
-	named := map[string]string{} // the name a setting was given under
-	for _, ks := range keySettings {
-		var from string
-		for _, n := range ks.names {
-			b, err := os.ReadFile(filepath.Join(dir, n))
-			if errors.Is(err, fs.ErrNotExist) {
-				continue
-			}
-			if err != nil {
-				return nil, fmt.Errorf("%s key %s: %v", keyBackendConfig, n, err)
-			}
-			v := ks.normal(strings.TrimSpace(string(b)))
-			if from != "" {
-				if v != values[ks.names[0]] {
-					return nil, fmt.Errorf("%s has both %s and %s, with different values; keep %s (the VCOCluster's name)",
-						keyBackendConfig, from, n, ks.names[0])
-				}
-				continue
-			}
-			from = n
-			values[ks.names[0]] = v
-		}
-		named[ks.names[0]] = from
-		v := values[ks.names[0]]
-		switch {
-		case from == "" && ks.required && ks.names[0] == "address":
-			return nil, fmt.Errorf("%s has key %s but no key address; set address to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200",
-				keyBackendConfig, given[0])
-		case from == "" && ks.required:
-			return nil, fmt.Errorf("%s has no key %s; it is required with address", keyBackendConfig, ks.names[0])
-		case from == "":
-			values[ks.names[0]] = ks.def
-			continue
-		case v == "" && ks.names[0] == "address":
-			return nil, fmt.Errorf("%s key address is empty; set it to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200", keyBackendConfig)
-		case v == "":
-			return nil, fmt.Errorf("%s key %s is empty; give it a value or remove the key", keyBackendConfig, from)
-		case ks.mount && !mountPath.MatchString(v):
-			return nil, fmt.Errorf("%s key %s %q is not a path of letters, digits, '-', '_' and '.' segments", keyBackendConfig, from, v)
-		case !ks.mount && ks.names[0] != "address" && ks.names[0] != "caRef" && strings.ContainsAny(v, " \t\r\n/"):
-			return nil, fmt.Errorf("%s key %s %q contains white space or '/'", keyBackendConfig, from, v)
-		}
-	}
+	return given, nil
+}
 
-	addr := values["address"]
+// read is the setting's value in dir, normalised, and the name it was
+// given under ("" when under none). Given under two names, the values
+// must agree.
+func (ks keySetting) read(dir string) (v, from string, err error) {
+	for _, n := range ks.names {
+		b, err := os.ReadFile(filepath.Join(dir, n))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return "", "", fmt.Errorf("%s key %s: %v", keyBackendConfig, n, err)
+		}
+		nv := ks.normal(strings.TrimSpace(string(b)))
+		if from != "" {
+			if nv != v {
+				return "", "", fmt.Errorf("%s has both %s and %s, with different values; keep %s (the VCOCluster's name)",
+					keyBackendConfig, from, n, ks.names[0])
+			}
+			continue
+		}
+		from, v = n, nv
+	}
+	return v, from, nil
+}
+
+// check is the setting's value v, read under the name from (none: ""),
+// checked; a setting not given takes its default unless it is required.
+// given are the keys of the ConfigMap, for the message.
+func (ks keySetting) check(v, from string, given []string) (string, error) {
+	switch {
+	case from == "" && ks.required && ks.names[0] == "address":
+		return "", fmt.Errorf("%s has key %s but no key address; set address to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200",
+			keyBackendConfig, given[0])
+	case from == "" && ks.required:
+		return "", fmt.Errorf("%s has no key %s; it is required with address", keyBackendConfig, ks.names[0])
+	case from == "":
+		return ks.def, nil
+	case v == "" && ks.names[0] == "address":
+		return "", fmt.Errorf("%s key address is empty; set it to the Vault/OpenBao URL, e.g. https://openbao.example.net:8200", keyBackendConfig)
+	case v == "":
+		return "", fmt.Errorf("%s key %s is empty; give it a value or remove the key", keyBackendConfig, from)
+	case ks.mount && !mountPath.MatchString(v):
+		return "", fmt.Errorf("%s key %s %q is not a path of letters, digits, '-', '_' and '.' segments", keyBackendConfig, from, v)
+	case !ks.mount && ks.names[0] != "address" && ks.names[0] != "caRef" && strings.ContainsAny(v, " \t\r\n/"):
+		return "", fmt.Errorf("%s key %s %q contains white space or '/'", keyBackendConfig, from, v)
+	}
+	return v, nil
+}
+
+// checkKeyBackendAddress refuses an address that is not scheme://host:port
+// of http or https.
+func checkKeyBackendAddress(addr string) error {
 	u, err := url.Parse(addr)
 	switch {
 	case err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Hostname() == "":
-		return nil, fmt.Errorf("%s key address %q is not an http(s) URL with a host, e.g. https://openbao.example.net:8200", keyBackendConfig, addr)
+		return fmt.Errorf("%s key address %q is not an http(s) URL with a host, e.g. https://openbao.example.net:8200", keyBackendConfig, addr)
 	case u.Path != "" && u.Path != "/" || u.RawQuery != "" || u.Fragment != "" || u.User != nil:
-		return nil, fmt.Errorf("%s key address %q has a path, query, fragment or user; want scheme://host:port only", keyBackendConfig, addr)
+		return fmt.Errorf("%s key address %q has a path, query, fragment or user; want scheme://host:port only", keyBackendConfig, addr)
 	}
-	kb := &keyBackend{
-		Transit: transit.Config{Address: strings.TrimRight(addr, "/"), Mount: values["transitMount"], Namespace: values["namespace"],
-			KubernetesRole: values["role"], KubernetesMount: values["k8sAuthPath"], ServiceAccountTokenFile: filepath.Join(dir, "token")},
-		Key:   crypt.TransitKey{Mount: values["transitMount"], Name: values["transitKey"]},
-		CARef: values["caRef"],
-	}
-	if err := findCA(dir, kb, named["caRef"] != ""); err != nil {
-		return nil, err
-	}
-	if err := nonEmptyFile("projected ServiceAccount token (audience vault)", "token", kb.Transit.ServiceAccountTokenFile); err != nil {
-		return nil, err
-	}
-	return kb, nil
+	return nil
 }
 
 // findCA sets the CA bundle from the object caRef names: "name",

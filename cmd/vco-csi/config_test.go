@@ -155,103 +155,14 @@ func projectKeyBackend(t *testing.T, settings map[string]string, caKind string, 
 func TestKeyBackend(t *testing.T) {
 	ca := testCA(t)
 
-	t.Run("seed", func(t *testing.T) {
-		var cm, caCM corev1.ConfigMap
-		if err := yaml.UnmarshalStrict([]byte(seedKeyBackend), &cm); err != nil {
-			t.Fatal(err)
-		}
-		indented := "    " + strings.ReplaceAll(strings.TrimSpace(ca), "\n", "\n    ") + "\n"
-		if err := yaml.UnmarshalStrict([]byte(seedCA+indented), &caCM); err != nil {
-			t.Fatal(err)
-		}
-		dir := projectKeyBackend(t, cm.Data, "ConfigMap", caCM.Data)
-		kb, err := loadKeyBackend(dir)
-		if err != nil || kb == nil {
-			t.Fatalf("the seed's ConfigMaps: %v, %v", kb, err)
-		}
-		tc := kb.Transit
-		if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "transit-prod-1" || tc.KubernetesMount != "kubernetes-prod-1" ||
-			tc.KubernetesRole != "vco-csi-node" || tc.CACertFile != filepath.Join(dir, "ca", "configmap", "ca.crt") ||
-			tc.ServiceAccountTokenFile != filepath.Join(dir, "token") || tc.Token != "" || tc.Namespace != "" {
-			t.Errorf("transit config %+v", tc)
-		}
-		if kb.Key.Name != DefaultTransitKey || kb.Key.Mount != "transit-prod-1" || kb.CASource != "ConfigMap openbao-ca key ca.crt" {
-			t.Errorf("key %+v, CA from %q", kb.Key, kb.CASource)
-		}
-	})
-
-	t.Run("our names", func(t *testing.T) {
-		dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200/\n", "transit_key": "vco-csi-volumes",
-			"role": "vco-csi-node", "transit_mount": "kv/transit", "auth_mount": "/k8s-prod/", "namespace": "team-a"}, "ConfigMap", map[string]string{"ca.crt": ca})
-		kb, err := loadKeyBackend(dir)
-		if err != nil || kb == nil {
-			t.Fatalf("%v, %v", kb, err)
-		}
-		tc := kb.Transit
-		if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "kv/transit" || tc.KubernetesMount != "k8s-prod" ||
-			tc.Namespace != "team-a" || tc.KubernetesRole != "vco-csi-node" || kb.Key.Name != "vco-csi-volumes" || kb.Key.Mount != "kv/transit" {
-			t.Errorf("transit config %+v, key %+v", tc, kb.Key)
-		}
-	})
-
-	t.Run("defaults", func(t *testing.T) {
-		dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200", "role": "r"}, "", nil)
-		kb, err := loadKeyBackend(dir)
-		if err != nil || kb == nil {
-			t.Fatalf("%v, %v", kb, err)
-		}
-		if kb.Transit.Mount != "transit" || kb.Transit.KubernetesMount != "kubernetes" || kb.Transit.CACertFile != "" ||
-			kb.Key.Mount != "transit" || kb.Key.Name != DefaultTransitKey || kb.CARef != DefaultCARef {
-			t.Errorf("defaults %+v %+v %q", kb.Transit, kb.Key, kb.CARef)
-		}
-	})
-
-	t.Run("auth path", func(t *testing.T) {
-		dir := projectKeyBackend(t, map[string]string{"address": "https://b:8200", "role": "r", "k8sAuthPath": "auth/kubernetes-prod-1/"}, "", nil)
-		if kb, err := loadKeyBackend(dir); err != nil || kb.Transit.KubernetesMount != "kubernetes-prod-1" {
-			t.Errorf("k8sAuthPath auth/kubernetes-prod-1/: %+v, %v; want the mount kubernetes-prod-1", kb, err)
-		}
-	})
-
+	t.Run("seed", func(t *testing.T) { keyBackendSeed(t, ca) })
+	t.Run("our names", func(t *testing.T) { keyBackendOurNames(t, ca) })
+	t.Run("defaults", func(t *testing.T) { keyBackendDefaults(t) })
+	t.Run("auth path", func(t *testing.T) { keyBackendAuthPath(t) })
 	// The CA is found under every key such an object carries, in a
 	// ConfigMap or a Secret, and caRef may name the kind.
-	t.Run("ca", func(t *testing.T) {
-		base := map[string]string{"address": "https://b:8200", "role": "r"}
-		for _, tc := range []struct {
-			caRef, kind, key, want string
-		}{
-			{"", "ConfigMap", "ca.crt", "ConfigMap openbao-ca key ca.crt"},
-			{"", "ConfigMap", "ca.pem", "ConfigMap openbao-ca key ca.pem"},
-			{"", "ConfigMap", "ca-bundle.crt", "ConfigMap openbao-ca key ca-bundle.crt"},
-			{"", "Secret", "ca.crt", "Secret openbao-ca key ca.crt"},
-			{"openbao-ca", "Secret", "ca-bundle.crt", "Secret openbao-ca key ca-bundle.crt"},
-			{"Secret/openbao-ca", "Secret", "ca.pem", "Secret openbao-ca key ca.pem"},
-			{"configmap/openbao-ca", "ConfigMap", "ca.pem", "ConfigMap openbao-ca key ca.pem"},
-			// Another object's name: the bundle delivered as openbao-ca.
-			{"corp-root-ca", "ConfigMap", "ca.crt", "ConfigMap openbao-ca key ca.crt"},
-		} {
-			s := maps.Clone(base)
-			if tc.caRef != "" {
-				s["caRef"] = tc.caRef
-			}
-			dir := projectKeyBackend(t, s, tc.kind, map[string]string{tc.key: ca})
-			kb, err := loadKeyBackend(dir)
-			if err != nil || kb.CASource != tc.want || kb.Transit.CACertFile != filepath.Join(dir, "ca", strings.ToLower(tc.kind), tc.key) {
-				t.Errorf("caRef %q, %s key %s: %+v, %v; want the CA from %s", tc.caRef, tc.kind, tc.key, kb, err, tc.want)
-			}
-		}
-	})
-
-	t.Run("none", func(t *testing.T) {
-		// No ConfigMap yet (both are optional): only the token and the
-		// CA are there, or the directory is not mounted at all.
-		dir := projectKeyBackend(t, nil, "ConfigMap", map[string]string{"ca.crt": ca})
-		for _, d := range []string{dir, filepath.Join(dir, "absent")} {
-			if kb, err := loadKeyBackend(d); kb != nil || err != nil {
-				t.Errorf("%s: %+v, %v; want no key backend and no error", d, kb, err)
-			}
-		}
-	})
+	t.Run("ca", func(t *testing.T) { keyBackendCA(t, ca) })
+	t.Run("none", func(t *testing.T) { keyBackendNone(t, ca) })
 
 	full := map[string]string{"address": "https://openbao.example.net:8200", "transitMount": "transit-prod-1",
 		"k8sAuthPath": "kubernetes-prod-1", "role": "vco-csi-node", "caRef": "openbao-ca"}
@@ -327,6 +238,102 @@ func TestKeyBackend(t *testing.T) {
 				t.Errorf("error %q carries the token", err)
 			}
 		})
+	}
+}
+
+func keyBackendSeed(t *testing.T, ca string) {
+	var cm, caCM corev1.ConfigMap
+	if err := yaml.UnmarshalStrict([]byte(seedKeyBackend), &cm); err != nil {
+		t.Fatal(err)
+	}
+	indented := "    " + strings.ReplaceAll(strings.TrimSpace(ca), "\n", "\n    ") + "\n"
+	if err := yaml.UnmarshalStrict([]byte(seedCA+indented), &caCM); err != nil {
+		t.Fatal(err)
+	}
+	dir := projectKeyBackend(t, cm.Data, "ConfigMap", caCM.Data)
+	kb, err := loadKeyBackend(dir)
+	if err != nil || kb == nil {
+		t.Fatalf("the seed's ConfigMaps: %v, %v", kb, err)
+	}
+	tc := kb.Transit
+	if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "transit-prod-1" || tc.KubernetesMount != "kubernetes-prod-1" ||
+		tc.KubernetesRole != "vco-csi-node" || tc.CACertFile != filepath.Join(dir, "ca", "configmap", "ca.crt") ||
+		tc.ServiceAccountTokenFile != filepath.Join(dir, "token") || tc.Token != "" || tc.Namespace != "" {
+		t.Errorf("transit config %+v", tc)
+	}
+	if kb.Key.Name != DefaultTransitKey || kb.Key.Mount != "transit-prod-1" || kb.CASource != "ConfigMap openbao-ca key ca.crt" {
+		t.Errorf("key %+v, CA from %q", kb.Key, kb.CASource)
+	}
+}
+
+func keyBackendOurNames(t *testing.T, ca string) {
+	dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200/\n", "transit_key": "vco-csi-volumes",
+		"role": "vco-csi-node", "transit_mount": "kv/transit", "auth_mount": "/k8s-prod/", "namespace": "team-a"}, "ConfigMap", map[string]string{"ca.crt": ca})
+	kb, err := loadKeyBackend(dir)
+	if err != nil || kb == nil {
+		t.Fatalf("%v, %v", kb, err)
+	}
+	tc := kb.Transit
+	if tc.Address != "https://openbao.example.net:8200" || tc.Mount != "kv/transit" || tc.KubernetesMount != "k8s-prod" ||
+		tc.Namespace != "team-a" || tc.KubernetesRole != "vco-csi-node" || kb.Key.Name != "vco-csi-volumes" || kb.Key.Mount != "kv/transit" {
+		t.Errorf("transit config %+v, key %+v", tc, kb.Key)
+	}
+}
+
+func keyBackendDefaults(t *testing.T) {
+	dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200", "role": "r"}, "", nil)
+	kb, err := loadKeyBackend(dir)
+	if err != nil || kb == nil {
+		t.Fatalf("%v, %v", kb, err)
+	}
+	if kb.Transit.Mount != "transit" || kb.Transit.KubernetesMount != "kubernetes" || kb.Transit.CACertFile != "" ||
+		kb.Key.Mount != "transit" || kb.Key.Name != DefaultTransitKey || kb.CARef != DefaultCARef {
+		t.Errorf("defaults %+v %+v %q", kb.Transit, kb.Key, kb.CARef)
+	}
+}
+
+func keyBackendAuthPath(t *testing.T) {
+	dir := projectKeyBackend(t, map[string]string{"address": "https://b:8200", "role": "r", "k8sAuthPath": "auth/kubernetes-prod-1/"}, "", nil)
+	if kb, err := loadKeyBackend(dir); err != nil || kb.Transit.KubernetesMount != "kubernetes-prod-1" {
+		t.Errorf("k8sAuthPath auth/kubernetes-prod-1/: %+v, %v; want the mount kubernetes-prod-1", kb, err)
+	}
+}
+
+func keyBackendCA(t *testing.T, ca string) {
+	base := map[string]string{"address": "https://b:8200", "role": "r"}
+	for _, tc := range []struct {
+		caRef, kind, key, want string
+	}{
+		{"", "ConfigMap", "ca.crt", "ConfigMap openbao-ca key ca.crt"},
+		{"", "ConfigMap", "ca.pem", "ConfigMap openbao-ca key ca.pem"},
+		{"", "ConfigMap", "ca-bundle.crt", "ConfigMap openbao-ca key ca-bundle.crt"},
+		{"", "Secret", "ca.crt", "Secret openbao-ca key ca.crt"},
+		{"openbao-ca", "Secret", "ca-bundle.crt", "Secret openbao-ca key ca-bundle.crt"},
+		{"Secret/openbao-ca", "Secret", "ca.pem", "Secret openbao-ca key ca.pem"},
+		{"configmap/openbao-ca", "ConfigMap", "ca.pem", "ConfigMap openbao-ca key ca.pem"},
+		// Another object's name: the bundle delivered as openbao-ca.
+		{"corp-root-ca", "ConfigMap", "ca.crt", "ConfigMap openbao-ca key ca.crt"},
+	} {
+		s := maps.Clone(base)
+		if tc.caRef != "" {
+			s["caRef"] = tc.caRef
+		}
+		dir := projectKeyBackend(t, s, tc.kind, map[string]string{tc.key: ca})
+		kb, err := loadKeyBackend(dir)
+		if err != nil || kb.CASource != tc.want || kb.Transit.CACertFile != filepath.Join(dir, "ca", strings.ToLower(tc.kind), tc.key) {
+			t.Errorf("caRef %q, %s key %s: %+v, %v; want the CA from %s", tc.caRef, tc.kind, tc.key, kb, err, tc.want)
+		}
+	}
+}
+
+func keyBackendNone(t *testing.T, ca string) {
+	// No ConfigMap yet (both are optional): only the token and the
+	// CA are there, or the directory is not mounted at all.
+	dir := projectKeyBackend(t, nil, "ConfigMap", map[string]string{"ca.crt": ca})
+	for _, d := range []string{dir, filepath.Join(dir, "absent")} {
+		if kb, err := loadKeyBackend(d); kb != nil || err != nil {
+			t.Errorf("%s: %+v, %v; want no key backend and no error", d, kb, err)
+		}
 	}
 }
 

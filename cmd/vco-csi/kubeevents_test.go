@@ -64,25 +64,7 @@ func TestKubeEventsFromThePod(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	dir, err := os.MkdirTemp("", "kev")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	sock := filepath.Join(dir, "agent.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bus := events.NewBus(256, 64, nil)
-	srv := server.New(server.Options{Version: "test", Bus: bus, Policy: peercred.Policy{GID: -1}, Log: slog.New(slog.DiscardHandler)}).NewGRPC()
-	go srv.Serve(ln)
-	defer srv.Stop()
-	c, err := client.Dial(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	bus, c := eventAgent(t)
 
 	var logs syncBuffer
 	mx := metrics.New()
@@ -160,4 +142,30 @@ func (s *syncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// eventAgent is the agent's real API server and event bus, without
+// volumes, on a socket of its own, and a client of it.
+func eventAgent(t *testing.T) (*events.Bus, *client.Client) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "kev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sock := filepath.Join(dir, "agent.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bus := events.NewBus(256, 64, nil)
+	srv := server.New(server.Options{Version: "test", Bus: bus, Policy: peercred.Policy{GID: -1}, Log: slog.New(slog.DiscardHandler)}).NewGRPC()
+	go srv.Serve(ln)
+	t.Cleanup(srv.Stop)
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return bus, c
 }

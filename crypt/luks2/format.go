@@ -85,47 +85,12 @@ func Format(path string, o FormatOptions) (*Volume, error) {
 }
 
 func format(f device, path string, o FormatOptions) (*Volume, error) {
-	if len(o.Passphrase) == 0 {
-		return nil, fmt.Errorf("format %s: empty passphrase", path)
+	if err := o.complete(path); err != nil {
+		return nil, err
 	}
-	if o.SectorSize == 0 {
-		o.SectorSize = 4096
+	if err := checkFormatTarget(f, path, o); err != nil {
+		return nil, err
 	}
-	if o.SectorSize != 512 && o.SectorSize != 4096 {
-		return nil, fmt.Errorf("format %s: sector size %d, only 512 or 4096", path, o.SectorSize)
-	}
-	if o.KeySize == 0 {
-		o.KeySize = 64
-		if o.VolumeKey != nil {
-			o.KeySize = len(o.VolumeKey)
-		}
-	}
-	if o.KeySize != 32 && o.KeySize != 64 {
-		return nil, fmt.Errorf("format %s: key size %d bytes, only 32 or 64", path, o.KeySize)
-	}
-	if o.VolumeKey != nil && len(o.VolumeKey) != o.KeySize {
-		return nil, fmt.Errorf("format %s: volume key of %d bytes for key size %d", path, len(o.VolumeKey), o.KeySize)
-	}
-	size, err := deviceSize(f)
-	if err != nil {
-		return nil, fmt.Errorf("format %s: size: %w", path, err)
-	}
-	if size < formatDataOffset+uint64(o.SectorSize) {
-		return nil, fmt.Errorf("format %s: device of %d bytes is too small for a %d-byte LUKS2 header", path, size, formatDataOffset)
-	}
-	if (size-formatDataOffset)%uint64(o.SectorSize) != 0 {
-		return nil, fmt.Errorf("format %s: data area of %d bytes is not a multiple of the %d-byte sector size; use sector size 512", path, size-formatDataOffset, o.SectorSize)
-	}
-	if !o.Force {
-		sig, err := DetectSignature(f, size)
-		if err != nil {
-			return nil, fmt.Errorf("format %s: %w", path, err)
-		}
-		if sig != "" {
-			return nil, fmt.Errorf("format %s: %w: found %s; refusing to format over existing data (P5)", path, ErrSignature, sig)
-		}
-	}
-
 	key := o.VolumeKey
 	if key == nil {
 		key = make([]byte, o.KeySize)
@@ -136,17 +101,81 @@ func format(f device, path string, o FormatOptions) (*Volume, error) {
 	}
 	uuid := o.UUID
 	if uuid == "" {
+		var err error
 		if uuid, err = newUUID(); err != nil {
 			return nil, err
 		}
 	}
-	dg, err := newDigest(key, o.DigestIterations)
+	raw, ks, material, err := formatMetadata(path, key, o)
 	if err != nil {
 		return nil, err
 	}
+	return writeFormat(f, path, uuid, raw, ks.Area.Offset, material, o)
+}
+
+// complete sets the defaults of o and checks the passphrase, sector size
+// and key size.
+func (o *FormatOptions) complete(path string) error {
+	if len(o.Passphrase) == 0 {
+		return fmt.Errorf("format %s: empty passphrase", path)
+	}
+	if o.SectorSize == 0 {
+		o.SectorSize = 4096
+	}
+	if o.SectorSize != 512 && o.SectorSize != 4096 {
+		return fmt.Errorf("format %s: sector size %d, only 512 or 4096", path, o.SectorSize)
+	}
+	if o.KeySize == 0 {
+		o.KeySize = 64
+		if o.VolumeKey != nil {
+			o.KeySize = len(o.VolumeKey)
+		}
+	}
+	if o.KeySize != 32 && o.KeySize != 64 {
+		return fmt.Errorf("format %s: key size %d bytes, only 32 or 64", path, o.KeySize)
+	}
+	if o.VolumeKey != nil && len(o.VolumeKey) != o.KeySize {
+		return fmt.Errorf("format %s: volume key of %d bytes for key size %d", path, len(o.VolumeKey), o.KeySize)
+	}
+	return nil
+}
+
+// checkFormatTarget checks that the device at path fits the layout with
+// o's sector size and, unless o.Force, holds no data.
+func checkFormatTarget(f device, path string, o FormatOptions) error {
+	size, err := deviceSize(f)
+	if err != nil {
+		return fmt.Errorf("format %s: size: %w", path, err)
+	}
+	if size < formatDataOffset+uint64(o.SectorSize) {
+		return fmt.Errorf("format %s: device of %d bytes is too small for a %d-byte LUKS2 header", path, size, formatDataOffset)
+	}
+	if (size-formatDataOffset)%uint64(o.SectorSize) != 0 {
+		return fmt.Errorf("format %s: data area of %d bytes is not a multiple of the %d-byte sector size; use sector size 512", path, size-formatDataOffset, o.SectorSize)
+	}
+	if !o.Force {
+		sig, err := DetectSignature(f, size)
+		if err != nil {
+			return fmt.Errorf("format %s: %w", path, err)
+		}
+		if sig != "" {
+			return fmt.Errorf("format %s: %w: found %s; refusing to format over existing data (P5)", path, ErrSignature, sig)
+		}
+	}
+	return nil
+}
+
+// formatMetadata seals keyslot 0 of the volume key and returns the new
+// volume's metadata as JSON, checked as a read would check it, with the
+// keyslot and its key material.
+func formatMetadata(path string, key []byte, o FormatOptions) ([]byte, *Keyslot, []byte, error) {
+	dg, err := newDigest(key, o.DigestIterations)
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	ks, material, err := sealSlot(key, o.Passphrase, o.KDF, 2*formatHdrSize)
 	if err != nil {
-		return nil, fmt.Errorf("format %s: seal keyslot 0: %w", path, err)
+		return nil, nil, nil, fmt.Errorf("format %s: seal keyslot 0: %w", path, err)
 	}
 	dg.Keyslots = []string{"0"}
 	meta := &Metadata{
@@ -167,25 +196,30 @@ func format(f device, path string, o FormatOptions) (*Volume, error) {
 		t.Keyslots = []int{0}
 		raw, err := t.marshal()
 		if err != nil {
-			return nil, fmt.Errorf("format %s: %w", path, err)
+			return nil, nil, nil, fmt.Errorf("format %s: %w", path, err)
 		}
 		meta.Tokens["0"] = raw
 	}
 	raw, err := json.Marshal(meta)
 	if err != nil {
-		return nil, err
+		return nil, nil, nil, err
 	}
 	if _, err := parseMetadata(raw, formatHdrSize); err != nil {
-		return nil, fmt.Errorf("format %s: %w", path, err)
+		return nil, nil, nil, fmt.Errorf("format %s: %w", path, err)
 	}
+	return raw, ks, material, nil
+}
 
+// writeFormat writes the new volume to the device in Format's order, the
+// key material at offset, and reads the header back.
+func writeFormat(f device, path, uuid string, raw []byte, offset U64, material []byte, o FormatOptions) (*Volume, error) {
 	if err := wipeRange(f, 0, formatDataOffset); err != nil {
 		return nil, fmt.Errorf("format %s: %w", path, err)
 	}
 	if err := f.Sync(); err != nil {
 		return nil, fmt.Errorf("format %s: sync: %w", path, err)
 	}
-	if _, err := f.WriteAt(material, int64(ks.Area.Offset)); err != nil {
+	if _, err := f.WriteAt(material, int64(offset)); err != nil {
 		return nil, fmt.Errorf("format %s: write keyslot: %w", path, err)
 	}
 	if err := f.Sync(); err != nil {

@@ -105,6 +105,34 @@ func readCopy(r io.ReaderAt, off uint64) (*headerCopy, error) {
 		}
 		return nil, fmt.Errorf("read binary header at %d: %w", off, err)
 	}
+	hc, err := parseBinaryHeader(bin, off)
+	if err != nil {
+		return nil, err
+	}
+	full := make([]byte, hc.hdrSize)
+	copy(full, bin)
+	if _, err := r.ReadAt(full[binHeaderSize:], int64(off)+binHeaderSize); err != nil {
+		return nil, fmt.Errorf("read JSON area at %d: %w", off+binHeaderSize, err)
+	}
+	stored := append([]byte(nil), full[offCsum:offCsum+lenCsum]...)
+	clear(full[offCsum : offCsum+lenCsum])
+	sum := sha256.Sum256(full)
+	if !bytes.Equal(stored[:sha256.Size], sum[:]) || !allZero(stored[sha256.Size:]) {
+		return nil, errChecksum
+	}
+	if err := hc.readFields(bin); err != nil {
+		return nil, err
+	}
+	if hc.json, err = jsonArea(full[binHeaderSize:]); err != nil {
+		return nil, err
+	}
+	return hc, nil
+}
+
+// parseBinaryHeader checks what the binary header bin of the copy at off
+// says of the copy before its checksum can be checked: magic, version,
+// header size, offset and checksum algorithm.
+func parseBinaryHeader(bin []byte, off uint64) (*headerCopy, error) {
 	primary := off == 0
 	want := magicSecondary
 	if primary {
@@ -134,32 +162,33 @@ func readCopy(r io.ReaderAt, off uint64) (*headerCopy, error) {
 	if alg != "sha256" {
 		return nil, fmt.Errorf("header checksum algorithm %q is not supported (only sha256)", alg)
 	}
-	full := make([]byte, hc.hdrSize)
-	copy(full, bin)
-	if _, err := r.ReadAt(full[binHeaderSize:], int64(off)+binHeaderSize); err != nil {
-		return nil, fmt.Errorf("read JSON area at %d: %w", off+binHeaderSize, err)
-	}
-	stored := append([]byte(nil), full[offCsum:offCsum+lenCsum]...)
-	clear(full[offCsum : offCsum+lenCsum])
-	sum := sha256.Sum256(full)
-	if !bytes.Equal(stored[:sha256.Size], sum[:]) || !allZero(stored[sha256.Size:]) {
-		return nil, errChecksum
-	}
+	return hc, nil
+}
+
+// readFields reads the checksummed binary header's padding, seqid,
+// strings and salt into hc.
+func (hc *headerCopy) readFields(bin []byte) error {
 	if !allZero(bin[offPadding:offCsum]) || !allZero(bin[offEnd:]) {
-		return nil, errors.New("binary header padding is not zeroed")
+		return errors.New("binary header padding is not zeroed")
 	}
 	hc.seqid = binary.BigEndian.Uint64(bin[offSeqid:])
+	var err error
 	if hc.label, err = cString(bin[offLabel:offLabel+lenLabel], "label"); err != nil {
-		return nil, err
+		return err
 	}
 	if hc.uuid, err = cString(bin[offUUID:offUUID+lenUUID], "uuid"); err != nil {
-		return nil, err
+		return err
 	}
 	if hc.subsystem, err = cString(bin[offSubsystem:offSubsystem+lenLabel], "subsystem"); err != nil {
-		return nil, err
+		return err
 	}
 	copy(hc.salt[:], bin[offSalt:offSalt+lenSalt])
-	area := full[binHeaderSize:]
+	return nil
+}
+
+// jsonArea is the JSON of a checksummed JSON area: valid JSON, then NULs
+// to the area's end.
+func jsonArea(area []byte) ([]byte, error) {
 	end := bytes.IndexByte(area, 0)
 	if end < 0 {
 		return nil, errors.New("JSON area is not NUL-terminated")
@@ -167,11 +196,10 @@ func readCopy(r io.ReaderAt, off uint64) (*headerCopy, error) {
 	if !allZero(area[end:]) {
 		return nil, errors.New("JSON area has data after the terminating NUL")
 	}
-	hc.json = area[:end]
-	if !json.Valid(hc.json) {
+	if !json.Valid(area[:end]) {
 		return nil, errors.New("JSON area does not hold valid JSON")
 	}
-	return hc, nil
+	return area[:end], nil
 }
 
 var (

@@ -336,7 +336,8 @@ func slotID(s string) (int, bool) {
 	return n, true
 }
 
-// validate checks the decoded metadata against the one layout supported.
+// validate checks the decoded metadata against the one layout supported:
+// its config, its one segment, its one digest, its keyslots and tokens.
 func (m *Metadata) validate(hdrSize uint64) error {
 	if m.Keyslots == nil || m.Tokens == nil || m.Segments == nil || m.Digests == nil {
 		return invalid("json", "keyslots, tokens, segments and digests objects are mandatory")
@@ -350,7 +351,22 @@ func (m *Metadata) validate(hdrSize uint64) error {
 	}
 	areaStart := 2 * hdrSize
 	areaEnd := areaStart + uint64(c.KeyslotsSize)
+	if err := m.validateSegment(areaEnd); err != nil {
+		return err
+	}
+	if err := m.validateDigests(); err != nil {
+		return err
+	}
+	if err := m.validateKeyslots(areaStart, areaEnd); err != nil {
+		return err
+	}
+	return m.validateTokens()
+}
 
+// validateSegment checks the one segment, "0": an aes-xts crypt segment
+// whose data starts past the header and keyslot areas (which end at
+// areaEnd).
+func (m *Metadata) validateSegment(areaEnd uint64) error {
 	seg, ok := m.Segments["0"]
 	if !ok {
 		return invalid("segments", "the segment must be named \"0\"")
@@ -381,7 +397,12 @@ func (m *Metadata) validate(hdrSize uint64) error {
 			return invalid("segments.0.size", "%q is neither \"dynamic\" nor a positive multiple of the sector size", seg.Size)
 		}
 	}
+	return nil
+}
 
+// validateDigests checks the one digest: pbkdf2 at a bounded cost, over
+// segment 0, binding every keyslot.
+func (m *Metadata) validateDigests() error {
 	if len(m.Digests) != 1 {
 		return invalid("digests", "%d digests, exactly one is supported", len(m.Digests))
 	}
@@ -410,52 +431,30 @@ func (m *Metadata) validate(hdrSize uint64) error {
 			}
 		}
 	}
+	return nil
+}
 
+// keyslotSpan is where a keyslot's key material lies, [start, end).
+type keyslotSpan struct {
+	id         string
+	start, end uint64
+}
+
+// validateKeyslots checks every keyslot, that they agree on the volume
+// key size, and that their areas lie in [areaStart, areaEnd) without
+// overlapping.
+func (m *Metadata) validateKeyslots(areaStart, areaEnd uint64) error {
 	if len(m.Keyslots) == 0 {
 		return invalid("keyslots", "no keyslot: the volume cannot be unlocked")
 	}
-	type span struct {
-		id         string
-		start, end uint64
-	}
-	var spans []span
+	var spans []keyslotSpan
 	keySize := 0
 	for id, k := range m.Keyslots {
-		f := "keyslots." + id
-		if n, ok := slotID(id); !ok || n >= maxKeyslots {
-			return invalid(f, "keyslot name must be a number below %d", maxKeyslots)
-		}
-		if k.KeySize != 32 && k.KeySize != 64 {
-			return invalid(f+".key_size", "%d bytes, only 32 or 64 (aes-xts 256/512 bit) are supported", k.KeySize)
-		}
-		if keySize != 0 && k.KeySize != keySize {
-			return invalid(f+".key_size", "keyslots disagree on the volume key size")
-		}
-		keySize = k.KeySize
-		if k.AF.Type != "luks1" || k.AF.Stripes != afStripes || !hashSupported(k.AF.Hash) {
-			return invalid(f+".af", "%+v, only luks1 with %d stripes and sha1/sha256/sha512 is supported", k.AF, afStripes)
-		}
-		a := k.Area
-		if a.Type != "raw" || a.Encryption != cipherXTS {
-			return invalid(f+".area", "type %q encryption %q, only raw %s is supported", a.Type, a.Encryption, cipherXTS)
-		}
-		if a.KeySize != 32 && a.KeySize != 64 {
-			return invalid(f+".area.key_size", "%d bytes is not an aes-xts key size", a.KeySize)
-		}
-		need := uint64(k.KeySize * afStripes)
-		if uint64(a.Size) < need || a.Offset%512 != 0 {
-			return invalid(f+".area", "size %d offset %d cannot hold %d bytes of key material", a.Size, a.Offset, need)
-		}
-		if uint64(a.Offset) < areaStart || uint64(a.Offset)+uint64(a.Size) > areaEnd {
-			return invalid(f+".area", "[%d, %d) lies outside the keyslots area [%d, %d)", a.Offset, a.Offset+a.Size, areaStart, areaEnd)
-		}
-		spans = append(spans, span{id, uint64(a.Offset), uint64(a.Offset + a.Size)})
-		if err := k.KDF.validate(f+".kdf", a.KeySize); err != nil {
+		if err := k.validate(id, keySize, areaStart, areaEnd); err != nil {
 			return err
 		}
-		if k.Priority != nil && (*k.Priority < 0 || *k.Priority > 2) {
-			return invalid(f+".priority", "%d is not 0, 1 or 2", *k.Priority)
-		}
+		keySize = k.KeySize
+		spans = append(spans, keyslotSpan{id, uint64(k.Area.Offset), uint64(k.Area.Offset + k.Area.Size)})
 	}
 	sort.Slice(spans, func(i, j int) bool { return spans[i].start < spans[j].start })
 	for i := 1; i < len(spans); i++ {
@@ -463,7 +462,58 @@ func (m *Metadata) validate(hdrSize uint64) error {
 			return invalid("keyslots", "areas of keyslots %s and %s overlap", spans[i-1].id, spans[i].id)
 		}
 	}
+	return nil
+}
 
+// validate checks keyslot id: its name, its key size (keySize, that of
+// the keyslots checked before it, or 0), splitter, area within
+// [areaStart, areaEnd), key derivation and priority.
+func (k *Keyslot) validate(id string, keySize int, areaStart, areaEnd uint64) error {
+	f := "keyslots." + id
+	if n, ok := slotID(id); !ok || n >= maxKeyslots {
+		return invalid(f, "keyslot name must be a number below %d", maxKeyslots)
+	}
+	if k.KeySize != 32 && k.KeySize != 64 {
+		return invalid(f+".key_size", "%d bytes, only 32 or 64 (aes-xts 256/512 bit) are supported", k.KeySize)
+	}
+	if keySize != 0 && k.KeySize != keySize {
+		return invalid(f+".key_size", "keyslots disagree on the volume key size")
+	}
+	if k.AF.Type != "luks1" || k.AF.Stripes != afStripes || !hashSupported(k.AF.Hash) {
+		return invalid(f+".af", "%+v, only luks1 with %d stripes and sha1/sha256/sha512 is supported", k.AF, afStripes)
+	}
+	if err := k.Area.validate(f+".area", uint64(k.KeySize*afStripes), areaStart, areaEnd); err != nil {
+		return err
+	}
+	if err := k.KDF.validate(f+".kdf", k.Area.KeySize); err != nil {
+		return err
+	}
+	if k.Priority != nil && (*k.Priority < 0 || *k.Priority > 2) {
+		return invalid(f+".priority", "%d is not 0, 1 or 2", *k.Priority)
+	}
+	return nil
+}
+
+// validate checks a keyslot's area f: raw aes-xts, large enough for need
+// bytes of key material, within the keyslots area [areaStart, areaEnd).
+func (a *Area) validate(f string, need, areaStart, areaEnd uint64) error {
+	if a.Type != "raw" || a.Encryption != cipherXTS {
+		return invalid(f, "type %q encryption %q, only raw %s is supported", a.Type, a.Encryption, cipherXTS)
+	}
+	if a.KeySize != 32 && a.KeySize != 64 {
+		return invalid(f+".key_size", "%d bytes is not an aes-xts key size", a.KeySize)
+	}
+	if uint64(a.Size) < need || a.Offset%512 != 0 {
+		return invalid(f, "size %d offset %d cannot hold %d bytes of key material", a.Size, a.Offset, need)
+	}
+	if uint64(a.Offset) < areaStart || uint64(a.Offset)+uint64(a.Size) > areaEnd {
+		return invalid(f, "[%d, %d) lies outside the keyslots area [%d, %d)", a.Offset, a.Offset+a.Size, areaStart, areaEnd)
+	}
+	return nil
+}
+
+// validateTokens checks every token's name, type and keyslots.
+func (m *Metadata) validateTokens() error {
 	if len(m.Tokens) > maxTokens {
 		return invalid("tokens", "%d tokens, at most %d", len(m.Tokens), maxTokens)
 	}

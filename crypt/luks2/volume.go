@@ -93,21 +93,7 @@ func deviceSize(f io.Seeker) (uint64, error) {
 // purpose.
 func readHeader(r io.ReaderAt, path string) (*Header, error) {
 	prim, perr := readCopy(r, 0)
-	var sec *headerCopy
-	var serr error
-	if prim != nil {
-		sec, serr = readCopy(r, prim.hdrSize)
-	} else {
-		serr = errNoMagic
-		for _, off := range validHdrSizes {
-			if s, err := readCopy(r, off); err == nil {
-				sec, serr = s, nil
-				break
-			} else if !errors.Is(err, errNoMagic) {
-				serr = err
-			}
-		}
-	}
+	sec, serr := readSecondary(r, prim)
 	if prim == nil && sec == nil {
 		if errors.Is(perr, errNoMagic) && errors.Is(serr, errNoMagic) {
 			return nil, fmt.Errorf("%s: %w", path, ErrNotLUKS2)
@@ -115,23 +101,9 @@ func readHeader(r io.ReaderAt, path string) (*Header, error) {
 		return nil, fmt.Errorf("%s: no usable LUKS2 header: primary: %v; secondary: %v", path, perr, serr)
 	}
 	h := &Header{}
-	chosen := prim
-	switch {
-	case prim == nil:
-		chosen = sec
-		h.Damaged = append(h.Damaged, "primary header: "+perr.Error())
-	case sec == nil:
-		h.Damaged = append(h.Damaged, "secondary header: "+serr.Error())
-	case sec.seqid > prim.seqid:
-		chosen = sec
-		h.Damaged = append(h.Damaged, fmt.Sprintf("primary header is stale (seqid %d, secondary %d)", prim.seqid, sec.seqid))
-	case prim.seqid > sec.seqid:
-		h.Damaged = append(h.Damaged, fmt.Sprintf("secondary header is stale (seqid %d, primary %d)", sec.seqid, prim.seqid))
-	case prim.hdrSize != sec.hdrSize || prim.uuid != sec.uuid || !bytes.Equal(prim.json, sec.json):
-		return nil, fmt.Errorf("%s: primary and secondary LUKS2 headers carry the same seqid %d but different metadata; refusing to guess which is genuine (inspect with 'vco-agent luks dump')", path, prim.seqid)
-	}
-	if prim != nil && sec != nil && prim.hdrSize != sec.hdrSize {
-		return nil, fmt.Errorf("%s: primary and secondary headers disagree on the header size", path)
+	chosen, err := chooseCopy(h, path, prim, sec, perr, serr)
+	if err != nil {
+		return nil, err
 	}
 	h.UUID, h.Label, h.Subsystem = chosen.uuid, chosen.label, chosen.subsystem
 	h.Seqid, h.HdrSize = chosen.seqid, chosen.hdrSize
@@ -152,6 +124,50 @@ func readHeader(r io.ReaderAt, path string) (*Header, error) {
 	h.Meta = meta
 	h.raw = chosen.json
 	return h, nil
+}
+
+// readSecondary reads the secondary header copy: after the primary prim,
+// or without one at each offset a header size allows, the first that
+// reads.
+func readSecondary(r io.ReaderAt, prim *headerCopy) (*headerCopy, error) {
+	if prim != nil {
+		return readCopy(r, prim.hdrSize)
+	}
+	serr := errNoMagic
+	for _, off := range validHdrSizes {
+		s, err := readCopy(r, off)
+		if err == nil {
+			return s, nil
+		}
+		if !errors.Is(err, errNoMagic) {
+			serr = err
+		}
+	}
+	return nil, serr
+}
+
+// chooseCopy chooses the copy to trust of the two read (either may be
+// nil, with its error), recording in h what is wrong with the other.
+func chooseCopy(h *Header, path string, prim, sec *headerCopy, perr, serr error) (*headerCopy, error) {
+	chosen := prim
+	switch {
+	case prim == nil:
+		chosen = sec
+		h.Damaged = append(h.Damaged, "primary header: "+perr.Error())
+	case sec == nil:
+		h.Damaged = append(h.Damaged, "secondary header: "+serr.Error())
+	case sec.seqid > prim.seqid:
+		chosen = sec
+		h.Damaged = append(h.Damaged, fmt.Sprintf("primary header is stale (seqid %d, secondary %d)", prim.seqid, sec.seqid))
+	case prim.seqid > sec.seqid:
+		h.Damaged = append(h.Damaged, fmt.Sprintf("secondary header is stale (seqid %d, primary %d)", sec.seqid, prim.seqid))
+	case prim.hdrSize != sec.hdrSize || prim.uuid != sec.uuid || !bytes.Equal(prim.json, sec.json):
+		return nil, fmt.Errorf("%s: primary and secondary LUKS2 headers carry the same seqid %d but different metadata; refusing to guess which is genuine (inspect with 'vco-agent luks dump')", path, prim.seqid)
+	}
+	if prim != nil && sec != nil && prim.hdrSize != sec.hdrSize {
+		return nil, fmt.Errorf("%s: primary and secondary headers disagree on the header size", path)
+	}
+	return chosen, nil
 }
 
 // SectorSize is the encryption sector size of the data segment.

@@ -64,35 +64,12 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	// /api/v1/namespaces/<ns>/<resource>[/<name>]
-	parts := strings.Split(strings.TrimPrefix(r.URL.Path, "/api/v1/namespaces/"), "/")
-	if !strings.HasPrefix(r.URL.Path, "/api/v1/namespaces/") || len(parts) < 2 || len(parts) > 3 ||
-		(parts[1] != "events" && parts[1] != "persistentvolumeclaims") {
-		f.status(w, http.StatusNotFound, "no such path "+r.URL.Path)
-		return
-	}
-	ns, resource, name := parts[0], parts[1], ""
-	if len(parts) == 3 {
-		name = parts[2]
-	}
-	if r.Header.Get("Authorization") != "Bearer "+f.token {
-		f.status(w, http.StatusUnauthorized, "Unauthorized")
-		return
-	}
-	if f.denied[ns] {
-		f.requests = append(f.requests, r.Method+" denied "+ns+"/"+resource)
-		f.status(w, http.StatusForbidden, fmt.Sprintf(`%s is forbidden: User "system:serviceaccount:csi-driver:vco-csi-node" cannot %s resource %q in API group "" in the namespace %q`,
-			resource, strings.ToLower(r.Method), resource, ns))
+	ns, resource, name, ok := f.route(w, r)
+	if !ok {
 		return
 	}
 	if resource == "persistentvolumeclaims" {
-		f.requests = append(f.requests, r.Method+" pvc "+ns+"/"+name)
-		uid, ok := f.claims[ns+"/"+name]
-		if r.Method != http.MethodGet || !ok {
-			f.status(w, http.StatusNotFound, fmt.Sprintf("persistentvolumeclaims %q not found", name))
-			return
-		}
-		json.NewEncoder(w).Encode(corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, UID: types.UID(uid)}})
+		f.serveClaim(w, r, ns, name)
 		return
 	}
 	body, _ := io.ReadAll(r.Body)
@@ -117,6 +94,49 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		f.status(w, f.answer, fmt.Sprintf(`events is forbidden: User "system:serviceaccount:csi-driver:vco-csi-node" cannot %s resource "events" in API group "" in the namespace "default"`, strings.ToLower(r.Method)))
 		return
 	}
+	f.serveEvent(w, r, name, body)
+}
+
+// route reads /api/v1/namespaces/<ns>/<resource>[/<name>] and answers
+// what the API server would for a wrong path, a wrong token or a
+// namespace the plugin's grant does not reach.
+func (f *fakeAPI) route(w http.ResponseWriter, r *http.Request) (ns, resource, name string, ok bool) {
+	parts := strings.Split(strings.TrimPrefix(r.URL.Path, "/api/v1/namespaces/"), "/")
+	if !strings.HasPrefix(r.URL.Path, "/api/v1/namespaces/") || len(parts) < 2 || len(parts) > 3 ||
+		(parts[1] != "events" && parts[1] != "persistentvolumeclaims") {
+		f.status(w, http.StatusNotFound, "no such path "+r.URL.Path)
+		return "", "", "", false
+	}
+	ns, resource = parts[0], parts[1]
+	if len(parts) == 3 {
+		name = parts[2]
+	}
+	if r.Header.Get("Authorization") != "Bearer "+f.token {
+		f.status(w, http.StatusUnauthorized, "Unauthorized")
+		return "", "", "", false
+	}
+	if f.denied[ns] {
+		f.requests = append(f.requests, r.Method+" denied "+ns+"/"+resource)
+		f.status(w, http.StatusForbidden, fmt.Sprintf(`%s is forbidden: User "system:serviceaccount:csi-driver:vco-csi-node" cannot %s resource %q in API group "" in the namespace %q`,
+			resource, strings.ToLower(r.Method), resource, ns))
+		return "", "", "", false
+	}
+	return ns, resource, name, true
+}
+
+// serveClaim answers a GET of a claim the fake knows.
+func (f *fakeAPI) serveClaim(w http.ResponseWriter, r *http.Request, ns, name string) {
+	f.requests = append(f.requests, r.Method+" pvc "+ns+"/"+name)
+	uid, ok := f.claims[ns+"/"+name]
+	if r.Method != http.MethodGet || !ok {
+		f.status(w, http.StatusNotFound, fmt.Sprintf("persistentvolumeclaims %q not found", name))
+		return
+	}
+	json.NewEncoder(w).Encode(corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, UID: types.UID(uid)}})
+}
+
+// serveEvent creates, reads or merge-patches the Event name.
+func (f *fakeAPI) serveEvent(w http.ResponseWriter, r *http.Request, name string, body []byte) {
 	old := f.events[name]
 	switch r.Method {
 	case http.MethodPost:
@@ -136,29 +156,34 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		json.NewEncoder(w).Encode(old)
 	case http.MethodPatch:
-		if old == nil {
-			f.status(w, http.StatusNotFound, fmt.Sprintf("events %q not found", name))
-			return
-		}
-		if ct := r.Header.Get("Content-Type"); ct != "application/merge-patch+json" {
-			f.status(w, http.StatusUnsupportedMediaType, "content type "+ct)
-			return
-		}
-		var cur, patch map[string]any
-		b, _ := json.Marshal(old)
-		json.Unmarshal(b, &cur)
-		if err := json.Unmarshal(body, &patch); err != nil {
-			f.status(w, http.StatusBadRequest, err.Error())
-			return
-		}
-		b, _ = json.Marshal(mergePatch(cur, patch))
-		var e corev1.Event
-		json.Unmarshal(b, &e)
-		f.events[name] = &e
-		json.NewEncoder(w).Encode(e)
+		f.patchEvent(w, r, name, old, body)
 	default:
 		f.status(w, http.StatusMethodNotAllowed, r.Method)
 	}
+}
+
+// patchEvent applies a merge patch to the Event old.
+func (f *fakeAPI) patchEvent(w http.ResponseWriter, r *http.Request, name string, old *corev1.Event, body []byte) {
+	if old == nil {
+		f.status(w, http.StatusNotFound, fmt.Sprintf("events %q not found", name))
+		return
+	}
+	if ct := r.Header.Get("Content-Type"); ct != "application/merge-patch+json" {
+		f.status(w, http.StatusUnsupportedMediaType, "content type "+ct)
+		return
+	}
+	var cur, patch map[string]any
+	b, _ := json.Marshal(old)
+	json.Unmarshal(b, &cur)
+	if err := json.Unmarshal(body, &patch); err != nil {
+		f.status(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	b, _ = json.Marshal(mergePatch(cur, patch))
+	var e corev1.Event
+	json.Unmarshal(b, &e)
+	f.events[name] = &e
+	json.NewEncoder(w).Encode(e)
 }
 
 // mergePatch applies a JSON merge patch (RFC 7386).

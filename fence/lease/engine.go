@@ -427,88 +427,174 @@ func (e *Engine) claim() fence.Claim {
 	return fence.Claim{Method: Method, Key: e.cfg.Key}
 }
 
+// attempt is one acquisition attempt: the read its claim is based on, the
+// holder it takes over and the claim it writes.
+type attempt struct {
+	grant *fence.Grant
+	// fast: the fast first claim (AcquireFirst on a blank lease area).
+	fast bool
+	// a is the read the claim is based on, begun at readAt.
+	a      *Area
+	readAt time.Time
+	// victim is the holder taken over, or -1; victimRaw and victimSlot
+	// are its slot as first read, granted that the grant names it.
+	victim     int
+	victimRaw  []byte
+	victimSlot Slot
+	granted    bool
+	// watch are the slots waited out before the claim.
+	watch []int
+	// The claim: slot idx, written as blk, its write issued at issued.
+	idx    int
+	s      Slot
+	blk    []byte
+	issued time.Time
+}
+
+// acquire is one attempt at the lease, in the steps of docs/fencing.md
+// ("The on-disk lease"): read, settle a claim of ours still in flight,
+// keep or resume our own claim, wait out the holders, write the claim,
+// and hold it at once (the fast first claim) or after the settle wait and
+// race check. errRetry starts it over.
 func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (fence.Claim, error) {
-	t := e.cfg.Timing
-	mine := e.cfg.Key
 	// A claim of ours still in flight, or a slot our late claim may have
 	// erased, is settled the usual way.
 	first = first && e.unconfirmed == nil && e.erased < 0
-	readAt := time.Now()
+	at := &attempt{grant: grant, readAt: time.Now(), victim: -1}
 	a, err := e.read(ctx)
 	if err != nil {
 		return fence.Claim{}, err
 	}
-	fast := first && a.blank()
-	if p := e.unconfirmed; p != nil {
-		if !bytes.Equal(a.Raw[p.idx], p.blk) {
-			e.unconfirmed = nil
-		} else {
-			e.log.Warn("withdrawing our lease claim that landed after the I/O timeout", "slot", p.idx)
-			if p.foreign {
-				e.erased = p.idx
-			}
-			if e.withdraw(ctx, p.idx, p.slot, p.blk) {
-				e.unconfirmed = nil
-			}
-			return fence.Claim{}, errRetry
+	at.a = a
+	at.fast = first && a.blank()
+	if err := e.settleUnconfirmed(ctx, a); err != nil {
+		return fence.Claim{}, err
+	}
+	if c, done, err := e.holdsAlready(ctx, a, at.readAt); done || err != nil {
+		return c, err
+	}
+	e.findHolders(at)
+	reclaim := e.pickSlot(a, at.victim, false) < 0
+	if len(at.watch) > 0 {
+		if at.a, at.readAt, err = e.awaitExpiry(ctx, a, at.watch, at.victim, grant); err != nil {
+			return fence.Claim{}, err
+		}
+		e.erased = -1
+	}
+	if err := e.writeClaim(ctx, at, reclaim); err != nil {
+		return fence.Claim{}, err
+	}
+	if at.fast {
+		held, err := e.holdFast(ctx, at)
+		if err != nil {
+			return fence.Claim{}, err
+		}
+		if held {
+			return e.claim(), nil
 		}
 	}
+	a2, err := e.raceCheck(ctx, at)
+	if err != nil {
+		return fence.Claim{}, err
+	}
+	if err := e.holdAfterRacers(ctx, at, a2); err != nil {
+		return fence.Claim{}, err
+	}
+	e.clearGone(ctx, a2, at.watch, at.idx)
+	e.startRenewer()
+	e.log.Info("lease acquired", "slot", at.idx, "epoch", at.s.Epoch)
+	c := e.claim()
+	if at.victim >= 0 {
+		c.Preempted = []fence.Key{at.s.Supersedes}
+	}
+	return c, nil
+}
+
+// settleUnconfirmed settles a claim of ours whose write timed out by the
+// read a: a claim that landed is withdrawn and the attempt starts over
+// (errRetry).
+func (e *Engine) settleUnconfirmed(ctx context.Context, a *Area) error {
+	p := e.unconfirmed
+	if p == nil {
+		return nil
+	}
+	if !bytes.Equal(a.Raw[p.idx], p.blk) {
+		e.unconfirmed = nil
+		return nil
+	}
+	e.log.Warn("withdrawing our lease claim that landed after the I/O timeout", "slot", p.idx)
+	if p.foreign {
+		e.erased = p.idx
+	}
+	if e.withdraw(ctx, p.idx, p.slot, p.blk) {
+		e.unconfirmed = nil
+	}
+	return errRetry
+}
+
+// holdsAlready answers an acquisition of a lease we hold, or whose record
+// of ours, from an earlier run of the agent on this node, can be resumed;
+// done is false when the lease is to be acquired anew.
+func (e *Engine) holdsAlready(ctx context.Context, a *Area, readAt time.Time) (c fence.Claim, done bool, err error) {
 	owner := a.Owner()
 	if e.held {
 		if lerr := e.verifyOwn(a); lerr != nil {
-			return fence.Claim{}, lerr
+			return fence.Claim{}, true, lerr
 		}
 		c := e.claim()
 		c.Already = true
-		return c, nil
+		return c, true, nil
 	}
-	if owner >= 0 && a.Slots[owner].Key == mine {
-		// Our own record, from an earlier run of the agent on this node.
-		// It is resumed only while it cannot have expired in anyone's
-		// eyes; both times come from this host's clock.
-		s := a.Slots[owner]
-		age := time.Since(time.Unix(0, s.Written))
-		// Another held slot below ours may be a host our record
-		// superseded that has not yet let go (an acquisition of ours,
-		// cut short, that never waited for it): then the record is
-		// not resumed but acquired again, waiting for that host.
-		others := a.ownerExcept(mine) >= 0
-		for i := range a.Corrupt {
-			others = others || a.Corrupt[i]
-		}
-		if age >= 0 && age < t.Fail && !others {
-			if err := e.resume(ctx, owner, a, readAt); err != nil {
-				return fence.Claim{}, err
-			}
-			e.log.Info("lease resumed from an earlier run", "slot", owner, "epoch", s.Epoch, "age", age.String())
-			c := e.claim()
-			c.Already = true
-			return c, nil
-		}
-		e.log.Info("own lease record is not resumed (too old, or another host's slot is held); acquiring anew", "age", age.String(), "others_held", others)
+	if owner < 0 || a.Slots[owner].Key != e.cfg.Key {
+		return fence.Claim{}, false, nil
 	}
+	// Our own record, from an earlier run of the agent on this node.
+	// It is resumed only while it cannot have expired in anyone's
+	// eyes; both times come from this host's clock.
+	s := a.Slots[owner]
+	age := time.Since(time.Unix(0, s.Written))
+	// Another held slot below ours may be a host our record
+	// superseded that has not yet let go (an acquisition of ours,
+	// cut short, that never waited for it): then the record is
+	// not resumed but acquired again, waiting for that host.
+	others := a.ownerExcept(e.cfg.Key) >= 0
+	for i := range a.Corrupt {
+		others = others || a.Corrupt[i]
+	}
+	if age >= 0 && age < e.cfg.Timing.Fail && !others {
+		if err := e.resume(ctx, owner, a, readAt); err != nil {
+			return fence.Claim{}, true, err
+		}
+		e.log.Info("lease resumed from an earlier run", "slot", owner, "epoch", s.Epoch, "age", age.String())
+		c := e.claim()
+		c.Already = true
+		return c, true, nil
+	}
+	e.log.Info("own lease record is not resumed (too old, or another host's slot is held); acquiring anew", "age", age.String(), "others_held", others)
+	return fence.Claim{}, false, nil
+}
 
-	victim := -1
-	var victimRaw []byte
-	var victimSlot Slot
-	granted := false
+// findHolders sets the attempt's victim and the slots to wait out from
+// its read.
+func (e *Engine) findHolders(at *attempt) {
+	a, mine := at.a, e.cfg.Key
 	// The holder to take over is the highest held slot of another key,
 	// even below a record of ours too old to resume: a host keeps writing
 	// until its own renewal sees a claim above it.
 	if v := a.ownerExcept(mine); v >= 0 {
-		victim = v
-		victimRaw, victimSlot = a.Raw[v], a.Slots[v]
-		granted = grant.Names(a.Slots[v].Key)
+		at.victim = v
+		at.victimRaw, at.victimSlot = a.Raw[v], a.Slots[v]
+		at.granted = at.grant.Names(a.Slots[v].Key)
 	}
+	victim := at.victim
 	// Slots that do not decode may be a host's torn write; they are
 	// waited for as a holder would be.
-	var watch []int
-	if victim >= 0 && !granted {
-		watch = append(watch, victim)
+	if victim >= 0 && !at.granted {
+		at.watch = append(at.watch, victim)
 	}
 	for i := range a.Corrupt {
 		if a.Corrupt[i] || (i == e.erased && i != victim) {
-			watch = append(watch, i)
+			at.watch = append(at.watch, i)
 		}
 	}
 	// Every other held slot may be a host that has not yet seen the claim
@@ -518,24 +604,23 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 	// With no free slot, one of them is reclaimed for our claim.
 	for i := range a.Slots {
 		if i != victim && a.Slots[i].Key != mine && a.Slots[i].Live() && !a.Corrupt[i] {
-			watch = append(watch, i)
+			at.watch = append(at.watch, i)
 		}
 	}
-	reclaim := e.pickSlot(a, victim, false) < 0
-	if len(watch) > 0 {
-		a, readAt, err = e.awaitExpiry(ctx, a, watch, victim, grant)
-		if err != nil {
-			return fence.Claim{}, err
-		}
-		e.erased = -1
-	}
+}
 
-	idx := e.pickSlot(a, victim, fast)
+// writeClaim picks the slot for our claim (reclaiming a waited-out one
+// when reclaim says none was free) and writes the claim there. A write
+// that timed out may still land: it is settled by the next attempt
+// (errRetry).
+func (e *Engine) writeClaim(ctx context.Context, at *attempt, reclaim bool) error {
+	t, mine, a, victim := e.cfg.Timing, e.cfg.Key, at.a, at.victim
+	idx := e.pickSlot(a, victim, at.fast)
 	if idx < 0 && reclaim {
 		idx = e.reclaimSlot(a, victim)
 	}
 	if idx < 0 {
-		return fence.Claim{}, fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
+		return fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
 	}
 	s := Slot{Key: mine, Epoch: a.MaxEpoch() + 1, Counter: a.Slots[idx].Counter + 1, State: StateHeld,
 		Timing: t, Node: e.cfg.NodeName, Serial: SlotSerial(e.cfg.Serial)}
@@ -544,8 +629,8 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 	}
 	if victim >= 0 {
 		s.Supersedes = a.Slots[victim].Key
-		if granted {
-			e.log.Warn("taking the lease over with a grant", "holder", s.Supersedes.String(), "holder_node", e.resolve(s.Supersedes, &a.Slots[victim]), "disk", grant.Disk)
+		if at.granted {
+			e.log.Warn("taking the lease over with a grant", "holder", s.Supersedes.String(), "holder_node", e.resolve(s.Supersedes, &a.Slots[victim]), "disk", at.grant.Disk)
 		} else {
 			e.log.Warn("taking over an expired lease", "holder", s.Supersedes.String(), "holder_node", e.resolve(s.Supersedes, &a.Slots[victim]))
 		}
@@ -560,78 +645,108 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 		if errors.Is(err, errIOTimeout) {
 			e.unconfirmed = &claimWrite{idx: idx, slot: s, blk: blk, foreign: a.Slots[idx].Key != mine}
 			e.log.Warn("lease claim write timed out; starting over", "error", err)
-			return fence.Claim{}, errRetry
+			return errRetry
 		}
-		return fence.Claim{}, err
+		return err
 	}
-	if fast {
-		// The fast first claim (AcquireFirst): no settle wait when it
-		// landed within FastClaimWithin of its read and is still the only
-		// claim.
-		// One more read, at once: this host's clock does not count a pause
-		// of its VM between its read and its write, during which another
-		// host may have written its claim and checked it before ours
-		// landed. Any claim written before ours is seen here; any written
-		// after is checked by its writer after ours landed.
-		el := time.Since(readAt)
-		var a1 *Area
-		if el <= min(FastClaimWithin, t.IOTimeout) {
-			if a1, err = e.read(ctx); err != nil {
-				e.withdraw(ctx, idx, s, blk)
-				return fence.Claim{}, err
-			}
+	at.idx, at.s, at.blk, at.issued = idx, s, blk, issued
+	return nil
+}
+
+// holdFast holds the fast first claim (AcquireFirst) without the settle
+// wait when it landed within FastClaimWithin of its read and is still the
+// only claim; held is false when it is to settle as usual.
+func (e *Engine) holdFast(ctx context.Context, at *attempt) (held bool, err error) {
+	t, idx, s, blk := e.cfg.Timing, at.idx, at.s, at.blk
+	// One more read, at once: this host's clock does not count a pause
+	// of its VM between its read and its write, during which another
+	// host may have written its claim and checked it before ours
+	// landed. Any claim written before ours is seen here; any written
+	// after is checked by its writer after ours landed.
+	el := time.Since(at.readAt)
+	var a1 *Area
+	if el <= min(FastClaimWithin, t.IOTimeout) {
+		if a1, err = e.read(ctx); err != nil {
+			e.withdraw(ctx, idx, s, blk)
+			return false, err
 		}
-		if a1 != nil && a1.onlyClaim(idx, blk) {
-			e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
-			e.storeHealth()
-			e.stats.FastClaims++
-			e.startRenewer()
-			e.log.Info("lease acquired without the settle wait: a disk given to no node before, with a blank lease area", "slot", idx, "epoch", s.Epoch, "elapsed", el.String())
-			return e.claim(), nil
-		}
-		e.log.Info("first claim of a blank lease area took longer than the fast path allows, or another claim appeared beside it; settling as usual",
-			"elapsed", el.String(), "within", min(FastClaimWithin, t.IOTimeout).String())
 	}
+	if a1 != nil && a1.onlyClaim(idx, blk) {
+		e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, at.issued
+		e.storeHealth()
+		e.stats.FastClaims++
+		e.startRenewer()
+		e.log.Info("lease acquired without the settle wait: a disk given to no node before, with a blank lease area", "slot", idx, "epoch", s.Epoch, "elapsed", el.String())
+		return true, nil
+	}
+	e.log.Info("first claim of a blank lease area took longer than the fast path allows, or another claim appeared beside it; settling as usual",
+		"elapsed", el.String(), "within", min(FastClaimWithin, t.IOTimeout).String())
+	return false, nil
+}
+
+// raceCheck waits the settle time after our claim landed and reads the
+// area again: the claim stands only if no other host won the slot, the
+// lease or the victim's life meanwhile. A claim that does not stand is
+// withdrawn. It returns the read.
+func (e *Engine) raceCheck(ctx context.Context, at *attempt) (*Area, error) {
+	t, idx, s, blk := e.cfg.Timing, at.idx, at.s, at.blk
 	// The race check below holds only if our write landed within d of
 	// the read it was based on.
-	if el := time.Since(readAt); el > t.IOTimeout {
+	if el := time.Since(at.readAt); el > t.IOTimeout {
 		e.withdraw(ctx, idx, s, blk)
 		e.log.Warn("lease read and write took longer than the I/O timeout; starting over", "elapsed", el.String())
-		return fence.Claim{}, errRetry
+		return nil, errRetry
 	}
 	if err := sleep(ctx, t.Settle()); err != nil {
 		e.withdraw(ctx, idx, s, blk)
-		return fence.Claim{}, err
+		return nil, err
 	}
 	a2, err := e.read(ctx)
 	if err != nil {
 		e.withdraw(ctx, idx, s, blk)
-		return fence.Claim{}, err
+		return nil, err
 	}
 	if !bytes.Equal(a2.Raw[idx], blk) {
 		// Another host wrote the same slot after us: it won the slot.
 		other := a2.Slots[idx]
-		return fence.Claim{}, e.refusal(a2, other.Key, &other, grant)
+		return nil, e.refusal(a2, other.Key, &other, at.grant)
 	}
 	if o := a2.Owner(); o != idx {
 		e.withdraw(ctx, idx, s, blk)
-		return fence.Claim{}, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
+		return nil, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], at.grant)
 	}
-	if victim >= 0 && !granted && !bytes.Equal(a2.Raw[victim], victimRaw) && a2.alive(victim) {
+	if at.victim >= 0 && !at.granted && !bytes.Equal(a2.Raw[at.victim], at.victimRaw) && a2.alive(at.victim) {
 		// The holder we found expired wrote again: it is alive after all
 		// (a slot that changed and does not decode is a write in flight).
 		e.withdraw(ctx, idx, s, blk)
-		return fence.Claim{}, e.refusal(a2, victimSlot.Key, &victimSlot, grant)
+		return nil, e.refusal(a2, at.victimSlot.Key, &at.victimSlot, at.grant)
 	}
+	if i := at.tornSince(a2); i >= 0 {
+		// A slot caught half written: a racing claim may be landing
+		// there, and who won cannot be told from this read.
+		e.withdraw(ctx, idx, s, blk)
+		e.log.Warn("a lease slot was being written during our race check; starting over", "slot", i)
+		return nil, errRetry
+	}
+	return a2, nil
+}
+
+// tornSince is the first slot besides our claim and a granted victim
+// that does not decode in a2 and changed since the attempt's read, or -1.
+func (at *attempt) tornSince(a2 *Area) int {
 	for i := range a2.Slots {
-		if i != idx && !(i == victim && granted) && a2.Corrupt[i] && !bytes.Equal(a2.Raw[i], a.Raw[i]) {
-			// A slot caught half written: a racing claim may be landing
-			// there, and who won cannot be told from this read.
-			e.withdraw(ctx, idx, s, blk)
-			e.log.Warn("a lease slot was being written during our race check; starting over", "slot", i)
-			return fence.Claim{}, errRetry
+		if i != at.idx && !(i == at.victim && at.granted) && a2.Corrupt[i] && !bytes.Equal(a2.Raw[i], at.a.Raw[i]) {
+			return i
 		}
 	}
+	return -1
+}
+
+// holdAfterRacers holds the claim that passed the race check and waits
+// for a granted victim and for every host whose claim raced ours to let
+// go. If one does not, the claim is withdrawn.
+func (e *Engine) holdAfterRacers(ctx context.Context, at *attempt, a2 *Area) error {
+	idx, s, blk, victim := at.idx, at.s, at.blk, at.victim
 	// A claim of another host that landed after the read ours was based
 	// on raced ours. Its writer may have checked it before ours landed (a
 	// host with a shorter I/O timeout has a shorter settle wait) and
@@ -639,20 +754,20 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 	// claim above its own. Wait for that, as for a granted victim.
 	var racers []int
 	for i := range a2.Slots {
-		if i != idx && i != victim && a2.Slots[i].Live() && !a2.Corrupt[i] && a2.Slots[i].Key != mine && !bytes.Equal(a2.Raw[i], a.Raw[i]) {
+		if i != idx && i != victim && a2.Slots[i].Live() && !a2.Corrupt[i] && a2.Slots[i].Key != e.cfg.Key && !bytes.Equal(a2.Raw[i], at.a.Raw[i]) {
 			racers = append(racers, i)
 		}
 	}
-	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, issued
+	e.held, e.slot, e.mine, e.lastRaw, e.lastOK = true, idx, s, blk, at.issued
 	e.storeHealth()
-	if victim >= 0 && granted {
+	if victim >= 0 && at.granted {
 		racers = append([]int{victim}, racers...)
 	}
 	for _, i := range racers {
 		vs := a2.Slots[i]
 		if i == victim {
 			// As found expired or granted: its slot may be torn now.
-			vs = victimSlot
+			vs = at.victimSlot
 		} else {
 			e.log.Warn("another host's claim landed while ours settled; waiting for it to let go", "slot", i, "key", vs.Key.String())
 		}
@@ -660,17 +775,10 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 			e.held = false
 			e.storeHealth()
 			e.withdraw(ctx, idx, s, blk)
-			return fence.Claim{}, err
+			return err
 		}
 	}
-	e.clearGone(ctx, a2, watch, idx)
-	e.startRenewer()
-	e.log.Info("lease acquired", "slot", idx, "epoch", s.Epoch)
-	c := e.claim()
-	if victim >= 0 {
-		c.Preempted = []fence.Key{s.Supersedes}
-	}
-	return c, nil
+	return nil
 }
 
 // awaitExpiry watches the slots in watch until each has stayed unchanged
@@ -678,8 +786,38 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 // holder that writes again is alive: the disk is refused. A holder that
 // releases ends the wait at once (errRetry starts over on the new state).
 func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim int, grant *fence.Grant) (*Area, time.Time, error) {
-	bound := time.Duration(0)
-	poll := e.cfg.Timing.Renew
+	bound, poll := e.expiryBound(a, watch, victim)
+	e.log.Info("waiting for the lease to expire", "bound", bound.String(), "slots", fmt.Sprint(watch))
+	began := time.Now()
+	for {
+		remain := bound - time.Since(began)
+		if err := sleep(ctx, min(poll, max(remain, 0))); err != nil {
+			return nil, time.Time{}, fmt.Errorf("%s: waiting for the lease to expire: %w", e.dev.name, err)
+		}
+		readAt := time.Now()
+		a2, err := e.read(ctx)
+		if err != nil {
+			// A missed observation loses nothing (changes are compared
+			// with the first read), but the wait cannot end on one.
+			if !errors.Is(err, errIOTimeout) || time.Since(began) >= 2*bound {
+				return nil, time.Time{}, err
+			}
+			e.log.Warn("lease read failed while waiting for expiry; continuing", "error", err)
+			continue
+		}
+		if err := e.stillExpiring(a, a2, watch, victim, grant); err != nil {
+			return nil, time.Time{}, err
+		}
+		if time.Since(began) >= bound {
+			return a2, readAt, nil
+		}
+	}
+}
+
+// expiryBound is how long awaitExpiry waits for the slots in watch, and
+// how often it reads.
+func (e *Engine) expiryBound(a *Area, watch []int, victim int) (bound, poll time.Duration) {
+	poll = e.cfg.Timing.Renew
 	for _, i := range watch {
 		tm := a.Slots[i].Timing
 		if a.Corrupt[i] {
@@ -701,55 +839,42 @@ func (e *Engine) awaitExpiry(ctx context.Context, a *Area, watch []int, victim i
 			}
 		}
 	}
-	e.log.Info("waiting for the lease to expire", "bound", bound.String(), "slots", fmt.Sprint(watch))
-	began := time.Now()
-	for {
-		remain := bound - time.Since(began)
-		if err := sleep(ctx, min(poll, max(remain, 0))); err != nil {
-			return nil, time.Time{}, fmt.Errorf("%s: waiting for the lease to expire: %w", e.dev.name, err)
-		}
-		readAt := time.Now()
-		a2, err := e.read(ctx)
-		if err != nil {
-			// A missed observation loses nothing (changes are compared
-			// with the first read), but the wait cannot end on one.
-			if !errors.Is(err, errIOTimeout) || time.Since(began) >= 2*bound {
-				return nil, time.Time{}, err
-			}
-			e.log.Warn("lease read failed while waiting for expiry; continuing", "error", err)
+	return bound, poll
+}
+
+// stillExpiring judges a read a2 of awaitExpiry against its first read a:
+// a holder other than the victim is refused, a watched slot that was
+// written again is refused (or released: errRetry), and any other slot
+// written since starts over (errRetry).
+func (e *Engine) stillExpiring(a, a2 *Area, watch []int, victim int, grant *fence.Grant) error {
+	if o := a2.Owner(); o >= 0 && o != victim && a2.Slots[o].Key != e.cfg.Key {
+		return e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
+	}
+	for _, i := range watch {
+		if bytes.Equal(a2.Raw[i], a.Raw[i]) {
 			continue
 		}
-		if o := a2.Owner(); o >= 0 && o != victim && a2.Slots[o].Key != e.cfg.Key {
-			return nil, time.Time{}, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], grant)
+		if !a2.Slots[i].Live() && !a2.Corrupt[i] {
+			return errRetry
 		}
-		for _, i := range watch {
-			if bytes.Equal(a2.Raw[i], a.Raw[i]) {
-				continue
-			}
-			if !a2.Slots[i].Live() && !a2.Corrupt[i] {
-				return nil, time.Time{}, errRetry
-			}
-			s := a2.Slots[i]
-			return nil, time.Time{}, e.refusal(a2, s.Key, &s, grant)
-		}
-		for i := range a2.Slots {
-			if i == victim || slices.Contains(watch, i) || bytes.Equal(a2.Raw[i], a.Raw[i]) || !a2.alive(i) ||
-				(!a2.Corrupt[i] && a2.Slots[i].Key == e.cfg.Key) {
-				continue
-			}
-			// A slot that was not held when the wait began (a granted
-			// victim renews as it likes) has been written since: a
-			// claim, or one caught half landed, which
-			// owns nothing in this read and whose epoch MaxEpoch does
-			// not see, yet may own the disk. Start over: the fresh read
-			// waits for it.
-			e.log.Warn("a lease slot was written while we waited for expiry; starting over", "slot", i)
-			return nil, time.Time{}, errRetry
-		}
-		if time.Since(began) >= bound {
-			return a2, readAt, nil
-		}
+		s := a2.Slots[i]
+		return e.refusal(a2, s.Key, &s, grant)
 	}
+	for i := range a2.Slots {
+		if i == victim || slices.Contains(watch, i) || bytes.Equal(a2.Raw[i], a.Raw[i]) || !a2.alive(i) ||
+			(!a2.Corrupt[i] && a2.Slots[i].Key == e.cfg.Key) {
+			continue
+		}
+		// A slot that was not held when the wait began (a granted
+		// victim renews as it likes) has been written since: a
+		// claim, or one caught half landed, which
+		// owns nothing in this read and whose epoch MaxEpoch does
+		// not see, yet may own the disk. Start over: the fresh read
+		// waits for it.
+		e.log.Warn("a lease slot was written while we waited for expiry; starting over", "slot", i)
+		return errRetry
+	}
+	return nil
 }
 
 // tornTiming is the timing a slot that does not decode is waited for

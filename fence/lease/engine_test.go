@@ -612,52 +612,58 @@ func TestAcquireFirstSetsCopiedSlotsAside(t *testing.T) {
 		return false
 	}
 
-	t.Run("copy naming another disk", func(t *testing.T) {
-		dev := clone()
-		if !heldBy(dev, keyA) {
-			t.Fatal("the clone does not carry the source's held slot")
-		}
-		var log bytes.Buffer
-		b := newNodeWith(t, dev, uuidB, "node-b", "disk-clone", &log)
-		c, err := b.e.AcquireFirst(ctx)
-		if err != nil || len(c.Preempted) != 0 {
-			t.Fatalf("first claim of the clone: %+v %v", c, err)
-		}
-		b.stopRenewing() // its warnings would write the log read below
-		if strings.Contains(log.String(), "watching them") || strings.Contains(log.String(), "waiting for the lease to expire") {
-			t.Fatalf("a slot naming another disk's serial was waited for:\n%s", log.String())
-		}
-		if heldBy(dev, keyA) || status(t, dev).Owner.Key != keyB {
-			t.Fatalf("after the first claim: %+v", status(t, dev))
-		}
-	})
-	t.Run("copy naming no disk", func(t *testing.T) {
-		dev := clone()
-		var log bytes.Buffer
-		b := newNodeWith(t, dev, uuidB, "node-b", "", &log)
-		if _, err := b.e.AcquireFirst(ctx); err != nil {
-			t.Fatal(err)
-		}
-		b.stopRenewing() // its warnings would write the log read below
-		if !strings.Contains(log.String(), "watching them for a renewal") || strings.Contains(log.String(), "waiting for the lease to expire") {
-			t.Fatalf("a slot of unknown disk was not watched for one renewal interval, or was waited out:\n%s", log.String())
-		}
-		if heldBy(dev, keyA) || status(t, dev).Owner.Key != keyB {
-			t.Fatalf("after the first claim: %+v", status(t, dev))
-		}
-	})
-	t.Run("live holder", func(t *testing.T) {
-		// The controller's word is wrong: A renews on this very disk.
-		b := newNodeWith(t, src, uuidB, "node-b", "disk-src", nil)
-		_, err := b.e.AcquireFirst(ctx)
-		var held *fence.HeldError
-		if !errors.As(err, &held) || held.Holder != keyA {
-			t.Fatalf("first claim of a disk a live node renews: %v, want refused naming %s", err, keyA)
-		}
-		if !heldBy(src, keyA) || status(t, src).Owner.Key != keyA {
-			t.Fatalf("the live holder's slot was touched: %+v", status(t, src))
-		}
-	})
+	t.Run("copy naming another disk", func(t *testing.T) { copiedSlotsCopyNamingAnotherDisk(t, ctx, clone, heldBy) })
+	t.Run("copy naming no disk", func(t *testing.T) { copiedSlotsCopyNamingNoDisk(t, ctx, clone, heldBy) })
+	t.Run("live holder", func(t *testing.T) { copiedSlotsLiveHolder(t, ctx, src, heldBy) })
+}
+
+func copiedSlotsCopyNamingAnotherDisk(t *testing.T, ctx context.Context, clone func() string, heldBy func(string, fence.Key) bool) {
+	dev := clone()
+	if !heldBy(dev, keyA) {
+		t.Fatal("the clone does not carry the source's held slot")
+	}
+	var log bytes.Buffer
+	b := newNodeWith(t, dev, uuidB, "node-b", "disk-clone", &log)
+	c, err := b.e.AcquireFirst(ctx)
+	if err != nil || len(c.Preempted) != 0 {
+		t.Fatalf("first claim of the clone: %+v %v", c, err)
+	}
+	b.stopRenewing() // its warnings would write the log read below
+	if strings.Contains(log.String(), "watching them") || strings.Contains(log.String(), "waiting for the lease to expire") {
+		t.Fatalf("a slot naming another disk's serial was waited for:\n%s", log.String())
+	}
+	if heldBy(dev, keyA) || status(t, dev).Owner.Key != keyB {
+		t.Fatalf("after the first claim: %+v", status(t, dev))
+	}
+}
+
+func copiedSlotsCopyNamingNoDisk(t *testing.T, ctx context.Context, clone func() string, heldBy func(string, fence.Key) bool) {
+	dev := clone()
+	var log bytes.Buffer
+	b := newNodeWith(t, dev, uuidB, "node-b", "", &log)
+	if _, err := b.e.AcquireFirst(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.stopRenewing() // its warnings would write the log read below
+	if !strings.Contains(log.String(), "watching them for a renewal") || strings.Contains(log.String(), "waiting for the lease to expire") {
+		t.Fatalf("a slot of unknown disk was not watched for one renewal interval, or was waited out:\n%s", log.String())
+	}
+	if heldBy(dev, keyA) || status(t, dev).Owner.Key != keyB {
+		t.Fatalf("after the first claim: %+v", status(t, dev))
+	}
+}
+
+func copiedSlotsLiveHolder(t *testing.T, ctx context.Context, src string, heldBy func(string, fence.Key) bool) {
+	// The controller's word is wrong: A renews on this very disk.
+	b := newNodeWith(t, src, uuidB, "node-b", "disk-src", nil)
+	_, err := b.e.AcquireFirst(ctx)
+	var held *fence.HeldError
+	if !errors.As(err, &held) || held.Holder != keyA {
+		t.Fatalf("first claim of a disk a live node renews: %v, want refused naming %s", err, keyA)
+	}
+	if !heldBy(src, keyA) || status(t, src).Owner.Key != keyA {
+		t.Fatalf("the live holder's slot was touched: %+v", status(t, src))
+	}
 }
 
 // newNodeWith is newNode with the disk's serial and, when log is set, the

@@ -430,22 +430,7 @@ func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence
 	}
 	switch {
 	case st.res.Present && !st.allRegistrants() && st.holder() == mine:
-		t := fence.ReservationType(st.res.Type)
-		if !t.Exclusive() {
-			return fence.Claim{}, fmt.Errorf("%s: this node already holds a %s reservation, under which other registrants may write; run 'vco-agent fence release' and acquire again", e.name, t)
-		}
-		here, err := e.holdsHere(ctx, t)
-		if err != nil {
-			return fence.Claim{}, err
-		}
-		if !here {
-			if err := e.moveHere(ctx, t); err != nil {
-				return fence.Claim{}, err
-			}
-		}
-		e.held, e.watch, e.typ = true, true, t
-		e.log.Info("disk already claimed by this node", "type", t.String())
-		return fence.Claim{Method: fence.MethodPR, Key: mine, Type: t, Already: true}, nil
+		return e.holdAgain(ctx, st)
 	case st.res.Present:
 		var victims []fence.Key
 		if st.allRegistrants() {
@@ -461,6 +446,28 @@ func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence
 		return e.takeover(ctx, st, typ, grant)
 	}
 	return e.claimFree(ctx, typ, grant)
+}
+
+// holdAgain is an acquisition of a disk whose reservation, as st shows,
+// our key holds already: exclusive, and moved to this I_T nexus when
+// another one holds it.
+func (e *Engine) holdAgain(ctx context.Context, st state) (fence.Claim, error) {
+	t := fence.ReservationType(st.res.Type)
+	if !t.Exclusive() {
+		return fence.Claim{}, fmt.Errorf("%s: this node already holds a %s reservation, under which other registrants may write; run 'vco-agent fence release' and acquire again", e.name, t)
+	}
+	here, err := e.holdsHere(ctx, t)
+	if err != nil {
+		return fence.Claim{}, err
+	}
+	if !here {
+		if err := e.moveHere(ctx, t); err != nil {
+			return fence.Claim{}, err
+		}
+	}
+	e.held, e.watch, e.typ = true, true, t
+	e.log.Info("disk already claimed by this node", "type", t.String())
+	return fence.Claim{Method: fence.MethodPR, Key: e.cfg.Key, Type: t, Already: true}, nil
 }
 
 // holdsHere asks whether this I_T nexus (not merely our key) holds the
@@ -626,8 +633,20 @@ func (e *Engine) takeover(ctx context.Context, before state, typ fence.Reservati
 	if victim != 0 {
 		claim.Preempted = []fence.Key{victim}
 	}
-	// Other keys the grant supersedes may still be registered (the old node's
-	// other paths); remove them too, so nothing of the old attachment stays.
+	claim.Preempted = e.preemptSuperseded(ctx, st, typ, grant, claim.Preempted)
+	if err := e.verifyPreempted(ctx, claim.Preempted); err != nil {
+		return fence.Claim{}, err
+	}
+	e.held, e.watch, e.typ = true, true, typ
+	e.log.Warn("disk taken over", "preempted", fmt.Sprint(claim.Preempted), "preempt_and_abort", claim.PreemptAndAbort)
+	return claim, nil
+}
+
+// preemptSuperseded removes the other keys the grant supersedes that st
+// shows still registered (the old node's other paths), so nothing of the
+// old attachment stays, and returns preempted with the keys removed.
+func (e *Engine) preemptSuperseded(ctx context.Context, st state, typ fence.ReservationType, grant *fence.Grant, preempted []fence.Key) []fence.Key {
+	mine := e.cfg.Key
 	for _, k := range st.foreign(mine) {
 		if !grant.Names(k) {
 			continue
@@ -636,25 +655,29 @@ func (e *Engine) takeover(ctx context.Context, before state, typ fence.Reservati
 			e.log.Warn("could not remove a superseded registration", "superseded", k.String(), "error", err)
 			continue
 		}
-		if !slices.Contains(claim.Preempted, k) {
-			claim.Preempted = append(claim.Preempted, k)
+		if !slices.Contains(preempted, k) {
+			preempted = append(preempted, k)
 		}
 	}
-	st, err = e.read(ctx)
+	return preempted
+}
+
+// verifyPreempted reads the target after a takeover: our key holds the
+// reservation and none of the preempted keys is registered.
+func (e *Engine) verifyPreempted(ctx context.Context, preempted []fence.Key) error {
+	st, err := e.read(ctx)
 	if err != nil {
-		return fence.Claim{}, err
+		return err
 	}
-	if !st.res.Present || st.holder() != mine {
-		return fence.Claim{}, e.verifyErr("removing superseded registrations", st)
+	if !st.res.Present || st.holder() != e.cfg.Key {
+		return e.verifyErr("removing superseded registrations", st)
 	}
-	for _, k := range claim.Preempted {
+	for _, k := range preempted {
 		if st.registered(k) {
-			return fence.Claim{}, e.verifyErr(fmt.Sprintf("preempting key %s", k), st)
+			return e.verifyErr(fmt.Sprintf("preempting key %s", k), st)
 		}
 	}
-	e.held, e.watch, e.typ = true, true, typ
-	e.log.Warn("disk taken over", "preempted", fmt.Sprint(claim.Preempted), "preempt_and_abort", claim.PreemptAndAbort)
-	return claim, nil
+	return nil
 }
 
 // Release implements fence.Fencer: RELEASE, then unregister, each verified.

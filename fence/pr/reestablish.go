@@ -30,100 +30,138 @@ func (e *Engine) Reestablish(ctx context.Context) (fence.Claim, error) {
 	e.reestablishing = true
 	defer func() { e.reestablishing = false }()
 	mine := e.cfg.Key
-
-	// refuse makes the loss final with the reason found, naming the first
-	// foreign key (the reservation holder when there is one).
-	refuse := func(reason string, st state) (fence.Claim, error) {
-		l := &fence.LostError{Device: e.name, Reason: reason}
-		if st.res.Present && !st.allRegistrants() && st.holder() != mine {
-			l.Holder = st.holder()
-		} else if f := st.foreign(mine); len(f) > 0 {
-			l.Holder = f[0]
-		}
-		if l.Holder != 0 {
-			l.HolderNode = e.resolve(l.Holder)
-		}
-		e.lost, e.forgotten = l, false
-		e.log.Error("claim not re-established", "reason", reason, "holder", l.Holder.String())
-		return fence.Claim{}, l
+	typ, err := e.reestablishType(ctx)
+	if err != nil {
+		return fence.Claim{}, err
 	}
-	// clean reports whether st is a state we may build on: only our own
-	// key (want: registered or not), both reads at generation gen.
-	clean := func(st state, registered bool, gen uint32) bool {
-		return len(st.foreign(mine)) == 0 && st.registered(mine) == registered &&
-			st.gen == gen && st.res.Generation == gen
+	st, err := e.read(ctx)
+	if err != nil {
+		return fence.Claim{}, err
 	}
+	if reason := untouchedSinceStart(st, mine); reason != "" {
+		return fence.Claim{}, e.refuseReestablish(reason, st)
+	}
+	base := st.gen
+	e.log.Warn("the target forgot every registration and reservation (restarted); re-establishing this node's claim", "type", typ.String())
+	if st, err = e.registerAgain(ctx, base); err != nil {
+		return fence.Claim{}, err
+	}
+	if err := e.reserveAgain(ctx, typ, base, st); err != nil {
+		return fence.Claim{}, err
+	}
+	e.lost, e.forgotten = nil, false
+	e.held, e.watch, e.typ = true, true, typ
+	e.log.Warn("claim re-established after the target forgot it", "type", typ.String())
+	return fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ}, nil
+}
 
+// reestablishType is the reservation type to reserve again with: the
+// claim's, or the target's preferred one.
+func (e *Engine) reestablishType(ctx context.Context) (fence.ReservationType, error) {
 	// The probe waits out the unit attentions a restarted target queues
 	// for every new I_T nexus (29/00 POWER ON, RESET); the device retries
 	// them.
 	sup, err := e.probePR(ctx)
 	if errors.Is(err, fence.ErrNotSupported) {
-		return refuse(err.Error(), state{})
+		return 0, e.refuseReestablish(err.Error(), state{})
 	}
 	if err != nil {
-		return fence.Claim{}, err
+		return 0, err
 	}
 	typ := e.typ
 	if typ == 0 {
 		typ = sup.Preferred
 	}
+	return typ, nil
+}
 
-	st, err := e.read(ctx)
-	if err != nil {
-		return fence.Claim{}, err
-	}
+// untouchedSinceStart says why st is not a target untouched since it
+// started (no key, no reservation, generation 0), or "" when it is.
+func untouchedSinceStart(st state, mine fence.Key) string {
 	switch {
 	case len(st.foreign(mine)) > 0 || st.res.Present:
-		return refuse(fmt.Sprintf("after the target forgot this node's claim, keys %v and %s appeared before it was re-established", st.keys, describeReservation(st.res)), st)
+		return fmt.Sprintf("after the target forgot this node's claim, keys %v and %s appeared before it was re-established", st.keys, describeReservation(st.res))
 	case len(st.keys) > 0:
-		return refuse(fmt.Sprintf("this node's key %s is registered again, but not by this engine (another path or process?); not re-establishing over it", mine), st)
+		return fmt.Sprintf("this node's key %s is registered again, but not by this engine (another path or process?); not re-establishing over it", mine)
 	case st.gen != 0 || st.res.Generation != 0:
-		return refuse(fmt.Sprintf("the target holds no registration, but its PR generation is %d (READ KEYS) / %d (READ RESERVATION), not 0: registrations came and went since it started, so another node may have held the disk", st.gen, st.res.Generation), st)
+		return fmt.Sprintf("the target holds no registration, but its PR generation is %d (READ KEYS) / %d (READ RESERVATION), not 0: registrations came and went since it started, so another node may have held the disk", st.gen, st.res.Generation)
 	}
-	base := st.gen
-	e.log.Warn("the target forgot every registration and reservation (restarted); re-establishing this node's claim", "type", typ.String())
+	return ""
+}
 
+// registerAgain registers our key on the untouched target at generation
+// base and returns the state read after it, which must show our key
+// alone at base+1.
+func (e *Engine) registerAgain(ctx context.Context, base uint32) (state, error) {
+	mine := e.cfg.Key
 	// REGISTER, not REGISTER AND IGNORE EXISTING KEY: with a reservation
 	// key of 0 it succeeds only on a nexus that carries no registration.
-	err = e.out(ctx, scsi.PROut{Action: scsi.Register, ServiceActionKey: uint64(mine)})
+	err := e.out(ctx, scsi.PROut{Action: scsi.Register, ServiceActionKey: uint64(mine)})
 	if err != nil && !errors.Is(err, scsi.ErrReservationConflict) {
-		return fence.Claim{}, fmt.Errorf("%s: registering key %s again: %w", e.name, mine, err)
+		return state{}, fmt.Errorf("%s: registering key %s again: %w", e.name, mine, err)
 	}
 	st, rerr := e.read(ctx)
 	if rerr != nil {
-		return fence.Claim{}, rerr
+		return state{}, rerr
 	}
-	if err != nil || !clean(st, true, base+1) || st.res.Present {
+	if err != nil || !st.onlyOurs(mine, true, base+1) || st.res.Present {
 		e.dropRegistration(ctx, st)
-		return refuse(fmt.Sprintf("while this node registered again, the target changed: keys %v, %s, PR generation %d (want %d with only key %s)",
+		return state{}, e.refuseReestablish(fmt.Sprintf("while this node registered again, the target changed: keys %v, %s, PR generation %d (want %d with only key %s)",
 			st.keys, describeReservation(st.res), st.gen, base+1, mine), st)
 	}
+	return st, nil
+}
 
-	err = e.out(ctx, scsi.PROut{Action: scsi.Reserve, Type: uint8(typ), Key: uint64(mine)})
+// reserveAgain reserves with typ after registerAgain left st, and checks
+// that the read after it shows our key alone holding that reservation.
+func (e *Engine) reserveAgain(ctx context.Context, typ fence.ReservationType, base uint32, st state) error {
+	mine := e.cfg.Key
+	err := e.out(ctx, scsi.PROut{Action: scsi.Reserve, Type: uint8(typ), Key: uint64(mine)})
 	if err != nil && !errors.Is(err, scsi.ErrReservationConflict) {
 		e.dropRegistration(ctx, st)
-		return fence.Claim{}, fmt.Errorf("%s: reserving (%s) again: %w", e.name, typ, err)
+		return fmt.Errorf("%s: reserving (%s) again: %w", e.name, typ, err)
 	}
-	st, rerr = e.read(ctx)
+	st, rerr := e.read(ctx)
 	if rerr != nil {
-		return fence.Claim{}, rerr
+		return rerr
 	}
 	ours := st.res.Present && !st.allRegistrants() && st.holder() == mine && fence.ReservationType(st.res.Type) == typ
-	if err != nil || !ours || !clean(st, true, base+1) {
+	if err != nil || !ours || !st.onlyOurs(mine, true, base+1) {
 		// Holding the reservation, we keep it: the foreign key registered
 		// against a disk that is ours, and must not get it without a
 		// grant. Without it, we leave nothing behind.
 		if !ours {
 			e.dropRegistration(ctx, st)
 		}
-		return refuse(fmt.Sprintf("while this node reserved again, the target changed: keys %v, %s, PR generation %d (want %d with only key %s holding a %s reservation)",
+		return e.refuseReestablish(fmt.Sprintf("while this node reserved again, the target changed: keys %v, %s, PR generation %d (want %d with only key %s holding a %s reservation)",
 			st.keys, describeReservation(st.res), st.gen, base+1, mine, typ), st)
 	}
-	e.lost, e.forgotten = nil, false
-	e.held, e.watch, e.typ = true, true, typ
-	e.log.Warn("claim re-established after the target forgot it", "type", typ.String())
-	return fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ}, nil
+	return nil
+}
+
+// onlyOurs reports whether s is a state a re-establish may build on: only
+// our own key (registered or not, as want), both reads at generation gen.
+func (s state) onlyOurs(mine fence.Key, registered bool, gen uint32) bool {
+	return len(s.foreign(mine)) == 0 && s.registered(mine) == registered &&
+		s.gen == gen && s.res.Generation == gen
+}
+
+// refuseReestablish makes the loss final with the reason found, naming
+// the first foreign key (the reservation holder when there is one).
+func (e *Engine) refuseReestablish(reason string, st state) *fence.LostError {
+	mine := e.cfg.Key
+	l := &fence.LostError{Device: e.name, Reason: reason}
+	if st.res.Present && !st.allRegistrants() && st.holder() != mine {
+		l.Holder = st.holder()
+	} else if f := st.foreign(mine); len(f) > 0 {
+		l.Holder = f[0]
+	}
+	if l.Holder != 0 {
+		l.HolderNode = e.resolve(l.Holder)
+	}
+	e.lost, e.forgotten = l, false
+	e.log.Error("claim not re-established", "reason", reason, "holder", l.Holder.String())
+	return l
 }
 
 // dropRegistration removes our key from this nexus after a re-establish

@@ -151,100 +151,106 @@ func reestablish(t *testing.T, n *node) error {
 }
 
 func TestReestablishRefusedWhenAForeignKeyAppearsBetweenTheReads(t *testing.T) {
-	t.Run("registered before our REGISTER", func(t *testing.T) {
-		tgt, a, b := restarted(t)
-		fired := false
-		tgt.BeforeCommand = func(ini string, cdb []byte) {
-			if ini == "a" && !fired && prOut(cdb, scsi.Register) {
-				fired = true
-				d := scsi.NewDevice("b", tgt.Initiator("b"))
-				if err := d.PersistentReserveOut(ctx(t), scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: uint64(b.key)}); err != nil {
-					t.Error(err)
-				}
+	t.Run("registered before our REGISTER", func(t *testing.T) { foreignKeyRegisteredBeforeOurREGISTER(t) })
+	t.Run("claimed between our REGISTER and RESERVE", func(t *testing.T) { foreignKeyClaimedBetweenOurREGISTERAndRESERVE(t) })
+	t.Run("registered after our RESERVE", func(t *testing.T) { foreignKeyRegisteredAfterOurRESERVE(t) })
+}
+
+func foreignKeyClaimedBetweenOurREGISTERAndRESERVE(t *testing.T) {
+	tgt, a, b := restarted(t)
+	fired := false
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		if ini == "a" && !fired && prOut(cdb, scsi.Reserve) {
+			fired = true
+			// b's acquire sees a's bare registration, not a holder:
+			// it claims.
+			if _, err := b.e.Acquire(ctx(t), nil); err != nil {
+				t.Error(err)
 			}
 		}
-		wantLostTo(t, reestablish(t, a), b)
-		if _, reg := tgt.Registered("a"); reg {
-			t.Fatal("a left its registration")
-		}
-		if _, _, _, ok := tgt.Reservation(); ok {
-			t.Fatal("a reserved although a foreign key appeared")
-		}
-		if k, reg := tgt.Registered("b"); !reg || fence.Key(k) != b.key {
-			t.Fatal("the foreign registration was touched")
-		}
-	})
-	t.Run("claimed between our REGISTER and RESERVE", func(t *testing.T) {
-		tgt, a, b := restarted(t)
-		fired := false
-		tgt.BeforeCommand = func(ini string, cdb []byte) {
-			if ini == "a" && !fired && prOut(cdb, scsi.Reserve) {
-				fired = true
-				// b's acquire sees a's bare registration, not a holder:
-				// it claims.
-				if _, err := b.e.Acquire(ctx(t), nil); err != nil {
-					t.Error(err)
-				}
+	}
+	wantLostTo(t, reestablish(t, a), b)
+	assertHolder(t, tgt, "b", b.key, fence.WriteExclusive)
+	if _, reg := tgt.Registered("a"); reg {
+		t.Fatal("a left its registration")
+	}
+	if err := b.e.Check(ctx(t)); err != nil {
+		t.Fatalf("b's claim: %v", err)
+	}
+}
+
+func foreignKeyRegisteredBeforeOurREGISTER(t *testing.T) {
+	tgt, a, b := restarted(t)
+	fired := false
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		if ini == "a" && !fired && prOut(cdb, scsi.Register) {
+			fired = true
+			d := scsi.NewDevice("b", tgt.Initiator("b"))
+			if err := d.PersistentReserveOut(ctx(t), scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: uint64(b.key)}); err != nil {
+				t.Error(err)
 			}
 		}
-		wantLostTo(t, reestablish(t, a), b)
-		assertHolder(t, tgt, "b", b.key, fence.WriteExclusive)
-		if _, reg := tgt.Registered("a"); reg {
-			t.Fatal("a left its registration")
+	}
+	wantLostTo(t, reestablish(t, a), b)
+	if _, reg := tgt.Registered("a"); reg {
+		t.Fatal("a left its registration")
+	}
+	if _, _, _, ok := tgt.Reservation(); ok {
+		t.Fatal("a reserved although a foreign key appeared")
+	}
+	if k, reg := tgt.Registered("b"); !reg || fence.Key(k) != b.key {
+		t.Fatal("the foreign registration was touched")
+	}
+}
+
+func foreignKeyRegisteredAfterOurRESERVE(t *testing.T) {
+	tgt, a, b := restarted(t)
+	reserved := false
+	tgt.BeforeCommand = func(ini string, cdb []byte) {
+		if ini != "a" {
+			return
 		}
-		if err := b.e.Check(ctx(t)); err != nil {
-			t.Fatalf("b's claim: %v", err)
+		if prOut(cdb, scsi.Reserve) {
+			reserved = true
+			return
 		}
-	})
-	t.Run("registered after our RESERVE", func(t *testing.T) {
-		tgt, a, b := restarted(t)
-		reserved := false
-		tgt.BeforeCommand = func(ini string, cdb []byte) {
-			if ini != "a" {
-				return
+		if reserved && cdb[0] == scsi.OpPersistentReserveIn {
+			reserved = false
+			// b tries to claim: its RESERVE conflicts with a's, so it
+			// is refused naming a, and cleans up; a registration of
+			// its own stays (as a half-done acquire would leave it).
+			var he *fence.HeldError
+			if _, err := b.e.Acquire(ctx(t), nil); !errors.As(err, &he) || he.Holder != a.key {
+				t.Errorf("b's acquire against a's fresh reservation: %v", err)
 			}
-			if prOut(cdb, scsi.Reserve) {
-				reserved = true
-				return
-			}
-			if reserved && cdb[0] == scsi.OpPersistentReserveIn {
-				reserved = false
-				// b tries to claim: its RESERVE conflicts with a's, so it
-				// is refused naming a, and cleans up; a registration of
-				// its own stays (as a half-done acquire would leave it).
-				var he *fence.HeldError
-				if _, err := b.e.Acquire(ctx(t), nil); !errors.As(err, &he) || he.Holder != a.key {
-					t.Errorf("b's acquire against a's fresh reservation: %v", err)
-				}
-				d := scsi.NewDevice("b", tgt.Initiator("b"))
-				if err := d.PersistentReserveOut(ctx(t), scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: uint64(b.key)}); err != nil {
-					t.Error(err)
-				}
+			d := scsi.NewDevice("b", tgt.Initiator("b"))
+			if err := d.PersistentReserveOut(ctx(t), scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: uint64(b.key)}); err != nil {
+				t.Error(err)
 			}
 		}
-		wantLostTo(t, reestablish(t, a), b)
-		// a keeps the reservation it made (b registered against a disk
-		// that was a's; it gets it only with a grant) but has fenced
-		// itself: the engine is lost.
-		assertHolder(t, tgt, "a", a.key, fence.WriteExclusive)
-		if tgt.CanWrite("b") {
-			t.Fatal("b can write")
-		}
-		if err := a.e.Check(ctx(t)); !errors.As(err, new(*fence.LostError)) {
-			t.Fatalf("check after the refused re-establish: %v", err)
-		}
-		tgt.BeforeCommand = nil
-		if _, err := b.e.Acquire(ctx(t), nil); !errors.As(err, new(*fence.HeldError)) {
-			t.Fatalf("b without a grant: %v", err)
-		}
-		// Unstaging a's volume releases it; a grant would let b in before.
-		if err := a.e.Release(ctx(t)); err != nil {
-			t.Fatal(err)
-		}
-		if _, _, _, ok := tgt.Reservation(); ok {
-			t.Fatal("release left a's reservation")
-		}
-	})
+	}
+	wantLostTo(t, reestablish(t, a), b)
+	// a keeps the reservation it made (b registered against a disk
+	// that was a's; it gets it only with a grant) but has fenced
+	// itself: the engine is lost.
+	assertHolder(t, tgt, "a", a.key, fence.WriteExclusive)
+	if tgt.CanWrite("b") {
+		t.Fatal("b can write")
+	}
+	if err := a.e.Check(ctx(t)); !errors.As(err, new(*fence.LostError)) {
+		t.Fatalf("check after the refused re-establish: %v", err)
+	}
+	tgt.BeforeCommand = nil
+	if _, err := b.e.Acquire(ctx(t), nil); !errors.As(err, new(*fence.HeldError)) {
+		t.Fatalf("b without a grant: %v", err)
+	}
+	// Unstaging a's volume releases it; a grant would let b in before.
+	if err := a.e.Release(ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, _, ok := tgt.Reservation(); ok {
+		t.Fatal("release left a's reservation")
+	}
 }
 
 // takenOverAndReleased returns a target on which b took the disk over

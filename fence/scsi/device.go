@@ -75,30 +75,14 @@ const (
 	driverTimeout = 0x06
 )
 
+// exec runs a command, trying it again after a unit attention or while
+// the target is busy, up to the device's retries.
 func (d *Device) exec(ctx context.Context, name string, cdb []byte, dir Direction, data []byte) (int, error) {
-	timeout := d.Timeout
-	if timeout <= 0 {
-		timeout = DefaultTimeout
-	}
-	retries := d.UnitAttentionRetries
-	if retries == 0 {
-		retries = DefaultUnitAttentionRetries
-	} else if retries < 0 {
-		retries = 0
-	}
+	timeout, retries := d.limits()
 	for attempt := 0; ; attempt++ {
-		if err := ctx.Err(); err != nil {
-			return 0, fmt.Errorf("%s on %s: %w", name, d.Name, err)
-		}
-		t := timeout
-		if dl, ok := ctx.Deadline(); ok {
-			left := time.Until(dl)
-			if left < time.Millisecond {
-				return 0, fmt.Errorf("%s on %s: %w", name, d.Name, context.DeadlineExceeded)
-			}
-			if left < t {
-				t = left
-			}
+		t, err := d.attemptTimeout(ctx, name, timeout)
+		if err != nil {
+			return 0, err
 		}
 		resp, err := d.T.Execute(ctx, cdb, dir, data, t)
 		if err != nil {
@@ -115,29 +99,72 @@ func (d *Device) exec(ctx context.Context, name string, cdb []byte, dir Directio
 		if cerr == nil {
 			return n, nil
 		}
-		var ce *CommandError
-		if !errors.As(cerr, &ce) {
-			return 0, cerr
+		if err := d.again(ctx, name, attempt, retries, cerr); err != nil {
+			return 0, err
 		}
-		if errors.Is(ce, ErrUnitAttention) && d.OnUnitAttention != nil {
-			if herr := d.OnUnitAttention(name, *ce.Sense); herr != nil {
-				return 0, herr
-			}
-		}
-		if attempt < retries {
-			switch {
-			case errors.Is(ce, ErrUnitAttention):
-				continue
-			case ce.Status == StatusBusy || ce.Status == StatusTaskSetFull:
-				select {
-				case <-ctx.Done():
-				case <-time.After(time.Duration(attempt+1) * 50 * time.Millisecond):
-				}
-				continue
-			}
-		}
-		return 0, cerr
 	}
+}
+
+// limits are the device's command timeout and unit attention retries,
+// defaults filled in.
+func (d *Device) limits() (time.Duration, int) {
+	timeout := d.Timeout
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
+	retries := d.UnitAttentionRetries
+	if retries == 0 {
+		retries = DefaultUnitAttentionRetries
+	} else if retries < 0 {
+		retries = 0
+	}
+	return timeout, retries
+}
+
+// attemptTimeout is the timeout of the next attempt: the command timeout,
+// cut to what is left of ctx.
+func (d *Device) attemptTimeout(ctx context.Context, name string, timeout time.Duration) (time.Duration, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, fmt.Errorf("%s on %s: %w", name, d.Name, err)
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		left := time.Until(dl)
+		if left < time.Millisecond {
+			return 0, fmt.Errorf("%s on %s: %w", name, d.Name, context.DeadlineExceeded)
+		}
+		if left < timeout {
+			timeout = left
+		}
+	}
+	return timeout, nil
+}
+
+// again decides, for attempt (from 0) of a command that failed with
+// cerr, whether it is tried again: nil after its wait, or the error that
+// ends it. OnUnitAttention sees every unit attention first.
+func (d *Device) again(ctx context.Context, name string, attempt, retries int, cerr error) error {
+	var ce *CommandError
+	if !errors.As(cerr, &ce) {
+		return cerr
+	}
+	if errors.Is(ce, ErrUnitAttention) && d.OnUnitAttention != nil {
+		if herr := d.OnUnitAttention(name, *ce.Sense); herr != nil {
+			return herr
+		}
+	}
+	if attempt < retries {
+		switch {
+		case errors.Is(ce, ErrUnitAttention):
+			return nil
+		case ce.Status == StatusBusy || ce.Status == StatusTaskSetFull:
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Duration(attempt+1) * 50 * time.Millisecond):
+			}
+			return nil
+		}
+	}
+	return cerr
 }
 
 // classify turns a Response into nil (GOOD) or a typed error.

@@ -116,82 +116,96 @@ func ParseSense(b []byte) (Sense, error) {
 	if len(b) == 0 {
 		return Sense{}, ErrNoSense
 	}
-	var s Sense
-	s.ResponseCode = b[0] & 0x7f
+	s := Sense{ResponseCode: b[0] & 0x7f}
 	switch s.ResponseCode {
 	case 0x70, 0x71:
-		// Fixed: byte 0 bit 7 VALID; byte 2 bits 3-0 SENSE KEY; bytes 3-6
-		// INFORMATION; byte 7 ADDITIONAL SENSE LENGTH (n-7); byte 12 ASC;
-		// byte 13 ASCQ; byte 15 bit 7 SKSV, bytes 15-17 sense key specific.
-		if len(b) < 3 {
-			return s, fmt.Errorf("scsi: fixed-format sense data truncated to %d bytes", len(b))
-		}
-		s.Key = SenseKey(b[2] & 0x0f)
-		end := len(b)
-		if len(b) >= 8 {
-			if n := 8 + int(b[7]); n < end {
-				end = n
-			}
-		}
-		b = b[:end]
-		if len(b) >= 7 && b[0]&0x80 != 0 {
-			s.Information = uint64(binary.BigEndian.Uint32(b[3:7]))
-			s.InfoValid = true
-		}
-		if len(b) >= 13 {
-			s.ASC = b[12]
-		}
-		if len(b) >= 14 {
-			s.ASCQ = b[13]
-		}
-		if len(b) >= 18 && b[15]&0x80 != 0 {
-			s.SKSV = true
-			copy(s.SenseKeySpecific[:], b[15:18])
-			s.SenseKeySpecific[0] &= 0x7f
-		}
-		return s, nil
+		return parseFixedSense(b, s)
 	case 0x72, 0x73:
-		// Descriptor: byte 1 bits 3-0 SENSE KEY; byte 2 ASC; byte 3 ASCQ;
-		// byte 7 ADDITIONAL SENSE LENGTH (n-7); sense data descriptors from
-		// byte 8, each with its type in byte 0 and ADDITIONAL LENGTH in byte 1.
-		if len(b) < 2 {
-			return s, fmt.Errorf("scsi: descriptor-format sense data truncated to %d bytes", len(b))
-		}
-		s.Key = SenseKey(b[1] & 0x0f)
-		if len(b) >= 3 {
-			s.ASC = b[2]
-		}
-		if len(b) >= 4 {
-			s.ASCQ = b[3]
-		}
-		if len(b) < 8 {
-			return s, nil
-		}
-		end := 8 + int(b[7])
-		if end > len(b) {
-			end = len(b)
-		}
-		for p := 8; p+2 <= end; {
-			typ, l := b[p], int(b[p+1])
-			d := b[p+2 : min(p+2+l, end)]
-			switch typ {
-			case 0x00: // Information descriptor: byte 2 bit 7 VALID, bytes 4-11 INFORMATION.
-				if len(d) >= 10 && d[0]&0x80 != 0 {
-					s.Information = binary.BigEndian.Uint64(d[2:10])
-					s.InfoValid = true
-				}
-			case 0x02: // Sense key specific descriptor: byte 4 bit 7 SKSV, bytes 4-6.
-				if len(d) >= 5 && d[2]&0x80 != 0 {
-					s.SKSV = true
-					copy(s.SenseKeySpecific[:], d[2:5])
-					s.SenseKeySpecific[0] &= 0x7f
-				}
-			}
-			p += 2 + l
-		}
-		return s, nil
+		return parseDescriptorSense(b, s)
 	}
 	return s, fmt.Errorf("scsi: unknown sense response code 0x%02x", s.ResponseCode)
+}
+
+// parseFixedSense parses fixed-format sense data into s.
+func parseFixedSense(b []byte, s Sense) (Sense, error) {
+	// Fixed: byte 0 bit 7 VALID; byte 2 bits 3-0 SENSE KEY; bytes 3-6
+	// INFORMATION; byte 7 ADDITIONAL SENSE LENGTH (n-7); byte 12 ASC;
+	// byte 13 ASCQ; byte 15 bit 7 SKSV, bytes 15-17 sense key specific.
+	if len(b) < 3 {
+		return s, fmt.Errorf("scsi: fixed-format sense data truncated to %d bytes", len(b))
+	}
+	s.Key = SenseKey(b[2] & 0x0f)
+	end := len(b)
+	if len(b) >= 8 {
+		if n := 8 + int(b[7]); n < end {
+			end = n
+		}
+	}
+	b = b[:end]
+	if len(b) >= 7 && b[0]&0x80 != 0 {
+		s.Information = uint64(binary.BigEndian.Uint32(b[3:7]))
+		s.InfoValid = true
+	}
+	if len(b) >= 13 {
+		s.ASC = b[12]
+	}
+	if len(b) >= 14 {
+		s.ASCQ = b[13]
+	}
+	if len(b) >= 18 && b[15]&0x80 != 0 {
+		s.SKSV = true
+		copy(s.SenseKeySpecific[:], b[15:18])
+		s.SenseKeySpecific[0] &= 0x7f
+	}
+	return s, nil
+}
+
+// parseDescriptorSense parses descriptor-format sense data into s.
+func parseDescriptorSense(b []byte, s Sense) (Sense, error) {
+	// Descriptor: byte 1 bits 3-0 SENSE KEY; byte 2 ASC; byte 3 ASCQ;
+	// byte 7 ADDITIONAL SENSE LENGTH (n-7); sense data descriptors from
+	// byte 8, each with its type in byte 0 and ADDITIONAL LENGTH in byte 1.
+	if len(b) < 2 {
+		return s, fmt.Errorf("scsi: descriptor-format sense data truncated to %d bytes", len(b))
+	}
+	s.Key = SenseKey(b[1] & 0x0f)
+	if len(b) >= 3 {
+		s.ASC = b[2]
+	}
+	if len(b) >= 4 {
+		s.ASCQ = b[3]
+	}
+	if len(b) < 8 {
+		return s, nil
+	}
+	end := 8 + int(b[7])
+	if end > len(b) {
+		end = len(b)
+	}
+	for p := 8; p+2 <= end; {
+		typ, l := b[p], int(b[p+1])
+		readDescriptor(&s, typ, b[p+2:min(p+2+l, end)])
+		p += 2 + l
+	}
+	return s, nil
+}
+
+// readDescriptor reads a sense data descriptor of type typ, d its bytes
+// after the type and length, into s.
+func readDescriptor(s *Sense, typ byte, d []byte) {
+	switch typ {
+	case 0x00: // Information descriptor: byte 2 bit 7 VALID, bytes 4-11 INFORMATION.
+		if len(d) >= 10 && d[0]&0x80 != 0 {
+			s.Information = binary.BigEndian.Uint64(d[2:10])
+			s.InfoValid = true
+		}
+	case 0x02: // Sense key specific descriptor: byte 4 bit 7 SKSV, bytes 4-6.
+		if len(d) >= 5 && d[2]&0x80 != 0 {
+			s.SKSV = true
+			copy(s.SenseKeySpecific[:], d[2:5])
+			s.SenseKeySpecific[0] &= 0x7f
+		}
+	}
 }
 
 // Additional sense codes the fencing logic acts on (SPC-4 "ASC and ASCQ
@@ -213,52 +227,36 @@ const (
 	ASCQBecomingReady          = 0x01 // with ASC 04h
 )
 
+// ascDescriptions name the additional sense codes (ASC<<8 | ASCQ) seen
+// from the targets the fencing logic talks to (SPC-4 "ASC and ASCQ
+// assignments").
+var ascDescriptions = map[uint16]string{
+	0x0400: "LOGICAL UNIT NOT READY, CAUSE NOT REPORTABLE",
+	0x0401: "LOGICAL UNIT IS IN PROCESS OF BECOMING READY",
+	0x0402: "LOGICAL UNIT NOT READY, INITIALIZING COMMAND REQUIRED",
+	0x0403: "LOGICAL UNIT NOT READY, MANUAL INTERVENTION REQUIRED",
+	0x2000: "INVALID COMMAND OPERATION CODE",
+	0x2400: "INVALID FIELD IN CDB",
+	0x2500: "LOGICAL UNIT NOT SUPPORTED",
+	0x2600: "INVALID FIELD IN PARAMETER LIST",
+	0x2604: "INVALID RELEASE OF PERSISTENT RESERVATION",
+	0x2900: "POWER ON, RESET, OR BUS DEVICE RESET OCCURRED",
+	0x2901: "POWER ON OCCURRED",
+	0x2902: "SCSI BUS RESET OCCURRED",
+	0x2903: "BUS DEVICE RESET FUNCTION OCCURRED",
+	0x2904: "DEVICE INTERNAL RESET",
+	0x2907: "I_T NEXUS LOSS OCCURRED",
+	0x2A01: "MODE PARAMETERS CHANGED",
+	0x2A03: "RESERVATIONS PREEMPTED",
+	0x2A04: "RESERVATIONS RELEASED",
+	0x2A05: "REGISTRATIONS PREEMPTED",
+	0x2A09: "CAPACITY DATA HAS CHANGED",
+	0x3A00: "MEDIUM NOT PRESENT",
+	0x3F0E: "REPORTED LUNS DATA HAS CHANGED",
+}
+
+// ascDescription names an additional sense code, or "" when it is not in
+// ascDescriptions.
 func ascDescription(asc, ascq uint8) string {
-	switch uint16(asc)<<8 | uint16(ascq) {
-	case 0x0400:
-		return "LOGICAL UNIT NOT READY, CAUSE NOT REPORTABLE"
-	case 0x0401:
-		return "LOGICAL UNIT IS IN PROCESS OF BECOMING READY"
-	case 0x0402:
-		return "LOGICAL UNIT NOT READY, INITIALIZING COMMAND REQUIRED"
-	case 0x0403:
-		return "LOGICAL UNIT NOT READY, MANUAL INTERVENTION REQUIRED"
-	case 0x2000:
-		return "INVALID COMMAND OPERATION CODE"
-	case 0x2400:
-		return "INVALID FIELD IN CDB"
-	case 0x2500:
-		return "LOGICAL UNIT NOT SUPPORTED"
-	case 0x2600:
-		return "INVALID FIELD IN PARAMETER LIST"
-	case 0x2604:
-		return "INVALID RELEASE OF PERSISTENT RESERVATION"
-	case 0x2900:
-		return "POWER ON, RESET, OR BUS DEVICE RESET OCCURRED"
-	case 0x2901:
-		return "POWER ON OCCURRED"
-	case 0x2902:
-		return "SCSI BUS RESET OCCURRED"
-	case 0x2903:
-		return "BUS DEVICE RESET FUNCTION OCCURRED"
-	case 0x2904:
-		return "DEVICE INTERNAL RESET"
-	case 0x2907:
-		return "I_T NEXUS LOSS OCCURRED"
-	case 0x2A01:
-		return "MODE PARAMETERS CHANGED"
-	case 0x2A03:
-		return "RESERVATIONS PREEMPTED"
-	case 0x2A04:
-		return "RESERVATIONS RELEASED"
-	case 0x2A05:
-		return "REGISTRATIONS PREEMPTED"
-	case 0x2A09:
-		return "CAPACITY DATA HAS CHANGED"
-	case 0x3A00:
-		return "MEDIUM NOT PRESENT"
-	case 0x3F0E:
-		return "REPORTED LUNS DATA HAS CHANGED"
-	}
-	return ""
+	return ascDescriptions[uint16(asc)<<8|uint16(ascq)]
 }

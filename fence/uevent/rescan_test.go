@@ -292,3 +292,59 @@ func TestPeriodicRescanCatchesChangedDisk(t *testing.T) {
 	}
 	n.none(t, 3*every)
 }
+
+// closingSource is a fakeSource whose SetReadDeadline fails once the
+// watcher's context has ended, as a Conn's does once the context's close
+// has reached its socket.
+type closingSource struct {
+	*fakeSource
+	ctx context.Context
+}
+
+func (s closingSource) SetReadDeadline(t time.Time) error {
+	if s.ctx.Err() != nil {
+		<-s.closed
+		return os.ErrClosed
+	}
+	return s.fakeSource.SetReadDeadline(t)
+}
+
+// A watcher stopped while it rescans returns without error: the socket
+// its context closed is not a failure, even when the next read deadline
+// is set on it before a read could tell (vco-agent lease watch exited 1
+// with "setting the rescan deadline: use of closed file").
+func TestStopDuringRescanIsNoError(t *testing.T) {
+	sys := fakeSysfs{root: t.TempDir()}
+	if err := os.MkdirAll(filepath.Join(sys.root, "class/block"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sys.add(t, "vdb", 16, 5)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	src := closingSource{fakeSource: newFakeSource(), ctx: ctx}
+	classified := 0
+	w := &Watcher{
+		SysfsRoot: sys.root,
+		Rescan:    20 * time.Millisecond,
+		Classify: func(context.Context, Event) (Verdict, error) {
+			// The first is the scan at start; the second a rescan's.
+			if classified++; classified == 2 {
+				cancel()
+			}
+			return Verdict{Method: lease.Method}, nil
+		},
+		setReadOnly: func(string, uint32, uint32, bool) error { return nil },
+		dial:        func(Group) (source, error) { return src, nil },
+		size:        func(string) (uint64, error) { return 1 << 30, nil },
+	}
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("watcher stopped during a rescan: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("watcher did not stop")
+	}
+}

@@ -177,10 +177,63 @@ func (w *Watcher) Run(ctx context.Context) error {
 	if w.Classify == nil {
 		return errors.New("uevent watcher: no classifier")
 	}
-	groups := w.Groups
-	if groups == 0 {
-		groups = GroupKernel | GroupUdev
+	r := w.newRun()
+	// The socket listens before the scan, so that a disk attached during
+	// the scan is heard of afterwards.
+	c, err := w.dialSource()
+	if err != nil {
+		return err
 	}
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	r.scan(ctx, CauseStart)
+	if ctx.Err() != nil {
+		return nil
+	}
+	close(w.ready)
+
+	rescan := w.Rescan
+	if rescan == 0 {
+		rescan = DefaultRescan
+	}
+	var next time.Time
+	if rescan > 0 {
+		next = time.Now().Add(rescan)
+	}
+	for {
+		if !next.IsZero() {
+			if err := c.SetReadDeadline(next); err != nil {
+				if ctx.Err() != nil {
+					// Stopped: the context closed the socket.
+					return nil
+				}
+				return fmt.Errorf("uevent watcher: setting the rescan deadline: %w", err)
+			}
+		}
+		ev, at, err := c.Read()
+		if ctx.Err() != nil {
+			return nil
+		}
+		switch {
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			r.scan(ctx, CausePeriodic)
+			next = time.Now().Add(rescan)
+		case errors.Is(err, ErrOverrun):
+			// Events were lost: what they announced (a disk added,
+			// changed or removed) is found by scanning every disk.
+			r.log.Warn("uevent queue overrun; some device events were lost; classifying every disk again")
+			r.scan(ctx, CauseOverrun)
+		case err != nil:
+			return err
+		default:
+			r.event(ctx, ev, at)
+		}
+	}
+}
+
+// newRun is a Run's settings, the watcher's with defaults filled in.
+func (w *Watcher) newRun() *run {
 	r := &run{w: w, timeout: w.Timeout, log: w.Logger, setRO: w.setReadOnly, size: w.size, match: w.Match,
 		root: w.SysfsRoot, known: map[devnum]*known{}}
 	if r.timeout <= 0 {
@@ -201,73 +254,40 @@ func (w *Watcher) Run(ctx context.Context) error {
 	if r.root == "" {
 		r.root = "/sys"
 	}
-	rescan := w.Rescan
-	if rescan == 0 {
-		rescan = DefaultRescan
-	}
-	dial := w.dial
-	if dial == nil {
-		dial = func(g Group) (source, error) { return Dial(g) }
-	}
-	// The socket listens before the scan, so that a disk attached during
-	// the scan is heard of afterwards.
-	c, err := dial(groups)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	stop := context.AfterFunc(ctx, func() { c.Close() })
-	defer stop()
-	r.scan(ctx, CauseStart)
-	if ctx.Err() != nil {
-		return nil
-	}
-	close(w.ready)
+	return r
+}
 
-	var next time.Time
-	if rescan > 0 {
-		next = time.Now().Add(rescan)
+// dialSource opens the uevent socket for the watcher's groups (default:
+// the kernel's and udev's).
+func (w *Watcher) dialSource() (source, error) {
+	groups := w.Groups
+	if groups == 0 {
+		groups = GroupKernel | GroupUdev
 	}
-	for {
-		if !next.IsZero() {
-			if err := c.SetReadDeadline(next); err != nil {
-				return fmt.Errorf("uevent watcher: setting the rescan deadline: %w", err)
-			}
+	if w.dial != nil {
+		return w.dial(groups)
+	}
+	return Dial(groups)
+}
+
+// event acts on one uevent heard at at: a disk removed is forgotten, a
+// disk added or changed decided, unless its medium was decided already.
+func (r *run) event(ctx context.Context, ev Event, at time.Time) {
+	if !ev.HasDevnum || !r.match(ev) {
+		return
+	}
+	dn := devnum{ev.Major, ev.Minor}
+	switch ev.Action {
+	case "remove":
+		r.forget(dn, ev)
+	case "add", "change":
+		if k := r.known[dn]; k != nil && k.seq == ev.Env["DISKSEQ"] {
+			// Decided for this medium already (udev's duplicate, a
+			// resize, the agent's own change trigger); the rescans
+			// look at it again.
+			return
 		}
-		ev, at, err := c.Read()
-		if ctx.Err() != nil {
-			return nil
-		}
-		switch {
-		case errors.Is(err, os.ErrDeadlineExceeded):
-			r.scan(ctx, CausePeriodic)
-			next = time.Now().Add(rescan)
-			continue
-		case errors.Is(err, ErrOverrun):
-			// Events were lost: what they announced (a disk added,
-			// changed or removed) is found by scanning every disk.
-			r.log.Warn("uevent queue overrun; some device events were lost; classifying every disk again")
-			r.scan(ctx, CauseOverrun)
-			continue
-		case err != nil:
-			return err
-		}
-		if !ev.HasDevnum || !r.match(ev) {
-			continue
-		}
-		dn := devnum{ev.Major, ev.Minor}
-		switch ev.Action {
-		case "remove":
-			r.forget(dn, ev)
-		case "add", "change":
-			if k := r.known[dn]; k != nil && k.seq == ev.Env["DISKSEQ"] {
-				// Decided for this medium already (udev's duplicate, a
-				// resize, the agent's own change trigger); the rescans
-				// look at it again.
-				continue
-			}
-			r.decide(ctx, ev, at, CauseEvent)
-		}
+		r.decide(ctx, ev, at, CauseEvent)
 	}
 }
 

@@ -38,18 +38,7 @@ func (s *story) e6(ctx context.Context) (err error) {
 	for _, g := range []*lab.Guest{s.a, s.b} {
 		g := g
 		if err := s.step(sc, g.Name, "transit link (restricted user network) and vco-csi with --vault-addr", func() (string, error) {
-			engine := s.o.TransitEngine
-			if engine == "" {
-				engine = fmt.Sprintf("transit engine on 127.0.0.1:%d", s.o.TransitPort)
-			}
-			if err := simlab.ConnectTransit(ctx, g, s.o.TransitPort); err != nil {
-				return "", err
-			}
-			if err := simlab.StopNodeStack(ctx, g); err != nil {
-				return "", err
-			}
-			return fmt.Sprintf("%s; the guest reaches it at %s", engine, simlab.TransitGuestAddr),
-				simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{VaultAddr: simlab.TransitGuestAddr, VaultToken: s.o.TransitToken})
+			return s.e6TransitLink(ctx, g)
 		}); err != nil {
 			return err
 		}
@@ -57,14 +46,7 @@ func (s *story) e6(ctx context.Context) (err error) {
 	c := *s
 	c.name, c.pod, c.kind = "pvc-e2e-crypt", "pod-crypt-", simlab.FileVirtioBlk
 	if err := s.step(sc, "controller", "CreateVolume pvc-e2e-crypt (1 GiB, encryption=true, "+string(c.kind)+")", func() (string, error) {
-		req := VolumeRequest(c.name)
-		req.Parameters = map[string]string{"encryption": "true"}
-		v, err := c.createVolume(ctx, req)
-		if err != nil {
-			return "", err
-		}
-		c.volCtx = v.VolumeContext
-		return fmt.Sprintf("volume %s, context %v", c.volID, c.volCtx), nil
+		return c.e6Create(ctx)
 	}); err != nil {
 		return err
 	}
@@ -80,17 +62,9 @@ func (s *story) e6(ctx context.Context) (err error) {
 	}
 	var sum string
 	if err := s.step(sc, s.a.Name, "write 8 MiB to data.bin (through dm-crypt)", func() (string, error) {
-		out, err := s.a.MustSh(ctx, "awk '$2==\""+stagingPath(c.name)+"\"{print $1}' /proc/mounts")
-		if err != nil {
-			return "", err
-		}
-		if !strings.HasPrefix(strings.TrimSpace(out), "/dev/mapper/") && !strings.HasPrefix(strings.TrimSpace(out), "/dev/dm-") {
-			return "", fmt.Errorf("the staging path is mounted from %q, not a dm-crypt mapping", strings.TrimSpace(out))
-		}
-		if sum, err = writeFile(ctx, s.a, c.pod+s.a.Name, "data.bin", 8); err != nil {
-			return "", err
-		}
-		return "mounted from " + strings.TrimSpace(out) + "; sha256 " + sum, nil
+		detail, written, err := c.e6WriteThroughDMCrypt(ctx, s.a)
+		sum = written
+		return detail, err
 	}); err != nil {
 		return err
 	}
@@ -126,6 +100,53 @@ func (s *story) e6(ctx context.Context) (err error) {
 		return err
 	}
 	return c.takeDown(ctx, sc, s.b)
+}
+
+// e6TransitLink links g to the transit engine and restarts its node
+// plugin with --vault-addr.
+func (s *story) e6TransitLink(ctx context.Context, g *lab.Guest) (string, error) {
+	engine := s.o.TransitEngine
+	if engine == "" {
+		engine = fmt.Sprintf("transit engine on 127.0.0.1:%d", s.o.TransitPort)
+	}
+	if err := simlab.ConnectTransit(ctx, g, s.o.TransitPort); err != nil {
+		return "", err
+	}
+	if err := simlab.StopNodeStack(ctx, g); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("%s; the guest reaches it at %s", engine, simlab.TransitGuestAddr),
+		simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{VaultAddr: simlab.TransitGuestAddr, VaultToken: s.o.TransitToken})
+}
+
+// e6Create creates c's encrypted volume.
+func (c *story) e6Create(ctx context.Context) (string, error) {
+	req := VolumeRequest(c.name)
+	req.Parameters = map[string]string{"encryption": "true"}
+	v, err := c.createVolume(ctx, req)
+	if err != nil {
+		return "", err
+	}
+	c.volCtx = v.VolumeContext
+	return fmt.Sprintf("volume %s, context %v", c.volID, c.volCtx), nil
+}
+
+// e6WriteThroughDMCrypt writes 8 MiB to data.bin in c's pod on g, whose
+// staging path must be mounted from a dm-crypt mapping, and returns the
+// step's detail and the file's sha256.
+func (c *story) e6WriteThroughDMCrypt(ctx context.Context, g *lab.Guest) (detail, sum string, err error) {
+	out, err := g.MustSh(ctx, "awk '$2==\""+stagingPath(c.name)+"\"{print $1}' /proc/mounts")
+	if err != nil {
+		return "", "", err
+	}
+	if !strings.HasPrefix(strings.TrimSpace(out), "/dev/mapper/") && !strings.HasPrefix(strings.TrimSpace(out), "/dev/dm-") {
+		return "", "", fmt.Errorf("the staging path is mounted from %q, not a dm-crypt mapping", strings.TrimSpace(out))
+	}
+	sum, err = writeFile(ctx, g, c.pod+g.Name, "data.bin", 8)
+	if err != nil {
+		return "", "", err
+	}
+	return "mounted from " + strings.TrimSpace(out) + "; sha256 " + sum, sum, nil
 }
 
 // cryptsetupCheck finds the device under the volume's dm-crypt mapping in

@@ -214,147 +214,12 @@ func (s *story) e9(ctx context.Context) (err error) {
 		return err
 	}
 	g := n.g
-	if err := c.createOwn(ctx, sc); err != nil {
-		return err
-	}
-	pc, err := c.publish(ctx, sc, g)
+	r, err := s.e9Start(ctx, sc, &c, n)
 	if err != nil {
 		return err
 	}
-	if err := c.kubeletDirs(ctx, g, c.pod+g.Name); err != nil {
+	if err := r.killEachStep(ctx); err != nil {
 		return err
-	}
-	staging := stagingPath(c.name)
-	stageReq := &csi.NodeStageVolumeRequest{VolumeId: c.volID, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: VolumeCapability()}
-	unstageReq := &csi.NodeUnstageVolumeRequest{VolumeId: c.volID, StagingTargetPath: staging}
-	mountedDev := func() (string, error) {
-		out, err := g.MustSh(ctx, fmt.Sprintf("awk '$2==\"%s\"{print $1}' /proc/mounts", staging))
-		return strings.TrimSpace(out), err
-	}
-	var uuid, sum string
-	// firstFormats is how many formats the agent had logged when the
-	// first stage succeeded.
-	firstFormats := 0
-	// kills counts the calls a kill interrupted, landed every SIGKILL the
-	// agent got (one that came after the call answered too).
-	kills, landed := 0, 0
-	// stageAt stages with the agent killed at k, and checks what the
-	// retried call left: mounted, the filesystem of first use, the data.
-	stageAt := func(k killPoint) (killed bool, err error) {
-		err = s.step(sc, g.Name, fmt.Sprintf("NodeStageVolume, agent killed at %s", k), func() (string, error) {
-			pid, err := n.arm(ctx, k)
-			if err != nil {
-				return "", err
-			}
-			tries, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, "NodeStageVolume", stageReq, nil) })
-			hit := disarm(ctx, g, pid)
-			if hit {
-				landed++
-			}
-			killed = hit && (k.timed() || tries > 1)
-			if err != nil {
-				return "", fmt.Errorf("NodeStageVolume still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", tries, killed, err, g.Name, g.ConsoleTail(15))
-			}
-			dev, err := mountedDev()
-			if err != nil || dev == "" {
-				return "", fmt.Errorf("staging path not mounted after NodeStageVolume succeeded (%v)", err)
-			}
-			out, err := g.MustSh(ctx, "blkid -s UUID -o value "+dev)
-			if err != nil {
-				return "", err
-			}
-			got := strings.TrimSpace(out)
-			detail := fmt.Sprintf("agent killed mid-call: %v; succeeded on try %d; %s mounted, filesystem UUID %s", killed, tries, dev, got)
-			if uuid == "" {
-				uuid = got
-				if firstFormats, err = n.formats(ctx, c.volID); err != nil {
-					return "", err
-				}
-				if sum, err = g.MustSh(ctx, fmt.Sprintf("dd if=/dev/urandom of=%[1]s/data.bin bs=1M count=4 2>/dev/null && sync && sha256sum %[1]s/data.bin", staging)); err != nil {
-					return "", err
-				}
-				sum = strings.Fields(sum + " x")[0]
-				return detail + "; wrote data.bin sha256 " + sum, nil
-			}
-			s.check(P5, sc, got == uuid, "after the agent was killed during NodeStageVolume (at %s) the filesystem mounted has UUID %s, the one made on first use %s", k, got, uuid)
-			if got != uuid {
-				return "", fmt.Errorf("filesystem UUID %s, made on first use %s: formatted again", got, uuid)
-			}
-			r, err := g.MustSh(ctx, "echo 3 >/proc/sys/vm/drop_caches; sha256sum "+staging+"/data.bin")
-			if err != nil {
-				return "", err
-			}
-			rs := strings.Fields(r + " x")[0]
-			s.check(P5, sc, rs == sum, "after the agent was killed during NodeStageVolume (at %s) data.bin reads sha256 %s (written %s)", k, rs, sum)
-			if rs != sum {
-				return "", fmt.Errorf("data.bin sha256 %s, written %s", rs, sum)
-			}
-			return detail + "; data.bin intact", nil
-		})
-		return killed, err
-	}
-	unstageAt := func(k killPoint) (killed bool, err error) {
-		err = s.step(sc, g.Name, fmt.Sprintf("NodeUnstageVolume, agent killed at %s", k), func() (string, error) {
-			pid, err := n.arm(ctx, k)
-			if err != nil {
-				return "", err
-			}
-			tries, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, "NodeUnstageVolume", unstageReq, nil) })
-			hit := disarm(ctx, g, pid)
-			if hit {
-				landed++
-			}
-			killed = hit && (k.timed() || tries > 1)
-			if err != nil {
-				return "", fmt.Errorf("NodeUnstageVolume still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", tries, killed, err, g.Name, g.ConsoleTail(15))
-			}
-			if dev, err := mountedDev(); err != nil || dev != "" {
-				return "", fmt.Errorf("staging path still mounted from %q after NodeUnstageVolume succeeded (%v)", dev, err)
-			}
-			return fmt.Sprintf("agent killed mid-call: %v; succeeded on try %d; staging path unmounted", killed, tries), nil
-		})
-		return killed, err
-	}
-	plain := func(method string, req proto.Message) error {
-		return s.step(sc, g.Name, method+" (the kill point was outrun; again)", func() (string, error) {
-			_, err := retried(ctx, func() error { return simlab.NodeCall(ctx, g, method, req, nil) })
-			return "", err
-		})
-	}
-	// at runs one call with the agent killed at k, again with k sooner
-	// while the call outruns it, and reports whether a kill landed.
-	at := func(k killPoint, call func(killPoint) (bool, error), undo func() error) (bool, error) {
-		for try := 1; ; try++ {
-			killed, err := call(k)
-			if err != nil || killed || try == killTries || !k.timed() {
-				return killed, err
-			}
-			if err := undo(); err != nil {
-				return false, err
-			}
-			k = k.sooner()
-		}
-	}
-	var missed []killPoint
-	for i := range stageKills {
-		killed, err := at(stageKills[i], stageAt, func() error { return plain("NodeUnstageVolume", unstageReq) })
-		if err != nil {
-			return err
-		}
-		if killed {
-			kills++
-		} else {
-			missed = append(missed, stageKills[i])
-		}
-		killed, err = at(unstageKills[i], unstageAt, func() error { return plain("NodeStageVolume", stageReq) })
-		if err != nil {
-			return err
-		}
-		if killed {
-			kills++
-		} else {
-			missed = append(missed, "unstage "+unstageKills[i])
-		}
 	}
 	if n.burst != nil {
 		if err := s.step(sc, g.Name, fmt.Sprintf("kill the agent %d times, each time as soon as it is back", burstKills), func() (string, error) {
@@ -362,32 +227,10 @@ func (s *story) e9(ctx context.Context) (err error) {
 		}); err != nil {
 			return err
 		}
-		landed += burstKills
+		r.landed += burstKills
 	}
 	if err := s.step(sc, g.Name, "the kills reached the agent; "+n.how+" restarted it after each; it formatted once", func() (string, error) {
-		// A kill that landed after the last call answered may still be
-		// waiting for its restart.
-		if _, err := g.MustSh(ctx, n.ready); err != nil {
-			return "", fmt.Errorf("vco-agent did not come back: %w", err)
-		}
-		restarts, err := n.restarts(ctx)
-		if err != nil {
-			return "", err
-		}
-		if len(missed) > 0 || restarts != landed {
-			return "", fmt.Errorf("%d of %d kill points reached the agent mid-call (outrun: %v); %d SIGKILLs, %d restarts by %s", kills, len(stageKills)+len(unstageKills), missed, landed, restarts, n.how)
-		}
-		formats, err := n.formats(ctx, c.volID)
-		if err != nil {
-			return "", err
-		}
-		once := formats == firstFormats && firstFormats <= 1
-		s.check(P5, sc, once, "the agent on %s, killed %d times during stage and unstage and restarted by %s, reported %d format(s) of volume %s over %d stages, %d of them by the first stage (%s)",
-			g.Name, landed, n.how, formats, c.volID, len(stageKills), firstFormats, adopted(firstFormats))
-		if !once {
-			return "", fmt.Errorf("the agent logged %d formats of %s, %d of them by the first stage; want at most one, made by the first stage", formats, c.volID, firstFormats)
-		}
-		return fmt.Sprintf("%d kills mid-call, %d SIGKILLs in all, %d restarts by %s; formatted once (%s)", kills, landed, restarts, n.how, adopted(firstFormats)), nil
+		return r.restartedAndFormattedOnce(ctx)
 	}); err != nil {
 		return err
 	}
@@ -401,6 +244,237 @@ func (s *story) e9(ctx context.Context) (err error) {
 		return err
 	}
 	return s.e9Lease(ctx, sc, g)
+}
+
+// e9Run is E9's volume on its node and what the kills found so far.
+type e9Run struct {
+	// s reports; c is the volume's story.
+	s, c       *story
+	sc         string
+	n          *e9Node
+	g          *lab.Guest
+	staging    string
+	stageReq   *csi.NodeStageVolumeRequest
+	unstageReq *csi.NodeUnstageVolumeRequest
+	// uuid is the filesystem made on first use, sum the sha256 of the
+	// data written then.
+	uuid, sum string
+	// firstFormats is how many formats the agent had logged when the
+	// first stage succeeded.
+	firstFormats int
+	// kills counts the calls a kill interrupted, landed every SIGKILL the
+	// agent got (one that came after the call answered too).
+	kills, landed int
+	// missed are the kill points every call outran.
+	missed []killPoint
+}
+
+// e9Start creates c's volume and publishes it to n's guest.
+func (s *story) e9Start(ctx context.Context, sc string, c *story, n *e9Node) (*e9Run, error) {
+	g := n.g
+	if err := c.createOwn(ctx, sc); err != nil {
+		return nil, err
+	}
+	pc, err := c.publish(ctx, sc, g)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.kubeletDirs(ctx, g, c.pod+g.Name); err != nil {
+		return nil, err
+	}
+	staging := stagingPath(c.name)
+	return &e9Run{s: s, c: c, sc: sc, n: n, g: g, staging: staging,
+		stageReq:   &csi.NodeStageVolumeRequest{VolumeId: c.volID, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: VolumeCapability()},
+		unstageReq: &csi.NodeUnstageVolumeRequest{VolumeId: c.volID, StagingTargetPath: staging}}, nil
+}
+
+// killEachStep stages and unstages with the agent killed at each kill
+// point in turn.
+func (r *e9Run) killEachStep(ctx context.Context) error {
+	stageAt := func(k killPoint) (bool, error) { return r.stageAt(ctx, k) }
+	unstageAt := func(k killPoint) (bool, error) { return r.unstageAt(ctx, k) }
+	for i := range stageKills {
+		killed, err := r.at(stageKills[i], stageAt, func() error { return r.plain(ctx, "NodeUnstageVolume", r.unstageReq) })
+		if err != nil {
+			return err
+		}
+		r.count(killed, stageKills[i])
+		killed, err = r.at(unstageKills[i], unstageAt, func() error { return r.plain(ctx, "NodeStageVolume", r.stageReq) })
+		if err != nil {
+			return err
+		}
+		r.count(killed, "unstage "+unstageKills[i])
+	}
+	return nil
+}
+
+// count records whether a kill at k landed mid-call.
+func (r *e9Run) count(killed bool, k killPoint) {
+	if killed {
+		r.kills++
+	} else {
+		r.missed = append(r.missed, k)
+	}
+}
+
+// at runs one call with the agent killed at k, again with k sooner
+// while the call outruns it, and reports whether a kill landed.
+func (r *e9Run) at(k killPoint, call func(killPoint) (bool, error), undo func() error) (bool, error) {
+	for try := 1; ; try++ {
+		killed, err := call(k)
+		if err != nil || killed || try == killTries || !k.timed() {
+			return killed, err
+		}
+		if err := undo(); err != nil {
+			return false, err
+		}
+		k = k.sooner()
+	}
+}
+
+// plain makes a call without a kill, to undo one that outran its kill
+// point.
+func (r *e9Run) plain(ctx context.Context, method string, req proto.Message) error {
+	return r.s.step(r.sc, r.g.Name, method+" (the kill point was outrun; again)", func() (string, error) {
+		_, err := retried(ctx, func() error { return simlab.NodeCall(ctx, r.g, method, req, nil) })
+		return "", err
+	})
+}
+
+// killedCall makes call with the agent killed at k, retried as the
+// kubelet would, and reports whether a kill landed mid-call.
+func (r *e9Run) killedCall(ctx context.Context, k killPoint, method string, req proto.Message) (killed bool, tries int, err error) {
+	pid, err := r.n.arm(ctx, k)
+	if err != nil {
+		return false, 0, err
+	}
+	tries, err = retried(ctx, func() error { return simlab.NodeCall(ctx, r.g, method, req, nil) })
+	hit := disarm(ctx, r.g, pid)
+	if hit {
+		r.landed++
+	}
+	killed = hit && (k.timed() || tries > 1)
+	if err != nil {
+		return killed, tries, fmt.Errorf("%s still failing after %d tries (agent killed: %v): %w\nend of %s's console:\n%s", method, tries, killed, err, r.g.Name, r.g.ConsoleTail(15))
+	}
+	return killed, tries, nil
+}
+
+// mountedDev is the device mounted at the staging path, or "".
+func (r *e9Run) mountedDev(ctx context.Context) (string, error) {
+	out, err := r.g.MustSh(ctx, fmt.Sprintf("awk '$2==\"%s\"{print $1}' /proc/mounts", r.staging))
+	return strings.TrimSpace(out), err
+}
+
+// stageAt stages with the agent killed at k, and checks what the
+// retried call left: mounted, the filesystem of first use, the data.
+func (r *e9Run) stageAt(ctx context.Context, k killPoint) (killed bool, err error) {
+	err = r.s.step(r.sc, r.g.Name, fmt.Sprintf("NodeStageVolume, agent killed at %s", k), func() (string, error) {
+		var tries int
+		var err error
+		killed, tries, err = r.killedCall(ctx, k, "NodeStageVolume", r.stageReq)
+		if err != nil {
+			return "", err
+		}
+		dev, err := r.mountedDev(ctx)
+		if err != nil || dev == "" {
+			return "", fmt.Errorf("staging path not mounted after NodeStageVolume succeeded (%v)", err)
+		}
+		out, err := r.g.MustSh(ctx, "blkid -s UUID -o value "+dev)
+		if err != nil {
+			return "", err
+		}
+		got := strings.TrimSpace(out)
+		detail := fmt.Sprintf("agent killed mid-call: %v; succeeded on try %d; %s mounted, filesystem UUID %s", killed, tries, dev, got)
+		if r.uuid == "" {
+			return r.firstUse(ctx, got, detail)
+		}
+		return r.sameAsFirstUse(ctx, k, got, detail)
+	})
+	return killed, err
+}
+
+// firstUse records the filesystem uuid made by the first stage and
+// writes the data later stages must find.
+func (r *e9Run) firstUse(ctx context.Context, uuid, detail string) (string, error) {
+	r.uuid = uuid
+	var err error
+	if r.firstFormats, err = r.n.formats(ctx, r.c.volID); err != nil {
+		return "", err
+	}
+	sum, err := r.g.MustSh(ctx, fmt.Sprintf("dd if=/dev/urandom of=%[1]s/data.bin bs=1M count=4 2>/dev/null && sync && sha256sum %[1]s/data.bin", r.staging))
+	if err != nil {
+		return "", err
+	}
+	r.sum = strings.Fields(sum + " x")[0]
+	return detail + "; wrote data.bin sha256 " + r.sum, nil
+}
+
+// sameAsFirstUse checks that a stage after a kill at k mounted the
+// filesystem of first use (uuid got) with its data.
+func (r *e9Run) sameAsFirstUse(ctx context.Context, k killPoint, got, detail string) (string, error) {
+	r.s.check(P5, r.sc, got == r.uuid, "after the agent was killed during NodeStageVolume (at %s) the filesystem mounted has UUID %s, the one made on first use %s", k, got, r.uuid)
+	if got != r.uuid {
+		return "", fmt.Errorf("filesystem UUID %s, made on first use %s: formatted again", got, r.uuid)
+	}
+	out, err := r.g.MustSh(ctx, "echo 3 >/proc/sys/vm/drop_caches; sha256sum "+r.staging+"/data.bin")
+	if err != nil {
+		return "", err
+	}
+	rs := strings.Fields(out + " x")[0]
+	r.s.check(P5, r.sc, rs == r.sum, "after the agent was killed during NodeStageVolume (at %s) data.bin reads sha256 %s (written %s)", k, rs, r.sum)
+	if rs != r.sum {
+		return "", fmt.Errorf("data.bin sha256 %s, written %s", rs, r.sum)
+	}
+	return detail + "; data.bin intact", nil
+}
+
+// unstageAt unstages with the agent killed at k, and checks that the
+// retried call left the staging path unmounted.
+func (r *e9Run) unstageAt(ctx context.Context, k killPoint) (killed bool, err error) {
+	err = r.s.step(r.sc, r.g.Name, fmt.Sprintf("NodeUnstageVolume, agent killed at %s", k), func() (string, error) {
+		var tries int
+		var err error
+		killed, tries, err = r.killedCall(ctx, k, "NodeUnstageVolume", r.unstageReq)
+		if err != nil {
+			return "", err
+		}
+		if dev, err := r.mountedDev(ctx); err != nil || dev != "" {
+			return "", fmt.Errorf("staging path still mounted from %q after NodeUnstageVolume succeeded (%v)", dev, err)
+		}
+		return fmt.Sprintf("agent killed mid-call: %v; succeeded on try %d; staging path unmounted", killed, tries), nil
+	})
+	return killed, err
+}
+
+// restartedAndFormattedOnce checks that every kill reached the agent
+// mid-call, that each SIGKILL was followed by one restart, and that the
+// agent formatted the volume once, on its first stage.
+func (r *e9Run) restartedAndFormattedOnce(ctx context.Context) (string, error) {
+	n, g, c := r.n, r.g, r.c
+	// A kill that landed after the last call answered may still be
+	// waiting for its restart.
+	if _, err := g.MustSh(ctx, n.ready); err != nil {
+		return "", fmt.Errorf("vco-agent did not come back: %w", err)
+	}
+	restarts, err := n.restarts(ctx)
+	if err != nil {
+		return "", err
+	}
+	if len(r.missed) > 0 || restarts != r.landed {
+		return "", fmt.Errorf("%d of %d kill points reached the agent mid-call (outrun: %v); %d SIGKILLs, %d restarts by %s", r.kills, len(stageKills)+len(unstageKills), r.missed, r.landed, restarts, n.how)
+	}
+	formats, err := n.formats(ctx, c.volID)
+	if err != nil {
+		return "", err
+	}
+	once := formats == r.firstFormats && r.firstFormats <= 1
+	r.s.check(P5, r.sc, once, "the agent on %s, killed %d times during stage and unstage and restarted by %s, reported %d format(s) of volume %s over %d stages, %d of them by the first stage (%s)",
+		g.Name, r.landed, n.how, formats, c.volID, len(stageKills), r.firstFormats, adopted(r.firstFormats))
+	if !once {
+		return "", fmt.Errorf("the agent logged %d formats of %s, %d of them by the first stage; want at most one, made by the first stage", formats, c.volID, r.firstFormats)
+	}
+	return fmt.Sprintf("%d kills mid-call, %d SIGKILLs in all, %d restarts by %s; formatted once (%s)", r.kills, r.landed, restarts, n.how, adopted(r.firstFormats)), nil
 }
 
 // createOwn creates c's volume (1 GiB in the lab's location) and has the

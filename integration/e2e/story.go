@@ -167,6 +167,25 @@ func (s *story) run(ctx context.Context) error {
 	}
 	defer stop()
 
+	if err := s.nodeInfo(ctx); err != nil {
+		return err
+	}
+	if s.o.Only != "" {
+		return s.runOnly(ctx)
+	}
+	if err := s.create(ctx); err != nil {
+		return err
+	}
+	sumA, err := s.firstUse(ctx)
+	if err != nil {
+		return err
+	}
+	return s.scenarios(ctx, sumA)
+}
+
+// nodeInfo asks each guest's node plugin for its node id, which must be
+// the guest's SMBIOS UUID.
+func (s *story) nodeInfo(ctx context.Context) error {
 	for _, g := range []*lab.Guest{s.a, s.b} {
 		g := g
 		if err := s.step("setup", g.Name, "NodeGetInfo", func() (string, error) {
@@ -183,24 +202,25 @@ func (s *story) run(ctx context.Context) error {
 			return err
 		}
 	}
+	return nil
+}
+
+// runOnly runs the one scenario the options ask for, on its own.
+func (s *story) runOnly(ctx context.Context) error {
 	switch s.o.Only {
-	case "":
 	case "E7":
 		return s.e7(ctx)
 	case "E9":
 		return s.e9(ctx)
 	case "E6":
 		return s.e6(ctx)
-	default:
-		return fmt.Errorf("scenario %s cannot run on its own", s.o.Only)
 	}
-	if err := s.create(ctx); err != nil {
-		return err
-	}
-	sumA, err := s.firstUse(ctx)
-	if err != nil {
-		return err
-	}
+	return fmt.Errorf("scenario %s cannot run on its own", s.o.Only)
+}
+
+// scenarios runs E1 to E9 on the volume created and first used (its
+// data.bin with sha256 sumA), each unless left out, and cleans up.
+func (s *story) scenarios(ctx context.Context, sumA string) error {
 	if err := s.e1(ctx); err != nil {
 		return err
 	}
@@ -570,153 +590,177 @@ func (s *story) e2(ctx context.Context, sumA string) error {
 	vmB := s.env.VMs[s.b.Name]
 	cs := "cs-" + simlab.Location
 	var pc map[string]string
-	if err := s.step(sc, "platform", "fault allow_multi_attach; attach disk to "+s.b.Name+"'s VM too", func() (string, error) {
-		s.env.Sim.SetFaults(sim.Faults{AllowMultiAttach: true})
-		if err := s.env.Cloud.AttachDisk(ctx, cs, vmB, s.diskID); err != nil {
-			return "", err
-		}
-		disks, err := s.env.Cloud.ListVMDisks(ctx, cs, vmB)
-		if err != nil {
-			return "", err
-		}
-		for _, d := range disks {
-			if d.ID == s.diskID {
-				// What a publish context for B would carry; no controller
-				// would issue it, and it carries no grant.
-				pc = map[string]string{driver.PubDiskID: strconv.FormatInt(d.ID, 10), driver.PubPCIBus: strconv.Itoa(d.PCIBus),
-					driver.PubPCISlot: strconv.Itoa(d.PCISlot), driver.PubSerial: strconv.FormatInt(d.ID, 10)}
-			}
-		}
-		if pc == nil {
-			return "", fmt.Errorf("disk %d not listed on VM %d after attach", s.diskID, vmB)
-		}
-		return fmt.Sprintf("disk %d on VM %d at PCI %s:%s", s.diskID, vmB, pc[driver.PubPCIBus], pc[driver.PubPCISlot]), nil
-	}); err != nil {
+	if err := s.step(sc, "platform", "fault allow_multi_attach; attach disk to "+s.b.Name+"'s VM too", func() (string, error) { return s.e2Attach(ctx, cs, vmB, &pc) }); err != nil {
 		return err
 	}
 	var dev string
-	if err := s.step(sc, s.b.Name, "wait for the disk to appear (serial "+strconv.FormatInt(s.diskID, 10)+")", func() (string, error) {
-		wctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		d, err := s.b.WaitDiskBySerial(wctx, strconv.FormatInt(s.diskID, 10))
-		if err != nil {
-			return "", err
-		}
-		dev = "/dev/" + d.Name
-		return dev, nil
-	}); err != nil {
+	if err := s.step(sc, s.b.Name, "wait for the disk to appear (serial "+strconv.FormatInt(s.diskID, 10)+")", func() (string, error) { return s.e2WaitDisk(ctx, &dev) }); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.b.Name, "watch for DiskRefused on arrival, before any NodeStage (10s)", func() (string, error) {
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			evs, err := simlab.Events(ctx, s.b)
-			if err != nil {
-				return "", err
-			}
-			for _, ev := range evs {
-				if ev.Name() == "DiskRefused" {
-					s.check(P2, sc, namesHolder(ev.HolderKey, s.a) || namesHolder(ev.HolderNode, s.a),
-						"%s refused the disk on its arrival: %s", s.b.Name, eventFields(ev))
-					return eventFields(ev), nil
-				}
-			}
-			if time.Now().After(deadline) {
-				// Not a property violation by itself: the refusal at
-				// NodeStage below still guards the disk.
-				s.r.NotRun = append(s.r.NotRun, "E2 refusal on arrival: "+s.b.Name+"'s agent emitted no DiskRefused within 10s of the disk appearing (no uevent watcher in this agent); the refusal shown is NodeStage's")
-				return "no refusal on arrival", nil
-			}
-			time.Sleep(time.Second)
-		}
-	}); err != nil {
+	if err := s.step(sc, s.b.Name, "watch for DiskRefused on arrival, before any NodeStage (10s)", func() (string, error) { return s.e2RefusedOnArrival(ctx, sc) }); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.b.Name, "NodeStageVolume without a grant", func() (string, error) {
-		err := s.stage(ctx, s.b, pc)
-		st, _ := status.FromError(err)
-		named := namesHolder(st.Message(), s.a)
-		held := err != nil && st.Code() == codes.FailedPrecondition
-		s.check(P2, sc, held && named, "NodeStage on %s answered %s: %q", s.b.Name, st.Code(), st.Message())
-		s.check(P3, sc, err != nil, "%s, holding no grant, did not take the disk over from %s", s.b.Name, s.a.Name)
-		if !held {
-			return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
-		}
-		return fmt.Sprintf("%s: %s", st.Code(), st.Message()), nil
-	}); err != nil {
+	if err := s.step(sc, s.b.Name, "NodeStageVolume without a grant", func() (string, error) { return s.e2StageRefused(ctx, sc, pc) }); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.b.Name, "refused disk is read-only and not mounted", func() (string, error) {
-		out, err := s.b.MustSh(ctx, fmt.Sprintf("cat /sys/block/%s/ro; grep -c ' %s ' /proc/mounts || true", filepath.Base(dev), stagingPath(s.name)))
-		if err != nil {
-			return "", err
-		}
-		f := strings.Fields(out)
-		ro, mounted := len(f) > 0 && f[0] == "1", len(f) > 1 && f[1] != "0"
-		s.check(P2, sc, ro, "%s's %s read-only flag after the refusal: %v", s.b.Name, dev, ro)
-		s.check(P2, sc, !mounted, "nothing mounted at %s's staging path: %v", s.b.Name, !mounted)
-		return fmt.Sprintf("ro=%v mounted=%v", ro, mounted), nil
-	}); err != nil {
+	if err := s.step(sc, s.b.Name, "refused disk is read-only and not mounted", func() (string, error) { return s.e2ReadOnly(ctx, sc, dev) }); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.b.Name, "DiskRefused event names the holder", func() (string, error) {
-		evs, err := simlab.Events(ctx, s.b)
-		if err != nil {
-			return "", err
-		}
-		for _, ev := range evs {
-			if ev.Name() == "DiskRefused" && (namesHolder(ev.HolderNode, s.a) || namesHolder(ev.HolderKey, s.a)) {
-				s.check(P2, sc, true, "%s emitted DiskRefused holder_node=%s holder_key=%s", s.b.Name, ev.HolderNode, ev.HolderKey)
-				return eventFields(ev), nil
-			}
-		}
-		s.check(P2, sc, false, "%s emitted no DiskRefused naming %s (node or key %s) among %d events", s.b.Name, s.a.Name, keyHex(s.a), len(evs))
-		return "", fmt.Errorf("no DiskRefused naming %s among %d events", s.a.Name, len(evs))
-	}); err != nil {
+	if err := s.step(sc, s.b.Name, "DiskRefused event names the holder", func() (string, error) { return s.e2EventNamesHolder(ctx, sc) }); err != nil {
 		return err
 	}
-	if err := s.step(sc, s.b.Name, "try to write to the raw device anyway", func() (string, error) {
-		file := s.env.Backend.DiskFile(s.diskID)
-		before, err := targetSums(file)
-		if err != nil {
-			return "", err
-		}
-		attempts, ok, err := forbiddenWrites(ctx, s.b, dev, s.kind == lab.SCSIBlock)
-		if err != nil {
-			return "", err
-		}
-		after, err := targetSums(file)
-		if err != nil {
-			return "", err
-		}
-		s.check(P1, sc, !ok, "%s's raw writes while %s holds the disk: %s", s.b.Name, s.a.Name, strings.Join(attempts, "; "))
-		s.check(P1, sc, before == after, "sha256 of the backing file's blocks %s aimed at: before %s, after %s", s.b.Name, before, after)
-		return strings.Join(attempts, "\n"), nil
-	}); err != nil {
+	if err := s.step(sc, s.b.Name, "try to write to the raw device anyway", func() (string, error) { return s.e2RawWrites(ctx, sc, dev) }); err != nil {
 		return err
 	}
-	if err := s.step(sc, "host", "no byte from "+s.b.Name+" in the backing file; "+s.a.Name+"'s data intact", func() (string, error) {
-		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(s.b.Name))
-		if err != nil {
-			return "", err
-		}
-		s.check(P1, sc, !found, "backing file %s holds %s's marker: %v", s.env.Backend.DiskFile(s.diskID), s.b.Name, found)
-		sum, err := readSum(ctx, s.a, s.pod+s.a.Name, "data.bin")
-		if err != nil {
-			return "", err
-		}
-		s.check(P1, sc, sum == sumA, "%s reads data.bin back with sha256 %s (wrote %s)", s.a.Name, sum, sumA)
-		if found || sum != sumA {
-			return "", fmt.Errorf("marker found=%v, data.bin %s want %s", found, sum, sumA)
-		}
-		return "", nil
-	}); err != nil {
+	if err := s.step(sc, "host", "no byte from "+s.b.Name+" in the backing file; "+s.a.Name+"'s data intact", func() (string, error) { return s.e2DataIntact(ctx, sc, sumA) }); err != nil {
 		return err
 	}
 	return s.step(sc, "platform", "detach the disk from "+s.b.Name+"'s VM; fault off", func() (string, error) {
 		defer s.env.Sim.SetFaults(sim.Faults{})
 		return "", s.env.Cloud.DetachDisk(ctx, cs, vmB, s.diskID)
 	})
+}
+
+// e2Attach attaches the disk to B's VM too, as a faulty platform would, and sets pc to what a publish context for B would carry.
+func (s *story) e2Attach(ctx context.Context, cs string, vmB int64, pc *map[string]string) (string, error) {
+	s.env.Sim.SetFaults(sim.Faults{AllowMultiAttach: true})
+	if err := s.env.Cloud.AttachDisk(ctx, cs, vmB, s.diskID); err != nil {
+		return "", err
+	}
+	disks, err := s.env.Cloud.ListVMDisks(ctx, cs, vmB)
+	if err != nil {
+		return "", err
+	}
+	for _, d := range disks {
+		if d.ID == s.diskID {
+			// What a publish context for B would carry; no controller
+			// would issue it, and it carries no grant.
+			*pc = map[string]string{driver.PubDiskID: strconv.FormatInt(d.ID, 10), driver.PubPCIBus: strconv.Itoa(d.PCIBus),
+				driver.PubPCISlot: strconv.Itoa(d.PCISlot), driver.PubSerial: strconv.FormatInt(d.ID, 10)}
+		}
+	}
+	if *pc == nil {
+		return "", fmt.Errorf("disk %d not listed on VM %d after attach", s.diskID, vmB)
+	}
+	return fmt.Sprintf("disk %d on VM %d at PCI %s:%s", s.diskID, vmB, (*pc)[driver.PubPCIBus], (*pc)[driver.PubPCISlot]), nil
+}
+
+// e2WaitDisk waits for the disk to appear on B and sets dev to its device.
+func (s *story) e2WaitDisk(ctx context.Context, dev *string) (string, error) {
+	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	d, err := s.b.WaitDiskBySerial(wctx, strconv.FormatInt(s.diskID, 10))
+	if err != nil {
+		return "", err
+	}
+	*dev = "/dev/" + d.Name
+	return *dev, nil
+}
+
+// e2RefusedOnArrival watches B's events for the refusal of the disk on its arrival.
+func (s *story) e2RefusedOnArrival(ctx context.Context, sc string) (string, error) {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		evs, err := simlab.Events(ctx, s.b)
+		if err != nil {
+			return "", err
+		}
+		for _, ev := range evs {
+			if ev.Name() == "DiskRefused" {
+				s.check(P2, sc, namesHolder(ev.HolderKey, s.a) || namesHolder(ev.HolderNode, s.a),
+					"%s refused the disk on its arrival: %s", s.b.Name, eventFields(ev))
+				return eventFields(ev), nil
+			}
+		}
+		if time.Now().After(deadline) {
+			// Not a property violation by itself: the refusal at
+			// NodeStage below still guards the disk.
+			s.r.NotRun = append(s.r.NotRun, "E2 refusal on arrival: "+s.b.Name+"'s agent emitted no DiskRefused within 10s of the disk appearing (no uevent watcher in this agent); the refusal shown is NodeStage's")
+			return "no refusal on arrival", nil
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// e2StageRefused stages on B without a grant: refused, naming A.
+func (s *story) e2StageRefused(ctx context.Context, sc string, pc map[string]string) (string, error) {
+	err := s.stage(ctx, s.b, pc)
+	st, _ := status.FromError(err)
+	named := namesHolder(st.Message(), s.a)
+	held := err != nil && st.Code() == codes.FailedPrecondition
+	s.check(P2, sc, held && named, "NodeStage on %s answered %s: %q", s.b.Name, st.Code(), st.Message())
+	s.check(P3, sc, err != nil, "%s, holding no grant, did not take the disk over from %s", s.b.Name, s.a.Name)
+	if !held {
+		return "", fmt.Errorf("expected FAILED_PRECONDITION, got %v", err)
+	}
+	return fmt.Sprintf("%s: %s", st.Code(), st.Message()), nil
+}
+
+// e2ReadOnly checks that the refused disk is read-only and not mounted on B.
+func (s *story) e2ReadOnly(ctx context.Context, sc, dev string) (string, error) {
+	out, err := s.b.MustSh(ctx, fmt.Sprintf("cat /sys/block/%s/ro; grep -c ' %s ' /proc/mounts || true", filepath.Base(dev), stagingPath(s.name)))
+	if err != nil {
+		return "", err
+	}
+	f := strings.Fields(out)
+	ro, mounted := len(f) > 0 && f[0] == "1", len(f) > 1 && f[1] != "0"
+	s.check(P2, sc, ro, "%s's %s read-only flag after the refusal: %v", s.b.Name, dev, ro)
+	s.check(P2, sc, !mounted, "nothing mounted at %s's staging path: %v", s.b.Name, !mounted)
+	return fmt.Sprintf("ro=%v mounted=%v", ro, mounted), nil
+}
+
+// e2EventNamesHolder finds the DiskRefused event naming A on B.
+func (s *story) e2EventNamesHolder(ctx context.Context, sc string) (string, error) {
+	evs, err := simlab.Events(ctx, s.b)
+	if err != nil {
+		return "", err
+	}
+	for _, ev := range evs {
+		if ev.Name() == "DiskRefused" && (namesHolder(ev.HolderNode, s.a) || namesHolder(ev.HolderKey, s.a)) {
+			s.check(P2, sc, true, "%s emitted DiskRefused holder_node=%s holder_key=%s", s.b.Name, ev.HolderNode, ev.HolderKey)
+			return eventFields(ev), nil
+		}
+	}
+	s.check(P2, sc, false, "%s emitted no DiskRefused naming %s (node or key %s) among %d events", s.b.Name, s.a.Name, keyHex(s.a), len(evs))
+	return "", fmt.Errorf("no DiskRefused naming %s among %d events", s.a.Name, len(evs))
+}
+
+// e2RawWrites has B write to the raw device anyway; no block of the backing file may change.
+func (s *story) e2RawWrites(ctx context.Context, sc, dev string) (string, error) {
+	file := s.env.Backend.DiskFile(s.diskID)
+	before, err := targetSums(file)
+	if err != nil {
+		return "", err
+	}
+	attempts, ok, err := forbiddenWrites(ctx, s.b, dev, s.kind == lab.SCSIBlock)
+	if err != nil {
+		return "", err
+	}
+	after, err := targetSums(file)
+	if err != nil {
+		return "", err
+	}
+	s.check(P1, sc, !ok, "%s's raw writes while %s holds the disk: %s", s.b.Name, s.a.Name, strings.Join(attempts, "; "))
+	s.check(P1, sc, before == after, "sha256 of the backing file's blocks %s aimed at: before %s, after %s", s.b.Name, before, after)
+	return strings.Join(attempts, "\n"), nil
+}
+
+// e2DataIntact checks the backing file for B's marker and A's data.
+func (s *story) e2DataIntact(ctx context.Context, sc, sumA string) (string, error) {
+	found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(s.b.Name))
+	if err != nil {
+		return "", err
+	}
+	s.check(P1, sc, !found, "backing file %s holds %s's marker: %v", s.env.Backend.DiskFile(s.diskID), s.b.Name, found)
+	sum, err := readSum(ctx, s.a, s.pod+s.a.Name, "data.bin")
+	if err != nil {
+		return "", err
+	}
+	s.check(P1, sc, sum == sumA, "%s reads data.bin back with sha256 %s (wrote %s)", s.a.Name, sum, sumA)
+	if found || sum != sumA {
+		return "", fmt.Errorf("marker found=%v, data.bin %s want %s", found, sum, sumA)
+	}
+	return "", nil
 }
 
 // e3: graceful move from A to B.
@@ -896,14 +940,53 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 			return err
 		}
 	}
-	pc, err := s.publish(ctx, sc, live)
+	sum2, err := s.e4TakeOver(ctx, sc, live, sumA)
 	if err != nil {
 		return err
+	}
+	if frozen {
+		if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
+			if err := dead.Resume(ctx); err != nil {
+				return "", err
+			}
+			resumed = true
+			out, _, err := s.e4LateWrites(ctx, dead, dev)
+			return out, err
+		}); err != nil {
+			return err
+		}
+	}
+	if err := s.e4Fenced(ctx, sc, dead); err != nil {
+		return err
+	}
+	if !frozen {
+		if err := s.e4WritesRefused(ctx, sc, dead, dev); err != nil {
+			return err
+		}
+	}
+	if err := s.e4Inaccessible(ctx, sc, dead); err != nil {
+		return err
+	}
+	if err := s.e4KubeletCleanup(ctx, sc, dead); err != nil {
+		return err
+	}
+	if err := s.e4Keys(ctx, sc, dead, live); err != nil {
+		return err
+	}
+	return s.e4NoLateWrite(ctx, sc, dead, live, sum2)
+}
+
+// e4TakeOver publishes to live with the controller's grant, stages there
+// and writes after.bin, whose sha256 it returns, checking data.bin.
+func (s *story) e4TakeOver(ctx context.Context, sc string, live *lab.Guest, sumA string) (string, error) {
+	pc, err := s.publish(ctx, sc, live)
+	if err != nil {
+		return "", err
 	}
 	grant := pc[driver.PubFenceGrant]
 	s.check(P3, sc, grant != "", "the controller's publish to %s carries a grant: %s", live.Name, grant)
 	if err := s.stageAndPublish(ctx, sc, live, pc); err != nil {
-		return err
+		return "", err
 	}
 	var sum2 string
 	if err := s.step(sc, live.Name, "write after.bin; data.bin intact", func() (string, error) {
@@ -918,36 +1001,30 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		s.check(P5, sc, sum == sumA, "after the takeover %s reads data.bin with sha256 %s (written %s)", live.Name, sum, sumA)
 		return "after.bin sha256 " + sum2, nil
 	}); err != nil {
-		return err
+		return "", err
 	}
-	// lateWrites has dead write its marker through its mount and to the
-	// raw device; it answers whether each write failed.
-	lateWrites := func() (string, bool, error) {
-		m := marker(dead.Name)
-		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; fs=$?; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
-			m, targetPath(s.pod+dead.Name), dev)
-		r, err := dead.Sh(ctx, script)
-		if err != nil {
-			return "", false, err
-		}
-		out := strings.TrimSpace(r.Stdout + r.Stderr)
-		f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
-		refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
-		return out, refused, nil
+	return sum2, nil
+}
+
+// e4LateWrites has dead write its marker through its mount and to the
+// raw device dev; it answers whether each write failed.
+func (s *story) e4LateWrites(ctx context.Context, dead *lab.Guest, dev string) (string, bool, error) {
+	m := marker(dead.Name)
+	script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=64 conv=fsync 2>&1; fs=$?; sync; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
+		m, targetPath(s.pod+dead.Name), dev)
+	r, err := dead.Sh(ctx, script)
+	if err != nil {
+		return "", false, err
 	}
-	if frozen {
-		if err := s.step(sc, dead.Name, "resume the guest (QMP cont); it tries to write", func() (string, error) {
-			if err := dead.Resume(ctx); err != nil {
-				return "", err
-			}
-			resumed = true
-			out, _, err := lateWrites()
-			return out, err
-		}); err != nil {
-			return err
-		}
-	}
-	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
+	out := strings.TrimSpace(r.Stdout + r.Stderr)
+	f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
+	refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
+	return out, refused, nil
+}
+
+// e4Fenced waits for dead's DiskFenced event.
+func (s *story) e4Fenced(ctx context.Context, sc string, dead *lab.Guest) error {
+	return s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
 		deadline := time.Now().Add(60 * time.Second)
 		for {
 			evs, err := simlab.Events(ctx, dead)
@@ -966,25 +1043,28 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 			}
 			time.Sleep(2 * time.Second)
 		}
-	}); err != nil {
-		return err
-	}
-	if !frozen {
-		if err := s.step(sc, dead.Name, "it tries to write after fencing itself: through its mount and to the raw device", func() (string, error) {
-			out, refused, err := lateWrites()
-			if err != nil {
-				return "", err
-			}
-			s.check(P4, sc, refused, "%s's writes after it fenced itself (its mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
-			if !refused {
-				return out, fmt.Errorf("a write from fenced %s succeeded", dead.Name)
-			}
-			return out, nil
-		}); err != nil {
-			return err
+	})
+}
+
+// e4WritesRefused checks that dead's writes after it fenced itself fail.
+func (s *story) e4WritesRefused(ctx context.Context, sc string, dead *lab.Guest, dev string) error {
+	return s.step(sc, dead.Name, "it tries to write after fencing itself: through its mount and to the raw device", func() (string, error) {
+		out, refused, err := s.e4LateWrites(ctx, dead, dev)
+		if err != nil {
+			return "", err
 		}
-	}
-	if err := s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
+		s.check(P4, sc, refused, "%s's writes after it fenced itself (its mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
+		if !refused {
+			return out, fmt.Errorf("a write from fenced %s succeeded", dead.Name)
+		}
+		return out, nil
+	})
+}
+
+// e4Inaccessible checks that the node plugin on dead reports the volume
+// inaccessible.
+func (s *story) e4Inaccessible(ctx context.Context, sc string, dead *lab.Guest) error {
+	return s.step(sc, dead.Name, "volume reported inaccessible (NodeGetVolumeHealth)", func() (string, error) {
 		var resp csi.NodeGetVolumeHealthResponse
 		err := simlab.NodeCall(ctx, dead, "NodeGetVolumeHealth", &csi.NodeGetVolumeHealthRequest{VolumeId: s.volID,
 			StagingTargetPath: stagingPath(s.name), VolumePublishPath: targetPath(s.pod + dead.Name)}, &resp)
@@ -997,10 +1077,12 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		}
 		s.check(P4, sc, len(got) > 0, "volume health on fenced %s: %v", dead.Name, got)
 		return strings.Join(got, "; "), nil
-	}); err != nil {
-		return err
-	}
-	if err := s.step(sc, dead.Name, "the kubelet cleans up on the fenced node: NodeUnpublishVolume, NodeUnstageVolume", func() (string, error) {
+	})
+}
+
+// e4KubeletCleanup makes the calls the kubelet makes on the fenced node.
+func (s *story) e4KubeletCleanup(ctx context.Context, sc string, dead *lab.Guest) error {
+	return s.step(sc, dead.Name, "the kubelet cleans up on the fenced node: NodeUnpublishVolume, NodeUnstageVolume", func() (string, error) {
 		// Past one periodic check of the agent (10 s), so a re-registration
 		// it might make by itself would have happened.
 		time.Sleep(12 * time.Second)
@@ -1013,12 +1095,16 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 			return "", err
 		}
 		return "", nil
-	}); err != nil {
-		return err
-	}
+	})
+}
+
+// e4Keys checks, on scsi-block, that only live's key is registered.
+func (s *story) e4Keys(ctx context.Context, sc string, dead, live *lab.Guest) error {
 	if s.kind != lab.SCSIBlock {
 		s.r.NotRun = append(s.r.NotRun, "E4 registered keys: "+string(s.kind)+" disks have no reservations to read")
-	} else if err := s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
+		return nil
+	}
+	return s.step(sc, live.Name, "registered keys on the disk (sg_persist --read-keys)", func() (string, error) {
 		d, err := live.DiskBySerial(ctx, strconv.FormatInt(s.diskID, 10))
 		if err != nil {
 			return "", err
@@ -1032,9 +1118,12 @@ func (s *story) e4(ctx context.Context, sumA string) error {
 		s.check(P4, sc, !strings.Contains(low, deadKey), "fenced %s's key %s is not registered again after resuming, a periodic check and its cleanup", dead.Name, deadKey)
 		s.check(P1, sc, strings.Contains(low, liveKey), "the reservation is %s's (key %s)", live.Name, liveKey)
 		return strings.TrimSpace(out), nil
-	}); err != nil {
-		return err
-	}
+	})
+}
+
+// e4NoLateWrite checks the disk's backing file for dead's marker and
+// live's data.
+func (s *story) e4NoLateWrite(ctx context.Context, sc string, dead, live *lab.Guest, sum2 string) error {
 	return s.step(sc, "host", "none of "+dead.Name+"'s late writes landed; "+live.Name+"'s data intact", func() (string, error) {
 		found, err := fileContains(s.env.Backend.DiskFile(s.diskID), marker(dead.Name))
 		if err != nil {

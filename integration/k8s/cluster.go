@@ -98,21 +98,7 @@ type Cluster struct {
 // the simulator, the workers (joined, Ready).
 func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	start := time.Now()
-	if len(o.Workers) == 0 {
-		o.Workers = []string{"node-a", "node-b"}
-	}
-	if o.MemMB == 0 {
-		o.MemMB = 2048
-	}
-	if o.CPUs == 0 {
-		o.CPUs = 2
-	}
-	if o.Log == nil {
-		o.Log = io.Discard
-	}
-	if o.Lab.CacheDir == "" {
-		o.Lab.CacheDir = lab.DefaultCacheDir()
-	}
+	o.setDefaults()
 	c := &Cluster{Opts: o, log: o.Log}
 	if c.Bins, err = Build(ctx, o.Lab.CacheDir, o.Log); err != nil {
 		return nil, err
@@ -158,53 +144,7 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		}
 	}()
 	boot := func(ctx context.Context, l *lab.Lab, apiPort int) error {
-		dir := filepath.Join(l.Dir(), "k8s")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			return err
-		}
-		kp, err := startKubeletProxy(filepath.Join(dir, "kubelets.sock"), kubeletPorts)
-		if err != nil {
-			return err
-		}
-		c.kubelets = kp
-		egress, err := kp.egressConfig(dir)
-		if err != nil {
-			return err
-		}
-		if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, o.Workers, egress, o.Log); err != nil {
-			return err
-		}
-		c.Kubeconfig = c.cp.Kubeconfig
-		fmt.Fprintf(o.Log, "k8s: making the worker image (kubelet %s, containerd, the vco-agent package)\n", Version)
-		img, files := *root, workerFiles()
-		if o.CloudInit {
-			if img.UserData, err = nodeUserData(simlab.Location); err != nil {
-				return err
-			}
-		} else {
-			files["/etc/vco-agent/config.yaml"] = agentConfig(simlab.Location)
-		}
-		sb, err := l.DebianImageWith(ctx, "debian-k8s", &img, files, map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
-		if err != nil {
-			return err
-		}
-		var cfgs []lab.GuestConfig
-		for _, n := range o.Workers {
-			cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: o.MemMB, CPUs: o.CPUs,
-				Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort),
-				Inbound:  []lab.Inbound{{HostPort: kubeletPorts[n], GuestPort: KubeletPort}}})
-		}
-		fmt.Fprintf(o.Log, "k8s: booting %s\n", strings.Join(o.Workers, ", "))
-		gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
-		if err != nil {
-			return err
-		}
-		for i, g := range gs {
-			if err := joinNode(ctx, g, c.cp, i+1); err != nil {
-				return err
-			}
-		}
-		return nil
+		return c.bootWorkers(ctx, l, apiPort, root, regPort, transitPort, kubeletPorts)
 	}
 	c.Env, err = simlab.Start(ctx, simlab.Options{Lab: o.Lab, Kind: o.Kind, Boot: boot, Log: o.Log})
 	if err != nil {
@@ -216,7 +156,92 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 		}
 	}()
 	fmt.Fprintf(o.Log, "k8s: waiting for the workers to be Ready\n")
-	if err := waitFor(ctx, 5*time.Minute, "workers Ready", func() (bool, string, error) {
+	if err := c.waitWorkersReady(ctx); err != nil {
+		return nil, c.withLogs(err)
+	}
+	c.SetupTime = time.Since(start)
+	fmt.Fprintf(o.Log, "k8s: cluster up in %s; kubeconfig %s\n", c.SetupTime.Round(time.Second), c.Kubeconfig)
+	return c, nil
+}
+
+// setDefaults fills in the options left zero.
+func (o *Options) setDefaults() {
+	if len(o.Workers) == 0 {
+		o.Workers = []string{"node-a", "node-b"}
+	}
+	if o.MemMB == 0 {
+		o.MemMB = 2048
+	}
+	if o.CPUs == 0 {
+		o.CPUs = 2
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	if o.Lab.CacheDir == "" {
+		o.Lab.CacheDir = lab.DefaultCacheDir()
+	}
+}
+
+// bootWorkers is the simulator's boot of the lab l (its API on apiPort):
+// the control plane, the worker image with the node's root root, and the
+// workers booted and joined, reaching the registry and the transit engine
+// on the host's regPort and transitPort, their kubelets reached by the
+// API server on the host's kubeletPorts (by node name) through the
+// kubelet proxy.
+func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root *lab.DebianRoot, regPort, transitPort int, kubeletPorts map[string]int) error {
+	dir := filepath.Join(l.Dir(), "k8s")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	kp, err := startKubeletProxy(filepath.Join(dir, "kubelets.sock"), kubeletPorts)
+	if err != nil {
+		return err
+	}
+	c.kubelets = kp
+	egress, err := kp.egressConfig(dir)
+	if err != nil {
+		return err
+	}
+	if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, c.Opts.Workers, egress, c.Opts.Log); err != nil {
+		return err
+	}
+	c.Kubeconfig = c.cp.Kubeconfig
+	fmt.Fprintf(c.Opts.Log, "k8s: making the worker image (kubelet %s, containerd, the vco-agent package)\n", Version)
+	img, files := *root, workerFiles()
+	if c.Opts.CloudInit {
+		if img.UserData, err = nodeUserData(simlab.Location); err != nil {
+			return err
+		}
+	} else {
+		files["/etc/vco-agent/config.yaml"] = agentConfig(simlab.Location)
+	}
+	sb, err := l.DebianImageWith(ctx, "debian-k8s", &img, files, map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
+	if err != nil {
+		return err
+	}
+	var cfgs []lab.GuestConfig
+	for _, n := range c.Opts.Workers {
+		cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: c.Opts.MemMB, CPUs: c.Opts.CPUs,
+			Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort),
+			Inbound:  []lab.Inbound{{HostPort: kubeletPorts[n], GuestPort: KubeletPort}}})
+	}
+	fmt.Fprintf(c.Opts.Log, "k8s: booting %s\n", strings.Join(c.Opts.Workers, ", "))
+	gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
+	if err != nil {
+		return err
+	}
+	for i, g := range gs {
+		if err := joinNode(ctx, g, c.cp, i+1); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// waitWorkersReady waits until every worker is a Ready node.
+func (c *Cluster) waitWorkersReady(ctx context.Context) error {
+	return waitFor(ctx, 5*time.Minute, "workers Ready", func() (bool, string, error) {
 		out, err := c.Kubectl(ctx, "get", "nodes", "-o", `jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Ready")].status}{" "}{end}`)
 		if err != nil {
 			return false, err.Error(), nil
@@ -227,13 +252,8 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 				ready++
 			}
 		}
-		return ready == len(o.Workers), out, nil
-	}); err != nil {
-		return nil, c.withLogs(err)
-	}
-	c.SetupTime = time.Since(start)
-	fmt.Fprintf(o.Log, "k8s: cluster up in %s; kubeconfig %s\n", c.SetupTime.Round(time.Second), c.Kubeconfig)
-	return c, nil
+		return ready == len(c.Opts.Workers), out, nil
+	})
 }
 
 // Kubectl runs kubectl with the administrator's kubeconfig and returns its

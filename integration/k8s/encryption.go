@@ -89,147 +89,20 @@ func (s *story) k7(ctx context.Context) error {
 	const sc = "K7"
 	c := s.c
 	if err := s.step(sc, "cluster", "the key backend set up as docs/encryption.md says", func() (string, error) {
-		mk := exec.CommandContext(ctx, "make", "-s", "-C", repoRoot(), "csi-addon", "VCO_CSI_IMAGE="+Image, "VCO_CSI_ENCRYPTION=1",
-			"ADDON_DIR="+filepath.Join(c.Env.Lab.Dir(), "addon"))
-		var stderr bytes.Buffer
-		mk.Stderr = &stderr
-		bundle, err := mk.Output()
-		if err != nil {
-			return "", fmt.Errorf("make csi-addon VCO_CSI_ENCRYPTION=1: %w: %s", err, stderr.String())
-		}
-		if _, err := c.KubectlInput(ctx, bytes.NewReader(bundle), "apply", "-f", "-"); err != nil {
-			return "", err
-		}
-		var reviewer []byte
-		if err := waitFor(ctx, 2*time.Minute, "the token reviewer's Secret filled", func() (bool, string, error) {
-			out, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "secret", "vco-csi-token-reviewer", "-o", "jsonpath={.data.token}")
-			if err != nil || strings.TrimSpace(out) == "" {
-				return false, fmt.Sprint(err), nil
-			}
-			reviewer, err = base64.StdEncoding.DecodeString(strings.TrimSpace(out))
-			return err == nil, fmt.Sprint(err), nil
-		}); err != nil {
-			return "", err
-		}
-		review, err := c.tokenReviewer(string(reviewer))
-		if err != nil {
-			return "", err
-		}
-		c.Transit.Mu.Lock()
-		c.Transit.Review = review
-		c.Transit.Mu.Unlock()
-		cm := fmt.Sprintf(`apiVersion: v1
-kind: ConfigMap
-metadata:
-  name: csi-key-backend-config
-  namespace: %s
-data:
-  address: https://%s:%d
-  transitMount: %s
-  k8sAuthPath: %s
-  role: %s
-  caRef: openbao-ca
-`, AddonNamespace, HostInGuest, GuestTransitPort, TransitMount, AuthMount, TransitRole)
-		if _, err := c.KubectlInput(ctx, strings.NewReader(cm), "apply", "-f", "-"); err != nil {
-			return "", err
-		}
-		// The key backend's CA as the recipe delivers it: kubectl create
-		// configmap openbao-ca --from-file=ca.crt=<the server's CA>.
-		caFile := filepath.Join(c.Env.Lab.Dir(), "openbao-ca.pem")
-		if err := os.WriteFile(caFile, c.TransitCA, 0o644); err != nil {
-			return "", err
-		}
-		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "create", "configmap", "openbao-ca", "--from-file=ca.crt="+caFile); err != nil {
-			return "", err
-		}
-		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "restart", "daemonset/"+NodeName); err != nil {
-			return "", err
-		}
-		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "status", "daemonset/"+NodeName, "--timeout=5m"); err != nil {
-			return "", c.podsState(ctx, err)
-		}
-		return fmt.Sprintf("encryption part applied; key backend %s (mount %s, auth %s, role %s) reviews tokens with the reviewer's; node plugins restarted and ready",
-			c.Transit.Describe(), TransitMount, AuthMount, TransitRole), nil
+		return s.k7KeyBackend(ctx)
 	}); err != nil {
 		return err
 	}
 	var first podInfo
 	var pv string
 	if err := s.step(sc, "cluster", "a claim of the encrypted class and a pod writing to it; on its node the filesystem is on dm-crypt", func() (string, error) {
-		if err := s.apply(ctx, `apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: k7
-spec:
-  storageClassName: vco-csi-encrypted-vault
-  accessModes: [ReadWriteOnce]
-  resources: {requests: {storage: 1Gi}}
----
-`+fmt.Sprintf(`apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: k7
-spec:
-  replicas: 1
-  strategy: {type: Recreate}
-  selector: {matchLabels: {app: k7}}
-  template:
-    metadata: {labels: {app: k7}}
-    spec:
-%s`, writerSpec("k7", "", "      "))); err != nil {
-			return "", err
-		}
-		ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready", allReady(1))
-		if err != nil {
-			return "", err
-		}
-		first = ps[0]
-		if pv, err = s.pvOf(ctx, "k7"); err != nil {
-			return "", err
-		}
-		g := c.Env.Lab.Guest(first.Node)
-		out, err := g.MustSh(ctx, "src=$(findmnt -n -o SOURCE "+volumeMount(first.UID, pv)+"); echo $src $(lsblk -n -d -o TYPE $src)")
-		if err != nil {
-			return "", err
-		}
-		if f := strings.Fields(out); len(f) != 2 || f[1] != "crypt" {
-			return "", fmt.Errorf("the pod's volume is mounted from %q, not a dm-crypt mapping", strings.TrimSpace(out))
-		}
-		if c.transitOps("encrypt") == 0 {
-			return "", fmt.Errorf("the volume was staged but its passphrase was never wrapped by the key backend (%s)", c.Transit.Describe())
-		}
-		return fmt.Sprintf("%s Ready on %s; mounted from %s; key backend: %s", first.Name, first.Node, strings.TrimSpace(out), c.Transit.Describe()), nil
+		return s.k7Claim(ctx, &first, &pv)
 	}); err != nil {
 		return err
 	}
 	to := s.other(first.Node)
 	if err := s.step(sc, to, "the pod moved to "+to+" (cordon, delete) reads the data back", func() (string, error) {
-		if _, err := c.Kubectl(ctx, "cordon", first.Node); err != nil {
-			return "", err
-		}
-		defer func() { _, _ = c.Kubectl(context.WithoutCancel(ctx), "uncordon", first.Node) }()
-		if _, err := c.Kubectl(ctx, "-n", Namespace, "delete", "pod", first.Name, "--wait=false"); err != nil {
-			return "", err
-		}
-		ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready on "+to, func(ps []podInfo) bool {
-			return allReady(1)(ps) && ps[0].Node == to
-		})
-		if err != nil {
-			return "", err
-		}
-		if c.transitOps("decrypt") == 0 {
-			return "", fmt.Errorf("the volume was staged on %s without unwrapping its passphrase (%s)", to, c.Transit.Describe())
-		}
-		data, err := s.readLog(ctx, ps[0], pv)
-		if err != nil {
-			return "", err
-		}
-		want := "written-on-" + first.Node + "\nwritten-on-" + to
-		s.check(e2e.P5, sc, data == want, "K7: the encrypted volume moved from %s to %s holds %q", first.Node, to, data)
-		if data != want {
-			return "", fmt.Errorf("the encrypted volume holds %q, want %q", data, want)
-		}
-		return fmt.Sprintf("%s on %s reads %q; key backend: %s", ps[0].Name, to, data, c.Transit.Describe()), nil
+		return s.k7Moved(ctx, sc, first, pv, to)
 	}); err != nil {
 		return err
 	}
@@ -260,6 +133,151 @@ spec:
 		}
 		return lab.LastLines(strings.TrimSpace(out), 3), nil
 	})
+}
+
+// k7KeyBackend sets the key backend up as docs/encryption.md says: the encryption part of the add-on, the token reviewer, the ConfigMap and the CA, the node plugins restarted.
+func (s *story) k7KeyBackend(ctx context.Context) (string, error) {
+	c := s.c
+	mk := exec.CommandContext(ctx, "make", "-s", "-C", repoRoot(), "csi-addon", "VCO_CSI_IMAGE="+Image, "VCO_CSI_ENCRYPTION=1",
+		"ADDON_DIR="+filepath.Join(c.Env.Lab.Dir(), "addon"))
+	var stderr bytes.Buffer
+	mk.Stderr = &stderr
+	bundle, err := mk.Output()
+	if err != nil {
+		return "", fmt.Errorf("make csi-addon VCO_CSI_ENCRYPTION=1: %w: %s", err, stderr.String())
+	}
+	if _, err := c.KubectlInput(ctx, bytes.NewReader(bundle), "apply", "-f", "-"); err != nil {
+		return "", err
+	}
+	var reviewer []byte
+	if err := waitFor(ctx, 2*time.Minute, "the token reviewer's Secret filled", func() (bool, string, error) {
+		out, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "secret", "vco-csi-token-reviewer", "-o", "jsonpath={.data.token}")
+		if err != nil || strings.TrimSpace(out) == "" {
+			return false, fmt.Sprint(err), nil
+		}
+		reviewer, err = base64.StdEncoding.DecodeString(strings.TrimSpace(out))
+		return err == nil, fmt.Sprint(err), nil
+	}); err != nil {
+		return "", err
+	}
+	review, err := c.tokenReviewer(string(reviewer))
+	if err != nil {
+		return "", err
+	}
+	c.Transit.Mu.Lock()
+	c.Transit.Review = review
+	c.Transit.Mu.Unlock()
+	cm := fmt.Sprintf(`apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: csi-key-backend-config
+  namespace: %s
+data:
+  address: https://%s:%d
+  transitMount: %s
+  k8sAuthPath: %s
+  role: %s
+  caRef: openbao-ca
+`, AddonNamespace, HostInGuest, GuestTransitPort, TransitMount, AuthMount, TransitRole)
+	if _, err := c.KubectlInput(ctx, strings.NewReader(cm), "apply", "-f", "-"); err != nil {
+		return "", err
+	}
+	// The key backend's CA as the recipe delivers it: kubectl create
+	// configmap openbao-ca --from-file=ca.crt=<the server's CA>.
+	caFile := filepath.Join(c.Env.Lab.Dir(), "openbao-ca.pem")
+	if err := os.WriteFile(caFile, c.TransitCA, 0o644); err != nil {
+		return "", err
+	}
+	if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "create", "configmap", "openbao-ca", "--from-file=ca.crt="+caFile); err != nil {
+		return "", err
+	}
+	if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "restart", "daemonset/"+NodeName); err != nil {
+		return "", err
+	}
+	if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "status", "daemonset/"+NodeName, "--timeout=5m"); err != nil {
+		return "", c.podsState(ctx, err)
+	}
+	return fmt.Sprintf("encryption part applied; key backend %s (mount %s, auth %s, role %s) reviews tokens with the reviewer's; node plugins restarted and ready",
+		c.Transit.Describe(), TransitMount, AuthMount, TransitRole), nil
+}
+
+// k7Claim creates a claim of the encrypted class with a pod writing to it, sets first to the pod and pv to its volume, and checks the volume is on dm-crypt with its passphrase wrapped by the key backend.
+func (s *story) k7Claim(ctx context.Context, first *podInfo, pv *string) (string, error) {
+	c := s.c
+	if err := s.apply(ctx, `apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: k7
+spec:
+  storageClassName: vco-csi-encrypted-vault
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 1Gi}}
+---
+`+fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: k7
+spec:
+  replicas: 1
+  strategy: {type: Recreate}
+  selector: {matchLabels: {app: k7}}
+  template:
+    metadata: {labels: {app: k7}}
+    spec:
+%s`, writerSpec("k7", "", "      "))); err != nil {
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready", allReady(1))
+	if err != nil {
+		return "", err
+	}
+	*first = ps[0]
+	if *pv, err = s.pvOf(ctx, "k7"); err != nil {
+		return "", err
+	}
+	g := c.Env.Lab.Guest(first.Node)
+	out, err := g.MustSh(ctx, "src=$(findmnt -n -o SOURCE "+volumeMount(first.UID, *pv)+"); echo $src $(lsblk -n -d -o TYPE $src)")
+	if err != nil {
+		return "", err
+	}
+	if f := strings.Fields(out); len(f) != 2 || f[1] != "crypt" {
+		return "", fmt.Errorf("the pod's volume is mounted from %q, not a dm-crypt mapping", strings.TrimSpace(out))
+	}
+	if c.transitOps("encrypt") == 0 {
+		return "", fmt.Errorf("the volume was staged but its passphrase was never wrapped by the key backend (%s)", c.Transit.Describe())
+	}
+	return fmt.Sprintf("%s Ready on %s; mounted from %s; key backend: %s", first.Name, first.Node, strings.TrimSpace(out), c.Transit.Describe()), nil
+}
+
+// k7Moved moves the pod first off its node to to and reads its data back there, unwrapped by the key backend.
+func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to string) (string, error) {
+	c := s.c
+	if _, err := c.Kubectl(ctx, "cordon", first.Node); err != nil {
+		return "", err
+	}
+	defer func() { _, _ = c.Kubectl(context.WithoutCancel(ctx), "uncordon", first.Node) }()
+	if _, err := c.Kubectl(ctx, "-n", Namespace, "delete", "pod", first.Name, "--wait=false"); err != nil {
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready on "+to, func(ps []podInfo) bool {
+		return allReady(1)(ps) && ps[0].Node == to
+	})
+	if err != nil {
+		return "", err
+	}
+	if c.transitOps("decrypt") == 0 {
+		return "", fmt.Errorf("the volume was staged on %s without unwrapping its passphrase (%s)", to, c.Transit.Describe())
+	}
+	data, err := s.readLog(ctx, ps[0], pv)
+	if err != nil {
+		return "", err
+	}
+	want := "written-on-" + first.Node + "\nwritten-on-" + to
+	s.check(e2e.P5, sc, data == want, "K7: the encrypted volume moved from %s to %s holds %q", first.Node, to, data)
+	if data != want {
+		return "", fmt.Errorf("the encrypted volume holds %q, want %q", data, want)
+	}
+	return fmt.Sprintf("%s on %s reads %q; key backend: %s", ps[0].Name, to, data, c.Transit.Describe()), nil
 }
 
 // transitOps counts the transit engine's requests of operation op

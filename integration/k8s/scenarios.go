@@ -142,98 +142,18 @@ func (s *story) k6(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	size := func(p podInfo) (int64, error) {
-		out, err := s.c.Env.Lab.Guest(p.Node).MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
-		if err != nil {
-			return 0, err
-		}
-		return strconv.ParseInt(strings.TrimSpace(out), 10, 64)
-	}
-	before, err := size(p)
+	before, err := s.k6Size(ctx, p, pv)
 	if err != nil {
 		return err
-	}
-	patch := func() error {
-		_, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`)
-		return err
-	}
-	// grown waits until the claim reports 2Gi and the filesystem of the
-	// pod k4 has (then) more than 1.5 GiB.
-	grown := func(what string) (podInfo, int64, error) {
-		var after int64
-		var now podInfo
-		err := waitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
-			ps, err := s.pods(ctx, "app=k4")
-			if err != nil || len(ps) != 1 || !ps[0].Ready {
-				return false, fmt.Sprintf("pods %+v %v", ps, err), nil
-			}
-			now = ps[0]
-			if after, err = size(now); err != nil {
-				return false, err.Error(), nil
-			}
-			capacity, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.status.capacity.storage}")
-			return after > 3<<29 && strings.TrimSpace(capacity) == "2Gi", fmt.Sprintf("filesystem %d bytes, claim capacity %q", after, capacity), nil
-		})
-		if err != nil {
-			ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name=k4")
-			return now, 0, fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
-		}
-		return now, after, nil
 	}
 	if s.r.Kind != string(simlab.FileVirtioBlk) {
 		s.r.NotRun = append(s.r.NotRun, "K6 online on "+s.r.Kind+": the lab's tgtd cannot grow an iSCSI LUN a guest is logged in to; K6 grows the claim while it is not in use here, and under the running pod with file-backed virtio-blk disks (-kind "+string(simlab.FileVirtioBlk)+")")
 		return s.step(sc, "cluster", "kubectl patch pvc k4 to 2Gi while it is not in use (scaled to none); the next pod sees the larger filesystem and its data", func() (string, error) {
-			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
-				return "", err
-			}
-			if err := waitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
-				va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o", "jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {end}")
-				return err == nil && strings.TrimSpace(va) == "", va, nil
-			}); err != nil {
-				return "", err
-			}
-			if err := patch(); err != nil {
-				return "", err
-			}
-			if err := waitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
-				st, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.capacity.storage}")
-				return err == nil && strings.TrimSpace(st) == "2Gi", st, nil
-			}); err != nil {
-				return "", err
-			}
-			if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=1"); err != nil {
-				return "", err
-			}
-			now, after, err := grown("the next k4 pod on a filesystem past 1.5 GiB")
-			if err != nil {
-				return "", err
-			}
-			data, err := s.readLog(ctx, now, pv)
-			if err != nil {
-				return "", err
-			}
-			if !strings.HasPrefix(data, "written-on-") || strings.Count(data, "\n") < 2 {
-				return "", fmt.Errorf("after growing, the volume holds %q", data)
-			}
-			return fmt.Sprintf("filesystem %d -> %d bytes; pod %s on %s holds %q", before, after, now.Name, now.Node, data), nil
+			return s.k6Offline(ctx, pv, before)
 		})
 	}
 	return s.step(sc, p.Node, "kubectl patch pvc k4 to 2Gi: the running pod's filesystem grows", func() (string, error) {
-		if err := patch(); err != nil {
-			return "", err
-		}
-		now, after, err := grown("the filesystem of pod " + p.Name + " grown past 1.5 GiB")
-		if err != nil {
-			return "", err
-		}
-		if now.UID != p.UID {
-			return "", fmt.Errorf("the pod was replaced during the expansion: %s (was %s)", now.UID, p.UID)
-		}
-		data, err := s.readLog(ctx, now, pv)
-		if err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("filesystem %d -> %d bytes in pod %s (not restarted); its data %q", before, after, p.Name, data), nil
+		return s.k6Online(ctx, p, pv, before)
 	})
 }
 
@@ -280,6 +200,104 @@ func (c *Cluster) InstallSnapshots(ctx context.Context) (string, error) {
 	return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
 }
 
+// k6Size is the size of the filesystem of pv in pod p.
+func (s *story) k6Size(ctx context.Context, p podInfo, pv string) (int64, error) {
+	out, err := s.c.Env.Lab.Guest(p.Node).MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(strings.TrimSpace(out), 10, 64)
+}
+
+// k6Patch asks for 2Gi in claim k4.
+func (s *story) k6Patch(ctx context.Context) error {
+	_, err := s.c.Kubectl(ctx, "-n", Namespace, "patch", "pvc", "k4", "--type=merge", "-p", `{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}`)
+	return err
+}
+
+// k6Grown waits until the claim reports 2Gi and the filesystem of pv in
+// the pod k4 has (then) more than 1.5 GiB.
+func (s *story) k6Grown(ctx context.Context, pv, what string) (podInfo, int64, error) {
+	var after int64
+	var now podInfo
+	err := waitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
+		ps, err := s.pods(ctx, "app=k4")
+		if err != nil || len(ps) != 1 || !ps[0].Ready {
+			return false, fmt.Sprintf("pods %+v %v", ps, err), nil
+		}
+		now = ps[0]
+		if after, err = s.k6Size(ctx, now, pv); err != nil {
+			return false, err.Error(), nil
+		}
+		capacity, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "k4", "-o", "jsonpath={.status.capacity.storage}")
+		return after > 3<<29 && strings.TrimSpace(capacity) == "2Gi", fmt.Sprintf("filesystem %d bytes, claim capacity %q", after, capacity), nil
+	})
+	if err != nil {
+		ev, _ := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name=k4")
+		return now, 0, fmt.Errorf("%w\nevents of the claim:\n%s", err, lab.LastLines(ev, 10))
+	}
+	return now, after, nil
+}
+
+// k6Offline grows claim k4 while it is not in use: scaled to none, the
+// disk grown by the controller, the next pod on the larger filesystem
+// with its data; before is the filesystem's size first.
+func (s *story) k6Offline(ctx context.Context, pv string, before int64) (string, error) {
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
+		return "", err
+	}
+	if err := waitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
+		va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o", "jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {end}")
+		return err == nil && strings.TrimSpace(va) == "", va, nil
+	}); err != nil {
+		return "", err
+	}
+	if err := s.k6Patch(ctx); err != nil {
+		return "", err
+	}
+	if err := waitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
+		st, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.capacity.storage}")
+		return err == nil && strings.TrimSpace(st) == "2Gi", st, nil
+	}); err != nil {
+		return "", err
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=1"); err != nil {
+		return "", err
+	}
+	now, after, err := s.k6Grown(ctx, pv, "the next k4 pod on a filesystem past 1.5 GiB")
+	if err != nil {
+		return "", err
+	}
+	data, err := s.readLog(ctx, now, pv)
+	if err != nil {
+		return "", err
+	}
+	if !strings.HasPrefix(data, "written-on-") || strings.Count(data, "\n") < 2 {
+		return "", fmt.Errorf("after growing, the volume holds %q", data)
+	}
+	return fmt.Sprintf("filesystem %d -> %d bytes; pod %s on %s holds %q", before, after, now.Name, now.Node, data), nil
+}
+
+// k6Online grows claim k4 under its running pod p: the same pod sees the
+// larger filesystem; before is the filesystem's size first.
+func (s *story) k6Online(ctx context.Context, p podInfo, pv string, before int64) (string, error) {
+	if err := s.k6Patch(ctx); err != nil {
+		return "", err
+	}
+	now, after, err := s.k6Grown(ctx, pv, "the filesystem of pod "+p.Name+" grown past 1.5 GiB")
+	if err != nil {
+		return "", err
+	}
+	if now.UID != p.UID {
+		return "", fmt.Errorf("the pod was replaced during the expansion: %s (was %s)", now.UID, p.UID)
+	}
+	data, err := s.readLog(ctx, now, pv)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("filesystem %d -> %d bytes in pod %s (not restarted); its data %q", before, after, p.Name, data), nil
+}
+
 // k9: the bundle went in on a cluster without the snapshot CRDs (the
 // story's setup); the CRDs and snapshot-controller of external-snapshotter
 // are installed now, the snapshots part applied the release way (envsubst
@@ -306,38 +324,49 @@ func (s *story) k9(ctx context.Context) error {
 	}
 	var before string
 	if err := s.step(sc, "cluster", "VolumeSnapshot of claim k4, ready to use", func() (string, error) {
-		ps, err := s.pods(ctx, "app=k4")
-		if err != nil || len(ps) != 1 {
-			return "", fmt.Errorf("K9 needs K4's pod: %+v %v", ps, err)
-		}
-		pv, err := s.pvOf(ctx, "k4")
-		if err != nil {
-			return "", err
-		}
-		if before, err = s.readLog(ctx, ps[0], pv); err != nil {
-			return "", err
-		}
-		if err := s.apply(ctx, `apiVersion: snapshot.storage.k8s.io/v1
+		return s.k9Snapshot(ctx, &before)
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "a claim restored from the snapshot holds claim k4's data", func() (string, error) {
+		return s.k9Restored(ctx, sc, before)
+	})
+}
+
+// k9Snapshot reads K4's data into before and takes a snapshot of claim k4.
+func (s *story) k9Snapshot(ctx context.Context, before *string) (string, error) {
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil || len(ps) != 1 {
+		return "", fmt.Errorf("K9 needs K4's pod: %+v %v", ps, err)
+	}
+	pv, err := s.pvOf(ctx, "k4")
+	if err != nil {
+		return "", err
+	}
+	if *before, err = s.readLog(ctx, ps[0], pv); err != nil {
+		return "", err
+	}
+	if err := s.apply(ctx, `apiVersion: snapshot.storage.k8s.io/v1
 kind: VolumeSnapshot
 metadata:
   name: k9
 spec:
   source: {persistentVolumeClaimName: k4}
 `); err != nil {
-			return "", err
-		}
-		var state string
-		err = waitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
-			out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "volumesnapshot", "k9", "-o", "jsonpath={.status.readyToUse} {.status.restoreSize} {.status.error.message}")
-			state = strings.TrimSpace(out)
-			return err == nil && strings.HasPrefix(state, "true"), state, nil
-		})
-		return "readyToUse restoreSize: " + state, err
-	}); err != nil {
-		return err
+		return "", err
 	}
-	return s.step(sc, "cluster", "a claim restored from the snapshot holds claim k4's data", func() (string, error) {
-		if err := s.apply(ctx, `apiVersion: v1
+	var state string
+	err = waitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
+		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "volumesnapshot", "k9", "-o", "jsonpath={.status.readyToUse} {.status.restoreSize} {.status.error.message}")
+		state = strings.TrimSpace(out)
+		return err == nil && strings.HasPrefix(state, "true"), state, nil
+	})
+	return "readyToUse restoreSize: " + state, err
+}
+
+// k9Restored restores the snapshot into a new claim, whose pod must find K4's data (before).
+func (s *story) k9Restored(ctx context.Context, sc, before string) (string, error) {
+	if err := s.apply(ctx, `apiVersion: v1
 kind: PersistentVolumeClaim
 metadata:
   name: k9-restored
@@ -353,33 +382,32 @@ metadata:
   labels: {app: k9}
 spec:
 %s`, writerSpec("k9-restored", "", "  "))); err != nil {
-			return "", err
-		}
-		ps, err := s.waitPods(ctx, "app=k9", 10*time.Minute, "pod k9 Ready", allReady(1))
-		if err != nil {
-			return "", err
-		}
-		pv, err := s.pvOf(ctx, "k9-restored")
-		if err != nil {
-			return "", err
-		}
-		data, err := s.readLog(ctx, ps[0], pv)
-		if err != nil {
-			return "", err
-		}
-		want := before + "\nwritten-on-" + ps[0].Node
-		s.check(e2e.P5, sc, data == want, "K9: the claim restored from a snapshot of k4 holds %q (k4 held %q)", data, before)
-		if data != want {
-			return "", fmt.Errorf("the restored volume holds %q, want %q", data, want)
-		}
-		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pod", "k9", "--wait=true"); err != nil {
-			return "", err
-		}
-		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "k9-restored", "--wait=false"); err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("restored claim on %s holds %q", ps[0].Node, data), nil
-	})
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k9", 10*time.Minute, "pod k9 Ready", allReady(1))
+	if err != nil {
+		return "", err
+	}
+	pv, err := s.pvOf(ctx, "k9-restored")
+	if err != nil {
+		return "", err
+	}
+	data, err := s.readLog(ctx, ps[0], pv)
+	if err != nil {
+		return "", err
+	}
+	want := before + "\nwritten-on-" + ps[0].Node
+	s.check(e2e.P5, sc, data == want, "K9: the claim restored from a snapshot of k4 holds %q (k4 held %q)", data, before)
+	if data != want {
+		return "", fmt.Errorf("the restored volume holds %q, want %q", data, want)
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pod", "k9", "--wait=true"); err != nil {
+		return "", err
+	}
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "k9-restored", "--wait=false"); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("restored claim on %s holds %q", ps[0].Node, data), nil
 }
 
 // envsubst renders a release file of the repository as the release
@@ -428,51 +456,7 @@ func (s *story) k8(ctx context.Context) error {
 	serial := strconv.FormatInt(diskID, 10)
 	var dev, holderKey string
 	if err := s.step(sc, intruder.Name, "the agent refuses it: DiskRefused naming "+holder+", device read-only, nothing mounted", func() (string, error) {
-		wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
-		d, err := intruder.WaitDiskBySerial(wctx, serial)
-		cancel()
-		if err != nil {
-			return "", err
-		}
-		dev = "/dev/" + d.Name
-		var refused *simlab.Event
-		if err := waitFor(ctx, 2*time.Minute, "DiskRefused for "+dev+" on "+intruder.Name, func() (bool, string, error) {
-			evs, err := nodeEvents(ctx, intruder)
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			for i, ev := range evs {
-				if ev.Name() == "DiskRefused" && (ev.Device == dev || ev.Serial == serial) {
-					refused = &evs[i]
-					return true, "", nil
-				}
-			}
-			return false, fmt.Sprintf("%d events, none a refusal of %s", len(evs), dev), nil
-		}); err != nil {
-			return "", err
-		}
-		ro, err := intruder.MustSh(ctx, "blockdev --getro "+dev)
-		if err != nil {
-			return "", err
-		}
-		mounts, err := s.mountsOf(ctx, intruder, pv)
-		if err != nil {
-			return "", err
-		}
-		// The refusal names the holder by its fence key (and by node name
-		// where the agent knows it): the key must be the one the holder's
-		// agent claimed the volume with.
-		if holderKey, err = claimKey(ctx, s.c.Env.Lab.Guest(holder), h); err != nil {
-			return "", err
-		}
-		named := refused.HolderKey == holderKey && (refused.HolderNode == "" || refused.HolderNode == holder)
-		held := named && strings.TrimSpace(ro) == "1" && len(mounts) == 0
-		s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s (key %s) holds it: holder key %s node %q, %s read-only=%s, mounts %d: %s",
-			intruder.Name, serial, holder, holderKey, refused.HolderKey, refused.HolderNode, dev, strings.TrimSpace(ro), len(mounts), refused.Message)
-		if !held {
-			return "", fmt.Errorf("refusal incomplete: holder key %q (the holder's is %q) node %q, read-only %q, mounts %v", refused.HolderKey, holderKey, refused.HolderNode, ro, mounts)
-		}
-		return refused.Message, nil
+		return s.k8Refused(ctx, sc, intruder, holder, pv, h, serial, &dev, &holderKey)
 	}); err != nil {
 		return err
 	}
@@ -508,6 +492,55 @@ func (s *story) k8(ctx context.Context) error {
 		}
 		return msg, nil
 	})
+}
+
+// k8Refused waits for the disk (serial) on intruder and its refusal there, naming the holder by the key its agent claimed volume h with, and checks the device read-only and nothing of pv mounted; it sets dev and holderKey.
+func (s *story) k8Refused(ctx context.Context, sc string, intruder *lab.Guest, holder, pv, h, serial string, dev, holderKey *string) (string, error) {
+	wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	d, err := intruder.WaitDiskBySerial(wctx, serial)
+	cancel()
+	if err != nil {
+		return "", err
+	}
+	*dev = "/dev/" + d.Name
+	var refused *simlab.Event
+	if err := waitFor(ctx, 2*time.Minute, "DiskRefused for "+*dev+" on "+intruder.Name, func() (bool, string, error) {
+		evs, err := nodeEvents(ctx, intruder)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		for i, ev := range evs {
+			if ev.Name() == "DiskRefused" && (ev.Device == *dev || ev.Serial == serial) {
+				refused = &evs[i]
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("%d events, none a refusal of %s", len(evs), *dev), nil
+	}); err != nil {
+		return "", err
+	}
+	ro, err := intruder.MustSh(ctx, "blockdev --getro "+*dev)
+	if err != nil {
+		return "", err
+	}
+	mounts, err := s.mountsOf(ctx, intruder, pv)
+	if err != nil {
+		return "", err
+	}
+	// The refusal names the holder by its fence key (and by node name
+	// where the agent knows it): the key must be the one the holder's
+	// agent claimed the volume with.
+	if *holderKey, err = claimKey(ctx, s.c.Env.Lab.Guest(holder), h); err != nil {
+		return "", err
+	}
+	named := refused.HolderKey == *holderKey && (refused.HolderNode == "" || refused.HolderNode == holder)
+	held := named && strings.TrimSpace(ro) == "1" && len(mounts) == 0
+	s.check(e2e.P2, sc, held, "K8: %s refused disk %s attached by the platform while %s (key %s) holds it: holder key %s node %q, %s read-only=%s, mounts %d: %s",
+		intruder.Name, serial, holder, *holderKey, refused.HolderKey, refused.HolderNode, *dev, strings.TrimSpace(ro), len(mounts), refused.Message)
+	if !held {
+		return "", fmt.Errorf("refusal incomplete: holder key %q (the holder's is %q) node %q, read-only %q, mounts %v", refused.HolderKey, *holderKey, refused.HolderNode, ro, mounts)
+	}
+	return refused.Message, nil
 }
 
 // eventItem is what the scenarios read of a core/v1 Event.
@@ -568,12 +601,7 @@ func (s *story) k5(ctx context.Context) error {
 	}
 	var dev string
 	if err := s.step(sc, dead.Name, "power off: QMP stop (the pod's node)", func() (string, error) {
-		d, err := dead.DiskBySerial(ctx, strconv.FormatInt(diskID, 10))
-		if err != nil {
-			return "", err
-		}
-		dev = "/dev/" + d.Name
-		return dev + " held; stopped", dead.Pause(ctx)
+		return s.k5PowerOff(ctx, dead, diskID, &dev)
 	}); err != nil {
 		return err
 	}
@@ -585,137 +613,177 @@ func (s *story) k5(ctx context.Context) error {
 		_, _ = s.c.Kubectl(context.WithoutCancel(ctx), "taint", "node", dead.Name, "node.kubernetes.io/out-of-service-")
 	}()
 	if err := s.step(sc, "cluster", dead.Name+" NotReady; the operator taints it out-of-service", func() (string, error) {
-		if err := waitFor(ctx, 5*time.Minute, dead.Name+" not Ready", func() (bool, string, error) {
-			st, err := s.c.Kubectl(ctx, "get", "node", dead.Name, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
-			return err == nil && strings.TrimSpace(st) != "True", st, nil
-		}); err != nil {
-			return "", err
-		}
-		out, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
-		return strings.TrimSpace(out), err
+		return s.k5OutOfService(ctx, dead)
 	}); err != nil {
 		return err
 	}
 	var grant string
 	if err := s.step(sc, live.Name, "the pod back on "+live.Name+" with its data, attached with a grant", func() (string, error) {
-		ps, err := s.waitPods(ctx, "app=k4", 10*time.Minute, "k4 Ready on "+live.Name, func(ps []podInfo) bool {
-			return allReady(1)(ps) && ps[0].Node == live.Name
-		})
-		if err != nil {
-			return "", err
-		}
-		data, err := s.readLog(ctx, ps[0], pv)
-		if err != nil {
-			return "", err
-		}
-		want := before + "\nwritten-on-" + live.Name
-		s.check(e2e.P5, sc, data == want, "K5: after the takeover from powered-off %s the volume holds %q", dead.Name, data)
-		if data != want {
-			return "", fmt.Errorf("the volume holds %q, want %q", data, want)
-		}
-		meta, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o",
-			"jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {.status.attachmentMetadata}{\"\\n\"}{end}")
-		if err != nil {
-			return "", err
-		}
-		for _, l := range strings.Split(strings.TrimSpace(meta), "\n") {
-			node, js, _ := strings.Cut(l, " ")
-			var pc map[string]string
-			if node == live.Name && json.Unmarshal([]byte(js), &pc) == nil {
-				grant = pc[driver.PubFenceGrant]
-			}
-		}
-		s.check(e2e.P3, sc, grant != "", "K5: the VolumeAttachment to %s carries the controller's grant %q", live.Name, grant)
-		if grant == "" {
-			return "", fmt.Errorf("no grant in the VolumeAttachments of %s: %s", pv, meta)
-		}
-		return fmt.Sprintf("%s on %s holds %q; grant %s", ps[0].Name, live.Name, data, grant), nil
+		return s.k5Back(ctx, sc, dead, live, pv, before, &grant)
 	}); err != nil {
 		return err
 	}
 	mark := "late-from-" + dead.Name
 	if err := s.step(sc, dead.Name, "power on (QMP cont); it writes through its old mount and to the raw device", func() (string, error) {
-		if err := dead.Resume(ctx); err != nil {
-			return "", err
-		}
-		resumed = true
-		script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=1 conv=fsync 2>&1; fs=$?; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
-			mark, volumeMount(old.UID, pv), dev)
-		r, err := dead.Sh(ctx, script)
-		if err != nil {
-			return "", err
-		}
-		out := strings.TrimSpace(r.Stdout + r.Stderr)
-		f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
-		refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
-		s.check(e2e.P4, sc, refused, "K5: resumed %s's writes (its old mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
-		if !refused {
-			return out, fmt.Errorf("a write from %s succeeded after the takeover", dead.Name)
-		}
-		return out, nil
+		return s.k5LateWrites(ctx, sc, dead, old, pv, dev, mark, &resumed)
 	}); err != nil {
 		return err
 	}
 	if err := s.step(sc, dead.Name, "DiskFenced within 60s", func() (string, error) {
-		var msg string
-		err := waitFor(ctx, time.Minute, "DiskFenced on "+dead.Name, func() (bool, string, error) {
-			evs, err := nodeEvents(ctx, dead)
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			for _, ev := range evs {
-				if ev.Name() == "DiskFenced" && (ev.Volume == h || ev.Device == dev) {
-					msg = ev.Message
-					return true, "", nil
-				}
-			}
-			return false, fmt.Sprintf("%d events", len(evs)), nil
-		})
-		s.check(e2e.P4, sc, err == nil, "K5: %s emitted DiskFenced after resuming: %s", dead.Name, msg)
-		return msg, err
+		return s.k5Fenced(ctx, sc, dead, h, dev)
 	}); err != nil {
 		return err
 	}
 	if err := s.step(sc, live.Name, "none of "+dead.Name+"'s writes landed", func() (string, error) {
-		ps, err := s.pods(ctx, "app=k4")
-		if err != nil || len(ps) != 1 {
-			return "", fmt.Errorf("k4's pod: %+v %v", ps, err)
-		}
-		d, err := live.DiskBySerial(ctx, strconv.FormatInt(diskID, 10))
-		if err != nil {
-			return "", err
-		}
-		out, err := live.MustSh(ctx, fmt.Sprintf("ls %s; dd if=/dev/%s bs=4096 count=1 skip=768 iflag=direct 2>/dev/null | head -c %d", volumeMount(ps[0].UID, pv), d.Name, len(mark)))
-		if err != nil {
-			return "", err
-		}
-		landed := strings.Contains(out, mark) || strings.Contains(out, "late.bin")
-		s.check(e2e.P1, sc, !landed, "K5: %s's volume after %s resumed: %q", live.Name, dead.Name, out)
-		if landed {
-			return "", fmt.Errorf("a write of %s landed: %q", dead.Name, out)
-		}
-		return strings.ReplaceAll(strings.TrimSpace(out), "\n", " "), nil
+		return s.k5NoneLanded(ctx, sc, dead, live, pv, diskID, mark)
 	}); err != nil {
 		return err
 	}
 	return s.step(sc, dead.Name, "its kubelet tears down the deleted pod's volume: nothing of it stays mounted; the taint is lifted", func() (string, error) {
-		var left []string
-		err := waitFor(ctx, 4*time.Minute, "no mount of "+pv+" left on "+dead.Name, func() (bool, string, error) {
-			var err error
-			if left, err = s.mountsOf(ctx, dead, pv); err != nil {
-				return false, err.Error(), nil
-			}
-			return len(left) == 0, strings.Join(left, "; "), nil
-		})
-		if err != nil {
-			out, _ := dead.MustSh(ctx, "journalctl -u kubelet --no-pager -n 15 2>&1 | cut -c1-300")
-			return "", fmt.Errorf("%w\nkubelet on %s:\n%s", err, dead.Name, out)
-		}
-		if _, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service-"); err != nil {
-			return "", err
-		}
-		return "nothing of " + pv + " mounted on " + dead.Name, nil
+		return s.k5TornDown(ctx, dead, pv)
 	})
+}
+
+// k5PowerOff finds the disk on dead, sets dev to its device and stops the guest.
+func (s *story) k5PowerOff(ctx context.Context, dead *lab.Guest, diskID int64, dev *string) (string, error) {
+	d, err := dead.DiskBySerial(ctx, strconv.FormatInt(diskID, 10))
+	if err != nil {
+		return "", err
+	}
+	*dev = "/dev/" + d.Name
+	return *dev + " held; stopped", dead.Pause(ctx)
+}
+
+// k5OutOfService waits for dead to be NotReady and taints it out of service.
+func (s *story) k5OutOfService(ctx context.Context, dead *lab.Guest) (string, error) {
+	if err := waitFor(ctx, 5*time.Minute, dead.Name+" not Ready", func() (bool, string, error) {
+		st, err := s.c.Kubectl(ctx, "get", "node", dead.Name, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
+		return err == nil && strings.TrimSpace(st) != "True", st, nil
+	}); err != nil {
+		return "", err
+	}
+	out, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute")
+	return strings.TrimSpace(out), err
+}
+
+// k5Back waits for K4's pod on live, checks its data (before, then live's line) and the grant its VolumeAttachment carries, and sets grant.
+func (s *story) k5Back(ctx context.Context, sc string, dead, live *lab.Guest, pv, before string, grant *string) (string, error) {
+	ps, err := s.waitPods(ctx, "app=k4", 10*time.Minute, "k4 Ready on "+live.Name, func(ps []podInfo) bool {
+		return allReady(1)(ps) && ps[0].Node == live.Name
+	})
+	if err != nil {
+		return "", err
+	}
+	data, err := s.readLog(ctx, ps[0], pv)
+	if err != nil {
+		return "", err
+	}
+	want := before + "\nwritten-on-" + live.Name
+	s.check(e2e.P5, sc, data == want, "K5: after the takeover from powered-off %s the volume holds %q", dead.Name, data)
+	if data != want {
+		return "", fmt.Errorf("the volume holds %q, want %q", data, want)
+	}
+	meta, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o",
+		"jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {.status.attachmentMetadata}{\"\\n\"}{end}")
+	if err != nil {
+		return "", err
+	}
+	for _, l := range strings.Split(strings.TrimSpace(meta), "\n") {
+		node, js, _ := strings.Cut(l, " ")
+		var pc map[string]string
+		if node == live.Name && json.Unmarshal([]byte(js), &pc) == nil {
+			*grant = pc[driver.PubFenceGrant]
+		}
+	}
+	s.check(e2e.P3, sc, *grant != "", "K5: the VolumeAttachment to %s carries the controller's grant %q", live.Name, *grant)
+	if *grant == "" {
+		return "", fmt.Errorf("no grant in the VolumeAttachments of %s: %s", pv, meta)
+	}
+	return fmt.Sprintf("%s on %s holds %q; grant %s", ps[0].Name, live.Name, data, *grant), nil
+}
+
+// k5LateWrites resumes dead (setting resumed) and has it write mark through its old mount of pv and to dev: both must fail.
+func (s *story) k5LateWrites(ctx context.Context, sc string, dead *lab.Guest, old podInfo, pv, dev, mark string, resumed *bool) (string, error) {
+	if err := dead.Resume(ctx); err != nil {
+		return "", err
+	}
+	*resumed = true
+	script := fmt.Sprintf("printf '%%s' '%s' > /tmp/marker; dd if=/tmp/marker of=%s/late.bin bs=4096 count=1 conv=fsync 2>&1; fs=$?; dd if=/tmp/marker of=%s bs=4096 count=1 seek=768 oflag=direct 2>&1; echo fs=$fs raw=$?",
+		mark, volumeMount(old.UID, pv), dev)
+	r, err := dead.Sh(ctx, script)
+	if err != nil {
+		return "", err
+	}
+	out := strings.TrimSpace(r.Stdout + r.Stderr)
+	f := strings.Fields(out[strings.LastIndex(out, "\n")+1:])
+	refused := len(f) == 2 && f[0] != "fs=0" && f[1] != "raw=0"
+	s.check(e2e.P4, sc, refused, "K5: resumed %s's writes (its old mount, then %s): %s", dead.Name, dev, strings.ReplaceAll(out, "\n", "; "))
+	if !refused {
+		return out, fmt.Errorf("a write from %s succeeded after the takeover", dead.Name)
+	}
+	return out, nil
+}
+
+// k5Fenced waits for dead's DiskFenced event about volume h or device dev.
+func (s *story) k5Fenced(ctx context.Context, sc string, dead *lab.Guest, h, dev string) (string, error) {
+	var msg string
+	err := waitFor(ctx, time.Minute, "DiskFenced on "+dead.Name, func() (bool, string, error) {
+		evs, err := nodeEvents(ctx, dead)
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		for _, ev := range evs {
+			if ev.Name() == "DiskFenced" && (ev.Volume == h || ev.Device == dev) {
+				msg = ev.Message
+				return true, "", nil
+			}
+		}
+		return false, fmt.Sprintf("%d events", len(evs)), nil
+	})
+	s.check(e2e.P4, sc, err == nil, "K5: %s emitted DiskFenced after resuming: %s", dead.Name, msg)
+	return msg, err
+}
+
+// k5NoneLanded checks live's view of the volume and the disk for dead's mark.
+func (s *story) k5NoneLanded(ctx context.Context, sc string, dead, live *lab.Guest, pv string, diskID int64, mark string) (string, error) {
+	ps, err := s.pods(ctx, "app=k4")
+	if err != nil || len(ps) != 1 {
+		return "", fmt.Errorf("k4's pod: %+v %v", ps, err)
+	}
+	d, err := live.DiskBySerial(ctx, strconv.FormatInt(diskID, 10))
+	if err != nil {
+		return "", err
+	}
+	out, err := live.MustSh(ctx, fmt.Sprintf("ls %s; dd if=/dev/%s bs=4096 count=1 skip=768 iflag=direct 2>/dev/null | head -c %d", volumeMount(ps[0].UID, pv), d.Name, len(mark)))
+	if err != nil {
+		return "", err
+	}
+	landed := strings.Contains(out, mark) || strings.Contains(out, "late.bin")
+	s.check(e2e.P1, sc, !landed, "K5: %s's volume after %s resumed: %q", live.Name, dead.Name, out)
+	if landed {
+		return "", fmt.Errorf("a write of %s landed: %q", dead.Name, out)
+	}
+	return strings.ReplaceAll(strings.TrimSpace(out), "\n", " "), nil
+}
+
+// k5TornDown waits until nothing of pv is mounted on dead and lifts the taint.
+func (s *story) k5TornDown(ctx context.Context, dead *lab.Guest, pv string) (string, error) {
+	var left []string
+	err := waitFor(ctx, 4*time.Minute, "no mount of "+pv+" left on "+dead.Name, func() (bool, string, error) {
+		var err error
+		if left, err = s.mountsOf(ctx, dead, pv); err != nil {
+			return false, err.Error(), nil
+		}
+		return len(left) == 0, strings.Join(left, "; "), nil
+	})
+	if err != nil {
+		out, _ := dead.MustSh(ctx, "journalctl -u kubelet --no-pager -n 15 2>&1 | cut -c1-300")
+		return "", fmt.Errorf("%w\nkubelet on %s:\n%s", err, dead.Name, out)
+	}
+	if _, err := s.c.Kubectl(ctx, "taint", "node", dead.Name, "node.kubernetes.io/out-of-service-"); err != nil {
+		return "", err
+	}
+	return "nothing of " + pv + " mounted on " + dead.Name, nil
 }
 
 // handle is pv's CSI volume handle.

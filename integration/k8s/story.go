@@ -370,7 +370,18 @@ func (s *story) k2(ctx context.Context) error {
         topologyKey: kubernetes.io/hostname
 `
 	if err := s.step(sc, "cluster", "Deployment of 2 replicas sharing one RWO claim, one per worker", func() (string, error) {
-		if err := s.apply(ctx, pvc("k2", "1Gi")+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
+		return s.k2Deploy(ctx, aff, &first, &second, &pv)
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "the second pod is held with Multi-Attach error; no second mount; the first keeps its data", func() (string, error) {
+		return s.k2Held(ctx, sc, first, second, pv)
+	})
+}
+
+// k2Deploy deploys two replicas sharing one claim on two workers (anti-affinity aff) and sets first to the one Ready, second to the other and pv to the claim's volume.
+func (s *story) k2Deploy(ctx context.Context, aff string, first, second *podInfo, pv *string) (string, error) {
+	if err := s.apply(ctx, pvc("k2", "1Gi")+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
 metadata:
   name: k2
@@ -381,87 +392,86 @@ spec:
     metadata: {labels: {app: k2}}
     spec:
 %s`, writerSpec("k2", aff, "      "))); err != nil {
-			return "", err
-		}
-		ps, err := s.waitPods(ctx, "app=k2", 10*time.Minute, "one k2 pod Ready, the other scheduled", func(ps []podInfo) bool {
-			ready, sched := 0, 0
-			for _, p := range ps {
-				if p.Ready {
-					ready++
-				}
-				if p.Node != "" {
-					sched++
-				}
-			}
-			return len(ps) == 2 && ready == 1 && sched == 2
-		})
-		if err != nil {
-			return "", err
-		}
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k2", 10*time.Minute, "one k2 pod Ready, the other scheduled", func(ps []podInfo) bool {
+		ready, sched := 0, 0
 		for _, p := range ps {
 			if p.Ready {
-				first = p
-			} else {
-				second = p
+				ready++
+			}
+			if p.Node != "" {
+				sched++
 			}
 		}
-		if pv, err = s.pvOf(ctx, "k2"); err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("%s Ready on %s; %s scheduled on %s", first.Name, first.Node, second.Name, second.Node), nil
-	}); err != nil {
-		return err
-	}
-	return s.step(sc, "cluster", "the second pod is held with Multi-Attach error; no second mount; the first keeps its data", func() (string, error) {
-		var msg string
-		if err := waitFor(ctx, 3*time.Minute, "a Multi-Attach error event for "+second.Name, func() (bool, string, error) {
-			out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name="+second.Name,
-				"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
-			if err != nil {
-				return false, err.Error(), nil
-			}
-			for _, l := range strings.Split(out, "\n") {
-				if strings.Contains(l, "Multi-Attach error for volume") {
-					msg = l
-					return true, out, nil
-				}
-			}
-			return false, out, nil
-		}); err != nil {
-			return "", err
-		}
-		// Held, not merely slow: it stays not ready for a while.
-		time.Sleep(20 * time.Second)
-		ps, err := s.pods(ctx, "app=k2")
-		if err != nil {
-			return "", err
-		}
-		for _, p := range ps {
-			if p.Name == second.Name && (p.Ready || p.Phase == "Running") {
-				return "", fmt.Errorf("the second pod %s became %s on %s", p.Name, p.Phase, p.Node)
-			}
-		}
-		secondMounts, err := s.mountsOf(ctx, s.c.Env.Lab.Guest(second.Node), pv)
-		if err != nil {
-			return "", err
-		}
-		s.check(e2e.P1, sc, len(secondMounts) == 0, "K2: %s on %s held (%s); mounts of %s there: %d", second.Name, second.Node, msg, pv, len(secondMounts))
-		if len(secondMounts) > 0 {
-			return "", fmt.Errorf("%s has %s mounted: %v", second.Node, pv, secondMounts)
-		}
-		data, err := s.readLog(ctx, first, pv)
-		if err != nil {
-			return "", err
-		}
-		if data != "written-on-"+first.Node {
-			return "", fmt.Errorf("the first pod's volume holds %q", data)
-		}
-		// Leave the claim to K4's own Deployment: scale to none.
-		if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "deployment", "k2", "--wait=true"); err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("event %q; %s never mounted on %s; %s's data intact", msg, pv, second.Node, first.Name), nil
+		return len(ps) == 2 && ready == 1 && sched == 2
 	})
+	if err != nil {
+		return "", err
+	}
+	for _, p := range ps {
+		if p.Ready {
+			*first = p
+		} else {
+			*second = p
+		}
+	}
+	if *pv, err = s.pvOf(ctx, "k2"); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("%s Ready on %s; %s scheduled on %s", first.Name, first.Node, second.Name, second.Node), nil
+}
+
+// k2Held checks that second is held with the Multi-Attach error and never mounts pv, and that first keeps its data.
+func (s *story) k2Held(ctx context.Context, sc string, first, second podInfo, pv string) (string, error) {
+	var msg string
+	if err := waitFor(ctx, 3*time.Minute, "a Multi-Attach error event for "+second.Name, func() (bool, string, error) {
+		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name="+second.Name,
+			"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		for _, l := range strings.Split(out, "\n") {
+			if strings.Contains(l, "Multi-Attach error for volume") {
+				msg = l
+				return true, out, nil
+			}
+		}
+		return false, out, nil
+	}); err != nil {
+		return "", err
+	}
+	// Held, not merely slow: it stays not ready for a while.
+	time.Sleep(20 * time.Second)
+	ps, err := s.pods(ctx, "app=k2")
+	if err != nil {
+		return "", err
+	}
+	for _, p := range ps {
+		if p.Name == second.Name && (p.Ready || p.Phase == "Running") {
+			return "", fmt.Errorf("the second pod %s became %s on %s", p.Name, p.Phase, p.Node)
+		}
+	}
+	secondMounts, err := s.mountsOf(ctx, s.c.Env.Lab.Guest(second.Node), pv)
+	if err != nil {
+		return "", err
+	}
+	s.check(e2e.P1, sc, len(secondMounts) == 0, "K2: %s on %s held (%s); mounts of %s there: %d", second.Name, second.Node, msg, pv, len(secondMounts))
+	if len(secondMounts) > 0 {
+		return "", fmt.Errorf("%s has %s mounted: %v", second.Node, pv, secondMounts)
+	}
+	data, err := s.readLog(ctx, first, pv)
+	if err != nil {
+		return "", err
+	}
+	if data != "written-on-"+first.Node {
+		return "", fmt.Errorf("the first pod's volume holds %q", data)
+	}
+	// Leave the claim to K4's own Deployment: scale to none.
+	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "deployment", "k2", "--wait=true"); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("event %q; %s never mounted on %s; %s's data intact", msg, pv, second.Node, first.Name), nil
 }
 
 // k4: kubectl drain of the pod's node: the pod comes back on the other

@@ -260,25 +260,56 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 			return err
 		}
 	}
-	run := func(name string, args ...string) error {
-		cmd := exec.CommandContext(ctx, name, args...)
-		cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"}
-		if b, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("%s %s: %w\n%s", name, strings.Join(args, " "), err, b)
-		}
-		return nil
+	if err := installPackage(ctx, root, rootfs); err != nil {
+		return err
 	}
+	if err := copyBins(rootfs, bins); err != nil {
+		return err
+	}
+	if err := l.writeFiles(rootfs, root, files); err != nil {
+		return err
+	}
+	units := filepath.Join(rootfs, "etc", "systemd", "system")
+	if err := enableUnits(units, root); err != nil {
+		return err
+	}
+	_ = os.Remove(filepath.Join(rootfs, "etc", "hostname"))
+	if err := copyBoot(rootfs, out); err != nil {
+		return err
+	}
+	return runTool(ctx, "mke2fs", "-q", "-t", "ext4", "-d", rootfs, "-L", "vco-lab-root", filepath.Join(out, "root.img"), "3G")
+}
+
+// runTool runs a host tool for the image's build.
+func runTool(ctx context.Context, name string, args ...string) error {
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"}
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("%s %s: %w\n%s", name, strings.Join(args, " "), err, b)
+	}
+	return nil
+}
+
+// installPackage unpacks root's tree into rootfs and installs root's
+// package there.
+func installPackage(ctx context.Context, root *DebianRoot, rootfs string) error {
 	// Numeric owners: the guest's users, not the host's, own its files.
-	if err := run("tar", "--numeric-owner", "-C", rootfs, "-xf", root.Tar); err != nil {
+	if err := runTool(ctx, "tar", "--numeric-owner", "-C", rootfs, "-xf", root.Tar); err != nil {
 		return err
 	}
 	if err := copyFile(root.Deb, filepath.Join(rootfs, "tmp", "vco-agent.deb"), 0o644); err != nil {
 		return err
 	}
-	if err := run("chroot", rootfs, "dpkg", "-i", "/tmp/vco-agent.deb"); err != nil {
+	if err := runTool(ctx, "chroot", rootfs, "dpkg", "-i", "/tmp/vco-agent.deb"); err != nil {
 		return err
 	}
 	_ = os.Remove(filepath.Join(rootfs, "tmp", "vco-agent.deb"))
+	return nil
+}
+
+// copyBins copies bins (guest path -> host file) into rootfs, each
+// unless the package installed its own.
+func copyBins(rootfs string, bins map[string]string) error {
 	for _, g := range sortedKeys(bins) {
 		dst := filepath.Join(rootfs, g)
 		if _, err := os.Lstat(dst); err == nil {
@@ -291,11 +322,16 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 			return err
 		}
 	}
+	return nil
+}
+
+// writeFiles writes the lab's own files, cloud-init's with a seed in
+// root, and files (guest path -> content) into rootfs.
+func (l *Lab) writeFiles(rootfs string, root *DebianRoot, files map[string]string) error {
 	exe := make([]string, len(l.cfg.ExecServer))
 	for i, a := range l.cfg.ExecServer {
 		exe[i] = "'" + a + "'"
 	}
-	units := filepath.Join(rootfs, "etc", "systemd", "system")
 	written := map[string]string{
 		"/etc/systemd/system/vco-lab-exec.service": fmt.Sprintf(execUnit, strings.Join(exe, " ")),
 	}
@@ -326,6 +362,12 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 			return err
 		}
 	}
+	return nil
+}
+
+// enableUnits enables the lab's exec server in units and masks the units
+// the lab does not want (cloud-init's kept with a seed in root).
+func enableUnits(units string, root *DebianRoot) error {
 	if err := os.Symlink("../vco-lab-exec.service", filepath.Join(units, "multi-user.target.wants", "vco-lab-exec.service")); err != nil {
 		return err
 	}
@@ -339,7 +381,11 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 			return err
 		}
 	}
-	_ = os.Remove(filepath.Join(rootfs, "etc", "hostname"))
+	return nil
+}
+
+// copyBoot copies the root's kernel and initrd out of rootfs into out.
+func copyBoot(rootfs, out string) error {
 	for _, k := range []struct{ glob, dst string }{{"vmlinuz-*", "vmlinuz"}, {"initrd.img-*", "initrd.img"}} {
 		m, _ := filepath.Glob(filepath.Join(rootfs, "boot", k.glob))
 		if len(m) != 1 {
@@ -349,7 +395,7 @@ func (l *Lab) buildDebian(ctx context.Context, root *DebianRoot, files, bins map
 			return err
 		}
 	}
-	return run("mke2fs", "-q", "-t", "ext4", "-d", rootfs, "-L", "vco-lab-root", filepath.Join(out, "root.img"), "3G")
+	return nil
 }
 
 func copyFile(src, dst string, mode os.FileMode) error {

@@ -78,11 +78,31 @@ func BuildInitramfs(ctx context.Context, spec InitramfsSpec, out string) error {
 	}
 	w.Symlink("bin/sh", "busybox")
 
+	if err := addModules(w, spec.Kernel.Root, mods); err != nil {
+		return err
+	}
+	if err := addBinaries(ctx, w, spec); err != nil {
+		return err
+	}
+	w.File("init", 0o755, []byte(initScript(spec.ExecServer)))
+	if err := w.Close(); err != nil {
+		return err
+	}
+	tmp := out + ".tmp"
+	if err := os.WriteFile(tmp, buf.Bytes(), 0o644); err != nil {
+		return err
+	}
+	return os.Rename(tmp, out)
+}
+
+// addModules adds the kernel modules mods (files under the kernel tree
+// root) and the list init loads them in.
+func addModules(w *cpioWriter, root string, mods []string) error {
 	var order strings.Builder
 	for _, m := range mods {
-		rel, err := filepath.Rel(spec.Kernel.Root, m)
+		rel, err := filepath.Rel(root, m)
 		if err != nil || strings.HasPrefix(rel, "..") {
-			return fmt.Errorf("initramfs: module %s is outside the kernel tree %s", m, spec.Kernel.Root)
+			return fmt.Errorf("initramfs: module %s is outside the kernel tree %s", m, root)
 		}
 		if err := addHostFile(w, rel, m); err != nil {
 			return err
@@ -90,7 +110,12 @@ func BuildInitramfs(ctx context.Context, spec InitramfsSpec, out string) error {
 		fmt.Fprintf(&order, "/%s\n", rel)
 	}
 	w.File("etc/vco-lab/modules", 0o644, []byte(order.String()))
+	return nil
+}
 
+// addBinaries adds the spec's static binaries and its host tools with the
+// shared libraries they need.
+func addBinaries(ctx context.Context, w *cpioWriter, spec InitramfsSpec) error {
 	for guest, host := range spec.Binaries {
 		if err := requireStatic(host); err != nil {
 			return err
@@ -117,15 +142,7 @@ func BuildInitramfs(ctx context.Context, spec InitramfsSpec, out string) error {
 			}
 		}
 	}
-	w.File("init", 0o755, []byte(initScript(spec.ExecServer)))
-	if err := w.Close(); err != nil {
-		return err
-	}
-	tmp := out + ".tmp"
-	if err := os.WriteFile(tmp, buf.Bytes(), 0o644); err != nil {
-		return err
-	}
-	return os.Rename(tmp, out)
+	return nil
 }
 
 // initScript is the guest's PID 1 until it execs the exec server. Module

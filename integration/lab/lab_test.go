@@ -81,102 +81,119 @@ func TestLab(t *testing.T) {
 		t.Logf("%s booted in %s", g.Name, g.BootTime.Round(time.Millisecond))
 	}
 
-	t.Run("identity", func(t *testing.T) {
-		seen := map[string]string{}
-		for _, g := range guests {
-			out, err := g.MustSh(ctx, "cat /sys/class/dmi/id/product_uuid")
-			if err != nil {
-				t.Fatal(err)
-			}
-			got := strings.TrimSpace(out)
-			if got != g.UUID {
-				t.Errorf("%s: SMBIOS UUID in guest %q, configured %q", g.Name, got, g.UUID)
-			}
-			if other, dup := seen[got]; dup {
-				t.Errorf("%s and %s share SMBIOS UUID %s", g.Name, other, got)
-			}
-			seen[got] = g.Name
-		}
-		// The initiator name is what the target sees: both must be logged
-		// in under their own names.
-		show, err := l.Target.Show(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, g := range guests {
-			if !strings.Contains(show, "Initiator: "+g.Initiator) {
-				t.Errorf("tgtd shows no session from initiator %s:\n%s", g.Initiator, show)
-			}
-		}
-	})
+	t.Run("identity", func(t *testing.T) { labIdentity(t, ctx, l, guests) })
 
-	t.Run("shared LUN is the same disk in both guests", func(t *testing.T) {
-		da, err := a.DiskBySerial(ctx, shared.Serial)
-		if err != nil {
-			t.Fatal(err)
-		}
-		db, err := b.DiskBySerial(ctx, shared.Serial)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if da.WWID == "" || da.WWID != db.WWID {
-			t.Fatalf("WWIDs differ or are empty: %s %q, %s %q", a.Name, da.WWID, b.Name, db.WWID)
-		}
-		// Data written through one guest is read through the other.
-		marker := fmt.Sprintf("lab-marker-%d", time.Now().UnixNano())
-		if _, err := a.MustSh(ctx, "echo "+marker+" | dd of=/dev/"+da.Name+" bs=4096 seek=10 count=1 conv=sync,fsync oflag=direct 2>&1"); err != nil {
-			t.Fatal(err)
-		}
-		out, err := b.MustSh(ctx, "dd if=/dev/"+db.Name+" bs=4096 skip=10 count=1 iflag=direct 2>/dev/null | head -c 64")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !strings.HasPrefix(out, marker) {
-			t.Fatalf("%s reads %q at block 10, %s wrote %q", b.Name, out, a.Name, marker)
-		}
-		// And it is in the backing file on the host.
-		f, err := os.ReadFile(shared.File)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !strings.HasPrefix(string(f[10*4096:]), marker) {
-			t.Fatalf("backing file %s does not hold %q at offset %d", shared.File, marker, 10*4096)
-		}
-	})
+	t.Run("shared LUN is the same disk in both guests", func(t *testing.T) { labSharedLUNIsTheSameDiskInBothGuests(t, ctx, a, b, shared) })
 
-	t.Run("persistent reservations pass through to the target", func(t *testing.T) {
-		if err := Smoke(ctx, l, shared, testWriter{t}); err != nil {
-			t.Fatal(err)
-		}
-	})
+	t.Run("persistent reservations pass through to the target", func(t *testing.T) { labPersistentReservationsPassThroughToTheTarget(t, ctx, l, shared) })
 
-	t.Run("disks without PR refuse PR", func(t *testing.T) {
-		for _, serial := range []string{"hd0", "vblk0"} {
-			d, err := a.DiskBySerial(ctx, serial)
-			if err != nil {
-				t.Fatal(err)
-			}
-			r, err := a.Sh(ctx, "sg_persist -n -i -k /dev/"+d.Name)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if r.Exit == 0 {
-				t.Errorf("sg_persist READ KEYS succeeded on %s (/dev/%s), which should have no PR: %s", serial, d.Name, r)
-			}
-		}
-	})
+	t.Run("disks without PR refuse PR", func(t *testing.T) { labDisksWithoutPRRefusePR(t, ctx, a) })
 
-	t.Run("dm-crypt and filesystems", func(t *testing.T) {
-		vd, err := a.DiskBySerial(ctx, "vblk0")
+	t.Run("dm-crypt and filesystems", func(t *testing.T) { labDmCryptAndFilesystems(t, ctx, a, plain) })
+
+	t.Run("hot-plug and unplug", func(t *testing.T) { labHotPlugAndUnplug(t, ctx, l, b, shared) })
+
+	t.Run("pause and resume", func(t *testing.T) { labPauseAndResume(t, ctx, b) })
+
+	t.Run("teardown leaves nothing running", func(t *testing.T) { labTeardownLeavesNothingRunning(t, l, guests) })
+}
+
+func labIdentity(t *testing.T, ctx context.Context, l *Lab, guests []*Guest) {
+	seen := map[string]string{}
+	for _, g := range guests {
+		out, err := g.MustSh(ctx, "cat /sys/class/dmi/id/product_uuid")
 		if err != nil {
 			t.Fatal(err)
 		}
-		hd, err := a.DiskBySerial(ctx, "hd0")
+		got := strings.TrimSpace(out)
+		if got != g.UUID {
+			t.Errorf("%s: SMBIOS UUID in guest %q, configured %q", g.Name, got, g.UUID)
+		}
+		if other, dup := seen[got]; dup {
+			t.Errorf("%s and %s share SMBIOS UUID %s", g.Name, other, got)
+		}
+		seen[got] = g.Name
+	}
+	// The initiator name is what the target sees: both must be logged
+	// in under their own names.
+	show, err := l.Target.Show(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range guests {
+		if !strings.Contains(show, "Initiator: "+g.Initiator) {
+			t.Errorf("tgtd shows no session from initiator %s:\n%s", g.Initiator, show)
+		}
+	}
+}
+
+func labSharedLUNIsTheSameDiskInBothGuests(t *testing.T, ctx context.Context, a *Guest, b *Guest, shared *LUN) {
+	da, err := a.DiskBySerial(ctx, shared.Serial)
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := b.DiskBySerial(ctx, shared.Serial)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if da.WWID == "" || da.WWID != db.WWID {
+		t.Fatalf("WWIDs differ or are empty: %s %q, %s %q", a.Name, da.WWID, b.Name, db.WWID)
+	}
+	// Data written through one guest is read through the other.
+	marker := fmt.Sprintf("lab-marker-%d", time.Now().UnixNano())
+	if _, err := a.MustSh(ctx, "echo "+marker+" | dd of=/dev/"+da.Name+" bs=4096 seek=10 count=1 conv=sync,fsync oflag=direct 2>&1"); err != nil {
+		t.Fatal(err)
+	}
+	out, err := b.MustSh(ctx, "dd if=/dev/"+db.Name+" bs=4096 skip=10 count=1 iflag=direct 2>/dev/null | head -c 64")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(out, marker) {
+		t.Fatalf("%s reads %q at block 10, %s wrote %q", b.Name, out, a.Name, marker)
+	}
+	// And it is in the backing file on the host.
+	f, err := os.ReadFile(shared.File)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(string(f[10*4096:]), marker) {
+		t.Fatalf("backing file %s does not hold %q at offset %d", shared.File, marker, 10*4096)
+	}
+}
+
+func labPersistentReservationsPassThroughToTheTarget(t *testing.T, ctx context.Context, l *Lab, shared *LUN) {
+	if err := Smoke(ctx, l, shared, testWriter{t}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func labDisksWithoutPRRefusePR(t *testing.T, ctx context.Context, a *Guest) {
+	for _, serial := range []string{"hd0", "vblk0"} {
+		d, err := a.DiskBySerial(ctx, serial)
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Cheap PBKDF settings: the guest has 384 MiB and an emulated CPU.
-		script := fmt.Sprintf(`set -e
+		r, err := a.Sh(ctx, "sg_persist -n -i -k /dev/"+d.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Exit == 0 {
+			t.Errorf("sg_persist READ KEYS succeeded on %s (/dev/%s), which should have no PR: %s", serial, d.Name, r)
+		}
+	}
+}
+
+func labDmCryptAndFilesystems(t *testing.T, ctx context.Context, a *Guest, plain string) {
+	vd, err := a.DiskBySerial(ctx, "vblk0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hd, err := a.DiskBySerial(ctx, "hd0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Cheap PBKDF settings: the guest has 384 MiB and an emulated CPU.
+	script := fmt.Sprintf(`set -e
 dev=/dev/%s
 printf lab-secret | cryptsetup luksFormat --type luks2 --pbkdf pbkdf2 --pbkdf-force-iterations 1000 --batch-mode $dev -
 printf lab-secret | cryptsetup open $dev labcrypt -
@@ -193,134 +210,133 @@ cryptsetup close labcrypt
 mkfs.ext4 -q /dev/%s
 mkdir -p /mnt/e && mount /dev/%s /mnt/e && echo on-ext4 >/mnt/e/file && cat /mnt/e/file && umount /mnt/e
 blkid -o value -s TYPE /dev/%s`, vd.Name, hd.Name, hd.Name, hd.Name)
-		out, err := a.MustSh(ctx, script)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if out != "through-dm-crypt\non-ext4\next4\n" {
-			t.Fatalf("unexpected output from the dm-crypt/xfs/ext4 round trip: %q", out)
-		}
-		// The host's cryptsetup reads the header the guest wrote.
-		dump, err := exec.CommandContext(ctx, "cryptsetup", "luksDump", plain).CombinedOutput()
-		if err != nil || !strings.Contains(string(dump), "Version:       	2") {
-			t.Fatalf("host cryptsetup luksDump of %s: %v\n%s", plain, err, dump)
-		}
-	})
+	out, err := a.MustSh(ctx, script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out != "through-dm-crypt\non-ext4\next4\n" {
+		t.Fatalf("unexpected output from the dm-crypt/xfs/ext4 round trip: %q", out)
+	}
+	// The host's cryptsetup reads the header the guest wrote.
+	dump, err := exec.CommandContext(ctx, "cryptsetup", "luksDump", plain).CombinedOutput()
+	if err != nil || !strings.Contains(string(dump), "Version:       	2") {
+		t.Fatalf("host cryptsetup luksDump of %s: %v\n%s", plain, err, dump)
+	}
+}
 
-	t.Run("hot-plug and unplug", func(t *testing.T) {
-		hot, err := l.AddLUN(ctx, "hot1", 32<<20)
+func labHotPlugAndUnplug(t *testing.T, ctx context.Context, l *Lab, b *Guest, shared *LUN) {
+	hot, err := l.AddLUN(ctx, "hot1", 32<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vfile := filepath.Join(l.Dir(), "vhot.img")
+	if err := os.WriteFile(vfile, make([]byte, 4<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []Disk{
+		{ID: "hot1", Kind: SCSIBlock, LUN: hot},
+		{ID: "vhot1", Kind: VirtioBlk, File: vfile, Serial: "vhot1"},
+	} {
+		serial := d.Serial
+		if d.LUN != nil {
+			serial = d.LUN.Serial
+		}
+		if _, err := b.DiskBySerial(ctx, serial); err == nil {
+			t.Fatalf("%s already sees a disk with serial %s before the hot-plug", b.Name, serial)
+		}
+		if err := b.AttachDisk(ctx, d); err != nil {
+			t.Fatal(err)
+		}
+		wctx, cancel := context.WithTimeout(ctx, time.Minute)
+		gd, err := b.WaitDiskBySerial(wctx, serial)
+		cancel()
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("after hot-plug of %s (%s): %v", d.ID, d.Kind, err)
 		}
-		vfile := filepath.Join(l.Dir(), "vhot.img")
-		if err := os.WriteFile(vfile, make([]byte, 4<<20), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		for _, d := range []Disk{
-			{ID: "hot1", Kind: SCSIBlock, LUN: hot},
-			{ID: "vhot1", Kind: VirtioBlk, File: vfile, Serial: "vhot1"},
-		} {
-			serial := d.Serial
-			if d.LUN != nil {
-				serial = d.LUN.Serial
-			}
-			if _, err := b.DiskBySerial(ctx, serial); err == nil {
-				t.Fatalf("%s already sees a disk with serial %s before the hot-plug", b.Name, serial)
-			}
-			if err := b.AttachDisk(ctx, d); err != nil {
-				t.Fatal(err)
-			}
-			wctx, cancel := context.WithTimeout(ctx, time.Minute)
-			gd, err := b.WaitDiskBySerial(wctx, serial)
-			cancel()
-			if err != nil {
-				t.Fatalf("after hot-plug of %s (%s): %v", d.ID, d.Kind, err)
-			}
-			t.Logf("%s appeared in %s as /dev/%s (wwid %q)", d.ID, b.Name, gd.Name, gd.WWID)
-			if d.LUN != nil {
-				sd, err := b.DiskBySerial(ctx, shared.Serial)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if gd.WWID == "" || gd.WWID == sd.WWID {
-					t.Errorf("LUNs %s and %s have WWIDs %q and %q; each LUN needs its own", d.ID, shared.Serial, gd.WWID, sd.WWID)
-				}
-			}
-			if err := b.DetachDisk(ctx, d.ID); err != nil {
-				t.Fatal(err)
-			}
-			gone := false
-			for i := 0; i < 60 && !gone; i++ {
-				if _, err := b.DiskBySerial(ctx, serial); err != nil {
-					gone = true
-					break
-				}
-				time.Sleep(500 * time.Millisecond)
-			}
-			if !gone {
-				t.Fatalf("%s still sees %s 30s after unplug", b.Name, d.ID)
-			}
-		}
-	})
-
-	t.Run("pause and resume", func(t *testing.T) {
-		if err := b.Pause(ctx); err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() {
-			_, err := b.MustSh(ctx, "true")
-			done <- err
-		}()
-		select {
-		case err := <-done:
-			t.Fatalf("a paused guest answered a command (err %v)", err)
-		case <-time.After(3 * time.Second):
-		}
-		if err := b.Resume(ctx); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case err := <-done:
+		t.Logf("%s appeared in %s as /dev/%s (wwid %q)", d.ID, b.Name, gd.Name, gd.WWID)
+		if d.LUN != nil {
+			sd, err := b.DiskBySerial(ctx, shared.Serial)
 			if err != nil {
 				t.Fatal(err)
 			}
-		case <-time.After(time.Minute):
-			t.Fatal("the guest did not answer within a minute of resuming")
-		}
-	})
-
-	t.Run("teardown leaves nothing running", func(t *testing.T) {
-		type rec struct {
-			name  string
-			pid   int
-			start uint64
-		}
-		recs := []rec{{"tgtd", l.Target.Proc.PID, l.Target.Proc.StartTime}}
-		for _, g := range guests {
-			recs = append(recs, rec{g.Name, g.Proc.PID, g.Proc.StartTime})
-		}
-		for _, r := range recs {
-			if !Alive(r.pid, r.start) {
-				t.Fatalf("%s (pid %d) is not running before teardown", r.name, r.pid)
+			if gd.WWID == "" || gd.WWID == sd.WWID {
+				t.Errorf("LUNs %s and %s have WWIDs %q and %q; each LUN needs its own", d.ID, shared.Serial, gd.WWID, sd.WWID)
 			}
 		}
-		ctl := l.Target.CtlPort
-		if err := l.Close(); err != nil {
+		if err := b.DetachDisk(ctx, d.ID); err != nil {
 			t.Fatal(err)
 		}
-		for _, r := range recs {
-			if Alive(r.pid, r.start) {
-				t.Errorf("%s (pid %d) still runs after Close", r.name, r.pid)
+		gone := false
+		for i := 0; i < 60 && !gone; i++ {
+			if _, err := b.DiskBySerial(ctx, serial); err != nil {
+				gone = true
+				break
 			}
+			time.Sleep(500 * time.Millisecond)
 		}
-		if pids, _ := filepath.Glob(filepath.Join(PIDDir(l.Dir()), "*.pid")); len(pids) != 0 {
-			t.Errorf("pid files left: %v", pids)
+		if !gone {
+			t.Fatalf("%s still sees %s 30s after unplug", b.Name, d.ID)
 		}
-		if _, err := os.Stat(fmt.Sprintf("/var/run/tgtd/socket.%d", ctl)); err == nil {
-			t.Errorf("tgtd control socket %d left in /var/run/tgtd", ctl)
+	}
+}
+
+func labPauseAndResume(t *testing.T, ctx context.Context, b *Guest) {
+	if err := b.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := b.MustSh(ctx, "true")
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("a paused guest answered a command (err %v)", err)
+	case <-time.After(3 * time.Second):
+	}
+	if err := b.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
 		}
-	})
+	case <-time.After(time.Minute):
+		t.Fatal("the guest did not answer within a minute of resuming")
+	}
+}
+
+func labTeardownLeavesNothingRunning(t *testing.T, l *Lab, guests []*Guest) {
+	type rec struct {
+		name  string
+		pid   int
+		start uint64
+	}
+	recs := []rec{{"tgtd", l.Target.Proc.PID, l.Target.Proc.StartTime}}
+	for _, g := range guests {
+		recs = append(recs, rec{g.Name, g.Proc.PID, g.Proc.StartTime})
+	}
+	for _, r := range recs {
+		if !Alive(r.pid, r.start) {
+			t.Fatalf("%s (pid %d) is not running before teardown", r.name, r.pid)
+		}
+	}
+	ctl := l.Target.CtlPort
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range recs {
+		if Alive(r.pid, r.start) {
+			t.Errorf("%s (pid %d) still runs after Close", r.name, r.pid)
+		}
+	}
+	if pids, _ := filepath.Glob(filepath.Join(PIDDir(l.Dir()), "*.pid")); len(pids) != 0 {
+		t.Errorf("pid files left: %v", pids)
+	}
+	if _, err := os.Stat(fmt.Sprintf("/var/run/tgtd/socket.%d", ctl)); err == nil {
+		t.Errorf("tgtd control socket %d left in /var/run/tgtd", ctl)
+	}
 }
 
 // TestDownKillsLeftovers simulates a crashed run: a detached lab is left

@@ -89,20 +89,7 @@ type Env struct {
 // guest (reference_id = the guest's SMBIOS UUID), and starts vco-agent and
 // the vco-csi node plugin in each guest.
 func Start(ctx context.Context, o Options) (_ *Env, err error) {
-	if len(o.Guests) == 0 {
-		o.Guests = []string{"node-a", "node-b"}
-	}
-	if o.MemMB == 0 {
-		o.MemMB = 320
-	}
-	if o.Log == nil {
-		o.Log = io.Discard
-	}
-	if o.Lab.HostTools == nil {
-		// util-linux losetup (busybox's lacks --find and offsets): the
-		// agent maps a leased disk's data area past the lease with it.
-		o.Lab.HostTools = append(append([]string(nil), lab.DefaultHostTools...), "/usr/sbin/losetup")
-	}
+	o.setDefaults()
 	e := &Env{VMs: map[string]int64{}, log: o.Log}
 	defer func() {
 		if err != nil {
@@ -124,42 +111,13 @@ func Start(ctx context.Context, o Options) (_ *Env, err error) {
 			ln.Close()
 		}
 	}()
-	if o.Boot != nil {
-		if err := o.Boot(ctx, e.Lab, ln.Addr().(*net.TCPAddr).Port); err != nil {
-			return nil, err
-		}
-		o.NoNodeStack = true
-	} else {
-		var gcs []lab.GuestConfig
-		for _, n := range o.Guests {
-			gcs = append(gcs, lab.GuestConfig{Name: n, MemMB: o.MemMB})
-		}
-		e.logf("booting %s", strings.Join(o.Guests, ", "))
-		if _, err = e.Lab.StartGuests(ctx, gcs...); err != nil {
-			return nil, err
-		}
-	}
-	e.Sim, err = sim.New(sim.Options{Customer: Customer, Token: Token, Backend: e.Backend,
-		Seed:   sim.Seed{Locations: []string{Location, "ch-gen-1"}},
-		Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
+	if err := e.boot(ctx, &o, ln.Addr().(*net.TCPAddr).Port); err != nil {
 		return nil, err
 	}
-	for _, g := range e.Lab.Guests {
-		id, err := e.Sim.AddVM("cs-"+Location, g.Name, g.UUID, false)
-		if err != nil {
-			return nil, err
-		}
-		e.VMs[g.Name] = id
-	}
-	e.srv = &http.Server{Handler: e.Sim, ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = e.srv.Serve(ln) }()
-	e.APIURL = "http://" + ln.Addr().String() + "/api/1"
-	e.TokenFile = filepath.Join(o.Lab.Dir, "sim-token")
-	if err := os.WriteFile(e.TokenFile, []byte(Token+"\n"), 0o600); err != nil {
+	if err := e.startSim(); err != nil {
 		return nil, err
 	}
-	if e.Cloud, err = cloud.New(cloud.Config{BaseURL: e.APIURL, Customer: Customer, TokenFile: e.TokenFile}); err != nil {
+	if err := e.serveSim(ln, o.Lab.Dir); err != nil {
 		return nil, err
 	}
 	e.logf("simulator (lab mode) serving %s", e.APIURL)
@@ -173,6 +131,81 @@ func Start(ctx context.Context, o Options) (_ *Env, err error) {
 		e.logf("%s: vco-agent and vco-csi (node) running", g.Name)
 	}
 	return e, nil
+}
+
+// setDefaults fills in the options left zero.
+func (o *Options) setDefaults() {
+	if len(o.Guests) == 0 {
+		o.Guests = []string{"node-a", "node-b"}
+	}
+	if o.MemMB == 0 {
+		o.MemMB = 320
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	if o.Lab.HostTools == nil {
+		// util-linux losetup (busybox's lacks --find and offsets): the
+		// agent maps a leased disk's data area past the lease with it.
+		o.Lab.HostTools = append(append([]string(nil), lab.DefaultHostTools...), "/usr/sbin/losetup")
+	}
+}
+
+// boot boots the guests: through o.Boot, given the simulator's port
+// (and then without the lab's node stack), or as the lab's own guests.
+func (e *Env) boot(ctx context.Context, o *Options, port int) error {
+	if o.Boot != nil {
+		if err := o.Boot(ctx, e.Lab, port); err != nil {
+			return err
+		}
+		o.NoNodeStack = true
+	} else {
+		var gcs []lab.GuestConfig
+		for _, n := range o.Guests {
+			gcs = append(gcs, lab.GuestConfig{Name: n, MemMB: o.MemMB})
+		}
+		e.logf("booting %s", strings.Join(o.Guests, ", "))
+		if _, err := e.Lab.StartGuests(ctx, gcs...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// startSim makes the simulator with a VM per guest.
+func (e *Env) startSim() error {
+	var err error
+	e.Sim, err = sim.New(sim.Options{Customer: Customer, Token: Token, Backend: e.Backend,
+		Seed:   sim.Seed{Locations: []string{Location, "ch-gen-1"}},
+		Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		return err
+	}
+	for _, g := range e.Lab.Guests {
+		id, err := e.Sim.AddVM("cs-"+Location, g.Name, g.UUID, false)
+		if err != nil {
+			return err
+		}
+		e.VMs[g.Name] = id
+	}
+	return nil
+}
+
+// serveSim serves the simulator on ln, writes its token into dir and
+// makes the cloud client the controller uses.
+func (e *Env) serveSim(ln net.Listener, dir string) error {
+	e.srv = &http.Server{Handler: e.Sim, ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = e.srv.Serve(ln) }()
+	e.APIURL = "http://" + ln.Addr().String() + "/api/1"
+	e.TokenFile = filepath.Join(dir, "sim-token")
+	if err := os.WriteFile(e.TokenFile, []byte(Token+"\n"), 0o600); err != nil {
+		return err
+	}
+	var err error
+	if e.Cloud, err = cloud.New(cloud.Config{BaseURL: e.APIURL, Customer: Customer, TokenFile: e.TokenFile}); err != nil {
+		return err
+	}
+	return nil
 }
 
 func (e *Env) logf(format string, a ...any) {

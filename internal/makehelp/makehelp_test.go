@@ -66,6 +66,13 @@ func TestMakefile(t *testing.T) {
 	if len(m.Order) < 10 {
 		t.Fatalf("found %d targets in the Makefile (%v): the parser misread it", len(m.Order), m.Order)
 	}
+	checkRules(t, m)
+	checkHelp(t, m, makeHelp(t, root))
+}
+
+// checkRules: one rule per target, each declared .PHONY once, and no
+// .PHONY without a rule.
+func checkRules(t *testing.T, m Makefile) {
 	for _, target := range m.Order {
 		if n := m.Rules[target]; n != 1 {
 			t.Errorf("target %s has %d rules: give it one, with all its prerequisites", target, n)
@@ -79,7 +86,10 @@ func TestMakefile(t *testing.T) {
 			t.Errorf(".PHONY names %s, which has no rule", target)
 		}
 	}
+}
 
+// makeHelp is the output of `make help` in root.
+func makeHelp(t *testing.T, root string) string {
 	makeBin, err := exec.LookPath("make")
 	if err != nil {
 		t.Skip("no make on PATH: cannot run make help")
@@ -96,7 +106,13 @@ func TestMakefile(t *testing.T) {
 	if err != nil {
 		t.Fatalf("make help: %v\n%s", err, out)
 	}
-	count, desc := Help(string(out))
+	return string(out)
+}
+
+// checkHelp: make help lists every target of m once, with a description,
+// and nothing else.
+func checkHelp(t *testing.T, m Makefile, out string) {
+	count, desc := Help(out)
 	for _, target := range m.Order {
 		switch n := count[target]; {
 		case n == 0:

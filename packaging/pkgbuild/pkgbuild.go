@@ -57,27 +57,9 @@ type Options struct {
 
 // Build writes one package per format for o.Arch and returns their paths.
 func Build(o Options) ([]string, error) {
-	if o.Config == "" {
-		o.Config = "packaging/config.yaml"
-	}
-	if o.UdevRules == "" {
-		o.UdevRules = "packaging/udev/60-vco-agent.rules"
-	}
-	vars := map[string]string{
-		"ARCH":       o.Arch,
-		"VERSION":    o.Version,
-		"BIN":        o.BinDir,
-		"GENERATED":  o.Generated,
-		"CONFIG":     o.Config,
-		"UDEV_RULES": o.UdevRules,
-		"MAINTAINER": o.Maintainer,
-		"HOMEPAGE":   o.Homepage,
-		"LICENSE":    o.License,
-	}
-	for k, v := range vars {
-		if v == "" {
-			return nil, fmt.Errorf("package option %s is empty", k)
-		}
+	vars, err := o.vars()
+	if err != nil {
+		return nil, err
 	}
 	// nfpm resolves relative sources against the working directory.
 	wd, err := os.Getwd()
@@ -117,36 +99,74 @@ func Build(o Options) ([]string, error) {
 	}
 	var out []string
 	for _, format := range Formats {
-		info, err := cfg.Get(format)
+		path, err := buildFormat(&cfg, format, o)
 		if err != nil {
 			return nil, err
-		}
-		info.MTime = o.MTime
-		info = nfpm.WithDefaults(info)
-		packager, err := nfpm.Get(format)
-		if err != nil {
-			return nil, err
-		}
-		if err := nfpm.PrepareForPackager(info, format); err != nil {
-			return nil, fmt.Errorf("%s package: %w", format, err)
-		}
-		for _, c := range info.Contents {
-			if strings.Contains(c.Source, "${") || strings.Contains(c.Destination, "${") {
-				return nil, fmt.Errorf("packaging/nfpm.yaml: unexpanded variable in %s -> %s", c.Source, c.Destination)
-			}
-		}
-		path := filepath.Join(o.OutDir, packager.ConventionalFileName(info))
-		if err := writePackage(packager, info, path); err != nil {
-			return nil, fmt.Errorf("%s package %s: %w", format, path, err)
-		}
-		if format == "rpm" {
-			if err := relativePayload(path); err != nil {
-				return nil, fmt.Errorf("rpm package %s: making its payload's member names relative: %w", path, err)
-			}
 		}
 		out = append(out, path)
 	}
 	return out, nil
+}
+
+// vars are the values of the ${NAME}s of packaging/nfpm.yaml, from o with
+// its defaults filled in; none may be empty.
+func (o *Options) vars() (map[string]string, error) {
+	if o.Config == "" {
+		o.Config = "packaging/config.yaml"
+	}
+	if o.UdevRules == "" {
+		o.UdevRules = "packaging/udev/60-vco-agent.rules"
+	}
+	vars := map[string]string{
+		"ARCH":       o.Arch,
+		"VERSION":    o.Version,
+		"BIN":        o.BinDir,
+		"GENERATED":  o.Generated,
+		"CONFIG":     o.Config,
+		"UDEV_RULES": o.UdevRules,
+		"MAINTAINER": o.Maintainer,
+		"HOMEPAGE":   o.Homepage,
+		"LICENSE":    o.License,
+	}
+	for k, v := range vars {
+		if v == "" {
+			return nil, fmt.Errorf("package option %s is empty", k)
+		}
+	}
+	return vars, nil
+}
+
+// buildFormat writes the package of one format into o.OutDir and returns
+// its path.
+func buildFormat(cfg *nfpm.Config, format string, o Options) (string, error) {
+	info, err := cfg.Get(format)
+	if err != nil {
+		return "", err
+	}
+	info.MTime = o.MTime
+	info = nfpm.WithDefaults(info)
+	packager, err := nfpm.Get(format)
+	if err != nil {
+		return "", err
+	}
+	if err := nfpm.PrepareForPackager(info, format); err != nil {
+		return "", fmt.Errorf("%s package: %w", format, err)
+	}
+	for _, c := range info.Contents {
+		if strings.Contains(c.Source, "${") || strings.Contains(c.Destination, "${") {
+			return "", fmt.Errorf("packaging/nfpm.yaml: unexpanded variable in %s -> %s", c.Source, c.Destination)
+		}
+	}
+	path := filepath.Join(o.OutDir, packager.ConventionalFileName(info))
+	if err := writePackage(packager, info, path); err != nil {
+		return "", fmt.Errorf("%s package %s: %w", format, path, err)
+	}
+	if format == "rpm" {
+		if err := relativePayload(path); err != nil {
+			return "", fmt.Errorf("rpm package %s: making its payload's member names relative: %w", path, err)
+		}
+	}
+	return path, nil
 }
 
 func writePackage(p nfpm.Packager, info *nfpm.Info, path string) error {

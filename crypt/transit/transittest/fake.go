@@ -112,28 +112,7 @@ func (f *Fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		transitMount = "transit"
 	}
 	if r.URL.Path == "/v1/auth/"+authMount+"/login" {
-		if body["role"] != f.Role {
-			vaultErr(w, 400, fmt.Sprintf("invalid role name %q", body["role"]))
-			return
-		}
-		if review := f.Review; review != nil {
-			jwt, _ := body["jwt"].(string)
-			role := f.Role
-			f.Mu.Unlock()
-			err := review(jwt, role)
-			f.Mu.Lock()
-			if err != nil {
-				vaultErr(w, 403, "permission denied", err.Error())
-				return
-			}
-		} else if body["jwt"] != f.JWT {
-			vaultErr(w, 403, "permission denied")
-			return
-		}
-		f.Logins++
-		tok := fmt.Sprintf("hvs.fake-%d", f.Logins)
-		f.Tokens[tok] = f.Now().Add(f.TTL)
-		f.writeAuth(w, tok)
+		f.login(w, body)
 		return
 	}
 	tok := r.Header.Get("X-Vault-Token")
@@ -154,7 +133,39 @@ func (f *Fake) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		vaultErr(w, 404, "unsupported path")
 		return
 	}
-	op, name := parts[0], parts[1]
+	f.transit(w, parts[0], parts[1], body)
+}
+
+// login answers a Kubernetes auth login with a new token. Called with
+// f.Mu held; a Review runs without it.
+func (f *Fake) login(w http.ResponseWriter, body map[string]any) {
+	if body["role"] != f.Role {
+		vaultErr(w, 400, fmt.Sprintf("invalid role name %q", body["role"]))
+		return
+	}
+	if review := f.Review; review != nil {
+		jwt, _ := body["jwt"].(string)
+		role := f.Role
+		f.Mu.Unlock()
+		err := review(jwt, role)
+		f.Mu.Lock()
+		if err != nil {
+			vaultErr(w, 403, "permission denied", err.Error())
+			return
+		}
+	} else if body["jwt"] != f.JWT {
+		vaultErr(w, 403, "permission denied")
+		return
+	}
+	f.Logins++
+	tok := fmt.Sprintf("hvs.fake-%d", f.Logins)
+	f.Tokens[tok] = f.Now().Add(f.TTL)
+	f.writeAuth(w, tok)
+}
+
+// transit answers the transit operation op (encrypt, decrypt, rewrap)
+// with key name. Called with f.Mu held.
+func (f *Fake) transit(w http.ResponseWriter, op, name string, body map[string]any) {
 	versions := f.Keys[name]
 	if len(versions) == 0 {
 		vaultErr(w, 400, "encryption key not found")

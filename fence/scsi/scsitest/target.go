@@ -463,91 +463,33 @@ func (t *Target) register(ini string, key uint64) {
 	}
 }
 
+// prOutParams are a PERSISTENT RESERVE OUT's CDB and parameter list.
+type prOutParams struct {
+	sa         scsi.PROutAction
+	scope, typ uint8
+	key, sakey uint64
+	aptpl      bool
+}
+
 func (t *Target) prOut(ini string, cdb, data []byte) outcome {
-	if len(cdb) < 10 {
-		return check(scsi.IllegalRequest, 0x24, 0)
-	}
-	sa := scsi.PROutAction(cdb[1] & 0x1f)
-	scope, typ := cdb[2]>>4, cdb[2]&0x0f
-	if plen := binary.BigEndian.Uint32(cdb[5:9]); plen != scsi.PROutParamLen || len(data) != scsi.PROutParamLen {
-		return check(scsi.IllegalRequest, 0x1A, 0) // PARAMETER LIST LENGTH ERROR
-	}
-	key := binary.BigEndian.Uint64(data[0:8])
-	sakey := binary.BigEndian.Uint64(data[8:16])
-	aptpl := data[20]&0x01 != 0
-	if data[20]&0x0c != 0 {
-		return check(scsi.IllegalRequest, 0x26, 0) // SPEC_I_PT / ALL_TG_PT not modelled
+	p, bad, ok := parsePROut(cdb, data)
+	if !ok {
+		return bad
 	}
 	mine, registered := t.regs[ini]
-
-	switch sa {
+	switch p.sa {
 	case scsi.Register, scsi.RegisterAndIgnoreExistingKey:
-		if aptpl && !t.Opts.AcceptAPTPL {
-			return check(scsi.IllegalRequest, 0x26, 0)
-		}
-		if sa == scsi.Register {
-			if !registered && key != 0 {
-				return conflict
-			}
-			if registered && key != mine {
-				return conflict
-			}
-		}
-		if sakey == 0 {
-			if registered {
-				t.unregister(ini)
-				t.gen++
-			}
-			return good
-		}
-		t.register(ini, sakey)
-		t.gen++
-		return good
+		return t.prRegister(ini, p, mine, registered)
 	}
-
 	// Every other service action needs a registration matching key.
-	if !registered || key != mine {
+	if !registered || p.key != mine {
 		return conflict
 	}
-	switch sa {
+	switch p.sa {
 	case scsi.Reserve:
-		if scope != scsi.ScopeLU || !validType(typ) {
-			return check(scsi.IllegalRequest, 0x24, 0)
-		}
-		if t.Opts.IgnoreReserve {
-			return good
-		}
-		if t.res == nil {
-			t.res = &reservation{holder: ini, key: mine, typ: typ}
-			if isAllRegistrants(typ) {
-				t.res.holder, t.res.key = "", 0
-			}
-			return good
-		}
-		if t.res.typ == typ && (t.res.holder == ini || isAllRegistrants(typ)) {
-			return good
-		}
-		return conflict
+		return t.prReserve(ini, p, mine)
 	case scsi.Release:
-		if t.res == nil {
-			return good
-		}
-		if !isAllRegistrants(t.res.typ) && t.res.holder != ini {
-			return good
-		}
-		if scope != scsi.ScopeLU || typ != t.res.typ {
-			return check(scsi.IllegalRequest, 0x26, 0x04) // INVALID RELEASE OF PERSISTENT RESERVATION
-		}
-		old := t.res
-		t.res = nil
-		if old.typ != 1 && old.typ != 3 {
-			for _, o := range t.order {
-				if o != ini {
-					t.ua[o] = append(t.ua[o], [2]uint8{0x2A, 0x04})
-				}
-			}
-		}
-		return good
+		return t.prRelease(ini, p)
 	case scsi.Clear:
 		for _, o := range t.order {
 			if o != ini {
@@ -560,12 +502,103 @@ func (t *Target) prOut(ini string, cdb, data []byte) outcome {
 		t.gen++
 		return good
 	case scsi.Preempt, scsi.PreemptAndAbort:
-		if sa == scsi.PreemptAndAbort && t.Opts.NoPreemptAndAbort {
+		if p.sa == scsi.PreemptAndAbort && t.Opts.NoPreemptAndAbort {
 			return check(scsi.IllegalRequest, 0x24, 0)
 		}
-		return t.preempt(ini, scope, typ, sakey)
+		return t.preempt(ini, p.scope, p.typ, p.sakey)
 	}
 	return check(scsi.IllegalRequest, 0x24, 0)
+}
+
+// parsePROut reads a PERSISTENT RESERVE OUT; ok is false, with the
+// check condition to answer, when it is malformed or asks for what the
+// model does not do.
+func parsePROut(cdb, data []byte) (p prOutParams, bad outcome, ok bool) {
+	if len(cdb) < 10 {
+		return p, check(scsi.IllegalRequest, 0x24, 0), false
+	}
+	p.sa = scsi.PROutAction(cdb[1] & 0x1f)
+	p.scope, p.typ = cdb[2]>>4, cdb[2]&0x0f
+	if plen := binary.BigEndian.Uint32(cdb[5:9]); plen != scsi.PROutParamLen || len(data) != scsi.PROutParamLen {
+		return p, check(scsi.IllegalRequest, 0x1A, 0), false // PARAMETER LIST LENGTH ERROR
+	}
+	p.key = binary.BigEndian.Uint64(data[0:8])
+	p.sakey = binary.BigEndian.Uint64(data[8:16])
+	p.aptpl = data[20]&0x01 != 0
+	if data[20]&0x0c != 0 {
+		return p, check(scsi.IllegalRequest, 0x26, 0), false // SPEC_I_PT / ALL_TG_PT not modelled
+	}
+	return p, outcome{}, true
+}
+
+// prRegister is REGISTER and REGISTER AND IGNORE EXISTING KEY from ini,
+// whose key is mine when registered.
+func (t *Target) prRegister(ini string, p prOutParams, mine uint64, registered bool) outcome {
+	if p.aptpl && !t.Opts.AcceptAPTPL {
+		return check(scsi.IllegalRequest, 0x26, 0)
+	}
+	if p.sa == scsi.Register {
+		if !registered && p.key != 0 {
+			return conflict
+		}
+		if registered && p.key != mine {
+			return conflict
+		}
+	}
+	if p.sakey == 0 {
+		if registered {
+			t.unregister(ini)
+			t.gen++
+		}
+		return good
+	}
+	t.register(ini, p.sakey)
+	t.gen++
+	return good
+}
+
+// prReserve is RESERVE from ini, registered with key mine.
+func (t *Target) prReserve(ini string, p prOutParams, mine uint64) outcome {
+	if p.scope != scsi.ScopeLU || !validType(p.typ) {
+		return check(scsi.IllegalRequest, 0x24, 0)
+	}
+	if t.Opts.IgnoreReserve {
+		return good
+	}
+	if t.res == nil {
+		t.res = &reservation{holder: ini, key: mine, typ: p.typ}
+		if isAllRegistrants(p.typ) {
+			t.res.holder, t.res.key = "", 0
+		}
+		return good
+	}
+	if t.res.typ == p.typ && (t.res.holder == ini || isAllRegistrants(p.typ)) {
+		return good
+	}
+	return conflict
+}
+
+// prRelease is RELEASE from ini.
+func (t *Target) prRelease(ini string, p prOutParams) outcome {
+	if t.res == nil {
+		return good
+	}
+	if !isAllRegistrants(t.res.typ) && t.res.holder != ini {
+		return good
+	}
+	if p.scope != scsi.ScopeLU || p.typ != t.res.typ {
+		return check(scsi.IllegalRequest, 0x26, 0x04) // INVALID RELEASE OF PERSISTENT RESERVATION
+	}
+	old := t.res
+	t.res = nil
+	if old.typ != 1 && old.typ != 3 {
+		for _, o := range t.order {
+			if o != ini {
+				t.ua[o] = append(t.ua[o], [2]uint8{0x2A, 0x04})
+			}
+		}
+	}
+	return good
 }
 
 // preempt follows SPC-4 "Preempting persistent reservations and
