@@ -223,6 +223,23 @@ k8s-lab: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN) -kind $(K8S_KIND)
 
+# Kubernetes' own external storage suite (e2e.test of the pinned
+# Kubernetes, -ginkgo.focus External.Storage) against deploy/testdriver.yaml
+# on a cluster of its own (docs/development.md, "The storage suite"). FOCUS
+# narrows the patterns (a Ginkgo regular expression within External.Storage,
+# e.g. FOCUS='Dynamic PV \(ext4\)'), SKIP leaves specs out, K8S_E2E_CLASS
+# picks the StorageClass, K8S_E2E_TIMEOUT bounds the suite (it then reports
+# what ran); the summary in bin/k8s-e2e-KIND/.
+FOCUS           ?=
+SKIP            ?=
+K8S_E2E_CLASS   ?=
+K8S_E2E_TIMEOUT ?= 6h
+.PHONY: k8s-e2e
+## Kubernetes' external storage suite against deploy/testdriver.yaml (FOCUS, SKIP)
+k8s-e2e: deps build packages guest-root
+	$(MAKE) image IMAGE_ARCHS=amd64
+	$(BIN)/vco-lab k8s e2e -bin $(BIN) -kind $(K8S_KIND) -focus '$(FOCUS)' -skip '$(SKIP)' -class '$(K8S_E2E_CLASS)' -suite-timeout $(K8S_E2E_TIMEOUT)
+
 # The Debian 12 root that guest-boot.sh and E9's systemd guest boot: a
 # debootstrap of about 900 MB, made once (about 14 min) and cached in
 # /var/cache/vco-packaging (or $$VCO_PKG_CACHE).

@@ -17,7 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
-const k8sUsage = `usage: vco-lab k8s <up|status|down|run> [flags]
+const k8sUsage = `usage: vco-lab k8s <up|status|down|run|e2e|prefetch> [flags]
 
   up      build what is not cached, start a cluster (control plane on
           127.0.0.1, workers as QEMU guests) with the add-on applied, and
@@ -31,6 +31,13 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run> [flags]
   run [-scenarios K1,K2,K4] [-report DIR]
           a cluster of its own, the scenarios, a report per safety
           property (DIR/k8s-report.txt and .html); nothing is left running
+  e2e [-focus REGEXP] [-skip REGEXP] [-class NAME] [-suite-timeout 6h] [-report DIR]
+          Kubernetes' external storage suite (e2e.test, External.Storage)
+          against deploy/testdriver.yaml on a cluster of its own with the
+          snapshot CRDs installed: -focus narrows the patterns, e.g.
+          'Dynamic PV \(ext4\)'; the summary (passed, failed, skipped with
+          the suite's reasons) in DIR/k8s-e2e-summary.txt and on stdout,
+          the JUnit report and e2e.test's log beside it
 flags: -dir DIR (default $VCO_LAB_DIR or /var/tmp/vco-lab), -bin DIR, -kind scsi-block|virtio-blk|virtio-blk-file,
   -cloud-init=false (the workers' agent enabled by the package, not its cloud-init seed)
 `
@@ -50,13 +57,18 @@ func k8sCmd(args []string) int {
 		fmt.Fprint(os.Stderr, k8sUsage)
 		return 2
 	}
-	var kind, scenarios, report string
+	var kind, scenarios, report, focus, skip, class string
+	var suiteTimeout time.Duration
 	extra := func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
 		fs.StringVar(&k8sAddon, "addon", k8s.AddonRelease, "how the add-on's core bundle is applied: release (deploy/csi.yaml through envsubst) or make (make csi-addon | kubectl apply -f -)")
 		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "scenarios to run")
 		fs.StringVar(&report, "report", "", "report directory (default: -bin)")
+		fs.StringVar(&focus, "focus", "", "e2e: Ginkgo focus within External.Storage (a regular expression)")
+		fs.StringVar(&skip, "skip", "", "e2e: Ginkgo skip expression")
+		fs.StringVar(&class, "class", "", "e2e: the StorageClass the suite provisions from (default: the driver file's, vco-csi)")
+		fs.DurationVar(&suiteTimeout, "suite-timeout", 6*time.Hour, "e2e: Ginkgo's timeout for the suite; it then reports what ran")
 	}
 	switch args[0] {
 	case "up":
@@ -82,6 +94,15 @@ func k8sCmd(args []string) int {
 			report = c.bin
 		}
 		return c.finish(k8sRun(c, kind, strings.Split(scenarios, ","), report))
+	case "e2e":
+		c, err := oneShotFlags("k8s-e2e", args[1:], extra)
+		if err != nil {
+			return fail("%v", err)
+		}
+		if report == "" {
+			report = filepath.Join(c.bin, "k8s-e2e-"+kind)
+		}
+		return c.finish(k8sE2E(c, kind, k8s.SuiteOptions{Focus: focus, Skip: skip, Class: class, ReportDir: report, Timeout: suiteTimeout}))
 	}
 	fmt.Fprint(os.Stderr, k8sUsage)
 	return 2
@@ -123,6 +144,47 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 	}
 	r.WriteText(os.Stdout)
 	if err := k8s.Judge(r); err != nil {
+		return fail("%v", err)
+	}
+	return 0
+}
+
+// k8sE2E is `make k8s-e2e`: e2e.test and the suite's images built (or
+// cached) before anything boots, a cluster with the add-on and the
+// snapshot CRDs, the external storage suite, its summary; it fails unless
+// every spec that ran passed.
+func k8sE2E(c *common, kind string, so k8s.SuiteOptions) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	start := time.Now()
+	bin, err := k8s.E2ETest(ctx, lab.DefaultCacheDir(), os.Stderr)
+	if err != nil {
+		return fail("%v", err)
+	}
+	o, err := k8sOptions(c, kind, false)
+	if err != nil {
+		return fail("%v", err)
+	}
+	o.E2EImages = true
+	cl, err := k8s.Up(ctx, o)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer cl.Close()
+	for _, step := range []func(context.Context) (string, error){cl.InstallAddon, cl.InstallSnapshots} {
+		out, err := step(ctx)
+		if err != nil {
+			return fail("%v", err)
+		}
+		fmt.Fprintf(os.Stderr, "k8s: %s\n", out)
+	}
+	so.E2ETest, so.Log, so.Label = bin, os.Stderr, ", "+kind+" disks"
+	sum, err := k8s.RunStorageSuite(ctx, cl, so)
+	if sum != nil {
+		sum.Write(os.Stdout)
+		fmt.Printf("summary: %s; %s in all\n", filepath.Join(so.ReportDir, "k8s-e2e-summary.txt"), time.Since(start).Round(time.Second))
+	}
+	if err != nil {
 		return fail("%v", err)
 	}
 	return 0

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -53,6 +54,9 @@ type Options struct {
 	// CSIImage is the vco-csi image archive `make image` writes; default
 	// the newest dist/vco-csi-*.oci.tar of the repository.
 	CSIImage string
+	// E2EImages adds the test images of Kubernetes' storage suite to the
+	// registry (images.E2EImages), for RunStorageSuite.
+	E2EImages bool
 	// Log receives progress lines.
 	Log io.Writer
 }
@@ -79,6 +83,9 @@ type Cluster struct {
 	// it to the node plugins as the ConfigMap openbao-ca.
 	TransitCA   []byte
 	transitStop func()
+
+	// kubelets is how the API server reaches the workers' kubelets.
+	kubelets *kubeletProxy
 
 	// Opts are the options the cluster was started with.
 	Opts Options
@@ -125,8 +132,19 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 			c.transitStop()
 		}
 	}()
+	kubeletPorts := map[string]int{}
+	for _, n := range o.Workers {
+		if kubeletPorts[n], err = lab.FreePort(); err != nil {
+			return nil, err
+		}
+	}
+	defer func() {
+		if err != nil && c.kubelets != nil {
+			c.kubelets.Stop()
+		}
+	}()
 	boot := func(ctx context.Context, l *lab.Lab, apiPort int) error {
-		return c.bootWorkers(ctx, l, apiPort, root, regPort, transitPort)
+		return c.bootWorkers(ctx, l, apiPort, root, regPort, transitPort, kubeletPorts)
 	}
 	c.Env, err = simlab.Start(ctx, simlab.Options{Lab: o.Lab, Kind: o.Kind, Boot: boot, Log: o.Log})
 	if err != nil {
@@ -168,14 +186,24 @@ func (o *Options) setDefaults() {
 // bootWorkers is the simulator's boot of the lab l (its API on apiPort):
 // the control plane, the worker image with the node's root root, and the
 // workers booted and joined, reaching the registry and the transit engine
-// on the host's regPort and transitPort.
-func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root *lab.DebianRoot, regPort, transitPort int) error {
+// on the host's regPort and transitPort, their kubelets reached by the
+// API server on the host's kubeletPorts (by node name) through the
+// kubelet proxy.
+func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root *lab.DebianRoot, regPort, transitPort int, kubeletPorts map[string]int) error {
 	dir := filepath.Join(l.Dir(), "k8s")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	var err error
-	if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, c.Opts.Workers, c.Opts.Log); err != nil {
+	kp, err := startKubeletProxy(filepath.Join(dir, "kubelets.sock"), kubeletPorts)
+	if err != nil {
+		return err
+	}
+	c.kubelets = kp
+	egress, err := kp.egressConfig(dir)
+	if err != nil {
+		return err
+	}
+	if c.cp, err = startControlPlane(ctx, l, c.Bins, dir, c.Opts.Workers, egress, c.Opts.Log); err != nil {
 		return err
 	}
 	c.Kubeconfig = c.cp.Kubeconfig
@@ -195,7 +223,8 @@ func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root
 	var cfgs []lab.GuestConfig
 	for _, n := range c.Opts.Workers {
 		cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: c.Opts.MemMB, CPUs: c.Opts.CPUs,
-			Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort)})
+			Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort),
+			Inbound:  []lab.Inbound{{HostPort: kubeletPorts[n], GuestPort: KubeletPort}}})
 	}
 	fmt.Fprintf(c.Opts.Log, "k8s: booting %s\n", strings.Join(c.Opts.Workers, ", "))
 	gs, err := l.StartSystemGuests(ctx, sb, cfgs...)
@@ -267,6 +296,9 @@ func (c *Cluster) Close() error {
 	if c.transitStop != nil {
 		c.transitStop()
 	}
+	if c.kubelets != nil {
+		c.kubelets.Stop()
+	}
 	if c.Env == nil {
 		return nil
 	}
@@ -282,6 +314,13 @@ func (c *Cluster) serveImages(ctx context.Context, o Options) error {
 	imgs, err := images.Build(ctx, cache, logf)
 	if err != nil {
 		return err
+	}
+	if o.E2EImages {
+		e2e, err := images.E2EImages(ctx, cache, buildDir(), logf)
+		if err != nil {
+			return err
+		}
+		maps.Copy(imgs, e2e)
 	}
 	archive := o.CSIImage
 	if archive == "" {

@@ -28,8 +28,10 @@ type controlPlane struct {
 }
 
 // startControlPlane writes the certificates and starts the four servers,
-// and returns once the API server is ready.
-func startControlPlane(ctx context.Context, l *lab.Lab, bins *Binaries, dir string, nodes []string, log io.Writer) (*controlPlane, error) {
+// and returns once the API server is ready. The API server reaches the
+// kubelets through the egress selector configuration egress (the lab's
+// kubelet proxy), by their Hostname address, the node's name.
+func startControlPlane(ctx context.Context, l *lab.Lab, bins *Binaries, dir string, nodes []string, egress string, log io.Writer) (*controlPlane, error) {
 	p, err := newPKI(filepath.Join(dir, "pki"))
 	if err != nil {
 		return nil, err
@@ -111,6 +113,7 @@ func startControlPlane(ctx context.Context, l *lab.Lab, bins *Binaries, dir stri
 		"--service-cluster-ip-range", ServiceCIDR,
 		"--client-ca-file", pk("ca.crt"), "--tls-cert-file", pk("apiserver.crt"), "--tls-private-key-file", pk("apiserver.key"),
 		"--kubelet-client-certificate", pk("apiserver-kubelet-client.crt"), "--kubelet-client-key", pk("apiserver-kubelet-client.key"),
+		"--egress-selector-config-file", egress, "--kubelet-preferred-address-types", "Hostname",
 		"--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
 		"--service-account-key-file", pk("sa.pub"), "--service-account-signing-key-file", pk("sa.key"),
 		"--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",

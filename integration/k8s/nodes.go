@@ -17,6 +17,11 @@ import (
 // registry.k8s.io, from the lab's registry.
 const PortalHost = "try.whitesky.cloud"
 
+// GuestRegistry is the lab registry as the workers reach it, host:port:
+// the storage suite's registry list (images.RepoList) names it, and
+// containerd speaks plain HTTP to it.
+var GuestRegistry = fmt.Sprintf("%s:%d", HostInGuest, GuestRegistryPort)
+
 // Image is the vco-csi image reference the add-on is rendered with.
 const Image = PortalHost + "/csi-driver:latest"
 
@@ -43,6 +48,8 @@ func workerFiles() map[string]string {
   [plugins."io.containerd.grpc.v1.cri".registry.mirrors."registry.k8s.io"]
     endpoint = ` + mirror + `
   [plugins."io.containerd.grpc.v1.cri".registry.mirrors."` + PortalHost + `"]
+    endpoint = ` + mirror + `
+  [plugins."io.containerd.grpc.v1.cri".registry.mirrors."` + GuestRegistry + `"]
     endpoint = ` + mirror + `
 `,
 		"/etc/kubernetes/kubelet.yaml": `apiVersion: kubelet.config.k8s.io/v1beta1

@@ -157,6 +157,49 @@ func (s *story) k6(ctx context.Context) error {
 	})
 }
 
+// InstallSnapshots installs external-snapshotter's CRDs and
+// snapshot-controller as docs/csi-addon.md tells operators, and applies
+// the add-on's snapshots part the release way (envsubst over
+// deploy/csi-snapshots.yaml).
+func (c *Cluster) InstallSnapshots(ctx context.Context) (string, error) {
+	f, err := images.Snapshotter(ctx, images.DefaultCacheDir)
+	if err != nil {
+		return "", err
+	}
+	for _, crd := range f.CRDs {
+		if _, err := c.Kubectl(ctx, "apply", "-f", crd); err != nil {
+			return "", err
+		}
+	}
+	for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
+		if _, err := c.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io"); err != nil {
+			return "", err
+		}
+	}
+	for _, m := range f.Controller {
+		if _, err := c.Kubectl(ctx, "apply", "-f", m); err != nil {
+			return "", err
+		}
+	}
+	// The upstream Deployment names the release's image; the lab
+	// serves the one it built from the same release under that name.
+	if _, err := c.Kubectl(ctx, "-n", "kube-system", "set", "image", "deployment/snapshot-controller", "snapshot-controller="+f.Image); err != nil {
+		return "", err
+	}
+	if _, err := c.Kubectl(ctx, "-n", "kube-system", "rollout", "status", "deployment/snapshot-controller", "--timeout=5m"); err != nil {
+		return "", c.podsState(ctx, err)
+	}
+	rendered, err := envsubst(ctx, "deploy/csi-snapshots.yaml")
+	if err != nil {
+		return "", err
+	}
+	out, err := c.KubectlInput(ctx, strings.NewReader(rendered), "apply", "-f", "-")
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
+}
+
 // k6Size is the size of the filesystem of pv in pod p.
 func (s *story) k6Size(ctx context.Context, p podInfo, pv string) (int64, error) {
 	out, err := s.c.Env.Lab.Guest(p.Node).MustSh(ctx, "df -B1 --output=size "+volumeMount(p.UID, pv)+" | tail -n1")
@@ -275,7 +318,7 @@ func (s *story) k9(ctx context.Context) error {
 		return err
 	}
 	if err := s.step(sc, "cluster", "install external-snapshotter's CRDs and snapshot-controller; apply csi-snapshots.yaml through envsubst", func() (string, error) {
-		return s.k9Snapshotter(ctx)
+		return s.c.InstallSnapshots(ctx)
 	}); err != nil {
 		return err
 	}
@@ -288,46 +331,6 @@ func (s *story) k9(ctx context.Context) error {
 	return s.step(sc, "cluster", "a claim restored from the snapshot holds claim k4's data", func() (string, error) {
 		return s.k9Restored(ctx, sc, before)
 	})
-}
-
-// k9Snapshotter installs external-snapshotter's CRDs and snapshot-controller and applies the bundle's snapshots part the release way.
-func (s *story) k9Snapshotter(ctx context.Context) (string, error) {
-	f, err := images.Snapshotter(ctx, images.DefaultCacheDir)
-	if err != nil {
-		return "", err
-	}
-	for _, crd := range f.CRDs {
-		if _, err := s.c.Kubectl(ctx, "apply", "-f", crd); err != nil {
-			return "", err
-		}
-	}
-	for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
-		if _, err := s.c.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io"); err != nil {
-			return "", err
-		}
-	}
-	for _, m := range f.Controller {
-		if _, err := s.c.Kubectl(ctx, "apply", "-f", m); err != nil {
-			return "", err
-		}
-	}
-	// The upstream Deployment names the release's image; the lab
-	// serves the one it built from the same release under that name.
-	if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "set", "image", "deployment/snapshot-controller", "snapshot-controller="+f.Image); err != nil {
-		return "", err
-	}
-	if _, err := s.c.Kubectl(ctx, "-n", "kube-system", "rollout", "status", "deployment/snapshot-controller", "--timeout=5m"); err != nil {
-		return "", s.c.podsState(ctx, err)
-	}
-	rendered, err := envsubst(ctx, "deploy/csi-snapshots.yaml")
-	if err != nil {
-		return "", err
-	}
-	out, err := s.c.KubectlInput(ctx, strings.NewReader(rendered), "apply", "-f", "-")
-	if err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
 }
 
 // k9Snapshot reads K4's data into before and takes a snapshot of claim k4.

@@ -55,6 +55,16 @@ type GuestConfig struct {
 	// and port to a port on the host's loopback. The guest finds the NIC by its
 	// MAC address, 52:54:00:12:34:56, and configures it itself (10.0.2.15/24).
 	Forwards []Forward
+	// Inbound are ports of the guest the host reaches on its loopback
+	// (QEMU hostfwd), on the same NIC as Forwards: 127.0.0.1:HostPort
+	// is the guest's GuestPort.
+	Inbound []Inbound
+}
+
+// Inbound takes the host's connections to 127.0.0.1:HostPort to the
+// guest's GuestPort.
+type Inbound struct {
+	HostPort, GuestPort int
 }
 
 // Forward takes a guest's TCP connections to GuestAddr (a 10.0.2.x
@@ -66,14 +76,17 @@ type Forward struct {
 }
 
 // netArgs is the QEMU networking of cfg: none, or the restricted user
-// network with its forwards.
+// network with its forwards both ways.
 func netArgs(cfg GuestConfig) []string {
-	if len(cfg.Forwards) == 0 {
+	if len(cfg.Forwards) == 0 && len(cfg.Inbound) == 0 {
 		return []string{"-nic", "none"}
 	}
 	nd := "user,id=net0,restrict=on,net=10.0.2.0/24"
 	for _, f := range cfg.Forwards {
 		nd += fmt.Sprintf(",guestfwd=tcp:%s-cmd:busybox nc 127.0.0.1 %d", f.GuestAddr, f.HostPort)
+	}
+	for _, in := range cfg.Inbound {
+		nd += fmt.Sprintf(",hostfwd=tcp:127.0.0.1:%d-:%d", in.HostPort, in.GuestPort)
 	}
 	return []string{"-netdev", nd, "-device", "virtio-net-pci,netdev=net0,mac=52:54:00:12:34:56"}
 }

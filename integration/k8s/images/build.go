@@ -50,13 +50,19 @@ func goTool() (string, error) {
 // goRun runs the go command in a module directory of its own: never the
 // product's go.mod (GOWORK=off, -mod=mod), static linux/amd64 output.
 func goRun(ctx context.Context, dir string, args ...string) (string, error) {
+	return goWith(ctx, dir, "-mod=mod -buildvcs=false", args...)
+}
+
+// goWith runs the go command in dir with GOFLAGS goflags, static
+// linux/amd64 output, no workspace.
+func goWith(ctx context.Context, dir, goflags string, args ...string) (string, error) {
 	gt, err := goTool()
 	if err != nil {
 		return "", err
 	}
 	cmd := exec.CommandContext(ctx, gt, args...)
 	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS=-mod=mod -buildvcs=false", "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64", "GOTOOLCHAIN=local")
+	cmd.Env = append(os.Environ(), "GOWORK=off", "GOFLAGS="+goflags, "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64", "GOTOOLCHAIN=local")
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
@@ -229,6 +235,20 @@ func busyboxVersion() (string, error) {
 // workload makes a busybox image: /bin/busybox with a link for each of
 // its applets at the path it lists, users, /tmp and /root.
 func (b *builder) workload(ctx context.Context, version string) (v1.Image, error) {
+	r, err := busyboxRoot(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b.logf("image %s: from busybox-static %s", WorkloadRef, version)
+	return image(r, v1.Config{
+		Cmd:    []string{"/bin/sh"},
+		Labels: map[string]string{"org.opencontainers.image.title": "busybox", "org.opencontainers.image.version": version, "vco-lab.source": "Debian busybox-static " + version},
+	}, "Debian busybox-static "+version)
+}
+
+// busyboxRoot is the root of the busybox images: Debian's busybox-static
+// with a link for each applet at the path it lists, users, /tmp, /root.
+func busyboxRoot(ctx context.Context) (rootfs, error) {
 	bin, err := os.ReadFile(BusyboxPath)
 	if err != nil {
 		return nil, fmt.Errorf("reading %s of busybox-static: %w", BusyboxPath, err)
@@ -240,7 +260,6 @@ func (b *builder) workload(ctx context.Context, version string) (v1.Image, error
 	if err != nil {
 		return nil, fmt.Errorf("%s --list-full: %w", BusyboxPath, err)
 	}
-	b.logf("image %s: from busybox-static %s", WorkloadRef, version)
 	r := rootfs{}
 	r.users()
 	r.dir("/root", 0o700)
@@ -251,10 +270,7 @@ func (b *builder) workload(ctx context.Context, version string) (v1.Image, error
 			r.symlink(p, "/bin/busybox")
 		}
 	}
-	return image(r, v1.Config{
-		Cmd:    []string{"/bin/sh"},
-		Labels: map[string]string{"org.opencontainers.image.title": "busybox", "org.opencontainers.image.version": version, "vco-lab.source": "Debian busybox-static " + version},
-	}, "Debian busybox-static "+version)
+	return r, nil
 }
 
 func shortHash(b []byte) string {

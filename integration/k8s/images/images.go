@@ -90,13 +90,7 @@ func Sidecars() ([]Sidecar, error) {
 // Building needs the go tool, the Go module proxy and busybox-static;
 // a warm cache needs none of them.
 func Build(ctx context.Context, cacheDir string, logf Logf) (map[string]v1.Image, error) {
-	if logf == nil {
-		logf = func(string, ...any) {}
-	}
-	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
-		return nil, fmt.Errorf("image cache: %w", err)
-	}
-	unlock, err := lockCache(cacheDir, logf)
+	logf, unlock, err := openCache(cacheDir, logf)
 	if err != nil {
 		return nil, err
 	}
@@ -171,6 +165,19 @@ func run(ctx context.Context, cacheDir string, logf Logf, jobs []job) (map[strin
 		out[j.ref] = img
 	}
 	return out, nil
+}
+
+// openCache makes cacheDir and holds its lock (lockCache) for one Build;
+// a nil logf logs nothing.
+func openCache(cacheDir string, logf Logf) (Logf, func(), error) {
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	if err := os.MkdirAll(cacheDir, 0o755); err != nil {
+		return nil, nil, fmt.Errorf("image cache: %w", err)
+	}
+	unlock, err := lockCache(cacheDir, logf)
+	return logf, unlock, err
 }
 
 // lockCache holds <cacheDir>/.lock for one Build at a time, so two lab
