@@ -334,16 +334,7 @@ func (d *Driver) volume(loc string, disk *cloud.Disk, meta diskMeta) *csi.Volume
 // an earlier call with the same name made.
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
 	name := req.GetName()
-	if name == "" {
-		return nil, failf(ErrInvalid, "CreateVolume needs a name")
-	}
-	if err := checkName(name); err != nil {
-		return nil, err
-	}
-	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
-		return nil, err
-	}
-	params, err := parseParams(req.GetParameters())
+	params, err := checkCreate(req)
 	if err != nil {
 		return nil, err
 	}
@@ -354,75 +345,18 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	defer release()
 
 	meta := diskMeta{Encrypted: params.encrypted}
-	var loc string
-	var srcLoc string
-	var srcDisk int64
-	var srcSnap string
-	var floorGiB int64
-	switch {
-	case req.GetVolumeContentSource().GetSnapshot() != nil:
-		id := req.GetVolumeContentSource().GetSnapshot().GetSnapshotId()
-		l, disk, snap, ok := parseSnapshotID(id)
-		if !ok {
-			return nil, failf(ErrNotFound, "source snapshot %q of volume %q does not exist", id, name)
-		}
-		snaps, err := d.cfg.Cloud.ListSnapshots(ctx, l, disk)
-		if errors.Is(err, cloud.ErrNotFound) {
-			return nil, failf(ErrNotFound, "source snapshot %s of volume %q does not exist (its disk is gone)", id, name)
-		}
-		if err != nil {
-			return nil, err
-		}
-		found := false
-		for _, s := range snaps {
-			found = found || s.ID == snap
-		}
-		if !found {
-			return nil, failf(ErrNotFound, "source snapshot %s of volume %q does not exist", id, name)
-		}
-		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
-		if err != nil {
-			return nil, err
-		}
-		srcLoc, srcDisk, srcSnap, floorGiB = l, disk, snap, src.SizeGiB
-		meta.Source = "snapshot:" + id
-	case req.GetVolumeContentSource().GetVolume() != nil:
-		id := req.GetVolumeContentSource().GetVolume().GetVolumeId()
-		l, disk, ok, err := d.volumeRef(ctx, id)
-		if err != nil {
-			return nil, err
-		}
-		if !ok {
-			return nil, failf(ErrNotFound, "source volume %q of volume %q does not exist", id, name)
-		}
-		// The copy goes through a snapshot of the source, which, as
-		// CreateSnapshot does, holds the source volume's lock.
-		releaseSrc, err := d.locks.tryAs("volume "+id, fmt.Sprintf("volume %s (the source of volume %s)", id, name))
-		if err != nil {
-			return nil, err
-		}
-		defer releaseSrc()
-		src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
-		if errors.Is(err, cloud.ErrNotFound) {
-			return nil, failf(ErrNotFound, "source volume %s of volume %q does not exist", id, name)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("source volume %s of volume %q: %w", id, name, err)
-		}
-		srcLoc, srcDisk, floorGiB = l, disk, src.SizeGiB
-		meta.Source = "volume:" + id
+	src, releaseSrc, err := d.copySource(ctx, name, req.GetVolumeContentSource())
+	if err != nil {
+		return nil, err
 	}
+	defer releaseSrc()
+	meta.Source = src.meta
 	size, err := sizeGiB(req.GetCapacityRange(), 0)
 	if err != nil {
 		return nil, err
 	}
-	if srcLoc != "" {
-		// A copy lives where its source is; the topology must allow that.
-		if t := req.GetAccessibilityRequirements(); len(t.GetRequisite()) > 0 && !topologyAllows(t, srcLoc) {
-			return nil, failf(ErrInvalid, "the source is in location %s, which the requested topology does not allow", srcLoc)
-		}
-		loc = srcLoc
-	} else if loc, err = d.pickLocation(ctx, req.GetAccessibilityRequirements()); err != nil {
+	loc, err := d.createLocation(ctx, req.GetAccessibilityRequirements(), src)
+	if err != nil {
 		return nil, err
 	}
 
@@ -433,39 +367,175 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, err
 	}
 	if existing != nil {
-		m, ours := parseDescription(existing.Description)
-		switch {
-		case !ours:
-			return nil, failf(ErrAlreadyExists, "a disk named %q (id %d in %s) exists that this driver did not create", name, existing.ID, loc)
-		// Compatible with the capacity range is enough: a volume grown
-		// since it was made still answers a repeated create.
-		case existing.SizeGiB < size:
-			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, less than the requested %d GiB", name, existing.SizeGiB, size)
-		case req.GetCapacityRange().GetLimitBytes() > 0 && existing.SizeGiB*gib > req.GetCapacityRange().GetLimitBytes():
-			return nil, failf(ErrAlreadyExists, "volume %q exists with %d GiB, more than the limit of %d bytes", name, existing.SizeGiB, req.GetCapacityRange().GetLimitBytes())
-		case m != meta:
-			return nil, failf(ErrAlreadyExists, "volume %q exists with other parameters (encryption or source differ)", name)
-		case existing.Type != params.diskType:
-			return nil, failf(ErrAlreadyExists, "volume %q exists as disk type %s, not %s", name, existing.Type, params.diskType)
+		if err := matchExisting(existing, loc, name, size, req.GetCapacityRange().GetLimitBytes(), meta, params.diskType); err != nil {
+			return nil, err
 		}
 		return &csi.CreateVolumeResponse{Volume: withClaim(d.volume(loc, existing, meta), req.GetParameters())}, nil
 	}
-	// A new copy is at least its source's size. (An existing one is
-	// checked against the request alone: the source may have grown
-	// since it was made.)
-	if srcLoc != "" && size < floorGiB {
-		if lim := req.GetCapacityRange().GetLimitBytes(); lim > 0 && floorGiB*gib > lim {
-			return nil, failf(ErrOutOfRange, "the source of volume %q is %d GiB, more than the limit of %d bytes", name, floorGiB, lim)
-		}
-		size = floorGiB
+	if size, err = copySize(name, size, req.GetCapacityRange().GetLimitBytes(), src); err != nil {
+		return nil, err
 	}
+	disk, err := d.makeDisk(ctx, loc, name, size, src, meta, params)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.CreateVolumeResponse{Volume: withClaim(d.volume(loc, disk, meta), req.GetParameters())}, nil
+}
 
-	var id int64
+// checkCreate checks what CreateVolume is asked before anything is locked
+// or looked up: the name, the capabilities and the parameters.
+func checkCreate(req *csi.CreateVolumeRequest) (createParams, error) {
+	name := req.GetName()
+	if name == "" {
+		return createParams{}, failf(ErrInvalid, "CreateVolume needs a name")
+	}
+	if err := checkName(name); err != nil {
+		return createParams{}, err
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return createParams{}, err
+	}
+	return parseParams(req.GetParameters())
+}
+
+// volumeCopy is what a new volume is copied from: a snapshot (snap set)
+// or a volume, in loc; the zero value is no source, an empty volume.
+type volumeCopy struct {
+	loc  string
+	disk int64
+	snap string
+	// floorGiB is the source's size, the least a new copy can have.
+	floorGiB int64
+	// meta is the diskMeta.Source recording it.
+	meta string
+}
+
+// copySource resolves the content source of volume name. A volume source
+// is locked, as CreateSnapshot locks it, until the returned release.
+func (d *Driver) copySource(ctx context.Context, name string, cs *csi.VolumeContentSource) (volumeCopy, func(), error) {
+	none := func() {}
 	switch {
-	case srcSnap != "":
-		id, err = d.cfg.Cloud.CloneSnapshot(ctx, loc, srcDisk, srcSnap, name, meta.description())
-	case srcDisk != 0:
-		id, err = d.cloneVolume(ctx, loc, srcDisk, name, meta.description())
+	case cs.GetSnapshot() != nil:
+		src, err := d.snapshotSource(ctx, name, cs.GetSnapshot().GetSnapshotId())
+		return src, none, err
+	case cs.GetVolume() != nil:
+		return d.volumeSource(ctx, name, cs.GetVolume().GetVolumeId())
+	}
+	return volumeCopy{}, none, nil
+}
+
+// snapshotSource checks that snapshot id exists and reads its disk's size.
+func (d *Driver) snapshotSource(ctx context.Context, name, id string) (volumeCopy, error) {
+	l, disk, snap, ok := parseSnapshotID(id)
+	if !ok {
+		return volumeCopy{}, failf(ErrNotFound, "source snapshot %q of volume %q does not exist", id, name)
+	}
+	snaps, err := d.cfg.Cloud.ListSnapshots(ctx, l, disk)
+	if errors.Is(err, cloud.ErrNotFound) {
+		return volumeCopy{}, failf(ErrNotFound, "source snapshot %s of volume %q does not exist (its disk is gone)", id, name)
+	}
+	if err != nil {
+		return volumeCopy{}, err
+	}
+	found := false
+	for _, s := range snaps {
+		found = found || s.ID == snap
+	}
+	if !found {
+		return volumeCopy{}, failf(ErrNotFound, "source snapshot %s of volume %q does not exist", id, name)
+	}
+	src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+	if err != nil {
+		return volumeCopy{}, err
+	}
+	return volumeCopy{loc: l, disk: disk, snap: snap, floorGiB: src.SizeGiB, meta: "snapshot:" + id}, nil
+}
+
+// volumeSource locks source volume id and reads its size.
+func (d *Driver) volumeSource(ctx context.Context, name, id string) (volumeCopy, func(), error) {
+	none := func() {}
+	l, disk, ok, err := d.volumeRef(ctx, id)
+	if err != nil {
+		return volumeCopy{}, none, err
+	}
+	if !ok {
+		return volumeCopy{}, none, failf(ErrNotFound, "source volume %q of volume %q does not exist", id, name)
+	}
+	// The copy goes through a snapshot of the source, which, as
+	// CreateSnapshot does, holds the source volume's lock.
+	release, err := d.locks.tryAs("volume "+id, fmt.Sprintf("volume %s (the source of volume %s)", id, name))
+	if err != nil {
+		return volumeCopy{}, none, err
+	}
+	src, err := d.cfg.Cloud.GetDisk(ctx, l, disk)
+	if errors.Is(err, cloud.ErrNotFound) {
+		release()
+		return volumeCopy{}, none, failf(ErrNotFound, "source volume %s of volume %q does not exist", id, name)
+	}
+	if err != nil {
+		release()
+		return volumeCopy{}, none, fmt.Errorf("source volume %s of volume %q: %w", id, name, err)
+	}
+	return volumeCopy{loc: l, disk: disk, floorGiB: src.SizeGiB, meta: "volume:" + id}, release, nil
+}
+
+// createLocation chooses where a new volume goes: where its source is, if
+// the topology allows that, or else as pickLocation chooses.
+func (d *Driver) createLocation(ctx context.Context, t *csi.TopologyRequirement, src volumeCopy) (string, error) {
+	if src.loc == "" {
+		return d.pickLocation(ctx, t)
+	}
+	// A copy lives where its source is; the topology must allow that.
+	if len(t.GetRequisite()) > 0 && !topologyAllows(t, src.loc) {
+		return "", failf(ErrInvalid, "the source is in location %s, which the requested topology does not allow", src.loc)
+	}
+	return src.loc, nil
+}
+
+// matchExisting refuses a disk named name that an earlier call did not
+// make as this one asks (limit 0 is no limit).
+func matchExisting(existing *cloud.Disk, loc, name string, size, limit int64, meta diskMeta, diskType string) error {
+	m, ours := parseDescription(existing.Description)
+	switch {
+	case !ours:
+		return failf(ErrAlreadyExists, "a disk named %q (id %d in %s) exists that this driver did not create", name, existing.ID, loc)
+	// Compatible with the capacity range is enough: a volume grown
+	// since it was made still answers a repeated create.
+	case existing.SizeGiB < size:
+		return failf(ErrAlreadyExists, "volume %q exists with %d GiB, less than the requested %d GiB", name, existing.SizeGiB, size)
+	case limit > 0 && existing.SizeGiB*gib > limit:
+		return failf(ErrAlreadyExists, "volume %q exists with %d GiB, more than the limit of %d bytes", name, existing.SizeGiB, limit)
+	case m != meta:
+		return failf(ErrAlreadyExists, "volume %q exists with other parameters (encryption or source differ)", name)
+	case existing.Type != diskType:
+		return failf(ErrAlreadyExists, "volume %q exists as disk type %s, not %s", name, existing.Type, diskType)
+	}
+	return nil
+}
+
+// copySize is the size of a new volume: a new copy is at least its
+// source's size. (An existing one is checked against the request alone:
+// the source may have grown since it was made.)
+func copySize(name string, size, limit int64, src volumeCopy) (int64, error) {
+	if src.loc == "" || size >= src.floorGiB {
+		return size, nil
+	}
+	if limit > 0 && src.floorGiB*gib > limit {
+		return 0, failf(ErrOutOfRange, "the source of volume %q is %d GiB, more than the limit of %d bytes", name, src.floorGiB, limit)
+	}
+	return src.floorGiB, nil
+}
+
+// makeDisk creates the disk, empty or copied from src, and grows it to
+// size if it came out smaller.
+func (d *Driver) makeDisk(ctx context.Context, loc, name string, size int64, src volumeCopy, meta diskMeta, params createParams) (*cloud.Disk, error) {
+	var id int64
+	var err error
+	switch {
+	case src.snap != "":
+		id, err = d.cfg.Cloud.CloneSnapshot(ctx, loc, src.disk, src.snap, name, meta.description())
+	case src.disk != 0:
+		id, err = d.cloneVolume(ctx, loc, src.disk, name, meta.description())
 	default:
 		id, err = d.cfg.Cloud.CreateDisk(ctx, loc, cloud.DiskSpec{Name: name, Description: meta.description(),
 			SizeGiB: size, IOPS: params.iops, Type: params.diskType})
@@ -474,7 +544,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, fmt.Errorf("creating volume %q in %s: %w", name, loc, err)
 	}
 	disk := &cloud.Disk{ID: id, Name: name, SizeGiB: size}
-	if srcLoc != "" {
+	if src.loc != "" {
 		// A copy has its source's size, which may be less than asked.
 		if disk, err = d.cfg.Cloud.GetDisk(ctx, loc, id); err != nil {
 			return nil, err
@@ -486,7 +556,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 		disk.SizeGiB = size
 	}
-	return &csi.CreateVolumeResponse{Volume: withClaim(d.volume(loc, disk, meta), req.GetParameters())}, nil
+	return disk, nil
 }
 
 func topologyAllows(t *csi.TopologyRequirement, loc string) bool {

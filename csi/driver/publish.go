@@ -120,64 +120,126 @@ func canonicalUUID(s string) string { return strings.ToLower(strings.TrimSpace(s
 
 // ControllerPublishVolume attaches the disk to the node's VM.
 func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
-	id, node := req.GetVolumeId(), req.GetNodeId()
-	if id == "" || node == "" {
-		return nil, failf(ErrInvalid, "ControllerPublishVolume needs a volume id and a node id")
-	}
-	if req.GetVolumeCapability() == nil {
-		return nil, failf(ErrInvalid, "ControllerPublishVolume needs a volume capability")
-	}
-	if err := checkCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
+	if err := checkPublish(req); err != nil {
 		return nil, err
 	}
+	id, node := req.GetVolumeId(), req.GetNodeId()
 	release, err := d.locks.try("volume " + id)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
+	p, err := d.publishTarget(ctx, id, node)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.readHolders(ctx, &p); err != nil {
+		return nil, err
+	}
+	if err := d.recordHolders(ctx, p); err != nil {
+		return nil, err
+	}
+	if err := d.attach(ctx, p); err != nil {
+		return nil, err
+	}
+	vd, err := d.waitAttached(ctx, p.vm, p.diskID)
+	if err != nil {
+		return nil, fmt.Errorf("volume %s on node %s: %w", id, node, err)
+	}
+	pc, err := d.publishContext(ctx, p, vd)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
+}
+
+// checkPublish checks what ControllerPublishVolume is asked before
+// anything is locked or looked up.
+func checkPublish(req *csi.ControllerPublishVolumeRequest) error {
+	if req.GetVolumeId() == "" || req.GetNodeId() == "" {
+		return failf(ErrInvalid, "ControllerPublishVolume needs a volume id and a node id")
+	}
+	if req.GetVolumeCapability() == nil {
+		return failf(ErrInvalid, "ControllerPublishVolume needs a volume capability")
+	}
+	return checkCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()})
+}
+
+// publication is one ControllerPublishVolume call: volume id's disk and the
+// VM of node, then what the disk's notes say of its holders.
+type publication struct {
+	id, node string
+	loc      string
+	diskID   int64
+	disk     *cloud.Disk
+	vm       vmRef
+
+	// Read once by readHolders; every write is decided from them.
+	notes []cloud.Note
+	// me is the node's canonical UUID, its fence key's source.
+	me string
+	// holders are the recorded holders with me among them.
+	holders []string
+	// never: no publish has been recorded on the disk.
+	never bool
+	// track: the disk may hold data no node of ours wrote (mayHoldData).
+	track bool
+}
+
+// publishTarget finds the disk of volume id and the VM of node, and
+// refuses a VM in another location or a disk attached to another VM.
+func (d *Driver) publishTarget(ctx context.Context, id, node string) (publication, error) {
+	p := publication{id: id, node: node}
 	loc, diskID, ok, err := d.volumeRef(ctx, id)
 	if err != nil {
-		return nil, err
+		return p, err
 	}
 	if !ok {
-		return nil, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver, nor a disk id any location has)", id)
+		return p, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver, nor a disk id any location has)", id)
 	}
-	disk, err := d.disks.byID(ctx, loc, diskID)
+	p.loc, p.diskID = loc, diskID
+	p.disk, err = d.disks.byID(ctx, loc, diskID)
 	if errors.Is(err, cloud.ErrNotFound) {
-		return nil, failf(ErrNotFound, "volume %s does not exist", id)
+		return p, failf(ErrNotFound, "volume %s does not exist", id)
 	}
 	if err != nil {
-		return nil, err
+		return p, err
 	}
 	vm, ok, err := d.vms.byNode(ctx, node)
 	if err != nil {
-		return nil, err
+		return p, err
 	}
 	if !ok {
-		return nil, failf(ErrNotFound, "node %s is not a VM of this customer (no VM has reference_id %s)", node, node)
+		return p, failf(ErrNotFound, "node %s is not a VM of this customer (no VM has reference_id %s)", node, node)
 	}
+	p.vm = vm
 	if vm.Location != loc {
-		return nil, failf(ErrPrecondition, "volume %s is in location %s but node %s (VM %s) is in %s", id, loc, node, vm.Name, vm.Location)
+		return p, failf(ErrPrecondition, "volume %s is in location %s but node %s (VM %s) is in %s", id, loc, node, vm.Name, vm.Location)
 	}
-	if disk.VMID != 0 && disk.VMID != vm.ID {
-		return nil, d.attachedElsewhere(ctx, id, disk.VMID, node)
+	if p.disk.VMID != 0 && p.disk.VMID != vm.ID {
+		return p, d.attachedElsewhere(ctx, id, p.disk.VMID, node)
 	}
+	return p, nil
+}
 
-	// The notes are read once; every write below is decided from them.
-	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID)
+// readHolders reads the disk's notes, once, and what they say of its
+// holders into p.
+func (d *Driver) readHolders(ctx context.Context, p *publication) error {
+	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, p.loc, p.diskID)
 	if err != nil {
-		return nil, fmt.Errorf("volume %s: reading its holder notes: %w", id, err)
+		return fmt.Errorf("volume %s: reading its holder notes: %w", p.id, err)
 	}
 	recorded, err := recordedHolders(notes)
 	if err != nil {
-		return nil, failf(ErrPrecondition, "volume %s: %v; correct or remove that note (vco-csi/holders lists node UUIDs, comma-separated) and retry", id, err)
+		return failf(ErrPrecondition, "volume %s: %v; correct or remove that note (vco-csi/holders lists node UUIDs, comma-separated) and retry", p.id, err)
 	}
-	me, err := fence.CanonicalUUID(node)
+	me, err := fence.CanonicalUUID(p.node)
 	if err != nil {
-		return nil, failf(ErrPrecondition, "volume %s: node %s (VM %s) has no fence key to record, its id is not an SMBIOS UUID: %v", id, node, vm.Name, err)
+		return failf(ErrPrecondition, "volume %s: node %s (VM %s) has no fence key to record, its id is not an SMBIOS UUID: %v", p.id, p.node, p.vm.Name, err)
 	}
-	holders := withHolder(recorded, me)
-	never := neverPublished(notes)
+	p.notes, p.me = notes, me
+	p.holders = withHolder(recorded, me)
+	p.never = neverPublished(notes)
 	// Whether a context was returned before matters to a stage only on a
 	// disk that holds data no node of ours wrote (a copy, or a disk this
 	// driver did not make): its stage may skip the reclaim wait and set
@@ -186,75 +248,90 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	// claimed at once either way, so its first publish writes the holders
 	// note alone, which makes every later publish say published
 	// (docs/fencing.md).
-	track := mayHoldData(disk)
-	if track && never && !hasNote(notes, firstPublishNote) {
-		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, firstPublishNote, me); err != nil {
-			return nil, fmt.Errorf("recording the first publish of volume %s (to node %s): %w", id, node, err)
+	p.track = mayHoldData(p.disk)
+	return nil
+}
+
+// recordHolders writes the node into the disk's notes before the attach.
+func (d *Driver) recordHolders(ctx context.Context, p publication) error {
+	if p.track && p.never && !hasNote(p.notes, firstPublishNote) {
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, firstPublishNote, p.me); err != nil {
+			return fmt.Errorf("recording the first publish of volume %s (to node %s): %w", p.id, p.node, err)
 		}
 	}
 	// Record the node before attaching: if the attach happens and this
 	// call fails or the controller dies, every later grant still names it.
 	// A retry reads the list it wrote and grants the same takeover.
-	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holdersNote, strings.Join(holders, ",")); err != nil {
-		return nil, fmt.Errorf("recording node %s among the holders of volume %s: %w", node, id, err)
+	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holdersNote, strings.Join(p.holders, ",")); err != nil {
+		return fmt.Errorf("recording node %s among the holders of volume %s: %w", p.node, p.id, err)
 	}
-	if hasNote(notes, holderNote) {
+	if hasNote(p.notes, holderNote) {
 		// A disk an earlier version published: keep its note current
 		// for a controller of that version run after this one.
-		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, holderNote, me); err != nil {
-			return nil, fmt.Errorf("recording node %s as holder of volume %s: %w", node, id, err)
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holderNote, p.me); err != nil {
+			return fmt.Errorf("recording node %s as holder of volume %s: %w", p.node, p.id, err)
 		}
 	}
-	if disk.VMID == 0 {
-		err := d.cfg.Cloud.AttachDisk(ctx, vm.Cloudspace, vm.ID, diskID)
-		if errors.Is(err, cloud.ErrConflict) {
-			// Lost a race, or the first try of a retried call worked.
-			now, gerr := d.getDisk(ctx, id)
-			if gerr != nil {
-				return nil, gerr
-			}
-			if now.VMID == 0 {
-				return nil, failf(ErrNoCapacity, "attaching volume %s to node %s (VM %s): %v", id, node, vm.Name, err)
-			}
-			if now.VMID != vm.ID {
-				return nil, d.attachedElsewhere(ctx, id, now.VMID, node)
-			}
-		} else if err != nil {
-			if errors.Is(err, cloud.ErrNotFound) {
-				d.vms.forget() // the VM may be gone; look it up afresh next time
-			}
-			return nil, fmt.Errorf("attaching volume %s to node %s (VM %d): %w", id, node, vm.ID, err)
-		}
+	return nil
+}
+
+// attach attaches the disk to the VM unless it already is; a conflict is
+// read as a lost race or an earlier try that worked.
+func (d *Driver) attach(ctx context.Context, p publication) error {
+	if p.disk.VMID != 0 {
+		return nil
 	}
-	vd, err := d.waitAttached(ctx, vm, diskID)
+	err := d.cfg.Cloud.AttachDisk(ctx, p.vm.Cloudspace, p.vm.ID, p.diskID)
+	if errors.Is(err, cloud.ErrConflict) {
+		// Lost a race, or the first try of a retried call worked.
+		now, gerr := d.getDisk(ctx, p.id)
+		if gerr != nil {
+			return gerr
+		}
+		if now.VMID == 0 {
+			return failf(ErrNoCapacity, "attaching volume %s to node %s (VM %s): %v", p.id, p.node, p.vm.Name, err)
+		}
+		if now.VMID != p.vm.ID {
+			return d.attachedElsewhere(ctx, p.id, now.VMID, p.node)
+		}
+		return nil
+	}
 	if err != nil {
-		return nil, fmt.Errorf("volume %s on node %s: %w", id, node, err)
+		if errors.Is(err, cloud.ErrNotFound) {
+			d.vms.forget() // the VM may be gone; look it up afresh next time
+		}
+		return fmt.Errorf("attaching volume %s to node %s (VM %d): %w", p.id, p.node, p.vm.ID, err)
 	}
+	return nil
+}
+
+// publishContext is what the node plugin is told of the attached disk vd:
+// where it is, a takeover grant, and whether it was never published.
+func (d *Driver) publishContext(ctx context.Context, p publication, vd cloud.VMDisk) (map[string]string, error) {
 	pc := map[string]string{
-		PubDiskID:  strconv.FormatInt(diskID, 10),
+		PubDiskID:  strconv.FormatInt(p.diskID, 10),
 		PubPCIBus:  strconv.Itoa(vd.PCIBus),
 		PubPCISlot: strconv.Itoa(vd.PCISlot),
-		PubSerial:  strconv.FormatInt(diskID, 10),
+		PubSerial:  strconv.FormatInt(p.diskID, 10),
 	}
 	// A grant only when there is someone to take over from: the agent
 	// refuses a grant that supersedes nothing.
-	if grant := takeoverGrant(id, me, holders); grant != nil {
+	if grant := takeoverGrant(p.id, p.me, p.holders); grant != nil {
 		pc[PubFenceGrant] = grant.Encode()
 	}
-	if never {
-		// Recorded before the context leaves: once a node may have it,
-		// no later publish may say the disk never had a holder. (On a
-		// disk made empty the holders note, written above, says so.)
-		if !track {
-			pc[PubNeverPublished] = "true"
-			return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
-		}
-		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, loc, diskID, notes, publishedNote, canonicalUUID(node)); err != nil {
-			return nil, fmt.Errorf("recording that volume %s is published to node %s: %w", id, node, err)
-		}
-		pc[PubNeverPublished] = "true"
+	if !p.never {
+		return pc, nil
 	}
-	return &csi.ControllerPublishVolumeResponse{PublishContext: pc}, nil
+	// Recorded before the context leaves: once a node may have it, no
+	// later publish may say the disk never had a holder. (On a disk made
+	// empty the holders note, written before the attach, says so.)
+	if p.track {
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, publishedNote, canonicalUUID(p.node)); err != nil {
+			return nil, fmt.Errorf("recording that volume %s is published to node %s: %w", p.id, p.node, err)
+		}
+	}
+	pc[PubNeverPublished] = "true"
+	return pc, nil
 }
 
 // attachedElsewhere builds the refusal that names the VM holding the disk.

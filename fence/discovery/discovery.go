@@ -281,6 +281,23 @@ func (f Finder) Describe(name string) (Disk, error) {
 	if d.Major, d.Minor, err = parseDevnum(devnum); err != nil {
 		return Disk{}, fmt.Errorf("disk %s: %w", name, err)
 	}
+	d.DevPath = filepath.Join(f.dev(), devName(blk, name))
+	d.PCI = nearestPCI(real)
+	devdir := filepath.Join(blk, "device")
+	switch {
+	case exists(filepath.Join(devdir, "scsi_level")) || subsystem(devdir) == "scsi":
+		d.Kind = KindSCSI
+		d.Serial, d.WWNs = scsiIdentity(devdir)
+	case exists(filepath.Join(blk, "serial")) || subsystem(devdir) == "virtio":
+		d.Kind = KindVirtioBlk
+		d.Serial, _ = readAttr(filepath.Join(blk, "serial"))
+	}
+	return d, nil
+}
+
+// devName is the disk's node name under /dev as its uevent's DEVNAME
+// gives it, or name when the uevent gives none that stays under /dev.
+func devName(blk, name string) string {
 	devname := name
 	if ue, ok := readAttr(filepath.Join(blk, "uevent")); ok {
 		for _, line := range strings.Split(ue, "\n") {
@@ -289,41 +306,51 @@ func (f Finder) Describe(name string) (Disk, error) {
 			}
 		}
 	}
-	d.DevPath = filepath.Join(f.dev(), devname)
+	return devname
+}
+
+// nearestPCI is the last PCI function in the disk's sysfs path, the one
+// nearest the disk, or nil when it sits on none.
+func nearestPCI(real string) *PCIAddress {
+	var pci *PCIAddress
 	for _, c := range strings.Split(real, string(filepath.Separator)) {
 		if pciFuncRE.MatchString(c) {
 			a, err := ParsePCIAddress(c)
 			if err == nil {
-				d.PCI = &a
+				pci = &a
 			}
 		}
 	}
-	devdir := filepath.Join(blk, "device")
-	switch {
-	case exists(filepath.Join(devdir, "scsi_level")) || subsystem(devdir) == "scsi":
-		d.Kind = KindSCSI
-		if b, err := os.ReadFile(filepath.Join(devdir, "vpd_pg80")); err == nil {
-			if s, err := scsi.ParseUnitSerial(b); err == nil {
-				d.Serial = s
-			}
+	return pci
+}
+
+// scsiIdentity reads a SCSI disk's unit serial (VPD page 0x80) and its
+// names: the kernel's wwid first, then each logical-unit name of VPD page
+// 0x83 not already among them. A page that cannot be read or parsed
+// gives nothing.
+func scsiIdentity(devdir string) (serial string, wwns []string) {
+	if b, err := os.ReadFile(filepath.Join(devdir, "vpd_pg80")); err == nil {
+		if s, err := scsi.ParseUnitSerial(b); err == nil {
+			serial = s
 		}
-		if w, ok := readAttr(filepath.Join(devdir, "wwid")); ok && w != "" {
-			d.WWNs = append(d.WWNs, w)
-		}
-		if b, err := os.ReadFile(filepath.Join(devdir, "vpd_pg83")); err == nil {
-			if ds, err := scsi.ParseDeviceID(b); err == nil {
-				for _, n := range scsi.LUNames(ds) {
-					if !slices.ContainsFunc(d.WWNs, func(w string) bool { return strings.EqualFold(w, n) }) {
-						d.WWNs = append(d.WWNs, n)
-					}
-				}
-			}
-		}
-	case exists(filepath.Join(blk, "serial")) || subsystem(devdir) == "virtio":
-		d.Kind = KindVirtioBlk
-		d.Serial, _ = readAttr(filepath.Join(blk, "serial"))
 	}
-	return d, nil
+	if w, ok := readAttr(filepath.Join(devdir, "wwid")); ok && w != "" {
+		wwns = append(wwns, w)
+	}
+	b, err := os.ReadFile(filepath.Join(devdir, "vpd_pg83"))
+	if err != nil {
+		return serial, wwns
+	}
+	ds, err := scsi.ParseDeviceID(b)
+	if err != nil {
+		return serial, wwns
+	}
+	for _, n := range scsi.LUNames(ds) {
+		if !slices.ContainsFunc(wwns, func(w string) bool { return strings.EqualFold(w, n) }) {
+			wwns = append(wwns, n)
+		}
+	}
+	return serial, wwns
 }
 
 func subsystem(dir string) string {
