@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"sync"
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 const (
@@ -81,6 +83,23 @@ func (u *Users) load() {
 	})
 }
 
+// named reports whether o names an object as Kubernetes names them (a
+// DNS label for the namespace, a DNS subdomain for the name). The claim
+// comes from the PV's volume attributes, which whoever writes a PV sets:
+// anything else is not used in an API path, and its events go to the
+// Node only.
+func (u *Users) named(o Object, what string) bool {
+	if o.Name == "" || o.Namespace == "" {
+		return false
+	}
+	if len(validation.IsDNS1123Label(o.Namespace)) > 0 || len(validation.IsDNS1123Subdomain(o.Name)) > 0 {
+		u.Log.Warn("the volume names a "+what+" that is no Kubernetes object name; its events are posted about the node only",
+			"namespace", o.Namespace, "name", o.Name)
+		return false
+	}
+	return true
+}
+
 // saveLocked writes what is known to File, atomically.
 func (u *Users) saveLocked() {
 	if u.File == "" {
@@ -109,7 +128,7 @@ func (u *Users) saveLocked() {
 // before the controller passed it on) is not remembered.
 func (u *Users) Staging(volumeID, serial string, claim Object) {
 	u.load()
-	if claim.Name == "" || claim.Namespace == "" {
+	if !u.named(claim, "claim") {
 		return
 	}
 	claim.Kind, claim.UID = KindClaim, ""
@@ -133,7 +152,7 @@ func (u *Users) Staging(volumeID, serial string, claim Object) {
 // reports of the volume's stage (a takeover) are shown on the pod now.
 func (u *Users) Published(volumeID, targetPath string, pod Object) {
 	u.load()
-	if pod.Name == "" || pod.Namespace == "" {
+	if !u.named(pod, "pod") {
 		return
 	}
 	pod.Kind = KindPod

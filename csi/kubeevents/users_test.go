@@ -264,3 +264,25 @@ func TestUsersFileThatCannotBeWritten(t *testing.T) {
 		t.Errorf("said %d times:\n%s", n, r.log)
 	}
 }
+
+// A claim named in a PV's attributes by something other than the
+// provisioner may be anything: one that is no Kubernetes object name is
+// never put into an API path, and the events stay on the Node.
+func TestClaimThatIsNoObjectNameOnlyOnTheNode(t *testing.T) {
+	for _, c := range []Object{
+		{Namespace: "..", Name: "data-web-0"},
+		{Namespace: "shop", Name: "../../secrets/x"},
+		{Namespace: "Shop", Name: "data-web-0"},
+	} {
+		r := newRig(t)
+		u, _ := r.users(t, "")
+		u.Staging(vol, serial, c)
+		u.Record(fenced(3))
+		eventually(t, "the Node's Event", func() bool { return r.res.get("created") == 1 })
+		time.Sleep(50 * time.Millisecond)
+		ev, reqs := r.api.snapshot()
+		if len(ev) != 1 || len(eventsAbout(ev, "Node")) != 1 || len(reqs) != 1 {
+			t.Errorf("claim %+v: Events %v, requests %v; want the Node's one", c, ev, reqs)
+		}
+	}
+}
