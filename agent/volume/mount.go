@@ -44,7 +44,7 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 	d.Close()
 	formatted := proof.Valid()
 	if formatted {
-		if err := makeFS(ctx, proof, c.FsType); err != nil {
+		if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice); err != nil {
 			return false, agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 		}
 		c.Formatted = true

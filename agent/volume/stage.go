@@ -47,6 +47,17 @@ type staging struct {
 	// took says how long each step took, for the log: where a slow
 	// stage spends its time (docs/benchmarks.md).
 	took []string
+	// parts are the timed parts of the step under way (fence: choose,
+	// prepare, acquire), logged after its total.
+	parts []string
+}
+
+// timed runs one part of a step and notes how long it took.
+func (s *staging) timed(name string, run func() error) error {
+	start := time.Now()
+	err := run()
+	s.parts = append(s.parts, fmt.Sprintf("%s %s", name, time.Since(start).Round(time.Millisecond)))
+	return err
 }
 
 // rollback is a stack of undos.
@@ -71,7 +82,12 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageRes
 	}{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}} {
 		start := time.Now()
 		err := step.run(ctx)
-		s.took = append(s.took, fmt.Sprintf("%s %s", step.name, time.Since(start).Round(time.Millisecond)))
+		took := fmt.Sprintf("%s %s", step.name, time.Since(start).Round(time.Millisecond))
+		if len(s.parts) > 0 {
+			took += " (" + strings.Join(s.parts, ", ") + ")"
+			s.parts = nil
+		}
+		s.took = append(s.took, took)
 		if err != nil {
 			s.undo.run()
 			return StageResult{Formatted: s.formatted}, err
@@ -152,7 +168,7 @@ func (s *staging) forgotten() bool {
 // periodic check watches its fence.
 func (s *staging) fence(ctx context.Context) error {
 	m, c, dev := s.m, s.c, s.dev
-	if err := s.chooseFence(ctx); err != nil {
+	if err := s.timed("choose", func() error { return s.chooseFence(ctx) }); err != nil {
 		return err
 	}
 	if s.choice.Fencer == nil {
@@ -221,10 +237,14 @@ func (s *staging) takeFence(ctx context.Context) error {
 	if err := s.writableForLease(ctx); err != nil {
 		return err
 	}
-	if err := s.prepareFence(ctx); err != nil {
+	if err := s.timed("prepare", func() error { return s.prepareFence(ctx) }); err != nil {
 		return err
 	}
-	claim, err := m.acquire(ctx, choice.Fencer, c.Volume, dev, s.r.Grant, s.r.NeverPublished)
+	var claim fence.Claim
+	err := s.timed("acquire", func() (err error) {
+		claim, err = m.acquire(ctx, choice.Fencer, c.Volume, dev, s.r.Grant, s.r.NeverPublished)
+		return err
+	})
 	if err != nil {
 		return s.notAcquired(ctx, err)
 	}

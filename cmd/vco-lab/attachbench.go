@@ -85,6 +85,17 @@ func attachBench(ctx context.Context, c *common, rounds int) ([]benchRow, error)
 		return nil, err
 	}
 	b := &attachRun{env: env, ctl: ctl, g: g, node: info.NodeId}
+	// What the harness adds to the agent's side: each NodeStageVolume is
+	// a csi-call process started in the guest, as this NodeGetInfo is.
+	var calls []time.Duration
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		if err := simlab.NodeCall(ctx, g, "NodeGetInfo", &csi.NodeGetInfoRequest{}, &info); err != nil {
+			return nil, err
+		}
+		calls = append(calls, time.Since(start))
+	}
+	fmt.Printf("a NodeGetInfo call through the guest's csi-call, the way each NodeStageVolume is made: %s median\n", secs(median(calls)))
 	var rows []benchRow
 	for _, k := range attachKinds {
 		var agent, byHand []time.Duration
@@ -106,6 +117,9 @@ func attachBench(ctx context.Context, c *common, rounds int) ([]benchRow, error)
 					byHand = append(byHand, d)
 				}
 				fmt.Printf("attach-to-staged %s round %d, %s: %s\n", k.kind, i+1, who, secs(d))
+				if viaAgent {
+					fmt.Printf("  agent: %s\n", b.stagedSteps(ctx))
+				}
 			}
 		}
 		ref, got := median(byHand), median(agent)
@@ -153,8 +167,10 @@ func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool,
 		return 0, fmt.Errorf("ControllerPublishVolume %s: %w", volID, err)
 	}
 	if viaAgent {
-		err = stageWhenPresent(ctx, b.g, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
+		var last time.Time
+		last, err = stageWhenPresent(ctx, b.g, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
 			StagingTargetPath: staging, VolumeCapability: e2e.VolumeCapability(), VolumeContext: resp.Volume.VolumeContext})
+		fmt.Printf("  publish to the last NodeStageVolume call: %s; that call: %s\n", secs(last.Sub(start)), secs(time.Since(last)))
 	} else {
 		var r *guestexec.Result
 		r, err = b.g.Exec().Run(ctx, 2*time.Minute, "/bin/sh", "-c", byHandStage, "bench", strconv.FormatInt(diskID, 10), staging)
@@ -184,16 +200,31 @@ func (b *attachRun) round(ctx context.Context, kind lab.DiskKind, viaAgent bool,
 	return took, nil
 }
 
+// stagedSteps is where the agent's last stage spent its time: the steps
+// of its "volume staged" log line (agent/volume), or why they are missing.
+func (b *attachRun) stagedSteps(ctx context.Context) string {
+	out, err := b.g.MustSh(ctx, "grep 'volume staged' /var/log/vco-agent.log | tail -n 1")
+	if err != nil {
+		return fmt.Sprintf("no stage logged (%v)", err)
+	}
+	if _, steps, ok := strings.Cut(out, "steps="); ok {
+		return strings.TrimSpace(steps)
+	}
+	return strings.TrimSpace(out)
+}
+
 // stageWhenPresent calls NodeStageVolume until the hot-plugged disk has
 // been probed (the plugin answers NOT_FOUND until then), as the kubelet
 // retries; every 100 ms, the reference's polling interval, rather than
 // with the kubelet's backoff, so that both sides wait alike.
-func stageWhenPresent(ctx context.Context, g *lab.Guest, req *csi.NodeStageVolumeRequest) error {
+// It returns when its last call began: until then the disk was not there.
+func stageWhenPresent(ctx context.Context, g *lab.Guest, req *csi.NodeStageVolumeRequest) (time.Time, error) {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
+		last := time.Now()
 		err := simlab.KubeletCall(ctx, g, "NodeStageVolume", req, nil)
 		if grpcstatus.Code(err) != codes.NotFound || time.Now().After(deadline) {
-			return err
+			return last, err
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
