@@ -54,3 +54,38 @@ func TestFormatRefusesDataAtTheDataOffset(t *testing.T) {
 		}
 	}
 }
+
+// Two nodes race the first stage of one blank disk (the lab's L4): the
+// other node's lease header lands after this node read a blank layout and
+// before its blank proof. Format must take the disk as the lease disk it
+// now is, leaving the other node's header as written, so that the
+// acquisition names the holder; it must not refuse the disk as foreign
+// data and tell the operator to wipe it.
+func TestFormatTakesALeaseAreaWrittenDuringItsProof(t *testing.T) {
+	ctx := context.Background()
+	dev := loopDevice(t, 64<<20, 512, nil)
+	d := openDev(t, dev)
+	other := openDev(t, dev)
+	raced := false
+	testHookBeforeProof = func(*Device) {
+		testHookBeforeProof = nil
+		wrote, err := Format(ctx, other, FormatOptions{Key: keyB, Timeout: time.Second})
+		if err != nil || !wrote {
+			t.Fatalf("the other node's format: %v %v", wrote, err)
+		}
+		raced = true
+	}
+	t.Cleanup(func() { testHookBeforeProof = nil })
+	wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second})
+	if !raced || wrote || err != nil {
+		t.Fatalf("format raced by another node's (raced %v): wrote %v, %v; want the other node's lease area taken as it is", raced, wrote, err)
+	}
+	b, err := d.io(ctx, false, 0, make([]byte, BlockSize), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := DecodeHeader(b)
+	if err != nil || h.Creator != keyB {
+		t.Fatalf("header after the race: %+v %v; want the other node's (creator %s)", h, err, keyB)
+	}
+}

@@ -72,16 +72,12 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	}
 	switch c.Layout {
 	case LayoutLease:
-		b, err := d.io(ctx, false, 0, make([]byte, BlockSize), o.Timeout)
-		if err != nil {
-			return false, err
-		}
-		if _, err := DecodeHeader(b); err != nil {
-			return false, fmt.Errorf("%s: %w", d.name, err)
-		}
-		return false, nil
+		return false, checkHeader(ctx, d, o.Timeout)
 	case LayoutForeign:
 		return false, &ForeignError{Device: d.name, Signature: c.Signature}
+	}
+	if testHookBeforeProof != nil {
+		testHookBeforeProof(d)
 	}
 	// The layout check above only tells a lease area from the rest; the
 	// header is written on nothing but a disk proven blank, by the proof
@@ -90,6 +86,17 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):
+		// Two nodes given the same blank disk (a platform fault, or
+		// a retried attach) race its first stage: the other node's
+		// header may land between the layout read and the proof. That
+		// disk now carries a lease area, and the acquisition after this
+		// sorts the claim out (and names the holder to the loser),
+		// instead of a refusal that calls the other node's lease data
+		// to be wiped.
+		if c2, rerr := ReadLayout(ctx, d, o.Timeout); rerr == nil && c2.Layout == LayoutLease {
+			log.Info("another node wrote a lease area on the disk while this node proved it blank; using that area", "device", d.name)
+			return false, checkHeader(ctx, d, o.Timeout)
+		}
 		return false, &ForeignError{Device: d.name, Signature: nb.Found}
 	case err != nil:
 		return false, fmt.Errorf("%s: not formatted, its blankness could not be proven: %w", d.name, err)
@@ -105,6 +112,22 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	log.Info("lease area written", "device", d.name, "data_offset", DataOffset, "creator", o.Key.String())
 	return true, nil
 }
+
+// checkHeader proves the lease header at the start of d decodes.
+func checkHeader(ctx context.Context, d *Device, timeout time.Duration) error {
+	b, err := d.io(ctx, false, 0, make([]byte, BlockSize), timeout)
+	if err != nil {
+		return err
+	}
+	if _, err := DecodeHeader(b); err != nil {
+		return fmt.Errorf("%s: %w", d.name, err)
+	}
+	return nil
+}
+
+// testHookBeforeProof, when set by a test, runs when Format has read a
+// blank layout and is about to prove the disk blank.
+var testHookBeforeProof func(d *Device)
 
 // writeHeader writes a new lease header on d, which proof says is blank.
 func writeHeader(ctx context.Context, d *Device, proof blank.Proof, h Header, timeout time.Duration) error {
