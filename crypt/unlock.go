@@ -213,11 +213,11 @@ func setupLuksGo(vol *luksgo.Volume, name string) (string, error) {
 		}
 		// SetupMapper removes the device when the table load fails,
 		// not when the resume does.
-		_ = dmcrypt.Remove(name, 0)
+		_ = dmcrypt.Remove(name, dmcrypt.CleanupTimeout)
 		return "", fmt.Errorf("dm-crypt %s on %s (set up by luks.go): %w", name, vol.BackingDevice, err)
 	}
 	if err := dmcrypt.EnsureNode(name); err != nil {
-		_ = dmcrypt.Remove(name, 0)
+		_ = dmcrypt.Remove(name, dmcrypt.CleanupTimeout)
 		return "", err
 	}
 	return dmcrypt.Path(name), nil

@@ -57,6 +57,16 @@ func MappingUUID(luksUUID, name string) string {
 	return "CRYPT-LUKS2-" + strings.ReplaceAll(luksUUID, "-", "") + "-" + name
 }
 
+// CleanupTimeout is how long the removal of a mapping that failed half
+// way retries while the device is busy: udev probes a new mapping as soon
+// as it is resumed, and a removal that gave up at once left the mapping
+// behind, refusing every retry of the stage with "already exists".
+const CleanupTimeout = 10 * time.Second
+
+// udevWait is how long ensureNode waits for udev to make a mapping's node
+// before it makes it itself; udev on a loaded host took over 2 s.
+const udevWait = 10 * time.Second
+
 // Path is the device node of a mapping.
 func Path(name string) string { return filepath.Join("/dev/mapper", name) }
 
@@ -106,7 +116,7 @@ func Create(m Mapping) (string, error) {
 		return "", fmt.Errorf("dm-crypt %s: create: %w", m.Name, err)
 	}
 	fail := func(step string, err error) (string, error) {
-		_ = devmapper.Remove(m.Name)
+		_ = Remove(m.Name, CleanupTimeout)
 		return "", fmt.Errorf("dm-crypt %s on %s: %s: %w", m.Name, m.Device, step, err)
 	}
 	var ro uint32
@@ -166,7 +176,7 @@ func ensureNode(name string) error {
 		return err
 	}
 	p := Path(name)
-	deadline := time.Now().Add(2 * time.Second)
+	deadline := time.Now().Add(udevWait)
 	if !udevRunning() {
 		deadline = time.Now()
 	}

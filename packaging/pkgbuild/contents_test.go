@@ -98,11 +98,27 @@ func TestPackagedFilesAgree(t *testing.T) {
 	}
 	cfg := readConfig(t, data)
 
-	listen := one(t, sock, "Socket", "ListenStream")
+	listen, group := checkSocketUnit(t, sock, cfg)
+	checkSocketGroupCreated(t, root, listen, group)
+	checkCloudInitConfig(t, root, cfg)
+	checkServiceUnit(t, svc)
+	if v, ok := sock["Socket"]["RuntimeDirectory"]; ok {
+		t.Errorf("socket sets RuntimeDirectory=%v", v)
+	}
+	if !slices.Contains(svc["Unit"]["Requires"], "vco-agent.socket") {
+		t.Error("service does not require its socket")
+	}
+}
+
+// checkSocketUnit: the socket unit listens where config.yaml says, with
+// its group and modes; it returns the socket's path and group.
+func checkSocketUnit(t *testing.T, sock map[string]map[string][]string, cfg packagedConfig) (listen, group string) {
+	t.Helper()
+	listen = one(t, sock, "Socket", "ListenStream")
 	if listen != cfg.Socket.Path {
 		t.Errorf("socket unit listens on %s, config.yaml says %s", listen, cfg.Socket.Path)
 	}
-	group := one(t, sock, "Socket", "SocketGroup")
+	group = one(t, sock, "Socket", "SocketGroup")
 	if group != cfg.Socket.Group {
 		t.Errorf("socket unit group %s, config.yaml group %s", group, cfg.Socket.Group)
 	}
@@ -111,7 +127,13 @@ func TestPackagedFilesAgree(t *testing.T) {
 			t.Errorf("socket %s=%s, want %s", name, got, want)
 		}
 	}
+	return listen, group
+}
 
+// checkSocketGroupCreated: tmpfiles.d lets the group reach the socket's
+// directory, and sysusers.d and the packages' scripts create the group.
+func checkSocketGroupCreated(t *testing.T, root, listen, group string) {
+	t.Helper()
 	dirs := tmpfilesDirs(t)
 	if got, want := dirs[path.Dir(listen)], "0750 root "+group; got != want {
 		t.Errorf("tmpfiles.d %s: %q, want %q so the group can reach the socket", path.Dir(listen), got, want)
@@ -132,8 +154,12 @@ func TestPackagedFilesAgree(t *testing.T) {
 			t.Errorf("%s does not create group %s", script, group)
 		}
 	}
+}
 
-	// The cloud-init config is the packaged one with the site filled in.
+// checkCloudInitConfig: the cloud-init config is the packaged one with the
+// site filled in.
+func checkCloudInitConfig(t *testing.T, root string, cfg packagedConfig) {
+	t.Helper()
 	ud, err := os.ReadFile(filepath.Join(root, "packaging", "cloud-init", "user-data.yaml"))
 	if err != nil {
 		t.Fatal(err)
@@ -159,7 +185,13 @@ func TestPackagedFilesAgree(t *testing.T) {
 	if ci := readConfig(t, []byte(userData.WriteFiles[i].Content)); ci != cfg {
 		t.Errorf("cloud-init config socket %+v differs from the packaged %+v", ci, cfg)
 	}
+}
 
+// checkServiceUnit: the service is a notify service with a watchdog, the
+// capabilities and block devices the agent needs, and nothing that would
+// give it a mount namespace of its own.
+func checkServiceUnit(t *testing.T, svc map[string]map[string][]string) {
+	t.Helper()
 	for name, want := range map[string]string{"Type": "notify", "Restart": "on-failure", "DevicePolicy": "closed", "ExecStart": "/usr/bin/vco-agent serve"} {
 		if got := one(t, svc, "Service", name); got != want {
 			t.Errorf("service %s=%s, want %s", name, got, want)
@@ -177,6 +209,11 @@ func TestPackagedFilesAgree(t *testing.T) {
 	if !slices.ContainsFunc(svc["Service"]["DeviceAllow"], func(v string) bool { return strings.HasPrefix(v, "block-") }) {
 		t.Error("service allows no block devices")
 	}
+	// The agent makes dm-crypt nodes when udev is late: mknod needs the
+	// m access mode on the device-mapper major, not only the capability.
+	if !slices.Contains(svc["Service"]["DeviceAllow"], "block-device-mapper rwm") {
+		t.Errorf("service does not allow mknod of device-mapper nodes (DeviceAllow=%q)", svc["Service"]["DeviceAllow"])
+	}
 	// Each of these gives the service its own mount namespace, which would
 	// keep the agent's mounts from the host.
 	for _, name := range []string{
@@ -189,12 +226,6 @@ func TestPackagedFilesAgree(t *testing.T) {
 		if v, ok := svc["Service"][name]; ok {
 			t.Errorf("service sets %s=%v: it would cut mount propagation to the host", name, v)
 		}
-	}
-	if v, ok := sock["Socket"]["RuntimeDirectory"]; ok {
-		t.Errorf("socket sets RuntimeDirectory=%v", v)
-	}
-	if !slices.Contains(svc["Unit"]["Requires"], "vco-agent.socket") {
-		t.Error("service does not require its socket")
 	}
 }
 
