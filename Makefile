@@ -18,7 +18,7 @@ export PATH  := $(TOOLS):$(PATH)
 
 # Debian packages the tests and the lab use. Installed only when missing.
 DEBS := protobuf-compiler libprotobuf-dev dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
-        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux \
+        cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux jq \
         skopeo umoci gettext-base \
         lintian rpmlint rpm debootstrap cloud-init man-db groff-base
 
