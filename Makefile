@@ -70,8 +70,8 @@ help:
 # Everything: lint, unit and host tests, then the later tiers as they land.
 # The fuzz engine's runs (test-fuzz-brief, about 9 min) are in make fuzz
 # and make soak, not here: the fuzz targets' seed corpora run in unit.
-## every test tier below, in order, after deps, lint and build
-test: deps lint build k8s-prefetch unit test-bench-brief test-csi-sanity test-deploy \
+## every test tier below, in order, after deps, build, the background k8s-prefetch and lint
+test: deps build k8s-prefetch lint unit test-bench-brief test-csi-sanity test-deploy \
       test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
 # internal/cyclo holds every function, tests too, to a cyclomatic complexity

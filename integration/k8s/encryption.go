@@ -204,7 +204,7 @@ data:
 // k7Claim creates a claim of the encrypted class with a pod writing to it, sets first to the pod and pv to its volume, and checks the volume is on dm-crypt with its passphrase wrapped by the key backend.
 func (s *story) k7Claim(ctx context.Context, first *podInfo, pv *string) (string, error) {
 	c := s.c
-	if err := s.apply(ctx, `apiVersion: v1
+	p, err := s.startWriter(ctx, "k7", `apiVersion: v1
 kind: PersistentVolumeClaim
 metadata:
   name: k7
@@ -212,26 +212,11 @@ spec:
   storageClassName: vco-csi-encrypted-vault
   accessModes: [ReadWriteOnce]
   resources: {requests: {storage: 1Gi}}
----
-`+fmt.Sprintf(`apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: k7
-spec:
-  replicas: 1
-  strategy: {type: Recreate}
-  selector: {matchLabels: {app: k7}}
-  template:
-    metadata: {labels: {app: k7}}
-    spec:
-%s`, writerSpec("k7", "", "      "))); err != nil {
-		return "", err
-	}
-	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready", allReady(1))
+`)
 	if err != nil {
 		return "", err
 	}
-	*first = ps[0]
+	*first = p
 	if *pv, err = s.pvOf(ctx, "k7"); err != nil {
 		return "", err
 	}

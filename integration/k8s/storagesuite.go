@@ -60,6 +60,14 @@ func RunStorageSuite(ctx context.Context, c *Cluster, o SuiteOptions) (*SuiteSum
 	if o.Log == nil {
 		o.Log = io.Discard
 	}
+	// e2e.test runs in the report directory, so every path it is given
+	// must hold from there: a relative -report dir (make k8s-e2e's
+	// bin/k8s-e2e-KIND) made it panic reading KUBE_TEST_REPO_LIST.
+	dir, err := filepath.Abs(o.ReportDir)
+	if err != nil {
+		return nil, err
+	}
+	o.ReportDir = dir
 	if err := os.MkdirAll(o.ReportDir, 0o755); err != nil {
 		return nil, err
 	}

@@ -175,3 +175,28 @@ exit 1
 		t.Errorf("e2e.test's output is not in e2e.log and the progress log")
 	}
 }
+
+// A relative report directory (make k8s-e2e gives bin/k8s-e2e-KIND) still
+// reaches e2e.test, which runs in that directory, as paths that hold there.
+func TestRunStorageSuiteWithARelativeReportDir(t *testing.T) {
+	dir := t.TempDir()
+	fake := filepath.Join(dir, "e2e.test")
+	script := `#!/bin/sh
+cat "$KUBE_TEST_REPO_LIST" >/dev/null || exit 2
+while [ $# -gt 0 ]; do
+	case $1 in -report-dir) rd=$2;; -storage.testdriver) td=$2;; esac; shift; done
+cat "$td" >/dev/null || exit 2
+cat > "$rd/junit_01.xml" <<'XML'
+` + junitSample + `
+XML
+`
+	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Chdir(dir)
+	c := &Cluster{Kubeconfig: "/lab/k8s/admin.kubeconfig", Bins: &Binaries{Dir: "/cache/k8s/v1.34.2-abc"}}
+	s, _ := RunStorageSuite(t.Context(), c, SuiteOptions{E2ETest: fake, ReportDir: filepath.Join("bin", "k8s-e2e-scsi-block")})
+	if s == nil || len(s.Failed) != 1 {
+		t.Fatalf("with a relative report directory e2e.test found neither its repo list nor its driver file, or wrote no report: %+v", s)
+	}
+}

@@ -122,6 +122,31 @@ spec:
 `, name, size)
 }
 
+// startWriter applies claim (a claim's YAML) and a Deployment of the
+// same name of one writer pod on it (writerSpec), replaced by Recreate,
+// and waits until that pod is Ready.
+func (s *story) startWriter(ctx context.Context, name, claim string) (podInfo, error) {
+	if err := s.apply(ctx, claim+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: %[1]s
+spec:
+  replicas: 1
+  strategy: {type: Recreate}
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+%[2]s`, name, writerSpec(name, "", "      "))); err != nil {
+		return podInfo{}, err
+	}
+	ps, err := s.waitPods(ctx, "app="+name, 10*time.Minute, name+" Ready", allReady(1))
+	if err != nil {
+		return podInfo{}, err
+	}
+	return ps[0], nil
+}
+
 // writerSpec is a pod spec, indented by indent: a container that appends
 // a line naming its node to /data/log, syncs, and sleeps; extra is more
 // of the spec (unindented). With claim empty the spec has no volumes (a
@@ -481,25 +506,11 @@ func (s *story) k4(ctx context.Context) error {
 	var before podInfo
 	var pv string
 	if err := s.step(sc, "cluster", "a Deployment of one replica with its claim", func() (string, error) {
-		if err := s.apply(ctx, pvc("k4", "1Gi")+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: k4
-spec:
-  replicas: 1
-  strategy: {type: Recreate}
-  selector: {matchLabels: {app: k4}}
-  template:
-    metadata: {labels: {app: k4}}
-    spec:
-%s`, writerSpec("k4", "", "      "))); err != nil {
-			return "", err
-		}
-		ps, err := s.waitPods(ctx, "app=k4", 10*time.Minute, "k4 Ready", allReady(1))
+		p, err := s.startWriter(ctx, "k4", pvc("k4", "1Gi"))
 		if err != nil {
 			return "", err
 		}
-		before = ps[0]
+		before = p
 		pv, err = s.pvOf(ctx, "k4")
 		return "Ready on " + before.Node, err
 	}); err != nil {

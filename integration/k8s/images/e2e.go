@@ -73,7 +73,8 @@ func RepoList(host string) string {
 // hold: agnhost from k8s.io/kubernetes/test/images/agnhost of the module
 // in buildDir (the cluster's pinned Kubernetes), on the busybox image
 // made of Debian's busybox-static, as upstream's agnhost is a program on a
-// small shell image.
+// small shell image; and the example volume populator the provisioning
+// pattern deploys (populator.go).
 func E2EImages(ctx context.Context, cacheDir, buildDir string, logf Logf) (map[string]v1.Image, error) {
 	logf, unlock, err := openCache(cacheDir, logf)
 	if err != nil {
@@ -114,6 +115,11 @@ func E2EImages(ctx context.Context, cacheDir, buildDir string, logf Logf) (map[s
 			}})
 		}
 	}
+	pop, err := b.populatorJob(k8sDir)
+	if err != nil {
+		return nil, err
+	}
+	jobs = append(jobs, pop)
 	return run(ctx, cacheDir, logf, jobs)
 }
 

@@ -117,3 +117,24 @@ func TestBusyboxStandInsThroughTheRegistry(t *testing.T) {
 		}
 	}
 }
+
+// The populator's reference comes from the suite's own Deployment, so the
+// lab serves what the pinned suite applies; a Deployment that names no
+// hello-populator image is refused, not guessed at.
+func TestParsePopulatorManifest(t *testing.T) {
+	src := `    spec:
+      containers:
+        - name: hello
+          image: registry.k8s.io/sig-storage/hello-populator:v1.0.1
+          args:
+            - --image-name=registry.k8s.io/sig-storage/hello-populator:v1.0.1
+`
+	ref, tag, err := ParsePopulatorManifest([]byte(src))
+	if err != nil || ref != "registry.k8s.io/sig-storage/hello-populator:v1.0.1" || tag != "v1.0.1" {
+		t.Errorf("ParsePopulatorManifest = %q, %q, %v; want the Deployment's image and tag v1.0.1", ref, tag, err)
+	}
+	moved := strings.Replace(src, "image: registry.k8s.io/sig-storage/", "image: example.org/", 1)
+	if _, _, err := ParsePopulatorManifest([]byte(moved)); err == nil || !strings.Contains(err.Error(), "hello-populator") {
+		t.Errorf("a Deployment with the image elsewhere: %v, want an error naming hello-populator", err)
+	}
+}

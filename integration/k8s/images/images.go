@@ -99,9 +99,10 @@ func Build(ctx context.Context, cacheDir string, logf Logf) (map[string]v1.Image
 	if err != nil {
 		return nil, err
 	}
-	b := &builder{cache: cacheDir, logf: logf}
+	b := &builder{cache: cacheDir, logf: logf, sidecars: append(sidecars, snapshotController(sidecars)...)}
+	defer b.close()
 	var jobs []job
-	for _, s := range append(sidecars, snapshotController(sidecars)...) {
+	for _, s := range b.sidecars {
 		jobs = append(jobs, job{s.Ref, cacheKey(s.Ref), func(ctx context.Context) (v1.Image, error) { return b.sidecar(ctx, s) }})
 	}
 	jobs = append(jobs, job{PauseRef, cacheKey(PauseRef) + "-" + shortHash(pauseSource), b.pause})

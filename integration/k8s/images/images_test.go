@@ -176,29 +176,8 @@ func TestPauseAndWorkloadThroughTheRegistry(t *testing.T) {
 		t.Errorf("registry URL %s", reg.URL)
 	}
 
-	_, cf, img := pulled(t, reg, PauseRef)
-	if got := cf.Config.Entrypoint; len(got) != 1 || got[0] != "/pause" {
-		t.Errorf("pause entrypoint %q, want [/pause]", got)
-	}
-	if h := files(t, img)["/pause"]; h == nil || h.Mode&0o111 == 0 {
-		t.Errorf("pause image has no executable /pause: %+v", h)
-	}
-	// The served name is the repository path under the registry's host,
-	// as containerd asks a registry.k8s.io mirror for it.
-	if dst, _ := reg.Ref(PauseRef); dst.String() != reg.Host+"/pause:3.10.1" {
-		t.Errorf("pause served as %s, want %s/pause:3.10.1", dst, reg.Host)
-	}
-
-	_, cf, img = pulled(t, reg, WorkloadRef)
-	if got := cf.Config.Cmd; len(got) != 1 || got[0] != "/bin/sh" || len(cf.Config.Entrypoint) != 0 {
-		t.Errorf("workload entrypoint %q cmd %q, want none and [/bin/sh]", cf.Config.Entrypoint, got)
-	}
-	fs := files(t, img)
-	for _, p := range []string{"/bin/sh", "/bin/dd", "/bin/sync", "/bin/cat"} {
-		if h := fs[p]; h == nil || h.Typeflag != tar.TypeSymlink || h.Linkname != "/bin/busybox" {
-			t.Errorf("workload image: %s is %+v, want a link to /bin/busybox", p, h)
-		}
-	}
+	img := checkServedPause(t, reg)
+	checkServedWorkload(t, reg)
 
 	// The pause binary really is one: it runs, and exits 0 on SIGTERM.
 	runPause(t, img, reg)
@@ -219,6 +198,42 @@ func TestPauseAndWorkloadThroughTheRegistry(t *testing.T) {
 		d2, _ := again[ref].Digest()
 		if d1 != d2 {
 			t.Errorf("%s: digest %s, then %s from the cache", ref, d1, d2)
+		}
+	}
+}
+
+// checkServedPause pulls the pause image back: its entrypoint is its
+// executable /pause, served under the registry's host as containerd asks
+// a registry.k8s.io mirror for it. It returns the image.
+func checkServedPause(t *testing.T, reg *Registry) v1.Image {
+	t.Helper()
+	_, cf, img := pulled(t, reg, PauseRef)
+	if got := cf.Config.Entrypoint; len(got) != 1 || got[0] != "/pause" {
+		t.Errorf("pause entrypoint %q, want [/pause]", got)
+	}
+	if h := files(t, img)["/pause"]; h == nil || h.Mode&0o111 == 0 {
+		t.Errorf("pause image has no executable /pause: %+v", h)
+	}
+	// The served name is the repository path under the registry's host,
+	// as containerd asks a registry.k8s.io mirror for it.
+	if dst, _ := reg.Ref(PauseRef); dst.String() != reg.Host+"/pause:3.10.1" {
+		t.Errorf("pause served as %s, want %s/pause:3.10.1", dst, reg.Host)
+	}
+	return img
+}
+
+// checkServedWorkload pulls the workload image back: it runs /bin/sh, and
+// its tools are links to busybox.
+func checkServedWorkload(t *testing.T, reg *Registry) {
+	t.Helper()
+	_, cf, img := pulled(t, reg, WorkloadRef)
+	if got := cf.Config.Cmd; len(got) != 1 || got[0] != "/bin/sh" || len(cf.Config.Entrypoint) != 0 {
+		t.Errorf("workload entrypoint %q cmd %q, want none and [/bin/sh]", cf.Config.Entrypoint, got)
+	}
+	fs := files(t, img)
+	for _, p := range []string{"/bin/sh", "/bin/dd", "/bin/sync", "/bin/cat"} {
+		if h := fs[p]; h == nil || h.Typeflag != tar.TypeSymlink || h.Linkname != "/bin/busybox" {
+			t.Errorf("workload image: %s is %+v, want a link to /bin/busybox", p, h)
 		}
 	}
 }

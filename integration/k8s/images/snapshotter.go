@@ -37,14 +37,11 @@ func Snapshotter(ctx context.Context, cacheDir string) (*SnapshotterFiles, error
 	}
 	s := sc[0]
 	b := &builder{cache: cacheDir}
-	dir, done, err := b.workDir("snapshotter-files")
+	dir, done, err := b.moduleWorkDir("snapshotter-files")
 	if err != nil {
 		return nil, err
 	}
 	defer done()
-	if err := writeGoMod(dir, "lab.invalid/snapshotter"); err != nil {
-		return nil, err
-	}
 	version, err := moduleVersion(ctx, dir, s.Module, s.Tag)
 	if err != nil {
 		return nil, err
