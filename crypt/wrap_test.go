@@ -54,6 +54,29 @@ func TestWrappedPassphraseLifecycle(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer v.Close()
+	checkTokenInTheFirstHeader(t, v)
+	pass, key0 := unwrapOpensAndIsNotStored(ctx, t, c, v, p)
+
+	// Key rotation in Vault, then rewrap: same passphrase, newer version.
+	f.Rotate("volumes")
+	ver, err := RewrapToken(ctx, c, v)
+	if err != nil || ver != 2 {
+		t.Fatalf("rewrap: %d %v", ver, err)
+	}
+	f.MinDecryptionVersion["volumes"] = 2
+	pass2, err := UnwrapPassphrase(ctx, c, v)
+	if err != nil || !bytes.Equal(pass, pass2) {
+		t.Fatalf("after rewrap: %v", err)
+	}
+
+	rotatePassphraseKeepsTheKey(ctx, t, c, v, pass, key0)
+}
+
+// checkTokenInTheFirstHeader: the transit token of a volume just formatted
+// is in slot 0, names the key and its version 1, and was written with the
+// header's first generation.
+func checkTokenInTheFirstHeader(t *testing.T, v *luks2.Volume) {
+	t.Helper()
 	id, tok, err := v.TransitToken()
 	if err != nil || id != 0 || tok.KeyVersion != 1 || tok.KeyName != "volumes" || tok.Mount != "transit" || !strings.HasPrefix(tok.Ciphertext, "vault:v1:") {
 		t.Fatalf("token %d %+v %v", id, tok, err)
@@ -61,6 +84,13 @@ func TestWrappedPassphraseLifecycle(t *testing.T) {
 	if v.Header.Seqid != 1 {
 		t.Fatalf("the token was written in a second header generation (seqid %d)", v.Header.Seqid)
 	}
+}
+
+// unwrapOpensAndIsNotStored unwraps the passphrase of the volume on image
+// p: it opens the volume (for cryptsetup too, where installed) and is
+// nowhere in the header. It returns the passphrase and the volume key.
+func unwrapOpensAndIsNotStored(ctx context.Context, t *testing.T, c *transit.Client, v *luks2.Volume, p string) (pass, volumeKey []byte) {
+	t.Helper()
 	pass, err := UnwrapPassphrase(ctx, c, v)
 	if err != nil {
 		t.Fatal(err)
@@ -81,20 +111,14 @@ func TestWrappedPassphraseLifecycle(t *testing.T) {
 			t.Fatalf("cryptsetup: %v %s", err, out)
 		}
 	}
+	return pass, key0
+}
 
-	// Key rotation in Vault, then rewrap: same passphrase, newer version.
-	f.Rotate("volumes")
-	ver, err := RewrapToken(ctx, c, v)
-	if err != nil || ver != 2 {
-		t.Fatalf("rewrap: %d %v", ver, err)
-	}
-	f.MinDecryptionVersion["volumes"] = 2
-	pass2, err := UnwrapPassphrase(ctx, c, v)
-	if err != nil || !bytes.Equal(pass, pass2) {
-		t.Fatalf("after rewrap: %v", err)
-	}
-
-	// Passphrase rotation: a new keyslot, the token follows, the old slot goes.
+// rotatePassphraseKeepsTheKey: passphrase rotation makes a new keyslot,
+// the token follows, the old slot (and passphrase pass) goes; the volume
+// key key0 stays.
+func rotatePassphraseKeepsTheKey(ctx context.Context, t *testing.T, c *transit.Client, v *luks2.Volume, pass, key0 []byte) {
+	t.Helper()
 	if err := RotatePassphrase(ctx, c, v, testKDF); err != nil {
 		t.Fatal(err)
 	}

@@ -18,18 +18,19 @@ const addonDoc = "../docs/csi-addon.md"
 
 var yamlBlock = regexp.MustCompile("(?s)```yaml\n(.*?)```")
 
-// TestDocumentedFormats decodes the examples of docs/csi-addon.md
-// strictly and checks them against what the manifests read.
-func TestDocumentedFormats(t *testing.T) {
-	doc, err := os.ReadFile(addonDoc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := decode(t, renderings[0].Image, renderings[0].DriverName)
-	var secrets []corev1.Secret
-	configMaps := map[string]corev1.ConfigMap{}
-	var keyBackends []corev1.ConfigMap
-	var classes []storagev1.StorageClass
+// docExamples are the YAML examples of docs/csi-addon.md, by kind.
+type docExamples struct {
+	secrets     []corev1.Secret
+	configMaps  map[string]corev1.ConfigMap
+	keyBackends []corev1.ConfigMap
+	classes     []storagev1.StorageClass
+}
+
+// readDocExamples decodes every YAML example of the page strictly; an
+// example of a kind no check reads fails.
+func readDocExamples(t *testing.T, doc []byte) docExamples {
+	t.Helper()
+	ex := docExamples{configMaps: map[string]corev1.ConfigMap{}}
 	for _, m := range yamlBlock.FindAllSubmatch(doc, -1) {
 		var tm metav1.TypeMeta
 		if err := yaml.Unmarshal(m[1], &tm); err != nil {
@@ -39,24 +40,43 @@ func TestDocumentedFormats(t *testing.T) {
 		case "Secret":
 			var s corev1.Secret
 			strict(t, m[1], &s)
-			secrets = append(secrets, s)
+			ex.secrets = append(ex.secrets, s)
 		case "ConfigMap":
 			var c corev1.ConfigMap
 			strict(t, m[1], &c)
-			configMaps[c.Name] = c
+			ex.configMaps[c.Name] = c
 			if c.Name == "csi-key-backend-config" {
-				keyBackends = append(keyBackends, c)
+				ex.keyBackends = append(ex.keyBackends, c)
 			}
 		case "StorageClass":
 			var c storagev1.StorageClass
 			strict(t, m[1], &c)
-			classes = append(classes, c)
+			ex.classes = append(ex.classes, c)
 		default:
 			t.Errorf("example of kind %q in %s has no check", tm.Kind, addonDoc)
 		}
 	}
+	return ex
+}
 
-	// The Secret holds every key the controller reads from it.
+// TestDocumentedFormats decodes the examples of docs/csi-addon.md
+// strictly and checks them against what the manifests read.
+func TestDocumentedFormats(t *testing.T) {
+	doc, err := os.ReadFile(addonDoc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := decode(t, renderings[0].Image, renderings[0].DriverName)
+	ex := readDocExamples(t, doc)
+	checkDocSecret(t, a, doc, ex.secrets)
+	checkDocKeyBackends(t, doc, ex.keyBackends)
+	checkDocCA(t, a, ex.configMaps)
+	checkDocClass(t, ex.classes)
+}
+
+// checkDocSecret: the Secret holds every key the controller reads from it.
+func checkDocSecret(t *testing.T, a *addon, doc []byte, secrets []corev1.Secret) {
+	t.Helper()
 	if len(secrets) != 1 || secrets[0].Name != "csi-driver-secret" || secrets[0].Namespace != Namespace {
 		t.Fatalf("want one example Secret csi-driver-secret in %s, have %d", Namespace, len(secrets))
 	}
@@ -82,9 +102,12 @@ func TestDocumentedFormats(t *testing.T) {
 	if u := secrets[0].StringData["url"]; strings.HasSuffix(u, "/") || strings.Count(u, "/") != 2 {
 		t.Errorf("example url %q is not scheme://host, which --portal-url=$(VCO_PORTAL_URL) needs", u)
 	}
+}
 
-	// The key backend: documented keys, none shadowing a projected file.
-	// The seed's form first, then our older names.
+// checkDocKeyBackends: the key backend has documented keys, none
+// shadowing a projected file. The seed's form first, then our older names.
+func checkDocKeyBackends(t *testing.T, doc []byte, keyBackends []corev1.ConfigMap) {
+	t.Helper()
 	if len(keyBackends) != 2 || keyBackends[0].Data["transitMount"] == "" || keyBackends[1].Data["transit_mount"] == "" {
 		t.Fatalf("want two example ConfigMaps csi-key-backend-config, the seed's names (transitMount) then ours (transit_mount); have %d", len(keyBackends))
 	}
@@ -103,25 +126,16 @@ func TestDocumentedFormats(t *testing.T) {
 			}
 		}
 	}
-	// The CA key is the one the DaemonSet projects.
+}
+
+// checkDocCA: the CA key is the one the DaemonSet projects.
+func checkDocCA(t *testing.T, a *addon, configMaps map[string]corev1.ConfigMap) {
+	t.Helper()
 	ca, ok := configMaps["openbao-ca"]
 	if !ok {
 		t.Fatal("no example ConfigMap openbao-ca")
 	}
-	ds := a.daemonSets[0]
-	var projected []string
-	for _, v := range ds.Spec.Template.Spec.Volumes {
-		if v.Projected == nil {
-			continue
-		}
-		for _, s := range v.Projected.Sources {
-			if s.ConfigMap != nil && s.ConfigMap.Name == "openbao-ca" {
-				for _, it := range s.ConfigMap.Items {
-					projected = append(projected, it.Key)
-				}
-			}
-		}
-	}
+	projected := projectedConfigMapKeys(a.daemonSets[0].Spec.Template.Spec.Volumes, "openbao-ca")
 	for k := range ca.Data {
 		if !slices.Contains(projected, k) {
 			t.Errorf("openbao-ca key %q is not projected into the node plugin (projected: %v)", k, projected)
@@ -130,8 +144,30 @@ func TestDocumentedFormats(t *testing.T) {
 	if !strings.Contains(ca.Data["ca.crt"], "BEGIN CERTIFICATE") {
 		t.Error("example openbao-ca holds no PEM certificate under ca.crt")
 	}
+}
 
-	// The pinned class names the topology key.
+// projectedConfigMapKeys lists the keys of ConfigMap name that the
+// projected volumes among vols project.
+func projectedConfigMapKeys(vols []corev1.Volume, name string) []string {
+	var keys []string
+	for _, v := range vols {
+		if v.Projected == nil {
+			continue
+		}
+		for _, s := range v.Projected.Sources {
+			if s.ConfigMap != nil && s.ConfigMap.Name == name {
+				for _, it := range s.ConfigMap.Items {
+					keys = append(keys, it.Key)
+				}
+			}
+		}
+	}
+	return keys
+}
+
+// checkDocClass: the pinned class names the topology key.
+func checkDocClass(t *testing.T, classes []storagev1.StorageClass) {
+	t.Helper()
 	if len(classes) != 1 {
 		t.Fatalf("want one example StorageClass, have %d", len(classes))
 	}

@@ -667,25 +667,8 @@ func TestController(t *testing.T) {
 		if !slices.Contains(prov.Args, "--feature-gates=Topology=true") {
 			t.Errorf("csi-provisioner lacks --feature-gates=Topology=true: PVs would carry no node affinity for %s", TopologyKey)
 		}
-		for _, c := range w.pod.Spec.Containers {
-			if c.Name != p.Name {
-				if le, _ := flag(c.Args, "leader-election"); le != "true" {
-					t.Errorf("%s runs without leader election; two controller pods would both act during a rollout", c.Name)
-				}
-			}
-		}
-		// url, customer and cloudspace reach their flags from the Secret.
-		fromSecret := map[string]string{}
-		for _, e := range p.Env {
-			if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil && e.ValueFrom.SecretKeyRef.Name == "csi-driver-secret" {
-				fromSecret[e.ValueFrom.SecretKeyRef.Key] = e.Name
-			}
-		}
-		for f, key := range map[string]string{"portal-url": "url", "customer": "customer", "cloudspace": "cloudspace"} {
-			if v, _ := flag(p.Args, f); v != "$("+fromSecret[key]+")" || fromSecret[key] == "" {
-				t.Errorf("controller plugin --%s=%q; want the environment variable of Secret csi-driver-secret key %s", f, v, key)
-			}
-		}
+		checkSidecarsElectALeader(t, w, p)
+		checkControllerFlagsFromTheSecret(t, p)
 		// The token file lies in the mounted Secret.
 		tf, _ := flag(p.Args, "token-file")
 		_, v := mountFor(t, w, p, tf)
@@ -701,6 +684,36 @@ func TestController(t *testing.T) {
 	})
 }
 
+// checkSidecarsElectALeader: every container of the controller pod but the
+// plugin runs with leader election.
+func checkSidecarsElectALeader(t *testing.T, w workload, p corev1.Container) {
+	t.Helper()
+	for _, c := range w.pod.Spec.Containers {
+		if c.Name != p.Name {
+			if le, _ := flag(c.Args, "leader-election"); le != "true" {
+				t.Errorf("%s runs without leader election; two controller pods would both act during a rollout", c.Name)
+			}
+		}
+	}
+}
+
+// checkControllerFlagsFromTheSecret: url, customer and cloudspace reach
+// their flags from the Secret.
+func checkControllerFlagsFromTheSecret(t *testing.T, p corev1.Container) {
+	t.Helper()
+	fromSecret := map[string]string{}
+	for _, e := range p.Env {
+		if e.ValueFrom != nil && e.ValueFrom.SecretKeyRef != nil && e.ValueFrom.SecretKeyRef.Name == "csi-driver-secret" {
+			fromSecret[e.ValueFrom.SecretKeyRef.Key] = e.Name
+		}
+	}
+	for f, key := range map[string]string{"portal-url": "url", "customer": "customer", "cloudspace": "cloudspace"} {
+		if v, _ := flag(p.Args, f); v != "$("+fromSecret[key]+")" || fromSecret[key] == "" {
+			t.Errorf("controller plugin --%s=%q; want the environment variable of Secret csi-driver-secret key %s", f, v, key)
+		}
+	}
+}
+
 func TestNodePlugin(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
 		d := a.daemonSets[0]
@@ -712,73 +725,87 @@ func TestNodePlugin(t *testing.T) {
 		// One container: the plugin registers itself with the kubelet
 		// and serves its own health (docs/csi-addon.md).
 		checkSidecars(t, a, w, nil)
-
-		spec := w.pod.Spec
-		if spec.HostNetwork || spec.HostPID || spec.HostIPC {
-			t.Error("node pod shares a host namespace")
-		}
-		for _, c := range spec.Containers {
-			sc := c.SecurityContext
-			switch {
-			case sc == nil:
-				t.Errorf("node container %s has no securityContext", c.Name)
-			case sc.Privileged != nil && *sc.Privileged:
-				t.Errorf("node container %s is privileged", c.Name)
-			case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
-				t.Errorf("node container %s allows privilege escalation", c.Name)
-			case sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) > 0:
-				t.Errorf("node container %s does not drop all capabilities: %+v", c.Name, sc.Capabilities)
-			}
-		}
-
-		// The plugin's socket: where the plugin tells kubelet to find it.
-		ep, _ := flag(p.Args, "endpoint")
-		sock := socketPath(t, ep)
-		m, v := mountFor(t, w, p, sock)
-		if v.HostPath == nil {
-			t.Fatalf("plugin socket volume %s is not a hostPath", v.Name)
-		}
-		hostSock := path.Join(v.HostPath.Path, strings.TrimPrefix(sock, m.MountPath))
-		if want := "/var/lib/kubelet/plugins/" + a.driver + "/csi.sock"; hostSock != want {
-			t.Errorf("plugin socket on the host is %s, want %s", hostSock, want)
-		}
-		if rp, _ := flag(p.Args, "kubelet-registration-path"); rp != hostSock {
-			t.Errorf("the plugin tells kubelet --kubelet-registration-path=%s; it listens on host path %s", rp, hostSock)
-		}
-		// Its registration socket lands in the kubelet's plugins_registry,
-		// writable.
-		rd, _ := flag(p.Args, "registration-dir")
-		rm, rv := mountFor(t, w, p, path.Join(rd, a.driver+"-reg.sock"))
-		if rd == "" || rv.HostPath == nil || path.Join(rv.HostPath.Path, strings.TrimPrefix(rd, rm.MountPath)) != "/var/lib/kubelet/plugins_registry" {
-			t.Errorf("--registration-dir=%q is %+v mounted at %s, want host /var/lib/kubelet/plugins_registry", rd, rv.VolumeSource, rm.MountPath)
-		}
-		if rm.ReadOnly {
-			t.Errorf("the registration directory %s is mounted read-only; the plugin makes its socket there", rm.MountPath)
-		}
-
-		// Kubelet's directory, with the agent's mounts propagated in.
-		root, _ := flag(p.Args, "kubelet-root")
-		km, kv := mountFor(t, w, p, root)
-		if km.MountPath != root || kv.HostPath == nil || kv.HostPath.Path != root {
-			t.Errorf("--kubelet-root=%s is mounted from %+v at %s", root, kv.VolumeSource, km.MountPath)
-		}
-		if km.MountPropagation == nil || *km.MountPropagation != corev1.MountPropagationHostToContainer {
-			t.Errorf("kubelet directory propagation %v, want HostToContainer", km.MountPropagation)
-		}
-
-		// The agent's socket, at the path the agent package listens on.
-		as, _ := flag(p.Args, "agent-socket")
-		if as != client.DefaultSocket {
-			t.Errorf("--agent-socket=%s; the agent listens on %s", as, client.DefaultSocket)
-		}
-		am, av := mountFor(t, w, p, as)
-		if av.HostPath == nil || path.Join(av.HostPath.Path, strings.TrimPrefix(as, am.MountPath)) != as {
-			t.Errorf("agent socket %s is not the host's: mount %s from %+v", as, am.MountPath, av.VolumeSource)
-		}
-		if am.MountPropagation == nil || *am.MountPropagation != corev1.MountPropagationHostToContainer {
-			t.Errorf("agent socket directory propagation %v, want HostToContainer", am.MountPropagation)
-		}
+		checkNodePodUnprivileged(t, w.pod.Spec)
+		checkNodePluginSockets(t, a, w, p)
+		checkNodePluginHostDirectories(t, w, p)
 	})
+}
+
+// checkNodePodUnprivileged: the node pod shares no host namespace and its
+// containers are unprivileged, drop every capability and may not escalate.
+func checkNodePodUnprivileged(t *testing.T, spec corev1.PodSpec) {
+	t.Helper()
+	if spec.HostNetwork || spec.HostPID || spec.HostIPC {
+		t.Error("node pod shares a host namespace")
+	}
+	for _, c := range spec.Containers {
+		sc := c.SecurityContext
+		switch {
+		case sc == nil:
+			t.Errorf("node container %s has no securityContext", c.Name)
+		case sc.Privileged != nil && *sc.Privileged:
+			t.Errorf("node container %s is privileged", c.Name)
+		case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
+			t.Errorf("node container %s allows privilege escalation", c.Name)
+		case sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) > 0:
+			t.Errorf("node container %s does not drop all capabilities: %+v", c.Name, sc.Capabilities)
+		}
+	}
+}
+
+// checkNodePluginSockets: the plugin's socket is where the plugin tells
+// kubelet to find it, and its registration socket lands in the kubelet's
+// plugins_registry, writable.
+func checkNodePluginSockets(t *testing.T, a *addon, w workload, p corev1.Container) {
+	t.Helper()
+	ep, _ := flag(p.Args, "endpoint")
+	sock := socketPath(t, ep)
+	m, v := mountFor(t, w, p, sock)
+	if v.HostPath == nil {
+		t.Fatalf("plugin socket volume %s is not a hostPath", v.Name)
+	}
+	hostSock := path.Join(v.HostPath.Path, strings.TrimPrefix(sock, m.MountPath))
+	if want := "/var/lib/kubelet/plugins/" + a.driver + "/csi.sock"; hostSock != want {
+		t.Errorf("plugin socket on the host is %s, want %s", hostSock, want)
+	}
+	if rp, _ := flag(p.Args, "kubelet-registration-path"); rp != hostSock {
+		t.Errorf("the plugin tells kubelet --kubelet-registration-path=%s; it listens on host path %s", rp, hostSock)
+	}
+	rd, _ := flag(p.Args, "registration-dir")
+	rm, rv := mountFor(t, w, p, path.Join(rd, a.driver+"-reg.sock"))
+	if rd == "" || rv.HostPath == nil || path.Join(rv.HostPath.Path, strings.TrimPrefix(rd, rm.MountPath)) != "/var/lib/kubelet/plugins_registry" {
+		t.Errorf("--registration-dir=%q is %+v mounted at %s, want host /var/lib/kubelet/plugins_registry", rd, rv.VolumeSource, rm.MountPath)
+	}
+	if rm.ReadOnly {
+		t.Errorf("the registration directory %s is mounted read-only; the plugin makes its socket there", rm.MountPath)
+	}
+}
+
+// checkNodePluginHostDirectories: kubelet's directory, with the agent's
+// mounts propagated in, and the agent's socket, at the path the agent
+// package listens on.
+func checkNodePluginHostDirectories(t *testing.T, w workload, p corev1.Container) {
+	t.Helper()
+	root, _ := flag(p.Args, "kubelet-root")
+	km, kv := mountFor(t, w, p, root)
+	if km.MountPath != root || kv.HostPath == nil || kv.HostPath.Path != root {
+		t.Errorf("--kubelet-root=%s is mounted from %+v at %s", root, kv.VolumeSource, km.MountPath)
+	}
+	if km.MountPropagation == nil || *km.MountPropagation != corev1.MountPropagationHostToContainer {
+		t.Errorf("kubelet directory propagation %v, want HostToContainer", km.MountPropagation)
+	}
+
+	as, _ := flag(p.Args, "agent-socket")
+	if as != client.DefaultSocket {
+		t.Errorf("--agent-socket=%s; the agent listens on %s", as, client.DefaultSocket)
+	}
+	am, av := mountFor(t, w, p, as)
+	if av.HostPath == nil || path.Join(av.HostPath.Path, strings.TrimPrefix(as, am.MountPath)) != as {
+		t.Errorf("agent socket %s is not the host's: mount %s from %+v", as, am.MountPath, av.VolumeSource)
+	}
+	if am.MountPropagation == nil || *am.MountPropagation != corev1.MountPropagationHostToContainer {
+		t.Errorf("agent socket directory propagation %v, want HostToContainer", am.MountPropagation)
+	}
 }
 
 // secretRefs lists which containers of which workloads read which Secret
@@ -852,68 +879,95 @@ func TestKeyBackendConfigReachesTheNodePlugin(t *testing.T) {
 		if kd, _ := flag(p.Args, "key-backend-dir"); kd != KeyBackendDir {
 			t.Errorf("node plugin --key-backend-dir=%q; the key backend volume is mounted at %s", kd, KeyBackendDir)
 		}
-		// A key-backend problem shows as not ready: the probe asks the
-		// address the plugin serves /readyz on.
-		ha, _ := flag(p.Args, "health-addr")
-		rp := p.ReadinessProbe
-		if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
-			t.Errorf("node plugin readinessProbe %+v; want GET /readyz", rp)
-		} else {
-			port := -1
-			for _, cp := range p.Ports {
-				if cp.Name == rp.HTTPGet.Port.StrVal || cp.ContainerPort == rp.HTTPGet.Port.IntVal {
-					port = int(cp.ContainerPort)
-				}
-			}
-			if ha != fmt.Sprintf(":%d", port) {
-				t.Errorf("node plugin --health-addr=%q; the readiness probe asks port %d", ha, port)
-			}
-		}
-		m, v := mountFor(t, w, p, KeyBackendDir+"/token")
-		if m.MountPath != KeyBackendDir || v.Projected == nil {
-			t.Fatalf("%s is not a projected volume mount: %+v", KeyBackendDir, v.VolumeSource)
-		}
-		got := map[string]bool{}
-		for _, s := range v.Projected.Sources {
-			switch {
-			case s.ConfigMap != nil:
-				if s.ConfigMap.Optional == nil || !*s.ConfigMap.Optional {
-					t.Errorf("ConfigMap %s is required: clusters without encrypted volumes would have no node plugin", s.ConfigMap.Name)
-				}
-				got[s.ConfigMap.Name] = true
-			case s.Secret != nil:
-				if s.Secret.Name != "openbao-ca" || s.Secret.Optional == nil || !*s.Secret.Optional || len(s.Secret.Items) == 0 {
-					t.Errorf("the node plugin's key backend volume projects Secret %s (optional %v, items %v); want only the optional openbao-ca's CA keys",
-						s.Secret.Name, s.Secret.Optional, s.Secret.Items)
-				}
-				for _, it := range s.Secret.Items {
-					if !slices.Contains([]string{"ca.crt", "ca.pem", "ca-bundle.crt"}, it.Key) || it.Path != "ca/secret/"+it.Key {
-						t.Errorf("Secret openbao-ca key %s projected to %s; want only CA bundle keys, under ca/secret/", it.Key, it.Path)
-					}
-				}
-				got["Secret openbao-ca"] = true
-			case s.ServiceAccountToken != nil:
-				if s.ServiceAccountToken.Audience == "" || s.ServiceAccountToken.Path != "token" {
-					t.Errorf("key backend token: %+v", s.ServiceAccountToken)
-				}
-				got["token"] = true
-			}
-		}
-		for _, want := range []string{"csi-key-backend-config", "openbao-ca", "Secret openbao-ca", "token"} {
-			if !got[want] {
-				t.Errorf("the node plugin's key backend volume lacks %s", want)
-			}
-		}
-		for _, w := range a.workloads() {
-			if w.kind == "Deployment" {
-				for _, v := range w.pod.Spec.Volumes {
-					if v.ConfigMap != nil || v.Projected != nil {
-						t.Errorf("the controller mounts %s; it has no use for the key backend", v.Name)
-					}
-				}
-			}
-		}
+		checkReadinessProbeAsksHealthAddr(t, p)
+		checkKeyBackendVolume(t, w, p)
+		checkControllerMountsNoKeyBackend(t, a)
 	})
+}
+
+// checkReadinessProbeAsksHealthAddr: a key-backend problem shows as not
+// ready: the probe asks the address the plugin serves /readyz on.
+func checkReadinessProbeAsksHealthAddr(t *testing.T, p corev1.Container) {
+	t.Helper()
+	ha, _ := flag(p.Args, "health-addr")
+	rp := p.ReadinessProbe
+	if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
+		t.Errorf("node plugin readinessProbe %+v; want GET /readyz", rp)
+		return
+	}
+	port := -1
+	for _, cp := range p.Ports {
+		if cp.Name == rp.HTTPGet.Port.StrVal || cp.ContainerPort == rp.HTTPGet.Port.IntVal {
+			port = int(cp.ContainerPort)
+		}
+	}
+	if ha != fmt.Sprintf(":%d", port) {
+		t.Errorf("node plugin --health-addr=%q; the readiness probe asks port %d", ha, port)
+	}
+}
+
+// checkKeyBackendVolume: the key backend directory is a projected volume
+// of the optional ConfigMaps, the optional openbao-ca Secret's CA keys and
+// a service account token.
+func checkKeyBackendVolume(t *testing.T, w workload, p corev1.Container) {
+	t.Helper()
+	m, v := mountFor(t, w, p, KeyBackendDir+"/token")
+	if m.MountPath != KeyBackendDir || v.Projected == nil {
+		t.Fatalf("%s is not a projected volume mount: %+v", KeyBackendDir, v.VolumeSource)
+	}
+	got := map[string]bool{}
+	for _, s := range v.Projected.Sources {
+		switch {
+		case s.ConfigMap != nil:
+			if s.ConfigMap.Optional == nil || !*s.ConfigMap.Optional {
+				t.Errorf("ConfigMap %s is required: clusters without encrypted volumes would have no node plugin", s.ConfigMap.Name)
+			}
+			got[s.ConfigMap.Name] = true
+		case s.Secret != nil:
+			checkCASecretProjection(t, s.Secret)
+			got["Secret openbao-ca"] = true
+		case s.ServiceAccountToken != nil:
+			if s.ServiceAccountToken.Audience == "" || s.ServiceAccountToken.Path != "token" {
+				t.Errorf("key backend token: %+v", s.ServiceAccountToken)
+			}
+			got["token"] = true
+		}
+	}
+	for _, want := range []string{"csi-key-backend-config", "openbao-ca", "Secret openbao-ca", "token"} {
+		if !got[want] {
+			t.Errorf("the node plugin's key backend volume lacks %s", want)
+		}
+	}
+}
+
+// checkCASecretProjection: the one Secret of the key backend volume is the
+// optional openbao-ca, and only its CA bundle keys, under ca/secret/.
+func checkCASecretProjection(t *testing.T, s *corev1.SecretProjection) {
+	t.Helper()
+	if s.Name != "openbao-ca" || s.Optional == nil || !*s.Optional || len(s.Items) == 0 {
+		t.Errorf("the node plugin's key backend volume projects Secret %s (optional %v, items %v); want only the optional openbao-ca's CA keys",
+			s.Name, s.Optional, s.Items)
+	}
+	for _, it := range s.Items {
+		if !slices.Contains([]string{"ca.crt", "ca.pem", "ca-bundle.crt"}, it.Key) || it.Path != "ca/secret/"+it.Key {
+			t.Errorf("Secret openbao-ca key %s projected to %s; want only CA bundle keys, under ca/secret/", it.Key, it.Path)
+		}
+	}
+}
+
+// checkControllerMountsNoKeyBackend: the controller has no use for the key
+// backend's ConfigMaps or projected volumes.
+func checkControllerMountsNoKeyBackend(t *testing.T, a *addon) {
+	t.Helper()
+	for _, w := range a.workloads() {
+		if w.kind == "Deployment" {
+			for _, v := range w.pod.Spec.Volumes {
+				if v.ConfigMap != nil || v.Projected != nil {
+					t.Errorf("the controller mounts %s; it has no use for the key backend", v.Name)
+				}
+			}
+		}
+	}
 }
 
 // granted reports whether the rules give verb on group/resource.
@@ -928,97 +982,49 @@ func granted(rules []rbacv1.PolicyRule, group, resource, verb string) bool {
 	return false
 }
 
+// controllerRules gathers the rules bound to the controller's account:
+// those of its ClusterRoles, and those of its Roles in their namespace.
+func controllerRules(t *testing.T, a *addon) (cluster, local []rbacv1.PolicyRule) {
+	t.Helper()
+	sa := a.deployments[0].Spec.Template.Spec.ServiceAccountName
+	isSA := func(subjects []rbacv1.Subject) bool {
+		for _, s := range subjects {
+			if s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace {
+				return true
+			}
+		}
+		return false
+	}
+	for _, b := range a.clusterBindings {
+		if !isSA(b.Subjects) {
+			continue
+		}
+		i := slices.IndexFunc(a.clusterRoles, func(r rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name })
+		if b.RoleRef.Kind != "ClusterRole" || i < 0 {
+			t.Errorf("ClusterRoleBinding %s refers to %s %s, not in the bundle", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+			continue
+		}
+		cluster = append(cluster, a.clusterRoles[i].Rules...)
+	}
+	for _, b := range a.bindings {
+		if !isSA(b.Subjects) {
+			continue
+		}
+		i := slices.IndexFunc(a.roles, func(r rbacv1.Role) bool { return r.Name == b.RoleRef.Name && r.Namespace == b.Namespace })
+		if b.RoleRef.Kind != "Role" || i < 0 {
+			t.Errorf("RoleBinding %s refers to %s %s, not in the bundle", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+			continue
+		}
+		local = append(local, a.roles[i].Rules...)
+	}
+	return cluster, local
+}
+
 func TestControllerRBAC(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
-		sa := a.deployments[0].Spec.Template.Spec.ServiceAccountName
-		isSA := func(subjects []rbacv1.Subject) bool {
-			for _, s := range subjects {
-				if s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace {
-					return true
-				}
-			}
-			return false
-		}
-		var cluster, local []rbacv1.PolicyRule
-		for _, b := range a.clusterBindings {
-			if !isSA(b.Subjects) {
-				continue
-			}
-			i := slices.IndexFunc(a.clusterRoles, func(r rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name })
-			if b.RoleRef.Kind != "ClusterRole" || i < 0 {
-				t.Errorf("ClusterRoleBinding %s refers to %s %s, not in the bundle", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
-				continue
-			}
-			cluster = append(cluster, a.clusterRoles[i].Rules...)
-		}
-		for _, b := range a.bindings {
-			if !isSA(b.Subjects) {
-				continue
-			}
-			i := slices.IndexFunc(a.roles, func(r rbacv1.Role) bool { return r.Name == b.RoleRef.Name && r.Namespace == b.Namespace })
-			if b.RoleRef.Kind != "Role" || i < 0 {
-				t.Errorf("RoleBinding %s refers to %s %s, not in the bundle", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
-				continue
-			}
-			local = append(local, a.roles[i].Rules...)
-		}
-		// What the sidecars' own deployment examples ask for.
-		need := map[string][][3]string{
-			"csi-provisioner": {
-				{"", "persistentvolumes", "create"}, {"", "persistentvolumes", "delete"}, {"", "persistentvolumes", "watch"},
-				{"", "persistentvolumeclaims", "watch"}, {"", "persistentvolumeclaims", "update"},
-				{"storage.k8s.io", "storageclasses", "list"}, {"storage.k8s.io", "csinodes", "get"},
-				{"", "nodes", "get"}, {"", "events", "create"}, {"snapshot.storage.k8s.io", "volumesnapshots", "get"},
-			},
-			"csi-attacher": {
-				{"", "persistentvolumes", "patch"}, {"storage.k8s.io", "volumeattachments", "patch"},
-				{"storage.k8s.io", "volumeattachments/status", "patch"}, {"storage.k8s.io", "csinodes", "watch"},
-			},
-			"csi-resizer": {
-				{"", "persistentvolumes", "patch"}, {"", "persistentvolumeclaims/status", "patch"}, {"", "pods", "list"},
-			},
-			"csi-snapshotter": {
-				{"snapshot.storage.k8s.io", "volumesnapshotclasses", "list"},
-				{"snapshot.storage.k8s.io", "volumesnapshotcontents", "update"},
-				{"snapshot.storage.k8s.io", "volumesnapshotcontents/status", "patch"},
-			},
-		}
-		for sidecar, perms := range need {
-			for _, p := range perms {
-				if !granted(cluster, p[0], p[1], p[2]) {
-					t.Errorf("%s needs %s on %s.%s; the controller's ClusterRole does not grant it", sidecar, p[2], p[1], p[0])
-				}
-			}
-		}
-		// Storage capacity (--enable-capacity): the provisioner keeps
-		// CSIStorageCapacity objects in its namespace, owned by the
-		// Deployment it walks up to from its pod.
-		for _, p := range [][3]string{
-			{"storage.k8s.io", "csistoragecapacities", "list"}, {"storage.k8s.io", "csistoragecapacities", "watch"},
-			{"storage.k8s.io", "csistoragecapacities", "create"}, {"storage.k8s.io", "csistoragecapacities", "update"},
-			{"storage.k8s.io", "csistoragecapacities", "delete"}, {"", "pods", "get"}, {"apps", "replicasets", "get"},
-		} {
-			if !granted(local, p[0], p[1], p[2]) {
-				t.Errorf("csi-provisioner --enable-capacity needs %s on %s.%s in %s", p[2], p[1], p[0], Namespace)
-			}
-		}
-		prov := slices.IndexFunc(a.deployments[0].Spec.Template.Spec.Containers, func(c corev1.Container) bool { return c.Name == "csi-provisioner" })
-		if prov < 0 {
-			t.Fatal("no csi-provisioner container")
-		}
-		pc := a.deployments[0].Spec.Template.Spec.Containers[prov]
-		if !slices.Contains(pc.Args, "--enable-capacity") {
-			t.Error("csi-provisioner runs without --enable-capacity: no CSIStorageCapacity is published")
-		}
-		env := map[string]string{}
-		for _, e := range pc.Env {
-			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
-				env[e.Name] = e.ValueFrom.FieldRef.FieldPath
-			}
-		}
-		if env["NAMESPACE"] != "metadata.namespace" || env["POD_NAME"] != "metadata.name" {
-			t.Errorf("csi-provisioner with --enable-capacity needs NAMESPACE and POD_NAME from the downward API; has %v", env)
-		}
+		cluster, local := controllerRules(t, a)
+		checkSidecarPermissions(t, cluster)
+		checkStorageCapacity(t, a, local)
 		for _, verb := range []string{"get", "create", "update"} {
 			if !granted(local, "coordination.k8s.io", "leases", verb) {
 				t.Errorf("leader election needs %s on leases in %s", verb, Namespace)
@@ -1028,6 +1034,79 @@ func TestControllerRBAC(t *testing.T) {
 			t.Error("the controller may read Secrets through the API; it only needs its mounted one")
 		}
 	})
+}
+
+// checkSidecarPermissions: the controller's ClusterRoles grant what the
+// sidecars' own deployment examples ask for.
+func checkSidecarPermissions(t *testing.T, cluster []rbacv1.PolicyRule) {
+	t.Helper()
+	need := map[string][][3]string{
+		"csi-provisioner": {
+			{"", "persistentvolumes", "create"}, {"", "persistentvolumes", "delete"}, {"", "persistentvolumes", "watch"},
+			{"", "persistentvolumeclaims", "watch"}, {"", "persistentvolumeclaims", "update"},
+			{"storage.k8s.io", "storageclasses", "list"}, {"storage.k8s.io", "csinodes", "get"},
+			{"", "nodes", "get"}, {"", "events", "create"}, {"snapshot.storage.k8s.io", "volumesnapshots", "get"},
+		},
+		"csi-attacher": {
+			{"", "persistentvolumes", "patch"}, {"storage.k8s.io", "volumeattachments", "patch"},
+			{"storage.k8s.io", "volumeattachments/status", "patch"}, {"storage.k8s.io", "csinodes", "watch"},
+		},
+		"csi-resizer": {
+			{"", "persistentvolumes", "patch"}, {"", "persistentvolumeclaims/status", "patch"}, {"", "pods", "list"},
+		},
+		"csi-snapshotter": {
+			{"snapshot.storage.k8s.io", "volumesnapshotclasses", "list"},
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents", "update"},
+			{"snapshot.storage.k8s.io", "volumesnapshotcontents/status", "patch"},
+		},
+	}
+	for sidecar, perms := range need {
+		for _, p := range perms {
+			if !granted(cluster, p[0], p[1], p[2]) {
+				t.Errorf("%s needs %s on %s.%s; the controller's ClusterRole does not grant it", sidecar, p[2], p[1], p[0])
+			}
+		}
+	}
+}
+
+// checkStorageCapacity: with --enable-capacity the provisioner keeps
+// CSIStorageCapacity objects in its namespace, owned by the Deployment it
+// walks up to from its pod.
+func checkStorageCapacity(t *testing.T, a *addon, local []rbacv1.PolicyRule) {
+	t.Helper()
+	for _, p := range [][3]string{
+		{"storage.k8s.io", "csistoragecapacities", "list"}, {"storage.k8s.io", "csistoragecapacities", "watch"},
+		{"storage.k8s.io", "csistoragecapacities", "create"}, {"storage.k8s.io", "csistoragecapacities", "update"},
+		{"storage.k8s.io", "csistoragecapacities", "delete"}, {"", "pods", "get"}, {"apps", "replicasets", "get"},
+	} {
+		if !granted(local, p[0], p[1], p[2]) {
+			t.Errorf("csi-provisioner --enable-capacity needs %s on %s.%s in %s", p[2], p[1], p[0], Namespace)
+		}
+	}
+	prov := slices.IndexFunc(a.deployments[0].Spec.Template.Spec.Containers, func(c corev1.Container) bool { return c.Name == "csi-provisioner" })
+	if prov < 0 {
+		t.Fatal("no csi-provisioner container")
+	}
+	pc := a.deployments[0].Spec.Template.Spec.Containers[prov]
+	if !slices.Contains(pc.Args, "--enable-capacity") {
+		t.Error("csi-provisioner runs without --enable-capacity: no CSIStorageCapacity is published")
+	}
+	env := fieldRefEnv(pc)
+	if env["NAMESPACE"] != "metadata.namespace" || env["POD_NAME"] != "metadata.name" {
+		t.Errorf("csi-provisioner with --enable-capacity needs NAMESPACE and POD_NAME from the downward API; has %v", env)
+	}
+}
+
+// fieldRefEnv maps the container's environment variables taken from the
+// downward API to their field paths.
+func fieldRefEnv(c corev1.Container) map[string]string {
+	env := map[string]string{}
+	for _, e := range c.Env {
+		if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+			env[e.Name] = e.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	return env
 }
 
 // nodeEventsRole is the node plugin's ClusterRole for its Events.
@@ -1044,64 +1123,8 @@ const nodeEventsRole = "vco-csi-node-events"
 func TestNodePluginRBAC(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {
 		d := a.daemonSets[0]
-		sa := d.Spec.Template.Spec.ServiceAccountName
-		isSA := func(s rbacv1.Subject) bool {
-			return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace
-		}
-		for _, b := range a.bindings {
-			if slices.ContainsFunc(b.Subjects, isSA) {
-				t.Errorf("RoleBinding %s/%s gives the node account %s %s; its one grant is the ClusterRole %s", b.Namespace, b.Name, b.RoleRef.Kind, b.RoleRef.Name, nodeEventsRole)
-			}
-		}
-		var rules []rbacv1.PolicyRule
-		bound := 0
-		for _, b := range a.clusterBindings {
-			if !slices.ContainsFunc(b.Subjects, isSA) {
-				continue
-			}
-			bound++
-			if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != nodeEventsRole {
-				t.Errorf("ClusterRoleBinding %s gives the node account %s %s", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
-				continue
-			}
-			i := slices.IndexFunc(a.clusterRoles, func(r rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name })
-			if i < 0 {
-				t.Fatalf("ClusterRoleBinding %s refers to ClusterRole %s, not in the bundle", b.Name, b.RoleRef.Name)
-			}
-			if a.clusterRoles[i].AggregationRule != nil {
-				t.Errorf("ClusterRole %s aggregates other roles", b.RoleRef.Name)
-			}
-			rules = append(rules, a.clusterRoles[i].Rules...)
-		}
-		if bound != 1 {
-			t.Errorf("%d ClusterRoleBindings bind the node account, want 1", bound)
-		}
-		// Exactly these permissions: each needed, none more.
-		want := map[[2]string][]string{
-			{"", "events"}:                 {"create", "get", "patch"},
-			{"", "persistentvolumeclaims"}: {"get"},
-		}
-		for k, verbs := range want {
-			for _, verb := range verbs {
-				if !granted(rules, k[0], k[1], verb) {
-					t.Errorf("the node account may not %s %s; csi/kubeevents needs it", verb, k[1])
-				}
-			}
-		}
-		for _, r := range rules {
-			if len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
-				t.Errorf("rule %+v names resources or URLs; the plugin's requests name any claim and Event", r)
-			}
-			for _, g := range r.APIGroups {
-				for _, res := range r.Resources {
-					for _, verb := range r.Verbs {
-						if !slices.Contains(want[[2]string{g, res}], verb) {
-							t.Errorf("the node account is granted %s on %q in group %q, which csi/kubeevents does not use", verb, res, g)
-						}
-					}
-				}
-			}
-		}
+		rules := nodeRules(t, a, d.Spec.Template.Spec.ServiceAccountName)
+		checkNodeRulesExactly(t, rules)
 
 		w := workload{"DaemonSet", d.Name, d.Spec.Selector, d.Spec.Template}
 		p := a.plugin(t, w)
@@ -1119,36 +1142,108 @@ func TestNodePluginRBAC(t *testing.T) {
 		} else if m, vol := mountFor(t, w, p, v); m.ReadOnly || vol.HostPath == nil {
 			t.Errorf("%s is on %s (%+v), not a writable host directory", v, m.MountPath, vol.VolumeSource)
 		}
-		env := map[string]string{}
-		for _, e := range p.Env {
-			if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
-				env[e.Name] = e.ValueFrom.FieldRef.FieldPath
-			}
-		}
+		env := fieldRefEnv(p)
 		if env["NODE_NAME"] != "spec.nodeName" {
 			t.Errorf("NODE_NAME comes from %q, want spec.nodeName", env["NODE_NAME"])
 		}
-		var token, ca bool
-		for _, f := range []string{"token", "ca.crt"} {
-			m, v := mountFor(t, w, p, path.Join(kubeevents.ServiceAccountDir, f))
-			if m.MountPath != kubeevents.ServiceAccountDir || v.Projected == nil {
-				t.Errorf("%s/%s comes from %s (%+v)", kubeevents.ServiceAccountDir, f, m.MountPath, v.VolumeSource)
-				continue
-			}
-			for _, src := range v.Projected.Sources {
-				if st := src.ServiceAccountToken; st != nil && st.Path == f && st.Audience == "" {
-					token = true
-				}
-				if cm := src.ConfigMap; cm != nil && cm.Name == "kube-root-ca.crt" &&
-					slices.Contains(cm.Items, corev1.KeyToPath{Key: "ca.crt", Path: f}) {
-					ca = true
-				}
-			}
-		}
-		if !token || !ca {
-			t.Errorf("the API token (audience: the API server) projected: %v; kube-root-ca.crt's ca.crt: %v", token, ca)
-		}
+		checkAPICredentialsProjected(t, w, p)
 	})
+}
+
+// nodeRules gathers the rules bound to the node account sa: through no
+// RoleBinding, and one ClusterRoleBinding to nodeEventsRole, which
+// aggregates nothing.
+func nodeRules(t *testing.T, a *addon, sa string) []rbacv1.PolicyRule {
+	t.Helper()
+	isSA := func(s rbacv1.Subject) bool {
+		return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == Namespace
+	}
+	for _, b := range a.bindings {
+		if slices.ContainsFunc(b.Subjects, isSA) {
+			t.Errorf("RoleBinding %s/%s gives the node account %s %s; its one grant is the ClusterRole %s", b.Namespace, b.Name, b.RoleRef.Kind, b.RoleRef.Name, nodeEventsRole)
+		}
+	}
+	var rules []rbacv1.PolicyRule
+	bound := 0
+	for _, b := range a.clusterBindings {
+		if !slices.ContainsFunc(b.Subjects, isSA) {
+			continue
+		}
+		bound++
+		if b.RoleRef.Kind != "ClusterRole" || b.RoleRef.Name != nodeEventsRole {
+			t.Errorf("ClusterRoleBinding %s gives the node account %s %s", b.Name, b.RoleRef.Kind, b.RoleRef.Name)
+			continue
+		}
+		i := slices.IndexFunc(a.clusterRoles, func(r rbacv1.ClusterRole) bool { return r.Name == b.RoleRef.Name })
+		if i < 0 {
+			t.Fatalf("ClusterRoleBinding %s refers to ClusterRole %s, not in the bundle", b.Name, b.RoleRef.Name)
+		}
+		if a.clusterRoles[i].AggregationRule != nil {
+			t.Errorf("ClusterRole %s aggregates other roles", b.RoleRef.Name)
+		}
+		rules = append(rules, a.clusterRoles[i].Rules...)
+	}
+	if bound != 1 {
+		t.Errorf("%d ClusterRoleBindings bind the node account, want 1", bound)
+	}
+	return rules
+}
+
+// checkNodeRulesExactly: exactly these permissions: each needed, none more.
+func checkNodeRulesExactly(t *testing.T, rules []rbacv1.PolicyRule) {
+	t.Helper()
+	want := map[[2]string][]string{
+		{"", "events"}:                 {"create", "get", "patch"},
+		{"", "persistentvolumeclaims"}: {"get"},
+	}
+	for k, verbs := range want {
+		for _, verb := range verbs {
+			if !granted(rules, k[0], k[1], verb) {
+				t.Errorf("the node account may not %s %s; csi/kubeevents needs it", verb, k[1])
+			}
+		}
+	}
+	for _, r := range rules {
+		if len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
+			t.Errorf("rule %+v names resources or URLs; the plugin's requests name any claim and Event", r)
+		}
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				for _, verb := range r.Verbs {
+					if !slices.Contains(want[[2]string{g, res}], verb) {
+						t.Errorf("the node account is granted %s on %q in group %q, which csi/kubeevents does not use", verb, res, g)
+					}
+				}
+			}
+		}
+	}
+}
+
+// checkAPICredentialsProjected: the API token (audience: the API server)
+// and kube-root-ca.crt's ca.crt are projected where csi/kubeevents reads
+// them.
+func checkAPICredentialsProjected(t *testing.T, w workload, p corev1.Container) {
+	t.Helper()
+	var token, ca bool
+	for _, f := range []string{"token", "ca.crt"} {
+		m, v := mountFor(t, w, p, path.Join(kubeevents.ServiceAccountDir, f))
+		if m.MountPath != kubeevents.ServiceAccountDir || v.Projected == nil {
+			t.Errorf("%s/%s comes from %s (%+v)", kubeevents.ServiceAccountDir, f, m.MountPath, v.VolumeSource)
+			continue
+		}
+		for _, src := range v.Projected.Sources {
+			if st := src.ServiceAccountToken; st != nil && st.Path == f && st.Audience == "" {
+				token = true
+			}
+			if cm := src.ConfigMap; cm != nil && cm.Name == "kube-root-ca.crt" &&
+				slices.Contains(cm.Items, corev1.KeyToPath{Key: "ca.crt", Path: f}) {
+				ca = true
+			}
+		}
+	}
+	if !token || !ca {
+		t.Errorf("the API token (audience: the API server) projected: %v; kube-root-ca.crt's ca.crt: %v", token, ca)
+	}
 }
 
 // The node plugin must run only where vco-agent runs: it tolerates every
@@ -1191,28 +1286,7 @@ func TestNodePluginOnlyWhereTheAgentRuns(t *testing.T) {
 // that agent/volume, agent/watchdog, agent/daemon or csi/metrics defines,
 // and the PodMonitor scrapes ports the add-on's pods name.
 func TestMonitoringWatchesRealSeries(t *testing.T) {
-	defined := map[string]bool{}
-	nameRe := regexp.MustCompile(`Namespace: "(vco_[a-z]+)", Name: "([a-z_]+)"`)
-	descRe := regexp.MustCompile(`NewDesc\("(vco_[a-z_]+)"`)
-	prefixRe := regexp.MustCompile(`return prometheus.NewDesc\("(vco_[a-z_]+)"\+name`)
-	shortRe := regexp.MustCompile(`= desc\("([a-z_]+)"`)
-	for _, f := range []string{"../agent/volume/metrics.go", "../agent/watchdog/metrics.go", "../agent/daemon/daemon.go", "../csi/metrics/metrics.go"} {
-		b, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, m := range nameRe.FindAllSubmatch(b, -1) {
-			defined[string(m[1])+"_"+string(m[2])] = true
-		}
-		for _, m := range descRe.FindAllSubmatch(b, -1) {
-			defined[string(m[1])] = true
-		}
-		if p := prefixRe.FindSubmatch(b); p != nil {
-			for _, m := range shortRe.FindAllSubmatch(b, -1) {
-				defined[string(p[1])+string(m[1])] = true
-			}
-		}
-	}
+	defined := definedSeries(t)
 	if !defined["vco_agent_fences_total"] || !defined["vco_agent_host_watchdog_unsafe"] || !defined["vco_csi_api_requests_total"] {
 		t.Fatalf("the series definitions were not read: %v", defined)
 	}
@@ -1228,46 +1302,98 @@ func TestMonitoringWatchesRealSeries(t *testing.T) {
 			}
 		}
 	}
-	used := regexp.MustCompile(`vco_[a-z_]+`)
 	alerts := 0
 	for _, doc := range splitDocs(b) {
-		var o struct {
-			Kind string `json:"kind"`
-			Spec struct {
-				Endpoints []struct {
-					Port string `json:"port"`
-				} `json:"podMetricsEndpoints"`
-				Groups []struct {
-					Rules []struct {
-						Alert string `json:"alert"`
-						Expr  string `json:"expr"`
-					} `json:"rules"`
-				} `json:"groups"`
-			} `json:"spec"`
-		}
-		if err := yaml.Unmarshal(doc, &o); err != nil {
-			t.Fatal(err)
-		}
-		for _, e := range o.Spec.Endpoints {
-			if !slices.Contains(ports, e.Port) {
-				t.Errorf("the PodMonitor scrapes port %q, which no container of the add-on names (%v)", e.Port, ports)
-			}
-		}
-		for _, g := range o.Spec.Groups {
-			for _, r := range g.Rules {
-				alerts++
-				for _, n := range used.FindAllString(r.Expr, -1) {
-					for _, s := range []string{"_bucket", "_sum", "_count"} {
-						n = strings.TrimSuffix(n, s)
-					}
-					if !defined[n] {
-						t.Errorf("alert %s watches %s, which nothing exports", r.Alert, n)
-					}
-				}
-			}
-		}
+		alerts += checkMonitoringDoc(t, doc, defined, ports)
 	}
 	if alerts < 5 {
 		t.Errorf("%d alerts, want the fencing and API alerts", alerts)
 	}
+}
+
+// definedSeries reads the vco_* series that agent/volume, agent/watchdog,
+// agent/daemon and csi/metrics define.
+func definedSeries(t *testing.T) map[string]bool {
+	t.Helper()
+	defined := map[string]bool{}
+	nameRe := regexp.MustCompile(`Namespace: "(vco_[a-z]+)", Name: "([a-z_]+)"`)
+	descRe := regexp.MustCompile(`NewDesc\("(vco_[a-z_]+)"`)
+	prefixRe := regexp.MustCompile(`return prometheus.NewDesc\("(vco_[a-z_]+)"\+name`)
+	shortRe := regexp.MustCompile(`= desc\("([a-z_]+)"`)
+	// agent/volume names its namespace once and builds counters through
+	// counterOpts/counterVec.
+	nsRe := regexp.MustCompile(`metricNamespace = "(vco_[a-z]+)"`)
+	nsNameRe := regexp.MustCompile(`Namespace: metricNamespace, Name: "([a-z_]+)"`)
+	counterRe := regexp.MustCompile(`counter(?:Opts|Vec)\("([a-z_]+)"`)
+	for _, f := range []string{"../agent/volume/metrics.go", "../agent/watchdog/metrics.go", "../agent/daemon/daemon.go", "../csi/metrics/metrics.go"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range nameRe.FindAllSubmatch(b, -1) {
+			defined[string(m[1])+"_"+string(m[2])] = true
+		}
+		for _, m := range descRe.FindAllSubmatch(b, -1) {
+			defined[string(m[1])] = true
+		}
+		if ns := nsRe.FindSubmatch(b); ns != nil {
+			for _, re := range []*regexp.Regexp{nsNameRe, counterRe} {
+				for _, m := range re.FindAllSubmatch(b, -1) {
+					defined[string(ns[1])+"_"+string(m[1])] = true
+				}
+			}
+		}
+		if p := prefixRe.FindSubmatch(b); p != nil {
+			for _, m := range shortRe.FindAllSubmatch(b, -1) {
+				defined[string(p[1])+string(m[1])] = true
+			}
+		}
+	}
+	return defined
+}
+
+var usedSeries = regexp.MustCompile(`vco_[a-z_]+`)
+
+// checkMonitoringDoc checks one document of the monitoring file: the
+// PodMonitor scrapes ports the add-on's pods name, and every alert watches
+// series that are defined. It returns the number of alerts in it.
+func checkMonitoringDoc(t *testing.T, doc []byte, defined map[string]bool, ports []string) int {
+	t.Helper()
+	var o struct {
+		Kind string `json:"kind"`
+		Spec struct {
+			Endpoints []struct {
+				Port string `json:"port"`
+			} `json:"podMetricsEndpoints"`
+			Groups []struct {
+				Rules []struct {
+					Alert string `json:"alert"`
+					Expr  string `json:"expr"`
+				} `json:"rules"`
+			} `json:"groups"`
+		} `json:"spec"`
+	}
+	if err := yaml.Unmarshal(doc, &o); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range o.Spec.Endpoints {
+		if !slices.Contains(ports, e.Port) {
+			t.Errorf("the PodMonitor scrapes port %q, which no container of the add-on names (%v)", e.Port, ports)
+		}
+	}
+	alerts := 0
+	for _, g := range o.Spec.Groups {
+		for _, r := range g.Rules {
+			alerts++
+			for _, n := range usedSeries.FindAllString(r.Expr, -1) {
+				for _, s := range []string{"_bucket", "_sum", "_count"} {
+					n = strings.TrimSuffix(n, s)
+				}
+				if !defined[n] {
+					t.Errorf("alert %s watches %s, which nothing exports", r.Alert, n)
+				}
+			}
+		}
+	}
+	return alerts
 }

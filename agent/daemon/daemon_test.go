@@ -212,33 +212,8 @@ func TestNotifyReadyWatchdogStoppingAndSocketLifecycle(t *testing.T) {
 	if n.count("STATUS=reading the node identity") != 1 {
 		t.Errorf("no start-up STATUS line before READY")
 	}
-	// Socket made by the agent: 0660 in a 0750 directory.
-	if st, err := os.Stat(sock); err != nil || st.Mode().Type() != os.ModeSocket || st.Mode().Perm() != 0o660 {
-		t.Errorf("socket %s: %v %v", sock, st.Mode(), err)
-	}
-	if st, err := os.Stat(run); err != nil || st.Mode().Perm() != 0o750 {
-		t.Errorf("socket dir %s: %v %v", run, st.Mode(), err)
-	}
-	c, err := client.Dial(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	id, err := c.GetIdentity(context.Background(), &api.GetIdentityRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if id.SystemUuid != fixtureUUID || id.IdentitySource != "sysfs" || id.NodeName != "node-t" || id.Location != "loc-1" ||
-		id.AgentVersion != "test-version" || id.Manufacturer != "whitesky.cloud" || len(id.Fencing) != 2 {
-		t.Errorf("identity %+v", id)
-	}
-	st, err := c.GetStatus(context.Background(), &api.GetStatusRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if st.SocketActivated || st.SocketPath != sock || st.DbusConnected || st.EventsPublished != 1 {
-		t.Errorf("status %+v", st)
-	}
-	c.Close()
+	checkSocketMadeByTheAgent(t, sock, run)
+	checkIdentityAndStatusOverTheSocket(t, sock)
 
 	// WATCHDOG_USEC=200ms: pings every 100ms.
 	deadline := time.Now().Add(10 * time.Second)
@@ -259,6 +234,45 @@ func TestNotifyReadyWatchdogStoppingAndSocketLifecycle(t *testing.T) {
 	}
 	if !strings.Contains(a.stderr.String(), "VCO_EVENT=AgentStopping") {
 		t.Errorf("AgentStopping event not logged:\n%s", a.stderr)
+	}
+}
+
+// checkSocketMadeByTheAgent: the socket the agent made is 0660 in a 0750
+// directory.
+func checkSocketMadeByTheAgent(t *testing.T, sock, run string) {
+	t.Helper()
+	if st, err := os.Stat(sock); err != nil || st.Mode().Type() != os.ModeSocket || st.Mode().Perm() != 0o660 {
+		t.Errorf("socket %s: %v %v", sock, st.Mode(), err)
+	}
+	if st, err := os.Stat(run); err != nil || st.Mode().Perm() != 0o750 {
+		t.Errorf("socket dir %s: %v %v", run, st.Mode(), err)
+	}
+}
+
+// checkIdentityAndStatusOverTheSocket: the agent on sock answers with the
+// fixture's identity and the names and location it was given, and a status
+// of its own socket, without D-Bus, one event published.
+func checkIdentityAndStatusOverTheSocket(t *testing.T, sock string) {
+	t.Helper()
+	c, err := client.Dial(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	id, err := c.GetIdentity(context.Background(), &api.GetIdentityRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id.SystemUuid != fixtureUUID || id.IdentitySource != "sysfs" || id.NodeName != "node-t" || id.Location != "loc-1" ||
+		id.AgentVersion != "test-version" || id.Manufacturer != "whitesky.cloud" || len(id.Fencing) != 2 {
+		t.Errorf("identity %+v", id)
+	}
+	st, err := c.GetStatus(context.Background(), &api.GetStatusRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.SocketActivated || st.SocketPath != sock || st.DbusConnected || st.EventsPublished != 1 {
+		t.Errorf("status %+v", st)
 	}
 }
 

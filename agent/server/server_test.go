@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
@@ -174,25 +175,10 @@ func TestWatchEventsReplayThenLive(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i, want := range []api.EventType{api.EventType_EVENT_TYPE_DISK_CLAIMED, api.EventType_EVENT_TYPE_DISK_RELEASED} {
-		e, err := stream.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if e.Type != want || !e.Replayed || e.Sequence != uint64(i+1) {
-			t.Fatalf("replayed event %d: %+v", i, e)
-		}
-	}
+	recvReplayed(t, stream, api.EventType_EVENT_TYPE_DISK_CLAIMED, api.EventType_EVENT_TYPE_DISK_RELEASED)
 	// The subscription is registered before the replay is sent.
 	f.bus.Publish(events.Event{Type: events.DiskRefused, Volume: "v2", Device: "/dev/sdc", HolderKey: 0x5643000000000abc, HolderNode: "node-b", Reason: "held-elsewhere", Message: "held by node-b"})
-	e, err := stream.Recv()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if e.Type != api.EventType_EVENT_TYPE_DISK_REFUSED || e.Replayed || e.Sequence != 3 || e.Volume != "v2" || e.Device != "/dev/sdc" ||
-		e.HolderKey != "5643000000000abc" || e.HolderNode != "node-b" || e.Reason != "held-elsewhere" || e.Message != "held by node-b" {
-		t.Fatalf("live event %+v", e)
-	}
+	recvLiveRefusal(t, stream)
 	recent, err := f.c.ListRecentEvents(ctx, &api.ListRecentEventsRequest{})
 	if err != nil {
 		t.Fatal(err)
@@ -204,6 +190,35 @@ func TestWatchEventsReplayThenLive(t *testing.T) {
 	f.bus.Close()
 	if _, err := stream.Recv(); err == nil {
 		t.Fatal("stream still open after the bus closed")
+	}
+}
+
+// recvReplayed receives the replayed events of the types want, numbered
+// from 1.
+func recvReplayed(t *testing.T, stream grpc.ServerStreamingClient[api.Event], want ...api.EventType) {
+	t.Helper()
+	for i, want := range want {
+		e, err := stream.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e.Type != want || !e.Replayed || e.Sequence != uint64(i+1) {
+			t.Fatalf("replayed event %d: %+v", i, e)
+		}
+	}
+}
+
+// recvLiveRefusal receives the live (not replayed) third event, a refusal
+// of v2 on /dev/sdc held by node-b, with every field as published.
+func recvLiveRefusal(t *testing.T, stream grpc.ServerStreamingClient[api.Event]) {
+	t.Helper()
+	e, err := stream.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.Type != api.EventType_EVENT_TYPE_DISK_REFUSED || e.Replayed || e.Sequence != 3 || e.Volume != "v2" || e.Device != "/dev/sdc" ||
+		e.HolderKey != "5643000000000abc" || e.HolderNode != "node-b" || e.Reason != "held-elsewhere" || e.Message != "held by node-b" {
+		t.Fatalf("live event %+v", e)
 	}
 }
 

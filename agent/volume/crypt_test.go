@@ -130,6 +130,43 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	req := encReq(e, "vol-enc", img, "staging/enc")
 	req.FsType = "xfs"
 
+	e.firstEncryptedStageFormatsTheLayers(ctx, req, dev)
+	checkHeaderAsCryptsetupReadsIt(t, dev)
+	// The token reads back through the API's method, staged or not.
+	tok, err := e.m.VolumeToken(ctx, "vol-enc", req.Locator)
+	if err != nil || tok.Kind != ContentLUKS2 || !isWrapped(tok.Token) || tok.UUID == "" {
+		t.Fatalf("token of the staged volume: %+v %v", tok, err)
+	}
+	uuid := tok.UUID
+	if c, _ := e.m.Store().Get("vol-enc"); !c.LUKSFormatted || c.LUKSFormatting {
+		t.Fatalf("the record does not say this agent made the header: %+v", c)
+	}
+
+	e.retryExpandAndUnstageEncrypted(ctx, crypt, req, img, dev)
+	e.wrongPassphraseThenRestageKeepsTheHeader(ctx, req, uuid)
+	e.passphraseIsNowhere()
+
+	// A failure after the mapping was opened closes it again: here the
+	// volume comes back asking for ext4 on the xfs inside.
+	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	closedBefore := closed(crypt)
+	wrongFS := req
+	wrongFS.FsType = "ext4"
+	_, err = e.m.Stage(ctx, wrongFS)
+	wantCode(t, err, codes.FailedPrecondition, `carries "xfs"`)
+	if closed(crypt) != closedBefore+1 || len(crypt.Mapped()) != 0 || isMounted(t, req.StagingPath) {
+		t.Fatalf("after a failed stage: %d closes (was %d), mappings %v", closed(crypt), closedBefore, crypt.Mapped())
+	}
+}
+
+// firstEncryptedStageFormatsTheLayers: the token of the blank dev says it
+// is blank; the first encrypted stage formats it, mapped: LUKS2 on the
+// disk, xfs on the mapping, mounted.
+func (e *env) firstEncryptedStageFormatsTheLayers(ctx context.Context, req StageRequest, dev string) {
+	t := e.t
+	t.Helper()
 	tok, err := e.m.VolumeToken(ctx, "vol-enc", req.Locator)
 	if err != nil || tok.Kind != ContentBlank || tok.Token != nil || tok.Device != dev {
 		t.Fatalf("token of a blank disk: %+v %v", tok, err)
@@ -141,8 +178,13 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	if blkid(t, dev, "TYPE") != "crypto_LUKS" || blkid(t, res.Device, "TYPE") != "xfs" || !isMounted(t, req.StagingPath) {
 		t.Fatalf("layers: disk %q, mapping %q", blkid(t, dev, "TYPE"), blkid(t, res.Device, "TYPE"))
 	}
-	// cryptsetup reads the header: the documented cipher and KDF cost, and
-	// the token carrying the wrapped passphrase; the passphrase opens it.
+}
+
+// checkHeaderAsCryptsetupReadsIt: cryptsetup reads the header: the
+// documented cipher and KDF cost, and the token carrying the wrapped
+// passphrase; the passphrase opens it.
+func checkHeaderAsCryptsetupReadsIt(t *testing.T, dev string) {
+	t.Helper()
 	d := dumpLUKS(t, dev)
 	ks, ok := d.Keyslots["0"]
 	if !ok || len(d.Keyslots) != 1 || ks.KDF.Type != "argon2id" || ks.KDF.Time != luks2.DefaultKDF.Time ||
@@ -160,16 +202,15 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	if out, err := cs.CombinedOutput(); err != nil {
 		t.Fatalf("cryptsetup does not accept the passphrase: %v %s", err, out)
 	}
-	// The token reads back through the API's method, staged or not.
-	tok, err = e.m.VolumeToken(ctx, "vol-enc", req.Locator)
-	if err != nil || tok.Kind != ContentLUKS2 || !isWrapped(tok.Token) || tok.UUID == "" {
-		t.Fatalf("token of the staged volume: %+v %v", tok, err)
-	}
-	uuid := tok.UUID
-	if c, _ := e.m.Store().Get("vol-enc"); !c.LUKSFormatted || c.LUKSFormatting {
-		t.Fatalf("the record does not say this agent made the header: %+v", c)
-	}
+}
 
+// retryExpandAndUnstageEncrypted: a retried stage opens nothing more; the
+// disk grown, required_bytes is the disk's new size; the mapping is that
+// less the LUKS2 header, and the expansion is still what was asked for,
+// the filesystem grown; the unstage closes the mapping.
+func (e *env) retryExpandAndUnstageEncrypted(ctx context.Context, crypt *hostLUKS, req StageRequest, img, dev string) {
+	t := e.t
+	t.Helper()
 	os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644)
 	if res2, err := e.m.Stage(ctx, req); err != nil || res2.Formatted || opened(crypt) != 1 {
 		t.Fatalf("retried encrypted stage: %+v %v (opened %d)", res2, err, opened(crypt))
@@ -190,17 +231,22 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil || closed(crypt) != 1 {
 		t.Fatalf("unstage: %v (closed %d)", err, closed(crypt))
 	}
-	// A wrong passphrase opens nothing and mounts nothing, and says where
-	// the right one is.
+}
+
+// wrongPassphraseThenRestageKeepsTheHeader: a wrong passphrase opens
+// nothing and mounts nothing, and says where the right one is. The right
+// one: not formatted again (same header, uuid), data there. The restage
+// carries a different token: a header is never rewritten.
+func (e *env) wrongPassphraseThenRestageKeepsTheHeader(ctx context.Context, req StageRequest, uuid string) {
+	t := e.t
+	t.Helper()
 	bad := req
 	bad.Passphrase = []byte("wrong")
-	_, err = e.m.Stage(ctx, bad)
+	_, err := e.m.Stage(ctx, bad)
 	wantCode(t, err, codes.FailedPrecondition, "opening LUKS2", "passphrase", "GetVolumeToken")
 	if isMounted(t, req.StagingPath) {
 		t.Fatal("mounted with a wrong passphrase")
 	}
-	// The right one: not formatted again (same header), data there. The
-	// restage carries a different token: a header is never rewritten.
 	again := req
 	other := wrapped
 	other.Ciphertext = "vault:v3:b3RoZXI"
@@ -214,8 +260,14 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	if tok, err := e.m.VolumeToken(ctx, "vol-enc", req.Locator); err != nil || tok.UUID != uuid || !isWrapped(tok.Token) {
 		t.Fatalf("the header changed on restage: %+v %v", tok, err)
 	}
-	// The passphrase is nowhere: not in the claim record, the log, or any
-	// event.
+}
+
+// passphraseIsNowhere: the passphrase is nowhere: not in the claim record
+// of vol-enc, the log, or any event; the record says the volume is
+// encrypted.
+func (e *env) passphraseIsNowhere() {
+	t := e.t
+	t.Helper()
 	b, _ := os.ReadFile(e.m.Store().file("vol-enc"))
 	if bytes.Contains(b, []byte(secret)) || bytes.Contains(e.logs.Bytes(), []byte(secret)) {
 		t.Fatal("the passphrase was written to the claim record or the log")
@@ -227,20 +279,6 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	}
 	if !strings.Contains(string(b), `"encrypted": true`) {
 		t.Fatalf("record does not say the volume is encrypted: %s", b)
-	}
-
-	// A failure after the mapping was opened closes it again: here the
-	// volume comes back asking for ext4 on the xfs inside.
-	if err := e.m.Unstage(ctx, "vol-enc", req.StagingPath); err != nil {
-		t.Fatal(err)
-	}
-	closedBefore := closed(crypt)
-	wrongFS := req
-	wrongFS.FsType = "ext4"
-	_, err = e.m.Stage(ctx, wrongFS)
-	wantCode(t, err, codes.FailedPrecondition, `carries "xfs"`)
-	if closed(crypt) != closedBefore+1 || len(crypt.Mapped()) != 0 || isMounted(t, req.StagingPath) {
-		t.Fatalf("after a failed stage: %d closes (was %d), mappings %v", closed(crypt), closedBefore, crypt.Mapped())
 	}
 }
 

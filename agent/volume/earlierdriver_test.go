@@ -101,45 +101,14 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	key, _ := fence.KeyFromUUID(nodeA)
 
 	// Not grown: refused, untouched.
-	img0, dev0, _ := earlierDriversDisk(t, 32, 0)
-	before := sha256File(t, img0)
-	if _, err := adopt.Adopt(ctx, dev0, adopt.Options{Key: key}); err == nil || !strings.Contains(err.Error(), "grow the disk") {
-		t.Fatalf("adopting a disk with no room: %v, want a refusal that says to grow it", err)
-	}
-	if sha256File(t, img0) != before {
-		t.Fatal("the refused adoption changed the disk")
-	}
+	adoptionWithoutRoomIsRefused(ctx, t, key)
 
-	// Grown by 8 MiB; the first run is cut short after 5 of its chunks.
+	// Grown by 8 MiB; three runs are cut short, none stages.
 	img, dev, content := earlierDriversDisk(t, 32, 8)
 	orig := readRange(t, img, 0, 32<<20)
-	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 5}); !errors.Is(err, adopt.ErrStopped) {
-		t.Fatalf("the cut-short adoption: %v", err)
-	}
 	req := e.stageReq("7431", img, "staging/adopted")
 	req.AllowUnfenced = false
-	if _, err := e.m.Stage(ctx, req); err == nil {
-		t.Fatal("a disk whose adoption was cut short staged")
-	}
-	// The disk grows again before the next run (a PVC resize): the run
-	// still finds where the first one stopped.
-	if err := os.Truncate(img, 48<<20); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
-		t.Fatalf("losetup -c: %v: %s", err, out)
-	}
-	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 3}); !errors.Is(err, adopt.ErrStopped) {
-		t.Fatalf("the second cut-short run: %v", err)
-	}
-	// A third is cut short after the move, with the first MiB zeroed and
-	// no lease header yet: no stage takes it either.
-	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopBeforeHeader: true}); !errors.Is(err, adopt.ErrStopped) {
-		t.Fatalf("the run cut short before the header: %v", err)
-	}
-	if _, err := e.m.Stage(ctx, req); err == nil {
-		t.Fatal("a disk whose adoption was cut short before its lease header staged")
-	}
+	e.adoptionCutShortThreeTimes(ctx, req, img, dev, key)
 	res, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key})
 	if err != nil || !res.Resumed {
 		t.Fatalf("finishing the adoption: %+v %v", res, err)
@@ -165,6 +134,55 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	}
 	if err := e.m.Unstage(ctx, "7431", req.StagingPath); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// adoptionWithoutRoomIsRefused: the earlier driver's disk, not grown, is
+// refused (saying to grow it) and left untouched.
+func adoptionWithoutRoomIsRefused(ctx context.Context, t *testing.T, key fence.Key) {
+	t.Helper()
+	img0, dev0, _ := earlierDriversDisk(t, 32, 0)
+	before := sha256File(t, img0)
+	if _, err := adopt.Adopt(ctx, dev0, adopt.Options{Key: key}); err == nil || !strings.Contains(err.Error(), "grow the disk") {
+		t.Fatalf("adopting a disk with no room: %v, want a refusal that says to grow it", err)
+	}
+	if sha256File(t, img0) != before {
+		t.Fatal("the refused adoption changed the disk")
+	}
+}
+
+// adoptionCutShortThreeTimes: the first run is cut short after 5 of its
+// chunks, and the disk does not stage; the disk grows again before the
+// next run (a PVC resize), which still finds where the first one stopped
+// and is cut short after 3; a third is cut short after the move, with the
+// first MiB zeroed and no lease header yet: no stage takes it either.
+func (e *env) adoptionCutShortThreeTimes(ctx context.Context, req StageRequest, img, dev string, key fence.Key) {
+	t := e.t
+	t.Helper()
+	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 5}); !errors.Is(err, adopt.ErrStopped) {
+		t.Fatalf("the cut-short adoption: %v", err)
+	}
+	if _, err := e.m.Stage(ctx, req); err == nil {
+		t.Fatal("a disk whose adoption was cut short staged")
+	}
+	// The disk grows again before the next run (a PVC resize): the run
+	// still finds where the first one stopped.
+	if err := os.Truncate(img, 48<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v: %s", err, out)
+	}
+	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopAfter: 3}); !errors.Is(err, adopt.ErrStopped) {
+		t.Fatalf("the second cut-short run: %v", err)
+	}
+	// A third is cut short after the move, with the first MiB zeroed and
+	// no lease header yet: no stage takes it either.
+	if _, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key, StopBeforeHeader: true}); !errors.Is(err, adopt.ErrStopped) {
+		t.Fatalf("the run cut short before the header: %v", err)
+	}
+	if _, err := e.m.Stage(ctx, req); err == nil {
+		t.Fatal("a disk whose adoption was cut short before its lease header staged")
 	}
 }
 

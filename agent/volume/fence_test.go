@@ -186,10 +186,51 @@ func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
 	t.Cleanup(func() { clearRO(dev) })
 	req := e.stageReq("vol-l", img, "staging/l")
 	req.AllowUnfenced = false
+	target := e.path("pods/p/vol")
+	e.stagePublishAndKeepTheClaim(ctx, req, target)
+
+	// Node B takes the disk over with its own grant: node A's claim is lost.
+	if _, err := nodeBEngine(t, tgt, "vol-l").Acquire(ctx, &fence.Grant{Disk: "vol-l", Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	e.m.CheckAll(ctx)
+	e.lostToNodeBStopsIO(ctx, req, dev, target)
+	// Never re-claimed by itself: not by the check, not by a restart, not
+	// by a stage without a grant.
+	e.m.CheckAll(ctx)
+	e.start()
+	e.m.Reconcile(ctx)
+	if _, ok := tgt.Registered(nodeA); ok {
+		t.Fatal("node A registered again by itself")
+	}
+	if st, _ := e.m.Stats(ctx, "vol-l", ""); !st.Abnormal {
+		t.Fatal("lost volume reported healthy after restart")
+	}
+	wantCode(t, e.m.Unpublish(ctx, "vol-l", target), codes.OK)
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "needs a takeover grant")
+
+	e.grantedRestageGetsItBack(ctx, req)
+	if err := e.m.Unstage(ctx, "vol-l", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := tgt.Registered(nodeA); ok {
+		t.Fatal("unstage left node A registered")
+	}
+	if _, _, _, ok := tgt.Reservation(); ok {
+		t.Fatal("unstage left the reservation")
+	}
+}
+
+// stagePublishAndKeepTheClaim stages vol-l under persistent reservations,
+// publishes it at target and writes "before" to data. An intact claim
+// passes the periodic check; a restarted agent re-verifies and keeps it.
+func (e *env) stagePublishAndKeepTheClaim(ctx context.Context, req StageRequest, target string) {
+	t := e.t
+	t.Helper()
 	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != fence.MethodPR {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
-	target := e.path("pods/p/vol")
 	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-l", StagingPath: req.StagingPath, TargetPath: target}); err != nil {
 		t.Fatal(err)
 	}
@@ -207,12 +248,15 @@ func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
 	if c, _ := e.m.Store().Get("vol-l"); c == nil || c.State != StateHeld {
 		t.Fatalf("claim after restart: %+v", c)
 	}
+}
 
-	// Node B takes the disk over with its own grant: node A's claim is lost.
-	if _, err := nodeBEngine(t, tgt, "vol-l").Acquire(ctx, &fence.Grant{Disk: "vol-l", Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
-		t.Fatal(err)
-	}
-	e.m.CheckAll(ctx)
+// lostToNodeBStopsIO: the check that found vol-l lost to node B announces
+// it, sets the disk read-only so no write goes through the staging path
+// or the target, reports the volume abnormal naming B's key, and counts
+// the loss.
+func (e *env) lostToNodeBStopsIO(ctx context.Context, req StageRequest, dev, target string) {
+	t := e.t
+	t.Helper()
 	ev := e.event(events.DiskFenced)
 	if ev.Volume != "vol-l" || ev.HolderKey != uint64(keyB) || ev.Reason != "claim-lost" {
 		t.Fatalf("fenced event: %+v", ev)
@@ -232,23 +276,14 @@ func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
 	if metric(t, e.m, "vco_agent_fences_total") != 1 || metric(t, e.m, "vco_agent_claims", "state", "lost") != 1 {
 		t.Fatal("loss not counted")
 	}
-	// Never re-claimed by itself: not by the check, not by a restart, not
-	// by a stage without a grant.
-	e.m.CheckAll(ctx)
-	e.start()
-	e.m.Reconcile(ctx)
-	if _, ok := tgt.Registered(nodeA); ok {
-		t.Fatal("node A registered again by itself")
-	}
-	if st, _ := e.m.Stats(ctx, "vol-l", ""); !st.Abnormal {
-		t.Fatal("lost volume reported healthy after restart")
-	}
-	wantCode(t, e.m.Unpublish(ctx, "vol-l", target), codes.OK)
-	_, err = e.m.Stage(ctx, req)
-	wantCode(t, err, codes.FailedPrecondition, "needs a takeover grant")
+}
 
-	// With the controller's grant naming node B, node A gets it back, and
-	// the data written before the loss is there.
+// grantedRestageGetsItBack: with the controller's grant naming node B,
+// node A gets it back, and the data written before the loss is there,
+// writable again.
+func (e *env) grantedRestageGetsItBack(ctx context.Context, req StageRequest) {
+	t := e.t
+	t.Helper()
 	req.Grant = &fence.Grant{Disk: "vol-l", Node: nodeA, Supersedes: []fence.Key{keyB}}
 	res, err := e.m.Stage(ctx, req)
 	if err != nil || res.Formatted {
@@ -259,15 +294,6 @@ func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
 	}
 	if err := os.WriteFile(filepath.Join(req.StagingPath, "after"), []byte("x"), 0o644); err != nil {
 		t.Fatalf("write after the granted restage: %v", err)
-	}
-	if err := e.m.Unstage(ctx, "vol-l", req.StagingPath); err != nil {
-		t.Fatal(err)
-	}
-	if _, ok := tgt.Registered(nodeA); ok {
-		t.Fatal("unstage left node A registered")
-	}
-	if _, _, _, ok := tgt.Reservation(); ok {
-		t.Fatal("unstage left the reservation")
 	}
 }
 
@@ -333,27 +359,7 @@ func TestDataAreaPastFencingMetadataAndSelfReportedLoss(t *testing.T) {
 	}
 	req := e.stageReq("vol-m", img, "staging/m")
 	req.AllowUnfenced = false
-	res, err := e.m.Stage(ctx, req)
-	if err != nil || res.Device == dev || !res.Formatted {
-		t.Fatalf("stage: %+v %v", res, err)
-	}
-	t.Cleanup(func() { dropDataMapping(res.Device) })
-	if b, _ := os.ReadFile("/sys/block/" + filepath.Base(res.Device) + "/loop/offset"); strings.TrimSpace(string(b)) != "1048576" {
-		t.Fatalf("mapping %s offset %q", res.Device, b)
-	}
-	if blkid(t, res.Device, "TYPE") != "ext4" {
-		t.Fatal("no filesystem on the data mapping")
-	}
-	os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644)
-	syncFS(req.StagingPath)
-	head := make([]byte, len(meta))
-	if f, err := os.Open(img); err == nil {
-		f.ReadAt(head, 0)
-		f.Close()
-	}
-	if !bytes.Equal(head, meta) {
-		t.Fatal("the fencing metadata area was written")
-	}
+	res := e.stagedOnAMappingPastTheMetadata(ctx, req, img, dev, meta)
 	// Retry, unstage (mapping goes), restage (same filesystem).
 	if r2, err := e.m.Stage(ctx, req); err != nil || r2.Formatted || r2.Device != res.Device {
 		t.Fatalf("retried stage: %+v %v", r2, err)
@@ -364,7 +370,7 @@ func TestDataAreaPastFencingMetadataAndSelfReportedLoss(t *testing.T) {
 	if p, ok := e.m.findDataMapping(dev, 1<<20); ok {
 		t.Fatalf("data mapping %s left after unstage", p)
 	}
-	res, err = e.m.Stage(ctx, req)
+	res, err := e.m.Stage(ctx, req)
 	if err != nil || res.Formatted {
 		t.Fatalf("restage: %+v %v", res, err)
 	}
@@ -390,6 +396,37 @@ func TestDataAreaPastFencingMetadataAndSelfReportedLoss(t *testing.T) {
 	if st, _ := e.m.Stats(ctx, "vol-m", ""); !st.Abnormal || !strings.Contains(st.Message, "lease taken") {
 		t.Fatalf("stats: %+v", st)
 	}
+}
+
+// stagedOnAMappingPastTheMetadata: the first stage formats a mapping of
+// dev at 1 MiB, past the fencing metadata meta at the start of img, which
+// a write through the filesystem leaves as it was. It returns the stage's
+// answer.
+func (e *env) stagedOnAMappingPastTheMetadata(ctx context.Context, req StageRequest, img, dev string, meta []byte) StageResult {
+	t := e.t
+	t.Helper()
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Device == dev || !res.Formatted {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	t.Cleanup(func() { dropDataMapping(res.Device) })
+	if b, _ := os.ReadFile("/sys/block/" + filepath.Base(res.Device) + "/loop/offset"); strings.TrimSpace(string(b)) != "1048576" {
+		t.Fatalf("mapping %s offset %q", res.Device, b)
+	}
+	if blkid(t, res.Device, "TYPE") != "ext4" {
+		t.Fatal("no filesystem on the data mapping")
+	}
+	os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("x"), 0o644)
+	syncFS(req.StagingPath)
+	head := make([]byte, len(meta))
+	if f, err := os.Open(img); err == nil {
+		f.ReadAt(head, 0)
+		f.Close()
+	}
+	if !bytes.Equal(head, meta) {
+		t.Fatal("the fencing metadata area was written")
+	}
+	return res
 }
 
 func syncFS(p string) {

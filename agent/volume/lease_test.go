@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -84,40 +85,13 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 
 	reqA := a.stageReq("vol-l", img, "staging/l")
 	reqA.AllowUnfenced = false
-	res, err := a.m.Stage(ctx, reqA)
-	if err != nil || res.Method != MethodLease || !res.Formatted || !strings.HasPrefix(res.Device, "/dev/loop") || res.Device == devA {
-		t.Fatalf("stage on a blank disk: %+v %v", res, err)
-	}
-	raw, _ := os.ReadFile(img)
-	if !bytes.HasPrefix(raw, []byte("VCOLEASE")) || blkid(t, res.Device, "TYPE") != "ext4" {
-		t.Fatal("no lease area before the data, or no filesystem on the data mapping")
-	}
-	os.WriteFile(filepath.Join(reqA.StagingPath, "a"), []byte("node-a's data"), 0o644)
-	syncFS(reqA.StagingPath)
-
-	// B sees the disk appear: refused at once, read-only, DiskRefused
-	// naming A; no request needed.
-	v, err := b.m.Classify(ctx, devEvent(t, devB))
-	if err != nil || !v.Refuse || v.Holder != keyA || v.HolderNode != "node-a" || v.Method != MethodLease {
-		t.Fatalf("B's verdict on A's disk: %+v %v", v, err)
-	}
-	if err := uevent.SetReadOnly(devB, 0, 0, true); err != nil {
-		t.Fatal(err)
-	}
-	b.m.Refused(uevent.Decision{Event: devEvent(t, devB), Verdict: v, ReadOnly: true, Received: time.Now(), Done: time.Now()})
-	ev := b.event(events.DiskRefused)
-	if ev.Device != devB || ev.HolderKey != uint64(keyA) || ev.HolderNode != "node-a" || !strings.Contains(ev.Message, "read-only") {
-		t.Fatalf("refusal event: %+v", ev)
-	}
-	// A's own agent does not refuse its own disk.
-	if v, err := a.m.Classify(ctx, devEvent(t, devA)); err != nil || v.Refuse {
-		t.Fatalf("A's verdict on its own disk: %+v %v", v, err)
-	}
+	a.firstLeaseStageFormatsPastTheLease(ctx, reqA, img, devA)
+	refusedAtSightByB(ctx, a, b, devA, devB)
 
 	// B's stage: refused, naming A.
 	reqB := b.stageReq("vol-l", linkB, "staging/l")
 	reqB.AllowUnfenced = false
-	_, err = b.m.Stage(ctx, reqB)
+	_, err := b.m.Stage(ctx, reqB)
 	wantCode(t, err, codes.FailedPrecondition, keyA.String(), "node-a")
 
 	// A's agent restarts while it holds the claim: re-verified and kept.
@@ -146,23 +120,81 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	if got, _ := os.ReadFile(filepath.Join(reqB.StagingPath, "a")); string(got) != "node-a's data" {
 		t.Fatalf("B reads %q", got)
 	}
-	a.start()
-	a.m.Reconcile(ctx)
-	fev := a.event(events.DiskFenced)
+	a.backFindsItsClaimLostToB(ctx, devA)
+	if err := b.m.Unstage(ctx, "vol-l", reqB.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.m.Unstage(ctx, "vol-l", reqA.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// firstLeaseStageFormatsPastTheLease: A's first stage of the blank disk
+// writes a lease area and formats ext4 on a data mapping past it; A then
+// writes its data there.
+func (e *env) firstLeaseStageFormatsPastTheLease(ctx context.Context, req StageRequest, img, dev string) {
+	t := e.t
+	t.Helper()
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Method != MethodLease || !res.Formatted || !strings.HasPrefix(res.Device, "/dev/loop") || res.Device == dev {
+		t.Fatalf("stage on a blank disk: %+v %v", res, err)
+	}
+	raw, _ := os.ReadFile(img)
+	if !bytes.HasPrefix(raw, []byte("VCOLEASE")) || blkid(t, res.Device, "TYPE") != "ext4" {
+		t.Fatal("no lease area before the data, or no filesystem on the data mapping")
+	}
+	// The log says where the stage spent its time, the fence step in its
+	// parts (docs/benchmarks.md reads them).
+	if !fenceParts.MatchString(e.logs.String()) {
+		t.Errorf("the stage's log gives no fence step in parts (choose, prepare, acquire):\n%s", e.logs)
+	}
+	os.WriteFile(filepath.Join(req.StagingPath, "a"), []byte("node-a's data"), 0o644)
+	syncFS(req.StagingPath)
+}
+
+var fenceParts = regexp.MustCompile(`steps="open [^"]*, fence [0-9.]+[mµn]?s \(choose [0-9.]+[mµn]?s, prepare [0-9.]+[mµn]?s, acquire [0-9.]+[mµn]?s\), map `)
+
+// refusedAtSightByB: B sees the disk appear: refused at once, read-only,
+// DiskRefused naming A; no request needed. A's own agent does not refuse
+// its own disk.
+func refusedAtSightByB(ctx context.Context, a, b *env, devA, devB string) {
+	t := b.t
+	t.Helper()
+	v, err := b.m.Classify(ctx, devEvent(t, devB))
+	if err != nil || !v.Refuse || v.Holder != keyA || v.HolderNode != "node-a" || v.Method != MethodLease {
+		t.Fatalf("B's verdict on A's disk: %+v %v", v, err)
+	}
+	if err := uevent.SetReadOnly(devB, 0, 0, true); err != nil {
+		t.Fatal(err)
+	}
+	b.m.Refused(uevent.Decision{Event: devEvent(t, devB), Verdict: v, ReadOnly: true, Received: time.Now(), Done: time.Now()})
+	ev := b.event(events.DiskRefused)
+	if ev.Device != devB || ev.HolderKey != uint64(keyA) || ev.HolderNode != "node-a" || !strings.Contains(ev.Message, "read-only") {
+		t.Fatalf("refusal event: %+v", ev)
+	}
+	// A's own agent does not refuse its own disk.
+	if v, err := a.m.Classify(ctx, devEvent(t, devA)); err != nil || v.Refuse {
+		t.Fatalf("A's verdict on its own disk: %+v %v", v, err)
+	}
+}
+
+// backFindsItsClaimLostToB: A's agent, started again, finds its claim of
+// vol-l lost to B, announces it, sets the disk read-only and reports the
+// volume lost.
+func (e *env) backFindsItsClaimLostToB(ctx context.Context, devA string) {
+	t := e.t
+	t.Helper()
+	e.start()
+	e.m.Reconcile(ctx)
+	fev := e.event(events.DiskFenced)
 	if fev.Volume != "vol-l" || fev.HolderKey != uint64(keyB) {
 		t.Fatalf("A's fenced event at start: %+v", fev)
 	}
 	if !deviceReadOnly(t, devA) {
 		t.Fatal("A's disk is writable after its claim was found lost")
 	}
-	if st, _ := a.m.Stats(ctx, "vol-l", ""); !st.Abnormal || st.State != "lost" {
+	if st, _ := e.m.Stats(ctx, "vol-l", ""); !st.Abnormal || st.State != "lost" {
 		t.Fatalf("A's volume is not abnormal with its claim lost: %+v", st)
-	}
-	if err := b.m.Unstage(ctx, "vol-l", reqB.StagingPath); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.m.Unstage(ctx, "vol-l", reqA.StagingPath); err != nil {
-		t.Fatal(err)
 	}
 }
 
@@ -392,84 +424,112 @@ func sha256File(t *testing.T, p string) [32]byte {
 // changes nothing and reports the disk's size.
 func TestExpandOfARawBlockVolumeGrowsTheDeviceThePodSees(t *testing.T) {
 	needRoot(t)
-	const header = 16 << 20 // the LUKS2 header before an encrypted volume's data
-	for _, tc := range []struct {
-		name             string
-		lease, encrypted bool
-	}{
+	for _, tc := range []rawBlockCase{
 		{name: "unfenced"},
 		{name: "lease", lease: true},
 		{name: "encrypted", encrypted: true},
 		{name: "encrypted-lease", lease: true, encrypted: true},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var fencing FencerFactory // none: the node's key, no lease
-			if tc.lease {
-				fencing = leaseFencing(nodeA, "node-a")
-			}
-			e := newEnvWith(t, fencing)
-			var crypt *hostLUKS
-			if tc.encrypted {
-				crypt = newHostLUKS(t)
-				e.crypt = crypt
-			}
-			e.start()
-			ctx := context.Background()
-			img, dev := loop(t, 64)
-			req := e.stageReq("vol-rb", img, "staging/rb")
-			if tc.encrypted {
-				req = encReq(e, "vol-rb", img, "staging/rb")
-			}
-			req.Block, req.FsType, req.AllowUnfenced = true, "", !tc.lease
-			res, err := e.m.Stage(ctx, req)
-			if err != nil || (res.Device == dev) != (!tc.lease && !tc.encrypted) {
-				t.Fatalf("stage: %+v %v", res, err)
-			}
-			target := e.path("pods/p/volumeDevices/rb")
-			if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-rb", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
-				t.Fatal(err)
-			}
-			var meta int64
-			if tc.lease {
-				meta += lease.DataOffset
-			}
-			if tc.encrypted {
-				meta += header
-			}
-			if n, err := deviceSize(target); err != nil || n != 64<<20-meta {
-				t.Fatalf("the pod's device holds %d bytes (%v), want %d", n, err, 64<<20-meta)
-			}
-			// Nothing grown yet: a no-op that reports the size.
-			if n, err := e.m.Expand(ctx, "vol-rb", target, 64<<20); err != nil || n != 64<<20-meta {
-				t.Fatalf("expand at the same size: %d %v; want %d", n, err, 64<<20-meta)
-			}
-			if err := os.Truncate(img, 128<<20); err != nil {
-				t.Fatal(err)
-			}
-			if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
-				t.Fatalf("losetup -c: %v %s", err, out)
-			}
-			n, err := e.m.Expand(ctx, "vol-rb", target, 128<<20)
-			if err != nil || n != 128<<20-meta {
-				t.Fatalf("expand: %d %v; want %d", n, err, 128<<20-meta)
-			}
-			if got, err := deviceSize(target); err != nil || got != n {
-				t.Fatalf("the pod's device holds %d bytes after the expansion (%v), want %d", got, err, n)
-			}
-			if st, err := e.m.Stats(ctx, "vol-rb", target); err != nil || !st.Block || st.TotalBytes != n {
-				t.Fatalf("stats after the expansion: %+v %v", st, err)
-			}
-			if tc.encrypted && resized(crypt) != 2 {
-				t.Fatalf("the dm-crypt mapping was resized %d times, want once per expansion", resized(crypt))
-			}
-			if err := e.m.Unpublish(ctx, "vol-rb", target); err != nil {
-				t.Fatal(err)
-			}
-			if err := e.m.Unstage(ctx, "vol-rb", req.StagingPath); err != nil {
-				t.Fatal(err)
-			}
-		})
+		t.Run(tc.name, func(t *testing.T) { expandRawBlockVolume(t, tc) })
 	}
+}
+
+// rawBlockCase is a raw block volume on a lease disk or not, encrypted or
+// not.
+type rawBlockCase struct {
+	name             string
+	lease, encrypted bool
+}
+
+// meta is what lies before the volume's data on its disk: the lease area,
+// the LUKS2 header, both or neither.
+func (tc rawBlockCase) meta() int64 {
+	const header = 16 << 20 // the LUKS2 header before an encrypted volume's data
+	var meta int64
+	if tc.lease {
+		meta += lease.DataOffset
+	}
+	if tc.encrypted {
+		meta += header
+	}
+	return meta
+}
+
+// expandRawBlockVolume stages and publishes a 64 MiB raw block volume of
+// case tc, then grows its disk to 128 MiB and expands it: the pod's device
+// holds the disk less tc.meta() before and after, stats agree, an
+// encrypted volume's mapping is resized once per expansion.
+func expandRawBlockVolume(t *testing.T, tc rawBlockCase) {
+	var fencing FencerFactory // none: the node's key, no lease
+	if tc.lease {
+		fencing = leaseFencing(nodeA, "node-a")
+	}
+	e := newEnvWith(t, fencing)
+	var crypt *hostLUKS
+	if tc.encrypted {
+		crypt = newHostLUKS(t)
+		e.crypt = crypt
+	}
+	e.start()
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req, target := e.stageAndPublishRawBlock(ctx, tc, img, dev)
+	meta := tc.meta()
+	if n, err := deviceSize(target); err != nil || n != 64<<20-meta {
+		t.Fatalf("the pod's device holds %d bytes (%v), want %d", n, err, 64<<20-meta)
+	}
+	// Nothing grown yet: a no-op that reports the size.
+	if n, err := e.m.Expand(ctx, "vol-rb", target, 64<<20); err != nil || n != 64<<20-meta {
+		t.Fatalf("expand at the same size: %d %v; want %d", n, err, 64<<20-meta)
+	}
+	if err := os.Truncate(img, 128<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v %s", err, out)
+	}
+	n, err := e.m.Expand(ctx, "vol-rb", target, 128<<20)
+	if err != nil || n != 128<<20-meta {
+		t.Fatalf("expand: %d %v; want %d", n, err, 128<<20-meta)
+	}
+	if got, err := deviceSize(target); err != nil || got != n {
+		t.Fatalf("the pod's device holds %d bytes after the expansion (%v), want %d", got, err, n)
+	}
+	if st, err := e.m.Stats(ctx, "vol-rb", target); err != nil || !st.Block || st.TotalBytes != n {
+		t.Fatalf("stats after the expansion: %+v %v", st, err)
+	}
+	if tc.encrypted && resized(crypt) != 2 {
+		t.Fatalf("the dm-crypt mapping was resized %d times, want once per expansion", resized(crypt))
+	}
+	if err := e.m.Unpublish(ctx, "vol-rb", target); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Unstage(ctx, "vol-rb", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// stageAndPublishRawBlock stages vol-rb of case tc on img (dev) as a raw
+// block volume, on a mapping of its own unless unfenced and plain, and
+// publishes it to the pod's device path, which it returns with the
+// request.
+func (e *env) stageAndPublishRawBlock(ctx context.Context, tc rawBlockCase, img, dev string) (StageRequest, string) {
+	t := e.t
+	t.Helper()
+	req := e.stageReq("vol-rb", img, "staging/rb")
+	if tc.encrypted {
+		req = encReq(e, "vol-rb", img, "staging/rb")
+	}
+	req.Block, req.FsType, req.AllowUnfenced = true, "", !tc.lease
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || (res.Device == dev) != (!tc.lease && !tc.encrypted) {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	target := e.path("pods/p/volumeDevices/rb")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-rb", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+		t.Fatal(err)
+	}
+	return req, target
 }
 
 // TestRefusedLeaseStageKeepsNoDescriptorOpen: a stage refused because

@@ -30,35 +30,23 @@ func NewMetrics() *Metrics {
 	m := &Metrics{
 		reg: prometheus.NewRegistry(),
 		claims: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Namespace: "vco_agent", Name: "claims",
+			Namespace: metricNamespace, Name: "claims",
 			Help: "Volumes this agent has claimed, by state (held, unfenced, lost, missing).",
 		}, []string{"state"}),
-		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: "vco_agent", Name: "claim_checks_total",
-			Help: "Checks of claims, by result (ok, lost, error, missing).",
-		}, []string{"result"}),
-		refusals: prometheus.NewCounter(prometheus.CounterOpts{
-			Namespace: "vco_agent", Name: "refusals_total",
-			Help: "Disks refused because another node holds them.",
-		}),
-		fences: prometheus.NewCounter(prometheus.CounterOpts{
-			Namespace: "vco_agent", Name: "fences_total",
-			Help: "Claims found lost; I/O to the disk was stopped.",
-		}),
-		reestablishes: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: "vco_agent", Name: "reestablishes_total",
-			Help: "Claims whose reservation the storage target forgot (a restart), by result: ok (re-established), refused (another key appeared, or registrations changed: fenced), error (fenced).",
-		}, []string{"result"}),
-		reclaimWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: "vco_agent", Name: "reclaim_waits_total",
-			Help: "Stages without a grant that found a disk holding data whose target showed no registration since it started (a restart may have forgotten its holder's claim) and waited volumes.reclaim_wait, by result: claimed (no holder came back), refused (a holder re-established), ended (the caller gave up; its retry waits what is left), error.",
-		}, []string{"result"}),
-		stages: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Namespace: "vco_agent", Name: "volume_operations_total",
-			Help: "Volume API operations, by operation and gRPC-facing result kind.",
-		}, []string{"op", "result"}),
+		checks: counterVec("claim_checks_total",
+			"Checks of claims, by result (ok, lost, error, missing).", "result"),
+		refusals: prometheus.NewCounter(counterOpts("refusals_total",
+			"Disks refused because another node holds them.")),
+		fences: prometheus.NewCounter(counterOpts("fences_total",
+			"Claims found lost; I/O to the disk was stopped.")),
+		reestablishes: counterVec("reestablishes_total",
+			"Claims whose reservation the storage target forgot (a restart), by result: ok (re-established), refused (another key appeared, or registrations changed: fenced), error (fenced).", "result"),
+		reclaimWaits: counterVec("reclaim_waits_total",
+			"Stages without a grant that found a disk holding data whose target showed no registration since it started (a restart may have forgotten its holder's claim) and waited volumes.reclaim_wait, by result: claimed (no holder came back), refused (a holder re-established), ended (the caller gave up; its retry waits what is left), error.", "result"),
+		stages: counterVec("volume_operations_total",
+			"Volume API operations, by operation and gRPC-facing result kind.", "op", "result"),
 		checkTime: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Namespace: "vco_agent", Name: "claim_check_seconds",
+			Namespace: metricNamespace, Name: "claim_check_seconds",
 			Help:    "Time to check every claim once.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
 		}),
@@ -66,6 +54,19 @@ func NewMetrics() *Metrics {
 	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.reestablishes, m.reclaimWaits, m.stages, m.checkTime,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
+}
+
+// metricNamespace prefixes every series of the agent.
+const metricNamespace = "vco_agent"
+
+// counterOpts are the options of one of the agent's counters.
+func counterOpts(name, help string) prometheus.CounterOpts {
+	return prometheus.CounterOpts{Namespace: metricNamespace, Name: name, Help: help}
+}
+
+// counterVec is one of the agent's counters, by labels.
+func counterVec(name, help string, labels ...string) *prometheus.CounterVec {
+	return prometheus.NewCounterVec(counterOpts(name, help), labels)
 }
 
 // Handler serves the series in the Prometheus text format.

@@ -258,26 +258,37 @@ func (m *Manager) dropLost(c *Claim) error {
 	return m.store.Put(c)
 }
 
+// lockedClaim begins an operation op on volume that names one path
+// (what it is, for errors): it checks that there is a volume id, confines
+// the path beneath the kubelet root, takes the volume's lock and reads its
+// claim (nil when this node does not know the volume). The caller calls
+// release when done.
+func (m *Manager) lockedClaim(op, volume, what, path string) (confined string, c *Claim, release func(), err error) {
+	if volume == "" {
+		return "", nil, nil, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if confined, err = confine(m.o.Config.KubeletRoot, what, path); err != nil {
+		return "", nil, nil, err
+	}
+	if release, err = m.locks.try(volume, op); err != nil {
+		return "", nil, nil, err
+	}
+	if c, err = m.store.Get(volume); err != nil {
+		release()
+		return "", nil, nil, err
+	}
+	return confined, c, release, nil
+}
+
 // Unstage implements UnstageVolume: unmount, close LUKS2, release the
 // fence, forget the claim. A volume the agent does not know is unstaged.
 func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err error) {
 	defer m.count("unstage", &err)
-	if volume == "" {
-		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
-	}
-	staging, err := confine(m.o.Config.KubeletRoot, "staging path", stagingPath)
-	if err != nil {
-		return err
-	}
-	release, err := m.locks.try(volume, "unstage")
+	staging, c, release, err := m.lockedClaim("unstage", volume, "staging path", stagingPath)
 	if err != nil {
 		return err
 	}
 	defer release()
-	c, err := m.store.Get(volume)
-	if err != nil {
-		return err
-	}
 	if c == nil {
 		return nil
 	}
@@ -649,22 +660,11 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 // following symlinks.
 func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err error) {
 	defer m.count("unpublish", &err)
-	if volume == "" {
-		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
-	}
-	target, err := confine(m.o.Config.KubeletRoot, "target path", targetPath)
-	if err != nil {
-		return err
-	}
-	release, err := m.locks.try(volume, "unpublish")
+	target, c, release, err := m.lockedClaim("unpublish", volume, "target path", targetPath)
 	if err != nil {
 		return err
 	}
 	defer release()
-	c, err := m.store.Get(volume)
-	if err != nil {
-		return err
-	}
 	root := m.o.Config.KubeletRoot
 	if c == nil || !slices.Contains(c.Publications, target) {
 		if err := m.removeStrayTarget(volume, c != nil, target); err != nil {

@@ -34,6 +34,31 @@ func TestUnpublishActsOnlyOnItsOwnPublications(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(pod, "data"), []byte("pod data"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	e.unpublishRefusesWhatIsNotItsOwn(ctx, pod)
+	e.unpublishRemovesWhatAnUnfinishedPublishLeft(ctx)
+
+	// The volume's own publication goes, and a retry succeeds.
+	if err := e.m.Unpublish(ctx, "vol-1", pod); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(pod); !os.IsNotExist(err) || isMounted(t, pod) {
+		t.Fatalf("the publication is still there: %v", err)
+	}
+	if err := e.m.Unpublish(ctx, "vol-1", pod); err != nil {
+		t.Fatalf("retried unpublish: %v", err)
+	}
+	if err := e.m.Unstage(ctx, "vol-1", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// unpublishRefusesWhatIsNotItsOwn: another pod's mount (by a volume this
+// node does not know and by one it knows that is not published there), a
+// file of the kubelet's, a directory with data and a path that is no pod
+// volume's are refused, and stay as they were.
+func (e *env) unpublishRefusesWhatIsNotItsOwn(ctx context.Context, pod string) {
+	t := e.t
+	t.Helper()
 	config := e.path("config.yaml")
 	if err := os.WriteFile(config, []byte("kubelet config"), 0o600); err != nil {
 		t.Fatal(err)
@@ -64,8 +89,14 @@ func TestUnpublishActsOnlyOnItsOwnPublications(t *testing.T) {
 		t.Fatalf("a directory with data was removed: %v", err)
 	}
 	wantCode(t, e.m.Unpublish(ctx, "no-such-volume", e.kubelet+"/pods"), codes.FailedPrecondition, "not a pod volume path")
+}
 
-	// What a publish that never finished leaves, and what is already gone.
+// unpublishRemovesWhatAnUnfinishedPublishLeft: what a publish that never
+// finished leaves (an empty pod volume directory, an empty raw block
+// target file) goes, and a target already gone is no error.
+func (e *env) unpublishRemovesWhatAnUnfinishedPublishLeft(ctx context.Context) {
+	t := e.t
+	t.Helper()
 	stray := e.path("pods/77777777-2222-3333-4444-555555555555/volumes/kubernetes.io~csi/pv-3/mount")
 	if err := os.MkdirAll(stray, 0o750); err != nil {
 		t.Fatal(err)
@@ -91,20 +122,6 @@ func TestUnpublishActsOnlyOnItsOwnPublications(t *testing.T) {
 	}
 	if err := e.m.Unpublish(ctx, "no-such-volume", e.path("pods/gone/volumes/kubernetes.io~csi/pv/mount")); err != nil {
 		t.Fatalf("unpublishing a target that does not exist: %v", err)
-	}
-
-	// The volume's own publication goes, and a retry succeeds.
-	if err := e.m.Unpublish(ctx, "vol-1", pod); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Lstat(pod); !os.IsNotExist(err) || isMounted(t, pod) {
-		t.Fatalf("the publication is still there: %v", err)
-	}
-	if err := e.m.Unpublish(ctx, "vol-1", pod); err != nil {
-		t.Fatalf("retried unpublish: %v", err)
-	}
-	if err := e.m.Unstage(ctx, "vol-1", req.StagingPath); err != nil {
-		t.Fatal(err)
 	}
 }
 

@@ -212,6 +212,27 @@ func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
 	ctx := context.Background()
 	req := e.stageReq("vol-1", img, "staging/vol-1")
 
+	uuid := e.firstStageFormatsAndMounts(ctx, req, dev)
+	e.stageRetriedOrConflicting(ctx, req, dev, uuid)
+	rw, ro := e.publishReadWriteAndReadOnly(ctx, req)
+	e.unpublishThenUnstage(ctx, req, rw, ro)
+
+	// Staged again later: the filesystem and its data are still there.
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Formatted {
+		t.Fatalf("stage after unstage: %+v %v", res, err)
+	}
+	if _, err := os.Stat(filepath.Join(req.StagingPath, "new")); err != nil {
+		t.Fatalf("data written through the target: %v", err)
+	}
+}
+
+// firstStageFormatsAndMounts: the first stage of the blank dev formats it
+// ext4 and mounts it, unfenced, saying so in its DiskClaimed event; it
+// writes "kept" to the file data and returns the filesystem's UUID.
+func (e *env) firstStageFormatsAndMounts(ctx context.Context, req StageRequest, dev string) string {
+	t := e.t
+	t.Helper()
 	res, err := e.m.Stage(ctx, req)
 	if err != nil {
 		t.Fatal(err)
@@ -229,9 +250,15 @@ func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(req.StagingPath, "data"), []byte("kept"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	return uuid
+}
 
-	// A retry is idempotent and never formats again.
-	res, err = e.m.Stage(ctx, req)
+// stageRetriedOrConflicting: a retry is idempotent and never formats
+// again; conflicting stages are refused, naming the difference.
+func (e *env) stageRetriedOrConflicting(ctx context.Context, req StageRequest, dev, uuid string) {
+	t := e.t
+	t.Helper()
+	res, err := e.m.Stage(ctx, req)
 	if err != nil || res.Formatted {
 		t.Fatalf("retried stage: %+v %v", res, err)
 	}
@@ -247,9 +274,16 @@ func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
 	other.StagingPath = e.path("staging/elsewhere")
 	_, err = e.m.Stage(ctx, other)
 	wantCode(t, err, codes.AlreadyExists, "staging path")
+}
 
-	// Publish read-write and read-only.
-	rw, ro := e.path("pods/a/vol"), e.path("pods/b/vol")
+// publishReadWriteAndReadOnly publishes vol-1 read-write (twice) and
+// read-only: the data is there, writes go through the one and fail with
+// EROFS on the other, and the stats are of the filesystem, for a
+// published path only. It returns the two targets.
+func (e *env) publishReadWriteAndReadOnly(ctx context.Context, req StageRequest) (rw, ro string) {
+	t := e.t
+	t.Helper()
+	rw, ro = e.path("pods/a/vol"), e.path("pods/b/vol")
 	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-1", StagingPath: req.StagingPath, TargetPath: rw}); err != nil {
 		t.Fatal(err)
 	}
@@ -274,8 +308,15 @@ func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
 	}
 	_, err = e.m.Stats(ctx, "vol-1", e.path("pods/c/vol"))
 	wantCode(t, err, codes.NotFound)
+	return rw, ro
+}
 
-	// Unstage before unpublish is refused; then the right order works.
+// unpublishThenUnstage: unstage before unpublish is refused; then the
+// right order works, each step idempotent: the targets go, the staging
+// path is unmounted, the claim forgotten and its release announced.
+func (e *env) unpublishThenUnstage(ctx context.Context, req StageRequest, rw, ro string) {
+	t := e.t
+	t.Helper()
 	wantCode(t, e.m.Unstage(ctx, "vol-1", req.StagingPath), codes.FailedPrecondition, "unpublish")
 	for _, p := range []string{rw, ro} {
 		if err := e.m.Unpublish(ctx, "vol-1", p); err != nil {
@@ -302,14 +343,6 @@ func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
 	}
 	if err := e.m.Unstage(ctx, "vol-1", req.StagingPath); err != nil {
 		t.Fatalf("retried unstage: %v", err)
-	}
-	// Staged again later: the filesystem and its data are still there.
-	res, err = e.m.Stage(ctx, req)
-	if err != nil || res.Formatted {
-		t.Fatalf("stage after unstage: %+v %v", res, err)
-	}
-	if _, err := os.Stat(filepath.Join(req.StagingPath, "new")); err != nil {
-		t.Fatalf("data written through the target: %v", err)
 	}
 }
 
@@ -385,24 +418,7 @@ func TestBlockVolumePublishesTheDevice(t *testing.T) {
 		t.Fatal("a raw block volume was formatted")
 	}
 	target := e.path("pods/p/dev")
-	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
-		t.Fatal(err)
-	}
-	var st, want unix.Stat_t
-	if err := unix.Stat(target, &st); err != nil || unix.Stat(dev, &want) != nil || st.Rdev != want.Rdev || st.Mode&unix.S_IFMT != unix.S_IFBLK {
-		t.Fatalf("target %s is not %s: %v", target, dev, err)
-	}
-	// The kubelet publishes again after its own restart: the agent knows
-	// its bind mount of the device node (whose mount source reads as
-	// devtmpfs, not the device) and answers OK, once more.
-	for i := 0; i < 2; i++ {
-		if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
-			t.Fatalf("publish %d of the same block volume to the same target: %v", i+2, err)
-		}
-	}
-	if b, _ := os.ReadFile("/proc/self/mountinfo"); strings.Count(string(b), " "+target+" ") != 1 {
-		t.Fatalf("not one mount at %s after three publishes:\n%s", target, b)
-	}
+	e.publishTheDeviceNodeThreeTimes(ctx, req, dev, target)
 	// Another block volume's device on that target is not this one's.
 	img2, _ := loop(t, 8)
 	req2 := StageRequest{Volume: "vol-b2", Locator: Locator{BackingFile: img2}, StagingPath: e.path("staging/b2"), Block: true, AllowUnfenced: true}
@@ -433,6 +449,31 @@ func TestBlockVolumePublishesTheDevice(t *testing.T) {
 	}
 	if err := e.m.Unstage(ctx, "vol-b", req.StagingPath); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// publishTheDeviceNodeThreeTimes publishes the block volume of req at
+// target: target is dev's device node. The kubelet publishes again after
+// its own restart: the agent knows its bind mount of the device node
+// (whose mount source reads as devtmpfs, not the device) and answers OK,
+// once more, leaving one mount.
+func (e *env) publishTheDeviceNodeThreeTimes(ctx context.Context, req StageRequest, dev, target string) {
+	t := e.t
+	t.Helper()
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+		t.Fatal(err)
+	}
+	var st, want unix.Stat_t
+	if err := unix.Stat(target, &st); err != nil || unix.Stat(dev, &want) != nil || st.Rdev != want.Rdev || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		t.Fatalf("target %s is not %s: %v", target, dev, err)
+	}
+	for i := 0; i < 2; i++ {
+		if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
+			t.Fatalf("publish %d of the same block volume to the same target: %v", i+2, err)
+		}
+	}
+	if b, _ := os.ReadFile("/proc/self/mountinfo"); strings.Count(string(b), " "+target+" ") != 1 {
+		t.Fatalf("not one mount at %s after three publishes:\n%s", target, b)
 	}
 }
 
@@ -651,6 +692,29 @@ func TestRestartReconcilesFromTheStateFile(t *testing.T) {
 	if ev := e.event(events.DiskReleased); ev.Volume != "vol-gone" || ev.Reason != "device-gone" {
 		t.Fatalf("gone event: %+v", ev)
 	}
+	e.keptClaimServesAfterTheRestart(ctx, req)
+	e.cutStageIsNeverFormattedAgain(ctx, imgC, devC)
+	disks, err := e.m.Disks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for _, d := range disks {
+		if d.Volume == "vol-r" {
+			found = d.State == "unfenced" && d.Method == fence.MethodNone && d.Staging == req.StagingPath
+		}
+	}
+	if !found {
+		t.Fatalf("vol-r not listed as an unfenced claim: %+v", disks)
+	}
+}
+
+// keptClaimServesAfterTheRestart: vol-r's claim is kept, staged and
+// unfenced, its stats normal; staged again it is not formatted and its
+// data is there.
+func (e *env) keptClaimServesAfterTheRestart(ctx context.Context, req StageRequest) {
+	t := e.t
+	t.Helper()
 	c, _ := e.m.Store().Get("vol-r")
 	if c == nil || c.Phase != PhaseStaged || c.State != StateUnfenced {
 		t.Fatalf("kept claim: %+v", c)
@@ -664,6 +728,13 @@ func TestRestartReconcilesFromTheStateFile(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(req.StagingPath, "data")); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// cutStageIsNeverFormattedAgain: the stage of vol-cut cut short is
+// recorded as interrupted, and its retry never formats the disk again.
+func (e *env) cutStageIsNeverFormattedAgain(ctx context.Context, imgC, devC string) {
+	t := e.t
+	t.Helper()
 	cut, _ := e.m.Store().Get("vol-cut")
 	if cut == nil || cut.Phase != PhaseInterrupted || !cut.Formatted {
 		t.Fatalf("interrupted claim: %+v", cut)
@@ -674,19 +745,6 @@ func TestRestartReconcilesFromTheStateFile(t *testing.T) {
 	wantCode(t, err, codes.FailedPrecondition, "will not format it again")
 	if blkid(t, devC, "TYPE") != "" {
 		t.Fatal("formatted twice")
-	}
-	disks, err := e.m.Disks(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	found := false
-	for _, d := range disks {
-		if d.Volume == "vol-r" {
-			found = d.State == "unfenced" && d.Method == fence.MethodNone && d.Staging == req.StagingPath
-		}
-	}
-	if !found {
-		t.Fatalf("vol-r not listed as an unfenced claim: %+v", disks)
 	}
 }
 
@@ -719,7 +777,13 @@ func TestStateFilesAreNotFollowedThroughSymlinks(t *testing.T) {
 	if b, _ := os.ReadFile(victim); string(b) != "keep" {
 		t.Fatal("the symlink's target was overwritten")
 	}
-	// A round trip keeps every field and leaves no temporary file.
+	roundTripKeepsEveryField(t, s)
+}
+
+// roundTripKeepsEveryField: a round trip keeps every field and leaves no
+// temporary file.
+func roundTripKeepsEveryField(t *testing.T, s *Store) {
+	t.Helper()
 	c := &Claim{Volume: "loc/42", Locator: Locator{Disk: discovery.Locator{PCI: &discovery.PCIAddress{Slot: 7, AnyFunction: true}, Serial: "42"}}, Phase: PhaseStaged, State: StateHeld, Key: 0x7663000000000001, Formatted: true, Publications: []string{"/a"}}
 	if err := s.Put(c); err != nil {
 		t.Fatal(err)

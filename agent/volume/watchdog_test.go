@@ -56,26 +56,7 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 	}
 	req := a.stageReq("vol-w", img, "staging/w")
 	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
-		t.Fatalf("stage: %+v %v", res, err)
-	}
-	ls := a.m.Leases()
-	if len(ls) != 1 || ls[0].Volume != "vol-w" || ls[0].Fenced || ls[0].Fail != testTiming.Fail || ls[0].IOTimeout != testTiming.IOTimeout ||
-		time.Since(ls[0].Renewed) > testTiming.Renew+testTiming.Settle()+testTiming.IOTimeout {
-		t.Fatalf("leases after the stage: %+v", ls)
-	}
-	wd.Tick()
-	if !wd.Status().Armed || dev.count() != 2 { // armed with a feed, then fed
-		t.Fatalf("not armed and fed with a lease held: %+v", wd.Status())
-	}
-	// Renewals keep it fresh: fed at every tick for two fail bounds.
-	for end := time.Now().Add(2 * testTiming.Fail); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
-		n := dev.count()
-		wd.Tick()
-		if dev.count() != n+1 {
-			t.Fatalf("not fed while the lease renews: %+v %+v", wd.Status(), a.m.Leases())
-		}
-	}
+	a.leaseStageArmsAndFeedsTheWatchdog(ctx, req, wd, dev)
 
 	// The disk refuses the renewals from now on.
 	f, err := os.Open(devA)
@@ -87,39 +68,7 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stopped := time.Now()
-	withheld, fenced := false, false
-	for !fenced && time.Since(stopped) < testTiming.Fail+10*time.Second {
-		time.Sleep(50 * time.Millisecond)
-		n := dev.count()
-		wd.Tick()
-		ls := a.m.Leases()
-		st := wd.Status()
-		switch {
-		case len(ls) == 1 && ls[0].Fenced:
-			fenced = true
-		case len(st.Withheld) == 1:
-			withheld = true
-			if dev.count() != n {
-				t.Fatalf("fed while a lease was withheld: %+v %+v %d->%d", ls, st, n, dev.count())
-			}
-			if age := time.Since(ls[0].Renewed); age < testTiming.Fail-testTiming.IOTimeout {
-				t.Fatalf("withheld at a renewal age of %s, before F-d", age)
-			}
-		default:
-			if len(ls) == 1 && time.Since(ls[0].Renewed) >= testTiming.Fail-testTiming.IOTimeout+100*time.Millisecond {
-				t.Fatalf("fed with a renewal %s old: %+v", time.Since(ls[0].Renewed), st)
-			}
-		}
-	}
-	if !withheld || !fenced {
-		t.Fatalf("after the renewals stopped: withheld=%v fenced=%v; status %+v; log:\n%s", withheld, fenced, wd.Status(), a.logs)
-	}
-	n := dev.count()
-	wd.Tick()
-	if dev.count() != n+1 || len(wd.Status().Withheld) != 0 {
-		t.Fatalf("not fed again once the lost lease's I/O was stopped: %+v", wd.Status())
-	}
+	a.withheldThenFedOnceFenced(wd, dev)
 
 	clearRO(devA)
 	// The loss is recorded by its own goroutine; until it is done an
@@ -139,5 +88,87 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 	wd.Tick()
 	if wd.Status().Armed || !dev.disarmed {
 		t.Fatalf("not disarmed after the last lease went: %+v", wd.Status())
+	}
+}
+
+// leaseStageArmsAndFeedsTheWatchdog stages vol-w on the lease: its lease
+// engine is listed, fresh and with the configured timing; the watchdog is
+// armed with a feed and fed, and renewals keep it fresh: fed at every tick
+// for two fail bounds.
+func (e *env) leaseStageArmsAndFeedsTheWatchdog(ctx context.Context, req StageRequest, wd *watchdog.Watchdog, dev *countingDevice) {
+	t := e.t
+	t.Helper()
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	ls := e.m.Leases()
+	if len(ls) != 1 || ls[0].Volume != "vol-w" || ls[0].Fenced || ls[0].Fail != testTiming.Fail || ls[0].IOTimeout != testTiming.IOTimeout ||
+		time.Since(ls[0].Renewed) > testTiming.Renew+testTiming.Settle()+testTiming.IOTimeout {
+		t.Fatalf("leases after the stage: %+v", ls)
+	}
+	wd.Tick()
+	if !wd.Status().Armed || dev.count() != 2 { // armed with a feed, then fed
+		t.Fatalf("not armed and fed with a lease held: %+v", wd.Status())
+	}
+	// Renewals keep it fresh: fed at every tick for two fail bounds.
+	for end := time.Now().Add(2 * testTiming.Fail); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+		n := dev.count()
+		wd.Tick()
+		if dev.count() != n+1 {
+			t.Fatalf("not fed while the lease renews: %+v %+v", wd.Status(), e.m.Leases())
+		}
+	}
+}
+
+// withheldThenFedOnceFenced: with the renewals refused, the watchdog is
+// fed only while the renewal is younger than F-d, then withheld (not fed)
+// until the lease is lost and fenced, and fed again once the lost lease's
+// I/O was stopped.
+func (e *env) withheldThenFedOnceFenced(wd *watchdog.Watchdog, dev *countingDevice) {
+	t := e.t
+	t.Helper()
+	stopped := time.Now()
+	withheld, fenced := false, false
+	for !fenced && time.Since(stopped) < testTiming.Fail+10*time.Second {
+		time.Sleep(50 * time.Millisecond)
+		n := dev.count()
+		wd.Tick()
+		fenced, withheld = e.checkOneWatchdogTick(wd, dev, n, withheld)
+	}
+	if !withheld || !fenced {
+		t.Fatalf("after the renewals stopped: withheld=%v fenced=%v; status %+v; log:\n%s", withheld, fenced, wd.Status(), e.logs)
+	}
+	n := dev.count()
+	wd.Tick()
+	if dev.count() != n+1 || len(wd.Status().Withheld) != 0 {
+		t.Fatalf("not fed again once the lost lease's I/O was stopped: %+v", wd.Status())
+	}
+}
+
+// checkOneWatchdogTick judges the tick that found n feeds: the lease is
+// fenced; or withheld, and then not fed and not before F-d; or fed, and
+// then with a renewal younger than F-d. It returns whether the lease is
+// fenced and whether a tick has withheld the feed (so far, with withheld).
+func (e *env) checkOneWatchdogTick(wd *watchdog.Watchdog, dev *countingDevice, n int, withheld bool) (bool, bool) {
+	t := e.t
+	t.Helper()
+	ls := e.m.Leases()
+	st := wd.Status()
+	switch {
+	case len(ls) == 1 && ls[0].Fenced:
+		return true, withheld
+	case len(st.Withheld) == 1:
+		if dev.count() != n {
+			t.Fatalf("fed while a lease was withheld: %+v %+v %d->%d", ls, st, n, dev.count())
+		}
+		if age := time.Since(ls[0].Renewed); age < testTiming.Fail-testTiming.IOTimeout {
+			t.Fatalf("withheld at a renewal age of %s, before F-d", age)
+		}
+		return false, true
+	default:
+		if len(ls) == 1 && time.Since(ls[0].Renewed) >= testTiming.Fail-testTiming.IOTimeout+100*time.Millisecond {
+			t.Fatalf("fed with a renewal %s old: %+v", time.Since(ls[0].Renewed), st)
+		}
+		return false, withheld
 	}
 }

@@ -102,25 +102,7 @@ func TestMakeCSIAddonPrintsTheAddon(t *testing.T) {
 	out := filepath.Join(tmp, "dist")
 	image := "registry.try.whitesky.cloud/vco/csi:1.0"
 	vars := []string{"VCO_CSI_IMAGE=" + image, "ADDON_DIR=" + out, "BIN=" + filepath.Join(tmp, "bin")}
-	core, err := deploy.Bundle()
-	if err != nil {
-		t.Fatal(err)
-	}
-	snaps, err := deploy.BundleOf(deploy.Snapshots)
-	if err != nil {
-		t.Fatal(err)
-	}
-	values := deploy.Values{Image: image, DriverName: "cloud.whitesky.try.csi"}
-	wantCore, err := deploy.Render(core, values)
-	if err != nil {
-		t.Fatal(err)
-	}
-	wantSnaps, err := deploy.Render(snaps, values)
-	if err != nil {
-		t.Fatal(err)
-	}
-	files := map[string][]byte{"csi.yaml": core, "csi-snapshots.yaml": snaps,
-		"csi-addon.yaml": wantCore, "csi-snapshots-addon.yaml": wantSnaps}
+	wantCore, wantSnaps, files := addonParts(t, image)
 
 	for _, c := range []struct {
 		name string
@@ -150,12 +132,7 @@ func TestMakeCSIAddonPrintsTheAddon(t *testing.T) {
 				}
 			}
 			objs := kinds(t, stdout)
-			var snapshotObjs int
-			for _, o := range objs {
-				if strings.HasPrefix(o, "snapshot.storage.k8s.io/") {
-					snapshotObjs++
-				}
-			}
+			snapshotObjs := countSnapshotObjects(objs)
 			if wantSnapshots := c.name == "snapshots"; wantSnapshots != (snapshotObjs == 1) || snapshotObjs > 1 {
 				t.Errorf("make %q printed %d snapshot.storage.k8s.io objects (%v)", c.args, snapshotObjs, objs)
 			}
@@ -174,6 +151,45 @@ func TestMakeCSIAddonPrintsTheAddon(t *testing.T) {
 			t.Errorf("make %q: %v, stdout %q, stderr %q; want a failure explained on stderr and nothing on stdout", args, err, head(stdout), stderr)
 		}
 	}
+}
+
+// addonParts renders the add-on's parts as make csi-addon should with
+// image: the core add-on, the snapshots part, and the files it keeps in
+// ADDON_DIR (the parts as bundled and as rendered) by name.
+func addonParts(t *testing.T, image string) (wantCore, wantSnaps []byte, files map[string][]byte) {
+	t.Helper()
+	core, err := deploy.Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	snaps, err := deploy.BundleOf(deploy.Snapshots)
+	if err != nil {
+		t.Fatal(err)
+	}
+	values := deploy.Values{Image: image, DriverName: "cloud.whitesky.try.csi"}
+	wantCore, err = deploy.Render(core, values)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSnaps, err = deploy.Render(snaps, values)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files = map[string][]byte{"csi.yaml": core, "csi-snapshots.yaml": snaps,
+		"csi-addon.yaml": wantCore, "csi-snapshots-addon.yaml": wantSnaps}
+	return wantCore, wantSnaps, files
+}
+
+// countSnapshotObjects counts the snapshot.storage.k8s.io objects of objs
+// (as kinds lists them).
+func countSnapshotObjects(objs []string) int {
+	n := 0
+	for _, o := range objs {
+		if strings.HasPrefix(o, "snapshot.storage.k8s.io/") {
+			n++
+		}
+	}
+	return n
 }
 
 func head(b []byte) string {

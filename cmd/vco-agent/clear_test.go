@@ -5,9 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
@@ -24,53 +22,18 @@ func TestLeaseClear(t *testing.T) {
 		t.Fatalf("format: %d %q %q", code, out, errs)
 	}
 	marker := []byte("volume data past the lease area")
-	f, err := os.OpenFile(dev, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.WriteAt(marker, lease.DataOffset); err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	writeSyncedAt(t, dev, marker, lease.DataOffset)
 	empty := t.TempDir()
-	leaseShown := func() bool {
-		code, _, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB)
-		return code == 0
-	}
 
 	if code, _, errs := runLeaseCLI(t, nil, "clear", dev, "--uuid", cliUUIDB, "--state-dir", empty); code != 1 || !strings.Contains(errs, "--yes") {
 		t.Fatalf("clear without --yes: %d %q", code, errs)
 	}
-	if !leaseShown() {
+	if !leaseShown(t, dev) {
 		t.Fatal("clear without --yes touched the lease area")
 	}
 
-	// Node A holds the disk: the clear is refused, naming it.
-	keyA, _ := fence.KeyFromUUID(cliUUIDA)
-	interrupt := make(chan os.Signal, 1)
-	claimed := make(chan struct{})
-	var wg sync.WaitGroup
-	var outA, errA bytes.Buffer
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		leaseMainWith(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &outA, &errA, interrupt, leaseHooks{ready: func() { close(claimed) }})
-	}()
-	select {
-	case <-claimed:
-	case <-time.After(10 * time.Second):
-		t.Fatalf("node A did not claim: %s %s", outA.String(), errA.String())
-	}
-	code, _, errs := runLeaseCLI(t, nil, "clear", dev, "--uuid", cliUUIDB, "--yes", "--state-dir", empty, "--node", "node-a="+cliUUIDA)
-	interrupt <- os.Interrupt
-	wg.Wait()
-	if code != 1 || !strings.Contains(errs, keyA.String()) || !strings.Contains(errs, "not cleared") {
-		t.Fatalf("clear while node A holds the lease: %d %q", code, errs)
-	}
-	if !leaseShown() {
+	clearRefusedWhileNodeAHolds(t, dev, empty)
+	if !leaseShown(t, dev) {
 		t.Fatal("a refused clear touched the lease area")
 	}
 
@@ -88,6 +51,49 @@ func TestLeaseClear(t *testing.T) {
 	if code, _, errs := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB); code != 1 || !strings.Contains(errs, "no lease area") {
 		t.Fatalf("show after clear: %d %q", code, errs)
 	}
+	checkLeaseAreaZeroDataKept(t, dev, marker)
+}
+
+// writeSyncedAt writes b at offset off of dev and syncs it.
+func writeSyncedAt(t *testing.T, dev string, b []byte, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// leaseShown says whether lease show finds dev's lease area.
+func leaseShown(t *testing.T, dev string) bool {
+	t.Helper()
+	code, _, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB)
+	return code == 0
+}
+
+// clearRefusedWhileNodeAHolds: while node A holds the disk, the clear is
+// refused, naming it.
+func clearRefusedWhileNodeAHolds(t *testing.T, dev, stateDir string) {
+	t.Helper()
+	keyA, _ := fence.KeyFromUUID(cliUUIDA)
+	a := holdAsNodeA(t, dev)
+	code, _, errs := runLeaseCLI(t, nil, "clear", dev, "--uuid", cliUUIDB, "--yes", "--state-dir", stateDir, "--node", "node-a="+cliUUIDA)
+	a.release()
+	if code != 1 || !strings.Contains(errs, keyA.String()) || !strings.Contains(errs, "not cleared") {
+		t.Fatalf("clear while node A holds the lease: %d %q", code, errs)
+	}
+}
+
+// checkLeaseAreaZeroDataKept: after the clear dev's lease area is zero and
+// the volume's data (marker, at the data offset) is as it was.
+func checkLeaseAreaZeroDataKept(t *testing.T, dev string, marker []byte) {
+	t.Helper()
 	b, err := os.ReadFile(dev)
 	if err != nil {
 		t.Fatal(err)

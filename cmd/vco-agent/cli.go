@@ -1,12 +1,14 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -53,6 +55,34 @@ func (f *clientFlags) parse(args []string) int {
 		return 2
 	}
 	return -1
+}
+
+// ask runs a command that makes one call of the agent: it parses args,
+// dials the agent at --socket and makes the call within timeout. The
+// answer is printed as JSON with --json, else by show, which may ask the
+// agent more within the same ctx. It returns the command's exit code.
+func ask[R proto.Message](f *clientFlags, args []string, timeout time.Duration,
+	call func(context.Context, *client.Client) (R, error), show func(context.Context, *client.Client, R)) int {
+	if code := f.parse(args); code >= 0 {
+		return code
+	}
+	c, err := client.Dial(f.socket)
+	if err != nil {
+		return fail(f.fs.Name(), err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	r, err := call(ctx, c)
+	if err != nil {
+		return fail(f.fs.Name(), apiError(f.socket, err))
+	}
+	if f.json {
+		fmt.Fprintln(stdout, string(protoJSON(r)))
+		return 0
+	}
+	show(ctx, c, r)
+	return 0
 }
 
 var pj = protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: true}

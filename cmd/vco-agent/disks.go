@@ -11,29 +11,11 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 )
 
-func runDisks(args []string) int {
-	f := newClientFlags("disks", "Lists every disk the running agent sees and every volume it has claimed,\nwith the fencing method, the claim's state and the disk's holder.")
-	if code := f.parse(args); code >= 0 {
-		return code
-	}
-	c, err := client.Dial(f.socket)
-	if err != nil {
-		return fail("disks", err)
-	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	resp, err := c.ListDisks(ctx, &api.ListDisksRequest{})
-	if err != nil {
-		return fail("disks", apiError(f.socket, err))
-	}
-	if f.json {
-		fmt.Fprintln(stdout, string(protoJSON(resp)))
-		return 0
-	}
+// printDisks prints the agent's list of disks as a table.
+func printDisks(_ context.Context, _ *client.Client, resp *api.ListDisksResponse) {
 	if len(resp.Disks) == 0 {
 		fmt.Fprintln(stdout, "no disks")
-		return 0
+		return
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "DEVICE\tKIND\tSERIAL\tFENCING\tSTATE\tVOLUME\tHOLDER\tDETAIL")
@@ -49,7 +31,13 @@ func runDisks(args []string) int {
 			stateName(d.State), dash(d.VolumeId), holder, dash(d.Detail))
 	}
 	tw.Flush()
-	return 0
+}
+
+func runDisks(args []string) int {
+	f := newClientFlags("disks", "Lists every disk the running agent sees and every volume it has claimed,\nwith the fencing method, the claim's state and the disk's holder.")
+	return ask(f, args, 30*time.Second, func(ctx context.Context, c *client.Client) (*api.ListDisksResponse, error) {
+		return c.ListDisks(ctx, &api.ListDisksRequest{})
+	}, printDisks)
 }
 
 func dash(s string) string {

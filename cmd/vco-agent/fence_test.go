@@ -52,6 +52,37 @@ func TestFenceCommands(t *testing.T) {
 	keyB, _ := fence.KeyFromUUID(cliUUIDB)
 	names := []string{"--node", "node-a=" + cliUUIDA, "--node", "node-b=" + cliUUIDB}
 
+	fenceAcquireByARefusesB(t, keyA, names)
+	code, out, errs := runFenceCLI(t, append([]string{"show", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
+	for _, want := range []string{keyA.String() + " node node-a initiator " + cliUUIDA + " [holder]", "Write Exclusive, held by key " + keyA.String() + " (node node-a)", "this node:    key " + keyB.String()} {
+		if code != 0 || !strings.Contains(out, want) {
+			t.Fatalf("show lacks %q: %d %q %q", want, code, out, errs)
+		}
+	}
+	if code, out, errs = runFenceCLI(t, "check", "/dev/sdb", "--uuid", cliUUIDA); code != 0 {
+		t.Fatalf("check A: %d %q %q", code, out, errs)
+	}
+	// Takeover with a grant (the model, like tgt, lacks PREEMPT AND ABORT).
+	grant := (&fence.Grant{Disk: "disk-9", Node: cliUUIDB, Supersedes: []fence.Key{keyA}}).Encode()
+	code, out, errs = runFenceCLI(t, "acquire", "/dev/sdb", "--uuid", cliUUIDB, "--disk", "disk-9", "--grant", grant)
+	if code != 0 || !strings.Contains(out, "took over") || !strings.Contains(out, "PREEMPT (the target rejects PREEMPT AND ABORT)") {
+		t.Fatalf("takeover: %d %q %q", code, out, errs)
+	}
+	code, out, errs = runFenceCLI(t, append([]string{"check", "/dev/sdb", "--uuid", cliUUIDA}, names...)...)
+	if code != 1 || !strings.Contains(errs, "lost") {
+		t.Fatalf("check A after takeover: %d %q %q", code, out, errs)
+	}
+	fenceReleaseByBLeavesNoReservation(t, tgt)
+	code, out, errs = runFenceCLI(t, "cycle", "/dev/sdb", "--uuid", cliUUIDA, "--count", "3")
+	if code != 0 || !strings.Contains(out, "3 cycles, median acquire") {
+		t.Fatalf("cycle: %d %q %q", code, out, errs)
+	}
+}
+
+// fenceAcquireByARefusesB: node A acquires the disk; node B is refused,
+// naming A's key and node, as text and as JSON.
+func fenceAcquireByARefusesB(t *testing.T, keyA fence.Key, names []string) {
+	t.Helper()
 	code, out, errs := runFenceCLI(t, "acquire", "/dev/sdb", "--uuid", cliUUIDA)
 	if code != 0 || !strings.Contains(out, "claimed with key "+keyA.String()) {
 		t.Fatalf("acquire A: %d %q %q", code, out, errs)
@@ -71,30 +102,16 @@ func TestFenceCommands(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &refusal); err != nil || code != 1 || refusal.OK || !refusal.Refused || refusal.Holder != keyA || refusal.HolderNode != "node-a" {
 		t.Fatalf("json refusal %d %q: %+v %v", code, out, refusal, err)
 	}
-	code, out, errs = runFenceCLI(t, append([]string{"show", "/dev/sdb", "--uuid", cliUUIDB}, names...)...)
-	for _, want := range []string{keyA.String() + " node node-a initiator " + cliUUIDA + " [holder]", "Write Exclusive, held by key " + keyA.String() + " (node node-a)", "this node:    key " + keyB.String()} {
-		if code != 0 || !strings.Contains(out, want) {
-			t.Fatalf("show lacks %q: %d %q %q", want, code, out, errs)
-		}
-	}
-	if code, out, errs = runFenceCLI(t, "check", "/dev/sdb", "--uuid", cliUUIDA); code != 0 {
-		t.Fatalf("check A: %d %q %q", code, out, errs)
-	}
-	// Takeover with a grant (the model, like tgt, lacks PREEMPT AND ABORT).
-	grant := (&fence.Grant{Disk: "disk-9", Node: cliUUIDB, Supersedes: []fence.Key{keyA}}).Encode()
-	code, out, errs = runFenceCLI(t, "acquire", "/dev/sdb", "--uuid", cliUUIDB, "--disk", "disk-9", "--grant", grant)
-	if code != 0 || !strings.Contains(out, "took over") || !strings.Contains(out, "PREEMPT (the target rejects PREEMPT AND ABORT)") {
-		t.Fatalf("takeover: %d %q %q", code, out, errs)
-	}
-	code, out, errs = runFenceCLI(t, append([]string{"check", "/dev/sdb", "--uuid", cliUUIDA}, names...)...)
-	if code != 1 || !strings.Contains(errs, "lost") {
-		t.Fatalf("check A after takeover: %d %q %q", code, out, errs)
-	}
-	// Release by B, then show --json has no reservation.
-	if code, out, errs = runFenceCLI(t, "release", "/dev/sdb", "--uuid", cliUUIDB); code != 0 {
+}
+
+// fenceReleaseByBLeavesNoReservation: after B's release, show --json has
+// no keys and no reservation, and B is no longer registered.
+func fenceReleaseByBLeavesNoReservation(t *testing.T, tgt *scsitest.Target) {
+	t.Helper()
+	if code, out, errs := runFenceCLI(t, "release", "/dev/sdb", "--uuid", cliUUIDB); code != 0 {
 		t.Fatalf("release: %d %q %q", code, out, errs)
 	}
-	code, out, _ = runFenceCLI(t, "show", "--json", "/dev/sdb", "--uuid", cliUUIDB)
+	code, out, _ := runFenceCLI(t, "show", "--json", "/dev/sdb", "--uuid", cliUUIDB)
 	var show struct {
 		OK     bool `json:"ok"`
 		Status struct {
@@ -110,10 +127,6 @@ func TestFenceCommands(t *testing.T) {
 	}
 	if _, ok := tgt.Registered(cliUUIDB); ok {
 		t.Fatal("B still registered")
-	}
-	code, out, errs = runFenceCLI(t, "cycle", "/dev/sdb", "--uuid", cliUUIDA, "--count", "3")
-	if code != 0 || !strings.Contains(out, "3 cycles, median acquire") {
-		t.Fatalf("cycle: %d %q %q", code, out, errs)
 	}
 }
 

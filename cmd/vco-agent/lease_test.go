@@ -73,21 +73,7 @@ func TestLeaseCommands(t *testing.T) {
 	}
 
 	// Node A holds the disk in the background.
-	interrupt := make(chan os.Signal, 1)
-	claimed := make(chan struct{})
-	var wg sync.WaitGroup
-	var codeA int
-	var outA, errA bytes.Buffer
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		codeA = leaseMainWith(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &outA, &errA, interrupt, leaseHooks{ready: func() { close(claimed) }})
-	}()
-	select {
-	case <-claimed:
-	case <-time.After(10 * time.Second):
-		t.Fatalf("node A did not claim: %s %s", outA.String(), errA.String())
-	}
+	a := holdAsNodeA(t, dev)
 
 	code, _, errs := runLeaseCLI(t, nil, append([]string{"acquire", dev, "--uuid", cliUUIDB}, names...)...)
 	if code != 1 || !strings.Contains(errs, keyA.String()) || !strings.Contains(errs, "node-a") {
@@ -99,6 +85,55 @@ func TestLeaseCommands(t *testing.T) {
 	if code, out, errs := runLeaseCLI(t, nil, "check", dev, "--uuid", cliUUIDA); code != 0 {
 		t.Fatalf("check by A: %d %q %q", code, out, errs)
 	}
+	leaseShowNamesTheOwner(t, dev, keyA)
+
+	a.release()
+	if a.code != 0 || !strings.Contains(a.out.String(), "released") {
+		t.Fatalf("node A after interrupt: %d %q %q", a.code, a.out.String(), a.errb.String())
+	}
+	if code, out, errs := runLeaseCLI(t, nil, "acquire", dev, "--uuid", cliUUIDB, "--hold-for", "100ms"); code != 0 || !strings.Contains(out, "claimed") {
+		t.Fatalf("acquire by B after release: %d %q %q", code, out, errs)
+	}
+}
+
+// backgroundHolder is lease acquire by node A, holding dev until release.
+type backgroundHolder struct {
+	interrupt chan os.Signal
+	wg        sync.WaitGroup
+	code      int
+	out, errb bytes.Buffer
+}
+
+// holdAsNodeA starts lease acquire of dev as node A (named node-a) and
+// waits until it holds the lease.
+func holdAsNodeA(t *testing.T, dev string) *backgroundHolder {
+	t.Helper()
+	h := &backgroundHolder{interrupt: make(chan os.Signal, 1)}
+	claimed := make(chan struct{})
+	h.wg.Add(1)
+	go func() {
+		defer h.wg.Done()
+		h.code = leaseMainWith(append([]string{"acquire", dev, "--uuid", cliUUIDA, "--name", "node-a"}, fastLease...), &h.out, &h.errb, h.interrupt, leaseHooks{ready: func() { close(claimed) }})
+	}()
+	select {
+	case <-claimed:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("node A did not claim: %s %s", h.out.String(), h.errb.String())
+	}
+	return h
+}
+
+// release interrupts the holder and waits for it to exit.
+func (h *backgroundHolder) release() {
+	h.interrupt <- os.Interrupt
+	h.wg.Wait()
+}
+
+// leaseShowNamesTheOwner: lease show, as JSON and as text, names node A
+// (keyA) as the owner holding the lease, and the text gives the bounds a
+// taker meets from the holder's timing.
+func leaseShowNamesTheOwner(t *testing.T, dev string, keyA fence.Key) {
+	t.Helper()
 	code, out, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB, "--json")
 	var show struct {
 		OK     bool
@@ -114,27 +149,18 @@ func TestLeaseCommands(t *testing.T) {
 		show.Status.Owner.Key != keyA || show.Status.Owner.State != "held" || show.Status.Owner.Node != "node-a" {
 		t.Fatalf("show: %d %q %v", code, out, err)
 	}
-	if code, out, _ := runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB); code != 0 || !strings.Contains(out, "owner:      key "+keyA.String()+" (node node-a)") {
+	code, out, _ = runLeaseCLI(t, nil, "show", dev, "--uuid", cliUUIDB)
+	if code != 0 || !strings.Contains(out, "owner:      key "+keyA.String()+" (node node-a)") {
 		t.Fatalf("show text: %d %q", code, out)
-	} else {
-		// The bounds a taker meets, from the holder's timing (fastLease).
-		holder := lease.Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: 800 * time.Millisecond}
-		for _, want := range []string{"with the owner's timing d=100ms R=200ms F=800ms W=0s",
-			"Expiry + Settle = max(F+W+d, R+6d) + 2d = " + holder.Bounds().DeadTakeover.String(),
-			"max(2d, R) + d/2 = " + holder.Bounds().GrantLive.String()} {
-			if !strings.Contains(out, want) {
-				t.Fatalf("show text lacks %q:\n%s", want, out)
-			}
+	}
+	// The bounds a taker meets, from the holder's timing (fastLease).
+	holder := lease.Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: 800 * time.Millisecond}
+	for _, want := range []string{"with the owner's timing d=100ms R=200ms F=800ms W=0s",
+		"Expiry + Settle = max(F+W+d, R+6d) + 2d = " + holder.Bounds().DeadTakeover.String(),
+		"max(2d, R) + d/2 = " + holder.Bounds().GrantLive.String()} {
+		if !strings.Contains(out, want) {
+			t.Fatalf("show text lacks %q:\n%s", want, out)
 		}
-	}
-
-	interrupt <- os.Interrupt
-	wg.Wait()
-	if codeA != 0 || !strings.Contains(outA.String(), "released") {
-		t.Fatalf("node A after interrupt: %d %q %q", codeA, outA.String(), errA.String())
-	}
-	if code, out, errs := runLeaseCLI(t, nil, "acquire", dev, "--uuid", cliUUIDB, "--hold-for", "100ms"); code != 0 || !strings.Contains(out, "claimed") {
-		t.Fatalf("acquire by B after release: %d %q %q", code, out, errs)
 	}
 }
 

@@ -31,6 +31,24 @@ func TestLuksCLIFlow(t *testing.T) {
 	pf := filepath.Join(dir, "pass")
 	os.WriteFile(pf, []byte("first secret"), 0o600)
 
+	luksFormatOnlyOnce(t, img, pf)
+	luksDumpJSONDescribesTheVolume(t, img)
+	luksMovePassphraseToSlot1(t, img, pf)
+	luksDamagedPrimaryIsReportedAndRepaired(t, img)
+
+	if _, err := exec.LookPath("cryptsetup"); err == nil {
+		cmd := exec.Command("cryptsetup", "open", "--test-passphrase", "--key-file", "-", img)
+		cmd.Stdin = strings.NewReader("second secret")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("cryptsetup on the CLI-made volume: %v %s", err, out)
+		}
+	}
+}
+
+// luksFormatOnlyOnce: format takes its passphrase from a file only, and a
+// second format finds the first one.
+func luksFormatOnlyOnce(t *testing.T, img, pf string) {
+	t.Helper()
 	// A passphrase is never taken from the command line.
 	if code, _, errs := runLuksCLI(t, "", "format", img); code != 1 || !strings.Contains(errs, "--passphrase-file") {
 		t.Fatalf("format without passphrase file: %d %s", code, errs)
@@ -43,7 +61,12 @@ func TestLuksCLIFlow(t *testing.T) {
 	if code, _, errs := runLuksCLI(t, "", args...); code != 1 || !strings.Contains(errs, "LUKS signature") {
 		t.Fatalf("format over LUKS: %d %s", code, errs)
 	}
+}
 
+// luksDumpJSONDescribesTheVolume: dump --json gives the label, a whole
+// primary header, the data size, the keyslot's KDF and the sector size.
+func luksDumpJSONDescribesTheVolume(t *testing.T, img string) {
+	t.Helper()
 	code, out, errs := runLuksCLI(t, "", "dump", "--json", img)
 	if code != 0 {
 		t.Fatalf("dump: %s", errs)
@@ -73,7 +96,14 @@ func TestLuksCLIFlow(t *testing.T) {
 		d.Metadata.Keyslots["0"].KDF.Type != "argon2id" || d.Metadata.Keyslots["0"].KDF.Memory != 8192 || d.Metadata.Segments["0"].SectorSize != 4096 {
 		t.Fatalf("dump: %+v", d)
 	}
+}
 
+// luksMovePassphraseToSlot1: the passphrase is read from stdin exactly (a
+// newline makes another one); a second passphrase is added in slot 1, and
+// slot 0 is removed only on the proof of another slot, after which only
+// slot 1 is left.
+func luksMovePassphraseToSlot1(t *testing.T, img, pf string) {
+	t.Helper()
 	if code, out, _ := runLuksCLI(t, "first secret", "test-passphrase", "--passphrase-file", "-", img); code != 0 || !strings.Contains(out, "keyslot 0") {
 		t.Fatalf("test-passphrase from stdin: %d %s", code, out)
 	}
@@ -96,8 +126,12 @@ func TestLuksCLIFlow(t *testing.T) {
 	if code, out, _ := runLuksCLI(t, "", "dump", img); code != 0 || !strings.Contains(out, "Keyslot 1:") || strings.Contains(out, "Keyslot 0:") {
 		t.Fatalf("text dump: %s", out)
 	}
+}
 
-	// Damage the primary: dump reports it, repair fixes it.
+// luksDamagedPrimaryIsReportedAndRepaired: damage the primary: dump
+// reports it, repair fixes it.
+func luksDamagedPrimaryIsReportedAndRepaired(t *testing.T, img string) {
+	t.Helper()
 	f, _ := os.OpenFile(img, os.O_RDWR, 0)
 	f.WriteAt([]byte("junk"), 5000)
 	f.Close()
@@ -109,14 +143,6 @@ func TestLuksCLIFlow(t *testing.T) {
 	}
 	if code, out, _ := runLuksCLI(t, "", "dump", img); code != 0 || strings.Contains(out, "DAMAGED") {
 		t.Fatalf("dump after repair: %s", out)
-	}
-
-	if _, err := exec.LookPath("cryptsetup"); err == nil {
-		cmd := exec.Command("cryptsetup", "open", "--test-passphrase", "--key-file", "-", img)
-		cmd.Stdin = strings.NewReader("second secret")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("cryptsetup on the CLI-made volume: %v %s", err, out)
-		}
 	}
 }
 

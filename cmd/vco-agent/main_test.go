@@ -211,6 +211,34 @@ func TestCommandsAgainstRunningAgent(t *testing.T) {
 	sock := filepath.Join(dir, "agent.sock")
 	agent, agentDone, agentErr := startAgent(t, sock)
 
+	identityStatusAndEventsFromTheAgent(t, sock)
+
+	follow, followErr, next := followEvents(t, sock)
+	if e := next(); e["type"] != "EVENT_TYPE_AGENT_STARTED" || e["replayed"] != true {
+		t.Fatalf("first followed event %v", e)
+	}
+	agent.Process.Signal(syscall.SIGTERM)
+	if e := next(); e["type"] != "EVENT_TYPE_AGENT_STOPPING" || e["replayed"] != false {
+		t.Fatalf("event on stop %v", e)
+	}
+	if err := follow.Wait(); err != nil {
+		t.Errorf("follow exit: %v (%s)", err, followErr.String())
+	}
+	if !strings.Contains(followErr.String(), "the agent ended the stream") {
+		t.Errorf("follow stderr %q", followErr.String())
+	}
+	if err := <-agentDone; err != nil {
+		t.Errorf("agent exit: %v\n%s", err, agentErr.String())
+	}
+	if _, err := os.Lstat(sock); err == nil {
+		t.Error("socket left behind")
+	}
+}
+
+// identityStatusAndEventsFromTheAgent: identity, status (as text and
+// JSON) and events are answered by the running agent on sock.
+func identityStatusAndEventsFromTheAgent(t *testing.T, sock string) {
+	t.Helper()
 	out, errs, code := run(t, "identity", "--socket", sock)
 	if code != 0 || !strings.Contains(out, "Answered by the running agent at "+sock) || !strings.Contains(out, uuid) || !strings.Contains(out, "cli-node") {
 		t.Errorf("identity exit %d:\n%s%s", code, out, errs)
@@ -237,8 +265,14 @@ func TestCommandsAgainstRunningAgent(t *testing.T) {
 	if code != 0 || !strings.Contains(out, "#1 AgentStarted: vco-agent") {
 		t.Errorf("events exit %d: %q", code, out)
 	}
+}
 
-	follow := vcoAgent("events", "--follow", "--json", "--socket", sock)
+// followEvents starts vco-agent events --follow --json against sock. next
+// returns the next event it prints, failing the test if it ends or prints
+// nothing for 20s.
+func followEvents(t *testing.T, sock string) (follow *exec.Cmd, stderr *bytes.Buffer, next func() map[string]any) {
+	t.Helper()
+	follow = vcoAgent("events", "--follow", "--json", "--socket", sock)
 	pipe, _ := follow.StdoutPipe()
 	var followErr bytes.Buffer
 	follow.Stderr = &followErr
@@ -253,7 +287,7 @@ func TestCommandsAgainstRunningAgent(t *testing.T) {
 		}
 		close(lines)
 	}()
-	next := func() map[string]any {
+	next = func() map[string]any {
 		select {
 		case l, ok := <-lines:
 			if !ok {
@@ -269,23 +303,5 @@ func TestCommandsAgainstRunningAgent(t *testing.T) {
 		}
 		return nil
 	}
-	if e := next(); e["type"] != "EVENT_TYPE_AGENT_STARTED" || e["replayed"] != true {
-		t.Fatalf("first followed event %v", e)
-	}
-	agent.Process.Signal(syscall.SIGTERM)
-	if e := next(); e["type"] != "EVENT_TYPE_AGENT_STOPPING" || e["replayed"] != false {
-		t.Fatalf("event on stop %v", e)
-	}
-	if err := follow.Wait(); err != nil {
-		t.Errorf("follow exit: %v (%s)", err, followErr.String())
-	}
-	if !strings.Contains(followErr.String(), "the agent ended the stream") {
-		t.Errorf("follow stderr %q", followErr.String())
-	}
-	if err := <-agentDone; err != nil {
-		t.Errorf("agent exit: %v\n%s", err, agentErr.String())
-	}
-	if _, err := os.Lstat(sock); err == nil {
-		t.Error("socket left behind")
-	}
+	return follow, &followErr, next
 }

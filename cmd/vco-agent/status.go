@@ -12,26 +12,9 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/daemon"
 )
 
-func runStatus(args []string) int {
-	f := newClientFlags("status", "Prints the running agent's health and counters.")
-	if code := f.parse(args); code >= 0 {
-		return code
-	}
-	c, err := client.Dial(f.socket)
-	if err != nil {
-		return fail("status", err)
-	}
-	defer c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	st, err := c.GetStatus(ctx, &api.GetStatusRequest{})
-	if err != nil {
-		return fail("status", apiError(f.socket, err))
-	}
-	if f.json {
-		fmt.Fprintln(stdout, string(protoJSON(st)))
-		return 0
-	}
+// printStatus prints the agent's status, and the location it answers
+// with (asked of c within ctx), as a table.
+func printStatus(ctx context.Context, c *client.Client, socket string, st *api.Status) {
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	origin := "created by the agent"
 	if st.SocketActivated {
@@ -44,7 +27,7 @@ func runStatus(args []string) int {
 	fmt.Fprintf(tw, "Agent version:\t%s\n", st.AgentVersion)
 	fmt.Fprintf(tw, "Node name:\t%s\n", st.NodeName)
 	if id, err := c.GetIdentity(ctx, &api.GetIdentityRequest{}); err != nil {
-		fmt.Fprintf(tw, "Location:\tnot known: %v\n", apiError(f.socket, err))
+		fmt.Fprintf(tw, "Location:\tnot known: %v\n", apiError(socket, err))
 	} else {
 		msg, bad := daemon.LocationProblem(id.Location)
 		state := "ok"
@@ -76,7 +59,13 @@ func runStatus(args []string) int {
 		}
 	}
 	tw.Flush()
-	return 0
+}
+
+func runStatus(args []string) int {
+	f := newClientFlags("status", "Prints the running agent's health and counters.")
+	return ask(f, args, 10*time.Second, func(ctx context.Context, c *client.Client) (*api.Status, error) {
+		return c.GetStatus(ctx, &api.GetStatusRequest{})
+	}, func(ctx context.Context, c *client.Client, st *api.Status) { printStatus(ctx, c, f.socket, st) })
 }
 
 // watchdogLine says in one line whether the host watchdog guards the

@@ -117,43 +117,11 @@ func TestPartialKeyBackendKeepsPlainVolumes(t *testing.T) {
 			if err := os.MkdirAll(filepath.Join(kubelet, "plugins", "s"), 0o750); err != nil {
 				t.Fatal(err)
 			}
-			cmd := exec.Command(bin, "--mode=node", "--endpoint=unix://"+sock, "--driver-name=cloud.whitesky.csi",
+			log := startNodePluginServing(t, bin, sock, "--mode=node", "--endpoint=unix://"+sock, "--driver-name=cloud.whitesky.csi",
 				"--agent-socket="+agentSock, "--kubelet-root="+kubelet, "--key-backend-dir="+kb, "--health-addr="+health)
-			var log strings.Builder
-			var logMu sync.Mutex
-			cmd.Stderr = writerFunc(func(p []byte) (int, error) { logMu.Lock(); defer logMu.Unlock(); return log.Write(p) })
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			exited := make(chan error, 1)
-			go func() { exited <- cmd.Wait() }()
-			defer func() { _ = cmd.Process.Kill(); <-exited }()
-			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-				if _, err := os.Stat(sock); err == nil {
-					break
-				}
-				select {
-				case err := <-exited:
-					exited <- err
-					logMu.Lock()
-					t.Fatalf("the node plugin exited (%v) instead of serving plain volumes:\n%s", err, log.String())
-				default:
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the node plugin made no CSI socket")
-				}
-			}
 
 			// Health: not ready, with the reason.
-			r, err := http.Get("http://" + health + "/readyz")
-			if err != nil {
-				t.Fatal(err)
-			}
-			body, _ := io.ReadAll(r.Body)
-			r.Body.Close()
-			if r.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), tc.want) {
-				t.Errorf("/readyz: %d %q; want 503 saying %q", r.StatusCode, body, tc.want)
-			}
+			checkNotReadySaying(t, health, tc.want)
 
 			conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 			if err != nil {
@@ -163,22 +131,10 @@ func TestPartialKeyBackendKeepsPlainVolumes(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			node := csi.NewNodeClient(conn)
-			mount := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
-				AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
-			stage := func(id string, encrypted bool) error {
-				vc := map[string]string{}
-				if encrypted {
-					vc["cloud.whitesky/encrypted"] = "true"
-				}
-				_, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id,
-					StagingTargetPath: filepath.Join(kubelet, "plugins", "s", id[len("ch-lug-1/"):]),
-					PublishContext:    map[string]string{"cloud.whitesky/serial": "vco-" + id[len("ch-lug-1/"):]}, VolumeContext: vc, VolumeCapability: mount})
-				return err
-			}
-			if err := stage("ch-lug-1/1", false); err != nil {
+			if err := stageOnLug1(ctx, node, kubelet, "ch-lug-1/1", false); err != nil {
 				t.Errorf("plain stage: %v", err)
 			}
-			err = stage("ch-lug-1/2", true)
+			err = stageOnLug1(ctx, node, kubelet, "ch-lug-1/2", true)
 			if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), tc.want) ||
 				!strings.Contains(err.Error(), "ch-lug-1/2") {
 				t.Errorf("encrypted stage: %v; want FailedPrecondition naming the volume and saying %q", err, tc.want)
@@ -188,18 +144,79 @@ func TestPartialKeyBackendKeepsPlainVolumes(t *testing.T) {
 				t.Errorf("the agent was asked to stage %v and read the header of %v; want only the plain ch-lug-1/1", agent.staged, agent.tokens)
 			}
 			agent.mu.Unlock()
-			logMu.Lock()
-			if !strings.Contains(log.String(), "key backend configuration problem") || !strings.Contains(log.String(), tc.want) {
-				t.Errorf("the log does not report the problem %q:\n%s", tc.want, log.String())
-			}
-			if strings.Contains(log.String(), "eyJhbGciOiJSUzI1NiJ9") {
-				t.Error("the log carries the ServiceAccount token")
-			}
-			logMu.Unlock()
+			checkLogReportsTheProblem(t, log.String(), tc.want)
 		})
 	}
 }
 
-type writerFunc func([]byte) (int, error)
+// startNodePluginServing starts bin with args and waits until it serves
+// its CSI socket sock: it must not exit instead. The plugin is killed when
+// the test ends; its log is returned.
+func startNodePluginServing(t *testing.T, bin, sock string, args ...string) *syncBuffer {
+	t.Helper()
+	cmd := exec.Command(bin, args...)
+	log := &syncBuffer{}
+	cmd.Stderr = log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() { _ = cmd.Process.Kill(); <-exited })
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if _, err := os.Stat(sock); err == nil {
+			return log
+		}
+		select {
+		case err := <-exited:
+			exited <- err
+			t.Fatalf("the node plugin exited (%v) instead of serving plain volumes:\n%s", err, log.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the node plugin made no CSI socket")
+		}
+	}
+}
 
-func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+// checkNotReadySaying: the readiness endpoint at health answers 503,
+// saying want.
+func checkNotReadySaying(t *testing.T, health, want string) {
+	t.Helper()
+	r, err := http.Get("http://" + health + "/readyz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(r.Body)
+	r.Body.Close()
+	if r.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), want) {
+		t.Errorf("/readyz: %d %q; want 503 saying %q", r.StatusCode, body, want)
+	}
+}
+
+// stageOnLug1 stages volume id (ch-lug-1/N, disk N) as ext4, encrypted or
+// not, through the node service.
+func stageOnLug1(ctx context.Context, node csi.NodeClient, kubelet, id string, encrypted bool) error {
+	mount := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	vc := map[string]string{}
+	if encrypted {
+		vc["cloud.whitesky/encrypted"] = "true"
+	}
+	_, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id,
+		StagingTargetPath: filepath.Join(kubelet, "plugins", "s", id[len("ch-lug-1/"):]),
+		PublishContext:    map[string]string{"cloud.whitesky/serial": "vco-" + id[len("ch-lug-1/"):]}, VolumeContext: vc, VolumeCapability: mount})
+	return err
+}
+
+// checkLogReportsTheProblem: the plugin's log reports the key backend
+// problem want and never carries the ServiceAccount token.
+func checkLogReportsTheProblem(t *testing.T, log, want string) {
+	t.Helper()
+	if !strings.Contains(log, "key backend configuration problem") || !strings.Contains(log, want) {
+		t.Errorf("the log does not report the problem %q:\n%s", want, log)
+	}
+	if strings.Contains(log, "eyJhbGciOiJSUzI1NiJ9") {
+		t.Error("the log carries the ServiceAccount token")
+	}
+}

@@ -159,15 +159,67 @@ func TestStackOnThisHost(t *testing.T) {
 	defer cancel()
 	ident, ctrl, node := csi.NewIdentityClient(conn), csi.NewControllerClient(conn), csi.NewNodeClient(conn)
 
+	checkPluginReadyAndRegistered(ctx, t, s, ident)
+	ni, err := node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ni.NodeId != strings.ToLower(stackUUID) || ni.AccessibleTopology.Segments["cloud.whitesky/location"] != "ch-gen-1" {
+		t.Fatalf("node info = %v", ni)
+	}
+	capab := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "xfs"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	v, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack", VolumeCapabilities: []*csi.VolumeCapability{capab},
+		CapacityRange:             &csi.CapacityRange{RequiredBytes: 1 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{ni.AccessibleTopology}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	volID := v.Volume.VolumeId
+	pub, backing := publishMakesALoopDevice(ctx, t, s, ctrl, volID, ni.NodeId, capab)
+	staging := filepath.Join(s.kubelet, "plugins", "staging")
+	target := filepath.Join(s.kubelet, "pods", "p", "volumes", "v")
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
+		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: v.Volume.VolumeContext}); err != nil {
+		t.Fatalf("stage: %v", err)
+	}
+	if fs := mountFSType(staging); fs != "xfs" {
+		t.Fatalf("the staging path has filesystem %q mounted, want xfs", fs)
+	}
+	checkHeldUnderTheDiskLease(ctx, t, s, volID)
+	publishWriteAndStat(ctx, t, node, volID, staging, target, capab)
+	unpublishUnstageAndDelete(ctx, t, ctrl, node, volID, ni.NodeId, staging, target, backing)
+
+	// Without a transit engine configured, an encrypted volume is refused,
+	// saying why.
+	ev, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack-enc", VolumeCapabilities: []*csi.VolumeCapability{capab},
+		Parameters: map[string]string{"encryption": "true"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{ni.AccessibleTopology}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: ev.Volume.VolumeId, PublishContext: pub.PublishContext,
+		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: ev.Volume.VolumeContext})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "no key backend") {
+		t.Fatalf("stage of an encrypted volume: %v", err)
+	}
+	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: ev.Volume.VolumeId}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkPluginReadyAndRegistered: the plugin names itself, is ready, and
+// registers itself as the kubelet expects: its socket in plugins_registry
+// names the driver and the CSI socket's path on the host, derived from
+// --kubelet-root. Its health endpoint answers OK.
+func checkPluginReadyAndRegistered(ctx context.Context, t *testing.T, s *stack, ident csi.IdentityClient) {
+	t.Helper()
 	if info, err := ident.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}); err != nil || info.Name != "cloud.whitesky.csi" {
 		t.Fatalf("plugin info: %v %v", info, err)
 	}
 	if p, err := ident.Probe(ctx, &csi.ProbeRequest{}); err != nil || !p.GetReady().GetValue() {
 		t.Fatalf("probe: %v %v", p, err)
 	}
-	// The plugin registers itself as the kubelet expects: its socket in
-	// plugins_registry names the driver and the CSI socket's path on the
-	// host, derived from --kubelet-root.
 	regConn, err := grpc.NewClient("unix://"+filepath.Join(s.registry, "cloud.whitesky.csi-reg.sock"), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -185,23 +237,15 @@ func TestStackOnThisHost(t *testing.T) {
 	} else {
 		r.Body.Close()
 	}
-	ni, err := node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if ni.NodeId != strings.ToLower(stackUUID) || ni.AccessibleTopology.Segments["cloud.whitesky/location"] != "ch-gen-1" {
-		t.Fatalf("node info = %v", ni)
-	}
-	capab := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "xfs"}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
-	v, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack", VolumeCapabilities: []*csi.VolumeCapability{capab},
-		CapacityRange:             &csi.CapacityRange{RequiredBytes: 1 << 30},
-		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{ni.AccessibleTopology}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	volID := v.Volume.VolumeId
-	pub, err := ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: volID, NodeId: ni.NodeId, VolumeCapability: capab})
+}
+
+// publishMakesALoopDevice publishes volID to the node: a loop device of
+// 2 GB (1 GiB asked, the create call's unit) backs the disk's file. It
+// returns the publish answer and the file.
+func publishMakesALoopDevice(ctx context.Context, t *testing.T, s *stack, ctrl csi.ControllerClient, volID, nodeID string,
+	capab *csi.VolumeCapability) (*csi.ControllerPublishVolumeResponse, string) {
+	t.Helper()
+	pub, err := ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: volID, NodeId: nodeID, VolumeCapability: capab})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -216,15 +260,13 @@ func TestStackOnThisHost(t *testing.T) {
 	if b, _ := os.ReadFile("/sys/block/" + loop + "/size"); strings.TrimSpace(string(b)) != "3906250" {
 		t.Fatalf("%s has %s sectors, want 2 GB", loop, b)
 	}
-	staging := filepath.Join(s.kubelet, "plugins", "staging")
-	target := filepath.Join(s.kubelet, "pods", "p", "volumes", "v")
-	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
-		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: v.Volume.VolumeContext}); err != nil {
-		t.Fatalf("stage: %v", err)
-	}
-	if fs := mountFSType(staging); fs != "xfs" {
-		t.Fatalf("the staging path has filesystem %q mounted, want xfs", fs)
-	}
+	return pub, backing
+}
+
+// checkHeldUnderTheDiskLease: the agent lists volID as held under its
+// disk lease.
+func checkHeldUnderTheDiskLease(ctx context.Context, t *testing.T, s *stack, volID string) {
+	t.Helper()
 	ac, err := client.Dial(s.agentSock)
 	if err != nil {
 		t.Fatal(err)
@@ -243,6 +285,13 @@ func TestStackOnThisHost(t *testing.T) {
 	if !fenced {
 		t.Fatalf("volume %s is not held under the agent's disk lease: %v", volID, disks)
 	}
+}
+
+// publishWriteAndStat publishes the staged volume at target: a file
+// written in the pod's path is on the staged volume, and the stats are of
+// a disk of at most 2 GB.
+func publishWriteAndStat(ctx context.Context, t *testing.T, node csi.NodeClient, volID, staging, target string, capab *csi.VolumeCapability) {
+	t.Helper()
 	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: volID, StagingTargetPath: staging,
 		TargetPath: target, VolumeCapability: capab}); err != nil {
 		t.Fatalf("publish: %v", err)
@@ -257,13 +306,20 @@ func TestStackOnThisHost(t *testing.T) {
 	if err != nil || len(st.Usage) != 2 || st.Usage[0].Total <= 0 || st.Usage[0].Total > 2_000_000_000 {
 		t.Fatalf("stats: %v %v", st, err)
 	}
+}
+
+// unpublishUnstageAndDelete unpublishes and unstages volID, unpublishes it
+// from the node (its loop device goes) and deletes it (its file goes).
+func unpublishUnstageAndDelete(ctx context.Context, t *testing.T, ctrl csi.ControllerClient, node csi.NodeClient,
+	volID, nodeID, staging, target, backing string) {
+	t.Helper()
 	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: volID, TargetPath: target}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: volID, NodeId: ni.NodeId}); err != nil {
+	if _, err := ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: volID, NodeId: nodeID}); err != nil {
 		t.Fatal(err)
 	}
 	if l := loopFor(backing); l != "" {
@@ -274,23 +330,6 @@ func TestStackOnThisHost(t *testing.T) {
 	}
 	if _, err := os.Stat(backing); !os.IsNotExist(err) {
 		t.Fatalf("disk file after delete: %v", err)
-	}
-
-	// Without a transit engine configured, an encrypted volume is refused,
-	// saying why.
-	ev, err := ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "stack-enc", VolumeCapabilities: []*csi.VolumeCapability{capab},
-		Parameters: map[string]string{"encryption": "true"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30},
-		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: []*csi.Topology{ni.AccessibleTopology}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: ev.Volume.VolumeId, PublishContext: pub.PublishContext,
-		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: ev.Volume.VolumeContext})
-	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "no key backend") {
-		t.Fatalf("stage of an encrypted volume: %v", err)
-	}
-	if _, err := ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: ev.Volume.VolumeId}); err != nil {
-		t.Fatal(err)
 	}
 }
 

@@ -85,34 +85,10 @@ func TestDMCryptInGuest(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	cfg, err := lab.TestConfig(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), guestTools...)
-	l, err := lab.New(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := newCryptLab(ctx, t)
 	defer l.Close()
 
-	dir := t.TempDir()
-	ours := filepath.Join(dir, "ours.img")
-	theirs := filepath.Join(dir, "theirs.img")
-	for _, p := range []string{ours, theirs} {
-		if err := os.WriteFile(p, nil, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Truncate(p, 64<<20); err != nil {
-			t.Fatal(err)
-		}
-	}
-	cs := exec.Command("cryptsetup", "luksFormat", "--type", "luks2", "-q", "--key-file", "-", "--pbkdf", "argon2id",
-		"--pbkdf-force-iterations", "4", "--pbkdf-memory", "8192", "--pbkdf-parallel", "1", "--sector-size", "512", theirs)
-	cs.Stdin = strings.NewReader("their secret")
-	if out, err := cs.CombinedOutput(); err != nil {
-		t.Fatalf("cryptsetup luksFormat on the host: %v %s", err, out)
-	}
+	ours, theirs := cryptImages(t)
 	gs, err := l.StartGuests(ctx, lab.GuestConfig{Name: "crypt", MemMB: 512, Disks: []lab.Disk{
 		{ID: "ours", Kind: lab.VirtioBlk, File: ours, Serial: "crypt-ours"},
 		{ID: "theirs", Kind: lab.VirtioBlk, File: theirs, Serial: "crypt-theirs"},
@@ -128,24 +104,85 @@ func TestDMCryptInGuest(t *testing.T) {
 	}()
 	dev := c.disk("crypt-ours")
 	theirDev := c.disk("crypt-theirs")
-	kdf := "--kdf-time 4 --kdf-memory 8192 --kdf-threads 1"
 	c.sh("printf 'our secret' > /tmp/pw && printf 'their secret' > /tmp/pw2 && mkdir -p /mnt/a /mnt/b /run/cryptsetup")
 
+	sum := c.formatOpenAndWrite(dev)
+	c.cryptsetupReadsOurData(dev, sum)
+	c.growOnline(dev, sum)
+	c.openWithTheDamagedPrimaryHeader(dev, sum)
+	c.openTheirsReadWriteAndReadOnly(theirDev)
+}
+
+// newCryptLab starts the lab with the host tools the guest needs.
+func newCryptLab(ctx context.Context, t *testing.T) *lab.Lab {
+	t.Helper()
+	cfg, err := lab.TestConfig(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), guestTools...)
+	l, err := lab.New(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// cryptImages makes the guest's two 64 MiB disk images: ours, blank, and
+// theirs, formatted by cryptsetup on the host with "their secret".
+func cryptImages(t *testing.T) (ours, theirs string) {
+	t.Helper()
+	dir := t.TempDir()
+	ours = filepath.Join(dir, "ours.img")
+	theirs = filepath.Join(dir, "theirs.img")
+	for _, p := range []string{ours, theirs} {
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(p, 64<<20); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cs := exec.Command("cryptsetup", "luksFormat", "--type", "luks2", "-q", "--key-file", "-", "--pbkdf", "argon2id",
+		"--pbkdf-force-iterations", "4", "--pbkdf-memory", "8192", "--pbkdf-parallel", "1", "--sector-size", "512", theirs)
+	cs.Stdin = strings.NewReader("their secret")
+	if out, err := cs.CombinedOutput(); err != nil {
+		t.Fatalf("cryptsetup luksFormat on the host: %v %s", err, out)
+	}
+	return ours, theirs
+}
+
+// luksStatus is what vco-agent luks status prints.
+type luksStatus struct {
+	Length uint64 `json:"length"`
+	Table  string `json:"table"`
+	DevNo  uint64 `json:"devno"`
+}
+
+func (c *cryptGuest) status(name string) luksStatus {
+	c.t.Helper()
+	var st luksStatus
+	if err := json.Unmarshal([]byte(c.sh("vco-agent luks status "+name)), &st); err != nil {
+		c.t.Fatal(err)
+	}
+	return st
+}
+
+// formatOpenAndWrite formats dev with vco-agent, opens it through luks.go
+// as ours, refuses a second open under the same name and a wrong
+// passphrase, writes 4 MiB through an ext4 filesystem, refuses to close it
+// while mounted, and closes it. It returns the data's checksum.
+func (c *cryptGuest) formatOpenAndWrite(dev string) string {
+	t := c.t
+	t.Helper()
+	kdf := "--kdf-time 4 --kdf-memory 8192 --kdf-threads 1"
 	// Format, open, mkfs, write.
 	c.sh(fmt.Sprintf("vco-agent luks format %s --passphrase-file /tmp/pw %s", dev, kdf))
 	// luks.go unlocks and maps it (the CLI says on stderr when it is not).
 	if got, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw", dev)); got != "/dev/mapper/ours" || errs != "" {
 		t.Fatalf("open printed %q, stderr %q", got, errs)
 	}
-	var st struct {
-		Length uint64 `json:"length"`
-		Table  string `json:"table"`
-		DevNo  uint64 `json:"devno"`
-	}
-	if err := json.Unmarshal([]byte(c.sh("vco-agent luks status ours")), &st); err != nil {
-		t.Fatal(err)
-	}
-	if st.Length != 48<<20 || !strings.HasPrefix(st.Table, "crypt aes-xts-plain64 - 0 ") || !strings.HasSuffix(st.Table, " 32768 1 sector_size:4096") {
+	if st := c.status("ours"); st.Length != 48<<20 || !strings.HasPrefix(st.Table, "crypt aes-xts-plain64 - 0 ") || !strings.HasSuffix(st.Table, " 32768 1 sector_size:4096") {
 		t.Fatalf("status %+v", st)
 	}
 	c.sh("test -b /dev/mapper/ours")
@@ -166,16 +203,25 @@ func TestDMCryptInGuest(t *testing.T) {
 		t.Fatalf("close while mounted: %s", errs)
 	}
 	c.sh("umount /mnt/a && vco-agent luks close ours && ! test -e /dev/mapper/ours")
+	return sum
+}
 
-	// cryptsetup's own mapping of our volume reads the same data.
+// cryptsetupReadsOurData: cryptsetup's own mapping of our volume reads the
+// same data.
+func (c *cryptGuest) cryptsetupReadsOurData(dev, sum string) {
+	c.t.Helper()
 	c.sh(fmt.Sprintf("/usr/sbin/cryptsetup open --disable-locks --key-file /tmp/pw %s cs && mount /dev/mapper/cs /mnt/b", dev))
 	if got := c.sh("sha256sum /mnt/b/data | cut -d' ' -f1"); got != sum {
-		t.Fatalf("cryptsetup reads %s, we wrote %s", got, sum)
+		c.t.Fatalf("cryptsetup reads %s, we wrote %s", got, sum)
 	}
 	c.sh("umount /mnt/b && /usr/sbin/cryptsetup close cs")
+}
 
-	// Reopen (luks.go's mapping), then grow the disk and the mapping
-	// online, fs mounted.
+// growOnline reopens the volume (luks.go's mapping), then grows the disk
+// and the mapping online, fs mounted: the filesystem grows, the data stays.
+func (c *cryptGuest) growOnline(dev, sum string) {
+	t := c.t
+	t.Helper()
 	if _, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw && mount /dev/mapper/ours /mnt/a", dev)); errs != "" {
 		t.Fatalf("reopen: %s", errs)
 	}
@@ -183,7 +229,7 @@ func TestDMCryptInGuest(t *testing.T) {
 		t.Fatal("data changed across close and reopen")
 	}
 	before := c.sh("df -k /mnt/a | tail -n1 | awk '{print $2}'")
-	if _, err := c.g.QMP().Execute(ctx, "block_resize", map[string]any{"node-name": "bd-ours", "size": 128 << 20}); err != nil {
+	if _, err := c.g.QMP().Execute(c.ctx, "block_resize", map[string]any{"node-name": "bd-ours", "size": 128 << 20}); err != nil {
 		t.Fatal(err)
 	}
 	name := strings.TrimPrefix(dev, "/dev/")
@@ -202,10 +248,14 @@ func TestDMCryptInGuest(t *testing.T) {
 		t.Fatal("data changed across the online resize")
 	}
 	c.sh("dd if=/dev/urandom of=/mnt/a/more bs=1M count=40 2>/dev/null && sync && umount /mnt/a && vco-agent luks close ours")
+}
 
-	// A damaged primary header: luks.go cannot read it, our reader opens
-	// the volume from the secondary copy and says so; the data is there
-	// and the header is left as it was.
+// openWithTheDamagedPrimaryHeader: with a damaged primary header luks.go
+// cannot read it, our reader opens the volume from the secondary copy and
+// says so; the data is there and the header is left as it was.
+func (c *cryptGuest) openWithTheDamagedPrimaryHeader(dev, sum string) {
+	t := c.t
+	t.Helper()
 	c.sh(fmt.Sprintf("printf garbage | dd of=%s bs=1 seek=4106 conv=notrunc 2>/dev/null && sync", dev))
 	hdr := c.sh(fmt.Sprintf("head -c 32768 %s | sha256sum", dev))
 	got, errs := c.shErr(fmt.Sprintf("vco-agent luks open %s ours --passphrase-file /tmp/pw", dev))
@@ -220,14 +270,16 @@ func TestDMCryptInGuest(t *testing.T) {
 	if c.sh(fmt.Sprintf("head -c 32768 %s | sha256sum", dev)) != hdr {
 		t.Fatal("opening rewrote the damaged header")
 	}
+}
 
-	// A volume cryptsetup formatted opens with our code, discards on; what
-	// we write there cryptsetup reads back.
+// openTheirsReadWriteAndReadOnly: a volume cryptsetup formatted opens with
+// our code, discards on; what we write there cryptsetup reads back. Read
+// only, luks.go cannot, crypt/dmcrypt maps it and refuses writes.
+func (c *cryptGuest) openTheirsReadWriteAndReadOnly(theirDev string) {
+	t := c.t
+	t.Helper()
 	c.sh(fmt.Sprintf("vco-agent luks open %s theirs --passphrase-file /tmp/pw2 --allow-discards", theirDev))
-	if err := json.Unmarshal([]byte(c.sh("vco-agent luks status theirs")), &st); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.HasSuffix(st.Table, " 32768 1 allow_discards") || st.Length != 48<<20 {
+	if st := c.status("theirs"); !strings.HasSuffix(st.Table, " 32768 1 allow_discards") || st.Length != 48<<20 {
 		t.Fatalf("status %+v", st)
 	}
 	c.sh("dd if=/dev/urandom of=/tmp/blob bs=1M count=3 2>/dev/null && dd if=/tmp/blob of=/dev/mapper/theirs bs=1M conv=fsync 2>/dev/null")

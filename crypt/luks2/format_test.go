@@ -181,26 +181,7 @@ func TestKeyslotRotation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := v.RemoveKeyslot(0, []byte("one")); err == nil || !strings.Contains(err.Error(), "last") {
-		t.Fatalf("removing the only slot: %v", err)
-	}
-	if _, err := v.AddKeyslot([]byte("wrong"), []byte("two"), testKDF); !errors.Is(err, ErrWrongPassphrase) {
-		t.Fatalf("AddKeyslot with a wrong passphrase: %v", err)
-	}
-	n, err := v.AddKeyslot([]byte("one"), []byte("two"), testKDF)
-	if err != nil || n != 1 {
-		t.Fatalf("AddKeyslot: %d %v", n, err)
-	}
-	if v.Header.Meta.Keyslots["1"].Area.Offset == v.Header.Meta.Keyslots["0"].Area.Offset {
-		t.Fatal("two keyslots share an area")
-	}
-	if err := v.RemoveKeyslot(0, []byte("one")); err == nil {
-		t.Fatal("removed slot 0 with a passphrase that only opens slot 0")
-	}
-	area := v.Header.Meta.Keyslots["0"].Area
-	if err := v.RemoveKeyslot(0, []byte("two")); err != nil {
-		t.Fatal(err)
-	}
+	area := addSlotTwoThenRemoveSlotOne(t, v)
 	v.Close()
 
 	v, err = Open(p, true)
@@ -223,7 +204,7 @@ func TestKeyslotRotation(t *testing.T) {
 		t.Fatal("the removed slot's key material was not wiped")
 	}
 	// The freed area is reused by the next slot.
-	n, err = v.AddKeyslot([]byte("two"), []byte("three"), KDFParams{Type: "pbkdf2", Iterations: 1000})
+	n, err := v.AddKeyslot([]byte("two"), []byte("three"), KDFParams{Type: "pbkdf2", Iterations: 1000})
 	if err != nil || n != 0 || v.Header.Meta.Keyslots["0"].Area.Offset != area.Offset {
 		t.Fatalf("re-add: slot %d err %v", n, err)
 	}
@@ -233,6 +214,35 @@ func TestKeyslotRotation(t *testing.T) {
 			t.Fatalf("cryptsetup slot %s: %v %s", slot, err, errs)
 		}
 	}
+}
+
+// addSlotTwoThenRemoveSlotOne rotates v's only passphrase "one" (slot 0)
+// to "two" (slot 1): the only slot is never removed, a slot is added only
+// with a passphrase that opens one and gets an area of its own, and slot 0
+// goes only with proof that another slot works. It returns slot 0's area.
+func addSlotTwoThenRemoveSlotOne(t *testing.T, v *Volume) Area {
+	t.Helper()
+	if err := v.RemoveKeyslot(0, []byte("one")); err == nil || !strings.Contains(err.Error(), "last") {
+		t.Fatalf("removing the only slot: %v", err)
+	}
+	if _, err := v.AddKeyslot([]byte("wrong"), []byte("two"), testKDF); !errors.Is(err, ErrWrongPassphrase) {
+		t.Fatalf("AddKeyslot with a wrong passphrase: %v", err)
+	}
+	n, err := v.AddKeyslot([]byte("one"), []byte("two"), testKDF)
+	if err != nil || n != 1 {
+		t.Fatalf("AddKeyslot: %d %v", n, err)
+	}
+	if v.Header.Meta.Keyslots["1"].Area.Offset == v.Header.Meta.Keyslots["0"].Area.Offset {
+		t.Fatal("two keyslots share an area")
+	}
+	if err := v.RemoveKeyslot(0, []byte("one")); err == nil {
+		t.Fatal("removed slot 0 with a passphrase that only opens slot 0")
+	}
+	area := v.Header.Meta.Keyslots["0"].Area
+	if err := v.RemoveKeyslot(0, []byte("two")); err != nil {
+		t.Fatal(err)
+	}
+	return area
 }
 
 func TestRemoveKeyslotDropsItsTokens(t *testing.T) {

@@ -108,94 +108,121 @@ func TestCryptsetupFormattedVolumesUnlock(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			p := newImage(t, 40<<20)
 			pass := []byte("cryptsetup made me")
-			args := append([]string{"luksFormat", "--type", "luks2", "-q", "--key-file", "-"}, c.args...)
-			if _, errs, err := cryptsetup(t, pass, append(args, p)...); err != nil {
-				t.Fatalf("luksFormat: %v %s", err, errs)
-			}
 			withToken := strings.HasSuffix(c.name, "-token")
-			if withToken {
-				tok := `{"type":"vco-transit","keyslots":["0"],"mount":"transit","key_name":"volumes","key_version":3,"ciphertext":"vault:v3:abcd"}`
-				tf := filepath.Join(t.TempDir(), "tok.json")
-				if err := os.WriteFile(tf, []byte(tok), 0o600); err != nil {
-					t.Fatal(err)
-				}
-				if _, errs, err := cryptsetup(t, nil, "token", "import", "--json-file", tf, "--token-id", "2", p); err != nil {
-					t.Fatalf("token import: %v %s", err, errs)
-				}
-			}
+			luksFormatWithCryptsetup(t, p, pass, c.args, withToken)
 			want := dumpVolumeKey(t, p, pass)
 			before := fileHash(t, p)
 
-			v, err := Open(p, false)
-			if err != nil {
-				t.Fatalf("Open: %v", err)
-			}
-			defer v.Close()
-			if len(v.Header.Damaged) != 0 || v.Header.Source != "primary" {
-				t.Fatalf("header from %s, damaged %v", v.Header.Source, v.Header.Damaged)
-			}
-			key, slot, err := v.Unlock(pass)
-			if err != nil {
-				t.Fatalf("Unlock: %v", err)
-			}
-			if slot != 0 || !bytes.Equal(key, want) {
-				t.Fatalf("slot %d key %x, cryptsetup says %x", slot, key, want)
-			}
-			if _, _, err := v.Unlock([]byte("cryptsetup made me!")); err == nil {
-				t.Fatal("a wrong passphrase unlocked the volume")
-			}
-			// luks.go, the agent's unlock, opens it too (its digest check
-			// confirms the key it recovered) and reads the same segment.
-			d, err := luksgo.Open(p)
-			if err != nil {
-				t.Fatalf("luks.go Open: %v", err)
-			}
-			vol, err := d.UnsealVolume(0, pass)
-			if err != nil {
-				t.Fatalf("luks.go UnsealVolume: %v", err)
-			}
-			if vol.UUID != v.Header.UUID || vol.StorageOffset != v.DataOffset() || vol.StorageSectorSize != uint64(v.SectorSize()) || vol.StorageEncryption != v.Cipher() {
-				t.Fatalf("luks.go reads %+v", vol)
-			}
-			if _, err := d.UnsealVolume(0, []byte("cryptsetup made me!")); !errors.Is(err, luksgo.ErrPassphraseDoesNotMatch) {
-				t.Fatalf("luks.go with a wrong passphrase: %v", err)
-			}
-			d.Close()
-			if withToken {
-				id, tok, err := v.TransitToken()
-				if err != nil {
-					t.Fatal(err)
-				}
-				if id != 2 || tok.KeyName != "volumes" || tok.KeyVersion != 3 || tok.Ciphertext != "vault:v3:abcd" || tok.Mount != "transit" || len(tok.Keyslots) != 1 || tok.Keyslots[0] != 0 {
-					t.Fatalf("token %d %+v", id, tok)
-				}
-			}
+			readsAndUnlocksToTheKey(t, p, pass, want, withToken)
 			if fileHash(t, p) != before {
 				t.Fatal("reading and unlocking changed the image")
 			}
-			v.Close()
-
-			// A keyslot we add to cryptsetup's volume works in cryptsetup.
-			w, err := Open(p, true)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer w.Close()
-			n, err := w.AddKeyslot(pass, []byte("added by us"), testKDF)
-			if err != nil {
-				t.Fatalf("AddKeyslot: %v", err)
-			}
-			edited := fileHash(t, p)
-			if _, errs, err := cryptsetup(t, []byte("added by us"), "open", "--test-passphrase", "--key-slot", fmt.Sprint(n), "--key-file", "-", p); err != nil {
-				t.Fatalf("cryptsetup rejects the keyslot we added: %v %s", err, errs)
-			}
-			if got := dumpVolumeKey(t, p, []byte("added by us")); !bytes.Equal(got, want) {
-				t.Fatal("the added keyslot holds another volume key")
-			}
-			if fileHash(t, p) != edited {
-				t.Fatal("cryptsetup rewrote the header we edited")
-			}
+			keyslotWeAddWorksInCryptsetup(t, p, pass, want)
 		})
+	}
+}
+
+// luksFormatWithCryptsetup formats image p with cryptsetup, with the extra
+// arguments args, and imports a transit token as token 2 if withToken.
+func luksFormatWithCryptsetup(t *testing.T, p string, pass []byte, extra []string, withToken bool) {
+	t.Helper()
+	args := append([]string{"luksFormat", "--type", "luks2", "-q", "--key-file", "-"}, extra...)
+	if _, errs, err := cryptsetup(t, pass, append(args, p)...); err != nil {
+		t.Fatalf("luksFormat: %v %s", err, errs)
+	}
+	if withToken {
+		tok := `{"type":"vco-transit","keyslots":["0"],"mount":"transit","key_name":"volumes","key_version":3,"ciphertext":"vault:v3:abcd"}`
+		tf := filepath.Join(t.TempDir(), "tok.json")
+		if err := os.WriteFile(tf, []byte(tok), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if _, errs, err := cryptsetup(t, nil, "token", "import", "--json-file", tf, "--token-id", "2", p); err != nil {
+			t.Fatalf("token import: %v %s", err, errs)
+		}
+	}
+}
+
+// readsAndUnlocksToTheKey opens cryptsetup's volume on p read-only: its
+// primary header is whole, pass (and no other passphrase) unlocks slot 0
+// to want, luks.go agrees, and the token imported (if withToken) reads
+// back.
+func readsAndUnlocksToTheKey(t *testing.T, p string, pass, want []byte, withToken bool) {
+	t.Helper()
+	v, err := Open(p, false)
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	defer v.Close()
+	if len(v.Header.Damaged) != 0 || v.Header.Source != "primary" {
+		t.Fatalf("header from %s, damaged %v", v.Header.Source, v.Header.Damaged)
+	}
+	key, slot, err := v.Unlock(pass)
+	if err != nil {
+		t.Fatalf("Unlock: %v", err)
+	}
+	if slot != 0 || !bytes.Equal(key, want) {
+		t.Fatalf("slot %d key %x, cryptsetup says %x", slot, key, want)
+	}
+	if _, _, err := v.Unlock([]byte("cryptsetup made me!")); err == nil {
+		t.Fatal("a wrong passphrase unlocked the volume")
+	}
+	luksGoReadsTheSameVolume(t, p, pass, v)
+	if withToken {
+		id, tok, err := v.TransitToken()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if id != 2 || tok.KeyName != "volumes" || tok.KeyVersion != 3 || tok.Ciphertext != "vault:v3:abcd" || tok.Mount != "transit" || len(tok.Keyslots) != 1 || tok.Keyslots[0] != 0 {
+			t.Fatalf("token %d %+v", id, tok)
+		}
+	}
+}
+
+// luksGoReadsTheSameVolume: luks.go, the agent's unlock, opens p too (its
+// digest check confirms the key it recovered) and reads the same segment
+// as v; a wrong passphrase does not match.
+func luksGoReadsTheSameVolume(t *testing.T, p string, pass []byte, v *Volume) {
+	t.Helper()
+	d, err := luksgo.Open(p)
+	if err != nil {
+		t.Fatalf("luks.go Open: %v", err)
+	}
+	defer d.Close()
+	vol, err := d.UnsealVolume(0, pass)
+	if err != nil {
+		t.Fatalf("luks.go UnsealVolume: %v", err)
+	}
+	if vol.UUID != v.Header.UUID || vol.StorageOffset != v.DataOffset() || vol.StorageSectorSize != uint64(v.SectorSize()) || vol.StorageEncryption != v.Cipher() {
+		t.Fatalf("luks.go reads %+v", vol)
+	}
+	if _, err := d.UnsealVolume(0, []byte("cryptsetup made me!")); !errors.Is(err, luksgo.ErrPassphraseDoesNotMatch) {
+		t.Fatalf("luks.go with a wrong passphrase: %v", err)
+	}
+}
+
+// keyslotWeAddWorksInCryptsetup: a keyslot we add to cryptsetup's volume
+// on p works in cryptsetup, holds the volume key want, and cryptsetup
+// leaves the header we edited as it is.
+func keyslotWeAddWorksInCryptsetup(t *testing.T, p string, pass, want []byte) {
+	t.Helper()
+	w, err := Open(p, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	n, err := w.AddKeyslot(pass, []byte("added by us"), testKDF)
+	if err != nil {
+		t.Fatalf("AddKeyslot: %v", err)
+	}
+	edited := fileHash(t, p)
+	if _, errs, err := cryptsetup(t, []byte("added by us"), "open", "--test-passphrase", "--key-slot", fmt.Sprint(n), "--key-file", "-", p); err != nil {
+		t.Fatalf("cryptsetup rejects the keyslot we added: %v %s", err, errs)
+	}
+	if got := dumpVolumeKey(t, p, []byte("added by us")); !bytes.Equal(got, want) {
+		t.Fatal("the added keyslot holds another volume key")
+	}
+	if fileHash(t, p) != edited {
+		t.Fatal("cryptsetup rewrote the header we edited")
 	}
 }
 

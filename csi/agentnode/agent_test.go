@@ -233,12 +233,7 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
 		PublishContext: map[string]string{driver.PubDiskID: "7"}}
 	_, err := node.NodeStageVolume(ctx, stage)
-	st := status.Convert(err)
-	if st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "node-b") || !strings.Contains(st.Message(), vol) ||
-		strings.Contains(st.Message(), "rpc error") {
-		t.Fatalf("stage of a disk node B holds: %v", err)
-	}
-	t.Logf("refusal as the CO sees it: %s: %s", st.Code(), st.Message())
+	checkRefusedNamingNodeB(t, err, vol)
 
 	grant, _ := json.Marshal(fence.Grant{Disk: vol, Node: nodeA, Supersedes: []fence.Key{keyB}})
 	stage.PublishContext[driver.PubFenceGrant] = string(grant)
@@ -249,6 +244,40 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 		t.Fatalf("reservation after the granted stage: %s %x %v", holder, key, ok)
 	}
 	target := filepath.Join(kubelet, "pods", "p", "volumes", "v")
+	publishWriteAndFindHealthy(ctx, t, node, vol, staging, target)
+
+	// Node B takes the disk over with its own grant; the agent's check
+	// finds the claim lost.
+	if _, err := nodeBEngine().Acquire(ctx, &fence.Grant{Disk: vol, Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	m.CheckAll(ctx)
+	checkFenceLostToNodeB(ctx, t, node, vol, target)
+	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkRefusedNamingNodeB: the stage of a disk node B holds is refused
+// with FAILED_PRECONDITION naming node B and the volume, as a message the
+// CO shows without a nested "rpc error".
+func checkRefusedNamingNodeB(t *testing.T, err error, vol string) {
+	t.Helper()
+	st := status.Convert(err)
+	if st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "node-b") || !strings.Contains(st.Message(), vol) ||
+		strings.Contains(st.Message(), "rpc error") {
+		t.Fatalf("stage of a disk node B holds: %v", err)
+	}
+	t.Logf("refusal as the CO sees it: %s: %s", st.Code(), st.Message())
+}
+
+// publishWriteAndFindHealthy publishes the staged volume at target, writes
+// through it, and finds its health without a fault.
+func publishWriteAndFindHealthy(ctx context.Context, t *testing.T, node csi.NodeClient, vol, staging, target string) {
+	t.Helper()
 	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol, StagingTargetPath: staging,
 		TargetPath: target, VolumeCapability: mountCap}); err != nil {
 		t.Fatal(err)
@@ -260,14 +289,13 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) != 0 {
 		t.Fatalf("health of a held volume: %v %v", h, err)
 	}
+}
 
-	// Node B takes the disk over with its own grant; the agent's check
-	// finds the claim lost.
-	if _, err := nodeBEngine().Acquire(ctx, &fence.Grant{Disk: vol, Node: nodeB, Supersedes: []fence.Key{keyA}}); err != nil {
-		t.Fatal(err)
-	}
-	m.CheckAll(ctx)
-	h, err = node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: vol, VolumePublishPath: target})
+// checkFenceLostToNodeB: the volume's health is INACCESSIBLE, FenceLost,
+// naming node B's key.
+func checkFenceLostToNodeB(ctx context.Context, t *testing.T, node csi.NodeClient, vol, target string) {
+	t.Helper()
+	h, err := node.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: vol, VolumePublishPath: target})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -275,12 +303,6 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	if len(hs) != 1 || hs[0].Status != csi.VolumeHealthErrorType_INACCESSIBLE || hs[0].Reason != "FenceLost" ||
 		!strings.Contains(hs[0].Message, keyB.String()) {
 		t.Fatalf("health after node B's takeover: %v", h)
-	}
-	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol, TargetPath: target}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
-		t.Fatal(err)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/server"
 	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
@@ -88,45 +89,12 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	target := filepath.Join(kubelet, "pods", "p", "volumes", "enc")
 	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
 		PublishContext: map[string]string{driver.PubDiskID: "8"}, VolumeContext: encrypted}
-	requests := func(op string) int {
-		vault.Mu.Lock()
-		defer vault.Mu.Unlock()
-		n := 0
-		for _, r := range vault.Requests {
-			if strings.HasSuffix(r, "/transit/"+op+"/vco-volumes") {
-				n++
-			}
-		}
-		return n
-	}
 
 	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
 		t.Fatalf("first stage of an encrypted volume: %v", err)
 	}
-	if out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", dev).Output(); strings.TrimSpace(string(out)) != "crypto_LUKS" {
-		t.Fatalf("the disk holds %q after the first stage, want a LUKS2 header", out)
-	}
-	tok, err := a.VolumeToken(ctx, vol, stage.PublishContext)
-	if err != nil || tok.Content != driver.ContentLUKS2 || tok.Token == nil || tok.Token.KeyName != "vco-volumes" ||
-		!strings.HasPrefix(tok.Token.Ciphertext, "vault:v1:") {
-		t.Fatalf("token after the first stage: %+v %v", tok, err)
-	}
-	if requests("encrypt") != 1 || requests("decrypt") != 0 {
-		t.Fatalf("transit requests after the first stage: %v", vault.Requests)
-	}
-	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol, StagingTargetPath: staging, TargetPath: target,
-		VolumeCapability: mountCap}); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(target, "secret-data"), []byte("kept"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol, TargetPath: target}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
-		t.Fatal(err)
-	}
+	tok := checkFormattedWithAWrappedPassphrase(ctx, t, a, vault, stage, dev)
+	publishWriteUnpublishUnstage(ctx, t, d, vol, staging, target)
 
 	// Staged again: the passphrase comes from the header's token.
 	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
@@ -135,7 +103,7 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(staging, "secret-data")); err != nil || string(b) != "kept" {
 		t.Fatalf("data after the second stage: %q %v", b, err)
 	}
-	if requests("encrypt") != 1 || requests("decrypt") != 1 {
+	if transitRequests(vault, "encrypt") != 1 || transitRequests(vault, "decrypt") != 1 {
 		t.Fatalf("transit requests after the second stage: %v", vault.Requests)
 	}
 	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
@@ -153,14 +121,74 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 		t.Fatalf("stage with the transit engine refusing: %v", err)
 	}
 
-	// A disk with a filesystem on it is never formatted as LUKS2.
+	encryptedStageNeverFormatsOverData(ctx, t, d, kubelet, diskDir, encrypted)
+}
+
+// transitRequests counts the fake transit server's requests of op (encrypt
+// or decrypt) with the key vco-volumes.
+func transitRequests(vault *transittest.Fake, op string) int {
+	vault.Mu.Lock()
+	defer vault.Mu.Unlock()
+	n := 0
+	for _, r := range vault.Requests {
+		if strings.HasSuffix(r, "/transit/"+op+"/vco-volumes") {
+			n++
+		}
+	}
+	return n
+}
+
+// checkFormattedWithAWrappedPassphrase: after the first stage the disk
+// holds a LUKS2 header whose token is the passphrase wrapped by the
+// transit key, for which the plugin asked transit once to encrypt and
+// never to decrypt. It returns the token.
+func checkFormattedWithAWrappedPassphrase(ctx context.Context, t *testing.T, a *agentnode.Agent, vault *transittest.Fake,
+	stage *csi.NodeStageVolumeRequest, dev string) driver.VolumeToken {
+	t.Helper()
+	if out, _ := exec.Command("blkid", "-p", "-s", "TYPE", "-o", "value", dev).Output(); strings.TrimSpace(string(out)) != "crypto_LUKS" {
+		t.Fatalf("the disk holds %q after the first stage, want a LUKS2 header", out)
+	}
+	tok, err := a.VolumeToken(ctx, stage.VolumeId, stage.PublishContext)
+	if err != nil || tok.Content != driver.ContentLUKS2 || tok.Token == nil || tok.Token.KeyName != "vco-volumes" ||
+		!strings.HasPrefix(tok.Token.Ciphertext, "vault:v1:") {
+		t.Fatalf("token after the first stage: %+v %v", tok, err)
+	}
+	if transitRequests(vault, "encrypt") != 1 || transitRequests(vault, "decrypt") != 0 {
+		t.Fatalf("transit requests after the first stage: %v", vault.Requests)
+	}
+	return tok
+}
+
+// publishWriteUnpublishUnstage publishes the staged volume at target,
+// writes secret-data ("kept") through it, then unpublishes and unstages.
+func publishWriteUnpublishUnstage(ctx context.Context, t *testing.T, d *driver.Driver, vol, staging, target string) {
+	t.Helper()
+	if _, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: vol, StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: mountCap}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "secret-data"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: vol, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// encryptedStageNeverFormatsOverData: a disk with a filesystem on it is
+// never formatted as LUKS2.
+func encryptedStageNeverFormatsOverData(ctx context.Context, t *testing.T, d *driver.Driver, kubelet, diskDir string, encrypted map[string]string) {
+	t.Helper()
 	_, plain := loopDisk(t, diskDir, 9)
 	if out, err := exec.Command("mkfs.ext4", "-q", plain).CombinedOutput(); err != nil {
 		t.Fatalf("mkfs.ext4: %v %s", err, out)
 	}
 	other := &csi.NodeStageVolumeRequest{VolumeId: "ch-gen-1/9", StagingTargetPath: filepath.Join(kubelet, "plugins", "staging", "9"),
 		VolumeCapability: mountCap, PublishContext: map[string]string{driver.PubDiskID: "9"}, VolumeContext: encrypted}
-	_, err = d.NodeStageVolume(ctx, other)
+	_, err := d.NodeStageVolume(ctx, other)
 	if st := status.Convert(driverStatus(err)); st.Code() != codes.FailedPrecondition || !strings.Contains(st.Message(), "never formatted over data") {
 		t.Fatalf("encrypted stage of a disk with ext4 on it: %v", err)
 	}

@@ -85,6 +85,18 @@ func TestDiskLifecycle(t *testing.T) {
 	ctx := context.Background()
 	c := e.client
 
+	id := createAndResizeDisk(ctx, t, c)
+	// VMs, attach with a PCI address, refusal of a second VM.
+	attachRefuseSecondVMAndDetach(ctx, t, c, id)
+	checkDiskNotes(ctx, t, c, id)
+	// Snapshots and clone.
+	snapshotCloneAndDeleteAll(ctx, t, c, id)
+}
+
+// createAndResizeDisk creates pvc-1 in ch-lug-1, finds it by ID (only in
+// its own location) and by name, resizes it to 5 GiB and returns its ID.
+func createAndResizeDisk(ctx context.Context, t *testing.T, c *cloud.Client) int64 {
+	t.Helper()
 	locs, err := c.ListLocations(ctx)
 	if err != nil || len(locs) != 3 || locs[0] != "ch-lug-1" {
 		t.Fatalf("locations = %v, %v", locs, err)
@@ -109,8 +121,14 @@ func TestDiskLifecycle(t *testing.T) {
 	if d, _ := c.GetDisk(ctx, "ch-lug-1", id); d.SizeGiB != 5 {
 		t.Fatalf("size after resize = %d", d.SizeGiB)
 	}
+	return id
+}
 
-	// VMs, attach with a PCI address, refusal of a second VM.
+// attachRefuseSecondVMAndDetach attaches disk id to the first VM of the
+// first cloudspace with a PCI slot, checks that a second VM and a delete
+// are refused while it is attached, and detaches it (once).
+func attachRefuseSecondVMAndDetach(ctx context.Context, t *testing.T, c *cloud.Client, id int64) {
+	t.Helper()
 	css, err := c.ListCloudspaces(ctx)
 	if err != nil || len(css) != 3 || css[0].Location != "ch-lug-1" {
 		t.Fatalf("cloudspaces = %+v, %v", css, err)
@@ -142,8 +160,12 @@ func TestDiskLifecycle(t *testing.T) {
 	if err := c.DetachDisk(ctx, css[0].ID, vms[0].ID, id); !errors.Is(err, cloud.ErrNotFound) {
 		t.Fatalf("second detach: %v, want ErrNotFound", err)
 	}
+}
 
-	// Notes.
+// checkDiskNotes sets a note twice under one key: the second replaces the
+// first.
+func checkDiskNotes(ctx context.Context, t *testing.T, c *cloud.Client, id int64) {
+	t.Helper()
 	if err := c.SetDiskNote(ctx, "ch-lug-1", id, "holder", "a"); err != nil {
 		t.Fatal(err)
 	}
@@ -154,8 +176,13 @@ func TestDiskLifecycle(t *testing.T) {
 	if err != nil || len(notes) != 1 || notes[0].Content != "b" {
 		t.Fatalf("notes = %+v, %v", notes, err)
 	}
+}
 
-	// Snapshots and clone.
+// snapshotCloneAndDeleteAll snapshots disk id, clones the snapshot, checks
+// that a disk with a snapshot is not deleted, then deletes the snapshot
+// and both disks and finds the location empty.
+func snapshotCloneAndDeleteAll(ctx context.Context, t *testing.T, c *cloud.Client, id int64) {
+	t.Helper()
 	snap, err := c.CreateSnapshot(ctx, "ch-lug-1", id, "snap-a")
 	if err != nil || snap == "" {
 		t.Fatalf("snapshot = %q, %v", snap, err)

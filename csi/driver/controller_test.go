@@ -222,6 +222,36 @@ func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0], vms[1]
 
+	publishFirstWithoutAGrant(ctx, t, e, id, a)
+
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.FailedPrecondition, a.Name, a.ReferenceID)
+
+	unpublishOnlyFromTheHolder(ctx, t, e, id, a, b)
+	pb, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkTakeoverGrant(t, pb.PublishContext[driver.PubFenceGrant], id, a, b)
+
+	// Published nodes show in ListVolumes and ControllerGetVolume.
+	gv, err := e.ctrl.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: id})
+	if err != nil || len(gv.Status.PublishedNodeIds) != 1 || gv.Status.PublishedNodeIds[0] != b.ReferenceID {
+		t.Fatalf("get volume: %v %v", gv, err)
+	}
+	// Delete while attached is refused, naming the volume.
+	_, err = e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+	wantCode(t, err, codes.FailedPrecondition, id)
+	// Unknown node.
+	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "00000000-0000-0000-0000-000000000000", VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.NotFound, "reference_id")
+}
+
+// publishFirstWithoutAGrant publishes volume id to VM a (named in upper
+// case): the context carries the device address and no grant, there being
+// no earlier holder; publishing again to a is the same answer.
+func publishFirstWithoutAGrant(ctx context.Context, t *testing.T, e *testEnv, id string, a cloud.VM) {
+	t.Helper()
 	pa, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: strings.ToUpper(a.ReferenceID), VolumeCapability: rwo[0]})
 	if err != nil {
 		t.Fatal(err)
@@ -237,10 +267,12 @@ func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
 	if again, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a.ReferenceID, VolumeCapability: rwo[0]}); err != nil || again.PublishContext[driver.PubPCISlot] != "6" {
 		t.Fatalf("repeat publish: %v %v", again, err)
 	}
+}
 
-	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID, VolumeCapability: rwo[0]})
-	wantCode(t, err, codes.FailedPrecondition, a.Name, a.ReferenceID)
-
+// unpublishOnlyFromTheHolder unpublishes volume id from node b, which does
+// not have it (nothing changes), then twice from its holder a.
+func unpublishOnlyFromTheHolder(ctx context.Context, t *testing.T, e *testEnv, id string, a, b cloud.VM) {
+	t.Helper()
 	// Unpublish from a node that does not have it changes nothing.
 	if _, err := e.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID}); err != nil {
 		t.Fatal(err)
@@ -253,13 +285,13 @@ func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	pb, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b.ReferenceID, VolumeCapability: rwo[0]})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The agent's own parser accepts the grant, for node b and this volume,
-	// superseding exactly a's key.
-	g, err := fence.ParseGrant(pb.PublishContext[driver.PubFenceGrant])
+}
+
+// checkTakeoverGrant: the agent's own parser accepts the grant, for node b
+// and this volume, superseding exactly a's key.
+func checkTakeoverGrant(t *testing.T, grant, id string, a, b cloud.VM) {
+	t.Helper()
+	g, err := fence.ParseGrant(grant)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,18 +306,6 @@ func TestPublishRefusesSecondVMAndGrantsTakeover(t *testing.T) {
 	if g.ForNode(a.ReferenceID, id) == nil {
 		t.Fatal("the grant for node b is accepted by node a")
 	}
-
-	// Published nodes show in ListVolumes and ControllerGetVolume.
-	gv, err := e.ctrl.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: id})
-	if err != nil || len(gv.Status.PublishedNodeIds) != 1 || gv.Status.PublishedNodeIds[0] != b.ReferenceID {
-		t.Fatalf("get volume: %v %v", gv, err)
-	}
-	// Delete while attached is refused, naming the volume.
-	_, err = e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
-	wantCode(t, err, codes.FailedPrecondition, id)
-	// Unknown node.
-	_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "00000000-0000-0000-0000-000000000000", VolumeCapability: rwo[0]})
-	wantCode(t, err, codes.NotFound, "reference_id")
 }
 
 func mustDisk(t *testing.T, id string) int64 { _, n := splitID(t, id); return n }
@@ -386,6 +406,29 @@ func TestListVolumesPagingAndSnapshots(t *testing.T) {
 	if _, err := e.api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: "foreign", Description: "someone else's", SizeGiB: 1}); err != nil {
 		t.Fatal(err)
 	}
+	listsEachVolumeOnceInPagesOf2(ctx, t, e, 5, 3)
+	_, err := e.ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "nonsense"})
+	wantCode(t, err, codes.Aborted, "nonsense")
+
+	// Snapshot, restore a bigger volume from it, expand.
+	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: ids[0]})
+	if err != nil || !s.Snapshot.ReadyToUse || s.Snapshot.SourceVolumeId != ids[0] {
+		t.Fatalf("snapshot: %v %v", s, err)
+	}
+	_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: ids[1]})
+	wantCode(t, err, codes.AlreadyExists, ids[0])
+	restoreBiggerAndExpand(ctx, t, e, s.Snapshot.SnapshotId)
+	ls, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: ids[0]})
+	if err != nil || len(ls.Entries) != 1 {
+		t.Fatalf("list snapshots: %v %v", ls, err)
+	}
+}
+
+// listsEachVolumeOnceInPagesOf2 pages through ListVolumes two entries at a
+// time: no volume comes twice, and it lists volumes of them in
+// pagesWanted pages.
+func listsEachVolumeOnceInPagesOf2(ctx context.Context, t *testing.T, e *testEnv, volumes, pagesWanted int) {
+	t.Helper()
 	seen := map[string]bool{}
 	token := ""
 	pages := 0
@@ -405,24 +448,21 @@ func TestListVolumesPagingAndSnapshots(t *testing.T) {
 			break
 		}
 	}
-	if len(seen) != 5 || pages != 3 {
-		t.Fatalf("listed %d volumes in %d pages, want 5 in 3", len(seen), pages)
+	if len(seen) != volumes || pages != pagesWanted {
+		t.Fatalf("listed %d volumes in %d pages, want %d in %d", len(seen), pages, volumes, pagesWanted)
 	}
-	_, err := e.ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "nonsense"})
-	wantCode(t, err, codes.Aborted, "nonsense")
+}
 
-	// Snapshot, restore a bigger volume from it, expand.
-	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: ids[0]})
-	if err != nil || !s.Snapshot.ReadyToUse || s.Snapshot.SourceVolumeId != ids[0] {
-		t.Fatalf("snapshot: %v %v", s, err)
-	}
-	_, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: ids[1]})
-	wantCode(t, err, codes.AlreadyExists, ids[0])
+// restoreBiggerAndExpand restores a 3 GiB volume from snapshot snap and
+// expands it, as a filesystem volume and then as a raw block one: each
+// expansion needs the node.
+func restoreBiggerAndExpand(ctx context.Context, t *testing.T, e *testEnv, snap string) {
+	t.Helper()
 	r, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "restored", VolumeCapabilities: rwo,
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 3 << 30},
 		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{
-			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: s.Snapshot.SnapshotId}}}})
-	if err != nil || r.Volume.CapacityBytes != 3<<30 || r.Volume.ContentSource.GetSnapshot().GetSnapshotId() != s.Snapshot.SnapshotId {
+			Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snap}}}})
+	if err != nil || r.Volume.CapacityBytes != 3<<30 || r.Volume.ContentSource.GetSnapshot().GetSnapshotId() != snap {
 		t.Fatalf("restore: %v %v", r, err)
 	}
 	x, err := e.ctrl.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: r.Volume.VolumeId,
@@ -441,10 +481,6 @@ func TestListVolumesPagingAndSnapshots(t *testing.T) {
 		if err != nil || x.CapacityBytes != want || !x.NodeExpansionRequired {
 			t.Fatalf("expand of a raw block volume: %v %v; want node expansion required", x, err)
 		}
-	}
-	ls, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: ids[0]})
-	if err != nil || len(ls.Entries) != 1 {
-		t.Fatalf("list snapshots: %v %v", ls, err)
 	}
 }
 
@@ -555,41 +591,11 @@ func TestSnapshotReadinessIsTheAPIs(t *testing.T) {
 		t.Error("the controller does not offer GET_SNAPSHOT")
 	}
 
-	// Pending for its first three reads: the snapshot endpoint right
-	// after the take, the list on the repeat, GetSnapshot.
-	e.sim.SetFaults(sim.Faults{SnapshotPendingReads: 3})
-	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
-	if err != nil || s.Snapshot.ReadyToUse || s.Snapshot.CreationTime == nil {
-		t.Fatalf("a snapshot the API gives no creation time: %v %v; want not ready, with a creation time", s, err)
-	}
-	id := s.Snapshot.SnapshotId
-	again, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
-	if err != nil || again.Snapshot.SnapshotId != id || again.Snapshot.ReadyToUse {
-		t.Fatalf("repeated CreateSnapshot while pending: %v %v; want the same snapshot, not ready", again, err)
-	}
-	g, err := e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
-	if err != nil || g.Snapshot.ReadyToUse || g.Snapshot.SnapshotId != id || g.Snapshot.SourceVolumeId != v.Volume.VolumeId {
-		t.Fatalf("GetSnapshot while pending: %v %v", g, err)
-	}
-	// The API now reports the creation time.
-	before := e.sim.Calls()["getDiskSnapshot"]
-	g, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
-	if err != nil || !g.Snapshot.ReadyToUse || g.Snapshot.SizeBytes != v.Volume.CapacityBytes ||
-		time.Since(g.Snapshot.CreationTime.AsTime()) > time.Minute || e.sim.Calls()["getDiskSnapshot"] != before+1 {
-		t.Fatalf("GetSnapshot once the API reports it: %v %v (snapshot endpoint asked %d times)", g, err, e.sim.Calls()["getDiskSnapshot"]-before)
-	}
-	l, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: id})
-	if err != nil || len(l.Entries) != 1 || !l.Entries[0].Snapshot.ReadyToUse {
-		t.Fatalf("ListSnapshots by id: %v %v", l, err)
-	}
-	again, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.Volume.VolumeId})
-	if err != nil || !again.Snapshot.ReadyToUse || !again.Snapshot.CreationTime.AsTime().Equal(g.Snapshot.CreationTime.AsTime()) {
-		t.Fatalf("repeated CreateSnapshot once ready: %v %v", again, err)
-	}
+	id := snapshotPendingThenReady(ctx, t, e, v.Volume)
 
 	// Without pending reads a snapshot is ready at once.
 	e.sim.SetFaults(sim.Faults{})
-	s, err = e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "at-once", SourceVolumeId: v.Volume.VolumeId})
+	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "at-once", SourceVolumeId: v.Volume.VolumeId})
 	if err != nil || !s.Snapshot.ReadyToUse {
 		t.Fatalf("snapshot: %v %v", s, err)
 	}
@@ -604,6 +610,52 @@ func TestSnapshotReadinessIsTheAPIs(t *testing.T) {
 	}
 	_, err = e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{})
 	wantCode(t, err, codes.InvalidArgument)
+}
+
+// snapshotPendingThenReady takes snapshot "pending" of v while the API
+// gives it no creation time for its first three reads (the snapshot
+// endpoint right after the take, the list on the repeat, GetSnapshot):
+// not ready on each of them; then ready. It returns the snapshot's ID.
+func snapshotPendingThenReady(ctx context.Context, t *testing.T, e *testEnv, v *csi.Volume) string {
+	t.Helper()
+	e.sim.SetFaults(sim.Faults{SnapshotPendingReads: 3})
+	s, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.VolumeId})
+	if err != nil || s.Snapshot.ReadyToUse || s.Snapshot.CreationTime == nil {
+		t.Fatalf("a snapshot the API gives no creation time: %v %v; want not ready, with a creation time", s, err)
+	}
+	id := s.Snapshot.SnapshotId
+	again, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.VolumeId})
+	if err != nil || again.Snapshot.SnapshotId != id || again.Snapshot.ReadyToUse {
+		t.Fatalf("repeated CreateSnapshot while pending: %v %v; want the same snapshot, not ready", again, err)
+	}
+	g, err := e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
+	if err != nil || g.Snapshot.ReadyToUse || g.Snapshot.SnapshotId != id || g.Snapshot.SourceVolumeId != v.VolumeId {
+		t.Fatalf("GetSnapshot while pending: %v %v", g, err)
+	}
+	snapshotReadyOnceTheAPISaysSo(ctx, t, e, v, id)
+	return id
+}
+
+// snapshotReadyOnceTheAPISaysSo: once the API reports snapshot id's
+// creation time, GetSnapshot (one read of the snapshot endpoint),
+// ListSnapshots and a repeated CreateSnapshot all say it is ready, with
+// one creation time.
+func snapshotReadyOnceTheAPISaysSo(ctx context.Context, t *testing.T, e *testEnv, v *csi.Volume, id string) {
+	t.Helper()
+	before := e.sim.Calls()["getDiskSnapshot"]
+	g, err := e.ctrl.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: id})
+	if err != nil || !g.Snapshot.ReadyToUse || g.Snapshot.SizeBytes != v.CapacityBytes ||
+		time.Since(g.Snapshot.CreationTime.AsTime()) > time.Minute || e.sim.Calls()["getDiskSnapshot"] != before+1 {
+		t.Fatalf("GetSnapshot once the API reports it: %v %v (snapshot endpoint asked %d times)", g, err, e.sim.Calls()["getDiskSnapshot"]-before)
+	}
+	l, err := e.ctrl.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: id})
+	if err != nil || len(l.Entries) != 1 || !l.Entries[0].Snapshot.ReadyToUse {
+		t.Fatalf("ListSnapshots by id: %v %v", l, err)
+	}
+	again, err := e.ctrl.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "pending", SourceVolumeId: v.VolumeId})
+	if err != nil || !again.Snapshot.ReadyToUse || !again.Snapshot.CreationTime.AsTime().Equal(g.Snapshot.CreationTime.AsTime()) {
+		t.Fatalf("repeated CreateSnapshot once ready: %v %v", again, err)
+	}
 }
 
 // TestGetCapacityIsTheLocationsAPI: GET_CAPACITY answers what the API's

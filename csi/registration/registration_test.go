@@ -85,6 +85,26 @@ func TestKubeletRegistersThePlugin(t *testing.T) {
 	if err != nil {
 		t.Fatalf("GetInfo: %v", err)
 	}
+	checkInfoForTheKubelet(t, info)
+	if s.Registered() || s.Check(ctx) != nil {
+		t.Errorf("before the kubelet's verdict: registered %v, check %v; want not registered and healthy", s.Registered(), s.Check(ctx))
+	}
+
+	refusalIsLoggedAndChecked(ctx, t, s, kubelet, &log)
+
+	// The kubelet retries; its acceptance clears the failure.
+	if _, err := kubelet.NotifyRegistrationStatus(ctx, &regv1.RegistrationStatus{PluginRegistered: true}); err != nil {
+		t.Fatalf("NotifyRegistrationStatus: %v", err)
+	}
+	if !s.Registered() || s.Check(ctx) != nil {
+		t.Errorf("after the kubelet accepted: registered %v, check %v", s.Registered(), s.Check(ctx))
+	}
+}
+
+// checkInfoForTheKubelet: GetInfo names a CSI plugin, the driver and its
+// host socket path, and a version the kubelet takes.
+func checkInfoForTheKubelet(t *testing.T, info *regv1.PluginInfo) {
+	t.Helper()
 	if info.GetType() != regv1.CSIPlugin || info.GetName() != "cloud.whitesky.csi" ||
 		info.GetEndpoint() != "/var/lib/kubelet/plugins/cloud.whitesky.csi/csi.sock" {
 		t.Errorf("GetInfo = %v; want a CSIPlugin named cloud.whitesky.csi at its host socket path", info)
@@ -101,11 +121,12 @@ func TestKubeletRegistersThePlugin(t *testing.T) {
 	if !ok {
 		t.Errorf("supported versions %q hold no CSI 1.x version; the kubelet would refuse the driver", info.GetSupportedVersions())
 	}
-	if s.Registered() || s.Check(ctx) != nil {
-		t.Errorf("before the kubelet's verdict: registered %v, check %v; want not registered and healthy", s.Registered(), s.Check(ctx))
-	}
+}
 
-	// A refusal: logged with the kubelet's reason, and reported by Check.
+// refusalIsLoggedAndChecked: a refusal is logged with the kubelet's
+// reason, and reported by Check.
+func refusalIsLoggedAndChecked(ctx context.Context, t *testing.T, s *Server, kubelet regv1.RegistrationClient, log *syncBuffer) {
+	t.Helper()
 	const why = "error updating CSINode annotation: timed out"
 	if _, err := kubelet.NotifyRegistrationStatus(ctx, &regv1.RegistrationStatus{PluginRegistered: false, Error: why}); err != nil {
 		t.Fatalf("NotifyRegistrationStatus: %v", err)
@@ -118,14 +139,6 @@ func TestKubeletRegistersThePlugin(t *testing.T) {
 	}
 	if l := log.String(); !strings.Contains(l, "level=ERROR") || !strings.Contains(l, why) {
 		t.Errorf("the refusal was not logged as an error with the kubelet's reason:\n%s", l)
-	}
-
-	// The kubelet retries; its acceptance clears the failure.
-	if _, err := kubelet.NotifyRegistrationStatus(ctx, &regv1.RegistrationStatus{PluginRegistered: true}); err != nil {
-		t.Fatalf("NotifyRegistrationStatus: %v", err)
-	}
-	if !s.Registered() || s.Check(ctx) != nil {
-		t.Errorf("after the kubelet accepted: registered %v, check %v", s.Registered(), s.Check(ctx))
 	}
 }
 

@@ -120,6 +120,30 @@ func TestArchiveReadsBack(t *testing.T) {
 
 	dir := t.TempDir()
 	untar(t, archive, dir)
+	img := theOneImage(t, dir, version)
+	checkImageConfig(t, img, version)
+	want, _ := os.ReadFile(bin)
+	checkImageFiles(t, img, version, want)
+
+	// The same inputs give the same bytes.
+	again := filepath.Join(t.TempDir(), "again.oci.tar")
+	if err := WriteArchive(o, again); err != nil {
+		t.Fatal(err)
+	}
+	a, _ := os.ReadFile(archive)
+	b, _ := os.ReadFile(again)
+	if !bytes.Equal(a, b) {
+		t.Error("two builds from the same inputs differ")
+	}
+
+	t.Run("skopeo", func(t *testing.T) { inspectWithSkopeo(t, archive, version, "amd64") })
+	t.Run("umoci", func(t *testing.T) { unpackWithUmoci(t, dir, version, want) })
+}
+
+// theOneImage reads the OCI layout in dir: its index lists one linux/amd64
+// OCI image manifest named version, which it returns.
+func theOneImage(t *testing.T, dir, version string) v1.Image {
+	t.Helper()
 	idx, err := layout.ImageIndexFromPath(dir)
 	if err != nil {
 		t.Fatalf("not an OCI layout: %v", err)
@@ -142,6 +166,13 @@ func TestArchiveReadsBack(t *testing.T) {
 	if mt, _ := img.MediaType(); mt != "application/vnd.oci.image.manifest.v1+json" {
 		t.Errorf("manifest media type %s, want an OCI manifest", mt)
 	}
+	return img
+}
+
+// checkImageConfig: the image runs the plugin as the nonroot user, with
+// the platform, creation time and version label of the build.
+func checkImageConfig(t *testing.T, img v1.Image, version string) {
+	t.Helper()
 	cf, err := img.ConfigFile()
 	if err != nil {
 		t.Fatal(err)
@@ -158,13 +189,18 @@ func TestArchiveReadsBack(t *testing.T) {
 	if cf.Config.Labels["org.opencontainers.image.version"] != version {
 		t.Errorf("labels %v", cf.Config.Labels)
 	}
+}
 
+// checkImageFiles: the image holds the binary built (want) as a root-owned
+// executable, the nonroot user and the CA bundle; the binary as the image
+// holds it runs.
+func checkImageFiles(t *testing.T, img v1.Image, version string, want []byte) {
+	t.Helper()
 	files := rootfsFiles(t, img)
 	h := files[strings.TrimPrefix(BinaryPath, "/")]
 	if h == nil || h.Typeflag != tar.TypeReg || h.Mode&0o111 != 0o111 || h.Uid != 0 {
 		t.Fatalf("%s in the image: %+v; want a root-owned executable file", BinaryPath, h)
 	}
-	want, _ := os.ReadFile(bin)
 	got := readFile(t, img, strings.TrimPrefix(BinaryPath, "/"))
 	if !bytes.Equal(got, want) {
 		t.Errorf("%s in the image differs from the binary built", BinaryPath)
@@ -183,20 +219,6 @@ func TestArchiveReadsBack(t *testing.T) {
 	if out, err := exec.Command(exe, "--version").Output(); err != nil || strings.TrimSpace(string(out)) != version {
 		t.Errorf("vco-csi --version from the image: %q, %v; want %s", out, err, version)
 	}
-
-	// The same inputs give the same bytes.
-	again := filepath.Join(t.TempDir(), "again.oci.tar")
-	if err := WriteArchive(o, again); err != nil {
-		t.Fatal(err)
-	}
-	a, _ := os.ReadFile(archive)
-	b, _ := os.ReadFile(again)
-	if !bytes.Equal(a, b) {
-		t.Error("two builds from the same inputs differ")
-	}
-
-	t.Run("skopeo", func(t *testing.T) { inspectWithSkopeo(t, archive, version, "amd64") })
-	t.Run("umoci", func(t *testing.T) { unpackWithUmoci(t, dir, version, want) })
 }
 
 func TestMultiArchIndex(t *testing.T) {

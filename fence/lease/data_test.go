@@ -62,6 +62,22 @@ func TestDataArea(t *testing.T) {
 	if got, want := blockSize(t, data.Path), int64(320<<20-DataOffset); got != want {
 		t.Fatalf("data area is %d bytes, want %d", got, want)
 	}
+	mnt := checkFilesystemBesideTheLease(t, a, disk, data)
+	checkOnlineGrowth(t, a, img, disk, data, mnt)
+
+	// Autoclear: once unmounted and closed, the mapping goes away.
+	sh(t, "umount", mnt)
+	data.Close()
+	closed = true
+	waitMappingGone(t, disk)
+}
+
+// checkFilesystemBesideTheLease makes a filesystem on the data area: the
+// raw disk shows none and the lease still checks. It mounts it, writes a
+// file and finds the mapping again from the disk; it returns the mount
+// point.
+func checkFilesystemBesideTheLease(t *testing.T, a *node, disk string, data *Data) string {
+	t.Helper()
 	sh(t, "mkfs.xfs", "-q", "-f", data.Path)
 	if out := sh(t, "blkid", "-p", "-o", "value", "-s", "TYPE", data.Path); strings.TrimSpace(out) != "xfs" {
 		t.Fatalf("blkid on the data area: %q", out)
@@ -69,7 +85,7 @@ func TestDataArea(t *testing.T) {
 	if out, err := exec.Command("blkid", "-p", disk).CombinedOutput(); err == nil {
 		t.Fatalf("the raw lease disk shows a filesystem: %s", out)
 	}
-	if err := a.e.Check(ctx); err != nil {
+	if err := a.e.Check(context.Background()); err != nil {
 		t.Fatalf("lease after mkfs on the data area: %v", err)
 	}
 
@@ -82,12 +98,17 @@ func TestDataArea(t *testing.T) {
 	if found, err := FindData("/sys", disk); err != nil || found != data.Path {
 		t.Fatalf("FindData: %q %v, want %s", found, err, data.Path)
 	}
+	return mnt
+}
 
+// checkOnlineGrowth: the disk grows, then the mapping, then the
+// filesystem, with its data and the lease intact.
+func checkOnlineGrowth(t *testing.T, a *node, img, disk string, data *Data, mnt string) {
+	t.Helper()
 	var before unix.Statfs_t
 	if err := unix.Statfs(mnt, &before); err != nil {
 		t.Fatal(err)
 	}
-	// Online expansion: the disk grows, then the mapping, then the filesystem.
 	if err := os.Truncate(img, 448<<20); err != nil {
 		t.Fatal(err)
 	}
@@ -111,19 +132,20 @@ func TestDataArea(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(mnt, "f")); err != nil || string(b) != "volume data" {
 		t.Fatalf("data after growth: %q %v", b, err)
 	}
-	if err := a.e.Check(ctx); err != nil {
+	if err := a.e.Check(context.Background()); err != nil {
 		t.Fatalf("lease after growth: %v", err)
 	}
+}
 
-	// Autoclear: once unmounted and closed, the mapping goes away.
-	sh(t, "umount", mnt)
-	data.Close()
-	closed = true
+// waitMappingGone waits up to five seconds for the disk's data mapping to
+// go away.
+func waitMappingGone(t *testing.T, disk string) {
+	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		found, _ := FindData("/sys", disk)
 		if found == "" {
-			break
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("mapping %s still there after its last user left", found)

@@ -120,6 +120,36 @@ func TestLeaseBetweenGuests(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
+	nodes := startSharingGuests(t, ctx, l)
+	defer func() {
+		if t.Failed() {
+			for _, n := range nodes {
+				t.Logf("%s console:\n%s", n.name, n.g.ConsoleTail(20))
+			}
+		}
+	}()
+	keyA, _ := fence.KeyFromUUID(labUUIDA)
+	keyB, _ := fence.KeyFromUUID(labUUIDB)
+	s := &leaseStory{t: t, ctx: ctx, a: nodes[0], b: nodes[1], keyA: keyA, keyB: keyB}
+
+	if code, out := s.a.run("format"); code != 0 {
+		t.Fatalf("format: %d %s", code, out)
+	}
+	if code, out := s.b.run("format"); code != 0 || !strings.Contains(out, "nothing written") {
+		t.Fatalf("format from the other guest: %d %s", code, out)
+	}
+	jobA := s.secondClaimRefused()
+	s.handoverByRelease(jobA)
+	s.takeoverFromFrozenHolder()
+	s.bothClaimAtOnce()
+	s.grantedTakeoverOfLiveHolder()
+	s.hotPluggedHeldDiskRefused()
+}
+
+// startSharingGuests starts node-a and node-b sharing one 64 MiB
+// virtio-blk disk and returns them as lease nodes on it.
+func startSharingGuests(t *testing.T, ctx context.Context, l *lab.Lab) []*labNode {
+	t.Helper()
 	img := filepath.Join(t.TempDir(), "shared.img")
 	if err := os.WriteFile(img, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -144,39 +174,42 @@ func TestLeaseBetweenGuests(t *testing.T) {
 		}
 		nodes[i] = &labNode{t: t, ctx: ctx, g: g, uuid: []string{labUUIDA, labUUIDB}[i], name: g.Name, dev: "/dev/" + d.Name}
 	}
-	a, b := nodes[0], nodes[1]
-	defer func() {
-		if t.Failed() {
-			for _, n := range nodes {
-				t.Logf("%s console:\n%s", n.name, n.g.ConsoleTail(20))
-			}
-		}
-	}()
-	keyA, _ := fence.KeyFromUUID(labUUIDA)
-	keyB, _ := fence.KeyFromUUID(labUUIDB)
+	return nodes
+}
 
-	if code, out := a.run("format"); code != 0 {
-		t.Fatalf("format: %d %s", code, out)
-	}
-	if code, out := b.run("format"); code != 0 || !strings.Contains(out, "nothing written") {
-		t.Fatalf("format from the other guest: %d %s", code, out)
-	}
+// leaseStory is TestLeaseBetweenGuests's two nodes on their shared disk.
+type leaseStory struct {
+	t          *testing.T
+	ctx        context.Context
+	a, b       *labNode
+	keyA, keyB fence.Key
+}
 
-	// L1.
+// secondClaimRefused (L1): while A holds, B's acquire and check are
+// refused naming A. It returns A's holding job.
+func (s *leaseStory) secondClaimRefused() int {
+	t, a, b := s.t, s.a, s.b
+	t.Helper()
 	jobA, ok, code, out := a.hold()
 	if !ok {
 		t.Fatalf("A acquire: %d %s", code, out)
 	}
 	t0 := time.Now()
-	if code, out := b.run("acquire"); code != 1 || !strings.Contains(out, keyA.String()) || !strings.Contains(out, "node-a") {
+	if code, out := b.run("acquire"); code != 1 || !strings.Contains(out, s.keyA.String()) || !strings.Contains(out, "node-a") {
 		t.Fatalf("L1: B's acquire while A holds: %d %s", code, out)
 	}
 	t.Logf("L1: B refused after %s", time.Since(t0).Round(time.Millisecond))
 	if code, out := b.run("check"); code != 1 || !strings.Contains(out, "node-a") {
 		t.Fatalf("L1: B's check: %d %s", code, out)
 	}
+	return jobA
+}
 
-	// L2.
+// handoverByRelease (L2): once A releases, B acquires, and A's check
+// names B.
+func (s *leaseStory) handoverByRelease(jobA int) {
+	t, a, b := s.t, s.a, s.b
+	t.Helper()
 	if code, out := a.stop(jobA); code != 0 || !strings.Contains(out, "released") {
 		t.Fatalf("L2: A's release: %d %s", code, out)
 	}
@@ -184,35 +217,41 @@ func TestLeaseBetweenGuests(t *testing.T) {
 	if !ok {
 		t.Fatalf("L2: B after A released: %d %s", code, out)
 	}
-	if code, out := a.run("check"); code != 1 || !strings.Contains(out, keyB.String()) {
+	if code, out := a.run("check"); code != 1 || !strings.Contains(out, s.keyB.String()) {
 		t.Fatalf("L2: A's check: %d %s", code, out)
 	}
 	if code, out := b.stop(jobB); code != 0 {
 		t.Fatalf("L2: B's release: %d %s", code, out)
 	}
+}
 
-	// L3: A holds, then freezes; B takes over after the expiry bound.
-	jobA, ok, code, out = a.hold()
+// takeoverFromFrozenHolder (L3): A holds, then freezes; B takes over
+// after the expiry bound; A, resumed, reports the loss naming B and
+// stops.
+func (s *leaseStory) takeoverFromFrozenHolder() {
+	t, ctx, a, b := s.t, s.ctx, s.a, s.b
+	t.Helper()
+	jobA, ok, code, out := a.hold()
 	if !ok {
 		t.Fatalf("L3: A acquire: %d %s", code, out)
 	}
 	if err := a.g.Pause(ctx); err != nil {
 		t.Fatal(err)
 	}
-	t0 = time.Now()
-	jobB, ok, code, out = b.hold()
+	t0 := time.Now()
+	jobB, ok, code, out := b.hold()
 	if !ok {
 		t.Fatalf("L3: B's takeover of the frozen A: %d %s", code, out)
 	}
 	took := time.Since(t0)
-	if took < labLease.Expiry() || !strings.Contains(out, "took over from key(s) ["+keyA.String()+"]") {
+	if took < labLease.Expiry() || !strings.Contains(out, "took over from key(s) ["+s.keyA.String()+"]") {
 		t.Fatalf("L3: B claimed after %s (expiry bound %s): %s", took, labLease.Expiry(), out)
 	}
 	t.Logf("L3: B took over after %s (expiry %s + settle %s)", took.Round(time.Millisecond), labLease.Expiry(), labLease.Settle())
 	if err := a.g.Resume(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if code, out := a.wait(jobA); code != 3 || !strings.Contains(out, "lost") || !strings.Contains(out, keyB.String()) {
+	if code, out := a.wait(jobA); code != 3 || !strings.Contains(out, "lost") || !strings.Contains(out, s.keyB.String()) {
 		t.Fatalf("L3: A after resuming: %d %s", code, out)
 	}
 	if code, out := b.run("check"); code != 0 {
@@ -221,13 +260,20 @@ func TestLeaseBetweenGuests(t *testing.T) {
 	if code, out := b.stop(jobB); code != 0 {
 		t.Fatalf("L3: B's release: %d %s", code, out)
 	}
+}
 
-	// L4: both at once; each holds for a while, so the loser decides
-	// while the winner still holds.
+// bothClaimAtOnce (L4): both at once; each holds for a while, so the
+// loser decides while the winner still holds. Exactly one wins each of
+// five rounds; the other is refused.
+func (s *leaseStory) bothClaimAtOnce() {
+	t := s.t
+	t.Helper()
+	nodes := []*labNode{s.a, s.b}
 	for round := range 5 {
 		jobs := make([]int, 2)
 		for i, n := range nodes {
-			jobs[i], err = n.g.Exec().Start(ctx, n.argv("acquire", "--hold-for", "8s")...)
+			var err error
+			jobs[i], err = n.g.Exec().Start(s.ctx, n.argv("acquire", "--hold-for", "8s")...)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -251,39 +297,48 @@ func TestLeaseBetweenGuests(t *testing.T) {
 		}
 		t.Logf("L4 round %d: %s won", round, won[0])
 	}
+}
 
-	// L5: a granted takeover of a live holder, both on the default
-	// timing: B's acquire with a grant naming A returns once A has seen
-	// B's claim at its next renewal, stopped and marked its slot fenced,
-	// within Bounds().GrantLive (plus the guests' I/O and this test's
-	// half-second polling), under 10 s.
+// grantedTakeoverOfLiveHolder (L5): a granted takeover of a live holder,
+// both on the default timing: B's acquire with a grant naming A returns
+// once A has seen B's claim at its next renewal, stopped and marked its
+// slot fenced, within Bounds().GrantLive (plus the guests' I/O and this
+// test's half-second polling), under 10 s.
+func (s *leaseStory) grantedTakeoverOfLiveHolder() {
+	t, a, b := s.t, s.a, s.b
+	t.Helper()
 	def := lease.DefaultTiming()
 	defArgs := []string{"--io-timeout", def.IOTimeout.String(), "--renew", def.Renew.String(),
 		"--fail", def.Fail.String(), "--watchdog", def.Watchdog.String()}
-	jobA, ok, code, out = a.hold(defArgs...)
+	jobA, ok, code, out := a.hold(defArgs...)
 	if !ok {
 		t.Fatalf("L5: A acquire: %d %s", code, out)
 	}
-	grant := fmt.Sprintf(`{"disk":"shared","node":%q,"supersedes":[%q]}`, labUUIDB, keyA.String())
-	t0 = time.Now()
-	jobB, ok, code, out = b.hold(append(defArgs, "--disk", "shared", "--grant", grant)...)
-	took = time.Since(t0)
-	if !ok || !strings.Contains(out, "took over from key(s) ["+keyA.String()+"]") {
+	grant := fmt.Sprintf(`{"disk":"shared","node":%q,"supersedes":[%q]}`, labUUIDB, s.keyA.String())
+	t0 := time.Now()
+	jobB, ok, code, out := b.hold(append(defArgs, "--disk", "shared", "--grant", grant)...)
+	took := time.Since(t0)
+	if !ok || !strings.Contains(out, "took over from key(s) ["+s.keyA.String()+"]") {
 		t.Fatalf("L5: B's granted takeover of the live A: %d %s", code, out)
 	}
 	if took >= 10*time.Second {
 		t.Fatalf("L5: B's granted takeover of the live A took %s; bound max(2d, R) + d/2 = %s, and under 10 s", took, def.Bounds().GrantLive)
 	}
 	t.Logf("L5: B took over the live A with a grant after %s (bound max(2d, R) + d/2 = %s)", took.Round(time.Millisecond), def.Bounds().GrantLive)
-	if code, out := a.wait(jobA); code != 3 || !strings.Contains(out, keyB.String()) {
+	if code, out := a.wait(jobA); code != 3 || !strings.Contains(out, s.keyB.String()) {
 		t.Fatalf("L5: A after B's granted takeover: %d %s", code, out)
 	}
 	if code, out := b.stop(jobB); code != 0 {
 		t.Fatalf("L5: B's release: %d %s", code, out)
 	}
+}
 
-	// Hot-plug: a disk A holds is plugged into B, whose watcher refuses
-	// it on the kernel's add event, with no request: read-only on B.
+// hotPluggedHeldDiskRefused: a disk A holds is plugged into B, whose
+// watcher refuses it on the kernel's add event, with no request:
+// read-only on B, writes fail, and A keeps the disk.
+func (s *leaseStory) hotPluggedHeldDiskRefused() {
+	t, ctx, a, b := s.t, s.ctx, s.a, s.b
+	t.Helper()
 	hotImg := filepath.Join(t.TempDir(), "hot.img")
 	if err := os.WriteFile(hotImg, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -305,51 +360,15 @@ func TestLeaseBetweenGuests(t *testing.T) {
 	if code, out := aHot.run("format"); code != 0 {
 		t.Fatalf("hot-plug: format on A: %d %s", code, out)
 	}
-	jobA, ok, code, out = aHot.hold()
+	jobA, ok, code, out := aHot.hold()
 	if !ok {
 		t.Fatalf("hot-plug: A acquire: %d %s", code, out)
 	}
-	watch, err := b.g.Exec().Start(ctx, append([]string{"/bin/vco-agent", "lease", "watch", "--uuid", labUUIDB,
-		"--node", "node-a=" + labUUIDA, "--hold-for", "2m"}, labTiming...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; ; i++ {
-		r, err := b.g.Exec().Wait(ctx, watch, 500*time.Millisecond)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !r.TimedOut {
-			t.Fatalf("hot-plug: B's watcher ended: %d %s %s", r.Exit, r.Stdout, r.Stderr)
-		}
-		if strings.Contains(r.Stdout, "watching") {
-			break
-		}
-		if i > 60 {
-			t.Fatal("hot-plug: B's watcher did not start")
-		}
-	}
+	watch := startWatcher(t, ctx, b)
 	if err := b.g.AttachDisk(ctx, hot); err != nil {
 		t.Fatal(err)
 	}
-	var refused string
-	for i := 0; refused == "" && i < 120; i++ {
-		r, err := b.g.Exec().Wait(ctx, watch, 500*time.Millisecond)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, line := range strings.Split(r.Stdout, "\n") {
-			if strings.HasPrefix(line, "refused ") {
-				refused = line
-			}
-		}
-		if !r.TimedOut {
-			break
-		}
-	}
-	if refused == "" || !strings.Contains(refused, "node node-a") || !strings.Contains(refused, "add event") {
-		t.Fatalf("hot-plug: B's watcher did not refuse the disk: %q", refused)
-	}
+	refused := awaitRefusal(t, ctx, b, watch)
 	t.Logf("hot-plug: B: %s", refused)
 	bHot := strings.Fields(refused)[1]
 	if got := strings.TrimSpace(mustSh(t, ctx, b.g, "cat /sys/block/"+filepath.Base(bHot)+"/ro")); got != "1" {
@@ -367,6 +386,56 @@ func TestLeaseBetweenGuests(t *testing.T) {
 	if code, out := aHot.stop(jobA); code != 0 {
 		t.Fatalf("hot-plug: A's release: %d %s", code, out)
 	}
+}
+
+// startWatcher starts `lease watch` on n and waits until it watches.
+func startWatcher(t *testing.T, ctx context.Context, n *labNode) int {
+	t.Helper()
+	watch, err := n.g.Exec().Start(ctx, append([]string{"/bin/vco-agent", "lease", "watch", "--uuid", labUUIDB,
+		"--node", "node-a=" + labUUIDA, "--hold-for", "2m"}, labTiming...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; ; i++ {
+		r, err := n.g.Exec().Wait(ctx, watch, 500*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !r.TimedOut {
+			t.Fatalf("hot-plug: B's watcher ended: %d %s %s", r.Exit, r.Stdout, r.Stderr)
+		}
+		if strings.Contains(r.Stdout, "watching") {
+			return watch
+		}
+		if i > 60 {
+			t.Fatal("hot-plug: B's watcher did not start")
+		}
+	}
+}
+
+// awaitRefusal waits up to a minute for the watcher's refusal line, which
+// must name node-a and the add event.
+func awaitRefusal(t *testing.T, ctx context.Context, n *labNode, watch int) string {
+	t.Helper()
+	var refused string
+	for i := 0; refused == "" && i < 120; i++ {
+		r, err := n.g.Exec().Wait(ctx, watch, 500*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(r.Stdout, "\n") {
+			if strings.HasPrefix(line, "refused ") {
+				refused = line
+			}
+		}
+		if !r.TimedOut {
+			break
+		}
+	}
+	if refused == "" || !strings.Contains(refused, "node node-a") || !strings.Contains(refused, "add event") {
+		t.Fatalf("hot-plug: B's watcher did not refuse the disk: %q", refused)
+	}
+	return refused
 }
 
 func mustSh(t *testing.T, ctx context.Context, g *lab.Guest, script string) string {

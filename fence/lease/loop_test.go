@@ -32,6 +32,11 @@ var (
 // itself, which a test of who wins would misread.
 var testTiming = Timing{IOTimeout: 250 * time.Millisecond, Renew: 500 * time.Millisecond, Fail: 2 * time.Second}
 
+// readTiming is for tests that only read the lease area (Probe): what they
+// check does not depend on timing, so a read slowed by a loaded machine
+// (a loop device read took over 250 ms at load 15) must not fail them.
+var readTiming = Timing{IOTimeout: 10 * time.Second, Renew: 10 * time.Second, Fail: 20 * time.Second}
+
 // loopDevice attaches a real loop device (with the given logical sector
 // size) to a sparse file of size bytes, optionally prepared by
 // prepare(imgPath) first.

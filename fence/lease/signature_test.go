@@ -86,7 +86,7 @@ func TestFormatRefusesForeignLayouts(t *testing.T) {
 			if err != nil || string(after) != string(before) {
 				t.Fatalf("format refused but the disk changed (%v)", err)
 			}
-			a := newNode(t, dev, uuidA, "node-a")
+			a := newNodeTiming(t, dev, uuidA, "node-a", readTiming)
 			sup, err := a.e.Probe(ctx)
 			if err != nil || sup.Method == Method || !strings.Contains(sup.Reason, c.want) {
 				t.Fatalf("probe of a foreign disk: %+v %v", sup, err)

@@ -611,28 +611,8 @@ func (h *simHost) run(ctx context.Context) {
 
 func (h *simHost) life(ctx context.Context, life int) {
 	s := h.s
-	w := &window{host: h.idx, life: life, key: h.key}
-	dev := &simDevice{s: s, disk: s.disk, host: h.idx, w: w, prof: h.prof, d: h.timing.IOTimeout, rate: h.rate,
-		rng: rand.New(rand.NewPCG(uint64(s.seed), uint64(h.idx)<<32|uint64(life)))}
-	w.dev = dev
-	dev.drainRng = rand.New(rand.NewPCG(uint64(s.seed)^0xd1a1, uint64(h.idx)<<32|uint64(life)))
-	s.mu.Lock()
-	s.devices = append(s.devices, dev)
-	s.mu.Unlock()
-	d := &Device{name: fmt.Sprintf("sim%d.%d", h.idx, life), f: dev, sem: make(chan struct{}, 1), size: 1 << 30, gate: dev.gate}
-	var lostOnce sync.Once
-	e, err := New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.clock(), Serial: s.serial,
-		Logger: s.log.With("host", h.idx, "life", life),
-		OnLost: func(l *fence.LostError) bool {
-			lostOnce.Do(func() {
-				// The agent stops I/O; the last writes drain within d,
-				// and only then does OnLost report that they did.
-				s.checkLoss(w, l)
-				time.Sleep(time.Duration(dev.drainRng.Int64N(int64(h.timing.IOTimeout))))
-				s.closeWindow(w, "lost: "+l.Reason, time.Now())
-			})
-			return true
-		}})
+	w, dev := h.lifeDevice(life)
+	e, err := h.newEngine(life, w, dev)
 	if err != nil {
 		s.failf("host %d: New: %v", h.idx, err)
 		return
@@ -648,18 +628,78 @@ func (h *simHost) life(ctx context.Context, life int) {
 		s.event(h.idx, "released before acquiring", "life", life, "error", fmt.Sprint(err))
 	}
 	first := h.first && life == 0
-	var grant *fence.Grant
-	if !first && h.rng.Float64() < h.grantP {
-		if life == 0 && h.grantKey != 0 {
-			// A publish after the first one: its grant names the first
-			// node, which may not hold the disk yet.
-			grant = &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{h.grantKey}}
-			w.granted = true
-		} else if k, ok := s.holder(); ok && k != h.key {
-			grant = &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{k}}
-			w.granted = true
-		}
+	grant := h.drawGrant(life, w, first)
+	if !h.acquire(ctx, e, w, grant, first, life) {
+		return
 	}
+	// Hold, then release, pause or die.
+	if h.holdClaim(ctx, e, dev, w, life) {
+		return // the host died, or its watchdog reset it
+	}
+	h.endLife(e, w, life)
+}
+
+// lifeDevice opens the disk path of one engine life: its window and a
+// device drawing its latencies and drains from streams of the seed, the
+// host and the life.
+func (h *simHost) lifeDevice(life int) (*window, *simDevice) {
+	s := h.s
+	w := &window{host: h.idx, life: life, key: h.key}
+	dev := &simDevice{s: s, disk: s.disk, host: h.idx, w: w, prof: h.prof, d: h.timing.IOTimeout, rate: h.rate,
+		rng: rand.New(rand.NewPCG(uint64(s.seed), uint64(h.idx)<<32|uint64(life)))}
+	w.dev = dev
+	dev.drainRng = rand.New(rand.NewPCG(uint64(s.seed)^0xd1a1, uint64(h.idx)<<32|uint64(life)))
+	s.mu.Lock()
+	s.devices = append(s.devices, dev)
+	s.mu.Unlock()
+	return w, dev
+}
+
+// newEngine makes the life's engine on dev. Its OnLost checks the loss,
+// then closes the window once the last writes have drained.
+func (h *simHost) newEngine(life int, w *window, dev *simDevice) (*Engine, error) {
+	s := h.s
+	d := &Device{name: fmt.Sprintf("sim%d.%d", h.idx, life), f: dev, sem: make(chan struct{}, 1), size: 1 << 30, gate: dev.gate}
+	var lostOnce sync.Once
+	return New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.clock(), Serial: s.serial,
+		Logger: s.log.With("host", h.idx, "life", life),
+		OnLost: func(l *fence.LostError) bool {
+			lostOnce.Do(func() {
+				// The agent stops I/O; the last writes drain within d,
+				// and only then does OnLost report that they did.
+				s.checkLoss(w, l)
+				time.Sleep(time.Duration(dev.drainRng.Int64N(int64(h.timing.IOTimeout))))
+				s.closeWindow(w, "lost: "+l.Reason, time.Now())
+			})
+			return true
+		}})
+}
+
+// drawGrant draws whether the life acquires with a grant, and whom it
+// supersedes: the first node for a publish after the first one, else the
+// current holder.
+func (h *simHost) drawGrant(life int, w *window, first bool) *fence.Grant {
+	s := h.s
+	if first || h.rng.Float64() >= h.grantP {
+		return nil
+	}
+	if life == 0 && h.grantKey != 0 {
+		// A publish after the first one: its grant names the first
+		// node, which may not hold the disk yet.
+		w.granted = true
+		return &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{h.grantKey}}
+	}
+	if k, ok := s.holder(); ok && k != h.key {
+		w.granted = true
+		return &fence.Grant{Node: h.uuid, Supersedes: []fence.Key{k}}
+	}
+	return nil
+}
+
+// acquire acquires the disk (AcquireFirst for the first holder) and opens
+// the life's window; it reports whether the claim was made.
+func (h *simHost) acquire(ctx context.Context, e *Engine, w *window, grant *fence.Grant, first bool, life int) bool {
+	s := h.s
 	w.acqStart = time.Now()
 	s.mu.Lock()
 	s.acquiring[w] = true
@@ -669,6 +709,7 @@ func (h *simHost) life(ctx context.Context, life int) {
 	s.event(h.idx, "acquire", "life", life, "key", h.key.String(), "grant", grant != nil, "lone", lone, "first", first)
 	actx, cancel := context.WithTimeout(ctx, 6*simMaxExpiry())
 	var c fence.Claim
+	var err error
 	if first {
 		c, err = e.AcquireFirst(actx)
 	} else {
@@ -677,24 +718,8 @@ func (h *simHost) life(ctx context.Context, life int) {
 	cancel()
 	took := time.Since(w.acqStart)
 	if err != nil {
-		_ = e.Release(context.Background())
-		s.mu.Lock()
-		delete(s.acquiring, w)
-		s.mu.Unlock()
-		s.event(h.idx, "acquire failed", "life", life, "took", took.String(), "error", err.Error())
-		s.mu.Lock()
-		lone = lone && s.othersWritesLocked(w) == othersWrote
-		s.mu.Unlock()
-		if lone && h.prof == calmIO && ctx.Err() == nil {
-			s.failf("host %d life %d: a lone acquisition of a disk whose holders are all gone failed on a healthy disk: %v", h.idx, life, err)
-		}
-		if grant != nil {
-			s.checkGrantBound(w, took)
-		}
-		if first {
-			s.firstDone()
-		}
-		return
+		h.acquireFailed(ctx, e, w, grant != nil, first, life, took, lone, othersWrote, err)
+		return false
 	}
 	s.mu.Lock()
 	delete(s.acquiring, w)
@@ -714,8 +739,38 @@ func (h *simHost) life(ctx context.Context, life int) {
 	if grant != nil {
 		s.checkGrantBound(w, took)
 	}
+	return true
+}
 
-	// Hold, then release, pause or die.
+// acquireFailed winds down a failed acquisition and checks that it was
+// allowed to fail: a lone acquisition on a healthy disk must not, and a
+// granted one must have given up within its bound.
+func (h *simHost) acquireFailed(ctx context.Context, e *Engine, w *window, granted, first bool, life int, took time.Duration, lone bool, othersWrote int, err error) {
+	s := h.s
+	_ = e.Release(context.Background())
+	s.mu.Lock()
+	delete(s.acquiring, w)
+	s.mu.Unlock()
+	s.event(h.idx, "acquire failed", "life", life, "took", took.String(), "error", err.Error())
+	s.mu.Lock()
+	lone = lone && s.othersWritesLocked(w) == othersWrote
+	s.mu.Unlock()
+	if lone && h.prof == calmIO && ctx.Err() == nil {
+		s.failf("host %d life %d: a lone acquisition of a disk whose holders are all gone failed on a healthy disk: %v", h.idx, life, err)
+	}
+	if granted {
+		s.checkGrantBound(w, took)
+	}
+	if first {
+		s.firstDone()
+	}
+}
+
+// holdClaim holds the claim for a drawn time, then returns, unless the host
+// dies or pauses as drawn on the way; it reports whether the host was
+// reset (it died, or its watchdog reset it during a pause).
+func (h *simHost) holdClaim(ctx context.Context, e *Engine, dev *simDevice, w *window, life int) bool {
+	s := h.s
 	holdFor := time.Duration(h.rng.ExpFloat64() * float64(h.hold))
 	deadline := time.Now().Add(holdFor)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
@@ -733,15 +788,21 @@ func (h *simHost) life(ctx context.Context, life int) {
 			s.closeWindow(w, "host reset", time.Now())
 			dev.kill()
 			s.event(h.idx, "host dies", "life", life)
-			return
+			return true
 		case r < h.dieP+h.pauseP:
 			if h.pause(ctx, e, dev, w) {
-				return // the watchdog reset the host
+				return true // the watchdog reset the host
 			}
 		}
 	}
-	// A node handles a lost claim before it stages the volume again (the
-	// agent's volume lock): the next life waits for the drain.
+	return false
+}
+
+// endLife ends a life that was not reset. A node handles a lost claim
+// before it stages the volume again (the agent's volume lock): the next
+// life waits for the drain. A claim still held is released.
+func (h *simHost) endLife(e *Engine, w *window, life int) {
+	s := h.s
 	for e.Lost() != nil && !e.Health().Drained {
 		time.Sleep(100 * time.Millisecond)
 	}
@@ -920,112 +981,136 @@ func newSim(t *testing.T, seed int64, class simClass, trace *syncBuffer, extras 
 	s.disk = &simDisk{sector: sector, data: make([]byte, ReadSize)}
 	copy(s.disk.data, EncodeHeader(Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset}))
 
-	timing := func() Timing { return simTiming[r.IntN(len(simTiming))] }
-	var hosts []*simHost
-	add := func(h *simHost) {
-		h.s, h.idx = s, len(hosts)
-		h.rng = rand.New(rand.NewPCG(uint64(seed), uint64(len(hosts))+1))
-		hosts = append(hosts, h)
-	}
-	span := time.Duration(0)
-	switch class {
-	case classMixed:
-		n := 2 + r.IntN(3)
-		profs := []ioProfile{calmIO, roughIO, slowIO, draggyIO}
-		for range n {
-			tm := timing()
-			add(&simHost{timing: tm, prof: profs[r.IntN(len(profs))], grantP: 0.3, pauseP: 0.1, dieP: 0.05, hold: 4 * tm.Renew})
-		}
-		span = 15 * time.Minute
-	case classSlow:
-		tm := timing()
-		add(&simHost{timing: tm, prof: slowIO, lives: 1, hold: 30 * time.Minute})
-		span = 30 * time.Minute
-	case classChurn:
-		tm := simTiming[1+r.IntN(2)]
-		// One node after another, each new, each dying with the disk.
-		add(&simHost{timing: tm, prof: calmIO, churn: true, dieP: 1, hold: 2 * tm.Renew, lives: Slots + 4})
-		span = 3 * time.Hour
-	case classTakeover:
-		tm := timing()
-		add(&simHost{timing: tm, prof: laggyIO, hold: 20 * tm.Renew})
-		for range 1 + r.IntN(2) {
-			add(&simHost{timing: tm, prof: calmIO, grantP: 1, hold: 4 * tm.Renew, pauseP: 0.05})
-		}
-		span = 15 * time.Minute
-	case classFirst:
-		// Host 0 was given the disk first (the never-published flag);
-		// the others are VMs a faulty platform attached it to as well,
-		// whose nodes were published it later (some with a grant naming
-		// host 0) and acquire within a few milliseconds of host 0's
-		// claim, as the fast path's read and write take that long.
-		all := simAllTiming()
-		tm := all[r.IntN(len(all))]
-		k0 := s.freshKey(r)
-		base := time.Second
-		// Slow reads and writes of host 0 put racers' claims inside its
-		// fast claim's read-to-write window.
-		firstIO := []ioProfile{calmIO, calmIO, roughIO, draggyIO, laggyIO}
-		add(&simHost{timing: tm, key: k0, prof: firstIO[r.IntN(len(firstIO))], first: true, lives: 1 + r.IntN(3),
-			pauseP: 0.1, dieP: 0.05, hold: 4 * tm.Renew, start: base})
-		racerTiming := append(all, simMinTiming, simMinTiming, simMinTiming, simMinTiming, simMinTiming, simMinTiming)
-		profs := []ioProfile{calmIO, calmIO, roughIO, slowIO}
-		for range 1 + r.IntN(2) {
-			rt := racerTiming[r.IntN(len(racerTiming))]
-			// Each starts within a few ms of host 0's first read of the
-			// lease area (AcquireFirst), which it waits for: a claim
-			// that landed before that read would make the area look like
-			// a clone's, whose copies AcquireFirst clears on the
-			// controller's word alone (docs/fencing.md).
-			spread := float64(tm.IOTimeout) * []float64{0.002, 0.01, 0.05, 0.5}[r.IntN(4)]
-			off := time.Duration(1 + spread*r.Float64())
-			add(&simHost{timing: rt, prof: profs[r.IntN(len(profs))], grantP: 0.5, grantKey: k0, lives: 1 + r.IntN(2),
-				pauseP: 0.1, dieP: 0.05, hold: 4 * rt.Renew, start: off})
-		}
-		s.firstRead = make(chan struct{})
-		span = 3 * time.Minute
-	}
+	hs := &simHosts{s: s}
+	span := hs.draw(r, class)
+	hosts := hs.hosts
 	for _, h := range hosts {
 		if h.key != 0 && h.uuid == "" {
 			h.uuid = fmt.Sprintf("%08x-0000-4000-8000-%012x", h.idx, uint64(h.key)&(1<<48-1))
 		}
 	}
 	if extras {
-		// Drawn from their own stream, so a seed's schedule without
-		// them is the one it always was.
-		x := rand.New(rand.NewPCG(uint64(seed), 0xe7a5))
-		all := simAllTiming()
-		for _, h := range hosts {
-			h.x = rand.New(rand.NewPCG(uint64(seed)^0xe7a5, uint64(h.idx)+1))
-			h.releaseFirstP = 0.15
-			if x.Float64() < 0.4 {
-				h.timing = all[x.IntN(len(all))]
-			}
-			if h.x.IntN(2) == 0 {
-				// Clocks that run at rates up to 1% apart (the package
-				// doc assumes "about the same rate").
-				h.rate = clockRate(h.x, h.timing, 0.01)
-			}
-		}
-		if (class == classMixed || class == classTakeover || class == classFirst) && x.IntN(4) == 0 {
-			// A clone of a disk in use: it starts with the source's held
-			// slots, whose writers never write here, and the first node
-			// given it acquires with AcquireFirst before any other node
-			// is given it (in classFirst too: clearing copies rests on
-			// the controller's word that no other VM has the disk).
-			s.serial, s.first, hosts[0].first = "sim-disk", make(chan struct{}), true
-			for range 1 + x.IntN(3) {
-				sl := Slot{Key: s.freshKey(x), Epoch: 1 + x.Uint64N(5), Counter: 1 + x.Uint64N(100), State: StateHeld,
-					Timing: all[x.IntN(len(all))], Node: "source-host"}
-				if x.IntN(2) == 0 {
-					sl.Serial = "source-disk"
-				}
-				copy(s.disk.data[BlockSize*(1+x.IntN(Slots)):], EncodeSlot(sl))
-			}
-		}
+		s.drawExtras(hosts, class)
 	}
 	s.end = simEpoch.Add(span)
 	return s, hosts
+}
+
+// simHosts are the hosts of a schedule as they are drawn.
+type simHosts struct {
+	s     *sim
+	hosts []*simHost
+}
+
+// add numbers h and gives it a stream of its own from the seed.
+func (hs *simHosts) add(h *simHost) {
+	h.s, h.idx = hs.s, len(hs.hosts)
+	h.rng = rand.New(rand.NewPCG(uint64(hs.s.seed), uint64(len(hs.hosts))+1))
+	hs.hosts = append(hs.hosts, h)
+}
+
+// draw draws the hosts of class from r and returns the schedule's span.
+func (hs *simHosts) draw(r *rand.Rand, class simClass) time.Duration {
+	timing := func() Timing { return simTiming[r.IntN(len(simTiming))] }
+	switch class {
+	case classMixed:
+		n := 2 + r.IntN(3)
+		profs := []ioProfile{calmIO, roughIO, slowIO, draggyIO}
+		for range n {
+			tm := timing()
+			hs.add(&simHost{timing: tm, prof: profs[r.IntN(len(profs))], grantP: 0.3, pauseP: 0.1, dieP: 0.05, hold: 4 * tm.Renew})
+		}
+		return 15 * time.Minute
+	case classSlow:
+		tm := timing()
+		hs.add(&simHost{timing: tm, prof: slowIO, lives: 1, hold: 30 * time.Minute})
+		return 30 * time.Minute
+	case classChurn:
+		tm := simTiming[1+r.IntN(2)]
+		// One node after another, each new, each dying with the disk.
+		hs.add(&simHost{timing: tm, prof: calmIO, churn: true, dieP: 1, hold: 2 * tm.Renew, lives: Slots + 4})
+		return 3 * time.Hour
+	case classTakeover:
+		tm := timing()
+		hs.add(&simHost{timing: tm, prof: laggyIO, hold: 20 * tm.Renew})
+		for range 1 + r.IntN(2) {
+			hs.add(&simHost{timing: tm, prof: calmIO, grantP: 1, hold: 4 * tm.Renew, pauseP: 0.05})
+		}
+		return 15 * time.Minute
+	case classFirst:
+		hs.drawFirst(r)
+		return 3 * time.Minute
+	}
+	return 0
+}
+
+// drawFirst draws the hosts of classFirst. Host 0 was given the disk
+// first (the never-published flag); the others are VMs a faulty platform
+// attached it to as well, whose nodes were published it later (some with
+// a grant naming host 0) and acquire within a few milliseconds of host
+// 0's claim, as the fast path's read and write take that long.
+func (hs *simHosts) drawFirst(r *rand.Rand) {
+	all := simAllTiming()
+	tm := all[r.IntN(len(all))]
+	k0 := hs.s.freshKey(r)
+	base := time.Second
+	// Slow reads and writes of host 0 put racers' claims inside its
+	// fast claim's read-to-write window.
+	firstIO := []ioProfile{calmIO, calmIO, roughIO, draggyIO, laggyIO}
+	hs.add(&simHost{timing: tm, key: k0, prof: firstIO[r.IntN(len(firstIO))], first: true, lives: 1 + r.IntN(3),
+		pauseP: 0.1, dieP: 0.05, hold: 4 * tm.Renew, start: base})
+	racerTiming := append(all, simMinTiming, simMinTiming, simMinTiming, simMinTiming, simMinTiming, simMinTiming)
+	profs := []ioProfile{calmIO, calmIO, roughIO, slowIO}
+	for range 1 + r.IntN(2) {
+		rt := racerTiming[r.IntN(len(racerTiming))]
+		// Each starts within a few ms of host 0's first read of the
+		// lease area (AcquireFirst), which it waits for: a claim
+		// that landed before that read would make the area look like
+		// a clone's, whose copies AcquireFirst clears on the
+		// controller's word alone (docs/fencing.md).
+		spread := float64(tm.IOTimeout) * []float64{0.002, 0.01, 0.05, 0.5}[r.IntN(4)]
+		off := time.Duration(1 + spread*r.Float64())
+		hs.add(&simHost{timing: rt, prof: profs[r.IntN(len(profs))], grantP: 0.5, grantKey: k0, lives: 1 + r.IntN(2),
+			pauseP: 0.1, dieP: 0.05, hold: 4 * rt.Renew, start: off})
+	}
+	hs.s.firstRead = make(chan struct{})
+}
+
+// drawExtras draws the extra faults onto the hosts: their own timings,
+// clock rates, releases before acquiring, and a clone's held slots. They
+// are drawn from their own stream, so a seed's schedule without them is
+// the one it always was.
+func (s *sim) drawExtras(hosts []*simHost, class simClass) {
+	x := rand.New(rand.NewPCG(uint64(s.seed), 0xe7a5))
+	all := simAllTiming()
+	for _, h := range hosts {
+		h.x = rand.New(rand.NewPCG(uint64(s.seed)^0xe7a5, uint64(h.idx)+1))
+		h.releaseFirstP = 0.15
+		if x.Float64() < 0.4 {
+			h.timing = all[x.IntN(len(all))]
+		}
+		if h.x.IntN(2) == 0 {
+			// Clocks that run at rates up to 1% apart (the package
+			// doc assumes "about the same rate").
+			h.rate = clockRate(h.x, h.timing, 0.01)
+		}
+	}
+	if (class == classMixed || class == classTakeover || class == classFirst) && x.IntN(4) == 0 {
+		// A clone of a disk in use: it starts with the source's held
+		// slots, whose writers never write here, and the first node
+		// given it acquires with AcquireFirst before any other node
+		// is given it (in classFirst too: clearing copies rests on
+		// the controller's word that no other VM has the disk).
+		s.serial, s.first, hosts[0].first = "sim-disk", make(chan struct{}), true
+		for range 1 + x.IntN(3) {
+			sl := Slot{Key: s.freshKey(x), Epoch: 1 + x.Uint64N(5), Counter: 1 + x.Uint64N(100), State: StateHeld,
+				Timing: all[x.IntN(len(all))], Node: "source-host"}
+			if x.IntN(2) == 0 {
+				sl.Serial = "source-disk"
+			}
+			copy(s.disk.data[BlockSize*(1+x.IntN(Slots)):], EncodeSlot(sl))
+		}
+	}
 }
 
 // syncBuffer is a trace buffer written from many goroutines.

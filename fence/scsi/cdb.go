@@ -21,18 +21,11 @@ const (
 	ReadFullStatus     PRInAction = 0x03
 )
 
-func (a PRInAction) String() string {
-	switch a {
-	case ReadKeys:
-		return "READ KEYS"
-	case ReadReservation:
-		return "READ RESERVATION"
-	case ReportCapabilities:
-		return "REPORT CAPABILITIES"
-	case ReadFullStatus:
-		return "READ FULL STATUS"
-	}
-	return "PR IN service action " + hex8(uint8(a))
+func (a PRInAction) String() string { return codeName(prInActionNames[:], a, "PR IN service action") }
+
+var prInActionNames = [...]string{
+	ReadKeys: "READ KEYS", ReadReservation: "READ RESERVATION",
+	ReportCapabilities: "REPORT CAPABILITIES", ReadFullStatus: "READ FULL STATUS",
 }
 
 // PROutAction is a PERSISTENT RESERVE OUT service action (SPC-4
@@ -50,23 +43,13 @@ const (
 )
 
 func (a PROutAction) String() string {
-	switch a {
-	case Register:
-		return "REGISTER"
-	case Reserve:
-		return "RESERVE"
-	case Release:
-		return "RELEASE"
-	case Clear:
-		return "CLEAR"
-	case Preempt:
-		return "PREEMPT"
-	case PreemptAndAbort:
-		return "PREEMPT AND ABORT"
-	case RegisterAndIgnoreExistingKey:
-		return "REGISTER AND IGNORE EXISTING KEY"
-	}
-	return "PR OUT service action " + hex8(uint8(a))
+	return codeName(prOutActionNames[:], a, "PR OUT service action")
+}
+
+var prOutActionNames = [...]string{
+	Register: "REGISTER", Reserve: "RESERVE", Release: "RELEASE", Clear: "CLEAR",
+	Preempt: "PREEMPT", PreemptAndAbort: "PREEMPT AND ABORT",
+	RegisterAndIgnoreExistingKey: "REGISTER AND IGNORE EXISTING KEY",
 }
 
 // ScopeLU is the only scope SPC-4 still defines ("Persistent reservation scope codes":
@@ -156,5 +139,14 @@ func (p PROut) Params() []byte {
 }
 
 const hexDigits = "0123456789abcdef"
+
+// codeName is the name names gives code (names is indexed by code), or
+// prefix and the code in hex for a code it does not name.
+func codeName[T ~uint8](names []string, code T, prefix string) string {
+	if int(code) < len(names) && names[code] != "" {
+		return names[code]
+	}
+	return prefix + " " + hex8(uint8(code))
+}
 
 func hex8(v uint8) string { return "0x" + string(hexDigits[v>>4]) + string(hexDigits[v&0xf]) }

@@ -154,3 +154,20 @@ func TestPROutCDBAndParams(t *testing.T) {
 		}
 	}
 }
+
+func TestCodeNames(t *testing.T) {
+	for _, tc := range []struct {
+		got, want string
+	}{
+		{ReadFullStatus.String(), "READ FULL STATUS"},
+		{PRInAction(0x1f).String(), "PR IN service action 0x1f"},
+		{RegisterAndIgnoreExistingKey.String(), "REGISTER AND IGNORE EXISTING KEY"},
+		{PROutAction(0x0a).String(), "PR OUT service action 0x0a"},
+		{StatusReservationConflict.String(), "RESERVATION CONFLICT"},
+		{Status(0x22).String(), "status 0x22"},
+	} {
+		if tc.got != tc.want {
+			t.Errorf("got %q, want %q", tc.got, tc.want)
+		}
+	}
+}

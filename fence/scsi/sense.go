@@ -19,26 +19,17 @@ const (
 	StatusTaskAborted         Status = 0x40
 )
 
-func (s Status) String() string {
-	switch s {
-	case StatusGood:
-		return "GOOD"
-	case StatusCheckCondition:
-		return "CHECK CONDITION"
-	case StatusConditionMet:
-		return "CONDITION MET"
-	case StatusBusy:
-		return "BUSY"
-	case StatusReservationConflict:
-		return "RESERVATION CONFLICT"
-	case StatusTaskSetFull:
-		return "TASK SET FULL"
-	case StatusACAActive:
-		return "ACA ACTIVE"
-	case StatusTaskAborted:
-		return "TASK ABORTED"
-	}
-	return "status " + hex8(uint8(s))
+func (s Status) String() string { return codeName(statusNames[:], s, "status") }
+
+var statusNames = [...]string{
+	StatusGood:                "GOOD",
+	StatusCheckCondition:      "CHECK CONDITION",
+	StatusConditionMet:        "CONDITION MET",
+	StatusBusy:                "BUSY",
+	StatusReservationConflict: "RESERVATION CONFLICT",
+	StatusTaskSetFull:         "TASK SET FULL",
+	StatusACAActive:           "ACA ACTIVE",
+	StatusTaskAborted:         "TASK ABORTED",
 }
 
 // SenseKey is the SENSE KEY field (SPC-4 "Sense key descriptions").

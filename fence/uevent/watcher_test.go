@@ -164,6 +164,15 @@ func TestWatcherRefusesHeldDisk(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("no decision about the held disk")
 	}
+	checkRefusedForA(t, d, dev, img)
+	detachAndHearRemoval(t, lc, idx, dev, d, removals)
+}
+
+// checkRefusedForA: the decision refuses the disk naming node A, the
+// device is read-only, can still be inspected and names A, and A's own
+// path to the disk is untouched.
+func checkRefusedForA(t *testing.T, d Decision, dev, img string) {
+	t.Helper()
 	keyA, _ := fence.KeyFromUUID(uuidA)
 	if d.Err != nil || !d.Verdict.Refuse || !d.ReadOnly || d.Verdict.Holder != keyA || d.Verdict.HolderNode != "node-a" {
 		t.Fatalf("decision %+v", d)
@@ -181,7 +190,12 @@ func TestWatcherRefusesHeldDisk(t *testing.T) {
 	if out, err := exec.Command("losetup", "-j", img).CombinedOutput(); err != nil || len(out) == 0 {
 		t.Fatalf("losetup -j: %v %s", err, out)
 	}
+}
 
+// detachAndHearRemoval detaches and removes the refused loop device; the
+// watcher reports the removal of the device it refused.
+func detachAndHearRemoval(t *testing.T, lc *loopControl, idx int, dev string, d Decision, removals <-chan Event) {
+	t.Helper()
 	if err := SetReadOnly(dev, 0, 0, false); err != nil {
 		t.Fatal(err)
 	}

@@ -52,41 +52,12 @@ func TestUpSimExecDown(t *testing.T) {
 	if out, err := vcoLab("up", "-sim"); err != nil {
 		t.Fatalf("vco-lab up -sim: %v\n%s", err, out)
 	}
-	var si struct {
-		APIURL string           `json:"api_url"`
-		VMs    map[string]int64 `json:"vms"`
-		PID    int              `json:"pid"`
-	}
-	b, err := os.ReadFile(filepath.Join(dir, "sim.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := json.Unmarshal(b, &si); err != nil {
-		t.Fatal(err)
-	}
-	if len(si.VMs) != 2 || si.VMs["node-a"] == 0 || si.VMs["node-b"] == 0 {
-		t.Errorf("simulator VMs %v, want node-a and node-b", si.VMs)
-	}
-	out, err := vcoLab("exec", "node-a", "--", "/bin/vco-lab", "csi-call", "NodeGetInfo", "{}")
-	if err != nil {
-		t.Fatalf("csi-call NodeGetInfo: %v\n%s", err, out)
-	}
-	var rep struct {
-		OK    bool `json:"ok"`
-		Reply struct {
-			NodeID string `json:"nodeId"`
-		} `json:"reply"`
-	}
-	if err := json.Unmarshal([]byte(strings.TrimSpace(out)), &rep); err != nil || !rep.OK || rep.Reply.NodeID != lab.NodeUUID("node-a") {
-		t.Errorf("NodeGetInfo in node-a: %q (%v); want node id %s", out, err, lab.NodeUUID("node-a"))
-	}
-	if out, err := vcoLab("exec", "node-b", "--", "/bin/vco-agent", "events"); err != nil || !strings.Contains(out, "AgentStarted") {
-		t.Errorf("vco-agent events in node-b: %v\n%s", err, out)
-	}
+	si := readSimInfo(t, dir)
+	checkNodeStacksAnswer(t, vcoLab)
 	if out, err := vcoLab("status"); err != nil || !strings.Contains(out, si.APIURL) {
 		t.Errorf("vco-lab status does not show the simulator at %s: %v\n%s", si.APIURL, err, out)
 	}
-	out, err = vcoLab("down")
+	out, err := vcoLab("down")
 	if err != nil {
 		t.Fatalf("vco-lab down: %v\n%s", err, out)
 	}
@@ -103,5 +74,52 @@ func TestUpSimExecDown(t *testing.T) {
 			break
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// simInfo is what `vco-lab up -sim` writes to sim.json.
+type simInfo struct {
+	APIURL string           `json:"api_url"`
+	VMs    map[string]int64 `json:"vms"`
+	PID    int              `json:"pid"`
+}
+
+// readSimInfo reads the lab's sim.json: the simulator has a VM for each
+// guest.
+func readSimInfo(t *testing.T, dir string) simInfo {
+	t.Helper()
+	var si simInfo
+	b, err := os.ReadFile(filepath.Join(dir, "sim.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, &si); err != nil {
+		t.Fatal(err)
+	}
+	if len(si.VMs) != 2 || si.VMs["node-a"] == 0 || si.VMs["node-b"] == 0 {
+		t.Errorf("simulator VMs %v, want node-a and node-b", si.VMs)
+	}
+	return si
+}
+
+// checkNodeStacksAnswer: through `vco-lab exec`, node-a's plugin answers
+// a CSI call with its node id, and node-b's agent lists its events.
+func checkNodeStacksAnswer(t *testing.T, vcoLab func(args ...string) (string, error)) {
+	t.Helper()
+	out, err := vcoLab("exec", "node-a", "--", "/bin/vco-lab", "csi-call", "NodeGetInfo", "{}")
+	if err != nil {
+		t.Fatalf("csi-call NodeGetInfo: %v\n%s", err, out)
+	}
+	var rep struct {
+		OK    bool `json:"ok"`
+		Reply struct {
+			NodeID string `json:"nodeId"`
+		} `json:"reply"`
+	}
+	if err := json.Unmarshal([]byte(strings.TrimSpace(out)), &rep); err != nil || !rep.OK || rep.Reply.NodeID != lab.NodeUUID("node-a") {
+		t.Errorf("NodeGetInfo in node-a: %q (%v); want node id %s", out, err, lab.NodeUUID("node-a"))
+	}
+	if out, err := vcoLab("exec", "node-b", "--", "/bin/vco-agent", "events"); err != nil || !strings.Contains(out, "AgentStarted") {
+		t.Errorf("vco-agent events in node-b: %v\n%s", err, out)
 	}
 }

@@ -98,6 +98,21 @@ func metric(t *testing.T, ctx context.Context, g *lab.Guest, series string) floa
 func TestManyDisks(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
 	defer cancel()
+	g, serials := guestWithManyDisks(t, ctx)
+
+	base := startLoadAgent(t, ctx, g)
+	figure(t, "load_agent_start_0_claims_ms", base.Milliseconds())
+	stageEveryDisk(t, ctx, g, serials)
+	reconcileOfManyClaims(t, ctx, g, base)
+	periodicCheckOfManyClaims(t, ctx, g)
+	stopLoadAgent(t, ctx, g)
+	ueventBurstClassified(t, ctx, g)
+}
+
+// guestWithManyDisks starts node-a with loadDisks iSCSI disks and waits
+// until it sees them all; it returns the guest and the disks' serials.
+func guestWithManyDisks(t *testing.T, ctx context.Context) (*lab.Guest, []string) {
+	t.Helper()
 	l := newLab(t, ctx)
 	var disks []lab.Disk
 	serials := make([]string, loadDisks)
@@ -115,24 +130,25 @@ func TestManyDisks(t *testing.T) {
 	}
 	g := gs[0]
 	wctx, wcancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer wcancel()
 	for {
 		ds, err := g.Disks(wctx)
 		if err != nil {
-			wcancel()
 			t.Fatal(err)
 		}
 		if len(ds) >= loadDisks {
-			break
+			return g, serials
 		}
 		time.Sleep(time.Second)
 	}
-	wcancel()
+}
 
-	base := startLoadAgent(t, ctx, g)
-	figure(t, "load_agent_start_0_claims_ms", base.Milliseconds())
-	// Every disk staged as a raw block volume: fenced with a PR claim,
-	// recorded, nothing mounted (mkfs of 64 disks under TCG would measure
-	// mkfs).
+// stageEveryDisk stages every disk as a raw block volume: fenced with a
+// PR claim, recorded, nothing mounted (mkfs of 64 disks under TCG would
+// measure mkfs). The agent holds them all, and sg_persist sees each
+// reserved.
+func stageEveryDisk(t *testing.T, ctx context.Context, g *lab.Guest, serials []string) {
+	t.Helper()
 	stage := nowMS + fmt.Sprintf(`s=$(now)
 for ser in %s; do
   /bin/vco-agent volume stage v-$ser --serial $ser --block --staging /var/lib/kubelet/plugins/kubernetes.io/csi/cloud.whitesky.csi/v-$ser/globalmount >/dev/null || { echo "stage of $ser failed" >&2; exit 1; }
@@ -150,11 +166,15 @@ echo $(( $(now) - s ))`, strings.Join(serials, " "))
 	if out, err := g.MustSh(ctx, `n=0; for b in /sys/block/sd*; do sg_persist -n -i -r /dev/${b##*/} | grep -q 'Key=' && n=$((n+1)); done; echo $n`); err != nil || strings.TrimSpace(out) != strconv.Itoa(loadDisks) {
 		t.Fatalf("disks with a reservation: %q (%v), want %d", out, err, loadDisks)
 	}
+}
 
-	// Start-up with 64 claims on record: each one re-verified before the
-	// socket serves.
+// reconcileOfManyClaims restarts the agent with 64 claims on record: each
+// one is re-verified before the socket serves. base is the start-up time
+// with none.
+func reconcileOfManyClaims(t *testing.T, ctx context.Context, g *lab.Guest, base time.Duration) {
+	t.Helper()
 	stopLoadAgent(t, ctx, g)
-	out, err = g.MustSh(ctx, "wc -l < /run/agent.log")
+	out, err := g.MustSh(ctx, "wc -l < /run/agent.log")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +199,13 @@ echo $(( $(now) - s ))`, strings.Join(serials, " "))
 			t.Fatalf("the start-up check logged a problem with a claim: %s", line)
 		}
 	}
-	// The periodic check: a few rounds at 1 s.
+}
+
+// periodicCheckOfManyClaims: a few rounds of the periodic check at 1 s,
+// each passing for every claim, none finding one lost, missing or in
+// error.
+func periodicCheckOfManyClaims(t *testing.T, ctx context.Context, g *lab.Guest) {
+	t.Helper()
 	c0, s0 := metric(t, ctx, g, "vco_agent_claim_check_seconds_count"), metric(t, ctx, g, "vco_agent_claim_check_seconds_sum")
 	time.Sleep(8 * time.Second)
 	c1, s1 := metric(t, ctx, g, "vco_agent_claim_check_seconds_count"), metric(t, ctx, g, "vco_agent_claim_check_seconds_sum")
@@ -202,13 +228,16 @@ echo $(( $(now) - s ))`, strings.Join(serials, " "))
 	if held := metric(t, ctx, g, `vco_agent_claims{state="held"}`); held != loadDisks {
 		t.Fatalf("after %v check rounds the agent reports %v held claims, want %d", c1-c0, held, loadDisks)
 	}
-	stopLoadAgent(t, ctx, g)
+}
 
-	// The uevent burst. The daemon has no uevent watcher of its own on
-	// this branch; `vco-agent lease watch` runs the same watcher
-	// (fence/uevent) with the lease classifier. Each round synthesizes a
-	// remove and an add of a disk, so the watcher must decide each add
-	// afresh.
+// ueventBurstClassified fires the uevent burst. The daemon has no uevent
+// watcher of its own on this branch; `vco-agent lease watch` runs the
+// same watcher (fence/uevent) with the lease classifier. Each round
+// synthesizes a remove and an add of a disk, so the watcher must decide
+// each add afresh: every add is classified, every remove seen, and every
+// disk classified at least once.
+func ueventBurstClassified(t *testing.T, ctx context.Context, g *lab.Guest) {
+	t.Helper()
 	if _, err := g.MustSh(ctx, `setsid /bin/vco-agent lease watch --hold-for 10m >/run/watch.log 2>&1 </dev/null &
 echo $! > /run/watch.pid
 for i in $(seq 100); do grep -q 'watching for disks' /run/watch.log && exit 0; sleep 0.1; done
@@ -223,7 +252,7 @@ cat /run/watch.log >&2; exit 1`); err != nil {
 		t.Fatal(err)
 	}
 	a0, r0, rm0, e0 := countWatchLines(startLog)
-	out, err = g.MustSh(ctx, nowMS+fmt.Sprintf(`set -- $(cd /sys/block && ls -d sd*)
+	out, err := g.MustSh(ctx, nowMS+fmt.Sprintf(`set -- $(cd /sys/block && ls -d sd*)
 s=$(now); i=0
 while [ $i -lt %d ]; do
   n=$(( i %% $# + 1 )); eval d=\${$n}

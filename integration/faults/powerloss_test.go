@@ -213,131 +213,161 @@ func lastLines(s string, n int) string {
 func TestPowerLoss(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
 	defer cancel()
-	l := newLab(t, ctx)
+	p := &powerLoss{t: t, ctx: ctx, l: newLab(t, ctx), outcomes: map[string]int{}}
 	rounds := powerLossRounds(t)
-	outcomes := map[string]int{}
-	faults := 0
-	boot := 0
 	for _, op := range plOps {
 		for r := 0; r < rounds; r++ {
-			serial := fmt.Sprintf("pl%d%s", r, strings.ToLower(strings.ReplaceAll(op.name, "-", "")))
-			if len(serial) > 20 {
-				serial = serial[:20]
-			}
-			file := filepath.Join(l.Dir(), serial+".img")
-			scratch := filepath.Join(l.Dir(), serial+"-t.img")
-			for _, f := range []string{file, scratch} {
-				if err := os.WriteFile(f, nil, 0o644); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.Truncate(f, 64<<20); err != nil {
-					t.Fatal(err)
-				}
-			}
-			disks := []lab.Disk{
-				{ID: serial, Kind: lab.VirtioBlk, File: file, Serial: serial},
-				{ID: serial + "t", Kind: lab.VirtioBlk, File: scratch, Serial: serial + "t"},
-			}
-			boot++
-			gs, err := l.StartGuests(ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", boot), UUID: plNode, MemMB: 384, Disks: disks})
-			if err != nil {
-				t.Fatal(err)
-			}
-			g := gs[0]
-			if op.agent {
-				startAgent(t, ctx, g)
-			}
-			if op.prep != nil {
-				for _, sr := range []string{serial, serial + "t"} {
-					if out, err := g.MustSh(ctx, op.prep(sr)); err != nil {
-						t.Fatalf("%s: readying disk %s: %v\n%s", op.name, sr, err, out)
-					}
-				}
-			}
-			var took time.Duration
-			if op.window > 0 {
-				took = op.window
-			} else {
-				// How long the operation takes here, on the scratch disk,
-				// so the cut lands inside it.
-				start := time.Now()
-				if out, err := g.MustSh(ctx, op.run(serial+"t")); err != nil {
-					t.Fatalf("%s on a scratch disk: %v\n%s", op.name, err, out)
-				}
-				took = time.Since(start)
-			}
-			cut := time.Duration(rand.Int64N(int64(took)))
-			// The operation in the background, the exec channel's own
-			// latency taken into account by starting the clock once the
-			// command is on its way.
-			go func() { _, _ = g.Sh(ctx, op.run(serial)+" >/run/op.log 2>&1") }()
-			time.Sleep(cut)
-			if err := g.Proc.Kill(); err != nil {
-				t.Fatalf("cutting the power of %s: %v", g.Name, err)
-			}
-			faults++
-			verdict := op.judge(t, file)
-			t.Logf("%s round %d: power cut %v into an operation of about %v: %s", op.name, r, cut.Round(time.Millisecond), took.Round(time.Millisecond), verdict)
-			outcomes[strings.ReplaceAll(strings.ToLower(op.name), "-", "_")+"_"+verdict]++
-			if verdict != "untouched" && verdict != "complete" {
-				t.Errorf("%s round %d: after a power cut %v in, the disk is half done: %s", op.name, r, cut, verdict)
-				continue
-			}
-			// A new boot on the same disk: the next operation succeeds.
-			boot++
-			gs, err = l.StartGuests(ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", boot), UUID: plNode, MemMB: 384, Disks: disks[:1]})
-			if err != nil {
-				t.Fatal(err)
-			}
-			g = gs[0]
-			switch {
-			case op.next != nil:
-				if out, err := g.MustSh(ctx, op.next(serial)); err != nil {
-					t.Errorf("%s round %d: the same node after the power cut: %v\n%s", op.name, r, err, out)
-				}
-			case op.agent:
-				startAgent(t, ctx, g)
-				out, err := g.MustSh(ctx, op.run(serial))
-				if err != nil {
-					t.Errorf("%s round %d: the stage after the power cut (disk %s) failed: %v", op.name, r, verdict, err)
-				} else if formatted := strings.Contains(out, `"formatted":true`); formatted != (verdict == "untouched") {
-					// A blank disk is formatted; a complete filesystem never
-					// again.
-					t.Errorf("%s round %d: the disk was %s after the cut, but the next stage says formatted=%v: %s", op.name, r, verdict, formatted, out)
-				}
-				if _, err := g.MustSh(ctx, "grep -q ' "+plStaging+" ext4 ' /proc/mounts && echo ok > "+plStaging+"/after && sync"); err != nil {
-					t.Errorf("%s round %d: the volume is not mounted as ext4 after the stage: %v", op.name, r, err)
-				}
-			case verdict == "untouched":
-				if out, err := g.MustSh(ctx, op.run(serial)); err != nil {
-					t.Errorf("%s round %d: formatting the untouched disk after the power cut failed: %v\n%s", op.name, r, err, out)
-				}
-			default:
-				if _, err := g.MustSh(ctx, fmt.Sprintf(`d=$(for b in /sys/block/vd*; do [ "$(cat $b/serial)" = %s ] && echo /dev/${b##*/}; done)
-printf %%s %s > /run/pw && /bin/vco-agent luks test-passphrase $d --passphrase-file /run/pw`, serial, plPass)); err != nil {
-					t.Errorf("%s round %d: the formatted volume does not open in the next boot: %v", op.name, r, err)
-				}
-			}
-			if err := g.Stop(); err != nil {
-				t.Fatal(err)
-			}
-			if v := op.judge(t, file); v != "complete" {
-				t.Errorf("%s round %d: after the next operation the disk is %s, want complete", op.name, r, v)
-			}
+			p.round(op, r)
 		}
 	}
-	figure(t, "power_loss_faults", faults)
+	figure(t, "power_loss_faults", p.faults)
 	figure(t, "power_loss_rounds_per_op", rounds)
-	for k, v := range outcomes {
+	for k, v := range p.outcomes {
 		if strings.HasSuffix(k, "_untouched") || strings.HasSuffix(k, "_complete") {
 			figure(t, "power_loss_"+k, v)
 		}
 	}
 	half := 0
-	for k, v := range outcomes {
+	for k, v := range p.outcomes {
 		if !strings.HasSuffix(k, "_untouched") && !strings.HasSuffix(k, "_complete") {
 			half += v
 		}
 	}
 	figure(t, "power_loss_half_formatted", half)
+}
+
+// powerLoss is TestPowerLoss's lab and tallies.
+type powerLoss struct {
+	t        *testing.T
+	ctx      context.Context
+	l        *lab.Lab
+	boot     int // guests booted
+	faults   int // power cuts
+	outcomes map[string]int
+}
+
+// round cuts the power once during op on a disk of its own, judges the
+// disk, and has the next boot's operation succeed on it.
+func (p *powerLoss) round(op plOp, r int) {
+	t := p.t
+	serial := fmt.Sprintf("pl%d%s", r, strings.ToLower(strings.ReplaceAll(op.name, "-", "")))
+	if len(serial) > 20 {
+		serial = serial[:20]
+	}
+	file := filepath.Join(p.l.Dir(), serial+".img")
+	scratch := filepath.Join(p.l.Dir(), serial+"-t.img")
+	for _, f := range []string{file, scratch} {
+		if err := os.WriteFile(f, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(f, 64<<20); err != nil {
+			t.Fatal(err)
+		}
+	}
+	disks := []lab.Disk{
+		{ID: serial, Kind: lab.VirtioBlk, File: file, Serial: serial},
+		{ID: serial + "t", Kind: lab.VirtioBlk, File: scratch, Serial: serial + "t"},
+	}
+	cut, took := p.cutPowerDuring(op, serial, disks)
+	verdict := op.judge(t, file)
+	t.Logf("%s round %d: power cut %v into an operation of about %v: %s", op.name, r, cut.Round(time.Millisecond), took.Round(time.Millisecond), verdict)
+	p.outcomes[strings.ReplaceAll(strings.ToLower(op.name), "-", "_")+"_"+verdict]++
+	if verdict != "untouched" && verdict != "complete" {
+		t.Errorf("%s round %d: after a power cut %v in, the disk is half done: %s", op.name, r, cut, verdict)
+		return
+	}
+	p.nextOperationSucceeds(op, r, serial, verdict, disks[:1])
+	if v := op.judge(t, file); v != "complete" {
+		t.Errorf("%s round %d: after the next operation the disk is %s, want complete", op.name, r, v)
+	}
+}
+
+// bootGuest boots the round's next guest, with the node's identity, on disks.
+func (p *powerLoss) bootGuest(disks []lab.Disk) *lab.Guest {
+	p.t.Helper()
+	p.boot++
+	gs, err := p.l.StartGuests(p.ctx, lab.GuestConfig{Name: fmt.Sprintf("pl-%d", p.boot), UUID: plNode, MemMB: 384, Disks: disks})
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	return gs[0]
+}
+
+// cutPowerDuring boots a guest with the round's disk and a scratch disk,
+// readies both, and cuts the guest's power at a random point of op on the
+// disk; it returns how far in the cut came and about how long op takes.
+func (p *powerLoss) cutPowerDuring(op plOp, serial string, disks []lab.Disk) (cut, took time.Duration) {
+	t, ctx := p.t, p.ctx
+	g := p.bootGuest(disks)
+	if op.agent {
+		startAgent(t, ctx, g)
+	}
+	if op.prep != nil {
+		for _, sr := range []string{serial, serial + "t"} {
+			if out, err := g.MustSh(ctx, op.prep(sr)); err != nil {
+				t.Fatalf("%s: readying disk %s: %v\n%s", op.name, sr, err, out)
+			}
+		}
+	}
+	if op.window > 0 {
+		took = op.window
+	} else {
+		// How long the operation takes here, on the scratch disk,
+		// so the cut lands inside it.
+		start := time.Now()
+		if out, err := g.MustSh(ctx, op.run(serial+"t")); err != nil {
+			t.Fatalf("%s on a scratch disk: %v\n%s", op.name, err, out)
+		}
+		took = time.Since(start)
+	}
+	cut = time.Duration(rand.Int64N(int64(took)))
+	// The operation in the background, the exec channel's own
+	// latency taken into account by starting the clock once the
+	// command is on its way.
+	go func() { _, _ = g.Sh(ctx, op.run(serial)+" >/run/op.log 2>&1") }()
+	time.Sleep(cut)
+	if err := g.Proc.Kill(); err != nil {
+		t.Fatalf("cutting the power of %s: %v", g.Name, err)
+	}
+	p.faults++
+	return cut, took
+}
+
+// nextOperationSucceeds boots a new guest on the same disk: the next
+// operation succeeds (a stage formats a blank disk and never a complete
+// filesystem; a formatted volume opens).
+func (p *powerLoss) nextOperationSucceeds(op plOp, r int, serial, verdict string, disks []lab.Disk) {
+	t, ctx := p.t, p.ctx
+	g := p.bootGuest(disks)
+	switch {
+	case op.next != nil:
+		if out, err := g.MustSh(ctx, op.next(serial)); err != nil {
+			t.Errorf("%s round %d: the same node after the power cut: %v\n%s", op.name, r, err, out)
+		}
+	case op.agent:
+		startAgent(t, ctx, g)
+		out, err := g.MustSh(ctx, op.run(serial))
+		if err != nil {
+			t.Errorf("%s round %d: the stage after the power cut (disk %s) failed: %v", op.name, r, verdict, err)
+		} else if formatted := strings.Contains(out, `"formatted":true`); formatted != (verdict == "untouched") {
+			// A blank disk is formatted; a complete filesystem never
+			// again.
+			t.Errorf("%s round %d: the disk was %s after the cut, but the next stage says formatted=%v: %s", op.name, r, verdict, formatted, out)
+		}
+		if _, err := g.MustSh(ctx, "grep -q ' "+plStaging+" ext4 ' /proc/mounts && echo ok > "+plStaging+"/after && sync"); err != nil {
+			t.Errorf("%s round %d: the volume is not mounted as ext4 after the stage: %v", op.name, r, err)
+		}
+	case verdict == "untouched":
+		if out, err := g.MustSh(ctx, op.run(serial)); err != nil {
+			t.Errorf("%s round %d: formatting the untouched disk after the power cut failed: %v\n%s", op.name, r, err, out)
+		}
+	default:
+		if _, err := g.MustSh(ctx, fmt.Sprintf(`d=$(for b in /sys/block/vd*; do [ "$(cat $b/serial)" = %s ] && echo /dev/${b##*/}; done)
+printf %%s %s > /run/pw && /bin/vco-agent luks test-passphrase $d --passphrase-file /run/pw`, serial, plPass)); err != nil {
+			t.Errorf("%s round %d: the formatted volume does not open in the next boot: %v", op.name, r, err)
+		}
+	}
+	if err := g.Stop(); err != nil {
+		t.Fatal(err)
+	}
 }

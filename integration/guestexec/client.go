@@ -12,6 +12,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/unixsock"
 )
 
 // Client speaks to one guest's exec server through the unix socket QEMU
@@ -44,19 +46,9 @@ func (r *Result) String() string {
 // server to answer a hello. A guest that is still booting simply answers
 // later, so Dial doubles as "wait for the guest to be up".
 func Dial(ctx context.Context, socketPath string) (*Client, error) {
-	var conn net.Conn
-	for {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unix", socketPath)
-		if err == nil {
-			conn = c
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("connecting to guest exec socket %s: %w", socketPath, err)
-		case <-time.After(100 * time.Millisecond):
-		}
+	conn, err := unixsock.DialRetry(ctx, socketPath, 100*time.Millisecond)
+	if err != nil {
+		return nil, fmt.Errorf("connecting to guest exec socket %s: %w", socketPath, err)
 	}
 	c := &Client{conn: conn, wait: map[uint64]chan *Response{}, done: make(chan struct{})}
 	go c.read()

@@ -8,6 +8,8 @@ import (
 	"net"
 	"sync"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/unixsock"
 )
 
 // QMP is a client for QEMU's machine protocol on a unix socket. QMP is
@@ -43,19 +45,9 @@ type qmpReply struct {
 
 // DialQMP connects to a QEMU QMP socket and completes the handshake.
 func DialQMP(ctx context.Context, path string) (*QMP, error) {
-	var conn net.Conn
-	for {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unix", path)
-		if err == nil {
-			conn = c
-			break
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("connecting to QMP socket %s: %w", path, err)
-		case <-time.After(50 * time.Millisecond):
-		}
+	conn, err := unixsock.DialRetry(ctx, path, 50*time.Millisecond)
+	if err != nil {
+		return nil, fmt.Errorf("connecting to QMP socket %s: %w", path, err)
 	}
 	q := &QMP{conn: conn, wait: map[string]chan qmpReply{}, evCond: make(chan struct{})}
 	r := bufio.NewReaderSize(conn, 1<<16)

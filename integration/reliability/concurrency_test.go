@@ -453,34 +453,48 @@ func stormJudge(c *stormCall, deletes []*stormCall, v *stormVolume) string {
 	if !strings.Contains(st.Message(), c.id) && !strings.Contains(st.Message(), v.name) {
 		return fmt.Sprintf("%s without naming volume %s", st.Code(), c.id)
 	}
-	switch {
-	case st.Code() == codes.NotFound && (strings.HasPrefix(c.method, "Controller") || c.method == "CreateSnapshot" || c.method == "CreateVolume copy"):
-		// Only a volume some DeleteVolume removed before this call
-		// answered is gone.
-		for _, d := range deletes {
-			if (d.id == c.id || d.id == c.src) && d.err == nil && d.start.Before(c.end) {
-				return ""
-			}
-		}
-		return "NOT_FOUND for a volume no DeleteVolume had removed"
-	case c.method == "CreateVolume copy" && st.Code() == codes.AlreadyExists:
-		if !strings.Contains(st.Message(), "source differ") {
-			return "ALREADY_EXISTS for a copy that is not of another source"
-		}
-	case c.method == "ControllerPublishVolume" && st.Code() == codes.FailedPrecondition:
-		if !strings.Contains(st.Message(), "attached to") {
-			return "FAILED_PRECONDITION that does not name the node the volume is attached to"
-		}
-	case c.method == "NodeUnstageVolume" && st.Code() == codes.FailedPrecondition:
-		if !strings.Contains(st.Message(), "still published") {
-			return "FAILED_PRECONDITION that does not say the volume is still published"
-		}
-	case c.method == "DeleteVolume" && st.Code() == codes.FailedPrecondition:
-		if !strings.Contains(st.Message(), "attached") && !strings.Contains(st.Message(), "snapshot") {
-			return "FAILED_PRECONDITION that says neither attached nor snapshot"
+	if st.Code() == codes.NotFound && (strings.HasPrefix(c.method, "Controller") || c.method == "CreateSnapshot" || c.method == "CreateVolume copy") {
+		return stormJudgeNotFound(c, deletes)
+	}
+	for _, r := range stormRefusals {
+		if c.method == r.method && st.Code() == r.code && !r.says(st.Message()) {
+			return r.wrong
 		}
 	}
 	return ""
+}
+
+// stormJudgeNotFound: only a volume some DeleteVolume removed before this
+// call answered is gone.
+func stormJudgeNotFound(c *stormCall, deletes []*stormCall) string {
+	for _, d := range deletes {
+		if (d.id == c.id || d.id == c.src) && d.err == nil && d.start.Before(c.end) {
+			return ""
+		}
+	}
+	return "NOT_FOUND for a volume no DeleteVolume had removed"
+}
+
+// stormRefusals are what a refusal of a method with a code must say, and
+// what is wrong with it when it does not.
+var stormRefusals = []struct {
+	method string
+	code   codes.Code
+	says   func(msg string) bool
+	wrong  string
+}{
+	{"CreateVolume copy", codes.AlreadyExists,
+		func(m string) bool { return strings.Contains(m, "source differ") },
+		"ALREADY_EXISTS for a copy that is not of another source"},
+	{"ControllerPublishVolume", codes.FailedPrecondition,
+		func(m string) bool { return strings.Contains(m, "attached to") },
+		"FAILED_PRECONDITION that does not name the node the volume is attached to"},
+	{"NodeUnstageVolume", codes.FailedPrecondition,
+		func(m string) bool { return strings.Contains(m, "still published") },
+		"FAILED_PRECONDITION that does not say the volume is still published"},
+	{"DeleteVolume", codes.FailedPrecondition,
+		func(m string) bool { return strings.Contains(m, "attached") || strings.Contains(m, "snapshot") },
+		"FAILED_PRECONDITION that says neither attached nor snapshot"},
 }
 
 // stormEnvInt reads a positive number from the environment: `make soak`
@@ -528,9 +542,8 @@ func TestConcurrentCSICalls(t *testing.T) {
 		t.Logf("storm: every volume is XFS: this process lacks CAP_SYS_RESOURCE, without which a mounted ext4 cannot grow")
 	}
 	rng := rand.New(rand.NewPCG(seed, 0x5707))
-	tally := map[string]map[codes.Code]int{}
-	examples := map[string]string{} // the first message of each method and code
-	unexpected, changes, overlapped := 0, 0, 0
+	a := &stormAnswers{tally: map[string]map[codes.Code]int{}, examples: map[string]string{}}
+	changes, overlapped := 0, 0
 	for round := 1; round <= rounds; round++ {
 		vols := e.stormSetup(t, round, nvols)
 		plan := stormPlan(rng, calls, nvols, [2]string{e.nodeA, e.nodeB})
@@ -540,35 +553,8 @@ func TestConcurrentCSICalls(t *testing.T) {
 		for _, o := range overlaps {
 			t.Errorf("round %d: two calls changed one disk at once: %s", round, o)
 		}
-		names := map[string]int{}
-		for _, d := range e.sim.Snapshot().Disks {
-			names[d.Name]++
-		}
-		for name, k := range names {
-			if k > 1 {
-				t.Errorf("round %d: after the storm the simulator holds %d disks named %s", round, k, name)
-			}
-		}
-		var deletes []*stormCall
-		for _, c := range plan {
-			if c.method == "DeleteVolume" {
-				deletes = append(deletes, c)
-			}
-		}
-		for _, c := range plan {
-			code := status.Code(c.err)
-			if tally[c.method] == nil {
-				tally[c.method] = map[codes.Code]int{}
-			}
-			tally[c.method][code]++
-			if k := c.method + " " + code.String(); c.err != nil && examples[k] == "" {
-				examples[k] = status.Convert(c.err).Message()
-			}
-			if why := stormJudge(c, deletes, vols[c.vol]); why != "" {
-				unexpected++
-				t.Errorf("round %d: %s of %s: %s: %v", round, c.method, c.id, why, c.err)
-			}
-		}
+		e.checkOneDiskPerName(t, round)
+		a.judge(t, round, plan, vols)
 		end := e.settle(t, rng, vols)
 		e.checkEndState(t, vols, end)
 		for _, v := range vols {
@@ -577,33 +563,10 @@ func TestConcurrentCSICalls(t *testing.T) {
 		e.settle(t, nil, vols)
 		e.checkEndState(t, vols, end)
 	}
-	var b strings.Builder
-	methods := make([]string, 0, len(tally))
-	for m := range tally {
-		methods = append(methods, m)
-	}
-	sort.Strings(methods)
-	n := 0
-	for _, m := range methods {
-		var cs []string
-		for code, k := range tally[m] {
-			cs = append(cs, fmt.Sprintf("%s %d", code, k))
-			n += k
-		}
-		sort.Strings(cs)
-		fmt.Fprintf(&b, "\n  %-26s %s", m, strings.Join(cs, ", "))
-	}
-	t.Logf("storm: %d calls by method and code (seed %d):%s", n, seed, b.String())
-	ks := make([]string, 0, len(examples))
-	for k := range examples {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	var ex strings.Builder
-	for _, k := range ks {
-		fmt.Fprintf(&ex, "\n  %s: %s", k, examples[k])
-	}
-	t.Logf("storm: a message of each refusal:%s", ex.String())
+	byMethod, n := a.byMethod()
+	t.Logf("storm: %d calls by method and code (seed %d):%s", n, seed, byMethod)
+	t.Logf("storm: a message of each refusal:%s", a.messages())
+	unexpected := a.unexpected
 	figures.add("concurrent CSI calls on overlapping volumes", n)
 	figures.add("concurrent CSI calls answered with an unexpected code", unexpected)
 	figures.add("concurrent CSI calls: API changes to a disk checked for overlap", changes)
@@ -617,7 +580,91 @@ func TestConcurrentCSICalls(t *testing.T) {
 		"detaches the disk under its mount: the agent marks the claim missing, and refuses a second device of the same disk "+
 		"with FAILED_PRECONDITION, until the volume is unstaged. "+
 		"`make soak` first runs the test under the race detector as well.",
-		rounds, calls, nvols, seed, b.String(), unexpected, changes, overlapped))
+		rounds, calls, nvols, seed, byMethod, unexpected, changes, overlapped))
+}
+
+// checkOneDiskPerName: after the storm the simulator holds at most one
+// disk of each name.
+func (e *stormEnv) checkOneDiskPerName(t *testing.T, round int) {
+	t.Helper()
+	names := map[string]int{}
+	for _, d := range e.sim.Snapshot().Disks {
+		names[d.Name]++
+	}
+	for name, k := range names {
+		if k > 1 {
+			t.Errorf("round %d: after the storm the simulator holds %d disks named %s", round, k, name)
+		}
+	}
+}
+
+// stormAnswers tallies the storm's answers across rounds.
+type stormAnswers struct {
+	tally      map[string]map[codes.Code]int
+	examples   map[string]string // the first message of each method and code
+	unexpected int
+}
+
+// judge tallies a round's answers and fails on each stormJudge finds
+// wrong.
+func (a *stormAnswers) judge(t *testing.T, round int, plan []*stormCall, vols []*stormVolume) {
+	t.Helper()
+	var deletes []*stormCall
+	for _, c := range plan {
+		if c.method == "DeleteVolume" {
+			deletes = append(deletes, c)
+		}
+	}
+	for _, c := range plan {
+		code := status.Code(c.err)
+		if a.tally[c.method] == nil {
+			a.tally[c.method] = map[codes.Code]int{}
+		}
+		a.tally[c.method][code]++
+		if k := c.method + " " + code.String(); c.err != nil && a.examples[k] == "" {
+			a.examples[k] = status.Convert(c.err).Message()
+		}
+		if why := stormJudge(c, deletes, vols[c.vol]); why != "" {
+			a.unexpected++
+			t.Errorf("round %d: %s of %s: %s: %v", round, c.method, c.id, why, c.err)
+		}
+	}
+}
+
+// byMethod is the tally as lines of method and codes, and the number of
+// calls.
+func (a *stormAnswers) byMethod() (string, int) {
+	var b strings.Builder
+	methods := make([]string, 0, len(a.tally))
+	for m := range a.tally {
+		methods = append(methods, m)
+	}
+	sort.Strings(methods)
+	n := 0
+	for _, m := range methods {
+		var cs []string
+		for code, k := range a.tally[m] {
+			cs = append(cs, fmt.Sprintf("%s %d", code, k))
+			n += k
+		}
+		sort.Strings(cs)
+		fmt.Fprintf(&b, "\n  %-26s %s", m, strings.Join(cs, ", "))
+	}
+	return b.String(), n
+}
+
+// messages are the first message of each method and code, a line each.
+func (a *stormAnswers) messages() string {
+	ks := make([]string, 0, len(a.examples))
+	for k := range a.examples {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	var ex strings.Builder
+	for _, k := range ks {
+		fmt.Fprintf(&ex, "\n  %s: %s", k, a.examples[k])
+	}
+	return ex.String()
 }
 
 // stormSetup creates the round's volumes and brings them to a mix of
@@ -818,14 +865,40 @@ func (e *stormEnv) detach(t *testing.T, id string) {
 	}
 }
 
+// endCheck gathers the failures of one checkEndState.
+type endCheck struct {
+	t   *testing.T
+	bad bool
+}
+
+func (c *endCheck) fail(format string, a ...any) {
+	c.t.Helper()
+	c.bad = true
+	c.t.Errorf(format, a...)
+}
+
 // checkEndState compares the simulator, the plugin, the host and the
 // agent with the end state: the names end marks true are in use in a pod
 // on this node, the others are gone.
 func (e *stormEnv) checkEndState(t *testing.T, vols []*stormVolume, end map[string]bool) {
 	t.Helper()
-	bad := false
-	fail := func(format string, a ...any) { t.Helper(); bad = true; t.Errorf(format, a...) }
+	c := &endCheck{t: t}
 	st := e.sim.Snapshot()
+	want := e.checkSimulatorDisks(c, st, vols, end)
+	e.checkPluginReportsAttachments(c, st)
+	e.checkHostMountsAndLoops(c, want)
+	e.checkAgentClaims(c, want)
+	if c.bad {
+		t.FailNow()
+	}
+}
+
+// checkSimulatorDisks: the simulator holds one disk per name in use,
+// attached to this node's VM only, the one the plugin answered, and no
+// disk of a deleted name or of a name no volume has; no snapshot outlives
+// its disk. It returns the volumes in use by id.
+func (e *stormEnv) checkSimulatorDisks(c *endCheck, st sim.State, vols []*stormVolume, end map[string]bool) map[string]*stormVolume {
+	c.t.Helper()
 	byName := map[string][]*sim.DiskState{}
 	for _, d := range st.Disks {
 		byName[d.Name] = append(byName[d.Name], d)
@@ -837,33 +910,38 @@ func (e *stormEnv) checkEndState(t *testing.T, vols []*stormVolume, end map[stri
 		id, _, _ := v.current()
 		switch {
 		case !end[v.name] && len(ds) != 0:
-			fail("%s was deleted, but the simulator holds %d disks of that name (first: %d)", v.name, len(ds), ds[0].ID)
+			c.fail("%s was deleted, but the simulator holds %d disks of that name (first: %d)", v.name, len(ds), ds[0].ID)
 		case !end[v.name]:
 		case len(ds) != 1:
-			fail("%s is in use, but the simulator holds %d disks of that name, not 1", v.name, len(ds))
+			c.fail("%s is in use, but the simulator holds %d disks of that name, not 1", v.name, len(ds))
 		case hostLoc+"/"+strconv.FormatInt(ds[0].ID, 10) != id:
-			fail("%s: the simulator's disk is %d, but the plugin answered %s", v.name, ds[0].ID, id)
+			c.fail("%s: the simulator's disk is %d, but the plugin answered %s", v.name, ds[0].ID, id)
 		default:
 			want[id] = v
 			d := ds[0]
 			if len(d.Attachments) != 1 || d.Attachments[0].VMID != e.vmA {
-				fail("volume %s (%s) should be attached to VM %d (node %s) only; attachments %+v", id, v.name, e.vmA, e.nodeA, d.Attachments)
+				c.fail("volume %s (%s) should be attached to VM %d (node %s) only; attachments %+v", id, v.name, e.vmA, e.nodeA, d.Attachments)
 			}
 		}
 	}
 	for name, ds := range byName {
-		fail("the simulator holds %d disks named %q, a name no volume has (first: %d)", len(ds), name, ds[0].ID)
+		c.fail("the simulator holds %d disks named %q, a name no volume has (first: %d)", len(ds), name, ds[0].ID)
 	}
 	for _, s := range st.Snapshots {
 		if st.Disks[s.DiskID] == nil {
-			fail("snapshot %s (%s) outlived its disk %d", s.ID, s.Name, s.DiskID)
+			c.fail("snapshot %s (%s) outlived its disk %d", s.ID, s.Name, s.DiskID)
 		}
 	}
+	return want
+}
 
-	// The plugin reports every attachment the simulator has, and no other.
+// checkPluginReportsAttachments: the plugin reports every attachment the
+// simulator has, and no other.
+func (e *stormEnv) checkPluginReportsAttachments(c *endCheck, st sim.State) {
+	c.t.Helper()
 	lv, err := e.ctrl.ListVolumes(context.Background(), &csi.ListVolumesRequest{})
 	if err != nil {
-		t.Fatalf("ListVolumes: %v", err)
+		c.t.Fatalf("ListVolumes: %v", err)
 	}
 	reported := map[string][]string{}
 	for _, en := range lv.GetEntries() {
@@ -880,17 +958,20 @@ func (e *stormEnv) checkEndState(t *testing.T, vols []*stormVolume, end map[stri
 			}
 		}
 		if got, ok := reported[id]; !ok || !slices.Equal(got, nodes) {
-			fail("volume %s: the simulator has it attached to %v, ListVolumes reports %v (listed: %v)", id, nodes, got, ok)
+			c.fail("volume %s: the simulator has it attached to %v, ListVolumes reports %v (listed: %v)", id, nodes, got, ok)
 		}
 		delete(reported, id)
 	}
 	for id := range reported {
-		fail("ListVolumes reports %s, which the simulator does not have", id)
+		c.fail("ListVolumes reports %s, which the simulator does not have", id)
 	}
+}
 
-	// The host: one mount at the staging path and one at the pod's target
-	// per volume in use, each of its disk's loop device; loop devices
-	// only for the disks attached here.
+// checkHostMountsAndLoops: the host has one mount at the staging path and
+// one at the pod's target per volume in use, each of its disk's loop
+// device; loop devices only for the disks attached here.
+func (e *stormEnv) checkHostMountsAndLoops(c *endCheck, want map[string]*stormVolume) {
+	c.t.Helper()
 	var wantMounts, wantLoops []string
 	for id, v := range want {
 		wantMounts = append(wantMounts, e.staging(id), e.target(id))
@@ -905,10 +986,22 @@ func (e *stormEnv) checkEndState(t *testing.T, vols []*stormVolume, end map[stri
 	}
 	sort.Strings(wantMounts)
 	sort.Strings(wantLoops)
-	// A loop device detached while open (the disk detached under its
-	// mount) goes when its last user closes it, which the kernel finishes
-	// in the background: the host gets a moment to agree.
-	var gotMounts, gotLoops []string
+	gotMounts, gotLoops := e.settledMountsAndLoops(c.t, wantMounts, wantLoops)
+	if !slices.Equal(wantMounts, gotMounts) {
+		c.fail("mounts under the test directory:\n  got  %v\n  want %v", gotMounts, wantMounts)
+	}
+	if !slices.Equal(wantLoops, gotLoops) {
+		c.fail("loop devices of the test's disks (by backing file):\n  got  %v\n  want %v", gotLoops, wantLoops)
+	}
+}
+
+// settledMountsAndLoops reads the mounts under the test directory and the
+// backing files of its loop devices, sorted, until they are those wanted
+// or five seconds have passed. A loop device detached while open (the disk
+// detached under its mount) goes when its last user closes it, which the
+// kernel finishes in the background: the host gets a moment to agree.
+func (e *stormEnv) settledMountsAndLoops(t *testing.T, wantMounts, wantLoops []string) (gotMounts, gotLoops []string) {
+	t.Helper()
 	start := time.Now()
 	for deadline := start.Add(5 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 		gotMounts, gotLoops = nil, nil
@@ -929,41 +1022,37 @@ func (e *stormEnv) checkEndState(t *testing.T, vols []*stormVolume, end map[stri
 	if waited := time.Since(start); waited > 100*time.Millisecond {
 		t.Logf("the host's mounts and loop devices took %v to settle", waited.Round(time.Millisecond))
 	}
-	if !slices.Equal(wantMounts, gotMounts) {
-		fail("mounts under the test directory:\n  got  %v\n  want %v", gotMounts, wantMounts)
-	}
-	if !slices.Equal(wantLoops, gotLoops) {
-		fail("loop devices of the test's disks (by backing file):\n  got  %v\n  want %v", gotLoops, wantLoops)
-	}
+	return gotMounts, gotLoops
+}
 
-	// The agent's claim records: one per volume in use, staged at its
-	// path, published at its target, on the device the disk is attached as.
+// checkAgentClaims: the agent's claim records are one per volume in use,
+// staged at its path, published at its target, on the device the disk is
+// attached as.
+func (e *stormEnv) checkAgentClaims(c *endCheck, want map[string]*stormVolume) {
+	c.t.Helper()
 	claims, errs := e.mgr.Store().List()
 	for _, err := range errs {
-		fail("reading the agent's claims: %v", err)
+		c.fail("reading the agent's claims: %v", err)
 	}
 	seen := map[string]bool{}
-	for _, c := range claims {
-		seen[c.Volume] = true
-		v, ok := want[c.Volume]
+	for _, cl := range claims {
+		seen[cl.Volume] = true
+		v, ok := want[cl.Volume]
 		if !ok {
-			fail("the agent holds a claim on %s (%s at %s), which is not in use", c.Volume, c.Phase, c.StagingPath)
+			c.fail("the agent holds a claim on %s (%s at %s), which is not in use", cl.Volume, cl.Phase, cl.StagingPath)
 			continue
 		}
-		_, disk, _ := strings.Cut(c.Volume, "/")
+		_, disk, _ := strings.Cut(cl.Volume, "/")
 		n, _ := strconv.ParseInt(disk, 10, 64)
-		if c.Phase != volume.PhaseStaged || c.Abnormal() || c.StagingPath != e.staging(c.Volume) ||
-			!slices.Equal(c.Publications, []string{e.target(c.Volume)}) || c.Device != e.sim.Device(n) || c.Encrypted != v.encrypted {
-			fail("the agent's claim on %s: phase %s, abnormal %v (%s), staged at %s, published at %v, device %s, encrypted %v; want staged at %s, published at %s, on %s",
-				c.Volume, c.Phase, c.Abnormal(), c.Detail, c.StagingPath, c.Publications, c.Device, c.Encrypted, e.staging(c.Volume), e.target(c.Volume), e.sim.Device(n))
+		if cl.Phase != volume.PhaseStaged || cl.Abnormal() || cl.StagingPath != e.staging(cl.Volume) ||
+			!slices.Equal(cl.Publications, []string{e.target(cl.Volume)}) || cl.Device != e.sim.Device(n) || cl.Encrypted != v.encrypted {
+			c.fail("the agent's claim on %s: phase %s, abnormal %v (%s), staged at %s, published at %v, device %s, encrypted %v; want staged at %s, published at %s, on %s",
+				cl.Volume, cl.Phase, cl.Abnormal(), cl.Detail, cl.StagingPath, cl.Publications, cl.Device, cl.Encrypted, e.staging(cl.Volume), e.target(cl.Volume), e.sim.Device(n))
 		}
 	}
 	for id := range want {
 		if !seen[id] {
-			fail("volume %s is in use, but the agent has no claim on it", id)
+			c.fail("volume %s is in use, but the agent has no claim on it", id)
 		}
-	}
-	if bad {
-		t.FailNow()
 	}
 }

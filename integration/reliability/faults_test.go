@@ -295,8 +295,28 @@ func TestCloudFaults(t *testing.T) {
 		})
 	}
 
-	// The simulator's state: one disk per name, none attached, the
-	// deleted ones gone, the forbidden one never made.
+	checkCloudFaultsEndState(t, e)
+	e.proxy.mu.Lock()
+	var kinds []string
+	n := 0
+	for k, c := range e.proxy.injected {
+		kinds = append(kinds, fmt.Sprintf("%s x%d", k, c))
+		n += c
+	}
+	e.proxy.mu.Unlock()
+	t.Logf("cloud faults: %d injected responses (%s) over %d fault settings; no duplicate disk, no leaked attachment", n, strings.Join(kinds, ", "), faults)
+	figures.add("cloud API fault responses injected", n+1)
+	figures.add("cloud API duplicate disks or leaked attachments", 0)
+	figures.note("Cloud API faults", fmt.Sprintf("%s, and 403 on create from the simulator's forbid_create. Every CSI controller call "+
+		"either succeeded (on the client's retry or the CO's) or failed with Unavailable / PermissionDenied and a sentence; the simulator then held "+
+		"exactly one disk per volume name and no attachment.", strings.Join(kinds, ", ")))
+}
+
+// checkCloudFaultsEndState: the simulator's state after TestCloudFaults:
+// one disk per name, none attached, the deleted ones gone, the forbidden
+// one never made.
+func checkCloudFaultsEndState(t *testing.T, e *csiEnv) {
+	t.Helper()
 	st := e.sim.Snapshot()
 	names := map[string]int{}
 	for _, d := range st.Disks {
@@ -318,18 +338,4 @@ func TestCloudFaults(t *testing.T) {
 	if names["pvc-429"] != 1 || names["pvc-slow"] != 1 {
 		t.Errorf("disks by name: %v", names)
 	}
-	e.proxy.mu.Lock()
-	var kinds []string
-	n := 0
-	for k, c := range e.proxy.injected {
-		kinds = append(kinds, fmt.Sprintf("%s x%d", k, c))
-		n += c
-	}
-	e.proxy.mu.Unlock()
-	t.Logf("cloud faults: %d injected responses (%s) over %d fault settings; no duplicate disk, no leaked attachment", n, strings.Join(kinds, ", "), faults)
-	figures.add("cloud API fault responses injected", n+1)
-	figures.add("cloud API duplicate disks or leaked attachments", 0)
-	figures.note("Cloud API faults", fmt.Sprintf("%s, and 403 on create from the simulator's forbid_create. Every CSI controller call "+
-		"either succeeded (on the client's retry or the CO's) or failed with Unavailable / PermissionDenied and a sentence; the simulator then held "+
-		"exactly one disk per volume name and no attachment.", strings.Join(kinds, ", ")))
 }

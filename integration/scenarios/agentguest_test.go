@@ -70,8 +70,14 @@ echo "the agent did not stop" >&2; exit 1`); err != nil {
 // agent log, before the lab goes, when t failed.
 func agentLab(t *testing.T, ctx context.Context) *lab.Lab {
 	t.Helper()
+	return agentLabWith(t, ctx)
+}
+
+// agentLabWith is agentLab with more host tools in the guests.
+func agentLabWith(t *testing.T, ctx context.Context, tools ...string) *lab.Lab {
+	t.Helper()
 	l := labtest.Start(t, ctx, 20, func(cfg *lab.Config) {
-		cfg.HostTools = append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup")
+		cfg.HostTools = append(append(append([]string{}, lab.DefaultHostTools...), "/usr/sbin/losetup"), tools...)
 	})
 	t.Cleanup(func() {
 		if t.Failed() {

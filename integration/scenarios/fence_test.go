@@ -166,178 +166,219 @@ func TestFenceScenarios(t *testing.T) {
 		if ka == kb {
 			t.Fatalf("%s gives both nodes key %s", d.Name(), ka)
 		}
-		lunName := func(s string) string { return strings.ReplaceAll(d.Name(), "_", "") + "-" + s }
+		f := &fenceRun{p: p, d: d, ka: ka, kb: kb}
+		t.Run(d.Name()+"/L1 double attach", func(t *testing.T) { f.l1DoubleAttach(t, ctx) })
+		t.Run(d.Name()+"/L2 handover", func(t *testing.T) { f.l2Handover(t, ctx) })
+		t.Run(d.Name()+"/L3 takeover with grant", func(t *testing.T) { f.l3TakeoverWithGrant(t, ctx) })
+		t.Run(d.Name()+"/L4 race", func(t *testing.T) { f.l4Race(t, ctx) })
+		t.Run(d.Name()+"/probe", func(t *testing.T) { f.probe(t, ctx) })
+	}
+}
 
-		t.Run(d.Name()+"/L1 double attach", func(t *testing.T) {
-			lun := p.newLUN(t, ctx, lunName("l1"))
-			devA := attach(t, ctx, a, lun)
-			mustAcquire(t, ctx, d, a, devA)
-			labtest.MustWrite(t, ctx, a, devA, 0, "L1-data-of-node-a")
-			// The same disk now attached to B as well.
-			devB := attach(t, ctx, b, lun)
-			// A type under which a registered non-holder cannot write.
-			if key, typ := reservationAsSeenBy(t, ctx, b, devB); key != ka || (typ != "Write Exclusive" && typ != "Exclusive Access") {
-				t.Fatalf("node-b sees reservation key %q type %q; want node-a's key %s, Write Exclusive or Exclusive Access", key, typ, ka)
-			}
-			mustRefuse(t, ctx, d, b, devB, a)
-			labtest.MustNotWrite(t, ctx, b, devB, 0, "L1-data-of-node-b")
-			labtest.MustNotWrite(t, ctx, b, devB, 1, "L1-data-of-node-b")
-			if got := backing(t, lun, 0); got != "L1-data-of-node-a" {
-				t.Errorf("block 0 of the LUN holds %q, want node-a's data", got)
-			}
-			if backingHas(t, lun, "L1-data-of-node-b") {
-				t.Error("node-b's data reached the LUN")
-			}
-			if ok, detail, err := d.Check(ctx, a, devA); err != nil || !ok {
-				t.Errorf("node-a's claim is not intact after node-b's attempts (%v): %s", err, detail)
-			}
-			if err := d.Release(ctx, a, devA); err != nil {
-				t.Fatal(err)
-			}
-		})
+// fenceRun is one driver's run of the scenarios on the pair, with the
+// nodes' keys.
+type fenceRun struct {
+	p      *pair
+	d      fenceDriver
+	ka, kb string
+}
 
-		t.Run(d.Name()+"/L2 handover", func(t *testing.T) {
-			lun := p.newLUN(t, ctx, lunName("l2"))
-			devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
-			mustAcquire(t, ctx, d, a, devA)
-			labtest.MustWrite(t, ctx, a, devA, 0, "L2-data-of-node-a")
-			if err := d.Release(ctx, a, devA); err != nil {
-				t.Fatal(err)
-			}
-			mustAcquire(t, ctx, d, b, devB)
-			if got := readBlock(t, ctx, b, devB, 0); got != "L2-data-of-node-a" {
-				t.Errorf("node-b reads %q from block 0, want node-a's data", got)
-			}
-			labtest.MustWrite(t, ctx, b, devB, 1, "L2-data-of-node-b")
-			if got := backing(t, lun, 1); got != "L2-data-of-node-b" {
-				t.Errorf("block 1 of the LUN holds %q, want node-b's data", got)
-			}
-			labtest.MustNotWrite(t, ctx, a, devA, 2, "L2-late-write-of-node-a")
-			if err := d.Release(ctx, b, devB); err != nil {
-				t.Fatal(err)
-			}
-		})
+// lunName names a LUN of this driver's run.
+func (f *fenceRun) lunName(s string) string { return strings.ReplaceAll(f.d.Name(), "_", "") + "-" + s }
 
-		t.Run(d.Name()+"/L3 takeover with grant", func(t *testing.T) {
-			lun := p.newLUN(t, ctx, lunName("l3"))
-			devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
-			mustAcquire(t, ctx, d, a, devA)
-			labtest.MustWrite(t, ctx, a, devA, 0, "L3-before-of-node-a")
-			// A grant that names some other key does not let B in.
-			mustRefuse(t, ctx, d, b, devB, a, "0x5643000000000001")
-			o := mustAcquire(t, ctx, d, b, devB, ka)
-			if d.NamesNodes() && (len(o.Preempted) != 1 || o.Preempted[0] != ka) {
-				t.Errorf("the takeover reports preempted keys %v, want node-a's %s: %s", o.Preempted, ka, o.Output)
-			}
-			// Read on node-b: a read on node-a would consume the unit
-			// attention (reservations preempted) that node-a's own fencing
-			// is to notice.
-			if key, _ := reservationAsSeenBy(t, ctx, b, devB); key != kb {
-				t.Errorf("the reservation key after the takeover is %q, want node-b's %s", key, kb)
-			}
-			labtest.MustNotWrite(t, ctx, a, devA, 1, "L3-after-of-node-a")
-			if ok, detail, err := d.Check(ctx, a, devA); err != nil || ok {
-				t.Errorf("node-a's check does not report the claim lost (%v): %s", err, detail)
-			}
-			labtest.MustWrite(t, ctx, b, devB, 2, "L3-after-of-node-b")
-			labtest.MustNotWrite(t, ctx, a, devA, 3, "L3-later-of-node-a")
-			// A must not have registered again on its own.
-			keys, err := a.MustSh(ctx, "sg_persist -n -i -k "+devA)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if strings.Contains(keys, ka) || !strings.Contains(keys, kb) {
-				t.Errorf("after the takeover the LUN's keys should be node-b's only:\n%s", keys)
-			}
-			if backingHas(t, lun, "L3-after-of-node-a") || backingHas(t, lun, "L3-later-of-node-a") {
-				t.Error("a write of node-a landed after the preempt")
-			}
-			if got := backing(t, lun, 0); got != "L3-before-of-node-a" {
-				t.Errorf("block 0 holds %q, want node-a's data from before the takeover", got)
-			}
-			if got := backing(t, lun, 2); got != "L3-after-of-node-b" {
-				t.Errorf("block 2 holds %q, want node-b's data", got)
-			}
-			if err := d.Release(ctx, b, devB); err != nil {
-				t.Fatal(err)
-			}
-		})
+// l1DoubleAttach: the disk A holds and writes is attached to B as well;
+// B sees A's reservation, is refused naming A, and none of its writes
+// reach the disk; A's claim stays intact.
+func (f *fenceRun) l1DoubleAttach(t *testing.T, ctx context.Context) {
+	p, d, a, b, ka := f.p, f.d, f.p.a, f.p.b, f.ka
+	lun := p.newLUN(t, ctx, f.lunName("l1"))
+	devA := attach(t, ctx, a, lun)
+	mustAcquire(t, ctx, d, a, devA)
+	labtest.MustWrite(t, ctx, a, devA, 0, "L1-data-of-node-a")
+	// The same disk now attached to B as well.
+	devB := attach(t, ctx, b, lun)
+	// A type under which a registered non-holder cannot write.
+	if key, typ := reservationAsSeenBy(t, ctx, b, devB); key != ka || (typ != "Write Exclusive" && typ != "Exclusive Access") {
+		t.Fatalf("node-b sees reservation key %q type %q; want node-a's key %s, Write Exclusive or Exclusive Access", key, typ, ka)
+	}
+	mustRefuse(t, ctx, d, b, devB, a)
+	labtest.MustNotWrite(t, ctx, b, devB, 0, "L1-data-of-node-b")
+	labtest.MustNotWrite(t, ctx, b, devB, 1, "L1-data-of-node-b")
+	if got := backing(t, lun, 0); got != "L1-data-of-node-a" {
+		t.Errorf("block 0 of the LUN holds %q, want node-a's data", got)
+	}
+	if backingHas(t, lun, "L1-data-of-node-b") {
+		t.Error("node-b's data reached the LUN")
+	}
+	if ok, detail, err := d.Check(ctx, a, devA); err != nil || !ok {
+		t.Errorf("node-a's claim is not intact after node-b's attempts (%v): %s", err, detail)
+	}
+	if err := d.Release(ctx, a, devA); err != nil {
+		t.Fatal(err)
+	}
+}
 
-		t.Run(d.Name()+"/L4 race", func(t *testing.T) {
-			lun := p.newLUN(t, ctx, lunName("l4"))
-			devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
-			wins := map[string]int{}
-			for round := 1; round <= 20; round++ {
-				var wg sync.WaitGroup
-				var oa, ob outcome
-				var ea, eb error
-				start := make(chan struct{})
-				wg.Add(2)
-				go func() { defer wg.Done(); <-start; oa, ea = d.Acquire(ctx, a, devA) }()
-				go func() { defer wg.Done(); <-start; ob, eb = d.Acquire(ctx, b, devB) }()
-				close(start)
-				wg.Wait()
-				if ea != nil || eb != nil {
-					t.Fatalf("round %d: %v %v", round, ea, eb)
-				}
-				if oa.Won == ob.Won {
-					t.Fatalf("round %d: node-a won %v, node-b won %v; want exactly one winner\nA: %s\nB: %s", round, oa.Won, ob.Won, oa.Output, ob.Output)
-				}
-				winner, wdev, loser := a, devA, ob
-				if ob.Won {
-					winner, wdev, loser = b, devB, oa
-				}
-				if loser.Holder != d.Key(winner) || (d.NamesNodes() && loser.HolderNode != winner.Name) {
-					t.Fatalf("round %d: the loser's refusal names %q (node %q), want the winner %s's key %s", round, loser.Holder, loser.HolderNode, winner.Name, d.Key(winner))
-				}
-				wins[winner.Name]++
-				if err := d.Release(ctx, winner, wdev); err != nil {
-					t.Fatal(err)
-				}
-			}
-			t.Logf("20 rounds, exactly one winner each: %v", wins)
-		})
+// l2Handover: A writes and releases; B acquires, reads A's data and
+// writes its own; a late write of A does not land.
+func (f *fenceRun) l2Handover(t *testing.T, ctx context.Context) {
+	p, d, a, b := f.p, f.d, f.p.a, f.p.b
+	lun := p.newLUN(t, ctx, f.lunName("l2"))
+	devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
+	mustAcquire(t, ctx, d, a, devA)
+	labtest.MustWrite(t, ctx, a, devA, 0, "L2-data-of-node-a")
+	if err := d.Release(ctx, a, devA); err != nil {
+		t.Fatal(err)
+	}
+	mustAcquire(t, ctx, d, b, devB)
+	if got := readBlock(t, ctx, b, devB, 0); got != "L2-data-of-node-a" {
+		t.Errorf("node-b reads %q from block 0, want node-a's data", got)
+	}
+	labtest.MustWrite(t, ctx, b, devB, 1, "L2-data-of-node-b")
+	if got := backing(t, lun, 1); got != "L2-data-of-node-b" {
+		t.Errorf("block 1 of the LUN holds %q, want node-b's data", got)
+	}
+	labtest.MustNotWrite(t, ctx, a, devA, 2, "L2-late-write-of-node-a")
+	if err := d.Release(ctx, b, devB); err != nil {
+		t.Fatal(err)
+	}
+}
 
-		t.Run(d.Name()+"/probe", func(t *testing.T) {
-			pr := p.newLUN(t, ctx, lunName("probe-pr"))
-			hd := p.newLUN(t, ctx, lunName("probe-hd"))
-			file := p.l.Dir() + "/" + lunName("probe-vblk") + ".img"
-			if err := os.WriteFile(file, make([]byte, 1<<20), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			cases := []struct {
-				disk lab.Disk
-				pr   bool
-			}{
-				{lab.Disk{ID: pr.Serial, Kind: lab.SCSIBlock, LUN: pr}, true},
-				{lab.Disk{ID: hd.Serial, Kind: lab.SCSIHD, LUN: hd, Serial: hd.Serial}, false},
-				{lab.Disk{ID: "vblk-probe", Kind: lab.VirtioBlk, File: file, Serial: "vblk-probe"}, false},
-			}
-			for _, c := range cases {
-				if err := a.AttachDisk(ctx, c.disk); err != nil {
-					t.Fatal(err)
-				}
-				serial := c.disk.Serial
-				if serial == "" {
-					serial = c.disk.LUN.Serial
-				}
-				wctx, cancel := context.WithTimeout(ctx, time.Minute)
-				gd, err := a.WaitDiskBySerial(wctx, serial)
-				cancel()
-				if err != nil {
-					t.Fatal(err)
-				}
-				got, detail, err := d.Probe(ctx, a, "/dev/"+gd.Name)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if got != c.pr {
-					t.Errorf("probe of %s (%s): PR %v, want %v: %s", c.disk.ID, c.disk.Kind, got, c.pr, detail)
-				}
-				if err := a.DetachDisk(ctx, c.disk.ID); err != nil {
-					t.Fatal(err)
-				}
-			}
-		})
+// l3TakeoverWithGrant: B, with a grant naming A's key (and not with one
+// naming another), takes the disk over from A; A's writes stop landing,
+// its check reports the loss, it does not register again, and the data of
+// both before and after the takeover is where it belongs.
+func (f *fenceRun) l3TakeoverWithGrant(t *testing.T, ctx context.Context) {
+	p, d, a, b, ka, kb := f.p, f.d, f.p.a, f.p.b, f.ka, f.kb
+	lun := p.newLUN(t, ctx, f.lunName("l3"))
+	devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
+	mustAcquire(t, ctx, d, a, devA)
+	labtest.MustWrite(t, ctx, a, devA, 0, "L3-before-of-node-a")
+	// A grant that names some other key does not let B in.
+	mustRefuse(t, ctx, d, b, devB, a, "0x5643000000000001")
+	o := mustAcquire(t, ctx, d, b, devB, ka)
+	if d.NamesNodes() && (len(o.Preempted) != 1 || o.Preempted[0] != ka) {
+		t.Errorf("the takeover reports preempted keys %v, want node-a's %s: %s", o.Preempted, ka, o.Output)
+	}
+	// Read on node-b: a read on node-a would consume the unit
+	// attention (reservations preempted) that node-a's own fencing
+	// is to notice.
+	if key, _ := reservationAsSeenBy(t, ctx, b, devB); key != kb {
+		t.Errorf("the reservation key after the takeover is %q, want node-b's %s", key, kb)
+	}
+	labtest.MustNotWrite(t, ctx, a, devA, 1, "L3-after-of-node-a")
+	if ok, detail, err := d.Check(ctx, a, devA); err != nil || ok {
+		t.Errorf("node-a's check does not report the claim lost (%v): %s", err, detail)
+	}
+	labtest.MustWrite(t, ctx, b, devB, 2, "L3-after-of-node-b")
+	labtest.MustNotWrite(t, ctx, a, devA, 3, "L3-later-of-node-a")
+	f.checkAfterTakeover(t, ctx, lun, devA)
+	if err := d.Release(ctx, b, devB); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkAfterTakeover: A must not have registered again on its own, none of
+// its writes after the preempt landed, and the blocks hold A's data from
+// before and B's from after.
+func (f *fenceRun) checkAfterTakeover(t *testing.T, ctx context.Context, lun *lab.LUN, devA string) {
+	t.Helper()
+	keys, err := f.p.a.MustSh(ctx, "sg_persist -n -i -k "+devA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(keys, f.ka) || !strings.Contains(keys, f.kb) {
+		t.Errorf("after the takeover the LUN's keys should be node-b's only:\n%s", keys)
+	}
+	if backingHas(t, lun, "L3-after-of-node-a") || backingHas(t, lun, "L3-later-of-node-a") {
+		t.Error("a write of node-a landed after the preempt")
+	}
+	if got := backing(t, lun, 0); got != "L3-before-of-node-a" {
+		t.Errorf("block 0 holds %q, want node-a's data from before the takeover", got)
+	}
+	if got := backing(t, lun, 2); got != "L3-after-of-node-b" {
+		t.Errorf("block 2 holds %q, want node-b's data", got)
+	}
+}
+
+// l4Race: both acquire at once, 20 rounds; exactly one wins each, and the
+// loser's refusal names the winner.
+func (f *fenceRun) l4Race(t *testing.T, ctx context.Context) {
+	p, d, a, b := f.p, f.d, f.p.a, f.p.b
+	lun := p.newLUN(t, ctx, f.lunName("l4"))
+	devA, devB := attach(t, ctx, a, lun), attach(t, ctx, b, lun)
+	wins := map[string]int{}
+	for round := 1; round <= 20; round++ {
+		var wg sync.WaitGroup
+		var oa, ob outcome
+		var ea, eb error
+		start := make(chan struct{})
+		wg.Add(2)
+		go func() { defer wg.Done(); <-start; oa, ea = d.Acquire(ctx, a, devA) }()
+		go func() { defer wg.Done(); <-start; ob, eb = d.Acquire(ctx, b, devB) }()
+		close(start)
+		wg.Wait()
+		if ea != nil || eb != nil {
+			t.Fatalf("round %d: %v %v", round, ea, eb)
+		}
+		if oa.Won == ob.Won {
+			t.Fatalf("round %d: node-a won %v, node-b won %v; want exactly one winner\nA: %s\nB: %s", round, oa.Won, ob.Won, oa.Output, ob.Output)
+		}
+		winner, wdev, loser := a, devA, ob
+		if ob.Won {
+			winner, wdev, loser = b, devB, oa
+		}
+		if loser.Holder != d.Key(winner) || (d.NamesNodes() && loser.HolderNode != winner.Name) {
+			t.Fatalf("round %d: the loser's refusal names %q (node %q), want the winner %s's key %s", round, loser.Holder, loser.HolderNode, winner.Name, d.Key(winner))
+		}
+		wins[winner.Name]++
+		if err := d.Release(ctx, winner, wdev); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("20 rounds, exactly one winner each: %v", wins)
+}
+
+// probe: the driver's probe finds persistent reservations on a scsi-block
+// LUN, and none on an emulated SCSI disk or a virtio-blk disk.
+func (f *fenceRun) probe(t *testing.T, ctx context.Context) {
+	p, a := f.p, f.p.a
+	pr := p.newLUN(t, ctx, f.lunName("probe-pr"))
+	hd := p.newLUN(t, ctx, f.lunName("probe-hd"))
+	file := p.l.Dir() + "/" + f.lunName("probe-vblk") + ".img"
+	if err := os.WriteFile(file, make([]byte, 1<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		disk lab.Disk
+		pr   bool
+	}{
+		{lab.Disk{ID: pr.Serial, Kind: lab.SCSIBlock, LUN: pr}, true},
+		{lab.Disk{ID: hd.Serial, Kind: lab.SCSIHD, LUN: hd, Serial: hd.Serial}, false},
+		{lab.Disk{ID: "vblk-probe", Kind: lab.VirtioBlk, File: file, Serial: "vblk-probe"}, false},
+	}
+	for _, c := range cases {
+		if err := a.AttachDisk(ctx, c.disk); err != nil {
+			t.Fatal(err)
+		}
+		serial := c.disk.Serial
+		if serial == "" {
+			serial = c.disk.LUN.Serial
+		}
+		wctx, cancel := context.WithTimeout(ctx, time.Minute)
+		gd, err := a.WaitDiskBySerial(wctx, serial)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, detail, err := f.d.Probe(ctx, a, "/dev/"+gd.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != c.pr {
+			t.Errorf("probe of %s (%s): PR %v, want %v: %s", c.disk.ID, c.disk.Kind, got, c.pr, detail)
+		}
+		if err := a.DetachDisk(ctx, c.disk.ID); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

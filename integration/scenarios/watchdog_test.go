@@ -95,22 +95,42 @@ func TestWatchdogResetsAStoppedHolder(t *testing.T) {
 	plug(t, ctx, b, "wd", img)
 	mustStage(t, ctx, a, "vol-wd", "wd")
 
-	var st struct {
-		HostWatchdog struct {
-			Armed   bool   `json:"armed"`
-			Device  string `json:"device"`
-			Timeout string `json:"timeout"`
-			Leases  int    `json:"leases"`
-		} `json:"host_watchdog"`
-	}
-	if err := agentJSON(ctx, a, &st, "status"); err != nil {
-		t.Fatal(err)
-	}
-	if w := st.HostWatchdog; !w.Armed || w.Device != "/dev/watchdog0" || w.Timeout != "6s" || w.Leases != 1 {
+	if w := hostWatchdog(t, ctx, a); !w.Armed || w.Device != "/dev/watchdog0" || w.Timeout != "6s" || w.Leases != 1 {
 		t.Fatalf("node-a's host watchdog while it holds the lease: %+v", w)
 	}
+	startSeqWriter(t, ctx, a, img)
+	s := stoppedHolderIsReset(t, ctx, a, b, img)
+	takeoverAfterTheReset(t, ctx, b, img, s)
+	restartedHolderIsNotReset(t, ctx, b)
+	mustUnstage(t, ctx, b, "vol-wd")
+	watchdogDisarmedAfterUnstage(t, ctx, b)
+	t.Logf("whole test after the lab was up: %s", time.Since(began).Round(time.Second))
+}
 
-	// The writer: one O_DIRECT block per record, each at its own offset.
+// hostWatchdogStatus is the host watchdog's part of `vco-agent status`.
+type hostWatchdogStatus struct {
+	Armed   bool   `json:"armed"`
+	Device  string `json:"device"`
+	Timeout string `json:"timeout"`
+	Leases  int    `json:"leases"`
+}
+
+// hostWatchdog asks g's agent for its host watchdog's state.
+func hostWatchdog(t *testing.T, ctx context.Context, g *lab.Guest) hostWatchdogStatus {
+	t.Helper()
+	var st struct {
+		HostWatchdog hostWatchdogStatus `json:"host_watchdog"`
+	}
+	if err := agentJSON(ctx, g, &st, "status"); err != nil {
+		t.Fatal(err)
+	}
+	return st.HostWatchdog
+}
+
+// startSeqWriter starts node-a's writer: one O_DIRECT block per record,
+// each at its own offset; it waits until a few reached the disk.
+func startSeqWriter(t *testing.T, ctx context.Context, a *lab.Guest, img string) {
+	t.Helper()
 	if _, err := a.MustSh(ctx, fmt.Sprintf(`cat >/run/writer.sh <<'EOF'
 i=0
 while :; do
@@ -126,49 +146,70 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 			t.Fatal("node-a's writer wrote nothing to the disk")
 		}
 	}
+}
 
-	// Freeze node-a's agent: no renewal, no self-fencing, no feeding.
+// stoppedHolder is what stoppedHolderIsReset saw: when node-a's agent
+// stopped and its guest reset, the last block at the reset, and node-b's
+// stage under way.
+type stoppedHolder struct {
+	stopped, reset time.Time
+	atReset        int
+	staged         chan error
+}
+
+// stoppedHolderIsReset freezes node-a's agent (no renewal, no
+// self-fencing, no feeding) while node-b stages the volume: node-a's
+// guest must reset before node-b's takeover completes, within W of the
+// stop, after its writer went on writing.
+func stoppedHolderIsReset(t *testing.T, ctx context.Context, a, b *lab.Guest, img string) stoppedHolder {
+	t.Helper()
 	if _, err := a.MustSh(ctx, "kill -STOP $(cat /run/agent.pid)"); err != nil {
 		t.Fatal(err)
 	}
-	stopped := time.Now()
+	s := stoppedHolder{stopped: time.Now(), staged: make(chan error, 1)}
 	atStop := maxSeq(t, img)
-	staged := make(chan error, 1)
 	go func() {
 		_, err := stage(ctx, b, "vol-wd", "wd")
-		staged <- err
+		s.staged <- err
 	}()
 
-	var reset, tookOver time.Time
 	select {
 	case <-a.Proc.Exited():
-		reset = time.Now()
-	case err := <-staged:
-		tookOver = time.Now()
+		s.reset = time.Now()
+	case err := <-s.staged:
+		tookOver := time.Now()
 		before := maxSeq(t, img)
 		time.Sleep(3 * time.Second)
 		t.Fatalf("node-b took the disk over (%v) %s after node-a's agent stopped, and node-a's guest is still running: its writer went on from block %d to %d while node-b held the disk",
-			err, tookOver.Sub(stopped).Round(time.Millisecond), before, maxSeq(t, img))
+			err, tookOver.Sub(s.stopped).Round(time.Millisecond), before, maxSeq(t, img))
 	case <-time.After(2 * time.Minute):
 		t.Fatal("neither a reset of node-a nor node-b's takeover within 2 minutes")
 	}
-	atReset := maxSeq(t, img)
+	s.atReset = maxSeq(t, img)
 	t.Logf("node-a's guest reset %s after its agent was stopped (W %s); its writer got blocks %d to %d onto the disk meanwhile",
-		reset.Sub(stopped).Round(time.Millisecond), watchdogW, atStop, atReset)
-	if atReset <= atStop {
-		t.Fatalf("node-a's writer wrote nothing after its agent stopped (blocks %d, %d): the test shows nothing", atStop, atReset)
+		s.reset.Sub(s.stopped).Round(time.Millisecond), watchdogW, atStop, s.atReset)
+	if s.atReset <= atStop {
+		t.Fatalf("node-a's writer wrote nothing after its agent stopped (blocks %d, %d): the test shows nothing", atStop, s.atReset)
 	}
 	// Reset within W of the last feed, which came at most a feed interval
 	// (1s) before the stop; TCG adds a little.
-	if late := reset.Sub(stopped); late > watchdogW+5*time.Second {
+	if late := s.reset.Sub(s.stopped); late > watchdogW+5*time.Second {
 		t.Fatalf("node-a's guest reset %s after its agent stopped; W is %s", late, watchdogW)
 	}
 	if !strings.Contains(a.ConsoleTail(200), "softdog") && !strings.Contains(a.ConsoleTail(200), "watchdog") {
 		t.Logf("node-a's console does not name the watchdog:\n%s", a.ConsoleTail(20))
 	}
+	return s
+}
 
+// takeoverAfterTheReset: node-b's stage completes; none of node-a's
+// blocks lands after its reset; node-b reads node-a's earlier blocks and
+// its own write reaches the disk.
+func takeoverAfterTheReset(t *testing.T, ctx context.Context, b *lab.Guest, img string, s stoppedHolder) {
+	t.Helper()
+	var tookOver time.Time
 	select {
-	case err := <-staged:
+	case err := <-s.staged:
 		tookOver = time.Now()
 		if err != nil {
 			t.Fatalf("node-b's takeover: %v", err)
@@ -176,13 +217,13 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 	case <-time.After(2 * time.Minute):
 		t.Fatal("node-b did not take the disk over")
 	}
-	t.Logf("node-b took over %s after node-a's agent stopped, %s after node-a's reset", tookOver.Sub(stopped).Round(time.Millisecond),
-		tookOver.Sub(reset).Round(time.Millisecond))
+	t.Logf("node-b took over %s after node-a's agent stopped, %s after node-a's reset", tookOver.Sub(s.stopped).Round(time.Millisecond),
+		tookOver.Sub(s.reset).Round(time.Millisecond))
 	if err := writeFile(ctx, b, "vol-wd", "b", "WDSEQ-B-after-takeover"); err != nil {
 		t.Fatal(err)
 	}
-	if got := maxSeq(t, img); got != atReset {
-		t.Fatalf("node-a's block %d landed after its reset (last at reset: %d)", got, atReset)
+	if got := maxSeq(t, img); got != s.atReset {
+		t.Fatalf("node-a's block %d landed after its reset (last at reset: %d)", got, s.atReset)
 	}
 	out, err := b.MustSh(ctx, "grep -c WDSEQ-A "+stagingOf("vol-wd")+"/seq")
 	if err != nil || strings.TrimSpace(out) == "0" {
@@ -191,9 +232,14 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 	if !fileHas(t, img, "WDSEQ-B-after-takeover") {
 		t.Fatal("node-b's write did not reach the disk")
 	}
-	// node-b's agent is killed while it holds the lease and comes back at
-	// once (a crash, an upgrade): the new process takes the device over
-	// before it runs out, resumes the lease and feeds it; no reset.
+}
+
+// restartedHolderIsNotReset: node-b's agent is killed while it holds the
+// lease and comes back at once (a crash, an upgrade): the new process
+// takes the device over before it runs out, resumes the lease and feeds
+// it; no reset.
+func restartedHolderIsNotReset(t *testing.T, ctx context.Context, b *lab.Guest) {
+	t.Helper()
 	if _, err := b.MustSh(ctx, "kill -KILL $(cat /run/agent.pid)"); err != nil {
 		t.Fatal(err)
 	}
@@ -206,31 +252,29 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 		t.Fatalf("node-b's guest reset after its agent was killed and back in %s", back.Round(time.Millisecond))
 	default:
 	}
-	if err := agentJSON(ctx, b, &st, "status"); err != nil {
-		t.Fatal(err)
-	}
-	if w := st.HostWatchdog; !w.Armed || w.Leases != 1 {
+	if w := hostWatchdog(t, ctx, b); !w.Armed || w.Leases != 1 {
 		t.Fatalf("node-b's host watchdog after its agent restarted: %+v", w)
 	}
 	if err := writeFile(ctx, b, "vol-wd", "b2", "WDSEQ-B-after-restart"); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("node-b's agent killed and back in %s: the device taken over, the lease resumed, no reset", back.Round(time.Millisecond))
-	mustUnstage(t, ctx, b, "vol-wd")
+}
 
-	// node-b's watchdog, armed for its lease, is stopped by the magic
-	// close once no lease has been held for an acquisition's time
-	// (Expiry + Settle + 3d = 20s): its guest then lives on past W.
+// watchdogDisarmedAfterUnstage: node-b's watchdog, armed for its lease,
+// is stopped by the magic close once no lease has been held for an
+// acquisition's time (Expiry + Settle + 3d = 20s): its guest then lives
+// on past W.
+func watchdogDisarmedAfterUnstage(t *testing.T, ctx context.Context, b *lab.Guest) {
+	t.Helper()
 	unstaged := time.Now()
 	for {
-		if err := agentJSON(ctx, b, &st, "status"); err != nil {
-			t.Fatal(err)
-		}
-		if !st.HostWatchdog.Armed {
+		w := hostWatchdog(t, ctx, b)
+		if !w.Armed {
 			break
 		}
 		if time.Since(unstaged) > time.Minute {
-			t.Fatalf("node-b's watchdog still armed a minute after its last unstage: %+v", st.HostWatchdog)
+			t.Fatalf("node-b's watchdog still armed a minute after its last unstage: %+v", w)
 		}
 		time.Sleep(time.Second)
 	}
@@ -245,5 +289,4 @@ setsid sh /run/writer.sh </dev/null >/dev/null 2>&1 &`, stagingOf("vol-wd"))); e
 		t.Fatalf("node-b after its watchdog was disarmed: %v", err)
 	}
 	t.Logf("node-b's watchdog disarmed %s after its unstage; the guest lives on past W", disarmed.Sub(unstaged).Round(time.Millisecond))
-	t.Logf("whole test after the lab was up: %s", time.Since(began).Round(time.Second))
 }

@@ -14,11 +14,8 @@ package simlab
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -59,12 +56,12 @@ const FileVirtioBlk lab.DiskKind = "virtio-blk-file"
 // Timeout bounds each backend operation (the simulator gives it no context).
 const Timeout = 2 * time.Minute
 
-// DiskFile is the backing file of disk id.
-func (b *Backend) DiskFile(id int64) string {
-	return filepath.Join(b.Dir, fmt.Sprintf("disk-%d.img", id))
-}
+// files keeps the disks' and snapshots' backing files in Dir as the
+// simulator's host backend does; Backend serves them from the lab.
+func (b *Backend) files() *sim.HostBackend { return &sim.HostBackend{Dir: b.Dir} }
 
-func (b *Backend) snapFile(id string) string { return filepath.Join(b.Dir, "snap-"+id+".img") }
+// DiskFile is the backing file of disk id.
+func (b *Backend) DiskFile(id int64) string { return b.files().DiskFile(id) }
 
 // SetKind chooses how disk id is shown to guests from its next attach on.
 func (b *Backend) SetKind(id int64, k lab.DiskKind) {
@@ -126,16 +123,7 @@ func (b *Backend) CreateDisk(id, sizeGiB int64) error { return b.CreateDiskBytes
 // CreateDiskBytes makes a sparse file of size bytes and serves it: the
 // simulator's create call takes its disk_size in GB (sim.ByteSizer).
 func (b *Backend) CreateDiskBytes(id, size int64) error {
-	if err := os.MkdirAll(b.Dir, 0o700); err != nil {
-		return err
-	}
-	f, err := os.OpenFile(b.DiskFile(id), os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-	if err != nil {
-		return err
-	}
-	err = f.Truncate(size)
-	f.Close()
-	if err != nil {
+	if err := b.files().CreateDiskBytes(id, size); err != nil {
 		return err
 	}
 	return b.serve(id)
@@ -153,10 +141,7 @@ func (b *Backend) DeleteDisk(id int64) error {
 		delete(b.luns, id)
 		b.mu.Unlock()
 	}
-	if err := os.Remove(b.DiskFile(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	return nil
+	return b.files().DeleteDisk(id)
 }
 
 // ResizeDisk grows the file. tgtd learns a LUN's size when it opens the
@@ -219,30 +204,17 @@ func targetHasSession(show, iqn string) bool {
 	return false
 }
 
-func copySparse(src, dst string) error {
-	out, err := exec.Command("cp", "--sparse=always", "--reflink=auto", src, dst).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("copying %s to %s: %s", src, dst, strings.TrimSpace(string(out)))
-	}
-	return nil
-}
-
 // Snapshot copies the disk's file as it is now.
 func (b *Backend) Snapshot(diskID int64, snapID string) error {
-	return copySparse(b.DiskFile(diskID), b.snapFile(snapID))
+	return b.files().Snapshot(diskID, snapID)
 }
 
 // DeleteSnapshot removes the snapshot's file.
-func (b *Backend) DeleteSnapshot(snapID string) error {
-	if err := os.Remove(b.snapFile(snapID)); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return err
-	}
-	return nil
-}
+func (b *Backend) DeleteSnapshot(snapID string) error { return b.files().DeleteSnapshot(snapID) }
 
 // CloneSnapshot copies a snapshot into a new disk and serves it.
 func (b *Backend) CloneSnapshot(snapID string, newID int64) error {
-	if err := copySparse(b.snapFile(snapID), b.DiskFile(newID)); err != nil {
+	if err := b.files().CloneSnapshot(snapID, newID); err != nil {
 		return err
 	}
 	return b.serve(newID)

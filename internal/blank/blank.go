@@ -91,19 +91,9 @@ func (e *NotBlankError) Error() string {
 // error of another kind means the device could not be read, and is no
 // proof either.
 func Prove(ctx context.Context, path string) (Proof, error) {
-	r, err := read(ctx, path)
+	r, err := readUnsigned(ctx, path, (*regions).signature)
 	if err != nil {
 		return Proof{}, err
-	}
-	if found := r.signature(); found != "" {
-		return Proof{}, &NotBlankError{Device: path, Found: found}
-	}
-	found, err := probeBlkid(ctx, path)
-	if err != nil {
-		return Proof{}, err
-	}
-	if found != "" {
-		return Proof{}, &NotBlankError{Device: path, Found: found}
 	}
 	if found := r.nonZero(); found != "" {
 		return Proof{}, &NotBlankError{Device: path, Found: found}
@@ -118,23 +108,34 @@ func Prove(ctx context.Context, path string) (Proof, error) {
 // is that no signature the project knows or `blkid -p` finds is there,
 // which would mean someone wrote the volume since.
 func ProveEncrypted(ctx context.Context, mapping string) (Proof, error) {
-	r, err := read(ctx, mapping)
-	if err != nil {
-		return Proof{}, err
-	}
 	// Not r.signature: crypt/luks2's check takes any non-zero data for
 	// an unknown signature, and noise is what this device holds.
-	if found := r.headers(); found != "" {
-		return Proof{}, &NotBlankError{Device: mapping, Found: found}
-	}
-	found, err := probeBlkid(ctx, mapping)
+	r, err := readUnsigned(ctx, mapping, (*regions).headers)
 	if err != nil {
 		return Proof{}, err
 	}
-	if found != "" {
-		return Proof{}, &NotBlankError{Device: mapping, Found: found}
-	}
 	return Proof{path: mapping, size: r.size}, nil
+}
+
+// readUnsigned reads the device at path and returns what it read when
+// neither find (on what was read) nor `blkid -p` finds a signature; one
+// found is a *NotBlankError naming it.
+func readUnsigned(ctx context.Context, path string, find func(*regions) string) (*regions, error) {
+	r, err := read(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	if found := find(r); found != "" {
+		return nil, &NotBlankError{Device: path, Found: found}
+	}
+	found, err := probeBlkid(ctx, path)
+	if err != nil {
+		return nil, err
+	}
+	if found != "" {
+		return nil, &NotBlankError{Device: path, Found: found}
+	}
+	return r, nil
 }
 
 // ProvePast proves blank everything of the device the checks cover from

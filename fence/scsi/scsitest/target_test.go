@@ -17,47 +17,69 @@ func dev(t *Target, ini string) *scsi.Device {
 	return d
 }
 
+// wantErr fails the test, naming what was done, unless err is want.
+func wantErr(t *testing.T, err, want error, what string) {
+	t.Helper()
+	if !errors.Is(err, want) {
+		t.Fatalf("%s: %v", what, err)
+	}
+}
+
+// mustOK fails the test on err.
+func mustOK(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestModelFollowsSPC4(t *testing.T) {
 	ctx := context.Background()
 	tgt := New(Options{})
 	a, b := dev(tgt, "a"), dev(tgt, "b")
 	out := func(d *scsi.Device, p scsi.PROut) error { return d.PersistentReserveOut(ctx, p) }
 
+	registerAndReserveFollowSPC4(t, out, a)
+	releaseFollowsSPC4(t, tgt, out, a, b)
+	preemptFollowsSPC4(t, ctx, tgt, out, a, b)
+	parameterListFollowsSPC4(t, ctx, tgt, out, a)
+	// INQUIRY does not consume a pending unit attention.
+	tgt.QueueUnitAttention("a", 0x29, 0)
+	if _, err := a.Inquiry(ctx); err != nil {
+		t.Fatalf("inquiry with pending UA: %v", err)
+	}
+	if _, _, ok := scsi.UnitAttentionCode(a.TestUnitReady(ctx)); !ok {
+		t.Fatal("unit attention consumed by INQUIRY")
+	}
+}
+
+// prOut sends a PERSISTENT RESERVE OUT from a device.
+type prOut func(d *scsi.Device, p scsi.PROut) error
+
+// registerAndReserveFollowSPC4 registers a with key 1 and reserves the
+// target for it with type 1 (Write Exclusive).
+func registerAndReserveFollowSPC4(t *testing.T, out prOut, a *scsi.Device) {
+	t.Helper()
 	// REGISTER from an unregistered nexus with a non-zero RESERVATION KEY
 	// conflicts; with zero it registers.
-	if err := out(a, scsi.PROut{Action: scsi.Register, Key: 5, ServiceActionKey: 1}); !errors.Is(err, scsi.ErrReservationConflict) {
-		t.Fatalf("register with wrong key: %v", err)
-	}
-	if err := out(a, scsi.PROut{Action: scsi.Register, ServiceActionKey: 1}); err != nil {
-		t.Fatal(err)
-	}
+	wantErr(t, out(a, scsi.PROut{Action: scsi.Register, Key: 5, ServiceActionKey: 1}), scsi.ErrReservationConflict, "register with wrong key")
+	mustOK(t, out(a, scsi.PROut{Action: scsi.Register, ServiceActionKey: 1}))
 	// RESERVE needs the registered key; an invalid type is ILLEGAL REQUEST.
-	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 2}); !errors.Is(err, scsi.ErrReservationConflict) {
-		t.Fatalf("reserve with wrong key: %v", err)
-	}
-	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 2, Key: 1}); !errors.Is(err, scsi.ErrIllegalRequest) {
-		t.Fatalf("reserve type 2: %v", err)
-	}
-	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}); err != nil {
-		t.Fatal(err)
-	}
+	wantErr(t, out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 2}), scsi.ErrReservationConflict, "reserve with wrong key")
+	wantErr(t, out(a, scsi.PROut{Action: scsi.Reserve, Type: 2, Key: 1}), scsi.ErrIllegalRequest, "reserve type 2")
+	mustOK(t, out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}))
 	// Same type again is GOOD, another type conflicts.
-	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}); err != nil {
-		t.Fatal(err)
-	}
-	if err := out(a, scsi.PROut{Action: scsi.Reserve, Type: 3, Key: 1}); !errors.Is(err, scsi.ErrReservationConflict) {
-		t.Fatalf("reserve other type: %v", err)
-	}
+	mustOK(t, out(a, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 1}))
+	wantErr(t, out(a, scsi.PROut{Action: scsi.Reserve, Type: 3, Key: 1}), scsi.ErrReservationConflict, "reserve other type")
+}
+
+// releaseFollowsSPC4 registers b with key 2 beside a's reservation.
+func releaseFollowsSPC4(t *testing.T, tgt *Target, out prOut, a, b *scsi.Device) {
+	t.Helper()
 	// Another registrant's RESERVE conflicts; its RELEASE is a no-op.
-	if err := out(b, scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: 2}); err != nil {
-		t.Fatal(err)
-	}
-	if err := out(b, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 2}); !errors.Is(err, scsi.ErrReservationConflict) {
-		t.Fatalf("second reserve: %v", err)
-	}
-	if err := out(b, scsi.PROut{Action: scsi.Release, Type: 1, Key: 2}); err != nil {
-		t.Fatal(err)
-	}
+	mustOK(t, out(b, scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: 2}))
+	wantErr(t, out(b, scsi.PROut{Action: scsi.Reserve, Type: 1, Key: 2}), scsi.ErrReservationConflict, "second reserve")
+	mustOK(t, out(b, scsi.PROut{Action: scsi.Release, Type: 1, Key: 2}))
 	if _, k, _, ok := tgt.Reservation(); !ok || k != 1 {
 		t.Fatal("non-holder's RELEASE released")
 	}
@@ -67,19 +89,19 @@ func TestModelFollowsSPC4(t *testing.T) {
 	if !errors.As(err, &ce) || ce.Sense == nil || ce.Sense.ASC != 0x26 || ce.Sense.ASCQ != 0x04 {
 		t.Fatalf("release with wrong type: %v", err)
 	}
+}
+
+// preemptFollowsSPC4 has b preempt a, then unregister, which leaves the
+// target without a reservation.
+func preemptFollowsSPC4(t *testing.T, ctx context.Context, tgt *Target, out prOut, a, b *scsi.Device) {
+	t.Helper()
 	// PREEMPT of a key nobody holds conflicts; PREEMPT with SA key 0 and no
 	// all-registrants reservation is ILLEGAL REQUEST.
-	if err := out(b, scsi.PROut{Action: scsi.Preempt, Type: 1, Key: 2, ServiceActionKey: 9}); !errors.Is(err, scsi.ErrReservationConflict) {
-		t.Fatalf("preempt unknown key: %v", err)
-	}
-	if err := out(b, scsi.PROut{Action: scsi.Preempt, Type: 1, Key: 2}); !errors.Is(err, scsi.ErrIllegalRequest) {
-		t.Fatalf("preempt key 0: %v", err)
-	}
+	wantErr(t, out(b, scsi.PROut{Action: scsi.Preempt, Type: 1, Key: 2, ServiceActionKey: 9}), scsi.ErrReservationConflict, "preempt unknown key")
+	wantErr(t, out(b, scsi.PROut{Action: scsi.Preempt, Type: 1, Key: 2}), scsi.ErrIllegalRequest, "preempt key 0")
 	// PREEMPT of the holder moves the reservation and tells the preempted
 	// nexus REGISTRATIONS PREEMPTED (2A/05) on its next command.
-	if err := out(b, scsi.PROut{Action: scsi.Preempt, Type: 3, Key: 2, ServiceActionKey: 1}); err != nil {
-		t.Fatal(err)
-	}
+	mustOK(t, out(b, scsi.PROut{Action: scsi.Preempt, Type: 3, Key: 2, ServiceActionKey: 1}))
 	if h, k, ty, _ := tgt.Reservation(); h != "b" || k != 2 || ty != 3 {
 		t.Fatalf("after preempt: %s %d %d", h, k, ty)
 	}
@@ -91,28 +113,20 @@ func TestModelFollowsSPC4(t *testing.T) {
 	if tgt.CanRead("a") || tgt.CanWrite("a") || !tgt.CanWrite("b") {
 		t.Fatal("Exclusive Access access rules")
 	}
-	if err := out(b, scsi.PROut{Action: scsi.Register, Key: 2}); err != nil {
-		t.Fatal(err)
-	}
+	mustOK(t, out(b, scsi.PROut{Action: scsi.Register, Key: 2}))
 	if _, _, _, ok := tgt.Reservation(); ok {
 		t.Fatal("unregistering holder kept the reservation")
 	}
-	// APTPL is rejected by default (tgt does so) and the parameter list
-	// length must be 24.
-	if err := out(a, scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: 1, APTPL: true}); !errors.Is(err, scsi.ErrIllegalRequest) {
-		t.Fatalf("APTPL: %v", err)
-	}
+}
+
+// parameterListFollowsSPC4: APTPL is rejected by default (tgt does so)
+// and the parameter list length must be 24.
+func parameterListFollowsSPC4(t *testing.T, ctx context.Context, tgt *Target, out prOut, a *scsi.Device) {
+	t.Helper()
+	wantErr(t, out(a, scsi.PROut{Action: scsi.RegisterAndIgnoreExistingKey, ServiceActionKey: 1, APTPL: true}), scsi.ErrIllegalRequest, "APTPL")
 	r, err := tgt.Initiator("a").Execute(ctx, scsi.PROut{Action: scsi.Register}.CDB(), scsi.DirToDevice, make([]byte, 23), 0)
 	if s, serr := scsi.ParseSense(r.Sense); err != nil || r.Status != scsi.StatusCheckCondition || serr != nil || s.ASC != 0x1a {
 		t.Fatalf("23-byte parameter list: %+v, %v", r, err)
-	}
-	// INQUIRY does not consume a pending unit attention.
-	tgt.QueueUnitAttention("a", 0x29, 0)
-	if _, err := a.Inquiry(ctx); err != nil {
-		t.Fatalf("inquiry with pending UA: %v", err)
-	}
-	if _, _, ok := scsi.UnitAttentionCode(a.TestUnitReady(ctx)); !ok {
-		t.Fatal("unit attention consumed by INQUIRY")
 	}
 }
 
