@@ -1,0 +1,131 @@
+package volume
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestStageGrowsARestoredFilesystemToItsLargerDisk: a volume whose disk
+// is larger than its filesystem (a restore of a snapshot into a larger
+// claim, here a disk grown while not staged) is staged with its filesystem
+// grown to fill the disk, its files kept; a stage of a volume that fills
+// its disk grows nothing, nor does a read-only one. ext4 is grown both
+// ways: unmounted, as an agent without CAP_SYS_RESOURCE does, and online
+// where this process has that capability.
+func TestStageGrowsARestoredFilesystemToItsLargerDisk(t *testing.T) {
+	for _, tc := range []struct {
+		name, fs string
+		from, to int64 // MiB
+		unmounted bool
+	}{
+		{"ext4 unmounted", "ext4", 64, 128, true},
+		{"ext4 unmounted, tail", "ext4", 1024, 1153, true},
+		{"ext4 online", "ext4", 64, 128, false},
+		{"xfs", "xfs", 320, 640, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.fs == "ext4" && !tc.unmounted && !canGrowExt4Online() {
+				t.Skip("online ext4 growth needs CAP_SYS_RESOURCE, which this process lacks")
+			}
+			if tc.unmounted {
+				growsExt4Online = func() bool { return false }
+				t.Cleanup(func() { growsExt4Online = canGrowExt4Online })
+			}
+			stageGrowsFilesystem(t, tc.fs, tc.from, tc.to)
+		})
+	}
+}
+
+func stageGrowsFilesystem(t *testing.T, fs string, from, to int64) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, dev := loop(t, from)
+	req := e.stageReq("vol-r", img, "staging/r")
+	req.FsType = fs
+	stageUnstage := func(write bool) int64 {
+		t.Helper()
+		if _, err := e.m.Stage(ctx, req); err != nil {
+			t.Fatal(err)
+		}
+		if write {
+			if err := os.WriteFile(filepath.Join(req.StagingPath, "kept"), []byte("kept"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if b, err := os.ReadFile(filepath.Join(req.StagingPath, "kept")); err != nil || string(b) != "kept" {
+			t.Fatalf("the volume's file: %q %v", b, err)
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(req.StagingPath, &st); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {
+			t.Fatal(err)
+		}
+		return int64(st.Blocks) * st.Bsize
+	}
+	made := stageUnstage(true)
+	if again := stageUnstage(false); again != made || grew(e) != 0 {
+		t.Fatalf("a filesystem that fills its disk: %d -> %d bytes, grown %d times", made, again, grew(e))
+	}
+
+	if err := os.Truncate(img, to<<20); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
+		t.Fatalf("losetup -c: %v %s", err, out)
+	}
+	// Read-only: mounted as it is.
+	req.ReadOnly = true
+	if ro := stageUnstage(false); ro != made || grew(e) != 0 {
+		t.Fatalf("a read-only stage: %d -> %d bytes, grown %d times", made, ro, grew(e))
+	}
+	req.ReadOnly = false
+	grown := stageUnstage(false)
+	if grown-made < (to-from)<<20*3/4 || grew(e) != 1 {
+		t.Fatalf("staged on a disk grown from %d to %d MiB: the filesystem %d -> %d bytes, grown %d times\n%s", from, to, made, grown, grew(e), e.logs)
+	}
+	// Grown once: what the grower leaves unused is not grown for again.
+	if again := stageUnstage(false); again != grown || grew(e) != 1 {
+		t.Fatalf("staged again: %d -> %d bytes, grown %d times\n%s", grown, again, grew(e), e.logs)
+	}
+	if out, err := exec.Command("fsck", "-n", "-f", dev).CombinedOutput(); fs == "ext4" && err != nil {
+		t.Fatalf("the grown filesystem does not check clean: %v\n%s", err, out)
+	}
+}
+
+// grew counts the stages that grew a filesystem.
+func grew(e *env) int { return strings.Count(e.logs.String(), "grew the filesystem to fill its device") }
+
+func TestSuperblockExtents(t *testing.T) {
+	needRoot(t)
+	for _, tc := range []struct {
+		fs  string
+		mib int64
+	}{{"ext4", 64}, {"ext4", 1024}, {"xfs", 320}} {
+		img := filepath.Join(t.TempDir(), "fs.img")
+		if err := os.WriteFile(img, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(img, tc.mib<<20); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := exec.Command("mkfs."+tc.fs, "-q", img).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs.%s: %v %s", tc.fs, err, out)
+		}
+		e, err := readExtent(img, tc.fs)
+		if err != nil || e.size != tc.mib<<20 || e.slack <= 0 || e.slack > 8<<20 {
+			t.Errorf("%s of %d MiB: %+v %v", tc.fs, tc.mib, e, err)
+		}
+		other := map[string]string{"ext4": "xfs", "xfs": "ext4"}[tc.fs]
+		if _, err := readExtent(img, other); err == nil {
+			t.Errorf("%s read as %s", tc.fs, other)
+		}
+	}
+}
