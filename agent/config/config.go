@@ -63,6 +63,11 @@ type Volumes struct {
 	// holders' check interval; 0 (the default) means three times this
 	// agent's, assuming every node runs the same configuration.
 	ReclaimWait time.Duration `yaml:"reclaim_wait"`
+	// AttachWait is how long a stage waits for a disk that is not there
+	// yet: the controller's attach has returned while the hot-plug is
+	// still under way in this VM. Past it the stage answers NOT_FOUND and
+	// the kubelet retries with its backoff; 0 answers at once.
+	AttachWait time.Duration `yaml:"attach_wait"`
 	// AllowUnfenced lets a stage request that asks for it use a disk that
 	// offers no fencing method. Without it such a disk is refused.
 	AllowUnfenced bool `yaml:"allow_unfenced"`
@@ -197,7 +202,7 @@ func Default() Config {
 		Log:       Log{Level: "info"},
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
-		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, WatchDisks: true, WatchRescan: 30 * time.Second, ClaimedDir: "/run/vco-agent/claimed",
+		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, AttachWait: 10 * time.Second, WatchDisks: true, WatchRescan: 30 * time.Second, ClaimedDir: "/run/vco-agent/claimed",
 			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog, WatchdogDevice: watchdog.Auto}},
 	}
 }
@@ -328,6 +333,9 @@ func (c *Config) validateVolumes() []error {
 	}
 	if c.Volumes.WatchRescan < time.Second || c.Volumes.WatchRescan > time.Hour {
 		errs = append(errs, fmt.Errorf("volumes.watch_rescan %s must be between 1s and 1h", c.Volumes.WatchRescan))
+	}
+	if w := c.Volumes.AttachWait; w < 0 || w > time.Minute {
+		errs = append(errs, fmt.Errorf("volumes.attach_wait %s must be between 0 (answer NOT_FOUND at once) and 1m: the kubelet gives a stage 2m", w))
 	}
 	if w := c.Volumes.ReclaimWait; w != 0 && (w <= c.Volumes.CheckInterval || w > time.Hour) {
 		errs = append(errs, fmt.Errorf("volumes.reclaim_wait %s must be longer than volumes.check_interval (%s), at most 1h, or 0 for three check intervals", w, c.Volumes.CheckInterval))

@@ -96,6 +96,8 @@ func TestBadValuesAreNamed(t *testing.T) {
 		"volumes:\n  check_interval: 1ms\n":    "volumes.check_interval",
 		"volumes:\n  check_interval: often\n":  "line 2",
 		"volumes:\n  reclaim_wait: 5s\n":       "volumes.reclaim_wait",
+		"volumes:\n  attach_wait: -1s\n":       "volumes.attach_wait",
+		"volumes:\n  attach_wait: 2m\n":        "volumes.attach_wait",
 		"volumes:\n  reclaim_wait: -1s\n":      "volumes.reclaim_wait",
 		"volumes:\n  reclaim_wait: 2h\n":       "volumes.reclaim_wait",
 		"volumes:\n  watch_rescan: 10ms\n":     "volumes.watch_rescan",

@@ -20,8 +20,8 @@ import (
 // where this process has that capability.
 func TestStageGrowsARestoredFilesystemToItsLargerDisk(t *testing.T) {
 	for _, tc := range []struct {
-		name, fs string
-		from, to int64 // MiB
+		name, fs  string
+		from, to  int64 // MiB
 		unmounted bool
 	}{
 		{"ext4 unmounted", "ext4", 64, 128, true},
@@ -101,7 +101,9 @@ func stageGrowsFilesystem(t *testing.T, fs string, from, to int64) {
 }
 
 // grew counts the stages that grew a filesystem.
-func grew(e *env) int { return strings.Count(e.logs.String(), "grew the filesystem to fill its device") }
+func grew(e *env) int {
+	return strings.Count(e.logs.String(), "grew the filesystem to fill its device")
+}
 
 func TestSuperblockExtents(t *testing.T) {
 	needRoot(t)

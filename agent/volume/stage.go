@@ -101,7 +101,7 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageRes
 // the uevent watcher leaves the disk alone (Classify).
 func (s *staging) openDisk(ctx context.Context) error {
 	m, c := s.m, s.c
-	dev, err := m.locate(ctx, s.r.Locator)
+	dev, err := m.locateAttaching(ctx, s.r.Locator)
 	if err != nil {
 		return fmt.Errorf("volume %s: %w", c.Volume, err)
 	}
@@ -127,6 +127,29 @@ func (s *staging) openDisk(ctx context.Context) error {
 	defer m.watchMu.Unlock()
 	return m.store.Put(c)
 }
+
+// locateAttaching locates loc's disk, and waits up to volumes.attach_wait
+// for one that is not there yet: the controller's attach has returned and
+// the hot-plug is still under way in this VM (its uevent, the driver's
+// probe). A NOT_FOUND at once would have the kubelet retry on its backoff
+// (0.5 s, 1 s, 2 s, ...), seconds after the disk appeared.
+func (m *Manager) locateAttaching(ctx context.Context, loc Locator) (*Device, error) {
+	deadline := time.Now().Add(m.o.Config.AttachWait)
+	for {
+		dev, err := m.locate(ctx, loc)
+		if agenterr.KindOf(err) != agenterr.NotFound || !time.Now().Before(deadline) {
+			return dev, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(attachPoll):
+		}
+	}
+}
+
+// attachPoll is how often a stage waiting for its disk looks again.
+const attachPoll = 100 * time.Millisecond
 
 // claimedBy names another volume whose staged claim is on the disk devnum.
 func (m *Manager) claimedBy(devnum, volume string) string {

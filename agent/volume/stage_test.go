@@ -439,3 +439,49 @@ func TestStagedLogSaysWhereTheTimeWent(t *testing.T) {
 		}
 	}
 }
+
+// TestStageWaitsForADiskStillBeingAttached: a disk that appears while the
+// stage waits (volumes.attach_wait) is staged by that call; past the wait,
+// or with none, the stage answers NOT_FOUND, and a caller that gives up
+// ends the wait.
+func TestStageWaitsForADiskStillBeingAttached(t *testing.T) {
+	e := newStageEnv(t)
+	found := e.m.locate
+	absent := 0 // calls that still find no disk
+	e.m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
+		if absent > 0 {
+			absent--
+			return nil, agenterr.New(agenterr.NotFound, "disk not found: looked for serial %s; is the disk attached to this node?", loc.Disk.Serial)
+		}
+		return found(ctx, loc)
+	}
+	ctx := context.Background()
+
+	absent = 1
+	_, err := e.m.Stage(ctx, e.request("vol-now"))
+	wantCode(t, err, codes.NotFound, "vol-now", "is the disk attached")
+
+	e.m.o.Config.AttachWait = 5 * time.Second
+	absent = 5
+	start := time.Now()
+	if _, err := e.m.Stage(ctx, e.request("vol-late")); err != nil || absent != 0 {
+		t.Fatalf("a disk that appeared after 5 looks: %v (%d looks left)", err, absent)
+	}
+	if took := time.Since(start); took < 4*attachPoll {
+		t.Errorf("the stage looked 6 times in %s, not every %s", took, attachPoll)
+	}
+
+	e.m.o.Config.AttachWait = 300 * time.Millisecond
+	absent = 1 << 20
+	_, err = e.m.Stage(ctx, e.request("vol-never"))
+	wantCode(t, err, codes.NotFound, "vol-never")
+
+	e.m.o.Config.AttachWait = time.Hour
+	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = e.m.Stage(cctx, e.request("vol-gone"))
+	wantCode(t, err, codes.NotFound, "vol-gone")
+	if cctx.Err() == nil {
+		t.Fatal("the stage answered before its caller gave up")
+	}
+}

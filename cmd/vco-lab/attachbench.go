@@ -214,7 +214,8 @@ func (b *attachRun) stagedSteps(ctx context.Context) string {
 }
 
 // stageWhenPresent calls NodeStageVolume until the hot-plugged disk has
-// been probed (the plugin answers NOT_FOUND until then), as the kubelet
+// been probed: the agent waits for it (volumes.attach_wait) and answers
+// NOT_FOUND past that, and then the call is made again, as the kubelet
 // retries; every 100 ms, the reference's polling interval, rather than
 // with the kubelet's backoff, so that both sides wait alike.
 // It returns when its last call began: until then the disk was not there.
