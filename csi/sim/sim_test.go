@@ -5,11 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
@@ -165,5 +167,64 @@ func TestHostBackendLoopDevice(t *testing.T) {
 	g.Close()
 	if string(buf) != "payload" {
 		t.Fatalf("clone holds %q", buf)
+	}
+}
+
+// TestConcurrentChangesAreAllSaved: changes made side by side share
+// writes of the state file, and every change that was answered is in it:
+// a simulator started again from the file has them all, and the VM added
+// beside them.
+func TestConcurrentChangesAreAllSaved(t *testing.T) {
+	state := filepath.Join(t.TempDir(), "state.json")
+	s, _, c := start(t, sim.Options{Seed: sim.DefaultSeed(), StateFile: state})
+	ctx := context.Background()
+	const n = 40
+	ids := make(chan int64, n)
+	errs := make(chan error, n+1)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			id, err := c.CreateDisk(ctx, "ch-lug-1", cloud.DiskSpec{Name: fmt.Sprintf("d%d", i), SizeGiB: 1})
+			if err != nil {
+				errs <- err
+				return
+			}
+			ids <- id
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := s.AddVM("cs-ch-lug-1", "late", "be0c0000-0000-4000-8000-000000000099", false); err != nil {
+			errs <- err
+		}
+	}()
+	wg.Wait()
+	close(ids)
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	again, err := sim.New(sim.Options{Customer: "acme", StateFile: state})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := again.Snapshot()
+	for id := range ids {
+		if st.Disks[id] == nil {
+			t.Errorf("disk %d was answered but is not in the saved state", id)
+		}
+	}
+	if len(st.Disks) != n {
+		t.Errorf("the saved state has %d disks, want %d", len(st.Disks), n)
+	}
+	found := false
+	for _, vm := range st.VMs {
+		found = found || vm.Name == "late"
+	}
+	if !found {
+		t.Error("the VM added beside the disks is not in the saved state")
 	}
 }

@@ -269,9 +269,20 @@ func (st *State) save(path string) error {
 	if path == "" {
 		return nil
 	}
-	b, err := json.Marshal(st)
+	b, err := st.marshal()
 	if err != nil {
 		return err
+	}
+	return writeState(path, b)
+}
+
+func (st *State) marshal() ([]byte, error) { return json.Marshal(st) }
+
+// writeState replaces the state file at path with b atomically; an empty
+// path keeps the state in memory only.
+func writeState(path string, b []byte) error {
+	if path == "" {
+		return nil
 	}
 	tmp, err := os.CreateTemp(filepath.Dir(path), ".state-*")
 	if err != nil {
