@@ -340,7 +340,7 @@ spec:
 	}); err != nil {
 		return err
 	}
-	return s.step(sc, "cluster", "PV nodeAffinity, CSINode and node labels (the seed's checks)", func() (string, error) {
+	if err := s.step(sc, "cluster", "PV nodeAffinity, CSINode and node labels (the seed's checks)", func() (string, error) {
 		pv, err := s.pvOf(ctx, "k1")
 		if err != nil {
 			return "", err
@@ -378,6 +378,11 @@ spec:
 			return "", fmt.Errorf("the pod's volume holds %q", data)
 		}
 		return fmt.Sprintf("PV %s requires %s; CSINode %s lists %s; node label %s", pv, want, p.Node, prov, label), nil
+	}); err != nil {
+		return err
+	}
+	return s.step(sc, "cluster", "the node's view without SSH (docs/diagnosis.md)", func() (string, error) {
+		return s.diagnose(ctx, p.Node)
 	})
 }
 
