@@ -210,3 +210,44 @@ func TestDocumentedSidecarReleases(t *testing.T) {
 		}
 	}
 }
+
+// TestCompatibilityMatrixNamesTheShippedSidecars: every sidecar row of
+// docs/diagnosis.md's compatibility matrix that says "shipped" names the
+// release the manifests run, and every sidecar the manifests run has such
+// a row; a sidecar the add-on does not run is not called shipped.
+func TestCompatibilityMatrixNamesTheShippedSidecars(t *testing.T) {
+	doc, err := os.ReadFile("../docs/diagnosis.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := decode(t, renderings[0].Image, renderings[0].DriverName)
+	used := map[string]string{} // image name -> tag
+	for _, w := range a.workloads() {
+		for _, c := range w.pod.Spec.Containers {
+			if name, tag, ok := strings.Cut(strings.TrimPrefix(c.Image, "registry.k8s.io/sig-storage/"), ":"); ok && c.Image != a.image {
+				used[name] = tag
+			}
+		}
+	}
+	rows := regexp.MustCompile(`(?m)^\| (external-[a-z]+|node-driver-registrar|livenessprobe) \| (\S+) \| ([^|]*)\|$`).FindAllSubmatch(doc, -1)
+	listed := map[string]bool{}
+	for _, r := range rows {
+		part, version, status := string(r[1]), string(r[2]), strings.TrimSpace(string(r[3]))
+		image := strings.Replace(part, "external-", "csi-", 1)
+		tag, runs := used[image]
+		switch {
+		case strings.HasPrefix(status, "shipped") && !runs:
+			t.Errorf("docs/diagnosis.md calls %s %s shipped; no manifest runs %s", part, version, image)
+		case runs && version != tag:
+			t.Errorf("docs/diagnosis.md gives %s as %s; the manifests run %s:%s", part, version, image, tag)
+		case runs && !strings.HasPrefix(status, "shipped"):
+			t.Errorf("docs/diagnosis.md does not call %s shipped (%q); the manifests run it", part, status)
+		}
+		listed[image] = true
+	}
+	for image := range used {
+		if !listed[image] {
+			t.Errorf("the manifests run %s; docs/diagnosis.md's compatibility matrix has no row for it", image)
+		}
+	}
+}
