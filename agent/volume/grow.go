@@ -177,14 +177,14 @@ func (m *Manager) notGrown(c *Claim, device string, e fsExtent, short int64, err
 		c.Volume, c.FsType, device, e.size, short, err)
 }
 
-// growsExt4Online is canGrowExt4Online; tests make it false to take the
+// growsExt4Online is CanGrowExt4Online; tests make it false to take the
 // unmounted path.
-var growsExt4Online = canGrowExt4Online
+var growsExt4Online = CanGrowExt4Online
 
-// canGrowExt4Online reports whether this process has CAP_SYS_RESOURCE,
+// CanGrowExt4Online reports whether this process has CAP_SYS_RESOURCE,
 // which the kernel asks of a caller growing a mounted ext4
 // (EXT4_IOC_RESIZE_FS).
-func canGrowExt4Online() bool {
+func CanGrowExt4Online() bool {
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
 	var data [2]unix.CapUserData
 	if unix.Capget(&hdr, &data[0]) != nil {

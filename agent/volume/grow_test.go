@@ -30,12 +30,12 @@ func TestStageGrowsARestoredFilesystemToItsLargerDisk(t *testing.T) {
 		{"xfs", "xfs", 320, 640, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if tc.fs == "ext4" && !tc.unmounted && !canGrowExt4Online() {
+			if tc.fs == "ext4" && !tc.unmounted && !CanGrowExt4Online() {
 				t.Skip("online ext4 growth needs CAP_SYS_RESOURCE, which this process lacks")
 			}
 			if tc.unmounted {
 				growsExt4Online = func() bool { return false }
-				t.Cleanup(func() { growsExt4Online = canGrowExt4Online })
+				t.Cleanup(func() { growsExt4Online = CanGrowExt4Online })
 			}
 			stageGrowsFilesystem(t, tc.fs, tc.from, tc.to)
 		})

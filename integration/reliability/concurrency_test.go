@@ -21,7 +21,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -275,18 +274,6 @@ func (v *stormVolume) capability() *csi.VolumeCapability {
 		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
 }
 
-// growsExt4Online: the kernel grows a mounted ext4 only for a caller with
-// CAP_SYS_RESOURCE, which container sandboxes drop; XFS needs no such
-// capability.
-func growsExt4Online() bool {
-	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
-	var data [2]unix.CapUserData
-	if unix.Capget(&hdr, &data[0]) != nil {
-		return false
-	}
-	return data[unix.CAP_SYS_RESOURCE/32].Effective&(1<<(unix.CAP_SYS_RESOURCE%32)) != 0
-}
-
 func (e *stormEnv) createReq(v *stormVolume) *csi.CreateVolumeRequest {
 	r := createReq(v.name, 1)
 	r.VolumeCapabilities = []*csi.VolumeCapability{v.capability()}
@@ -538,7 +525,7 @@ func TestConcurrentCSICalls(t *testing.T) {
 		}
 	}
 	t.Logf("storm: %d rounds of %d concurrent calls on %d volumes, seed %d (VCO_STORM_SEED=%d repeats the plan)", rounds, calls, nvols, seed, seed)
-	if !growsExt4Online() {
+	if !volume.CanGrowExt4Online() {
 		t.Logf("storm: every volume is XFS: this process lacks CAP_SYS_RESOURCE, without which a mounted ext4 cannot grow")
 	}
 	rng := rand.New(rand.NewPCG(seed, 0x5707))
@@ -675,7 +662,7 @@ func (e *stormEnv) stormSetup(t *testing.T, round, n int) []*stormVolume {
 	var vols []*stormVolume
 	for i := range n {
 		fs := "xfs"
-		if i%2 == 0 && growsExt4Online() {
+		if i%2 == 0 && volume.CanGrowExt4Online() {
 			fs = "ext4"
 		}
 		v := &stormVolume{name: fmt.Sprintf("pvc-storm-r%d-%d", round, i), encrypted: i%5 == 2, fs: fs, ids: map[string]bool{}, pubCtx: map[string]map[string]string{}}
