@@ -178,7 +178,7 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 		if loc.IsZero() {
 			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
 		}
-		dev, err := m.locate(ctx, loc)
+		dev, err := m.locateAttaching(ctx, loc)
 		if err != nil {
 			return res, fmt.Errorf("volume %s: %w", volume, err)
 		}

@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"encoding/binary"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,11 +24,15 @@ func TestStageGrowsARestoredFilesystemToItsLargerDisk(t *testing.T) {
 		name, fs  string
 		from, to  int64 // MiB
 		unmounted bool
+		mkfs      []string // made before the first stage, when given
 	}{
-		{"ext4 unmounted", "ext4", 64, 128, true},
-		{"ext4 unmounted, tail", "ext4", 1024, 1153, true},
-		{"ext4 online", "ext4", 64, 128, false},
-		{"xfs", "xfs", 320, 640, false},
+		{"ext4 unmounted", "ext4", 64, 128, true, nil},
+		{"ext4 unmounted, tail", "ext4", 1024, 1153, true, nil},
+		{"ext4 online", "ext4", 64, 128, false, nil},
+		{"xfs", "xfs", 320, 640, false, nil},
+		// resize2fs does not grow a bigalloc ext4 unmounted: mounted
+		// as it is, and said.
+		{"ext4 bigalloc unmounted", "ext4", 64, 128, true, []string{"-O", "bigalloc", "-C", "16384"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.fs == "ext4" && !tc.unmounted && !CanGrowExt4Online() {
@@ -37,15 +42,20 @@ func TestStageGrowsARestoredFilesystemToItsLargerDisk(t *testing.T) {
 				growsExt4Online = func() bool { return false }
 				t.Cleanup(func() { growsExt4Online = CanGrowExt4Online })
 			}
-			stageGrowsFilesystem(t, tc.fs, tc.from, tc.to)
+			stageGrowsFilesystem(t, tc.fs, tc.from, tc.to, tc.mkfs)
 		})
 	}
 }
 
-func stageGrowsFilesystem(t *testing.T, fs string, from, to int64) {
+func stageGrowsFilesystem(t *testing.T, fs string, from, to int64, mkfs []string) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, dev := loop(t, from)
+	if mkfs != nil {
+		if out, err := exec.Command("mkfs."+fs, append(append([]string{"-q", "-F"}, mkfs...), dev)...).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs.%s %v: %v %s", fs, mkfs, err, out)
+		}
+	}
 	req := e.stageReq("vol-r", img, "staging/r")
 	req.FsType = fs
 	stageUnstage := func(write bool) int64 {
@@ -87,6 +97,17 @@ func stageGrowsFilesystem(t *testing.T, fs string, from, to int64) {
 		t.Fatalf("a read-only stage: %d -> %d bytes, grown %d times", made, ro, grew(e))
 	}
 	req.ReadOnly = false
+	req.MountFlags = []string{"ro"}
+	if ro := stageUnstage(false); ro != made || grew(e) != 0 {
+		t.Fatalf("a stage mounted with the flag ro: %d -> %d bytes, grown %d times", made, ro, grew(e))
+	}
+	req.MountFlags = nil
+	if mkfs != nil {
+		if again := stageUnstage(false); again != made || grew(e) != 0 || !strings.Contains(e.logs.String(), "bigalloc") {
+			t.Fatalf("a bigalloc ext4 without CAP_SYS_RESOURCE: %d -> %d bytes, grown %d times; want it mounted as it is, and why said\n%s", made, again, grew(e), e.logs)
+		}
+		return
+	}
 	grown := stageUnstage(false)
 	if grown-made < (to-from)<<20*3/4 || grew(e) != 1 {
 		t.Fatalf("staged on a disk grown from %d to %d MiB: the filesystem %d -> %d bytes, grown %d times\n%s", from, to, made, grown, grew(e), e.logs)
@@ -103,6 +124,33 @@ func stageGrowsFilesystem(t *testing.T, fs string, from, to int64) {
 // grew counts the stages that grew a filesystem.
 func grew(e *env) int {
 	return strings.Count(e.logs.String(), "grew the filesystem to fill its device")
+}
+
+// TestSuperblockOfNoSizeIsAnError: a superblock whose block size is out of
+// range is an error, not a division by zero that stops the agent.
+func TestSuperblockOfNoSizeIsAnError(t *testing.T) {
+	ext := make([]byte, 1024)
+	binary.LittleEndian.PutUint16(ext[0x38:], 0xef53)
+	binary.LittleEndian.PutUint32(ext[0x20:], 8192)
+	for _, log := range []uint32{7, 54, 60, 1 << 31} {
+		binary.LittleEndian.PutUint32(ext[0x18:], log)
+		if e, err := ext4Extent(ext); err == nil {
+			t.Errorf("ext4 with a log block size of %d: %+v", log, e)
+		}
+	}
+	binary.LittleEndian.PutUint32(ext[0x18:], 2)
+	binary.LittleEndian.PutUint32(ext[0x20:], 0)
+	if e, err := ext4Extent(ext); err == nil {
+		t.Errorf("ext4 with no blocks per group: %+v", e)
+	}
+	xfs := make([]byte, 512)
+	copy(xfs, "XFSB")
+	for _, bs := range []uint32{0, 256, 4097, 131072} {
+		binary.BigEndian.PutUint32(xfs[4:], bs)
+		if e, err := xfsExtent(xfs); err == nil {
+			t.Errorf("xfs with a block size of %d: %+v", bs, e)
+		}
+	}
 }
 
 func TestSuperblockExtents(t *testing.T) {

@@ -28,8 +28,9 @@ type mounter interface {
 
 // mountFS mounts the filesystem device carries, or makes one on a device
 // proven blank and mounts that; a device with anything else on it is
-// refused, never formatted. A filesystem smaller than its device is grown
-// to fill it (grow.go). It reports whether it made the filesystem.
+// refused, never formatted. An ext4 smaller than its device that this
+// agent can only grow unmounted is grown before the mount (grow.go). It
+// reports whether it made the filesystem.
 func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, error) {
 	if mp, err := m.mounter.IsMountPoint(c.StagingPath); err == nil && mp {
 		return false, m.mountedAlready(c, device)
@@ -60,14 +61,6 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 	}
 	if err := m.mounter.Mount(device, c.StagingPath, c.FsType, mountOptions(c)); err != nil {
 		return formatted, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
-	}
-	if !formatted {
-		if err := m.growMounted(c, device); err != nil {
-			if uerr := m.unmountIfMounted(c.StagingPath); uerr != nil {
-				m.log.Error("could not unmount after a failed stage", "volume", c.Volume, "err", uerr)
-			}
-			return false, err
-		}
 	}
 	return formatted, nil
 }

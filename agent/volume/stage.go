@@ -135,6 +135,9 @@ func (s *staging) openDisk(ctx context.Context) error {
 // (0.5 s, 1 s, 2 s, ...), seconds after the disk appeared.
 func (m *Manager) locateAttaching(ctx context.Context, loc Locator) (*Device, error) {
 	deadline := time.Now().Add(m.o.Config.AttachWait)
+	if loc.BackingFile != "" {
+		deadline = time.Now() // a loop device is attached by hand, not hot-plugged
+	}
 	for {
 		dev, err := m.locate(ctx, loc)
 		if agenterr.KindOf(err) != agenterr.NotFound || !time.Now().Before(deadline) {
@@ -450,7 +453,11 @@ func (s *staging) mount(ctx context.Context) error {
 		}
 	})
 	s.formatted = s.formatted || made
-	return nil
+	if made {
+		return nil
+	}
+	// A filesystem smaller than its device is grown to fill it (grow.go).
+	return m.growMounted(c, c.MountDevice())
 }
 
 // record records the claim as staged and announces it (DiskClaimed).

@@ -291,7 +291,9 @@ func (s *Server) wrap(op string, h handler) http.HandlerFunc {
 		seen := s.changes
 		s.mu.Unlock()
 		serr := s.persist(seen)
-		if herr == nil && serr != nil {
+		if herr == nil && serr != nil && r.Method != http.MethodGet {
+			// A read answers what it read; the change whose save failed
+			// answered 500 itself, and the next change saves it again.
 			herr = errf(500, "saving state: %v", serr)
 		}
 		if herr != nil {
