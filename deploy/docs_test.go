@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"bytes"
 	"os"
 	"path"
 	"regexp"
@@ -248,6 +249,54 @@ func TestCompatibilityMatrixNamesTheShippedSidecars(t *testing.T) {
 	for image := range used {
 		if !listed[image] {
 			t.Errorf("the manifests run %s; docs/diagnosis.md's compatibility matrix has no row for it", image)
+		}
+	}
+}
+
+// TestDocsShowTheSeedForms: the operator pages show the forms the seed's
+// operators use, and those forms work: install.md's `make csi-addon
+// VCO_CSI_IMAGE=... | kubectl apply -f -`, storage.md's class of physical
+// disks (the plugin accepts its parameters, and the add-on ships the
+// same class), encryption.md's csi-key-backend-config with the seed's key
+// names and its CA in openbao-ca.
+func TestDocsShowTheSeedForms(t *testing.T) {
+	read := func(p string) []byte {
+		t.Helper()
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	if !regexp.MustCompile(`(?m)^make csi-addon VCO_CSI_IMAGE=\S+ \| kubectl apply -f -$`).Match(read("../docs/install.md")) {
+		t.Error("docs/install.md does not show `make csi-addon VCO_CSI_IMAGE=... | kubectl apply -f -`")
+	}
+	var physical []storagev1.StorageClass
+	for _, m := range yamlBlock.FindAllSubmatch(read("../docs/storage.md"), -1) {
+		var c storagev1.StorageClass
+		if err := yaml.UnmarshalStrict(m[1], &c); err == nil && c.Kind == "StorageClass" && c.Parameters["diskType"] == "PHYSICAL" {
+			physical = append(physical, c)
+		}
+	}
+	if len(physical) != 1 {
+		t.Fatalf("docs/storage.md has %d StorageClass examples with diskType: PHYSICAL, want one", len(physical))
+	}
+	c := physical[0]
+	checkPluginParams(t, c.Name, c.Parameters)
+	a := decode(t, renderings[0].Image, renderings[0].DriverName)
+	var shipped *storagev1.StorageClass
+	for i := range a.classes {
+		if a.classes[i].Name == c.Name {
+			shipped = &a.classes[i]
+		}
+	}
+	if shipped == nil || shipped.Provisioner != c.Provisioner || shipped.Parameters["diskType"] != "PHYSICAL" {
+		t.Errorf("docs/storage.md's class %s (provisioner %s) is not the add-on's (%+v)", c.Name, c.Provisioner, shipped)
+	}
+	enc := read("../docs/encryption.md")
+	for _, w := range []string{"name: csi-key-backend-config", "transitMount:", "k8sAuthPath:", "role:", "caRef: openbao-ca", "address:"} {
+		if !bytes.Contains(enc, []byte(w)) {
+			t.Errorf("docs/encryption.md does not show %q of the seed's key-backend ConfigMap", w)
 		}
 	}
 }
