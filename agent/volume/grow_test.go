@@ -47,77 +47,98 @@ func TestStageGrowsARestoredFilesystemToItsLargerDisk(t *testing.T) {
 	}
 }
 
+// growCase is one volume of TestStageGrowsARestoredFilesystemToItsLargerDisk:
+// its disk img on the loop device dev, staged by req.
+type growCase struct {
+	t        *testing.T
+	e        *env
+	ctx      context.Context
+	img, dev string
+	req      StageRequest
+}
+
 func stageGrowsFilesystem(t *testing.T, fs string, from, to int64, mkfs []string) {
-	e := newEnv(t)
-	ctx := context.Background()
-	img, dev := loop(t, from)
+	g := &growCase{t: t, e: newEnv(t), ctx: context.Background()}
+	g.img, g.dev = loop(t, from)
 	if mkfs != nil {
-		if out, err := exec.Command("mkfs."+fs, append(append([]string{"-q", "-F"}, mkfs...), dev)...).CombinedOutput(); err != nil {
+		if out, err := exec.Command("mkfs."+fs, append(append([]string{"-q", "-F"}, mkfs...), g.dev)...).CombinedOutput(); err != nil {
 			t.Fatalf("mkfs.%s %v: %v %s", fs, mkfs, err, out)
 		}
 	}
-	req := e.stageReq("vol-r", img, "staging/r")
-	req.FsType = fs
-	stageUnstage := func(write bool) int64 {
-		t.Helper()
-		if _, err := e.m.Stage(ctx, req); err != nil {
-			t.Fatal(err)
-		}
-		if write {
-			if err := os.WriteFile(filepath.Join(req.StagingPath, "kept"), []byte("kept"), 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if b, err := os.ReadFile(filepath.Join(req.StagingPath, "kept")); err != nil || string(b) != "kept" {
-			t.Fatalf("the volume's file: %q %v", b, err)
-		}
-		var st unix.Statfs_t
-		if err := unix.Statfs(req.StagingPath, &st); err != nil {
-			t.Fatal(err)
-		}
-		if err := e.m.Unstage(ctx, "vol-r", req.StagingPath); err != nil {
-			t.Fatal(err)
-		}
-		return int64(st.Blocks) * st.Bsize
-	}
-	made := stageUnstage(true)
-	if again := stageUnstage(false); again != made || grew(e) != 0 {
-		t.Fatalf("a filesystem that fills its disk: %d -> %d bytes, grown %d times", made, again, grew(e))
-	}
-
-	if err := os.Truncate(img, to<<20); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("losetup", "-c", dev).CombinedOutput(); err != nil {
-		t.Fatalf("losetup -c: %v %s", err, out)
-	}
-	// Read-only: mounted as it is.
-	req.ReadOnly = true
-	if ro := stageUnstage(false); ro != made || grew(e) != 0 {
-		t.Fatalf("a read-only stage: %d -> %d bytes, grown %d times", made, ro, grew(e))
-	}
-	req.ReadOnly = false
-	req.MountFlags = []string{"ro"}
-	if ro := stageUnstage(false); ro != made || grew(e) != 0 {
-		t.Fatalf("a stage mounted with the flag ro: %d -> %d bytes, grown %d times", made, ro, grew(e))
-	}
-	req.MountFlags = nil
+	g.req = g.e.stageReq("vol-r", g.img, "staging/r")
+	g.req.FsType = fs
+	made := g.stageUnstage(true)
+	g.same("a filesystem that fills its disk", made, 0)
+	g.growDisk(to)
+	g.req.ReadOnly = true
+	g.same("a read-only stage", made, 0)
+	g.req.ReadOnly, g.req.MountFlags = false, []string{"ro"}
+	g.same("a stage mounted with the flag ro", made, 0)
+	g.req.MountFlags = nil
 	if mkfs != nil {
-		if again := stageUnstage(false); again != made || grew(e) != 0 || !strings.Contains(e.logs.String(), "bigalloc") {
-			t.Fatalf("a bigalloc ext4 without CAP_SYS_RESOURCE: %d -> %d bytes, grown %d times; want it mounted as it is, and why said\n%s", made, again, grew(e), e.logs)
+		g.same("a bigalloc ext4 without CAP_SYS_RESOURCE", made, 0)
+		if !strings.Contains(g.e.logs.String(), "bigalloc") {
+			t.Fatalf("a bigalloc ext4 left as it is without saying why:\n%s", g.e.logs)
 		}
 		return
 	}
-	grown := stageUnstage(false)
-	if grown-made < (to-from)<<20*3/4 || grew(e) != 1 {
-		t.Fatalf("staged on a disk grown from %d to %d MiB: the filesystem %d -> %d bytes, grown %d times\n%s", from, to, made, grown, grew(e), e.logs)
+	grown := g.stageUnstage(false)
+	if grown-made < (to-from)<<20*3/4 || grew(g.e) != 1 {
+		t.Fatalf("staged on a disk grown from %d to %d MiB: the filesystem %d -> %d bytes, grown %d times\n%s", from, to, made, grown, grew(g.e), g.e.logs)
 	}
 	// Grown once: what the grower leaves unused is not grown for again.
-	if again := stageUnstage(false); again != grown || grew(e) != 1 {
-		t.Fatalf("staged again: %d -> %d bytes, grown %d times\n%s", grown, again, grew(e), e.logs)
-	}
-	if out, err := exec.Command("fsck", "-n", "-f", dev).CombinedOutput(); fs == "ext4" && err != nil {
+	g.same("staged again", grown, 1)
+	if out, err := exec.Command("fsck", "-n", "-f", g.dev).CombinedOutput(); fs == "ext4" && err != nil {
 		t.Fatalf("the grown filesystem does not check clean: %v\n%s", err, out)
+	}
+}
+
+// stageUnstage stages the volume, writes its file "kept" (write) or checks
+// it is there, and unstages it; it returns the filesystem's size.
+func (g *growCase) stageUnstage(write bool) int64 {
+	t, req := g.t, g.req
+	t.Helper()
+	if _, err := g.e.m.Stage(g.ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	kept := filepath.Join(req.StagingPath, "kept")
+	if write {
+		if err := os.WriteFile(kept, []byte("kept"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if b, err := os.ReadFile(kept); err != nil || string(b) != "kept" {
+		t.Fatalf("the volume's file: %q %v", b, err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(req.StagingPath, &st); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.e.m.Unstage(g.ctx, "vol-r", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+	return int64(st.Blocks) * st.Bsize
+}
+
+// same stages and unstages the volume once more (what): its filesystem
+// must still be size bytes, and the stages so far must have grown it
+// times times.
+func (g *growCase) same(what string, size int64, times int) {
+	g.t.Helper()
+	if got := g.stageUnstage(false); got != size || grew(g.e) != times {
+		g.t.Fatalf("%s: %d -> %d bytes, grown %d times, want %d\n%s", what, size, got, grew(g.e), times, g.e.logs)
+	}
+}
+
+// growDisk grows the disk to mib MiB, as a restore into a larger claim
+// or a disk grown while not staged leaves it.
+func (g *growCase) growDisk(mib int64) {
+	g.t.Helper()
+	if err := os.Truncate(g.img, mib<<20); err != nil {
+		g.t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", g.dev).CombinedOutput(); err != nil {
+		g.t.Fatalf("losetup -c: %v %s", err, out)
 	}
 }
 
