@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -162,7 +163,7 @@ func (s *story) k6(ctx context.Context) error {
 // the add-on's snapshots part the release way (envsubst over
 // deploy/csi-snapshots.yaml).
 func (c *Cluster) InstallSnapshots(ctx context.Context) (string, error) {
-	f, err := images.Snapshotter(ctx, images.DefaultCacheDir)
+	f, err := images.Snapshotter(ctx, filepath.Join(c.Opts.Lab.CacheDir, "k8s-images"))
 	if err != nil {
 		return "", err
 	}
