@@ -175,37 +175,49 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 	if c != nil && c.Phase == PhaseStaged {
 		res.Device = c.BaseDevice()
 	} else {
-		if loc.IsZero() {
-			return res, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
-		}
-		dev, err := m.locateAttaching(ctx, loc)
-		if err != nil {
-			return res, fmt.Errorf("volume %s: %w", volume, err)
-		}
-		defer dev.Close()
-		ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil)
-		if err != nil {
-			return res, agenterr.New(agenterr.Unavailable, "volume %s: choosing how %s is fenced, to find its data area: %v", volume, dev.Path, err)
-		}
-		closeChoice(ch)
-		if err := m.leaseDataRule(ctx, dev, volume, &ch); err != nil {
+		var done func()
+		if res.Device, done, err = m.unstagedDataArea(ctx, volume, loc); err != nil {
 			return res, err
 		}
-		res.Device = dev.Path
-		if ch.DataOffset > 0 {
-			p, done, err := m.readOnlyDataMapping(dev.Path, ch.DataOffset)
-			if err != nil {
-				return res, agenterr.New(agenterr.Unavailable, "volume %s: %v", volume, err)
-			}
-			defer done()
-			res.Device = p
-		}
+		defer done()
 	}
 	res.Content, err = m.o.Crypt.Inspect(ctx, res.Device)
 	if err != nil {
 		return res, agenterr.New(agenterr.Unavailable, "volume %s: %v", volume, err)
 	}
 	return res, nil
+}
+
+// unstagedDataArea is where a volume that is not staged here keeps its
+// data, to read: the disk itself, or a read-only mapping of the data area
+// a lease puts after its own. done closes what was opened.
+func (m *Manager) unstagedDataArea(ctx context.Context, volume string, loc Locator) (path string, done func(), err error) {
+	if loc.IsZero() {
+		return "", nil, agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", volume)
+	}
+	dev, err := m.locateAttaching(ctx, loc)
+	if err != nil {
+		return "", nil, fmt.Errorf("volume %s: %w", volume, err)
+	}
+	ch, err := m.o.Fencers.Choose(ctx, dev, volume, nil)
+	if err != nil {
+		dev.Close()
+		return "", nil, agenterr.New(agenterr.Unavailable, "volume %s: choosing how %s is fenced, to find its data area: %v", volume, dev.Path, err)
+	}
+	closeChoice(ch)
+	if err := m.leaseDataRule(ctx, dev, volume, &ch); err != nil {
+		dev.Close()
+		return "", nil, err
+	}
+	if ch.DataOffset == 0 {
+		return dev.Path, func() { dev.Close() }, nil
+	}
+	p, unmap, err := m.readOnlyDataMapping(dev.Path, ch.DataOffset)
+	if err != nil {
+		dev.Close()
+		return "", nil, agenterr.New(agenterr.Unavailable, "volume %s: %v", volume, err)
+	}
+	return p, func() { unmap(); dev.Close() }, nil
 }
 
 // readOnlyDataMapping returns a mapping of disk's data area to read: the

@@ -37,65 +37,83 @@ func NewLease(o LeaseOptions) LeaseFactory {
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
 	}
-	return func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
-		ld, err := lease.OpenDevice(dev.Path)
-		if err != nil {
-			return Choice{}, err
+	return o.choose
+}
+
+// choose is the LeaseFactory of o: the disk's layout decides whether the
+// lease fences it at all, then the engine is made over its descriptor.
+func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
+	ld, err := lease.OpenDevice(dev.Path)
+	if err != nil {
+		return Choice{}, err
+	}
+	cls, err := o.classify(ctx, ld, dev.Path)
+	if err != nil {
+		ld.Close()
+		return Choice{}, err
+	}
+	if cls.Layout != lease.LayoutBlank && cls.Layout != lease.LayoutLease {
+		ld.Close()
+		return Choice{Method: fence.MethodNone, Reason: fmt.Sprintf("the disk holds %s, not a lease area, and is never formatted with one", cls.Signature)}, nil
+	}
+	f := &leaseFencer{dev: ld, key: o.Key, timing: o.Timing}
+	f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Serial: dev.Serial, Resolver: o.Resolver,
+		Timing: o.Timing, OnLost: f.lost(onLost), Verify: f.verify(dev), Logger: o.Log.With("volume", volume)})
+	if err != nil {
+		ld.Close()
+		return Choice{}, err
+	}
+	return Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset,
+		Prepare: func(ctx context.Context) (bool, error) {
+			return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Blkid: true, Logger: o.Log})
+		}}, nil
+}
+
+// classify reads the disk's lease layout. Zeros in the first and last MiB
+// are not yet blank: a disk the blank proof refuses is foreign, and the
+// lease area is written only on one it passes (Prepare proves it again
+// before writing).
+func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string) (lease.Classification, error) {
+	cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
+	if err != nil || cls.Layout != lease.LayoutBlank {
+		return cls, err
+	}
+	if _, err := blank.Prove(ctx, path); err != nil {
+		var nb *blank.NotBlankError
+		if !errors.As(err, &nb) {
+			return cls, err
 		}
-		cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
-		if err != nil {
-			ld.Close()
-			return Choice{}, err
+		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, nil
+	}
+	return cls, nil
+}
+
+// lost is the engine's OnLost: the manager's onLost, with the fencer's
+// loss state kept for Close. A closed fencer's engine is no longer the
+// claim's: its renewals fail on the closed descriptor, which is no loss,
+// and nothing is acknowledged.
+func (f *leaseFencer) lost(onLost func(*fence.LostError) bool) func(*fence.LostError) bool {
+	return func(l *fence.LostError) bool {
+		if f.closed.Load() || onLost == nil {
+			return false
 		}
-		if cls.Layout == lease.LayoutBlank {
-			// Zeros in the first and last MiB are not yet blank: the
-			// lease area is written only on a disk the blank proof
-			// passes (Prepare proves it again before writing).
-			if _, err := blank.Prove(ctx, dev.Path); err != nil {
-				var nb *blank.NotBlankError
-				if !errors.As(err, &nb) {
-					ld.Close()
-					return Choice{}, err
-				}
-				cls = lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}
-			}
+		f.loss.Store(lossStopping)
+		stopped := onLost(l)
+		f.loss.Store(lossOutcome(stopped))
+		return stopped
+	}
+}
+
+// verify is the engine's Verify: the device is still the claim's disk.
+func (f *leaseFencer) verify(dev *Device) func(context.Context) error {
+	return func(ctx context.Context) error {
+		if f.closed.Load() {
+			return errFencerClosed
 		}
-		if cls.Layout != lease.LayoutBlank && cls.Layout != lease.LayoutLease {
-			ld.Close()
-			return Choice{Method: fence.MethodNone, Reason: fmt.Sprintf("the disk holds %s, not a lease area, and is never formatted with one", cls.Signature)}, nil
+		if dev.Verify == nil {
+			return nil
 		}
-		f := &leaseFencer{dev: ld, key: o.Key, timing: o.Timing}
-		lost := func(l *fence.LostError) bool {
-			// A closed fencer's engine is no longer the claim's: its
-			// renewals fail on the closed descriptor, which is no loss,
-			// and nothing is acknowledged.
-			if f.closed.Load() || onLost == nil {
-				return false
-			}
-			f.loss.Store(lossStopping)
-			stopped := onLost(l)
-			f.loss.Store(lossOutcome(stopped))
-			return stopped
-		}
-		verify := func(ctx context.Context) error {
-			if f.closed.Load() {
-				return errFencerClosed
-			}
-			if dev.Verify == nil {
-				return nil
-			}
-			return dev.Verify(ctx)
-		}
-		f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Serial: dev.Serial, Resolver: o.Resolver,
-			Timing: o.Timing, OnLost: lost, Verify: verify, Logger: o.Log.With("volume", volume)})
-		if err != nil {
-			ld.Close()
-			return Choice{}, err
-		}
-		return Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset,
-			Prepare: func(ctx context.Context) (bool, error) {
-				return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Blkid: true, Logger: o.Log})
-			}}, nil
+		return dev.Verify(ctx)
 	}
 }
 
