@@ -140,7 +140,7 @@ func RunStorageSuite(ctx context.Context, c *Cluster, o SuiteOptions) (*SuiteSum
 // growsInUse selects the suite's specs that grow a claim while a pod uses
 // it: the controller's resize reaches the platform while the disk is
 // attached.
-const growsInUse = `\(allowExpansion\)\] volume-expand should resize volume when PVC is edited (while pod is using it|and the pod is re-created on the same node after controller resize is finished)`
+const growsInUse = `\(allowExpansion\)\] volume-expand should resize volume when PVC is edited (while pod is using it|and the pod is re-created on the same node after controller resize is finished)|\] ephemeral should support expansion of pvcs created for ephemeral pvcs`
 
 // LabSkip is what the lab cannot run on disks of kind (a Ginkgo skip
 // expression, empty for none) and why, for the summary. Only file-backed

@@ -214,11 +214,13 @@ func TestLabSkipsOnlyGrowthInUseOnISCSIDisks(t *testing.T) {
 	inUse := []string{
 		prefix + "Dynamic PV (default fs)(allowExpansion)] volume-expand should resize volume when PVC is edited while pod is using it",
 		prefix + "Dynamic PV (block volmode)(allowExpansion)] volume-expand should resize volume when PVC is edited and the pod is re-created on the same node after controller resize is finished",
+		prefix + "Generic Ephemeral-volume (default fs) (late-binding)] ephemeral should support expansion of pvcs created for ephemeral pvcs",
 	}
 	others := []string{
 		prefix + "Dynamic PV (default fs)(allowExpansion)] volume-expand Verify if offline PVC expansion works",
 		prefix + "Dynamic PV (default fs)] volume-expand should not allow expansion of pvcs without AllowVolumeExpansion property",
 		prefix + "Dynamic PV (default fs)] provisioning should provision correct filesystem size when restoring snapshot to larger size pvc",
+		prefix + "Generic Ephemeral-volume (default fs) (late-binding)] ephemeral should create read/write inline ephemeral volume",
 	}
 	for _, kind := range []lab.DiskKind{"", lab.SCSIBlock, lab.VirtioBlk} {
 		expr, reason := LabSkip(kind)
