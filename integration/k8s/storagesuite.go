@@ -159,16 +159,19 @@ func LabSkip(kind lab.DiskKind) (expr, reason string) {
 }
 
 // joinSkips is a Ginkgo skip expression matching any of exprs' non-empty
-// ones.
+// ones, each in parentheses when there are several.
 func joinSkips(exprs ...string) string {
 	var parts []string
 	for _, e := range exprs {
 		if e != "" {
-			parts = append(parts, "("+e+")")
+			parts = append(parts, e)
 		}
 	}
 	if len(parts) == 1 {
-		return strings.TrimSuffix(strings.TrimPrefix(parts[0], "("), ")")
+		return parts[0]
+	}
+	for i, e := range parts {
+		parts[i] = "(" + e + ")"
 	}
 	return strings.Join(parts, "|")
 }
