@@ -1115,8 +1115,9 @@ func (e *Engine) resume(ctx context.Context, idx int, a *Area, readAt time.Time)
 	if err != nil {
 		return fail(err)
 	}
+	// Our record is left as it is, never withdrawn: the host may be
+	// writing under it, and a taker is to wait for its expiry bound.
 	if !e.ownRaw(a2.Raw[idx]) || a2.Owner() != idx {
-		e.withdraw(ctx, idx, e.mine, e.lastRaw)
 		if o := a2.Owner(); o >= 0 && o != idx {
 			return fail(e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], nil))
 		}
@@ -1314,6 +1315,112 @@ func (e *Engine) Check(ctx context.Context) error {
 func (e *Engine) deadline() *fence.LostError {
 	if since := time.Since(e.lastOK); since > e.cfg.Timing.Fail {
 		return e.markLost(fmt.Sprintf("no successful lease renewal for %s (fail bound %s)", since.Round(time.Millisecond), e.cfg.Timing.Fail), 0, nil)
+	}
+	return nil
+}
+
+// Resume takes back, after an agent restart, the claim an earlier process
+// of this node recorded and handed off (Handoff) or left when it died. The
+// host still has the volume mounted and writing, so nothing is waited for
+// and nothing is withdrawn: the record is resumed in place only while our
+// slot still owns the lease, alone, and was renewed within the fail bound
+// F; past F the host was to have stopped its I/O, and other nodes count
+// their expiry bound from there. Anything else is a lost claim (the caller
+// stops the host's I/O; our slot stays as it is, so a taker waits for the
+// expiry bound or the fenced mark). A read that fails is returned as it
+// is, for a retry; a record that changed while it was resumed (a write of
+// the earlier process landing late) is read again a few times.
+func (e *Engine) Resume(ctx context.Context) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.lost != nil {
+		return e.lost
+	}
+	if e.held {
+		return nil
+	}
+	if err := e.verify(ctx); err != nil {
+		return err
+	}
+	for attempt := 0; ; attempt++ {
+		err := e.resumeOnce(ctx)
+		if !errors.Is(err, errRetry) {
+			var held *fence.HeldError
+			if errors.As(err, &held) {
+				return &fence.LostError{Device: e.dev.name, Holder: held.Holder, HolderNode: held.HolderNode, Reason: held.Error()}
+			}
+			return err
+		}
+		if attempt == 3 {
+			return &fence.LostError{Device: e.dev.name, Reason: "our lease record kept changing while it was resumed"}
+		}
+	}
+}
+
+// resumeOnce is one attempt of Resume, with e.mu held.
+func (e *Engine) resumeOnce(ctx context.Context) error {
+	readAt := time.Now()
+	a, err := e.read(ctx)
+	if err != nil {
+		return err
+	}
+	owner := a.Owner()
+	switch {
+	case owner < 0:
+		return &fence.LostError{Device: e.dev.name, Reason: "the lease is no longer held by this node (released or fenced while the agent was down)"}
+	case a.Slots[owner].Key != e.cfg.Key:
+		s := a.Slots[owner]
+		return &fence.LostError{Device: e.dev.name, Holder: s.Key, HolderNode: e.resolve(s.Key, &s),
+			Reason: fmt.Sprintf("the lease was taken over by key %s while the agent was down", s.Key)}
+	}
+	s := a.Slots[owner]
+	age := time.Since(time.Unix(0, s.Written))
+	if age < 0 || age >= e.cfg.Timing.Fail {
+		return &fence.LostError{Device: e.dev.name,
+			Reason: fmt.Sprintf("this node's lease was last renewed %s ago, beyond the fail bound %s: other nodes may have taken it as expired", age.Round(time.Millisecond), e.cfg.Timing.Fail)}
+	}
+	for i := range a.Slots {
+		if i != owner && (a.Corrupt[i] || (a.Slots[i].Key != e.cfg.Key && a.Slots[i].Live())) {
+			return &fence.LostError{Device: e.dev.name,
+				Reason: fmt.Sprintf("slot %d beside ours is held or being written (a takeover under way): the claim is not resumed", i)}
+		}
+	}
+	if err := e.resume(ctx, owner, a, readAt); err != nil {
+		return err
+	}
+	e.log.Info("lease resumed from an earlier run", "slot", owner, "epoch", s.Epoch, "age", age.String())
+	return nil
+}
+
+// Handoff stops the renewals and renews the held lease one last time,
+// leaving it held on the disk: a process that stops while its host keeps
+// the volume in use (an agent restart, an upgrade) hands its record to the
+// next one with its age counting from now, not from up to R before, so
+// the next process has nearly the whole fail bound to resume it. It is a
+// renewal like the others (read, verify, deadline, write), so a claim
+// found lost here is lost as it would be a moment later. A lease not held,
+// or paused, is left as it is.
+func (e *Engine) Handoff(ctx context.Context) error {
+	e.mu.Lock()
+	r := e.renewer
+	e.renewer = nil
+	e.mu.Unlock()
+	if r != nil {
+		r.stopAndWait()
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if !e.held || e.paused {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*e.cfg.Timing.IOTimeout)
+	defer cancel()
+	a, err := e.readOnce(ctx)
+	if err == nil {
+		err = e.renewLocked(ctx, a)
+	}
+	if err != nil {
+		return fmt.Errorf("%s: the last renewal before the agent stops: %w", e.dev.name, err)
 	}
 	return nil
 }

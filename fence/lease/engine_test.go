@@ -515,6 +515,75 @@ func TestRestartResumesOwnRecord(t *testing.T) {
 	}
 }
 
+// An agent that stops hands its lease to the next process: one renewal
+// as it stops, none after, the slot still held; the next process resumes
+// a record younger than the renewal interval. A lease taken over while
+// the agent ran is found lost by that last renewal, and an engine that
+// holds nothing writes nothing.
+func TestHandoffRenewsOnceThenStops(t *testing.T) {
+	ctx := context.Background()
+	tm := Timing{IOTimeout: 250 * time.Millisecond, Renew: time.Second, Fail: 4 * time.Second}
+	dev := formattedLoop(t, 4096)
+	a := newNodeTiming(t, dev, uuidA, "node-a", tm)
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	written := func() (int64, State) {
+		st := status(t, dev)
+		if st.Owner == nil || st.Owner.Key != keyA {
+			t.Fatalf("node A does not own the lease: %+v", st)
+		}
+		return st.Owner.Written, st.Owner.State
+	}
+	time.Sleep(tm.Renew / 2)
+	before, _ := written()
+	t0 := time.Now()
+	if err := a.e.Handoff(ctx); err != nil {
+		t.Fatal(err)
+	}
+	at, state := written()
+	if at <= before || at < t0.UnixNano() || state != StateHeld {
+		t.Fatalf("after the hand-off the slot was written at %d (state %s); want a held record written after %d (the hand-off began at %d)", at, state, before, t0.UnixNano())
+	}
+	time.Sleep(tm.Renew + tm.Renew/2)
+	if again, _ := written(); again != at {
+		t.Fatalf("the slot was written again %s after the hand-off: the renewer kept running", time.Duration(again-at))
+	}
+	var log bytes.Buffer
+	a2 := newNodeTiming(t, dev, uuidA, "node-a", tm)
+	a2.e.log = slog.New(slog.NewTextHandler(&log, nil))
+	if c, err := a2.e.Acquire(ctx, nil); err != nil || !c.Already {
+		t.Fatalf("the next process does not resume the handed-off record: %+v %v\n%s", c, err, log.String())
+	}
+	if !strings.Contains(log.String(), "lease resumed from an earlier run") {
+		t.Fatalf("the next process did not say it resumed the record:\n%s", log.String())
+	}
+
+	// A second host took the disk over (a granted takeover) while the
+	// first one ran; the hand-off's renewal finds the loss.
+	dev2 := formattedLoop(t, 4096)
+	h := newNodeTiming(t, dev2, uuidA, "node-a", tm)
+	if _, err := h.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	h.stopRenewing()
+	b := newNodeTiming(t, dev2, uuidB, "node-b", tm)
+	if _, err := b.e.Acquire(ctx, &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	lostTo(t, h.e.Handoff(ctx), keyB)
+
+	// An engine that holds nothing hands nothing off.
+	dev3 := formattedLoop(t, 4096)
+	idle := newNodeTiming(t, dev3, uuidA, "node-a", tm)
+	if err := idle.e.Handoff(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := status(t, dev3); len(st.Slots) != 0 {
+		t.Fatalf("a hand-off by an engine that holds nothing wrote %+v", st.Slots)
+	}
+}
+
 func waitSlotState(t *testing.T, dev string, k fence.Key, want State) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)

@@ -25,7 +25,13 @@ package lease
 // long renewal interval, and the like), new engines released before they
 // acquire (an unstage after an agent restart), and clones: a disk that
 // starts with a source disk's held slots, which the first node given it
-// acquires with AcquireFirst before any other node is given it.
+// acquires with AcquireFirst before any other node is given it. From a
+// stream of their own again, holders' agents restart (an upgrade, or a
+// crash that systemd restarts) while the host keeps the volume mounted and
+// writing: the stopping engine hands its lease off or just ends, the agent
+// is down for up to F + 2W, the host watchdog resets a host whose agent
+// stays down W past the last feed, and the new engine resumes the claim
+// (Engine.Resume), or the host's I/O stops when it finds the claim lost.
 //
 // One class of schedules (classFirst) is the never-published fast path
 // (docs/fencing.md): the node the controller first published the disk to
@@ -56,6 +62,7 @@ package lease
 import (
 	"bytes"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -523,6 +530,11 @@ type simHost struct {
 	x             *rand.Rand
 	releaseFirstP float64
 	first         bool
+	// restarts draws the agent restarts (nil: none), restartP their
+	// chance at each step of a hold (an upgrade, or a crash that systemd
+	// restarts, while the volume stays mounted).
+	restarts *rand.Rand
+	restartP float64
 	// rate is the host's clock rate (0 or 1: true time); timing is then
 	// its configuration, and its engine and watchdog run on its clock.
 	rate float64
@@ -632,9 +644,9 @@ func (h *simHost) life(ctx context.Context, life int) {
 	if !h.acquire(ctx, e, w, grant, first, life) {
 		return
 	}
-	// Hold, then release, pause or die.
-	if h.holdClaim(ctx, e, dev, w, life) {
-		return // the host died, or its watchdog reset it
+	// Hold, then release, pause, restart the agent or die.
+	if h.holdClaim(ctx, &e, dev, w, life) {
+		return // the host died, its watchdog reset it, or its I/O stopped
 	}
 	h.endLife(e, w, life)
 }
@@ -767,10 +779,12 @@ func (h *simHost) acquireFailed(ctx context.Context, e *Engine, w *window, grant
 }
 
 // holdClaim holds the claim for a drawn time, then returns, unless the host
-// dies or pauses as drawn on the way; it reports whether the host was
-// reset (it died, or its watchdog reset it during a pause).
-func (h *simHost) holdClaim(ctx context.Context, e *Engine, dev *simDevice, w *window, life int) bool {
-	s := h.s
+// dies, pauses or restarts its agent as drawn on the way; it reports
+// whether the life is over without a release (the host died, its watchdog
+// reset it, or a restarted agent found the claim lost and stopped its
+// I/O). A restart leaves in *ep the new agent's engine.
+func (h *simHost) holdClaim(ctx context.Context, ep **Engine, dev *simDevice, w *window, life int) bool {
+	s, e := h.s, *ep
 	holdFor := time.Duration(h.rng.ExpFloat64() * float64(h.hold))
 	deadline := time.Now().Add(holdFor)
 	for time.Now().Before(deadline) && ctx.Err() == nil {
@@ -793,9 +807,89 @@ func (h *simHost) holdClaim(ctx context.Context, e *Engine, dev *simDevice, w *w
 			if h.pause(ctx, e, dev, w) {
 				return true // the watchdog reset the host
 			}
+		case h.restarts != nil && h.restarts.Float64() < h.restartP:
+			ne, over := h.restart(ctx, e, dev, w, life)
+			*ep, e = ne, ne
+			if over {
+				return true
+			}
 		}
 	}
 	return false
+}
+
+// restart stops the agent and starts it again while the host keeps the
+// volume mounted and writing, as an upgrade, or a crash that systemd
+// restarts, does: the old engine hands its lease off (a stop) or just
+// ends (a crash), and the agent stays down for a drawn time. The host
+// watchdog, fed no more, resets the host W after the last feed; until
+// then a new engine on the same disk path resumes the claim
+// (Engine.Resume). When it finds the claim lost the agent stops the
+// host's I/O; when its read fails the agent tries again at its next check,
+// the watchdog still unfed (agent/volume: an unresumed lease). It returns
+// the engine that holds the claim now and whether the life is over.
+func (h *simHost) restart(ctx context.Context, e *Engine, dev *simDevice, w *window, life int) (*Engine, bool) {
+	s, t, x := h.s, h.clock(), h.restarts
+	stop := time.Now()
+	lastFeed := stop
+	if hl := e.Health(); hl.Held && !hl.Lost {
+		lastFeed = minTime(stop, hl.RenewedAt.Add(hl.Fail))
+	}
+	resetAt := lastFeed.Add(t.Watchdog)
+	if x.IntN(3) > 0 {
+		err := e.Handoff(context.Background())
+		s.event(h.idx, "agent stops, handing its lease off", "life", life, "error", fmt.Sprint(err))
+		if e.Lost() != nil {
+			return e, false // OnLost stops the I/O; the life ends as a loss does
+		}
+	} else {
+		e.mu.Lock()
+		r := e.renewer
+		e.renewer = nil
+		e.mu.Unlock()
+		if r != nil {
+			r.stopAndWait()
+		}
+		s.event(h.idx, "agent dies; systemd restarts it", "life", life)
+	}
+	var down time.Duration
+	switch x.IntN(3) {
+	case 0:
+		down = time.Duration(x.Int64N(int64(t.Renew)))
+	case 1:
+		down = t.Renew + time.Duration(x.Int64N(int64(t.Fail)))
+	default:
+		down = t.Fail + time.Duration(x.Int64N(int64(2*t.Watchdog)+1))
+	}
+	for try := 1; ; try++ {
+		if !time.Now().Add(down).Before(resetAt) {
+			time.Sleep(time.Until(resetAt))
+			s.closeWindow(w, "watchdog reset (the agent down, or its lease not resumed)", time.Now())
+			dev.kill()
+			s.event(h.idx, "watchdog reset the host")
+			return e, true
+		}
+		time.Sleep(down)
+		ne, err := h.newEngine(life, w, dev)
+		if err != nil {
+			s.failf("host %d: New: %v", h.idx, err)
+			return e, true
+		}
+		err = ne.Resume(ctx)
+		s.event(h.idx, "agent back", "life", life, "down", down.String(), "try", try, "error", fmt.Sprint(err))
+		var lost *fence.LostError
+		switch {
+		case err == nil:
+			return ne, false
+		case errors.As(err, &lost):
+			// The agent stops the host's I/O; its last writes drain
+			// within d.
+			time.Sleep(time.Duration(dev.drainRng.Int64N(int64(h.timing.IOTimeout))))
+			s.closeWindow(w, "not resumed after a restart: "+lost.Reason, time.Now())
+			return ne, true
+		}
+		down = 2*t.Renew + time.Duration(x.Int64N(int64(t.Renew)))
+	}
 }
 
 // endLife ends a life that was not reset. A node handles a lost claim
@@ -964,7 +1058,19 @@ func (s *sim) checkWindows() {
 }
 
 // newSim draws a schedule of class from its seed.
-func newSim(t *testing.T, seed int64, class simClass, trace *syncBuffer, extras bool) (*sim, []*simHost) {
+// simExtras says which extra faults a schedule draws beside its plain
+// events: none (-lease.plain), the faults of drawExtras but no agent
+// restarts (as schedules were drawn before restarts were simulated; the
+// regressions found then replay that way), or all of them.
+type simExtras int
+
+const (
+	extrasNone simExtras = iota
+	extrasNoRestarts
+	extrasAll
+)
+
+func newSim(t *testing.T, seed int64, class simClass, trace *syncBuffer, extras simExtras) (*sim, []*simHost) {
 	r := rand.New(rand.NewPCG(uint64(seed), 0x5eed))
 	s := &sim{t: t, seed: seed, class: class, trace: trace, acquiring: map[*window]bool{}}
 	s.log = slog.New(slog.NewTextHandler(trace, &slog.HandlerOptions{Level: slog.LevelInfo,
@@ -989,8 +1095,8 @@ func newSim(t *testing.T, seed int64, class simClass, trace *syncBuffer, extras 
 			h.uuid = fmt.Sprintf("%08x-0000-4000-8000-%012x", h.idx, uint64(h.key)&(1<<48-1))
 		}
 	}
-	if extras {
-		s.drawExtras(hosts, class)
+	if extras != extrasNone {
+		s.drawExtras(hosts, class, extras == extrasAll)
 	}
 	s.end = simEpoch.Add(span)
 	return s, hosts
@@ -1080,12 +1186,16 @@ func (hs *simHosts) drawFirst(r *rand.Rand) {
 // clock rates, releases before acquiring, and a clone's held slots. They
 // are drawn from their own stream, so a seed's schedule without them is
 // the one it always was.
-func (s *sim) drawExtras(hosts []*simHost, class simClass) {
+func (s *sim) drawExtras(hosts []*simHost, class simClass, restarts bool) {
 	x := rand.New(rand.NewPCG(uint64(s.seed), 0xe7a5))
 	all := simAllTiming()
 	for _, h := range hosts {
 		h.x = rand.New(rand.NewPCG(uint64(s.seed)^0xe7a5, uint64(h.idx)+1))
 		h.releaseFirstP = 0.15
+		if restarts {
+			h.restarts = rand.New(rand.NewPCG(uint64(s.seed)^0x5e57a7, uint64(h.idx)+1))
+			h.restartP = 0.1
+		}
 		if x.Float64() < 0.4 {
 			h.timing = all[x.IntN(len(all))]
 		}
@@ -1133,12 +1243,12 @@ func (b *syncBuffer) String() string {
 
 // runSchedule runs one seed of class and returns the broken invariants
 // and the trace.
-func runSchedule(t *testing.T, seed int64, class simClass, extras bool) (failures []string, trace string, s *sim) {
+func runSchedule(t *testing.T, seed int64, class simClass, extras simExtras) (failures []string, trace string, s *sim) {
 	buf := &syncBuffer{}
 	synctest.Test(t, func(t *testing.T) {
 		var hosts []*simHost
 		s, hosts = newSim(t, seed, class, buf, extras)
-		s.event(-1, "schedule", "seed", seed, "class", s.class.String(), "hosts", len(hosts), "sector", s.disk.sector, "extras", extras, "clone", s.first != nil)
+		s.event(-1, "schedule", "seed", seed, "class", s.class.String(), "hosts", len(hosts), "sector", s.disk.sector, "extras", int(extras), "clone", s.first != nil)
 		for _, h := range hosts {
 			s.event(h.idx, "host", "timing", h.timing.String(), "clock_rate", h.rate)
 		}
@@ -1160,7 +1270,7 @@ func runSchedule(t *testing.T, seed int64, class simClass, extras bool) (failure
 
 func TestLeaseSchedules(t *testing.T) {
 	if *simSeed >= 0 {
-		failures, trace, s := runSchedule(t, *simSeed, classOf(*simSeed), !*simPlain)
+		failures, trace, s := runSchedule(t, *simSeed, classOf(*simSeed), flagExtras())
 		t.Logf("seed %d (%s):\n%s", *simSeed, s.class, trace)
 		for _, f := range failures {
 			t.Error(f)
@@ -1182,7 +1292,7 @@ func TestLeaseSchedules(t *testing.T) {
 				if *simOnly >= 0 && class != simClass(*simOnly) {
 					continue
 				}
-				failures, trace, s := runSchedule(t, seed, class, !*simPlain)
+				failures, trace, s := runSchedule(t, seed, class, flagExtras())
 				mu.Lock()
 				if class == classFirst {
 					firsts++
@@ -1232,15 +1342,25 @@ var simRegressions = []struct {
 	seed   int64
 	class  simClass // as drawn when the seed broke (seed % 4, before classFirst)
 	what   string
-	extras bool // the schedule has the extra faults (-lease.plain=false)
+	extras simExtras
 }{
-	{1, classSlow, "slow: a renewal write that timed out landed later, and the next renewal took the holder's own slot as changed by another host (its claim lost for good)", false},
-	{1051, classTakeover, "takeover: a torn read of the superseded holder's slot, in the middle of its renewal, was taken as its acknowledgement; both then wrote", false},
-	{519, classTakeover, "takeover: the same, on another schedule", false},
-	{66, classChurn, "churn: sixteen dead holders' slots were never reused, so the disk could not be acquired again", false},
-	{308, classMixed, "mixed: a new engine resumed its own record while the previous engine of the same node, which had lost the lease, marked the slot fenced; another node took the free disk and both wrote", false},
-	{288, classMixed, "mixed, extras: a racer's renewal was read torn in the last read of a taker's expiry wait, so its claim was neither owner nor waited for and its epoch unseen; the taker claimed the same epoch, won the tie on its lower key, and both wrote", true},
-	{2392, classMixed, "mixed, extras: the same kind of schedule, another seed", true},
+	{1, classSlow, "slow: a renewal write that timed out landed later, and the next renewal took the holder's own slot as changed by another host (its claim lost for good)", extrasNone},
+	{1051, classTakeover, "takeover: a torn read of the superseded holder's slot, in the middle of its renewal, was taken as its acknowledgement; both then wrote", extrasNone},
+	{519, classTakeover, "takeover: the same, on another schedule", extrasNone},
+	{66, classChurn, "churn: sixteen dead holders' slots were never reused, so the disk could not be acquired again", extrasNone},
+	{308, classMixed, "mixed: a new engine resumed its own record while the previous engine of the same node, which had lost the lease, marked the slot fenced; another node took the free disk and both wrote", extrasNone},
+	{288, classMixed, "mixed, extras: a racer's renewal was read torn in the last read of a taker's expiry wait, so its claim was neither owner nor waited for and its epoch unseen; the taker claimed the same epoch, won the tie on its lower key, and both wrote", extrasNoRestarts},
+	{2392, classMixed, "mixed, extras: the same kind of schedule, another seed", extrasNoRestarts},
+	{1560, classMixed, "mixed, agent restarts: a restarted agent's resume met a granted taker's claim after its settle wait and withdrew its record (marked it released) while the host still wrote; the taker took that as the holder's acknowledgement and both wrote", extrasAll},
+	{1530, classMixed, "mixed, agent restarts: a granted takeover began while the agent was down; its resume, then built on Acquire, withdrew its record as the claim appeared and both wrote", extrasAll},
+}
+
+// flagExtras is the extras -lease.plain asks for.
+func flagExtras() simExtras {
+	if *simPlain {
+		return extrasNone
+	}
+	return extrasAll
 }
 
 func TestLeaseScheduleRegressions(t *testing.T) {
