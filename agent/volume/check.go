@@ -132,8 +132,8 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 				return
 			}
 			closeChoice(ch)
-			m.setLive(c.Volume, &live{dev: dev})
-			log.Error("cannot resume the fence of a recorded claim; the periodic check retries", "err", err)
+			m.setLive(c.Volume, &live{dev: dev, unresumed: ch.Method == MethodLease})
+			log.Error("cannot resume the fence of a recorded claim; the periodic check retries (a lease not resumed stops the host watchdog's feeding until it is)", "err", err)
 			return
 		}
 	}

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sync/atomic"
-	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
@@ -56,9 +55,9 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 		ld.Close()
 		return Choice{Method: fence.MethodNone, Reason: fmt.Sprintf("the disk holds %s, not a lease area, and is never formatted with one", cls.Signature)}, nil
 	}
-	f := &leaseFencer{dev: ld, key: o.Key, timing: o.Timing}
+	f := &leaseFencer{dev: ld, key: o.Key, timing: o.Timing, log: o.Log.With("volume", volume)}
 	f.Engine, err = lease.New(ld, lease.Config{Key: o.Key, Node: o.Node, NodeName: o.NodeName, Disk: volume, Serial: dev.Serial, Resolver: o.Resolver,
-		Timing: o.Timing, OnLost: f.lost(onLost), Verify: f.verify(dev), Logger: o.Log.With("volume", volume)})
+		Timing: o.Timing, OnLost: f.lost(onLost), Verify: f.verify(dev), Logger: f.log})
 	if err != nil {
 		ld.Close()
 		return Choice{}, err
@@ -125,6 +124,7 @@ type leaseFencer struct {
 	dev    *lease.Device
 	key    fence.Key
 	timing lease.Timing
+	log    *slog.Logger
 	closed atomic.Bool
 	// loss is what became of a lost claim's I/O, for the host watchdog.
 	loss atomic.Int32
@@ -135,10 +135,15 @@ var errFencerClosed = errors.New("the lease fencer is closed")
 
 // Close stops the renewals and closes the device without releasing: the
 // claim stays recorded on the disk for the next agent process to resume
-// (the agent closes its fencers when it stops). The engine's Release is
-// what stops and waits for its renewer; with the fencer marked closed its
-// verify step fails, so it writes nothing.
+// (the agent closes its fencers when it stops). Its last renewal comes
+// now (Handoff), so that the next process finds the record as young as it
+// can be (docs/upgrade.md). The engine's Release then finds no renewer
+// left to stop; with the fencer marked closed its verify step fails, so
+// it writes nothing.
 func (f *leaseFencer) Close() error {
+	if err := f.Engine.Handoff(context.Background()); err != nil {
+		f.log.Warn("the lease was not renewed once more before the agent stops; the next agent resumes it from its last renewal", "err", err)
+	}
 	f.closed.Store(true)
 	_ = f.Engine.Release(context.Background())
 	return f.dev.Close()
@@ -153,33 +158,9 @@ func (f *leaseFencer) Holder(ctx context.Context) (*lease.Slot, error) {
 	return st.Owner, nil
 }
 
-// Resume takes back, after an agent restart, a claim this node recorded:
-// only when our slot still owns the lease and was renewed within the fail
-// bound (else other nodes may have seen it expire: the claim is lost).
-// It never waits for another holder.
-func (f *leaseFencer) Resume(ctx context.Context) error {
-	st, _, err := lease.ReadStatus(ctx, f.dev, f.key, f.timing.IOTimeout)
-	if err != nil {
-		return err
-	}
-	switch {
-	case st.Owner == nil:
-		return &fence.LostError{Device: f.dev.Name(), Reason: "the lease is no longer held by this node (released or fenced while the agent was down)"}
-	case st.Owner.Key != f.key:
-		return &fence.LostError{Device: f.dev.Name(), Holder: st.Owner.Key, HolderNode: st.Owner.Node,
-			Reason: fmt.Sprintf("the lease was taken over by key %s while the agent was down", st.Owner.Key)}
-	}
-	if age := time.Since(time.Unix(0, st.Owner.Written)); age < 0 || age >= f.timing.Fail {
-		return &fence.LostError{Device: f.dev.Name(),
-			Reason: fmt.Sprintf("this node's lease was last renewed %s ago, beyond the fail bound %s: other nodes may have taken it as expired", age.Round(time.Second), f.timing.Fail)}
-	}
-	_, err = f.Acquire(ctx, nil)
-	var held *fence.HeldError
-	if errors.As(err, &held) {
-		return &fence.LostError{Device: f.dev.Name(), Holder: held.Holder, HolderNode: held.HolderNode, Reason: held.Error()}
-	}
-	return err
-}
+// Resume takes back, after an agent restart, a claim this node recorded
+// (lease.Engine.Resume has the rule).
+func (f *leaseFencer) Resume(ctx context.Context) error { return f.Engine.Resume(ctx) }
 
 // resumer is a fencer whose claim must be taken back explicitly after an
 // agent restart before it can be checked (the lease renews from a timer

@@ -92,6 +92,11 @@ type Manager struct {
 type live struct {
 	dev    *Device
 	fencer fence.Fencer
+	// unresumed: a lease-fenced volume still mounted whose lease, held
+	// before the agent restarted, could not be resumed yet (the read
+	// failed); the periodic check retries, and the host watchdog is not
+	// fed meanwhile (Leases).
+	unresumed bool
 }
 
 // New opens the claim store. Call Reconcile before serving.

@@ -22,17 +22,20 @@ func lossOutcome(stopped bool) int32 {
 // Leases lists, for the host watchdog, the on-disk leases whose volumes
 // this agent has staged: each held one with the issue time of its last
 // renewal, and each lost one with whether its I/O was stopped and drained
-// (fenced) or not (then its stale renewal stops the feeding).
+// (fenced) or not (then its stale renewal stops the feeding), and each
+// one held before an agent restart that could not be resumed yet.
 func (m *Manager) Leases() []watchdog.Lease {
 	m.mu.Lock()
 	fs := make(map[string]*leaseFencer, len(m.live))
+	var out []watchdog.Lease
 	for v, l := range m.live {
 		if f, ok := l.fencer.(*leaseFencer); ok {
 			fs[v] = f
+		} else if l.unresumed {
+			out = append(out, watchdog.Lease{Volume: v, Unresumed: true})
 		}
 	}
 	m.mu.Unlock()
-	var out []watchdog.Lease
 	for v, f := range fs {
 		// Health is read without the engine's lock, which an
 		// acquisition or a lease I/O may hold for long.

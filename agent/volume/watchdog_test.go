@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"sync"
@@ -12,6 +13,8 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
 
 // countingDevice stands in for a watchdog device: the host the tests run
@@ -170,5 +173,72 @@ func (e *env) checkOneWatchdogTick(wd *watchdog.Watchdog, dev *countingDevice, n
 			t.Fatalf("fed with a renewal %s old: %+v", time.Since(ls[0].Renewed), st)
 		}
 		return false, withheld
+	}
+}
+
+// resumeFailsOnce is the agent's fencer factory, except that the first
+// lease fencer it makes fails to resume, as a lease read that fails once
+// at an agent's start would.
+type resumeFailsOnce struct {
+	FencerFactory
+	failed bool
+}
+
+type resumeFails struct{ *leaseFencer }
+
+func (resumeFails) Resume(context.Context) error {
+	return errors.New("reading the lease area: input/output error")
+}
+
+func (f *resumeFailsOnce) Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
+	ch, err := f.FencerFactory.Choose(ctx, dev, volume, onLost)
+	if lf, ok := ch.Fencer.(*leaseFencer); ok && err == nil && !f.failed {
+		f.failed = true
+		ch.Fencer = resumeFails{lf}
+	}
+	return ch, err
+}
+
+// An agent that stops renews its leases a last time (the hand-off); the
+// next one, when it cannot resume a lease of a volume still mounted (its
+// read failed), lists it as unresumed so that the host watchdog is not fed
+// for it, and the periodic check resumes it, from then on an ordinary
+// held lease.
+func TestAnUnresumedLeaseIsListedUntilTheCheckResumesIt(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	req := a.stageReq("vol-u", img, "staging/u")
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	time.Sleep(testTiming.Renew / 2)
+	stopped := time.Now()
+	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers}
+	a.start() // the agent stops (its fencers close) and starts again
+	ld, err := lease.OpenDevice(devA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, _, err := lease.ReadStatus(ctx, ld, keyA, testTiming.IOTimeout)
+	ld.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Owner == nil || st.Owner.Key != keyA || st.Owner.Written < stopped.UnixNano() {
+		t.Fatalf("the stopping agent did not renew its lease a last time (stopped at %d): %+v", stopped.UnixNano(), st.Owner)
+	}
+
+	a.m.Reconcile(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-u" || !ls[0].Unresumed {
+		t.Fatalf("leases after a failed resume: %+v", ls)
+	}
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Unresumed || ls[0].Fenced || time.Since(ls[0].Renewed) > testTiming.Fail {
+		t.Fatalf("leases after the check resumed it: %+v", ls)
+	}
+	if err := a.m.Unstage(ctx, "vol-u", req.StagingPath); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -64,6 +64,11 @@ type Lease struct {
 	// Fenced: the lease was lost and its I/O stopped and drained; the
 	// host no longer needs resetting for it.
 	Fenced bool
+	// Unresumed: a lease an earlier agent process held for a volume still
+	// mounted, which this one could not resume yet (its read failed). It
+	// has no renewal to count from, so it stops the feeding until it is
+	// resumed, or found lost and its I/O stopped.
+	Unresumed bool
 }
 
 // feedDeadline is the last instant a feed is allowed for l: F minus d
@@ -321,7 +326,11 @@ func (w *Watchdog) Tick() {
 	now := time.Now()
 	var withheld []string
 	for _, l := range leases {
-		if !l.Fenced && !now.Before(l.feedDeadline()) {
+		switch {
+		case l.Fenced:
+		case l.Unresumed:
+			withheld = append(withheld, l.Volume+" (held before the agent restarted, not resumed yet)")
+		case !now.Before(l.feedDeadline()):
 			withheld = append(withheld, fmt.Sprintf("%s (renewed %s ago, fail bound %s)", l.Volume, now.Sub(l.Renewed).Round(time.Millisecond), l.Fail))
 		}
 	}

@@ -189,6 +189,33 @@ func TestFeedingStopsWhenARenewalIsLateAndResumesWhenFenced(t *testing.T) {
 	}
 }
 
+// A lease held before an agent restart that the new process could not
+// resume yet has no renewal to count from: it stops the feeding, armed,
+// until it is resumed (then it is an ordinary held lease).
+func TestAnUnresumedLeaseStopsTheFeedingUntilResumed(t *testing.T) {
+	r := newRig(t, Config{})
+	r.set(fresh("vol-ok"))
+	r.w.Tick()
+	d := r.dev()
+	n := d.count()
+	r.set(fresh("vol-ok"), Lease{Volume: "vol-restarted", Unresumed: true})
+	for range 3 {
+		r.w.Tick()
+	}
+	if d.count() != n {
+		t.Fatalf("fed %d times while a lease was not resumed", d.count()-n)
+	}
+	st := r.w.Status()
+	if !st.Armed || d.disarmed || len(st.Withheld) != 1 || !strings.Contains(st.Withheld[0], "vol-restarted") || !strings.Contains(st.Withheld[0], "not resumed") {
+		t.Fatalf("status while an unresumed lease withholds the feeding: %+v", st)
+	}
+	r.set(fresh("vol-ok"), fresh("vol-restarted"))
+	r.w.Tick()
+	if d.count() != n+1 || len(r.w.Status().Withheld) != 0 {
+		t.Fatalf("not fed once the lease was resumed: %+v", r.w.Status())
+	}
+}
+
 func TestRunFeedsOnlyOnAFreshLook(t *testing.T) {
 	// Run's goroutine asks for the leases before each feed: once they go
 	// stale it stops feeding although it keeps running.
