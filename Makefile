@@ -299,7 +299,7 @@ bench-crypt: deps build
 
 ##@ Fuzz and soak
 
-.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-k8s soak-k8s-e2e
+.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-upgrade soak-k8s soak-k8s-e2e
 
 # Every fuzz target in the repository, found with `go test -list`, each for
 # FUZZTIME (default 30s); test-fuzz-brief runs each for FUZZBRIEF
@@ -360,6 +360,8 @@ fuzz-smbios:
 #     (about 25 min each with warm caches);
 #   soak-faults: the lab's faults FAULTS_SOAK_ROUNDS times each (up to 4 h);
 #   soak-lease: LEASE_SOAK_SEEDS lease schedules (up to 4 h);
+#   soak-upgrade: E9's package upgrade under write load UPGRADE_SOAK_ROUNDS
+#     times on one staged lease volume (about 2 min each);
 #   every fuzz target for FUZZTIME (log in $(BIN)/soak-fuzz.log);
 #   TestConcurrentCSICalls under the race detector for STORM_RACE_ROUNDS
 #     rounds;
@@ -372,7 +374,7 @@ SOAK_ROUNDS ?= 200
 STORM_SOAK_ROUNDS ?= 20
 STORM_RACE_ROUNDS ?= 5
 ## everything long: k8s and the storage suite on both kinds, fault and lease soaks, fuzzers, crash loop, races
-soak: deps-apt soak-k8s soak-k8s-e2e soak-faults soak-lease
+soak: deps-apt soak-k8s soak-k8s-e2e soak-faults soak-lease soak-upgrade
 	@mkdir -p $(BIN)
 	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
 	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
@@ -395,6 +397,15 @@ LEASE_SOAK_SEEDS ?= 40000
 ## LEASE_SOAK_SEEDS (40000) lease schedules in the simulator
 soak-lease:
 	$(GO) test -count=1 -timeout 4h -run 'TestLeaseSchedules$$' ./fence/lease -lease.from=100000 -lease.seeds=$(LEASE_SOAK_SEEDS)
+
+# E9 of test-e2e with its package upgrade under write load repeated on the
+# same staged lease volume: each round must resume the lease, fence nothing
+# and fail no write (docs/upgrade.md).
+UPGRADE_SOAK_ROUNDS ?= 20
+## E9's package upgrade under load UPGRADE_SOAK_ROUNDS (20) times
+soak-upgrade: deps build packages guest-root
+	@mkdir -p $(BIN)
+	VCO_LAB=1 VCO_LAB_BIN=$(BIN) VCO_E2E_UPGRADE_ROUNDS=$(UPGRADE_SOAK_ROUNDS) $(GO) test -count=1 -p 1 -v -timeout 2h -run TestAgentKilledDuringStage ./integration/e2e | tee $(BIN)/soak-upgrade.txt
 
 # Every Kubernetes scenario on both disk kinds (about 25 min each with warm
 # caches): scsi-block, and virtio-blk backed by files (the lab's virtio-blk

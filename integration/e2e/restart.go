@@ -535,8 +535,10 @@ func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
 	}); err != nil {
 		return err
 	}
-	if err := s.e9Upgrade(ctx, sc, g, stagingPath(c.name)); err != nil {
-		return err
+	for round := 1; round <= upgradeRounds(); round++ {
+		if err := s.e9Upgrade(ctx, sc, g, stagingPath(c.name), round); err != nil {
+			return err
+		}
 	}
 	return c.takeDown(ctx, sc, g)
 }
@@ -545,6 +547,15 @@ func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
 // to build a newer version of it (docs/upgrade.md).
 const upgradeDeb = "/var/lib/vco-e2e/vco-agent.deb"
 
+// upgradeRounds is how many times E9 upgrades the package under load:
+// once in make test, more with VCO_E2E_UPGRADE_ROUNDS (make soak).
+func upgradeRounds() int {
+	if n, err := strconv.Atoi(os.Getenv("VCO_E2E_UPGRADE_ROUNDS")); err == nil && n > 0 {
+		return n
+	}
+	return 1
+}
+
 // e9Upgrade upgrades the vco-agent package in the systemd guest to a newer
 // version while a writer keeps writing, O_DSYNC, to the lease-fenced
 // volume staged at staging: dpkg restarts the agent (postinst), which must
@@ -552,8 +563,12 @@ const upgradeDeb = "/var/lib/vco-e2e/vco-agent.deb"
 // is fenced and no write fails. The newer package is the booted one
 // repacked with the version 99.0.0-1, so that dpkg runs the maintainer
 // scripts' upgrade path with the same files.
-func (s *story) e9Upgrade(ctx context.Context, sc string, g *lab.Guest, staging string) error {
-	return s.step(sc, g.Name, "upgrade the vco-agent package under write load with the lease volume staged: nothing fenced, no write fails", func() (string, error) {
+func (s *story) e9Upgrade(ctx context.Context, sc string, g *lab.Guest, staging string, round int) error {
+	what := "upgrade the vco-agent package under write load with the lease volume staged: nothing fenced, no write fails"
+	if round > 1 {
+		what = fmt.Sprintf("upgrade the vco-agent package again (round %d) under write load: nothing fenced, no write fails", round)
+	}
+	return s.step(sc, g.Name, what, func() (string, error) {
 		script := fmt.Sprintf(`set -e
 d=$(mktemp -d)
 dpkg-deb -R %[1]s $d/pkg
@@ -580,6 +595,7 @@ echo "old=$old new=$(dpkg-query -W -f='${Version}' vco-agent) pid0=$pid0 pid1=$(
 echo "restart_ms=$(( (t1 - t0) / 1000000 )) writes=$(cat $d/writes) failed=$(cat $d/failed 2>/dev/null | wc -l)"
 echo "down_ms=$(journalctl -u vco-agent.service --since "$since" --no-pager -o short-unix | awk '/vco-agent stopping/ && !s {s=$1} /vco-agent serving/ && s {print int(($1-s)*1000); exit}')"
 echo "resumed=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'lease resumed from an earlier run' || true)"
+echo "age=$(journalctl -u vco-agent.service --since "$since" --no-pager -o json MESSAGE='lease resumed from an earlier run' | sed -n 's/.*"AGE":"\([^"]*\)".*/\1/p' | tail -n 1)"
 echo "fenced=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'DiskFenced' || true)"
 echo "disks=$(vco-agent disks --json | tr -d '\n')"
 cat $d/dd.err | head -n 5`, upgradeDeb, staging)
@@ -598,14 +614,17 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 		disks := out[strings.Index(out, "disks=")+len("disks="):]
 		held := strings.Contains(disks, `"CLAIM_STATE_HELD"`) && !strings.Contains(disks, `"CLAIM_STATE_LOST"`)
 		ok := field("new") == "99.0.0-1" && field("pid0") != field("pid1") && field("failed") == "0" && field("fenced") == "0" && field("resumed") != "0" && held
-		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving) under %s O_DSYNC writes: %s failed, leases resumed %s, DiskFenced %s, claim held after: %v",
-			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("writes"), field("failed"), field("resumed"), field("fenced"), held)
+		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving) under %s O_DSYNC writes: %s failed, leases resumed %s (the record %s old, handed off by the stopping agent), DiskFenced %s, claim held after: %v",
+			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("writes"), field("failed"), field("resumed"), field("age"), field("fenced"), held)
 		if !ok {
 			// What the agent and the kernel said is what explains it.
-			logs, _ := g.MustSh(ctx, "journalctl -u vco-agent.service --no-pager -o short-monotonic -n 80; dmesg | tail -n 40; cat /proc/mounts | grep -e /dev/loop -e /dev/vd; losetup -a; true")
+			// The agent's lease lines come last, where a
+			// shortened log still shows them.
+			logs, _ := g.MustSh(ctx, "journalctl -u vco-agent.service --no-pager -o short-monotonic -n 80; dmesg | tail -n 40; cat /proc/mounts | grep -e /dev/loop -e /dev/vd; losetup -a; "+
+				"echo '-- the agent on the lease, stop and start:'; journalctl -u vco-agent.service --no-pager -o short-monotonic | grep -i -e lease -e fenc -e lost -e renew -e stopping -e serving -e watchdog | tail -n 40; true")
 			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s\nthe agent's journal and the kernel's log:\n%s", out, logs)
 		}
-		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, %s writes, none failed; lease resumed, nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("writes")), nil
+		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, %s writes, none failed; lease resumed (record %s old), nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("writes"), field("age")), nil
 	})
 }
 
