@@ -195,14 +195,18 @@ func (m *Manager) getLive(volume string) *live {
 }
 
 // Close closes every device the manager holds open. Claims stay recorded
-// and fences stay held: a restarted agent picks them up.
+// and fences stay held: a restarted agent picks them up. The volumes are
+// closed side by side, since each lease's hand-off (its last renewal) is a
+// read and a write that a slow disk may stretch to its I/O timeout.
 func (m *Manager) Close() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	var wg sync.WaitGroup
 	for v, l := range m.live {
-		l.close()
+		wg.Go(l.close)
 		delete(m.live, v)
 	}
+	wg.Wait()
 }
 
 func mapperName(volume string) string {
