@@ -1401,13 +1401,7 @@ func (e *Engine) resumeOnce(ctx context.Context) error {
 // found lost here is lost as it would be a moment later. A lease not held,
 // or paused, is left as it is.
 func (e *Engine) Handoff(ctx context.Context) error {
-	e.mu.Lock()
-	r := e.renewer
-	e.renewer = nil
-	e.mu.Unlock()
-	if r != nil {
-		r.stopAndWait()
-	}
+	e.stopRenewer()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if !e.held || e.paused {
@@ -1429,13 +1423,7 @@ func (e *Engine) Handoff(ctx context.Context) error {
 // released, so the next holder need not wait. A disk without our record
 // is released without error.
 func (e *Engine) Release(ctx context.Context) error {
-	e.mu.Lock()
-	r := e.renewer
-	e.renewer = nil
-	e.mu.Unlock()
-	if r != nil {
-		r.stopAndWait()
-	}
+	e.stopRenewer()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.held = false
@@ -1501,6 +1489,18 @@ type renewer struct {
 
 func (r *renewer) signal()      { r.once.Do(func() { close(r.stop) }) }
 func (r *renewer) stopAndWait() { r.signal(); <-r.done }
+
+// stopRenewer stops the renewer, if one runs, and waits for it to end;
+// called without e.mu, which a renewal in progress holds.
+func (e *Engine) stopRenewer() {
+	e.mu.Lock()
+	r := e.renewer
+	e.renewer = nil
+	e.mu.Unlock()
+	if r != nil {
+		r.stopAndWait()
+	}
+}
 
 func (e *Engine) startRenewer() {
 	r := &renewer{stop: make(chan struct{}), done: make(chan struct{})}

@@ -135,15 +135,7 @@ func newNodeTiming(t testing.TB, dev string, uuid string, name string, tm Timing
 
 // stopRenewing stops the node's renewer without releasing, as when its
 // agent dies.
-func (n *node) stopRenewing() {
-	n.e.mu.Lock()
-	r := n.e.renewer
-	n.e.renewer = nil
-	n.e.mu.Unlock()
-	if r != nil {
-		r.stopAndWait()
-	}
-}
+func (n *node) stopRenewing() { n.e.stopRenewer() }
 
 func (n *node) pause(p bool) {
 	n.e.mu.Lock()

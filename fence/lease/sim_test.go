@@ -843,13 +843,7 @@ func (h *simHost) restart(ctx context.Context, e *Engine, dev *simDevice, w *win
 			return e, false // OnLost stops the I/O; the life ends as a loss does
 		}
 	} else {
-		e.mu.Lock()
-		r := e.renewer
-		e.renewer = nil
-		e.mu.Unlock()
-		if r != nil {
-			r.stopAndWait()
-		}
+		e.stopRenewer()
 		s.event(h.idx, "agent dies; systemd restarts it", "life", life)
 	}
 	var down time.Duration
