@@ -1323,9 +1323,10 @@ func (e *Engine) deadline() *fence.LostError {
 // of this node recorded and handed off (Handoff) or left when it died. The
 // host still has the volume mounted and writing, so nothing is waited for
 // and nothing is withdrawn: the record is resumed in place only while our
-// slot still owns the lease, alone, and was renewed within the fail bound
-// F; past F the host was to have stopped its I/O, and other nodes count
-// their expiry bound from there. Anything else is a lost claim (the caller
+// slot still owns the lease and was renewed within the fail bound F (the
+// rule of a renewal, and of the engine's claim on it); past F the host was
+// to have stopped its I/O, and other nodes count their expiry bound from
+// there. Anything else is a lost claim (the caller
 // stops the host's I/O; our slot stays as it is, so a taker waits for the
 // expiry bound or the fenced mark). A read that fails is returned as it
 // is, for a retry; a record that changed while it was resumed (a write of
@@ -1379,12 +1380,10 @@ func (e *Engine) resumeOnce(ctx context.Context) error {
 		return &fence.LostError{Device: e.dev.name,
 			Reason: fmt.Sprintf("this node's lease was last renewed %s ago, beyond the fail bound %s: other nodes may have taken it as expired", age.Round(time.Millisecond), e.cfg.Timing.Fail)}
 	}
-	for i := range a.Slots {
-		if i != owner && (a.Corrupt[i] || (a.Slots[i].Key != e.cfg.Key && a.Slots[i].Live())) {
-			return &fence.LostError{Device: e.dev.name,
-				Reason: fmt.Sprintf("slot %d beside ours is held or being written (a takeover under way): the claim is not resumed", i)}
-		}
-	}
+	// Slots below ours, held or torn, are what a renewal ignores too: the
+	// claim being resumed was a completed one (its stage had waited them
+	// out), and a claim landing above ours shows in the resume's second
+	// read or at a later renewal, as for any live holder.
 	if err := e.resume(ctx, owner, a, readAt); err != nil {
 		return err
 	}
