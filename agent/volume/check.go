@@ -112,9 +112,13 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 // reconcileFence takes back the fence of a held claim (resuming the lease,
 // which the process holding it renews) and checks it (P4).
 func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
+	// A lease-fenced volume whose lease cannot be taken back now stays
+	// mounted; it is listed as unresumed, so that the host watchdog is not
+	// fed until a periodic check resumes it (or finds it lost).
+	unresumed := c.Method == MethodLease
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
-		m.setLive(c.Volume, &live{dev: dev})
+		m.setLive(c.Volume, &live{dev: dev, unresumed: unresumed})
 		log.Error("cannot check the fence of a recorded claim; the periodic check retries", "err", err)
 		return
 	}
@@ -132,7 +136,7 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 				return
 			}
 			closeChoice(ch)
-			m.setLive(c.Volume, &live{dev: dev, unresumed: ch.Method == MethodLease})
+			m.setLive(c.Volume, &live{dev: dev, unresumed: unresumed})
 			log.Error("cannot resume the fence of a recorded claim; the periodic check retries (a lease not resumed stops the host watchdog's feeding until it is)", "err", err)
 			return
 		}

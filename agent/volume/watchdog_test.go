@@ -178,10 +178,11 @@ func (e *env) checkOneWatchdogTick(wd *watchdog.Watchdog, dev *countingDevice, n
 
 // resumeFailsOnce is the agent's fencer factory, except that the first
 // lease fencer it makes fails to resume, as a lease read that fails once
-// at an agent's start would.
+// at an agent's start would; with choose, making that fencer fails (the
+// read of the disk's signatures failed).
 type resumeFailsOnce struct {
 	FencerFactory
-	failed bool
+	choose, failed bool
 }
 
 type resumeFails struct{ *leaseFencer }
@@ -194,6 +195,10 @@ func (f *resumeFailsOnce) Choose(ctx context.Context, dev *Device, volume string
 	ch, err := f.FencerFactory.Choose(ctx, dev, volume, onLost)
 	if lf, ok := ch.Fencer.(*leaseFencer); ok && err == nil && !f.failed {
 		f.failed = true
+		if f.choose {
+			closeChoice(ch)
+			return Choice{}, errors.New("reading the disk's signatures: input/output error")
+		}
 		ch.Fencer = resumeFails{lf}
 	}
 	return ch, err
@@ -205,6 +210,11 @@ func (f *resumeFailsOnce) Choose(ctx context.Context, dev *Device, volume string
 // for it, and the periodic check resumes it, from then on an ordinary
 // held lease.
 func TestAnUnresumedLeaseIsListedUntilTheCheckResumesIt(t *testing.T) {
+	t.Run("the resume's read failed", func(t *testing.T) { unresumedUntilTheCheck(t, false) })
+	t.Run("the fencer could not be made", func(t *testing.T) { unresumedUntilTheCheck(t, true) })
+}
+
+func unresumedUntilTheCheck(t *testing.T, choose bool) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
 	img, devA := loop(t, 64)
@@ -215,7 +225,7 @@ func TestAnUnresumedLeaseIsListedUntilTheCheckResumesIt(t *testing.T) {
 	}
 	time.Sleep(testTiming.Renew / 2)
 	stopped := time.Now()
-	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers}
+	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers, choose: choose}
 	a.start() // the agent stops (its fencers close) and starts again
 	ld, err := lease.OpenDevice(devA)
 	if err != nil {
