@@ -303,6 +303,9 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 		return nil, err
 	}
 	m.Metrics().Registry().MustRegister(wd.Collector(), leaseRenewalCollector{m.Leases})
+	// The leases an earlier process held stop the feeding until the
+	// start-up check below has seen each one renewed.
+	m.ExpectRecordedLeases()
 	// A device the last agent process left counting down is taken over,
 	// and fed from before the start-up check: a lease resumed after an
 	// agent restart is guarded at once, and a host that holds none is not

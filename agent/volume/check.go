@@ -40,6 +40,7 @@ func (m *Manager) Reconcile(ctx context.Context) {
 
 // reconcile re-verifies one claim; disks is the pass's shared scan.
 func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
+	defer m.checked(c.Volume)
 	log := m.log.With("volume", c.Volume, "device", c.Device)
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
 	if err != nil {

@@ -83,6 +83,10 @@ type Manager struct {
 
 	mu   sync.Mutex
 	live map[string]*live
+	// unchecked are the staged lease claims recorded by an earlier agent
+	// process that the start-up check has not looked at yet
+	// (ExpectRecordedLeases); the host watchdog is not fed while any is.
+	unchecked map[string]bool
 	// reclaims holds when a stage of each volume began waiting for a
 	// holder to re-establish (acquire), for its retries.
 	reclaims map[string]time.Time
@@ -118,7 +122,7 @@ func New(o Options) (*Manager, error) {
 		o: o, log: o.Log, store: st, exec: utilexec.New(),
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
-		live:    map[string]*live{}, reclaims: map[string]time.Time{},
+		live:    map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{},
 		unmapData: dropDataMapping,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
@@ -178,6 +182,7 @@ func (l *live) close() {
 func (m *Manager) setLive(volume string, l *live) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	delete(m.unchecked, volume)
 	if old := m.live[volume]; old != nil && old != l {
 		old.close()
 	}

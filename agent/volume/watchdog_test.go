@@ -210,11 +210,15 @@ func (f *resumeFailsOnce) Choose(ctx context.Context, dev *Device, volume string
 // for it, and the periodic check resumes it, from then on an ordinary
 // held lease.
 func TestAnUnresumedLeaseIsListedUntilTheCheckResumesIt(t *testing.T) {
-	t.Run("the resume's read failed", func(t *testing.T) { unresumedUntilTheCheck(t, false) })
-	t.Run("the fencer could not be made", func(t *testing.T) { unresumedUntilTheCheck(t, true) })
+	t.Run("resumed at start", func(t *testing.T) { unresumedUntilTheCheck(t, nil) })
+	t.Run("the resume's read failed", func(t *testing.T) { unresumedUntilTheCheck(t, &resumeFailsOnce{}) })
+	t.Run("the fencer could not be made", func(t *testing.T) { unresumedUntilTheCheck(t, &resumeFailsOnce{choose: true}) })
 }
 
-func unresumedUntilTheCheck(t *testing.T, choose bool) {
+// unresumedUntilTheCheck stages a lease volume and restarts the agent with
+// fail (nil: none) wrapping its fencer factory. From before the start-up
+// check, the recorded lease is listed as not resumed.
+func unresumedUntilTheCheck(t *testing.T, fail *resumeFailsOnce) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
 	img, devA := loop(t, 64)
@@ -225,30 +229,49 @@ func unresumedUntilTheCheck(t *testing.T, choose bool) {
 	}
 	time.Sleep(testTiming.Renew / 2)
 	stopped := time.Now()
-	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers, choose: choose}
+	if fail != nil {
+		fail.FencerFactory = a.fencers
+		a.fencers = fail
+	}
 	a.start() // the agent stops (its fencers close) and starts again
-	ld, err := lease.OpenDevice(devA)
+	handedOff(t, devA, stopped)
+
+	if ls := a.m.Leases(); len(ls) != 0 {
+		t.Fatalf("leases listed before the agent looked at its records: %+v", ls)
+	}
+	a.m.ExpectRecordedLeases()
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-u" || !ls[0].Unresumed {
+		t.Fatalf("leases before the start-up check: %+v", ls)
+	}
+	a.m.Reconcile(ctx)
+	if fail != nil {
+		if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-u" || !ls[0].Unresumed {
+			t.Fatalf("leases after a failed resume: %+v", ls)
+		}
+		a.m.CheckAll(ctx)
+	}
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Unresumed || ls[0].Fenced || time.Since(ls[0].Renewed) > testTiming.Fail {
+		t.Fatalf("leases after the check resumed it: %+v", ls)
+	}
+	if err := a.m.Unstage(ctx, "vol-u", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// handedOff checks that the agent that stopped at stopped renewed its
+// lease on dev a last time as it went.
+func handedOff(t *testing.T, dev string, stopped time.Time) {
+	t.Helper()
+	ld, err := lease.OpenDevice(dev)
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, _, err := lease.ReadStatus(ctx, ld, keyA, testTiming.IOTimeout)
+	st, _, err := lease.ReadStatus(context.Background(), ld, keyA, testTiming.IOTimeout)
 	ld.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st.Owner == nil || st.Owner.Key != keyA || st.Owner.Written < stopped.UnixNano() {
 		t.Fatalf("the stopping agent did not renew its lease a last time (stopped at %d): %+v", stopped.UnixNano(), st.Owner)
-	}
-
-	a.m.Reconcile(ctx)
-	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-u" || !ls[0].Unresumed {
-		t.Fatalf("leases after a failed resume: %+v", ls)
-	}
-	a.m.CheckAll(ctx)
-	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Unresumed || ls[0].Fenced || time.Since(ls[0].Renewed) > testTiming.Fail {
-		t.Fatalf("leases after the check resumed it: %+v", ls)
-	}
-	if err := a.m.Unstage(ctx, "vol-u", req.StagingPath); err != nil {
-		t.Fatal(err)
 	}
 }
