@@ -133,7 +133,13 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 			var lost *fence.LostError
 			if errors.As(err, &lost) {
 				m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
-				m.lose(c, dev, lost)
+				stopped := m.lose(c, dev, lost)
+				if lf, ok := ch.Fencer.(*leaseFencer); ok {
+					// What the engine's loss handler records when it
+					// finds a loss itself: a stop that failed keeps
+					// the host watchdog unfed.
+					lf.loss.Store(lossOutcome(stopped))
+				}
 				return
 			}
 			closeChoice(ch)

@@ -89,15 +89,18 @@ func (m *Manager) recordLoss(volume string, lost *fence.LostError) {
 }
 
 // lose is P4: stop I/O at once, say so, and remember it.
-func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
+func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bool) {
+	stopped = true
 	if dev != nil {
 		if err := setReadOnly(dev.File, true); err != nil {
 			m.log.Error("could not set a fenced disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
+			stopped = false
 		}
 	}
 	if !c.Block && c.Phase == PhaseStaged {
 		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
+			stopped = false
 		}
 	}
 	m.clearClaimed(filepath.Base(c.Device))
@@ -110,6 +113,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) {
 		HolderKey: uint64(lost.Holder), HolderNode: lost.HolderNode, Reason: "claim-lost",
 		Message: fmt.Sprintf("volume %s: %v", c.Volume, lost)})
 	m.log.Error("claim lost; I/O to the disk stopped", "volume", c.Volume, "device", c.Device, "reason", lost.Reason)
+	return stopped
 }
 
 // fsIocShutdown is FS_IOC_SHUTDOWN (_IOR('X', 125, __u32)), which ext4 and

@@ -3,6 +3,7 @@ package volume
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
@@ -273,5 +274,43 @@ func handedOff(t *testing.T, dev string, stopped time.Time) {
 	}
 	if st.Owner == nil || st.Owner.Key != keyA || st.Owner.Written < stopped.UnixNano() {
 		t.Fatalf("the stopping agent did not renew its lease a last time (stopped at %d): %+v", stopped.UnixNano(), st.Owner)
+	}
+}
+
+// A restarted agent that finds its lease record too old to resume stops
+// the volume's I/O; when that stop fails (here another filesystem is
+// mounted over the staging path, so the agent leaves it alone), the lease
+// stays listed as lost and not stopped, which keeps the host watchdog
+// unfed; when it succeeds, as fenced.
+func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
+	for _, stopFails := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stop fails %v", stopFails), func(t *testing.T) {
+			a := fencedLeaseEnv(t, nodeA, "node-a")
+			ctx := context.Background()
+			img, devA := loop(t, 64)
+			t.Cleanup(func() { clearRO(devA) })
+			req := a.stageReq("vol-l", img, "staging/l")
+			req.AllowUnfenced = false
+			if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+				t.Fatalf("stage: %+v %v", res, err)
+			}
+			a.start() // the agent stops, and is down past the fail bound
+			time.Sleep(testTiming.Fail + testTiming.IOTimeout)
+			if stopFails {
+				if err := unix.Mount("tmpfs", req.StagingPath, "tmpfs", 0, ""); err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = unix.Unmount(req.StagingPath, unix.MNT_DETACH) })
+			}
+			a.m.ExpectRecordedLeases()
+			a.m.Reconcile(ctx)
+			if c, _ := a.m.Store().Get("vol-l"); c == nil || c.State != StateLost {
+				t.Fatalf("claim after a resume past the fail bound: %+v", c)
+			}
+			ls := a.m.Leases()
+			if len(ls) != 1 || ls[0].Volume != "vol-l" || ls[0].Fenced == stopFails {
+				t.Fatalf("leases after the loss (the stop failed: %v): %+v", stopFails, ls)
+			}
+		})
 	}
 }
