@@ -372,8 +372,8 @@ func (c *Config) validateWatchdog() []error {
 	case lt.WatchdogDevice == watchdog.Unsafe:
 	case lt.Watchdog == 0:
 		errs = append(errs, fmt.Errorf("volumes.lease.watchdog is 0, but other nodes take a lease over after the holder's watchdog time, which only a host watchdog makes true: give it a time (default %s), or set volumes.lease.watchdog_device: %s to hold leases without one (unsafe)", lease.DefaultTiming().Watchdog, watchdog.Unsafe))
-	case lt.Watchdog < time.Second || lt.Watchdog%time.Second != 0:
-		errs = append(errs, fmt.Errorf("volumes.lease.watchdog %s must be a whole number of seconds, at least 1s: watchdog devices count seconds", lt.Watchdog))
+	case lt.Watchdog < 2*time.Second || lt.Watchdog%time.Second != 0:
+		errs = append(errs, fmt.Errorf("volumes.lease.watchdog %s must be a whole number of seconds, at least 2s: the device is given half of it, and watchdog devices count seconds", lt.Watchdog))
 	}
 	return errs
 }

@@ -185,7 +185,8 @@ func TestLeaseWithoutAWatchdogNeedsTheUnsafeSetting(t *testing.T) {
 		"volumes:\n  lease:\n    watchdog_device: softdog\n":                     "volumes.lease.watchdog_device",
 		"volumes:\n  lease:\n    watchdog_device: \"\"\n":                        "volumes.lease.watchdog_device",
 		"volumes:\n  lease:\n    watchdog: 1500ms\n":                             "whole number of seconds",
-		"volumes:\n  lease:\n    watchdog: 500ms\n    watchdog_device: /dev/w\n": "at least 1s",
+		"volumes:\n  lease:\n    watchdog: 500ms\n    watchdog_device: /dev/w\n": "at least 2s",
+		"volumes:\n  lease:\n    watchdog: 1s\n":                                 "half of it",
 		"volumes:\n  lease:\n    io_timeout: 50ms\n    renew: 1s\n":              "io_timeout must be at least 100ms",
 	}
 	for body, want := range bad {

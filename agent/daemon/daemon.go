@@ -306,10 +306,12 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	// The leases an earlier process held stop the feeding until the
 	// start-up check below has seen each one renewed.
 	m.ExpectRecordedLeases()
-	// A device the last agent process left counting down is taken over,
-	// and fed from before the start-up check: a lease resumed after an
-	// agent restart is guarded at once, and a host that holds none is not
-	// reset for a crash of the agent.
+	// A device the last agent process left counting down is noted, not
+	// opened: the watchdog's first tick whose leases allow a feed (each
+	// recorded lease resumed and renewing, or none recorded) takes it
+	// over, so a host that holds none is not reset for a crash of the
+	// agent, and one whose leases this process cannot resume runs out the
+	// countdown the earlier process left.
 	wd.Adopt()
 	wctx, wcancel := context.WithCancel(ctx)
 	wdone := make(chan struct{})

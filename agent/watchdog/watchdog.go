@@ -130,6 +130,9 @@ type Watchdog struct {
 	timeout  time.Duration
 	lastFeed time.Time
 	readyAt  time.Time
+	// left: an earlier agent process left the device counting down, and
+	// this one has not opened it yet (Adopt).
+	left     bool
 	withheld []string
 	err      string
 	feeds    uint64
@@ -158,39 +161,70 @@ func (w *Watchdog) Unsafe() bool { return w.cfg.Device == Unsafe }
 
 // Ready arms the device, if it is not armed, before a lease is taken; it
 // fails, naming the figure, when the device cannot reset the host within
-// W. With the Unsafe setting it does nothing.
+// W. A device an earlier agent process left counting down is not opened
+// while a lease stops the feeding (see arm). With the Unsafe setting it
+// does nothing.
 func (w *Watchdog) Ready(ctx context.Context) error {
 	if w.Unsafe() {
 		return nil
 	}
+	leases := w.cfg.Leases()
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.readyAt = time.Now()
+	now := time.Now()
+	w.readyAt = now
 	if w.dev != nil {
 		return nil
 	}
-	return w.arm()
+	if err := w.arm(len(withheldOf(leases, now)) == 0); err != nil && !errors.Is(err, errCountingDown) {
+		return err
+	}
+	return nil
 }
 
-// arm opens and sets up the device. Called with w.mu held.
-func (w *Watchdog) arm() error {
-	err := w.armLocked()
+// DeviceTimeout is the timeout the device is given: half of W, in whole
+// seconds. The kernel's watchdog core pings a device once more whenever
+// its descriptor is closed without stopping it (an agent that exits or is
+// killed while it holds leases), so a host may live up to two device
+// timeouts past the agent's last feed, and both fit in W.
+func DeviceTimeout(W time.Duration) time.Duration { return (W / 2).Truncate(time.Second) }
+
+// errCountingDown says the device was left counting down and the leases do
+// not allow a feed now, so it was not opened.
+var errCountingDown = errors.New("the host watchdog is counting down and no feed is allowed yet")
+
+// arm opens and sets up the device. Setting its timeout restarts its
+// countdown, as a feed does, so a device that is counting down already
+// (left by an earlier agent process) is opened only when feedOK says a
+// feed is allowed now; else arm returns errCountingDown and leaves it to
+// run out. A device that is not counting down is started either way: that
+// starts a countdown, it extends none. Called with w.mu held.
+func (w *Watchdog) arm(feedOK bool) error {
+	err := w.armLocked(feedOK)
+	if errors.Is(err, errCountingDown) {
+		return err
+	}
 	if err != nil {
 		w.err = err.Error()
 		return err
 	}
 	w.err = ""
+	w.left = false
 	return nil
 }
 
-func (w *Watchdog) armLocked() error {
+func (w *Watchdog) armLocked(feedOK bool) error {
 	W := w.cfg.Timeout
-	if W < time.Second {
-		return fmt.Errorf("the lease's watchdog time W is %s, but a watchdog device counts whole seconds: set volumes.lease.watchdog to 1s or more, or volumes.lease.watchdog_device to %s (unsafe)", W, Unsafe)
+	Wd := DeviceTimeout(W)
+	if Wd < time.Second {
+		return fmt.Errorf("the lease's watchdog time W is %s, but the device gets half of it in whole seconds: set volumes.lease.watchdog to 2s or more, or volumes.lease.watchdog_device to %s (unsafe)", W, Unsafe)
 	}
 	info, err := w.cfg.Find(w.cfg.Device)
 	if err != nil {
 		return fmt.Errorf("no host watchdog to arm: %w; a lease is held only with one (or with volumes.lease.watchdog_device: %s, unsafe)", err, Unsafe)
+	}
+	if info.Active && !feedOK {
+		return errCountingDown
 	}
 	dev, info, err := w.cfg.Open(info)
 	if err != nil {
@@ -201,21 +235,21 @@ func (w *Watchdog) armLocked() error {
 		_ = dev.Close()
 		return fmt.Errorf("the host watchdog %s (%s) stops whenever its descriptor closes (no magic close), so a killed agent would stop it too: load its driver with nowayout=1, or use another device (volumes.lease.watchdog_device)", info.Path, info.Identity)
 	}
-	got, err := dev.SetTimeout(W.Truncate(time.Second))
-	if err == nil && (got <= 0 || got > W) {
-		err = fmt.Errorf("it took a timeout of %s, and the lease's watchdog time W is %s: set volumes.lease.watchdog to at least %s, or use another device", got, W, got)
+	got, err := dev.SetTimeout(Wd)
+	if err == nil && (got <= 0 || got > Wd) {
+		err = fmt.Errorf("it took a timeout of %s, and it must reset within half the lease's watchdog time W=%s: set volumes.lease.watchdog to at least %s, or use another device", got, W, 2*got)
 	}
 	if err == nil {
 		err = dev.Feed()
 	}
 	if err != nil {
 		w.release(dev, info)
-		return fmt.Errorf("the host watchdog %s (%s) cannot reset the host within W=%s: %w", info.Path, info.Identity, W, err)
+		return fmt.Errorf("the host watchdog %s (%s) cannot reset the host within W/2=%s: %w", info.Path, info.Identity, Wd, err)
 	}
 	w.dev, w.info, w.timeout, w.lastFeed = dev, info, got, time.Now()
 	w.feeds++
 	w.log.Info("host watchdog armed: the host resets if the agent stops renewing its leases", "device", info.Path,
-		"identity", info.Identity, "timeout", got.String(), "nowayout", info.Nowayout)
+		"identity", info.Identity, "timeout", got.String(), "nowayout", info.Nowayout, "taken_over", info.Active)
 	return nil
 }
 
@@ -224,7 +258,7 @@ func (w *Watchdog) armLocked() error {
 func (w *Watchdog) release(dev Device, info Info) {
 	if info.Nowayout {
 		// It cannot be stopped: keep it, and feed it while the agent runs.
-		w.dev, w.info, w.timeout, w.lastFeed = dev, info, w.cfg.Timeout, time.Now()
+		w.dev, w.info, w.timeout, w.lastFeed = dev, info, DeviceTimeout(w.cfg.Timeout), time.Now()
 		return
 	}
 	if err := dev.Disarm(); err != nil {
@@ -232,11 +266,15 @@ func (w *Watchdog) release(dev Device, info Info) {
 	}
 }
 
-// Adopt takes over the device when an earlier agent process left it
-// counting down (it died, or stopped while it held leases). The device is
-// then fed while the leases this process resumes renew, and stopped once
-// none is held, instead of resetting a host whose agent came back in
-// time. A device another program holds is left alone.
+// Adopt notes that an earlier agent process left the device counting down
+// (it died, or stopped while it held leases). The device is not opened
+// here: opening it and setting its timeout would restart the countdown,
+// and an agent that then dies or hangs before it resumes the earlier
+// leases would have bought the host a countdown nobody allowed. The first
+// tick whose leases allow a feed takes it over (a lease resumed and
+// renewing, or none held, when it is stopped after the linger); until
+// then it runs out as the earlier process left it. A device another
+// program holds is left alone.
 func (w *Watchdog) Adopt() {
 	if w.Unsafe() || w.cfg.Active == nil {
 		return
@@ -251,12 +289,9 @@ func (w *Watchdog) Adopt() {
 		return
 	}
 	w.readyAt = time.Now()
-	if err := w.arm(); err != nil {
-		w.log.Warn("the host watchdog is counting down, but this agent could not take it over; the host resets when it runs out unless its holder feeds it",
-			"device", info.Path, "err", err)
-		return
-	}
-	w.log.Warn("took over the host watchdog an earlier agent left armed", "device", info.Path)
+	w.left = true
+	w.log.Warn("an earlier agent process left the host watchdog counting down: it is taken over at the first feed the leases allow, and resets the host if none comes in time",
+		"device", info.Path)
 }
 
 // Interval is how often Run looks at the leases and feeds: a quarter of
@@ -299,10 +334,18 @@ func (w *Watchdog) Tick() {
 	leases := w.cfg.Leases()
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	// The leases are read before every feed, and the time after: a feed
+	// follows a fresh look, never the process merely being alive.
+	now := time.Now()
 	if len(leases) == 0 {
 		w.withheld = nil
 		if w.dev == nil {
-			return
+			// A device an earlier process left counting down, with no
+			// lease held now: taken over, then stopped after the linger.
+			if !w.left || w.arm(true) != nil {
+				return
+			}
+			w.log.Warn("took over the host watchdog an earlier agent left armed; no lease is held", "device", w.info.Path)
 		}
 		if time.Since(w.readyAt) < w.cfg.Linger || w.info.Nowayout {
 			w.feed()
@@ -311,19 +354,39 @@ func (w *Watchdog) Tick() {
 		w.disarm()
 		return
 	}
+	withheld := withheldOf(leases, now)
 	if w.dev == nil {
 		prev := w.err
-		if err := w.arm(); err != nil {
+		err := w.arm(len(withheld) == 0)
+		switch {
+		case errors.Is(err, errCountingDown):
+			w.withhold(withheld, now)
+			return
+		case err != nil:
 			if err.Error() != prev {
 				w.log.Error("a lease is held but the host watchdog could not be armed: a hung or killed agent would not reset this host", "err", err)
 			}
 			w.misses++
 			return
+		case len(withheld) == 0:
+			// arm fed it.
+			w.withheld = nil
+			return
 		}
 	}
-	// The leases are read before every feed, and the time after: a feed
-	// follows a fresh look, never the process merely being alive.
-	now := time.Now()
+	if len(withheld) > 0 {
+		w.withhold(withheld, now)
+		return
+	}
+	if w.withheld != nil {
+		w.log.Info("feeding the host watchdog again: every lease is renewed or fenced")
+	}
+	w.withheld = nil
+	w.feed()
+}
+
+// withheldOf names the leases that stop the feeding at now.
+func withheldOf(leases []Lease, now time.Time) []string {
 	var withheld []string
 	for _, l := range leases {
 		switch {
@@ -334,20 +397,21 @@ func (w *Watchdog) Tick() {
 			withheld = append(withheld, fmt.Sprintf("%s (renewed %s ago, fail bound %s)", l.Volume, now.Sub(l.Renewed).Round(time.Millisecond), l.Fail))
 		}
 	}
-	if len(withheld) > 0 {
-		if w.withheld == nil {
-			w.log.Error("not feeding the host watchdog: a lease is not renewed in time and its I/O is not stopped; the host resets unless it renews or fences",
-				"leases", strings.Join(withheld, ", "), "reset_in", (w.timeout - now.Sub(w.lastFeed)).Round(time.Millisecond).String())
+	return withheld
+}
+
+// withhold records a tick that did not feed. Called with w.mu held.
+func (w *Watchdog) withhold(withheld []string, now time.Time) {
+	if w.withheld == nil {
+		resetIn := "unknown (left counting down by an earlier agent process)"
+		if w.dev != nil {
+			resetIn = (w.timeout - now.Sub(w.lastFeed)).Round(time.Millisecond).String()
 		}
-		w.withheld = withheld
-		w.misses++
-		return
+		w.log.Error("not feeding the host watchdog: a lease is not renewed in time and its I/O is not stopped; the host resets unless it renews or fences",
+			"leases", strings.Join(withheld, ", "), "reset_in", resetIn)
 	}
-	if w.withheld != nil {
-		w.log.Info("feeding the host watchdog again: every lease is renewed or fenced")
-	}
-	w.withheld = nil
-	w.feed()
+	w.withheld = withheld
+	w.misses++
 }
 
 // feed restarts the countdown. Called with w.mu held.
@@ -424,6 +488,9 @@ func (w *Watchdog) Status() Status {
 		LastFeed: w.lastFeed, Withheld: append([]string(nil), w.withheld...)}
 	if w.dev != nil {
 		st.Device, st.Identity, st.Nowayout, st.Timeout = w.info.Path, w.info.Identity, w.info.Nowayout, w.timeout
+	}
+	if w.left && st.Error == "" {
+		st.Error = "an earlier agent process left the device counting down; it is taken over at the first feed the leases allow"
 	}
 	return st
 }

@@ -125,11 +125,13 @@ func TestArmedOnFirstLeaseFedWhileFreshDisarmedOnLastRelease(t *testing.T) {
 	r.set(fresh("vol-a"))
 	r.w.Tick()
 	d := r.dev()
-	if st := r.w.Status(); !st.Armed || st.Timeout != 60*time.Second || st.Device != "/dev/watchdog0" || st.Leases != 1 {
+	// The device gets half of W (60 s): a close without the magic
+	// character pings it once more, so two device timeouts fit in W.
+	if st := r.w.Status(); !st.Armed || st.Timeout != 30*time.Second || st.Device != "/dev/watchdog0" || st.Leases != 1 {
 		t.Fatalf("after the first lease: %+v", st)
 	}
-	if d.timeout != 60*time.Second {
-		t.Fatalf("device timeout %s, want W", d.timeout)
+	if d.timeout != 30*time.Second {
+		t.Fatalf("device timeout %s, want W/2", d.timeout)
 	}
 	before := d.count()
 	for range 3 {
@@ -219,7 +221,7 @@ func TestAnUnresumedLeaseStopsTheFeedingUntilResumed(t *testing.T) {
 func TestRunFeedsOnlyOnAFreshLook(t *testing.T) {
 	// Run's goroutine asks for the leases before each feed: once they go
 	// stale it stops feeding although it keeps running.
-	r := newRig(t, Config{Timeout: time.Second})
+	r := newRig(t, Config{Timeout: 2 * time.Second})
 	r.maxT = time.Second
 	l := fresh("vol")
 	l.Fail, l.IOTimeout = 3*time.Second, 500*time.Millisecond
@@ -250,8 +252,8 @@ func TestDeviceThatCannotResetWithinWIsRefused(t *testing.T) {
 		return &roundUp{d}, in, nil
 	}
 	err := r.w.Ready(context.Background())
-	if err == nil || !strings.Contains(err.Error(), "45s") || !strings.Contains(err.Error(), "W=30s") || !strings.Contains(err.Error(), "slowdog") {
-		t.Fatalf("Ready with a device that resets after 45s, W=30s: %v", err)
+	if err == nil || !strings.Contains(err.Error(), "30s") || !strings.Contains(err.Error(), "W=30s") || !strings.Contains(err.Error(), "slowdog") {
+		t.Fatalf("Ready with a device that resets after 30s, W=30s (more than W/2): %v", err)
 	}
 	if !r.dev().disarmed || r.w.Status().Armed || r.w.Status().Error == "" {
 		t.Fatalf("the refused device is not stopped, or the status hides it: %+v", r.w.Status())
@@ -421,45 +423,94 @@ func TestFindLoadsSoftdogWhenNoDeviceExists(t *testing.T) {
 	}
 }
 
-// An agent that died while the device was armed left it counting down:
-// the next agent takes it over, feeds it while leases it resumes renew,
-// and stops it once none is held, instead of letting the host reset.
-func TestAdoptTakesOverADeviceLeftCountingDown(t *testing.T) {
+// An agent that died while the device was armed left it counting down.
+// The next agent must not restart that countdown (opening the device and
+// setting its timeout both do) while a lease it has not resumed yet stops
+// the feeding: if it then hangs or dies too, the host would live past
+// the taker's bound. It takes the device over at the first tick whose
+// leases allow a feed, and stops it once none is held.
+func TestAdoptLeavesTheCountdownAloneUntilAFeedIsAllowed(t *testing.T) {
 	active := false
 	r := newRig(t, Config{Linger: time.Hour})
 	r.w.cfg.Active = func(string) (Info, bool) { return r.info, active }
 	r.w.Adopt()
-	if len(r.opened) != 0 {
-		t.Fatal("adopted a device that was not counting down")
+	r.set(Lease{Volume: "vol", Unresumed: true})
+	r.w.Tick()
+	if len(r.opened) != 1 {
+		t.Fatal("a lease held and no device counting down: not armed")
 	}
-	active = true
+	r.opened = nil
+	r.w.Stop()
+
+	// The earlier process left it counting down; the recorded lease is not
+	// resumed yet.
+	r = newRig(t, Config{Linger: time.Hour})
+	active, r.info.Active = true, true
+	r.w.cfg.Active = func(string) (Info, bool) { return r.info, active }
+	r.set(Lease{Volume: "vol", Unresumed: true})
 	r.w.Adopt()
-	d := r.dev()
-	if !r.w.Status().Armed || d.timeout != 60*time.Second || d.count() != 1 {
-		t.Fatalf("not adopted: %+v", r.w.Status())
+	for range 3 {
+		r.w.Tick()
+		if err := r.w.Ready(context.Background()); err != nil {
+			t.Fatalf("Ready with a device left counting down: %v", err)
+		}
 	}
-	// A resumed lease keeps it fed.
+	if len(r.opened) != 0 {
+		t.Fatal("a device left counting down was opened (which restarts its countdown) while a lease not resumed stops the feeding")
+	}
+	st := r.w.Status()
+	if st.Feeds != 0 || len(st.Withheld) != 1 || !strings.Contains(st.Error, "earlier agent") {
+		t.Fatalf("status while the countdown runs: %+v", st)
+	}
+	// Resumed and renewing: taken over, its timeout set (W/2) and fed.
 	r.set(fresh("vol"))
+	r.w.Tick()
+	d := r.dev()
+	if st := r.w.Status(); !st.Armed || d.timeout != 30*time.Second || d.count() != 1 || st.Error != "" {
+		t.Fatalf("not taken over once a feed was allowed: %+v, timeout %s", st, d.timeout)
+	}
 	r.w.Tick()
 	if d.count() != 2 {
 		t.Fatal("an adopted device is not fed for a resumed lease")
 	}
-	// No lease: fed through the linger, then stopped.
-	r.set()
-	r.w.Tick()
-	if d.disarmed || d.count() != 3 {
-		t.Fatalf("within the linger: disarmed=%v feeds=%d", d.disarmed, d.count())
-	}
-	r.w.cfg.Linger = 0
-	r.w.Tick()
-	if !d.disarmed || r.w.Status().Armed {
-		t.Fatal("an adopted device no lease needs was not stopped")
-	}
-	// The unsafe setting adopts nothing.
-	u := newRig(t, Config{Device: Unsafe})
+
+	// No lease recorded at all: taken over, fed through the linger, then
+	// stopped.
+	u := newRig(t, Config{Linger: time.Hour})
+	u.info.Active = true
 	u.w.cfg.Active = func(string) (Info, bool) { return u.info, true }
 	u.w.Adopt()
-	if len(u.opened) != 0 {
+	u.w.Tick()
+	d = u.dev()
+	if d.disarmed || d.count() != 2 {
+		t.Fatalf("within the linger: disarmed=%v feeds=%d", d.disarmed, d.count())
+	}
+	u.w.cfg.Linger = 0
+	u.w.Tick()
+	if !d.disarmed || u.w.Status().Armed {
+		t.Fatal("an adopted device no lease needs was not stopped")
+	}
+
+	// A lease stale since before the restart keeps it untouched too.
+	v := newRig(t, Config{Linger: time.Hour})
+	v.info.Active = true
+	v.w.cfg.Active = func(string) (Info, bool) { return v.info, true }
+	stale := fresh("vol")
+	stale.Renewed = time.Now().Add(-time.Minute)
+	v.set(stale)
+	v.w.Adopt()
+	v.w.Tick()
+	v.w.Stop()
+	if len(v.opened) != 0 {
+		t.Fatal("a device left counting down was opened for a stale lease")
+	}
+
+	// The unsafe setting adopts nothing.
+	x := newRig(t, Config{Device: Unsafe})
+	x.w.cfg.Active = func(string) (Info, bool) { return x.info, true }
+	x.w.Adopt()
+	x.w.Tick()
+	if len(x.opened) != 0 {
 		t.Fatal("the unsafe setting adopted a device")
 	}
 }

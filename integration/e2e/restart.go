@@ -594,6 +594,7 @@ touch $d/stop; wait $w
 echo "old=$old new=$(dpkg-query -W -f='${Version}' vco-agent) pid0=$pid0 pid1=$(systemctl show -p MainPID --value vco-agent.service)"
 echo "restart_ms=$(( (t1 - t0) / 1000000 )) writes=$(cat $d/writes) failed=$(cat $d/failed 2>/dev/null | wc -l)"
 echo "down_ms=$(journalctl -u vco-agent.service --since "$since" --no-pager -o short-unix | awk '/vco-agent stopping/ && !s {s=$1} /vco-agent serving/ && s {print int(($1-s)*1000); exit}')"
+echo "wd_ms=$(journalctl -u vco-agent.service --since "$since" --no-pager -o short-unix | awk '/vco-agent stopping/ && !s {s=$1} /host watchdog armed/ && s {print int(($1-s)*1000); exit}')"
 echo "resumed=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'lease resumed from an earlier run' || true)"
 echo "age=$(journalctl -u vco-agent.service --since "$since" --no-pager -o json MESSAGE='lease resumed from an earlier run' | sed -n 's/.*"AGE":"\([^"]*\)".*/\1/p' | tail -n 1)"
 echo "fenced=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'DiskFenced' || true)"
@@ -614,8 +615,8 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 		disks := out[strings.Index(out, "disks=")+len("disks="):]
 		held := strings.Contains(disks, `"CLAIM_STATE_HELD"`) && !strings.Contains(disks, `"CLAIM_STATE_LOST"`)
 		ok := field("new") == "99.0.0-1" && field("pid0") != field("pid1") && field("failed") == "0" && field("fenced") == "0" && field("resumed") != "0" && held
-		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving) under %s O_DSYNC writes: %s failed, leases resumed %s (the record %s old, handed off by the stopping agent), DiskFenced %s, claim held after: %v",
-			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("writes"), field("failed"), field("resumed"), field("age"), field("fenced"), held)
+		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving, %s ms to the host watchdog's takeover, within W/2) under %s O_DSYNC writes: %s failed, leases resumed %s (the record %s old, handed off by the stopping agent), DiskFenced %s, claim held after: %v",
+			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("wd_ms"), field("writes"), field("failed"), field("resumed"), field("age"), field("fenced"), held)
 		if !ok {
 			// What the agent and the kernel said is what explains it.
 			// The agent's lease lines come last, where a
@@ -624,7 +625,7 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 				"echo '-- the agent on the lease, stop and start:'; journalctl -u vco-agent.service --no-pager -o short-monotonic | grep -i -e lease -e fenc -e lost -e renew -e stopping -e serving -e watchdog | tail -n 40; true")
 			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s\nthe agent's journal and the kernel's log:\n%s", out, logs)
 		}
-		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, %s writes, none failed; lease resumed (record %s old), nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("writes"), field("age")), nil
+		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, host watchdog taken over %s ms after the stop, %s writes, none failed; lease resumed (record %s old), nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("wd_ms"), field("writes"), field("age")), nil
 	})
 }
 

@@ -17,7 +17,8 @@ import (
 // watchdogConfig holds leases with the host watchdog the package ships
 // (watchdog_device: auto, the default, finds softdog, loaded at boot as
 // modules-load.d does on a node), and times
-// scaled for TCG guests: W = 6s, so a taker waits max(F+W+d, R+6d) = 15s.
+// scaled for TCG guests: W = 12s (the device gets W/2 = 6s), so a taker
+// waits max(F+W+d, R+6d) = 21s.
 const watchdogConfig = `dbus:
   enabled: false
 volumes:
@@ -26,10 +27,13 @@ volumes:
     io_timeout: 1s
     renew: 2s
     fail: 8s
-    watchdog: 6s
+    watchdog: 12s
 `
 
-const watchdogW = 6 * time.Second
+const watchdogW = 12 * time.Second
+
+// watchdogDev is the device's timeout: half of W (agent/watchdog).
+const watchdogDev = watchdogW / 2
 
 var seqRe = regexp.MustCompile(`WDSEQ-A-(\d{8})`)
 
@@ -186,15 +190,15 @@ func stoppedHolderIsReset(t *testing.T, ctx context.Context, a, b *lab.Guest, im
 		t.Fatal("neither a reset of node-a nor node-b's takeover within 2 minutes")
 	}
 	s.atReset = maxSeq(t, img)
-	t.Logf("node-a's guest reset %s after its agent was stopped (W %s); its writer got blocks %d to %d onto the disk meanwhile",
-		s.reset.Sub(s.stopped).Round(time.Millisecond), watchdogW, atStop, s.atReset)
+	t.Logf("node-a's guest reset %s after its agent was stopped (device timeout %s); its writer got blocks %d to %d onto the disk meanwhile",
+		s.reset.Sub(s.stopped).Round(time.Millisecond), watchdogDev, atStop, s.atReset)
 	if s.atReset <= atStop {
 		t.Fatalf("node-a's writer wrote nothing after its agent stopped (blocks %d, %d): the test shows nothing", atStop, s.atReset)
 	}
-	// Reset within W of the last feed, which came at most a feed interval
-	// (1s) before the stop; TCG adds a little.
-	if late := s.reset.Sub(s.stopped); late > watchdogW+5*time.Second {
-		t.Fatalf("node-a's guest reset %s after its agent stopped; W is %s", late, watchdogW)
+	// Reset within the device's timeout (W/2) of the last feed, which came
+	// at most a feed interval (1s) before the stop; TCG adds a little.
+	if late := s.reset.Sub(s.stopped); late > watchdogDev+5*time.Second {
+		t.Fatalf("node-a's guest reset %s after its agent stopped; the device's timeout is %s (W/2)", late, watchdogDev)
 	}
 	if !strings.Contains(a.ConsoleTail(200), "softdog") && !strings.Contains(a.ConsoleTail(200), "watchdog") {
 		t.Logf("node-a's console does not name the watchdog:\n%s", a.ConsoleTail(20))
@@ -263,7 +267,7 @@ func restartedHolderIsNotReset(t *testing.T, ctx context.Context, b *lab.Guest) 
 
 // watchdogDisarmedAfterUnstage: node-b's watchdog, armed for its lease,
 // is stopped by the magic close once no lease has been held for an
-// acquisition's time (Expiry + Settle + 3d = 20s): its guest then lives
+// acquisition's time (Expiry + Settle + 3d = 26s): its guest then lives
 // on past W.
 func watchdogDisarmedAfterUnstage(t *testing.T, ctx context.Context, b *lab.Guest) {
 	t.Helper()
