@@ -87,6 +87,8 @@ type Manager struct {
 	// process that the start-up check has not looked at yet
 	// (ExpectRecordedLeases); the host watchdog is not fed while any is.
 	unchecked map[string]bool
+	// bootID reads the kernel's boot id (tests give their own).
+	bootID func() (string, error)
 	// reclaims holds when a stage of each volume began waiting for a
 	// holder to re-establish (acquire), for its retries.
 	reclaims map[string]time.Time
@@ -122,7 +124,7 @@ func New(o Options) (*Manager, error) {
 		o: o, log: o.Log, store: st, exec: utilexec.New(),
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
-		live:    map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{},
+		live:    map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		unmapData: dropDataMapping,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {

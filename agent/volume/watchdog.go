@@ -1,6 +1,13 @@
 package volume
 
 import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 )
 
@@ -70,7 +77,17 @@ func (m *Manager) Leases() []watchdog.Lease {
 // renewed, however long the check of many volumes takes. A claim the check
 // cannot locate is let go of the list once looked at (it is reported
 // abnormal), so a node whose disk is gone is not reset over and over.
+//
+// The first start after the host booted lists none: a reboot took every
+// mount and mapping of the earlier process with it, so nothing writes
+// under those leases, and a check of many volumes must not have the
+// watchdog, which the list would arm, reset a host that just booted. The
+// kernel's boot id, kept in the state directory, tells; when either is
+// unknown the claims are listed.
 func (m *Manager) ExpectRecordedLeases() {
+	if m.firstStartSinceBoot() {
+		return
+	}
 	claims, _ := m.store.List()
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -79,6 +96,66 @@ func (m *Manager) ExpectRecordedLeases() {
 			m.unchecked[c.Volume] = true
 		}
 	}
+}
+
+// bootIDFile keeps, in the state directory, the boot id of the host's
+// boot the agent last started in.
+const bootIDFile = "boot-id"
+
+// firstStartSinceBoot reports whether the boot id recorded by the last
+// agent start differs from this boot's, and records this boot's.
+func (m *Manager) firstStartSinceBoot() bool {
+	cur, err := m.bootID()
+	if err != nil {
+		m.log.Warn("cannot read the kernel's boot id; leases recorded by an earlier process are waited for as after a restart", "err", err)
+		return false
+	}
+	path := filepath.Join(m.o.StateDir, bootIDFile)
+	prev, perr := os.ReadFile(path)
+	if err := writeSmallFile(path, []byte(cur+"\n")); err != nil {
+		m.log.Warn("cannot record the kernel's boot id", "path", path, "err", err)
+	}
+	if perr != nil || strings.TrimSpace(string(prev)) == cur {
+		return false
+	}
+	m.log.Info("first start since the host booted: no mount of the earlier process survived the boot, so its leases are checked without stopping the host watchdog's feeding")
+	return true
+}
+
+// writeSmallFile replaces path with data through a temporary file and a
+// rename, following no symlink. Not synced: a boot id lost to a crash
+// reads as unknown, which is the careful case.
+func writeSmallFile(path string, data []byte) error {
+	tmp := path + ".tmp"
+	_ = unix.Unlink(tmp)
+	fd, err := unix.Open(tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	f := os.NewFile(uintptr(fd), tmp)
+	_, werr := f.Write(data)
+	if err := errors.Join(werr, f.Close()); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return nil
+}
+
+// kernelBootID is the kernel's id of the current boot.
+func kernelBootID() (string, error) {
+	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return "", err
+	}
+	id := strings.TrimSpace(string(b))
+	if id == "" {
+		return "", errors.New("/proc/sys/kernel/random/boot_id is empty")
+	}
+	return id, nil
 }
 
 // checked takes a claim off the unchecked list once the start-up check

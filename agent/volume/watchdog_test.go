@@ -314,3 +314,38 @@ func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
 		})
 	}
 }
+
+// The recorded leases stop the feeding after an agent restart, but not on
+// the first start after the host booted: the boot took every mount of the
+// earlier process, and listing them would arm the watchdog for the
+// start-up check's length. An unknown boot id lists them.
+func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	t.Cleanup(func() { clearRO(devA) })
+	req := a.stageReq("vol-b", img, "staging/b")
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	expect := func(boot string, bootErr error, want int) {
+		t.Helper()
+		a.start()
+		a.m.bootID = func() (string, error) { return boot, bootErr }
+		a.m.ExpectRecordedLeases()
+		if ls := a.m.Leases(); len(ls) != want || (want == 1 && !ls[0].Unresumed) {
+			t.Fatalf("boot %q (%v): leases before the start-up check %+v, want %d not resumed", boot, bootErr, ls, want)
+		}
+	}
+	expect("boot-1", nil, 1) // no boot id recorded yet: listed
+	expect("boot-1", nil, 1) // the same boot: a restart
+	expect("boot-2", nil, 0) // the host booted since
+	expect("boot-2", nil, 1)
+	expect("", errors.New("no /proc"), 1)
+	expect("boot-3", nil, 0)
+	a.m.Reconcile(ctx)
+	if err := a.m.Unstage(ctx, "vol-b", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}

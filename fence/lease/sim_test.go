@@ -32,6 +32,11 @@ package lease
 // is down for up to F + 2W, the host watchdog resets a host whose agent
 // stays down W past the last feed, and the new engine resumes the claim
 // (Engine.Resume), or the host's I/O stops when it finds the claim lost.
+// W past the last feed is the latest reset the agent allows, and the one
+// modelled: its device counts W/2, and the one ping the kernel gives a
+// device when the dying agent's descriptor closes comes within W/2 of the
+// last feed (agent/watchdog); the new process feeds only once its lease
+// is resumed and renewing, which the model counts as the host living on.
 //
 // One class of schedules (classFirst) is the never-published fast path
 // (docs/fencing.md): the node the controller first published the disk to
