@@ -165,7 +165,7 @@ func k8sE2E(c *common, kind string, so k8s.SuiteOptions) int {
 	if err != nil {
 		return fail("%v", err)
 	}
-	o.E2EImages = true
+	o.E2EImages, o.ExternalAddresses = true, true
 	cl, err := k8s.Up(ctx, o)
 	if err != nil {
 		return fail("%v", err)

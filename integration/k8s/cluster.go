@@ -57,6 +57,12 @@ type Options struct {
 	// E2EImages adds the test images of Kubernetes' storage suite to the
 	// registry (images.E2EImages), for RunStorageSuite.
 	E2EImages bool
+	// ExternalAddresses has the kubelets leave their node's addresses to a
+	// cloud controller (--cloud-provider=external), and the lab set them
+	// as one would, with an ExternalIP of each worker's own; the storage
+	// suite reaches the workers over SSH to those addresses through the
+	// lab's bastion (nodeSSH), for its disruptive patterns.
+	ExternalAddresses bool
 	// Log receives progress lines.
 	Log io.Writer
 }
@@ -86,6 +92,9 @@ type Cluster struct {
 
 	// kubelets is how the API server reaches the workers' kubelets.
 	kubelets *kubeletProxy
+	// ssh is the storage suite's SSH way into the workers
+	// (ExternalAddresses).
+	ssh *nodeSSH
 
 	// Opts are the options the cluster was started with.
 	Opts Options
@@ -158,6 +167,11 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	fmt.Fprintf(o.Log, "k8s: waiting for the workers to be Ready\n")
 	if err := c.waitWorkersReady(ctx); err != nil {
 		return nil, c.withLogs(err)
+	}
+	if o.ExternalAddresses {
+		if err := c.setNodeAddresses(ctx); err != nil {
+			return nil, c.withLogs(err)
+		}
 	}
 	c.SetupTime = time.Since(start)
 	fmt.Fprintf(o.Log, "k8s: cluster up in %s; kubeconfig %s\n", c.SetupTime.Round(time.Second), c.Kubeconfig)
@@ -232,10 +246,46 @@ func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root
 		return err
 	}
 	for i, g := range gs {
-		if err := joinNode(ctx, g, c.cp, i+1); err != nil {
+		if err := joinNode(ctx, g, c.cp, i+1, c.Opts.ExternalAddresses); err != nil {
 			return err
 		}
 	}
+	return nil
+}
+
+// setNodeAddresses does what a cloud controller does for a node the
+// kubelet registered with --cloud-provider=external: it sets the node's
+// addresses (its InternalIP, an ExternalIP of its own, its name) and
+// removes the taint that keeps pods off an uninitialised node; it then
+// serves the SSH bastion that reaches the workers at those ExternalIPs.
+func (c *Cluster) setNodeAddresses(ctx context.Context) error {
+	var gs []*lab.Guest
+	for i, n := range c.Opts.Workers {
+		var g *lab.Guest
+		for _, lg := range c.Env.Lab.Guests {
+			if lg.Name == n {
+				g = lg
+			}
+		}
+		if g == nil {
+			return fmt.Errorf("worker %s has no guest", n)
+		}
+		gs = append(gs, g)
+		patch := fmt.Sprintf(`{"status":{"addresses":[{"type":"InternalIP","address":%q},{"type":"ExternalIP","address":%q},{"type":"Hostname","address":%q}]}}`,
+			NodeIP, externalIP(i), n)
+		if _, err := c.Kubectl(ctx, "patch", "node", n, "--subresource=status", "--type=merge", "-p", patch); err != nil {
+			return fmt.Errorf("setting the addresses of node %s: %w", n, err)
+		}
+		if _, err := c.Kubectl(ctx, "taint", "node", n, "node.cloudprovider.kubernetes.io/uninitialized-"); err != nil && !strings.Contains(err.Error(), "not found") {
+			return fmt.Errorf("removing the uninitialised taint of node %s: %w", n, err)
+		}
+	}
+	s, err := startNodeSSH(filepath.Join(c.Env.Lab.Dir(), "k8s"), gs, c.Opts.Log)
+	if err != nil {
+		return err
+	}
+	c.ssh = s
+	fmt.Fprintf(c.Opts.Log, "k8s: node addresses set (ExternalIP %s...); the storage suite's SSH bastion on %s\n", externalIP(0), s.Addr)
 	return nil
 }
 
@@ -298,6 +348,9 @@ func (c *Cluster) Close() error {
 	}
 	if c.kubelets != nil {
 		c.kubelets.Stop()
+	}
+	if c.ssh != nil {
+		c.ssh.Stop()
 	}
 	if c.Env == nil {
 		return nil

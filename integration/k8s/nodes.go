@@ -77,7 +77,10 @@ Wants=containerd.service
 ConditionPathExists=/etc/kubernetes/kubelet.kubeconfig
 
 [Service]
-ExecStart=/usr/local/bin/kubelet --config=/etc/kubernetes/kubelet.yaml --kubeconfig=/etc/kubernetes/kubelet.kubeconfig --node-ip=` + NodeIP + ` --node-labels=cloud.whitesky/vco-agent=true --v=1
+# KUBELET_EXTRA_ARGS: --cloud-provider=external on a cluster whose node
+# addresses the lab sets (Options.ExternalAddresses).
+EnvironmentFile=-/etc/default/kubelet
+ExecStart=/usr/local/bin/kubelet --config=/etc/kubernetes/kubelet.yaml --kubeconfig=/etc/kubernetes/kubelet.kubeconfig --node-ip=` + NodeIP + ` --node-labels=cloud.whitesky/vco-agent=true --v=1 $KUBELET_EXTRA_ARGS
 Restart=always
 RestartSec=2s
 
@@ -134,7 +137,7 @@ func workerForwards(apiPort, registryPort, cloudPort, transitPort int) []lab.For
 // service address sent to the API server's forward in place of
 // kube-proxy, a bridge pod network of its own), its kubelet's
 // credentials, and starts the kubelet.
-func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int) error {
+func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int, external bool) error {
 	kc, err := cp.pki.kubeconfig("node-"+g.Name, fmt.Sprintf("https://%s:%d", HostInGuest, GuestAPIPort))
 	if err != nil {
 		return err
@@ -157,6 +160,11 @@ func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int) er
 		"/etc/kubernetes/kubelet.kubeconfig": kc,
 		"/etc/kubernetes/pki/ca.crt":         string(ca),
 		"/etc/cni/net.d/10-vco-lab.conflist": cni,
+	}
+	if external {
+		// The node's addresses are left to a cloud controller, which the
+		// lab plays (Cluster.setNodeAddresses).
+		files["/etc/default/kubelet"] = "KUBELET_EXTRA_ARGS=--cloud-provider=external\n"
 	}
 	for path, content := range files {
 		r, err := g.Exec().RunInput(ctx, 0, []byte(content), "/bin/sh", "-c", fmt.Sprintf("mkdir -p $(dirname %[1]s) && umask 077 && cat >%[1]s", path))

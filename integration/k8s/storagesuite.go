@@ -103,6 +103,10 @@ func RunStorageSuite(ctx context.Context, c *Cluster, o SuiteOptions) (*SuiteSum
 	cmd := exec.CommandContext(ctx, o.E2ETest, args...)
 	cmd.Dir = o.ReportDir
 	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+repoList, "KUBECONFIG="+c.Kubeconfig, "PATH="+c.Bins.Dir+":"+os.Getenv("PATH"))
+	if c.ssh != nil {
+		// The disruptive patterns' way to a node's kubelet and mounts.
+		cmd.Env = append(cmd.Env, c.ssh.Env()...)
+	}
 	// Interrupted (Ctrl-C, a stopped make), Ginkgo still runs its cleanup
 	// and writes the report of what ran.
 	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
