@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -34,10 +35,14 @@ func (e E2EImage) Ref() string { return E2ERegistry + "/" + e.Name + ":" + e.Tag
 //   - Nginx: volumes.go's "should allow exec of files on the volume" pod,
 //     which runs a /bin/sh script and nothing of nginx;
 //   - JessieDnsutils: multivolume.go's concurrent-access pods, which run
-//     e2epod's /bin/sh sleep loop and exec sh, dd and sha256sum.
+//     e2epod's /bin/sh sleep loop and exec sh, dd and sha256sum; their
+//     block-mode writes use GNU dd's oflag=nocache, which upstream's
+//     image (Debian jessie) has and busybox's dd refuses.
 //
 // Nginx and JessieDnsutils are served as busybox images under their names:
-// the patterns use only a shell and coreutils in them.
+// the patterns use only a shell and coreutils in them. JessieDnsutils gets
+// GNU dd and dash as its shell, the host's, with the C library they load
+// (gnuDD).
 var e2eImageIDs = []string{"BusyBox", "Agnhost", "Nginx", "JessieDnsutils"}
 
 var e2eConfig = regexp.MustCompile(`(?m)^\s*configs\[(\w+)\]\s*=\s*Config\{list\.PromoterE2eRegistry,\s*"([^"]+)",\s*"([^"]+)"\}`)
@@ -109,9 +114,18 @@ func E2EImages(ctx context.Context, cacheDir, buildDir string, logf Logf) (map[s
 			jobs = append(jobs, job{e.Ref(), key, func(ctx context.Context) (v1.Image, error) {
 				return b.agnhost(ctx, buildDir, e, k8sVersion, bbVersion)
 			}})
+		case "JessieDnsutils":
+			dd, err := gnuDD()
+			if err != nil {
+				return nil, err
+			}
+			key += "-" + sanitize(dd.version) + "-" + dd.hash
+			jobs = append(jobs, job{e.Ref(), key, func(ctx context.Context) (v1.Image, error) {
+				return b.busyboxAs(ctx, e, bbVersion, dd)
+			}})
 		default:
 			jobs = append(jobs, job{e.Ref(), key, func(ctx context.Context) (v1.Image, error) {
-				return b.busyboxAs(ctx, e, bbVersion)
+				return b.busyboxAs(ctx, e, bbVersion, nil)
 			}})
 		}
 	}
@@ -123,8 +137,9 @@ func E2EImages(ctx context.Context, cacheDir, buildDir string, logf Logf) (map[s
 	return run(ctx, cacheDir, logf, jobs)
 }
 
-// busyboxAs is the busybox image under e's name (see e2eImageIDs).
-func (b *builder) busyboxAs(ctx context.Context, e E2EImage, bbVersion string) (v1.Image, error) {
+// busyboxAs is the busybox image under e's name (see e2eImageIDs), with
+// the files of extra (GNU dd) when it is not nil.
+func (b *builder) busyboxAs(ctx context.Context, e E2EImage, bbVersion string, extra *hostFiles) (v1.Image, error) {
 	r, err := busyboxRoot(ctx)
 	if err != nil {
 		return nil, err
@@ -132,6 +147,12 @@ func (b *builder) busyboxAs(ctx context.Context, e E2EImage, bbVersion string) (
 	src := "Debian busybox-static " + bbVersion
 	if e.ID != "BusyBox" {
 		src += ", served as " + e.Name + ": the storage patterns run only /bin/sh and its applets in it"
+	}
+	if extra != nil {
+		for p, data := range extra.files {
+			r.file(p, 0o755, data)
+		}
+		src += "; with " + extra.version
 	}
 	b.logf("image %s: %s", e.Ref(), src)
 	return image(r, v1.Config{
@@ -185,4 +206,42 @@ func (b *builder) agnhost(ctx context.Context, buildDir string, e E2EImage, k8sV
 // go.mod and go.sum pin it (-mod=readonly).
 func buildModuleGo(ctx context.Context, dir string, args ...string) (string, error) {
 	return goWith(ctx, dir, "-mod=readonly -buildvcs=false", args...)
+}
+
+// hostFiles are files of the host's Debian packages put into an image.
+type hostFiles struct {
+	version, hash string
+	files         map[string][]byte
+}
+
+// gnuDD is GNU coreutils' dd of the host (Debian's /bin/dd) and Debian's
+// dash as /bin/sh, with the C library and loader they are linked to, at
+// the same paths: busybox's shell runs its own dd applet whatever the
+// PATH says, so the image's shell is dash, as upstream's Debian image's
+// is, and its dd is GNU's; every other command stays a busybox applet.
+func gnuDD() (*hostFiles, error) {
+	h := &hostFiles{files: map[string][]byte{}}
+	var versions []string
+	for _, pkg := range []string{"coreutils", "dash"} {
+		out, err := exec.Command("dpkg-query", "-W", "-f", "${Version} ${Architecture}", pkg).Output()
+		f := strings.Fields(string(out))
+		if err != nil || len(f) != 2 || f[1] != "amd64" {
+			return nil, fmt.Errorf("the lab's jessie-dnsutils image takes GNU dd and dash from the host's %s (amd64): dpkg-query says %q (%v)", pkg, out, err)
+		}
+		versions = append(versions, pkg+" "+f[0])
+	}
+	h.version = "GNU dd and /bin/sh of Debian " + strings.Join(versions, " and ")
+	var all []byte
+	for _, f := range [][2]string{{"/bin/dd", "/bin/dd"}, {"/bin/sh", "/bin/dash"},
+		{"/lib/x86_64-linux-gnu/libc.so.6", "/lib/x86_64-linux-gnu/libc.so.6"}, {"/lib64/ld-linux-x86-64.so.2", "/lib64/ld-linux-x86-64.so.2"}} {
+		to, from := f[0], f[1]
+		data, err := os.ReadFile(from)
+		if err != nil {
+			return nil, fmt.Errorf("the lab's jessie-dnsutils image takes GNU dd and dash from the host: %w", err)
+		}
+		h.files[to] = data
+		all = append(all, data...)
+	}
+	h.hash = shortHash(all)
+	return h, nil
 }

@@ -1,6 +1,7 @@
 package images
 
 import (
+	"archive/tar"
 	"context"
 	"os"
 	"strings"
@@ -79,7 +80,13 @@ func TestBusyboxStandInsThroughTheRegistry(t *testing.T) {
 		if e.ID == "Agnhost" {
 			continue
 		}
-		jobs = append(jobs, job{e.Ref(), cacheKey(e.Ref()), func(ctx context.Context) (v1.Image, error) { return b.busyboxAs(ctx, e, bbVersion) }})
+		var extra *hostFiles
+		if e.ID == "JessieDnsutils" {
+			if extra, err = gnuDD(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		jobs = append(jobs, job{e.Ref(), cacheKey(e.Ref()), func(ctx context.Context) (v1.Image, error) { return b.busyboxAs(ctx, e, bbVersion, extra) }})
 	}
 	built, err := run(ctx, cache, t.Logf, jobs)
 	if err != nil {
@@ -114,6 +121,15 @@ func TestBusyboxStandInsThroughTheRegistry(t *testing.T) {
 			if fs[p] == nil {
 				t.Errorf("%s has no %s", ref, p)
 			}
+		}
+		// The concurrent-access pods write with oflag=nocache, which
+		// only GNU dd takes: jessie-dnsutils has it, with its loader.
+		gnu := strings.Contains(ref, "jessie-dnsutils")
+		if dd := fs["/bin/dd"]; dd != nil && (dd.Typeflag == tar.TypeReg) != gnu {
+			t.Errorf("%s: /bin/dd is a regular file %v, want %v (GNU dd only in jessie-dnsutils)", ref, dd.Typeflag == tar.TypeReg, gnu)
+		}
+		if gnu && fs["/lib64/ld-linux-x86-64.so.2"] == nil {
+			t.Errorf("%s has GNU dd without its loader", ref)
 		}
 	}
 }
