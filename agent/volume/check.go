@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -16,25 +17,42 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 )
 
+// reconcileWorkers is how many claims the start-up check takes back side
+// by side.
+const reconcileWorkers = 8
+
 // Reconcile re-verifies every recorded claim at start: a claim still ours
 // is kept (its device opened and its fence watched), a lost one is fenced
 // (P4), and one whose device is gone is cleaned up. A stage cut short by a
 // crash has its partial fence released and stays recorded, so its retry
 // never formats twice.
+//
+// Claims are checked side by side: resuming a lease waits its settle
+// time (2d) on the disk, and after a restart the host watchdog is fed
+// again only once every recorded lease is resumed, which must come within
+// W/2 of the earlier process's exit (docs/upgrade.md); one after the
+// other, four lease volumes would take that long in settle waits alone.
 func (m *Manager) Reconcile(ctx context.Context) {
 	claims, errs := m.store.List()
 	for _, err := range errs {
 		m.log.Error("a claim record cannot be read; its volume is left alone", "err", err)
 	}
 	disks := &diskScan{f: m.finder}
+	slots := make(chan struct{}, reconcileWorkers)
+	var wg sync.WaitGroup
 	for _, c := range claims {
 		release, err := m.locks.try(c.Volume, "start-up check")
 		if err != nil {
 			continue
 		}
-		m.reconcile(ctx, c, disks)
-		release()
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			defer release()
+			m.reconcile(ctx, c, disks)
+		})
 	}
+	wg.Wait()
 	m.updateGauge()
 }
 

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -61,11 +62,16 @@ func locate(ctx context.Context, f discovery.Finder, loc Locator, allowLoop bool
 // would give, at the cost of one scan per pass while nothing changes
 // instead of one per claim.
 type diskScan struct {
-	f   discovery.Finder
+	f discovery.Finder
+	// mu serialises the claims the start-up check takes back side by
+	// side: they share one scan.
+	mu  sync.Mutex
 	inv *discovery.Inventory
 }
 
 func (s *diskScan) locate(ctx context.Context, loc Locator, allowLoop bool) (*Device, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if loc.BackingFile != "" {
 		if !allowLoop {
 			return nil, agenterr.New(agenterr.InvalidArgument,

@@ -349,3 +349,68 @@ func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// barrierFencers holds every Choose until n of them have come, or the
+// test's patience runs out: a start-up check that takes its claims back
+// one after the other never gets there.
+type barrierFencers struct {
+	FencerFactory
+	mu      sync.Mutex
+	arrived int
+	n       int
+	all     chan struct{}
+}
+
+func (b *barrierFencers) Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error) {
+	b.mu.Lock()
+	b.arrived++
+	if b.arrived == b.n {
+		close(b.all)
+	}
+	b.mu.Unlock()
+	select {
+	case <-b.all:
+	case <-time.After(20 * time.Second):
+		return Choice{}, fmt.Errorf("volume %s: only %d of %d claims were being taken back at once", volume, b.arrived, b.n)
+	}
+	return b.FencerFactory.Choose(ctx, dev, volume, onLost)
+}
+
+// After a restart the host watchdog is fed again only once every recorded
+// lease is resumed, within W/2 of the earlier process's exit; each resume
+// waits its settle time, so the start-up check resumes them side by side.
+func TestTheStartUpCheckResumesLeasesSideBySide(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	const n = 3
+	var reqs []StageRequest
+	for i := range n {
+		img, dev := loop(t, 64)
+		t.Cleanup(func() { clearRO(dev) })
+		req := a.stageReq(fmt.Sprintf("vol-%d", i), img, fmt.Sprintf("staging/%d", i))
+		req.AllowUnfenced = false
+		if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+			t.Fatalf("stage %d: %+v %v", i, res, err)
+		}
+		reqs = append(reqs, req)
+	}
+	b := &barrierFencers{FencerFactory: a.fencers, n: n, all: make(chan struct{})}
+	a.fencers = b
+	a.start()
+	a.m.ExpectRecordedLeases()
+	a.m.Reconcile(ctx)
+	ls := a.m.Leases()
+	if len(ls) != n {
+		t.Fatalf("leases after the start-up check: %+v", ls)
+	}
+	for _, l := range ls {
+		if l.Unresumed || l.Fenced || time.Since(l.Renewed) > testTiming.Fail {
+			t.Fatalf("not every lease resumed: %+v", ls)
+		}
+	}
+	for _, req := range reqs {
+		if err := a.m.Unstage(ctx, req.Volume, req.StagingPath); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
