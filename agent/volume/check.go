@@ -58,19 +58,26 @@ func (m *Manager) Reconcile(ctx context.Context) {
 
 // reconcile re-verifies one claim; disks is the pass's shared scan.
 func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
-	defer m.checked(c.Volume)
 	log := m.log.With("volume", c.Volume, "device", c.Device)
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
+	if err != nil && agenterr.KindOf(err) != agenterr.NotFound && c.Method == MethodLease && m.mayBeWriting() {
+		// Its disk cannot be told from another (a scan that failed, a
+		// serial that does not match), and a mount of the earlier
+		// process may still write to it: the lease stays listed as not
+		// resumed, and the host watchdog unfed, until a check finds the
+		// disk (or it is found gone).
+		log.Error("cannot verify a recorded lease claim's device; the volume is reported abnormal, and the host watchdog is not fed until the check finds its disk", "err", err)
+		m.markMissing(c, err)
+		return
+	}
+	defer m.checked(c.Volume)
 	if err != nil {
 		if agenterr.KindOf(err) == agenterr.NotFound {
 			m.cleanupGone(c, err)
 			return
 		}
 		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err)
-		c.Missing, c.Detail = true, fmt.Sprintf("the agent could not find its disk again at start: %v", err)
-		if err := m.store.Put(c); err != nil {
-			log.Error("recording the claim", "err", err)
-		}
+		m.markMissing(c, err)
 		return
 	}
 	c.Missing = false
@@ -91,6 +98,14 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		log.Info("unfenced claim kept (explicit opt-in)")
 	default:
 		m.reconcileFence(ctx, c, dev, log)
+	}
+}
+
+// markMissing records that the check could not find c's disk again.
+func (m *Manager) markMissing(c *Claim, why error) {
+	c.Missing, c.Detail = true, fmt.Sprintf("the agent could not find its disk again: %v", why)
+	if err := m.store.Put(c); err != nil {
+		m.log.Error("recording the claim", "volume", c.Volume, "err", err)
 	}
 }
 
@@ -133,8 +148,10 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
 	// A lease-fenced volume whose lease cannot be taken back now stays
 	// mounted; it is listed as unresumed, so that the host watchdog is not
-	// fed until a periodic check resumes it (or finds it lost).
-	unresumed := c.Method == MethodLease
+	// fed until a periodic check resumes it (or finds it lost). Not on the
+	// first start after a boot: nothing is mounted then, and a host whose
+	// lease disk cannot be read would be reset over and over.
+	unresumed := c.Method == MethodLease && m.mayBeWriting()
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		m.setLive(c.Volume, &live{dev: dev, unresumed: unresumed})

@@ -89,6 +89,9 @@ type Manager struct {
 	unchecked map[string]bool
 	// bootID reads the kernel's boot id (tests give their own).
 	bootID func() (string, error)
+	// afterBoot: this is the agent's first start since the host booted
+	// (ExpectRecordedLeases), so no mount of an earlier process is left.
+	afterBoot bool
 	// reclaims holds when a stage of each volume began waiting for a
 	// holder to re-establish (acquire), for its retries.
 	reclaims map[string]time.Time

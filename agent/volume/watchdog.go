@@ -86,6 +86,9 @@ func (m *Manager) Leases() []watchdog.Lease {
 // unknown the claims are listed.
 func (m *Manager) ExpectRecordedLeases() {
 	if m.firstStartSinceBoot() {
+		m.mu.Lock()
+		m.afterBoot = true
+		m.mu.Unlock()
 		return
 	}
 	claims, _ := m.store.List()
@@ -156,6 +159,15 @@ func kernelBootID() (string, error) {
 		return "", errors.New("/proc/sys/kernel/random/boot_id is empty")
 	}
 	return id, nil
+}
+
+// mayBeWriting reports whether a lease-fenced volume the check could not
+// take back may still have I/O of an earlier agent process's mounts: not
+// on the first start after a boot, which took them all.
+func (m *Manager) mayBeWriting() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return !m.afterBoot
 }
 
 // checked takes a claim off the unchecked list once the start-up check

@@ -345,7 +345,56 @@ func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
 	expect("", errors.New("no /proc"), 1)
 	expect("boot-3", nil, 0)
 	a.m.Reconcile(ctx)
+	// After a boot, a lease whose resume fails (its read) does not stop
+	// the feeding either: nothing of the earlier process writes.
+	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers}
+	expect("boot-4", nil, 0)
+	a.m.Reconcile(ctx)
+	if ls := a.m.Leases(); len(ls) != 0 {
+		t.Fatalf("after a boot, a lease whose resume failed is listed: %+v", ls)
+	}
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Unresumed || ls[0].Fenced {
+		t.Fatalf("the check did not resume the lease: %+v", ls)
+	}
 	if err := a.m.Unstage(ctx, "vol-b", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A lease claim whose disk the start-up check cannot tell from another (a
+// scan that fails, a serial that does not match; here, loop devices no
+// longer allowed) may still have a mount of the earlier process writing
+// to it: it stays listed as not resumed, stopping the host watchdog's
+// feeding, until a check finds its disk.
+func TestALeaseClaimWhoseDiskCannotBeVerifiedStopsTheFeeding(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	t.Cleanup(func() { clearRO(devA) })
+	req := a.stageReq("vol-v", img, "staging/v")
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	a.cfg.AllowLoopDevices = false
+	a.start()
+	a.m.bootID = func() (string, error) { return "one-boot", nil }
+	a.m.ExpectRecordedLeases()
+	a.m.Reconcile(ctx)
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-v" || !ls[0].Unresumed {
+		t.Fatalf("a lease claim whose disk cannot be verified: leases %+v", ls)
+	}
+	if c, _ := a.m.Store().Get("vol-v"); c == nil || !c.Missing {
+		t.Fatalf("claim not reported abnormal: %+v", c)
+	}
+	a.m.o.Config.AllowLoopDevices = true
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Unresumed || ls[0].Fenced {
+		t.Fatalf("the check found the disk but did not resume the lease: %+v", ls)
+	}
+	if err := a.m.Unstage(ctx, "vol-v", req.StagingPath); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -156,8 +156,9 @@ func scan(sysfs, dev string) ([]Info, error) {
 		if !strings.HasPrefix(n, "watchdog") || err != nil || idx < 0 {
 			continue
 		}
+		state := attr(dir, n, "state")
 		in := Info{Path: filepath.Join(dev, n), Identity: attr(dir, n, "identity"), Nowayout: attr(dir, n, "nowayout") == "1",
-			Active: attr(dir, n, "state") == "active"}
+			Active: state == "active", StateUnknown: state == ""}
 		in.Soft = in.Identity == softIdentity
 		found = append(found, indexed{idx, in})
 	}

@@ -51,6 +51,9 @@ type Info struct {
 	Soft bool
 	// Active: the device is counting down (opened and not stopped).
 	Active bool
+	// StateUnknown: sysfs does not say whether it is counting down (a
+	// kernel without CONFIG_WATCHDOG_SYSFS); it is treated as if it were.
+	StateUnknown bool
 }
 
 // Lease is one lease the agent holds, as the watchdog sees it.
@@ -132,7 +135,10 @@ type Watchdog struct {
 	readyAt  time.Time
 	// left: an earlier agent process left the device counting down, and
 	// this one has not opened it yet (Adopt).
-	left     bool
+	left bool
+	// unfit: the device is kept (it cannot be stopped) though it cannot
+	// reset the host within W; Ready refuses every lease with it.
+	unfit    error
 	withheld []string
 	err      string
 	feeds    uint64
@@ -174,12 +180,15 @@ func (w *Watchdog) Ready(ctx context.Context) error {
 	now := time.Now()
 	w.readyAt = now
 	if w.dev != nil {
-		return nil
+		// A device kept only because it cannot be stopped, though it
+		// cannot reset the host within W, guards no new lease.
+		return w.unfit
 	}
-	if err := w.arm(len(withheldOf(leases, now)) == 0); err != nil && !errors.Is(err, errCountingDown) {
-		return err
+	err := w.arm(len(withheldOf(leases, now)) == 0)
+	if errors.Is(err, errCountingDown) {
+		return fmt.Errorf("%w: no lease is taken until it is: a lease recorded before the agent restarted is not resumed yet, or another program holds the device", err)
 	}
-	return nil
+	return err
 }
 
 // DeviceTimeout is the timeout the device is given: half of W, in whole
@@ -191,7 +200,7 @@ func DeviceTimeout(W time.Duration) time.Duration { return (W / 2).Truncate(time
 
 // errCountingDown says the device was left counting down and the leases do
 // not allow a feed now, so it was not opened.
-var errCountingDown = errors.New("the host watchdog is counting down and no feed is allowed yet")
+var errCountingDown = errors.New("the host watchdog is counting down (left armed by an earlier agent process, or held by another program) and the agent has not taken it over")
 
 // arm opens and sets up the device. Setting its timeout restarts its
 // countdown, as a feed does, so a device that is counting down already
@@ -223,7 +232,7 @@ func (w *Watchdog) armLocked(feedOK bool) error {
 	if err != nil {
 		return fmt.Errorf("no host watchdog to arm: %w; a lease is held only with one (or with volumes.lease.watchdog_device: %s, unsafe)", err, Unsafe)
 	}
-	if info.Active && !feedOK {
+	if (info.Active || info.StateUnknown) && !feedOK {
 		return errCountingDown
 	}
 	dev, info, err := w.cfg.Open(info)
@@ -243,26 +252,40 @@ func (w *Watchdog) armLocked(feedOK bool) error {
 		err = dev.Feed()
 	}
 	if err != nil {
-		w.release(dev, info)
-		return fmt.Errorf("the host watchdog %s (%s) cannot reset the host within W/2=%s: %w", info.Path, info.Identity, Wd, err)
+		err = fmt.Errorf("the host watchdog %s (%s) cannot reset the host within W/2=%s: %w", info.Path, info.Identity, Wd, err)
+		w.release(dev, info, got, err)
+		return err
 	}
-	w.dev, w.info, w.timeout, w.lastFeed = dev, info, got, time.Now()
+	w.dev, w.info, w.timeout, w.lastFeed, w.unfit = dev, info, got, time.Now(), nil
 	w.feeds++
 	w.log.Info("host watchdog armed: the host resets if the agent stops renewing its leases", "device", info.Path,
 		"identity", info.Identity, "timeout", got.String(), "nowayout", info.Nowayout, "taken_over", info.Active)
 	return nil
 }
 
-// release stops a device after a failed arm; one that cannot be stopped
-// is fed by the caller's next ticks instead.
-func (w *Watchdog) release(dev Device, info Info) {
-	if info.Nowayout {
-		// It cannot be stopped: keep it, and feed it while the agent runs.
-		w.dev, w.info, w.timeout, w.lastFeed = dev, info, DeviceTimeout(w.cfg.Timeout), time.Now()
-		return
-	}
-	if err := dev.Disarm(); err != nil {
-		w.log.Error("could not stop the host watchdog after a failed arm; the host resets when it runs out", "device", info.Path, "err", err)
+// release lets go of a device after a failed arm (why). One that cannot
+// be stopped is kept, fed by the next ticks, and marked unfit, so that no
+// new lease is taken on it. One that was counting down before it was
+// opened (left armed by an earlier agent process, whose leases this one
+// may hold now) is closed without the magic character, so it keeps
+// counting: closing pings it once, and arm opens such a device only when
+// a feed is allowed. Only a device this process started is stopped.
+func (w *Watchdog) release(dev Device, info Info, got time.Duration, why error) {
+	switch {
+	case info.Nowayout:
+		if got <= 0 {
+			got = DeviceTimeout(w.cfg.Timeout)
+		}
+		w.dev, w.info, w.timeout, w.lastFeed, w.unfit = dev, info, got, time.Now(), why
+	case info.Active || info.StateUnknown:
+		if err := dev.Close(); err != nil {
+			w.log.Error("closing the host watchdog after a failed take-over", "device", info.Path, "err", err)
+		}
+		w.left = true
+	default:
+		if err := dev.Disarm(); err != nil {
+			w.log.Error("could not stop the host watchdog after a failed arm; the host resets when it runs out", "device", info.Path, "err", err)
+		}
 	}
 }
 
