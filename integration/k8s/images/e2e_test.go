@@ -98,39 +98,7 @@ func TestBusyboxStandInsThroughTheRegistry(t *testing.T) {
 	}
 	defer reg.Stop()
 	for _, ref := range []string{"e2e-test-images/nginx:1.14-4", "e2e-test-images/jessie-dnsutils:1.7", "e2e-test-images/busybox:1.37.0-1"} {
-		dst, err := reg.Ref("registry.k8s.io/" + ref)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if dst.String() != reg.Host+"/"+ref {
-			t.Errorf("served as %s, want %s/%s", dst, reg.Host, ref)
-		}
-		img, err := remote.Image(dst)
-		if err != nil {
-			t.Fatalf("pulling %s: %v", dst, err)
-		}
-		cf, err := img.ConfigFile()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if title := cf.Config.Labels["org.opencontainers.image.title"]; !strings.HasPrefix(ref, "e2e-test-images/"+title+":") {
-			t.Errorf("%s is titled %q", ref, title)
-		}
-		fs := files(t, img)
-		for _, p := range []string{"/bin/sh", "/bin/dd", "/usr/bin/sha256sum", "/bin/sleep"} {
-			if fs[p] == nil {
-				t.Errorf("%s has no %s", ref, p)
-			}
-		}
-		// The concurrent-access pods write with oflag=nocache, which
-		// only GNU dd takes: jessie-dnsutils has it, with its loader.
-		gnu := strings.Contains(ref, "jessie-dnsutils")
-		if dd := fs["/bin/dd"]; dd != nil && (dd.Typeflag == tar.TypeReg) != gnu {
-			t.Errorf("%s: /bin/dd is a regular file %v, want %v (GNU dd only in jessie-dnsutils)", ref, dd.Typeflag == tar.TypeReg, gnu)
-		}
-		if gnu && fs["/lib64/ld-linux-x86-64.so.2"] == nil {
-			t.Errorf("%s has GNU dd without its loader", ref)
-		}
+		checkStandIn(t, reg, ref)
 	}
 }
 
@@ -152,5 +120,45 @@ func TestParsePopulatorManifest(t *testing.T) {
 	moved := strings.Replace(src, "image: registry.k8s.io/sig-storage/", "image: example.org/", 1)
 	if _, _, err := ParsePopulatorManifest([]byte(moved)); err == nil || !strings.Contains(err.Error(), "hello-populator") {
 		t.Errorf("a Deployment with the image elsewhere: %v, want an error naming hello-populator", err)
+	}
+}
+
+// checkStandIn pulls ref from reg and checks it is the stand-in the suite
+// needs: titled by its name, a shell and the commands the patterns run;
+// GNU dd (with its loader) in jessie-dnsutils only.
+func checkStandIn(t *testing.T, reg *Registry, ref string) {
+	t.Helper()
+	dst, err := reg.Ref("registry.k8s.io/" + ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dst.String() != reg.Host+"/"+ref {
+		t.Errorf("served as %s, want %s/%s", dst, reg.Host, ref)
+	}
+	img, err := remote.Image(dst)
+	if err != nil {
+		t.Fatalf("pulling %s: %v", dst, err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if title := cf.Config.Labels["org.opencontainers.image.title"]; !strings.HasPrefix(ref, "e2e-test-images/"+title+":") {
+		t.Errorf("%s is titled %q", ref, title)
+	}
+	fs := files(t, img)
+	for _, p := range []string{"/bin/sh", "/bin/dd", "/usr/bin/sha256sum", "/bin/sleep"} {
+		if fs[p] == nil {
+			t.Errorf("%s has no %s", ref, p)
+		}
+	}
+	// The concurrent-access pods write with oflag=nocache, which
+	// only GNU dd takes: jessie-dnsutils has it, with its loader.
+	gnu := strings.Contains(ref, "jessie-dnsutils")
+	if dd := fs["/bin/dd"]; dd != nil && (dd.Typeflag == tar.TypeReg) != gnu {
+		t.Errorf("%s: /bin/dd is a regular file %v, want %v (GNU dd only in jessie-dnsutils)", ref, dd.Typeflag == tar.TypeReg, gnu)
+	}
+	if gnu && fs["/lib64/ld-linux-x86-64.so.2"] == nil {
+		t.Errorf("%s has GNU dd without its loader", ref)
 	}
 }
