@@ -92,7 +92,10 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		if err := setReadOnly(dev.File, true); err != nil {
 			log.Error("keeping a fenced disk read-only", "err", err)
 		}
-		m.setLive(c.Volume, &live{dev: dev})
+		// A lease lost before the restart whose I/O could not be
+		// stopped keeps the host watchdog unfed until a stop succeeds.
+		running := c.Method == MethodLease && !m.stopAgain(c, dev) && m.mayBeWriting()
+		m.setLive(c.Volume, &live{dev: dev, ioRunning: running})
 	case c.State == StateUnfenced:
 		m.setLive(c.Volume, &live{dev: dev})
 		log.Info("unfenced claim kept (explicit opt-in)")
@@ -264,7 +267,7 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	// Scanned only if a claim has no open device to verify.
 	disks := &diskScan{f: m.finder}
 	for _, c := range claims {
-		if c.Phase != PhaseStaged || c.State == StateLost {
+		if c.Phase != PhaseStaged || (c.State == StateLost && !c.IONotStopped) {
 			continue
 		}
 		release, err := m.locks.try(c.Volume, "claim check")
@@ -282,6 +285,12 @@ func (m *Manager) CheckAll(ctx context.Context) {
 }
 
 func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
+	if c.Phase == PhaseStaged && c.State == StateLost && c.IONotStopped {
+		if l := m.getLive(c.Volume); l != nil && l.ioRunning && m.stopAgain(c, l.dev) {
+			m.setLive(c.Volume, &live{dev: l.dev})
+		}
+		return
+	}
 	if c.Phase != PhaseStaged || c.State == StateLost {
 		return
 	}

@@ -105,6 +105,7 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 	}
 	m.clearClaimed(filepath.Base(c.Device))
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
+	c.IONotStopped = !stopped
 	if err := m.store.Put(c); err != nil {
 		m.log.Error("could not record a lost claim", "volume", c.Volume, "err", err)
 	}
@@ -114,6 +115,33 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 		Message: fmt.Sprintf("volume %s: %v", c.Volume, lost)})
 	m.log.Error("claim lost; I/O to the disk stopped", "volume", c.Volume, "device", c.Device, "reason", lost.Reason)
 	return stopped
+}
+
+// stopAgain tries again to stop the I/O of a lost claim whose stop failed
+// (Claim.IONotStopped), and records it when it succeeds; it reports
+// whether the I/O is stopped now.
+func (m *Manager) stopAgain(c *Claim, dev *Device) bool {
+	if !c.IONotStopped {
+		return true
+	}
+	if dev != nil {
+		if err := setReadOnly(dev.File, true); err != nil {
+			m.log.Error("still cannot set a fenced disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
+			return false
+		}
+	}
+	if !c.Block {
+		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
+			m.log.Error("still cannot stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
+			return false
+		}
+	}
+	c.IONotStopped = false
+	if err := m.store.Put(c); err != nil {
+		m.log.Error("recording the stopped I/O of a lost claim", "volume", c.Volume, "err", err)
+	}
+	m.log.Info("the I/O of a fenced volume is stopped now", "volume", c.Volume)
+	return true
 }
 
 // fsIocShutdown is FS_IOC_SHUTDOWN (_IOR('X', 125, __u32)), which ext4 and

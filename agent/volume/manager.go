@@ -106,6 +106,10 @@ type live struct {
 	// failed); the periodic check retries, and the host watchdog is not
 	// fed meanwhile (Leases).
 	unresumed bool
+	// ioRunning: the claim was lost before the agent restarted and its
+	// I/O is not shown stopped (Claim.IONotStopped); listed for the host
+	// watchdog like a lost lease whose stop failed.
+	ioRunning bool
 }
 
 // New opens the claim store. Call Reconcile before serving.

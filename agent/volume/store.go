@@ -100,6 +100,11 @@ type Claim struct {
 	Missing    bool      `json:"missing,omitempty"`
 	HolderKey  fence.Key `json:"holder_key,omitempty"`
 	HolderNode string    `json:"holder_node,omitempty"`
+	// IONotStopped: the claim was lost and its I/O could not be shown
+	// stopped (the filesystem stop or the read-only flag failed). A
+	// lease-fenced one keeps the host watchdog unfed, across agent
+	// restarts, until a stop succeeds.
+	IONotStopped bool `json:"io_not_stopped,omitempty"`
 	// Formatted is set once this agent made the filesystem, and
 	// LUKSFormatted once it made the LUKS2 header: from then on a device
 	// that looks blank is a fault to report, never a device to format

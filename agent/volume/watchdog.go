@@ -42,8 +42,8 @@ func (m *Manager) Leases() []watchdog.Lease {
 	for v, l := range m.live {
 		if f, ok := l.fencer.(*leaseFencer); ok {
 			fs[v] = f
-		} else if l.unresumed {
-			out = append(out, watchdog.Lease{Volume: v, Unresumed: true})
+		} else if l.unresumed || l.ioRunning {
+			out = append(out, watchdog.Lease{Volume: v, Unresumed: l.unresumed, Running: l.ioRunning})
 		}
 	}
 	m.mu.Unlock()

@@ -311,6 +311,28 @@ func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
 			if len(ls) != 1 || ls[0].Volume != "vol-l" || ls[0].Fenced == stopFails {
 				t.Fatalf("leases after the loss (the stop failed: %v): %+v", stopFails, ls)
 			}
+			if !stopFails {
+				return
+			}
+			// The agent restarts again: the loss whose stop failed is
+			// still listed, until a check's stop succeeds.
+			a.start()
+			a.m.ExpectRecordedLeases()
+			a.m.Reconcile(ctx)
+			a.m.CheckAll(ctx)
+			if ls := a.m.Leases(); len(ls) != 1 || !ls[0].Running || ls[0].Fenced {
+				t.Fatalf("after another restart, a loss whose stop failed: leases %+v", ls)
+			}
+			if err := unix.Unmount(req.StagingPath, unix.MNT_DETACH); err != nil {
+				t.Fatal(err)
+			}
+			a.m.CheckAll(ctx)
+			if ls := a.m.Leases(); len(ls) != 0 {
+				t.Fatalf("the check stopped the I/O, yet: leases %+v", ls)
+			}
+			if c, _ := a.m.Store().Get("vol-l"); c == nil || c.IONotStopped {
+				t.Fatalf("claim after the stop succeeded: %+v", c)
+			}
 		})
 	}
 }

@@ -72,6 +72,9 @@ type Lease struct {
 	// has no renewal to count from, so it stops the feeding until it is
 	// resumed, or found lost and its I/O stopped.
 	Unresumed bool
+	// Running: a lease lost before the agent restarted whose I/O could not
+	// be shown stopped; it stops the feeding until a stop succeeds.
+	Running bool
 }
 
 // feedDeadline is the last instant a feed is allowed for l: F minus d
@@ -416,6 +419,8 @@ func withheldOf(leases []Lease, now time.Time) []string {
 		case l.Fenced:
 		case l.Unresumed:
 			withheld = append(withheld, l.Volume+" (held before the agent restarted, not resumed yet)")
+		case l.Running:
+			withheld = append(withheld, l.Volume+" (lost, and its I/O could not be stopped)")
 		case !now.Before(l.feedDeadline()):
 			withheld = append(withheld, fmt.Sprintf("%s (renewed %s ago, fail bound %s)", l.Volume, now.Sub(l.Renewed).Round(time.Millisecond), l.Fail))
 		}
