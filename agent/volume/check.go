@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -18,8 +19,9 @@ import (
 )
 
 // reconcileWorkers is how many claims the start-up check takes back side
-// by side.
-const reconcileWorkers = 8
+// by side: enough for every lease volume a node can carry to wait out its
+// settle time together (the wait is a sleep, the disk I/O a few blocks).
+const reconcileWorkers = 64
 
 // Reconcile re-verifies every recorded claim at start: a claim still ours
 // is kept (its device opened and its fence watched), a lost one is fenced
@@ -31,13 +33,17 @@ const reconcileWorkers = 8
 // time (2d) on the disk, and after a restart the host watchdog is fed
 // again only once every recorded lease is resumed, which must come within
 // W/2 of the earlier process's exit (docs/upgrade.md); one after the
-// other, four lease volumes would take that long in settle waits alone.
+// other, four lease volumes would take that long in settle waits alone;
+// lease claims are started first.
 func (m *Manager) Reconcile(ctx context.Context) {
 	claims, errs := m.store.List()
 	for _, err := range errs {
 		m.log.Error("a claim record cannot be read; its volume is left alone", "err", err)
 	}
 	disks := &diskScan{f: m.finder}
+	slices.SortStableFunc(claims, func(a, b *Claim) int {
+		return cmpBool(b.Method == MethodLease, a.Method == MethodLease)
+	})
 	slots := make(chan struct{}, reconcileWorkers)
 	var wg sync.WaitGroup
 	for _, c := range claims {
@@ -162,17 +168,25 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 		return
 	}
 	if ch.Fencer == nil {
-		m.setLive(c.Volume, &live{dev: dev})
-		m.lose(c, dev, &fence.LostError{Device: dev.Path, Reason: "the disk no longer offers the fencing it was claimed with (" + ch.Reason + ")"})
+		l := &live{dev: dev, ioRunning: unresumed}
+		m.setLive(c.Volume, l)
+		stopped := m.lose(c, dev, &fence.LostError{Device: dev.Path, Reason: "the disk no longer offers the fencing it was claimed with (" + ch.Reason + ")"})
+		m.setRunning(c.Volume, unresumed && !stopped)
 		return
 	}
 	if r, ok := ch.Fencer.(resumer); ok {
 		if err := r.Resume(ctx); err != nil {
 			var lost *fence.LostError
 			if errors.As(err, &lost) {
+				lf, _ := ch.Fencer.(*leaseFencer)
+				if lf != nil {
+					// Listed as a loss being stopped (the feeding
+					// withheld) from now until the stop's outcome.
+					lf.loss.Store(lossStopping)
+				}
 				m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
 				stopped := m.lose(c, dev, lost)
-				if lf, ok := ch.Fencer.(*leaseFencer); ok {
+				if lf != nil {
 					// What the engine's loss handler records when it
 					// finds a loss itself: a stop that failed keeps
 					// the host watchdog unfed.
@@ -286,8 +300,13 @@ func (m *Manager) CheckAll(ctx context.Context) {
 
 func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 	if c.Phase == PhaseStaged && c.State == StateLost && c.IONotStopped {
-		if l := m.getLive(c.Volume); l != nil && l.ioRunning && m.stopAgain(c, l.dev) {
-			m.setLive(c.Volume, &live{dev: l.dev})
+		l := m.getLive(c.Volume)
+		switch {
+		case l == nil:
+			// Its disk was not found at start: looked for again.
+			m.reconcile(ctx, c, disks)
+		case m.stopAgain(c, l.dev):
+			m.setRunning(c.Volume, false)
 		}
 		return
 	}
@@ -337,4 +356,15 @@ func (m *Manager) Run(ctx context.Context) {
 			m.CheckAll(ctx)
 		}
 	}
+}
+
+// cmpBool orders false before true.
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case a:
+		return 1
+	}
+	return -1
 }

@@ -103,6 +103,14 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 			stopped = false
 		}
 	}
+	// Stopped only once nothing queued can still land (as the engine's
+	// loss handler has it, onLost).
+	if stopped && dev != nil {
+		if err := m.drainData(c, dev.File); err != nil {
+			m.log.Error("could not show the fenced volume's devices quiet", "volume", c.Volume, "err", err)
+			stopped = false
+		}
+	}
 	m.clearClaimed(filepath.Base(c.Device))
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	c.IONotStopped = !stopped
@@ -133,6 +141,12 @@ func (m *Manager) stopAgain(c *Claim, dev *Device) bool {
 	if !c.Block {
 		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 			m.log.Error("still cannot stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
+			return false
+		}
+	}
+	if dev != nil {
+		if err := m.drainData(c, dev.File); err != nil {
+			m.log.Error("still cannot show the fenced volume's devices quiet", "volume", c.Volume, "err", err)
 			return false
 		}
 	}

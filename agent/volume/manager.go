@@ -202,6 +202,26 @@ func (m *Manager) setLive(volume string, l *live) {
 	m.live[volume] = l
 }
 
+// setRunning marks, in place, whether the live entry of a lost claim has
+// I/O not shown stopped (live.ioRunning).
+func (m *Manager) setRunning(volume string, running bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if l := m.live[volume]; l != nil {
+		l.ioRunning = running
+	}
+}
+
+// notTakenBack reports whether the lease-fenced volume's claim, recorded
+// by an earlier agent process, is still to be taken back by a check: not
+// looked at yet, not resumed, or lost with its I/O not shown stopped.
+func (m *Manager) notTakenBack(volume string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	l := m.live[volume]
+	return m.unchecked[volume] || (l != nil && (l.unresumed || l.ioRunning))
+}
+
 func (m *Manager) getLive(volume string) *live {
 	m.mu.Lock()
 	defer m.mu.Unlock()

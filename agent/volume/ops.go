@@ -199,6 +199,11 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 		return nil, m.dropLost(c)
 	case c.Phase != PhaseStaged:
 		return nil, nil
+	case m.notTakenBack(c.Volume):
+		// Staged by an earlier agent process, whose lease this one has
+		// not taken back: a stage now would let go of what keeps the
+		// host watchdog unfed for it before holding anything.
+		return nil, agenterr.New(agenterr.Unavailable, "volume %s: the agent has not yet taken back the lease it held for this volume before it restarted (the claim check retries every %s); the stage can be retried after that", c.Volume, m.o.Config.CheckInterval)
 	}
 	ok, err := m.stillStaged(ctx, c)
 	if err != nil || !ok {

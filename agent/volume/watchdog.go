@@ -95,7 +95,7 @@ func (m *Manager) ExpectRecordedLeases() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, c := range claims {
-		if c.Phase == PhaseStaged && c.State != StateLost && c.Method == MethodLease && m.live[c.Volume] == nil {
+		if c.Phase == PhaseStaged && (c.State != StateLost || c.IONotStopped) && c.Method == MethodLease && m.live[c.Volume] == nil {
 			m.unchecked[c.Volume] = true
 		}
 	}

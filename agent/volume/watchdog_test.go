@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
@@ -483,5 +484,149 @@ func TestTheStartUpCheckResumesLeasesSideBySide(t *testing.T) {
 		if err := a.m.Unstage(ctx, req.Volume, req.StagingPath); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// lossFailedBeforeRestart stages a lease volume, restarts the agent past
+// its fail bound with another filesystem over the staging path (so the
+// loss's stop fails), and restarts it once more: the claim is lost with
+// its I/O not shown stopped.
+func lossFailedBeforeRestart(t *testing.T, a *env, vol string) StageRequest {
+	t.Helper()
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	t.Cleanup(func() { clearRO(devA) })
+	req := a.stageReq(vol, img, "staging/"+vol)
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	a.start()
+	time.Sleep(testTiming.Fail + testTiming.IOTimeout)
+	if err := unix.Mount("tmpfs", req.StagingPath, "tmpfs", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(req.StagingPath, unix.MNT_DETACH) })
+	a.m.ExpectRecordedLeases()
+	a.m.Reconcile(ctx)
+	if c, _ := a.m.Store().Get(vol); c == nil || c.State != StateLost || !c.IONotStopped {
+		t.Fatalf("claim after a loss whose stop failed: %+v", c)
+	}
+	return req
+}
+
+// A loss whose stop failed is listed for the host watchdog from before the
+// start-up check of the next agent process (which would otherwise take a
+// device left counting down over and feed it), also while its disk cannot
+// be verified; once a check's stop succeeds it is not, and its device
+// stays open.
+func TestALossWhoseStopFailedIsListedFromBeforeTheStartUpCheck(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	req := lossFailedBeforeRestart(t, a, "vol-r")
+	a.cfg.AllowLoopDevices = false
+	a.start()
+	a.m.ExpectRecordedLeases()
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-r" {
+		t.Fatalf("before the start-up check: leases %+v", ls)
+	}
+	a.m.Reconcile(ctx)
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-r" {
+		t.Fatalf("its disk not verified: leases %+v", ls)
+	}
+	a.m.o.Config.AllowLoopDevices = true
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 1 || !ls[0].Running {
+		t.Fatalf("its disk found, the stop failing still: leases %+v", ls)
+	}
+	if err := unix.Unmount(req.StagingPath, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	a.m.CheckAll(ctx)
+	if ls := a.m.Leases(); len(ls) != 0 {
+		t.Fatalf("the stop succeeded: leases %+v", ls)
+	}
+	l := a.m.getLive("vol-r")
+	if l == nil {
+		t.Fatal("no live entry")
+	}
+	if _, err := readOnly(l.dev.File); err != nil {
+		t.Fatalf("the live entry's device was closed: %v", err)
+	}
+}
+
+// lossSnoop records the watchdog's lease list at each DiskFenced event.
+type lossSnoop struct {
+	mu  sync.Mutex
+	m   func() *Manager
+	got [][]watchdog.Lease
+}
+
+func (s *lossSnoop) Name() string { return "snoop" }
+func (s *lossSnoop) Emit(e events.Event) error {
+	if e.Type == events.DiskFenced && s.m() != nil {
+		ls := s.m().Leases()
+		s.mu.Lock()
+		s.got = append(s.got, ls)
+		s.mu.Unlock()
+	}
+	return nil
+}
+
+// While the start-up check stops the I/O of a lease its resume found lost,
+// the lease is listed (the feeding withheld) until the stop's outcome.
+func TestAResumeLossIsListedWhileItsStopRuns(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	t.Cleanup(func() { clearRO(devA) })
+	req := a.stageReq("vol-w", img, "staging/w")
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	a.start()
+	time.Sleep(testTiming.Fail + testTiming.IOTimeout)
+	snoop := &lossSnoop{m: func() *Manager { return a.m }}
+	a.bus.AddSink(snoop)
+	a.m.ExpectRecordedLeases()
+	a.m.Reconcile(ctx)
+	snoop.mu.Lock()
+	defer snoop.mu.Unlock()
+	if len(snoop.got) != 1 || len(snoop.got[0]) != 1 || snoop.got[0][0].Fenced {
+		t.Fatalf("leases listed while the loss was stopped: %+v", snoop.got)
+	}
+}
+
+// A stage of a volume whose lease the restarted agent has not taken back
+// yet waits for the check (UNAVAILABLE, retried): it would let go of what
+// keeps the host watchdog unfed for the volume before holding anything.
+func TestAStageWaitsForTheCheckToTakeBackAnUnresumedLease(t *testing.T) {
+	a := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, devA := loop(t, 64)
+	t.Cleanup(func() { clearRO(devA) })
+	req := a.stageReq("vol-s", img, "staging/s")
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage: %+v %v", res, err)
+	}
+	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers}
+	a.start()
+	a.m.ExpectRecordedLeases()
+	a.m.Reconcile(ctx)
+	if _, err := a.m.Stage(ctx, req); agenterr.KindOf(err) != agenterr.Unavailable {
+		t.Fatalf("stage of a volume whose lease is not taken back: %v", err)
+	}
+	if ls := a.m.Leases(); len(ls) != 1 || !ls[0].Unresumed {
+		t.Fatalf("leases after the refused stage: %+v", ls)
+	}
+	a.m.CheckAll(ctx)
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage once the check resumed the lease: %+v %v", res, err)
+	}
+	if err := a.m.Unstage(ctx, "vol-s", req.StagingPath); err != nil {
+		t.Fatal(err)
 	}
 }

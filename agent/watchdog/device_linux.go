@@ -112,7 +112,7 @@ func FindActive(sysfs, dev, want string) (Info, bool) {
 			}
 		}
 	}
-	return pick, pick.Active
+	return pick, pick.Active || pick.StateUnknown
 }
 
 // checkSoft refuses softdog loaded to only log (soft_noboot=1).

@@ -132,3 +132,28 @@ func TestADeviceOfUnknownStateIsTreatedAsCountingDown(t *testing.T) {
 		t.Fatalf("not taken over once a feed was allowed: timeout %s, feeds %d", d.timeout, d.count())
 	}
 }
+
+// Adopt notes a device of unknown state as left counting down, so that
+// with no lease held it is taken over and stopped rather than left to
+// reset the host.
+func TestADeviceOfUnknownStateIsAdopted(t *testing.T) {
+	sys := t.TempDir()
+	d0 := filepath.Join(sys, "class/watchdog/watchdog0")
+	if err := os.MkdirAll(d0, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(d0, "identity"), []byte("iTCO_wdt\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if in, ok := FindActive(sys, "/dev", Auto); !ok || !in.StateUnknown {
+		t.Fatalf("FindActive on a device of unknown state: %+v %v", in, ok)
+	}
+	r := newRig(t, Config{Timeout: 30 * time.Second, Linger: 0})
+	r.info.StateUnknown = true
+	r.w.cfg.Active = func(want string) (Info, bool) { return r.info, true }
+	r.w.Adopt()
+	r.w.Tick()
+	if d := r.dev(); !d.disarmed {
+		t.Fatal("a device of unknown state, left with no lease held, was not taken over and stopped")
+	}
+}

@@ -367,6 +367,7 @@ func sysfsTree(t *testing.T, devs map[string][2]string) string {
 		}
 		os.WriteFile(filepath.Join(d, "identity"), []byte(attrs[0]+"\n"), 0o644)
 		os.WriteFile(filepath.Join(d, "nowayout"), []byte(attrs[1]+"\n"), 0o644)
+		os.WriteFile(filepath.Join(d, "state"), []byte("inactive\n"), 0o644)
 	}
 	return root
 }
