@@ -345,13 +345,7 @@ func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
 func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	img, devA := loop(t, 64)
-	t.Cleanup(func() { clearRO(devA) })
-	req := a.stageReq("vol-b", img, "staging/b")
-	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
-		t.Fatalf("stage: %+v %v", res, err)
-	}
+	req := stagedLease(t, a, "vol-b", "staging/b")
 	expect := func(boot string, bootErr error, want int) {
 		t.Helper()
 		a.start()
@@ -393,13 +387,7 @@ func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
 func TestALeaseClaimWhoseDiskCannotBeVerifiedStopsTheFeeding(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	img, devA := loop(t, 64)
-	t.Cleanup(func() { clearRO(devA) })
-	req := a.stageReq("vol-v", img, "staging/v")
-	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
-		t.Fatalf("stage: %+v %v", res, err)
-	}
+	req := stagedLease(t, a, "vol-v", "staging/v")
 	a.cfg.AllowLoopDevices = false
 	a.start()
 	a.m.bootID = func() (string, error) { return "one-boot", nil }
@@ -579,13 +567,7 @@ func (s *lossSnoop) Emit(e events.Event) error {
 func TestAResumeLossIsListedWhileItsStopRuns(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	img, devA := loop(t, 64)
-	t.Cleanup(func() { clearRO(devA) })
-	req := a.stageReq("vol-w", img, "staging/w")
-	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
-		t.Fatalf("stage: %+v %v", res, err)
-	}
+	stagedLease(t, a, "vol-w", "staging/w")
 	a.start()
 	time.Sleep(testTiming.Fail + testTiming.IOTimeout)
 	snoop := &lossSnoop{m: func() *Manager { return a.m }}
@@ -605,13 +587,7 @@ func TestAResumeLossIsListedWhileItsStopRuns(t *testing.T) {
 func TestAStageWaitsForTheCheckToTakeBackAnUnresumedLease(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	img, devA := loop(t, 64)
-	t.Cleanup(func() { clearRO(devA) })
-	req := a.stageReq("vol-s", img, "staging/s")
-	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
-		t.Fatalf("stage: %+v %v", res, err)
-	}
+	req := stagedLease(t, a, "vol-s", "staging/s")
 	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers}
 	a.start()
 	a.m.ExpectRecordedLeases()
@@ -629,4 +605,17 @@ func TestAStageWaitsForTheCheckToTakeBackAnUnresumedLease(t *testing.T) {
 	if err := a.m.Unstage(ctx, "vol-s", req.StagingPath); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// stagedLease stages vol, a new lease-fenced loop disk, at staging.
+func stagedLease(t *testing.T, a *env, vol, staging string) StageRequest {
+	t.Helper()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	req := a.stageReq(vol, img, staging)
+	req.AllowUnfenced = false
+	if res, err := a.m.Stage(context.Background(), req); err != nil || res.Method != MethodLease {
+		t.Fatalf("stage of %s: %+v %v", vol, res, err)
+	}
+	return req
 }
