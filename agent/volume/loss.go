@@ -90,27 +90,7 @@ func (m *Manager) recordLoss(volume string, lost *fence.LostError) {
 
 // lose is P4: stop I/O at once, say so, and remember it.
 func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bool) {
-	stopped = true
-	if dev != nil {
-		if err := setReadOnly(dev.File, true); err != nil {
-			m.log.Error("could not set a fenced disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
-			stopped = false
-		}
-	}
-	if !c.Block && c.Phase == PhaseStaged {
-		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
-			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
-			stopped = false
-		}
-	}
-	// Stopped only once nothing queued can still land (as the engine's
-	// loss handler has it, onLost).
-	if stopped && dev != nil {
-		if err := m.drainData(c, dev.File); err != nil {
-			m.log.Error("could not show the fenced volume's devices quiet", "volume", c.Volume, "err", err)
-			stopped = false
-		}
-	}
+	stopped = m.stopIO(c, dev)
 	m.clearClaimed(filepath.Base(c.Device))
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	c.IONotStopped = !stopped
@@ -125,6 +105,33 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 	return stopped
 }
 
+// stopIO stops the I/O of a lost claim: the disk read-only, the
+// filesystem stopped, and, once both are, every layer drained (as the
+// engine's loss handler has it, onLost), so that nothing queued can still
+// land. It reports whether all of it succeeded.
+func (m *Manager) stopIO(c *Claim, dev *Device) bool {
+	stopped := true
+	if dev != nil {
+		if err := setReadOnly(dev.File, true); err != nil {
+			m.log.Error("could not set a fenced disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
+			stopped = false
+		}
+	}
+	if !c.Block && c.Phase == PhaseStaged {
+		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
+			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
+			stopped = false
+		}
+	}
+	if stopped && dev != nil {
+		if err := m.drainData(c, dev.File); err != nil {
+			m.log.Error("could not show the fenced volume's devices quiet", "volume", c.Volume, "err", err)
+			stopped = false
+		}
+	}
+	return stopped
+}
+
 // stopAgain tries again to stop the I/O of a lost claim whose stop failed
 // (Claim.IONotStopped), and records it when it succeeds; it reports
 // whether the I/O is stopped now.
@@ -132,23 +139,8 @@ func (m *Manager) stopAgain(c *Claim, dev *Device) bool {
 	if !c.IONotStopped {
 		return true
 	}
-	if dev != nil {
-		if err := setReadOnly(dev.File, true); err != nil {
-			m.log.Error("still cannot set a fenced disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
-			return false
-		}
-	}
-	if !c.Block {
-		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
-			m.log.Error("still cannot stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
-			return false
-		}
-	}
-	if dev != nil {
-		if err := m.drainData(c, dev.File); err != nil {
-			m.log.Error("still cannot show the fenced volume's devices quiet", "volume", c.Volume, "err", err)
-			return false
-		}
+	if !m.stopIO(c, dev) {
+		return false
 	}
 	c.IONotStopped = false
 	if err := m.store.Put(c); err != nil {
