@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -12,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 )
 
 // A fencing method that keeps metadata at the start of the disk (the
@@ -32,11 +32,10 @@ func (m *Manager) dataMapping(disk string, offset int64, readOnlyStage bool) (st
 	blank.DropBuffers(disk)
 	p, ok := m.findDataMapping(disk, offset)
 	if !ok {
-		out, err := exec.Command("losetup", "--find", "--show", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
-		if err != nil {
-			return "", fmt.Errorf("mapping the data area of %s from byte %d (losetup): %v: %s", disk, offset, err, strings.TrimSpace(string(out)))
+		var err error
+		if p, err = loopdev.Attach(disk, offset, false); err != nil {
+			return "", fmt.Errorf("mapping the data area of %s from byte %d: %w", disk, offset, err)
 		}
-		p = strings.TrimSpace(string(out))
 	}
 	// The read-only flag of a loop device outlives its detach, so a free
 	// one may come with it set by its last user.
@@ -84,8 +83,8 @@ func dropDataMapping(p string) error {
 	// Not left behind for the loop device's next user (drainData set it
 	// when the claim was lost).
 	_ = clearReadOnly(p)
-	if out, err := exec.Command("losetup", "-d", p).CombinedOutput(); err != nil {
-		return fmt.Errorf("detaching the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
+	if err := loopdev.Detach(p); err != nil {
+		return fmt.Errorf("the data mapping: %w", err)
 	}
 	return nil
 }
@@ -105,8 +104,8 @@ func loopBound(p string) bool {
 
 // growDataMapping makes the loop device see a grown disk.
 func growDataMapping(p string) error {
-	if out, err := exec.Command("losetup", "-c", p).CombinedOutput(); err != nil {
-		return fmt.Errorf("growing the data mapping %s: %v: %s", p, err, strings.TrimSpace(string(out)))
+	if err := loopdev.Resize(p); err != nil {
+		return fmt.Errorf("growing the data mapping: %w", err)
 	}
 	return nil
 }

@@ -4,14 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os/exec"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 )
 
 // An encrypted volume's passphrase is made and wrapped by the node plugin
@@ -228,11 +226,10 @@ func (m *Manager) readOnlyDataMapping(disk string, offset int64) (string, func()
 	if p, ok := m.findDataMapping(disk, offset); ok {
 		return p, func() {}, nil
 	}
-	out, err := exec.Command("losetup", "--find", "--show", "--read-only", "--offset", strconv.FormatInt(offset, 10), disk).CombinedOutput()
+	p, err := loopdev.Attach(disk, offset, true)
 	if err != nil {
-		return "", nil, fmt.Errorf("mapping the data area of %s from byte %d to read it (losetup): %v: %s", disk, offset, err, strings.TrimSpace(string(out)))
+		return "", nil, fmt.Errorf("mapping the data area of %s from byte %d to read it: %w", disk, offset, err)
 	}
-	p := strings.TrimSpace(string(out))
 	return p, func() {
 		if err := dropDataMapping(p); err != nil {
 			m.log.Error("could not detach a read-only data mapping", "device", p, "err", err)

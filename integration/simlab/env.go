@@ -146,7 +146,8 @@ func (o *Options) setDefaults() {
 	}
 	if o.Lab.HostTools == nil {
 		// util-linux losetup (busybox's lacks --find and offsets): the
-		// agent maps a leased disk's data area past the lease with it.
+		// guest tests map and list a leased disk's data area with it
+		// (the agent uses the loop ioctls itself, internal/loopdev).
 		o.Lab.HostTools = append(append([]string(nil), lab.DefaultHostTools...), "/usr/sbin/losetup")
 	}
 }

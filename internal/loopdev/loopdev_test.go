@@ -1,0 +1,155 @@
+package loopdev
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// sysfs reads an attribute of the loop device at path.
+func sysfs(t *testing.T, path, attr string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(path), attr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func needLoop(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for loop devices")
+	}
+	if _, err := os.Stat(Control); err != nil {
+		t.Skipf("no loop devices here: %v", err)
+	}
+}
+
+func image(t *testing.T, size int64) string {
+	t.Helper()
+	img := filepath.Join(t.TempDir(), "disk.img")
+	f, err := os.Create(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+// A mapping from an offset sees the backing file from there, with what
+// was written through it landing at that offset; it grows with its file
+// when resized, and is gone after Detach.
+func TestAttachAtAnOffsetResizeDetach(t *testing.T) {
+	needLoop(t)
+	img := image(t, 8<<20)
+	const off = 1 << 20
+	p, err := Attach(img, off, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(p) })
+	if got := sysfs(t, p, "loop/backing_file"); got != img {
+		t.Fatalf("%s backs %s; want %s", p, got, img)
+	}
+	if got := sysfs(t, p, "loop/offset"); got != strconv.Itoa(off) {
+		t.Fatalf("%s starts at byte %s of its file; want %d", p, got, off)
+	}
+	if got := sysfs(t, p, "size"); got != strconv.Itoa((8<<20-off)/512) {
+		t.Fatalf("%s has %s sectors; want %d", p, got, (8<<20-off)/512)
+	}
+	if got := sysfs(t, p, "ro"); got != "0" {
+		t.Fatalf("%s is read-only (%s); want writable", p, got)
+	}
+	dev, err := os.OpenFile(p, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dev.WriteAt([]byte("through the mapping"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := dev.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	dev.Close()
+	b := make([]byte, len("through the mapping"))
+	f, err := os.Open(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.ReadAt(b, off); err != nil || string(b) != "through the mapping" {
+		t.Fatalf("the file at byte %d holds %q (%v); want what was written through the mapping", off, b, err)
+	}
+	f.Close()
+
+	if err := os.Truncate(img, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := Resize(p); err != nil {
+		t.Fatal(err)
+	}
+	if got := sysfs(t, p, "size"); got != strconv.Itoa((16<<20-off)/512) {
+		t.Fatalf("after Resize %s has %s sectors; want %d", p, got, (16<<20-off)/512)
+	}
+
+	if err := Detach(p); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(p), "loop/backing_file")); err == nil {
+		t.Fatalf("%s still has a backing file after Detach", p)
+	}
+	if err := Detach(p); err == nil {
+		t.Fatalf("a second Detach of %s succeeded; want the kernel's ENXIO", p)
+	}
+}
+
+// A read-only mapping refuses writes, and two mappings of one file are
+// two loop devices.
+func TestAttachReadOnlyAndTwice(t *testing.T) {
+	needLoop(t)
+	img := image(t, 4<<20)
+	ro, err := Attach(img, 0, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(ro) })
+	rw, err := Attach(img, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(rw) })
+	if ro == rw {
+		t.Fatalf("two attaches gave the same loop device %s", ro)
+	}
+	if got := sysfs(t, ro, "ro"); got != "1" {
+		t.Fatalf("%s is not read-only (ro=%s)", ro, got)
+	}
+	if f, err := os.OpenFile(ro, os.O_WRONLY, 0); err == nil {
+		_, werr := f.WriteAt(make([]byte, 512), 0)
+		f.Close()
+		if werr == nil {
+			t.Fatalf("a write to the read-only mapping %s succeeded", ro)
+		}
+	}
+}
+
+// What cannot be mapped is an error naming it, and no loop device is left
+// bound to it.
+func TestAttachRefusals(t *testing.T) {
+	needLoop(t)
+	if _, err := Attach(filepath.Join(t.TempDir(), "missing"), 0, false); err == nil || !strings.Contains(err.Error(), "missing") {
+		t.Fatalf("attach of a missing file: %v; want an error naming it", err)
+	}
+	img := image(t, 1<<20)
+	if _, err := Attach(img, -1, false); err == nil || !strings.Contains(err.Error(), "negative") {
+		t.Fatalf("attach at offset -1: %v; want a refusal", err)
+	}
+	if err := Detach(img); err == nil || !strings.Contains(err.Error(), img) {
+		t.Fatalf("Detach of a regular file: %v; want an error naming it", err)
+	}
+}
