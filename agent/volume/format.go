@@ -24,13 +24,19 @@ func proveBlank(ctx context.Context, volume, device, what string) (blank.Proof, 
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):
-		return p, agenterr.New(agenterr.FailedPrecondition,
-			"volume %s: %s has no %s but is not blank: it holds %s; the agent formats only a device it proves blank: check that the right disk is attached, or wipe it by hand if its data is not wanted",
-			volume, device, what, nb.Found)
+		return p, notBlank(volume, device, what, nb)
 	case err != nil:
 		return p, agenterr.New(agenterr.Unavailable, "volume %s: %s was not formatted, its blankness could not be proven: %v", volume, device, err)
 	}
 	return p, nil
+}
+
+// notBlank refuses to format a device that holds something other than
+// what was to be made on it.
+func notBlank(volume, device, what string, nb *blank.NotBlankError) error {
+	return agenterr.New(agenterr.FailedPrecondition,
+		"volume %s: %s has no %s but is not blank: it holds %s; the agent formats only a device it proves blank: check that the right disk is attached, or wipe it by hand if its data is not wanted",
+		volume, device, what, nb.Found)
 }
 
 // proveEncrypted is proveBlank for the opened mapping of a LUKS2 volume
@@ -86,35 +92,14 @@ func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool) e
 	return nil
 }
 
-// filesystemOn names the filesystem blkid finds on device ("" for none),
-// as mount-utils' GetDiskFormat does: a partition table alone is
-// "unknown data, probably partitions".
-func filesystemOn(ctx context.Context, device string) (string, error) {
-	// blkid reads through the page cache, which may hold what the disk
-	// held before another node wrote it.
-	blank.DropBuffers(device)
-	out, err := exec.CommandContext(ctx, "blkid", "-p", "-s", "TYPE", "-s", "PTTYPE", "-o", "export", device).Output()
-	var ee *exec.ExitError
-	switch {
-	case errors.As(err, &ee) && ee.ExitCode() == 2:
-		return "", nil
-	case err != nil:
-		return "", fmt.Errorf("blkid -p %s: %w", device, err)
+// filesystemIn is the filesystem a device holds, by what blkid named
+// on it: its TYPE, "unknown data, probably partitions" for a partition
+// table alone, "" for nothing blkid names.
+func filesystemIn(nb *blank.NotBlankError) string {
+	if nb.Type == "" && nb.PTType != "" {
+		return "unknown data, probably partitions"
 	}
-	var fs, pt string
-	for _, l := range strings.Split(string(out), "\n") {
-		k, v, _ := strings.Cut(l, "=")
-		switch k {
-		case "TYPE":
-			fs = v
-		case "PTTYPE":
-			pt = v
-		}
-	}
-	if fs == "" && pt != "" {
-		return "unknown data, probably partitions", nil
-	}
-	return fs, nil
+	return nb.Type
 }
 
 // fsck checks and repairs the filesystem on device before a writable

@@ -46,7 +46,7 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 	if err != nil {
 		return Choice{}, err
 	}
-	cls, err := o.classify(ctx, ld, dev.Path)
+	cls, proof, err := o.classify(ctx, ld, dev.Path)
 	if err != nil {
 		ld.Close()
 		return Choice{}, err
@@ -64,27 +64,29 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 	}
 	return Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset,
 		Prepare: func(ctx context.Context) (bool, error) {
-			return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Blkid: true, Logger: o.Log})
+			return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Logger: o.Log, Proof: proof})
 		}}, nil
 }
 
 // classify reads the disk's lease layout. Zeros in the first and last MiB
 // are not yet blank: a disk the blank proof refuses is foreign, and the
-// lease area is written only on one it passes (Prepare proves it again
-// before writing).
-func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string) (lease.Classification, error) {
+// lease area is written only on one it passes. Prepare hands the proof to
+// the format, which takes it only while it is recent and reads the
+// layout again right before it writes (lease.FormatOptions.Proof).
+func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string) (lease.Classification, blank.Proof, error) {
 	cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
 	if err != nil || cls.Layout != lease.LayoutBlank {
-		return cls, err
+		return cls, blank.Proof{}, err
 	}
-	if _, err := blank.Prove(ctx, path); err != nil {
+	proof, err := blank.Prove(ctx, path)
+	if err != nil {
 		var nb *blank.NotBlankError
 		if !errors.As(err, &nb) {
-			return cls, err
+			return cls, blank.Proof{}, err
 		}
-		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, nil
+		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, blank.Proof{}, nil
 	}
-	return cls, nil
+	return cls, proof, nil
 }
 
 // lost is the engine's OnLost: the manager's onLost, with the fencer's

@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -83,31 +84,40 @@ func (m *Manager) mountedAlready(c *Claim, device string) error {
 // volume's filesystem (no proof: it is mounted as it is), nothing (the
 // proof that it is blank, which the format takes), or anything else
 // (refused).
+//
+// One blank proof answers both (blank.NotBlankError names what blkid
+// found): a second `blkid -p` costs a first stage a process start.
 func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
-	var proof blank.Proof
-	existing, err := filesystemOn(ctx, device)
-	if err != nil {
-		return proof, fmt.Errorf("volume %s: reading the signatures on %s (blkid): %w", c.Volume, device, err)
+	proof, err := blank.Prove(ctx, device)
+	var nb *blank.NotBlankError
+	existing := ""
+	switch {
+	case errors.As(err, &nb):
+		existing = filesystemIn(nb)
+	case err != nil:
+		return blank.Proof{}, agenterr.New(agenterr.Unavailable, "volume %s: what %s holds could not be read, so it is neither formatted nor mounted: %v", c.Volume, device, err)
 	}
 	switch {
 	case existing == "" && c.Formatted:
-		return proof, agenterr.New(agenterr.FailedPrecondition,
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
 			"volume %s: this agent made a %s filesystem on the volume earlier, but %s now shows no signature; it will not format it again: check that the right disk is attached",
 			c.Volume, c.FsType, device)
 	case existing == "" && c.ReadOnly:
-		return proof, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to mount", c.Volume, device)
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to mount", c.Volume, device)
 	case existing == "" && c.Encrypted && c.LUKSFormatted:
 		// The plaintext of a LUKS2 volume this agent formatted over a
 		// device it proved blank reads as noise, not zeros.
 		return proveEncrypted(ctx, c.Volume, device)
+	case existing == "" && nb != nil:
+		return blank.Proof{}, notBlank(c.Volume, device, "filesystem", nb)
 	case existing == "":
-		return proveBlank(ctx, c.Volume, device, "filesystem")
+		return proof, nil
 	case existing != c.FsType:
-		return proof, agenterr.New(agenterr.FailedPrecondition,
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
 			"volume %s: %s carries %q, not the requested %s filesystem; the agent neither formats over existing data nor mounts it as another type",
 			c.Volume, device, existing, c.FsType)
 	}
-	return proof, nil
+	return blank.Proof{}, nil
 }
 
 // mountOptions are the staging mount's options: the request's flags, ro

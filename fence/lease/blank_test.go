@@ -89,3 +89,83 @@ func TestFormatTakesALeaseAreaWrittenDuringItsProof(t *testing.T) {
 		t.Fatalf("header after the race: %+v %v; want the other node's (creator %s)", h, err, keyB)
 	}
 }
+
+// A caller's recent proof of the whole disk spares Format a second one
+// (the agent's stage proved the disk blank to choose the lease); any other
+// proof is not taken, and what changed the disk's first MiB since the
+// caller's proof is seen by the layout read before the write.
+func TestFormatTakesARecentProofOfTheSameDiskOnly(t *testing.T) {
+	ctx := context.Background()
+	dev := loopDevice(t, 64<<20, 512, nil)
+	elsewhere := loopDevice(t, 64<<20, 512, nil)
+	proofOf := func(path string) blank.Proof {
+		p, err := blank.Prove(ctx, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	proved := 0
+	testHookBeforeProof = func(*Device) { proved++ }
+	t.Cleanup(func() { testHookBeforeProof = nil })
+
+	d := openDev(t, dev)
+	for _, c := range []struct {
+		name   string
+		proof  blank.Proof
+		proves bool
+	}{
+		{"no proof", blank.Proof{}, true},
+		{"another disk's proof", proofOf(elsewhere), true},
+		{"a proof of this disk from the stage", proofOf(dev), false},
+	} {
+		proved = 0
+		// Back to blank: the header is the only thing Format writes.
+		if _, err := d.io(ctx, true, 0, make([]byte, BlockSize), time.Second); err != nil {
+			t.Fatal(err)
+		}
+		wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: c.proof})
+		if err != nil || !wrote || (proved == 1) != c.proves {
+			t.Fatalf("%s: wrote %v, %v, proved the disk again %d times; want it written, proven again: %v", c.name, wrote, err, proved, c.proves)
+		}
+	}
+
+	// The proof of this disk, then foreign data at its start: the layout
+	// read before the write finds it, and nothing is written.
+	if _, err := d.io(ctx, true, 0, make([]byte, BlockSize), time.Second); err != nil {
+		t.Fatal(err)
+	}
+	p := proofOf(dev)
+	foreign := make([]byte, BlockSize)
+	copy(foreign[1080:], []byte{0x53, 0xef}) // ext4's magic
+	if _, err := d.io(ctx, true, 0, foreign, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
+	var fe *ForeignError
+	if wrote || !errors.As(err, &fe) {
+		t.Fatalf("format over data written after the caller's proof: wrote %v, %v; want a refusal", wrote, err)
+	}
+}
+
+// A proof older than proofReuse is no longer taken: Format proves the disk
+// again.
+func TestFormatProvesAgainPastTheReuseBound(t *testing.T) {
+	ctx := context.Background()
+	dev := loopDevice(t, 64<<20, 512, nil)
+	p, err := blank.Prove(ctx, dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proved := 0
+	testHookBeforeProof = func(*Device) { proved++ }
+	t.Cleanup(func() { testHookBeforeProof = nil })
+	reuse := proofReuse
+	t.Cleanup(func() { proofReuse = reuse })
+	proofReuse = time.Nanosecond
+	time.Sleep(time.Millisecond)
+	wrote, err := Format(ctx, openDev(t, dev), FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
+	if err != nil || !wrote || proved != 1 {
+		t.Fatalf("format with an old proof: wrote %v, %v, proved again %d times; want it proven again and written", wrote, err, proved)
+	}
+}

@@ -41,7 +41,19 @@ type FormatOptions struct {
 	// asks `blkid -p`. The field stays for the callers that still set it.
 	Blkid  bool
 	Logger *slog.Logger
+	// Proof, if valid, is the caller's proof that the whole device was
+	// blank, made moments before (the agent's stage proves a disk blank
+	// to choose the lease for it). Format takes it instead of proving the
+	// disk again when it is of this device, at most 5 s old (proofReuse), and
+	// the layout read right before the write is still blank: the header
+	// goes only over bytes that read as zeros then. Any other proof is
+	// ignored and the disk is proven again.
+	Proof blank.Proof
 }
+
+// proofReuse is how old a caller's blank proof may be for Format to take
+// it (FormatOptions.Proof): the stage that made it is still running.
+var proofReuse = 5 * time.Second
 
 // ForeignError refuses to format a disk that holds anything but zeros.
 type ForeignError struct {
@@ -76,13 +88,7 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	case LayoutForeign:
 		return false, &ForeignError{Device: d.name, Signature: c.Signature}
 	}
-	if testHookBeforeProof != nil {
-		testHookBeforeProof(d)
-	}
-	// The layout check above only tells a lease area from the rest; the
-	// header is written on nothing but a disk proven blank, by the proof
-	// every format of the agent passes (package internal/blank).
-	proof, err := blank.Prove(ctx, d.name)
+	proof, err := o.proof(ctx, d)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):
@@ -111,6 +117,22 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	}
 	log.Info("lease area written", "device", d.name, "data_offset", DataOffset, "creator", o.Key.String())
 	return true, nil
+}
+
+// proof is the blank proof the header write takes: the caller's, when it
+// is recent and of this whole device, else a new one. The layout check
+// before it only tells a lease area from the rest; the header is written
+// on nothing but a disk proven blank, by the proof every format of the
+// agent passes (package internal/blank).
+func (o FormatOptions) proof(ctx context.Context, d *Device) (blank.Proof, error) {
+	p := o.Proof
+	if p.Valid() && p.Device() == d.name && p.From() == 0 && p.Size() == d.size && time.Since(p.Taken()) <= proofReuse {
+		return p, nil
+	}
+	if testHookBeforeProof != nil {
+		testHookBeforeProof(d)
+	}
+	return blank.Prove(ctx, d.name)
 }
 
 // checkHeader proves the lease header at the start of d decodes.

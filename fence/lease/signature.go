@@ -100,22 +100,13 @@ func Classify(head, tail []byte) Classification {
 			}
 		}
 	}
-	if i := firstNonZero(head); i >= 0 {
+	if i := blank.FirstNonZero(head); i >= 0 {
 		return Classification{Layout: LayoutForeign, Signature: fmt.Sprintf("non-zero data at byte %d of the first MiB", i)}
 	}
-	if i := firstNonZero(tail); i >= 0 {
+	if i := blank.FirstNonZero(tail); i >= 0 {
 		return Classification{Layout: LayoutForeign, Signature: fmt.Sprintf("non-zero data at byte %d of the last MiB", i)}
 	}
 	return Classification{Layout: LayoutBlank}
-}
-
-func firstNonZero(b []byte) int {
-	for i, c := range b {
-		if c != 0 {
-			return i
-		}
-	}
-	return -1
 }
 
 // ProbeBlkid asks util-linux's blkid (low-level probe, no cache) for any

@@ -138,3 +138,64 @@ func TestProvePast(t *testing.T) {
 		}
 	}
 }
+
+// What blkid names comes with the refusal, also when the blank checks
+// found the device's data first: the agent mounts a device whose Type is
+// the volume's filesystem and refuses one blkid names nothing on.
+func TestRefusalCarriesWhatBlkidNamed(t *testing.T) {
+	needBlkid(t)
+	for _, c := range []struct {
+		tool   string
+		args   []string
+		typ    string
+		pttype string
+	}{
+		{"mkswap", nil, "swap", ""},
+		{"mkfs.ext4", []string{"-q", "-F"}, "ext4", ""},
+		{"sfdisk", nil, "", "dos"},
+	} {
+		if _, err := exec.LookPath(c.tool); err != nil {
+			t.Logf("%s is not installed; skipped", c.tool)
+			continue
+		}
+		p := image(t, 32<<20, 0, nil)
+		cmd := exec.Command(c.tool, append(c.args, p)...)
+		if c.tool == "sfdisk" {
+			cmd.Stdin = strings.NewReader("label: dos\n,16M\n")
+		}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v: %s", c.tool, err, out)
+		}
+		_, err := Prove(context.Background(), p)
+		var nb *NotBlankError
+		if !errors.As(err, &nb) || nb.Type != c.typ || nb.PTType != c.pttype {
+			t.Fatalf("after %s: %v (%+v); want blkid's TYPE %q and PTTYPE %q with the refusal", c.tool, err, nb, c.typ, c.pttype)
+		}
+	}
+	p := image(t, 32<<20, 5000, []byte("x"))
+	_, err := Prove(context.Background(), p)
+	var nb *NotBlankError
+	if !errors.As(err, &nb) || nb.Type != "" || nb.PTType != "" {
+		t.Fatalf("a stray byte: %v (%+v); want a refusal with no blkid type", err, nb)
+	}
+}
+
+// FirstNonZero finds the first non-zero byte wherever it lies against
+// the chunks it compares.
+func TestFirstNonZero(t *testing.T) {
+	const n = 3*len(zeros) + 100
+	if got := FirstNonZero(make([]byte, n)); got != -1 {
+		t.Fatalf("zeros: %d; want -1", got)
+	}
+	if got := FirstNonZero(nil); got != -1 {
+		t.Fatalf("nothing: %d; want -1", got)
+	}
+	for _, at := range []int{0, 1, len(zeros) - 1, len(zeros), 2*len(zeros) + 7, n - 1} {
+		b := make([]byte, n)
+		b[at] = 0x80
+		b[n-1] |= 1 // a later one must not be taken instead
+		if got := FirstNonZero(b); got != at {
+			t.Fatalf("non-zero at %d: found %d", at, got)
+		}
+	}
+}
