@@ -20,9 +20,16 @@ func csiCall(args []string) int {
 	fs := flag.NewFlagSet("vco-lab csi-call", flag.ExitOnError)
 	endpoint := fs.String("endpoint", "unix://"+simlab.CSISocket, "the CSI plugin's endpoint")
 	timeout := fs.Duration("timeout", 4*time.Minute, "give up on the call after this long")
+	serve := fs.String("serve", "", "stay, connected to the plugin, and answer each request line written into DIR/in on DIR/out (simlab.StartCaller)")
 	_ = fs.Parse(args)
+	if *serve != "" && fs.NArg() == 0 {
+		if err := simlab.ServeCalls(context.Background(), *endpoint, *serve); err != nil {
+			return fail("%v", err)
+		}
+		return 0
+	}
 	if fs.NArg() != 2 {
-		return fail("usage: vco-lab csi-call [-endpoint unix:///path] METHOD REQUEST-JSON")
+		return fail("usage: vco-lab csi-call [-endpoint unix:///path] METHOD REQUEST-JSON | -serve DIR")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), *timeout)
 	defer cancel()

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -15,6 +17,9 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -49,6 +54,16 @@ type CallReply struct {
 // endpoint (unix:///path) and returns the reply to print. An error means
 // the call could not be made at all.
 func CallLocal(ctx context.Context, endpoint, method, reqJSON string) (*CallReply, error) {
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	return invoke(ctx, conn, method, reqJSON)
+}
+
+// invoke makes one call on conn and returns the reply to print.
+func invoke(ctx context.Context, conn *grpc.ClientConn, method, reqJSON string) (*CallReply, error) {
 	m, ok := nodeMethods[method]
 	if !ok {
 		var names []string
@@ -61,11 +76,6 @@ func CallLocal(ctx context.Context, endpoint, method, reqJSON string) (*CallRepl
 	if err := protojson.Unmarshal([]byte(reqJSON), req); err != nil {
 		return nil, fmt.Errorf("%s request: %w", method, err)
 	}
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close()
 	if err := conn.Invoke(ctx, m.full, req, resp); err != nil {
 		// The plugin's own refusals and a plugin that does not answer
 		// (UNAVAILABLE, "connection error") both come back as a status.
@@ -88,6 +98,11 @@ func NodeCall(ctx context.Context, g *lab.Guest, method string, req, resp proto.
 		return err
 	}
 	r, err := g.Exec().Run(ctx, 5*time.Minute, "/bin/vco-lab", "csi-call", "-endpoint", "unix://"+CSISocket, method, string(b))
+	return reply(g, method, r, err, resp)
+}
+
+// reply turns what a guest's call printed into resp or the call's status.
+func reply(g *lab.Guest, method string, r *guestexec.Result, err error, resp proto.Message) error {
 	if err != nil {
 		return fmt.Errorf("%s on %s: %w", method, g.Name, err)
 	}
@@ -132,4 +147,84 @@ func KubeletCall(ctx context.Context, g *lab.Guest, method string, req, resp pro
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
+}
+
+// CallerDir is where a guest's standing caller (StartCaller) takes its
+// calls: a request written into its "in" pipe, the reply read from "out".
+const CallerDir = "/run/csi-caller"
+
+// StartCaller starts a standing `vco-lab csi-call -serve` in guest g,
+// connected to the plugin once. A call through it (CallerCall) costs the
+// guest a shell and no Go program start, nearer to the kubelet's call on
+// a connection it keeps than NodeCall is; the attach bench makes its
+// stages that way. One caller serves one call at a time.
+func StartCaller(ctx context.Context, g *lab.Guest) error {
+	start := fmt.Sprintf("( /bin/vco-lab csi-call -endpoint unix://%s -serve %s >>/var/log/csi-caller.log 2>&1 & )", CSISocket, CallerDir)
+	if _, err := g.MustSh(ctx, start); err != nil {
+		return err
+	}
+	var info csi.NodeGetInfoResponse
+	deadline := time.Now().Add(time.Minute)
+	for {
+		_, err := g.MustSh(ctx, "test -p "+CallerDir+"/out")
+		if err == nil {
+			return CallerCall(ctx, g, "NodeGetInfo", &csi.NodeGetInfoRequest{}, &info)
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s: the standing CSI caller did not start: %w", g.Name, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// CallerCall is NodeCall through the caller StartCaller started.
+func CallerCall(ctx context.Context, g *lab.Guest, method string, req, resp proto.Message) error {
+	b, err := protojson.Marshal(req)
+	if err != nil {
+		return err
+	}
+	r, err := g.Exec().Run(ctx, 5*time.Minute, "/bin/sh", "-c", `printf '%s %s\n' "$1" "$2" >`+CallerDir+`/in && cat `+CallerDir+`/out`, "call", method, string(b))
+	return reply(g, method, r, err, resp)
+}
+
+// ServeCalls is the guest's standing caller: it makes the pipes in dir and
+// answers each request line ("METHOD JSON") written into dir/in with its
+// reply line on dir/out, on one connection to the plugin at endpoint,
+// until ctx ends.
+func ServeCalls(ctx context.Context, endpoint, dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	for _, n := range []string{"in", "out"} {
+		p := filepath.Join(dir, n)
+		_ = os.Remove(p)
+		if err := unix.Mkfifo(p, 0o600); err != nil {
+			return fmt.Errorf("making %s: %w", p, err)
+		}
+	}
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	conn.Connect()
+	for ctx.Err() == nil {
+		line, err := os.ReadFile(filepath.Join(dir, "in"))
+		if err != nil {
+			return err
+		}
+		method, reqJSON, _ := strings.Cut(strings.TrimSpace(string(line)), " ")
+		if method == "" {
+			continue
+		}
+		rep, err := invoke(ctx, conn, method, reqJSON)
+		if err != nil {
+			rep = &CallReply{Code: codes.InvalidArgument.String(), Message: err.Error()}
+		}
+		b, _ := json.Marshal(rep)
+		if err := os.WriteFile(filepath.Join(dir, "out"), append(b, '\n'), 0); err != nil {
+			return err
+		}
+	}
+	return ctx.Err()
 }
