@@ -87,6 +87,28 @@ func TestProveOfABlankImage(t *testing.T) {
 	}
 }
 
+// A device whose regions are all zeros is proven without keeping them
+// (readChecked): that holds only because no check finds anything in
+// zeros, which this keeps true of the checks on the regions read whole.
+func TestNoCheckFindsAnythingInZeros(t *testing.T) {
+	for _, size := range []int64{64 << 20, 5 << 20, 1 << 20} {
+		r, err := read(context.Background(), image(t, size, 0, nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.zero {
+			t.Fatal("read gave regions it did not keep")
+		}
+		if sig, h, nz := r.signature(), r.headers(), r.nonZero(); sig != "" || h != "" || nz != "" {
+			t.Fatalf("%d bytes of zeros: signature %q, headers %q, non-zero %q; want nothing found", size, sig, h, nz)
+		}
+		size2, zero, err := allZero(context.Background(), image(t, size, 0, nil))
+		if err != nil || !zero || size2 != size {
+			t.Fatalf("allZero of %d bytes of zeros: %d %v %v", size, size2, zero, err)
+		}
+	}
+}
+
 func TestProbeBlkidNamesWhatItFinds(t *testing.T) {
 	needBlkid(t)
 	if _, err := exec.LookPath("mkswap"); err != nil {
