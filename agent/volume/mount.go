@@ -94,6 +94,8 @@ func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (bla
 	switch {
 	case errors.As(err, &nb):
 		existing = filesystemIn(nb)
+	case errors.Is(err, blank.ErrProbe):
+		return blank.Proof{}, agenterr.New(agenterr.Internal, "volume %s: blkid could not tell what %s holds, so it is neither formatted nor mounted: %v", c.Volume, device, err)
 	case err != nil:
 		return blank.Proof{}, agenterr.New(agenterr.Unavailable, "volume %s: what %s holds could not be read, so it is neither formatted nor mounted: %v", c.Volume, device, err)
 	}

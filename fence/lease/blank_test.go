@@ -169,3 +169,26 @@ func TestFormatProvesAgainPastTheReuseBound(t *testing.T) {
 		t.Fatalf("format with an old proof: wrote %v, %v, proved again %d times; want it proven again and written", wrote, err, proved)
 	}
 }
+
+// A recent proof is taken without its blkid run, not without its zero
+// checks: data written past the first MiB since the proof refuses the
+// format as it did before.
+func TestFormatWithAProofReadsItsZerosAgain(t *testing.T) {
+	ctx := context.Background()
+	dev := loopDevice(t, 64<<20, 512, nil)
+	p, err := blank.Prove(ctx, dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := openDev(t, dev)
+	data := make([]byte, BlockSize)
+	copy(data, "someone's data at 2 MiB")
+	if _, err := d.io(ctx, true, 2<<20, data, time.Second); err != nil {
+		t.Fatal(err)
+	}
+	wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
+	var fe *ForeignError
+	if wrote || !errors.As(err, &fe) || !strings.Contains(fe.Signature, "2097152") {
+		t.Fatalf("format over data written at 2 MiB after the proof: wrote %v, %v; want a refusal naming it", wrote, err)
+	}
+}

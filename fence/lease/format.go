@@ -43,11 +43,11 @@ type FormatOptions struct {
 	Logger *slog.Logger
 	// Proof, if valid, is the caller's proof that the whole device was
 	// blank, made moments before (the agent's stage proves a disk blank
-	// to choose the lease for it). Format takes it instead of proving the
-	// disk again when it is of this device, at most 5 s old (proofReuse), and
-	// the layout read right before the write is still blank: the header
-	// goes only over bytes that read as zeros then. Any other proof is
-	// ignored and the disk is proven again.
+	// to choose the lease for it). Format takes it when it is of this
+	// device and at most 5 s old (proofReuse): the proof's zero checks
+	// are read again (blank.Recheck), its signature checks (blkid) are
+	// not run again. Any other proof is ignored and the disk is proven
+	// again.
 	Proof blank.Proof
 }
 
@@ -127,7 +127,9 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 func (o FormatOptions) proof(ctx context.Context, d *Device) (blank.Proof, error) {
 	p := o.Proof
 	if p.Valid() && p.Device() == d.name && p.From() == 0 && p.Size() == d.size && time.Since(p.Taken()) <= proofReuse {
-		return p, nil
+		// Its zero checks are read again now; only its signature
+		// checks (blkid's process start) are taken as they were.
+		return blank.Recheck(ctx, p)
 	}
 	if testHookBeforeProof != nil {
 		testHookBeforeProof(d)

@@ -149,11 +149,13 @@ func readUnsigned(ctx context.Context, path string, find func(*regions) string) 
 		return nil, err
 	}
 	p := <-blkid
+	if p.err != nil {
+		// Whatever the reads found, what blkid would have named (the
+		// filesystem a caller mounts) is unknown.
+		return nil, p.err
+	}
 	if found := find(r); found != "" {
 		return nil, &NotBlankError{Device: path, Found: found, Type: p.typ, PTType: p.pttype}
-	}
-	if p.err != nil {
-		return nil, p.err
 	}
 	if p.found != "" {
 		return nil, &NotBlankError{Device: path, Found: p.found, Type: p.typ, PTType: p.pttype}
@@ -182,6 +184,39 @@ func ProvePast(ctx context.Context, path string, from int64) (Proof, error) {
 		return Proof{}, &NotBlankError{Device: path, Found: found}
 	}
 	return Proof{path: path, size: r.size, from: from, taken: taken}, nil
+}
+
+// Recheck reads again the parts of the device p proved blank that its zero
+// checks read (the first HeadSize and the last TailSize bytes) and returns
+// p when they still read as zeros; anything there now is a *NotBlankError
+// naming it. It is for a format that takes a proof made moments before
+// (fence/lease's, FormatOptions.Proof): the zero checks are as fresh as
+// the write, the signature checks as old as p.
+func Recheck(ctx context.Context, p Proof) (Proof, error) {
+	if !p.Valid() || p.From() != 0 {
+		return Proof{}, fmt.Errorf("%s: no proof of the whole device to check again", p.path)
+	}
+	size, zero, err := allZero(ctx, p.path)
+	switch {
+	case err != nil:
+		return Proof{}, err
+	case size != p.size:
+		return Proof{}, fmt.Errorf("%s: %d bytes now, %d when it was proven blank; it is proven again", p.path, size, p.size)
+	case zero:
+		return p, nil
+	}
+	r, err := read(ctx, p.path)
+	if err != nil {
+		return Proof{}, err
+	}
+	found := r.signature()
+	if found == "" {
+		found = r.nonZero()
+	}
+	if found == "" {
+		found = "data that changed while it was read"
+	}
+	return Proof{}, &NotBlankError{Device: p.path, Found: found}
 }
 
 // readChecked is read for a proof: a device whose regions are all zeros
@@ -467,7 +502,11 @@ func allZero(ctx context.Context, path string) (int64, bool, error) {
 		}
 		return nil
 	})
-	return size, zero && err == nil, err
+	if err != nil {
+		// The reading goroutine may still run: zero is not read.
+		return 0, false, err
+	}
+	return size, zero, nil
 }
 
 // bounded runs read, which reads path, and waits for it until ctx ends or
@@ -494,6 +533,11 @@ func bounded(ctx context.Context, path string, read func() error) error {
 // cache is dropped first, so blkid reads what is on the disk now. Exit
 // status 2 is "nothing found"; any other failure (blkid missing, an
 // ambivalent probe) is no proof.
+// ErrProbe is the error of a `blkid -p` that did not answer (missing, an
+// ambivalent probe, killed): no proof, and nothing known of what the
+// device holds.
+var ErrProbe = errors.New("blkid -p, which must find nothing before a format, failed")
+
 // probed is what one `blkid -p` run found: found names it for a
 // NotBlankError ("" for nothing), typ and pttype are its TYPE and PTTYPE.
 type probed struct {
@@ -517,7 +561,7 @@ func probeBlkid(ctx context.Context, path string) probed {
 	case errors.As(err, &ee) && ee.ExitCode() == 2:
 		return probed{}
 	case err != nil:
-		return probed{err: fmt.Errorf("%s: blkid -p, which must find nothing before a format, failed: %w", path, err)}
+		return probed{err: fmt.Errorf("%s: %w: %w", path, ErrProbe, err)}
 	}
 	var p probed
 	var found []string

@@ -221,3 +221,54 @@ func TestFirstNonZero(t *testing.T) {
 		}
 	}
 }
+
+// Recheck reads a proof's zero regions again: data written there since
+// the proof is found and named, a blank device keeps its proof, and a
+// device whose size changed is no longer the one proven.
+func TestRecheck(t *testing.T) {
+	needBlkid(t)
+	ctx := context.Background()
+	p := image(t, 32<<20, 0, nil)
+	proof, err := Prove(ctx, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again, err := Recheck(ctx, proof); err != nil || again != proof {
+		t.Fatalf("Recheck of a device still blank: %+v %v; want the same proof", again, err)
+	}
+	f, err := os.OpenFile(p, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte("someone's data at 2 MiB"), 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	_, err = Recheck(ctx, proof)
+	var nb *NotBlankError
+	if !errors.As(err, &nb) || !strings.Contains(nb.Found, "2097152") {
+		t.Fatalf("Recheck after a write at 2 MiB: %v; want a refusal naming byte 2097152", err)
+	}
+	if err := f.Truncate(64 << 20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if _, err := Recheck(ctx, proof); err == nil || errors.As(err, &nb) {
+		t.Fatalf("Recheck of a device that grew: %v; want an error that is no refusal", err)
+	}
+	if _, err := Recheck(ctx, Proof{}); err == nil {
+		t.Fatal("Recheck of no proof succeeded")
+	}
+}
+
+// When blkid does not answer, nothing is known of what the device holds,
+// also when the reads found data: the error is blkid's (ErrProbe), not a
+// refusal that would say the device holds no filesystem.
+func TestBlkidFailureIsNoRefusal(t *testing.T) {
+	p := image(t, 32<<20, 1024+56, []byte("\x53\xef"))
+	t.Setenv("PATH", t.TempDir())
+	_, err := Prove(context.Background(), p)
+	var nb *NotBlankError
+	if !errors.Is(err, ErrProbe) || errors.As(err, &nb) {
+		t.Fatalf("Prove of data without blkid: %v; want ErrProbe and no refusal", err)
+	}
+}
