@@ -7,6 +7,7 @@ package hosttest
 import (
 	"os"
 	"os/exec"
+	"path/filepath"
 	"testing"
 )
 
@@ -28,4 +29,20 @@ func NeedTools(t testing.TB, tools ...string) {
 			t.Skipf("%s is not installed (make deps installs it)", tool)
 		}
 	}
+}
+
+// SparseFile makes a sparse file of size bytes in t's temporary directory
+// (a disk image for a loop device) and returns its path.
+func SparseFile(t testing.TB, size int64) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "disk.img")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }

@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // sysfs reads an attribute of the loop device at path.
@@ -20,26 +22,10 @@ func sysfs(t *testing.T, path, attr string) string {
 
 func needLoop(t *testing.T) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for loop devices")
-	}
+	hosttest.NeedRoot(t, "needs root for loop devices")
 	if _, err := os.Stat(Control); err != nil {
 		t.Skipf("no loop devices here: %v", err)
 	}
-}
-
-func image(t *testing.T, size int64) string {
-	t.Helper()
-	img := filepath.Join(t.TempDir(), "disk.img")
-	f, err := os.Create(img)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	return img
 }
 
 // A mapping from an offset sees the backing file from there, with what
@@ -47,7 +33,7 @@ func image(t *testing.T, size int64) string {
 // when resized, and is gone after Detach.
 func TestAttachAtAnOffsetResizeDetach(t *testing.T) {
 	needLoop(t)
-	img := image(t, 8<<20)
+	img := hosttest.SparseFile(t, 8<<20)
 	const off = 1 << 20
 	p, err := Attach(img, off, false)
 	if err != nil {
@@ -112,7 +98,7 @@ func TestAttachAtAnOffsetResizeDetach(t *testing.T) {
 // two loop devices.
 func TestAttachReadOnlyAndTwice(t *testing.T) {
 	needLoop(t)
-	img := image(t, 4<<20)
+	img := hosttest.SparseFile(t, 4<<20)
 	ro, err := Attach(img, 0, true)
 	if err != nil {
 		t.Fatal(err)
@@ -145,7 +131,7 @@ func TestAttachRefusals(t *testing.T) {
 	if _, err := Attach(filepath.Join(t.TempDir(), "missing"), 0, false); err == nil || !strings.Contains(err.Error(), "missing") {
 		t.Fatalf("attach of a missing file: %v; want an error naming it", err)
 	}
-	img := image(t, 1<<20)
+	img := hosttest.SparseFile(t, 1<<20)
 	if _, err := Attach(img, -1, false); err == nil || !strings.Contains(err.Error(), "negative") {
 		t.Fatalf("attach at offset -1: %v; want a refusal", err)
 	}
