@@ -41,9 +41,7 @@ func (m *Manager) Reconcile(ctx context.Context) {
 		m.log.Error("a claim record cannot be read; its volume is left alone", "err", err)
 	}
 	disks := &diskScan{f: m.finder}
-	slices.SortStableFunc(claims, func(a, b *Claim) int {
-		return cmpBool(b.Method == MethodLease, a.Method == MethodLease)
-	})
+	startUpOrder(claims)
 	slots := make(chan struct{}, reconcileWorkers)
 	var wg sync.WaitGroup
 	for _, c := range claims {
@@ -60,6 +58,15 @@ func (m *Manager) Reconcile(ctx context.Context) {
 	}
 	wg.Wait()
 	m.updateGauge()
+}
+
+// startUpOrder puts the lease claims first, in the order they came, then
+// the others: with more claims than workers, every lease is taken back
+// before a reservation or unfenced claim holds a worker.
+func startUpOrder(claims []*Claim) {
+	slices.SortStableFunc(claims, func(a, b *Claim) int {
+		return cmpBool(b.Method == MethodLease, a.Method == MethodLease)
+	})
 }
 
 // reconcile re-verifies one claim; disks is the pass's shared scan.

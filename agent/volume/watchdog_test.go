@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -618,4 +619,22 @@ func stagedLease(t *testing.T, a *env, vol, staging string) StageRequest {
 		t.Fatalf("stage of %s: %+v %v", vol, res, err)
 	}
 	return req
+}
+
+// The start-up check takes the lease claims first, in their recorded
+// order, then the rest: a restarted agent must resume every lease within
+// W/2, and a reservation or unfenced claim must not hold a worker then.
+func TestStartUpOrderTakesLeasesFirst(t *testing.T) {
+	var claims []*Claim
+	for i, m := range []fence.Method{fence.MethodPR, MethodLease, fence.MethodNone, MethodLease, fence.MethodPR, MethodLease} {
+		claims = append(claims, &Claim{Volume: fmt.Sprintf("vol-%d", i), Method: m})
+	}
+	startUpOrder(claims)
+	var got []string
+	for _, c := range claims {
+		got = append(got, c.Volume)
+	}
+	if want := "vol-1 vol-3 vol-5 vol-0 vol-2 vol-4"; strings.Join(got, " ") != want {
+		t.Fatalf("start-up order %v; want %s", got, want)
+	}
 }
