@@ -13,10 +13,12 @@ import (
 
 	"google.golang.org/grpc/codes"
 
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // P5 on every path: the agent formats only a device it proves blank, and a
@@ -296,5 +298,30 @@ func TestACutShortLUKSFormatIsRedoneOnlyOverItsOwnLeftovers(t *testing.T) {
 	wantCode(t, err, codes.FailedPrecondition, "cut short", "past the header area", "byte 20971520")
 	if imageSum(t, img) != before {
 		t.Fatal("the disk was written")
+	}
+}
+
+// A node without the filesystem's tools refuses the format with a
+// sentence naming the package to install, as a precondition, not as an
+// internal error (the storage suite's xfs patterns met a worker without
+// xfsprogs).
+func TestMakeFSWithoutItsToolNamesThePackage(t *testing.T) {
+	img := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	proof, err := blank.Prove(context.Background(), img)
+	if err != nil {
+		t.Skipf("no proof here: %v", err)
+	}
+	t.Setenv("PATH", t.TempDir())
+	for fs, pkg := range map[string]string{"xfs": "xfsprogs", "ext4": "e2fsprogs"} {
+		err := makeFS(context.Background(), proof, fs, false)
+		if agenterr.KindOf(err) != agenterr.FailedPrecondition || !strings.Contains(err.Error(), pkg) {
+			t.Fatalf("mkfs.%s missing: %v (%v); want FAILED_PRECONDITION naming %s", fs, err, agenterr.KindOf(err), pkg)
+		}
 	}
 }

@@ -66,6 +66,9 @@ func proveEncrypted(ctx context.Context, volume, mapping string) (blank.Proof, e
 // against under a second for mkfs on the disk itself (docs/benchmarks.md).
 // The discard adds nothing there: the device is proven blank, and mkfs
 // initialises what it relies on either way.
+// fsPackages name the Debian and RPM packages of the filesystems' tools.
+var fsPackages = map[string]string{"ext4": "e2fsprogs", "xfs": "xfsprogs"}
+
 func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool) error {
 	if !p.Valid() || p.From() != 0 {
 		return errors.New("no proof that the device is blank; no filesystem is made")
@@ -86,6 +89,10 @@ func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool) e
 		return fmt.Errorf("filesystem type %q is not one the agent makes", fsType)
 	}
 	args = append(args, p.Device())
+	if _, err := exec.LookPath("mkfs." + fsType); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "mkfs.%s is not installed on this node, so no %s filesystem is made on %s: install %s (the vco-agent package recommends it), or use a class with another filesystem",
+			fsType, fsType, p.Device(), fsPackages[fsType])
+	}
 	if out, err := exec.CommandContext(ctx, "mkfs."+fsType, args...).CombinedOutput(); err != nil {
 		return fmt.Errorf("mkfs.%s %s: %v: %s", fsType, p.Device(), err, strings.TrimSpace(string(out)))
 	}

@@ -48,6 +48,9 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 	formatted := proof.Valid()
 	if formatted {
 		if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice); err != nil {
+			if agenterr.KindOf(err) == agenterr.FailedPrecondition {
+				return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+			}
 			return false, agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 		}
 		c.Formatted = true

@@ -16,8 +16,11 @@ import (
 // NodePackages are what a worker needs beside the lab's Debian root: the
 // container runtime the kubelet talks to, its OCI runtime, the CNI
 // plugins for pod networks and iptables for their masquerading and the
-// cluster service address (Debian 12's own packages).
-var NodePackages = []string{"containerd", "runc", "containernetworking-plugins", "iptables", "iproute2"}
+// cluster service address (Debian 12's own packages), and xfsprogs, which
+// the vco-agent package recommends for xfs volumes (the image installs the
+// .deb with dpkg, which installs no recommends; the storage suite's xfs
+// patterns failed without it).
+var NodePackages = []string{"containerd", "runc", "containernetworking-plugins", "iptables", "iproute2", "xfsprogs"}
 
 // NodeRoot returns the worker root: base's root file system with
 // NodePackages installed by apt in a chroot (from the mirror the root's
