@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // P5 on every path: the agent formats only a device it proves blank, and a
@@ -306,14 +307,7 @@ func TestACutShortLUKSFormatIsRedoneOnlyOverItsOwnLeftovers(t *testing.T) {
 // internal error (the storage suite's xfs patterns met a worker without
 // xfsprogs).
 func TestMakeFSWithoutItsToolNamesThePackage(t *testing.T) {
-	img := filepath.Join(t.TempDir(), "disk.img")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 32<<20); err != nil {
-		t.Fatal(err)
-	}
-	proof, err := blank.Prove(context.Background(), img)
+	proof, err := blank.Prove(context.Background(), hosttest.SparseFile(t, 32<<20))
 	if err != nil {
 		t.Skipf("no proof here: %v", err)
 	}

@@ -5,25 +5,23 @@ import (
 	"errors"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
 // image makes a sparse file of size bytes with data written at off (none
 // when data is nil).
 func image(t *testing.T, size, off int64, data []byte) string {
 	t.Helper()
-	p := filepath.Join(t.TempDir(), "disk.img")
-	f, err := os.Create(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
+	p := hosttest.SparseFile(t, size)
 	if data != nil {
+		f, err := os.OpenFile(p, os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
 		if _, err := f.WriteAt(data, off); err != nil {
 			t.Fatal(err)
 		}
