@@ -71,8 +71,8 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 // classify reads the disk's lease layout. Zeros in the first and last MiB
 // are not yet blank: a disk the blank proof refuses is foreign, and the
 // lease area is written only on one it passes. Prepare hands the proof to
-// the format, which takes it only while it is recent and reads the
-// layout again right before it writes (lease.FormatOptions.Proof).
+// the format, which takes it only while it is recent and reads its zero
+// regions again right before it writes (lease.FormatOptions.Proof).
 func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string) (lease.Classification, blank.Proof, error) {
 	cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
 	if err != nil || cls.Layout != lease.LayoutBlank {
