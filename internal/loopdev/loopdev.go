@@ -79,28 +79,22 @@ func configure(path string, cfg *unix.LoopConfig) error {
 // Detach unbinds the loop device at path from its backing file. The
 // kernel finishes it when its last opener closes it (a mounted loop
 // device is unbound at the unmount).
-func Detach(path string) error {
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	if err := unix.IoctlSetInt(int(f.Fd()), unix.LOOP_CLR_FD, 0); err != nil {
-		return fmt.Errorf("detaching the loop device %s: %w", path, err)
-	}
-	return nil
-}
+func Detach(path string) error { return request(path, unix.LOOP_CLR_FD, "detaching") }
 
 // Resize makes the loop device at path see its backing file's size now
 // (a grown disk).
-func Resize(path string) error {
+func Resize(path string) error { return request(path, unix.LOOP_SET_CAPACITY, "resizing") }
+
+// request makes the loop ioctl req, which takes no argument, on the loop
+// device at path; doing names it in the error.
+func request(path string, req uint, doing string) error {
 	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	if err := unix.IoctlSetInt(int(f.Fd()), unix.LOOP_SET_CAPACITY, 0); err != nil {
-		return fmt.Errorf("resizing the loop device %s: %w", path, err)
+	if err := unix.IoctlSetInt(int(f.Fd()), req, 0); err != nil {
+		return fmt.Errorf("%s the loop device %s: %w", doing, path, err)
 	}
 	return nil
 }
