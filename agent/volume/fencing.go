@@ -34,9 +34,21 @@ type Choice struct {
 // anything on the disk. onLost is for fencers that notice a loss by
 // themselves (the lease's renewal timer): they call it, from any
 // goroutine, the moment the claim is lost, and the manager stops I/O.
+// volume is LookOnly when the choice is made only to see who holds the
+// disk.
 type FencerFactory interface {
 	Choose(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error)
 }
+
+// LookOnly is the volume of a Choose made only to see who holds a disk
+// (the uevent watcher's Classify, a listing): nothing is staged from that
+// choice, so a factory leaves out what only a stage needs. The lease does
+// not prove a blank disk blank then: the proof reads 6 MiB and runs blkid,
+// and the watcher classifies under the lock a stage records its claim
+// under, so a disk hot-plugged for a stage was proven twice, one proof
+// waiting for the other (docs/benchmarks.md). A disk with a lease area
+// is read as ever; one without has no holder to name either way.
+const LookOnly = ""
 
 // LeaseFactory makes the on-disk lease fencer (package fence/lease) for a
 // disk without reservations: Fencer, Method (MethodLease), DataOffset and

@@ -46,7 +46,7 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 	if err != nil {
 		return Choice{}, err
 	}
-	cls, proof, err := o.classify(ctx, ld, dev.Path)
+	cls, proof, err := o.classify(ctx, ld, dev.Path, volume != LookOnly)
 	if err != nil {
 		ld.Close()
 		return Choice{}, err
@@ -62,20 +62,28 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 		ld.Close()
 		return Choice{}, err
 	}
-	return Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset,
-		Prepare: func(ctx context.Context) (bool, error) {
+	ch := Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset}
+	switch {
+	case volume == LookOnly && cls.Layout == lease.LayoutBlank:
+		// Not proven: the stage that claims the disk proves it.
+		ch.Reason = "no lease area yet: zeros where it would be; the disk is proven blank before the first stage writes one"
+	case volume != LookOnly:
+		ch.Prepare = func(ctx context.Context) (bool, error) {
 			return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Logger: o.Log, Proof: proof})
-		}}, nil
+		}
+	}
+	return ch, nil
 }
 
 // classify reads the disk's lease layout. Zeros in the first and last MiB
 // are not yet blank: a disk the blank proof refuses is foreign, and the
 // lease area is written only on one it passes. Prepare hands the proof to
 // the format, which takes it only while it is recent and reads its zero
-// regions again right before it writes (lease.FormatOptions.Proof).
-func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string) (lease.Classification, blank.Proof, error) {
+// regions again right before it writes (lease.FormatOptions.Proof). A
+// look (prove false) reads the layout alone.
+func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string, prove bool) (lease.Classification, blank.Proof, error) {
 	cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
-	if err != nil || cls.Layout != lease.LayoutBlank {
+	if err != nil || cls.Layout != lease.LayoutBlank || !prove {
 		return cls, blank.Proof{}, err
 	}
 	proof, err := blank.Prove(ctx, path)
@@ -151,9 +159,15 @@ func (f *leaseFencer) Close() error {
 	return f.dev.Close()
 }
 
-// Holder reads who owns the lease, for listings.
+// Holder reads who owns the lease, for listings and the uevent watcher:
+// nobody on a disk without a lease area yet (a blank one, which the watcher
+// took for a disk it could not check, an error in the log at every new
+// volume's hot-plug).
 func (f *leaseFencer) Holder(ctx context.Context) (*lease.Slot, error) {
 	st, _, err := lease.ReadStatus(ctx, f.dev, f.key, f.timing.IOTimeout)
+	if errors.Is(err, lease.ErrNoLease) {
+		return nil, nil
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // Two "nodes" on this host share one disk image through two loop devices
@@ -575,4 +576,63 @@ func openOn(t *testing.T, dev string) int {
 		}
 	}
 	return n
+}
+
+// TestALookAtABlankDiskProvesNothing: the uevent watcher's Classify and
+// a listing read a blank disk's lease layout and no more (LookOnly): no
+// blank proof, no blkid. The watcher classifies under the lock a stage
+// records its claim under, so a disk hot-plugged for a stage used to be
+// proven twice, the stage's proof waiting for the watcher's. The stage
+// still proves it: data past the first MiB, which the layout read does
+// not see, keeps the disk from being formatted.
+func TestALookAtABlankDiskProvesNothing(t *testing.T) {
+	needRoot(t)
+	e := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	data := []byte("data the layout read does not see")
+	f, err := os.OpenFile(img, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(data, 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	// A blkid on PATH that notes each run before it runs the real one.
+	real, err := exec.LookPath("blkid")
+	if err != nil {
+		t.Skip("no blkid here")
+	}
+	bin := t.TempDir()
+	runs := filepath.Join(bin, "runs")
+	script := fmt.Sprintf("#!/bin/sh\necho \"$@\" >> %s\nexec %s \"$@\"\n", runs, real)
+	if err := os.WriteFile(filepath.Join(bin, "blkid"), []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
+
+	v, err := e.m.Classify(ctx, devEvent(t, dev))
+	if err != nil || v.Refuse || v.Method != MethodLease {
+		t.Fatalf("the watcher's verdict on a blank disk: %+v %v", v, err)
+	}
+	if b, err := os.ReadFile(runs); err == nil {
+		t.Fatalf("the watcher's look at a blank disk ran blkid: %s", b)
+	}
+
+	req := e.stageReq("vol-b", img, "staging/b")
+	req.AllowUnfenced = false
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "non-zero data at byte 2097152")
+	if _, err := os.Stat(runs); err != nil {
+		t.Fatal("the stage formatted nothing, but without running blkid: its blank proof did not run")
+	}
+	raw, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.HasPrefix(raw, []byte(blank.LeaseMagic)) || !bytes.Equal(raw[2<<20:2<<20+len(data)], data) {
+		t.Fatal("the refused stage wrote on the disk")
+	}
 }

@@ -115,7 +115,7 @@ func (m *Manager) probe(ctx context.Context, d discovery.Disk, di *DiskInfo) {
 	}
 	defer o.Close()
 	dev := &Device{Path: d.DevPath, Name: d.Name, Major: d.Major, Minor: d.Minor, Kind: d.Kind, File: o.File, SCSI: o.SCSI, Verify: o.Verify}
-	ch, err := m.o.Fencers.Choose(ctx, dev, "", nil)
+	ch, err := m.o.Fencers.Choose(ctx, dev, LookOnly, nil)
 	if err != nil {
 		di.Detail = err.Error()
 		return

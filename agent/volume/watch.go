@@ -47,7 +47,7 @@ func (m *Manager) Classify(ctx context.Context, ev uevent.Event) (uevent.Verdict
 	}
 	defer f.Close()
 	dev := &Device{Path: node, Name: filepath.Base(node), Major: ev.Major, Minor: ev.Minor, File: f}
-	ch, err := m.o.Fencers.Choose(ctx, dev, "", nil)
+	ch, err := m.o.Fencers.Choose(ctx, dev, LookOnly, nil)
 	if err != nil {
 		return uevent.Verdict{}, err
 	}
