@@ -108,6 +108,10 @@ const (
 	// Unclaimed here and held by another node; read-only on this host (the
 	// agent refused it when it appeared).
 	ClaimState_CLAIM_STATE_REFUSED ClaimState = 6
+	// A claim record the agent cannot read (damaged, or a symlink): its
+	// volume's disk is left alone until the record is fixed or removed; the
+	// detail says why.
+	ClaimState_CLAIM_STATE_UNREADABLE ClaimState = 7
 )
 
 // Enum value maps for ClaimState.
@@ -120,6 +124,7 @@ var (
 		4: "CLAIM_STATE_LOST",
 		5: "CLAIM_STATE_GONE",
 		6: "CLAIM_STATE_REFUSED",
+		7: "CLAIM_STATE_UNREADABLE",
 	}
 	ClaimState_value = map[string]int32{
 		"CLAIM_STATE_UNSPECIFIED": 0,
@@ -129,6 +134,7 @@ var (
 		"CLAIM_STATE_LOST":        4,
 		"CLAIM_STATE_GONE":        5,
 		"CLAIM_STATE_REFUSED":     6,
+		"CLAIM_STATE_UNREADABLE":  7,
 	}
 )
 
@@ -2742,7 +2748,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x1aVOLUME_CONTENT_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14VOLUME_CONTENT_BLANK\x10\x01\x12\x18\n" +
 	"\x14VOLUME_CONTENT_LUKS2\x10\x02\x12\x18\n" +
-	"\x14VOLUME_CONTENT_OTHER\x10\x03*\xb9\x01\n" +
+	"\x14VOLUME_CONTENT_OTHER\x10\x03*\xd5\x01\n" +
 	"\n" +
 	"ClaimState\x12\x1b\n" +
 	"\x17CLAIM_STATE_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -2751,7 +2757,8 @@ const file_agent_proto_rawDesc = "" +
 	"\x14CLAIM_STATE_UNFENCED\x10\x03\x12\x14\n" +
 	"\x10CLAIM_STATE_LOST\x10\x04\x12\x14\n" +
 	"\x10CLAIM_STATE_GONE\x10\x05\x12\x17\n" +
-	"\x13CLAIM_STATE_REFUSED\x10\x06*\x84\x01\n" +
+	"\x13CLAIM_STATE_REFUSED\x10\x06\x12\x1a\n" +
+	"\x16CLAIM_STATE_UNREADABLE\x10\a*\x84\x01\n" +
 	"\rFencingMethod\x12\x1e\n" +
 	"\x1aFENCING_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17FENCING_METHOD_SCSI3_PR\x10\x01\x12\x1d\n" +

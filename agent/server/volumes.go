@@ -184,12 +184,13 @@ func (s *Server) GetVolumeStats(ctx context.Context, req *api.GetVolumeStatsRequ
 }
 
 var claimStates = map[string]api.ClaimState{
-	"unclaimed": api.ClaimState_CLAIM_STATE_UNCLAIMED,
-	"held":      api.ClaimState_CLAIM_STATE_HELD,
-	"unfenced":  api.ClaimState_CLAIM_STATE_UNFENCED,
-	"lost":      api.ClaimState_CLAIM_STATE_LOST,
-	"gone":      api.ClaimState_CLAIM_STATE_GONE,
-	"refused":   api.ClaimState_CLAIM_STATE_REFUSED,
+	"unclaimed":  api.ClaimState_CLAIM_STATE_UNCLAIMED,
+	"held":       api.ClaimState_CLAIM_STATE_HELD,
+	"unfenced":   api.ClaimState_CLAIM_STATE_UNFENCED,
+	"lost":       api.ClaimState_CLAIM_STATE_LOST,
+	"gone":       api.ClaimState_CLAIM_STATE_GONE,
+	"refused":    api.ClaimState_CLAIM_STATE_REFUSED,
+	"unreadable": api.ClaimState_CLAIM_STATE_UNREADABLE,
 }
 
 // ListDisks implements api.AgentServer.

@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"errors"
 	"io"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -18,7 +19,7 @@ type DiskInfo struct {
 	Serial     string
 	WWNs       []string
 	Method     fence.Method
-	State      string // unclaimed, held, unfenced, lost, gone, or the claim's phase
+	State      string // unclaimed, held, unfenced, lost, gone, unreadable (its record), or the claim's phase
 	Volume     string
 	Staging    string
 	HolderKey  fence.Key
@@ -33,8 +34,10 @@ type DiskInfo struct {
 // unclaimed disk is probed read-only for its fencing method and holder; a
 // claimed disk is described from its claim, so that no second reader of the
 // reservation consumes a unit attention meant for the claim's own checks.
+// A claim record that cannot be read is listed as unreadable, with why:
+// its volume's disk is left alone, and the operator must see that.
 func (m *Manager) Disks(ctx context.Context) ([]DiskInfo, error) {
-	claims, _ := m.store.List()
+	claims, errs := m.store.List()
 	byDev := map[string]*Claim{}
 	for _, c := range claims {
 		byDev[c.DevNum] = c
@@ -74,6 +77,12 @@ func (m *Manager) Disks(ctx context.Context) ([]DiskInfo, error) {
 			}
 			fromClaim(&di, c)
 			out = append(out, di)
+		}
+	}
+	for _, err := range errs {
+		var re *RecordError
+		if errors.As(err, &re) {
+			out = append(out, DiskInfo{Volume: re.Volume, State: "unreadable", Detail: re.Error()})
 		}
 	}
 	return out, nil

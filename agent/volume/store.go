@@ -187,6 +187,26 @@ func (s *Store) Get(volume string) (*Claim, error) {
 	return s.read(s.file(volume))
 }
 
+// RecordError is a claim record List could not read: the volume its name
+// says, and why (the error names the file and what to do).
+type RecordError struct {
+	Volume string
+	Err    error
+}
+
+func (e *RecordError) Error() string { return e.Err.Error() }
+func (e *RecordError) Unwrap() error { return e.Err }
+
+// volumeOfRecord is the volume a record's file name encodes (file), or
+// the name itself when it encodes none.
+func volumeOfRecord(name string) string {
+	b, err := base64.RawURLEncoding.DecodeString(strings.TrimSuffix(name, ".json"))
+	if err != nil || len(b) == 0 {
+		return name
+	}
+	return string(b)
+}
+
 func (s *Store) read(p string) (*Claim, error) {
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENAMETOOLONG) {
@@ -281,7 +301,7 @@ func (s *Store) List() ([]*Claim, []error) {
 		}
 		c, err := s.read(filepath.Join(s.dir, e.Name()))
 		if err != nil {
-			errs = append(errs, err)
+			errs = append(errs, &RecordError{Volume: volumeOfRecord(e.Name()), Err: err})
 			continue
 		}
 		if c != nil {

@@ -1,6 +1,7 @@
 package volume
 
 import (
+	"context"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -149,5 +150,30 @@ func TestClaimLocatorRoundTrip(t *testing.T) {
 	// A locator whose text would not read back is never written.
 	if err := s.Put(&Claim{Volume: "w", Locator: Locator{Disk: discovery.Locator{Serial: "a,b"}}}); err == nil {
 		t.Error("a locator with a comma in its serial was written")
+	}
+}
+
+// TestAnUnreadableClaimRecordIsListed: a claim record that cannot be read
+// is listed among the disks as unreadable, under the volume its file name
+// gives, with why: the start-up check leaves its disk alone, and the
+// listing is where an operator looks.
+func TestAnUnreadableClaimRecordIsListed(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	if err := os.WriteFile(e.m.Store().file("loc-1/77"), []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	disks, err := e.m.Disks(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []DiskInfo
+	for _, d := range disks {
+		if d.State == "unreadable" {
+			got = append(got, d)
+		}
+	}
+	if len(got) != 1 || got[0].Volume != "loc-1/77" || !strings.Contains(got[0].Detail, "is damaged") || got[0].Device != "" {
+		t.Fatalf("the unreadable record is listed as %+v (all: %+v)", got, disks)
 	}
 }
