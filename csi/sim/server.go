@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -89,10 +90,11 @@ type Server struct {
 	faults Faults
 	calls  map[string]int // API requests by operation, for tests
 	// changes counts the API's changes to st (under mu); saved is the
-	// count the state file holds (under saveMu, which one saver holds).
+	// count the state file holds (written under saveMu, which one saver
+	// holds; read without it by requests whose state is saved already).
 	changes uint64
 	saveMu  sync.Mutex
-	saved   uint64
+	saved   atomic.Uint64
 }
 
 // New loads or seeds the state and builds the handler.
@@ -315,9 +317,14 @@ func (s *Server) persist(seen uint64) error {
 	if s.opts.StateFile == "" {
 		return nil
 	}
+	if s.saved.Load() >= seen {
+		// What it changed or saw is in the file: it need not wait for
+		// the write under way, which saves later changes.
+		return nil
+	}
 	s.saveMu.Lock()
 	defer s.saveMu.Unlock()
-	if s.saved >= seen {
+	if s.saved.Load() >= seen {
 		return nil
 	}
 	s.mu.Lock()
@@ -330,7 +337,7 @@ func (s *Server) persist(seen uint64) error {
 	if err := writeState(s.opts.StateFile, b); err != nil {
 		return err
 	}
-	s.saved = upto
+	s.saved.Store(upto)
 	return nil
 }
 
