@@ -80,6 +80,11 @@ func TestAClaimWhoseDiskLostItsFencingIsStoppedAtStart(t *testing.T) {
 	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
+	// The stop sets the data mapping read-only, a flag a loop device
+	// keeps for its next user.
+	if c, _ := a.m.Store().Get("vol-f"); c != nil && c.DataDevice != "" {
+		t.Cleanup(func() { clearRO(c.DataDevice) })
+	}
 	a.start() // the agent stops; the lease header is overwritten meanwhile
 	f, err := os.OpenFile(devA, os.O_WRONLY|os.O_SYNC, 0)
 	if err != nil {

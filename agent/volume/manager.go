@@ -95,6 +95,13 @@ type Manager struct {
 	// reclaims holds when a stage of each volume began waiting for a
 	// holder to re-establish (acquire), for its retries.
 	reclaims map[string]time.Time
+	// attachPoll is how often a stage waiting for its disk looks again
+	// when no uevent wakes it (attachPoll; tests set their own).
+	attachPoll time.Duration
+	// seen is closed, and replaced, each time the uevent watcher has
+	// decided about a disk (Refused): it wakes the stages waiting for a
+	// hot-plugged disk (locateAttaching). Under mu.
+	seen chan struct{}
 }
 
 // live is what the agent holds open for a claimed volume.
@@ -132,7 +139,8 @@ func New(o Options) (*Manager, error) {
 		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
 		live:    map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
-		unmapData: dropDataMapping,
+		attachPoll: attachPoll,
+		unmapData:  dropDataMapping,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
 		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)

@@ -132,27 +132,58 @@ func (s *staging) openDisk(ctx context.Context) error {
 // for one that is not there yet: the controller's attach has returned and
 // the hot-plug is still under way in this VM (its uevent, the driver's
 // probe). A NOT_FOUND at once would have the kubelet retry on its backoff
-// (0.5 s, 1 s, 2 s, ...), seconds after the disk appeared.
+// (0.5 s, 1 s, 2 s, ...), seconds after the disk appeared. It looks again
+// as soon as the uevent watcher has decided about a disk, and every
+// attachPoll in any case (the watcher may be off, or decide before the
+// disk is ready).
 func (m *Manager) locateAttaching(ctx context.Context, loc Locator) (*Device, error) {
 	deadline := time.Now().Add(m.o.Config.AttachWait)
 	if loc.BackingFile != "" {
 		deadline = time.Now() // a loop device is attached by hand, not hot-plugged
 	}
 	for {
+		// Taken before the look, so that a disk decided about between
+		// the look and the wait wakes it.
+		seen := m.diskSeen()
 		dev, err := m.locate(ctx, loc)
 		if agenterr.KindOf(err) != agenterr.NotFound || !time.Now().Before(deadline) {
 			return dev, err
 		}
+		t := time.NewTimer(m.attachPoll)
 		select {
 		case <-ctx.Done():
+			t.Stop()
 			return nil, err
-		case <-time.After(attachPoll):
+		case <-seen:
+			t.Stop()
+		case <-t.C:
 		}
 	}
 }
 
-// attachPoll is how often a stage waiting for its disk looks again.
+// attachPoll is how often a stage waiting for its disk looks again when
+// no uevent wakes it.
 const attachPoll = 100 * time.Millisecond
+
+// diskSeen is closed the next time the watcher has decided about a disk.
+func (m *Manager) diskSeen() <-chan struct{} {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.seen == nil {
+		m.seen = make(chan struct{})
+	}
+	return m.seen
+}
+
+// sawDisk wakes the stages waiting for a disk (diskSeen).
+func (m *Manager) sawDisk() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.seen != nil {
+		close(m.seen)
+		m.seen = nil
+	}
+}
 
 // claimedBy names another volume whose staged claim is on the disk devnum.
 func (m *Manager) claimedBy(devnum, volume string) string {

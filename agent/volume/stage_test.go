@@ -13,6 +13,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,6 +25,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
@@ -483,5 +485,48 @@ func TestStageWaitsForADiskStillBeingAttached(t *testing.T) {
 	wantCode(t, err, codes.NotFound, "vol-gone")
 	if cctx.Err() == nil {
 		t.Fatal("the stage answered before its caller gave up")
+	}
+}
+
+// TestAWaitingStageLooksWhenTheWatcherSawADisk: a stage waiting for its
+// hot-plugged disk looks again as soon as the uevent watcher has decided
+// about a disk, not at its next poll (here an hour away).
+func TestAWaitingStageLooksWhenTheWatcherSawADisk(t *testing.T) {
+	e := newStageEnv(t)
+	e.m.o.Config.AttachWait = time.Hour
+	e.m.attachPoll = time.Hour
+	found := e.m.locate
+	var present atomic.Bool
+	looked := make(chan bool, 16) // each look, and whether it found the disk
+	e.m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
+		there := present.Load()
+		looked <- there
+		if !there {
+			return nil, agenterr.New(agenterr.NotFound, "disk not found: looked for serial %s", loc.Disk.Serial)
+		}
+		return found(ctx, loc)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.m.Stage(ctx, e.request("vol-plugged"))
+		done <- err
+	}()
+	if <-looked {
+		t.Fatal("the first look found the disk before it was there")
+	}
+	present.Store(true)
+	e.m.Refused(uevent.Decision{Event: uevent.Event{Action: "add", Subsystem: "block", DevName: "fake0", Major: 7, Minor: 250}})
+	if err := <-done; err != nil {
+		t.Fatalf("the stage woken by the watcher's decision: %v", err)
+	}
+	close(looked)
+	var after []bool
+	for there := range looked {
+		after = append(after, there)
+	}
+	if len(after) != 1 || !after[0] {
+		t.Fatalf("after the watcher's decision the stage looked %v (found the disk or not), want once, finding it", after)
 	}
 }

@@ -86,8 +86,10 @@ func (m *Manager) Classify(ctx context.Context, ev uevent.Event) (uevent.Verdict
 // Refused records what the watcher decided about a disk (once per
 // appearance or change of outcome): a refusal is counted and published as
 // DiskRefused; a failure to classify or to set the disk read-only is
-// logged.
+// logged. Any decision wakes the stages waiting for a hot-plugged disk.
 func (m *Manager) Refused(d uevent.Decision) {
+	// A stage waiting for this disk looks now, not at its next poll.
+	m.sawDisk()
 	node := d.Event.Node()
 	if d.Err != nil {
 		m.log.Error("a disk could not be checked or refused", "device", node, "cause", string(d.Cause), "err", d.Err)
