@@ -192,3 +192,30 @@ func TestFormatWithAProofReadsItsZerosAgain(t *testing.T) {
 		t.Fatalf("format over data written at 2 MiB after the proof: wrote %v, %v; want a refusal naming it", wrote, err)
 	}
 }
+
+// A recent proof, then another node's lease area written on the disk (two
+// nodes given one blank disk): Format leaves that area alone and writes
+// nothing, as when the other header lands before the layout read.
+func TestFormatWithAProofUsesALeaseAreaWrittenSince(t *testing.T) {
+	ctx := context.Background()
+	dev := loopDevice(t, 64<<20, 512, nil)
+	p, err := blank.Prove(ctx, dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := openDev(t, dev)
+	if wrote, err := Format(ctx, d, FormatOptions{Key: keyB, Timeout: time.Second}); err != nil || !wrote {
+		t.Fatalf("the other node's format: %v %v", wrote, err)
+	}
+	wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
+	if err != nil || wrote {
+		t.Fatalf("format with a proof older than another node's lease area: wrote %v, %v; want that area used", wrote, err)
+	}
+	b, err := d.io(ctx, false, 0, make([]byte, BlockSize), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h, err := DecodeHeader(b); err != nil || h.Creator != keyB {
+		t.Fatalf("the header is %+v (%v), want the other node's", h, err)
+	}
+}

@@ -78,6 +78,19 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	if p, ok := o.reusable(d); ok && d.size >= 2*AreaSize {
+		// The zero regions of a recent proof hold the layout's (the
+		// first and the last MiB): zeros there now are a blank layout,
+		// which is not read a second time.
+		if proof, err := blank.Recheck(ctx, p); err == nil {
+			if err := o.write(ctx, d, proof, log); err != nil {
+				return false, err
+			}
+			return true, nil
+		}
+		// Something is there now: the path below tells a lease area
+		// another node wrote meanwhile from data.
+	}
 	c, err := ReadLayout(ctx, d, o.Timeout)
 	if err != nil {
 		return false, err
@@ -107,26 +120,40 @@ func Format(ctx context.Context, d *Device, o FormatOptions) (bool, error) {
 	case err != nil:
 		return false, fmt.Errorf("%s: not formatted, its blankness could not be proven: %w", d.name, err)
 	}
-	h := Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset,
-		Created: time.Now().Unix(), Creator: o.Key}
-	if _, err := rand.Read(h.VolumeID[:]); err != nil {
+	if err := o.write(ctx, d, proof, log); err != nil {
 		return false, err
 	}
-	if err := writeHeader(ctx, d, proof, h, o.Timeout); err != nil {
-		return false, err
-	}
-	log.Info("lease area written", "device", d.name, "data_offset", DataOffset, "creator", o.Key.String())
 	return true, nil
 }
 
-// proof is the blank proof the header write takes: the caller's, when it
-// is recent and of this whole device, else a new one. The layout check
-// before it only tells a lease area from the rest; the header is written
-// on nothing but a disk proven blank, by the proof every format of the
-// agent passes (package internal/blank).
-func (o FormatOptions) proof(ctx context.Context, d *Device) (blank.Proof, error) {
+// write writes a new lease header on d, which proof says is blank.
+func (o FormatOptions) write(ctx context.Context, d *Device, proof blank.Proof, log *slog.Logger) error {
+	h := Header{Version: version, BlockSize: BlockSize, Slots: Slots, SlotOffset: BlockSize, DataOffset: DataOffset,
+		Created: time.Now().Unix(), Creator: o.Key}
+	if _, err := rand.Read(h.VolumeID[:]); err != nil {
+		return err
+	}
+	if err := writeHeader(ctx, d, proof, h, o.Timeout); err != nil {
+		return err
+	}
+	log.Info("lease area written", "device", d.name, "data_offset", DataOffset, "creator", o.Key.String())
+	return nil
+}
+
+// reusable is the caller's proof when it is recent and of this whole
+// device.
+func (o FormatOptions) reusable(d *Device) (blank.Proof, bool) {
 	p := o.Proof
-	if p.Valid() && p.Device() == d.name && p.From() == 0 && p.Size() == d.size && time.Since(p.Taken()) <= proofReuse {
+	return p, p.Valid() && p.Device() == d.name && p.From() == 0 && p.Size() == d.size && time.Since(p.Taken()) <= proofReuse
+}
+
+// proof is the blank proof the header write takes: the caller's, when it
+// is reusable, else a new one. The layout check before it only tells a
+// lease area from the rest; the header is written on nothing but a disk
+// proven blank, by the proof every format of the agent passes (package
+// internal/blank).
+func (o FormatOptions) proof(ctx context.Context, d *Device) (blank.Proof, error) {
+	if p, ok := o.reusable(d); ok {
 		// Its zero checks are read again now; only its signature
 		// checks (blkid's process start) are taken as they were.
 		return blank.Recheck(ctx, p)
