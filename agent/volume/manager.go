@@ -100,8 +100,10 @@ type Manager struct {
 	attachPoll time.Duration
 	// seen is closed, and replaced, each time the uevent watcher has
 	// decided about a disk (Refused): it wakes the stages waiting for a
-	// hot-plugged disk (locateAttaching). Under mu.
-	seen chan struct{}
+	// hot-plugged disk (locateAttaching). Under seenMu, not mu, which is
+	// held while fencers close (disk I/O) and must not slow the watcher.
+	seenMu sync.Mutex
+	seen   chan struct{}
 }
 
 // live is what the agent holds open for a claimed volume.

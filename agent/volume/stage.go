@@ -167,8 +167,8 @@ const attachPoll = 100 * time.Millisecond
 
 // diskSeen is closed the next time the watcher has decided about a disk.
 func (m *Manager) diskSeen() <-chan struct{} {
-	m.mu.Lock()
-	defer m.mu.Unlock()
+	m.seenMu.Lock()
+	defer m.seenMu.Unlock()
 	if m.seen == nil {
 		m.seen = make(chan struct{})
 	}
@@ -177,8 +177,8 @@ func (m *Manager) diskSeen() <-chan struct{} {
 
 // sawDisk wakes the stages waiting for a disk (diskSeen).
 func (m *Manager) sawDisk() {
-	m.mu.Lock()
-	defer m.mu.Unlock()
+	m.seenMu.Lock()
+	defer m.seenMu.Unlock()
 	if m.seen != nil {
 		close(m.seen)
 		m.seen = nil

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 
@@ -198,10 +199,13 @@ func (e *RecordError) Error() string { return e.Err.Error() }
 func (e *RecordError) Unwrap() error { return e.Err }
 
 // volumeOfRecord is the volume a record's file name encodes (file), or
-// the name itself when it encodes none.
+// the name itself when it is not one the store writes (a file put there by
+// hand): a name that decodes to bytes that are not text would make the
+// listing that carries it unsendable.
 func volumeOfRecord(name string) string {
-	b, err := base64.RawURLEncoding.DecodeString(strings.TrimSuffix(name, ".json"))
-	if err != nil || len(b) == 0 {
+	enc := strings.TrimSuffix(name, ".json")
+	b, err := base64.RawURLEncoding.DecodeString(enc)
+	if err != nil || len(b) == 0 || !utf8.Valid(b) || base64.RawURLEncoding.EncodeToString(b) != enc {
 		return name
 	}
 	return string(b)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"testing"
 
@@ -163,6 +164,11 @@ func TestAnUnreadableClaimRecordIsListed(t *testing.T) {
 	if err := os.WriteFile(e.m.Store().file("loc-1/77"), []byte("{not json"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	// A file the store did not name, whose name decodes to bytes that
+	// are not text: listed under its file name.
+	if err := os.WriteFile(filepath.Join(filepath.Dir(e.m.Store().file("x")), "backup.json"), []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	disks, err := e.m.Disks(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -173,7 +179,9 @@ func TestAnUnreadableClaimRecordIsListed(t *testing.T) {
 			got = append(got, d)
 		}
 	}
-	if len(got) != 1 || got[0].Volume != "loc-1/77" || !strings.Contains(got[0].Detail, "is damaged") || got[0].Device != "" {
-		t.Fatalf("the unreadable record is listed as %+v (all: %+v)", got, disks)
+	sort.Slice(got, func(i, j int) bool { return got[i].Volume < got[j].Volume })
+	if len(got) != 2 || got[0].Volume != "backup.json" || got[1].Volume != "loc-1/77" || got[0].Device != "" ||
+		!strings.Contains(got[0].Detail, "is damaged") || !strings.Contains(got[1].Detail, "is damaged") {
+		t.Fatalf("the unreadable records are listed as %+v (all: %+v)", got, disks)
 	}
 }
