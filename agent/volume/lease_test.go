@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -600,7 +601,36 @@ func TestALookAtABlankDiskProvesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
-	// A blkid on PATH that notes each run before it runs the real one.
+	runs := blkidRuns(t)
+
+	v, err := e.m.Classify(ctx, devEvent(t, dev))
+	if err != nil || v.Refuse || v.Method != MethodLease {
+		t.Fatalf("the watcher's verdict on a blank disk: %+v %v", v, err)
+	}
+	if got := runs(); len(got) > 0 {
+		t.Fatalf("the watcher's look at a blank disk ran blkid: %q", got)
+	}
+
+	req := e.stageReq("vol-b", img, "staging/b")
+	req.AllowUnfenced = false
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "non-zero data at byte 2097152")
+	if len(runs()) == 0 {
+		t.Fatal("the stage formatted nothing, but without running blkid: its blank proof did not run")
+	}
+	raw, err := os.ReadFile(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.HasPrefix(raw, []byte(blank.LeaseMagic)) || !bytes.Equal(raw[2<<20:2<<20+len(data)], data) {
+		t.Fatal("the refused stage wrote on the disk")
+	}
+}
+
+// blkidRuns puts a blkid on PATH that notes the arguments of each run in
+// a file before it runs the real one, and returns a reader of the runs.
+func blkidRuns(t *testing.T) func() []string {
+	t.Helper()
 	real, err := exec.LookPath("blkid")
 	if err != nil {
 		t.Skip("no blkid here")
@@ -612,27 +642,51 @@ func TestALookAtABlankDiskProvesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
-
-	v, err := e.m.Classify(ctx, devEvent(t, dev))
-	if err != nil || v.Refuse || v.Method != MethodLease {
-		t.Fatalf("the watcher's verdict on a blank disk: %+v %v", v, err)
+	return func() []string {
+		b, _ := os.ReadFile(runs)
+		os.Remove(runs)
+		return strings.Fields(strings.ReplaceAll(strings.TrimSpace(string(b)), " ", "_"))
 	}
-	if b, err := os.ReadFile(runs); err == nil {
-		t.Fatalf("the watcher's look at a blank disk ran blkid: %s", b)
-	}
+}
 
-	req := e.stageReq("vol-b", img, "staging/b")
+// TestAFirstLeaseStageProbesItsDataRegionAhead: the first stage of a
+// blank lease disk runs blkid twice, both on the disk: the blank proof of
+// the disk, and the data region's signature check begun before the lease
+// area is written (-O, -S), which the proof of the data mapping takes
+// instead of a run of its own. A later stage, of a disk that carries its
+// lease area and filesystem, begins none.
+func TestAFirstLeaseStageProbesItsDataRegionAhead(t *testing.T) {
+	e := fencedLeaseEnv(t, nodeA, "node-a")
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	t.Cleanup(func() { clearRO(dev) })
+	runs := blkidRuns(t)
+	req := e.stageReq("vol-p", img, "staging/p")
 	req.AllowUnfenced = false
-	_, err = e.m.Stage(ctx, req)
-	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "non-zero data at byte 2097152")
-	if _, err := os.Stat(runs); err != nil {
-		t.Fatal("the stage formatted nothing, but without running blkid: its blank proof did not run")
+	if res, err := e.m.Stage(ctx, req); err != nil || !res.Formatted || res.Method != MethodLease {
+		t.Fatalf("first stage: %+v %v", res, err)
 	}
-	raw, err := os.ReadFile(img)
-	if err != nil {
+	c, _ := e.m.Store().Get("vol-p")
+	got := runs()
+	region := fmt.Sprintf("-p_-o_export_-O_%d_-S_%d_%s", lease.DataOffset, 64<<20-lease.DataOffset, dev)
+	if len(got) != 2 || !slices.Contains(got, "-p_-o_export_"+dev) || !slices.Contains(got, region) {
+		t.Fatalf("blkid runs of the first stage: %q; want the disk's and its data region's (data mapping %s)", got, c.DataDevice)
+	}
+	if blkid(t, c.DataDevice, "TYPE") != "ext4" {
+		t.Fatal("no filesystem on the data mapping")
+	}
+	if err := e.m.Unstage(ctx, "vol-p", req.StagingPath); err != nil {
 		t.Fatal(err)
 	}
-	if bytes.HasPrefix(raw, []byte(blank.LeaseMagic)) || !bytes.Equal(raw[2<<20:2<<20+len(data)], data) {
-		t.Fatal("the refused stage wrote on the disk")
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range runs() {
+		if strings.Contains(r, "_-O_") {
+			t.Fatalf("a later stage probed the data region ahead: %q", r)
+		}
+	}
+	if err := e.m.Unstage(ctx, "vol-p", req.StagingPath); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -1,8 +1,8 @@
 // Package blank proves a block device blank: the one test every format the
 // agent makes (a filesystem, a LUKS2 header, the lease area) must pass
 // first, so that nothing is written over data the project did not create
-// (docs/architecture.md, P5). A format takes a Proof, and only Prove and
-// ProvePast make one.
+// (docs/architecture.md, P5). A format takes a Proof, and only the Prove
+// functions of this package make one.
 package blank
 
 import (
@@ -13,6 +13,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"time"
 	"unsafe"
@@ -49,8 +50,9 @@ var (
 	luksSecondaryOffsets = []int64{16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20}
 )
 
-// Proof says that a device was found blank. Only Prove, ProvePast and
-// ProveEncrypted make a non-zero one; every format of the agent takes one.
+// Proof says that a device was found blank. Only Prove, ProvePast,
+// ProveMapping and ProveEncrypted make a non-zero one; every format of the
+// agent takes one.
 type Proof struct {
 	path  string
 	size  int64
@@ -68,7 +70,8 @@ func (p Proof) Size() int64 { return p.size }
 // (Prove), the given offset for ProvePast.
 func (p Proof) From() int64 { return p.from }
 
-// Valid reports whether p was made by Prove, ProvePast or ProveEncrypted.
+// Valid reports whether p was made by one of this package's Prove
+// functions.
 func (p Proof) Valid() bool { return p.path != "" }
 
 // Taken is when the checks of p began: the device was blank then, and
@@ -148,7 +151,12 @@ func readUnsigned(ctx context.Context, path string, find func(*regions) string) 
 		<-blkid
 		return nil, err
 	}
-	p := <-blkid
+	return judge(path, r, <-blkid, find)
+}
+
+// judge is the outcome of a proof from what was read (r) and what blkid
+// found (p).
+func judge(path string, r *regions, p probed, find func(*regions) string) (*regions, error) {
 	if p.err != nil {
 		// Whatever the reads found, what blkid would have named (the
 		// filesystem a caller mounts) is unknown.
@@ -545,7 +553,7 @@ type probed struct {
 	err                error
 }
 
-func probeBlkid(ctx context.Context, path string) probed {
+func probeBlkid(ctx context.Context, path string, region ...string) probed {
 	// blkid reads through the page cache: before, so that it sees what
 	// the disk holds now (another node may have written it); after, so
 	// that what it read is not served, stale, to a later buffered reader
@@ -555,7 +563,8 @@ func probeBlkid(ctx context.Context, path string) probed {
 	defer DropBuffers(path)
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, "blkid", "-p", "-o", "export", path).Output()
+	args := append([]string{"-p", "-o", "export"}, region...)
+	out, err := exec.CommandContext(ctx, "blkid", append(args, path)...).Output()
 	var ee *exec.ExitError
 	switch {
 	case errors.As(err, &ee) && ee.ExitCode() == 2:
@@ -586,6 +595,111 @@ func probeBlkid(ctx context.Context, path string) probed {
 	}
 	p.found = "blkid: " + strings.Join(found, " ")
 	return p
+}
+
+// A Probe is the `blkid -p` run of a region of a disk, from an offset to
+// its end, begun before the device that will show that region (a loop
+// mapping of the disk from the offset) is made, and taken by the proof of
+// that device (ProveMapping): the signature checks run while the caller
+// does other work (the lease's writes, which wait on the disk), the zero
+// checks are read when the proof is made. blkid is told the region
+// (`-O`, `-S`), so it probes it as it would the mapping.
+type Probe struct {
+	disk           string
+	dev, ino, rdev uint64 // the disk node's, as a loop device's status names its backing file
+	offset, size   int64  // the region: size bytes from offset, to the end
+	taken          time.Time
+	done           chan struct{}
+	res            probed
+	stop           context.CancelFunc
+}
+
+// probeAge is how old a Probe may be for ProveMapping to take it.
+const probeAge = 5 * time.Second
+
+// StartProbe begins the `blkid -p` run of disk from offset to its end.
+// Stop ends one that will not be taken.
+func StartProbe(ctx context.Context, disk string, offset int64) (*Probe, error) {
+	f, err := os.Open(disk)
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	err = unix.Fstat(int(f.Fd()), &st)
+	var size int64
+	if err == nil {
+		size, _, err = geometry(f)
+	}
+	f.Close()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", disk, err)
+	}
+	if offset <= 0 || offset >= size {
+		return nil, fmt.Errorf("%s: no region from byte %d of %d bytes to probe", disk, offset, size)
+	}
+	pctx, stop := context.WithCancel(ctx)
+	p := &Probe{disk: disk, dev: st.Dev, ino: st.Ino, rdev: st.Rdev, offset: offset, size: size - offset,
+		taken: time.Now(), done: make(chan struct{}), stop: stop}
+	go func() {
+		defer close(p.done)
+		p.res = probeBlkid(pctx, disk, "-O", strconv.FormatInt(offset, 10), "-S", strconv.FormatInt(p.size, 10))
+	}()
+	return p, nil
+}
+
+// Stop ends the probe's blkid run if it still runs; a nil Probe is none.
+func (p *Probe) Stop() {
+	if p != nil {
+		p.stop()
+	}
+}
+
+// ProveMapping proves the device at path blank as Prove does, taking its
+// signature checks from p's blkid run when path is a loop device showing
+// exactly p's region of p's disk and p is at most probeAge old; otherwise
+// (no probe, another disk, offset or size) it proves path afresh. Its zero
+// checks are read now; the proof is as old as p's run.
+func ProveMapping(ctx context.Context, path string, p *Probe) (Proof, error) {
+	if p == nil || time.Since(p.taken) > probeAge || !p.shownBy(path) {
+		p.Stop()
+		return Prove(ctx, path)
+	}
+	r, err := readChecked(ctx, path)
+	if err != nil {
+		p.Stop()
+		return Proof{}, err
+	}
+	select {
+	case <-p.done:
+	case <-ctx.Done():
+		p.Stop()
+		return Proof{}, ctx.Err()
+	}
+	if r, err = judge(path, r, p.res, (*regions).signature); err != nil {
+		return Proof{}, err
+	}
+	if found := r.nonZero(); found != "" {
+		return Proof{}, &NotBlankError{Device: path, Found: found}
+	}
+	return Proof{path: path, size: r.size, taken: p.taken}, nil
+}
+
+// shownBy reports whether the device at path is a loop device over p's
+// disk that shows p's region: its backing file is the disk's node, its
+// offset p's, and its size the rest of the disk.
+func (p *Probe) shownBy(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return false
+	}
+	size, _, err := geometry(f)
+	return err == nil && info.Device == p.dev && info.Inode == p.ino && info.Rdevice == p.rdev &&
+		int64(info.Offset) == p.offset && size == p.size
 }
 
 // DropBuffers writes out and drops the page cache of the block device at
