@@ -86,14 +86,7 @@ func TestAClaimWhoseDiskLostItsFencingIsStoppedAtStart(t *testing.T) {
 		t.Cleanup(func() { clearRO(c.DataDevice) })
 	}
 	a.start() // the agent stops; the lease header is overwritten meanwhile
-	f, err := os.OpenFile(devA, os.O_WRONLY|os.O_SYNC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.WriteAt([]byte("not a lease header any more"), 0); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	overwriteStart(t, devA)
 	if err := unix.Mount("tmpfs", req.StagingPath, "tmpfs", 0, ""); err != nil {
 		t.Fatal(err)
 	}
@@ -101,16 +94,7 @@ func TestAClaimWhoseDiskLostItsFencingIsStoppedAtStart(t *testing.T) {
 
 	a.m.ExpectRecordedLeases()
 	a.m.Reconcile(ctx)
-	c, _ := a.m.Store().Get("vol-f")
-	if c == nil || c.State != StateLost || !c.IONotStopped || !strings.Contains(c.Detail, "no longer offers the fencing") {
-		t.Fatalf("a claim whose disk lost its lease, the stop failing: %+v", c)
-	}
-	if ls := a.m.Leases(); len(ls) != 1 || ls[0].Volume != "vol-f" || !ls[0].Running || ls[0].Fenced {
-		t.Fatalf("a loss whose stop failed is not listed as running: leases %+v", ls)
-	}
-	if !deviceReadOnly(t, devA) {
-		t.Fatal("the disk is writable after the loss")
-	}
+	a.lostWithItsStopFailed(devA, "vol-f")
 
 	if err := unix.Unmount(req.StagingPath, unix.MNT_DETACH); err != nil {
 		t.Fatal(err)
@@ -121,5 +105,37 @@ func TestAClaimWhoseDiskLostItsFencingIsStoppedAtStart(t *testing.T) {
 	}
 	if c, _ := a.m.Store().Get("vol-f"); c == nil || c.State != StateLost || c.IONotStopped {
 		t.Fatalf("claim after the stop succeeded: %+v", c)
+	}
+}
+
+// overwriteStart writes something that is not a lease header at the
+// start of dev.
+func overwriteStart(t *testing.T, dev string) {
+	t.Helper()
+	f, err := os.OpenFile(dev, os.O_WRONLY|os.O_SYNC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt([]byte("not a lease header any more"), 0); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// lostWithItsStopFailed: volume's claim is recorded lost because its disk
+// no longer offers its fencing, with its I/O not stopped; it is listed for
+// the host watchdog as running and not fenced; its disk is read-only.
+func (e *env) lostWithItsStopFailed(dev, volume string) {
+	t := e.t
+	t.Helper()
+	c, _ := e.m.Store().Get(volume)
+	if c == nil || c.State != StateLost || !c.IONotStopped || !strings.Contains(c.Detail, "no longer offers the fencing") {
+		t.Fatalf("a claim whose disk lost its lease, the stop failing: %+v", c)
+	}
+	if ls := e.m.Leases(); len(ls) != 1 || ls[0].Volume != volume || !ls[0].Running || ls[0].Fenced {
+		t.Fatalf("a loss whose stop failed is not listed as running: leases %+v", ls)
+	}
+	if !deviceReadOnly(t, dev) {
+		t.Fatal("the disk is writable after the loss")
 	}
 }
