@@ -656,15 +656,17 @@ func (p *Probe) Stop() {
 
 // ProveMapping proves the device at path blank as Prove does, taking its
 // signature checks from p's blkid run when path is a loop device showing
-// exactly p's region of p's disk and p is at most probeAge old; otherwise
-// (no probe, another disk, offset or size) it proves path afresh. Its zero
-// checks are read now; the proof is as old as p's run.
+// exactly p's region of p's disk, p is at most probeAge old, p found
+// nothing and the zero checks, read now, find nothing either; the proof is
+// then as old as p's run. In any other case (no probe, another disk,
+// offset or size, anything found) it proves path afresh, so what is there
+// is named as Prove names it.
 func ProveMapping(ctx context.Context, path string, p *Probe) (Proof, error) {
 	if p == nil || time.Since(p.taken) > probeAge || !p.shownBy(path) {
 		p.Stop()
 		return Prove(ctx, path)
 	}
-	r, err := readChecked(ctx, path)
+	size, zero, err := allZero(ctx, path)
 	if err != nil {
 		p.Stop()
 		return Proof{}, err
@@ -675,13 +677,13 @@ func ProveMapping(ctx context.Context, path string, p *Probe) (Proof, error) {
 		p.Stop()
 		return Proof{}, ctx.Err()
 	}
-	if r, err = judge(path, r, p.res, (*regions).signature); err != nil {
-		return Proof{}, err
+	if !zero || p.res.err != nil || p.res.found != "" {
+		// Something is there, or blkid could not say: a proof of its
+		// own names it as Prove does (what blkid names now, which the
+		// caller mounts when it is the volume's filesystem).
+		return Prove(ctx, path)
 	}
-	if found := r.nonZero(); found != "" {
-		return Proof{}, &NotBlankError{Device: path, Found: found}
-	}
-	return Proof{path: path, size: r.size, taken: p.taken}, nil
+	return Proof{path: path, size: size, taken: p.taken}, nil
 }
 
 // shownBy reports whether the device at path is a loop device over p's

@@ -68,10 +68,22 @@ func TestProveMappingTakesAProbeOfItsRegion(t *testing.T) {
 		t.Fatalf("data written after the probe: %v", err)
 	}
 
-	// A filesystem on the region before the probe: named with its type.
+	// A filesystem made on the region after the probe's run: named with
+	// its type, as a proof of its own names it (the stage mounts the
+	// volume's own filesystem).
+	if p, err = StartProbe(ctx, disk, off); err != nil {
+		t.Fatal(err)
+	}
+	<-p.done
 	if out, err := exec.Command("mkfs.ext4", "-q", "-F", mapping).CombinedOutput(); err != nil {
 		t.Fatalf("mkfs.ext4: %v %s", err, out)
 	}
+	DropBuffers(mapping)
+	if _, err := ProveMapping(ctx, mapping, p); !errors.As(err, &nb) || nb.Type != "ext4" {
+		t.Fatalf("an ext4 made after the probe: %v (%+v)", err, nb)
+	}
+
+	// A filesystem on the region before the probe: named with its type.
 	DropBuffers(disk)
 	if p, err = StartProbe(ctx, disk, off); err != nil {
 		t.Fatal(err)
