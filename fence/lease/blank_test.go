@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -217,5 +218,32 @@ func TestFormatWithAProofUsesALeaseAreaWrittenSince(t *testing.T) {
 	}
 	if h, err := DecodeHeader(b); err != nil || h.Creator != keyB {
 		t.Fatalf("the header is %+v (%v), want the other node's", h, err)
+	}
+}
+
+// A proof of a path that names another device since (a /dev/disk/by-*
+// link retargeted) is not taken: Format proves the disk it opened.
+func TestFormatTakesNoProofOfAPathRetargeted(t *testing.T) {
+	ctx := context.Background()
+	first := loopDevice(t, 64<<20, 512, nil)
+	second := loopDevice(t, 64<<20, 512, nil)
+	link := filepath.Join(t.TempDir(), "disk")
+	if err := os.Symlink(first, link); err != nil {
+		t.Fatal(err)
+	}
+	p, err := blank.Prove(ctx, link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Remove(link)
+	if err := os.Symlink(second, link); err != nil {
+		t.Fatal(err)
+	}
+	proved := 0
+	testHookBeforeProof = func(*Device) { proved++ }
+	t.Cleanup(func() { testHookBeforeProof = nil })
+	wrote, err := Format(ctx, openDev(t, link), FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
+	if err != nil || !wrote || proved != 1 {
+		t.Fatalf("format through a retargeted path: wrote %v, %v, proved again %d times; want it proven again and written", wrote, err, proved)
 	}
 }

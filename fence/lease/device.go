@@ -9,6 +9,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // Device is a disk opened for lease I/O: O_DIRECT, so that every read
@@ -25,6 +27,9 @@ type Device struct {
 	// (testing/synctest).
 	sem  chan struct{}
 	size int64
+	// id is what name named when it was opened (a blank proof of name
+	// is taken only if it is of the same device).
+	id blank.FileID
 	// gate, when set by the simulator, runs where this host's process
 	// enters and leaves a lease I/O: a paused host blocks there. Nil in
 	// production.
@@ -63,6 +68,7 @@ func openDevice(path string, mode int) (*Device, error) {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
+	d.id = blank.FileIDOf(&st)
 	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
 		ssz, err := unix.IoctlGetInt(fd, unix.BLKSSZGET)
 		if err != nil {

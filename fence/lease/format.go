@@ -44,7 +44,8 @@ type FormatOptions struct {
 	// Proof, if valid, is the caller's proof that the whole device was
 	// blank, made moments before (the agent's stage proves a disk blank
 	// to choose the lease for it). Format takes it when it is of this
-	// device and at most 5 s old (proofReuse): the proof's zero checks
+	// device (its path, naming the same device as when it was proven)
+	// and at most 5 s old (proofReuse): the proof's zero checks
 	// are read again (blank.Recheck), its signature checks (blkid) are
 	// not run again. Any other proof is ignored and the disk is proven
 	// again.
@@ -141,10 +142,11 @@ func (o FormatOptions) write(ctx context.Context, d *Device, proof blank.Proof, 
 }
 
 // reusable is the caller's proof when it is recent and of this whole
-// device.
+// device: the same path naming the same device as when it was proven.
 func (o FormatOptions) reusable(d *Device) (blank.Proof, bool) {
 	p := o.Proof
-	return p, p.Valid() && p.Device() == d.name && p.From() == 0 && p.Size() == d.size && time.Since(p.Taken()) <= proofReuse
+	return p, p.Valid() && p.Device() == d.name && p.File() == d.id && p.From() == 0 && p.Size() == d.size &&
+		time.Since(p.Taken()) <= proofReuse
 }
 
 // proof is the blank proof the header write takes: the caller's, when it

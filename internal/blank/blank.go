@@ -55,13 +55,34 @@ var (
 // agent takes one.
 type Proof struct {
 	path  string
+	id    FileID
 	size  int64
 	from  int64
 	taken time.Time
 }
 
+// FileID is what a path named when it was opened: a block device by its
+// device number (Rdev), any file by its filesystem and inode. A path can be
+// made to name another device (a /dev/disk/by-* link retargeted, a node
+// made anew); its FileID then differs.
+type FileID struct{ Dev, Ino, Rdev uint64 }
+
+// FileIDOf is the FileID of a file's stat.
+func FileIDOf(st *unix.Stat_t) FileID { return FileID{Dev: st.Dev, Ino: st.Ino, Rdev: st.Rdev} }
+
+func fileIDOf(f *os.File) (FileID, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return FileID{}, err
+	}
+	return FileIDOf(&st), nil
+}
+
 // Device is the path that was proven blank.
 func (p Proof) Device() string { return p.path }
+
+// File is what Device named when it was proven blank.
+func (p Proof) File() FileID { return p.id }
 
 // Size is the device's size when it was proven blank.
 func (p Proof) Size() int64 { return p.size }
@@ -111,7 +132,7 @@ func Prove(ctx context.Context, path string) (Proof, error) {
 	if found := r.nonZero(); found != "" {
 		return Proof{}, &NotBlankError{Device: path, Found: found}
 	}
-	return Proof{path: path, size: r.size, taken: taken}, nil
+	return Proof{path: path, id: r.id, size: r.size, taken: taken}, nil
 }
 
 // ProveEncrypted proves blank the opened dm-crypt mapping of a LUKS2
@@ -128,7 +149,7 @@ func ProveEncrypted(ctx context.Context, mapping string) (Proof, error) {
 	if err != nil {
 		return Proof{}, err
 	}
-	return Proof{path: mapping, size: r.size, taken: taken}, nil
+	return Proof{path: mapping, id: r.id, size: r.size, taken: taken}, nil
 }
 
 // readUnsigned reads the device at path and returns what it read when
@@ -191,7 +212,7 @@ func ProvePast(ctx context.Context, path string, from int64) (Proof, error) {
 	if found := r.nonZero(); found != "" {
 		return Proof{}, &NotBlankError{Device: path, Found: found}
 	}
-	return Proof{path: path, size: r.size, from: from, taken: taken}, nil
+	return Proof{path: path, id: r.id, size: r.size, from: from, taken: taken}, nil
 }
 
 // Recheck reads again the parts of the device p proved blank that its zero
@@ -204,13 +225,15 @@ func Recheck(ctx context.Context, p Proof) (Proof, error) {
 	if !p.Valid() || p.From() != 0 {
 		return Proof{}, fmt.Errorf("%s: no proof of the whole device to check again", p.path)
 	}
-	size, zero, err := allZero(ctx, p.path)
+	sc, err := allZero(ctx, p.path)
 	switch {
 	case err != nil:
 		return Proof{}, err
-	case size != p.size:
-		return Proof{}, fmt.Errorf("%s: %d bytes now, %d when it was proven blank; it is proven again", p.path, size, p.size)
-	case zero:
+	case sc.id != p.id:
+		return Proof{}, fmt.Errorf("%s names another device than when it was proven blank; it is proven again", p.path)
+	case sc.size != p.size:
+		return Proof{}, fmt.Errorf("%s: %d bytes now, %d when it was proven blank; it is proven again", p.path, sc.size, p.size)
+	case sc.zero:
 		return p, nil
 	}
 	r, err := read(ctx, p.path)
@@ -231,12 +254,12 @@ func Recheck(ctx context.Context, p Proof) (Proof, error) {
 // (allZero) gives regions that hold nothing, as no check can find
 // anything in zeros; any other is read whole.
 func readChecked(ctx context.Context, path string) (*regions, error) {
-	size, zero, err := allZero(ctx, path)
+	sc, err := allZero(ctx, path)
 	if err != nil {
 		return nil, err
 	}
-	if zero {
-		return &regions{size: size, zero: true}, nil
+	if sc.zero {
+		return &regions{id: sc.id, size: sc.size, zero: true}, nil
 	}
 	return read(ctx, path)
 }
@@ -246,6 +269,7 @@ type regions struct {
 	// zero says the regions were all zeros (readChecked) and were not
 	// kept: nothing is in them.
 	zero    bool
+	id      FileID
 	size    int64
 	lead    []byte // the first block, for the lease magic (ProvePast)
 	head    []byte // HeadSize bytes from headOff (or up to the end)
@@ -358,30 +382,32 @@ func read(ctx context.Context, path string) (*regions, error) { return readFrom(
 
 // openAligned opens path for reading, with O_DIRECT where it allows, and
 // returns its size and the alignment its reads need (1 without O_DIRECT).
-func openAligned(path string) (f *os.File, size, align int64, err error) {
+func openAligned(path string) (f *os.File, id FileID, size, align int64, err error) {
 	f, direct, err := open(path)
 	if err != nil {
-		return nil, 0, 0, err
+		return nil, id, 0, 0, err
 	}
-	size, align, err = geometry(f)
+	if id, err = fileIDOf(f); err == nil {
+		size, align, err = geometry(f)
+	}
 	if err != nil {
 		f.Close()
-		return nil, 0, 0, fmt.Errorf("%s: %w", path, err)
+		return nil, id, 0, 0, fmt.Errorf("%s: %w", path, err)
 	}
 	if !direct {
 		align = 1
 	}
-	return f, size, align, nil
+	return f, id, size, align, nil
 }
 
 // readFrom reads the first block, HeadSize bytes from headOff and the
 // last TailSize bytes, with O_DIRECT where the file allows it.
 func readFrom(ctx context.Context, path string, headOff int64) (*regions, error) {
-	f, size, align, err := openAligned(path)
+	f, id, size, align, err := openAligned(path)
 	if err != nil {
 		return nil, err
 	}
-	r := &regions{size: size, headOff: min(headOff, size)}
+	r := &regions{id: id, size: size, headOff: min(headOff, size)}
 	r.headOff -= r.headOff % align
 	r.tailOff = max(0, size-TailSize)
 	r.tailOff -= r.tailOff % align
@@ -482,16 +508,16 @@ const scanChunk = 1 << 20
 
 // allZero reads what Prove reads (the first HeadSize and the last
 // TailSize bytes) a chunk at a time through one buffer and reports
-// whether all of it is zeros, with the device's size. Every check of a
+// whether all of it is zeros, with the device's size and FileID. Every check of a
 // proof looks for bytes that are not zero, so a device that passes this
 // needs none of them; the regions of a device that does not are read
 // whole again to name what is there. A proof of a blank device so
 // allocates 1 MiB instead of 6, whose page faults cost more than the
 // reads in an emulated guest.
-func allZero(ctx context.Context, path string) (int64, bool, error) {
-	f, size, align, err := openAligned(path)
+func allZero(ctx context.Context, path string) (scan, error) {
+	f, id, size, align, err := openAligned(path)
 	if err != nil {
-		return 0, false, err
+		return scan{}, err
 	}
 	tailOff := max(0, size-TailSize)
 	tailOff -= tailOff % align
@@ -512,9 +538,17 @@ func allZero(ctx context.Context, path string) (int64, bool, error) {
 	})
 	if err != nil {
 		// The reading goroutine may still run: zero is not read.
-		return 0, false, err
+		return scan{}, err
 	}
-	return size, zero, nil
+	return scan{id: id, size: size, zero: zero}, nil
+}
+
+// scan is what allZero found: the file, its size, and whether its regions
+// are all zeros.
+type scan struct {
+	id   FileID
+	size int64
+	zero bool
 }
 
 // bounded runs read, which reads path, and waits for it until ctx ends or
@@ -666,7 +700,7 @@ func ProveMapping(ctx context.Context, path string, p *Probe) (Proof, error) {
 		p.Stop()
 		return Prove(ctx, path)
 	}
-	size, zero, err := allZero(ctx, path)
+	sc, err := allZero(ctx, path)
 	if err != nil {
 		p.Stop()
 		return Proof{}, err
@@ -677,13 +711,13 @@ func ProveMapping(ctx context.Context, path string, p *Probe) (Proof, error) {
 		p.Stop()
 		return Proof{}, ctx.Err()
 	}
-	if !zero || p.res.err != nil || p.res.found != "" {
+	if !sc.zero || p.res.err != nil || p.res.found != "" {
 		// Something is there, or blkid could not say: a proof of its
 		// own names it as Prove does (what blkid names now, which the
 		// caller mounts when it is the volume's filesystem).
 		return Prove(ctx, path)
 	}
-	return Proof{path: path, size: size, taken: p.taken}, nil
+	return Proof{path: path, id: sc.id, size: sc.size, taken: p.taken}, nil
 }
 
 // shownBy reports whether the device at path is a loop device over p's
@@ -728,7 +762,7 @@ func ProbeBlkid(ctx context.Context, path string) (string, error) {
 // page cache as Prove does (for a header that decides how a disk is used,
 // such as the lease's).
 func ReadHead(ctx context.Context, path string, n int64) ([]byte, error) {
-	f, size, align, err := openAligned(path)
+	f, _, size, align, err := openAligned(path)
 	if err != nil {
 		return nil, err
 	}

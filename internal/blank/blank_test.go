@@ -100,9 +100,9 @@ func TestNoCheckFindsAnythingInZeros(t *testing.T) {
 		if sig, h, nz := r.signature(), r.headers(), r.nonZero(); sig != "" || h != "" || nz != "" {
 			t.Fatalf("%d bytes of zeros: signature %q, headers %q, non-zero %q; want nothing found", size, sig, h, nz)
 		}
-		size2, zero, err := allZero(context.Background(), image(t, size, 0, nil))
-		if err != nil || !zero || size2 != size {
-			t.Fatalf("allZero of %d bytes of zeros: %d %v %v", size, size2, zero, err)
+		sc, err := allZero(context.Background(), image(t, size, 0, nil))
+		if err != nil || !sc.zero || sc.size != size {
+			t.Fatalf("allZero of %d bytes of zeros: %+v %v", size, sc, err)
 		}
 	}
 }
