@@ -28,10 +28,6 @@ type Choice struct {
 	// writes the method's metadata on a blank disk (never over data) and
 	// reports whether it wrote anything.
 	Prepare func(ctx context.Context) (wrote bool, err error)
-	// Proven says the disk was proven blank when it was chosen: Prepare
-	// will write the method's metadata on it, and the data region past
-	// it holds nothing yet.
-	Proven bool
 }
 
 // FencerFactory chooses how a disk is fenced. Choose must not change

@@ -71,7 +71,6 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 		ch.Prepare = func(ctx context.Context) (bool, error) {
 			return lease.Format(ctx, ld, lease.FormatOptions{Key: o.Key, Timeout: o.Timing.IOTimeout, Logger: o.Log, Proof: proof})
 		}
-		ch.Proven = proof.Valid()
 	}
 	return ch, nil
 }

@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -646,47 +645,5 @@ func blkidRuns(t *testing.T) func() []string {
 		b, _ := os.ReadFile(runs)
 		os.Remove(runs)
 		return strings.Fields(strings.ReplaceAll(strings.TrimSpace(string(b)), " ", "_"))
-	}
-}
-
-// TestAFirstLeaseStageProbesItsDataRegionAhead: the first stage of a
-// blank lease disk runs blkid twice, both on the disk: the blank proof of
-// the disk, and the data region's signature check begun before the lease
-// area is written (-O, -S), which the proof of the data mapping takes
-// instead of a run of its own. A later stage, of a disk that carries its
-// lease area and filesystem, begins none.
-func TestAFirstLeaseStageProbesItsDataRegionAhead(t *testing.T) {
-	e := fencedLeaseEnv(t, nodeA, "node-a")
-	ctx := context.Background()
-	img, dev := loop(t, 64)
-	t.Cleanup(func() { clearRO(dev) })
-	runs := blkidRuns(t)
-	req := e.stageReq("vol-p", img, "staging/p")
-	req.AllowUnfenced = false
-	if res, err := e.m.Stage(ctx, req); err != nil || !res.Formatted || res.Method != MethodLease {
-		t.Fatalf("first stage: %+v %v", res, err)
-	}
-	c, _ := e.m.Store().Get("vol-p")
-	got := runs()
-	region := fmt.Sprintf("-p_-o_export_-O_%d_-S_%d_%s", lease.DataOffset, 64<<20-lease.DataOffset, dev)
-	if len(got) != 2 || !slices.Contains(got, "-p_-o_export_"+dev) || !slices.Contains(got, region) {
-		t.Fatalf("blkid runs of the first stage: %q; want the disk's and its data region's (data mapping %s)", got, c.DataDevice)
-	}
-	if blkid(t, c.DataDevice, "TYPE") != "ext4" {
-		t.Fatal("no filesystem on the data mapping")
-	}
-	if err := e.m.Unstage(ctx, "vol-p", req.StagingPath); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.m.Stage(ctx, req); err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range runs() {
-		if strings.Contains(r, "_-O_") {
-			t.Fatalf("a later stage probed the data region ahead: %q", r)
-		}
-	}
-	if err := e.m.Unstage(ctx, "vol-p", req.StagingPath); err != nil {
-		t.Fatal(err)
 	}
 }

@@ -31,13 +31,12 @@ type mounter interface {
 // proven blank and mounts that; a device with anything else on it is
 // refused, never formatted. An ext4 smaller than its device that this
 // agent can only grow unmounted is grown before the mount (grow.go). It
-// reports whether it made the filesystem. probe, if not nil, is the
-// signature check of device begun ahead (blank.ProveMapping).
-func (m *Manager) mountFS(ctx context.Context, c *Claim, device string, probe *blank.Probe) (bool, error) {
+// reports whether it made the filesystem.
+func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, error) {
 	if mp, err := m.mounter.IsMountPoint(c.StagingPath); err == nil && mp {
 		return false, m.mountedAlready(c, device)
 	}
-	proof, err := m.formatProof(ctx, c, device, probe)
+	proof, err := m.formatProof(ctx, c, device)
 	if err != nil {
 		return false, err
 	}
@@ -90,10 +89,9 @@ func (m *Manager) mountedAlready(c *Claim, device string) error {
 // (refused).
 //
 // One blank proof answers both (blank.NotBlankError names what blkid
-// found): a second `blkid -p` costs a first stage a process start. With a
-// probe of device begun ahead, the proof takes its blkid run.
-func (m *Manager) formatProof(ctx context.Context, c *Claim, device string, probe *blank.Probe) (blank.Proof, error) {
-	proof, err := blank.ProveMapping(ctx, device, probe)
+// found): a second `blkid -p` costs a first stage a process start.
+func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
+	proof, err := blank.Prove(ctx, device)
 	var nb *blank.NotBlankError
 	existing := ""
 	switch {

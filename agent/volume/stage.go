@@ -11,7 +11,6 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
 // A stage takes the steps of a volume's life on a node in their order
@@ -51,10 +50,6 @@ type staging struct {
 	// parts are the timed parts of the step under way (fence: choose,
 	// prepare, acquire), logged after its total.
 	parts []string
-	// probe is the signature check of the data region of a disk whose
-	// fencing metadata this stage writes, begun before that write and
-	// taken by the proof of the data mapping (startDataProbe).
-	probe *blank.Probe
 }
 
 // timed runs one part of a step and notes how long it took.
@@ -299,12 +294,8 @@ func (s *staging) takeFence(ctx context.Context) error {
 	if err := s.writableForLease(ctx); err != nil {
 		return err
 	}
-	s.startDataProbe(ctx)
 	if err := s.timed("prepare", func() error { return s.prepareFence(ctx) }); err != nil {
 		return err
-	}
-	if !c.FenceFormatted {
-		s.dropDataProbe() // the metadata was there: so may data be
 	}
 	var claim fence.Claim
 	err := s.timed("acquire", func() (err error) {
@@ -325,32 +316,6 @@ func (s *staging) takeFence(ctx context.Context) error {
 		s.announceTakeover(claim)
 	}
 	return nil
-}
-
-// startDataProbe begins the blkid run of the data region of a disk proven
-// blank when its fencing was chosen, whose metadata this stage is about to
-// write: the run goes on while the metadata is written and the fence taken
-// (waits on the disk), and the proof of the data mapping before mkfs takes
-// it (blank.ProveMapping) instead of starting blkid then. Only for a
-// filesystem made on the mapping itself: a raw block volume is not
-// formatted, and an encrypted one is formatted through its LUKS2 mapping.
-func (s *staging) startDataProbe(ctx context.Context) {
-	if !s.choice.Proven || s.choice.DataOffset <= 0 || s.r.Block || s.r.Encrypted || !s.isNew {
-		return
-	}
-	p, err := blank.StartProbe(ctx, s.dev.Path, s.choice.DataOffset)
-	if err != nil {
-		s.m.log.Warn("could not begin the signature check of the data region; the data mapping is proven when it is made", "volume", s.c.Volume, "device", s.dev.Path, "err", err)
-		return
-	}
-	s.probe = p
-	s.undo.push(s.dropDataProbe)
-}
-
-// dropDataProbe ends the data probe if it is not to be taken.
-func (s *staging) dropDataProbe() {
-	s.probe.Stop()
-	s.probe = nil
 }
 
 // writableForLease clears the read-only flag a refusal earlier left on the
@@ -509,12 +474,7 @@ func (s *staging) mount(ctx context.Context) error {
 	if s.r.Block {
 		return nil
 	}
-	probe := s.probe
-	if c.MountDevice() != c.DataDevice {
-		probe = nil
-	}
-	made, err := m.mountFS(ctx, c, c.MountDevice(), probe)
-	s.dropDataProbe()
+	made, err := m.mountFS(ctx, c, c.MountDevice())
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"time"
 	"unsafe"
@@ -50,9 +49,8 @@ var (
 	luksSecondaryOffsets = []int64{16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20}
 )
 
-// Proof says that a device was found blank. Only Prove, ProvePast,
-// ProveMapping and ProveEncrypted make a non-zero one; every format of the
-// agent takes one.
+// Proof says that a device was found blank. Only Prove, ProvePast and
+// ProveEncrypted make a non-zero one; every format of the agent takes one.
 type Proof struct {
 	path  string
 	id    FileID
@@ -587,7 +585,7 @@ type probed struct {
 	err                error
 }
 
-func probeBlkid(ctx context.Context, path string, region ...string) probed {
+func probeBlkid(ctx context.Context, path string) probed {
 	// blkid reads through the page cache: before, so that it sees what
 	// the disk holds now (another node may have written it); after, so
 	// that what it read is not served, stale, to a later buffered reader
@@ -597,8 +595,7 @@ func probeBlkid(ctx context.Context, path string, region ...string) probed {
 	defer DropBuffers(path)
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	args := append([]string{"-p", "-o", "export"}, region...)
-	out, err := exec.CommandContext(ctx, "blkid", append(args, path)...).Output()
+	out, err := exec.CommandContext(ctx, "blkid", "-p", "-o", "export", path).Output()
 	var ee *exec.ExitError
 	switch {
 	case errors.As(err, &ee) && ee.ExitCode() == 2:
@@ -629,113 +626,6 @@ func probeBlkid(ctx context.Context, path string, region ...string) probed {
 	}
 	p.found = "blkid: " + strings.Join(found, " ")
 	return p
-}
-
-// A Probe is the `blkid -p` run of a region of a disk, from an offset to
-// its end, begun before the device that will show that region (a loop
-// mapping of the disk from the offset) is made, and taken by the proof of
-// that device (ProveMapping): the signature checks run while the caller
-// does other work (the lease's writes, which wait on the disk), the zero
-// checks are read when the proof is made. blkid is told the region
-// (`-O`, `-S`), so it probes it as it would the mapping.
-type Probe struct {
-	disk           string
-	dev, ino, rdev uint64 // the disk node's, as a loop device's status names its backing file
-	offset, size   int64  // the region: size bytes from offset, to the end
-	taken          time.Time
-	done           chan struct{}
-	res            probed
-	stop           context.CancelFunc
-}
-
-// probeAge is how old a Probe may be for ProveMapping to take it.
-const probeAge = 5 * time.Second
-
-// StartProbe begins the `blkid -p` run of disk from offset to its end.
-// Stop ends one that will not be taken.
-func StartProbe(ctx context.Context, disk string, offset int64) (*Probe, error) {
-	f, err := os.Open(disk)
-	if err != nil {
-		return nil, err
-	}
-	var st unix.Stat_t
-	err = unix.Fstat(int(f.Fd()), &st)
-	var size int64
-	if err == nil {
-		size, _, err = geometry(f)
-	}
-	f.Close()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", disk, err)
-	}
-	if offset <= 0 || offset >= size {
-		return nil, fmt.Errorf("%s: no region from byte %d of %d bytes to probe", disk, offset, size)
-	}
-	pctx, stop := context.WithCancel(ctx)
-	p := &Probe{disk: disk, dev: st.Dev, ino: st.Ino, rdev: st.Rdev, offset: offset, size: size - offset,
-		taken: time.Now(), done: make(chan struct{}), stop: stop}
-	go func() {
-		defer close(p.done)
-		p.res = probeBlkid(pctx, disk, "-O", strconv.FormatInt(offset, 10), "-S", strconv.FormatInt(p.size, 10))
-	}()
-	return p, nil
-}
-
-// Stop ends the probe's blkid run if it still runs; a nil Probe is none.
-func (p *Probe) Stop() {
-	if p != nil {
-		p.stop()
-	}
-}
-
-// ProveMapping proves the device at path blank as Prove does, taking its
-// signature checks from p's blkid run when path is a loop device showing
-// exactly p's region of p's disk, p is at most probeAge old, p found
-// nothing and the zero checks, read now, find nothing either; the proof is
-// then as old as p's run. In any other case (no probe, another disk,
-// offset or size, anything found) it proves path afresh, so what is there
-// is named as Prove names it.
-func ProveMapping(ctx context.Context, path string, p *Probe) (Proof, error) {
-	if p == nil || time.Since(p.taken) > probeAge || !p.shownBy(path) {
-		p.Stop()
-		return Prove(ctx, path)
-	}
-	sc, err := allZero(ctx, path)
-	if err != nil {
-		p.Stop()
-		return Proof{}, err
-	}
-	select {
-	case <-p.done:
-	case <-ctx.Done():
-		p.Stop()
-		return Proof{}, ctx.Err()
-	}
-	if !sc.zero || p.res.err != nil || p.res.found != "" {
-		// Something is there, or blkid could not say: a proof of its
-		// own names it as Prove does (what blkid names now, which the
-		// caller mounts when it is the volume's filesystem).
-		return Prove(ctx, path)
-	}
-	return Proof{path: path, id: sc.id, size: sc.size, taken: p.taken}, nil
-}
-
-// shownBy reports whether the device at path is a loop device over p's
-// disk that shows p's region: its backing file is the disk's node, its
-// offset p's, and its size the rest of the disk.
-func (p *Probe) shownBy(path string) bool {
-	f, err := os.Open(path)
-	if err != nil {
-		return false
-	}
-	defer f.Close()
-	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
-	if err != nil {
-		return false
-	}
-	size, _, err := geometry(f)
-	return err == nil && info.Device == p.dev && info.Inode == p.ino && info.Rdevice == p.rdev &&
-		int64(info.Offset) == p.offset && size == p.size
 }
 
 // DropBuffers writes out and drops the page cache of the block device at

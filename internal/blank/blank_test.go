@@ -270,3 +270,32 @@ func TestBlkidFailureIsNoRefusal(t *testing.T) {
 		t.Fatalf("Prove of data without blkid: %v; want ErrProbe and no refusal", err)
 	}
 }
+
+// TestRecheckOfAPathNamingAnotherDevice: a proof is of the device its path
+// named when it was made; the path made to name another one (as a
+// /dev/disk/by-* link retargeted), blank too, is not taken on the proof's
+// word: Recheck refuses it.
+func TestRecheckOfAPathNamingAnotherDevice(t *testing.T) {
+	needBlkid(t)
+	ctx := context.Background()
+	dir := t.TempDir()
+	a, b := hosttest.SparseFile(t, 32<<20), hosttest.SparseFile(t, 32<<20)
+	link := dir + "/disk"
+	if err := os.Symlink(a, link); err != nil {
+		t.Fatal(err)
+	}
+	p, err := Prove(ctx, link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Recheck(ctx, p); err != nil {
+		t.Fatalf("the same device: %v", err)
+	}
+	os.Remove(link)
+	if err := os.Symlink(b, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Recheck(ctx, p); err == nil || !strings.Contains(err.Error(), "another device") {
+		t.Fatalf("the path retargeted to another blank device: %v; want a refusal", err)
+	}
+}
