@@ -171,17 +171,24 @@ func TestFormatProvesAgainPastTheReuseBound(t *testing.T) {
 	}
 }
 
+// provenDisk is a blank loop device, opened for the lease, and its blank
+// proof.
+func provenDisk(t *testing.T) (*Device, blank.Proof) {
+	t.Helper()
+	dev := loopDevice(t, 64<<20, 512, nil)
+	p, err := blank.Prove(context.Background(), dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return openDev(t, dev), p
+}
+
 // A recent proof is taken without its blkid run, not without its zero
 // checks: data written past the first MiB since the proof refuses the
 // format as it did before.
 func TestFormatWithAProofReadsItsZerosAgain(t *testing.T) {
 	ctx := context.Background()
-	dev := loopDevice(t, 64<<20, 512, nil)
-	p, err := blank.Prove(ctx, dev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d := openDev(t, dev)
+	d, p := provenDisk(t)
 	data := make([]byte, BlockSize)
 	copy(data, "someone's data at 2 MiB")
 	if _, err := d.io(ctx, true, 2<<20, data, time.Second); err != nil {
@@ -199,12 +206,7 @@ func TestFormatWithAProofReadsItsZerosAgain(t *testing.T) {
 // nothing, as when the other header lands before the layout read.
 func TestFormatWithAProofUsesALeaseAreaWrittenSince(t *testing.T) {
 	ctx := context.Background()
-	dev := loopDevice(t, 64<<20, 512, nil)
-	p, err := blank.Prove(ctx, dev)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d := openDev(t, dev)
+	d, p := provenDisk(t)
 	if wrote, err := Format(ctx, d, FormatOptions{Key: keyB, Timeout: time.Second}); err != nil || !wrote {
 		t.Fatalf("the other node's format: %v %v", wrote, err)
 	}
