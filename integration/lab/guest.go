@@ -3,6 +3,7 @@ package lab
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -198,7 +199,7 @@ func startGuest(ctx context.Context, cfg GuestConfig, k *Kernel, initrd, dir, pi
 	select {
 	case d := <-ch:
 		if d.err != nil {
-			return nil, fmt.Errorf("guest did not come up: %w", d.err)
+			return nil, fmt.Errorf("%w: %w", errNoAnswer, d.err)
 		}
 		g.exec = d.c
 	case <-g.Proc.Exited():
@@ -206,6 +207,28 @@ func startGuest(ctx context.Context, cfg GuestConfig, k *Kernel, initrd, dir, pi
 		return nil, fmt.Errorf("QEMU exited during boot: %v", g.Proc.exitErr)
 	}
 	g.BootTime = time.Since(started)
+	return g, nil
+}
+
+// errNoAnswer is a guest whose exec server did not answer within the boot
+// wait.
+var errNoAnswer = errors.New("guest did not come up")
+
+// bootRetrying runs start, which boots a guest whose files are in dir, and
+// runs it once more when the guest did not answer: now and then a TCG
+// guest hangs in early boot on a busy host (RCU stalls, "timer wakeup
+// didn't happen" on one vCPU, udev workers blocked) and its next boot is
+// sound. The hung boot's console is kept as console-hung.log.
+func bootRetrying(ctx context.Context, dir string, start func() (*Guest, error)) (*Guest, error) {
+	g, err := start()
+	if !errors.Is(err, errNoAnswer) || ctx.Err() != nil {
+		return g, err
+	}
+	_ = os.Rename(filepath.Join(dir, "console.log"), filepath.Join(dir, "console-hung.log"))
+	g, err2 := start()
+	if err2 != nil {
+		return nil, fmt.Errorf("%w; booted once more: %w", err, err2)
+	}
 	return g, nil
 }
 

@@ -175,7 +175,10 @@ func (l *Lab) StartGuests(ctx context.Context, cfgs ...GuestConfig) ([]*Guest, e
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			guests[i], errs[i] = startGuest(ctx, c, l.Kernel, l.Initrd, filepath.Join(l.cfg.Dir, c.Name), PIDDir(l.cfg.Dir), l.spawn)
+			dir := filepath.Join(l.cfg.Dir, c.Name)
+			guests[i], errs[i] = bootRetrying(ctx, dir, func() (*Guest, error) {
+				return startGuest(ctx, c, l.Kernel, l.Initrd, dir, PIDDir(l.cfg.Dir), l.spawn)
+			})
 		}()
 	}
 	wg.Wait()
