@@ -30,6 +30,10 @@ type testDriver struct {
 		TopologyKeys         []string
 		NumAllowedTopologies int
 		Capabilities         map[string]bool
+		// Run parameters of the stress patterns (framework.StressTestOptions,
+		// framework.VolumeSnapshotStressTestOptions).
+		StressTestOptions               *struct{ NumPods, NumRestarts int }
+		VolumeSnapshotStressTestOptions *struct{ NumPods, NumSnapshots int }
 	}
 	Timeouts map[string]string
 }
