@@ -170,12 +170,7 @@ func readUnsigned(ctx context.Context, path string, find func(*regions) string) 
 		<-blkid
 		return nil, err
 	}
-	return judge(path, r, <-blkid, find)
-}
-
-// judge is the outcome of a proof from what was read (r) and what blkid
-// found (p).
-func judge(path string, r *regions, p probed, find func(*regions) string) (*regions, error) {
+	p := <-blkid
 	if p.err != nil {
 		// Whatever the reads found, what blkid would have named (the
 		// filesystem a caller mounts) is unknown.
