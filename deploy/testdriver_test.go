@@ -34,6 +34,18 @@ type testDriver struct {
 		// framework.VolumeSnapshotStressTestOptions).
 		StressTestOptions               *struct{ NumPods, NumRestarts int }
 		VolumeSnapshotStressTestOptions *struct{ NumPods, NumSnapshots int }
+		// framework.PerformanceTestOptions: its metrics' AvgLatency is a
+		// time.Duration, which the suite decodes from nanoseconds.
+		PerformanceTestOptions *struct {
+			ProvisioningOptions *struct {
+				VolumeSize      string
+				Count           int
+				ExpectedMetrics *struct {
+					AvgLatency int64
+					Throughput float64
+				}
+			}
+		}
 	}
 	Timeouts map[string]string
 }
@@ -103,6 +115,34 @@ func TestTestDriverClaimsWhatThePluginDoes(t *testing.T) {
 	}
 	checkFilesystemsAndSizes(t, d)
 	checkTimeouts(t, d)
+	checkRunParameters(t, d)
+}
+
+// checkRunParameters: the stress and performance patterns get parameters
+// they can run with (a pattern without them is skipped, and a zero count
+// would pass having done nothing), and the performance volumes' size is
+// one the driver provisions.
+func checkRunParameters(t *testing.T, d *testDriver) {
+	t.Helper()
+	s, ss, p := d.DriverInfo.StressTestOptions, d.DriverInfo.VolumeSnapshotStressTestOptions, d.DriverInfo.PerformanceTestOptions
+	if s == nil || s.NumPods < 1 || s.NumRestarts < 1 {
+		t.Errorf("StressTestOptions %+v: volume-stress needs pods and restarts", s)
+	}
+	if ss == nil || ss.NumPods < 1 || ss.NumSnapshots < 1 {
+		t.Errorf("VolumeSnapshotStressTestOptions %+v: snapshottable-stress needs pods and snapshots", ss)
+	}
+	if p == nil || p.ProvisioningOptions == nil || p.ProvisioningOptions.ExpectedMetrics == nil {
+		t.Fatalf("PerformanceTestOptions %+v: the performance patterns need provisioning options with expected metrics", p)
+	}
+	po := p.ProvisioningOptions
+	if po.Count < 1 || po.ExpectedMetrics.AvgLatency < int64(time.Second) || po.ExpectedMetrics.Throughput <= 0 {
+		t.Errorf("performance provisioning options %+v, metrics %+v: a count, a latency of a second or more (nanoseconds) and a throughput are needed", po, *po.ExpectedMetrics)
+	}
+	size, err := resource.ParseQuantity(po.VolumeSize)
+	min, max := resource.MustParse(d.DriverInfo.SupportedSizeRange.Min), resource.MustParse(d.DriverInfo.SupportedSizeRange.Max)
+	if err != nil || size.Cmp(min) < 0 || size.Cmp(max) > 0 {
+		t.Errorf("performance volume size %q (%v): outside the supported %s-%s", po.VolumeSize, err, min.String(), max.String())
+	}
 }
 
 // pluginCapabilities are the controller's and the node service's
