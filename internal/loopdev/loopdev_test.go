@@ -6,6 +6,9 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
@@ -138,4 +141,114 @@ func TestAttachRefusals(t *testing.T) {
 	if err := Detach(img); err == nil || !strings.Contains(err.Error(), img) {
 		t.Fatalf("Detach of a regular file: %v; want an error naming it", err)
 	}
+}
+
+// A mapping over a block device with 512-byte logical blocks passes its
+// I/O to it directly: what is written to the device under the mapping is
+// what the mapping reads next, with no page cache in between to drop. One
+// over a regular file, or over a block device with larger logical blocks
+// (whose direct requests would have to be whole blocks), is cached as
+// before, and works.
+func TestAttachDirectIOOverABlockDevice(t *testing.T) {
+	needLoop(t)
+	const off = 1 << 20
+	disk, err := Attach(hosttest.SparseFile(t, 8<<20), 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(disk) })
+	if d, err := DirectIO(disk); err != nil || d {
+		t.Fatalf("the mapping of a regular file: direct I/O %v (%v); want the cached mapping", d, err)
+	}
+	m, err := Attach(disk, off, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(m) })
+	if d, err := DirectIO(m); err != nil || !d {
+		t.Fatalf("the mapping of %s (512-byte blocks): direct I/O %v (%v); want it", disk, d, err)
+	}
+	for i, what := range []string{"first", "second"} {
+		buf := make([]byte, 4096)
+		copy(buf, what)
+		writeDirect(t, disk, buf, off)
+		got := readDirect(t, m, 4096, 0)
+		if string(got[:len(what)]) != what {
+			t.Fatalf("write %d: the mapping reads %q at 0; want %q, written to %s at %d", i+1, got[:len(what)], what, disk, off)
+		}
+	}
+
+	big, err := Attach(hosttest.SparseFile(t, 8<<20), 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(big) })
+	setBlockSize(t, big, 4096)
+	m4k, err := Attach(big, off, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(m4k) })
+	if d, err := DirectIO(m4k); err != nil || d {
+		t.Fatalf("the mapping of %s (4096-byte blocks): direct I/O %v (%v); want the cached mapping", big, d, err)
+	}
+	f, err := os.OpenFile(m4k, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt([]byte("a sector"), 512); err != nil {
+		t.Fatalf("a 512-byte write to the cached mapping of a 4096-byte-block device: %v", err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func setBlockSize(t *testing.T, p string, n int) {
+	t.Helper()
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := unix.IoctlSetInt(int(f.Fd()), unix.LOOP_SET_BLOCK_SIZE, n); err != nil {
+		t.Skipf("this kernel does not set a loop device's block size: %v", err)
+	}
+}
+
+func writeDirect(t *testing.T, p string, b []byte, off int64) {
+	t.Helper()
+	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	buf := aligned(len(b))
+	copy(buf, b)
+	if _, err := unix.Pwrite(fd, buf, off); err != nil {
+		t.Fatalf("writing %s at %d: %v", p, off, err)
+	}
+}
+
+func readDirect(t *testing.T, p string, n int, off int64) []byte {
+	t.Helper()
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	buf := aligned(n)
+	if _, err := unix.Pread(fd, buf, off); err != nil {
+		t.Fatalf("reading %s at %d: %v", p, off, err)
+	}
+	return buf
+}
+
+// aligned is a buffer of n bytes (a multiple of 4096) at a 4096-byte
+// aligned address, as O_DIRECT needs.
+func aligned(n int) []byte {
+	raw := make([]byte, n+4096)
+	skip := 4096 - int(uintptr(unsafe.Pointer(&raw[0]))%4096)
+	return raw[skip%4096 : skip%4096+n]
 }
