@@ -200,22 +200,59 @@ func TestRefusalCarriesWhatBlkidNamed(t *testing.T) {
 	}
 }
 
-// FirstNonZero finds the first non-zero byte wherever it lies against
-// the chunks it compares.
+// FirstNonZero finds the first non-zero byte wherever it lies: against
+// the words and groups of words it ORs, in a slice that starts anywhere
+// against a word boundary, with any byte value, and whatever lies after
+// it.
 func TestFirstNonZero(t *testing.T) {
-	const n = 3*len(zeros) + 100
-	if got := FirstNonZero(make([]byte, n)); got != -1 {
-		t.Fatalf("zeros: %d; want -1", got)
+	naive := func(b []byte) int {
+		for i, c := range b {
+			if c != 0 {
+				return i
+			}
+		}
+		return -1
 	}
 	if got := FirstNonZero(nil); got != -1 {
 		t.Fatalf("nothing: %d; want -1", got)
 	}
-	for _, at := range []int{0, 1, len(zeros) - 1, len(zeros), 2*len(zeros) + 7, n - 1} {
-		b := make([]byte, n)
-		b[at] = 0x80
-		b[n-1] |= 1 // a later one must not be taken instead
-		if got := FirstNonZero(b); got != at {
-			t.Fatalf("non-zero at %d: found %d", at, got)
+	backing := make([]byte, 4096+16)
+	for start := 0; start < 16; start++ {
+		for _, n := range []int{0, 1, 7, 8, 9, 63, 64, 65, 127, 200, 4096} {
+			b := backing[start : start+n]
+			clear(backing)
+			if got := FirstNonZero(b); got != -1 {
+				t.Fatalf("start %d, %d zeros: %d; want -1", start, n, got)
+			}
+			for at := 0; at < n; at++ {
+				clear(backing)
+				// Bytes just before the slice are not its own.
+				if start > 0 {
+					backing[start-1] = 0xff
+				}
+				backing[start+n] = 0xff
+				b[at] = byte(1 << (at % 8))
+				if at+1 < n {
+					b[n-1] |= 0x10 // a later one must not be taken instead
+				}
+				if got, want := FirstNonZero(b), naive(b); got != want || got != at {
+					t.Fatalf("start %d, length %d, non-zero at %d: found %d (a byte loop finds %d)", start, n, at, got, want)
+				}
+			}
+		}
+	}
+	big := make([]byte, 6<<20+3)
+	for _, at := range []int{0, 1<<20 - 1, 5 << 20, len(big) - 1} {
+		clear(big)
+		big[at] = 0x80
+		// The slice starts a byte in: a non-zero byte 0 of big is not
+		// in it.
+		want := at - 1
+		if at == 0 {
+			want = -1
+		}
+		if got := FirstNonZero(big[1:]); got != want {
+			t.Fatalf("6 MiB less a byte, non-zero byte %d of big: found %d; want %d", at, got, want)
 		}
 	}
 }
