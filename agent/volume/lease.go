@@ -80,21 +80,30 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 // lease area is written only on one it passes. Prepare hands the proof to
 // the format, which takes it only while it is recent and reads its zero
 // regions again right before it writes (lease.FormatOptions.Proof). A
-// look (prove false) reads the layout alone.
+// look (prove false) reads the layout alone; a stage reads only whether a
+// lease header is there before it proves a disk without one, as the proof
+// reads every byte the layout would.
 func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string, prove bool) (lease.Classification, blank.Proof, error) {
-	cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
-	if err != nil || cls.Layout != lease.LayoutBlank || !prove {
+	if !prove {
+		cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
 		return cls, blank.Proof{}, err
+	}
+	formatted, err := lease.HasHeader(ctx, ld, o.Timing.IOTimeout)
+	switch {
+	case err != nil:
+		return lease.Classification{}, blank.Proof{}, err
+	case formatted:
+		return lease.Classification{Layout: lease.LayoutLease}, blank.Proof{}, nil
 	}
 	proof, err := blank.Prove(ctx, path)
 	if err != nil {
 		var nb *blank.NotBlankError
 		if !errors.As(err, &nb) {
-			return cls, blank.Proof{}, err
+			return lease.Classification{}, blank.Proof{}, err
 		}
 		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, blank.Proof{}, nil
 	}
-	return cls, proof, nil
+	return lease.Classification{Layout: lease.LayoutBlank}, proof, nil
 }
 
 // lost is the engine's OnLost: the manager's onLost, with the fencer's

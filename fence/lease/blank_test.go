@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -247,5 +248,45 @@ func TestFormatTakesNoProofOfAPathRetargeted(t *testing.T) {
 	wrote, err := Format(ctx, openDev(t, link), FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
 	if err != nil || !wrote || proved != 1 {
 		t.Fatalf("format through a retargeted path: wrote %v, %v, proved again %d times; want it proven again and written", wrote, err, proved)
+	}
+}
+
+// HasHeader tells a disk with a lease area from every other by its first
+// block alone: zeros and a filesystem's superblock are no header (a stage
+// then proves the disk, which refuses the second), a formatted disk has
+// one, and a disk too small for a volume is refused as ReadLayout refuses
+// it.
+func TestHasHeader(t *testing.T) {
+	ctx := context.Background()
+	open := func(dev string) *Device {
+		t.Helper()
+		d, err := OpenDevice(dev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		return d
+	}
+	d := open(loopDevice(t, 64<<20, 512, nil))
+	if has, err := HasHeader(ctx, d, time.Second); err != nil || has {
+		t.Fatalf("a blank disk: header %v (%v); want none", has, err)
+	}
+	if wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second}); err != nil || !wrote {
+		t.Fatalf("format: %v %v", wrote, err)
+	}
+	if has, err := HasHeader(ctx, d, time.Second); err != nil || !has {
+		t.Fatalf("a formatted disk: header %v (%v); want one", has, err)
+	}
+	fs := open(loopDevice(t, 64<<20, 512, func(img string) {
+		if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
+			t.Fatalf("mkfs.ext4: %v: %s", err, out)
+		}
+	}))
+	if has, err := HasHeader(ctx, fs, time.Second); err != nil || has {
+		t.Fatalf("an ext4 disk: header %v (%v); want none", has, err)
+	}
+	small := open(loopDevice(t, AreaSize, 512, nil))
+	if _, err := HasHeader(ctx, small, time.Second); err == nil || !strings.Contains(err.Error(), "too small") {
+		t.Fatalf("a disk of one lease area: %v; want it refused as too small", err)
 	}
 }

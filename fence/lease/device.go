@@ -123,7 +123,21 @@ var errIOTimeout = errors.New("lease I/O did not complete within the I/O timeout
 // with its own buffer, and the device stays locked until it does, so a
 // late write can never overtake a newer one.
 func (d *Device) io(ctx context.Context, write bool, off int64, data []byte, timeout time.Duration) ([]byte, error) {
-	n := len(data)
+	if !write {
+		return d.read(ctx, off, len(data), timeout)
+	}
+	return d.transfer(ctx, off, len(data), data, timeout)
+}
+
+// read reads n bytes at off as io does, into a buffer of its own.
+func (d *Device) read(ctx context.Context, off int64, n int, timeout time.Duration) ([]byte, error) {
+	return d.transfer(ctx, off, n, nil, timeout)
+}
+
+// transfer is io: a pwrite of data when it is not nil, else a pread of n
+// bytes.
+func (d *Device) transfer(ctx context.Context, off int64, n int, data []byte, timeout time.Duration) ([]byte, error) {
+	write := data != nil
 	if off%BlockSize != 0 || n%BlockSize != 0 || n == 0 {
 		return nil, fmt.Errorf("lease I/O at %d of %d bytes is not block aligned", off, n)
 	}
@@ -181,7 +195,7 @@ func (d *Device) io(ctx context.Context, write bool, off int64, data []byte, tim
 
 // ReadArea reads the header and every slot in one request.
 func (d *Device) ReadArea(ctx context.Context, timeout time.Duration) ([]byte, error) {
-	return d.io(ctx, false, 0, make([]byte, ReadSize), timeout)
+	return d.read(ctx, 0, ReadSize, timeout)
 }
 
 // writeSlot writes slot i.

@@ -15,20 +15,44 @@ import (
 // ReadLayout reads the first and last MiB of the device and classifies
 // them. A disk smaller than twice the area is too small for a volume.
 func ReadLayout(ctx context.Context, d *Device, timeout time.Duration) (Classification, error) {
-	if d.size < 2*AreaSize {
-		return Classification{}, fmt.Errorf("%s: %d bytes is too small for a lease volume (at least %d)", d.name, d.size, 2*AreaSize)
+	if err := d.bigEnough(); err != nil {
+		return Classification{}, err
 	}
-	head, err := d.io(ctx, false, 0, make([]byte, AreaSize), timeout)
+	head, err := d.read(ctx, 0, AreaSize, timeout)
 	if err != nil {
 		return Classification{}, err
 	}
 	tailOff := d.size - AreaSize
 	tailOff -= tailOff % BlockSize
-	tail, err := d.io(ctx, false, tailOff, make([]byte, AreaSize), timeout)
+	tail, err := d.read(ctx, tailOff, AreaSize, timeout)
 	if err != nil {
 		return Classification{}, err
 	}
 	return Classify(head, tail), nil
+}
+
+// HasHeader reads the device's first block and reports whether a lease
+// header begins it: what a stage needs to know before it proves a disk
+// without one blank, as the blank proof reads all that ReadLayout would
+// and more (blank.Prove). A disk smaller than twice the area is too small
+// for a volume, as for ReadLayout.
+func HasHeader(ctx context.Context, d *Device, timeout time.Duration) (bool, error) {
+	if err := d.bigEnough(); err != nil {
+		return false, err
+	}
+	b, err := d.read(ctx, 0, BlockSize, timeout)
+	if err != nil {
+		return false, err
+	}
+	return string(b[:len(headerMagic)]) == headerMagic, nil
+}
+
+// bigEnough refuses a device too small for a lease volume.
+func (d *Device) bigEnough() error {
+	if d.size < 2*AreaSize {
+		return fmt.Errorf("%s: %d bytes is too small for a lease volume (at least %d)", d.name, d.size, 2*AreaSize)
+	}
+	return nil
 }
 
 // FormatOptions are the inputs of Format.
