@@ -46,7 +46,7 @@ func TestDiskOfTheEarlierDriverIsNeverStagedUnfenced(t *testing.T) {
 	req := e.stageReq("7431", img, "staging/earlier")
 	req.AllowUnfenced = false
 	_, err := e.m.Stage(ctx, req)
-	wantCode(t, err, codes.FailedPrecondition, "7431", "ext4 signature at offset 1080", "not a lease area", "opt-in")
+	wantCode(t, err, codes.FailedPrecondition, "7431", "ext2/3/4 superblock", "not a lease area", "opt-in")
 	if isMounted(t, req.StagingPath) {
 		t.Fatal("the refused stage left the volume mounted")
 	}

@@ -80,28 +80,31 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 // lease area is written only on one it passes. Prepare hands the proof to
 // the format, which takes it only while it is recent and reads its zero
 // regions again right before it writes (lease.FormatOptions.Proof). A
-// look (prove false) reads the layout alone; a stage reads only whether a
-// lease header is there before it proves a disk without one, as the proof
-// reads every byte the layout would.
+// look (prove false) reads the layout alone. A stage reads the first
+// block: a lease header, or anything else there, decides at once; a disk
+// whose first block is zeros is proven blank, as the proof reads all the
+// layout would. A proof whose blkid could not answer (missing, an
+// ambivalent probe) proves nothing, but data the layout read finds still
+// makes the disk foreign, a refusal that needs no blkid.
 func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string, prove bool) (lease.Classification, blank.Proof, error) {
 	if !prove {
 		cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
 		return cls, blank.Proof{}, err
 	}
-	formatted, err := lease.HasHeader(ctx, ld, o.Timing.IOTimeout)
-	switch {
-	case err != nil:
-		return lease.Classification{}, blank.Proof{}, err
-	case formatted:
-		return lease.Classification{Layout: lease.LayoutLease}, blank.Proof{}, nil
+	cls, err := lease.ClassifyFirstBlock(ctx, ld, o.Timing.IOTimeout)
+	if err != nil || cls.Layout != lease.LayoutBlank {
+		return cls, blank.Proof{}, err
 	}
 	proof, err := blank.Prove(ctx, path)
-	if err != nil {
-		var nb *blank.NotBlankError
-		if !errors.As(err, &nb) {
-			return lease.Classification{}, blank.Proof{}, err
-		}
+	var nb *blank.NotBlankError
+	switch {
+	case errors.As(err, &nb):
 		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, blank.Proof{}, nil
+	case err != nil:
+		if cls, lerr := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout); lerr == nil && cls.Layout == lease.LayoutForeign {
+			return cls, blank.Proof{}, nil
+		}
+		return lease.Classification{}, blank.Proof{}, err
 	}
 	return lease.Classification{Layout: lease.LayoutBlank}, proof, nil
 }

@@ -653,3 +653,50 @@ func blkidRuns(t *testing.T) func() []string {
 		return strings.Fields(strings.ReplaceAll(strings.TrimSpace(string(b)), " ", "_"))
 	}
 }
+
+// A disk whose first block is zeros is proven blank before anything is
+// written; when blkid cannot answer (here it fails as on an ambivalent
+// probe, exit status 8) the proof proves nothing, but data the lease's
+// layout read finds (a btrfs superblock at 64 KiB) still makes the disk
+// foreign: refused for good (FAILED_PRECONDITION, naming it), not a
+// retryable failure of the proof, and nothing is written to it. A blank
+// disk under the same blkid is no refusal: it stays unstaged, retryable.
+func TestDiskBlkidCannotTellIsStillForeign(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	ctx := context.Background()
+	bin := t.TempDir()
+	if err := os.WriteFile(filepath.Join(bin, "blkid"), []byte("#!/bin/sh\necho ambivalent result >&2\nexit 8\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
+
+	img, dev := loop(t, 64)
+	f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = f.WriteAt([]byte("_BHRfS_M"), 0x10000+64)
+	f.Sync()
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := sha256File(t, img)
+	req := e.stageReq("vol-amb", img, "staging/amb")
+	req.AllowUnfenced = false
+	_, err = e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "vol-amb", "btrfs superblock", "not a lease area", "opt-in")
+	if sha256File(t, img) != before {
+		t.Fatal("the refused stage changed the disk")
+	}
+
+	img2, _ := loop(t, 64)
+	req2 := e.stageReq("vol-blank", img2, "staging/blank")
+	req2.AllowUnfenced = false
+	_, err = e.m.Stage(ctx, req2)
+	wantCode(t, err, codes.Unavailable, "vol-blank", "blkid")
+	if raw, _ := os.ReadFile(img2); bytes.HasPrefix(raw, []byte(blank.LeaseMagic)) {
+		t.Fatal("a lease area was written on a disk blkid could not prove blank")
+	}
+}

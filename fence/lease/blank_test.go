@@ -251,12 +251,12 @@ func TestFormatTakesNoProofOfAPathRetargeted(t *testing.T) {
 	}
 }
 
-// HasHeader tells a disk with a lease area from every other by its first
-// block alone: zeros and a filesystem's superblock are no header (a stage
-// then proves the disk, which refuses the second), a formatted disk has
-// one, and a disk too small for a volume is refused as ReadLayout refuses
-// it.
-func TestHasHeader(t *testing.T) {
+// ClassifyFirstBlock decides by the first block alone: zeros are blank
+// there (a stage then proves the whole disk), a formatted disk has its
+// header, a filesystem's superblock in that block makes the disk foreign,
+// naming it, and a disk too small for a volume is refused as ReadLayout
+// refuses it.
+func TestClassifyFirstBlock(t *testing.T) {
 	ctx := context.Background()
 	open := func(dev string) *Device {
 		t.Helper()
@@ -268,25 +268,25 @@ func TestHasHeader(t *testing.T) {
 		return d
 	}
 	d := open(loopDevice(t, 64<<20, 512, nil))
-	if has, err := HasHeader(ctx, d, time.Second); err != nil || has {
-		t.Fatalf("a blank disk: header %v (%v); want none", has, err)
+	if c, err := ClassifyFirstBlock(ctx, d, time.Second); err != nil || c.Layout != LayoutBlank {
+		t.Fatalf("a blank disk: %+v (%v); want blank", c, err)
 	}
 	if wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second}); err != nil || !wrote {
 		t.Fatalf("format: %v %v", wrote, err)
 	}
-	if has, err := HasHeader(ctx, d, time.Second); err != nil || !has {
-		t.Fatalf("a formatted disk: header %v (%v); want one", has, err)
+	if c, err := ClassifyFirstBlock(ctx, d, time.Second); err != nil || c.Layout != LayoutLease {
+		t.Fatalf("a formatted disk: %+v (%v); want a lease area", c, err)
 	}
 	fs := open(loopDevice(t, 64<<20, 512, func(img string) {
 		if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
 			t.Fatalf("mkfs.ext4: %v: %s", err, out)
 		}
 	}))
-	if has, err := HasHeader(ctx, fs, time.Second); err != nil || has {
-		t.Fatalf("an ext4 disk: header %v (%v); want none", has, err)
+	if c, err := ClassifyFirstBlock(ctx, fs, time.Second); err != nil || c.Layout != LayoutForeign || !strings.Contains(c.Signature, "ext2/3/4 superblock") {
+		t.Fatalf("an ext4 disk: %+v (%v); want foreign, naming its superblock", c, err)
 	}
 	small := open(loopDevice(t, AreaSize, 512, nil))
-	if _, err := HasHeader(ctx, small, time.Second); err == nil || !strings.Contains(err.Error(), "too small") {
+	if _, err := ClassifyFirstBlock(ctx, small, time.Second); err == nil || !strings.Contains(err.Error(), "too small") {
 		t.Fatalf("a disk of one lease area: %v; want it refused as too small", err)
 	}
 }

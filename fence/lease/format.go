@@ -31,20 +31,22 @@ func ReadLayout(ctx context.Context, d *Device, timeout time.Duration) (Classifi
 	return Classify(head, tail), nil
 }
 
-// HasHeader reads the device's first block and reports whether a lease
-// header begins it: what a stage needs to know before it proves a disk
-// without one blank, as the blank proof reads all that ReadLayout would
-// and more (blank.Prove). A disk smaller than twice the area is too small
-// for a volume, as for ReadLayout.
-func HasHeader(ctx context.Context, d *Device, timeout time.Duration) (bool, error) {
+// ClassifyFirstBlock reads the device's first block and classifies it
+// alone (Classify): LayoutLease for a lease header, LayoutForeign for a
+// signature or any other byte that is not zero there, and LayoutBlank
+// when it is zeros, which says nothing of the rest of the disk. It is
+// what a stage reads before it proves such a disk blank (blank.Prove reads
+// all that ReadLayout would, and more). A disk smaller than twice the
+// area is too small for a volume, as for ReadLayout.
+func ClassifyFirstBlock(ctx context.Context, d *Device, timeout time.Duration) (Classification, error) {
 	if err := d.bigEnough(); err != nil {
-		return false, err
+		return Classification{}, err
 	}
 	b, err := d.read(ctx, 0, BlockSize, timeout)
 	if err != nil {
-		return false, err
+		return Classification{}, err
 	}
-	return string(b[:len(headerMagic)]) == headerMagic, nil
+	return Classify(b, nil), nil
 }
 
 // bigEnough refuses a device too small for a lease volume.
