@@ -95,10 +95,20 @@ func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path strin
 	if err != nil || cls.Layout != lease.LayoutBlank {
 		return cls, blank.Proof{}, err
 	}
+	if testHookBeforeStageProof != nil {
+		testHookBeforeStageProof(path)
+	}
 	proof, err := blank.Prove(ctx, path)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):
+		// Another node given the same blank disk (a platform that
+		// attached it to two VMs) may have written its lease area since
+		// the first block was read: a lease area, to be acquired or
+		// refused by its holder, not foreign data.
+		if again, aerr := lease.ClassifyFirstBlock(ctx, ld, o.Timing.IOTimeout); aerr == nil && again.Layout == lease.LayoutLease {
+			return again, blank.Proof{}, nil
+		}
 		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, blank.Proof{}, nil
 	case err != nil:
 		if cls, lerr := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout); lerr == nil && cls.Layout == lease.LayoutForeign {
@@ -108,6 +118,10 @@ func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path strin
 	}
 	return lease.Classification{Layout: lease.LayoutBlank}, proof, nil
 }
+
+// testHookBeforeStageProof runs, in tests, between a stage's read of the
+// first block and its blank proof.
+var testHookBeforeStageProof func(path string)
 
 // lost is the engine's OnLost: the manager's onLost, with the fencer's
 // loss state kept for Close. A closed fencer's engine is no longer the

@@ -700,3 +700,51 @@ func TestDiskBlkidCannotTellIsStillForeign(t *testing.T) {
 		t.Fatal("a lease area was written on a disk blkid could not prove blank")
 	}
 }
+
+// Two nodes given the same blank disk race its first stage: the other
+// node's lease area lands between this stage's read of the first block
+// and its blank proof, which then finds it. It is a lease area, used as it
+// is (not this node's format, nor foreign data that would fail the stage):
+// nobody holds it yet, so this stage acquires it and makes its filesystem
+// past it.
+func TestStageUsesALeaseAreaWrittenDuringItsProof(t *testing.T) {
+	needRoot(t)
+	e := newEnvWith(t, leaseFencing(nodeA, "node-a"))
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	raced := false
+	testHookBeforeStageProof = func(path string) {
+		testHookBeforeStageProof = nil
+		other, err := lease.OpenDevice(dev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer other.Close()
+		if wrote, err := lease.Format(ctx, other, lease.FormatOptions{Key: keyB, Timeout: time.Second}); err != nil || !wrote {
+			t.Fatalf("the other node's format: %v %v", wrote, err)
+		}
+		raced = true
+	}
+	t.Cleanup(func() { testHookBeforeStageProof = nil })
+	req := e.stageReq("vol-race", img, "staging/race")
+	req.AllowUnfenced = false
+	res, err := e.m.Stage(ctx, req)
+	if !raced || err != nil || res.Method != MethodLease {
+		t.Fatalf("stage raced by another node's format (raced %v): %+v %v; want the lease, on the other node's lease area", raced, res, err)
+	}
+	d, err := lease.OpenDevice(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	b, err := d.ReadArea(ctx, time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if h, err := lease.DecodeHeader(b[:lease.BlockSize]); err != nil || h.Creator != keyB {
+		t.Fatalf("header after the race: %+v %v; want the other node's (creator %s)", h, err, keyB)
+	}
+	if err := e.m.Unstage(ctx, "vol-race", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+}
