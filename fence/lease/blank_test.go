@@ -258,16 +258,7 @@ func TestFormatTakesNoProofOfAPathRetargeted(t *testing.T) {
 // refuses it.
 func TestClassifyFirstBlock(t *testing.T) {
 	ctx := context.Background()
-	open := func(dev string) *Device {
-		t.Helper()
-		d, err := OpenDevice(dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { d.Close() })
-		return d
-	}
-	d := open(loopDevice(t, 64<<20, 512, nil))
+	d := openDev(t, loopDevice(t, 64<<20, 512, nil))
 	if c, err := ClassifyFirstBlock(ctx, d, time.Second); err != nil || c.Layout != LayoutBlank {
 		t.Fatalf("a blank disk: %+v (%v); want blank", c, err)
 	}
@@ -277,7 +268,7 @@ func TestClassifyFirstBlock(t *testing.T) {
 	if c, err := ClassifyFirstBlock(ctx, d, time.Second); err != nil || c.Layout != LayoutLease {
 		t.Fatalf("a formatted disk: %+v (%v); want a lease area", c, err)
 	}
-	fs := open(loopDevice(t, 64<<20, 512, func(img string) {
+	fs := openDev(t, loopDevice(t, 64<<20, 512, func(img string) {
 		if out, err := exec.Command("mkfs.ext4", "-q", "-F", img).CombinedOutput(); err != nil {
 			t.Fatalf("mkfs.ext4: %v: %s", err, out)
 		}
@@ -285,7 +276,7 @@ func TestClassifyFirstBlock(t *testing.T) {
 	if c, err := ClassifyFirstBlock(ctx, fs, time.Second); err != nil || c.Layout != LayoutForeign || !strings.Contains(c.Signature, "ext2/3/4 superblock") {
 		t.Fatalf("an ext4 disk: %+v (%v); want foreign, naming its superblock", c, err)
 	}
-	small := open(loopDevice(t, AreaSize, 512, nil))
+	small := openDev(t, loopDevice(t, AreaSize, 512, nil))
 	if _, err := ClassifyFirstBlock(ctx, small, time.Second); err == nil || !strings.Contains(err.Error(), "too small") {
 		t.Fatalf("a disk of one lease area: %v; want it refused as too small", err)
 	}
