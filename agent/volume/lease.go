@@ -84,8 +84,9 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 // block: a lease header, or anything else there, decides at once; a disk
 // whose first block is zeros is proven blank, as the proof reads all the
 // layout would. A proof whose blkid could not answer (missing, an
-// ambivalent probe) proves nothing, but data the layout read finds still
-// makes the disk foreign, a refusal that needs no blkid.
+// ambivalent probe) proves nothing, but data the layout read finds in the
+// first or last MiB still makes the disk foreign, a refusal that needs no
+// blkid (data only past the first MiB leaves the stage to retry).
 func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path string, prove bool) (lease.Classification, blank.Proof, error) {
 	if !prove {
 		cls, err := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout)
@@ -111,7 +112,8 @@ func (o LeaseOptions) classify(ctx context.Context, ld *lease.Device, path strin
 		}
 		return lease.Classification{Layout: lease.LayoutForeign, Signature: nb.Found}, blank.Proof{}, nil
 	case err != nil:
-		if cls, lerr := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout); lerr == nil && cls.Layout == lease.LayoutForeign {
+		// A lease area written meanwhile (as above) is one too.
+		if cls, lerr := lease.ReadLayout(ctx, ld, o.Timing.IOTimeout); lerr == nil && cls.Layout != lease.LayoutBlank {
 			return cls, blank.Proof{}, nil
 		}
 		return lease.Classification{}, blank.Proof{}, err
