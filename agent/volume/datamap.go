@@ -36,9 +36,6 @@ func (m *Manager) dataMapping(disk string, offset int64, readOnlyStage bool) (st
 		if p, err = loopdev.Attach(disk, offset, false); err != nil {
 			return "", fmt.Errorf("mapping the data area of %s from byte %d: %w", disk, offset, err)
 		}
-		if direct, err := loopdev.DirectIO(p); err == nil {
-			m.log.Info("mapped the data area of a lease disk", "disk", disk, "offset", offset, "device", p, "direct_io", direct)
-		}
 	}
 	// The read-only flag of a loop device outlives its detach, so a free
 	// one may come with it set by its last user.
