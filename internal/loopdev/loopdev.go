@@ -4,20 +4,12 @@
 // is its slowest part on a small machine. The ioctls and their types come
 // from golang.org/x/sys/unix; the few lines around them are written here,
 // as no maintained Go library offers them.
-//
-// A mapping over a block device with 512-byte logical blocks (the loop
-// device's own) passes its I/O to that device directly (the loop driver's
-// direct I/O): nothing it reads or writes goes through the disk's page
-// cache, so no copy is made in passing, nothing read there can be stale,
-// and no write of the mapping waits there to reach the disk later.
 package loopdev
 
 import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
-	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -31,10 +23,8 @@ const attachTries = 16
 
 // Attach binds a free loop device to backing from byte offset on (to its
 // end) and returns the device's path. readOnly makes the loop device
-// read-only. Over a block device whose logical blocks are 512 bytes the
-// mapping asks for direct I/O (the package doc; DirectIO says whether the
-// kernel gave it). The mapping stays until Detach; nothing clears it when
-// the caller exits.
+// read-only. The mapping stays until Detach; nothing clears it when the
+// caller exits.
 func Attach(backing string, offset int64, readOnly bool) (string, error) {
 	if offset < 0 {
 		return "", fmt.Errorf("loop device over %s: offset %d is negative", backing, offset)
@@ -58,9 +48,6 @@ func Attach(backing string, offset int64, readOnly bool) (string, error) {
 	if readOnly {
 		cfg.Info.Flags = unix.LO_FLAGS_READ_ONLY
 	}
-	if direct(b, offset) {
-		cfg.Info.Flags |= unix.LO_FLAGS_DIRECT_IO
-	}
 	copy(cfg.Info.File_name[:len(cfg.Info.File_name)-1], backing)
 	for try := 0; ; try++ {
 		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
@@ -77,35 +64,6 @@ func Attach(backing string, offset int64, readOnly bool) (string, error) {
 		}
 		// Taken by another program since the kernel named it free.
 	}
-}
-
-// loopBlockSize is the logical block size of a loop device that is not
-// told another: the mapping keeps it, so that a volume's geometry is what
-// it was when it was made.
-const loopBlockSize = 512
-
-// direct says whether a mapping of backing from offset may use direct
-// I/O: backing is a block device with the loop device's logical block
-// size, and offset is a multiple of it. The kernel checks the block sizes
-// itself only for a file on a filesystem; a direct request smaller than a
-// block device's logical block would fail.
-func direct(backing *os.File, offset int64) bool {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(backing.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
-		return false
-	}
-	ssz, err := unix.IoctlGetInt(int(backing.Fd()), unix.BLKSSZGET)
-	return err == nil && ssz == loopBlockSize && offset%loopBlockSize == 0
-}
-
-// DirectIO reports whether the loop device at path passes its I/O to its
-// backing file directly (sysfs loop/dio).
-func DirectIO(path string) (bool, error) {
-	b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(path), "loop", "dio"))
-	if err != nil {
-		return false, fmt.Errorf("the loop device %s: %w", path, err)
-	}
-	return strings.TrimSpace(string(b)) == "1", nil
 }
 
 // configure binds the loop device at path as cfg says.
