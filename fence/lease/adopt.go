@@ -17,7 +17,7 @@ func FormatAdopted(ctx context.Context, d *Device, o FormatOptions) error {
 	if o.Timeout <= 0 {
 		o.Timeout = DefaultTiming().IOTimeout
 	}
-	area, err := d.io(ctx, false, 0, make([]byte, AreaSize), o.Timeout)
+	area, err := d.read(ctx, 0, AreaSize, o.Timeout)
 	if err != nil {
 		return err
 	}
@@ -29,6 +29,5 @@ func FormatAdopted(ctx context.Context, d *Device, o FormatOptions) error {
 	if _, err := rand.Read(h.VolumeID[:]); err != nil {
 		return err
 	}
-	_, err = d.io(ctx, true, 0, EncodeHeader(h), o.Timeout)
-	return err
+	return d.write(ctx, 0, EncodeHeader(h), o.Timeout)
 }

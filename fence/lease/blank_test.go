@@ -82,7 +82,7 @@ func TestFormatTakesALeaseAreaWrittenDuringItsProof(t *testing.T) {
 	if !raced || wrote || err != nil {
 		t.Fatalf("format raced by another node's (raced %v): wrote %v, %v; want the other node's lease area taken as it is", raced, wrote, err)
 	}
-	b, err := d.io(ctx, false, 0, make([]byte, BlockSize), time.Second)
+	b, err := d.read(ctx, 0, BlockSize, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -123,7 +123,7 @@ func TestFormatTakesARecentProofOfTheSameDiskOnly(t *testing.T) {
 	} {
 		proved = 0
 		// Back to blank: the header is the only thing Format writes.
-		if _, err := d.io(ctx, true, 0, make([]byte, BlockSize), time.Second); err != nil {
+		if err := d.write(ctx, 0, make([]byte, BlockSize), time.Second); err != nil {
 			t.Fatal(err)
 		}
 		wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: c.proof})
@@ -134,13 +134,13 @@ func TestFormatTakesARecentProofOfTheSameDiskOnly(t *testing.T) {
 
 	// The proof of this disk, then foreign data at its start: the layout
 	// read before the write finds it, and nothing is written.
-	if _, err := d.io(ctx, true, 0, make([]byte, BlockSize), time.Second); err != nil {
+	if err := d.write(ctx, 0, make([]byte, BlockSize), time.Second); err != nil {
 		t.Fatal(err)
 	}
 	p := proofOf(dev)
 	foreign := make([]byte, BlockSize)
 	copy(foreign[1080:], []byte{0x53, 0xef}) // ext4's magic
-	if _, err := d.io(ctx, true, 0, foreign, time.Second); err != nil {
+	if err := d.write(ctx, 0, foreign, time.Second); err != nil {
 		t.Fatal(err)
 	}
 	wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
@@ -192,7 +192,7 @@ func TestFormatWithAProofReadsItsZerosAgain(t *testing.T) {
 	d, p := provenDisk(t)
 	data := make([]byte, BlockSize)
 	copy(data, "someone's data at 2 MiB")
-	if _, err := d.io(ctx, true, 2<<20, data, time.Second); err != nil {
+	if err := d.write(ctx, 2<<20, data, time.Second); err != nil {
 		t.Fatal(err)
 	}
 	wrote, err := Format(ctx, d, FormatOptions{Key: keyA, Timeout: time.Second, Proof: p})
@@ -215,7 +215,7 @@ func TestFormatWithAProofUsesALeaseAreaWrittenSince(t *testing.T) {
 	if err != nil || wrote {
 		t.Fatalf("format with a proof older than another node's lease area: wrote %v, %v; want that area used", wrote, err)
 	}
-	b, err := d.io(ctx, false, 0, make([]byte, BlockSize), time.Second)
+	b, err := d.read(ctx, 0, BlockSize, time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -114,7 +114,7 @@ func readHeader(disk string) (Header, error) {
 		return Header{}, err
 	}
 	defer d.Close()
-	b, err := d.io(context.Background(), false, 0, make([]byte, BlockSize), DefaultTiming().IOTimeout)
+	b, err := d.read(context.Background(), 0, BlockSize, DefaultTiming().IOTimeout)
 	if err != nil {
 		return Header{}, err
 	}

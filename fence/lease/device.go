@@ -118,24 +118,22 @@ func alignedBuf(n int) []byte {
 // I/O timeout.
 var errIOTimeout = errors.New("lease I/O did not complete within the I/O timeout")
 
-// io runs one aligned pread or pwrite, giving up on it after timeout. The
-// kernel request itself cannot be cancelled; it finishes in the background
-// with its own buffer, and the device stays locked until it does, so a
-// late write can never overtake a newer one.
-func (d *Device) io(ctx context.Context, write bool, off int64, data []byte, timeout time.Duration) ([]byte, error) {
-	if !write {
-		return d.read(ctx, off, len(data), timeout)
-	}
-	return d.transfer(ctx, off, len(data), data, timeout)
-}
-
-// read reads n bytes at off as io does, into a buffer of its own.
+// read reads n bytes at off into a buffer of its own (transfer).
 func (d *Device) read(ctx context.Context, off int64, n int, timeout time.Duration) ([]byte, error) {
 	return d.transfer(ctx, off, n, nil, timeout)
 }
 
-// transfer is io: a pwrite of data when it is not nil, else a pread of n
-// bytes.
+// write writes data at off (transfer).
+func (d *Device) write(ctx context.Context, off int64, data []byte, timeout time.Duration) error {
+	_, err := d.transfer(ctx, off, len(data), data, timeout)
+	return err
+}
+
+// transfer runs one aligned pwrite of data when it is not nil, else a
+// pread of n bytes, giving up on it after timeout. The kernel request
+// itself cannot be cancelled; it finishes in the background with its own
+// buffer, and the device stays locked until it does, so a late write can
+// never overtake a newer one.
 func (d *Device) transfer(ctx context.Context, off int64, n int, data []byte, timeout time.Duration) ([]byte, error) {
 	write := data != nil
 	if off%BlockSize != 0 || n%BlockSize != 0 || n == 0 {
@@ -200,8 +198,7 @@ func (d *Device) ReadArea(ctx context.Context, timeout time.Duration) ([]byte, e
 
 // writeSlot writes slot i.
 func (d *Device) writeSlot(ctx context.Context, i int, blk []byte, timeout time.Duration) error {
-	_, err := d.io(ctx, true, int64(BlockSize*(1+i)), blk, timeout)
-	return err
+	return d.write(ctx, int64(BlockSize*(1+i)), blk, timeout)
 }
 
 // writeSlotPastReadOnly is writeSlot on a device that may have been set

@@ -194,7 +194,7 @@ func (o FormatOptions) proof(ctx context.Context, d *Device) (blank.Proof, error
 
 // checkHeader proves the lease header at the start of d decodes.
 func checkHeader(ctx context.Context, d *Device, timeout time.Duration) error {
-	b, err := d.io(ctx, false, 0, make([]byte, BlockSize), timeout)
+	b, err := d.read(ctx, 0, BlockSize, timeout)
 	if err != nil {
 		return err
 	}
@@ -213,6 +213,5 @@ func writeHeader(ctx context.Context, d *Device, proof blank.Proof, h Header, ti
 	if !proof.Valid() || proof.Device() != d.name || proof.From() != 0 {
 		return fmt.Errorf("%s: no proof that the disk is blank; the lease area is not written", d.name)
 	}
-	_, err := d.io(ctx, true, 0, EncodeHeader(h), timeout)
-	return err
+	return d.write(ctx, 0, EncodeHeader(h), timeout)
 }
