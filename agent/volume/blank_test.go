@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
@@ -318,4 +321,176 @@ func TestMakeFSWithoutItsToolNamesThePackage(t *testing.T) {
 			t.Fatalf("mkfs.%s missing: %v (%v); want FAILED_PRECONDITION naming %s", fs, err, agenterr.KindOf(err), pkg)
 		}
 	}
+}
+
+// cutShortMkfs leaves on dev what an mkfs of fsType killed part-way
+// leaves: ext4 without its primary superblock (mke2fs writes it last),
+// xfs with its superblock marked in progress (mkfs.xfs writes it first
+// and clears the mark last).
+func cutShortMkfs(t *testing.T, fsType, dev string) {
+	t.Helper()
+	run := func(name string, args ...string) {
+		t.Helper()
+		if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+			t.Fatalf("%s %v: %v: %s", name, args, err, out)
+		}
+	}
+	switch fsType {
+	case "ext4":
+		run("mkfs.ext4", "-q", "-F", dev)
+		run("dd", "if=/dev/zero", "of="+dev, "bs=2048", "count=1", "conv=notrunc,fsync", "status=none")
+		if got := blkid(t, dev, "TYPE"); got != "" {
+			t.Fatalf("blkid still names %q after the primary superblock went", got)
+		}
+	case "xfs":
+		if _, err := exec.LookPath("xfs_db"); err != nil {
+			t.Skip("xfs_db is not installed")
+		}
+		run("mkfs.xfs", "-q", "-f", dev)
+		run("xfs_db", "-x", "-c", "sb 0", "-c", "write inprogress 1", dev)
+		if got := blkid(t, dev, "TYPE"); got != "xfs" {
+			t.Fatalf("blkid names %q, not xfs, on an xfs marked in progress", got)
+		}
+		mnt := t.TempDir()
+		if err := unix.Mount(dev, mnt, "xfs", 0, ""); err == nil {
+			unix.Unmount(mnt, 0)
+			t.Fatal("the kernel mounted an xfs whose mkfs was marked in progress")
+		}
+	}
+}
+
+// An mkfs of this agent's that a crash cut short (its record says
+// Formatting) is run again over what it left, on both filesystems; the
+// same leftovers without that record are refused (P5), and so is a device
+// whose record says Formatting but which holds what that mkfs does not
+// write.
+func TestACutShortMkfsIsMadeAgainOnlyOverItsOwnLeftovers(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	cutShort := func(e *env, img, fsType string) {
+		t.Helper()
+		c := &Claim{Volume: "vol-m", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/m"), FsType: fsType,
+			Phase: PhaseInterrupted, Formatting: true}
+		if err := e.m.Store().Put(c); err != nil {
+			t.Fatal(err)
+		}
+		e.start()
+	}
+	req := func(e *env, img, fsType string) StageRequest {
+		r := e.stageReq("vol-m", img, "staging/m")
+		r.FsType = fsType
+		return r
+	}
+	for _, fsType := range []string{"ext4", "xfs"} {
+		t.Run(fsType+"/made again", func(t *testing.T) {
+			e := newEnv(t)
+			img, dev := loop(t, 320) // mkfs.xfs's least
+			cutShortMkfs(t, fsType, dev)
+			cutShort(e, img, fsType)
+			res, err := e.m.Stage(ctx, req(e, img, fsType))
+			if err != nil {
+				t.Fatalf("the retried stage: %v\n%s", err, e.logs)
+			}
+			if !res.Formatted || blkid(t, dev, "TYPE") != fsType || !isMounted(t, e.path("staging/m")) {
+				t.Fatalf("stage %+v: blkid %q, mounted %v", res, blkid(t, dev, "TYPE"), isMounted(t, e.path("staging/m")))
+			}
+			c, err := e.m.Store().Get("vol-m")
+			if err != nil || c == nil || !c.Formatted || c.Formatting || c.Phase != PhaseStaged {
+				t.Fatalf("record after the stage: %+v %v", c, err)
+			}
+			if !strings.Contains(e.logs.String(), "was cut short; making it again") {
+				t.Fatalf("the log does not say the filesystem was made again:\n%s", e.logs)
+			}
+		})
+	}
+	t.Run("ext4/no record", func(t *testing.T) {
+		e := newEnv(t)
+		img, dev := loop(t, 64)
+		cutShortMkfs(t, "ext4", dev)
+		before := imageSum(t, img)
+		_, err := e.m.Stage(ctx, req(e, img, "ext4"))
+		wantCode(t, err, codes.FailedPrecondition, "not blank", "non-zero data")
+		if imageSum(t, img) != before {
+			t.Fatal("the disk was written")
+		}
+	})
+	for _, c := range []struct {
+		name, fsType string
+		prepare      func(t *testing.T, dev string)
+		found        string
+	}{
+		{"another filesystem", "xfs", func(t *testing.T, dev string) {
+			cutShortMkfs(t, "ext4", dev)
+			exec.Command("mkfs.ext4", "-q", "-F", dev).Run()
+		}, "TYPE=ext4"},
+		{"a LUKS header", "ext4", func(t *testing.T, dev string) {
+			cutShortMkfs(t, "ext4", dev)
+			f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if _, err := f.WriteAt([]byte("LUKS\xba\xbe\x00\x02"), 0); err != nil {
+				t.Fatal(err)
+			}
+		}, "LUKS"},
+	} {
+		t.Run("refused/"+c.name, func(t *testing.T) {
+			e := newEnv(t)
+			img, dev := loop(t, 320)
+			c.prepare(t, dev)
+			cutShort(e, img, c.fsType)
+			before := imageSum(t, img)
+			_, err := e.m.Stage(ctx, req(e, img, c.fsType))
+			wantCode(t, err, codes.FailedPrecondition, "was cut short", c.found, "not formatted again")
+			if imageSum(t, img) != before {
+				t.Fatal("the disk was written")
+			}
+		})
+	}
+}
+
+// The filesystem is recorded as made before anything mounts it: an agent
+// that dies at the mount, after its mkfs, leaves a record saying Formatted
+// (not Formatting), and the retry of the stage mounts that filesystem,
+// never making another over it.
+func TestFilesystemIsRecordedMadeBeforeItsMount(t *testing.T) {
+	needRoot(t)
+	ctx := context.Background()
+	e := newEnv(t)
+	img, dev := loop(t, 64)
+	r := e.stageReq("vol-o", img, "staging/o")
+	var atMount []byte
+	e.m.mounter = &dyingMounter{mounter: e.m.mounter, die: func() {
+		atMount, _ = os.ReadFile(e.m.store.file("vol-o"))
+	}}
+	if _, err := e.m.Stage(ctx, r); err == nil {
+		t.Fatal("the stage went on past the agent's death at the mount")
+	}
+	var c Claim
+	if err := json.Unmarshal(atMount, &c); err != nil || !c.Formatted || c.Formatting {
+		t.Fatalf("the record when the mount began: %s (%v); want formatted, not formatting", atMount, err)
+	}
+	uuid := blkid(t, dev, "UUID")
+	// What the dead agent left on disk is the record of that moment.
+	if err := os.WriteFile(e.m.store.file("vol-o"), atMount, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	res, err := e.m.Stage(ctx, r)
+	if err != nil || res.Formatted || blkid(t, dev, "UUID") != uuid {
+		t.Fatalf("retried stage %+v %v: UUID %s, was %s", res, err, blkid(t, dev, "UUID"), uuid)
+	}
+}
+
+// dyingMounter stands for an agent that dies as it mounts: die runs, and
+// the mount fails.
+type dyingMounter struct {
+	mounter
+	die func()
+}
+
+func (d *dyingMounter) Mount(string, string, string, []string) error {
+	d.die()
+	return errors.New("the agent died at the mount")
 }

@@ -47,14 +47,9 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 	d.Close()
 	formatted := proof.Valid()
 	if formatted {
-		if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice); err != nil {
-			if agenterr.KindOf(err) == agenterr.FailedPrecondition {
-				return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
-			}
-			return false, agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
+		if err := m.formatFS(ctx, c, proof, device); err != nil {
+			return false, err
 		}
-		c.Formatted = true
-		m.log.Info("made a filesystem on a device proven blank", "volume", c.Volume, "device", device, "fs", c.FsType)
 	} else if !c.ReadOnly {
 		if err := m.fsck(ctx, c.Volume, device); err != nil {
 			return false, err
@@ -67,6 +62,31 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 		return formatted, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
 	}
 	return formatted, nil
+}
+
+// formatFS makes the volume's filesystem on the device proof names. The
+// claim is recorded before mkfs runs (Formatting) and again once it has
+// finished (Formatted), before the filesystem is mounted: a crash between
+// the two leaves a record that names the leftovers on the device as this
+// agent's own, never mounted, and the retry makes the filesystem again
+// (formatProof).
+func (m *Manager) formatFS(ctx context.Context, c *Claim, proof blank.Proof, device string) error {
+	c.Formatting = true
+	if err := m.store.Put(c); err != nil {
+		return err
+	}
+	if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice); err != nil {
+		if agenterr.KindOf(err) == agenterr.FailedPrecondition {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+		}
+		return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
+	}
+	c.Formatted, c.Formatting = true, false
+	if err := m.store.Put(c); err != nil {
+		return err
+	}
+	m.log.Info("made a filesystem on a device proven blank", "volume", c.Volume, "device", device, "fs", c.FsType)
+	return nil
 }
 
 // mountedAlready accepts a staging path that already has device mounted on
@@ -91,6 +111,9 @@ func (m *Manager) mountedAlready(c *Claim, device string) error {
 // One blank proof answers both (blank.NotBlankError names what blkid
 // found): a second `blkid -p` costs a first stage a process start.
 func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
+	if c.Formatting && !c.Formatted {
+		return m.cutShortFormatProof(ctx, c, device)
+	}
 	proof, err := blank.Prove(ctx, device)
 	var nb *blank.NotBlankError
 	existing := ""
@@ -123,6 +146,35 @@ func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (bla
 			c.Volume, device, existing, c.FsType)
 	}
 	return blank.Proof{}, nil
+}
+
+// cutShortFormatProof is formatProof for a device on which this agent's
+// mkfs was cut short (the claim says Formatting): whatever that mkfs left
+// is the agent's own and was never mounted, since Formatted is recorded
+// before the mount, so the filesystem is made again over it; mkfs.xfs
+// leaves a superblock marked in progress that blkid names xfs and no
+// kernel mounts, and mkfs.ext4 writes its primary superblock last. Only a
+// lease or LUKS header, or a signature blkid names other than the volume's
+// filesystem, is not from that mkfs: the device is then refused.
+func (m *Manager) cutShortFormatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
+	if c.ReadOnly {
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: the %s filesystem this agent began to make on %s was cut short, and a read-only stage cannot make it again; stage the volume writable once", c.Volume, c.FsType, device)
+	}
+	proof, err := blank.ProveFormatLeftovers(ctx, device, c.FsType)
+	var nb *blank.NotBlankError
+	switch {
+	case errors.As(err, &nb):
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: the %s filesystem this agent began to make on %s was cut short, but the device now holds %s, which that mkfs does not write; it is not formatted again: check that the right disk is attached",
+			c.Volume, c.FsType, device, nb.Found)
+	case errors.Is(err, blank.ErrProbe):
+		return blank.Proof{}, agenterr.New(agenterr.Internal, "volume %s: blkid could not tell what %s holds, so it is neither formatted nor mounted: %v", c.Volume, device, err)
+	case err != nil:
+		return blank.Proof{}, agenterr.New(agenterr.Unavailable, "volume %s: what %s holds could not be read, so it is neither formatted nor mounted: %v", c.Volume, device, err)
+	}
+	m.log.Warn("the filesystem this agent began to make on the volume was cut short; making it again", "volume", c.Volume, "device", device, "fs", c.FsType)
+	return proof, nil
 }
 
 // mountOptions are the staging mount's options: the request's flags, ro

@@ -213,11 +213,11 @@ func (s *staging) unrecord() {
 }
 
 // forgotten reports whether a failed stage leaves no record: it is the
-// volume's first, and it made no filesystem, wrote or began no LUKS2
-// header and wrote no fencing metadata.
+// volume's first, and it made or began no filesystem, wrote or began no
+// LUKS2 header and wrote no fencing metadata.
 func (s *staging) forgotten() bool {
 	c := s.c
-	return s.isNew && !c.Formatted && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
+	return s.isNew && !c.Formatted && !c.Formatting && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
 }
 
 // fence chooses how the disk is fenced and takes the fence (P1-P3,

@@ -112,6 +112,12 @@ type Claim struct {
 	// (docs/architecture.md P5).
 	Formatted     bool `json:"formatted,omitempty"`
 	LUKSFormatted bool `json:"luks_formatted,omitempty"`
+	// Formatting is set just before this agent runs mkfs on a device it
+	// proved blank, and cleared, with Formatted set, once mkfs has
+	// finished and before anything mounts the filesystem: a device whose
+	// record says Formatting holds an mkfs of this agent's that a crash
+	// cut short, which nothing has used; it is made again (mount.go).
+	Formatting bool `json:"formatting,omitempty"`
 	// LUKSFormatting is set just before this agent formats a blank device
 	// and cleared once the header is complete: a device the record says
 	// is ours half-formatted is the one case where the agent formats over

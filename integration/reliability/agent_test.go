@@ -74,6 +74,9 @@ type host struct {
 	img     string
 	loop    string
 
+	// env is added to the agent's environment when it starts.
+	env []string
+
 	mu   sync.Mutex
 	logs bytes.Buffer // every agent run's stderr, appended
 	cmd  *exec.Cmd
@@ -161,6 +164,9 @@ func (h *host) start() {
 	// (mount, mkfs, fsck) with it, as systemd's stop of the unit's cgroup
 	// does when the daemon dies.
 	cmd.SysProcAttr = &unix.SysProcAttr{Setpgid: true}
+	if h.env != nil {
+		cmd.Env = append(os.Environ(), h.env...)
+	}
 	cmd.Stdout = lockedWriter{&h.mu, &h.logs}
 	cmd.Stderr = lockedWriter{&h.mu, &h.logs}
 	if err := cmd.Start(); err != nil {

@@ -70,6 +70,70 @@ func TestCrashLoop(t *testing.T) {
 	l.report(rounds)
 }
 
+// TestAgentDeadInItsMkfs: the agent dies while its mkfs runs, as the
+// crash loop found it can (a stage's first SIGKILL landing in mkfs.ext4):
+// the filesystem is half made, blkid names nothing and the device is not
+// blank. The restarted agent's retry makes the filesystem again over its
+// own leftovers, because the claim record says that mkfs began; it does
+// not refuse the volume forever as foreign data. The kill is made
+// certain by an mkfs.ext4 in front of the real one, which on its first
+// run makes the filesystem, takes away the primary superblock (mke2fs
+// writes it last) and kills the agent's process group.
+func TestAgentDeadInItsMkfs(t *testing.T) {
+	h := newHost(t)
+	real, err := exec.LookPath("mkfs.ext4")
+	if err != nil {
+		t.Skip("mkfs.ext4 is not installed")
+	}
+	bin := filepath.Join(h.dir, "bin")
+	os.Mkdir(bin, 0o755)
+	script := fmt.Sprintf(`#!/bin/sh
+for dev; do :; done
+if [ ! -e %[1]s/died ]; then
+	: >%[1]s/died
+	%[2]s "$@" >/dev/null 2>&1 || exit 1
+	dd if=/dev/zero of="$dev" bs=2048 count=1 conv=notrunc,fsync status=none
+	kill -KILL 0
+fi
+exec %[2]s "$@"
+`, bin, real)
+	if err := os.WriteFile(filepath.Join(bin, "mkfs.ext4"), []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	h.env = []string{"PATH=" + bin + ":" + os.Getenv("PATH")}
+	staging := filepath.Join(h.kubelet, "plugins", "kubernetes.io", "csi", "cloud.whitesky.csi", "vol-mkfs", "globalmount")
+	req := &api.StageVolumeRequest{VolumeId: "loc-1/4712", Device: &api.DeviceLocator{LoopBackingFile: h.img},
+		StagingPath: staging, FsType: "ext4", AllowUnfenced: true}
+	h.start()
+	ctx := context.Background()
+	if err := h.stage(ctx, req); err == nil {
+		t.Fatal("the stage answered although its agent was killed in mkfs")
+	}
+	select {
+	case <-h.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the agent outlived its mkfs's kill")
+	}
+	h.closeClient()
+	if out, _ := exec.Command("blkid", "-p", h.loop).Output(); len(out) != 0 {
+		t.Fatalf("blkid names what the cut-short mkfs left: %s", out)
+	}
+	h.start()
+	if err := h.stage(ctx, req); err != nil {
+		t.Fatalf("the retried stage: %v", err)
+	}
+	if n := countMountsAt(staging); n != 1 {
+		t.Fatalf("%d mounts at the staging path, want 1", n)
+	}
+	writeMarker(t, staging, 1)
+	if !strings.Contains(h.log(), "was cut short; making it again") {
+		t.Fatal("the agent's log does not say it made the cut-short filesystem again")
+	}
+	if err := h.unstage(ctx, req.VolumeId, staging); err != nil {
+		t.Fatalf("unstage: %v", err)
+	}
+}
+
 // crashLoop is TestCrashLoop's volume, agent and tallies.
 type crashLoop struct {
 	t         *testing.T

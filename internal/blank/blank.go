@@ -50,8 +50,10 @@ var (
 	luksSecondaryOffsets = []int64{16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20}
 )
 
-// Proof says that a device was found blank. Only Prove, ProvePast and
-// ProveEncrypted make a non-zero one; every format of the agent takes one.
+// Proof says that a device was found blank, or holding only what a format
+// of the caller's own left. Only Prove, ProvePast, ProveEncrypted and
+// ProveFormatLeftovers make a non-zero one; every format of the agent
+// takes one.
 type Proof struct {
 	path  string
 	id    FileID
@@ -124,7 +126,7 @@ func (e *NotBlankError) Error() string {
 // proof either.
 func Prove(ctx context.Context, path string) (Proof, error) {
 	taken := time.Now()
-	r, err := readUnsigned(ctx, path, (*regions).signature)
+	r, err := readUnsigned(ctx, path, (*regions).signature, "")
 	if err != nil {
 		return Proof{}, err
 	}
@@ -144,23 +146,44 @@ func ProveEncrypted(ctx context.Context, mapping string) (Proof, error) {
 	// Not r.signature: crypt/luks2's check takes any non-zero data for
 	// an unknown signature, and noise is what this device holds.
 	taken := time.Now()
-	r, err := readUnsigned(ctx, mapping, (*regions).headers)
+	r, err := readUnsigned(ctx, mapping, (*regions).headers, "")
 	if err != nil {
 		return Proof{}, err
 	}
 	return Proof{path: mapping, id: r.id, size: r.size, taken: taken}, nil
 }
 
+// ProveFormatLeftovers is for a filesystem of type fsType that the caller
+// began to make with mkfs on a device Prove proved blank, and that a crash
+// cut short. mkfs writes across the whole device (bitmaps, inode tables,
+// the journal, backup superblocks), so no zero check can tell its
+// leftovers from other data; what is asked is that no lease or LUKS
+// header is there and that `blkid -p` names nothing but fsType: an
+// unfinished mkfs may have written its own superblock (mkfs.xfs writes it
+// first, marked in progress, and blkid names it xfs).
+func ProveFormatLeftovers(ctx context.Context, path, fsType string) (Proof, error) {
+	if fsType == "" {
+		return Proof{}, errors.New("no filesystem type whose leftovers to accept")
+	}
+	taken := time.Now()
+	r, err := readUnsigned(ctx, path, (*regions).headers, fsType)
+	if err != nil {
+		return Proof{}, err
+	}
+	return Proof{path: path, id: r.id, size: r.size, taken: taken}, nil
+}
+
 // readUnsigned reads the device at path and returns what it read when
-// neither find (on what was read) nor `blkid -p` finds a signature; one
-// found is a *NotBlankError naming it, with what blkid named (its Type,
-// which the agent mounts when it is the volume's filesystem).
+// neither find (on what was read) nor `blkid -p` finds a signature, other
+// than a filesystem of type allow when that is not ""; one found is a
+// *NotBlankError naming it, with what blkid named (its Type, which the
+// agent mounts when it is the volume's filesystem).
 //
 // blkid runs while the device is read: its start is a process start, the
 // slowest part of a proof on a small machine, and the two wait on
 // different things. Both must find nothing; what the reads find is
 // reported first.
-func readUnsigned(ctx context.Context, path string, find func(*regions) string) (*regions, error) {
+func readUnsigned(ctx context.Context, path string, find func(*regions) string, allow string) (*regions, error) {
 	bctx, stop := context.WithCancel(ctx)
 	defer stop()
 	blkid := make(chan probed, 1)
@@ -180,7 +203,7 @@ func readUnsigned(ctx context.Context, path string, find func(*regions) string) 
 	if found := find(r); found != "" {
 		return nil, &NotBlankError{Device: path, Found: found, Type: p.typ, PTType: p.pttype}
 	}
-	if p.found != "" {
+	if p.found != "" && (allow == "" || p.typ != allow || p.pttype != "") {
 		return nil, &NotBlankError{Device: path, Found: p.found, Type: p.typ, PTType: p.pttype}
 	}
 	return r, nil
