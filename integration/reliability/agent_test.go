@@ -75,7 +75,8 @@ type host struct {
 	loop    string
 
 	// env is added to the agent's environment when it starts.
-	env []string
+	env       []string
+	closeOnce sync.Once
 
 	mu   sync.Mutex
 	logs bytes.Buffer // every agent run's stderr, appended
@@ -97,17 +98,7 @@ func newHost(t *testing.T) *host {
 	h := &host{t: t, dir: dir, kubelet: filepath.Join(dir, "kubelet"), state: filepath.Join(dir, "state"),
 		sysfs: filepath.Join(dir, "sysfs"), cfg: filepath.Join(dir, "config.yaml"), sock: filepath.Join(dir, "agent.sock"),
 		img: filepath.Join(dir, "disk.img")}
-	t.Cleanup(func() {
-		h.stop()
-		unmountUnder(dir)
-		if h.loop != "" {
-			exec.Command("losetup", "-d", h.loop).Run()
-		}
-		if t.Failed() {
-			t.Logf("agent log:\n%s", h.log())
-		}
-		os.RemoveAll(dir)
-	})
+	t.Cleanup(h.close)
 	os.MkdirAll(h.kubelet, 0o755)
 	os.MkdirAll(filepath.Join(h.sysfs, "class/dmi/id"), 0o755)
 	os.WriteFile(filepath.Join(h.sysfs, "class/dmi/id/product_uuid"), []byte(strings.ToUpper(nodeUUID)+"\n"), 0o444)
@@ -137,6 +128,23 @@ func newHost(t *testing.T) *host {
 		t.Fatal(err)
 	}
 	return h
+}
+
+// close stops the agent and removes the host: its mounts, its loop device
+// and its directories (the agent's log is shown first if the test failed).
+// It runs when the test ends, or earlier for a test that makes many hosts.
+func (h *host) close() {
+	h.closeOnce.Do(func() {
+		h.stop()
+		unmountUnder(h.dir)
+		if h.loop != "" {
+			exec.Command("losetup", "-d", h.loop).Run()
+		}
+		if h.t.Failed() {
+			h.t.Logf("agent log:\n%s", h.log())
+		}
+		os.RemoveAll(h.dir)
+	})
 }
 
 type lockedWriter struct {
