@@ -363,7 +363,10 @@ func cutShortMkfs(t *testing.T, fsType, dev string) {
 // Formatting) is run again over what it left, on both filesystems; the
 // same leftovers without that record are refused (P5), and so is a device
 // whose record says Formatting but which holds what that mkfs does not
-// write.
+// write. A finished filesystem of the volume's type is mounted as it is,
+// its files kept, whatever the record says: the mkfs finished before the
+// crash, and the filesystem may have been used since (on another node,
+// had the disk moved while this record stayed).
 func TestACutShortMkfsIsMadeAgainOnlyOverItsOwnLeftovers(t *testing.T) {
 	needRoot(t)
 	ctx := context.Background()
@@ -400,6 +403,40 @@ func TestACutShortMkfsIsMadeAgainOnlyOverItsOwnLeftovers(t *testing.T) {
 			}
 			if !strings.Contains(e.logs.String(), "was cut short; making it again") {
 				t.Fatalf("the log does not say the filesystem was made again:\n%s", e.logs)
+			}
+		})
+	}
+	for _, fsType := range []string{"ext4", "xfs"} {
+		t.Run(fsType+"/finished and used", func(t *testing.T) {
+			e := newEnv(t)
+			img, dev := loop(t, 320)
+			force := map[string]string{"ext4": "-F", "xfs": "-f"}[fsType]
+			if out, err := exec.Command("mkfs."+fsType, "-q", force, dev).CombinedOutput(); err != nil {
+				t.Fatalf("mkfs.%s: %v: %s", fsType, err, out)
+			}
+			used := t.TempDir()
+			if err := unix.Mount(dev, used, fsType, 0, ""); err != nil {
+				t.Fatal(err)
+			}
+			werr := os.WriteFile(filepath.Join(used, "kept"), []byte("data"), 0o644)
+			if err := unix.Unmount(used, 0); err != nil || werr != nil {
+				t.Fatal(err, werr)
+			}
+			uuid := blkid(t, dev, "UUID")
+			cutShort(e, img, fsType)
+			res, err := e.m.Stage(ctx, req(e, img, fsType))
+			if err != nil {
+				t.Fatalf("the retried stage: %v\n%s", err, e.logs)
+			}
+			if res.Formatted || blkid(t, dev, "UUID") != uuid {
+				t.Fatalf("stage %+v: UUID %s, was %s: a finished filesystem was made again", res, blkid(t, dev, "UUID"), uuid)
+			}
+			if b, err := os.ReadFile(filepath.Join(e.path("staging/m"), "kept")); err != nil || string(b) != "data" {
+				t.Fatalf("the file on the finished filesystem: %q %v", b, err)
+			}
+			c, err := e.m.Store().Get("vol-m")
+			if err != nil || c == nil || !c.Formatted || c.Formatting {
+				t.Fatalf("record after the stage: %+v %v", c, err)
 			}
 		})
 	}

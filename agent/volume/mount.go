@@ -149,29 +149,33 @@ func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (bla
 }
 
 // cutShortFormatProof is formatProof for a device on which this agent's
-// mkfs was cut short (the claim says Formatting): whatever that mkfs left
-// is the agent's own and was never mounted, since Formatted is recorded
-// before the mount, so the filesystem is made again over it; mkfs.xfs
-// leaves a superblock marked in progress that blkid names xfs and no
-// kernel mounts, and mkfs.ext4 writes its primary superblock last. Only a
-// lease or LUKS header, or a signature blkid names other than the volume's
-// filesystem, is not from that mkfs: the device is then refused.
+// mkfs was cut short (the claim says Formatting). A finished filesystem of
+// the volume's type is that mkfs's, finished before the crash (mkfs.ext4
+// writes its primary superblock last, mkfs.xfs clears its in-progress mark
+// last): it is recorded as made and mounted as it is, never made again, as
+// it may have been mounted since, here or, had the disk been moved, on
+// another node. What nothing can have mounted, leftovers without a
+// signature or an xfs still marked in progress, is the mkfs's own and is
+// made again. Anything else is refused (blank.ProveFormatLeftovers).
 func (m *Manager) cutShortFormatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
-	if c.ReadOnly {
-		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
-			"volume %s: the %s filesystem this agent began to make on %s was cut short, and a read-only stage cannot make it again; stage the volume writable once", c.Volume, c.FsType, device)
-	}
 	proof, err := blank.ProveFormatLeftovers(ctx, device, c.FsType)
 	var nb *blank.NotBlankError
 	switch {
+	case errors.As(err, &nb) && nb.Type == c.FsType && nb.PTType == "":
+		m.log.Info("the filesystem this agent was making on the volume was finished before the agent stopped; mounting it", "volume", c.Volume, "device", device, "fs", c.FsType)
+		c.Formatted, c.Formatting = true, false
+		return blank.Proof{}, m.store.Put(c)
 	case errors.As(err, &nb):
 		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
-			"volume %s: the %s filesystem this agent began to make on %s was cut short, but the device now holds %s, which that mkfs does not write; it is not formatted again: check that the right disk is attached",
+			"volume %s: the %s filesystem this agent began to make on %s was cut short, but the device now holds %s, which that mkfs does not leave; it is not formatted again: check that the right disk is attached",
 			c.Volume, c.FsType, device, nb.Found)
 	case errors.Is(err, blank.ErrProbe):
 		return blank.Proof{}, agenterr.New(agenterr.Internal, "volume %s: blkid could not tell what %s holds, so it is neither formatted nor mounted: %v", c.Volume, device, err)
 	case err != nil:
 		return blank.Proof{}, agenterr.New(agenterr.Unavailable, "volume %s: what %s holds could not be read, so it is neither formatted nor mounted: %v", c.Volume, device, err)
+	case c.ReadOnly:
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: the %s filesystem this agent began to make on %s was cut short, and a read-only stage cannot make it again; stage the volume writable once", c.Volume, c.FsType, device)
 	}
 	m.log.Warn("the filesystem this agent began to make on the volume was cut short; making it again", "volume", c.Volume, "device", device, "fs", c.FsType)
 	return proof, nil

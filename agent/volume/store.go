@@ -115,8 +115,9 @@ type Claim struct {
 	// Formatting is set just before this agent runs mkfs on a device it
 	// proved blank, and cleared, with Formatted set, once mkfs has
 	// finished and before anything mounts the filesystem: a device whose
-	// record says Formatting holds an mkfs of this agent's that a crash
-	// cut short, which nothing has used; it is made again (mount.go).
+	// record says Formatting may hold what an mkfs of this agent's that a
+	// crash cut short left, which is made again when nothing can have
+	// mounted it since (mount.go, cutShortFormatProof).
 	Formatting bool `json:"formatting,omitempty"`
 	// LUKSFormatting is set just before this agent formats a blank device
 	// and cleared once the header is complete: a device the record says

@@ -28,8 +28,8 @@ import (
 // fenced by the on-disk lease (the helpers then run on the data mapping).
 //
 // After each life: the file reads back, the second stage mounted the
-// filesystem of the first (same UUID), no mount, claim record or loop
-// device is left, and exactly one kill happened.
+// filesystem of the first (same UUID), no mount, claim record or data
+// mapping is left, and exactly one kill happened.
 func TestKillAtEveryHelper(t *testing.T) {
 	for _, fenced := range []bool{false, true} {
 		name := "unfenced"
@@ -193,6 +193,9 @@ func (l *life) live() {
 	}
 	if ents, _ := os.ReadDir(filepath.Join(h.state, "volumes")); len(ents) != 0 {
 		t.Fatalf("%s: %d claim records left after unstage", l.name, len(ents))
+	}
+	if loops := h.loopDevices(); len(loops) != 1 {
+		t.Fatalf("%s: loop devices over the disk after unstage: %v, want the disk's own", l.name, loops)
 	}
 }
 

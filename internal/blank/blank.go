@@ -157,20 +157,36 @@ func ProveEncrypted(ctx context.Context, mapping string) (Proof, error) {
 // began to make with mkfs on a device Prove proved blank, and that a crash
 // cut short. mkfs writes across the whole device (bitmaps, inode tables,
 // the journal, backup superblocks), so no zero check can tell its
-// leftovers from other data; what is asked is that no lease or LUKS
-// header is there and that `blkid -p` names nothing but fsType: an
-// unfinished mkfs may have written its own superblock (mkfs.xfs writes it
-// first, marked in progress, and blkid names it xfs).
+// leftovers from other data. What is asked instead is that nothing there
+// can have been used since: no lease or LUKS header, and nothing `blkid
+// -p` names, but for an xfs superblock marked in progress (mkfs.xfs writes
+// its superblock first with sb_inprogress set and clears it last; blkid
+// names it, no kernel mounts it). A finished filesystem of type fsType is
+// a *NotBlankError whose Type is fsType: the mkfs finished, and the
+// filesystem may have been mounted since, by this node or another.
 func ProveFormatLeftovers(ctx context.Context, path, fsType string) (Proof, error) {
 	if fsType == "" {
 		return Proof{}, errors.New("no filesystem type whose leftovers to accept")
 	}
 	taken := time.Now()
-	r, err := readUnsigned(ctx, path, (*regions).headers, fsType)
+	allow := ""
+	if fsType == "xfs" {
+		allow = "xfs"
+	}
+	r, err := readUnsigned(ctx, path, (*regions).headers, allow)
 	if err != nil {
 		return Proof{}, err
 	}
+	if r.allowed != "" && !xfsInProgress(r.head) {
+		return Proof{}, &NotBlankError{Device: path, Found: "blkid: TYPE=xfs, a finished xfs", Type: "xfs"}
+	}
 	return Proof{path: path, id: r.id, size: r.size, taken: taken}, nil
+}
+
+// xfsInProgress reports whether head begins with an xfs superblock whose
+// sb_inprogress byte (offset 126) is set.
+func xfsInProgress(head []byte) bool {
+	return len(head) > 126 && bytes.HasPrefix(head, []byte("XFSB")) && head[126] != 0
 }
 
 // readUnsigned reads the device at path and returns what it read when
@@ -205,6 +221,9 @@ func readUnsigned(ctx context.Context, path string, find func(*regions) string, 
 	}
 	if p.found != "" && (allow == "" || p.typ != allow || p.pttype != "") {
 		return nil, &NotBlankError{Device: path, Found: p.found, Type: p.typ, PTType: p.pttype}
+	}
+	if p.found != "" {
+		r.allowed = p.typ
 	}
 	return r, nil
 }
@@ -285,7 +304,10 @@ func readChecked(ctx context.Context, path string) (*regions, error) {
 type regions struct {
 	// zero says the regions were all zeros (readChecked) and were not
 	// kept: nothing is in them.
-	zero    bool
+	zero bool
+	// allowed is the filesystem type blkid named that the caller of
+	// readUnsigned allowed; "" when blkid named nothing.
+	allowed string
 	id      FileID
 	size    int64
 	lead    []byte // the first block, for the lease magic (ProvePast)
