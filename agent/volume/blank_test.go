@@ -13,6 +13,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/uuid"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
@@ -316,29 +317,26 @@ func TestMakeFSWithoutItsToolNamesThePackage(t *testing.T) {
 	}
 	t.Setenv("PATH", t.TempDir())
 	for fs, pkg := range map[string]string{"xfs": "xfsprogs", "ext4": "e2fsprogs"} {
-		err := makeFS(context.Background(), proof, fs, false)
+		err := makeFS(context.Background(), proof, fs, false, "0b0e1d2c-3f4a-4b5c-8d6e-7f8091a2b3c4")
 		if agenterr.KindOf(err) != agenterr.FailedPrecondition || !strings.Contains(err.Error(), pkg) {
 			t.Fatalf("mkfs.%s missing: %v (%v); want FAILED_PRECONDITION naming %s", fs, err, agenterr.KindOf(err), pkg)
 		}
 	}
 }
 
-// cutShortMkfs leaves on dev what an mkfs of fsType killed part-way
-// leaves: ext4 without its primary superblock (mke2fs writes it last),
-// xfs with its superblock marked in progress (mkfs.xfs writes it first
-// and clears the mark last).
-func cutShortMkfs(t *testing.T, fsType, dev string) {
+// mkfsUUID is the UUID the tests' records say the agent gave mkfs.
+const mkfsUUID = "5e1f0a2b-7c3d-4e5f-8a9b-0c1d2e3f4a5b"
+
+// cutShortMkfs leaves on dev what an mkfs of fsType with UUID id killed
+// part-way leaves: ext4 without its primary superblock (mke2fs writes it
+// last), xfs with its superblock marked in progress (mkfs.xfs writes it
+// first and clears the mark last).
+func cutShortMkfs(t *testing.T, fsType, dev, id string) {
 	t.Helper()
-	run := func(name string, args ...string) {
-		t.Helper()
-		if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
-			t.Fatalf("%s %v: %v: %s", name, args, err, out)
-		}
-	}
 	switch fsType {
 	case "ext4":
-		run("mkfs.ext4", "-q", "-F", dev)
-		run("dd", "if=/dev/zero", "of="+dev, "bs=2048", "count=1", "conv=notrunc,fsync", "status=none")
+		run(t, "mkfs.ext4", "-q", "-F", "-U", id, dev)
+		run(t, "dd", "if=/dev/zero", "of="+dev, "bs=2048", "count=1", "conv=notrunc,fsync", "status=none")
 		if got := blkid(t, dev, "TYPE"); got != "" {
 			t.Fatalf("blkid still names %q after the primary superblock went", got)
 		}
@@ -346,8 +344,8 @@ func cutShortMkfs(t *testing.T, fsType, dev string) {
 		if _, err := exec.LookPath("xfs_db"); err != nil {
 			t.Skip("xfs_db is not installed")
 		}
-		run("mkfs.xfs", "-q", "-f", dev)
-		run("xfs_db", "-x", "-c", "sb 0", "-c", "write inprogress 1", dev)
+		run(t, "mkfs.xfs", "-q", "-f", "-m", "uuid="+id, dev)
+		run(t, "xfs_db", "-x", "-c", "sb 0", "-c", "write inprogress 1", dev)
 		if got := blkid(t, dev, "TYPE"); got != "xfs" {
 			t.Fatalf("blkid names %q, not xfs, on an xfs marked in progress", got)
 		}
@@ -359,131 +357,165 @@ func cutShortMkfs(t *testing.T, fsType, dev string) {
 	}
 }
 
-// An mkfs of this agent's that a crash cut short (its record says
-// Formatting) is run again over what it left, on both filesystems; the
-// same leftovers without that record are refused (P5), and so is a device
-// whose record says Formatting but which holds what that mkfs does not
-// write. A finished filesystem of the volume's type is mounted as it is,
-// its files kept, whatever the record says: the mkfs finished before the
-// crash, and the filesystem may have been used since (on another node,
-// had the disk moved while this record stayed).
+func run(t *testing.T, name string, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+		t.Fatalf("%s %v: %v: %s", name, args, err, out)
+	}
+}
+
+// finishedAndUsed makes a filesystem of fsType on dev and writes a file in
+// it, as another node that was given the disk would have.
+func finishedAndUsed(t *testing.T, fsType, dev string) {
+	t.Helper()
+	run(t, "mkfs."+fsType, "-q", map[string]string{"ext4": "-F", "xfs": "-f"}[fsType], dev)
+	used := t.TempDir()
+	if err := unix.Mount(dev, used, fsType, 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	werr := os.WriteFile(filepath.Join(used, "kept"), []byte("data"), 0o644)
+	if err := unix.Unmount(used, 0); err != nil || werr != nil {
+		t.Fatal(err, werr)
+	}
+}
+
+// cutShortCase is one device a record of a cut-short mkfs meets.
+type cutShortCase struct {
+	name, fsType string
+	// prepare leaves on the device what the case is about.
+	prepare func(t *testing.T, dev string)
+	// record changes the recorded attempt (nil: as the mkfs was made).
+	record func(a *MkfsAttempt)
+	// want is "made again", "kept" (the finished filesystem mounted, its
+	// file read back), or the words of a FAILED_PRECONDITION refusal that
+	// leaves the disk as it was.
+	want []string
+}
+
+var cutShortCases = []cutShortCase{
+	{name: "ext4 leftovers", fsType: "ext4", prepare: func(t *testing.T, dev string) { cutShortMkfs(t, "ext4", dev, mkfsUUID) }, want: []string{"made again"}},
+	{name: "xfs in progress", fsType: "xfs", prepare: func(t *testing.T, dev string) { cutShortMkfs(t, "xfs", dev, mkfsUUID) }, want: []string{"made again"}},
+	{name: "all zeros", fsType: "ext4", prepare: func(*testing.T, string) {}, want: []string{"made again"}},
+	// The mkfs finished before the crash; the filesystem may have been
+	// used since (on another node, had the disk moved while this record
+	// stayed).
+	{name: "ext4 finished and used", fsType: "ext4", prepare: func(t *testing.T, dev string) { finishedAndUsed(t, "ext4", dev) }, want: []string{"kept"}},
+	{name: "xfs finished and used", fsType: "xfs", prepare: func(t *testing.T, dev string) { finishedAndUsed(t, "xfs", dev) }, want: []string{"kept"}},
+	{name: "xfs in progress of another mkfs", fsType: "xfs", prepare: func(t *testing.T, dev string) { cutShortMkfs(t, "xfs", dev, uuid.NewString()) },
+		want: []string{"was cut short", "another UUID", "not formatted again"}},
+	{name: "another filesystem", fsType: "xfs", prepare: func(t *testing.T, dev string) { run(t, "mkfs.ext4", "-q", "-F", dev) },
+		want: []string{"was cut short", "TYPE=ext4", "not formatted again"}},
+	{name: "a LUKS header", fsType: "ext4", prepare: func(t *testing.T, dev string) {
+		cutShortMkfs(t, "ext4", dev, mkfsUUID)
+		writeAt(t, dev, []byte("LUKS\xba\xbe\x00\x02"), 0)
+	}, want: []string{"was cut short", "LUKS", "not formatted again"}},
+	// The mkfs ran on a lease disk's data mapping, from 1 MiB; the disk
+	// now comes without a lease area, the volume from byte 0 of it.
+	{name: "another offset", fsType: "ext4", prepare: func(t *testing.T, dev string) { cutShortMkfs(t, "ext4", dev, mkfsUUID) },
+		record: func(a *MkfsAttempt) { a.Offset = 1 << 20 }, want: []string{"from byte 1048576", "now lies from byte 0", "not formatted"}},
+	{name: "another size", fsType: "ext4", prepare: func(t *testing.T, dev string) { cutShortMkfs(t, "ext4", dev, mkfsUUID) },
+		record: func(a *MkfsAttempt) { a.Size -= 1 << 20 }, want: []string{"bytes now", "not formatted again"}},
+}
+
+func writeAt(t *testing.T, dev string, b []byte, off int64) {
+	t.Helper()
+	f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// An mkfs of this agent's that a crash cut short (its record names it in
+// Formatting) is run again over what it left, on both filesystems, and
+// only there: a finished filesystem of the volume's type is mounted as it
+// is, its files kept; anything the mkfs does not leave, or a device other
+// than the one it ran on, is refused and left as it was.
 func TestACutShortMkfsIsMadeAgainOnlyOverItsOwnLeftovers(t *testing.T) {
 	needRoot(t)
-	ctx := context.Background()
-	cutShort := func(e *env, img, fsType string) {
-		t.Helper()
-		c := &Claim{Volume: "vol-m", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/m"), FsType: fsType,
-			Phase: PhaseInterrupted, Formatting: true}
-		if err := e.m.Store().Put(c); err != nil {
-			t.Fatal(err)
-		}
-		e.start()
+	for _, c := range cutShortCases {
+		t.Run(c.name, func(t *testing.T) { c.run(t) })
 	}
-	req := func(e *env, img, fsType string) StageRequest {
-		r := e.stageReq("vol-m", img, "staging/m")
-		r.FsType = fsType
-		return r
-	}
-	for _, fsType := range []string{"ext4", "xfs"} {
-		t.Run(fsType+"/made again", func(t *testing.T) {
-			e := newEnv(t)
-			img, dev := loop(t, 320) // mkfs.xfs's least
-			cutShortMkfs(t, fsType, dev)
-			cutShort(e, img, fsType)
-			res, err := e.m.Stage(ctx, req(e, img, fsType))
-			if err != nil {
-				t.Fatalf("the retried stage: %v\n%s", err, e.logs)
-			}
-			if !res.Formatted || blkid(t, dev, "TYPE") != fsType || !isMounted(t, e.path("staging/m")) {
-				t.Fatalf("stage %+v: blkid %q, mounted %v", res, blkid(t, dev, "TYPE"), isMounted(t, e.path("staging/m")))
-			}
-			c, err := e.m.Store().Get("vol-m")
-			if err != nil || c == nil || !c.Formatted || c.Formatting || c.Phase != PhaseStaged {
-				t.Fatalf("record after the stage: %+v %v", c, err)
-			}
-			if !strings.Contains(e.logs.String(), "was cut short; making it again") {
-				t.Fatalf("the log does not say the filesystem was made again:\n%s", e.logs)
-			}
-		})
-	}
-	for _, fsType := range []string{"ext4", "xfs"} {
-		t.Run(fsType+"/finished and used", func(t *testing.T) {
-			e := newEnv(t)
-			img, dev := loop(t, 320)
-			force := map[string]string{"ext4": "-F", "xfs": "-f"}[fsType]
-			if out, err := exec.Command("mkfs."+fsType, "-q", force, dev).CombinedOutput(); err != nil {
-				t.Fatalf("mkfs.%s: %v: %s", fsType, err, out)
-			}
-			used := t.TempDir()
-			if err := unix.Mount(dev, used, fsType, 0, ""); err != nil {
-				t.Fatal(err)
-			}
-			werr := os.WriteFile(filepath.Join(used, "kept"), []byte("data"), 0o644)
-			if err := unix.Unmount(used, 0); err != nil || werr != nil {
-				t.Fatal(err, werr)
-			}
-			uuid := blkid(t, dev, "UUID")
-			cutShort(e, img, fsType)
-			res, err := e.m.Stage(ctx, req(e, img, fsType))
-			if err != nil {
-				t.Fatalf("the retried stage: %v\n%s", err, e.logs)
-			}
-			if res.Formatted || blkid(t, dev, "UUID") != uuid {
-				t.Fatalf("stage %+v: UUID %s, was %s: a finished filesystem was made again", res, blkid(t, dev, "UUID"), uuid)
-			}
-			if b, err := os.ReadFile(filepath.Join(e.path("staging/m"), "kept")); err != nil || string(b) != "data" {
-				t.Fatalf("the file on the finished filesystem: %q %v", b, err)
-			}
-			c, err := e.m.Store().Get("vol-m")
-			if err != nil || c == nil || !c.Formatted || c.Formatting {
-				t.Fatalf("record after the stage: %+v %v", c, err)
-			}
-		})
-	}
-	t.Run("ext4/no record", func(t *testing.T) {
+	t.Run("no record", func(t *testing.T) {
+		// The same leftovers without the record are foreign data (P5).
 		e := newEnv(t)
 		img, dev := loop(t, 64)
-		cutShortMkfs(t, "ext4", dev)
+		cutShortMkfs(t, "ext4", dev, mkfsUUID)
 		before := imageSum(t, img)
-		_, err := e.m.Stage(ctx, req(e, img, "ext4"))
+		_, err := e.m.Stage(context.Background(), e.stageReq("vol-m", img, "staging/m"))
 		wantCode(t, err, codes.FailedPrecondition, "not blank", "non-zero data")
 		if imageSum(t, img) != before {
 			t.Fatal("the disk was written")
 		}
 	})
-	for _, c := range []struct {
-		name, fsType string
-		prepare      func(t *testing.T, dev string)
-		found        string
-	}{
-		{"another filesystem", "xfs", func(t *testing.T, dev string) {
-			cutShortMkfs(t, "ext4", dev)
-			exec.Command("mkfs.ext4", "-q", "-F", dev).Run()
-		}, "TYPE=ext4"},
-		{"a LUKS header", "ext4", func(t *testing.T, dev string) {
-			cutShortMkfs(t, "ext4", dev)
-			f, err := os.OpenFile(dev, os.O_WRONLY, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
-			if _, err := f.WriteAt([]byte("LUKS\xba\xbe\x00\x02"), 0); err != nil {
-				t.Fatal(err)
-			}
-		}, "LUKS"},
-	} {
-		t.Run("refused/"+c.name, func(t *testing.T) {
-			e := newEnv(t)
-			img, dev := loop(t, 320)
-			c.prepare(t, dev)
-			cutShort(e, img, c.fsType)
-			before := imageSum(t, img)
-			_, err := e.m.Stage(ctx, req(e, img, c.fsType))
-			wantCode(t, err, codes.FailedPrecondition, "was cut short", c.found, "not formatted again")
-			if imageSum(t, img) != before {
-				t.Fatal("the disk was written")
-			}
-		})
+}
+
+func (c cutShortCase) run(t *testing.T) {
+	e := newEnv(t)
+	img, dev := loop(t, 320) // mkfs.xfs's least
+	c.prepare(t, dev)
+	a := &MkfsAttempt{Size: 320 << 20, UUID: mkfsUUID}
+	if c.record != nil {
+		c.record(a)
+	}
+	staging := e.path("staging/m")
+	if err := e.m.Store().Put(&Claim{Volume: "vol-m", Locator: Locator{BackingFile: img}, StagingPath: staging, FsType: c.fsType,
+		Phase: PhaseInterrupted, Formatting: a}); err != nil {
+		t.Fatal(err)
+	}
+	e.start()
+	before, uuidBefore := imageSum(t, img), blkid(t, dev, "UUID")
+	r := e.stageReq("vol-m", img, "staging/m")
+	r.FsType = c.fsType
+	res, err := e.m.Stage(context.Background(), r)
+	switch c.want[0] {
+	case "made again", "kept":
+		if err != nil {
+			t.Fatalf("the retried stage: %v\n%s", err, e.logs)
+		}
+		rec, gerr := e.m.Store().Get("vol-m")
+		if gerr != nil || rec == nil || !rec.Formatted || rec.Formatting != nil || rec.Phase != PhaseStaged {
+			t.Fatalf("record after the stage: %+v %v", rec, gerr)
+		}
+	default:
+		wantCode(t, err, codes.FailedPrecondition, c.want...)
+		if imageSum(t, img) != before {
+			t.Fatal("the disk was written")
+		}
+		return
+	}
+	if c.want[0] == "made again" {
+		if !res.Formatted || blkid(t, dev, "TYPE") != c.fsType || !strings.Contains(e.logs.String(), "was cut short; making it again") {
+			t.Fatalf("stage %+v: blkid %q; log:\n%s", res, blkid(t, dev, "TYPE"), e.logs)
+		}
+		return
+	}
+	if res.Formatted || blkid(t, dev, "UUID") != uuidBefore {
+		t.Fatalf("stage %+v: UUID %s, was %s: a finished filesystem was made again", res, blkid(t, dev, "UUID"), uuidBefore)
+	}
+	if b, err := os.ReadFile(filepath.Join(staging, "kept")); err != nil || string(b) != "data" {
+		t.Fatalf("the file on the finished filesystem: %q %v", b, err)
+	}
+}
+
+// An mkfs that fails having written nothing leaves no record of a first
+// stage: the device is still blank, and nothing of it is this agent's.
+func TestAFailedMkfsThatWroteNothingIsForgotten(t *testing.T) {
+	needRoot(t)
+	e := newEnv(t)
+	img, _ := loop(t, 64)
+	bin := t.TempDir()
+	if err := os.WriteFile(filepath.Join(bin, "mkfs.ext4"), []byte("#!/bin/sh\necho no space left >&2\nexit 1\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
+	_, err := e.m.Stage(context.Background(), e.stageReq("vol-f", img, "staging/f"))
+	wantCode(t, err, codes.Internal, "no space left")
+	if c, err := e.m.Store().Get("vol-f"); err != nil || c != nil {
+		t.Fatalf("the record of a first stage whose mkfs wrote nothing: %+v %v", c, err)
 	}
 }
 
@@ -505,7 +537,7 @@ func TestFilesystemIsRecordedMadeBeforeItsMount(t *testing.T) {
 		t.Fatal("the stage went on past the agent's death at the mount")
 	}
 	var c Claim
-	if err := json.Unmarshal(atMount, &c); err != nil || !c.Formatted || c.Formatting {
+	if err := json.Unmarshal(atMount, &c); err != nil || !c.Formatted || c.Formatting != nil {
 		t.Fatalf("the record when the mount began: %s (%v); want formatted, not formatting", atMount, err)
 	}
 	uuid := blkid(t, dev, "UUID")

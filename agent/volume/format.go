@@ -55,9 +55,13 @@ func proveEncrypted(ctx context.Context, volume, mapping string) (blank.Proof, e
 	return p, nil
 }
 
-// makeFS makes a filesystem of type fsType on the device p proved blank,
-// with the options of mount-utils' FormatAndMount (ext4 with no blocks
-// reserved for root).
+// fsPackages name the Debian and RPM packages of the filesystems' tools.
+var fsPackages = map[string]string{"ext4": "e2fsprogs", "xfs": "xfsprogs"}
+
+// makeFS makes a filesystem of type fsType with the UUID uuid on the
+// device p proved blank, with the options of mount-utils' FormatAndMount
+// (ext4 with no blocks reserved for root). The UUID is the caller's, so
+// that what a cut-short mkfs leaves can be told apart (mount.go).
 //
 // On a data mapping (a loop device over the disk past the lease area),
 // mkfs does not discard the device first: the loop driver carries a
@@ -66,22 +70,19 @@ func proveEncrypted(ctx context.Context, volume, mapping string) (blank.Proof, e
 // against under a second for mkfs on the disk itself (docs/benchmarks.md).
 // The discard adds nothing there: the device is proven blank, and mkfs
 // initialises what it relies on either way.
-// fsPackages name the Debian and RPM packages of the filesystems' tools.
-var fsPackages = map[string]string{"ext4": "e2fsprogs", "xfs": "xfsprogs"}
-
-func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool) error {
+func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool, uuid string) error {
 	if !p.Valid() || p.From() != 0 {
 		return errors.New("no proof that the device is blank; no filesystem is made")
 	}
 	var args []string
 	switch fsType {
 	case "ext4":
-		args = []string{"-F", "-m0"}
+		args = []string{"-F", "-m0", "-U", uuid}
 		if onMapping {
 			args = append(args, "-E", "nodiscard")
 		}
 	case "xfs":
-		args = []string{"-f"}
+		args = []string{"-f", "-m", "uuid=" + uuid}
 		if onMapping {
 			args = append(args, "-K")
 		}
@@ -89,12 +90,21 @@ func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool) e
 		return fmt.Errorf("filesystem type %q is not one the agent makes", fsType)
 	}
 	args = append(args, p.Device())
-	if _, err := exec.LookPath("mkfs." + fsType); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "mkfs.%s is not installed on this node, so no %s filesystem is made on %s: install %s (the vco-agent package recommends it), or use a class with another filesystem",
-			fsType, fsType, p.Device(), fsPackages[fsType])
+	if err := mkfsInstalled(fsType, p.Device()); err != nil {
+		return err
 	}
 	if out, err := exec.CommandContext(ctx, "mkfs."+fsType, args...).CombinedOutput(); err != nil {
 		return fmt.Errorf("mkfs.%s %s: %v: %s", fsType, p.Device(), err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
+// mkfsInstalled refuses a format of device when this node has no mkfs for
+// fsType, naming the package to install.
+func mkfsInstalled(fsType, device string) error {
+	if _, err := exec.LookPath("mkfs." + fsType); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "mkfs.%s is not installed on this node, so no %s filesystem is made on %s: install %s (the vco-agent package recommends it), or use a class with another filesystem",
+			fsType, fsType, device, fsPackages[fsType])
 	}
 	return nil
 }

@@ -35,17 +35,18 @@ func TestMakeFSDiscardsOnlyOffAMapping(t *testing.T) {
 		}
 	}
 	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
+	const id = "0b0e1d2c-3f4a-4b5c-8d6e-7f8091a2b3c4"
 	for _, c := range []struct {
 		fs        string
 		onMapping bool
 		want      string
 	}{
-		{"ext4", false, "-F -m0 " + img},
-		{"ext4", true, "-F -m0 -E nodiscard " + img},
-		{"xfs", false, "-f " + img},
-		{"xfs", true, "-f -K " + img},
+		{"ext4", false, "-F -m0 -U " + id + " " + img},
+		{"ext4", true, "-F -m0 -U " + id + " -E nodiscard " + img},
+		{"xfs", false, "-f -m uuid=" + id + " " + img},
+		{"xfs", true, "-f -m uuid=" + id + " -K " + img},
 	} {
-		if err := makeFS(context.Background(), proof, c.fs, c.onMapping); err != nil {
+		if err := makeFS(context.Background(), proof, c.fs, c.onMapping, id); err != nil {
 			t.Fatalf("%s (on a mapping: %v): %v", c.fs, c.onMapping, err)
 		}
 		got, err := os.ReadFile(filepath.Join(dir, "mkfs."+c.fs+".args"))

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/google/uuid"
 	"golang.org/x/sys/unix"
 	mount "k8s.io/mount-utils"
 
@@ -65,23 +66,32 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 }
 
 // formatFS makes the volume's filesystem on the device proof names. The
-// claim is recorded before mkfs runs (Formatting) and again once it has
-// finished (Formatted), before the filesystem is mounted: a crash between
-// the two leaves a record that names the leftovers on the device as this
-// agent's own, never mounted, and the retry makes the filesystem again
-// (formatProof).
+// mkfs is recorded before it runs (Formatting: where, on what, with which
+// UUID) and the filesystem as made (Formatted) once it has finished,
+// before it is mounted: a crash between the two leaves a record by which
+// the retry knows the leftovers for its own (formatProof). An mkfs that
+// fails having written nothing takes its record back.
 func (m *Manager) formatFS(ctx context.Context, c *Claim, proof blank.Proof, device string) error {
-	c.Formatting = true
+	if err := mkfsInstalled(c.FsType, device); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+	}
+	c.Formatting = &MkfsAttempt{Offset: c.DataOffset, Size: proof.Size(), UUID: uuid.NewString()}
 	if err := m.store.Put(c); err != nil {
 		return err
 	}
-	if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice); err != nil {
+	if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice, c.Formatting.UUID); err != nil {
+		if _, perr := blank.Prove(ctx, device); perr == nil {
+			c.Formatting = nil
+			if err := m.store.Put(c); err != nil {
+				m.log.Error("could not record that an mkfs wrote nothing", "volume", c.Volume, "err", err)
+			}
+		}
 		if agenterr.KindOf(err) == agenterr.FailedPrecondition {
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 		}
 		return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 	}
-	c.Formatted, c.Formatting = true, false
+	c.Formatted, c.Formatting = true, nil
 	if err := m.store.Put(c); err != nil {
 		return err
 	}
@@ -111,7 +121,7 @@ func (m *Manager) mountedAlready(c *Claim, device string) error {
 // One blank proof answers both (blank.NotBlankError names what blkid
 // found): a second `blkid -p` costs a first stage a process start.
 func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
-	if c.Formatting && !c.Formatted {
+	if c.Formatting != nil && !c.Formatted {
 		return m.cutShortFormatProof(ctx, c, device)
 	}
 	proof, err := blank.Prove(ctx, device)
@@ -149,21 +159,29 @@ func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (bla
 }
 
 // cutShortFormatProof is formatProof for a device on which this agent's
-// mkfs was cut short (the claim says Formatting). A finished filesystem of
-// the volume's type is that mkfs's, finished before the crash (mkfs.ext4
-// writes its primary superblock last, mkfs.xfs clears its in-progress mark
-// last): it is recorded as made and mounted as it is, never made again, as
-// it may have been mounted since, here or, had the disk been moved, on
-// another node. What nothing can have mounted, leftovers without a
-// signature or an xfs still marked in progress, is the mkfs's own and is
-// made again. Anything else is refused (blank.ProveFormatLeftovers).
+// mkfs was cut short (the claim names it in Formatting). A finished
+// filesystem of the volume's type is that mkfs's, finished before the
+// crash (mkfs.ext4 writes its primary superblock last, mkfs.xfs clears its
+// in-progress mark last): it is recorded as made and mounted as it is,
+// never made again, as it may have been mounted since, here or, had the
+// disk been moved, on another node. What nothing can have mounted,
+// leftovers without a signature or an xfs still marked in progress with
+// the mkfs's UUID, is that mkfs's own and is made again, on the device
+// the mkfs ran on only (the same offset into the disk, the same size).
+// Anything else is refused (blank.ProveFormatLeftovers).
 func (m *Manager) cutShortFormatProof(ctx context.Context, c *Claim, device string) (blank.Proof, error) {
-	proof, err := blank.ProveFormatLeftovers(ctx, device, c.FsType)
+	a := c.Formatting
+	if a.Offset != c.DataOffset {
+		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
+			"volume %s: the %s filesystem this agent began to make from byte %d of the disk was cut short, but the volume now lies from byte %d (%s); it is not formatted: check that the right disk is attached",
+			c.Volume, c.FsType, a.Offset, c.DataOffset, device)
+	}
+	proof, err := blank.ProveFormatLeftovers(ctx, device, c.FsType, a.UUID)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb) && nb.Type == c.FsType && nb.PTType == "":
 		m.log.Info("the filesystem this agent was making on the volume was finished before the agent stopped; mounting it", "volume", c.Volume, "device", device, "fs", c.FsType)
-		c.Formatted, c.Formatting = true, false
+		c.Formatted, c.Formatting = true, nil
 		return blank.Proof{}, m.store.Put(c)
 	case errors.As(err, &nb):
 		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
@@ -173,9 +191,10 @@ func (m *Manager) cutShortFormatProof(ctx context.Context, c *Claim, device stri
 		return blank.Proof{}, agenterr.New(agenterr.Internal, "volume %s: blkid could not tell what %s holds, so it is neither formatted nor mounted: %v", c.Volume, device, err)
 	case err != nil:
 		return blank.Proof{}, agenterr.New(agenterr.Unavailable, "volume %s: what %s holds could not be read, so it is neither formatted nor mounted: %v", c.Volume, device, err)
-	case c.ReadOnly:
+	case proof.Size() != a.Size:
 		return blank.Proof{}, agenterr.New(agenterr.FailedPrecondition,
-			"volume %s: the %s filesystem this agent began to make on %s was cut short, and a read-only stage cannot make it again; stage the volume writable once", c.Volume, c.FsType, device)
+			"volume %s: the %s filesystem this agent began to make on %s was cut short, but the device is %d bytes now, %d then; it is not formatted again: check that the right disk is attached",
+			c.Volume, c.FsType, device, proof.Size(), a.Size)
 	}
 	m.log.Warn("the filesystem this agent began to make on the volume was cut short; making it again", "volume", c.Volume, "device", device, "fs", c.FsType)
 	return proof, nil

@@ -217,7 +217,7 @@ func (s *staging) unrecord() {
 // LUKS2 header and wrote no fencing metadata.
 func (s *staging) forgotten() bool {
 	c := s.c
-	return s.isNew && !c.Formatted && !c.Formatting && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
+	return s.isNew && !c.Formatted && c.Formatting == nil && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
 }
 
 // fence chooses how the disk is fenced and takes the fence (P1-P3,

@@ -112,13 +112,13 @@ type Claim struct {
 	// (docs/architecture.md P5).
 	Formatted     bool `json:"formatted,omitempty"`
 	LUKSFormatted bool `json:"luks_formatted,omitempty"`
-	// Formatting is set just before this agent runs mkfs on a device it
-	// proved blank, and cleared, with Formatted set, once mkfs has
+	// Formatting is recorded just before this agent runs mkfs on a device
+	// it proved blank, and cleared, with Formatted set, once mkfs has
 	// finished and before anything mounts the filesystem: a device whose
-	// record says Formatting may hold what an mkfs of this agent's that a
-	// crash cut short left, which is made again when nothing can have
-	// mounted it since (mount.go, cutShortFormatProof).
-	Formatting bool `json:"formatting,omitempty"`
+	// record names an mkfs may hold what that mkfs left when a crash cut
+	// it short, which is made again when it is where that mkfs ran and
+	// nothing can have mounted it since (mount.go, cutShortFormatProof).
+	Formatting *MkfsAttempt `json:"formatting,omitempty"`
 	// LUKSFormatting is set just before this agent formats a blank device
 	// and cleared once the header is complete: a device the record says
 	// is ours half-formatted is the one case where the agent formats over
@@ -129,6 +129,18 @@ type Claim struct {
 	// Publications are the target paths the volume is bind-mounted at.
 	Publications []string  `json:"publications,omitempty"`
 	Updated      time.Time `json:"updated"`
+}
+
+// MkfsAttempt is an mkfs this agent began on a claim's device.
+type MkfsAttempt struct {
+	// Offset is where on the disk the device mkfs ran on begins: the
+	// claim's DataOffset then (0 for the disk itself).
+	Offset int64 `json:"offset"`
+	// Size is the device's size when it was proven blank.
+	Size int64 `json:"size"`
+	// UUID is the filesystem UUID the agent gave mkfs; an xfs that mkfs
+	// left marked in progress carries it.
+	UUID string `json:"uuid"`
 }
 
 // Abnormal reports whether the volume cannot be used as staged.

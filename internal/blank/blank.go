@@ -8,6 +8,7 @@ package blank
 import (
 	"bytes"
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -153,18 +154,19 @@ func ProveEncrypted(ctx context.Context, mapping string) (Proof, error) {
 	return Proof{path: mapping, id: r.id, size: r.size, taken: taken}, nil
 }
 
-// ProveFormatLeftovers is for a filesystem of type fsType that the caller
-// began to make with mkfs on a device Prove proved blank, and that a crash
-// cut short. mkfs writes across the whole device (bitmaps, inode tables,
-// the journal, backup superblocks), so no zero check can tell its
-// leftovers from other data. What is asked instead is that nothing there
-// can have been used since: no lease or LUKS header, and nothing `blkid
-// -p` names, but for an xfs superblock marked in progress (mkfs.xfs writes
-// its superblock first with sb_inprogress set and clears it last; blkid
-// names it, no kernel mounts it). A finished filesystem of type fsType is
-// a *NotBlankError whose Type is fsType: the mkfs finished, and the
-// filesystem may have been mounted since, by this node or another.
-func ProveFormatLeftovers(ctx context.Context, path, fsType string) (Proof, error) {
+// ProveFormatLeftovers is for a filesystem of type fsType with the UUID
+// uuid that the caller began to make with mkfs on a device Prove proved
+// blank, and that a crash cut short. mkfs writes across the whole device
+// (bitmaps, inode tables, the journal, backup superblocks), so no zero
+// check can tell its leftovers from other data. What is asked instead is
+// that nothing there can have been used since: no lease or LUKS header,
+// and nothing `blkid -p` names, but for an xfs superblock marked in
+// progress that carries uuid (mkfs.xfs writes its superblock first with
+// sb_inprogress set and clears it last; blkid names it, no kernel mounts
+// it). A finished filesystem of type fsType is a *NotBlankError whose Type
+// is fsType: the mkfs finished, and the filesystem may have been mounted
+// since, by this node or another.
+func ProveFormatLeftovers(ctx context.Context, path, fsType, uuid string) (Proof, error) {
 	if fsType == "" {
 		return Proof{}, errors.New("no filesystem type whose leftovers to accept")
 	}
@@ -177,16 +179,26 @@ func ProveFormatLeftovers(ctx context.Context, path, fsType string) (Proof, erro
 	if err != nil {
 		return Proof{}, err
 	}
-	if r.allowed != "" && !xfsInProgress(r.head) {
-		return Proof{}, &NotBlankError{Device: path, Found: "blkid: TYPE=xfs, a finished xfs", Type: "xfs"}
+	if r.allowed != "" {
+		switch inProgress, ours := xfsInProgress(r.head, uuid); {
+		case !inProgress:
+			return Proof{}, &NotBlankError{Device: path, Found: "blkid: TYPE=xfs, a finished xfs", Type: "xfs"}
+		case !ours:
+			return Proof{}, &NotBlankError{Device: path, Found: "an unfinished xfs with another UUID than the one given to mkfs"}
+		}
 	}
 	return Proof{path: path, id: r.id, size: r.size, taken: taken}, nil
 }
 
-// xfsInProgress reports whether head begins with an xfs superblock whose
-// sb_inprogress byte (offset 126) is set.
-func xfsInProgress(head []byte) bool {
-	return len(head) > 126 && bytes.HasPrefix(head, []byte("XFSB")) && head[126] != 0
+// xfsInProgress reads the xfs superblock at the start of head: whether its
+// sb_inprogress byte (offset 126) is set, and whether its sb_uuid (offset
+// 32) is uuid.
+func xfsInProgress(head []byte, uuid string) (inProgress, ours bool) {
+	if len(head) <= 126 || !bytes.HasPrefix(head, []byte("XFSB")) || head[126] == 0 {
+		return false, false
+	}
+	want, err := hex.DecodeString(strings.ReplaceAll(uuid, "-", ""))
+	return true, err == nil && len(want) == 16 && bytes.Equal(head[32:48], want)
 }
 
 // readUnsigned reads the device at path and returns what it read when
