@@ -519,11 +519,11 @@ func TestAFailedMkfsThatWroteNothingIsForgotten(t *testing.T) {
 	}
 }
 
-// The filesystem is recorded as made before anything mounts it: an agent
-// that dies at the mount, after its mkfs, leaves a record saying Formatted
-// (not Formatting), and the retry of the stage mounts that filesystem,
-// never making another over it.
-func TestFilesystemIsRecordedMadeBeforeItsMount(t *testing.T) {
+// An agent that dies at the mount, after its mkfs finished, leaves a
+// record saying the mkfs began (Formatting); the retry of the stage mounts
+// the finished filesystem, never making another over it, and records it
+// made.
+func TestAFilesystemFinishedBeforeADeathAtTheMountIsKept(t *testing.T) {
 	needRoot(t)
 	ctx := context.Background()
 	e := newEnv(t)
@@ -537,8 +537,8 @@ func TestFilesystemIsRecordedMadeBeforeItsMount(t *testing.T) {
 		t.Fatal("the stage went on past the agent's death at the mount")
 	}
 	var c Claim
-	if err := json.Unmarshal(atMount, &c); err != nil || !c.Formatted || c.Formatting != nil {
-		t.Fatalf("the record when the mount began: %s (%v); want formatted, not formatting", atMount, err)
+	if err := json.Unmarshal(atMount, &c); err != nil || c.Formatting == nil {
+		t.Fatalf("the record when the mount began: %s (%v); want the mkfs in it", atMount, err)
 	}
 	uuid := blkid(t, dev, "UUID")
 	// What the dead agent left on disk is the record of that moment.
@@ -549,6 +549,9 @@ func TestFilesystemIsRecordedMadeBeforeItsMount(t *testing.T) {
 	res, err := e.m.Stage(ctx, r)
 	if err != nil || res.Formatted || blkid(t, dev, "UUID") != uuid {
 		t.Fatalf("retried stage %+v %v: UUID %s, was %s", res, err, blkid(t, dev, "UUID"), uuid)
+	}
+	if rec, err := e.m.Store().Get("vol-o"); err != nil || rec == nil || !rec.Formatted || rec.Formatting != nil {
+		t.Fatalf("record after the retried stage: %+v %v", rec, err)
 	}
 }
 

@@ -67,10 +67,11 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 
 // formatFS makes the volume's filesystem on the device proof names. The
 // mkfs is recorded before it runs (Formatting: where, on what, with which
-// UUID) and the filesystem as made (Formatted) once it has finished,
-// before it is mounted: a crash between the two leaves a record by which
-// the retry knows the leftovers for its own (formatProof). An mkfs that
-// fails having written nothing takes its record back.
+// UUID), so that a retry after a crash knows what it left for its own
+// (formatProof); the filesystem made is recorded (Formatted) with the
+// stage's next record. A crash in between leaves a finished filesystem
+// and a record saying Formatting, which the retry mounts as it is. An
+// mkfs that fails having written nothing takes its record back.
 func (m *Manager) formatFS(ctx context.Context, c *Claim, proof blank.Proof, device string) error {
 	if err := mkfsInstalled(c.FsType, device); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
@@ -92,9 +93,6 @@ func (m *Manager) formatFS(ctx context.Context, c *Claim, proof blank.Proof, dev
 		return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 	}
 	c.Formatted, c.Formatting = true, nil
-	if err := m.store.Put(c); err != nil {
-		return err
-	}
 	m.log.Info("made a filesystem on a device proven blank", "volume", c.Volume, "device", device, "fs", c.FsType)
 	return nil
 }

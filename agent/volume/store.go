@@ -114,10 +114,10 @@ type Claim struct {
 	LUKSFormatted bool `json:"luks_formatted,omitempty"`
 	// Formatting is recorded just before this agent runs mkfs on a device
 	// it proved blank, and cleared, with Formatted set, once mkfs has
-	// finished and before anything mounts the filesystem: a device whose
-	// record names an mkfs may hold what that mkfs left when a crash cut
-	// it short, which is made again when it is where that mkfs ran and
-	// nothing can have mounted it since (mount.go, cutShortFormatProof).
+	// finished: a device whose record names an mkfs may hold what that
+	// mkfs left when a crash cut it short, which is made again when it is
+	// where that mkfs ran and nothing can have mounted it (mount.go,
+	// cutShortFormatProof); a finished filesystem is mounted as it is.
 	Formatting *MkfsAttempt `json:"formatting,omitempty"`
 	// LUKSFormatting is set just before this agent formats a blank device
 	// and cleared once the header is complete: a device the record says
