@@ -53,6 +53,7 @@ func TestKillAtEveryHelper(t *testing.T) {
 				}
 			}
 			t.Logf("%s: a volume's life runs %d helpers (%s); %d lives, each killed once", name, len(runs), strings.Join(runs, ", "), lives)
+			figures.add("helper kills: agent lives, each killed once at a helper ("+name+")", lives)
 		})
 	}
 }

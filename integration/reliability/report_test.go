@@ -148,6 +148,15 @@ const reportIntro = `What runs (all on this host, as root, against the real bina
   earlier marker reads back, the filesystem UUID is the one made in round 1 and only one
   stage ever formatted, one mount at the staging path while staged, and after unstage no
   mount, no claim record and no new loop device.
+- **A kill at every helper** (TestKillAtEveryHelper): the moments the crash loop meets only
+  by chance, each met in turn. A volume's life (stage a blank disk, write, unstage, stage
+  again, read, unstage) runs 4 helper programs unfenced (blkid, mkfs.ext4, blkid, fsck) and
+  5 on a lease-fenced disk (one more blkid); for each, one life kills the agent's process
+  group just before the helper, one right after it, and for mkfs one in its middle (the
+  filesystem written without its primary superblock, as a kill inside mke2fs leaves it:
+  the case CI's crash loop hit, which the agent then refused forever as foreign data). The
+  agent is restarted and the call retried; the second stage must mount the first stage's
+  filesystem with the file in it, and nothing may be left after unstage.
 - **Cloud API faults** (TestCloudFaults): the CSI controller against the simulator behind a
   fault proxy: 5xx bursts shorter and longer than the client's retries, 429 with
   Retry-After, 403 on create, a create that lands after the client gave up, 502s on attach,
