@@ -12,51 +12,78 @@ import (
 )
 
 // Reads that many concurrent calls make of the same thing (a location's
-// disks, a VM's disks) are shared: a caller joins the next request for its
-// key, never one already sent, so what it reads is at least as fresh as a
-// request of its own made when it asked. While one request for a key is
-// out, everyone who asks waits for the next, which starts when the first
-// answers; a burst of N callers costs two or three requests, not N
-// (docs/csi-plugin.md, "API requests").
+// disks, a VM's disks) are shared: a caller joins the request for its key
+// that is still gathering, never one already sent, so what it reads is at
+// least as fresh as a request of its own made when it asked. A caller who
+// finds no request for its key out and none gathering sends its own at
+// once. Otherwise it joins the batch gathering for the key, or starts one,
+// which is sent a short while after its first caller joined (the gathering
+// window) whether or not the requests already out have answered, as long
+// as fewer than maxOut are: no caller waits for an answer that is not its
+// own while the API keeps up, and a burst costs about one round trip and a
+// few requests, not N of either (docs/csi-plugin.md, "API requests").
+//
+// The window is an eighth of the time the key's last request took, within
+// [minGather, maxGather]: a slower API is asked less often. At most maxOut
+// requests for a key are out at once; a batch whose window has passed
+// while that many are out still takes callers in, and leaves when one of
+// them answers, so an API that stops answering is not asked more.
+const (
+	minGather = 8 * time.Millisecond
+	maxGather = 25 * time.Millisecond
+	// gatherShare is the window as a share of the last round trip.
+	gatherShare = 8
+	maxOut      = 8
+)
 
-// shareTimeout bounds a shared request, which belongs to no caller's
+// shareTimeout bounds a batch's request, which belongs to no caller's
 // deadline: each caller still gives up at its own.
 const shareTimeout = time.Minute
 
 type shared[Q, R any] struct {
-	mu      sync.Mutex
-	next    map[string]*batch[Q, R] // per key, the batch not yet sent
-	running map[string]bool         // per key, whether a batch is out
-	fetch   func(ctx context.Context, key string, asks []Q) (R, error)
+	mu    sync.Mutex
+	next  map[string]*batch[Q, R]  // per key, the batch not yet sent
+	out   map[string]int           // per key, requests sent and not answered
+	took  map[string]time.Duration // per key, how long its last request took
+	fetch func(ctx context.Context, key string, asks []Q) (R, error)
+	// after runs f once d has passed (time.AfterFunc; tests fire it).
+	after func(d time.Duration, f func())
 }
 
 type batch[Q, R any] struct {
+	// ctx is the first caller's, without its deadline or cancellation:
+	// the request carries that caller's values but outlives it if it
+	// gives up.
+	ctx  context.Context
 	asks []Q
+	// due: its window has passed; it leaves as soon as fewer than maxOut
+	// requests for its key are out.
+	due  bool
 	done chan struct{}
 	res  R
 	err  error
 }
 
 func newShared[Q, R any](fetch func(ctx context.Context, key string, asks []Q) (R, error)) *shared[Q, R] {
-	return &shared[Q, R]{next: map[string]*batch[Q, R]{}, running: map[string]bool{}, fetch: fetch}
+	return &shared[Q, R]{next: map[string]*batch[Q, R]{}, out: map[string]int{}, took: map[string]time.Duration{}, fetch: fetch,
+		after: func(d time.Duration, f func()) { time.AfterFunc(d, f) }}
 }
 
-// get asks for key. When no request for key is out, the caller sends
-// its own, under its own context, alone; otherwise it joins the next batch
-// and waits for its answer.
+// get asks for key. A caller who finds no request for key out and none
+// gathering sends its own, under its own context, alone; otherwise it
+// joins the batch not yet sent, or starts one, and waits for its answer.
 func (s *shared[Q, R]) get(ctx context.Context, key string, ask Q) (R, error) {
 	s.mu.Lock()
-	if !s.running[key] {
-		s.running[key] = true
+	if s.out[key] == 0 && s.next[key] == nil {
+		s.out[key]++
 		s.mu.Unlock()
-		res, err := s.fetch(ctx, key, []Q{ask})
-		s.handOn(key)
-		return res, err
+		return s.request(ctx, key, []Q{ask})
 	}
 	b := s.next[key]
 	if b == nil {
-		b = &batch[Q, R]{done: make(chan struct{})}
+		b = &batch[Q, R]{ctx: context.WithoutCancel(ctx), done: make(chan struct{})}
 		s.next[key] = b
+		s.after(gatherWindow(s.took[key]), func() { s.windowPassed(key, b) })
 	}
 	b.asks = append(b.asks, ask)
 	s.mu.Unlock()
@@ -74,30 +101,53 @@ func (s *shared[Q, R]) get(ctx context.Context, key string, ask Q) (R, error) {
 	}
 }
 
-// handOn sends the batch that gathered while a request for key was out,
-// or notes that none is out any more. A batch is taken out of next before
-// it is sent, so no one joins it after its asks are read.
-func (s *shared[Q, R]) handOn(key string) {
-	s.mu.Lock()
-	b := s.next[key]
-	delete(s.next, key)
-	if b == nil {
-		delete(s.running, key)
-	}
-	s.mu.Unlock()
-	if b != nil {
-		go s.run(key, b)
-	}
+// gatherWindow is how long a batch gathers after a request that took took.
+func gatherWindow(took time.Duration) time.Duration {
+	return min(max(took/gatherShare, minGather), maxGather)
 }
 
-// run sends a batch. It belongs to no one caller, so it has a context of
-// its own; each caller still stops waiting at its own deadline.
-func (s *shared[Q, R]) run(key string, b *batch[Q, R]) {
-	ctx, cancel := context.WithTimeout(context.Background(), shareTimeout)
-	b.res, b.err = s.fetch(ctx, key, b.asks)
-	cancel()
-	close(b.done)
-	s.handOn(key)
+// windowPassed marks b, the batch gathering for key, due and sends it if
+// a request slot is free.
+func (s *shared[Q, R]) windowPassed(key string, b *batch[Q, R]) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b.due = true
+	s.sendDue(key)
+}
+
+// sendDue sends the batch of key if its window has passed and fewer than
+// maxOut requests are out; s.mu is held. Taking it out of next first means
+// no one joins it after its asks are read.
+func (s *shared[Q, R]) sendDue(key string) {
+	b := s.next[key]
+	if b == nil || !b.due || s.out[key] >= maxOut {
+		return
+	}
+	delete(s.next, key)
+	s.out[key]++
+	go func() {
+		ctx, cancel := context.WithTimeout(b.ctx, shareTimeout)
+		b.res, b.err = s.request(ctx, key, b.asks)
+		cancel()
+		close(b.done)
+	}()
+}
+
+// request makes one request (counted in s.out by the caller), notes how
+// long it took, and sends a batch that waited for it to answer.
+func (s *shared[Q, R]) request(ctx context.Context, key string, asks []Q) (R, error) {
+	start := time.Now()
+	res, err := s.fetch(ctx, key, asks)
+	took := time.Since(start)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.out[key]--
+	if s.out[key] == 0 {
+		delete(s.out, key)
+	}
+	s.took[key] = took
+	s.sendDue(key)
+	return res, err
 }
 
 // diskReads shares reads of disks by location: a lone caller's read of

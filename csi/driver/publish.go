@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 	"unicode"
 
@@ -133,9 +134,6 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err != nil {
 		return nil, err
 	}
-	if err := d.readHolders(ctx, &p); err != nil {
-		return nil, err
-	}
 	if err := d.recordHolders(ctx, p); err != nil {
 		return nil, err
 	}
@@ -174,7 +172,7 @@ type publication struct {
 	disk     *cloud.Disk
 	vm       vmRef
 
-	// Read once by readHolders; every write is decided from them.
+	// Read once by publishTarget; every write is decided from them.
 	notes []cloud.Note
 	// me is the node's canonical UUID, its fence key's source.
 	me string
@@ -186,8 +184,10 @@ type publication struct {
 	track bool
 }
 
-// publishTarget finds the disk of volume id and the VM of node, and
-// refuses a VM in another location or a disk attached to another VM.
+// publishTarget finds the disk of volume id, the VM of node and the disk's
+// notes, and refuses a VM in another location or a disk attached to
+// another VM. The three reads go out side by side (they change nothing);
+// what they say is judged in the order one reader after the other would.
 func (d *Driver) publishTarget(ctx context.Context, id, node string) (publication, error) {
 	p := publication{id: id, node: node}
 	loc, diskID, ok, err := d.volumeRef(ctx, id)
@@ -198,18 +198,26 @@ func (d *Driver) publishTarget(ctx context.Context, id, node string) (publicatio
 		return p, failf(ErrNotFound, "volume %q does not exist (not a volume id of this driver, nor a disk id any location has)", id)
 	}
 	p.loc, p.diskID = loc, diskID
-	p.disk, err = d.disks.byID(ctx, loc, diskID)
-	if errors.Is(err, cloud.ErrNotFound) {
+	var (
+		wg                      sync.WaitGroup
+		vm                      vmRef
+		vmFound                 bool
+		diskErr, vmErr, noteErr error
+	)
+	wg.Go(func() { p.disk, diskErr = d.disks.byID(ctx, loc, diskID) })
+	wg.Go(func() { vm, vmFound, vmErr = d.vms.byNode(ctx, node) })
+	wg.Go(func() { p.notes, noteErr = d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID) })
+	wg.Wait()
+	if errors.Is(diskErr, cloud.ErrNotFound) {
 		return p, failf(ErrNotFound, "volume %s does not exist", id)
 	}
-	if err != nil {
-		return p, err
+	if diskErr != nil {
+		return p, diskErr
 	}
-	vm, ok, err := d.vms.byNode(ctx, node)
-	if err != nil {
-		return p, err
+	if vmErr != nil {
+		return p, vmErr
 	}
-	if !ok {
+	if !vmFound {
 		return p, failf(ErrNotFound, "node %s is not a VM of this customer (no VM has reference_id %s)", node, node)
 	}
 	p.vm = vm
@@ -219,17 +227,15 @@ func (d *Driver) publishTarget(ctx context.Context, id, node string) (publicatio
 	if p.disk.VMID != 0 && p.disk.VMID != vm.ID {
 		return p, d.attachedElsewhere(ctx, id, p.disk.VMID, node)
 	}
-	return p, nil
+	if noteErr != nil {
+		return p, fmt.Errorf("volume %s: reading its holder notes: %w", p.id, noteErr)
+	}
+	return p, p.readHolders()
 }
 
-// readHolders reads the disk's notes, once, and what they say of its
-// holders into p.
-func (d *Driver) readHolders(ctx context.Context, p *publication) error {
-	notes, err := d.cfg.Cloud.ListDiskNotes(ctx, p.loc, p.diskID)
-	if err != nil {
-		return fmt.Errorf("volume %s: reading its holder notes: %w", p.id, err)
-	}
-	recorded, err := recordedHolders(notes)
+// readHolders reads what the disk's notes say of its holders into p.
+func (p *publication) readHolders() error {
+	recorded, err := recordedHolders(p.notes)
 	if err != nil {
 		return failf(ErrPrecondition, "volume %s: %v; correct or remove that note (vco-csi/holders lists node UUIDs, comma-separated) and retry", p.id, err)
 	}
@@ -237,9 +243,9 @@ func (d *Driver) readHolders(ctx context.Context, p *publication) error {
 	if err != nil {
 		return failf(ErrPrecondition, "volume %s: node %s (VM %s) has no fence key to record, its id is not an SMBIOS UUID: %v", p.id, p.node, p.vm.Name, err)
 	}
-	p.notes, p.me = notes, me
+	p.me = me
 	p.holders = withHolder(recorded, me)
-	p.never = neverPublished(notes)
+	p.never = neverPublished(p.notes)
 	// Whether a context was returned before matters to a stage only on a
 	// disk that holds data no node of ours wrote (a copy, or a disk this
 	// driver did not make): its stage may skip the reclaim wait and set

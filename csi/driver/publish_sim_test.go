@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -38,7 +39,10 @@ import (
 //
 // The cloud is the simulator (csi/sim), served in-process; faults are
 // injected between the driver and its API client (faultCloud), so each is
-// tied to one call and the outcome does not depend on timing.
+// tied to one call and the outcome does not depend on timing. A call is
+// named by its kind and how many of that kind the attempt made before it
+// (the publish reads the disk, the VM and the notes side by side, so the
+// order of calls is not fixed, but what each call is, is).
 
 // simTransport serves the client's requests with the simulator's handler
 // in-process: the same requests and answers as over a socket, faster.
@@ -69,14 +73,15 @@ func (k faultKind) String() string {
 }
 
 // faultCloud is the controller's view of the cloud: every call of the
-// publish and unpublish paths is counted, and the one at index at fails as
+// publish and unpublish paths is recorded, and the one named at fails as
 // kind says. Once the controller has "died", no call of this instance
-// reaches the cloud again.
+// reaches the cloud again. Calls may come concurrently.
 type faultCloud struct {
 	driver.Cloud
-	at     int
+	mu     sync.Mutex
+	at     callPoint
 	kind   faultKind
-	n      int
+	calls  []callPoint // this attempt's, in the order they came
 	dead   bool
 	fired  string // the call that failed, for the report
 	diskID int64
@@ -89,28 +94,71 @@ func injected(op string) error {
 	return &cloud.APIError{Op: op, Status: 503, Message: "injected by the publish simulation", Kind: cloud.ErrUnavailable}
 }
 
-func (f *faultCloud) do(op string, call func() error) error {
+// callPoint names one call of an attempt: its kind and how many of that
+// kind came before it.
+type callPoint struct {
+	op  string
+	nth int
+}
+
+func (c callPoint) String() string { return fmt.Sprintf("%s #%d", c.op, c.nth+1) }
+
+// arm clears the record and arms kind at the call at.
+func (f *faultCloud) arm(kind faultKind, at callPoint) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.calls, f.kind, f.at, f.fired = nil, kind, at, ""
+}
+
+// outcome is what the attempt's fault did, and whether the controller died.
+func (f *faultCloud) outcome() (fired string, dead bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.fired, f.dead
+}
+
+// made is the attempt's calls so far.
+func (f *faultCloud) made() []callPoint {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.calls)
+}
+
+// next records a call and says how it goes.
+func (f *faultCloud) next(op string) (faultKind, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.dead {
-		return injected(op + " (controller gone)")
+		return noFault, injected(op + " (controller gone)")
 	}
-	i := f.n
-	f.n++
-	if i != f.at || f.kind == noFault || f.kind == slowAttach {
+	c := callPoint{op, 0}
+	for _, x := range f.calls {
+		if x.op == op {
+			c.nth++
+		}
+	}
+	f.calls = append(f.calls, c)
+	if c != f.at || f.kind == noFault || f.kind == slowAttach {
+		return noFault, nil
+	}
+	f.fired = fmt.Sprintf("%s at %s", f.kind, c)
+	if f.kind == crashBefore || f.kind == crashAfter {
+		f.dead = true
+	}
+	return f.kind, nil
+}
+
+func (f *faultCloud) do(op string, call func() error) error {
+	kind, err := f.next(op)
+	switch {
+	case err != nil:
+		return err
+	case kind == noFault:
 		return call()
-	}
-	f.fired = fmt.Sprintf("%s at call %d (%s)", f.kind, i, op)
-	switch f.kind {
-	case errBefore:
+	case kind == errBefore || kind == crashBefore:
 		return injected(op)
-	case crashBefore:
-		f.dead = true
-		return injected(op)
-	case lostAnswer:
+	case kind == lostAnswer || kind == crashAfter:
 		_ = call()
-		return injected(op)
-	case crashAfter:
-		_ = call()
-		f.dead = true
 		return injected(op)
 	}
 	panic("unknown fault kind")
@@ -142,6 +190,8 @@ func (f *faultCloud) ListVMs(ctx context.Context, cs string) (v []cloud.VM, err 
 
 func (f *faultCloud) ListVMDisks(ctx context.Context, cs string, vm int64) (ds []cloud.VMDisk, err error) {
 	err = f.do("ListVMDisks", func() error { ds, err = f.Cloud.ListVMDisks(ctx, cs, vm); return err })
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.kind == slowAttach && err == nil {
 		ds = slices.DeleteFunc(ds, func(d cloud.VMDisk) bool { return d.ID == f.diskID })
 		f.fired = "slow-attach"
@@ -230,13 +280,14 @@ func simSequences() [][]simOp {
 	return out
 }
 
-// simFault is the one failure of a run: the at-th call of step's first
+// simFault is the one failure of a run: the call at of step's first
 // attempt fails as kind says, and the CO then retries (or, abandon, gives
 // a failed publish up and unpublishes).
 type simFault struct {
-	step, at int
-	kind     faultKind
-	abandon  bool
+	step    int
+	at      callPoint
+	kind    faultKind
+	abandon bool
 }
 
 func (f simFault) String() string {
@@ -247,7 +298,7 @@ func (f simFault) String() string {
 	if f.abandon {
 		then = "abandon"
 	}
-	return fmt.Sprintf("step %d, %s at call %d, then %s", f.step+1, f.kind, f.at, then)
+	return fmt.Sprintf("step %d, %s at %s, then %s", f.step+1, f.kind, f.at, then)
 }
 
 // simWorld is one run's cloud and the truth the test keeps about it.
@@ -316,7 +367,7 @@ func newSimWorld(t testing.TB, tokenFile string) *simWorld {
 
 // start makes a new controller over the same cloud: a restart.
 func (w *simWorld) start() {
-	w.fc = &faultCloud{Cloud: w.api, at: -1, diskID: w.diskID, changed: w.changed}
+	w.fc = &faultCloud{Cloud: w.api, diskID: w.diskID, changed: w.changed}
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "sim", Mode: driver.ModeController,
 		Cloud: w.fc, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 15 * time.Millisecond})
 	if err != nil {
@@ -367,9 +418,9 @@ func (w *simWorld) observe() {
 // attempt sends one request with the fault f armed (noFault for none) and
 // checks what a publish returns. It restarts the controller when the
 // fault killed it.
-func (w *simWorld) attempt(op simOp, kind faultKind, at int) (calls int, err error) {
-	w.fc.n, w.fc.kind, w.fc.at, w.fc.fired = 0, kind, at, ""
-	defer func() { w.fc.kind, w.fc.at = noFault, -1 }()
+func (w *simWorld) attempt(op simOp, kind faultKind, at callPoint) (calls []callPoint, err error) {
+	w.fc.arm(kind, at)
+	defer w.fc.arm(noFault, callPoint{})
 	ctx := context.Background()
 	ref := w.refs[op.node]
 	if op.publish {
@@ -393,12 +444,13 @@ func (w *simWorld) attempt(op simOp, kind faultKind, at int) (calls int, err err
 	if err != nil {
 		res = fmt.Sprintf("%s: %v", driver.CodeForError(err), err)
 	}
-	if w.fc.fired != "" {
-		res = "[" + w.fc.fired + "] " + res
+	fired, dead := w.fc.outcome()
+	if fired != "" {
+		res = "[" + fired + "] " + res
 	}
-	w.trace = append(w.trace, fmt.Sprintf("%s (controller %d, %d calls): %s", op, w.restart, w.fc.n, res))
-	calls = w.fc.n
-	if w.fc.dead {
+	calls = w.fc.made()
+	w.trace = append(w.trace, fmt.Sprintf("%s (controller %d, %d calls): %s", op, w.restart, len(calls), res))
+	if dead {
 		w.start()
 	}
 	return calls, err
@@ -466,7 +518,7 @@ func (w *simWorld) checkPublished(x int, must map[int]bool, pc map[string]string
 // untilOK retries op as the CO does; it must succeed within a few tries.
 func (w *simWorld) untilOK(op simOp) {
 	for range 3 {
-		if _, err := w.attempt(op, noFault, -1); err == nil {
+		if _, err := w.attempt(op, noFault, callPoint{}); err == nil {
 			return
 		}
 	}
@@ -475,12 +527,12 @@ func (w *simWorld) untilOK(op simOp) {
 
 // run plays seq with fault f and returns the calls each step's first
 // attempt made.
-func (w *simWorld) run(seq []simOp, f simFault) []int {
+func (w *simWorld) run(seq []simOp, f simFault) [][]callPoint {
 	w.what = fmt.Sprintf("sequence %s, %s (replay: go test ./csi/driver -run 'TestPublishSimulation/^%s$')", seqName(seq), f, seqName(seq))
-	counts := make([]int, len(seq))
+	counts := make([][]callPoint, len(seq))
 	for i, op := range seq {
 		if i != f.step {
-			n, err := w.attempt(op, noFault, -1)
+			n, err := w.attempt(op, noFault, callPoint{})
 			counts[i] = n
 			if err != nil {
 				w.fail("%s failed without a fault: %v", op, err)
@@ -513,7 +565,7 @@ func (w *simWorld) probe() {
 		return
 	}
 	other := simOp{true, (x + 1) % len(w.refs)}
-	if _, err := w.attempt(other, noFault, -1); driver.CodeForError(err) != codes.FailedPrecondition {
+	if _, err := w.attempt(other, noFault, callPoint{}); driver.CodeForError(err) != codes.FailedPrecondition {
 		w.fail("%s while the disk is attached to node %c: %v, want FailedPrecondition", other, 'A'+x, err)
 	}
 }
@@ -534,7 +586,7 @@ func TestPublishSimulation(t *testing.T) {
 			for step, op := range seq {
 				kinds := []faultKind{errBefore, lostAnswer, crashBefore, crashAfter}
 				for _, kind := range kinds {
-					for at := 0; at < clean[step]; at++ {
+					for _, at := range clean[step] {
 						for _, abandon := range []bool{false, true} {
 							if abandon && !op.publish {
 								continue
