@@ -25,7 +25,7 @@ func TestParse(t *testing.T) {
 	}
 	want := []row{
 		{"agent exec to READY=1", "12.5 ms", "exec to exit of /bin/true", "1.1 ms", "11.36x", "x", "71.68 %dropped"},
-		{"100 concurrent CreateVolume+ControllerPublish", "400.0 ms/batch", "the same API calls made bare", "390.0 ms/batch", "1.026x", "x", "120.0 api-req/vol"},
+		{"100 concurrent CreateVolume+ControllerPublish, API round trip 30 ms", "400.0 ms/batch", "the same API calls made bare", "390.0 ms/batch", "1.026x", "x", "120.0 api-req/vol"},
 		{"lab set-up, 1 guest", "9.00s", "guest boot, alone", "8.10s", "1.11x", "x", ""},
 		{"PR acquire+release, vco-agent fence", "20.0ms", "PR acquire+release, sg_persist", "40.0ms", "0.50x", "x", ""},
 	}

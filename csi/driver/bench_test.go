@@ -26,9 +26,19 @@ import (
 // ControllerPublishVolume calls against the simulator, each volume to one
 // of ten VMs, and compares them with the reference: the bare API calls
 // (create disk, attach, list the VM's disks) made concurrently by the same
-// client. The simulator adds 2ms per request so that the ratio reflects
-// round trips, as against a real API, rather than loopback speed.
+// client. The simulator takes 30 ms per request, a portal's round trip, so
+// that round trips make most of each batch and the ratio is that of the
+// steps one after the other: the driver's six (the name check, create; the
+// disk, VM and notes read side by side, the holders note, attach, list)
+// against the reference's three.
 //
+// BenchmarkCreatePublish100FastAPI is the same at 2 ms per request. There
+// the machine's CPU (the simulator, JSON and HTTP on both sides, gRPC on
+// the driver's) makes most of each batch, not the round trips, and the
+// ratio moves with the number of cores (docs/benchmarks.md).
+//
+// One batch of each side runs untimed first: the driver's first publish
+// after a start lists the locations and the VMs, which it then keeps.
 // The reference's disks are removed before the driver's batch, so each
 // starts from the same state (the simulator rewrites its whole state file
 // on every change, which costs more the more disks there are).
@@ -36,63 +46,41 @@ import (
 // Reported: ms per batch for the reference and the driver, their ratio,
 // and API requests per volume. Each batch checks that no name produced
 // two disks and every disk is attached exactly once.
-func BenchmarkCreatePublish100(b *testing.B) {
-	const n, vmCount = 100, 10
-	e := newTestEnv(b, envOpts{attach: time.Minute})
-	ctx := context.Background()
-	var vms []cloud.VM
-	for i := range vmCount {
+func BenchmarkCreatePublish100(b *testing.B) { benchCreatePublish(b, 30*time.Millisecond) }
+
+func BenchmarkCreatePublish100FastAPI(b *testing.B) { benchCreatePublish(b, 2*time.Millisecond) }
+
+// createPublish is the benchmark's world: ten VMs and the simulator's
+// latency per request.
+type createPublish struct {
+	e       *testEnv
+	vms     []cloud.VM
+	latency time.Duration
+}
+
+const createPublishN, createPublishVMs = 100, 10
+
+func benchCreatePublish(b *testing.B, latency time.Duration) {
+	w := createPublish{e: newTestEnv(b, envOpts{attach: time.Minute}), latency: latency}
+	for i := range createPublishVMs {
 		ref := fmt.Sprintf("be0c0000-0000-4000-8000-%012d", i)
-		id, err := e.sim.AddVM("cs-"+hostLoc, fmt.Sprintf("bench-%d", i), ref, false)
+		id, err := w.e.sim.AddVM("cs-"+hostLoc, fmt.Sprintf("bench-%d", i), ref, false)
 		if err != nil {
 			b.Fatal(err)
 		}
-		vms = append(vms, cloud.VM{ID: id, ReferenceID: ref})
+		w.vms = append(w.vms, cloud.VM{ID: id, ReferenceID: ref})
 	}
-	e.sim.SetFaults(sim.Faults{Latency: sim.Duration(2 * time.Millisecond)})
+	w.e.sim.SetFaults(sim.Faults{Latency: sim.Duration(latency)})
+	w.reference(b, -1)
+	w.driver(b, -1)
 	var refTotal, drvTotal time.Duration
 	var drvCalls int
 	b.ResetTimer()
 	for iter := 0; iter < b.N; iter++ {
-		// Reference: the API's own cost for the same work.
-		start := time.Now()
-		runN(b, n, func(i int) error {
-			id, err := e.api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: fmt.Sprintf("ref-%d-%d", iter, i), Description: "ref", SizeGiB: 1})
-			if err != nil {
-				return err
-			}
-			vm := vms[i%vmCount]
-			if err := e.api.AttachDisk(ctx, "cs-"+hostLoc, vm.ID, id); err != nil {
-				return err
-			}
-			_, err = e.api.ListVMDisks(ctx, "cs-"+hostLoc, vm.ID)
-			return err
-		})
-		refTotal += time.Since(start)
-		b.StopTimer()
-		cleanup(b, e)
-		b.StartTimer()
-
-		before := sum(e.sim.Calls())
-		start = time.Now()
-		ids := make([]string, n)
-		runN(b, n, func(i int) error {
-			v, err := e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("drv-%d-%d", iter, i), VolumeCapabilities: rwo})
-			if err != nil {
-				return err
-			}
-			ids[i] = v.Volume.VolumeId
-			_, err = e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
-				VolumeId: v.Volume.VolumeId, NodeId: vms[i%vmCount].ReferenceID, VolumeCapability: rwo[0]})
-			return err
-		})
-		drvTotal += time.Since(start)
-		drvCalls += sum(e.sim.Calls()) - before
-
-		b.StopTimer()
-		checkNoDuplicates(b, e, iter, ids)
-		cleanup(b, e)
-		b.StartTimer()
+		refTotal += w.reference(b, iter)
+		took, calls := w.driver(b, iter)
+		drvTotal += took
+		drvCalls += calls
 	}
 	batches := float64(b.N)
 	ref := float64(refTotal.Milliseconds()) / batches
@@ -100,7 +88,57 @@ func BenchmarkCreatePublish100(b *testing.B) {
 	b.ReportMetric(ref, "ref-ms/batch")
 	b.ReportMetric(drv, "drv-ms/batch")
 	b.ReportMetric(drv/ref, "drv/ref")
-	b.ReportMetric(float64(drvCalls)/batches/n, "api-req/vol")
+	b.ReportMetric(float64(drvCalls)/batches/createPublishN, "api-req/vol")
+}
+
+// reference runs one batch of the bare API calls, the API's own cost for
+// the same work, and removes its disks untimed.
+func (w createPublish) reference(b *testing.B, iter int) time.Duration {
+	ctx := context.Background()
+	start := time.Now()
+	runN(b, createPublishN, func(i int) error {
+		id, err := w.e.api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: fmt.Sprintf("ref-%d-%d", iter, i), Description: "ref", SizeGiB: 1})
+		if err != nil {
+			return err
+		}
+		vm := w.vms[i%createPublishVMs]
+		if err := w.e.api.AttachDisk(ctx, "cs-"+hostLoc, vm.ID, id); err != nil {
+			return err
+		}
+		_, err = w.e.api.ListVMDisks(ctx, "cs-"+hostLoc, vm.ID)
+		return err
+	})
+	took := time.Since(start)
+	b.StopTimer()
+	cleanup(b, w.e, w.latency)
+	b.StartTimer()
+	return took
+}
+
+// driver runs one batch through the controller, checks it and removes
+// its disks untimed; it returns the time and the API requests it took.
+func (w createPublish) driver(b *testing.B, iter int) (time.Duration, int) {
+	ctx := context.Background()
+	before := sum(w.e.sim.Calls())
+	start := time.Now()
+	ids := make([]string, createPublishN)
+	runN(b, createPublishN, func(i int) error {
+		v, err := w.e.ctrl.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("drv-%d-%d", iter, i), VolumeCapabilities: rwo})
+		if err != nil {
+			return err
+		}
+		ids[i] = v.Volume.VolumeId
+		_, err = w.e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+			VolumeId: v.Volume.VolumeId, NodeId: w.vms[i%createPublishVMs].ReferenceID, VolumeCapability: rwo[0]})
+		return err
+	})
+	took := time.Since(start)
+	calls := sum(w.e.sim.Calls()) - before
+	b.StopTimer()
+	checkNoDuplicates(b, w.e, iter, ids)
+	cleanup(b, w.e, w.latency)
+	b.StartTimer()
+	return took, calls
 }
 
 func runN(b *testing.B, n int, f func(i int) error) {
@@ -150,11 +188,11 @@ func checkNoDuplicates(b *testing.B, e *testEnv, iter int, ids []string) {
 }
 
 // cleanup detaches and deletes every disk so the next batch finds free
-// PCI slots.
-func cleanup(b *testing.B, e *testEnv) {
+// PCI slots; it leaves the simulator at latency.
+func cleanup(b *testing.B, e *testEnv, latency time.Duration) {
 	ctx := context.Background()
 	e.sim.SetFaults(sim.Faults{})
-	defer e.sim.SetFaults(sim.Faults{Latency: sim.Duration(2 * time.Millisecond)})
+	defer e.sim.SetFaults(sim.Faults{Latency: sim.Duration(latency)})
 	st := e.sim.Snapshot()
 	for _, d := range st.Disks {
 		for _, a := range d.Attachments {
