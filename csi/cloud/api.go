@@ -429,8 +429,14 @@ func (c *Client) SetDiskNoteIn(ctx context.Context, loc string, diskID int64, no
 				path: diskPath(loc, diskID) + "/notes/" + url.PathEscape(n.ID), body: body})
 		}
 	}
+	return c.AddDiskNote(ctx, loc, diskID, title, content)
+}
+
+// AddDiskNote adds a note to the disk without looking at the notes it
+// has: a note of the same title already there stays, beside the new one.
+func (c *Client) AddDiskNote(ctx context.Context, loc string, diskID int64, title, content string) error {
 	return c.do(ctx, call{op: "add note", target: "to " + diskTarget(loc, diskID), method: http.MethodPost,
-		path: diskPath(loc, diskID) + "/notes", body: body})
+		path: diskPath(loc, diskID) + "/notes", body: map[string]string{"title": title, "content": content}})
 }
 
 // ListCloudspaces returns the customer's cloudspaces.

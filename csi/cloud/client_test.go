@@ -163,7 +163,7 @@ func attachRefuseSecondVMAndDetach(ctx context.Context, t *testing.T, c *cloud.C
 }
 
 // checkDiskNotes sets a note twice under one key: the second replaces the
-// first.
+// first. A note added under the same key then stands beside it.
 func checkDiskNotes(ctx context.Context, t *testing.T, c *cloud.Client, id int64) {
 	t.Helper()
 	if err := c.SetDiskNote(ctx, "ch-lug-1", id, "holder", "a"); err != nil {
@@ -175,6 +175,13 @@ func checkDiskNotes(ctx context.Context, t *testing.T, c *cloud.Client, id int64
 	notes, err := c.ListDiskNotes(ctx, "ch-lug-1", id)
 	if err != nil || len(notes) != 1 || notes[0].Content != "b" {
 		t.Fatalf("notes = %+v, %v", notes, err)
+	}
+	if err := c.AddDiskNote(ctx, "ch-lug-1", id, "holder", "c"); err != nil {
+		t.Fatal(err)
+	}
+	notes, err = c.ListDiskNotes(ctx, "ch-lug-1", id)
+	if err != nil || len(notes) != 2 || notes[0].Content != "b" || notes[1].Content != "c" || notes[1].Title != "holder" {
+		t.Fatalf("notes after an add = %+v, %v", notes, err)
 	}
 }
 

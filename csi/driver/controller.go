@@ -379,6 +379,9 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
+	if meta.Source == "" { // not a copy: made empty (see madeEmpty)
+		d.madeEmpty.add(volumeID(loc, disk.ID))
+	}
 	return &csi.CreateVolumeResponse{Volume: withClaim(d.volume(loc, disk, meta), req.GetParameters())}, nil
 }
 
@@ -601,6 +604,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		return nil, err
 	}
 	defer release()
+	d.madeEmpty.take(volumeID(loc, disk))
 	err = d.cfg.Cloud.DeleteDisk(ctx, loc, disk)
 	if errors.Is(err, cloud.ErrNotFound) {
 		return &csi.DeleteVolumeResponse{}, nil

@@ -42,6 +42,7 @@ type Cloud interface {
 	CloneSnapshot(ctx context.Context, loc string, diskID int64, snapID, name, description string) (int64, error)
 	ListDiskNotes(ctx context.Context, loc string, diskID int64) ([]cloud.Note, error)
 	SetDiskNoteIn(ctx context.Context, loc string, diskID int64, notes []cloud.Note, title, content string) error
+	AddDiskNote(ctx context.Context, loc string, diskID int64, title, content string) error
 	ListCloudspaces(ctx context.Context) ([]cloud.Cloudspace, error)
 	ListVMs(ctx context.Context, cloudspace string) ([]cloud.VM, error)
 	ListVMDisks(ctx context.Context, cloudspace string, vm int64) ([]cloud.VMDisk, error)
@@ -122,6 +123,8 @@ type Driver struct {
 	disks   *diskReads
 	vmDisks *vmDiskReads
 	legacy  legacyLocations
+	// madeEmpty: volumes made empty here and not yet asked to publish.
+	madeEmpty madeEmpty
 
 	// Locations change rarely (a customer is granted a new one); they are
 	// listed at most once a minute.

@@ -108,6 +108,45 @@ func hasNote(notes []cloud.Note, title string) bool {
 	return false
 }
 
+// madeEmpty holds the volumes this controller made empty (not copies) and
+// has not been asked to publish since. Nothing but this controller knows
+// such a disk's id yet, so it is expected to carry no notes, and its first
+// publish adds the holders note naming its node beside its reads instead
+// of after them: one round trip less on the way to the attach, which still
+// waits for the note. The expectation decides nothing. The reads are
+// judged as for any disk; holders they show are written into the list as
+// usual, the added note standing beside it (every note of the title
+// counts), and adding a note never removes a holder. A restarted
+// controller has forgotten the set, and its publishes go the usual way.
+type madeEmpty struct {
+	mu  sync.Mutex
+	ids map[string]struct{}
+}
+
+// maxMadeEmpty bounds the set; a volume made while it is full is published
+// the usual way.
+const maxMadeEmpty = 4096
+
+func (m *madeEmpty) add(id string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.ids == nil {
+		m.ids = map[string]struct{}{}
+	}
+	if len(m.ids) < maxMadeEmpty {
+		m.ids[id] = struct{}{}
+	}
+}
+
+// take says whether id is in the set, and removes it.
+func (m *madeEmpty) take(id string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.ids[id]
+	delete(m.ids, id)
+	return ok
+}
+
 // mayHoldData says whether a disk may hold data before any node of ours
 // wrote it: a copy (its description names a source) or a disk this driver
 // did not make.
@@ -180,14 +219,19 @@ type publication struct {
 	holders []string
 	// never: no publish has been recorded on the disk.
 	never bool
+	// early: a holders note naming only me was added beside the reads
+	// (madeEmpty).
+	early bool
 	// track: the disk may hold data no node of ours wrote (mayHoldData).
 	track bool
 }
 
 // publishTarget finds the disk of volume id, the VM of node and the disk's
 // notes, and refuses a VM in another location or a disk attached to
-// another VM. The three reads go out side by side (they change nothing);
-// what they say is judged in the order one reader after the other would.
+// another VM. The three reads go out side by side (they change nothing),
+// with, on the first publish of a disk this controller made empty, the
+// holders note naming node (madeEmpty); what the reads say is judged in
+// the order one reader after the other would.
 func (d *Driver) publishTarget(ctx context.Context, id, node string) (publication, error) {
 	p := publication{id: id, node: node}
 	loc, diskID, ok, err := d.volumeRef(ctx, id)
@@ -199,14 +243,19 @@ func (d *Driver) publishTarget(ctx context.Context, id, node string) (publicatio
 	}
 	p.loc, p.diskID = loc, diskID
 	var (
-		wg                      sync.WaitGroup
-		vm                      vmRef
-		vmFound                 bool
-		diskErr, vmErr, noteErr error
+		wg                                sync.WaitGroup
+		vm                                vmRef
+		vmFound                           bool
+		diskErr, vmErr, noteErr, earlyErr error
 	)
+	me, meErr := fence.CanonicalUUID(node)
+	p.early = d.madeEmpty.take(volumeID(loc, diskID)) && meErr == nil
 	wg.Go(func() { p.disk, diskErr = d.disks.byID(ctx, loc, diskID) })
 	wg.Go(func() { vm, vmFound, vmErr = d.vms.byNode(ctx, node) })
 	wg.Go(func() { p.notes, noteErr = d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID) })
+	if p.early {
+		wg.Go(func() { earlyErr = d.cfg.Cloud.AddDiskNote(ctx, loc, diskID, holdersNote, me) })
+	}
 	wg.Wait()
 	if errors.Is(diskErr, cloud.ErrNotFound) {
 		return p, failf(ErrNotFound, "volume %s does not exist", id)
@@ -230,6 +279,9 @@ func (d *Driver) publishTarget(ctx context.Context, id, node string) (publicatio
 	if noteErr != nil {
 		return p, fmt.Errorf("volume %s: reading its holder notes: %w", p.id, noteErr)
 	}
+	if earlyErr != nil {
+		return p, fmt.Errorf("recording node %s among the holders of volume %s: %w", p.node, p.id, earlyErr)
+	}
 	return p, p.readHolders()
 }
 
@@ -246,6 +298,13 @@ func (p *publication) readHolders() error {
 	p.me = me
 	p.holders = withHolder(recorded, me)
 	p.never = neverPublished(p.notes)
+	if p.early {
+		// The reads may have come before or after the note added beside
+		// them: it does not count as a publish recorded earlier.
+		p.never = neverPublished(slices.DeleteFunc(slices.Clone(p.notes), func(n cloud.Note) bool {
+			return n.Title == holdersNote && canonicalUUID(n.Content) == me
+		}))
+	}
 	// Whether a context was returned before matters to a stage only on a
 	// disk that holds data no node of ours wrote (a copy, or a disk this
 	// driver did not make): its stage may skip the reclaim wait and set
@@ -267,9 +326,13 @@ func (d *Driver) recordHolders(ctx context.Context, p publication) error {
 	}
 	// Record the node before attaching: if the attach happens and this
 	// call fails or the controller dies, every later grant still names it.
-	// A retry reads the list it wrote and grants the same takeover.
-	if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holdersNote, strings.Join(p.holders, ",")); err != nil {
-		return fmt.Errorf("recording node %s among the holders of volume %s: %w", p.node, p.id, err)
+	// A retry reads the list it wrote and grants the same takeover. A note
+	// added beside the reads already says all when they showed no other
+	// holder.
+	if !p.early || len(p.holders) > 1 {
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holdersNote, strings.Join(p.holders, ",")); err != nil {
+			return fmt.Errorf("recording node %s among the holders of volume %s: %w", p.node, p.id, err)
+		}
 	}
 	if hasNote(p.notes, holderNote) {
 		// A disk an earlier version published: keep its note current

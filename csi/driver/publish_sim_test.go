@@ -43,6 +43,11 @@ import (
 // named by its kind and how many of that kind the attempt made before it
 // (the publish reads the disk, the VM and the notes side by side, so the
 // order of calls is not fixed, but what each call is, is).
+//
+// Every sequence runs on a disk made through the API, and again on one the
+// controller made with CreateVolume: there its first publish adds the
+// holders note beside its reads, and the test orders that note and the
+// notes read both ways (noteOrder), with each fault at that first step.
 
 // simTransport serves the client's requests with the simulator's handler
 // in-process: the same requests and answers as over a socket, faster.
@@ -72,6 +77,17 @@ func (k faultKind) String() string {
 	return [...]string{"none", "error-before", "lost-answer", "crash-before", "crash-after", "slow-attach"}[k]
 }
 
+// noteOrder is which of a first publish's added note and its notes read,
+// sent side by side, the cloud sees first.
+type noteOrder int
+
+const (
+	readFirst noteOrder = iota
+	noteFirst
+)
+
+func (o noteOrder) String() string { return [...]string{"notes read first", "note added first"}[o] }
+
 // faultCloud is the controller's view of the cloud: every call of the
 // publish and unpublish paths is recorded, and the one named at fails as
 // kind says. Once the controller has "died", no call of this instance
@@ -85,6 +101,12 @@ type faultCloud struct {
 	dead   bool
 	fired  string // the call that failed, for the report
 	diskID int64
+	// order holds back the added note or the notes read of an attempt
+	// until the other has answered; the read waits only when the attempt
+	// is to add a note (early).
+	order           noteOrder
+	early           bool
+	readDone, added chan struct{}
 	// changed is called after every attach or detach that reached the
 	// cloud.
 	changed func()
@@ -103,11 +125,47 @@ type callPoint struct {
 
 func (c callPoint) String() string { return fmt.Sprintf("%s #%d", c.op, c.nth+1) }
 
-// arm clears the record and arms kind at the call at.
-func (f *faultCloud) arm(kind faultKind, at callPoint) {
+// arm clears the record and arms kind at the call at; early says the
+// attempt is to add its holders note beside its reads.
+func (f *faultCloud) arm(kind faultKind, at callPoint, early bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.calls, f.kind, f.at, f.fired = nil, kind, at, ""
+	f.calls, f.kind, f.at, f.fired, f.early = nil, kind, at, "", early
+	f.readDone, f.added = make(chan struct{}), make(chan struct{})
+}
+
+// hold waits, in the order armed, for the other of an added note and a
+// notes read to answer, and returns what to close once this one has. A
+// wait that ends without it is a driver that did not send both side by
+// side: the attempt goes on and the test finds the calls missing.
+func (f *faultCloud) hold(read bool) (done chan struct{}) {
+	f.mu.Lock()
+	wait, done := f.readDone, f.added
+	if read {
+		wait, done = f.added, f.readDone
+	}
+	if read != (f.order == noteFirst) || !f.early {
+		wait = nil
+	}
+	f.mu.Unlock()
+	if wait != nil {
+		select {
+		case <-wait:
+		case <-time.After(2 * time.Second):
+		}
+	}
+	return done
+}
+
+// answered closes c, once.
+func (f *faultCloud) answered(c chan struct{}) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	select {
+	case <-c:
+	default:
+		close(c)
+	}
 }
 
 // outcome is what the attempt's fault did, and whether the controller died.
@@ -170,8 +228,16 @@ func (f *faultCloud) GetDisk(ctx context.Context, loc string, id int64) (d *clou
 }
 
 func (f *faultCloud) ListDiskNotes(ctx context.Context, loc string, id int64) (n []cloud.Note, err error) {
+	done := f.hold(true)
+	defer f.answered(done)
 	err = f.do("ListDiskNotes", func() error { n, err = f.Cloud.ListDiskNotes(ctx, loc, id); return err })
 	return n, err
+}
+
+func (f *faultCloud) AddDiskNote(ctx context.Context, loc string, id int64, title, content string) error {
+	done := f.hold(false)
+	defer f.answered(done)
+	return f.do("AddDiskNote "+title, func() error { return f.Cloud.AddDiskNote(ctx, loc, id, title, content) })
 }
 
 func (f *faultCloud) SetDiskNoteIn(ctx context.Context, loc string, id int64, notes []cloud.Note, title, content string) error {
@@ -329,9 +395,28 @@ type simWorld struct {
 	// onKnown; an attach or detach that reaches the cloud unsets it.
 	on      int
 	onKnown bool
+	// made: the controller now running made the disk and has not been
+	// asked to publish it, so its next publish adds the holders note
+	// beside its reads, in the order.
+	made bool
+	how  worldDisk
 }
 
-func newSimWorld(t testing.TB, tokenFile string) *simWorld {
+// worldDisk is how a run's disk is made: through the API, or by the
+// controller (CreateVolume), its first publish's note and read in order.
+type worldDisk struct {
+	byController bool
+	order        noteOrder
+}
+
+func (o worldDisk) String() string {
+	if !o.byController {
+		return "disk made through the API"
+	}
+	return "disk made by the controller, " + o.order.String()
+}
+
+func newSimWorld(t testing.TB, tokenFile string, how worldDisk) *simWorld {
 	seed := sim.DefaultSeed()
 	seed.HostVM.ReferenceID, seed.HostVM.Location = hostUUID, hostLoc
 	s, err := sim.New(sim.Options{Customer: "acme", Token: testJWT, Seed: seed})
@@ -344,15 +429,11 @@ func newSimWorld(t testing.TB, tokenFile string) *simWorld {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	diskID, err := api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: "sim", SizeGiB: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
 	vms, err := api.ListVMs(ctx, "cs-"+hostLoc)
 	if err != nil || len(vms) < 3 {
 		t.Fatalf("the simulator's VMs in %s: %v %v", hostLoc, vms, err)
 	}
-	w := &simWorld{t: t, api: api, id: fmt.Sprintf("%s/%d", hostLoc, diskID), diskID: diskID, vms: vms[:3],
+	w := &simWorld{t: t, api: api, vms: vms[:3], how: how,
 		attachedEver: map[int]bool{}, given: map[int]bool{}, asked: map[int]bool{}}
 	for _, vm := range w.vms {
 		k, err := fence.KeyFromUUID(vm.ReferenceID)
@@ -362,12 +443,29 @@ func newSimWorld(t testing.TB, tokenFile string) *simWorld {
 		w.refs, w.keys = append(w.refs, vm.ReferenceID), append(w.keys, k)
 	}
 	w.start()
+	if how.byController {
+		v, err := w.drv.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "sim", VolumeCapabilities: rwo})
+		if err != nil {
+			t.Fatal(err)
+		}
+		w.id, w.made = v.Volume.VolumeId, true
+		if _, err := fmt.Sscanf(w.id, hostLoc+"/%d", &w.diskID); err != nil {
+			t.Fatalf("volume id %q: %v", w.id, err)
+		}
+	} else {
+		if w.diskID, err = api.CreateDisk(ctx, hostLoc, cloud.DiskSpec{Name: "sim", SizeGiB: 1}); err != nil {
+			t.Fatal(err)
+		}
+		w.id = fmt.Sprintf("%s/%d", hostLoc, w.diskID)
+	}
+	w.fc.diskID = w.diskID
 	return w
 }
 
 // start makes a new controller over the same cloud: a restart.
 func (w *simWorld) start() {
-	w.fc = &faultCloud{Cloud: w.api, diskID: w.diskID, changed: w.changed}
+	w.fc = &faultCloud{Cloud: w.api, diskID: w.diskID, changed: w.changed, order: w.how.order}
+	w.made = false // a new controller knows of no disk it made
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "sim", Mode: driver.ModeController,
 		Cloud: w.fc, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 15 * time.Millisecond})
 	if err != nil {
@@ -419,8 +517,10 @@ func (w *simWorld) observe() {
 // checks what a publish returns. It restarts the controller when the
 // fault killed it.
 func (w *simWorld) attempt(op simOp, kind faultKind, at callPoint) (calls []callPoint, err error) {
-	w.fc.arm(kind, at)
-	defer w.fc.arm(noFault, callPoint{})
+	early := w.made && op.publish
+	w.made = w.made && !op.publish
+	w.fc.arm(kind, at, early)
+	defer w.fc.arm(noFault, callPoint{}, false)
 	ctx := context.Background()
 	ref := w.refs[op.node]
 	if op.publish {
@@ -450,6 +550,10 @@ func (w *simWorld) attempt(op simOp, kind faultKind, at callPoint) (calls []call
 	}
 	calls = w.fc.made()
 	w.trace = append(w.trace, fmt.Sprintf("%s (controller %d, %d calls): %s", op, w.restart, len(calls), res))
+	// (A controller that died made no more calls.)
+	if added := slices.ContainsFunc(calls, func(c callPoint) bool { return strings.HasPrefix(c.op, "AddDiskNote") }); added != early && !dead {
+		w.fail("%s added a note beside its reads: %v, want %v (calls %v)", op, added, early, calls)
+	}
 	if dead {
 		w.start()
 	}
@@ -528,7 +632,7 @@ func (w *simWorld) untilOK(op simOp) {
 // run plays seq with fault f and returns the calls each step's first
 // attempt made.
 func (w *simWorld) run(seq []simOp, f simFault) [][]callPoint {
-	w.what = fmt.Sprintf("sequence %s, %s (replay: go test ./csi/driver -run 'TestPublishSimulation/^%s$')", seqName(seq), f, seqName(seq))
+	w.what = fmt.Sprintf("sequence %s, %s, %s (replay: go test ./csi/driver -run 'TestPublishSimulation/^%s$')", seqName(seq), w.how, f, seqName(seq))
 	counts := make([][]callPoint, len(seq))
 	for i, op := range seq {
 		if i != f.step {
@@ -581,24 +685,18 @@ func TestPublishSimulation(t *testing.T) {
 	start := time.Now()
 	for _, seq := range seqs {
 		t.Run(seqName(seq), func(t *testing.T) {
-			clean := newSimWorld(t, tok).run(seq, simFault{step: -1})
-			runs++
-			for step, op := range seq {
-				kinds := []faultKind{errBefore, lostAnswer, crashBefore, crashAfter}
-				for _, kind := range kinds {
-					for _, at := range clean[step] {
-						for _, abandon := range []bool{false, true} {
-							if abandon && !op.publish {
-								continue
-							}
-							newSimWorld(t, tok).run(seq, simFault{step: step, at: at, kind: kind, abandon: abandon})
-							runs++
-						}
+			// On a disk the controller made only the first step differs
+			// (its added note): the faults there are played, the rest as
+			// on any disk.
+			for _, how := range []worldDisk{{}, {true, readFirst}, {true, noteFirst}} {
+				clean := newSimWorld(t, tok, how).run(seq, simFault{step: -1})
+				runs++
+				for step, op := range seq {
+					if how.byController && step > 0 {
+						break
 					}
-				}
-				if op.publish {
-					for _, abandon := range []bool{false, true} {
-						newSimWorld(t, tok).run(seq, simFault{step: step, kind: slowAttach, abandon: abandon})
+					for _, f := range stepFaults(step, op, clean[step]) {
+						newSimWorld(t, tok, how).run(seq, f)
 						runs++
 					}
 				}
@@ -606,6 +704,28 @@ func TestPublishSimulation(t *testing.T) {
 		})
 	}
 	t.Logf("%d sequences, %d runs, %v", len(seqs), runs, time.Since(start).Round(time.Millisecond))
+}
+
+// stepFaults are the faults played at step, whose first attempt made
+// calls in a run without faults: each way each call can fail, then the
+// CO's retry or, for a publish, its giving up; and an attach too slow.
+func stepFaults(step int, op simOp, calls []callPoint) []simFault {
+	var out []simFault
+	for _, kind := range []faultKind{errBefore, lostAnswer, crashBefore, crashAfter} {
+		for _, at := range calls {
+			for _, abandon := range []bool{false, true} {
+				if !abandon || op.publish {
+					out = append(out, simFault{step: step, at: at, kind: kind, abandon: abandon})
+				}
+			}
+		}
+	}
+	if op.publish {
+		for _, abandon := range []bool{false, true} {
+			out = append(out, simFault{step: step, kind: slowAttach, abandon: abandon})
+		}
+	}
+	return out
 }
 
 // faultCloud must implement what the driver calls.

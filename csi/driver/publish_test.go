@@ -3,6 +3,7 @@ package driver_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -155,6 +156,94 @@ func TestEmptyVolumeFirstPublishWritesOneNote(t *testing.T) {
 	if publishTo(t, e, id2, hostUUID) {
 		t.Fatal("the retry of an empty volume's first publish says never published, without a published note behind it")
 	}
+}
+
+// TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect: the first
+// publish of a volume this controller made adds its holders note beside
+// its reads, expecting no notes. Another controller (a successor while
+// this one still ran) published the volume to node a in between: the
+// publish to b still writes a in the list and grants b a's takeover.
+func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	vms := vmsOf(t, e, hostLoc)
+	a, b := vms[0].ReferenceID, vms[1].ReferenceID
+	other, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "other", Mode: driver.ModeController,
+		Cloud: e.api, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a}); err != nil {
+		t.Fatal(err)
+	}
+	before := e.sim.Calls()
+	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after := e.sim.Calls(); after["createDiskNote"]-before["createDiskNote"] != 1 {
+		t.Fatalf("the first publish of a volume this controller made added %d notes, want 1 beside its reads", after["createDiskNote"]-before["createDiskNote"])
+	}
+	if driver.NeverPublished(r.PublishContext) {
+		t.Fatal("a publish after another controller's says never published")
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, b), a)
+	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lists []string
+	for _, n := range notes {
+		if n.Title == "vco-csi/holders" {
+			lists = append(lists, n.Content)
+		}
+	}
+	if want := []string{a + "," + b, b}; !slices.Equal(lists, want) {
+		t.Fatalf("holders notes %q, want %q (the list, and the note added beside the reads)", lists, want)
+	}
+	// The next controller reads both notes as one list.
+	unpublishFrom(t, e, id, b)
+	r, err = other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, hostUUID), a, b)
+}
+
+// TestFirstPublishOfAMadeVolumeAttachedElsewhere: a volume this controller
+// made and someone attached by hand. Its first publish is refused as any
+// publish to a disk attached elsewhere; its note, added beside the reads,
+// stays (docs/fencing.md), and later publishes count that node a holder.
+func TestFirstPublishOfAMadeVolumeAttachedElsewhere(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	vms := vmsOf(t, e, hostLoc)
+	a, b := vms[0], vms[1].ReferenceID
+	if err := e.api.AttachDisk(ctx, "cs-"+hostLoc, a.ID, mustDisk(t, id)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
+	wantCode(t, err, codes.FailedPrecondition, id, "attached to")
+	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(notes) != 1 || notes[0].Title != "vco-csi/holders" || notes[0].Content != b {
+		t.Fatalf("notes after the refused first publish: %+v, want vco-csi/holders = %s", notes, b)
+	}
+	if err := e.api.DetachDisk(ctx, "cs-"+hostLoc, a.ID, mustDisk(t, id)); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, hostUUID), b)
 }
 
 func TestDiskWithAnEarlierDriversHolderNoteCountsAsPublished(t *testing.T) {
