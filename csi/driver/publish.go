@@ -28,10 +28,12 @@ const (
 	PubSerial     = "cloud.whitesky/serial"
 	PubFenceGrant = "cloud.whitesky/fence-grant"
 	// PubNeverPublished is "true" when no publish context had been
-	// returned for the disk before this one (see neverPublished): no node
-	// can have claimed it, so its stage need not wait for a holder to
-	// re-establish a claim the target forgot. Any other value, or none,
-	// means the disk may have had a holder.
+	// returned for the disk before this one (see neverPublished), or, on
+	// the first publish of a volume this controller made (madeEmpty),
+	// none to another node: no other node can have claimed it, so its
+	// stage need not wait for a holder to re-establish a claim the target
+	// forgot. Any other value, or none, means the disk may have had a
+	// holder.
 	PubNeverPublished = "cloud.whitesky/never-published"
 )
 
@@ -115,26 +117,42 @@ func hasNote(notes []cloud.Note, title string) bool {
 // of after them: one round trip less on the way to the attach, which still
 // waits for the note. The expectation decides nothing. The reads are
 // judged as for any disk; holders they show are written into the list as
-// usual, the added note standing beside it (every note of the title
-// counts), and adding a note never removes a holder. A restarted
+// usual and the added note folded into it (recordHolders). Every note of
+// the title counts, so adding one never removes a holder. A restarted
 // controller has forgotten the set, and its publishes go the usual way.
+//
+// Such a publish's reads may show the added note or not. A holders note
+// naming only its own node does not count against never-published there:
+// it is the added note, or one another controller wrote publishing the
+// volume to the same node, whose claim, if any, is that node's own.
 type madeEmpty struct {
 	mu  sync.Mutex
-	ids map[string]struct{}
+	ids map[string]time.Time
 }
 
-// maxMadeEmpty bounds the set; a volume made while it is full is published
-// the usual way.
-const maxMadeEmpty = 4096
+// maxMadeEmpty bounds the set. When it is full, volumes made over
+// madeEmptyFor ago are dropped; a volume made while it is still full is
+// published the usual way.
+const (
+	maxMadeEmpty = 4096
+	madeEmptyFor = time.Hour
+)
 
 func (m *madeEmpty) add(id string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.ids == nil {
-		m.ids = map[string]struct{}{}
+		m.ids = map[string]time.Time{}
+	}
+	if len(m.ids) >= maxMadeEmpty {
+		for k, t := range m.ids {
+			if time.Since(t) > madeEmptyFor {
+				delete(m.ids, k)
+			}
+		}
 	}
 	if len(m.ids) < maxMadeEmpty {
-		m.ids[id] = struct{}{}
+		m.ids[id] = time.Now()
 	}
 }
 
@@ -211,7 +229,8 @@ type publication struct {
 	disk     *cloud.Disk
 	vm       vmRef
 
-	// Read once by publishTarget; every write is decided from them.
+	// Read once by publishTarget; every write but the added note (early)
+	// is decided from them.
 	notes []cloud.Note
 	// me is the node's canonical UUID, its fence key's source.
 	me string
@@ -300,7 +319,8 @@ func (p *publication) readHolders() error {
 	p.never = neverPublished(p.notes)
 	if p.early {
 		// The reads may have come before or after the note added beside
-		// them: it does not count as a publish recorded earlier.
+		// them; a holders note naming only this node does not count
+		// (madeEmpty).
 		p.never = neverPublished(slices.DeleteFunc(slices.Clone(p.notes), func(n cloud.Note) bool {
 			return n.Title == holdersNote && canonicalUUID(n.Content) == me
 		}))
@@ -328,10 +348,20 @@ func (d *Driver) recordHolders(ctx context.Context, p publication) error {
 	// call fails or the controller dies, every later grant still names it.
 	// A retry reads the list it wrote and grants the same takeover. A note
 	// added beside the reads already says all when they showed no other
-	// holder.
-	if !p.early || len(p.holders) > 1 {
+	// holder and no second holders note.
+	extra := extraHoldersNotes(p.notes)
+	if !p.early || len(p.holders) > 1 || len(extra) > 0 {
 		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holdersNote, strings.Join(p.holders, ",")); err != nil {
 			return fmt.Errorf("recording node %s among the holders of volume %s: %w", p.node, p.id, err)
+		}
+	}
+	// The list, in the first holders note, now names every node the others
+	// do (or ages one out by the bound): one list keeps the order and the
+	// bound, which a note left beside it would not (its node would come
+	// back as the newest once the list had dropped it).
+	for _, n := range extra {
+		if err := d.cfg.Cloud.DeleteDiskNote(ctx, p.loc, p.diskID, n.ID); err != nil && !errors.Is(err, cloud.ErrNotFound) {
+			return fmt.Errorf("folding a second holders note of volume %s into its list: %w", p.id, err)
 		}
 	}
 	if hasNote(p.notes, holderNote) {
@@ -410,6 +440,24 @@ func (d *Driver) attachedElsewhere(ctx context.Context, id string, vmID int64, n
 		other = fmt.Sprintf("VM %s (id %d, node %s)", r.Name, vmID, canonicalUUID(r.ReferenceID))
 	}
 	return failf(ErrPrecondition, "volume %s is attached to %s; it must be unpublished there before node %s can have it", id, other, node)
+}
+
+// extraHoldersNotes are the holders notes after the first: a note added
+// beside a publish's reads (madeEmpty) that the reads did not show as the
+// first, or one a controller racing this one added.
+func extraHoldersNotes(notes []cloud.Note) []cloud.Note {
+	var out []cloud.Note
+	first := true
+	for _, n := range notes {
+		if n.Title != holdersNote {
+			continue
+		}
+		if !first {
+			out = append(out, n)
+		}
+		first = false
+	}
+	return out
 }
 
 // recordedHolders reads the nodes the disk's notes say may hold a key on

@@ -107,6 +107,10 @@ type faultCloud struct {
 	order           noteOrder
 	early           bool
 	readDone, added chan struct{}
+	// unordered: a wait for the other ended without it.
+	unordered bool
+	// beforeAttach checks the cloud as an attach is about to reach it.
+	beforeAttach func(vm int64)
 	// changed is called after every attach or detach that reached the
 	// cloud.
 	changed func()
@@ -130,14 +134,14 @@ func (c callPoint) String() string { return fmt.Sprintf("%s #%d", c.op, c.nth+1)
 func (f *faultCloud) arm(kind faultKind, at callPoint, early bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.calls, f.kind, f.at, f.fired, f.early = nil, kind, at, "", early
+	f.calls, f.kind, f.at, f.fired, f.early, f.unordered = nil, kind, at, "", early, false
 	f.readDone, f.added = make(chan struct{}), make(chan struct{})
 }
 
 // hold waits, in the order armed, for the other of an added note and a
 // notes read to answer, and returns what to close once this one has. A
 // wait that ends without it is a driver that did not send both side by
-// side: the attempt goes on and the test finds the calls missing.
+// side: the attempt goes on, and fails the run.
 func (f *faultCloud) hold(read bool) (done chan struct{}) {
 	f.mu.Lock()
 	wait, done := f.readDone, f.added
@@ -152,6 +156,9 @@ func (f *faultCloud) hold(read bool) (done chan struct{}) {
 		select {
 		case <-wait:
 		case <-time.After(2 * time.Second):
+			f.mu.Lock()
+			f.unordered = true
+			f.mu.Unlock()
 		}
 	}
 	return done
@@ -168,11 +175,12 @@ func (f *faultCloud) answered(c chan struct{}) {
 	}
 }
 
-// outcome is what the attempt's fault did, and whether the controller died.
-func (f *faultCloud) outcome() (fired string, dead bool) {
+// outcome is what the attempt's fault did, whether the controller died,
+// and whether an added note and the notes read failed to meet.
+func (f *faultCloud) outcome() (fired string, dead, unordered bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.fired, f.dead
+	return f.fired, f.dead, f.unordered
 }
 
 // made is the attempt's calls so far.
@@ -265,8 +273,17 @@ func (f *faultCloud) ListVMDisks(ctx context.Context, cs string, vm int64) (ds [
 	return ds, err
 }
 
+func (f *faultCloud) DeleteDiskNote(ctx context.Context, loc string, id int64, note string) error {
+	return f.do("DeleteDiskNote", func() error { return f.Cloud.DeleteDiskNote(ctx, loc, id, note) })
+}
+
 func (f *faultCloud) AttachDisk(ctx context.Context, cs string, vm, id int64) error {
-	return f.do("AttachDisk", func() error { err := f.Cloud.AttachDisk(ctx, cs, vm, id); f.changed(); return err })
+	return f.do("AttachDisk", func() error {
+		f.beforeAttach(vm)
+		err := f.Cloud.AttachDisk(ctx, cs, vm, id)
+		f.changed()
+		return err
+	})
 }
 
 func (f *faultCloud) DetachDisk(ctx context.Context, cs string, vm, id int64) error {
@@ -464,7 +481,7 @@ func newSimWorld(t testing.TB, tokenFile string, how worldDisk) *simWorld {
 
 // start makes a new controller over the same cloud: a restart.
 func (w *simWorld) start() {
-	w.fc = &faultCloud{Cloud: w.api, diskID: w.diskID, changed: w.changed, order: w.how.order}
+	w.fc = &faultCloud{Cloud: w.api, diskID: w.diskID, changed: w.changed, order: w.how.order, beforeAttach: w.recordedBeforeAttach}
 	w.made = false // a new controller knows of no disk it made
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "sim", Mode: driver.ModeController,
 		Cloud: w.fc, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 15 * time.Millisecond})
@@ -501,6 +518,33 @@ func (w *simWorld) lookOn() int {
 	return -1
 }
 
+// recordedBeforeAttach fails the run unless the disk's notes name the node
+// of VM vm, whose attach is about to reach the cloud: no attach is asked
+// before its node is recorded (docs/fencing.md).
+func (w *simWorld) recordedBeforeAttach(vm int64) {
+	notes, err := w.api.ListDiskNotes(context.Background(), hostLoc, w.diskID)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	for i, v := range w.vms {
+		if v.ID != vm {
+			continue
+		}
+		me, _ := fence.CanonicalUUID(w.refs[i])
+		for _, n := range notes {
+			if n.Title != "vco-csi/holders" {
+				continue
+			}
+			for _, e := range strings.Split(n.Content, ",") {
+				if u, err := fence.CanonicalUUID(e); err == nil && u == me {
+					return
+				}
+			}
+		}
+		w.fail("the attach to node %c was asked for before a holders note named it (notes %+v)", 'A'+i, notes)
+	}
+}
+
 // changed notes an attach or detach that reached the cloud.
 func (w *simWorld) changed() {
 	w.onKnown = false
@@ -534,6 +578,9 @@ func (w *simWorld) attempt(op simOp, kind faultKind, at callPoint) (calls []call
 		r, err = w.drv.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: w.id, NodeId: ref, VolumeCapability: rwo[0]})
 		if err == nil {
 			w.checkPublished(op.node, must, r.PublishContext)
+			if early && !driver.NeverPublished(r.PublishContext) {
+				w.fail("the first publish of a volume the controller made, which returned, does not say never published")
+			}
 			w.given[op.node] = true
 		}
 	} else {
@@ -544,7 +591,7 @@ func (w *simWorld) attempt(op simOp, kind faultKind, at callPoint) (calls []call
 	if err != nil {
 		res = fmt.Sprintf("%s: %v", driver.CodeForError(err), err)
 	}
-	fired, dead := w.fc.outcome()
+	fired, dead, unordered := w.fc.outcome()
 	if fired != "" {
 		res = "[" + fired + "] " + res
 	}
@@ -553,6 +600,9 @@ func (w *simWorld) attempt(op simOp, kind faultKind, at callPoint) (calls []call
 	// (A controller that died made no more calls.)
 	if added := slices.ContainsFunc(calls, func(c callPoint) bool { return strings.HasPrefix(c.op, "AddDiskNote") }); added != early && !dead {
 		w.fail("%s added a note beside its reads: %v, want %v (calls %v)", op, added, early, calls)
+	}
+	if unordered {
+		w.fail("%s: its added note and its notes read did not go out side by side (%s not met)", op, w.how.order)
 	}
 	if dead {
 		w.start()

@@ -162,18 +162,15 @@ func TestEmptyVolumeFirstPublishWritesOneNote(t *testing.T) {
 // publish of a volume this controller made adds its holders note beside
 // its reads, expecting no notes. Another controller (a successor while
 // this one still ran) published the volume to node a in between: the
-// publish to b still writes a in the list and grants b a's takeover.
+// publish to b still writes a in the list and grants b a's takeover, and
+// the next publish folds the added note into the one list.
 func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0].ReferenceID, vms[1].ReferenceID
-	other, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "other", Mode: driver.ModeController,
-		Cloud: e.api, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	other := otherController(t, e)
 	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
 		t.Fatal(err)
 	}
@@ -189,10 +186,69 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 		t.Fatalf("the first publish of a volume this controller made added %d notes, want 1 beside its reads", after["createDiskNote"]-before["createDiskNote"])
 	}
 	if driver.NeverPublished(r.PublishContext) {
-		t.Fatal("a publish after another controller's says never published")
+		t.Fatal("a publish after another controller's to another node says never published")
 	}
 	wantSupersedes(t, grantOf(t, r.PublishContext, id, b), a)
-	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
+	// The list, and the added note unless the reads showed it (then it
+	// was folded in at once).
+	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{a + "," + b, b}) && !slices.Equal(lists, []string{a + "," + b}) {
+		t.Fatalf("holders notes %q, want the list %q, and beside it at most the added note", lists, a+","+b)
+	}
+	unpublishFrom(t, e, id, b)
+	r, err = other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, hostUUID), a, b)
+	if lists, want := holdersNotes(t, e, id), []string{a + "," + b + "," + hostUUID}; !slices.Equal(lists, want) {
+		t.Fatalf("holders notes after the next publish %q, want one list %q", lists, want)
+	}
+}
+
+// TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt: another controller
+// published the volume to node a alone before this one's first publish,
+// also to a. Only a can have claimed the disk, so the context says never
+// published (no other node's claim to wait for) and grants nothing.
+func TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	a := vmsOf(t, e, hostLoc)[0].ReferenceID
+	other := otherController(t, e)
+	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !driver.NeverPublished(r.PublishContext) || grantOf(t, r.PublishContext, id, a) != nil {
+		t.Fatalf("publish context %v, want never published and no grant", r.PublishContext)
+	}
+	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{a, a}) && !slices.Equal(lists, []string{a}) {
+		t.Fatalf("holders notes %q, want %q (and at most the added note)", lists, a)
+	}
+	// Any later publish says published.
+	if publishTo(t, e, id, a) {
+		t.Fatal("the second publish of this controller says never published")
+	}
+}
+
+// otherController is a second controller over the test's cloud.
+func otherController(t *testing.T, e *testEnv) *driver.Driver {
+	t.Helper()
+	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "other", Mode: driver.ModeController,
+		Cloud: e.api, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// holdersNotes are the contents of volume id's vco-csi/holders notes.
+func holdersNotes(t *testing.T, e *testEnv, id string) []string {
+	t.Helper()
+	notes, err := e.api.ListDiskNotes(context.Background(), hostLoc, mustDisk(t, id))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,16 +258,7 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 			lists = append(lists, n.Content)
 		}
 	}
-	if want := []string{a + "," + b, b}; !slices.Equal(lists, want) {
-		t.Fatalf("holders notes %q, want %q (the list, and the note added beside the reads)", lists, want)
-	}
-	// The next controller reads both notes as one list.
-	unpublishFrom(t, e, id, b)
-	r, err = other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
-	if err != nil {
-		t.Fatal(err)
-	}
-	wantSupersedes(t, grantOf(t, r.PublishContext, id, hostUUID), a, b)
+	return lists
 }
 
 // TestFirstPublishOfAMadeVolumeAttachedElsewhere: a volume this controller
@@ -229,12 +276,8 @@ func TestFirstPublishOfAMadeVolumeAttachedElsewhere(t *testing.T) {
 	}
 	_, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
 	wantCode(t, err, codes.FailedPrecondition, id, "attached to")
-	notes, err := e.api.ListDiskNotes(ctx, hostLoc, mustDisk(t, id))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(notes) != 1 || notes[0].Title != "vco-csi/holders" || notes[0].Content != b {
-		t.Fatalf("notes after the refused first publish: %+v, want vco-csi/holders = %s", notes, b)
+	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{b}) {
+		t.Fatalf("holders notes after the refused first publish: %q, want %q", lists, b)
 	}
 	if err := e.api.DetachDisk(ctx, "cs-"+hostLoc, a.ID, mustDisk(t, id)); err != nil {
 		t.Fatal(err)
