@@ -439,12 +439,6 @@ func (c *Client) AddDiskNote(ctx context.Context, loc string, diskID int64, titl
 		path: diskPath(loc, diskID) + "/notes", body: map[string]string{"title": title, "content": content}})
 }
 
-// DeleteDiskNote removes the disk's note noteID.
-func (c *Client) DeleteDiskNote(ctx context.Context, loc string, diskID int64, noteID string) error {
-	return c.do(ctx, call{op: "delete note " + noteID, target: "of " + diskTarget(loc, diskID), method: http.MethodDelete,
-		path: diskPath(loc, diskID) + "/notes/" + url.PathEscape(noteID)})
-}
-
 // ListCloudspaces returns the customer's cloudspaces.
 func (c *Client) ListCloudspaces(ctx context.Context) ([]Cloudspace, error) {
 	var out struct {

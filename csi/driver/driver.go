@@ -43,7 +43,6 @@ type Cloud interface {
 	ListDiskNotes(ctx context.Context, loc string, diskID int64) ([]cloud.Note, error)
 	SetDiskNoteIn(ctx context.Context, loc string, diskID int64, notes []cloud.Note, title, content string) error
 	AddDiskNote(ctx context.Context, loc string, diskID int64, title, content string) error
-	DeleteDiskNote(ctx context.Context, loc string, diskID int64, noteID string) error
 	ListCloudspaces(ctx context.Context) ([]cloud.Cloudspace, error)
 	ListVMs(ctx context.Context, cloudspace string) ([]cloud.VM, error)
 	ListVMDisks(ctx context.Context, cloudspace string, vm int64) ([]cloud.VMDisk, error)

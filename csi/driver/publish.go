@@ -28,12 +28,11 @@ const (
 	PubSerial     = "cloud.whitesky/serial"
 	PubFenceGrant = "cloud.whitesky/fence-grant"
 	// PubNeverPublished is "true" when no publish context had been
-	// returned for the disk before this one (see neverPublished), or, on
-	// the first publish of a volume this controller made (madeEmpty),
-	// none to another node: no other node can have claimed it, so its
-	// stage need not wait for a holder to re-establish a claim the target
-	// forgot. Any other value, or none, means the disk may have had a
-	// holder.
+	// returned for the disk before this one (see neverPublished; for one
+	// case of two controllers, to another node: see madeEmpty): no other
+	// node can have claimed it, so its stage need not wait for a holder to
+	// re-establish a claim the target forgot. Any other value, or none,
+	// means the disk may have had a holder.
 	PubNeverPublished = "cloud.whitesky/never-published"
 )
 
@@ -117,14 +116,23 @@ func hasNote(notes []cloud.Note, title string) bool {
 // of after them: one round trip less on the way to the attach, which still
 // waits for the note. The expectation decides nothing. The reads are
 // judged as for any disk; holders they show are written into the list as
-// usual and the added note folded into it (recordHolders). Every note of
-// the title counts, so adding one never removes a holder. A restarted
+// usual, and the list into every holders note (writeHolders). Every note
+// of the title counts, so adding one never removes a holder. A restarted
 // controller has forgotten the set, and its publishes go the usual way.
 //
-// Such a publish's reads may show the added note or not. A holders note
-// naming only its own node does not count against never-published there:
-// it is the added note, or one another controller wrote publishing the
-// volume to the same node, whose claim, if any, is that node's own.
+// The note goes out early only for a node whose VM the controller already
+// knows in the volume's location: a publish to a node that is no VM of the
+// customer's, or is in another location, is refused having changed
+// nothing, as any bad request.
+//
+// Such a publish's reads may show the added note or not; its form
+// (earlyNote) tells it apart, and it does not count against
+// never-published there. Two controllers can both hold a volume in the
+// set (a CreateVolume retried at the other finds the disk by name in
+// cloud.Client.CreateDisk's retry). Should both publish it first to the
+// same node, the second says never published too: the first context went
+// to that node, so still no other node can have claimed the disk. An added
+// note naming another node counts.
 type madeEmpty struct {
 	mu  sync.Mutex
 	ids map[string]time.Time
@@ -268,12 +276,12 @@ func (d *Driver) publishTarget(ctx context.Context, id, node string) (publicatio
 		diskErr, vmErr, noteErr, earlyErr error
 	)
 	me, meErr := fence.CanonicalUUID(node)
-	p.early = d.madeEmpty.take(volumeID(loc, diskID)) && meErr == nil
+	p.early = d.madeEmpty.take(volumeID(loc, diskID)) && meErr == nil && d.vms.knownIn(node, loc)
 	wg.Go(func() { p.disk, diskErr = d.disks.byID(ctx, loc, diskID) })
 	wg.Go(func() { vm, vmFound, vmErr = d.vms.byNode(ctx, node) })
 	wg.Go(func() { p.notes, noteErr = d.cfg.Cloud.ListDiskNotes(ctx, loc, diskID) })
 	if p.early {
-		wg.Go(func() { earlyErr = d.cfg.Cloud.AddDiskNote(ctx, loc, diskID, holdersNote, me) })
+		wg.Go(func() { earlyErr = d.cfg.Cloud.AddDiskNote(ctx, loc, diskID, holdersNote, earlyNote(me)) })
 	}
 	wg.Wait()
 	if errors.Is(diskErr, cloud.ErrNotFound) {
@@ -319,10 +327,11 @@ func (p *publication) readHolders() error {
 	p.never = neverPublished(p.notes)
 	if p.early {
 		// The reads may have come before or after the note added beside
-		// them; a holders note naming only this node does not count
-		// (madeEmpty).
+		// them, which does not count as a publish recorded earlier. (A
+		// note of that form from another controller that also made the
+		// volume names this node too: see madeEmpty.)
 		p.never = neverPublished(slices.DeleteFunc(slices.Clone(p.notes), func(n cloud.Note) bool {
-			return n.Title == holdersNote && canonicalUUID(n.Content) == me
+			return n.Title == holdersNote && n.Content == earlyNote(me)
 		}))
 	}
 	// Whether a context was returned before matters to a stage only on a
@@ -348,20 +357,10 @@ func (d *Driver) recordHolders(ctx context.Context, p publication) error {
 	// call fails or the controller dies, every later grant still names it.
 	// A retry reads the list it wrote and grants the same takeover. A note
 	// added beside the reads already says all when they showed no other
-	// holder and no second holders note.
-	extra := extraHoldersNotes(p.notes)
-	if !p.early || len(p.holders) > 1 || len(extra) > 0 {
-		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holdersNote, strings.Join(p.holders, ",")); err != nil {
+	// holder.
+	if !p.early || len(p.holders) > 1 {
+		if err := d.writeHolders(ctx, p); err != nil {
 			return fmt.Errorf("recording node %s among the holders of volume %s: %w", p.node, p.id, err)
-		}
-	}
-	// The list, in the first holders note, now names every node the others
-	// do (or ages one out by the bound): one list keeps the order and the
-	// bound, which a note left beside it would not (its node would come
-	// back as the newest once the list had dropped it).
-	for _, n := range extra {
-		if err := d.cfg.Cloud.DeleteDiskNote(ctx, p.loc, p.diskID, n.ID); err != nil && !errors.Is(err, cloud.ErrNotFound) {
-			return fmt.Errorf("folding a second holders note of volume %s into its list: %w", p.id, err)
 		}
 	}
 	if hasNote(p.notes, holderNote) {
@@ -442,23 +441,35 @@ func (d *Driver) attachedElsewhere(ctx context.Context, id string, vmID int64, n
 	return failf(ErrPrecondition, "volume %s is attached to %s; it must be unpublished there before node %s can have it", id, other, node)
 }
 
-// extraHoldersNotes are the holders notes after the first: a note added
-// beside a publish's reads (madeEmpty) that the reads did not show as the
-// first, or one a controller racing this one added.
-func extraHoldersNotes(notes []cloud.Note) []cloud.Note {
-	var out []cloud.Note
-	first := true
-	for _, n := range notes {
+// writeHolders writes p's list into every holders note the read showed,
+// or adds one. A disk has more than one when a note added beside a
+// publish's reads (madeEmpty) met a list: each then holds the whole list,
+// so the bound ages a node out of all at once (a note left naming it would
+// bring it back as the newest), and no note is removed, so a write that
+// lands late, from a controller racing this one, overwrites one copy only.
+func (d *Driver) writeHolders(ctx context.Context, p publication) error {
+	list := strings.Join(p.holders, ",")
+	wrote := false
+	for _, n := range p.notes {
 		if n.Title != holdersNote {
 			continue
 		}
-		if !first {
-			out = append(out, n)
+		if err := d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, []cloud.Note{n}, holdersNote, list); err != nil {
+			return err
 		}
-		first = false
+		wrote = true
 	}
-	return out
+	if wrote {
+		return nil
+	}
+	return d.cfg.Cloud.SetDiskNoteIn(ctx, p.loc, p.diskID, p.notes, holdersNote, list)
 }
+
+// earlyNote is the content of the holders note added beside a publish's
+// reads: the node in the urn:uuid: form, which every version that reads
+// the list reads as the node (fence.CanonicalUUID) and which no list the
+// controller writes uses, so a read tells that note apart.
+func earlyNote(me string) string { return "urn:uuid:" + me }
 
 // recordedHolders reads the nodes the disk's notes say may hold a key on
 // it, oldest first: holdersNote's list, then a holderNote naming a node not

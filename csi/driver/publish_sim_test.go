@@ -273,10 +273,6 @@ func (f *faultCloud) ListVMDisks(ctx context.Context, cs string, vm int64) (ds [
 	return ds, err
 }
 
-func (f *faultCloud) DeleteDiskNote(ctx context.Context, loc string, id int64, note string) error {
-	return f.do("DeleteDiskNote", func() error { return f.Cloud.DeleteDiskNote(ctx, loc, id, note) })
-}
-
 func (f *faultCloud) AttachDisk(ctx context.Context, cs string, vm, id int64) error {
 	return f.do("AttachDisk", func() error {
 		f.beforeAttach(vm)
@@ -466,6 +462,11 @@ func newSimWorld(t testing.TB, tokenFile string, how worldDisk) *simWorld {
 			t.Fatal(err)
 		}
 		w.id, w.made = v.Volume.VolumeId, true
+		// The controller knows the VMs, as its node location map has
+		// it every minute: the added note is only for a known VM.
+		if _, err := w.drv.NodeLocationMap(ctx); err != nil {
+			t.Fatal(err)
+		}
 		if _, err := fmt.Sscanf(w.id, hostLoc+"/%d", &w.diskID); err != nil {
 			t.Fatalf("volume id %q: %v", w.id, err)
 		}

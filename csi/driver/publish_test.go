@@ -5,12 +5,15 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
+	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -142,7 +145,7 @@ func TestEmptyVolumeFirstPublishWritesOneNote(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(notes) != 1 || notes[0].Title != "vco-csi/holders" || notes[0].Content != hostUUID {
+	if len(notes) != 1 || notes[0].Title != "vco-csi/holders" || notes[0].Content != hostUUID && notes[0].Content != "urn:uuid:"+hostUUID {
 		t.Fatalf("notes after the first publish: %+v, want vco-csi/holders = %s alone", notes, hostUUID)
 	}
 	unpublishFrom(t, e, id, hostUUID)
@@ -163,11 +166,12 @@ func TestEmptyVolumeFirstPublishWritesOneNote(t *testing.T) {
 // its reads, expecting no notes. Another controller (a successor while
 // this one still ran) published the volume to node a in between: the
 // publish to b still writes a in the list and grants b a's takeover, and
-// the next publish folds the added note into the one list.
+// from the next publish on every holders note carries the whole list.
 func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	knowVMs(t, e)
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0].ReferenceID, vms[1].ReferenceID
 	other := otherController(t, e)
@@ -189,10 +193,10 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 		t.Fatal("a publish after another controller's to another node says never published")
 	}
 	wantSupersedes(t, grantOf(t, r.PublishContext, id, b), a)
-	// The list, and the added note unless the reads showed it (then it
-	// was folded in at once).
-	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{a + "," + b, b}) && !slices.Equal(lists, []string{a + "," + b}) {
-		t.Fatalf("holders notes %q, want the list %q, and beside it at most the added note", lists, a+","+b)
+	// The list, and the added note as added or, if the reads showed it,
+	// with the list written into it too.
+	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{a + "," + b, "urn:uuid:" + b}) && !slices.Equal(lists, []string{a + "," + b, a + "," + b}) {
+		t.Fatalf("holders notes %q, want the list %q and the added note", lists, a+","+b)
 	}
 	unpublishFrom(t, e, id, b)
 	r, err = other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
@@ -200,19 +204,20 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantSupersedes(t, grantOf(t, r.PublishContext, id, hostUUID), a, b)
-	if lists, want := holdersNotes(t, e, id), []string{a + "," + b + "," + hostUUID}; !slices.Equal(lists, want) {
-		t.Fatalf("holders notes after the next publish %q, want one list %q", lists, want)
+	if lists, l := holdersNotes(t, e, id), a+","+b+","+hostUUID; !slices.Equal(lists, []string{l, l}) {
+		t.Fatalf("holders notes after the next publish %q, want the list %q in both", lists, l)
 	}
 }
 
 // TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt: another controller
-// published the volume to node a alone before this one's first publish,
-// also to a. Only a can have claimed the disk, so the context says never
-// published (no other node's claim to wait for) and grants nothing.
+// published the volume to node a before this one's first publish, also to
+// a. That controller's note is a list, not an added note, so the context
+// says published, and grants nothing.
 func TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt(t *testing.T) {
 	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	knowVMs(t, e)
 	a := vmsOf(t, e, hostLoc)[0].ReferenceID
 	other := otherController(t, e)
 	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
@@ -222,23 +227,89 @@ func TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !driver.NeverPublished(r.PublishContext) || grantOf(t, r.PublishContext, id, a) != nil {
-		t.Fatalf("publish context %v, want never published and no grant", r.PublishContext)
+	if driver.NeverPublished(r.PublishContext) || grantOf(t, r.PublishContext, id, a) != nil {
+		t.Fatalf("publish context %v, want published and no grant", r.PublishContext)
 	}
-	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{a, a}) && !slices.Equal(lists, []string{a}) {
-		t.Fatalf("holders notes %q, want %q (and at most the added note)", lists, a)
+	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{a, "urn:uuid:" + a}) {
+		t.Fatalf("holders notes %q, want %q and the added note", lists, a)
 	}
-	// Any later publish says published.
-	if publishTo(t, e, id, a) {
-		t.Fatal("the second publish of this controller says never published")
+}
+
+// TestFirstPublishOfAMadeVolumeOutlivesALateWrite: another controller's
+// write of the list, read before this controller's first publish, lands
+// after it (a retried request, or one past its client's timeout). The
+// added note is one that late write does not touch, so node b, attached
+// in between, stays recorded.
+func TestFirstPublishOfAMadeVolumeOutlivesALateWrite(t *testing.T) {
+	e := newTestEnv(t, envOpts{})
+	ctx := context.Background()
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	knowVMs(t, e)
+	vms := vmsOf(t, e, hostLoc)
+	a, b, x := vms[0].ReferenceID, vms[1].ReferenceID, hostUUID
+	late := &lateNotes{Client: e.api, hold: make(chan struct{}), held: make(chan struct{})}
+	other := otherControllerOver(t, late)
+	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a}); err != nil {
+		t.Fatal(err)
+	}
+	late.on.Store(true)
+	done := make(chan error, 1)
+	go func() {
+		_, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: x, VolumeCapability: rwo[0]})
+		done <- err
+	}()
+	<-late.held // the other's read is done, its write of "a,x" held
+	if publishTo(t, e, id, b) {
+		t.Fatal("a publish after another controller's to another node says never published")
+	}
+	close(late.hold)
+	if err := <-done; driver.CodeForError(err) != codes.FailedPrecondition {
+		t.Fatalf("the other controller's publish to x while b has the disk: %v, want FailedPrecondition", err)
+	}
+	unpublishFrom(t, e, id, b)
+	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantSupersedes(t, grantOf(t, r.PublishContext, id, a), b, x)
+}
+
+// lateNotes holds the first note write it passes while on, until hold is
+// closed, and says so on held.
+type lateNotes struct {
+	*cloud.Client
+	on         atomic.Bool
+	hold, held chan struct{}
+	once       sync.Once
+}
+
+func (l *lateNotes) SetDiskNoteIn(ctx context.Context, loc string, id int64, notes []cloud.Note, title, content string) error {
+	if l.on.Load() {
+		l.once.Do(func() { close(l.held); <-l.hold })
+	}
+	return l.Client.SetDiskNoteIn(ctx, loc, id, notes, title, content)
+}
+
+// knowVMs has the test's controller list the VMs, as its node location
+// map does every minute: the first publish of a volume it made adds its
+// note beside its reads only for a node whose VM it knows.
+func knowVMs(t *testing.T, e *testEnv) {
+	t.Helper()
+	if _, err := e.drv.NodeLocationMap(context.Background()); err != nil {
+		t.Fatal(err)
 	}
 }
 
 // otherController is a second controller over the test's cloud.
-func otherController(t *testing.T, e *testEnv) *driver.Driver {
+func otherController(t *testing.T, e *testEnv) *driver.Driver { return otherControllerOver(t, e.api) }
+
+func otherControllerOver(t *testing.T, api driver.Cloud) *driver.Driver {
 	t.Helper()
 	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Version: "other", Mode: driver.ModeController,
-		Cloud: e.api, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 5 * time.Second})
+		Cloud: api, DefaultLocation: hostLoc, AttachPoll: time.Millisecond, AttachTimeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -269,6 +340,7 @@ func TestFirstPublishOfAMadeVolumeAttachedElsewhere(t *testing.T) {
 	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
+	knowVMs(t, e)
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0], vms[1].ReferenceID
 	if err := e.api.AttachDisk(ctx, "cs-"+hostLoc, a.ID, mustDisk(t, id)); err != nil {
@@ -276,8 +348,8 @@ func TestFirstPublishOfAMadeVolumeAttachedElsewhere(t *testing.T) {
 	}
 	_, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
 	wantCode(t, err, codes.FailedPrecondition, id, "attached to")
-	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{b}) {
-		t.Fatalf("holders notes after the refused first publish: %q, want %q", lists, b)
+	if lists := holdersNotes(t, e, id); !slices.Equal(lists, []string{"urn:uuid:" + b}) {
+		t.Fatalf("holders notes after the refused first publish: %q, want the added note naming %s", lists, b)
 	}
 	if err := e.api.DetachDisk(ctx, "cs-"+hostLoc, a.ID, mustDisk(t, id)); err != nil {
 		t.Fatal(err)

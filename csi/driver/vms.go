@@ -85,6 +85,18 @@ func (x *vmIndex) byNode(ctx context.Context, nodeID string) (vmRef, bool, error
 	return x.lookup(ctx, func() (vmRef, bool) { r, ok := x.byRef[key]; return r, ok })
 }
 
+// knownIn says whether the VM of nodeID is kept, in location loc,
+// without asking the API.
+func (x *vmIndex) knownIn(nodeID, loc string) bool {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.byRef == nil || time.Since(x.fetched) >= x.ttl {
+		return false
+	}
+	r, ok := x.byRef[canonicalUUID(nodeID)]
+	return ok && r.Location == loc
+}
+
 // byVMID finds a VM by id.
 func (x *vmIndex) byVMID(ctx context.Context, id int64) (vmRef, bool, error) {
 	return x.lookup(ctx, func() (vmRef, bool) { r, ok := x.byID[id]; return r, ok })

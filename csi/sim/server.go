@@ -201,7 +201,6 @@ func (s *Server) routes() {
 	add("GET", "/locations/{loc}/disks/{disk}/notes", "getDiskNotes", s.listNotes)
 	add("POST", "/locations/{loc}/disks/{disk}/notes", "createDiskNote", s.addNote)
 	add("PUT", "/locations/{loc}/disks/{disk}/notes/{note}", "updateDiskNote", s.updateNote)
-	add("DELETE", "/locations/{loc}/disks/{disk}/notes/{note}", "deleteDiskNote", s.deleteNote)
 	add("GET", "/cloudspaces", "listCloudspaces", s.listCloudspaces)
 	add("GET", "/cloudspaces/{cs}/vms", "listCloudspaceVirtualMachines", s.listVMs)
 	add("GET", "/cloudspaces/{cs}/vms/{vm}/disks", "listDisksVirtualMachine", s.listVMDisks)
@@ -720,20 +719,6 @@ func (s *Server) updateNote(w http.ResponseWriter, r *http.Request) (any, *httpE
 	for _, n := range d.Notes {
 		if n.ID == r.PathValue("note") {
 			n.Title, n.Content = in.Title, in.Content
-			return success, nil
-		}
-	}
-	return nil, errf(404, "note %s of disk %d not found", r.PathValue("note"), d.ID)
-}
-
-func (s *Server) deleteNote(w http.ResponseWriter, r *http.Request) (any, *httpError) {
-	d, herr := s.disk(r)
-	if herr != nil {
-		return nil, herr
-	}
-	for i, n := range d.Notes {
-		if n.ID == r.PathValue("note") {
-			d.Notes = slices.Delete(d.Notes, i, i+1)
 			return success, nil
 		}
 	}
