@@ -123,7 +123,8 @@ func hasNote(notes []cloud.Note, title string) bool {
 // The note goes out early only for a node whose VM the controller already
 // knows in the volume's location: a publish to a node that is no VM of the
 // customer's, or is in another location, is refused having changed
-// nothing, as any bad request.
+// nothing, as any bad request (but for a VM deleted within the ten minutes
+// the controller keeps what it listed: its note names an absent key).
 //
 // Such a publish's reads may show the added note or not; its form
 // (earlyNote) tells it apart, and it does not count against
@@ -445,8 +446,10 @@ func (d *Driver) attachedElsewhere(ctx context.Context, id string, vmID int64, n
 // or adds one. A disk has more than one when a note added beside a
 // publish's reads (madeEmpty) met a list: each then holds the whole list,
 // so the bound ages a node out of all at once (a note left naming it would
-// bring it back as the newest), and no note is removed, so a write that
-// lands late, from a controller racing this one, overwrites one copy only.
+// bring it back as the newest), and no note is removed. Two controllers
+// writing the list at once can still lose each other's node, in every
+// copy as in a single note: one controller is active at a time (the
+// sidecars' leader election).
 func (d *Driver) writeHolders(ctx context.Context, p publication) error {
 	list := strings.Join(p.holders, ",")
 	wrote := false
