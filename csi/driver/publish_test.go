@@ -175,12 +175,8 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0].ReferenceID, vms[1].ReferenceID
 	other := otherController(t, e)
-	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := other.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a}); err != nil {
-		t.Fatal(err)
-	}
+	publishOn(t, other, id, a)
+	unpublishOn(t, other, id, a)
 	before := e.sim.Calls()
 	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: b, VolumeCapability: rwo[0]})
 	if err != nil {
@@ -199,10 +195,7 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 		t.Fatalf("holders notes %q, want the list %q and the added note", lists, a+","+b)
 	}
 	unpublishFrom(t, e, id, b)
-	r, err = other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: hostUUID, VolumeCapability: rwo[0]})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r = publishOn(t, other, id, hostUUID)
 	wantSupersedes(t, grantOf(t, r.PublishContext, id, hostUUID), a, b)
 	if lists, l := holdersNotes(t, e, id), a+","+b+","+hostUUID; !slices.Equal(lists, []string{l, l}) {
 		t.Fatalf("holders notes after the next publish %q, want the list %q in both", lists, l)
@@ -220,9 +213,7 @@ func TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt(t *testing.T) {
 	knowVMs(t, e)
 	a := vmsOf(t, e, hostLoc)[0].ReferenceID
 	other := otherController(t, e)
-	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
-		t.Fatal(err)
-	}
+	publishOn(t, other, id, a)
 	r, err := e.ctrl.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]})
 	if err != nil {
 		t.Fatal(err)
@@ -249,12 +240,8 @@ func TestFirstPublishOfAMadeVolumeOutlivesALateWrite(t *testing.T) {
 	a, b, x := vms[0].ReferenceID, vms[1].ReferenceID, hostUUID
 	late := &lateNotes{Client: e.api, hold: make(chan struct{}), held: make(chan struct{})}
 	other := otherControllerOver(t, late)
-	if _, err := other.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: a, VolumeCapability: rwo[0]}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := other.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: a}); err != nil {
-		t.Fatal(err)
-	}
+	publishOn(t, other, id, a)
+	unpublishOn(t, other, id, a)
 	late.on.Store(true)
 	done := make(chan error, 1)
 	go func() {
@@ -299,6 +286,23 @@ func (l *lateNotes) SetDiskNoteIn(ctx context.Context, loc string, id int64, not
 func knowVMs(t *testing.T, e *testEnv) {
 	t.Helper()
 	if _, err := e.drv.NodeLocationMap(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// publishOn publishes volume id to node through controller d.
+func publishOn(t *testing.T, d *driver.Driver, id, node string) *csi.ControllerPublishVolumeResponse {
+	t.Helper()
+	r, err := d.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: rwo[0]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func unpublishOn(t *testing.T, d *driver.Driver, id, node string) {
+	t.Helper()
+	if _, err := d.ControllerUnpublishVolume(context.Background(), &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: node}); err != nil {
 		t.Fatal(err)
 	}
 }
