@@ -168,10 +168,8 @@ func TestEmptyVolumeFirstPublishWritesOneNote(t *testing.T) {
 // publish to b still writes a in the list and grants b a's takeover, and
 // from the next publish on every holders note carries the whole list.
 func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
-	e := newTestEnv(t, envOpts{})
+	e, id := madeVolume(t)
 	ctx := context.Background()
-	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
-	knowVMs(t, e)
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0].ReferenceID, vms[1].ReferenceID
 	other := otherController(t, e)
@@ -207,10 +205,8 @@ func TestFirstPublishOfAMadeVolumeKeepsHoldersItDidNotExpect(t *testing.T) {
 // a. That controller's note is a list, not an added note, so the context
 // says published, and grants nothing.
 func TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt(t *testing.T) {
-	e := newTestEnv(t, envOpts{})
+	e, id := madeVolume(t)
 	ctx := context.Background()
-	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
-	knowVMs(t, e)
 	a := vmsOf(t, e, hostLoc)[0].ReferenceID
 	other := otherController(t, e)
 	publishOn(t, other, id, a)
@@ -232,10 +228,8 @@ func TestFirstPublishOfAMadeVolumeToTheNodeAnotherGaveIt(t *testing.T) {
 // added note is one that late write does not touch, so node b, attached
 // in between, stays recorded.
 func TestFirstPublishOfAMadeVolumeOutlivesALateWrite(t *testing.T) {
-	e := newTestEnv(t, envOpts{})
+	e, id := madeVolume(t)
 	ctx := context.Background()
-	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
-	knowVMs(t, e)
 	vms := vmsOf(t, e, hostLoc)
 	a, b, x := vms[0].ReferenceID, vms[1].ReferenceID, hostUUID
 	late := &lateNotes{Client: e.api, hold: make(chan struct{}), held: make(chan struct{})}
@@ -280,14 +274,18 @@ func (l *lateNotes) SetDiskNoteIn(ctx context.Context, loc string, id int64, not
 	return l.Client.SetDiskNoteIn(ctx, loc, id, notes, title, content)
 }
 
-// knowVMs has the test's controller list the VMs, as its node location
-// map does every minute: the first publish of a volume it made adds its
-// note beside its reads only for a node whose VM it knows.
-func knowVMs(t *testing.T, e *testEnv) {
+// madeVolume is a volume the test's controller made, with the VMs listed
+// as its node location map lists them every minute: the first publish of
+// a volume it made adds its note beside its reads only for a node whose VM
+// it knows.
+func madeVolume(t *testing.T) (*testEnv, string) {
 	t.Helper()
+	e := newTestEnv(t, envOpts{})
+	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
 	if _, err := e.drv.NodeLocationMap(context.Background()); err != nil {
 		t.Fatal(err)
 	}
+	return e, id
 }
 
 // publishOn publishes volume id to node through controller d.
@@ -341,10 +339,8 @@ func holdersNotes(t *testing.T, e *testEnv, id string) []string {
 // publish to a disk attached elsewhere; its note, added beside the reads,
 // stays (docs/fencing.md), and later publishes count that node a holder.
 func TestFirstPublishOfAMadeVolumeAttachedElsewhere(t *testing.T) {
-	e := newTestEnv(t, envOpts{})
+	e, id := madeVolume(t)
 	ctx := context.Background()
-	id := createVolume(t, e, &csi.CreateVolumeRequest{Name: "made"})
-	knowVMs(t, e)
 	vms := vmsOf(t, e, hostLoc)
 	a, b := vms[0], vms[1].ReferenceID
 	if err := e.api.AttachDisk(ctx, "cs-"+hostLoc, a.ID, mustDisk(t, id)); err != nil {
