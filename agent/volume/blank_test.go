@@ -530,9 +530,9 @@ func TestAFilesystemFinishedBeforeADeathAtTheMountIsKept(t *testing.T) {
 	img, dev := loop(t, 64)
 	r := e.stageReq("vol-o", img, "staging/o")
 	var atMount []byte
-	e.m.mounter = &dyingMounter{mounter: e.m.mounter, die: func() {
+	withMounter(e.m, &dyingMounter{mounter: e.m.host, die: func() {
 		atMount, _ = os.ReadFile(e.m.store.file("vol-o"))
-	}}
+	}})
 	if _, err := e.m.Stage(ctx, r); err == nil {
 		t.Fatal("the stage went on past the agent's death at the mount")
 	}

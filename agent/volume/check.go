@@ -10,8 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
@@ -40,7 +38,7 @@ func (m *Manager) Reconcile(ctx context.Context) {
 	for _, err := range errs {
 		m.log.Error("a claim record cannot be read; its volume is left alone", "err", err)
 	}
-	disks := &diskScan{f: m.finder}
+	disks := m.newScan()
 	startUpOrder(claims)
 	slots := make(chan struct{}, reconcileWorkers)
 	var wg sync.WaitGroup
@@ -102,7 +100,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	case c.Phase != PhaseStaged:
 		m.reconcileInterrupted(ctx, c, dev, log)
 	case c.State == StateLost:
-		if err := setReadOnly(dev.File, true); err != nil {
+		if err := m.host.SetReadOnly(dev, true); err != nil {
 			log.Error("keeping a fenced disk read-only", "err", err)
 		}
 		// A lease lost before the restart whose I/O could not be
@@ -126,8 +124,11 @@ func (m *Manager) markMissing(c *Claim, why error) {
 }
 
 // reconcileInterrupted takes back what a stage or an unstage cut short
-// had done, the partial fence and mount, and keeps the record for the
-// retry.
+// had done, the mount, the mappings and the partial fence, and keeps the
+// record for the retry. The fence goes through the release guard: when
+// something of the volume is still in use (an unmount that failed, a
+// mount the record does not know), the fence is kept and the claim is
+// taken back as staged, so that the checks renew and watch it.
 func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		log.Error("unmounting an interrupted stage", "err", err)
@@ -139,14 +140,25 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 			c.Mapper = ""
 		}
 	}
-	l := &live{dev: dev}
 	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
-		l.fencer = ch.Fencer
-		if err := ch.Fencer.Release(ctx); err != nil {
+		if err := m.unmapData(c.DataDevice); err != nil {
+			log.Error("detaching the data mapping of an interrupted stage", "err", err)
+		}
+		err := m.release(ctx, c, dev, ch.Fencer, "the start-up check of a stage or unstage cut short", nil)
+		closeChoice(ch)
+		if fenceKept(err) {
+			c.Phase, c.State, c.Detail = PhaseStaged, StateHeld, err.Error()
+			if perr := m.store.Put(c); perr != nil {
+				log.Error("recording the interrupted stage whose fence was kept", "err", perr)
+			}
+			m.reconcileFence(ctx, c, dev, log)
+			return
+		}
+		if err != nil {
 			log.Warn("releasing the fence of an interrupted stage", "err", err)
 		}
 	}
-	l.close()
+	dev.Close()
 	unstaging := c.Phase == PhaseUnstaging
 	c.Phase, c.State = PhaseInterrupted, ""
 	if err := m.store.Put(c); err != nil {
@@ -222,7 +234,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 	for _, p := range append(append([]string(nil), c.Publications...), c.StagingPath) {
 		// Reached beneath the kubelet root without following a symlink
 		// (unmountBeneath), as every unmount of the agent's.
-		if _, err := unmountBeneath(m.o.Config.KubeletRoot, p, unix.MNT_DETACH); err != nil {
+		if err := m.host.Detach(p); err != nil {
 			log.Error("detaching a mount of a vanished disk", "path", p, "err", err)
 		}
 	}
@@ -286,9 +298,10 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	start := time.Now()
 	claims, _ := m.store.List()
 	// Scanned only if a claim has no open device to verify.
-	disks := &diskScan{f: m.finder}
+	disks := m.newScan()
 	for _, c := range claims {
-		if c.Phase != PhaseStaged || (c.State == StateLost && !c.IONotStopped) {
+		retake := c.Phase != PhaseStaged && m.unresolved(c.Volume)
+		if !retake && (c.Phase != PhaseStaged || (c.State == StateLost && !c.IONotStopped)) {
 			continue
 		}
 		release, err := m.locks.try(c.Volume, "claim check")
@@ -306,6 +319,14 @@ func (m *Manager) CheckAll(ctx context.Context) {
 }
 
 func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
+	if c.Phase != PhaseStaged {
+		// A stage or unstage cut short whose disk the start-up check
+		// could not verify: looked for again.
+		if m.unresolved(c.Volume) {
+			m.reconcile(ctx, c, disks)
+		}
+		return
+	}
 	if c.Phase == PhaseStaged && c.State == StateLost && c.IONotStopped {
 		l := m.getLive(c.Volume)
 		switch {

@@ -67,11 +67,17 @@ type diskScan struct {
 	// side: they share one scan.
 	mu  sync.Mutex
 	inv *discovery.Inventory
+	// open, when set, stands for the whole lookup (the manager
+	// simulation's modelled disks, Manager.scanOpen).
+	open func(ctx context.Context, loc Locator) (*Device, error)
 }
 
 func (s *diskScan) locate(ctx context.Context, loc Locator, allowLoop bool) (*Device, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.open != nil {
+		return s.open(ctx, loc)
+	}
 	if loc.BackingFile != "" {
 		if !allowLoop {
 			return nil, agenterr.New(agenterr.InvalidArgument,

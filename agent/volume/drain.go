@@ -27,7 +27,7 @@ const drainTimeout = 10 * time.Second
 // writer is refused from now on), every layer's page cache is written out
 // or failed, its in-flight requests are waited for, and the disk itself is
 // flushed last. It reports the first layer that could not be shown quiet.
-func (m *Manager) drainData(c *Claim, disk *os.File) error {
+func drainData(sysfs string, c *Claim, disk *os.File) error {
 	var layers []string
 	if c.Mapper != "" {
 		layers = append(layers, c.Mapper)
@@ -53,14 +53,14 @@ func (m *Manager) drainData(c *Claim, disk *os.File) error {
 		if err != nil {
 			return err
 		}
-		if err := waitInflight(sysfsRoot(m.finder), p, drainTimeout); err != nil {
+		if err := waitInflight(sysfs, p, drainTimeout); err != nil {
 			return err
 		}
 	}
 	if err := syncWithin(disk, drainTimeout); err != nil {
 		return err
 	}
-	return waitInflight(sysfsRoot(m.finder), disk.Name(), drainTimeout)
+	return waitInflight(sysfs, disk.Name(), drainTimeout)
 }
 
 // syncWithin is fsync that gives up waiting after timeout (a disk that no

@@ -65,7 +65,7 @@ func (m *Manager) formatBlankLUKS(ctx context.Context, c *Claim, target string, 
 	case r.ReadOnly:
 		return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is blank and the volume is read-only; there is nothing to open", c.Volume, target)
 	}
-	proof, err := proveBlank(ctx, c.Volume, target, "LUKS2 header")
+	proof, err := m.proveBlank(ctx, c.Volume, target, "LUKS2 header")
 	if err != nil {
 		return false, err
 	}
@@ -84,7 +84,7 @@ func (m *Manager) formatCutShortLUKS(ctx context.Context, c *Claim, target strin
 	// What this agent's own format leaves lies in the header area; past
 	// it the device must still be as blank as it was proven when that
 	// format began.
-	proof, err := blank.ProvePast(ctx, target, luksHeaderArea)
+	proof, err := m.host.ProvePast(ctx, target, luksHeaderArea)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):

@@ -19,8 +19,8 @@ import (
 
 // proveBlank proves device blank before a format of volume's, turning
 // what was found into the refusal's sentence.
-func proveBlank(ctx context.Context, volume, device, what string) (blank.Proof, error) {
-	p, err := blank.Prove(ctx, device)
+func (m *Manager) proveBlank(ctx context.Context, volume, device, what string) (blank.Proof, error) {
+	p, err := m.host.Prove(ctx, device)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):
@@ -41,8 +41,8 @@ func notBlank(volume, device, what string, nb *blank.NotBlankError) error {
 
 // proveEncrypted is proveBlank for the opened mapping of a LUKS2 volume
 // whose header this agent wrote (blank.ProveEncrypted).
-func proveEncrypted(ctx context.Context, volume, mapping string) (blank.Proof, error) {
-	p, err := blank.ProveEncrypted(ctx, mapping)
+func (m *Manager) proveEncrypted(ctx context.Context, volume, mapping string) (blank.Proof, error) {
+	p, err := m.host.ProveEncrypted(ctx, mapping)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb):
@@ -71,7 +71,7 @@ var fsPackages = map[string]string{"ext4": "e2fsprogs", "xfs": "xfsprogs"}
 // The discard adds nothing there: the device is proven blank, and mkfs
 // initialises what it relies on either way.
 func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool, uuid string) error {
-	if !p.Valid() || p.From() != 0 {
+	if !p.Valid() || p.Simulated() || p.From() != 0 {
 		return errors.New("no proof that the device is blank; no filesystem is made")
 	}
 	var args []string
@@ -123,7 +123,7 @@ func filesystemIn(nb *blank.NotBlankError) string {
 // mount, as mount-utils' FormatAndMount did: errors fsck corrected are
 // logged, errors it could not correct refuse the mount.
 func (m *Manager) fsck(ctx context.Context, volume, device string) error {
-	out, err := exec.CommandContext(ctx, "fsck", "-a", device).CombinedOutput()
+	out, err := m.host.Fsck(ctx, device)
 	var ee *exec.ExitError
 	switch {
 	case err == nil:

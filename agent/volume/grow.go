@@ -11,7 +11,6 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
-	mount "k8s.io/mount-utils"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 )
@@ -152,7 +151,7 @@ func (m *Manager) growUnmounted(ctx context.Context, c *Claim, device string) er
 	if c.FsType != "ext4" || readOnlyMount(c) || growsExt4Online() {
 		return nil
 	}
-	short, e, err := shortOf(device, c.FsType)
+	short, e, err := m.host.Short(device, c.FsType)
 	if err != nil || short == 0 {
 		return m.unknownSize(c, device, err)
 	}
@@ -181,7 +180,7 @@ func (m *Manager) growUnmounted(ctx context.Context, c *Claim, device string) er
 	default:
 		return m.notGrown(c, device, e, short, fmt.Errorf("e2fsck -f: %v: %s", err, strings.TrimSpace(string(out))))
 	}
-	if _, err := mount.NewResizeFs(m.exec).Resize(device, ""); err != nil {
+	if err := m.host.Resize(device, ""); err != nil {
 		return m.notGrown(c, device, e, short, err)
 	}
 	m.log.Info("grew the filesystem to fill its device, unmounted (no CAP_SYS_RESOURCE to grow ext4 online)",
@@ -195,13 +194,13 @@ func (m *Manager) growMounted(c *Claim, device string) error {
 	if readOnlyMount(c) || c.FsType == "ext4" && !growsExt4Online() {
 		return nil // ext4 without the capability grew unmounted
 	}
-	short, e, err := shortOf(device, c.FsType)
+	short, e, err := m.host.Short(device, c.FsType)
 	if err != nil || short == 0 {
 		return m.unknownSize(c, device, err)
 	}
 	var before, after unix.Statfs_t
 	_ = unix.Statfs(c.StagingPath, &before)
-	if _, err := mount.NewResizeFs(m.exec).Resize(device, c.StagingPath); err != nil {
+	if err := m.host.Resize(device, c.StagingPath); err != nil {
 		return m.notGrown(c, device, e, short, err)
 	}
 	if err := unix.Statfs(c.StagingPath, &after); err == nil && after.Blocks == before.Blocks {

@@ -22,7 +22,7 @@ import (
 // another version or geometry) refuses the disk: its data offset is not
 // known, and byte 0 is the lease's.
 func (m *Manager) leaseDataRule(ctx context.Context, dev *Device, volume string, ch *Choice) error {
-	b, err := blank.ReadHead(ctx, dev.Path, lease.BlockSize)
+	b, err := m.host.ReadHead(ctx, dev.Path, lease.BlockSize)
 	if err != nil {
 		return agenterr.New(agenterr.Unavailable, "volume %s: reading the start of %s for a lease area: %v", volume, dev.Path, err)
 	}

@@ -16,7 +16,7 @@ import (
 // refuse is P2: the disk is held elsewhere; set it read-only, mount
 // nothing, say who holds it.
 func (m *Manager) refuse(c *Claim, dev *Device, held *fence.HeldError) {
-	if err := setReadOnly(dev.File, true); err != nil {
+	if err := m.host.SetReadOnly(dev, true); err != nil {
 		m.log.Error("could not set a refused disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
 	}
 	m.o.Metrics.refusals.Inc()
@@ -37,14 +37,14 @@ func (m *Manager) onLost(volume string) func(*fence.LostError) bool {
 		l := m.getLive(volume)
 		stopped := true
 		if l != nil {
-			if err := setReadOnly(l.dev.File, true); err != nil {
+			if err := m.host.SetReadOnly(l.dev, true); err != nil {
 				m.log.Error("could not set a fenced disk read-only", "volume", volume, "err", err)
 				stopped = false
 			}
 		}
 		c, err := m.store.Get(volume)
 		if err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
-			if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
+			if err := m.host.StopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
 				stopped = false
 			}
@@ -54,7 +54,7 @@ func (m *Manager) onLost(volume string) func(*fence.LostError) bool {
 			m.log.Warn("the stop of a lost claim's I/O cannot be confirmed here", "volume", volume)
 			return false
 		}
-		if err := m.drainData(c, l.dev.File); err != nil {
+		if err := m.host.Drain(c, l.dev); err != nil {
 			m.log.Error("could not show the fenced volume's devices quiet", "volume", volume, "err", err)
 			stopped = false
 		}
@@ -112,19 +112,19 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 func (m *Manager) stopIO(c *Claim, dev *Device) bool {
 	stopped := true
 	if dev != nil {
-		if err := setReadOnly(dev.File, true); err != nil {
+		if err := m.host.SetReadOnly(dev, true); err != nil {
 			m.log.Error("could not set a fenced disk read-only", "volume", c.Volume, "device", dev.Path, "err", err)
 			stopped = false
 		}
 	}
 	if !c.Block && c.Phase == PhaseStaged {
-		if err := m.stopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
+		if err := m.host.StopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 			m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", c.Volume, "staging", c.StagingPath, "err", err)
 			stopped = false
 		}
 	}
 	if stopped && dev != nil {
-		if err := m.drainData(c, dev.File); err != nil {
+		if err := m.host.Drain(c, dev); err != nil {
 			m.log.Error("could not show the fenced volume's devices quiet", "volume", c.Volume, "err", err)
 			stopped = false
 		}
@@ -171,8 +171,8 @@ const (
 // unmount), or a path swapped since it was checked, would otherwise have
 // the remount and the shutdown land on another filesystem -- the node's
 // root.
-func (m *Manager) stopFilesystem(p, device string) error {
-	f, err := openBeneath(m.o.Config.KubeletRoot, p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NONBLOCK)
+func stopFilesystem(root, p, device string) error {
+	f, err := openBeneath(root, p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NONBLOCK)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}

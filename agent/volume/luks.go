@@ -171,7 +171,7 @@ const luksHeaderArea = 16 << 20
 // a proof of everything past the header area, which is the agent's own
 // format a crash cut short.
 func (l *LUKS) Format(_ context.Context, p blank.Proof, passphrase []byte, tok luks2.TransitToken) error {
-	if !p.Valid() || p.From() > luksHeaderArea {
+	if !p.Valid() || p.Simulated() || p.From() > luksHeaderArea {
 		return errors.New("no proof that the device is blank; no LUKS2 header is written")
 	}
 	if err := tok.Check(); err != nil {

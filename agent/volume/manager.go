@@ -61,18 +61,23 @@ type Options struct {
 
 // Manager stages, publishes and watches volumes.
 type Manager struct {
-	o       Options
-	log     *slog.Logger
-	finder  discovery.Finder
-	store   *Store
-	locks   locks
-	mounter mounter // mounts only: every format takes a blank proof (format.go)
-	exec    utilexec.Interface
+	o      Options
+	log    *slog.Logger
+	finder discovery.Finder
+	store  *Store
+	locks  locks
+	// host is every effect on the node besides the claim records (host.go);
+	// its mounter mounts only: every format takes a blank proof (format.go).
+	host host
+	exec utilexec.Interface
 
 	// How the manager opens a volume's disk (locate) and maps and unmaps
 	// its data region (dataMapping, dropDataMapping). The stage's rollback
 	// tests, which run without root, replace them (stage_test.go).
-	locate    func(ctx context.Context, loc Locator) (*Device, error)
+	locate func(ctx context.Context, loc Locator) (*Device, error)
+	// scanOpen, when set, stands for the claim checks' disk lookups
+	// (diskScan.open); only the manager simulation sets it.
+	scanOpen  func(ctx context.Context, loc Locator) (*Device, error)
 	mapData   func(disk string, offset int64, readOnly bool) (string, error)
 	unmapData func(p string) error
 
@@ -138,9 +143,8 @@ func New(o Options) (*Manager, error) {
 	}
 	m := &Manager{
 		o: o, log: o.Log, store: st, exec: utilexec.New(),
-		finder:  discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
-		mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
-		live:    map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
+		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
+		live:   map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		attachPoll: attachPoll,
 		unmapData:  dropDataMapping,
 	}
@@ -148,8 +152,13 @@ func New(o Options) (*Manager, error) {
 		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)
 	}
 	m.mapData = m.dataMapping
+	m.host = osHost{mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
+		root: o.Config.KubeletRoot, sysfs: sysfsRoot(m.finder), exec: m.exec}
 	return m, nil
 }
+
+// newScan starts a pass's shared view of the attached disks (diskScan).
+func (m *Manager) newScan() *diskScan { return &diskScan{f: m.finder, open: m.scanOpen} }
 
 // Metrics returns the manager's metrics.
 func (m *Manager) Metrics() *Metrics { return m.o.Metrics }

@@ -15,6 +15,8 @@ type Metrics struct {
 	checks   *prometheus.CounterVec
 	refusals prometheus.Counter
 	fences   prometheus.Counter
+	// fenceKept counts releases the release guard refused (guard.go).
+	fenceKept prometheus.Counter
 	// reestablishes counts claims found lost because the storage forgot
 	// them, by what re-establishing did.
 	reestablishes *prometheus.CounterVec
@@ -39,6 +41,8 @@ func NewMetrics() *Metrics {
 			"Disks refused because another node holds them.")),
 		fences: prometheus.NewCounter(counterOpts("fences_total",
 			"Claims found lost; I/O to the disk was stopped.")),
+		fenceKept: prometheus.NewCounter(counterOpts("fence_kept_total",
+			"Fence releases the release guard refused because something of the volume was still in use on this node; the fence was kept.")),
 		reestablishes: counterVec("reestablishes_total",
 			"Claims whose reservation the storage target forgot (a restart), by result: ok (re-established), refused (another key appeared, or registrations changed: fenced), error (fenced).", "result"),
 		reclaimWaits: counterVec("reclaim_waits_total",
@@ -51,7 +55,7 @@ func NewMetrics() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.0005, 4, 8),
 		}),
 	}
-	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.reestablishes, m.reclaimWaits, m.stages, m.checkTime,
+	m.reg.MustRegister(m.claims, m.checks, m.refusals, m.fences, m.fenceKept, m.reestablishes, m.reclaimWaits, m.stages, m.checkTime,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

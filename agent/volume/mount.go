@@ -34,7 +34,7 @@ type mounter interface {
 // agent can only grow unmounted is grown before the mount (grow.go). It
 // reports whether it made the filesystem.
 func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, error) {
-	if mp, err := m.mounter.IsMountPoint(c.StagingPath); err == nil && mp {
+	if mp, err := m.host.IsMountPoint(c.StagingPath); err == nil && mp {
 		return false, m.mountedAlready(c, device)
 	}
 	proof, err := m.formatProof(ctx, c, device)
@@ -59,7 +59,7 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 			return false, err
 		}
 	}
-	if err := m.mounter.Mount(device, c.StagingPath, c.FsType, mountOptions(c)); err != nil {
+	if err := m.host.Mount(device, c.StagingPath, c.FsType, mountOptions(c)); err != nil {
 		return formatted, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
 	}
 	return formatted, nil
@@ -73,15 +73,15 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 // and a record saying Formatting, which the retry mounts as it is. An
 // mkfs that fails having written nothing takes its record back.
 func (m *Manager) formatFS(ctx context.Context, c *Claim, proof blank.Proof, device string) error {
-	if err := mkfsInstalled(c.FsType, device); err != nil {
+	if err := m.host.MkfsInstalled(c.FsType, device); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
 	c.Formatting = &MkfsAttempt{Offset: c.DataOffset, Size: proof.Size(), UUID: uuid.NewString()}
 	if err := m.store.Put(c); err != nil {
 		return err
 	}
-	if err := makeFS(ctx, proof, c.FsType, device == c.DataDevice, c.Formatting.UUID); err != nil {
-		if _, perr := blank.Prove(ctx, device); perr == nil {
+	if err := m.host.MakeFS(ctx, proof, c.FsType, device == c.DataDevice, c.Formatting.UUID); err != nil {
+		if _, perr := m.host.Prove(ctx, device); perr == nil {
 			c.Formatting = nil
 			if err := m.store.Put(c); err != nil {
 				m.log.Error("could not record that an mkfs wrote nothing", "volume", c.Volume, "err", err)
@@ -122,7 +122,7 @@ func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (bla
 	if c.Formatting != nil && !c.Formatted {
 		return m.cutShortFormatProof(ctx, c, device)
 	}
-	proof, err := blank.Prove(ctx, device)
+	proof, err := m.host.Prove(ctx, device)
 	var nb *blank.NotBlankError
 	existing := ""
 	switch {
@@ -143,7 +143,7 @@ func (m *Manager) formatProof(ctx context.Context, c *Claim, device string) (bla
 	case existing == "" && c.Encrypted && c.LUKSFormatted:
 		// The plaintext of a LUKS2 volume this agent formatted over a
 		// device it proved blank reads as noise, not zeros.
-		return proveEncrypted(ctx, c.Volume, device)
+		return m.proveEncrypted(ctx, c.Volume, device)
 	case existing == "" && nb != nil:
 		return blank.Proof{}, notBlank(c.Volume, device, "filesystem", nb)
 	case existing == "":
@@ -174,7 +174,7 @@ func (m *Manager) cutShortFormatProof(ctx context.Context, c *Claim, device stri
 			"volume %s: the %s filesystem this agent began to make from byte %d of the disk was cut short, but the volume now lies from byte %d (%s); it is not formatted: check that the right disk is attached",
 			c.Volume, c.FsType, a.Offset, c.DataOffset, device)
 	}
-	proof, err := blank.ProveFormatLeftovers(ctx, device, c.FsType, a.UUID)
+	proof, err := m.host.ProveFormatLeftovers(ctx, device, c.FsType, a.UUID)
 	var nb *blank.NotBlankError
 	switch {
 	case errors.As(err, &nb) && nb.Type == c.FsType && nb.PTType == "":
@@ -214,7 +214,7 @@ func mountOptions(c *Claim) []string {
 }
 
 func (m *Manager) mountSource(p string) (string, error) {
-	mps, err := m.mounter.List()
+	mps, err := m.host.List()
 	if err != nil {
 		return "", fmt.Errorf("reading the mount table: %w", err)
 	}
@@ -238,7 +238,7 @@ func sameDevice(a, b string) bool {
 // unmountIfMounted unmounts the mount at p, reached beneath the kubelet
 // root without following a symlink (beneathMounter).
 func (m *Manager) unmountIfMounted(p string) error {
-	if err := m.mounter.Unmount(p); err != nil {
+	if err := m.host.Unmount(p); err != nil {
 		if agenterr.KindOf(err) != agenterr.Internal {
 			return err
 		}

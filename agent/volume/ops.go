@@ -205,28 +205,63 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 		// host watchdog unfed for it before holding anything.
 		return nil, agenterr.New(agenterr.Unavailable, "volume %s: the agent has not yet taken back the lease it held for this volume before it restarted (the claim check retries every %s); the stage can be retried after that", c.Volume, m.o.Config.CheckInterval)
 	}
-	ok, err := m.stillStaged(ctx, c)
-	if err != nil || !ok {
+	return m.restaged(ctx, c, r)
+}
+
+// restaged answers a repeated stage of a staged claim. It never runs the
+// first stage's path over it (that path's rollback would release the
+// fence of a volume in use): an intact stage is done; a live entry or a
+// fencer missing is taken back as the claim check would (reconcile); a
+// staging path found unmounted, with nothing of the volume in use, is
+// mounted again (repair); anything it cannot tell now is UNAVAILABLE, for
+// the kubelet to retry.
+func (m *Manager) restaged(ctx context.Context, c *Claim, r StageRequest) (*StageResult, error) {
+	if l := m.getLive(c.Volume); l == nil || (c.State == StateHeld && l.fencer == nil) {
+		// Opened at start without its fencer, or not at all: taken back
+		// as the claim check does, which never releases.
+		m.reconcile(ctx, c, m.newScan())
+		now, err := m.store.Get(c.Volume)
+		if err != nil {
+			return nil, err
+		}
+		if now == nil || now.Phase != PhaseStaged || now.Abnormal() || m.notTakenBack(c.Volume) {
+			return nil, agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent could not take its disk and fence back yet (%s); the claim check retries every %s: retry the stage after that",
+				c.Volume, detailOf(now), m.o.Config.CheckInterval)
+		}
+		c = now
+	}
+	mounted, err := m.stillStaged(ctx, c)
+	if err != nil {
 		return nil, err
 	}
-	m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", staging)
+	if !mounted {
+		if err := m.repair(ctx, c, r); err != nil {
+			return nil, err
+		}
+	}
+	m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", c.StagingPath)
 	return &StageResult{Device: c.MountDevice(), Method: c.Method}, nil
 }
 
-// stillStaged reports whether a recorded stage is intact: device open and
-// verified, fence intact, filesystem mounted.
+// detailOf says why a claim (nil: gone) is not usable, for an error.
+func detailOf(c *Claim) string {
+	switch {
+	case c == nil:
+		return "its claim is gone: its disk was not found"
+	case c.Detail != "":
+		return c.Detail
+	}
+	return "its lease is not resumed yet"
+}
+
+// stillStaged checks a recorded stage with a live entry: device verified
+// and fence intact, or an error (UNAVAILABLE when a retry may find it so,
+// FAILED_PRECONDITION for a fence lost); it reports whether the staging
+// path is mounted (a raw block volume has none: true).
 func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 	l := m.getLive(c.Volume)
-	if l == nil {
-		return false, nil
-	}
 	if err := l.dev.Verify(ctx); err != nil {
-		return false, nil
-	}
-	if c.State == StateHeld && l.fencer == nil {
-		// Opened at start without its fencer (the check failed then): the
-		// stage runs again and claims it afresh.
-		return false, nil
+		return false, agenterr.New(agenterr.Unavailable, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again, retry the stage", c.Volume, c.Device, err)
 	}
 	if l.fencer != nil {
 		if err := l.fencer.Check(ctx); err != nil {
@@ -241,8 +276,31 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 	if c.Block {
 		return true, nil
 	}
-	mp, err := m.mounter.IsMountPoint(c.StagingPath)
-	return err == nil && mp, nil
+	mp, err := m.host.IsMountPoint(c.StagingPath)
+	if err != nil {
+		return false, agenterr.New(agenterr.Unavailable, "volume %s is staged, but whether %s is mounted could not be read: %v; retry the stage", c.Volume, c.StagingPath, err)
+	}
+	return mp, nil
+}
+
+// repair mounts a staged volume whose staging path is no longer mounted
+// (unmounted by hand, or by an unstage that stopped after its unmount):
+// its data mapping, its dm-crypt mapping and the mount are made again by
+// the stage's own steps, under the fence the claim holds, which the
+// repair's rollback never releases. A publication still mounted means the
+// filesystem is in use elsewhere: refused, nothing touched.
+func (m *Manager) repair(ctx context.Context, c *Claim, r StageRequest) error {
+	for _, p := range c.Publications {
+		if mp, err := m.host.IsMountPoint(p); err != nil || mp {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged and published at %s, but its staging path %s is not mounted; unpublish it, then stage it again",
+				c.Volume, p, c.StagingPath)
+		}
+	}
+	l := m.getLive(c.Volume)
+	s := &staging{m: m, c: c, r: r, dev: l.dev, live: true,
+		choice: Choice{Fencer: l.fencer, Method: c.Method, DataOffset: c.DataOffset}}
+	m.log.Warn("the staging path of a staged volume is not mounted; mounting it again", "volume", c.Volume, "staging", c.StagingPath)
+	return s.run(ctx, []step{{"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
 }
 
 // dropLost undoes what is left of a lost claim so that a granted stage can
@@ -314,7 +372,7 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return fmt.Errorf("volume %s: %w", c.Volume, err)
 	}
-	if err := flushLayers(c); err != nil {
+	if err := m.flushLayers(c); err != nil {
 		return err
 	}
 	if err := m.closeLUKS(ctx, c); err != nil {
@@ -348,12 +406,12 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 // after another node may have claimed the disk. A lost claim's disk is
 // read-only and another node's: its writes were failed on purpose, and
 // there is no fence to release.
-func flushLayers(c *Claim) error {
+func (m *Manager) flushLayers(c *Claim) error {
 	if c.State != StateHeld {
 		return nil
 	}
 	for _, p := range []string{c.Mapper, c.DataDevice} {
-		if err := flushPath(p); err != nil {
+		if err := m.host.FlushPath(p); err != nil {
 			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, err)
 		}
 	}
@@ -387,6 +445,11 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 		}
 		if l != nil && l.fencer != nil {
 			if err := m.releaseHeld(ctx, c, l); err != nil {
+				if l != m.getLive(c.Volume) {
+					// Opened here: the claim check takes the
+					// fence back and renews it (checkOne).
+					l.close()
+				}
 				return err
 			}
 		}
@@ -412,19 +475,22 @@ func (m *Manager) openToRelease(ctx context.Context, c *Claim) *live {
 	return nil
 }
 
-// releaseHeld flushes the disk and releases its fence. The claim is
-// recorded unstaging first: an agent restarted before the record is gone
-// knows the missing claim was its own release, not a loss. A release that
-// fails leaves the claim staged, checked as ever until the retry.
+// releaseHeld releases the fence of a held claim through the release
+// guard (guard.go), which flushes the disk first. The claim is recorded
+// unstaging right before the release: an agent restarted before the
+// record is gone knows the missing claim was its own release, not a loss.
+// A release that fails or is kept leaves the claim staged, checked as ever
+// until the retry.
 func (m *Manager) releaseHeld(ctx context.Context, c *Claim, l *live) error {
-	if err := flushDevice(l.dev.File); err != nil {
-		return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, err)
-	}
-	c.Phase = PhaseUnstaging
-	if err := m.store.Put(c); err != nil {
+	marked := false
+	err := m.release(ctx, c, l.dev, l.fencer, "unstage", func() error {
+		c.Phase, marked = PhaseUnstaging, true
+		return m.store.Put(c)
+	})
+	if !marked {
+		c.Phase = PhaseStaged
 		return err
 	}
-	err := l.fencer.Release(ctx)
 	if err == nil || errors.As(err, new(*fence.LostError)) {
 		return nil
 	}
@@ -506,7 +572,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err := publishable(r, c, staging, target); err != nil {
 		return err
 	}
-	if mp, _ := m.mounter.IsMountPoint(target); mp {
+	if mp, _ := m.host.IsMountPoint(target); mp {
 		if err := m.publishedAlready(c, target); err != nil {
 			return err
 		}
@@ -594,62 +660,23 @@ func kindName(block bool) string {
 }
 
 // bind makes the publication: a bind mount of the staging path's mount
-// (or, for a raw block volume, of the device node onto a file) at target.
-// Both ends are held as descriptors opened beneath the kubelet root
-// without following symlinks, and the mount is made between them
-// (bindAt). A target the call created is removed again when the mount
-// fails, so no stray directory or file is left for Unpublish to refuse.
+// (or, for a raw block volume, of the device node onto a file) at target
+// (host.Bind; bindBeneath on the node).
 func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error {
-	root := m.o.Config.KubeletRoot
 	var opts []string
 	if r.ReadOnly {
 		opts = append(opts, "ro")
 	}
-	_, existed := os.Lstat(target)
-	var src, dst *os.File
-	var err error
+	source := staging
 	if c.Block {
-		if dst, err = createBeneath(root, target, 0o600); err != nil {
-			return fmt.Errorf("volume %s: creating the block target file %s: %w", r.Volume, target, err)
-		}
-		// The device node lives under /dev, which nobody under the
-		// kubelet root can change; /dev/mapper's names are symlinks to
-		// the dm-N nodes, followed here.
-		fd, oerr := unix.Open(c.MountDevice(), unix.O_PATH|unix.O_CLOEXEC, 0)
-		if oerr != nil {
-			err = agenterr.New(agenterr.FailedPrecondition, "volume %s: opening its device %s: %v", r.Volume, c.MountDevice(), oerr)
-		} else {
-			src = os.NewFile(uintptr(fd), c.MountDevice())
-		}
+		source = c.MountDevice()
 	} else {
 		opts = append(opts, r.MountFlags...)
-		if dst, err = mkdirBeneath(root, target, 0o750); err != nil {
-			return fmt.Errorf("volume %s: creating the target directory %s: %w", r.Volume, target, err)
-		}
-		if src, err = openBeneath(root, staging, unix.O_PATH|unix.O_DIRECTORY); err == nil {
-			if mp, merr := isMountRoot(src); merr != nil {
-				err = fmt.Errorf("volume %s: %w", r.Volume, merr)
-			} else if !mp {
-				err = agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s is not mounted; stage the volume again", r.Volume, staging)
-			}
-		}
 	}
-	defer dst.Close()
-	if src != nil {
-		defer src.Close()
+	if err := m.host.Bind(source, target, c.Block, opts); err != nil {
+		return fmt.Errorf("volume %s: %w", r.Volume, err)
 	}
-	if err == nil {
-		err = bindAt(src, dst, opts)
-		if err != nil {
-			err = agenterr.New(agenterr.Internal, "volume %s: bind-mounting %s at %s: %v", r.Volume, src.Name(), target, err)
-		}
-	}
-	if err != nil && existed != nil {
-		if rerr := removeBeneath(root, target); rerr != nil {
-			m.log.Error("could not remove the target a failed publish made", "volume", r.Volume, "target", target, "err", rerr)
-		}
-	}
-	return err
+	return nil
 }
 
 // Unpublish implements UnpublishVolume: unmount the target and remove it.
@@ -678,14 +705,14 @@ func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err
 		m.log.Info("volume unpublished", "volume", volume, "target", target, "recorded", false)
 		return nil
 	}
-	if _, err := unmountBeneath(root, target, 0); err != nil {
+	if _, err := m.host.Unbind(target); err != nil {
 		if agenterr.KindOf(err) != agenterr.Internal {
 			return fmt.Errorf("volume %s: %w", volume, err)
 		}
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v; is something still using it?", volume, err)
 	}
 	if f, err := openBeneath(root, target, unix.O_PATH); err == nil {
-		mp, _ := isMountRoot(f)
+		mp, _ := m.host.MountRoot(f, target)
 		f.Close()
 		if mp {
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %s is still a mount point after unmounting it once: another mount is stacked on the publication; unmount it by hand", volume, target)
@@ -757,7 +784,7 @@ func (m *Manager) removeStrayTarget(volume string, known bool, target string) er
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return fmt.Errorf("volume %s: %s: %w", volume, target, err)
 	}
-	mp, err := isMountRoot(f)
+	mp, err := m.host.MountRoot(f, target)
 	if err != nil {
 		return fmt.Errorf("volume %s: %w", volume, err)
 	}
@@ -865,7 +892,7 @@ func (m *Manager) grow(ctx context.Context, c *Claim, required int64) (int64, er
 	// size. The device the filesystem sits on is the disk less our
 	// metadata (the lease area, the LUKS2 header), so the disk itself is
 	// what must have reached that size before anything is grown.
-	disk, err := deviceSize(c.Device)
+	disk, err := m.host.Size(c.Device)
 	if err != nil {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
@@ -879,7 +906,7 @@ func (m *Manager) grow(ctx context.Context, c *Claim, required int64) (int64, er
 	// The usable size, reported back, is what the mapping the filesystem
 	// sits on now holds.
 	dev := c.MountDevice()
-	size, err := deviceSize(dev)
+	size, err := m.host.Size(dev)
 	if err != nil {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
@@ -902,7 +929,7 @@ func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error 
 		if err := growDataMapping(c.DataDevice); err != nil {
 			return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 		}
-		if n, err := deviceSize(c.DataDevice); err != nil || n != disk-c.DataOffset {
+		if n, err := m.host.Size(c.DataDevice); err != nil || n != disk-c.DataOffset {
 			return agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
 				c.Volume, c.DataDevice, n, disk, c.DataOffset, err)
 		}
@@ -953,7 +980,7 @@ func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error)
 		st.Abnormal, st.Message = true, c.Detail
 	}
 	if c.Block {
-		n, err := deviceSize(c.MountDevice())
+		n, err := m.host.Size(c.MountDevice())
 		if err != nil && !st.Abnormal {
 			return st, agenterr.New(agenterr.NotFound, "volume %s: %v", volume, err)
 		}

@@ -18,10 +18,12 @@ import (
 // fence it, map its data region, unlock it, mount it, record it. A step
 // that changes something pushes its undo onto the stage's rollback; when a
 // step fails, the undos run last first. So whatever fails leaves nothing
-// mounted, no dm-crypt mapping and no fence held, and the disk closed; a
+// mounted, no dm-crypt mapping and no fence held, and the disk closed --
+// unless something of the volume is still in use: the release guard then
+// keeps the fence, and the claim stays staged and checked (guard.go). A
 // first attempt that wrote nothing on the disk leaves no record (nor a data
-// mapping), any other stays recorded as interrupted, with its data
-// mapping, and its retry finishes it without formatting twice.
+// mapping), any other stays recorded as interrupted, and its retry
+// finishes it without formatting twice.
 
 // staging is one stage in progress.
 type staging struct {
@@ -37,7 +39,12 @@ type staging struct {
 	acquired bool
 	// live: the claim went live; its live record closes the disk and the
 	// fencer.
-	live      bool
+	live bool
+	// kept: the rollback's release was refused by the release guard
+	// (guard.go): something of the volume is in use, so the fence, the
+	// live entry and a staged record stay, and the claim check renews
+	// and watches them.
+	kept      bool
 	formatted bool // a filesystem or a LUKS2 header was made
 	// unlocked is how the LUKS2 volume was mapped; headerNote tells the
 	// DiskClaimed event of a damaged header it was opened in spite of.
@@ -73,16 +80,28 @@ func (r *rollback) run() {
 	*r = nil
 }
 
+// step is one named step of a stage.
+type step struct {
+	name string
+	run  func(context.Context) error
+}
+
 // stage takes the steps of a stage of the claim c, recorded or new.
 func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageResult, error) {
 	s := &staging{m: m, c: c, r: r, isNew: c.Phase == ""}
-	for _, step := range []struct {
-		name string
-		run  func(context.Context) error
-	}{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}} {
+	err := s.run(ctx, []step{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
+	if err != nil {
+		return StageResult{Formatted: s.formatted}, err
+	}
+	return StageResult{Device: c.MountDevice(), Method: c.Method, Formatted: s.formatted}, nil
+}
+
+// run takes steps in order, timing each; when one fails, the undos run.
+func (s *staging) run(ctx context.Context, steps []step) error {
+	for _, st := range steps {
 		start := time.Now()
-		err := step.run(ctx)
-		took := fmt.Sprintf("%s %s", step.name, time.Since(start).Round(time.Millisecond))
+		err := st.run(ctx)
+		took := fmt.Sprintf("%s %s", st.name, time.Since(start).Round(time.Millisecond))
 		if len(s.parts) > 0 {
 			took += " (" + strings.Join(s.parts, ", ") + ")"
 			s.parts = nil
@@ -90,10 +109,10 @@ func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageRes
 		s.took = append(s.took, took)
 		if err != nil {
 			s.undo.run()
-			return StageResult{Formatted: s.formatted}, err
+			return err
 		}
 	}
-	return StageResult{Device: c.MountDevice(), Method: c.Method, Formatted: s.formatted}, nil
+	return nil
 }
 
 // openDisk finds the disk the locator names, opens and verifies it, and
@@ -108,6 +127,9 @@ func (s *staging) openDisk(ctx context.Context) error {
 	s.dev = dev
 	s.undo.push(s.unrecord)
 	s.undo.push(func() {
+		if s.kept {
+			return
+		}
 		m.setLive(c.Volume, nil)
 		dev.Close()
 	})
@@ -200,6 +222,14 @@ func (m *Manager) claimedBy(devnum, volume string) string {
 // on the disk is forgotten; any other is recorded as interrupted.
 func (s *staging) unrecord() {
 	m, c := s.m, s.c
+	if s.kept {
+		c.Phase = PhaseStaged
+		c.Detail = "its stage failed and its fence was kept: something of the volume is still in use on this node"
+		if err := m.store.Put(c); err != nil {
+			m.log.Error("could not record the volume whose fence was kept", "volume", c.Volume, "err", err)
+		}
+		return
+	}
 	if s.forgotten() {
 		if err := m.store.Delete(c.Volume); err != nil {
 			m.log.Error("could not remove the claim record of a failed stage", "volume", c.Volume, "err", err)
@@ -217,7 +247,7 @@ func (s *staging) unrecord() {
 // LUKS2 header and wrote no fencing metadata.
 func (s *staging) forgotten() bool {
 	c := s.c
-	return s.isNew && !c.Formatted && c.Formatting == nil && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
+	return s.isNew && !s.kept && !c.Formatted && c.Formatting == nil && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
 }
 
 // fence chooses how the disk is fenced and takes the fence (P1-P3,
@@ -236,8 +266,8 @@ func (s *staging) fence(ctx context.Context) error {
 		return err
 	}
 	// A refusal earlier may have left the device read-only; it is ours now.
-	if ro, rerr := readOnly(dev.File); rerr == nil && ro && !s.r.ReadOnly {
-		if err := setReadOnly(dev.File, false); err != nil {
+	if ro, rerr := m.host.ReadOnly(dev); rerr == nil && ro && !s.r.ReadOnly {
+		if err := m.host.SetReadOnly(dev, false); err != nil {
 			return fmt.Errorf("volume %s: %w", c.Volume, err)
 		}
 		m.log.Info("cleared the read-only flag of a disk now claimed by this node", "volume", c.Volume, "device", dev.Path)
@@ -264,7 +294,7 @@ func (s *staging) chooseFence(ctx context.Context) error {
 	s.undo.push(func() {
 		// What the fencer holds open (the lease's descriptor) is the
 		// live claim's to close once it went live, the stage's before.
-		if !s.live {
+		if !s.live && !s.kept {
 			closeChoice(choice)
 		}
 	})
@@ -306,16 +336,31 @@ func (s *staging) takeFence(ctx context.Context) error {
 		return s.notAcquired(ctx, err)
 	}
 	s.acquired = true
-	s.undo.push(func() {
-		if err := choice.Fencer.Release(context.WithoutCancel(ctx)); err != nil {
-			m.log.Error("could not release the fence after a failed stage", "volume", c.Volume, "device", dev.Path, "err", err)
-		}
-	})
+	s.undo.push(func() { s.releaseAcquired(context.WithoutCancel(ctx)) })
 	c.Method, c.State, c.Key = choice.Method, StateHeld, claim.Key
 	if len(claim.Preempted) > 0 {
 		s.announceTakeover(claim)
 	}
 	return nil
+}
+
+// releaseAcquired is the rollback's release of the fence this stage took,
+// through the release guard. A fence the guard keeps goes live (if it was
+// not yet) and the stage is recorded as staged (unrecord), so that the
+// claim check renews it; the request's error says why.
+func (s *staging) releaseAcquired(ctx context.Context) {
+	m, c, dev := s.m, s.c, s.dev
+	err := m.release(ctx, c, dev, s.choice.Fencer, "the rollback of a failed stage", nil)
+	switch {
+	case fenceKept(err):
+		s.kept = true
+		if !s.live {
+			m.setLive(c.Volume, &live{dev: dev, fencer: s.choice.Fencer})
+			s.live = true
+		}
+	case err != nil:
+		m.log.Error("could not release the fence after a failed stage", "volume", c.Volume, "device", dev.Path, "err", err)
+	}
 }
 
 // writableForLease clears the read-only flag a refusal earlier left on the
@@ -326,17 +371,17 @@ func (s *staging) writableForLease(ctx context.Context) error {
 	if s.choice.Method != MethodLease {
 		return nil
 	}
-	if ro, rerr := readOnly(dev.File); rerr != nil || !ro {
+	if ro, rerr := m.host.ReadOnly(dev); rerr != nil || !ro {
 		return nil
 	}
-	if err := setReadOnly(dev.File, false); err != nil {
+	if err := m.host.SetReadOnly(dev, false); err != nil {
 		return fmt.Errorf("volume %s: %w", c.Volume, err)
 	}
 	s.undo.push(func() {
 		if s.acquired {
 			return
 		}
-		if err := setReadOnly(dev.File, true); err != nil {
+		if err := m.host.SetReadOnly(dev, true); err != nil {
 			m.log.Error("could not set a disk read-only again after a failed claim", "volume", c.Volume, "device", dev.Path, "err", err)
 		}
 	})
@@ -413,11 +458,13 @@ func (s *staging) mapDataRegion(context.Context) error {
 	return m.store.Put(c)
 }
 
-// unmapDataRegion detaches the data mapping of a stage that is forgotten.
-// A stage that stays recorded keeps it: its retry finds it again
-// (findDataMapping) and its unstage detaches it.
+// unmapDataRegion detaches the data mapping of a stage that is forgotten,
+// or whose fence the rollback is about to release: the release guard
+// gives a fence up only with no mapping over its disk. A stage that stays
+// recorded without having taken the fence keeps it: its retry finds it
+// again (findDataMapping) and its unstage detaches it.
 func (s *staging) unmapDataRegion() {
-	if !s.forgotten() {
+	if !s.forgotten() && !s.acquired {
 		return
 	}
 	if err := s.m.unmapData(s.c.DataDevice); err != nil {

@@ -28,6 +28,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/inuse"
 )
 
 // The stage's rollback, tested without root. What needs root (opening a
@@ -39,6 +40,31 @@ import (
 // the others.
 
 var errInjected = errors.New("injected failure")
+
+// stageHost is the node for the stage tests: the release guard's proof
+// looks at the stand-in mounter's mounts (the disk is an image file, which
+// the real proof refuses as no block device).
+type stageHost struct {
+	osHost
+	mounts map[string]string
+}
+
+func (h stageHost) InUse(u usage) error {
+	for _, p := range u.Paths {
+		if _, ok := h.mounts[p]; ok {
+			return &inuse.Error{Device: u.Disk, What: "it is mounted at " + p}
+		}
+	}
+	return nil
+}
+
+// withMounter puts mt in the place of the manager's mounter; every other
+// effect on the node stays the host's own.
+func withMounter(m *Manager, mt mounter) {
+	h := m.host.(osHost)
+	h.mounter = mt
+	m.host = h
+}
 
 // journal is what the stand-ins did, in order; a failed call ends in "!".
 type journal struct {
@@ -174,7 +200,8 @@ func newStageEnv(t *testing.T) *stageEnv {
 	t.Cleanup(m.Close)
 	e.m = m
 	e.mounter = &fakeMounter{j: e.j, mounts: map[string]string{}}
-	m.mounter = e.mounter
+	withMounter(m, e.mounter)
+	m.host = stageHost{osHost: m.host.(osHost), mounts: e.mounter.mounts}
 	m.locate = func(context.Context, Locator) (*Device, error) {
 		if err := e.j.do("locate"); err != nil {
 			return nil, err
@@ -297,11 +324,12 @@ func TestStageThatGetsThroughUndoesNothing(t *testing.T) {
 	}
 }
 
-// TestInterruptedStageKeepsItsRecordAndDataMapping: a stage retried after
-// one that made the volume's filesystem fails at the mount; everything it
-// did is undone but the data mapping, and the claim stays recorded as
-// interrupted, for the next retry (which must not format again).
-func TestInterruptedStageKeepsItsRecordAndDataMapping(t *testing.T) {
+// TestInterruptedStageKeepsItsRecord: a stage retried after one that made
+// the volume's filesystem fails at the mount; everything it did is undone,
+// the data mapping too (the release guard gives the fence up only with no
+// mapping over the disk), and the claim stays recorded as interrupted, for
+// the next retry (which must not format again).
+func TestInterruptedStageKeepsItsRecord(t *testing.T) {
 	e := newStageEnv(t)
 	r := e.request("vol-i")
 	if err := e.m.store.Put(&Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: r.StagingPath, FsType: "ext4",
@@ -312,7 +340,7 @@ func TestInterruptedStageKeepsItsRecordAndDataMapping(t *testing.T) {
 	if _, err := e.m.Stage(context.Background(), r); !strings.Contains(fmt.Sprint(err), errInjected.Error()) {
 		t.Fatalf("stage: %v", err)
 	}
-	want := []string{"locate", "acquire", "map", "unlock", "mount!", "lock", "release", "close fencer"}
+	want := []string{"locate", "acquire", "map", "unlock", "mount!", "lock", "unmap", "release", "close fencer"}
 	if !slices.Equal(e.j.calls, want) {
 		t.Fatalf("got %v, want %v", e.j.calls, want)
 	}

@@ -40,18 +40,18 @@ func TestStopFilesystemTouchesOnlyAMountedStagingPath(t *testing.T) {
 	if err := os.Mkdir(staging, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.m.stopFilesystem(staging, ""); err != nil {
+	if err := e.m.host.StopFilesystem(staging, ""); err != nil {
 		t.Fatalf("stopping an unmounted staging path: %v", err)
 	}
 	if err := os.WriteFile(filepath.Join(parent, "probe"), []byte("x"), 0o644); err != nil {
 		t.Fatalf("the filesystem holding an unmounted staging path was stopped: %v", err)
 	}
-	if err := e.m.stopFilesystem(filepath.Join(parent, "gone"), ""); err != nil {
+	if err := e.m.host.StopFilesystem(filepath.Join(parent, "gone"), ""); err != nil {
 		t.Fatalf("stopping a staging path that does not exist: %v", err)
 	}
 
 	mountExt4(t, staging)
-	if err := e.m.stopFilesystem(staging, ""); err != nil {
+	if err := e.m.host.StopFilesystem(staging, ""); err != nil {
 		t.Fatalf("stopping a mounted staging path: %v", err)
 	}
 	if err := os.WriteFile(filepath.Join(staging, "late"), []byte("x"), 0o644); !errors.Is(err, unix.EROFS) {

@@ -95,10 +95,32 @@ func (m *Manager) ExpectRecordedLeases() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, c := range claims {
-		if c.Phase == PhaseStaged && (c.State != StateLost || c.IONotStopped) && c.Method == MethodLease && m.live[c.Volume] == nil {
+		if recordedLease(c) && m.live[c.Volume] == nil {
 			m.unchecked[c.Volume] = true
 		}
 	}
+}
+
+// recordedLease reports whether an earlier agent process may have left
+// I/O under c's lease: a staged lease claim not lost (or lost with its I/O
+// not shown stopped), or a lease stage or unstage cut short, which may
+// have left a mapping over the disk (or a mount the record does not say).
+func recordedLease(c *Claim) bool {
+	if c.Method != MethodLease {
+		return false
+	}
+	if c.Phase != PhaseStaged {
+		return true
+	}
+	return c.State != StateLost || c.IONotStopped
+}
+
+// unresolved reports whether the start-up check has not yet taken back
+// volume's claim (it is still listed as not checked).
+func (m *Manager) unresolved(volume string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.unchecked[volume]
 }
 
 // bootIDFile keeps, in the state directory, the boot id of the host's

@@ -61,7 +61,20 @@ type Proof struct {
 	size  int64
 	from  int64
 	taken time.Time
+	sim   bool
 }
+
+// Simulated is a proof for a device that exists only in a simulation of
+// the node (the volume manager's, agent/volume): it lets the simulated
+// node's format run. Every real format refuses it (Simulated), so it can
+// never stand for a device of the host.
+func Simulated(path string, size int64) Proof {
+	return Proof{path: path, size: size, taken: time.Now(), sim: true}
+}
+
+// Simulated reports whether p was made by Simulated: no real device may
+// be formatted on it.
+func (p Proof) Simulated() bool { return p.sim }
 
 // FileID is what a path named when it was opened: a block device by its
 // device number (Rdev), any file by its filesystem and inode. A path can be

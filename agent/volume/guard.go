@@ -1,0 +1,77 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/events"
+	"github.com/whitesky-cloud/vco-storage/fence"
+)
+
+// The release guard (docs/architecture.md, "The release guard"): a fence
+// is given up only when this node has proven that nothing of the volume is
+// in use. release is the manager's only call of Fencer.Release; unstage,
+// a stage's rollback and the start-up check of a stage or unstage cut
+// short all come through it. When the proof fails the fence is kept, the
+// caller keeps the claim where the checks renew and watch it, and the
+// refusal is said in the journal, as a DiskClaimed event (reason
+// fence-kept) and in the caller's error.
+
+// usage is what the release guard looks at for one volume: its disk, its
+// dm-crypt mapping, and the paths it may be mounted at.
+type usage struct {
+	Disk   string
+	Mapper string
+	// Paths are the staging path and every recorded publication.
+	Paths []string
+}
+
+func usageOf(c *Claim, disk string) usage {
+	return usage{Disk: disk, Mapper: mapperName(c.Volume),
+		Paths: append([]string{c.StagingPath}, c.Publications...)}
+}
+
+// FenceKeptError says why the release guard kept a fence.
+type FenceKeptError struct {
+	Volume string
+	Err    error
+}
+
+func (e *FenceKeptError) Error() string {
+	return fmt.Sprintf("volume %s: its fence is kept, not released: %v", e.Volume, e.Err)
+}
+func (e *FenceKeptError) Unwrap() error { return e.Err }
+
+// release gives up the fence f of claim c on dev for the reason why (for
+// the log), after proving that nothing of the volume is in use on this
+// node and flushing the disk, so that nothing of this node lands after
+// another node may have claimed it. A fence the proof keeps is reported
+// as a *FenceKeptError (FailedPrecondition).
+//
+// mark, when set, runs after the proof and the flush, right before the
+// release: the unstage records the claim unstaging there.
+func (m *Manager) release(ctx context.Context, c *Claim, dev *Device, f fence.Fencer, why string, mark func() error) error {
+	if err := m.host.InUse(usageOf(c, dev.Path)); err != nil {
+		kept := &FenceKeptError{Volume: c.Volume, Err: err}
+		m.o.Metrics.fenceKept.Inc()
+		m.log.Error("the release guard kept a fence: something of the volume is still in use on this node", "volume", c.Volume,
+			"device", dev.Path, "why", why, "err", err)
+		m.publish(events.Event{Type: events.DiskClaimed, Volume: c.Volume, Device: dev.Path, Serial: c.Serial, HolderKey: uint64(c.Key),
+			Reason: "fence-kept", Message: fmt.Sprintf("%v (%s); the claim stays recorded and checked: find what uses it, then unstage it again", kept, why)})
+		return agenterr.New(agenterr.FailedPrecondition, "%w; the claim stays recorded and checked: find what uses it, then unstage it again", kept)
+	}
+	if err := m.host.Flush(dev); err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: flushing its disk %s before releasing the fence: %v; nothing was released, the claim stays recorded: retry", c.Volume, dev.Path, err)
+	}
+	if mark != nil {
+		if err := mark(); err != nil {
+			return err
+		}
+	}
+	return f.Release(ctx)
+}
+
+// fenceKept reports whether err is the release guard keeping a fence.
+func fenceKept(err error) bool { return errors.As(err, new(*FenceKeptError)) }

@@ -1,0 +1,151 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+	mount "k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/inuse"
+)
+
+// host is every effect the manager has on the node besides its claim
+// records, its fencers (FencerFactory), dm-crypt (Encryption) and the
+// data mapping (Manager.mapData): the disk's read-only flag and flushes,
+// what a device holds (the blank proofs), mkfs and fsck, mounts, the stop
+// of a lost claim's I/O, and the release guard's proof that nothing of a
+// volume is in use. osHost is the manager's; the manager simulation
+// (sim_test.go) runs the same manager code over a modelled node.
+type host interface {
+	mounter
+	ReadOnly(dev *Device) (bool, error)
+	SetReadOnly(dev *Device, ro bool) error
+	// Flush writes the disk's page cache down and flushes its write cache.
+	Flush(dev *Device) error
+	// FlushPath flushes the block device at p; one that is not there (or a
+	// detached loop device) holds nothing to flush.
+	FlushPath(p string) error
+	Size(path string) (int64, error)
+	ReadHead(ctx context.Context, path string, n int64) ([]byte, error)
+	Prove(ctx context.Context, path string) (blank.Proof, error)
+	ProveFormatLeftovers(ctx context.Context, path, fsType, uuid string) (blank.Proof, error)
+	ProveEncrypted(ctx context.Context, path string) (blank.Proof, error)
+	ProvePast(ctx context.Context, path string, from int64) (blank.Proof, error)
+	MkfsInstalled(fsType, device string) error
+	MakeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool, uuid string) error
+	// Fsck runs fsck -a on device: its output and exec's error.
+	Fsck(ctx context.Context, device string) ([]byte, error)
+	// Short says how much of device the filesystem on it leaves unused.
+	Short(device, fsType string) (int64, fsExtent, error)
+	Resize(device, mountPath string) error
+	// StopFilesystem stops writes to the filesystem mounted at p
+	// (loss.go); Drain shows a lost claim's devices quiet (drain.go).
+	StopFilesystem(p, device string) error
+	Drain(c *Claim, disk *Device) error
+	// InUse is the release guard's proof (guard.go): nil only when
+	// nothing of this node uses the volume's devices or paths.
+	InUse(u usage) error
+	// Bind publishes: a bind mount of the staging path (of the device node
+	// onto a file for a raw block volume) at target (publish.go).
+	Bind(source, target string, block bool, opts []string) error
+	// Unbind unmounts the publication at target; it reports whether a
+	// mount was there.
+	Unbind(target string) (bool, error)
+	// Detach lazily detaches the mount at p (a vanished disk's).
+	Detach(p string) error
+	// MountRoot reports whether the target path p, opened as f, is a
+	// mount root.
+	MountRoot(f *os.File, p string) (bool, error)
+}
+
+// osHost is the host the agent runs on.
+type osHost struct {
+	mounter // beneathMounter; tests put stand-ins in its place (withMounter)
+	root    string
+	sysfs   string
+	exec    utilexec.Interface
+}
+
+func (osHost) ReadOnly(dev *Device) (bool, error)     { return readOnly(dev.File) }
+func (osHost) SetReadOnly(dev *Device, ro bool) error { return setReadOnly(dev.File, ro) }
+func (osHost) Flush(dev *Device) error                { return flushDevice(dev.File) }
+func (osHost) FlushPath(p string) error               { return flushPath(p) }
+func (osHost) Size(path string) (int64, error)        { return deviceSize(path) }
+func (osHost) ReadHead(ctx context.Context, path string, n int64) ([]byte, error) {
+	return blank.ReadHead(ctx, path, n)
+}
+func (osHost) Prove(ctx context.Context, path string) (blank.Proof, error) {
+	return blank.Prove(ctx, path)
+}
+func (osHost) ProveFormatLeftovers(ctx context.Context, path, fsType, uuid string) (blank.Proof, error) {
+	return blank.ProveFormatLeftovers(ctx, path, fsType, uuid)
+}
+func (osHost) ProveEncrypted(ctx context.Context, path string) (blank.Proof, error) {
+	return blank.ProveEncrypted(ctx, path)
+}
+func (osHost) ProvePast(ctx context.Context, path string, from int64) (blank.Proof, error) {
+	return blank.ProvePast(ctx, path, from)
+}
+func (osHost) MkfsInstalled(fsType, device string) error { return mkfsInstalled(fsType, device) }
+func (osHost) MakeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool, uuid string) error {
+	return makeFS(ctx, p, fsType, onMapping, uuid)
+}
+func (osHost) Fsck(ctx context.Context, device string) ([]byte, error) {
+	return exec.CommandContext(ctx, "fsck", "-a", device).CombinedOutput()
+}
+func (osHost) Short(device, fsType string) (int64, fsExtent, error) { return shortOf(device, fsType) }
+func (h osHost) Resize(device, mountPath string) error {
+	_, err := mount.NewResizeFs(h.exec).Resize(device, mountPath)
+	return err
+}
+func (h osHost) StopFilesystem(p, device string) error { return stopFilesystem(h.root, p, device) }
+func (h osHost) Drain(c *Claim, disk *Device) error    { return drainData(h.sysfs, c, disk.File) }
+func (h osHost) Bind(source, target string, block bool, opts []string) error {
+	return bindBeneath(h.root, source, target, block, opts)
+}
+func (h osHost) Unbind(target string) (bool, error) { return unmountBeneath(h.root, target, 0) }
+func (h osHost) Detach(p string) error {
+	_, err := unmountBeneath(h.root, p, unix.MNT_DETACH)
+	return err
+}
+func (osHost) MountRoot(f *os.File, _ string) (bool, error) {
+	return isMountRoot(f)
+}
+
+// InUse proves that nothing of this node uses the volume: none of its
+// paths is a mount point, its dm-crypt mapping is not open, and nothing
+// maps, holds or mounts its disk (package inuse).
+func (h osHost) InUse(u usage) error {
+	for _, p := range u.Paths {
+		f, err := openBeneath(h.root, p, unix.O_PATH)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("%s could not be looked at: %w", p, err)
+		}
+		mp, err := isMountRoot(f)
+		f.Close()
+		if err != nil {
+			return err
+		}
+		if mp {
+			return &inuse.Error{Device: u.Disk, What: "it is mounted at " + p}
+		}
+	}
+	if u.Mapper != "" {
+		p := filepath.Join("/dev/mapper", u.Mapper)
+		if _, err := os.Lstat(p); err == nil {
+			return &inuse.Error{Device: u.Disk, What: "its dm-crypt mapping " + p + " is open"}
+		}
+	}
+	return inuse.Disk(h.sysfs, u.Disk)
+}

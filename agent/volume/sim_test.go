@@ -1,0 +1,1209 @@
+package volume
+
+// The volume manager simulation: the manager's real code (Stage, Unstage,
+// Publish, Unpublish, Expand, the start-up and periodic checks, the
+// removal of a disk) inside a testing/synctest bubble, over a modelled node
+// (simWorld): its disks and their fences, the data mappings, the dm-crypt
+// mappings, the mounts, what each device holds. Seeded sequences of the
+// kubelet's calls (repeated, retried, abandoned), agent crashes and
+// restarts with their records, disks removed and added back (at the same
+// or another device number) and another node taking a free disk run
+// against it; at every call into the node a fault may be injected: an
+// error, a call that hangs past its caller's deadline, a call whose effect
+// happens but whose answer is lost, the agent's death before or after it,
+// and mkfs cut short. After every step the invariants are checked:
+//
+//	I1 whenever anything of a volume is mounted or mapped on the node, its
+//	   fence is held by this node and, for the lease, renewed by the live
+//	   fencer of the manager (or the volume is listed for the host
+//	   watchdog as not taken back, which stops its feeding); and no fence is
+//	   released while anything of its volume is in use (checked at the
+//	   release itself).
+//	I2 nothing is formatted (mkfs, LUKS2) but on the device a blank proof
+//	   was made for, holding what the proof allowed.
+//	I3 a claim's record never says less than the node: a volume with
+//	   anything mounted is recorded staged.
+//	I4 no panic; nothing left mounted or mapped once the volume is
+//	   unstaged.
+//	I5 once faults stop, the kubelet's retries converge: staged and
+//	   mounted, or cleanly unstaged with nothing left.
+//
+// A failing sequence prints its seed, its trace and the command that
+// replays it (-volsim.seed). The modelled node stands in for what needs
+// root, real disks and a second node; the tests with real devices are in
+// volume_test.go and the lab.
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+
+	mount "k8s.io/mount-utils"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+	"github.com/whitesky-cloud/vco-storage/fence/uevent"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/inuse"
+)
+
+var (
+	volSimSeeds = flag.Int("volsim.seeds", 3000, "sequences TestVolumeSimulation runs (make soak runs more)")
+	volSimSeed  = flag.Int64("volsim.seed", -1, "run only this sequence, with its trace")
+	volSimFrom  = flag.Int64("volsim.from", 1, "first seed of TestVolumeSimulation")
+)
+
+// errSimFault is an injected failure; errSimDead answers every call of an
+// agent process that died.
+var (
+	errSimFault = errors.New("injected fault")
+	errSimDead  = errors.New("the agent process is dead")
+)
+
+const (
+	simDriver  = "vco.csi.whitesky.cloud"
+	simOffset  = 1 << 20
+	simDisk    = int64(1 << 30)
+	simTimeout = 30 * time.Second
+)
+
+// fault is what happens at one call into the node.
+type fault int
+
+const (
+	faultNone fault = iota
+	faultErr        // the call fails, nothing done
+	faultLost       // the call's effect happens, its answer is lost (an error)
+	faultHang       // the call takes longer than its caller's deadline, then fails
+	faultCrashBefore
+	faultCrashAfter
+	faultMid // mkfs only: cut short by the agent's death, leftovers written
+)
+
+var faultNames = []string{"", "error", "lost answer", "hang", "crash before", "crash after", "crash in the middle"}
+
+// simDiskState is one modelled disk.
+type simDiskState struct {
+	serial        string
+	path          string
+	minor         uint32
+	present       bool
+	ro            bool
+	lease         bool   // fenced with the lease (else reservations)
+	leaseArea     bool   // the lease area is written
+	holder        string // "", "us", "other"
+	renewer       *simFencer
+	formattedFS   int // filesystems made on it
+	usedFS        string
+	everUsedByPod bool
+}
+
+// simWorld is the node and what lies beyond it, shared by the agent
+// processes of one sequence.
+type simWorld struct {
+	t   *testing.T
+	rng *rand.Rand
+
+	mu       sync.Mutex
+	gen      int // the agent process alive
+	faultP   float64
+	faulting bool
+	trace    []string
+	broken   []string
+
+	disks   map[string]*simDiskState // by serial
+	minor   uint32
+	loops   map[string]string // loop device -> serial
+	nLoop   int
+	crypts  map[string]string // mapper name -> base device
+	mounts  map[string]string // path -> device mounted (a target: the staging's device or the block device)
+	content map[string]string // region -> "" | "ext4:UUID" | "partial:UUID" | "luks"
+	proved  map[string]string // device -> region, at its last blank proof
+	fencers []*simFencer
+
+	stateDir string
+	kubelet  string
+	dirs     int
+}
+
+func (w *simWorld) logf(format string, args ...any) {
+	w.trace = append(w.trace, fmt.Sprintf(format, args...))
+}
+
+func (w *simWorld) violate(format string, args ...any) {
+	msg := fmt.Sprintf(format, args...)
+	w.broken = append(w.broken, msg)
+	w.trace = append(w.trace, "  !! "+msg)
+}
+
+// region names what a device shows: serial@offset, /plain for a dm-crypt
+// mapping's plaintext. ok is false for a device the node does not have.
+func (w *simWorld) region(dev string) (serial, region string, ok bool) {
+	if strings.HasPrefix(dev, "/dev/mapper/") {
+		base, ok := w.crypts[strings.TrimPrefix(dev, "/dev/mapper/")]
+		if !ok {
+			return "", "", false
+		}
+		s, r, ok := w.region(base)
+		return s, r + "/plain", ok
+	}
+	if s, ok := w.loops[dev]; ok {
+		return s, s + "@1M", true
+	}
+	for _, d := range w.disks {
+		if d.present && d.path == dev {
+			return d.serial, d.serial + "@0", true
+		}
+	}
+	return "", "", false
+}
+
+// inUse says what of the disk serial is in use on the node, "" for nothing.
+func (w *simWorld) inUse(serial string) string {
+	paths := slices.Sorted(mapKeys(w.mounts))
+	for _, p := range paths {
+		if s, _, ok := w.region(w.mounts[p]); ok && s == serial {
+			return "mounted at " + p
+		}
+	}
+	for name, base := range w.crypts {
+		if s, _, ok := w.region(base); ok && s == serial {
+			return "dm-crypt mapping " + name
+		}
+	}
+	for l, s := range w.loops {
+		if s == serial {
+			return "data mapping " + l
+		}
+	}
+	return ""
+}
+
+func mapKeys[V any](m map[string]V) func(func(string) bool) {
+	return func(yield func(string) bool) {
+		for k := range m {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
+
+// call is one call into the node by agent process gen: it draws the
+// call's fault and runs effect (under the world's lock) as the fault
+// allows. A crash ends the process: every later call of it fails, and
+// the next process starts from the records as they are now.
+func (w *simWorld) call(gen int, name string, effect func() error) error {
+	w.mu.Lock()
+	if gen != w.gen {
+		w.mu.Unlock()
+		return errSimDead
+	}
+	f := w.draw(name)
+	if f != faultNone {
+		w.logf("    %s: %s", name, faultNames[f])
+	}
+	switch f {
+	case faultErr:
+		w.mu.Unlock()
+		return fmt.Errorf("%s: %w", name, errSimFault)
+	case faultHang:
+		w.mu.Unlock()
+		time.Sleep(simTimeout + time.Second)
+		return fmt.Errorf("%s: hung past the deadline: %w", name, errSimFault)
+	case faultCrashBefore:
+		w.crash()
+		w.mu.Unlock()
+		return errSimDead
+	}
+	err := effect()
+	switch f {
+	case faultLost:
+		err = fmt.Errorf("%s: answer lost: %w", name, errSimFault)
+	case faultCrashAfter:
+		w.crash()
+		err = errSimDead
+	}
+	w.mu.Unlock()
+	return err
+}
+
+func (w *simWorld) draw(name string) fault {
+	if !w.faulting || w.rng.Float64() >= w.faultP {
+		return faultNone
+	}
+	f := fault(1 + w.rng.IntN(5))
+	if name == "mkfs" && w.rng.IntN(3) == 0 {
+		f = faultMid
+	}
+	return f
+}
+
+// crash kills the agent process alive: its fencers stop renewing (the
+// lease slot keeps saying this node), its records stay as written, and
+// the next process starts on a copy of them (the dead one's later writes
+// go nowhere).
+func (w *simWorld) crash() {
+	w.logf("    agent process %d dies", w.gen)
+	w.gen++
+	for _, f := range w.fencers {
+		if f.gen < w.gen {
+			f.closed = true
+		}
+	}
+	w.dirs++
+	dst := filepath.Join(filepath.Dir(w.stateDir), fmt.Sprintf("state%d", w.dirs))
+	if err := copyDir(w.stateDir, dst); err != nil {
+		w.violate("copying the state directory: %v", err)
+	}
+	w.stateDir = dst
+}
+
+func copyDir(src, dst string) error {
+	return filepath.WalkDir(src, func(p string, d os.DirEntry, err error) error {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		to := filepath.Join(dst, rel)
+		if d.IsDir() {
+			return os.MkdirAll(to, 0o700)
+		}
+		if strings.Contains(d.Name(), ".tmp") {
+			return nil // a temporary file of a write cut short
+		}
+		b, err := os.ReadFile(p)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil // renamed over or removed since the directory was read
+		}
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(to, b, 0o600)
+	})
+}
+
+// simHost is one agent process's view of the node (host).
+type simHost struct {
+	w   *simWorld
+	gen int
+}
+
+func (h simHost) do(name string, effect func() error) error { return h.w.call(h.gen, name, effect) }
+
+func (h simHost) disk(dev *Device) *simDiskState { return h.w.disks[dev.Serial] }
+
+func (h simHost) ReadOnly(dev *Device) (ro bool, err error) {
+	err = h.do("BLKROGET", func() error { ro = h.disk(dev).ro; return nil })
+	return ro, err
+}
+func (h simHost) SetReadOnly(dev *Device, ro bool) error {
+	return h.do("BLKROSET", func() error { h.disk(dev).ro = ro; return nil })
+}
+func (h simHost) Flush(*Device) error    { return h.do("flush", func() error { return nil }) }
+func (h simHost) FlushPath(string) error { return h.do("flush", func() error { return nil }) }
+func (h simHost) Size(string) (int64, error) {
+	return simDisk - simOffset, h.do("size", func() error { return nil })
+}
+func (h simHost) MkfsInstalled(string, string) error            { return nil }
+func (h simHost) Short(string, string) (int64, fsExtent, error) { return 0, fsExtent{}, nil }
+func (h simHost) Resize(string, string) error                   { return h.do("resize", func() error { return nil }) }
+func (h simHost) Fsck(context.Context, string) ([]byte, error) {
+	return nil, h.do("fsck", func() error { return nil })
+}
+func (h simHost) Drain(*Claim, *Device) error { return h.do("drain", func() error { return nil }) }
+func (h simHost) StopFilesystem(string, string) error {
+	return h.do("stop filesystem", func() error { return nil })
+}
+func (h simHost) ReadHead(_ context.Context, _ string, n int64) ([]byte, error) {
+	return make([]byte, n), h.do("read head", func() error { return nil })
+}
+
+// prove answers a blank proof of dev from what its region holds; allow
+// is the leftover a proof of format leftovers accepts.
+func (h simHost) prove(name, dev, allow string) (p blank.Proof, err error) {
+	err = h.do(name, func() error {
+		_, r, ok := h.w.region(dev)
+		if !ok {
+			return fmt.Errorf("%s: no such device", dev)
+		}
+		switch c := h.w.content[r]; {
+		case c == "" || (allow != "" && c == allow):
+			h.w.proved[dev] = r
+			p = blank.Simulated(dev, simDisk)
+			return nil
+		case strings.HasPrefix(c, "ext4:"):
+			return &blank.NotBlankError{Type: "ext4", Found: "an ext4 filesystem"}
+		case c == "luks":
+			return &blank.NotBlankError{Type: "crypto_LUKS", Found: "a LUKS2 header"}
+		default:
+			return &blank.NotBlankError{Found: "unrecognised non-zero data at offset 2048"}
+		}
+	})
+	return p, err
+}
+
+func (h simHost) Prove(_ context.Context, dev string) (blank.Proof, error) {
+	return h.prove("blkid", dev, "")
+}
+func (h simHost) ProveFormatLeftovers(_ context.Context, dev, _, uuid string) (blank.Proof, error) {
+	return h.prove("blkid", dev, "partial:"+uuid)
+}
+func (h simHost) ProveEncrypted(_ context.Context, dev string) (blank.Proof, error) {
+	return h.prove("blkid", dev, "")
+}
+func (h simHost) ProvePast(_ context.Context, dev string, _ int64) (blank.Proof, error) {
+	return h.prove("blkid", dev, "luks-partial")
+}
+
+// format checks I2 for a format of what on p's device and writes made.
+func (h simHost) format(p blank.Proof, what, made string) func() error {
+	return func() error {
+		w := h.w
+		dev := p.Device()
+		_, r, ok := w.region(dev)
+		if !ok {
+			return fmt.Errorf("%s: no such device", dev)
+		}
+		if !p.Simulated() || w.proved[dev] != r {
+			w.violate("I2: %s on %s (%s) without a blank proof made for it (proved: %q)", what, dev, r, w.proved[dev])
+		}
+		if c := w.content[r]; strings.HasPrefix(c, "ext4:") || c == "luks" {
+			w.violate("I2: %s on %s over %q", what, r, c)
+		}
+		w.content[r] = made
+		return nil
+	}
+}
+
+func (h simHost) MakeFS(_ context.Context, p blank.Proof, _ string, _ bool, uuid string) error {
+	w := h.w
+	w.mu.Lock()
+	if h.gen == w.gen && w.faulting && w.rng.Float64() < w.faultP/3 {
+		// Cut short by the agent's death: leftovers without a signature.
+		w.logf("    mkfs: %s", faultNames[faultMid])
+		if _, r, ok := w.region(p.Device()); ok {
+			w.content[r] = "partial:" + uuid
+		}
+		w.crash()
+		w.mu.Unlock()
+		return errSimDead
+	}
+	w.mu.Unlock()
+	return h.do("mkfs", h.format(p, "mkfs", "ext4:"+uuid))
+}
+
+func (h simHost) Mount(source, target, fstype string, _ []string) error {
+	return h.do("mount", func() error {
+		_, r, ok := h.w.region(source)
+		if !ok {
+			return fmt.Errorf("mount %s: no such device", source)
+		}
+		if !strings.HasPrefix(h.w.content[r], fstype+":") {
+			return fmt.Errorf("mount %s: wrong fs type, bad superblock (%q)", source, h.w.content[r])
+		}
+		if _, ok := h.w.mounts[target]; ok {
+			return fmt.Errorf("mount %s at %s: already mounted", source, target)
+		}
+		h.w.mounts[target] = source
+		return nil
+	})
+}
+
+func (h simHost) Unmount(target string) error {
+	return h.do("umount", func() error {
+		delete(h.w.mounts, target)
+		return nil
+	})
+}
+
+func (h simHost) IsMountPoint(p string) (mp bool, err error) {
+	err = h.do("is mount point", func() error { _, mp = h.w.mounts[p]; return nil })
+	return mp, err
+}
+
+func (h simHost) List() (mps []mount.MountPoint, err error) {
+	err = h.do("mount table", func() error {
+		for p, d := range h.w.mounts {
+			mps = append(mps, mount.MountPoint{Path: p, Device: d})
+		}
+		return nil
+	})
+	return mps, err
+}
+
+func (h simHost) Bind(source, target string, block bool, _ []string) error {
+	return h.do("bind mount", func() error {
+		dev := source
+		if !block {
+			d, ok := h.w.mounts[source]
+			if !ok {
+				return agenterr.New(agenterr.FailedPrecondition, "the staging path %s is not mounted; stage the volume again", source)
+			}
+			dev = d
+		}
+		if _, ok := h.w.mounts[target]; ok {
+			return fmt.Errorf("%s: already mounted", target)
+		}
+		d, err := mkdirBeneath(h.w.kubelet, target, 0o750)
+		if err != nil {
+			return err
+		}
+		d.Close()
+		h.w.mounts[target] = dev
+		return nil
+	})
+}
+
+func (h simHost) Unbind(target string) (was bool, err error) {
+	err = h.do("umount", func() error {
+		_, was = h.w.mounts[target]
+		delete(h.w.mounts, target)
+		return nil
+	})
+	return was, err
+}
+
+func (h simHost) Detach(p string) error {
+	return h.do("umount -l", func() error { delete(h.w.mounts, p); return nil })
+}
+
+func (h simHost) MountRoot(_ *os.File, p string) (mp bool, err error) {
+	err = h.do("statx", func() error { _, mp = h.w.mounts[p]; return nil })
+	return mp, err
+}
+
+// InUse is the release guard's proof, on the modelled node.
+func (h simHost) InUse(u usage) error {
+	return h.do("in use", func() error {
+		serial, _, ok := h.w.region(u.Disk)
+		if !ok {
+			return fmt.Errorf("%s: no such device", u.Disk)
+		}
+		for _, p := range u.Paths {
+			if _, ok := h.w.mounts[p]; ok {
+				return &inuse.Error{Device: u.Disk, What: "it is mounted at " + p}
+			}
+		}
+		if _, ok := h.w.crypts[u.Mapper]; ok {
+			return &inuse.Error{Device: u.Disk, What: "its dm-crypt mapping is open"}
+		}
+		if what := h.w.inUse(serial); what != "" {
+			return &inuse.Error{Device: u.Disk, What: what}
+		}
+		return nil
+	})
+}
+
+// simFencer is a fence on a modelled disk: one per Choose, like the
+// agent's fencers.
+type simFencer struct {
+	w        *simWorld
+	gen      int
+	serial   string
+	lease    bool
+	closed   bool // the process died or the fencer was closed: no renewals
+	released bool
+}
+
+func (f *simFencer) disk() *simDiskState { return f.w.disks[f.serial] }
+
+func (f *simFencer) Probe(context.Context) (fence.Support, error) {
+	return fence.Support{Method: f.method()}, nil
+}
+
+func (f *simFencer) method() fence.Method {
+	if f.lease {
+		return MethodLease
+	}
+	return fence.MethodPR
+}
+
+func (f *simFencer) Acquire(_ context.Context, g *fence.Grant) (cl fence.Claim, err error) {
+	err = f.w.call(f.gen, "acquire", func() error {
+		d := f.disk()
+		if d.holder == "other" && g == nil {
+			return &fence.HeldError{Device: d.path, Holder: 0x6f74686572, HolderNode: "node-b"}
+		}
+		d.holder, d.renewer = "us", f
+		return nil
+	})
+	return fence.Claim{Method: f.method(), Key: 0x7573}, err
+}
+
+// Release checks I1 at the release itself.
+func (f *simFencer) Release(context.Context) error {
+	return f.w.call(f.gen, "release", func() error {
+		d := f.disk()
+		if what := f.w.inUse(f.serial); what != "" {
+			f.w.violate("I1: the fence of disk %s released while %s", f.serial, what)
+		}
+		if d.holder == "us" {
+			d.holder, d.renewer = "", nil
+		}
+		f.released = true
+		return nil
+	})
+}
+
+func (f *simFencer) Check(context.Context) error {
+	return f.w.call(f.gen, "check fence", func() error {
+		d := f.disk()
+		if d.holder != "us" {
+			return &fence.LostError{Device: d.path, Reason: "another node holds the disk", Holder: 0x6f74686572}
+		}
+		return nil
+	})
+}
+
+// Resume takes the lease back after a restart: it renews again.
+func (f *simFencer) Resume(context.Context) error {
+	if !f.lease {
+		return nil
+	}
+	return f.w.call(f.gen, "resume", func() error {
+		d := f.disk()
+		if d.holder != "us" {
+			return &fence.LostError{Device: d.path, Reason: "the lease is held by another node", Holder: 0x6f74686572}
+		}
+		d.renewer = f
+		return nil
+	})
+}
+
+func (f *simFencer) Close() error {
+	f.w.mu.Lock()
+	defer f.w.mu.Unlock()
+	f.closed = true
+	return nil
+}
+
+// simFencers is the fencer factory of one agent process.
+type simFencers struct {
+	w   *simWorld
+	gen int
+}
+
+func (s simFencers) Choose(_ context.Context, dev *Device, _ string, _ func(*fence.LostError) bool) (ch Choice, err error) {
+	err = s.w.call(s.gen, "choose", func() error {
+		d := s.w.disks[dev.Serial]
+		f := &simFencer{w: s.w, gen: s.gen, serial: d.serial, lease: d.lease}
+		s.w.fencers = append(s.w.fencers, f)
+		ch = Choice{Fencer: f, Method: f.method()}
+		if d.lease {
+			ch.DataOffset = simOffset
+			ch.Prepare = func(context.Context) (wrote bool, err error) {
+				err = s.w.call(s.gen, "write lease area", func() error {
+					wrote = !d.leaseArea
+					d.leaseArea = true
+					return nil
+				})
+				return wrote, err
+			}
+		}
+		return nil
+	})
+	return ch, err
+}
+
+// simCrypt is dm-crypt and LUKS2 on the modelled node.
+type simCrypt struct {
+	w   *simWorld
+	gen int
+}
+
+func (c simCrypt) Inspect(_ context.Context, dev string) (ct Content, err error) {
+	err = c.w.call(c.gen, "inspect", func() error {
+		_, r, ok := c.w.region(dev)
+		if !ok {
+			return fmt.Errorf("%s: no such device", dev)
+		}
+		switch c.w.content[r] {
+		case "":
+			ct.Kind = ContentBlank
+		case "luks":
+			ct.Kind = ContentLUKS2
+		default:
+			ct.Kind = ContentOther
+		}
+		return nil
+	})
+	return ct, err
+}
+
+func (c simCrypt) Format(_ context.Context, p blank.Proof, _ []byte, _ luks2.TransitToken) error {
+	return c.w.call(c.gen, "luks format", simHost{w: c.w, gen: c.gen}.format(p, "LUKS2 format", "luks"))
+}
+
+func (c simCrypt) Open(_ context.Context, dev, name string, _ []byte, _ bool) (mp Mapped, err error) {
+	err = c.w.call(c.gen, "dm-crypt open", func() error {
+		if base, ok := c.w.crypts[name]; ok {
+			if base != dev {
+				return fmt.Errorf("dm-crypt mapping %s exists over %s", name, base)
+			}
+		}
+		c.w.crypts[name] = dev
+		mp = Mapped{Path: "/dev/mapper/" + name, Reader: "sim"}
+		return nil
+	})
+	return mp, err
+}
+
+func (c simCrypt) Close(_ context.Context, name string) error {
+	return c.w.call(c.gen, "dm-crypt close", func() error {
+		for p, d := range c.w.mounts {
+			if d == "/dev/mapper/"+name {
+				return fmt.Errorf("closing %s: device busy (mounted at %s)", name, p)
+			}
+		}
+		delete(c.w.crypts, name)
+		return nil
+	})
+}
+
+func (c simCrypt) Resize(context.Context, string) error {
+	return c.w.call(c.gen, "dm-crypt resize", func() error { return nil })
+}
+
+// simVolume is one volume of a sequence and what the kubelet knows of it.
+type simVolume struct {
+	id, serial string
+	encrypted  bool
+	block      bool
+	staging    string
+	targets    []string
+}
+
+// simRun is one sequence.
+type simRun struct {
+	w    *simWorld
+	m    *Manager
+	vols []*simVolume
+	seed int64
+}
+
+func newSimRun(t *testing.T, seed int64, dir string) *simRun {
+	rng := rand.New(rand.NewPCG(uint64(seed), 0x766f6c73696d))
+	w := &simWorld{t: t, rng: rng, disks: map[string]*simDiskState{}, loops: map[string]string{}, crypts: map[string]string{},
+		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{},
+		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet"), faultP: 0.04 + 0.16*rng.Float64()}
+	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	r := &simRun{w: w, seed: seed}
+	n := 1 + rng.IntN(2)
+	for i := range n {
+		v := &simVolume{id: fmt.Sprintf("pvc-%d", i), serial: fmt.Sprintf("sim%d", i), encrypted: rng.IntN(4) == 0, block: rng.IntN(5) == 0}
+		if v.block {
+			v.encrypted = false
+			v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", v.id)
+		} else {
+			v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi", simDriver, fmt.Sprintf("%064x", i), "globalmount")
+		}
+		for k := range 2 {
+			if v.block {
+				v.targets = append(v.targets, filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/publish", v.id, fmt.Sprintf("pod-%d", k)))
+			} else {
+				v.targets = append(v.targets, filepath.Join(w.kubelet, "pods", fmt.Sprintf("pod-%d", k), "volumes/kubernetes.io~csi", v.id, "mount"))
+			}
+		}
+		w.minor++
+		w.disks[v.serial] = &simDiskState{serial: v.serial, path: fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1), minor: w.minor, present: true,
+			lease: rng.IntN(3) != 0}
+		r.vols = append(r.vols, v)
+	}
+	return r
+}
+
+// start starts an agent process on the node: its manager over the
+// records as they are, the start-up check.
+func (r *simRun) start(ctx context.Context) {
+	w := r.w
+	w.mu.Lock()
+	gen := w.gen
+	w.mu.Unlock()
+	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
+		StateDir: w.stateDir, Fencers: simFencers{w: w, gen: gen}, Crypt: simCrypt{w: w, gen: gen}, Log: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		w.t.Fatalf("seed %d: starting agent process %d: %v", r.seed, gen, err)
+	}
+	m.host = simHost{w: w, gen: gen}
+	m.bootID = func() (string, error) { return "sim-boot", nil }
+	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
+		err = w.call(gen, "locate", func() error {
+			dev, err = w.open(gen, loc)
+			return err
+		})
+		return dev, err
+	}
+	m.scanOpen = m.locate
+	m.mapData = func(disk string, _ int64, _ bool) (p string, err error) {
+		err = w.call(gen, "map data", func() error {
+			s, _, ok := w.region(disk)
+			if !ok {
+				return fmt.Errorf("%s: no such device", disk)
+			}
+			for l, ls := range w.loops {
+				if ls == s {
+					p = l
+					return nil
+				}
+			}
+			w.nLoop++
+			p = fmt.Sprintf("/dev/loop%d", w.nLoop)
+			w.loops[p] = s
+			return nil
+		})
+		return p, err
+	}
+	m.unmapData = func(p string) error {
+		if p == "" {
+			return nil
+		}
+		return w.call(gen, "unmap data", func() error {
+			for t, d := range w.mounts {
+				if d == p {
+					return fmt.Errorf("detaching %s: device busy (mounted at %s)", p, t)
+				}
+			}
+			for n, b := range w.crypts {
+				if b == p {
+					return fmt.Errorf("detaching %s: device busy (dm-crypt %s)", p, n)
+				}
+			}
+			delete(w.loops, p)
+			return nil
+		})
+	}
+	r.m = m
+	m.ExpectRecordedLeases()
+	m.Reconcile(ctx)
+}
+
+// open is the modelled disk lookup: a present disk with the locator's
+// serial, opened; its Verify proves it still is that disk.
+func (w *simWorld) open(gen int, loc Locator) (*Device, error) {
+	d := w.disks[loc.Disk.Serial]
+	if d == nil || !d.present {
+		return nil, agenterr.New(agenterr.NotFound, "no disk with serial %s; is the disk attached to this node?", loc.Disk.Serial)
+	}
+	path, minor := d.path, d.minor
+	return &Device{Path: path, Name: filepath.Base(path), Major: 252, Minor: minor, Serial: d.serial,
+		Verify: func(context.Context) error {
+			return w.call(gen, "verify", func() error {
+				if !d.present || d.path != path || d.minor != minor {
+					return fmt.Errorf("%w: %s is no longer the disk with serial %s", discovery.ErrIdentity, path, d.serial)
+				}
+				return nil
+			})
+		}}, nil
+}
+
+func (r *simRun) alive() bool {
+	r.w.mu.Lock()
+	defer r.w.mu.Unlock()
+	return r.m != nil && r.w.gen == r.m.host.(simHost).gen
+}
+
+func (r *simRun) stageReq(v *simVolume) StageRequest {
+	req := StageRequest{Volume: v.id, Locator: Locator{Disk: discovery.Locator{Serial: v.serial}}, StagingPath: v.staging,
+		FsType: "ext4", Block: v.block, NeverPublished: true}
+	if v.block {
+		req.FsType = ""
+	}
+	if v.encrypted {
+		req.Encrypted, req.FormatLUKS, req.Passphrase = true, true, []byte("sim passphrase")
+		req.Token = &luks2.TransitToken{Mount: "transit", KeyName: "sim", KeyVersion: 1, Ciphertext: "vault:v1:c2lt"}
+	}
+	return req
+}
+
+// step runs one step of the sequence: a kubelet call, a check, or
+// something happening to the node.
+func (r *simRun) step(ctx context.Context, i int) {
+	w := r.w
+	v := r.vols[w.rng.IntN(len(r.vols))]
+	k := w.rng.IntN(2)
+	var err error
+	var what string
+	cctx, cancel := context.WithTimeout(ctx, simTimeout)
+	defer cancel()
+	switch n := w.rng.IntN(100); {
+	case n < 24:
+		what = "NodeStage " + v.id
+		_, err = r.m.Stage(cctx, r.stageReq(v))
+	case n < 36:
+		what = "NodeUnstage " + v.id
+		err = r.m.Unstage(cctx, v.id, v.staging)
+	case n < 54:
+		what = fmt.Sprintf("NodePublish %s at target %d", v.id, k)
+		err = r.m.Publish(cctx, PublishRequest{Volume: v.id, StagingPath: v.staging, TargetPath: v.targets[k], Block: v.block})
+	case n < 66:
+		what = fmt.Sprintf("NodeUnpublish %s at target %d", v.id, k)
+		err = r.m.Unpublish(cctx, v.id, v.targets[k])
+	case n < 70:
+		what = "NodeExpand " + v.id
+		_, err = r.m.Expand(cctx, v.id, "", 0)
+	case n < 80:
+		what = "claim check"
+		r.m.CheckAll(cctx)
+	case n < 85:
+		what = "agent restart"
+		w.mu.Lock()
+		w.crash()
+		w.mu.Unlock()
+	case n < 90:
+		what = "disk of " + v.id + " removed"
+		r.remove(v)
+	case n < 95:
+		what = "disk of " + v.id + " attached again"
+		r.readd(v, w.rng.IntN(2) == 0)
+	default:
+		what = "another node takes the disk of " + v.id + " if it is free"
+		w.mu.Lock()
+		if d := w.disks[v.serial]; d.holder == "" {
+			d.holder = "other"
+		}
+		w.mu.Unlock()
+	}
+	w.mu.Lock()
+	w.logf("%d %s: %v", i, what, errText(err))
+	w.mu.Unlock()
+}
+
+func errText(err error) string {
+	if err == nil {
+		return "ok"
+	}
+	return agenterr.Code(err).String() + " " + err.Error()
+}
+
+func (r *simRun) remove(v *simVolume) {
+	w := r.w
+	w.mu.Lock()
+	d := w.disks[v.serial]
+	was := d.present
+	d.present = false
+	// The kernel drops what sits on a removed disk: its data mapping
+	// and dm-crypt mapping fail their I/O, but stay until torn down; the
+	// mounts stay too (a lazily detached filesystem).
+	minor := d.minor
+	w.mu.Unlock()
+	if was {
+		r.m.Removed(ueventOf(minor))
+	}
+}
+
+func (r *simRun) readd(v *simVolume, sameNumber bool) {
+	w := r.w
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	d := w.disks[v.serial]
+	if d.present {
+		return
+	}
+	if !sameNumber {
+		w.minor++
+		d.minor = w.minor
+		d.path = fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1)
+	}
+	d.present = true
+}
+
+// check checks I1 and I3 on the node as it is between two steps.
+func (r *simRun) check() {
+	w := r.w
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, v := range r.vols {
+		d := w.disks[v.serial]
+		what := w.inUse(v.serial)
+		if what == "" {
+			continue
+		}
+		c, err := r.m.store.Get(v.id)
+		if err != nil {
+			w.violate("reading the claim of %s: %v", v.id, err)
+			continue
+		}
+		if c != nil && c.State == StateLost {
+			continue // fenced: I/O stopped, another node's now (P4)
+		}
+		if d.holder != "us" {
+			w.violate("I1: %s (%s) while the disk's fence is held by %q", v.id, what, d.holder)
+		} else if d.lease && d.present && !r.renewed(v, d) {
+			w.violate("I1: %s (%s) while its lease is renewed by no live fencer and the host watchdog is fed", v.id, what)
+		}
+		mounted := false
+		for p, dev := range w.mounts {
+			if s, _, ok := w.region(dev); ok && s == v.serial {
+				mounted = mounted || p != ""
+			}
+		}
+		if mounted && (c == nil || c.Phase != PhaseStaged) {
+			w.violate("I3: %s is mounted (%s) but its claim record says %s", v.id, what, phaseOf(c))
+		}
+	}
+}
+
+// renewed: the lease of v is renewed by the live fencer of the manager,
+// or v is listed for the host watchdog as not taken back.
+func (r *simRun) renewed(v *simVolume, d *simDiskState) bool {
+	r.m.mu.Lock()
+	l := r.m.live[v.id]
+	unchecked := r.m.unchecked[v.id]
+	r.m.mu.Unlock()
+	if unchecked || (l != nil && (l.unresumed || l.ioRunning)) {
+		return true
+	}
+	if l == nil {
+		return false
+	}
+	f, ok := l.fencer.(*simFencer)
+	return ok && f == d.renewer && !f.closed && !f.released
+}
+
+func phaseOf(c *Claim) string {
+	if c == nil {
+		return "nothing (no record)"
+	}
+	return fmt.Sprintf("phase %q state %q", c.Phase, c.State)
+}
+
+// converge runs the kubelet's retries to an end state with faults off:
+// each volume ends staged and published, or unstaged, as the seed says;
+// then I4 and I5 are checked.
+func (r *simRun) converge(ctx context.Context) {
+	w := r.w
+	w.mu.Lock()
+	w.faulting = false
+	// The other node lets go of what it took, so that every volume can
+	// be staged again (a node drained).
+	for _, d := range w.disks {
+		d.present = true
+		if d.holder == "other" {
+			d.holder = ""
+		}
+	}
+	w.mu.Unlock()
+	r.m.CheckAll(ctx)
+	for _, v := range r.vols {
+		want := w.rng.IntN(2) == 0
+		var err error
+		for try := 0; try < 6; try++ {
+			if err = r.settle(ctx, v, want); err == nil {
+				break
+			}
+			w.mu.Lock()
+			w.logf("converge %s (staged=%v) try %d: %s", v.id, want, try, errText(err))
+			w.mu.Unlock()
+			time.Sleep(10 * time.Second)
+			r.m.CheckAll(ctx)
+		}
+		w.mu.Lock()
+		if err != nil {
+			w.violate("I5: %s did not converge (staged=%v): %s", v.id, want, errText(err))
+		}
+		r.endState(v, want)
+		w.mu.Unlock()
+	}
+}
+
+func (r *simRun) settle(ctx context.Context, v *simVolume, staged bool) error {
+	cctx, cancel := context.WithTimeout(ctx, simTimeout)
+	defer cancel()
+	if staged {
+		if _, err := r.m.Stage(cctx, r.stageReq(v)); err != nil {
+			if agenterr.Code(err).String() == "FailedPrecondition" && strings.Contains(err.Error(), "lost") {
+				// Lost to the other node earlier: the controller's path is
+				// unpublish, unstage and a grant; the end state is unstaged.
+				return r.settle(ctx, v, false)
+			}
+			return err
+		}
+		return r.m.Publish(cctx, PublishRequest{Volume: v.id, StagingPath: v.staging, TargetPath: v.targets[0], Block: v.block})
+	}
+	for _, t := range v.targets {
+		if err := r.m.Unpublish(cctx, v.id, t); err != nil {
+			return err
+		}
+	}
+	return r.m.Unstage(cctx, v.id, v.staging)
+}
+
+// endState checks I4/I5 for a volume settled to staged or not.
+func (r *simRun) endState(v *simVolume, staged bool) {
+	w := r.w
+	c, _ := r.m.store.Get(v.id)
+	what := w.inUse(v.serial)
+	d := w.disks[v.serial]
+	if !staged || c == nil || c.State == StateLost {
+		if c != nil && c.State != StateLost {
+			w.violate("I5: %s unstaged but its record stays: %s", v.id, phaseOf(c))
+		}
+		if what != "" && (c == nil || c.State != StateLost) {
+			w.violate("I4: %s unstaged but %s", v.id, what)
+		}
+		if d.holder == "us" && c == nil {
+			w.violate("I5: %s unstaged but its fence is still held", v.id)
+		}
+		return
+	}
+	if c.Phase != PhaseStaged {
+		w.violate("I5: %s not staged after the retries: %s", v.id, phaseOf(c))
+	}
+	if !v.block {
+		if _, ok := w.mounts[v.staging]; !ok {
+			w.violate("I5: %s staged but its staging path is not mounted", v.id)
+		}
+	}
+	if _, ok := w.mounts[v.targets[0]]; !ok {
+		w.violate("I5: %s published but its target is not mounted", v.id)
+	}
+}
+
+// run runs the sequence: steps with faults, the checks after each, then
+// the convergence.
+func (r *simRun) run(ctx context.Context, steps int) {
+	w := r.w
+	w.faulting = true
+	r.start(ctx)
+	for i := range steps {
+		if !r.alive() {
+			w.mu.Lock()
+			w.logf("agent process %d starts", w.gen)
+			w.mu.Unlock()
+			r.start(ctx)
+		}
+		r.step(ctx, i)
+		if r.alive() {
+			r.check()
+		}
+	}
+	for !r.alive() {
+		w.mu.Lock()
+		w.logf("agent process %d starts", w.gen)
+		w.mu.Unlock()
+		r.start(ctx)
+	}
+	r.check()
+	r.converge(ctx)
+}
+
+// runSeed runs one sequence in its own bubble and reports what broke.
+func runVolumeSeed(t *testing.T, seed int64, steps int) (broken, trace []string) {
+	dir, err := os.MkdirTemp(simTempRoot(), "volsim")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	synctest.Test(t, func(t *testing.T) {
+		r := newSimRun(t, seed, dir)
+		defer func() {
+			if p := recover(); p != nil {
+				r.w.violate("I4: panic: %v", p)
+			}
+			if r.m != nil {
+				r.m.Close()
+			}
+			broken, trace = r.w.broken, r.w.trace
+		}()
+		r.run(context.Background(), steps)
+	})
+	return broken, trace
+}
+
+// simTempRoot is a tmpfs when there is one: the claim records are written
+// with fsync, thousands of times a second.
+func simTempRoot() string {
+	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
+		return "/dev/shm"
+	}
+	return os.TempDir()
+}
+
+func TestVolumeSimulation(t *testing.T) {
+	seeds := make([]int64, 0, *volSimSeeds)
+	if *volSimSeed >= 0 {
+		seeds = append(seeds, *volSimSeed)
+	} else {
+		for s := range int64(*volSimSeeds) {
+			seeds = append(seeds, *volSimFrom+s)
+		}
+	}
+	start := time.Now()
+	failed := 0
+	kinds := map[string]int{}
+	for _, seed := range seeds {
+		broken, trace := runVolumeSeed(t, seed, 30)
+		if *volSimSeed >= 0 {
+			t.Logf("seed %d trace:\n%s", seed, strings.Join(trace, "\n"))
+		}
+		if len(broken) == 0 {
+			continue
+		}
+		failed++
+		for _, b := range uniq(broken) {
+			kinds[simKind(b)]++
+		}
+		if failed <= 3 {
+			tail := trace
+			if len(tail) > 200 {
+				tail = tail[len(tail)-200:]
+			}
+			t.Errorf("seed %d broke the volume manager's invariants:\n  %s\ntrace:\n%s\nreplay: go test ./agent/volume -run 'TestVolumeSimulation$' -volsim.seed=%d -v",
+				seed, strings.Join(uniq(broken), "\n  "), strings.Join(tail, "\n"), seed)
+		}
+	}
+	t.Logf("%d sequences in %s, %d broke an invariant", len(seeds), time.Since(start).Round(time.Millisecond), failed)
+	for _, k := range slices.Sorted(mapKeys(kinds)) {
+		t.Logf("  %4d x %s", kinds[k], k)
+	}
+}
+
+// simKind is a violation without its names and paths, to count alike ones.
+func simKind(s string) string {
+	var b strings.Builder
+	skip := false
+	for _, f := range strings.Fields(s) {
+		if strings.Contains(f, "/") || strings.HasPrefix(f, "pvc-") || strings.HasPrefix(f, "sim") {
+			if !skip {
+				b.WriteString("_ ")
+			}
+			skip = true
+			continue
+		}
+		skip = false
+		b.WriteString(f + " ")
+	}
+	return strings.TrimSpace(b.String())
+}
+
+func uniq(s []string) []string {
+	out := slices.Clone(s)
+	sort.Strings(out)
+	return slices.Compact(out)
+}
+
+func ueventOf(minor uint32) uevent.Event {
+	return uevent.Event{Action: "remove", Subsystem: "block", DevName: fmt.Sprintf("vd%c", 'b'+minor-1), DevType: "disk",
+		Major: 252, Minor: minor, HasDevnum: true}
+}
