@@ -993,16 +993,23 @@ func (e *Engine) pickSlot(a *Area, victim int, fast bool) int {
 	return -1
 }
 
-// clearGone clears the held slots of other hosts that the acquisition
-// just waited out for their expiry bound (and that a is the last read
-// of), if they still hold what was waited on. Those hosts have stopped
+// clearGone clears the slots of other hosts that the acquisition just
+// waited out for their expiry bound (and that a is the last read of), if
+// they still hold what was waited on: held slots, and slots that do not
+// decode (a write torn by its host's reset). Those hosts have stopped
 // their I/O or been reset; a write of theirs landing later makes the slot
-// held again, and the next acquirer waits for it as before. Called with
-// the lease held; a failure only costs the next acquirer a wait.
+// held (or torn) again, and the next acquirer waits for it as before.
+// Called with the lease held; a failure only costs the next acquirer a
+// wait.
+//
+// A slot that does not decode in a is one the race check found unchanged
+// since the read the wait ended on (tornSince), and the wait found it
+// unchanged since its first read: it stayed as it is for its expiry
+// bound, which a live writer's next write cannot outlast.
 func (e *Engine) clearGone(ctx context.Context, a *Area, gone []int, ours int) {
 	zero := make([]byte, BlockSize)
 	for _, i := range gone {
-		if i == ours || a.Corrupt[i] || !a.Slots[i].Live() {
+		if i == ours || (!a.Corrupt[i] && !a.Slots[i].Live()) {
 			continue
 		}
 		b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
@@ -1011,6 +1018,10 @@ func (e *Engine) clearGone(ctx context.Context, a *Area, gone []int, ours int) {
 		}
 		if err := e.dev.writeSlot(ctx, i, zero, e.cfg.Timing.IOTimeout); err != nil {
 			e.log.Warn("could not clear the lease slot of a holder that is gone", "slot", i, "error", err)
+			continue
+		}
+		if a.Corrupt[i] {
+			e.log.Info("cleared a lease slot that did not decode and stayed unchanged for its expiry bound (a write torn by its host's reset)", "slot", i)
 			continue
 		}
 		e.log.Info("cleared the lease slot of a holder gone for its expiry bound", "slot", i, "key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
@@ -1025,8 +1036,9 @@ func (e *Engine) slotOrder() int {
 }
 
 // reclaimSlot picks a held slot of another host, other than the victim's,
-// that awaitExpiry has just seen unchanged for its writer's expiry bound
-// (a holder that died, on a disk whose every slot is used). A write that
+// or a slot that does not decode (a write torn by its host's reset), that
+// awaitExpiry has just seen unchanged for its writer's expiry bound (a
+// holder that died, on a disk whose every slot is used). A write that
 // the gone holder had in flight and that lands later can only overwrite
 // our claim, which we then lose: safe, if slower. Hosts racing for the
 // same slot see each other's claim in the settle check.
@@ -1034,11 +1046,12 @@ func (e *Engine) reclaimSlot(a *Area, victim int) int {
 	start := e.slotOrder()
 	for j := range Slots {
 		i := (start + j) % Slots
-		if i != victim && !a.Corrupt[i] && a.Slots[i].Key != e.cfg.Key && !(i == FastSlot && a.Slots[i].State == StateEmpty) {
-			e.log.Warn("every lease slot is used; reclaiming the slot of a holder gone for its expiry bound", "slot", i,
-				"key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
-			return i
+		if i == victim || (!a.Corrupt[i] && (a.Slots[i].Key == e.cfg.Key || (i == FastSlot && a.Slots[i].State == StateEmpty))) {
+			continue
 		}
+		e.log.Warn("every lease slot is used; reclaiming the slot of a holder gone for its expiry bound", "slot", i,
+			"key", a.Slots[i].Key.String(), "node", a.Slots[i].Node, "torn", a.Corrupt[i])
+		return i
 	}
 	return -1
 }
