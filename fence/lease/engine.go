@@ -622,6 +622,17 @@ func (e *Engine) writeClaim(ctx context.Context, at *attempt, reclaim bool) erro
 	if idx < 0 {
 		return fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
 	}
+	if m := a.MaxEpoch(); m >= MaxSlotEpoch {
+		// Only a slot written by something else than this agent's lease
+		// code gets there; a claim above it would not decode.
+		d := &DamagedError{Slot: -1, Field: "epoch", Detail: fmt.Sprintf("%d is the bound: no claim can be written above it", m)}
+		for i, sl := range a.Slots {
+			if sl.Epoch == m {
+				d.Slot = i
+			}
+		}
+		return fmt.Errorf("%s: %w", e.dev.name, d)
+	}
 	s := Slot{Key: mine, Epoch: a.MaxEpoch() + 1, Counter: a.Slots[idx].Counter + 1, State: StateHeld,
 		Timing: t, Node: e.cfg.NodeName, Serial: SlotSerial(e.cfg.Serial)}
 	if a.Slots[idx].Key != mine {
@@ -713,6 +724,12 @@ func (e *Engine) raceCheck(ctx context.Context, at *attempt) (*Area, error) {
 	}
 	if o := a2.Owner(); o != idx {
 		e.withdraw(ctx, idx, s, blk)
+		if o < 0 {
+			// Our claim reads back as written, yet owns nothing: it
+			// does not decode. Not reachable with the bounds the
+			// claim's epoch keeps; a disk that gets here is refused.
+			return nil, fmt.Errorf("%s: our claim in lease slot %d reads back as written but is not a claim; not holding the lease", e.dev.name, idx)
+		}
 		return nil, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], at.grant)
 	}
 	if at.victim >= 0 && !at.granted && !bytes.Equal(a2.Raw[at.victim], at.victimRaw) && a2.alive(at.victim) {
@@ -1358,6 +1375,13 @@ func (e *Engine) Resume(ctx context.Context) error {
 	}
 	for attempt := 0; ; attempt++ {
 		err := e.resumeOnce(ctx)
+		if errors.Is(err, ErrDamaged) {
+			// Not a read to retry: the area stays as it is until
+			// something rewrites it, and the record cannot be verified.
+			var d *DamagedError
+			errors.As(err, &d)
+			return &fence.LostError{Device: e.dev.name, Reason: d.Error()}
+		}
 		if !errors.Is(err, errRetry) {
 			var held *fence.HeldError
 			if errors.As(err, &held) {
