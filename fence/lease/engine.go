@@ -846,6 +846,11 @@ func (e *Engine) expiryBound(a *Area, watch []int, victim int) (bound, poll time
 		bound = max(bound, tm.Expiry())
 		poll = min(poll, tm.Renew)
 	}
+	// A slot written by this agent renews no faster than MinIOTimeout;
+	// one claiming to must not make us read the disk more often. A
+	// change is seen by any read after it, so a slower poll only sees it
+	// later.
+	poll = max(poll, MinIOTimeout)
 	// A held slot below the victim may be a host that has not yet seen
 	// the claim above it (its next renewal will, or its watchdog resets
 	// it): wait for the longest expiry among them too.
@@ -934,8 +939,10 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) 
 		}
 		// Polled faster than either renews: the holder lets go at its
 		// next renewal, and each poll after that is time the taker's
-		// volume waits for nothing.
-		poll := min(vs.Timing.Renew, e.cfg.Timing.GrantPoll())
+		// volume waits for nothing. Never faster than the fastest
+		// GrantPoll (MinIOTimeout/2), whatever a slot claims: a slot
+		// renewed more often was not written by this agent.
+		poll := max(min(vs.Timing.Renew, e.cfg.Timing.GrantPoll()), MinIOTimeout/2)
 		if err := sleep(ctx, poll); err != nil {
 			return fmt.Errorf("%s: waiting for key %s to let go of the lease: %w", e.dev.name, vs.Key, err)
 		}
