@@ -70,9 +70,12 @@ type Engine struct {
 	lastRaw []byte
 	// lastOK is when the last successful write of our slot was issued
 	// (monotonic clock). The claim is lost Fail after it.
-	lastOK  time.Time
-	lost    *fence.LostError
-	renewer *renewer
+	lastOK time.Time
+	lost   *fence.LostError
+	// renewErr is why the last renewal failed, nil after one succeeded;
+	// a loss to the fail bound names it.
+	renewErr error
+	renewer  *renewer
 	// paused stops renewals without releasing: tests use it to play a
 	// holder whose process is frozen.
 	paused bool
@@ -1222,12 +1225,13 @@ func (e *Engine) renewLocked(ctx context.Context, a *Area) error {
 	issued := time.Now()
 	if err := e.dev.writeSlot(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
 		e.stats.RenewFailures++
+		e.renewErr = err
 		// A slow or failing disk, not a lost claim: the write may
 		// still land (after a timeout, or in spite of an error).
 		e.pending = &claimWrite{idx: e.slot, slot: s, blk: blk}
 		return err
 	}
-	e.mine, e.lastRaw, e.lastOK = s, blk, issued
+	e.mine, e.lastRaw, e.lastOK, e.renewErr = s, blk, issued, nil
 	e.storeHealth()
 	e.stats.Renewals++
 	e.stats.LastRenewal = time.Now()
@@ -1351,7 +1355,11 @@ func (e *Engine) Check(ctx context.Context) error {
 
 func (e *Engine) deadline() *fence.LostError {
 	if since := time.Since(e.lastOK); since > e.cfg.Timing.Fail {
-		return e.markLost(fmt.Sprintf("no successful lease renewal for %s (fail bound %s)", since.Round(time.Millisecond), e.cfg.Timing.Fail), 0, nil)
+		reason := fmt.Sprintf("no successful lease renewal for %s (fail bound %s)", since.Round(time.Millisecond), e.cfg.Timing.Fail)
+		if e.renewErr != nil {
+			reason += fmt.Sprintf("; the last one failed: %v", e.renewErr)
+		}
+		return e.markLost(reason, 0, nil)
 	}
 	return nil
 }
@@ -1577,6 +1585,7 @@ func (e *Engine) renew(r *renewer) {
 				err = e.renewLocked(ctx, a)
 			} else {
 				e.stats.RenewFailures++
+				e.renewErr = err
 				if l := e.deadline(); l != nil {
 					err = l
 				}
