@@ -55,6 +55,13 @@ func (o *leaseOptions) writableForLease(dev *lease.Device, path string) (restore
 	if err := setReadOnlyFlag(dev, false); err != nil {
 		return nil, err
 	}
+	if still, err := readOnlyFlag(dev); err != nil || still {
+		_ = setReadOnlyFlag(dev, true)
+		if err != nil {
+			return nil, err
+		}
+		return nil, fmt.Errorf("%s stays read-only with the block layer's flag cleared: the disk itself is read-only (the hypervisor attached it so); nothing can be claimed on it", dev.Name())
+	}
 	fmt.Fprintf(o.stderr, "vco-agent lease: %s was read-only (%s); cleared to write this node's claim\n", dev.Name(), readOnlyWho)
 	return func() {
 		if err := setReadOnlyFlag(dev, true); err != nil {
