@@ -329,15 +329,15 @@ fuzz-all:
 	    else cat $$out; exit 1; fi; \
 	  done; done; echo "fuzz: $$n targets, $(FUZZ_FOR) each"
 
-# Fence parsers: each fuzz target for FUZZTIME (their seed corpora also run
-# in `make unit`).
+# Fence parsers and the lease engine on arbitrary lease areas: each fuzz
+# target for FUZZTIME (their seed corpora also run in `make unit`).
 FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
   fence/discovery:FuzzParseLocator fence/discovery:FuzzParsePCIAddress fence/discovery:FuzzParseDevnum \
   fence/scsi:FuzzParseSense fence/scsi:FuzzParseReadKeys fence/scsi:FuzzParseReadReservation \
   fence/scsi:FuzzParseReportCapabilities fence/scsi:FuzzParseReadFullStatus fence/scsi:FuzzParseInquiry \
   fence/scsi:FuzzParseUnitSerial fence/scsi:FuzzParseDeviceID \
-  fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/uevent:FuzzParse
-## the fence parsers' fuzz targets for FUZZTIME
+  fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/lease:FuzzLeaseEngine fence/uevent:FuzzParse
+## the fence parsers' and the lease engine's fuzz targets for FUZZTIME
 fuzz-fence:
 	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \
 	  $(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s -parallel 1 ./$$pkg; done

@@ -23,7 +23,8 @@ import (
 // agent's claim records), then acquires the lease as any stage would, so
 // that a live holder on another node refuses it and a dead one is waited
 // out, releases it, and zeroes the lease area (the first MiB: header and
-// host slots). The volume's data past the lease area is not touched; it
+// host slots). A disk a refusal left read-only is made writable for it,
+// as for lease acquire. The volume's data past the lease area is not touched; it
 // still starts at byte 1048576 (docs/recovery.md).
 func (o *leaseOptions) clear(ctx context.Context, dev *lease.Device, path string) int {
 	if !o.yes {
@@ -45,10 +46,15 @@ func (o *leaseOptions) clear(ctx context.Context, dev *lease.Device, path string
 	if timeout <= 0 {
 		timeout = max(o.timing.Expiry(), lease.DefaultTiming().Expiry()) + o.timing.Settle() + time.Minute
 	}
+	restore, err := o.writableForLease(dev, path)
+	if err != nil {
+		return o.fail(fmt.Errorf("%s: not cleared: %w", dev.Name(), err))
+	}
 	actx, cancel := context.WithTimeout(ctx, timeout)
 	_, err = e.Acquire(actx, o.grantParsed)
 	cancel()
 	if err != nil {
+		restore()
 		return o.fail(fmt.Errorf("%s: not cleared: %w", dev.Name(), err))
 	}
 	if err := e.Release(ctx); err != nil {

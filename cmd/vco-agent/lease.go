@@ -32,8 +32,11 @@ DEVICE is a block device path (/dev/vdb, /dev/disk/by-id/...).
   acquire  claim the disk and hold it, renewing, until interrupted
            (SIGINT/SIGTERM) or --hold-for ends, then release it; refused
            (exit 1) while another node holds it, unless --grant names it;
-           exit 3 when the claim is lost while held
-  release  mark this node's slot released
+           exit 3 when the claim is lost while held. A disk a refusal
+           left read-only is made writable for the claim (and read-only
+           again if the claim fails), unless this node mounts, maps or
+           has staged it
+  release  mark this node's slot released (refused on a read-only disk)
   check    exit 0 when this node owns the lease, 1 otherwise
   clear    with --yes: take the lease (refused while another node holds
            it), release it and zero the lease area, for good; refused
@@ -162,7 +165,7 @@ func (o *leaseOptions) flagSet(sub string) *flag.FlagSet {
 	fs.DurationVar(&o.wdog, "watchdog", def.Watchdog, "lease timing: host watchdog reset time (W)")
 	fs.BoolVar(&o.verbose, "v", false, "log each step to stderr")
 	fs.BoolVar(&o.yes, "yes", false, "clear: do it")
-	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/vco-agent", "clear: the agent's state directory, whose claim records name the disks staged here")
+	fs.StringVar(&o.stateDir, "state-dir", "/var/lib/vco-agent", "acquire, clear: the agent's state directory, whose claim records name the disks staged here")
 	return fs
 }
 
@@ -198,12 +201,15 @@ func (o *leaseOptions) onDevice(ctx context.Context, sub string, dev *lease.Devi
 		return o.fail(err)
 	}
 	if sub == "release" {
+		if ro, _ := readOnlyFlag(dev); ro {
+			return o.fail(fmt.Errorf("%s is read-only (%s): release writes this node's slot and does not clear the flag, which may be what stops this node's I/O to the disk; not released", dev.Name(), readOnlyWho))
+		}
 		if err := e.Release(ctx); err != nil {
 			return o.fail(err)
 		}
 		return o.ok(fmt.Sprintf("%s: lease of key %s released", dev.Name(), o.key), nil)
 	}
-	return o.acquire(ctx, dev)
+	return o.acquire(ctx, dev, path)
 }
 
 func (o *leaseOptions) format(ctx context.Context, dev *lease.Device) int {
@@ -298,7 +304,7 @@ func (o *leaseOptions) nodeName(s *lease.Slot) string {
 	return s.Node
 }
 
-func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device) int {
+func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device, path string) int {
 	lost := make(chan *fence.LostError, 1)
 	// The command itself writes nothing but the lease: on a loss there
 	// is no other I/O of its to stop, so the slot may be marked fenced.
@@ -312,10 +318,15 @@ func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device) int {
 		// longest sane one is covered with the default timing's.
 		timeout = max(o.timing.Expiry(), lease.DefaultTiming().Expiry()) + o.timing.Settle() + time.Minute
 	}
+	restore, err := o.writableForLease(dev, path)
+	if err != nil {
+		return o.fail(err)
+	}
 	actx, cancel := context.WithTimeout(ctx, timeout)
 	c, err := e.Acquire(actx, o.grantParsed)
 	cancel()
 	if err != nil {
+		restore()
 		return o.fail(err)
 	}
 	msg := fmt.Sprintf("%s claimed with key %s; holding (renewing every %s)", dev.Name(), c.Key, o.timing.Renew)

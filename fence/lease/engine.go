@@ -70,9 +70,12 @@ type Engine struct {
 	lastRaw []byte
 	// lastOK is when the last successful write of our slot was issued
 	// (monotonic clock). The claim is lost Fail after it.
-	lastOK  time.Time
-	lost    *fence.LostError
-	renewer *renewer
+	lastOK time.Time
+	lost   *fence.LostError
+	// renewErr is why the last renewal failed, nil after one succeeded;
+	// a loss to the fail bound names it.
+	renewErr error
+	renewer  *renewer
 	// paused stops renewals without releasing: tests use it to play a
 	// holder whose process is frozen.
 	paused bool
@@ -622,6 +625,17 @@ func (e *Engine) writeClaim(ctx context.Context, at *attempt, reclaim bool) erro
 	if idx < 0 {
 		return fmt.Errorf("%s: all %d lease slots are held by other hosts (see 'vco-agent lease show'); none can be used", e.dev.name, Slots)
 	}
+	if m := a.MaxEpoch(); m >= MaxSlotEpoch {
+		// Only a slot written by something else than this agent's lease
+		// code gets there; a claim above it would not decode.
+		d := &DamagedError{Slot: -1, Field: "epoch", Detail: fmt.Sprintf("%d is the bound: no claim can be written above it", m)}
+		for i, sl := range a.Slots {
+			if sl.Epoch == m {
+				d.Slot = i
+			}
+		}
+		return fmt.Errorf("%s: %w", e.dev.name, d)
+	}
 	s := Slot{Key: mine, Epoch: a.MaxEpoch() + 1, Counter: a.Slots[idx].Counter + 1, State: StateHeld,
 		Timing: t, Node: e.cfg.NodeName, Serial: SlotSerial(e.cfg.Serial)}
 	if a.Slots[idx].Key != mine {
@@ -713,6 +727,12 @@ func (e *Engine) raceCheck(ctx context.Context, at *attempt) (*Area, error) {
 	}
 	if o := a2.Owner(); o != idx {
 		e.withdraw(ctx, idx, s, blk)
+		if o < 0 {
+			// Our claim reads back as written, yet owns nothing: it
+			// does not decode. Not reachable with the bounds the
+			// claim's epoch keeps; a disk that gets here is refused.
+			return nil, fmt.Errorf("%s: our claim in lease slot %d reads back as written but is not a claim; not holding the lease", e.dev.name, idx)
+		}
 		return nil, e.refusal(a2, a2.Slots[o].Key, &a2.Slots[o], at.grant)
 	}
 	if at.victim >= 0 && !at.granted && !bytes.Equal(a2.Raw[at.victim], at.victimRaw) && a2.alive(at.victim) {
@@ -829,6 +849,11 @@ func (e *Engine) expiryBound(a *Area, watch []int, victim int) (bound, poll time
 		bound = max(bound, tm.Expiry())
 		poll = min(poll, tm.Renew)
 	}
+	// A slot written by this agent renews no faster than MinIOTimeout;
+	// one claiming to must not make us read the disk more often. A
+	// change is seen by any read after it, so a slower poll only sees it
+	// later.
+	poll = max(poll, MinIOTimeout)
 	// A held slot below the victim may be a host that has not yet seen
 	// the claim above it (its next renewal will, or its watchdog resets
 	// it): wait for the longest expiry among them too.
@@ -917,8 +942,10 @@ func (e *Engine) awaitVictim(ctx context.Context, victim int, vs Slot, a *Area) 
 		}
 		// Polled faster than either renews: the holder lets go at its
 		// next renewal, and each poll after that is time the taker's
-		// volume waits for nothing.
-		poll := min(vs.Timing.Renew, e.cfg.Timing.GrantPoll())
+		// volume waits for nothing. Never faster than the fastest
+		// GrantPoll (MinIOTimeout/2), whatever a slot claims: a slot
+		// renewed more often was not written by this agent.
+		poll := max(min(vs.Timing.Renew, e.cfg.Timing.GrantPoll()), MinIOTimeout/2)
 		if err := sleep(ctx, poll); err != nil {
 			return fmt.Errorf("%s: waiting for key %s to let go of the lease: %w", e.dev.name, vs.Key, err)
 		}
@@ -993,16 +1020,23 @@ func (e *Engine) pickSlot(a *Area, victim int, fast bool) int {
 	return -1
 }
 
-// clearGone clears the held slots of other hosts that the acquisition
-// just waited out for their expiry bound (and that a is the last read
-// of), if they still hold what was waited on. Those hosts have stopped
+// clearGone clears the slots of other hosts that the acquisition just
+// waited out for their expiry bound (and that a is the last read of), if
+// they still hold what was waited on: held slots, and slots that do not
+// decode (a write torn by its host's reset). Those hosts have stopped
 // their I/O or been reset; a write of theirs landing later makes the slot
-// held again, and the next acquirer waits for it as before. Called with
-// the lease held; a failure only costs the next acquirer a wait.
+// held (or torn) again, and the next acquirer waits for it as before.
+// Called with the lease held; a failure only costs the next acquirer a
+// wait.
+//
+// A slot that does not decode in a is one the race check found unchanged
+// since the read the wait ended on (tornSince), and the wait found it
+// unchanged since its first read: it stayed as it is for its expiry
+// bound, which a live writer's next write cannot outlast.
 func (e *Engine) clearGone(ctx context.Context, a *Area, gone []int, ours int) {
 	zero := make([]byte, BlockSize)
 	for _, i := range gone {
-		if i == ours || a.Corrupt[i] || !a.Slots[i].Live() {
+		if i == ours || (!a.Corrupt[i] && !a.Slots[i].Live()) {
 			continue
 		}
 		b, err := e.dev.ReadArea(ctx, e.cfg.Timing.IOTimeout)
@@ -1011,6 +1045,10 @@ func (e *Engine) clearGone(ctx context.Context, a *Area, gone []int, ours int) {
 		}
 		if err := e.dev.writeSlot(ctx, i, zero, e.cfg.Timing.IOTimeout); err != nil {
 			e.log.Warn("could not clear the lease slot of a holder that is gone", "slot", i, "error", err)
+			continue
+		}
+		if a.Corrupt[i] {
+			e.log.Info("cleared a lease slot that did not decode and stayed unchanged for its expiry bound (a write torn by its host's reset)", "slot", i)
 			continue
 		}
 		e.log.Info("cleared the lease slot of a holder gone for its expiry bound", "slot", i, "key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
@@ -1025,8 +1063,9 @@ func (e *Engine) slotOrder() int {
 }
 
 // reclaimSlot picks a held slot of another host, other than the victim's,
-// that awaitExpiry has just seen unchanged for its writer's expiry bound
-// (a holder that died, on a disk whose every slot is used). A write that
+// or a slot that does not decode (a write torn by its host's reset), that
+// awaitExpiry has just seen unchanged for its writer's expiry bound (a
+// holder that died, on a disk whose every slot is used). A write that
 // the gone holder had in flight and that lands later can only overwrite
 // our claim, which we then lose: safe, if slower. Hosts racing for the
 // same slot see each other's claim in the settle check.
@@ -1034,11 +1073,12 @@ func (e *Engine) reclaimSlot(a *Area, victim int) int {
 	start := e.slotOrder()
 	for j := range Slots {
 		i := (start + j) % Slots
-		if i != victim && !a.Corrupt[i] && a.Slots[i].Key != e.cfg.Key && !(i == FastSlot && a.Slots[i].State == StateEmpty) {
-			e.log.Warn("every lease slot is used; reclaiming the slot of a holder gone for its expiry bound", "slot", i,
-				"key", a.Slots[i].Key.String(), "node", a.Slots[i].Node)
-			return i
+		if i == victim || (!a.Corrupt[i] && (a.Slots[i].Key == e.cfg.Key || (i == FastSlot && a.Slots[i].State == StateEmpty))) {
+			continue
 		}
+		e.log.Warn("every lease slot is used; reclaiming the slot of a holder gone for its expiry bound", "slot", i,
+			"key", a.Slots[i].Key.String(), "node", a.Slots[i].Node, "torn", a.Corrupt[i])
+		return i
 	}
 	return -1
 }
@@ -1185,12 +1225,13 @@ func (e *Engine) renewLocked(ctx context.Context, a *Area) error {
 	issued := time.Now()
 	if err := e.dev.writeSlot(ctx, e.slot, blk, e.cfg.Timing.IOTimeout); err != nil {
 		e.stats.RenewFailures++
+		e.renewErr = err
 		// A slow or failing disk, not a lost claim: the write may
 		// still land (after a timeout, or in spite of an error).
 		e.pending = &claimWrite{idx: e.slot, slot: s, blk: blk}
 		return err
 	}
-	e.mine, e.lastRaw, e.lastOK = s, blk, issued
+	e.mine, e.lastRaw, e.lastOK, e.renewErr = s, blk, issued, nil
 	e.storeHealth()
 	e.stats.Renewals++
 	e.stats.LastRenewal = time.Now()
@@ -1314,7 +1355,11 @@ func (e *Engine) Check(ctx context.Context) error {
 
 func (e *Engine) deadline() *fence.LostError {
 	if since := time.Since(e.lastOK); since > e.cfg.Timing.Fail {
-		return e.markLost(fmt.Sprintf("no successful lease renewal for %s (fail bound %s)", since.Round(time.Millisecond), e.cfg.Timing.Fail), 0, nil)
+		reason := fmt.Sprintf("no successful lease renewal for %s (fail bound %s)", since.Round(time.Millisecond), e.cfg.Timing.Fail)
+		if e.renewErr != nil {
+			reason += fmt.Sprintf("; the last one failed: %v", e.renewErr)
+		}
+		return e.markLost(reason, 0, nil)
 	}
 	return nil
 }
@@ -1345,6 +1390,13 @@ func (e *Engine) Resume(ctx context.Context) error {
 	}
 	for attempt := 0; ; attempt++ {
 		err := e.resumeOnce(ctx)
+		if errors.Is(err, ErrDamaged) {
+			// Not a read to retry: the area stays as it is until
+			// something rewrites it, and the record cannot be verified.
+			var d *DamagedError
+			errors.As(err, &d)
+			return &fence.LostError{Device: e.dev.name, Reason: d.Error()}
+		}
 		if !errors.Is(err, errRetry) {
 			var held *fence.HeldError
 			if errors.As(err, &held) {
@@ -1533,6 +1585,7 @@ func (e *Engine) renew(r *renewer) {
 				err = e.renewLocked(ctx, a)
 			} else {
 				e.stats.RenewFailures++
+				e.renewErr = err
 				if l := e.deadline(); l != nil {
 					err = l
 				}

@@ -37,6 +37,54 @@ const (
 	serialLen   = 64
 )
 
+// Bounds of the slot fields the engine computes with. A claim writes one
+// more than the highest epoch on the disk and every write of a slot one
+// more than its counter; a claim a second for a million years stays far
+// below either bound, so only a slot written by something other than
+// this agent's lease code reaches them, and no sum of the engine wraps.
+const (
+	// MaxSlotEpoch is the highest epoch a slot may carry; a claim above
+	// a slot at it is refused.
+	MaxSlotEpoch = 1 << 62
+	// MaxSlotCounter is the highest counter a slot may carry.
+	MaxSlotCounter = 1 << 62
+)
+
+// ErrDamaged is matched (errors.Is) by every DamagedError.
+var ErrDamaged = errors.New("damaged lease area")
+
+// DamagedError is a lease area the engine refuses to act on: its header
+// fails its checksum or does not have this agent's geometry, or a slot
+// that passes its checksum (so was written whole, never torn) holds a
+// field outside the bounds of the layout (docs/fencing.md, "The on-disk
+// lease"). Nothing is written to such an area: the engine fails every
+// operation on it with this error, naming the field.
+type DamagedError struct {
+	// Slot is the slot's index; -1 for the header, or for a slot decoded
+	// on its own (DecodeSlot).
+	Slot int
+	// Header is set when the header is damaged.
+	Header bool
+	// Field is the field, as docs/fencing.md's layout names it.
+	Field string
+	// Detail is what the field holds against its bound.
+	Detail string
+}
+
+func (e *DamagedError) Error() string {
+	where := "lease slot"
+	switch {
+	case e.Header:
+		where = "lease header"
+	case e.Slot >= 0:
+		where = fmt.Sprintf("lease slot %d", e.Slot)
+	}
+	return fmt.Sprintf("%s: %s %s: the lease area is damaged or was written by another version, and nothing is done to it", where, e.Field, e.Detail)
+}
+
+// Is makes every DamagedError match ErrDamaged.
+func (e *DamagedError) Is(target error) bool { return target == ErrDamaged }
+
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Header is block 0 of the lease area. It marks the disk as formatted with
@@ -138,9 +186,11 @@ type Area struct {
 	// Raw holds each slot's block as read; a reader compares these to see
 	// whether a host has written since.
 	Raw [Slots][]byte
-	// Corrupt marks slots whose block is not all zeros and does not decode
-	// (a torn write, or something else wrote there). Such a slot owns
-	// nothing, but a reader that waits for expiry waits for it too.
+	// Corrupt marks slots whose block is not all zeros and does not pass
+	// its checksum or lacks the slot magic (a torn write, or something
+	// else wrote there). Such a slot owns nothing, but a reader that
+	// waits for expiry waits for it too, and clears it once it has stayed
+	// unchanged for that bound.
 	Corrupt [Slots]bool
 }
 
@@ -254,7 +304,7 @@ func DecodeHeader(b []byte) (Header, error) {
 	}
 	be := binary.BigEndian
 	if got, want := be.Uint32(b[crcOffset:]), crc32.Checksum(b[:crcOffset], castagnoli); got != want {
-		return Header{}, fmt.Errorf("lease header checksum 0x%08x, computed 0x%08x: the lease area is damaged", got, want)
+		return Header{}, &DamagedError{Slot: -1, Header: true, Field: "checksum", Detail: fmt.Sprintf("0x%08x, computed 0x%08x", got, want)}
 	}
 	h := Header{
 		Version:    be.Uint32(b[8:]),
@@ -266,12 +316,23 @@ func DecodeHeader(b []byte) (Header, error) {
 		Creator:    fence.Key(be.Uint64(b[64:])),
 	}
 	copy(h.VolumeID[:], b[40:56])
-	switch {
-	case h.Version != version:
-		return h, fmt.Errorf("lease header version %d; this agent reads version %d", h.Version, version)
-	case h.BlockSize != BlockSize || h.Slots != Slots || h.SlotOffset != BlockSize || h.DataOffset != DataOffset:
-		return h, fmt.Errorf("lease header geometry (block %d, %d slots at %d, data at %d) is not the one this agent writes (block %d, %d slots at %d, data at %d)",
-			h.BlockSize, h.Slots, h.SlotOffset, h.DataOffset, BlockSize, Slots, BlockSize, DataOffset)
+	if h.Version != version {
+		return h, &DamagedError{Slot: -1, Header: true, Field: "version", Detail: fmt.Sprintf("%d, this agent reads version %d", h.Version, version)}
+	}
+	// The geometry is fixed: the engine reads and writes at these offsets
+	// and sizes, never at the header's.
+	for _, g := range []struct {
+		field     string
+		got, want uint64
+	}{
+		{"block size", uint64(h.BlockSize), BlockSize},
+		{"slot count", uint64(h.Slots), Slots},
+		{"slot offset", h.SlotOffset, BlockSize},
+		{"data offset", h.DataOffset, DataOffset},
+	} {
+		if g.got != g.want {
+			return h, &DamagedError{Slot: -1, Header: true, Field: g.field, Detail: fmt.Sprintf("%d is not the geometry this agent writes (%d)", g.got, g.want)}
+		}
 	}
 	return h, nil
 }
@@ -297,7 +358,10 @@ func EncodeSlot(s Slot) []byte {
 	return b
 }
 
-// DecodeSlot parses a slot block. An all-zero block is an empty slot.
+// DecodeSlot parses a slot block. An all-zero block is an empty slot. A
+// block without the slot magic or failing its checksum is a torn write
+// (or a foreign one): an error that is not a DamagedError. A block that
+// passes its checksum with a field out of bounds is a DamagedError.
 func DecodeSlot(b []byte) (Slot, error) {
 	if len(b) < BlockSize {
 		return Slot{}, fmt.Errorf("lease slot: %d bytes, want %d", len(b), BlockSize)
@@ -329,23 +393,41 @@ func DecodeSlot(b []byte) (Slot, error) {
 	}
 	s.Node = fieldText(b[72 : 72+nodeNameLen])
 	s.Serial = fieldText(b[136 : 136+serialLen])
-	switch {
-	case s.Key == 0:
-		return s, fmt.Errorf("lease slot names key 0")
-	case s.State == StateEmpty || s.State > StateFenced:
-		return s, fmt.Errorf("lease slot of key %s has invalid state %d", s.Key, uint8(s.State))
-	case s.Epoch == 0:
-		return s, fmt.Errorf("lease slot of key %s has epoch 0", s.Key)
-	}
-	if err := s.Timing.validate(); err != nil {
-		return s, fmt.Errorf("lease slot of key %s: %w", s.Key, err)
+	if err := s.bounds(); err != nil {
+		return s, err
 	}
 	return s, nil
 }
 
+// bounds checks the fields of a slot that passed its checksum; a field
+// out of bounds is a DamagedError.
+func (s Slot) bounds() error {
+	damaged := func(field, format string, args ...any) error {
+		return &DamagedError{Slot: -1, Field: field, Detail: fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case s.Key == 0:
+		return damaged("key", "is 0, which no node has")
+	case s.State == StateEmpty || s.State > StateFenced:
+		return damaged("state", "%d (key %s) is not held (1), released (2) or fenced (3)", uint8(s.State), s.Key)
+	case s.Epoch == 0:
+		return damaged("epoch", "is 0 (key %s); claims start at 1", s.Key)
+	case s.Epoch > MaxSlotEpoch:
+		return damaged("epoch", "%d (key %s) is above the bound %d", s.Epoch, s.Key, uint64(MaxSlotEpoch))
+	case s.Counter > MaxSlotCounter:
+		return damaged("counter", "%d (key %s) is above the bound %d", s.Counter, s.Key, uint64(MaxSlotCounter))
+	}
+	if err := s.Timing.validate(); err != nil {
+		return damaged("timing", "of key %s: %v", s.Key, err)
+	}
+	return nil
+}
+
 // DecodeArea parses one read of the lease area (ReadSize bytes). Slots
-// that do not decode are marked Corrupt rather than failing the read: a
-// torn write by one host must not make the disk unreadable for the rest.
+// that do not pass their checksum are marked Corrupt rather than failing
+// the read: a torn write by one host must not make the disk unreadable
+// for the rest. A slot that passes it with a field out of bounds fails
+// the read with a DamagedError naming the slot and the field.
 func DecodeArea(b []byte) (*Area, error) {
 	if len(b) < ReadSize {
 		return nil, fmt.Errorf("lease area: %d bytes, want %d", len(b), ReadSize)
@@ -359,6 +441,11 @@ func DecodeArea(b []byte) (*Area, error) {
 		blk := b[BlockSize*(1+i) : BlockSize*(2+i)]
 		a.Raw[i] = bytes.Clone(blk)
 		s, err := DecodeSlot(blk)
+		var d *DamagedError
+		if errors.As(err, &d) {
+			d.Slot = i
+			return nil, d
+		}
 		if err != nil {
 			a.Corrupt[i] = true
 			continue
