@@ -288,34 +288,12 @@ func (c *Client) once(ctx context.Context, cl call) error {
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		// The API did not answer; only HTTP 5xx and 429 are retried, so
-		// this goes back to the caller, whose own retry loop decides.
-		// A url.Error names the URL last asked for, which a redirect's
-		// Location chose: keep the method, the URL asked for and the cause.
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			err = fmt.Errorf("%s %s: %w", req.Method, u.Redacted(), ue.Err)
-		}
-		return &APIError{Op: cl.op, Target: cl.target,
-			Message: redact.Text(err.Error(), tok), Kind: ErrUnavailable}
+		return unanswered(cl, req, err, tok)
 	}
 	defer resp.Body.Close()
 	data, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
 	if kind := kindForStatus(resp.StatusCode); kind != nil {
-		ae := &APIError{Op: cl.op, Target: cl.target, Status: resp.StatusCode,
-			Message: apiMessage(data, tok), Kind: kind}
-		if kind == ErrForbidden && cl.forbiddenHint != "" {
-			ae.Hint = cl.forbiddenHint
-		}
-		if kind == ErrUnauthorized {
-			ae.Hint = "the credential in " + c.cfg.TokenFile + " was rejected; renew it"
-		}
-		if resp.StatusCode == 429 || resp.StatusCode == 503 {
-			if s, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && s > 0 {
-				return &retryAfterError{APIError: ae, after: time.Duration(s) * time.Second}
-			}
-		}
-		return ae
+		return c.refused(cl, resp, kind, data, tok)
 	}
 	if cl.out == nil || len(bytes.TrimSpace(data)) == 0 {
 		return nil
@@ -325,6 +303,38 @@ func (c *Client) once(ctx context.Context, cl call) error {
 			Message: "answer is not the expected JSON: " + err.Error(), Kind: ErrInvalid}
 	}
 	return nil
+}
+
+// unanswered is the error of a request the API did not answer. Only HTTP
+// 5xx and 429 are retried, so this goes back to the caller, whose own
+// retry loop decides. A url.Error names the URL last asked for, which a
+// redirect's Location chose: the method, the URL asked for and the cause
+// are kept instead.
+func unanswered(cl call, req *http.Request, err error, tok string) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = fmt.Errorf("%s %s: %w", req.Method, req.URL.Redacted(), ue.Err)
+	}
+	return &APIError{Op: cl.op, Target: cl.target, Message: redact.Text(err.Error(), tok), Kind: ErrUnavailable}
+}
+
+// refused is the error of an answer whose status is kind, data its body
+// and tok the credential the request carried.
+func (c *Client) refused(cl call, resp *http.Response, kind error, data []byte, tok string) error {
+	ae := &APIError{Op: cl.op, Target: cl.target, Status: resp.StatusCode,
+		Message: apiMessage(data, tok), Kind: kind}
+	if kind == ErrForbidden && cl.forbiddenHint != "" {
+		ae.Hint = cl.forbiddenHint
+	}
+	if kind == ErrUnauthorized {
+		ae.Hint = "the credential in " + c.cfg.TokenFile + " was rejected; renew it"
+	}
+	if resp.StatusCode == 429 || resp.StatusCode == 503 {
+		if s, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && s > 0 {
+			return &retryAfterError{APIError: ae, after: time.Duration(s) * time.Second}
+		}
+	}
+	return ae
 }
 
 // Unwrap lets errors.As find the APIError inside a retryAfterError.
