@@ -15,13 +15,17 @@ import (
 const Mark = "[redacted]"
 
 // minPart is the shortest dot-separated part of a secret that is replaced
-// on its own, and the shortest start of a secret recognised at the end of
-// a text cut short.
-const minPart = 8
+// on its own; minStart the shortest start of a secret recognised at the
+// end of a text cut short.
+const (
+	minPart  = 8
+	minStart = 4
+)
 
 var (
-	// bearer is an Authorization header's credential, whatever it is.
-	bearer = regexp.MustCompile(`(?i)\bbearer\s+[A-Za-z0-9._~+/=-]+`)
+	// bearer is an Authorization header's credential, whatever it is (8
+	// bytes or more: "the bearer token was rejected" stays as it is).
+	bearer = regexp.MustCompile(`(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{8,}`)
 	// vaultHeader is the value of an echoed X-Vault-Token header.
 	vaultHeader = regexp.MustCompile(`(?i)(x-vault-token["']?\s*[:=]\s*["']?)[A-Za-z0-9._-]+`)
 	// jwt is a JWT, or the start of one: a base64url JSON object (which
@@ -36,7 +40,7 @@ var (
 // Text is s with credentials replaced by Mark: each of secrets; each
 // dot-separated part of a secret of at least 8 bytes (a JWT's header,
 // payload and signature; a Vault token's body); a start of a secret of at
-// least 8 bytes that ends s (an echo cut short); and, known or not, every
+// least 4 bytes that ends s (an echo cut short); and, known or not, every
 // "Bearer <credential>", every X-Vault-Token header's value, every
 // JWT-shaped run, whole or cut short, and every Vault token.
 func Text(s string, secrets ...string) string {
@@ -58,7 +62,7 @@ func known(s, sec string) string {
 	s = strings.ReplaceAll(s, sec, Mark)
 	// The start before the parts: once a part is replaced, the rest of a
 	// start that ends s is no longer recognisable as one.
-	for n := min(len(sec)-1, len(s)); n >= minPart; n-- {
+	for n := min(len(sec)-1, len(s)); n >= minStart; n-- {
 		if strings.HasSuffix(s, sec[:n]) {
 			s = s[:len(s)-n] + Mark
 			break

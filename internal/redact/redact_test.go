@@ -58,10 +58,16 @@ func TestEchoCutAcrossToken(t *testing.T) {
 // truncates, a read limit) leaves nothing behind, with or without the
 // secret known, and with no "Bearer " before it.
 func TestTextCutShort(t *testing.T) {
-	for n := len("eyJ") + 4; n < len(token); n++ {
+	for n := 4; n < len(token); n++ {
 		s := `{"message":"bad request: jwt=` + token[:n]
-		leaked(t, fmt.Sprintf("known, cut after %d bytes", n), Text(s, token), token[:n])
-		leaked(t, fmt.Sprintf("unknown, cut after %d bytes", n), Text(s), token[:n])
+		got := Text(s, token)
+		leaked(t, fmt.Sprintf("known, cut after %d bytes", n), got, token[:n])
+		if !strings.HasSuffix(got, "jwt="+Mark) {
+			t.Fatalf("known, cut after %d bytes: %q", n, got)
+		}
+		if n >= len("eyJ")+4 {
+			leaked(t, fmt.Sprintf("unknown, cut after %d bytes", n), Text(s), token[:n])
+		}
 	}
 }
 
@@ -95,6 +101,8 @@ func TestTextKeepsTheRest(t *testing.T) {
 		"dial tcp 10.0.2.100:8200: connection refused",
 		"permission denied on key vco-csi-volumes (transit-prod-1)",
 		"the credential in /etc/vco-csi/cloud/jwt was rejected",
+		"the bearer token was rejected",
+		`WWW-Authenticate: Bearer realm="kubernetes"`,
 	} {
 		if got := Text(s, token, "hvs.CAESIJ0ncBm3fq1Pv9WzXbyRtK2Q"); got != s {
 			t.Errorf("Text(%q) = %q, want it unchanged", s, got)
