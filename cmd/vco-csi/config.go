@@ -22,6 +22,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
 )
 
 const (
@@ -40,11 +41,14 @@ type credential struct {
 	Customer   string // key customer
 	Cloudspace string // key cloudspace
 	TokenFile  string // key jwt, mounted as a file
+	// InsecureAllowHTTP (--insecure-allow-http) lets the url be plain http
+	// to a host that is not a loopback address.
+	InsecureAllowHTTP bool
 }
 
 // apiURL checks the credential and returns the API root it names.
 func (c credential) apiURL() (string, error) {
-	root, err := portalAPIURL(c.PortalURL)
+	root, err := portalAPIURL(c.PortalURL, c.InsecureAllowHTTP)
 	if err != nil {
 		return "", err
 	}
@@ -63,8 +67,9 @@ func (c credential) apiURL() (string, error) {
 }
 
 // portalAPIURL turns the portal's base URL (scheme://host[:port], a
-// trailing slash tolerated) into the API root.
-func portalAPIURL(raw string) (string, error) {
+// trailing slash tolerated) into the API root. Plain http is refused but
+// to a loopback address or when insecure (--insecure-allow-http) is set.
+func portalAPIURL(raw string, insecure bool) (string, error) {
 	bad := func(why string) error {
 		return fmt.Errorf("%s key url (--portal-url) %q %s; want the portal's scheme and host, e.g. https://try.whitesky.cloud", credentialSecret, raw, why)
 	}
@@ -91,6 +96,9 @@ func portalAPIURL(raw string) (string, error) {
 		return "", bad("has a path (" + u.Path + "); the plugin appends " + apiPath + " itself")
 	case u.RawQuery != "" || u.ForceQuery || u.Fragment != "":
 		return "", bad("has a query or fragment")
+	case !cleartext.Allowed(u, insecure):
+		return "", bad("is plain http to " + u.Hostname() + ", not a loopback address: the cloud JWT would travel in clear (" +
+			cleartext.Option + " allows it for test set-ups)")
 	}
 	return u.Scheme + "://" + u.Host + apiPath, nil
 }
@@ -198,8 +206,9 @@ var objectName = regexp.MustCompile(`^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$`)
 // csi-key-backend-config there is no key backend (nil, nil): the
 // ConfigMap is optional and encrypted volumes are then refused at stage.
 // Any error names the ConfigMap's key as written, never a value of the
-// token.
-func loadKeyBackend(dir string) (*keyBackend, error) {
+// token. insecure (--insecure-allow-http) lets the address be plain http
+// to a host that is not a loopback address.
+func loadKeyBackend(dir string, insecure bool) (*keyBackend, error) {
 	given, err := keyBackendKeys(dir)
 	if err != nil || len(given) == 0 {
 		return nil, err
@@ -217,11 +226,11 @@ func loadKeyBackend(dir string) (*keyBackend, error) {
 		}
 	}
 	addr := values["address"]
-	if err := checkKeyBackendAddress(addr); err != nil {
+	if err := checkKeyBackendAddress(addr, insecure); err != nil {
 		return nil, err
 	}
 	kb := &keyBackend{
-		Transit: transit.Config{Address: strings.TrimRight(addr, "/"), Mount: values["transitMount"], Namespace: values["namespace"],
+		Transit: transit.Config{Address: strings.TrimRight(addr, "/"), InsecureAllowHTTP: insecure, Mount: values["transitMount"], Namespace: values["namespace"],
 			KubernetesRole: values["role"], KubernetesMount: values["k8sAuthPath"], ServiceAccountTokenFile: filepath.Join(dir, "token")},
 		Key:   crypt.TransitKey{Mount: values["transitMount"], Name: values["transitKey"]},
 		CARef: values["caRef"],
@@ -325,14 +334,18 @@ func (ks keySetting) check(v, from string, given []string) (string, error) {
 }
 
 // checkKeyBackendAddress refuses an address that is not scheme://host:port
-// of http or https.
-func checkKeyBackendAddress(addr string) error {
+// of https, or of http to a loopback address unless insecure
+// (--insecure-allow-http) is set.
+func checkKeyBackendAddress(addr string, insecure bool) error {
 	u, err := url.Parse(addr)
 	switch {
 	case err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Hostname() == "":
 		return fmt.Errorf("%s key address %q is not an http(s) URL with a host, e.g. https://openbao.example.net:8200", keyBackendConfig, addr)
 	case u.Path != "" && u.Path != "/" || u.RawQuery != "" || u.Fragment != "" || u.User != nil:
 		return fmt.Errorf("%s key address %q has a path, query, fragment or user; want scheme://host:port only", keyBackendConfig, addr)
+	case !cleartext.Allowed(u, insecure):
+		return fmt.Errorf("%s key address %q is plain http to %s, not a loopback address: the node's ServiceAccount token, the Vault token and the volumes' passphrases would travel in clear; "+
+			"set it to the https:// address, with the server's CA in openbao-ca (%s allows http for test set-ups)", keyBackendConfig, addr, u.Hostname(), cleartext.Option)
 	}
 	return nil
 }
@@ -393,8 +406,8 @@ func findCA(dir string, kb *keyBackend, explicit bool) error {
 
 // nodeKeyBackend reads the key backend directory and makes its transit
 // client: nil, nil, nil when no key backend is configured.
-func nodeKeyBackend(dir string) (*transit.Client, *keyBackend, error) {
-	kb, err := loadKeyBackend(dir)
+func nodeKeyBackend(dir string, insecure bool) (*transit.Client, *keyBackend, error) {
+	kb, err := loadKeyBackend(dir, insecure)
 	if err != nil || kb == nil {
 		return nil, nil, err
 	}

@@ -8,6 +8,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"log/slog"
 	"maps"
 	"math/big"
 	"net/http/httptest"
@@ -22,6 +23,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
+	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 )
 
 func writeFiles(t *testing.T, dir string, files map[string]string) {
@@ -55,13 +57,20 @@ func TestCredential(t *testing.T) {
 	writeFiles(t, dir, map[string]string{"jwt": "eyJhbGciOiJFUzM4NCJ9.e30.c2ln\n", "empty": " \n"})
 	good := credential{PortalURL: "https://try.whitesky.cloud", Customer: "acme_1", Cloudspace: "k8s-prod", TokenFile: jwt}
 
-	for _, tc := range []struct{ url, want string }{
-		{"https://try.whitesky.cloud", "https://try.whitesky.cloud/api/1"},
-		{"https://try.whitesky.cloud/", "https://try.whitesky.cloud/api/1"},
-		{"http://127.0.0.1:8080", "http://127.0.0.1:8080/api/1"},
+	for _, tc := range []struct {
+		url      string
+		insecure bool
+		want     string
+	}{
+		{"https://try.whitesky.cloud", false, "https://try.whitesky.cloud/api/1"},
+		{"https://try.whitesky.cloud/", false, "https://try.whitesky.cloud/api/1"},
+		{"http://127.0.0.1:8080", false, "http://127.0.0.1:8080/api/1"},
+		{"http://[::1]:8080", false, "http://[::1]:8080/api/1"},
+		{"http://localhost:8080", false, "http://localhost:8080/api/1"},
+		{"http://10.0.2.100:8080", true, "http://10.0.2.100:8080/api/1"},
 	} {
 		c := good
-		c.PortalURL = tc.url
+		c.PortalURL, c.InsecureAllowHTTP = tc.url, tc.insecure
 		got, err := c.apiURL()
 		if err != nil || got != tc.want {
 			t.Errorf("url %q: %q, %v; want %q", tc.url, got, err, tc.want)
@@ -77,6 +86,9 @@ func TestCredential(t *testing.T) {
 		{"unfilled url", func(c *credential) { c.PortalURL = "$(VCO_PORTAL_URL)" }, []string{"key url", "not filled in"}},
 		{"no scheme", func(c *credential) { c.PortalURL = "try.whitesky.cloud" }, []string{"key url", "no http or https scheme"}},
 		{"ftp", func(c *credential) { c.PortalURL = "ftp://try.whitesky.cloud" }, []string{"key url", "no http or https scheme"}},
+		{"http", func(c *credential) { c.PortalURL = "http://try.whitesky.cloud" },
+			[]string{"csi-driver-secret key url (--portal-url)", "plain http to try.whitesky.cloud, not a loopback address", "--insecure-allow-http", "https://try.whitesky.cloud"}},
+		{"http to 10.0.2.100", func(c *credential) { c.PortalURL = "http://10.0.2.100:8080" }, []string{"key url", "plain http to 10.0.2.100"}},
 		{"no host", func(c *credential) { c.PortalURL = "https://" }, []string{"key url", "no host"}},
 		{"api path", func(c *credential) { c.PortalURL = "https://try.whitesky.cloud/api/1" }, []string{"key url", "has a path (/api/1)"}},
 		{"query", func(c *credential) { c.PortalURL = "https://try.whitesky.cloud?x=1" }, []string{"key url", "query or fragment"}},
@@ -180,6 +192,9 @@ func TestKeyBackend(t *testing.T) {
 		{"blank address", map[string]string{"address": "\n"}, "", nil, []string{"csi-key-backend-config key address is empty"}},
 		{"address no scheme", map[string]string{"address": "openbao.example.net:8200"}, "", nil, []string{"key address", "not an http(s) URL"}},
 		{"address path", map[string]string{"address": "https://openbao.example.net:8200/v1"}, "", nil, []string{"key address", "has a path"}},
+		{"address http", map[string]string{"address": "http://openbao.example.net:8200"}, "", nil,
+			[]string{"csi-key-backend-config key address", "plain http to openbao.example.net, not a loopback address", "https://", "--insecure-allow-http"}},
+		{"address http loopback", map[string]string{"address": "http://127.0.0.1:8200"}, "", nil, nil},
 		{"no role", map[string]string{"role": ""}, "", nil, []string{"csi-key-backend-config has no key role"}},
 		{"blank role", map[string]string{"role": " \n"}, "", nil, []string{"csi-key-backend-config key role is empty"}},
 		{"spaced key", map[string]string{"transitKey": "a b"}, "", nil, []string{"key transitKey", "white space"}},
@@ -219,7 +234,7 @@ func TestKeyBackend(t *testing.T) {
 				delete(files, "caRef") // the default; explicit, it asks for a bundle
 			}
 			writeFiles(t, dir, files)
-			kb, err := loadKeyBackend(dir)
+			kb, err := loadKeyBackend(dir, false)
 			if tc.want == nil {
 				if err != nil || kb == nil {
 					t.Fatalf("%+v, %v; want a key backend", kb, err)
@@ -251,7 +266,7 @@ func keyBackendSeed(t *testing.T, ca string) {
 		t.Fatal(err)
 	}
 	dir := projectKeyBackend(t, cm.Data, "ConfigMap", caCM.Data)
-	kb, err := loadKeyBackend(dir)
+	kb, err := loadKeyBackend(dir, false)
 	if err != nil || kb == nil {
 		t.Fatalf("the seed's ConfigMaps: %v, %v", kb, err)
 	}
@@ -269,7 +284,7 @@ func keyBackendSeed(t *testing.T, ca string) {
 func keyBackendOurNames(t *testing.T, ca string) {
 	dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200/\n", "transit_key": "vco-csi-volumes",
 		"role": "vco-csi-node", "transit_mount": "kv/transit", "auth_mount": "/k8s-prod/", "namespace": "team-a"}, "ConfigMap", map[string]string{"ca.crt": ca})
-	kb, err := loadKeyBackend(dir)
+	kb, err := loadKeyBackend(dir, false)
 	if err != nil || kb == nil {
 		t.Fatalf("%v, %v", kb, err)
 	}
@@ -282,7 +297,7 @@ func keyBackendOurNames(t *testing.T, ca string) {
 
 func keyBackendDefaults(t *testing.T) {
 	dir := projectKeyBackend(t, map[string]string{"address": "https://openbao.example.net:8200", "role": "r"}, "", nil)
-	kb, err := loadKeyBackend(dir)
+	kb, err := loadKeyBackend(dir, false)
 	if err != nil || kb == nil {
 		t.Fatalf("%v, %v", kb, err)
 	}
@@ -294,7 +309,7 @@ func keyBackendDefaults(t *testing.T) {
 
 func keyBackendAuthPath(t *testing.T) {
 	dir := projectKeyBackend(t, map[string]string{"address": "https://b:8200", "role": "r", "k8sAuthPath": "auth/kubernetes-prod-1/"}, "", nil)
-	if kb, err := loadKeyBackend(dir); err != nil || kb.Transit.KubernetesMount != "kubernetes-prod-1" {
+	if kb, err := loadKeyBackend(dir, false); err != nil || kb.Transit.KubernetesMount != "kubernetes-prod-1" {
 		t.Errorf("k8sAuthPath auth/kubernetes-prod-1/: %+v, %v; want the mount kubernetes-prod-1", kb, err)
 	}
 }
@@ -319,7 +334,7 @@ func keyBackendCA(t *testing.T, ca string) {
 			s["caRef"] = tc.caRef
 		}
 		dir := projectKeyBackend(t, s, tc.kind, map[string]string{tc.key: ca})
-		kb, err := loadKeyBackend(dir)
+		kb, err := loadKeyBackend(dir, false)
 		if err != nil || kb.CASource != tc.want || kb.Transit.CACertFile != filepath.Join(dir, "ca", strings.ToLower(tc.kind), tc.key) {
 			t.Errorf("caRef %q, %s key %s: %+v, %v; want the CA from %s", tc.caRef, tc.kind, tc.key, kb, err, tc.want)
 		}
@@ -331,7 +346,7 @@ func keyBackendNone(t *testing.T, ca string) {
 	// CA are there, or the directory is not mounted at all.
 	dir := projectKeyBackend(t, nil, "ConfigMap", map[string]string{"ca.crt": ca})
 	for _, d := range []string{dir, filepath.Join(dir, "absent")} {
-		if kb, err := loadKeyBackend(d); kb != nil || err != nil {
+		if kb, err := loadKeyBackend(d, false); kb != nil || err != nil {
 			t.Errorf("%s: %+v, %v; want no key backend and no error", d, kb, err)
 		}
 	}
@@ -361,6 +376,9 @@ func TestPluginRefusesBadSettingsAtStart(t *testing.T) {
 		{append(ctl, "--portal-url=https://try.whitesky.cloud", "--customer=c"), "csi-driver-secret key cloudspace (--cloudspace) is empty"},
 		{append(ctl, "--portal-url=https://try.whitesky.cloud/api/1", "--customer=c", "--cloudspace=s"), "csi-driver-secret key url"},
 		{append(node, "--key-backend-dir="+kb, "--vault-addr=https://vault.example:8200"), "--key-backend-dir and --vault-addr"},
+		{append(ctl, "--portal-url=http://try.whitesky.cloud", "--customer=c", "--cloudspace=s"), "csi-driver-secret key url (--portal-url) \"http://try.whitesky.cloud\" is plain http"},
+		{append(ctl, "--api-url=http://try.whitesky.cloud/api/1", "--customer=c"), "--api-url \"http://try.whitesky.cloud/api/1\" is plain http"},
+		{append(node, "--vault-addr=http://vault.example:8200"), "--vault-addr \"http://vault.example:8200\" is plain http"},
 	} {
 		out := captureStderr(t, func() {
 			if rc := runPlugin(tc.args); rc != 1 {
@@ -417,7 +435,7 @@ func TestSeedKeyBackendReachesTheTransitEngine(t *testing.T) {
 	for _, kind := range []string{"ConfigMap", "Secret"} {
 		dir := projectKeyBackend(t, cm.Data, kind, map[string]string{"ca.crt": caPEM})
 		writeFiles(t, dir, map[string]string{"token": fake.JWT})
-		w, kb, err := nodeKeyBackend(dir)
+		w, kb, err := nodeKeyBackend(dir, false)
 		if err != nil || w == nil {
 			t.Fatalf("%s openbao-ca: %v", kind, err)
 		}
@@ -442,11 +460,74 @@ func TestSeedKeyBackendReachesTheTransitEngine(t *testing.T) {
 	// Without the CA the server's certificate is not trusted.
 	dir := projectKeyBackend(t, map[string]string{"address": srv.URL, "role": "vco-csi-node", "k8sAuthPath": "kubernetes-prod-1",
 		"transitMount": "transit-prod-1"}, "", nil)
-	w, kb, err := nodeKeyBackend(dir)
+	w, kb, err := nodeKeyBackend(dir, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if _, err := w.Encrypt(context.Background(), kb.Key.Name, []byte("x")); err == nil {
 		t.Error("a server whose CA is not in openbao-ca was trusted")
+	}
+}
+
+// TestInsecureAllowHTTP: with --insecure-allow-http a plain http cloud API
+// URL or key backend address to another host is accepted, and the start
+// says so in warnings naming each; without it the key backend's address
+// is a key backend problem, not an accepted setting.
+func TestInsecureAllowHTTP(t *testing.T) {
+	dir := t.TempDir()
+	writeFiles(t, dir, map[string]string{"jwt": "eyJhbGciOiJFUzM4NCJ9.e30.c2ln", "vault-token": "hvs.t"})
+	kb := filepath.Join(dir, "key-backend")
+	if err := os.Mkdir(kb, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	writeFiles(t, kb, map[string]string{"address": "http://10.0.2.100:8200", "role": "r", "token": "t"})
+	sock := "unix://" + filepath.Join(dir, "csi.sock")
+	for _, tc := range []struct {
+		args []string
+		want []string
+	}{
+		{[]string{"--mode=controller", "--portal-url=http://10.0.2.100:8080", "--customer=c", "--cloudspace=s"},
+			[]string{"INSECURE: --insecure-allow-http is set", "INSECURE: the cloud API is reached over plain http", "url=http://10.0.2.100:8080"}},
+		{[]string{"--mode=controller", "--api-url=http://10.0.2.100:8080/api/1", "--customer=c"},
+			[]string{"INSECURE: the cloud API is reached over plain http", "url=http://10.0.2.100:8080"}},
+		{[]string{"--mode=node", "--vault-addr=http://10.0.2.100:8200", "--vault-token-file=" + filepath.Join(dir, "vault-token")},
+			[]string{"INSECURE: the key backend is reached over plain http", "url=http://10.0.2.100:8200"}},
+		{[]string{"--mode=node", "--key-backend-dir=" + kb},
+			[]string{"INSECURE: the key backend is reached over plain http", "url=http://10.0.2.100:8200"}},
+	} {
+		args := append([]string{"--endpoint=" + sock, "--driver-name=cloud.whitesky.csi", "--token-file=" + filepath.Join(dir, "jwt"),
+			"--agent-socket=" + filepath.Join(dir, "absent.sock"), "--insecure-allow-http"}, tc.args...)
+		f, err := parsePluginFlags(args)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out strings.Builder
+		cfg, _, _ := f.driverConfig(slog.New(slog.NewTextHandler(&out, nil)), metrics.New())
+		if cfg.KeyBackendProblem != nil {
+			t.Errorf("%q: key backend problem %v", tc.args, cfg.KeyBackendProblem)
+		}
+		for _, w := range tc.want {
+			if !strings.Contains(out.String(), w) {
+				t.Errorf("%q: log %q lacks %q", tc.args, out.String(), w)
+			}
+		}
+		if !strings.Contains(out.String(), "level=WARN") {
+			t.Errorf("%q: not a warning: %q", tc.args, out.String())
+		}
+	}
+	// Without the option the key backend directory's http address is a
+	// problem that names the key, and the plugin is not told otherwise.
+	f, err := parsePluginFlags([]string{"--endpoint=" + sock, "--mode=node", "--driver-name=cloud.whitesky.csi", "--key-backend-dir=" + kb,
+		"--agent-socket=" + filepath.Join(dir, "absent.sock")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	cfg, _, _ := f.driverConfig(slog.New(slog.NewTextHandler(&out, nil)), metrics.New())
+	if cfg.KeyBackendProblem == nil || !strings.Contains(cfg.KeyBackendProblem.Error(), `csi-key-backend-config key address "http://10.0.2.100:8200" is plain http`) {
+		t.Errorf("key backend problem %v, want the address refused", cfg.KeyBackendProblem)
+	}
+	if cfg.Transit != nil || strings.Contains(out.String(), "INSECURE") {
+		t.Errorf("the http address was used: %v\n%s", cfg.Transit, out.String())
 	}
 }

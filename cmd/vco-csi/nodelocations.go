@@ -18,6 +18,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
+	"github.com/whitesky-cloud/vco-storage/internal/redact"
 )
 
 // The controller keeps the map of reference_ids to locations in a ConfigMap
@@ -61,7 +64,7 @@ func newConfigMapWriter(base, namespace, name, tokenFile, caFile string) (*confi
 	}
 	tr := &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}}
 	return &configMapWriter{base: base, namespace: namespace, name: name, tokenFile: tokenFile,
-		hc: &http.Client{Transport: tr, Timeout: 30 * time.Second}}, nil
+		hc: &http.Client{Transport: tr, Timeout: 30 * time.Second, CheckRedirect: cleartext.CheckRedirect}}, nil
 }
 
 // write replaces the ConfigMap's data with m, creating it if need be.
@@ -99,7 +102,8 @@ func (w *configMapWriter) do(ctx context.Context, method, u string, body []byte)
 	if err != nil {
 		return 0, "", err
 	}
-	req.Header.Set("Authorization", "Bearer "+strings.TrimSpace(string(tok)))
+	bearer := strings.TrimSpace(string(tok))
+	req.Header.Set("Authorization", "Bearer "+bearer)
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := w.hc.Do(req)
 	if err != nil {
@@ -107,9 +111,10 @@ func (w *configMapWriter) do(ctx context.Context, method, u string, body []byte)
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	// The answer goes into the log: a proxy's page may echo the token.
 	var st metav1.Status
 	if json.Unmarshal(b, &st) == nil && st.Message != "" {
-		return resp.StatusCode, st.Message, nil
+		return resp.StatusCode, redact.Text(st.Message, bearer), nil
 	}
-	return resp.StatusCode, strings.TrimSpace(string(b)), nil
+	return resp.StatusCode, redact.Echo(b, 512, bearer), nil
 }

@@ -87,3 +87,47 @@ func TestConfigMapWriter(t *testing.T) {
 		t.Fatalf("requests %v: the token is not re-read at each write", seen)
 	}
 }
+
+// TestConfigMapWriterEchoRedacted: an answer that echoes the request's
+// Authorization header, in a Status message or in a page cut at 512 bytes
+// across the token, leaves no piece of the token in the error.
+func TestConfigMapWriterEchoRedacted(t *testing.T) {
+	const token = "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJzeXN0ZW06c2VydmljZWFjY291bnQifQ.c2lnbmF0dXJlLW9mLXRoZS1jb250cm9sbGVy"
+	page := false
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		auth := r.Header.Get("Authorization")
+		if page {
+			pad := strings.Repeat("x", 512-len("Authorization: ")-len(auth)/2)
+			w.WriteHeader(http.StatusBadGateway)
+			w.Write([]byte(pad + "Authorization: " + auth + "\n"))
+			return
+		}
+		w.WriteHeader(http.StatusForbidden)
+		json.NewEncoder(w).Encode(map[string]string{"kind": "Status", "message": "forbidden for " + auth})
+	}))
+	defer srv.Close()
+	dir := t.TempDir()
+	ca := filepath.Join(dir, "ca.crt")
+	os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600)
+	tok := filepath.Join(dir, "token")
+	os.WriteFile(tok, []byte(token), 0o600)
+	w, err := newConfigMapWriter(srv.URL, "csi-driver", "vco-csi-node-locations", tok, ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pieces := strings.Split(token, ".")
+	for i := 0; i+8 <= len(token); i++ {
+		pieces = append(pieces, token[i:i+8])
+	}
+	for _, page = range []bool{false, true} {
+		err := w.write(context.Background(), map[string]string{"u": "ch-lug-1"})
+		if err == nil {
+			t.Fatalf("page %v: the write succeeded", page)
+		}
+		for _, p := range pieces {
+			if strings.Contains(err.Error(), p) {
+				t.Fatalf("page %v: %q of the token is in the error: %.300s", page, p, err)
+			}
+		}
+	}
+}

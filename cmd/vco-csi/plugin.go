@@ -27,6 +27,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 	"github.com/whitesky-cloud/vco-storage/csi/metrics"
 	"github.com/whitesky-cloud/vco-storage/csi/registration"
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
 )
 
 // runPlugin serves the CSI services of the chosen mode.
@@ -81,6 +82,7 @@ type pluginFlags struct {
 	kubeEvents      bool
 	kubeEventsState string
 	nodeName        string
+	insecureHTTP    bool
 }
 
 func parsePluginFlags(args []string) (*pluginFlags, error) {
@@ -123,6 +125,7 @@ func parsePluginFlags(args []string) (*pluginFlags, error) {
 	fs.BoolVar(&f.kubeEvents, "kube-events", true, "post vco-agent's refusals, fence losses, takeovers and re-established claims as Kubernetes Events about this node, and about the claim and pods of the volume they name, through the pod's ServiceAccount (node; off outside a pod)")
 	fs.StringVar(&f.kubeEventsState, "kube-events-state", "", "file that keeps the claim and pods of each volume staged on this node across restarts of the plugin, for --kube-events (node; deploy: /csi/kube-events.json); empty: memory only")
 	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's Kubernetes name, which the Events of --kube-events are about (node; default $NODE_NAME, which the DaemonSet sets from spec.nodeName)")
+	fs.BoolVar(&f.insecureHTTP, strings.TrimPrefix(cleartext.Option, "--"), false, "let the cloud API URL (--portal-url, --api-url) and the key backend address (--vault-addr, key address of csi-key-backend-config) be plain http to any host, not only to a loopback address: the cloud JWT, the node's ServiceAccount token, the Vault token and the passphrases then travel in clear; warned about at start (the simulator's and the lab's set-ups only)")
 
 	return f, fs.Parse(args)
 }
@@ -186,10 +189,15 @@ func (f *pluginFlags) run(log *slog.Logger) error {
 // API for the controller, the key backend and the agent for the node, and
 // the driver's name. It fills in the registration path.
 func (f *pluginFlags) driverConfig(log *slog.Logger, mx *metrics.Metrics) (driver.Config, kubeevents.Agent, error) {
+	if f.insecureHTTP {
+		log.Warn("INSECURE: "+cleartext.Option+" is set: the cloud API URL and the key backend address may be plain http to any host, "+
+			"and the cloud JWT, the node's ServiceAccount token, the Vault token and the passphrases then travel in clear; for the simulator's and the lab's set-ups only",
+			"mode", f.mode)
+	}
 	cfg := driver.Config{Name: f.name, Version: version, Mode: driver.Mode(f.mode), DefaultLocation: f.defLoc,
 		AttachTimeout: f.attachWait, KubeletRoot: f.kubelet, MaxVolumesPerNode: f.maxVols, NodeLocationsDir: f.locDir}
 	if cfg.Mode != driver.ModeNode {
-		if err := f.controllerCloud(&cfg, mx); err != nil {
+		if err := f.controllerCloud(&cfg, mx, log); err != nil {
 			return cfg, nil, err
 		}
 	}
@@ -226,21 +234,27 @@ func (f *pluginFlags) driverConfig(log *slog.Logger, mx *metrics.Metrics) (drive
 // controllerCloud sets the controller's cloud API client, its root from
 // --api-url or derived from --portal-url, and the driver's name from the
 // API's host when none was given.
-func (f *pluginFlags) controllerCloud(cfg *driver.Config, mx *metrics.Metrics) error {
+func (f *pluginFlags) controllerCloud(cfg *driver.Config, mx *metrics.Metrics, log *slog.Logger) error {
 	if f.portalURL != "" {
 		if f.apiURL != "" {
 			return errors.New("--portal-url and --api-url both given; the API root is derived from --portal-url, give only one")
 		}
-		root, err := credential{PortalURL: f.portalURL, Customer: f.customer, Cloudspace: f.cloudspace, TokenFile: f.tokenFile}.apiURL()
+		root, err := credential{PortalURL: f.portalURL, Customer: f.customer, Cloudspace: f.cloudspace, TokenFile: f.tokenFile,
+			InsecureAllowHTTP: f.insecureHTTP}.apiURL()
 		if err != nil {
 			return err
 		}
 		f.apiURL = root
+	} else if u, err := url.Parse(f.apiURL); err == nil && u.Scheme == "http" && !cleartext.Allowed(u, f.insecureHTTP) {
+		return fmt.Errorf("--api-url %q is plain http to %s, not a loopback address: the cloud JWT would travel in clear; give the https:// API root (%s allows http for test set-ups)",
+			f.apiURL, u.Hostname(), cleartext.Option)
 	}
-	c, err := cloud.New(cloud.Config{BaseURL: f.apiURL, Customer: f.customer, TokenFile: f.tokenFile, CAFile: f.caFile, WrapTransport: mx.Transport})
+	c, err := cloud.New(cloud.Config{BaseURL: f.apiURL, InsecureAllowHTTP: f.insecureHTTP, Customer: f.customer, TokenFile: f.tokenFile,
+		CAFile: f.caFile, WrapTransport: mx.Transport})
 	if err != nil {
 		return err
 	}
+	warnCleartext(log, "the cloud API", "the cloud JWT", f.apiURL)
 	cfg.Cloud = c
 	if cfg.Name == "" {
 		cfg.Name = driver.NameFromPortal(c.Host())
@@ -261,7 +275,11 @@ func (f *pluginFlags) nodeKeyBackend(cfg *driver.Config, log *slog.Logger) error
 	if f.vaultAddr == "" {
 		return nil
 	}
-	tc := transit.Config{Address: f.vaultAddr, Mount: f.transitMount, Namespace: f.vaultNamespace, CACertFile: f.vaultCA,
+	if u, err := url.Parse(f.vaultAddr); err == nil && u.Scheme == "http" && !cleartext.Allowed(u, f.insecureHTTP) {
+		return fmt.Errorf("--vault-addr %q is plain http to %s, not a loopback address: the Vault token and the passphrases would travel in clear; give the https:// address (%s allows http for test set-ups)",
+			f.vaultAddr, u.Hostname(), cleartext.Option)
+	}
+	tc := transit.Config{Address: f.vaultAddr, InsecureAllowHTTP: f.insecureHTTP, Mount: f.transitMount, Namespace: f.vaultNamespace, CACertFile: f.vaultCA,
 		KubernetesRole: f.vaultRole, KubernetesMount: f.vaultAuthMount}
 	if f.vaultTokenFile != "" {
 		b, err := os.ReadFile(f.vaultTokenFile)
@@ -274,6 +292,7 @@ func (f *pluginFlags) nodeKeyBackend(cfg *driver.Config, log *slog.Logger) error
 	if err != nil {
 		return err
 	}
+	warnCleartext(log, "the key backend", "the Vault token and the passphrases", f.vaultAddr)
 	cfg.Transit, cfg.TransitKey = w, crypt.TransitKey{Mount: f.transitMount, Name: f.transitKey}
 	return nil
 }
@@ -284,7 +303,7 @@ func (f *pluginFlags) nodeKeyBackend(cfg *driver.Config, log *slog.Logger) error
 // --health-addr, and encrypted stages are refused naming it
 // (docs/encryption.md).
 func (f *pluginFlags) keyBackendFromDir(cfg *driver.Config, log *slog.Logger) {
-	w, kb, err := nodeKeyBackend(f.keyBackendDir)
+	w, kb, err := nodeKeyBackend(f.keyBackendDir, f.insecureHTTP)
 	switch {
 	case err != nil:
 		cfg.KeyBackendProblem = err
@@ -294,8 +313,19 @@ func (f *pluginFlags) keyBackendFromDir(cfg *driver.Config, log *slog.Logger) {
 		log.Info("no key backend configured: encrypted volumes will be refused", "dir", f.keyBackendDir, "configmap", "csi-key-backend-config")
 	default:
 		cfg.Transit, cfg.TransitKey = w, kb.Key
+		warnCleartext(log, "the key backend", "the node's ServiceAccount token, the Vault token and the passphrases", kb.Transit.Address)
 		log.Info("key backend configured", "address", kb.Transit.Address, "transit_mount", kb.Key.Mount, "transit_key", kb.Key.Name,
 			"k8s_auth_path", kb.Transit.KubernetesMount, "role", kb.Transit.KubernetesRole, "ca_ref", kb.CARef, "ca", kb.CASource)
+	}
+}
+
+// warnCleartext logs, as a warning, that what (the cloud API, the key
+// backend) is reached over plain http at raw, not a loopback address,
+// which only --insecure-allow-http lets through: secrets travel in clear.
+func warnCleartext(log *slog.Logger, what, secrets, raw string) {
+	if u, err := url.Parse(raw); err == nil && cleartext.Clear(u) {
+		log.Warn("INSECURE: "+what+" is reached over plain http, not at a loopback address: "+secrets+" travel in clear ("+cleartext.Option+")",
+			"url", u.Scheme+"://"+u.Host)
 	}
 }
 

@@ -8,7 +8,9 @@
 // standard library instead of the full Vault client: the node plugin image
 // stays small and every request, timeout and error text is under our
 // control. Error texts name the server address, the operation and the key,
-// never a token, a passphrase or a JWT.
+// never a token, a passphrase or a JWT. None of those travels over plain
+// http but to a loopback address (or with Config.InsecureAllowHTTP),
+// redirects included.
 package transit
 
 import (
@@ -28,12 +30,20 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
+	"github.com/whitesky-cloud/vco-storage/internal/redact"
 )
 
 // Config says where the transit engine is and how to log in.
 type Config struct {
 	// Address is the server's base URL, e.g. https://vault.example:8200.
+	// It must be https, or http to a loopback address.
 	Address string
+	// InsecureAllowHTTP lets Address be http to any host, which sends the
+	// ServiceAccount JWT, the Vault token and the passphrases in clear
+	// (the simulator's and the lab's set-ups only).
+	InsecureAllowHTTP bool
 	// Mount is the transit engine's mount path (default "transit").
 	Mount string
 	// Namespace is sent as X-Vault-Namespace when set (Vault Enterprise,
@@ -80,6 +90,10 @@ func New(cfg Config) (*Client, error) {
 	if err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
 		return nil, fmt.Errorf("transit: vault address %q is not an http(s) URL", cfg.Address)
 	}
+	if !cleartext.Allowed(u, cfg.InsecureAllowHTTP) {
+		return nil, fmt.Errorf("transit: vault address %q is http to %s, which is not a loopback address: the ServiceAccount token, the Vault token and the passphrases would travel in clear; use https (%s allows http for test set-ups)",
+			cfg.Address, u.Hostname(), cleartext.Option)
+	}
 	cfg.Address = strings.TrimRight(cfg.Address, "/")
 	if cfg.Mount == "" {
 		cfg.Mount = "transit"
@@ -109,7 +123,8 @@ func New(cfg Config) (*Client, error) {
 		}
 		tr.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
 	}
-	c := &Client{cfg: cfg, http: &http.Client{Transport: tr, Timeout: cfg.Timeout}, now: time.Now}
+	hc := &http.Client{Transport: tr, Timeout: cfg.Timeout, CheckRedirect: cleartext.CheckRedirect}
+	c := &Client{cfg: cfg, http: hc, now: time.Now}
 	if cfg.Token != "" {
 		c.token = cfg.Token
 	}
@@ -384,8 +399,9 @@ func (c *Client) do(ctx context.Context, op, key, path, token string, body, out 
 		if json.Unmarshal(data, &e) != nil || len(e.Errors) == 0 {
 			e.Errors = []string{http.StatusText(resp.StatusCode)}
 		}
-		// A server or a proxy in front of it may echo the request: what
-		// was sent in confidence is cut out of the words kept.
+		// A server or a proxy in front of it may echo the request, whole
+		// or cut short: what was sent in confidence, and anything shaped
+		// like a credential, is cut out of the words kept.
 		secrets := []string{token}
 		if m, ok := body.(map[string]any); ok {
 			for _, k := range []string{"jwt", "plaintext"} {
@@ -395,11 +411,7 @@ func (c *Client) do(ctx context.Context, op, key, path, token string, body, out 
 			}
 		}
 		for i := range e.Errors {
-			for _, sec := range secrets {
-				if len(sec) >= 4 {
-					e.Errors[i] = strings.ReplaceAll(e.Errors[i], sec, "[redacted]")
-				}
-			}
+			e.Errors[i] = redact.Text(e.Errors[i], secrets...)
 		}
 		return fail(resp.StatusCode, e.Errors, nil)
 	}

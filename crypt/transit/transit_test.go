@@ -3,13 +3,17 @@ package transit
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"encoding/pem"
 	"errors"
+	"io"
+	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -301,5 +305,112 @@ func TestLoginJudgedByTheReviewHook(t *testing.T) {
 	}
 	if _, err := c2.Encrypt(ctx, "volumes", []byte("x")); err == nil || !strings.Contains(err.Error(), "403") && !strings.Contains(err.Error(), "denied") {
 		t.Fatalf("a token the review refuses: %v", err)
+	}
+}
+
+// pieces are the runs of a token that must not reach an error text: each
+// of its parts of 4 bytes or more and every 8-byte window across it.
+func pieces(tok string) []string {
+	var p []string
+	for _, part := range strings.Split(tok, ".") {
+		if len(part) >= 4 {
+			p = append(p, part)
+		}
+	}
+	for i := 0; i+8 <= len(tok); i++ {
+		p = append(p, tok[i:i+8])
+	}
+	return p
+}
+
+// TestEchoCutShortKeepsNoPieceOfTheJWT: a proxy that answers the login
+// with an error echoing the request body cut short, the ServiceAccount
+// JWT cut anywhere, leaves no piece of the JWT in the error.
+func TestEchoCutShortKeepsNoPieceOfTheJWT(t *testing.T) {
+	const jwt = "eyJhbGciOiJSUzI1NiIsImtpZCI6Im5vZGUifQ.eyJhdWQiOlsidmF1bHQiXSwic3ViIjoic3lzdGVtOnNlcnZpY2VhY2NvdW50In0.c2lnbmF0dXJlLW9mLXRoZS1zZXJ2aWNlYWNjb3VudC10b2tlbg"
+	var cut atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		b = b[:min(int(cut.Load()), len(b))]
+		w.WriteHeader(http.StatusBadRequest)
+		json.NewEncoder(w).Encode(map[string][]string{"errors": {"proxy: malformed request " + string(b)}})
+	}))
+	defer srv.Close()
+	sa := filepath.Join(t.TempDir(), "token")
+	os.WriteFile(sa, []byte(jwt), 0o600)
+	c, err := New(Config{Address: srv.URL, KubernetesRole: "vco-node", ServiceAccountTokenFile: sa, Timeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := len(`{"jwt":"`)
+	for n := before + len("eyJ") + 4; n <= before+len(jwt); n++ {
+		cut.Store(int64(n))
+		err := c.Login(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "proxy: malformed request") {
+			t.Fatalf("echo cut at %d: %v, want the proxy's error", n, err)
+		}
+		for _, p := range pieces(jwt[:n-before]) {
+			if strings.Contains(err.Error(), p) {
+				t.Fatalf("echo cut at %d: %q of the JWT is in the error: %v", n, p, err)
+			}
+		}
+	}
+}
+
+// TestHTTPOnlyToLoopback: a vault address of plain http to another host is
+// refused unless InsecureAllowHTTP says otherwise; to a loopback address
+// it is accepted.
+func TestHTTPOnlyToLoopback(t *testing.T) {
+	for _, tc := range []struct {
+		addr     string
+		insecure bool
+		refused  bool
+	}{
+		{"http://openbao.example.net:8200", false, true},
+		{"http://10.0.2.100:8200", false, true},
+		{"http://10.0.2.100:8200", true, false},
+		{"http://127.0.0.1:8200", false, false},
+		{"http://[::1]:8200", false, false},
+		{"http://localhost:8200", false, false},
+		{"https://openbao.example.net:8200", false, false},
+	} {
+		_, err := New(Config{Address: tc.addr, Token: "hvs.t", InsecureAllowHTTP: tc.insecure})
+		if tc.refused != (err != nil) || tc.refused && !strings.Contains(err.Error(), "not a loopback address") {
+			t.Errorf("%s (insecure %v): %v, want refused %v", tc.addr, tc.insecure, err, tc.refused)
+		}
+	}
+}
+
+// TestRedirectToHTTPCarriesNothing: an https server that redirects (307,
+// 308: headers and body resent) to plain http, here on the same loopback
+// host, is not followed; the http server never sees the token or the
+// passphrase.
+func TestRedirectToHTTPCarriesNothing(t *testing.T) {
+	var seen atomic.Value
+	seen.Store("")
+	plain := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		seen.Store("token " + r.Header.Get("X-Vault-Token") + " body " + string(b))
+		w.WriteHeader(http.StatusForbidden)
+	}))
+	defer plain.Close()
+	for _, code := range []int{http.StatusTemporaryRedirect, http.StatusPermanentRedirect} {
+		srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, plain.URL+r.URL.Path, code)
+		}))
+		defer srv.Close()
+		ca := filepath.Join(t.TempDir(), "ca.pem")
+		os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600)
+		c, err := New(Config{Address: srv.URL, Token: "hvs.redirected-token", CACertFile: ca, Timeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.Encrypt(context.Background(), "volumes", []byte("passphrase"))
+		if err == nil || !strings.Contains(err.Error(), "refused a redirect from "+srv.URL+" to "+plain.URL) {
+			t.Errorf("HTTP %d to http: %v, want the redirect refused", code, err)
+		}
+		if s := seen.Load().(string); s != "" {
+			t.Fatalf("HTTP %d: the http server got a request with %s", code, s)
+		}
 	}
 }

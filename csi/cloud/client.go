@@ -8,7 +8,8 @@
 // call, and retries with exponential backoff and full jitter on 5xx and 429.
 // It returns errors wrapping the sentinels in errors.go; it never decides
 // what a failure means to Kubernetes. The credential never appears in an
-// error or a log line.
+// error or a log line, and never travels over plain http but to a loopback
+// address (or with Config.InsecureAllowHTTP), redirects included.
 package cloud
 
 import (
@@ -28,12 +29,19 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
+	"github.com/whitesky-cloud/vco-storage/internal/redact"
 )
 
 // Config says where the API is and how to reach it.
 type Config struct {
 	// BaseURL is the API root, e.g. https://try.whitesky.cloud/api/1.
+	// It must be https, or http to a loopback address.
 	BaseURL string
+	// InsecureAllowHTTP lets BaseURL be http to any host, which sends the
+	// JWT in clear (the simulator's and the lab's set-ups only).
+	InsecureAllowHTTP bool
 	// Customer is the customer id every path starts with.
 	Customer string
 	// TokenFile holds the JWT. It is re-read whenever its size or
@@ -71,8 +79,12 @@ func New(cfg Config) (*Client, error) {
 		return nil, errors.New("cloud: API URL and customer id are required")
 	}
 	u, err := url.Parse(strings.TrimRight(cfg.BaseURL, "/"))
-	if err != nil || u.Scheme == "" || u.Host == "" {
-		return nil, fmt.Errorf("cloud: API URL %q is not an absolute URL", cfg.BaseURL)
+	if err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Host == "" {
+		return nil, fmt.Errorf("cloud: API URL %q is not an absolute http(s) URL", cfg.BaseURL)
+	}
+	if !cleartext.Allowed(u, cfg.InsecureAllowHTTP) {
+		return nil, fmt.Errorf("cloud: API URL %q is http to %s, which is not a loopback address: the JWT would travel in clear; use https (%s allows http for test set-ups)",
+			cfg.BaseURL, u.Hostname(), cleartext.Option)
 	}
 	if cfg.CallTimeout <= 0 {
 		cfg.CallTimeout = 30 * time.Second
@@ -107,15 +119,18 @@ func New(cfg Config) (*Client, error) {
 		}
 		hc = &http.Client{Transport: tr}
 	}
+	// A copy: the credential never follows a redirect to plain http,
+	// whoever made the client.
+	own := *hc
+	own.CheckRedirect = cleartext.CheckRedirect
 	if cfg.WrapTransport != nil {
-		rt := hc.Transport
+		rt := own.Transport
 		if rt == nil {
 			rt = http.DefaultTransport
 		}
-		wrapped := *hc
-		wrapped.Transport = cfg.WrapTransport(rt)
-		hc = &wrapped
+		own.Transport = cfg.WrapTransport(rt)
 	}
+	hc = &own
 	c := &Client{cfg: cfg, base: u, http: hc, tok: &tokenFile{path: cfg.TokenFile}}
 	if cfg.TokenFile != "" {
 		if _, err := c.tok.get(); err != nil {
@@ -273,28 +288,12 @@ func (c *Client) once(ctx context.Context, cl call) error {
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		// The API did not answer; only HTTP 5xx and 429 are retried, so
-		// this goes back to the caller, whose own retry loop decides.
-		return &APIError{Op: cl.op, Target: cl.target,
-			Message: redact(err.Error(), tok), Kind: ErrUnavailable}
+		return unanswered(cl, req, err, tok)
 	}
 	defer resp.Body.Close()
 	data, _ := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
 	if kind := kindForStatus(resp.StatusCode); kind != nil {
-		ae := &APIError{Op: cl.op, Target: cl.target, Status: resp.StatusCode,
-			Message: redact(apiMessage(data), tok), Kind: kind}
-		if kind == ErrForbidden && cl.forbiddenHint != "" {
-			ae.Hint = cl.forbiddenHint
-		}
-		if kind == ErrUnauthorized {
-			ae.Hint = "the credential in " + c.cfg.TokenFile + " was rejected; renew it"
-		}
-		if resp.StatusCode == 429 || resp.StatusCode == 503 {
-			if s, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && s > 0 {
-				return &retryAfterError{APIError: ae, after: time.Duration(s) * time.Second}
-			}
-		}
-		return ae
+		return c.refused(cl, resp, kind, data, tok)
 	}
 	if cl.out == nil || len(bytes.TrimSpace(data)) == 0 {
 		return nil
@@ -306,41 +305,60 @@ func (c *Client) once(ctx context.Context, cl call) error {
 	return nil
 }
 
+// unanswered is the error of a request the API did not answer. Only HTTP
+// 5xx and 429 are retried, so this goes back to the caller, whose own
+// retry loop decides. A url.Error names the URL last asked for, which a
+// redirect's Location chose: the method, the URL asked for and the cause
+// are kept instead.
+func unanswered(cl call, req *http.Request, err error, tok string) error {
+	var ue *url.Error
+	if errors.As(err, &ue) {
+		err = fmt.Errorf("%s %s: %w", req.Method, req.URL.Redacted(), ue.Err)
+	}
+	return &APIError{Op: cl.op, Target: cl.target, Message: redact.Text(err.Error(), tok), Kind: ErrUnavailable}
+}
+
+// refused is the error of an answer whose status is kind, data its body
+// and tok the credential the request carried.
+func (c *Client) refused(cl call, resp *http.Response, kind error, data []byte, tok string) error {
+	ae := &APIError{Op: cl.op, Target: cl.target, Status: resp.StatusCode,
+		Message: apiMessage(data, tok), Kind: kind}
+	if kind == ErrForbidden && cl.forbiddenHint != "" {
+		ae.Hint = cl.forbiddenHint
+	}
+	if kind == ErrUnauthorized {
+		ae.Hint = "the credential in " + c.cfg.TokenFile + " was rejected; renew it"
+	}
+	if resp.StatusCode == 429 || resp.StatusCode == 503 {
+		if s, err := strconv.Atoi(resp.Header.Get("Retry-After")); err == nil && s > 0 {
+			return &retryAfterError{APIError: ae, after: time.Duration(s) * time.Second}
+		}
+	}
+	return ae
+}
+
 // Unwrap lets errors.As find the APIError inside a retryAfterError.
 func (e *retryAfterError) Unwrap() error { return e.APIError }
 
-// apiMessage extracts the human message from an error body; the API answers
-// {"message": "..."} but a proxy in front of it may answer HTML.
-func apiMessage(b []byte) string {
+// echoMax bounds what of an error body goes into an error text.
+const echoMax = 200
+
+// apiMessage extracts the human message from an error body, without the
+// credential tok or anything shaped like one; the API answers
+// {"message": "..."} but a proxy in front of it may answer HTML that
+// echoes the request's headers.
+func apiMessage(b []byte, tok string) string {
 	var m struct {
 		Message string `json:"message"`
 		Error   string `json:"error"`
 	}
 	if json.Unmarshal(b, &m) == nil {
 		if m.Message != "" {
-			return m.Message
+			return redact.Text(m.Message, tok)
 		}
 		if m.Error != "" {
-			return m.Error
+			return redact.Text(m.Error, tok)
 		}
 	}
-	s := strings.TrimSpace(string(b))
-	if len(s) > 200 {
-		s = s[:200] + "..."
-	}
-	return s
-}
-
-// redact removes the credential from text that came from elsewhere (an API
-// answer that echoes the request, a transport error).
-func redact(s, tok string) string {
-	if tok == "" {
-		return s
-	}
-	s = strings.ReplaceAll(s, tok, "[redacted]")
-	// A JWT's signature alone is also a secret worth hiding.
-	if i := strings.LastIndexByte(tok, '.'); i >= 0 && len(tok)-i > 8 {
-		s = strings.ReplaceAll(s, tok[i+1:], "[redacted]")
-	}
-	return s
+	return redact.Echo(b, echoMax, tok)
 }

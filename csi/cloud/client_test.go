@@ -468,3 +468,102 @@ func TestCreateSizeGB(t *testing.T) {
 		t.Errorf("10 GiB: disk_size %d, want 11 GB", c)
 	}
 }
+
+// pieces are the runs of a token that must not reach an error text: each
+// of its parts and every 8-byte window across it.
+func pieces(tok string) []string {
+	p := strings.Split(tok, ".")
+	for i := 0; i+8 <= len(tok); i++ {
+		p = append(p, tok[i:i+8])
+	}
+	return p
+}
+
+// TestProxyEchoCutAcrossToken: a proxy's error page that echoes the
+// request's headers, with the credential straddling the 200th byte where
+// the echo is cut, leaves no piece of the credential in the error, at
+// every offset of the cut.
+func TestProxyEchoCutAcrossToken(t *testing.T) {
+	e := newEnv(t, func(c *cloud.Config) { c.MaxAttempts = 1 })
+	const head = "<html><head><title>502 Bad Gateway</title></head><body><pre>upstream failed; request was\n"
+	for start := 200 - len(jwt) + 1; start < 200; start++ {
+		e.setIntercept(func(w http.ResponseWriter, r *http.Request) bool {
+			pad := strings.Repeat("x", start-len(head)-len("X-Pad: \nAuthorization: "))
+			w.Header().Set("Content-Type", "text/html")
+			w.WriteHeader(http.StatusBadGateway)
+			w.Write([]byte(head + "X-Pad: " + pad + "\nAuthorization: " + r.Header.Get("Authorization") +
+				"\nUser-Agent: " + r.Header.Get("User-Agent") + "\n</pre></body></html>"))
+			return true
+		})
+		_, err := e.client.ListLocations(context.Background())
+		if !errors.Is(err, cloud.ErrUnavailable) || !strings.Contains(err.Error(), "502 Bad Gateway") {
+			t.Fatalf("token at byte %d: %v, want the proxy's 502 with its title", start, err)
+		}
+		for _, p := range pieces(jwt) {
+			if strings.Contains(err.Error(), p) {
+				t.Fatalf("token at byte %d, cut at 200: %q of the credential is in the error: %v", start, p, err)
+			}
+		}
+	}
+}
+
+// TestHTTPOnlyToLoopback: an API URL of plain http to another host is
+// refused unless InsecureAllowHTTP says otherwise; to a loopback address
+// it is accepted.
+func TestHTTPOnlyToLoopback(t *testing.T) {
+	tok := filepath.Join(t.TempDir(), "tok")
+	os.WriteFile(tok, []byte(jwt), 0o600)
+	for _, tc := range []struct {
+		url      string
+		insecure bool
+		refused  string
+	}{
+		{"http://try.whitesky.cloud/api/1", false, "is http to try.whitesky.cloud, which is not a loopback address"},
+		{"http://10.0.2.100:8080/api/1", false, "--insecure-allow-http"},
+		{"ftp://try.whitesky.cloud/api/1", true, "not an absolute http(s) URL"},
+		{"http://10.0.2.100:8080/api/1", true, ""},
+		{"http://127.0.0.1:8080/api/1", false, ""},
+		{"http://[::1]:8080/api/1", false, ""},
+		{"http://localhost:8080/api/1", false, ""},
+		{"https://try.whitesky.cloud/api/1", false, ""},
+	} {
+		_, err := cloud.New(cloud.Config{BaseURL: tc.url, Customer: customer, TokenFile: tok, InsecureAllowHTTP: tc.insecure})
+		if tc.refused == "" && err != nil || tc.refused != "" && (err == nil || !strings.Contains(err.Error(), tc.refused)) {
+			t.Errorf("%s (insecure %v): %v, want refused %q", tc.url, tc.insecure, err, tc.refused)
+		}
+	}
+}
+
+// TestRedirectToHTTPCarriesNoCredential: an https API that redirects to
+// plain http (here on the same loopback host, where net/http would keep
+// the Authorization header) is not followed; the http server sees nothing.
+func TestRedirectToHTTPCarriesNoCredential(t *testing.T) {
+	var got atomic.Value
+	got.Store("")
+	plain := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got.Store("request with Authorization " + r.Header.Get("Authorization"))
+		w.Write([]byte(`{"locations":[]}`))
+	}))
+	defer plain.Close()
+	for _, code := range []int{http.StatusFound, http.StatusTemporaryRedirect, http.StatusPermanentRedirect} {
+		srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			http.Redirect(w, r, plain.URL+r.URL.Path, code)
+		}))
+		defer srv.Close()
+		dir := t.TempDir()
+		ca, tok := filepath.Join(dir, "ca.pem"), filepath.Join(dir, "tok")
+		os.WriteFile(ca, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw}), 0o600)
+		os.WriteFile(tok, []byte(jwt), 0o600)
+		c, err := cloud.New(cloud.Config{BaseURL: srv.URL + "/api/1", Customer: customer, TokenFile: tok, CAFile: ca, MaxAttempts: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.ListLocations(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "refused a redirect from "+srv.URL+" to "+plain.URL) {
+			t.Errorf("HTTP %d to http: %v, want the redirect refused", code, err)
+		}
+		if s := got.Load().(string); s != "" {
+			t.Fatalf("HTTP %d: the http server got a %s", code, s)
+		}
+	}
+}

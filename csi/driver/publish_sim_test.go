@@ -436,7 +436,7 @@ func newSimWorld(t testing.TB, tokenFile string, how worldDisk) *simWorld {
 	if err != nil {
 		t.Fatal(err)
 	}
-	api, err := cloud.New(cloud.Config{BaseURL: "http://sim.invalid/api/1", Customer: "acme", TokenFile: tokenFile,
+	api, err := cloud.New(cloud.Config{BaseURL: "https://sim.invalid/api/1", Customer: "acme", TokenFile: tokenFile,
 		HTTPClient: &http.Client{Transport: simTransport{s}}, MaxAttempts: 1})
 	if err != nil {
 		t.Fatal(err)

@@ -25,6 +25,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
+	"github.com/whitesky-cloud/vco-storage/internal/redact"
 )
 
 const (
@@ -239,7 +242,8 @@ func InCluster(node, dir string, cfg Config) (*Poster, error) {
 		return nil, fmt.Errorf("the Kubernetes API's CA file %s holds no PEM certificate", caFile)
 	}
 	cfg.Node, cfg.Server, cfg.TokenFile = node, "https://"+net.JoinHostPort(host, port), dir+"/token"
-	cfg.Client = &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}}}
+	cfg.Client = &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}},
+		CheckRedirect: cleartext.CheckRedirect}
 	return New(cfg)
 }
 
@@ -716,7 +720,8 @@ func (p *Poster) do(ctx context.Context, method, u string, in, out any) (int, st
 	if err != nil {
 		return 0, "", err
 	}
-	req.Header.Set("Authorization", "Bearer "+strings.TrimSpace(string(tok)))
+	bearer := strings.TrimSpace(string(tok))
+	req.Header.Set("Authorization", "Bearer "+bearer)
 	req.Header.Set("Accept", "application/json")
 	switch method {
 	case http.MethodPatch:
@@ -736,12 +741,10 @@ func (p *Poster) do(ctx context.Context, method, u string, in, out any) (int, st
 		}
 		return resp.StatusCode, "", nil
 	}
+	// The answer goes into the log: a proxy's page may echo the token.
 	var st metav1.Status
 	if json.Unmarshal(b, &st) == nil && st.Message != "" {
-		return resp.StatusCode, st.Message, nil
+		return resp.StatusCode, redact.Text(st.Message, bearer), nil
 	}
-	if len(b) > 512 {
-		b = b[:512]
-	}
-	return resp.StatusCode, strings.TrimSpace(string(b)), nil
+	return resp.StatusCode, redact.Echo(b, 512, bearer), nil
 }

@@ -628,3 +628,59 @@ func TestInClusterOutsideAPod(t *testing.T) {
 		t.Errorf("without a CA file: %v", err)
 	}
 }
+
+// A proxy in front of the API server whose error pages echo the request's
+// headers: the token straddling the 512th byte, where the page is cut, or
+// whole in a Status message, never reaches the log in any piece.
+func TestEchoedTokenNeverLogged(t *testing.T) {
+	const head = "<html><head><title>502 Bad Gateway</title></head><body><pre>"
+	for _, tc := range []struct {
+		name string
+		page func(auth string) (string, []byte)
+	}{
+		{"page cut across the token", func(auth string) (string, []byte) {
+			pad := strings.Repeat("x", 512-len(head)-len("X-Pad: \nAuthorization: Bearer ")-len(testToken)/2)
+			return "text/html", []byte(head + "X-Pad: " + pad + "\nAuthorization: " + auth + "\n</pre></body></html>")
+		}},
+		{"Status message", func(auth string) (string, []byte) {
+			b, _ := json.Marshal(metav1.Status{Status: "Failure", Code: 502, Message: "upstream said no to " + auth})
+			return "application/json", b
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newRig(t)
+			proxy := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+				ct, b := tc.page(req.Header.Get("Authorization"))
+				w.Header().Set("Content-Type", ct)
+				w.WriteHeader(http.StatusBadGateway)
+				w.Write(b)
+			}))
+			defer proxy.Close()
+			p, err := New(Config{Node: "worker-1", Server: proxy.URL, TokenFile: r.token, Client: proxy.Client(),
+				Log: slog.New(slog.NewTextHandler(r.log, nil)), Observe: r.res.observe,
+				Interval: time.Millisecond, Retry: 20 * time.Millisecond, MaxRetry: 50 * time.Millisecond, Timeout: 2 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { p.Run(ctx); close(done) }()
+			defer func() { cancel(); <-done }()
+			p.Record(refusal(1))
+			eventually(t, "a failure", func() bool { return r.res.get("failed") >= 1 })
+			out := r.log.String()
+			if !strings.Contains(out, "HTTP 502") {
+				t.Fatalf("the failure is not logged:\n%s", out)
+			}
+			parts := strings.Split(testToken, ".")
+			for i := 0; i+8 <= len(testToken); i++ {
+				parts = append(parts, testToken[i:i+8])
+			}
+			for _, piece := range parts {
+				if strings.Contains(out, piece) {
+					t.Fatalf("%q of the token reached the log:\n%s", piece, out)
+				}
+			}
+		})
+	}
+}

@@ -7,12 +7,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
 )
 
 // The add-on's names, as deploy/manifests give them.
@@ -57,8 +59,9 @@ const (
 // InstallAddon does what seed 001 tells an operator: the Secret
 // csi-driver-secret (here pointing at the simulator the workers reach on
 // HostInGuest), then the core bundle, applied the way Options.Addon
-// names; and waits until the controller is available, the node plugin
-// runs on every worker and each worker's CSINode lists the driver.
+// names, with the controller given --insecure-allow-http (insecureController);
+// and waits until the controller is available, the node plugin runs on
+// every worker and each worker's CSINode lists the driver.
 func (c *Cluster) InstallAddon(ctx context.Context) (string, error) {
 	secret := fmt.Sprintf(`apiVersion: v1
 kind: Namespace
@@ -82,6 +85,9 @@ stringData:
 	}
 	bundle, how, err := c.coreBundle(ctx)
 	if err != nil {
+		return "", err
+	}
+	if bundle, err = insecureController(bundle); err != nil {
 		return "", err
 	}
 	out, err := c.KubectlInput(ctx, bytes.NewReader(bundle), "apply", "-f", "-")
@@ -108,6 +114,23 @@ stringData:
 	}
 	return fmt.Sprintf("%d objects applied from %s; controller available, node plugin on %d workers, CSINodes list %s",
 		applied, how, len(nodes), simlab.DriverName), nil
+}
+
+// controllerMode is the controller container's --mode argument in the
+// core bundle, with its indentation.
+var controllerMode = regexp.MustCompile(`(?m)^([ \t]*- )--mode=controller\n`)
+
+// insecureController adds --insecure-allow-http to the controller's
+// arguments in bundle. The Secret's url is the simulator's plain http
+// address at HostInGuest, which the controller refuses otherwise; the
+// simulator serves no TLS, and HostInGuest is QEMU's user network, whose
+// forward ends at the host's 127.0.0.1, so the JWT does not travel on a
+// real network.
+func insecureController(bundle []byte) ([]byte, error) {
+	if n := len(controllerMode.FindAll(bundle, -1)); n != 1 {
+		return nil, fmt.Errorf("the core bundle has %d controller arguments --mode=controller, want 1, to add %s after", n, cleartext.Option)
+	}
+	return controllerMode.ReplaceAll(bundle, []byte("${0}${1}"+cleartext.Option+"\n")), nil
 }
 
 // coreBundle renders the add-on's core bundle the way c.Opts.Addon names,

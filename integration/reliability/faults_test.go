@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -49,6 +51,10 @@ type faultProxy struct {
 	// echoAuth puts the request's Authorization header into a burst's
 	// answer, as a misconfigured proxy might.
 	echoAuth bool
+	// echoAt, when set, makes a burst's answer an HTML error page that
+	// echoes every request header, the Authorization header's value
+	// starting at byte echoAt: a proxy's error page.
+	echoAt int
 	// slowOn requests are held for slowFor, then served by the simulator
 	// after the client has given up.
 	slowOn  string
@@ -69,11 +75,17 @@ func (f *faultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	f.mu.Lock()
 	if f.burst > 0 && match(f.burstOn, r) {
 		f.burst--
-		code, ra, echo := f.burstCo, f.retryAft, f.echoAuth
+		code, ra, echo, at := f.burstCo, f.retryAft, f.echoAuth, f.echoAt
 		f.injected[fmt.Sprintf("HTTP %d", code)]++
 		f.mu.Unlock()
 		if ra != "" {
 			w.Header().Set("Retry-After", ra)
+		}
+		if at > 0 {
+			w.Header().Set("Content-Type", "text/html")
+			w.WriteHeader(code)
+			w.Write(headerPage(code, r, at))
+			return
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(code)
@@ -118,6 +130,25 @@ func (f *faultProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	f.mu.Unlock()
 	f.sim.ServeHTTP(w, r)
+}
+
+// headerPage is a proxy's error page for code that echoes r's headers,
+// padded so that the Authorization header's value starts at byte at (or
+// as near after it as the page's head allows).
+func headerPage(code int, r *http.Request, at int) []byte {
+	head := fmt.Sprintf("<html><head><title>%d %s</title></head><body><h1>%s</h1><pre>", code, http.StatusText(code), http.StatusText(code))
+	const auth = "\nAuthorization: "
+	pad := max(0, at-len(head)-len("X-Pad: ")-len(auth))
+	var b strings.Builder
+	b.WriteString(head + "X-Pad: " + strings.Repeat("-", pad) + auth + r.Header.Get("Authorization") + "\n")
+	keys := slices.Sorted(maps.Keys(r.Header))
+	for _, k := range keys {
+		if k != "Authorization" {
+			fmt.Fprintf(&b, "%s: %s\n", k, strings.Join(r.Header[k], ", "))
+		}
+	}
+	b.WriteString("</pre></body></html>\n")
+	return []byte(b.String())
 }
 
 func (f *faultProxy) set(fn func(f *faultProxy)) {

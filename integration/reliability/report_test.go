@@ -183,10 +183,15 @@ const reportIntro = `What runs (all on this host, as root, against the real bina
   agent claim records are those of the volumes in use; after teardown, none.
 - **State directory** (TestStateDirSymlinks): symlinks planted as claim records, as a
   record's temporary file and as the claims directory; none is followed or written through.
-- **Secrets** (TestPassphraseNeverShown, TestJWTNeverShown, TestVaultTokenNeverShown): a
-  passphrase, a JWT and a vault token pushed through success and error paths, including
-  answers that echo the request; none appears (as is, base64 or hex) in an error, a log
-  line, an event, the metrics text or the state directory.
+- **Secrets** (TestPassphraseNeverShown, TestJWTNeverShown, TestVaultTokenNeverShown,
+  TestEchoedHeadersKeepNoPieceOfAToken): a passphrase, a JWT and a vault token pushed
+  through success and error paths, including answers that echo the request; none appears
+  (as is, base64 or hex) in an error, a log line, an event, the metrics text or the state
+  directory. Hostile proxies echo every request header in error pages, the JWT starting at
+  each byte around the 200th where the client cuts a page, and the request's headers and
+  body cut short at each byte of the vault token and the ServiceAccount JWT: no part of a
+  JWT (header, payload, signature) nor 8 bytes in a row of any token appears in the
+  errors or the plugin's log.
 - **TLS** (TestTLSVerifies): the API client and the transit client refuse a self-signed
   server without its CA and accept it with; no shipped code sets InsecureSkipVerify.
 - **Fuzzing**: every fuzz target in the repository (make fuzz), with the corpora checked in

@@ -10,12 +10,15 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -145,6 +148,135 @@ func TestJWTNeverShown(t *testing.T) {
 		}
 	}
 	figures.add("secret paths searched for the passphrase, JWT and vault token", len(texts))
+}
+
+// pieces are the runs of a token that must not show anywhere, whole or
+// cut short: each dot-separated part of 4 bytes or more (a JWT's header,
+// payload and signature) and every 8 bytes in a row of it.
+func pieces(secret string) []string {
+	var p []string
+	for _, part := range strings.Split(secret, ".") {
+		if len(part) >= 4 {
+			p = append(p, part)
+		}
+	}
+	for i := 0; i+8 <= len(secret); i++ {
+		p = append(p, secret[i:i+8])
+	}
+	return p
+}
+
+// pieceLeaks names every place in texts where a piece of secret appears,
+// with the piece.
+func pieceLeaks(secret string, texts map[string]string) []string {
+	var out []string
+	for where, text := range texts {
+		for _, p := range pieces(secret) {
+			if strings.Contains(text, p) {
+				out = append(out, fmt.Sprintf("%s (%q)", where, p))
+				break
+			}
+		}
+	}
+	return out
+}
+
+// TestEchoedHeadersKeepNoPieceOfAToken puts hostile proxies in front of
+// both APIs. In front of the cloud API, error pages echo every request
+// header with the JWT starting at each byte from where it ends just
+// before the 200th, where the client cuts an echoed page, to where it
+// starts just before it; CSI calls go through them. In front of the key
+// backend, Vault-shaped errors echo the request's headers and body cut
+// short at each byte of the Vault token and of the ServiceAccount JWT.
+// No part of either JWT (header, payload, signature), nor 8 bytes in a
+// row of any token, shows in the CSI errors, the plugin's log or the
+// transit errors.
+func TestEchoedHeadersKeepNoPieceOfAToken(t *testing.T) {
+	e := newCSIEnv(t)
+	texts := map[string]string{}
+	for at := 200 - len(testJWT) - 1; at <= 200; at++ {
+		code := []int{403, 502, 400}[at%3]
+		e.proxy.set(func(f *faultProxy) { f.burst, f.burstOn, f.burstCo, f.echoAt = 20, "* /", code, at })
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := e.ctrl.CreateVolume(ctx, createReq(fmt.Sprintf("pvc-echo-%d", at), 1))
+		cancel()
+		texts[fmt.Sprintf("create error, JWT at byte %d, HTTP %d", at, code)] = fmt.Sprint(err)
+		if err == nil || !strings.Contains(err.Error(), http.StatusText(code)) {
+			t.Fatalf("JWT at byte %d: %v, want the proxy's HTTP %d page", at, err, code)
+		}
+	}
+	e.proxy.set(func(f *faultProxy) { f.burst, f.echoAt = 0, 0 })
+	e.logMu.Lock()
+	texts["plugin log"] = e.logs.String()
+	e.logMu.Unlock()
+	if l := pieceLeaks(testJWT, texts); len(l) > 0 {
+		t.Fatalf("a piece of the JWT appears in: %v", l)
+	}
+	n := len(texts)
+	transitTexts := echoedToTransit(t)
+	for _, secret := range []string{echoVaultToken, echoSAJWT} {
+		if l := pieceLeaks(secret, transitTexts); len(l) > 0 {
+			t.Fatalf("a piece of %s... appears in: %v", secret[:6], l)
+		}
+	}
+	figures.add("secret paths searched for the passphrase, JWT and vault token", n+len(transitTexts))
+}
+
+const (
+	echoVaultToken = "hvs.CAESIJ-reliability-echoed-vault-token-7c1d"
+	echoSAJWT      = "eyJhbGciOiJSUzI1NiIsImtpZCI6InJlbCJ9.eyJhdWQiOlsidmF1bHQiXSwic3ViIjoicmVsaWFiaWxpdHkifQ.c2lnbmF0dXJlLW9mLXRoZS1zZXJ2aWNlYWNjb3VudA"
+)
+
+// echoedToTransit runs the transit client through a proxy that answers
+// every request with a Vault-shaped error echoing its headers and body,
+// cut short at each byte of the token it carries, and returns the
+// errors. The transit engine behind it is the FAKE of transittest.
+func echoedToTransit(t *testing.T) map[string]string {
+	f := transittest.New()
+	f.JWT = echoSAJWT
+	f.StaticToken(echoVaultToken)
+	f.Rotate("vol-key")
+	var cut atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		var echo strings.Builder
+		for _, k := range slices.Sorted(maps.Keys(r.Header)) {
+			fmt.Fprintf(&echo, "%s: %s\n", k, strings.Join(r.Header[k], ", "))
+		}
+		echo.Write(b)
+		s := echo.String()
+		// Cut inside the token: the vault token's header, or the body's JWT.
+		i := strings.Index(s, echoVaultToken)
+		if i < 0 {
+			i = strings.Index(s, echoSAJWT)
+		}
+		s = s[:min(len(s), max(i, 0)+int(cut.Load()))]
+		w.WriteHeader(http.StatusBadGateway)
+		json.NewEncoder(w).Encode(map[string][]string{"errors": {"proxy: upstream failed for request " + s}})
+	}))
+	t.Cleanup(srv.Close)
+	sa := filepath.Join(t.TempDir(), "sa")
+	os.WriteFile(sa, []byte(echoSAJWT), 0o600)
+	texts := map[string]string{}
+	ctx := context.Background()
+	for _, cfg := range []transit.Config{
+		{Address: srv.URL, Token: echoVaultToken, Timeout: 2 * time.Second},
+		{Address: srv.URL, KubernetesRole: f.Role, ServiceAccountTokenFile: sa, Timeout: 2 * time.Second},
+	} {
+		c, err := transit.New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for n := 1; n <= len(echoSAJWT)+1; n++ {
+			cut.Store(int64(n))
+			_, err := c.Encrypt(ctx, "vol-key", []byte("plain"))
+			if err == nil || !strings.Contains(err.Error(), "proxy: upstream failed") {
+				t.Fatalf("echo cut %d bytes into the token: %v, want the proxy's error", n, err)
+			}
+			texts[fmt.Sprintf("encrypt, role %q, echo cut %d bytes into the token", cfg.KubernetesRole, n)] = err.Error()
+		}
+	}
+	return texts
 }
 
 // TestVaultTokenNeverShown drives the transit client with a static token

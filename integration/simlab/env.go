@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -24,6 +25,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
 )
 
 // Guest paths of the node stack.
@@ -257,7 +259,8 @@ type StackOptions struct {
 	Supervise bool
 	// VaultAddr and VaultToken point the node plugin at a transit engine
 	// (--vault-addr, and a token file holding VaultToken) for encrypted
-	// volumes.
+	// volumes. A plain http VaultAddr to a host that is not a loopback
+	// address (TransitGuestAddr) is given with --insecure-allow-http.
 	VaultAddr, VaultToken string
 }
 
@@ -279,7 +282,11 @@ func ForEncryption(o *Options) {
 }
 
 // TransitGuestAddr is where a guest given a transit link by
-// ConnectTransit reaches the host's transit engine.
+// ConnectTransit reaches the host's transit engine. It is plain http to
+// an address that is not a loopback one, which the node plugin takes only
+// with --insecure-allow-http: the link is QEMU's restricted user network,
+// whose only way out is the forward to the host's 127.0.0.1, so nothing
+// travels on a real network.
 const TransitGuestAddr = "http://10.0.2.100:8200"
 
 // ConnectTransit gives g one way out: a virtio-net NIC on QEMU user
@@ -337,6 +344,9 @@ func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error
 			return fmt.Errorf("%s: writing the Vault token file: %w", g.Name, err)
 		}
 		csiArgs += " --vault-addr " + o.VaultAddr + " --vault-token-file /run/csi/vault-token"
+		if u, err := url.Parse(o.VaultAddr); err == nil && cleartext.Clear(u) {
+			csiArgs += " " + cleartext.Option
+		}
 	}
 	agent := fmt.Sprintf("/bin/vco-agent serve --dbus=false --location %s --node-name %s --socket %s --kubelet-root %s%s",
 		Location, g.Name, AgentSocket, KubeletRoot, agentArgs)
