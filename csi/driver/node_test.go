@@ -13,6 +13,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 func TestNodeGetInfo(t *testing.T) {
@@ -149,8 +150,8 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 
 	// Raw block: the pod's target is the device itself.
 	id, pc := prepare("raw", block)
-	staging := filepath.Join(e.kubelet, "plugins", "staging", "raw")
-	target := filepath.Join(e.kubelet, "pods", "p", "volumeDevices", "raw")
+	staging := kubeletpath.BlockStaging(e.kubelet, "pv-raw")
+	target := kubeletpath.BlockTarget(e.kubelet, "pv-raw", "p")
 	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: block}); err != nil {
 		t.Fatal(err)
 	}
@@ -174,8 +175,8 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 
 	// A filesystem with a mount flag, published read-only to one pod.
 	id, pc = prepare("flagged", flagged)
-	staging = filepath.Join(e.kubelet, "plugins", "staging", "flagged")
-	target = filepath.Join(e.kubelet, "pods", "p", "volumes", "flagged")
+	staging = kubeletpath.Staging(e.kubelet, "try.whitesky.cloud", id)
+	target = kubeletpath.Target(e.kubelet, "p", "pv-flagged")
 	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: flagged}); err != nil {
 		t.Fatal(err)
 	}

@@ -14,7 +14,10 @@ package sanitytargets
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io/fs"
 	"net"
+	"os"
 	"path/filepath"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -40,6 +43,38 @@ func (t Targets) Path(p string) string {
 		return p
 	}
 	return kubeletpath.Target(t.Kubelet, filepath.Base(p), PV)
+}
+
+// Kind says what is at p, moved (Path): "file", "directory", "not_found"
+// or "other", as csi-sanity checks a target after a publish and an
+// unpublish.
+func (t Targets) Kind(p string) (string, error) {
+	fi, err := os.Stat(t.Path(p))
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return "not_found", nil
+	case err != nil:
+		return "", err
+	case fi.Mode().IsRegular():
+		return "file", nil
+	case fi.IsDir():
+		return "directory", nil
+	}
+	return "other", nil
+}
+
+// CheckScript is Kind as a shell script taking the path as its argument,
+// for the csi-sanity binary's --csi.checkpathcmd.
+func (t Targets) CheckScript() string {
+	dir := filepath.Clean(t.Dir)
+	return fmt.Sprintf(`#!/bin/sh
+p="$1"
+case "${p#%[1]s/}" in
+"$p"|*/*|"") ;;
+*) p=%[2]s/pods/"${p#%[1]s/}"/volumes/kubernetes.io~csi/%[3]s/mount ;;
+esac
+if [ -f "$p" ]; then echo file; elif [ -d "$p" ]; then echo directory; elif [ -e "$p" ]; then echo other; else echo not_found; fi
+`, dir, filepath.Clean(t.Kubelet), PV)
 }
 
 // Request returns req with its target or volume path moved (a copy), or

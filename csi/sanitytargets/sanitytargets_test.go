@@ -3,7 +3,10 @@ package sanitytargets
 import (
 	"context"
 	"net"
+	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -95,5 +98,37 @@ func TestInterceptorLeavesTheCallersRequest(t *testing.T) {
 	}
 	if req.TargetPath != "/k/sanity/other_target" {
 		t.Errorf("the caller's request was changed to %s", req.TargetPath)
+	}
+}
+
+// Kind and the script csi-sanity runs say the same of a moved target and
+// of any other path.
+func TestKindAndCheckScriptLookAtTheMovedTarget(t *testing.T) {
+	root := t.TempDir()
+	tg := Targets{Kubelet: filepath.Join(root, "kubelet"), Dir: filepath.Join(root, "kubelet", "sanity")}
+	if err := os.MkdirAll(tg.Path(filepath.Join(tg.Dir, "target")), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(tg.Kubelet, "file"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	script := filepath.Join(root, "check")
+	if err := os.WriteFile(script, []byte(tg.CheckScript()), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[string]string{
+		filepath.Join(tg.Dir, "target"):       "directory",
+		filepath.Join(tg.Dir, "other_target"): "not_found",
+		filepath.Join(tg.Kubelet, "file"):     "file",
+		tg.Dir:                                "not_found",
+		filepath.Join(tg.Dir, "target", "x"):  "not_found",
+	} {
+		if got, err := tg.Kind(p); err != nil || got != want {
+			t.Errorf("Kind(%s) = %q, %v; want %q", p, got, err, want)
+		}
+		out, err := exec.Command(script, p).Output()
+		if got := strings.TrimSpace(string(out)); err != nil || got != want {
+			t.Errorf("the script on %s says %q, %v; want %q", p, got, err, want)
+		}
 	}
 }
