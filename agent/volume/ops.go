@@ -622,7 +622,7 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 			src = os.NewFile(uintptr(fd), c.MountDevice())
 		}
 	} else {
-		opts = append(opts, r.MountFlags...)
+		opts = append(opts, hardened(r.MountFlags)...)
 		if dst, err = mkdirBeneath(root, target, 0o750); err != nil {
 			return fmt.Errorf("volume %s: creating the target directory %s: %w", r.Volume, target, err)
 		}

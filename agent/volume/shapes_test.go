@@ -177,3 +177,67 @@ func TestStageOnlyAtTheKubeletsStagingShapes(t *testing.T) {
 		t.Fatalf("a refused stage left a claim: %+v", c)
 	}
 }
+
+// statfsFlags are the ST_* flags of the mount at p.
+func statfsFlags(t *testing.T, p string) int64 {
+	t.Helper()
+	var st unix.Statfs_t
+	if err := unix.Statfs(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Flags
+}
+
+// A filesystem volume is staged and published nosuid,nodev: a set-uid
+// program or a device node its user put on it counts for nothing on the
+// host or in a pod. Mount flags suid and dev ask otherwise and get it. A
+// raw block volume's publication stays a usable device node.
+func TestStagedAndPublishedFilesystemsAreNosuidNodev(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	img, _ := loop(t, 64)
+	req := e.stageReq("vol-h", img, "vol-h")
+	if _, err := e.m.Stage(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	target := e.target("p", "pv-h")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-h", StagingPath: req.StagingPath, TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{req.StagingPath, target} {
+		if f := statfsFlags(t, p); f&unix.ST_NOSUID == 0 || f&unix.ST_NODEV == 0 {
+			t.Errorf("%s is mounted with flags %#x: not nosuid,nodev", p, f)
+		}
+	}
+
+	img2, _ := loop(t, 64)
+	req2 := e.stageReq("vol-d", img2, "vol-d")
+	req2.MountFlags = []string{"suid", "dev"}
+	if _, err := e.m.Stage(ctx, req2); err != nil {
+		t.Fatal(err)
+	}
+	target2 := e.target("p", "pv-d")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-d", StagingPath: req2.StagingPath, TargetPath: target2, MountFlags: req2.MountFlags}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{req2.StagingPath, target2} {
+		if f := statfsFlags(t, p); f&(unix.ST_NOSUID|unix.ST_NODEV) != 0 {
+			t.Errorf("%s, asked suid and dev, is mounted with flags %#x", p, f)
+		}
+	}
+
+	img3, dev3 := loop(t, 16)
+	req3 := StageRequest{Volume: "vol-b", Locator: Locator{BackingFile: img3}, StagingPath: e.blockStaging("pv-b"), Block: true, AllowUnfenced: true}
+	if _, err := e.m.Stage(ctx, req3); err != nil {
+		t.Fatal(err)
+	}
+	target3 := e.blockTarget("pv-b", "p")
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-b", StagingPath: req3.StagingPath, TargetPath: target3, Block: true}); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(target3)
+	if err != nil {
+		t.Fatalf("the raw block publication of %s cannot be opened: %v", dev3, err)
+	}
+	f.Close()
+}

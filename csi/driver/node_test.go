@@ -180,14 +180,14 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: flagged}); err != nil {
 		t.Fatal(err)
 	}
-	if o := mountOptions(staging); !strings.Contains(o, "noatime") {
-		t.Fatalf("staging mount options %q lack noatime", o)
+	if o := mountOptions(staging); !strings.Contains(o, "noatime") || !strings.Contains(o, "nosuid") || !strings.Contains(o, "nodev") {
+		t.Fatalf("staging mount options %q lack noatime, nosuid or nodev", o)
 	}
 	if _, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target,
 		VolumeCapability: flagged, Readonly: true}); err != nil {
 		t.Fatal(err)
 	}
-	if o := mountOptions(target); !strings.HasPrefix(o, "ro") {
+	if o := mountOptions(target); !strings.HasPrefix(o, "ro") || !strings.Contains(o, "nosuid") || !strings.Contains(o, "nodev") {
 		t.Fatalf("read-only publish has mount options %q", o)
 	}
 	if err := os.WriteFile(filepath.Join(target, "x"), nil, 0o644); err == nil {
