@@ -175,8 +175,17 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 
 	// A filesystem with a mount flag, published read-only to one pod.
 	id, pc = prepare("flagged", flagged)
-	staging = kubeletpath.Staging(e.kubelet, "try.whitesky.cloud", id)
-	target = kubeletpath.Target(e.kubelet, "p", "pv-flagged")
+	flaggedReadOnly(ctx, t, e, id, pc, flagged)
+}
+
+// flaggedReadOnly stages volume id, published at pc, with capability
+// flagged (mount flag noatime) and publishes it read-only: both mounts
+// carry noatime, nosuid and nodev, the publication is read-only and the
+// staging mount stays writable.
+func flaggedReadOnly(ctx context.Context, t *testing.T, e *testEnv, id string, pc map[string]string, flagged *csi.VolumeCapability) {
+	t.Helper()
+	staging := kubeletpath.Staging(e.kubelet, "try.whitesky.cloud", id)
+	target := kubeletpath.Target(e.kubelet, "p", "pv-flagged")
 	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: flagged}); err != nil {
 		t.Fatal(err)
 	}
@@ -202,4 +211,5 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 	if _, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}
+
 }
