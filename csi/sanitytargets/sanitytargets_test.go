@@ -89,7 +89,10 @@ func TestInterceptorLeavesTheCallersRequest(t *testing.T) {
 	req := &csi.NodeUnpublishVolumeRequest{VolumeId: "v", TargetPath: "/k/sanity/other_target"}
 	var sent any
 	err := tg.Interceptor()(context.Background(), "/csi.v1.Node/NodeUnpublishVolume", req, nil, nil,
-		func(_ context.Context, _ string, r, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error { sent = r; return nil })
+		func(_ context.Context, _ string, r, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+			sent = r
+			return nil
+		})
 	if err != nil {
 		t.Fatal(err)
 	}
