@@ -23,6 +23,7 @@ import (
 	"strings"
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // The placeholders the manifests carry, in envsubst's ${NAME} form.
@@ -221,8 +222,6 @@ func ForeignRefs(template []byte) []string {
 }
 
 var (
-	// A CSI driver name: a DNS subdomain of at most 63 characters.
-	driverNameRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$`)
 	// An image reference as YAML can carry it unquoted.
 	imageRE = regexp.MustCompile(`^[a-z0-9]([-a-z0-9._:/]*[a-zA-Z0-9_])?(@sha256:[0-9a-f]{64})?$`)
 )
@@ -232,7 +231,7 @@ func ValidateDriverName(name string) error {
 	if name == "" {
 		return fmt.Errorf("driver name is empty: set %s", DriverNameVar)
 	}
-	if len(name) > 63 || !driverNameRE.MatchString(name) {
+	if !kubeletpath.DriverName(name) {
 		return fmt.Errorf("driver name %q is not a DNS subdomain of at most 63 lowercase characters", name)
 	}
 	return nil

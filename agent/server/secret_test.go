@@ -13,6 +13,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 
 	"google.golang.org/grpc/codes"
 
@@ -103,7 +104,7 @@ func TestStageVolumeZeroesThePassphrase(t *testing.T) {
 	}
 	t.Cleanup(m.Close)
 	s := New(Options{Volumes: m})
-	staging := filepath.Join(kubelet, "staging", "enc")
+	staging := kubeletpath.BlockStaging(kubelet, "enc")
 
 	r = req(&api.DeviceLocator{Serial: "a,b"}, staging)
 	if _, err := s.StageVolume(ctx, r); agenterr.Code(err) != codes.InvalidArgument {

@@ -20,6 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -55,7 +56,7 @@ func benchManager(b *testing.B, f FencerFactory) (*Manager, string) {
 	kubelet := filepath.Join(dir, "kubelet")
 	os.MkdirAll(kubelet, 0o755)
 	b.Cleanup(func() {
-		unix.Unmount(filepath.Join(kubelet, "staging"), unix.MNT_DETACH)
+		unix.Unmount(kubeletpath.Staging(kubelet, testDriver, "bench"), unix.MNT_DETACH)
 		unix.Unmount(filepath.Join(kubelet, "ref"), unix.MNT_DETACH)
 	})
 	m, err := New(Options{Config: config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Second, AllowUnfenced: true, AllowLoopDevices: true},
@@ -77,7 +78,7 @@ func BenchmarkStageUnstage(b *testing.B) {
 		m, kubelet := benchManager(b, &Fencing{Key: key, Node: nodeA})
 		img, dev := benchLoop(b, 64)
 		ctx := context.Background()
-		req := StageRequest{Volume: "bench", Locator: Locator{BackingFile: img}, StagingPath: filepath.Join(kubelet, "staging"), FsType: "ext4", AllowUnfenced: true}
+		req := StageRequest{Volume: "bench", Locator: Locator{BackingFile: img}, StagingPath: kubeletpath.Staging(kubelet, testDriver, "bench"), FsType: "ext4", AllowUnfenced: true}
 		if _, err := m.Stage(ctx, req); err != nil { // formats once
 			b.Fatal(err)
 		}
@@ -154,7 +155,7 @@ func BenchmarkCheck64Claims(b *testing.B) {
 			img, _ := benchLoop(b, 1)
 			vol := fmt.Sprintf("bench-%02d", i)
 			if _, err := m.Stage(ctx, StageRequest{Volume: vol, Locator: Locator{BackingFile: img}, Block: true, NeverPublished: true,
-				StagingPath: filepath.Join(kubelet, "staging", vol)}); err != nil {
+				StagingPath: kubeletpath.BlockStaging(kubelet, vol)}); err != nil {
 				b.Fatal(err)
 			}
 			engines = append(engines, m.getLive(vol).fencer)
@@ -183,7 +184,7 @@ func BenchmarkCheck64Claims(b *testing.B) {
 		b.ReportMetric(ms/refms, "x-ref")
 		for i := 0; i < 64; i++ {
 			vol := fmt.Sprintf("bench-%02d", i)
-			m.Unstage(ctx, vol, filepath.Join(kubelet, "staging", vol))
+			m.Unstage(ctx, vol, kubeletpath.BlockStaging(kubelet, vol))
 		}
 	})
 }
@@ -226,7 +227,7 @@ func BenchmarkReconcile64Claims(b *testing.B) {
 			locs = append(locs, bySerial(fmt.Sprintf("bench-%02d", i)))
 			vol := fmt.Sprintf("bench-%02d", i)
 			if _, err := m.Stage(ctx, StageRequest{Volume: vol, Locator: locs[i], Block: true, NeverPublished: true,
-				StagingPath: filepath.Join(kubelet, "staging", vol)}); err != nil {
+				StagingPath: kubeletpath.BlockStaging(kubelet, vol)}); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -286,7 +287,7 @@ func BenchmarkReconcile64Claims(b *testing.B) {
 		m.Reconcile(ctx)
 		for i := range n {
 			vol := fmt.Sprintf("bench-%02d", i)
-			m.Unstage(ctx, vol, filepath.Join(kubelet, "staging", vol))
+			m.Unstage(ctx, vol, kubeletpath.BlockStaging(kubelet, vol))
 		}
 		m.Close()
 	})

@@ -128,14 +128,14 @@ func TestLeaseDiskIsStagedPastItsLeaseAreaOnEveryPath(t *testing.T) {
 			if err != nil || tok.Device == dev || tok.Kind != ContentOther || !strings.Contains(tok.Detail, "ext") {
 				t.Fatalf("the token read of a lease disk is not of its data area: %+v %v", tok, err)
 			}
-			res, err := e.m.Stage(ctx, e.stageReq("vol-l", img, "staging/l"))
+			res, err := e.m.Stage(ctx, e.stageReq("vol-l", img, "l"))
 			if err != nil {
 				t.Fatal(err)
 			}
 			if res.Formatted {
 				t.Fatal("the stage formatted a disk carrying the lease area")
 			}
-			got, err := os.ReadFile(filepath.Join(e.path("staging/l"), "keepsake"))
+			got, err := os.ReadFile(filepath.Join(e.staging("l"), "keepsake"))
 			if err != nil || string(got) != keepsake {
 				t.Fatalf("the file in the lease data area does not read back: %q %v", got, err)
 			}
@@ -145,13 +145,13 @@ func TestLeaseDiskIsStagedPastItsLeaseAreaOnEveryPath(t *testing.T) {
 			if c, _ := e.m.Store().Get("vol-l"); c.DataOffset != lease.DataOffset || c.DataDevice == "" {
 				t.Fatalf("the claim does not stage past the lease area: %+v", c)
 			}
-			if err := e.m.Unstage(ctx, "vol-l", e.path("staging/l")); err != nil {
+			if err := e.m.Unstage(ctx, "vol-l", e.staging("l")); err != nil {
 				t.Fatal(err)
 			}
 
 			// A raw block volume of it is the data area, not the disk.
-			req := e.stageReq("vol-b", img, "staging/b")
-			req.Block, req.FsType = true, ""
+			req := e.stageReq("vol-b", img, "b")
+			req.Block, req.FsType, req.StagingPath = true, "", e.blockStaging("b")
 			res, err = e.m.Stage(ctx, req)
 			if err != nil {
 				t.Fatal(err)
@@ -177,7 +177,7 @@ func TestLeaseDiskIsStagedPastItsLeaseAreaOnEveryPath(t *testing.T) {
 		}
 		f.Close()
 		before := imageSum(t, img)
-		_, err = e.m.Stage(ctx, e.stageReq("vol-v", img, "staging/v"))
+		_, err = e.m.Stage(ctx, e.stageReq("vol-v", img, "v"))
 		wantCode(t, err, codes.FailedPrecondition, "lease area", "neither formatted nor staged from byte 0")
 		if imageSum(t, img) != before {
 			t.Fatal("the disk changed")
@@ -235,15 +235,15 @@ func TestOnlyAProvenBlankDeviceIsFormatted(t *testing.T) {
 		env  func(t *testing.T) *env
 		req  func(e *env, img string) StageRequest
 	}{
-		{"filesystem", newEnv, func(e *env, img string) StageRequest { return e.stageReq("vol-1", img, "staging/1") }},
+		{"filesystem", newEnv, func(e *env, img string) StageRequest { return e.stageReq("vol-1", img, "1") }},
 		{"LUKS2", func(t *testing.T) *env {
 			e := newEnvWith(t, nil)
 			e.crypt = newHostLUKS(t)
 			e.start()
 			return e
-		}, func(e *env, img string) StageRequest { return encReq(e, "vol-1", img, "staging/1") }},
+		}, func(e *env, img string) StageRequest { return encReq(e, "vol-1", img, "1") }},
 		{"lease", func(t *testing.T) *env { return fencedLeaseEnv(t, nodeA, "node-a") },
-			func(e *env, img string) StageRequest { return e.stageReq("vol-1", img, "staging/1") }},
+			func(e *env, img string) StageRequest { return e.stageReq("vol-1", img, "1") }},
 	}
 	for _, c := range cases {
 		for _, p := range paths {
@@ -292,14 +292,14 @@ func TestACutShortLUKSFormatIsRedoneOnlyOverItsOwnLeftovers(t *testing.T) {
 	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)          // key material of the cut-short format
 	f.WriteAt([]byte("data past the LUKS2 header area"), 20<<20) // not the format's
 	f.Close()
-	c := &Claim{Volume: "vol-c", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/c"), FsType: "ext4",
+	c := &Claim{Volume: "vol-c", Locator: Locator{BackingFile: img}, StagingPath: e.staging("c"), FsType: "ext4",
 		Encrypted: true, Phase: PhaseInterrupted, LUKSFormatting: true}
 	if err := e.m.Store().Put(c); err != nil {
 		t.Fatal(err)
 	}
 	e.start()
 	before := imageSum(t, img)
-	_, err = e.m.Stage(ctx, encReq(e, "vol-c", img, "staging/c"))
+	_, err = e.m.Stage(ctx, encReq(e, "vol-c", img, "c"))
 	wantCode(t, err, codes.FailedPrecondition, "cut short", "past the header area", "byte 20971520")
 	if imageSum(t, img) != before {
 		t.Fatal("the disk was written")
@@ -445,7 +445,7 @@ func TestACutShortMkfsIsMadeAgainOnlyOverItsOwnLeftovers(t *testing.T) {
 		img, dev := loop(t, 64)
 		cutShortMkfs(t, "ext4", dev, mkfsUUID)
 		before := imageSum(t, img)
-		_, err := e.m.Stage(context.Background(), e.stageReq("vol-m", img, "staging/m"))
+		_, err := e.m.Stage(context.Background(), e.stageReq("vol-m", img, "m"))
 		wantCode(t, err, codes.FailedPrecondition, "not blank", "non-zero data")
 		if imageSum(t, img) != before {
 			t.Fatal("the disk was written")
@@ -461,14 +461,14 @@ func (c cutShortCase) run(t *testing.T) {
 	if c.record != nil {
 		c.record(a)
 	}
-	staging := e.path("staging/m")
+	staging := e.staging("m")
 	if err := e.m.Store().Put(&Claim{Volume: "vol-m", Locator: Locator{BackingFile: img}, StagingPath: staging, FsType: c.fsType,
 		Phase: PhaseInterrupted, Formatting: a}); err != nil {
 		t.Fatal(err)
 	}
 	e.start()
 	before, uuidBefore := imageSum(t, img), blkid(t, dev, "UUID")
-	r := e.stageReq("vol-m", img, "staging/m")
+	r := e.stageReq("vol-m", img, "m")
 	r.FsType = c.fsType
 	res, err := e.m.Stage(context.Background(), r)
 	switch c.want[0] {
@@ -512,7 +512,7 @@ func TestAFailedMkfsThatWroteNothingIsForgotten(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Setenv("PATH", bin+":"+os.Getenv("PATH"))
-	_, err := e.m.Stage(context.Background(), e.stageReq("vol-f", img, "staging/f"))
+	_, err := e.m.Stage(context.Background(), e.stageReq("vol-f", img, "f"))
 	wantCode(t, err, codes.Internal, "no space left")
 	if c, err := e.m.Store().Get("vol-f"); err != nil || c != nil {
 		t.Fatalf("the record of a first stage whose mkfs wrote nothing: %+v %v", c, err)
@@ -528,7 +528,7 @@ func TestAFilesystemFinishedBeforeADeathAtTheMountIsKept(t *testing.T) {
 	ctx := context.Background()
 	e := newEnv(t)
 	img, dev := loop(t, 64)
-	r := e.stageReq("vol-o", img, "staging/o")
+	r := e.stageReq("vol-o", img, "o")
 	var atMount []byte
 	withMounter(e.m, &dyingMounter{mounter: e.m.host, die: func() {
 		atMount, _ = os.ReadFile(e.m.store.file("vol-o"))

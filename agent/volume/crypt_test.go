@@ -127,7 +127,7 @@ func TestEncryptedVolumeIsFormattedOnceWithTheWrappedPassphrase(t *testing.T) {
 	ctx := context.Background()
 	// xfs: it grows online with the capabilities this host grants.
 	img, dev := loop(t, 336)
-	req := encReq(e, "vol-enc", img, "staging/enc")
+	req := encReq(e, "vol-enc", img, "enc")
 	req.FsType = "xfs"
 
 	e.firstEncryptedStageFormatsTheLayers(ctx, req, dev)
@@ -308,7 +308,7 @@ func TestDataIsNeverGivenALUKSHeader(t *testing.T) {
 		img, dev := loop(t, 64)
 		c.prep(dev)
 		before, _ := os.ReadFile(img)
-		req := encReq(e, "vol-"+c.name, img, "staging/"+c.name)
+		req := encReq(e, "vol-"+c.name, img, c.name)
 		tok, err := e.m.VolumeToken(ctx, req.Volume, req.Locator)
 		if err != nil || tok.Kind != ContentOther || tok.Detail == "" {
 			t.Fatalf("%s: token: %+v %v", c.name, tok, err)
@@ -349,7 +349,7 @@ func TestFirstEncryptedStageNeedsTheWrappedPassphrase(t *testing.T) {
 		{&luks2.TransitToken{KeyName: "", KeyVersion: 1, Ciphertext: "vault:v1:abc"}, "names no key"},
 		{&luks2.TransitToken{KeyName: "k", KeyVersion: 1, Ciphertext: "plain"}, "not a transit ciphertext"},
 	} {
-		req := encReq(e, "vol-t", img, "staging/t")
+		req := encReq(e, "vol-t", img, "t")
 		req.Token = c.tok
 		_, err := e.m.Stage(ctx, req)
 		wantCode(t, err, codes.InvalidArgument, c.want)
@@ -361,7 +361,7 @@ func TestFirstEncryptedStageNeedsTheWrappedPassphrase(t *testing.T) {
 		}
 	}
 	// Without format_if_blank a blank device is not formatted either.
-	req := encReq(e, "vol-t", img, "staging/t")
+	req := encReq(e, "vol-t", img, "t")
 	req.FormatLUKS = false
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "format_if_blank")
@@ -381,7 +381,7 @@ func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
 	e.start()
 	ctx := context.Background()
 	claim := func(vol, img, staging string, formatting, formatted bool) {
-		c := &Claim{Volume: vol, Locator: Locator{BackingFile: img}, StagingPath: e.path(staging), FsType: "ext4",
+		c := &Claim{Volume: vol, Locator: Locator{BackingFile: img}, StagingPath: e.staging(staging), FsType: "ext4",
 			Encrypted: true, Phase: PhaseInterrupted, LUKSFormatting: formatting, LUKSFormatted: formatted}
 		if err := e.m.Store().Put(c); err != nil {
 			t.Fatal(err)
@@ -399,9 +399,9 @@ func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
 		t.Fatal(err)
 	}
 	first, _ := e.m.VolumeToken(ctx, "vol-1", Locator{BackingFile: img})
-	claim("vol-1", img, "staging/1", true, false)
+	claim("vol-1", img, "1", true, false)
 	e.start() // the restarted agent
-	res, err := e.m.Stage(ctx, encReq(e, "vol-1", img, "staging/1"))
+	res, err := e.m.Stage(ctx, encReq(e, "vol-1", img, "1"))
 	if err != nil || !res.Formatted /* the filesystem */ {
 		t.Fatalf("retry after a recorded-but-unconfirmed format: %+v %v", res, err)
 	}
@@ -419,9 +419,9 @@ func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
 	f, _ := os.OpenFile(dev2, os.O_WRONLY, 0)
 	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)
 	f.Close()
-	claim("vol-2", img2, "staging/2", true, false)
+	claim("vol-2", img2, "2", true, false)
 	e.start()
-	if res, err := e.m.Stage(ctx, encReq(e, "vol-2", img2, "staging/2")); err != nil || !res.Formatted || blkid(t, dev2, "TYPE") != "crypto_LUKS" {
+	if res, err := e.m.Stage(ctx, encReq(e, "vol-2", img2, "2")); err != nil || !res.Formatted || blkid(t, dev2, "TYPE") != "crypto_LUKS" {
 		t.Fatalf("retry after a half-done format: %+v %v", res, err)
 	}
 	if !strings.Contains(e.logs.String(), "cut short") {
@@ -434,15 +434,15 @@ func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
 	f, _ = os.OpenFile(dev3, os.O_WRONLY, 0)
 	f.WriteAt(bytes.Repeat([]byte{0xa5}, 4096), 32<<10)
 	f.Close()
-	_, err = e.m.Stage(ctx, encReq(e, "vol-3", img3, "staging/3"))
+	_, err = e.m.Stage(ctx, encReq(e, "vol-3", img3, "3"))
 	wantCode(t, err, codes.FailedPrecondition, "never formats over existing data")
 
 	// 4. The record says this agent made the header, the disk is blank:
 	// the wrong disk, or a wiped one; reported, never formatted.
 	img4, dev4 := loop(t, 64)
-	claim("vol-4", img4, "staging/4", false, true)
+	claim("vol-4", img4, "4", false, true)
 	e.start()
-	_, err = e.m.Stage(ctx, encReq(e, "vol-4", img4, "staging/4"))
+	_, err = e.m.Stage(ctx, encReq(e, "vol-4", img4, "4"))
 	wantCode(t, err, codes.FailedPrecondition, "will not format it again")
 	if blkid(t, dev4, "TYPE") != "" {
 		t.Fatal("formatted a second time")
@@ -452,7 +452,7 @@ func TestInterruptedEncryptedStageFormatsOnlyWhatItStarted(t *testing.T) {
 func TestEncryptedVolumeWithoutLUKSSupportIsRefused(t *testing.T) {
 	e := newEnv(t)
 	img, dev := loop(t, 16)
-	req := e.stageReq("vol-e", img, "staging/e")
+	req := e.stageReq("vol-e", img, "e")
 	req.Encrypted, req.Passphrase = true, []byte(secret)
 	_, err := e.m.Stage(context.Background(), req)
 	wantCode(t, err, codes.FailedPrecondition, "no LUKS2 support")
@@ -478,7 +478,7 @@ func TestDamagedLUKS2HeaderStagesAndTheEventSaysSo(t *testing.T) {
 	e.start()
 	ctx := context.Background()
 	img, dev := loop(t, 64)
-	req := encReq(e, "vol-dmg", img, "staging/dmg")
+	req := encReq(e, "vol-dmg", img, "dmg")
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}

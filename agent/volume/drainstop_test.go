@@ -75,7 +75,7 @@ func TestAClaimWhoseDiskLostItsFencingIsStoppedAtStart(t *testing.T) {
 	ctx := context.Background()
 	img, devA := loop(t, 64)
 	t.Cleanup(func() { clearRO(devA) })
-	req := a.stageReq("vol-f", img, "staging/f")
+	req := a.stageReq("vol-f", img, "f")
 	req.AllowUnfenced = false
 	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)

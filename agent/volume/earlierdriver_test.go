@@ -43,7 +43,7 @@ func TestDiskOfTheEarlierDriverIsNeverStagedUnfenced(t *testing.T) {
 	}
 	before := sha256File(t, img)
 
-	req := e.stageReq("7431", img, "staging/earlier")
+	req := e.stageReq("7431", img, "earlier")
 	req.AllowUnfenced = false
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "7431", "ext2/3/4 superblock", "not a lease area", "opt-in")
@@ -106,7 +106,7 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	// Grown by 8 MiB; three runs are cut short, none stages.
 	img, dev, content := earlierDriversDisk(t, 32, 8)
 	orig := readRange(t, img, 0, 32<<20)
-	req := e.stageReq("7431", img, "staging/adopted")
+	req := e.stageReq("7431", img, "adopted")
 	req.AllowUnfenced = false
 	e.adoptionCutShortThreeTimes(ctx, req, img, dev, key)
 	res, err := adopt.Adopt(ctx, dev, adopt.Options{Key: key})

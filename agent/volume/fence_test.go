@@ -141,7 +141,7 @@ func TestHeldDiskIsRefusedReadOnlyAndTakenOverOnlyWithAGrant(t *testing.T) {
 	if _, err := nodeBEngine(t, tgt, "vol-h").Acquire(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
-	req := e.stageReq("vol-h", img, "staging/h")
+	req := e.stageReq("vol-h", img, "h")
 	req.AllowUnfenced = false
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "held by another node", keyB.String(), "node-b")
@@ -184,9 +184,9 @@ func TestLostClaimStopsIOAndIsNotReclaimedWithoutAGrant(t *testing.T) {
 	ctx := context.Background()
 	img, dev := loop(t, 64)
 	t.Cleanup(func() { clearRO(dev) })
-	req := e.stageReq("vol-l", img, "staging/l")
+	req := e.stageReq("vol-l", img, "l")
 	req.AllowUnfenced = false
-	target := e.path("pods/p/vol")
+	target := e.target("p", "vol")
 	e.stagePublishAndKeepTheClaim(ctx, req, target)
 
 	// Node B takes the disk over with its own grant: node A's claim is lost.
@@ -311,7 +311,7 @@ func TestClaimLostWhileTheAgentWasDownIsFencedAtStart(t *testing.T) {
 	ctx := context.Background()
 	img, dev := loop(t, 64)
 	t.Cleanup(func() { clearRO(dev) })
-	req := e.stageReq("vol-d", img, "staging/d")
+	req := e.stageReq("vol-d", img, "d")
 	req.AllowUnfenced = false
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
@@ -357,7 +357,7 @@ func TestDataAreaPastFencingMetadataAndSelfReportedLoss(t *testing.T) {
 	if err := os.Truncate(img, 64<<20); err != nil {
 		t.Fatal(err)
 	}
-	req := e.stageReq("vol-m", img, "staging/m")
+	req := e.stageReq("vol-m", img, "m")
 	req.AllowUnfenced = false
 	res := e.stagedOnAMappingPastTheMetadata(ctx, req, img, dev, meta)
 	// Retry, unstage (mapping goes), restage (same filesystem).
@@ -444,11 +444,11 @@ func TestLostRawBlockVolumeRefusesWritesOnOpenDescriptors(t *testing.T) {
 	ctx := context.Background()
 	img, dev := loop(t, 16)
 	t.Cleanup(func() { clearRO(dev) })
-	req := StageRequest{Volume: "vol-rb", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/rb"), Block: true}
+	req := StageRequest{Volume: "vol-rb", Locator: Locator{BackingFile: img}, StagingPath: e.blockStaging("rb"), Block: true}
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}
-	target := e.path("pods/p/dev")
+	target := e.blockTarget("dev", "p")
 	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-rb", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
 		t.Fatal(err)
 	}

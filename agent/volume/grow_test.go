@@ -65,7 +65,7 @@ func stageGrowsFilesystem(t *testing.T, fs string, from, to int64, mkfs []string
 			t.Fatalf("mkfs.%s %v: %v %s", fs, mkfs, err, out)
 		}
 	}
-	g.req = g.e.stageReq("vol-r", g.img, "staging/r")
+	g.req = g.e.stageReq("vol-r", g.img, "r")
 	g.req.FsType = fs
 	made := g.stageUnstage(true)
 	g.same("a filesystem that fills its disk", made, 0)

@@ -84,13 +84,13 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	linkB, devB := shared(t, img)
 	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
 
-	reqA := a.stageReq("vol-l", img, "staging/l")
+	reqA := a.stageReq("vol-l", img, "l")
 	reqA.AllowUnfenced = false
 	a.firstLeaseStageFormatsPastTheLease(ctx, reqA, img, devA)
 	refusedAtSightByB(ctx, a, b, devA, devB)
 
 	// B's stage: refused, naming A.
-	reqB := b.stageReq("vol-l", linkB, "staging/l")
+	reqB := b.stageReq("vol-l", linkB, "l")
 	reqB.AllowUnfenced = false
 	_, err := b.m.Stage(ctx, reqB)
 	wantCode(t, err, codes.FailedPrecondition, keyA.String(), "node-a")
@@ -205,7 +205,7 @@ func TestForeignDiskWithoutReservationsNeedsTheOptIn(t *testing.T) {
 	ctx := context.Background()
 	img, dev := loop(t, 64)
 	exec.Command("mkfs.ext4", "-q", dev).Run()
-	req := e.stageReq("vol-f", img, "staging/f")
+	req := e.stageReq("vol-f", img, "f")
 	req.AllowUnfenced = false
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "never formatted", "opt-in")
@@ -229,7 +229,7 @@ func TestRemovedDiskMarksItsClaimMissing(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, dev := loop(t, 64)
-	req := e.stageReq("vol-r", img, "staging/r")
+	req := e.stageReq("vol-r", img, "r")
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}
@@ -262,7 +262,7 @@ func TestTokenOfAnEncryptedVolumeOnALeaseDisk(t *testing.T) {
 	e.start()
 	ctx := context.Background()
 	img, dev := loop(t, 64)
-	req := encReq(e, "vol-lt", img, "staging/lt")
+	req := encReq(e, "vol-lt", img, "lt")
 	req.AllowUnfenced = false
 	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != MethodLease || !res.Formatted {
 		t.Fatalf("encrypted stage on a lease disk: %+v %v", res, err)
@@ -294,7 +294,7 @@ func TestExpandOfALeaseDiskGrowsTheDataMapping(t *testing.T) {
 	e.start()
 	ctx := context.Background()
 	img, dev := loop(t, 320)
-	req := e.stageReq("vol-lx", img, "staging/lx")
+	req := e.stageReq("vol-lx", img, "lx")
 	req.AllowUnfenced = false
 	req.FsType = "xfs" // ext4 grows online only with CAP_SYS_RESOURCE, which containers may drop
 	res, err := e.m.Stage(ctx, req)
@@ -337,7 +337,7 @@ func TestLiveLeaseHolderAcknowledgesAGrantedTakeover(t *testing.T) {
 	_, devB := shared(t, img)
 	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
 
-	reqA := a.stageReq("vol-ack", img, "staging/ack")
+	reqA := a.stageReq("vol-ack", img, "ack")
 	reqA.AllowUnfenced = false
 	res, err := a.m.Stage(ctx, reqA)
 	if err != nil || res.Method != MethodLease {
@@ -517,16 +517,17 @@ func expandRawBlockVolume(t *testing.T, tc rawBlockCase) {
 func (e *env) stageAndPublishRawBlock(ctx context.Context, tc rawBlockCase, img, dev string) (StageRequest, string) {
 	t := e.t
 	t.Helper()
-	req := e.stageReq("vol-rb", img, "staging/rb")
+	req := e.stageReq("vol-rb", img, "rb")
 	if tc.encrypted {
-		req = encReq(e, "vol-rb", img, "staging/rb")
+		req = encReq(e, "vol-rb", img, "rb")
 	}
 	req.Block, req.FsType, req.AllowUnfenced = true, "", !tc.lease
+	req.StagingPath = e.blockStaging("rb")
 	res, err := e.m.Stage(ctx, req)
 	if err != nil || (res.Device == dev) != (!tc.lease && !tc.encrypted) {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
-	target := e.path("pods/p/volumeDevices/rb")
+	target := e.blockTarget("rb", "p")
 	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-rb", StagingPath: req.StagingPath, TargetPath: target, Block: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -545,12 +546,12 @@ func TestRefusedLeaseStageKeepsNoDescriptorOpen(t *testing.T) {
 	img, devA := loop(t, 64)
 	linkB, devB := shared(t, img)
 	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
-	reqA := a.stageReq("vol-d", img, "staging/d")
+	reqA := a.stageReq("vol-d", img, "d")
 	reqA.AllowUnfenced = false
 	if _, err := a.m.Stage(ctx, reqA); err != nil {
 		t.Fatal(err)
 	}
-	reqB := b.stageReq("vol-d", linkB, "staging/d")
+	reqB := b.stageReq("vol-d", linkB, "d")
 	reqB.AllowUnfenced = false
 	before := openOn(t, devB)
 	for range 3 {
@@ -610,7 +611,7 @@ func TestALookAtABlankDiskProvesNothing(t *testing.T) {
 		t.Fatalf("the watcher's look at a blank disk ran blkid: %q", got)
 	}
 
-	req := e.stageReq("vol-b", img, "staging/b")
+	req := e.stageReq("vol-b", img, "b")
 	req.AllowUnfenced = false
 	_, err = e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "non-zero data at byte 2097152")
@@ -677,7 +678,7 @@ func TestDiskBlkidCannotTellIsStillForeign(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := sha256File(t, img)
-	req := e.stageReq("vol-amb", img, "staging/amb")
+	req := e.stageReq("vol-amb", img, "amb")
 	req.AllowUnfenced = false
 	_, err = e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "vol-amb", "btrfs superblock", "not a lease area", "opt-in")
@@ -686,7 +687,7 @@ func TestDiskBlkidCannotTellIsStillForeign(t *testing.T) {
 	}
 
 	img2, _ := loop(t, 64)
-	req2 := e.stageReq("vol-blank", img2, "staging/blank")
+	req2 := e.stageReq("vol-blank", img2, "blank")
 	req2.AllowUnfenced = false
 	_, err = e.m.Stage(ctx, req2)
 	wantCode(t, err, codes.Unavailable, "vol-blank", "blkid")
@@ -720,7 +721,7 @@ func TestStageUsesALeaseAreaWrittenDuringItsProof(t *testing.T) {
 		raced = true
 	}
 	t.Cleanup(func() { testHookBeforeStageProof = nil })
-	req := e.stageReq("vol-race", img, "staging/race")
+	req := e.stageReq("vol-race", img, "race")
 	req.AllowUnfenced = false
 	res, err := e.m.Stage(ctx, req)
 	if !raced || err != nil || res.Method != MethodLease {

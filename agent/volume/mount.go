@@ -198,10 +198,11 @@ func (m *Manager) cutShortFormatProof(ctx context.Context, c *Claim, device stri
 	return proof, nil
 }
 
-// mountOptions are the staging mount's options: the request's flags, ro
+// mountOptions are the staging mount's options: nosuid and nodev unless
+// the request's flags ask otherwise (hardened), the request's flags, ro
 // for a read-only volume, nouuid for xfs.
 func mountOptions(c *Claim) []string {
-	opts := slices.Clone(c.MountFlags)
+	opts := hardened(c.MountFlags)
 	if c.ReadOnly {
 		opts = append(opts, "ro")
 	}
@@ -211,6 +212,22 @@ func mountOptions(c *Claim) []string {
 		opts = append(opts, "nouuid")
 	}
 	return append(opts, "defaults")
+}
+
+// hardened puts nosuid and nodev before a filesystem volume's mount
+// flags, each unless the flags ask for the opposite (suid, dev): a
+// volume's content is its user's, and a set-uid binary or a device node
+// on it is not to be honoured on the host or in a pod that did not ask
+// for it. The staging mount and every publication's bind mount take them.
+func hardened(flags []string) []string {
+	var opts []string
+	if !slices.Contains(flags, "suid") {
+		opts = append(opts, "nosuid")
+	}
+	if !slices.Contains(flags, "dev") {
+		opts = append(opts, "nodev")
+	}
+	return append(opts, flags...)
 }
 
 func (m *Manager) mountSource(p string) (string, error) {

@@ -168,7 +168,7 @@ func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error)
 	if r.Locator.IsZero() {
 		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
 	}
-	if staging, err = confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath); err != nil {
+	if staging, err = confineStaging(m.o.Config.KubeletRoot, r.StagingPath, r.Block); err != nil {
 		return "", "", err
 	}
 	if fsType, err = fsTypeOf(r); err != nil {
@@ -553,7 +553,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err != nil {
 		return err
 	}
-	target, err := confine(m.o.Config.KubeletRoot, "target path", r.TargetPath)
+	target, err := confineTarget(m.o.Config.KubeletRoot, r.TargetPath, r.Block)
 	if err != nil {
 		return err
 	}
@@ -671,7 +671,7 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 	if c.Block {
 		source = c.MountDevice()
 	} else {
-		opts = append(opts, r.MountFlags...)
+		opts = append(opts, hardened(r.MountFlags)...)
 	}
 	if err := m.host.Bind(source, target, c.Block, opts); err != nil {
 		return fmt.Errorf("volume %s: %w", r.Volume, err)
@@ -727,21 +727,6 @@ func (m *Manager) Unpublish(ctx context.Context, volume, targetPath string) (err
 	}
 	m.log.Info("volume unpublished", "volume", volume, "target", target)
 	return nil
-}
-
-// pubTargetShape reports whether rel (a target relative to the kubelet
-// root) has the form the kubelet gives a pod's CSI volume: a filesystem
-// volume's pods/<pod uid>/volumes/kubernetes.io~csi/<volume>/mount, or a
-// raw block volume's plugins/kubernetes.io/csi/volumeDevices/publish/<volume>/<pod uid>.
-func pubTargetShape(rel string) (block, ok bool) {
-	p := strings.Split(rel, "/")
-	switch {
-	case len(p) == 6 && p[0] == "pods" && p[2] == "volumes" && p[3] == "kubernetes.io~csi" && p[5] == "mount":
-		return false, true
-	case len(p) == 7 && strings.Join(p[:5], "/") == "plugins/kubernetes.io/csi/volumeDevices/publish":
-		return true, true
-	}
-	return false, false
 }
 
 // emptyDirBeneath reports whether the directory at p (beneath root) is

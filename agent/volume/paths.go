@@ -12,6 +12,7 @@ import (
 	mount "k8s.io/mount-utils"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // confine checks that p, a staging or target path, lies strictly under the
@@ -66,6 +67,63 @@ func confine(root, what, p string) (string, error) {
 	}
 	return resolved, nil
 }
+
+// confineStaging is confine for a stage's staging path, which must also
+// have the shape the kubelet gives a staging path of the volume's kind
+// (package kubeletpath): a filesystem volume's
+// plugins/kubernetes.io/csi/<driver>/<hash>/globalmount, a raw block
+// volume's plugins/kubernetes.io/csi/volumeDevices/staging/<pv>. Any
+// other directory under the kubelet root (its pki/, plugins_registry/, a
+// pod's volumes) is refused: a volume, whose content its user controls,
+// is never mounted over it.
+func confineStaging(root, p string, block bool) (string, error) {
+	resolved, err := confine(root, "staging path", p)
+	if err != nil {
+		return "", err
+	}
+	shape := kubeletpath.StagingShape
+	if block {
+		shape = kubeletpath.BlockStagingShape
+	}
+	if rel, ok := shapeRel(root, resolved); !ok || !kubeletpath.IsStaging(rel, block) {
+		return "", agenterr.New(agenterr.InvalidArgument, "staging path %q is not where the kubelet stages a %s volume, %s/%s: refused",
+			p, kindName(block), root, shape)
+	}
+	return resolved, nil
+}
+
+// confineTarget is confine for a publish's target path, which must also
+// have the shape the kubelet gives a pod's CSI volume of the volume's kind:
+// a filesystem volume's pods/<pod uid>/volumes/kubernetes.io~csi/<pv>/mount,
+// a raw block volume's plugins/kubernetes.io/csi/volumeDevices/publish/<pv>/<pod uid>.
+func confineTarget(root, p string, block bool) (string, error) {
+	resolved, err := confine(root, "target path", p)
+	if err != nil {
+		return "", err
+	}
+	shape := kubeletpath.TargetShape
+	if block {
+		shape = kubeletpath.BlockTargetShape
+	}
+	rel, ok := shapeRel(root, resolved)
+	if isBlock, shaped := kubeletpath.IsTarget(rel); !ok || !shaped || isBlock != block {
+		return "", agenterr.New(agenterr.InvalidArgument, "target path %q is not where the kubelet publishes a %s volume to a pod, %s/%s: refused",
+			p, kindName(block), root, shape)
+	}
+	return resolved, nil
+}
+
+// shapeRel is p, a path confine returned, relative to the resolved
+// kubelet root.
+func shapeRel(root, p string) (string, bool) {
+	_, rel, err := relBeneath(root, p)
+	return rel, err == nil
+}
+
+// pubTargetShape reports whether rel (a target relative to the kubelet
+// root) has the form the kubelet gives a pod's CSI volume, and whether it
+// is a raw block volume's (kubeletpath.IsTarget).
+func pubTargetShape(rel string) (block, ok bool) { return kubeletpath.IsTarget(rel) }
 
 // resolveParent resolves the longest existing prefix of dir and returns it
 // with the part that does not exist yet.

@@ -23,11 +23,11 @@ func TestUnpublishActsOnlyOnItsOwnPublications(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, _ := loop(t, 64)
-	req := e.stageReq("vol-1", img, "plugins/kubernetes.io/csi/pv/vol-1/globalmount")
+	req := e.stageReq("vol-1", img, "vol-1")
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}
-	pod := e.path("pods/11111111-2222-3333-4444-555555555555/volumes/kubernetes.io~csi/pv-1/mount")
+	pod := e.target("11111111-2222-3333-4444-555555555555", "pv-1")
 	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-1", StagingPath: req.StagingPath, TargetPath: pod}); err != nil {
 		t.Fatal(err)
 	}
@@ -63,7 +63,7 @@ func (e *env) unpublishRefusesWhatIsNotItsOwn(ctx context.Context, pod string) {
 	if err := os.WriteFile(config, []byte("kubelet config"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	full := e.path("pods/66666666-2222-3333-4444-555555555555/volumes/kubernetes.io~csi/pv-2/mount")
+	full := e.target("66666666-2222-3333-4444-555555555555", "pv-2")
 	if err := os.MkdirAll(full, 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -97,7 +97,7 @@ func (e *env) unpublishRefusesWhatIsNotItsOwn(ctx context.Context, pod string) {
 func (e *env) unpublishRemovesWhatAnUnfinishedPublishLeft(ctx context.Context) {
 	t := e.t
 	t.Helper()
-	stray := e.path("pods/77777777-2222-3333-4444-555555555555/volumes/kubernetes.io~csi/pv-3/mount")
+	stray := e.target("77777777-2222-3333-4444-555555555555", "pv-3")
 	if err := os.MkdirAll(stray, 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func (e *env) unpublishRemovesWhatAnUnfinishedPublishLeft(ctx context.Context) {
 	if _, err := os.Lstat(stray); !os.IsNotExist(err) {
 		t.Fatalf("the empty pod volume directory is still there: %v", err)
 	}
-	strayDev := e.path("plugins/kubernetes.io/csi/volumeDevices/publish/pv-4/88888888-2222-3333-4444-555555555555")
+	strayDev := e.blockTarget("pv-4", "88888888-2222-3333-4444-555555555555")
 	if err := os.MkdirAll(filepath.Dir(strayDev), 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func (e *env) unpublishRemovesWhatAnUnfinishedPublishLeft(ctx context.Context) {
 	if _, err := os.Lstat(strayDev); !os.IsNotExist(err) {
 		t.Fatalf("the empty raw block target file is still there: %v", err)
 	}
-	if err := e.m.Unpublish(ctx, "no-such-volume", e.path("pods/gone/volumes/kubernetes.io~csi/pv/mount")); err != nil {
+	if err := e.m.Unpublish(ctx, "no-such-volume", e.target("gone", "pv")); err != nil {
 		t.Fatalf("unpublishing a target that does not exist: %v", err)
 	}
 }
@@ -150,14 +150,14 @@ func TestStageDoesNotFollowASymlinkSwappedInAfterTheCheck(t *testing.T) {
 	e := newEnv(t)
 	elsewhere := t.TempDir()
 	t.Cleanup(func() { mounttest.UnmountUnder(elsewhere) }) // what the old code mounted there
-	dir := e.path("plugins/kubernetes.io/csi/pv")
+	img, _ := loop(t, 64)
+	req := e.stageReq("vol-s", img, "vol-s")
+	dir := filepath.Dir(req.StagingPath)
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		t.Fatal(err)
 	}
 	e.fencers = swapOnChoose{FencerFactory: e.fencers, dir: dir, elsewhere: elsewhere}
 	e.start()
-	img, _ := loop(t, 64)
-	req := e.stageReq("vol-s", img, "plugins/kubernetes.io/csi/pv/globalmount")
 	_, err := e.m.Stage(context.Background(), req)
 	wantCode(t, err, codes.InvalidArgument, "symlink", "refused")
 	if ents, _ := os.ReadDir(elsewhere); len(ents) != 0 || isMounted(t, filepath.Join(elsewhere, "globalmount")) {
@@ -195,7 +195,7 @@ func swapped(t *testing.T, e *env, dir, name string) (checked, victim string) {
 // the stop remount or shut down the filesystem the symlink leads to.
 func TestFilesystemStopDoesNotFollowASwappedStagingPath(t *testing.T) {
 	e := newEnv(t)
-	staging, victim := swapped(t, e, e.path("plugins/kubernetes.io/csi/pv-stop"), "globalmount")
+	staging, victim := swapped(t, e, filepath.Dir(e.staging("vol-stop")), "globalmount")
 	c := &Claim{Volume: "vol-stop", StagingPath: staging, Phase: PhaseStaged, FsType: "ext4"}
 	e.m.lose(c, nil, &fence.LostError{Device: "/dev/null", Reason: "test: taken over"})
 	if err := os.WriteFile(filepath.Join(victim, "probe"), []byte("x"), 0o644); err != nil {
@@ -210,7 +210,7 @@ func TestFilesystemStopDoesNotFollowASwappedStagingPath(t *testing.T) {
 // failed stage's undo) does not follow a symlink swapped in since.
 func TestUnmountDoesNotFollowASwappedPath(t *testing.T) {
 	e := newEnv(t)
-	staging, victim := swapped(t, e, e.path("plugins/kubernetes.io/csi/pv-umount"), "globalmount")
+	staging, victim := swapped(t, e, filepath.Dir(e.staging("vol-umount")), "globalmount")
 	err := e.m.unmountIfMounted(staging)
 	wantCode(t, err, codes.InvalidArgument, "symlink")
 	if !isMounted(t, victim) {
@@ -226,7 +226,7 @@ func TestUnmountDoesNotFollowASwappedPath(t *testing.T) {
 // land on the filesystem the symlink leads to.
 func TestVanishedDiskCleanupDoesNotFollowASwappedPath(t *testing.T) {
 	e := newEnv(t)
-	staging, victim := swapped(t, e, e.path("plugins/kubernetes.io/csi/pv-gone"), "globalmount")
+	staging, victim := swapped(t, e, filepath.Dir(e.staging("vol-gone")), "globalmount")
 	c := &Claim{Volume: "vol-gone", StagingPath: staging, Phase: PhaseStaged, FsType: "ext4"}
 	e.m.cleanupGone(c, errors.New("test: the disk was detached"))
 	if !isMounted(t, victim) {

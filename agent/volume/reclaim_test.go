@@ -110,7 +110,7 @@ func TestStageRefusedWhenTheHolderReestablishesDuringTheWait(t *testing.T) {
 			}
 		}
 	}
-	req := e.stageReq("vol-f", img, "staging/f")
+	req := e.stageReq("vol-f", img, "f")
 	req.AllowUnfenced = false
 	_, err := e.m.Stage(ctx, req)
 	tgt.BeforeCommand = nil
@@ -133,7 +133,7 @@ func TestStageClaimsAfterTheWaitWhenNoHolderComesBack(t *testing.T) {
 	e, tgt, b, img, dev := forgotten(t, wait)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	req := e.stageReq("vol-f", img, "staging/f")
+	req := e.stageReq("vol-f", img, "f")
 	req.AllowUnfenced = false
 	start := time.Now()
 	res, err := e.m.Stage(ctx, req)
@@ -171,7 +171,7 @@ func TestStageOfABlankDiskDoesNotWait(t *testing.T) {
 	if tgt.Generation() != 0 {
 		t.Fatal("model: a new target is not at generation 0")
 	}
-	req := e.stageReq("vol-n", img, "staging/n")
+	req := e.stageReq("vol-n", img, "n")
 	req.AllowUnfenced = false
 	if res, err := e.m.Stage(ctx, req); err != nil || !res.Formatted {
 		t.Fatalf("stage of a blank disk: %+v %v", res, err)
@@ -196,7 +196,7 @@ func TestStageOfABlankDiskDoesNotWait(t *testing.T) {
 
 func TestReclaimWaitEndsWithTheCallAndItsRetryGoesOn(t *testing.T) {
 	e, tgt, _, img, dev := forgotten(t, 2*time.Second)
-	req := e.stageReq("vol-f", img, "staging/f")
+	req := e.stageReq("vol-f", img, "f")
 	req.AllowUnfenced = false
 	givenUpDuringTheWait(t, e, tgt, dev, req)
 	ctx, cancel2 := context.WithTimeout(context.Background(), time.Minute)
@@ -230,7 +230,7 @@ func restored(t *testing.T) (*env, *scsitest.Target, string, string) {
 
 func TestNeverPublishedStageSkipsTheReclaimWait(t *testing.T) {
 	e, tgt, img, dev := restored(t)
-	req := e.stageReq("vol-r", img, "staging/r")
+	req := e.stageReq("vol-r", img, "r")
 	req.AllowUnfenced = false
 
 	// Without the controller's word, the data may be a forgotten holder's:
@@ -266,7 +266,7 @@ func TestNeverPublishedStageStillRefusesAHeldDisk(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	req := e.stageReq("vol-r", img, "staging/r")
+	req := e.stageReq("vol-r", img, "r")
 	req.AllowUnfenced, req.NeverPublished = false, true
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "held by another node", keyB.String(), "node-b")

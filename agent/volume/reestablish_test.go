@@ -21,7 +21,7 @@ func TestClaimForgottenByARestartedTargetIsReestablishedUnlessAnotherKeyAppeared
 	ctx := context.Background()
 	img, dev := loop(t, 64)
 	t.Cleanup(func() { clearRO(dev) })
-	req := e.stageReq("vol-r", img, "staging/r")
+	req := e.stageReq("vol-r", img, "r")
 	req.AllowUnfenced = false
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
@@ -150,7 +150,7 @@ func TestUnstageCutShortAfterTheReleaseIsNotALoss(t *testing.T) {
 	ctx := context.Background()
 	img, dev := loop(t, 64)
 	t.Cleanup(func() { clearRO(dev) })
-	req := e.stageReq("vol-u", img, "staging/u")
+	req := e.stageReq("vol-u", img, "u")
 	req.AllowUnfenced = false
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)

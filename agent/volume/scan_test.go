@@ -161,7 +161,7 @@ func TestReconcileOfClaimsLocatedBySerial(t *testing.T) {
 		_, dev := loop(t, 1)
 		e.sysfs.add(fmt.Sprintf("vd%c", 'a'+i), fmt.Sprintf("ser-%d", i), dev)
 		req := StageRequest{Volume: fmt.Sprintf("vol-%d", i), Locator: bySerial(fmt.Sprintf("ser-%d", i)), Block: true,
-			StagingPath: e.path(fmt.Sprintf("staging/%d", i))}
+			StagingPath: e.blockStaging(fmt.Sprintf("%d", i))}
 		if _, err := e.m.Stage(ctx, req); err != nil {
 			t.Fatal(err)
 		}

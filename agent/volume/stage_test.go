@@ -29,6 +29,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/inuse"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // The stage's rollback, tested without root. What needs root (opening a
@@ -221,7 +222,7 @@ func newStageEnv(t *testing.T) *stageEnv {
 }
 
 func (e *stageEnv) request(volume string) StageRequest {
-	return StageRequest{Volume: volume, Locator: Locator{Disk: discovery.Locator{Serial: "fake0"}}, StagingPath: filepath.Join(e.kubelet, "staging", volume),
+	return StageRequest{Volume: volume, Locator: Locator{Disk: discovery.Locator{Serial: "fake0"}}, StagingPath: kubeletpath.Staging(e.kubelet, testDriver, volume),
 		Encrypted: true, Passphrase: []byte("not a secret")}
 }
 

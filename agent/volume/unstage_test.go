@@ -70,7 +70,7 @@ func TestRawBlockLeaseUnstageFlushesBeforeTheRelease(t *testing.T) {
 	}}
 	e.start()
 	ctx := context.Background()
-	req := StageRequest{Volume: "vol-rb", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/rb"), Block: true}
+	req := StageRequest{Volume: "vol-rb", Locator: Locator{BackingFile: img}, StagingPath: e.blockStaging("rb"), Block: true}
 	res, err := e.m.Stage(ctx, req)
 	if err != nil || res.Method != MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
@@ -104,7 +104,7 @@ func TestRawBlockUnstageDoesNotReleaseWhenTheFlushFails(t *testing.T) {
 	e.fencers = releaseWatch{FencerFactory: e.fencers, check: func() { released++ }}
 	e.start()
 	ctx := context.Background()
-	req := StageRequest{Volume: "vol-rf", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/rf"), Block: true}
+	req := StageRequest{Volume: "vol-rf", Locator: Locator{BackingFile: img}, StagingPath: e.blockStaging("rf"), Block: true}
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}

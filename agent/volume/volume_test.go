@@ -203,14 +203,14 @@ func wantCode(t *testing.T, err error, c codes.Code, words ...string) {
 }
 
 func (e *env) stageReq(vol, img, staging string) StageRequest {
-	return StageRequest{Volume: vol, Locator: Locator{BackingFile: img}, StagingPath: e.path(staging), FsType: "ext4", AllowUnfenced: true}
+	return StageRequest{Volume: vol, Locator: Locator{BackingFile: img}, StagingPath: e.staging(staging), FsType: "ext4", AllowUnfenced: true}
 }
 
 func TestStageFormatsOnceThenPublishStatsUnstage(t *testing.T) {
 	e := newEnv(t)
 	img, dev := loop(t, 64)
 	ctx := context.Background()
-	req := e.stageReq("vol-1", img, "staging/vol-1")
+	req := e.stageReq("vol-1", img, "vol-1")
 
 	uuid := e.firstStageFormatsAndMounts(ctx, req, dev)
 	e.stageRetriedOrConflicting(ctx, req, dev, uuid)
@@ -271,7 +271,7 @@ func (e *env) stageRetriedOrConflicting(ctx context.Context, req StageRequest, d
 	_, err = e.m.Stage(ctx, xfs)
 	wantCode(t, err, codes.AlreadyExists, `filesystem "ext4", not "xfs"`)
 	other := req
-	other.StagingPath = e.path("staging/elsewhere")
+	other.StagingPath = e.staging("elsewhere")
 	_, err = e.m.Stage(ctx, other)
 	wantCode(t, err, codes.AlreadyExists, "staging path")
 }
@@ -283,7 +283,7 @@ func (e *env) stageRetriedOrConflicting(ctx context.Context, req StageRequest, d
 func (e *env) publishReadWriteAndReadOnly(ctx context.Context, req StageRequest) (rw, ro string) {
 	t := e.t
 	t.Helper()
-	rw, ro = e.path("pods/a/vol"), e.path("pods/b/vol")
+	rw, ro = e.target("a", "vol"), e.target("b", "vol")
 	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-1", StagingPath: req.StagingPath, TargetPath: rw}); err != nil {
 		t.Fatal(err)
 	}
@@ -306,7 +306,7 @@ func (e *env) publishReadWriteAndReadOnly(ctx context.Context, req StageRequest)
 	if err != nil || st.TotalBytes < 50<<20 || st.UsedBytes <= 0 || st.TotalInodes <= 0 || st.UsedInodes <= 0 || st.Abnormal {
 		t.Fatalf("stats: %+v %v", st, err)
 	}
-	_, err = e.m.Stats(ctx, "vol-1", e.path("pods/c/vol"))
+	_, err = e.m.Stats(ctx, "vol-1", e.target("c", "vol"))
 	wantCode(t, err, codes.NotFound)
 	return rw, ro
 }
@@ -355,7 +355,7 @@ func TestForeignFilesystemIsMountedNeverFormatted(t *testing.T) {
 		t.Fatalf("mkfs: %v %s", err, out)
 	}
 	uuid := blkid(t, dev, "UUID")
-	req := e.stageReq("vol-ext4", img, "staging/ext4")
+	req := e.stageReq("vol-ext4", img, "ext4")
 	res, err := e.m.Stage(ctx, req)
 	if err != nil || res.Formatted {
 		t.Fatalf("stage of an existing ext4: %+v %v", res, err)
@@ -370,7 +370,7 @@ func TestForeignFilesystemIsMountedNeverFormatted(t *testing.T) {
 		t.Fatalf("mkfs.xfs: %v %s", err, out)
 	}
 	uuid2 := blkid(t, dev2, "UUID")
-	req2 := e.stageReq("vol-xfs", img2, "staging/xfs")
+	req2 := e.stageReq("vol-xfs", img2, "xfs")
 	_, err = e.m.Stage(ctx, req2)
 	wantCode(t, err, codes.FailedPrecondition, `carries "xfs"`, "neither formats")
 	if blkid(t, dev2, "TYPE") != "xfs" || blkid(t, dev2, "UUID") != uuid2 || isMounted(t, req2.StagingPath) {
@@ -399,7 +399,7 @@ func TestForeignFilesystemIsMountedNeverFormatted(t *testing.T) {
 			t.Fatal(werr)
 		}
 	}
-	_, err = e.m.Stage(ctx, e.stageReq("vol-mbr", img3, "staging/mbr"))
+	_, err = e.m.Stage(ctx, e.stageReq("vol-mbr", img3, "mbr"))
 	wantCode(t, err, codes.FailedPrecondition, "probably partitions")
 	if blkid(t, dev3, "PTTYPE") != "dos" {
 		t.Fatal("the partition table was overwritten")
@@ -410,18 +410,18 @@ func TestBlockVolumePublishesTheDevice(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, dev := loop(t, 16)
-	req := StageRequest{Volume: "vol-b", Locator: Locator{BackingFile: img}, StagingPath: e.path("staging/b"), Block: true, AllowUnfenced: true}
+	req := StageRequest{Volume: "vol-b", Locator: Locator{BackingFile: img}, StagingPath: e.blockStaging("b"), Block: true, AllowUnfenced: true}
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}
 	if blkid(t, dev, "TYPE") != "" {
 		t.Fatal("a raw block volume was formatted")
 	}
-	target := e.path("pods/p/dev")
+	target := e.blockTarget("dev", "p")
 	e.publishTheDeviceNodeThreeTimes(ctx, req, dev, target)
 	// Another block volume's device on that target is not this one's.
 	img2, _ := loop(t, 8)
-	req2 := StageRequest{Volume: "vol-b2", Locator: Locator{BackingFile: img2}, StagingPath: e.path("staging/b2"), Block: true, AllowUnfenced: true}
+	req2 := StageRequest{Volume: "vol-b2", Locator: Locator{BackingFile: img2}, StagingPath: e.blockStaging("b2"), Block: true, AllowUnfenced: true}
 	if _, err := e.m.Stage(ctx, req2); err != nil {
 		t.Fatal(err)
 	}
@@ -491,7 +491,7 @@ func TestExpandGrowsTheFilesystemOnline(t *testing.T) {
 			e := newEnv(t)
 			ctx := context.Background()
 			img, dev := loop(t, fs.from)
-			req := e.stageReq("vol-g", img, "staging/g")
+			req := e.stageReq("vol-g", img, "g")
 			req.FsType = fs.name
 			if _, err := e.m.Stage(ctx, req); err != nil {
 				t.Fatal(err)
@@ -544,7 +544,7 @@ func TestUnfencedDiskNeedsBothOptIns(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, dev := loop(t, 16)
-	req := e.stageReq("vol-u", img, "staging/u")
+	req := e.stageReq("vol-u", img, "u")
 	req.AllowUnfenced = false
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "not a SCSI device", "allow_unfenced")
@@ -591,12 +591,31 @@ func TestPathsMustStayUnderTheKubeletRoot(t *testing.T) {
 		if _, err := e.m.Stage(ctx, req); agenterr.Code(err) != codes.InvalidArgument {
 			t.Errorf("stage at %q: %v, want InvalidArgument", p, err)
 		}
-		if err := e.m.Publish(ctx, PublishRequest{Volume: "v", StagingPath: e.path("staging/v"), TargetPath: p}); agenterr.Code(err) != codes.InvalidArgument {
+		if err := e.m.Publish(ctx, PublishRequest{Volume: "v", StagingPath: e.staging("v"), TargetPath: p}); agenterr.Code(err) != codes.InvalidArgument {
 			t.Errorf("publish at %q: %v, want InvalidArgument", p, err)
 		}
 		if err := e.m.Unpublish(ctx, "v", p); agenterr.Code(err) != codes.InvalidArgument {
 			t.Errorf("unpublish at %q: %v, want InvalidArgument", p, err)
 		}
+	}
+	// Paths of the kubelet's shapes through a symlink that leaves the root.
+	for _, link := range []string{filepath.Dir(filepath.Dir(e.staging("v"))), e.path("pods/p"), e.path("plugins/kubernetes.io/csi/volumeDevices/publish")} {
+		if err := os.MkdirAll(filepath.Dir(link), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(outside, link); err != nil {
+			t.Fatal(err)
+		}
+	}
+	req := StageRequest{Volume: "v", Locator: Locator{BackingFile: "/nonexistent"}, StagingPath: e.staging("v"), AllowUnfenced: true}
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.InvalidArgument, "outside the kubelet directory")
+	for _, pub := range []PublishRequest{
+		{Volume: "v", StagingPath: e.staging("v"), TargetPath: e.target("p", "pv")},
+		{Volume: "v", StagingPath: e.blockStaging("pv"), TargetPath: e.blockTarget("pv", "p"), Block: true},
+	} {
+		wantCode(t, e.m.Publish(ctx, pub), codes.InvalidArgument, "outside the kubelet directory")
+		wantCode(t, e.m.Unpublish(ctx, "v", pub.TargetPath), codes.InvalidArgument, "outside the kubelet directory")
 	}
 	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
 		t.Fatalf("something was created outside the kubelet root: %v", entries)
@@ -607,7 +626,7 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, _ := loop(t, 64)
-	req := e.stageReq("vol-c", img, "staging/c")
+	req := e.stageReq("vol-c", img, "c")
 	release, err := e.m.locks.try("vol-c", "stage")
 	if err != nil {
 		t.Fatal(err)
@@ -615,7 +634,7 @@ func TestConcurrentOperationOnAVolumeIsAborted(t *testing.T) {
 	_, err = e.m.Stage(ctx, req)
 	wantCode(t, err, codes.Aborted, "vol-c", "in progress")
 	wantCode(t, e.m.Unstage(ctx, "vol-c", req.StagingPath), codes.Aborted)
-	wantCode(t, e.m.Publish(ctx, PublishRequest{Volume: "vol-c", StagingPath: req.StagingPath, TargetPath: e.path("t")}), codes.Aborted)
+	wantCode(t, e.m.Publish(ctx, PublishRequest{Volume: "vol-c", StagingPath: req.StagingPath, TargetPath: e.target("p", "t")}), codes.Aborted)
 	_, err = e.m.Expand(ctx, "vol-c", "", 0)
 	wantCode(t, err, codes.Aborted)
 	release()
@@ -658,7 +677,7 @@ func TestRestartReconcilesFromTheStateFile(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, _ := loop(t, 64)
-	req := e.stageReq("vol-r", img, "staging/r")
+	req := e.stageReq("vol-r", img, "r")
 	if _, err := e.m.Stage(ctx, req); err != nil {
 		t.Fatal(err)
 	}
@@ -667,14 +686,14 @@ func TestRestartReconcilesFromTheStateFile(t *testing.T) {
 	}
 	// Block volume whose disk will be gone when the agent comes back.
 	imgB, devB := loop(t, 16)
-	reqB := StageRequest{Volume: "vol-gone", Locator: Locator{BackingFile: imgB}, StagingPath: e.path("staging/gone"), Block: true, AllowUnfenced: true}
+	reqB := StageRequest{Volume: "vol-gone", Locator: Locator{BackingFile: imgB}, StagingPath: e.blockStaging("gone"), Block: true, AllowUnfenced: true}
 	if _, err := e.m.Stage(ctx, reqB); err != nil {
 		t.Fatal(err)
 	}
 	// A stage cut short after its record was written (crash before any
 	// mount), on a disk the agent had already formatted once.
 	imgC, devC := loop(t, 16)
-	if err := e.m.Store().Put(&Claim{Volume: "vol-cut", Locator: Locator{BackingFile: imgC}, StagingPath: e.path("staging/cut"),
+	if err := e.m.Store().Put(&Claim{Volume: "vol-cut", Locator: Locator{BackingFile: imgC}, StagingPath: e.staging("cut"),
 		FsType: "ext4", Phase: PhaseClaiming, Formatted: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -741,7 +760,7 @@ func (e *env) cutStageIsNeverFormattedAgain(ctx context.Context, imgC, devC stri
 	}
 	// Its retry finds the disk blank although the agent formatted it: the
 	// wrong disk, or its data lost elsewhere. Never formatted again.
-	_, err := e.m.Stage(ctx, StageRequest{Volume: "vol-cut", Locator: Locator{BackingFile: imgC}, StagingPath: e.path("staging/cut"), FsType: "ext4", AllowUnfenced: true})
+	_, err := e.m.Stage(ctx, StageRequest{Volume: "vol-cut", Locator: Locator{BackingFile: imgC}, StagingPath: e.staging("cut"), FsType: "ext4", AllowUnfenced: true})
 	wantCode(t, err, codes.FailedPrecondition, "will not format it again")
 	if blkid(t, devC, "TYPE") != "" {
 		t.Fatal("formatted twice")
@@ -804,7 +823,7 @@ func TestReadOnlyStage(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
 	img, dev := loop(t, 64)
-	req := e.stageReq("vol-ro", img, "staging/ro")
+	req := e.stageReq("vol-ro", img, "ro")
 	req.ReadOnly = true
 	_, err := e.m.Stage(ctx, req)
 	wantCode(t, err, codes.FailedPrecondition, "blank", "read-only")
@@ -820,9 +839,9 @@ func TestReadOnlyStage(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(req.StagingPath, "x"), nil, 0o644); !errors.Is(err, unix.EROFS) {
 		t.Fatalf("write to a read-only stage: %v", err)
 	}
-	err = e.m.Publish(ctx, PublishRequest{Volume: "vol-ro", StagingPath: req.StagingPath, TargetPath: e.path("pods/x")})
+	err = e.m.Publish(ctx, PublishRequest{Volume: "vol-ro", StagingPath: req.StagingPath, TargetPath: e.target("x", "vol")})
 	wantCode(t, err, codes.InvalidArgument, "read-only")
-	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-ro", StagingPath: req.StagingPath, TargetPath: e.path("pods/x"), ReadOnly: true}); err != nil {
+	if err := e.m.Publish(ctx, PublishRequest{Volume: "vol-ro", StagingPath: req.StagingPath, TargetPath: e.target("x", "vol"), ReadOnly: true}); err != nil {
 		t.Fatal(err)
 	}
 	_, err = e.m.Expand(ctx, "vol-ro", "", 0)
@@ -844,7 +863,7 @@ func TestClonedXFSVolumesMountSideBySide(t *testing.T) {
 	}
 	attach(t, img2)
 	for i, im := range []string{img, img2} {
-		req := e.stageReq(fmt.Sprintf("vol-x%d", i), im, fmt.Sprintf("staging/x%d", i))
+		req := e.stageReq(fmt.Sprintf("vol-x%d", i), im, fmt.Sprintf("x%d", i))
 		req.FsType = "xfs"
 		if res, err := e.m.Stage(ctx, req); err != nil || res.Formatted {
 			t.Fatalf("stage %d: %+v %v", i, res, err)

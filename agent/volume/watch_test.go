@@ -18,7 +18,7 @@ func TestClassifyIgnoresAClaimWhoseDiskWentAway(t *testing.T) {
 	img, devA := loop(t, 64)
 	_, devB := shared(t, img)
 	t.Cleanup(func() { clearRO(devA); clearRO(devB) })
-	reqA := a.stageReq("vol-w", img, "staging/w")
+	reqA := a.stageReq("vol-w", img, "w")
 	reqA.AllowUnfenced = false
 	if _, err := a.m.Stage(ctx, reqA); err != nil {
 		t.Fatal(err)
@@ -50,7 +50,7 @@ func TestClassifyIgnoresAClaimWhoseDiskWentAway(t *testing.T) {
 func TestStageRecordsItsClaimUnderTheWatchLock(t *testing.T) {
 	e := newEnv(t)
 	img, _ := loop(t, 64)
-	req := e.stageReq("vol-lock", img, "staging/lock")
+	req := e.stageReq("vol-lock", img, "lock")
 	lk := e.m.WatchLock()
 	lk.Lock()
 	done := make(chan error, 1)

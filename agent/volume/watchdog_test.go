@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -60,7 +59,7 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 	if wd.Status().Armed {
 		t.Fatal("armed before any lease is held")
 	}
-	req := a.stageReq("vol-w", img, "staging/w")
+	req := a.stageReq("vol-w", img, "w")
 	req.AllowUnfenced = false
 	a.leaseStageArmsAndFeedsTheWatchdog(ctx, req, wd, dev)
 
@@ -80,7 +79,7 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 	// The loss is recorded by its own goroutine; until it is done an
 	// unstage answers Aborted, which the kubelet retries, as here.
 	for end := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		err := a.m.Unstage(ctx, "vol-w", filepath.Join(a.kubelet, "staging/w"))
+		err := a.m.Unstage(ctx, "vol-w", a.staging("w"))
 		if err == nil {
 			break
 		}
@@ -225,7 +224,7 @@ func unresumedUntilTheCheck(t *testing.T, fail *resumeFailsOnce) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
 	img, devA := loop(t, 64)
-	req := a.stageReq("vol-u", img, "staging/u")
+	req := a.stageReq("vol-u", img, "u")
 	req.AllowUnfenced = false
 	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
@@ -291,7 +290,7 @@ func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
 			ctx := context.Background()
 			img, devA := loop(t, 64)
 			t.Cleanup(func() { clearRO(devA) })
-			req := a.stageReq("vol-l", img, "staging/l")
+			req := a.stageReq("vol-l", img, "l")
 			req.AllowUnfenced = false
 			if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
 				t.Fatalf("stage: %+v %v", res, err)
@@ -346,7 +345,7 @@ func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
 func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	req := stagedLease(t, a, "vol-b", "staging/b")
+	req := stagedLease(t, a, "vol-b", "b")
 	expect := func(boot string, bootErr error, want int) {
 		t.Helper()
 		a.start()
@@ -388,7 +387,7 @@ func TestRecordedLeasesAreNotWaitedForAfterABoot(t *testing.T) {
 func TestALeaseClaimWhoseDiskCannotBeVerifiedStopsTheFeeding(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	req := stagedLease(t, a, "vol-v", "staging/v")
+	req := stagedLease(t, a, "vol-v", "v")
 	a.cfg.AllowLoopDevices = false
 	a.start()
 	a.m.bootID = func() (string, error) { return "one-boot", nil }
@@ -448,7 +447,7 @@ func TestTheStartUpCheckResumesLeasesSideBySide(t *testing.T) {
 	for i := range n {
 		img, dev := loop(t, 64)
 		t.Cleanup(func() { clearRO(dev) })
-		req := a.stageReq(fmt.Sprintf("vol-%d", i), img, fmt.Sprintf("staging/%d", i))
+		req := a.stageReq(fmt.Sprintf("vol-%d", i), img, fmt.Sprintf("%d", i))
 		req.AllowUnfenced = false
 		if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
 			t.Fatalf("stage %d: %+v %v", i, res, err)
@@ -485,7 +484,7 @@ func lossFailedBeforeRestart(t *testing.T, a *env, vol string) StageRequest {
 	ctx := context.Background()
 	img, devA := loop(t, 64)
 	t.Cleanup(func() { clearRO(devA) })
-	req := a.stageReq(vol, img, "staging/"+vol)
+	req := a.stageReq(vol, img, vol)
 	req.AllowUnfenced = false
 	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
@@ -568,7 +567,7 @@ func (s *lossSnoop) Emit(e events.Event) error {
 func TestAResumeLossIsListedWhileItsStopRuns(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	stagedLease(t, a, "vol-w", "staging/w")
+	stagedLease(t, a, "vol-w", "w")
 	a.start()
 	time.Sleep(testTiming.Fail + testTiming.IOTimeout)
 	snoop := &lossSnoop{m: func() *Manager { return a.m }}
@@ -588,7 +587,7 @@ func TestAResumeLossIsListedWhileItsStopRuns(t *testing.T) {
 func TestAStageWaitsForTheCheckToTakeBackAnUnresumedLease(t *testing.T) {
 	a := fencedLeaseEnv(t, nodeA, "node-a")
 	ctx := context.Background()
-	req := stagedLease(t, a, "vol-s", "staging/s")
+	req := stagedLease(t, a, "vol-s", "s")
 	a.fencers = &resumeFailsOnce{FencerFactory: a.fencers}
 	a.start()
 	a.m.ExpectRecordedLeases()

@@ -22,6 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // TestVolumeAPIAndDisksCommand drives the built agent over its socket: a
@@ -35,7 +36,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	kubelet := filepath.Join(dir, "kubelet")
 	os.MkdirAll(kubelet, 0o755)
 	t.Cleanup(func() {
-		unix.Unmount(filepath.Join(kubelet, "staging"), unix.MNT_DETACH)
+		unix.Unmount(kubeletpath.Staging(kubelet, "cloud.whitesky.csi", "vol-cli"), unix.MNT_DETACH)
 	})
 	img := filepath.Join(dir, "disk.img")
 	if err := os.WriteFile(img, nil, 0o600); err != nil {
@@ -67,7 +68,7 @@ func TestVolumeAPIAndDisksCommand(t *testing.T) {
 	c := serveAgent(t, cfg, sock, root)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	e := &disksEnv{t: t, ctx: ctx, c: c, sock: sock, dir: dir, kubelet: kubelet, staging: filepath.Join(kubelet, "staging"), img: img, dev: dev}
+	e := &disksEnv{t: t, ctx: ctx, c: c, sock: sock, dir: dir, kubelet: kubelet, staging: kubeletpath.Staging(kubelet, "cloud.whitesky.csi", "vol-cli"), img: img, dev: dev}
 
 	res, mark := e.stageBlankUnderTheLease()
 	e.disksListTheLeasedClaim()
@@ -311,7 +312,7 @@ func TestLeaseRefusedWithoutAHostWatchdog(t *testing.T) {
 	c := serveAgent(t, cfg, sock, root)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	req := &api.StageVolumeRequest{VolumeId: "vol-wd", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: filepath.Join(kubelet, "staging"), FsType: "ext4"}
+	req := &api.StageVolumeRequest{VolumeId: "vol-wd", Device: &api.DeviceLocator{LoopBackingFile: img}, StagingPath: kubeletpath.Staging(kubelet, "cloud.whitesky.csi", "vol-wd"), FsType: "ext4"}
 	_, err = c.StageVolume(ctx, req)
 	if err == nil {
 		// Leave nothing mounted behind the failure.

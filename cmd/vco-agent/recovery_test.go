@@ -16,6 +16,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // The commands of docs/recovery.md that a rescue machine runs on a
@@ -156,7 +157,7 @@ func recoveryNode(t *testing.T, dir, name, uuid string) *recoveryAgent {
 	t.Helper()
 	d := filepath.Join(dir, name)
 	kubelet := filepath.Join(d, "kubelet")
-	os.MkdirAll(filepath.Join(kubelet, "staging"), 0o755)
+	os.MkdirAll(kubelet, 0o755)
 	root := filepath.Join(d, "sys")
 	id := filepath.Join(root, "class/dmi/id")
 	os.MkdirAll(id, 0o755)
@@ -169,7 +170,7 @@ func recoveryNode(t *testing.T, dir, name, uuid string) *recoveryAgent {
 	cfg := filepath.Join(d, "config.yaml")
 	os.WriteFile(cfg, []byte(fmt.Sprintf("node:\n  name: node-%s\nstate_dir: %s\nvolumes:\n  kubelet_root: %s\n  allow_loop_devices: true\n  lease_loop_devices: true\n  watch_disks: false\n  claimed_dir: %s\n  lease: {io_timeout: 500ms, renew: 1s, fail: 4s, watchdog: 0s, watchdog_device: none-unsafe}\nmetrics:\n  socket: off\n",
 		name, filepath.Join(d, "state"), kubelet, filepath.Join(d, "claimed"))), 0o644)
-	staging := filepath.Join(kubelet, "staging", "vol")
+	staging := kubeletpath.Staging(kubelet, "cloud.whitesky.csi", "vol-rescue")
 	t.Cleanup(func() { unix.Unmount(staging, unix.MNT_DETACH) })
 	return &recoveryAgent{cfg: cfg, sock: filepath.Join(d, "agent.sock"), root: root, staging: staging}
 }

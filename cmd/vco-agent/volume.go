@@ -112,7 +112,7 @@ func (o *volumeOptions) flags(sub string) *flag.FlagSet {
 	fs.StringVar(&o.pci, "pci", "", "the disk's PCI address")
 	fs.StringVar(&o.wwn, "wwn", "", "the disk's WWN")
 	fs.StringVar(&o.loop, "loop-backing-file", "", "a loop device's backing file (agents with volumes.allow_loop_devices)")
-	fs.StringVar(&o.staging, "staging", "", "the staging path (under the kubelet root)")
+	fs.StringVar(&o.staging, "staging", "", "the staging path: <kubelet root>/plugins/kubernetes.io/csi/<driver>/<hash>/globalmount, with --block <kubelet root>/plugins/kubernetes.io/csi/volumeDevices/staging/<pv>")
 	fs.StringVar(&o.fsType, "fs", "", "ext4 (default) or xfs")
 	fs.BoolVar(&o.block, "block", false, "a raw block volume")
 	fs.BoolVar(&o.readOnly, "read-only", false, "stage read-only")

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -9,6 +10,8 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/csi/sanityreport"
+	"github.com/whitesky-cloud/vco-storage/csi/sanitytargets"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // TestCSISanityBinary runs the csi-sanity binary of csi-test (the version
@@ -27,15 +30,15 @@ func TestCSISanityBinary(t *testing.T) {
 		t.Run(access, func(t *testing.T) {
 			start := time.Now()
 			report := filepath.Join(t.TempDir(), "sanity.json")
+			targets, staging, endpoint, check := sanityPaths(t, s, access)
 			// csi-sanity makes the target and staging directories, not their parents.
-			pods, plugins := filepath.Join(s.kubelet, "pods", "sanity-"+access), filepath.Join(s.kubelet, "plugins", "sanity-"+access)
-			for _, d := range []string{pods, plugins} {
+			for _, d := range []string{filepath.Dir(targets), filepath.Dir(staging)} {
 				if err := os.MkdirAll(d, 0o750); err != nil {
 					t.Fatal(err)
 				}
 			}
-			cmd := exec.Command(bin, "--csi.endpoint", "unix://"+s.csiSock,
-				"--csi.mountdir", filepath.Join(pods, "target"), "--csi.stagingdir", filepath.Join(plugins, "staging"),
+			cmd := exec.Command(bin, "--csi.endpoint", endpoint, "--csi.checkpathcmd", check,
+				"--csi.mountdir", targets, "--csi.stagingdir", staging,
 				"--csi.testvolumesize", strconv.Itoa(1<<30), "--csi.testvolumeexpandsize", strconv.Itoa(2<<30),
 				"--csi.testvolumeaccesstype", access,
 				"--csi.testnodevolumeattachlimit", "--ginkgo.json-report", report)
@@ -56,4 +59,41 @@ func TestCSISanityBinary(t *testing.T) {
 			t.Logf("csi-sanity, %s volumes: %d specs passed in %s", access, passed, time.Since(start).Round(time.Second))
 		})
 	}
+}
+
+// sanityPaths are csi-sanity's target directory and staging path for
+// volumes of access type access, the endpoint it is to call and the
+// command it checks a target with. The agent stages and publishes only at
+// the kubelet's paths: the staging path is one, and so are raw block
+// targets (<targets>/target is volumeDevices/publish/<pv>/<pod uid>);
+// filesystem targets are moved to the kubelet's shape by a proxy between
+// csi-sanity and the plugin, which serves the returned endpoint, and
+// checked where they were moved (sanitytargets).
+func sanityPaths(t *testing.T, s *stack, access string) (targets, staging, endpoint, check string) {
+	t.Helper()
+	dir := t.TempDir()
+	targets, endpoint = filepath.Join(s.kubelet, "sanity-"+access), "unix://"+s.csiSock
+	staging = kubeletpath.Staging(s.kubelet, "cloud.whitesky.csi", "sanity-"+access)
+	tg := sanitytargets.Targets{Kubelet: s.kubelet, Dir: targets}
+	if access == "block" {
+		targets = filepath.Dir(kubeletpath.BlockTarget(s.kubelet, "sanity-block", "x"))
+		staging = kubeletpath.BlockStaging(s.kubelet, "sanity-block")
+		tg = sanitytargets.Targets{} // moves nothing
+	} else {
+		ln, err := net.Listen("unix", filepath.Join(dir, "sanity-proxy.sock"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		stop, err := tg.Proxy(ln, endpoint)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(stop)
+		endpoint = "unix://" + ln.Addr().String()
+	}
+	check = filepath.Join(dir, "check-path")
+	if err := os.WriteFile(check, []byte(tg.CheckScript()), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return targets, staging, endpoint, check
 }

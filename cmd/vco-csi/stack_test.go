@@ -23,6 +23,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -177,8 +178,8 @@ func TestStackOnThisHost(t *testing.T) {
 	}
 	volID := v.Volume.VolumeId
 	pub, backing := publishMakesALoopDevice(ctx, t, s, ctrl, volID, ni.NodeId, capab)
-	staging := filepath.Join(s.kubelet, "plugins", "staging")
-	target := filepath.Join(s.kubelet, "pods", "p", "volumes", "v")
+	staging := kubeletpath.Staging(s.kubelet, "cloud.whitesky.csi", volID)
+	target := kubeletpath.Target(s.kubelet, "p", "pv-stack")
 	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: volID, PublishContext: pub.PublishContext,
 		StagingTargetPath: staging, VolumeCapability: capab, VolumeContext: v.Volume.VolumeContext}); err != nil {
 		t.Fatalf("stage: %v", err)

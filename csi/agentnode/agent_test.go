@@ -30,6 +30,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -229,7 +230,7 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	if _, err := nodeBEngine().Acquire(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
-	staging := filepath.Join(kubelet, "plugins", "staging", "7")
+	staging := kubeletpath.Staging(kubelet, "cloud.whitesky.csi", vol)
 	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
 		PublishContext: map[string]string{driver.PubDiskID: "7"}}
 	_, err := node.NodeStageVolume(ctx, stage)
@@ -243,7 +244,7 @@ func TestFencingThroughTheNodeService(t *testing.T) {
 	if holder, key, _, ok := tgt.Reservation(); !ok || holder != nodeA || key != uint64(keyA) {
 		t.Fatalf("reservation after the granted stage: %s %x %v", holder, key, ok)
 	}
-	target := filepath.Join(kubelet, "pods", "p", "volumes", "v")
+	target := kubeletpath.Target(kubelet, "p", "pv-7")
 	publishWriteAndFindHealthy(ctx, t, node, vol, staging, target)
 
 	// Node B takes the disk over with its own grant; the agent's check
@@ -319,7 +320,7 @@ func TestNeverPublishedSkipsTheReclaimWait(t *testing.T) {
 		t.Fatalf("mkfs.ext4: %v: %s", err, out)
 	}
 	const vol = "ch-gen-1/7"
-	staging := filepath.Join(f.kubelet, "plugins", "staging", "7")
+	staging := kubeletpath.Staging(f.kubelet, "cloud.whitesky.csi", vol)
 	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
 		PublishContext: map[string]string{driver.PubDiskID: "7"}}
 

@@ -24,6 +24,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
@@ -85,8 +86,8 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	ctx := context.Background()
 	const vol = "ch-gen-1/8"
 	encrypted := map[string]string{"cloud.whitesky/encrypted": "true"}
-	staging := filepath.Join(kubelet, "plugins", "staging", "8")
-	target := filepath.Join(kubelet, "pods", "p", "volumes", "enc")
+	staging := kubeletpath.Staging(kubelet, "cloud.whitesky.csi", vol)
+	target := kubeletpath.Target(kubelet, "p", "pv-8")
 	stage := &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: staging, VolumeCapability: mountCap,
 		PublishContext: map[string]string{driver.PubDiskID: "8"}, VolumeContext: encrypted}
 

@@ -19,6 +19,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 	"k8s.io/klog/v2"
 )
 
@@ -247,7 +248,7 @@ func benchNodeStageUnstage(b *testing.B) {
 		e.ctrl.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: hostUUID})
 		e.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
 	})
-	staging := filepath.Join(e.kubelet, "plugins", "staging", "bench")
+	staging := kubeletpath.Staging(e.kubelet, "try.whitesky.cloud", id)
 	stage := &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pub.PublishContext, StagingTargetPath: staging,
 		VolumeCapability: rwo[0], VolumeContext: v.Volume.VolumeContext}
 	unstage := &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}

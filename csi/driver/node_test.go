@@ -13,6 +13,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 func TestNodeGetInfo(t *testing.T) {
@@ -149,8 +150,8 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 
 	// Raw block: the pod's target is the device itself.
 	id, pc := prepare("raw", block)
-	staging := filepath.Join(e.kubelet, "plugins", "staging", "raw")
-	target := filepath.Join(e.kubelet, "pods", "p", "volumeDevices", "raw")
+	staging := kubeletpath.BlockStaging(e.kubelet, "pv-raw")
+	target := kubeletpath.BlockTarget(e.kubelet, "pv-raw", "p")
 	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: block}); err != nil {
 		t.Fatal(err)
 	}
@@ -174,19 +175,28 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 
 	// A filesystem with a mount flag, published read-only to one pod.
 	id, pc = prepare("flagged", flagged)
-	staging = filepath.Join(e.kubelet, "plugins", "staging", "flagged")
-	target = filepath.Join(e.kubelet, "pods", "p", "volumes", "flagged")
+	flaggedReadOnly(ctx, t, e, id, pc, flagged)
+}
+
+// flaggedReadOnly stages volume id, published at pc, with capability
+// flagged (mount flag noatime) and publishes it read-only: both mounts
+// carry noatime, nosuid and nodev, the publication is read-only and the
+// staging mount stays writable.
+func flaggedReadOnly(ctx context.Context, t *testing.T, e *testEnv, id string, pc map[string]string, flagged *csi.VolumeCapability) {
+	t.Helper()
+	staging := kubeletpath.Staging(e.kubelet, "try.whitesky.cloud", id)
+	target := kubeletpath.Target(e.kubelet, "p", "pv-flagged")
 	if _, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, PublishContext: pc, StagingTargetPath: staging, VolumeCapability: flagged}); err != nil {
 		t.Fatal(err)
 	}
-	if o := mountOptions(staging); !strings.Contains(o, "noatime") {
-		t.Fatalf("staging mount options %q lack noatime", o)
+	if o := mountOptions(staging); !strings.Contains(o, "noatime") || !strings.Contains(o, "nosuid") || !strings.Contains(o, "nodev") {
+		t.Fatalf("staging mount options %q lack noatime, nosuid or nodev", o)
 	}
 	if _, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target,
 		VolumeCapability: flagged, Readonly: true}); err != nil {
 		t.Fatal(err)
 	}
-	if o := mountOptions(target); !strings.HasPrefix(o, "ro") {
+	if o := mountOptions(target); !strings.HasPrefix(o, "ro") || !strings.Contains(o, "nosuid") || !strings.Contains(o, "nodev") {
 		t.Fatalf("read-only publish has mount options %q", o)
 	}
 	if err := os.WriteFile(filepath.Join(target, "x"), nil, 0o644); err == nil {
@@ -201,4 +211,5 @@ func TestNodeBlockMountFlagsAndReadOnlyOverRealAgent(t *testing.T) {
 	if _, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}
+
 }

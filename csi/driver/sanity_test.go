@@ -8,10 +8,13 @@ import (
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 	"github.com/onsi/ginkgo/v2"
 	"github.com/onsi/gomega"
+	"google.golang.org/grpc"
 
 	"github.com/whitesky-cloud/vco-storage/csi/sanityreport"
+	"github.com/whitesky-cloud/vco-storage/csi/sanitytargets"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // TestSanity runs csi-test's sanity suite in-process against the plugin in
@@ -46,8 +49,23 @@ func runSanity(t *testing.T, access string, params map[string]string) {
 	e := newTestEnv(t, envOpts{backend: &sim.HostBackend{Dir: filepath.Join(t.TempDir(), "disks")}, realAgent: true})
 	cfg := sanity.NewTestConfig()
 	cfg.Address = e.endpoint
-	cfg.TargetPath = filepath.Join(e.kubelet, "pods", "target")
-	cfg.StagingPath = filepath.Join(e.kubelet, "plugins", "staging")
+	// The agent stages and publishes only at the kubelet's paths:
+	// csi-sanity's staging path is one, and so are its raw block targets
+	// (<TargetPath>/target: <pv>/<pod uid>); its filesystem targets are
+	// moved to the kubelet's shape on the way (sanitytargets).
+	cfg.StagingPath = kubeletpath.Staging(e.kubelet, "try.whitesky.cloud", "sanity")
+	cfg.TargetPath = filepath.Join(e.kubelet, "sanity-targets")
+	if access == "block" {
+		cfg.StagingPath = kubeletpath.BlockStaging(e.kubelet, "sanity")
+		cfg.TargetPath = filepath.Dir(kubeletpath.BlockTarget(e.kubelet, "sanity", "x"))
+	} else {
+		tg := sanitytargets.Targets{Kubelet: e.kubelet, Dir: cfg.TargetPath}
+		cfg.DialOptions = append(cfg.DialOptions, grpc.WithUnaryInterceptor(tg.Interceptor()))
+		cfg.CheckPath = func(p string) (sanity.PathKind, error) {
+			k, err := tg.Kind(p)
+			return sanity.PathKind(k), err
+		}
+	}
 	os.MkdirAll(filepath.Dir(cfg.TargetPath), 0o750)
 	os.MkdirAll(filepath.Dir(cfg.StagingPath), 0o750)
 	cfg.TestNodeVolumeAttachLimit = true

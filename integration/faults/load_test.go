@@ -151,7 +151,7 @@ func stageEveryDisk(t *testing.T, ctx context.Context, g *lab.Guest, serials []s
 	t.Helper()
 	stage := nowMS + fmt.Sprintf(`s=$(now)
 for ser in %s; do
-  /bin/vco-agent volume stage v-$ser --serial $ser --block --staging /var/lib/kubelet/plugins/kubernetes.io/csi/cloud.whitesky.csi/v-$ser/globalmount >/dev/null || { echo "stage of $ser failed" >&2; exit 1; }
+  /bin/vco-agent volume stage v-$ser --serial $ser --block --staging /var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/v-$ser >/dev/null || { echo "stage of $ser failed" >&2; exit 1; }
 done
 echo $(( $(now) - s ))`, strings.Join(serials, " "))
 	out, err := g.MustSh(ctx, stage)

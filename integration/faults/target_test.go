@@ -50,7 +50,7 @@ func untilDeviceAnswers(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 // device itself).
 const (
 	restartVolume  = "vol-restart"
-	restartStaging = "/var/lib/kubelet/plugins/kubernetes.io/csi/cloud.whitesky.csi/vol-restart/globalmount"
+	restartStaging = "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/vol-restart"
 )
 
 // stageRestartVolume asks g's agent to stage the LUN with serial as

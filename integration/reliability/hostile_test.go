@@ -14,6 +14,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
 	"github.com/whitesky-cloud/vco-storage/agent/client"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // hostileCall is one request the agent must refuse without changing
@@ -40,8 +41,13 @@ func TestHostileAgentRequests(t *testing.T) {
 	// is itself the last element.
 	os.Symlink(outside, filepath.Join(h.kubelet, "escape"))
 	os.Symlink(outside, filepath.Join(h.kubelet, "linkdir"))
+	// A pod directory that is a symlink out of the root.
+	os.MkdirAll(filepath.Join(h.kubelet, "pods"), 0o755)
+	os.Symlink(outside, filepath.Join(h.kubelet, "pods", "escape"))
+	// The kubelet's own directories, which no volume may cover.
+	own := kubeletOwnDirs(t, h.kubelet)
 	dev := &api.DeviceLocator{LoopBackingFile: h.img}
-	staging := filepath.Join(h.kubelet, "plugins", "staging", "vol-1")
+	staging := kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", "vol-1")
 	huge := strings.Repeat("x", 1<<20)
 	stage := func(r *api.StageVolumeRequest) func(context.Context, api.AgentClient) error {
 		return func(ctx context.Context, c api.AgentClient) error { _, err := c.StageVolume(ctx, r); return err }
@@ -85,11 +91,11 @@ func TestHostileAgentRequests(t *testing.T) {
 			return err
 		}, inv},
 		{"publish: unknown volume", func(ctx context.Context, c api.AgentClient) error {
-			_, err := c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: "nope", StagingPath: staging, TargetPath: filepath.Join(h.kubelet, "pods", "t")})
+			_, err := c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: "nope", StagingPath: staging, TargetPath: kubeletpath.Target(h.kubelet, "p0", "pv")})
 			return err
 		}, []codes.Code{codes.NotFound, codes.FailedPrecondition}},
 		{"unpublish: unknown volume", func(ctx context.Context, c api.AgentClient) error {
-			_, err := c.UnpublishVolume(ctx, &api.UnpublishVolumeRequest{VolumeId: "nope", TargetPath: filepath.Join(h.kubelet, "pods", "t")})
+			_, err := c.UnpublishVolume(ctx, &api.UnpublishVolumeRequest{VolumeId: "nope", TargetPath: kubeletpath.Target(h.kubelet, "p0", "pv")})
 			return err
 		}, []codes.Code{codes.OK, codes.NotFound}},
 		{"expand: unknown volume, huge size", func(ctx context.Context, c api.AgentClient) error {
@@ -115,17 +121,17 @@ func TestHostileAgentRequests(t *testing.T) {
 	if err := h.stage(ctx, good); err != nil {
 		t.Fatalf("stage: %v", err)
 	}
-	target := filepath.Join(h.kubelet, "pods", "p1", "mount")
+	target := kubeletpath.Target(h.kubelet, "p1", "pv-1")
 	during := []hostileCall{
-		{"stage again elsewhere", stage(&api.StageVolumeRequest{VolumeId: "vol-1", Device: dev, StagingPath: staging + "-2", FsType: "ext4", AllowUnfenced: true}), []codes.Code{codes.AlreadyExists}},
+		{"stage again elsewhere", stage(&api.StageVolumeRequest{VolumeId: "vol-1", Device: dev, StagingPath: kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", "vol-1-2"), FsType: "ext4", AllowUnfenced: true}), []codes.Code{codes.AlreadyExists}},
 		{"stage again as xfs", stage(&api.StageVolumeRequest{VolumeId: "vol-1", Device: dev, StagingPath: staging, FsType: "xfs", AllowUnfenced: true}), []codes.Code{codes.AlreadyExists}},
-		{"stage the same disk as another volume", stage(&api.StageVolumeRequest{VolumeId: "vol-2", Device: dev, StagingPath: staging + "-3", FsType: "ext4", AllowUnfenced: true}), []codes.Code{codes.FailedPrecondition, codes.AlreadyExists, codes.Aborted}},
+		{"stage the same disk as another volume", stage(&api.StageVolumeRequest{VolumeId: "vol-2", Device: dev, StagingPath: kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", "vol-2"), FsType: "ext4", AllowUnfenced: true}), []codes.Code{codes.FailedPrecondition, codes.AlreadyExists, codes.Aborted}},
 		{"publish out of the root", func(ctx context.Context, c api.AgentClient) error {
 			_, err := c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: "vol-1", StagingPath: staging, TargetPath: filepath.Join(h.dir, "outside", "t")})
 			return err
 		}, inv},
 		{"publish through a symlink", func(ctx context.Context, c api.AgentClient) error {
-			_, err := c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: "vol-1", StagingPath: staging, TargetPath: filepath.Join(h.kubelet, "escape", "t")})
+			_, err := c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: "vol-1", StagingPath: staging, TargetPath: kubeletpath.Target(h.kubelet, "escape", "pv-1")})
 			return err
 		}, inv},
 		{"publish with .. target", func(ctx context.Context, c api.AgentClient) error {
@@ -141,7 +147,7 @@ func TestHostileAgentRequests(t *testing.T) {
 			return err
 		}, inv},
 		{"unstage from the wrong path", func(ctx context.Context, c api.AgentClient) error {
-			_, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-1", StagingPath: staging + "-2"})
+			_, err := c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-1", StagingPath: kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", "vol-1-2")})
 			return err
 		}, []codes.Code{codes.InvalidArgument, codes.FailedPrecondition, codes.NotFound}},
 		{"expand beyond the disk", func(ctx context.Context, c api.AgentClient) error {
@@ -157,9 +163,23 @@ func TestHostileAgentRequests(t *testing.T) {
 			return err
 		}, invOrNF},
 	}
+	for _, d := range own {
+		publish := func(ctx context.Context, c api.AgentClient) error {
+			_, err := c.PublishVolume(ctx, &api.PublishVolumeRequest{VolumeId: "vol-1", StagingPath: staging, TargetPath: d})
+			return err
+		}
+		stageOver := stage(&api.StageVolumeRequest{VolumeId: "vol-3", Device: dev, StagingPath: d, FsType: "ext4", AllowUnfenced: true})
+		rel := strings.TrimPrefix(d, h.kubelet+"/")
+		during = append(during, hostileCall{"publish over the kubelet's " + rel, publish, inv}, hostileCall{"stage over the kubelet's " + rel, stageOver, inv})
+	}
 	runHostile(t, h, during)
 	if err := h.unstage(ctx, "vol-1", staging); err != nil {
 		t.Fatalf("unstage: %v", err)
+	}
+	for _, d := range own {
+		if b, err := os.ReadFile(filepath.Join(d, "kubelet-file")); err != nil || string(b) != "the kubelet's" {
+			t.Errorf("%s: the kubelet's file reads %q, %v", d, b, err)
+		}
 	}
 	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
 		t.Errorf("something was made outside the kubelet root: %v", ents)
@@ -205,4 +225,23 @@ func shorten(err error) string {
 		s = s[:300] + "..."
 	}
 	return s
+}
+
+// kubeletOwnDirs makes the kubelet's own directories under kubelet, each
+// holding a file: its client certificate directory, another pod's
+// emptyDir and the plugin registry.
+func kubeletOwnDirs(t *testing.T, kubelet string) []string {
+	t.Helper()
+	var dirs []string
+	for _, d := range []string{"pki", "pods/22222222-3333-4444-5555-666666666666/volumes/kubernetes.io~empty-dir/x", "plugins_registry"} {
+		d = filepath.Join(kubelet, d)
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(d, "kubelet-file"), []byte("the kubelet's"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		dirs = append(dirs, d)
+	}
+	return dirs
 }

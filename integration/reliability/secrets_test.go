@@ -29,6 +29,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/transit"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 // forms are the ways a secret could show up in text: as is, in base64
@@ -64,7 +65,7 @@ func TestPassphraseNeverShown(t *testing.T) {
 	h := newHost(t)
 	h.start()
 	const pass = "pp-Gx7Q2vT9-correct-horse-battery"
-	staging := filepath.Join(h.kubelet, "staging", "enc")
+	staging := kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", "enc")
 	enc := &api.Encryption{Passphrase: []byte(pass), FormatIfBlank: true}
 	texts := map[string]string{}
 	reqs := map[string]*api.StageVolumeRequest{

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/whitesky-cloud/vco-storage/agent/api"
+	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
 func claimFile(state, volume string) string {
@@ -41,10 +42,9 @@ func TestStateDirSymlinks(t *testing.T) {
 	h.start()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	staging := filepath.Join(h.kubelet, "staging")
 	stage := func(vol string) error {
 		return h.stage(ctx, &api.StageVolumeRequest{VolumeId: vol, Device: &api.DeviceLocator{LoopBackingFile: h.img},
-			StagingPath: filepath.Join(staging, vol), FsType: "ext4", AllowUnfenced: true})
+			StagingPath: kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", vol), FsType: "ext4", AllowUnfenced: true})
 	}
 	for _, vol := range []string{"v-link", "v-dangling"} {
 		before := h.snap()
@@ -57,7 +57,7 @@ func TestStateDirSymlinks(t *testing.T) {
 		}
 		// An unstage may answer as it likes, but must not touch the link.
 		before = h.snap()
-		h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: vol, StagingPath: filepath.Join(staging, vol)})
+		h.c.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: vol, StagingPath: kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", vol)})
 		if d := before.diff(h.snap()); d != "" {
 			t.Errorf("unstage %s: changed the host: %s", vol, d)
 		}
@@ -70,7 +70,7 @@ func TestStateDirSymlinks(t *testing.T) {
 	if st, err := os.Lstat(claimFile(h.state, "v-tmp")); err != nil || !st.Mode().IsRegular() {
 		t.Errorf("claim record of v-tmp: %v %v, want a regular file", st, err)
 	}
-	if err := h.unstage(ctx, "v-tmp", filepath.Join(staging, "v-tmp")); err != nil {
+	if err := h.unstage(ctx, "v-tmp", kubeletpath.Staging(h.kubelet, "cloud.whitesky.csi", "v-tmp")); err != nil {
 		t.Fatalf("unstage v-tmp: %v", err)
 	}
 	// A restart reads the claims directory again: the links are reported,
