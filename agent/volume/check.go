@@ -133,7 +133,7 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		log.Error("unmounting an interrupted stage", "err", err)
 	}
-	if c.Mapper != "" && m.o.Crypt != nil {
+	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
 		if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
 			log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
 		} else {
@@ -141,7 +141,7 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 		}
 	}
 	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
-		if err := m.unmapData(c.DataDevice); err != nil {
+		if err := m.unmapAll(c); err != nil {
 			log.Error("detaching the data mapping of an interrupted stage", "err", err)
 		}
 		err := m.release(ctx, c, dev, ch.Fencer, "the start-up check of a stage or unstage cut short", nil)
@@ -238,7 +238,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 			log.Error("detaching a mount of a vanished disk", "path", p, "err", err)
 		}
 	}
-	if c.Mapper != "" && m.o.Crypt != nil {
+	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
 		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
 			log.Error("closing the mapping of a vanished disk", "err", err)
 		}
@@ -347,6 +347,9 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 		return
 	}
 	if err := l.dev.Verify(ctx); err != nil {
+		if m.cameBack(ctx, c, l, disks) {
+			return
+		}
 		m.o.Metrics.checks.WithLabelValues("missing").Inc()
 		if !c.Missing {
 			c.Missing, c.Detail = true, fmt.Sprintf("the disk %s of volume %s is no longer the device it was staged on: %v", c.Device, c.Volume, err)
@@ -370,6 +373,25 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 		return
 	}
 	m.checkFence(ctx, c, l.dev, l.fencer)
+}
+
+// cameBack takes back a claim whose disk is no longer at its device node
+// but is attached again at another (removed and added back): found by its
+// locator, it is re-verified as the start-up check does (reconcile), under
+// the fence the claim holds. It reports whether it was.
+func (m *Manager) cameBack(ctx context.Context, c *Claim, l *live, disks *diskScan) bool {
+	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
+	if err != nil {
+		return false
+	}
+	moved := dev.DevNum() != l.dev.DevNum() || dev.Path != l.dev.Path
+	dev.Close()
+	if !moved {
+		return false
+	}
+	m.log.Info("a claimed disk is attached again at another device node; taking its claim back", "volume", c.Volume, "was", l.dev.Path)
+	m.reconcile(ctx, c, disks)
+	return true
 }
 
 // Run checks every claim at the configured interval until ctx ends.

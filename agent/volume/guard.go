@@ -73,5 +73,23 @@ func (m *Manager) release(ctx context.Context, c *Claim, dev *Device, f fence.Fe
 	return f.Release(ctx)
 }
 
+// unmapAll detaches the volume's data mapping: the one its record names,
+// and one over its disk the record does not name (a stage cut short
+// between the attach and its record), which the release guard would
+// otherwise find in use for ever.
+func (m *Manager) unmapAll(c *Claim) error {
+	if err := m.unmapData(c.DataDevice); err != nil {
+		return err
+	}
+	if c.Device == "" {
+		return nil
+	}
+	if p, ok := m.host.DataMapping(c.Device); ok && p != c.DataDevice {
+		m.log.Warn("detaching a data mapping of the volume's disk that its record does not name", "volume", c.Volume, "device", c.Device, "mapping", p)
+		return m.unmapData(p)
+	}
+	return nil
+}
+
 // fenceKept reports whether err is the release guard keeping a fence.
 func fenceKept(err error) bool { return errors.As(err, new(*FenceKeptError)) }

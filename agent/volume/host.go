@@ -13,6 +13,7 @@ import (
 	mount "k8s.io/mount-utils"
 	utilexec "k8s.io/utils/exec"
 
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/inuse"
 )
@@ -50,6 +51,9 @@ type host interface {
 	// (loss.go); Drain shows a lost claim's devices quiet (drain.go).
 	StopFilesystem(p, device string) error
 	Drain(c *Claim, disk *Device) error
+	// DataMapping finds a data mapping over disk (a loop device at the
+	// lease's data offset).
+	DataMapping(disk string) (string, bool)
 	// InUse is the release guard's proof (guard.go): nil only when
 	// nothing of this node uses the volume's devices or paths.
 	InUse(u usage) error
@@ -118,6 +122,11 @@ func (h osHost) Detach(p string) error {
 }
 func (osHost) MountRoot(f *os.File, _ string) (bool, error) {
 	return isMountRoot(f)
+}
+
+func (h osHost) DataMapping(disk string) (string, bool) {
+	p, err := lease.FindData(h.sysfs, disk)
+	return p, err == nil && p != ""
 }
 
 // InUse proves that nothing of this node uses the volume: none of its

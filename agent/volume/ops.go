@@ -310,7 +310,7 @@ func (m *Manager) dropLost(c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return err
 	}
-	if c.Mapper != "" && m.o.Crypt != nil {
+	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
 		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
 			return fmt.Errorf("volume %s: closing the dm-crypt mapping of the lost claim: %w", c.Volume, err)
 		}
@@ -378,7 +378,7 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 	if err := m.closeLUKS(ctx, c); err != nil {
 		return err
 	}
-	if err := m.unmapData(c.DataDevice); err != nil {
+	if err := m.unmapAll(c); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
 	}
 	if err := m.releaseFence(ctx, c); err != nil {
@@ -420,7 +420,10 @@ func (m *Manager) flushLayers(c *Claim) error {
 
 // closeLUKS closes the volume's dm-crypt mapping, and records that it did.
 func (m *Manager) closeLUKS(ctx context.Context, c *Claim) error {
-	if c.Mapper == "" {
+	if c.Mapper == "" && (!c.Encrypted || m.o.Crypt == nil) {
+		// An encrypted volume's mapping is closed by its name even when
+		// the record does not say it is open: a stage cut short between
+		// the open and its record leaves it so.
 		return nil
 	}
 	if m.o.Crypt == nil {
@@ -572,16 +575,30 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err := publishable(r, c, staging, target); err != nil {
 		return err
 	}
-	if mp, _ := m.host.IsMountPoint(target); mp {
+	mp, _ := m.host.IsMountPoint(target)
+	if mp {
 		if err := m.publishedAlready(c, target); err != nil {
 			return err
 		}
-	} else if err := m.bind(r, c, staging, target); err != nil {
-		return err
 	}
-	if !slices.Contains(c.Publications, target) {
+	// Recorded before the bind: a crash between the two leaves a record
+	// that says more than the node, which Unpublish undoes, never a
+	// publication the record does not know (which it would refuse).
+	recorded := slices.Contains(c.Publications, target)
+	if !recorded {
 		c.Publications = append(c.Publications, target)
 		if err := m.store.Put(c); err != nil {
+			return err
+		}
+	}
+	if !mp {
+		if err := m.bind(r, c, staging, target); err != nil {
+			if !recorded {
+				c.Publications = slices.DeleteFunc(c.Publications, func(p string) bool { return p == target })
+				if perr := m.store.Put(c); perr != nil {
+					m.log.Error("could not take back the record of a failed publish", "volume", r.Volume, "target", target, "err", perr)
+				}
+			}
 			return err
 		}
 	}

@@ -333,6 +333,13 @@ func (s *staging) takeFence(ctx context.Context) error {
 		return err
 	})
 	if err != nil {
+		if !errors.As(err, new(*fence.HeldError)) && !errors.As(err, new(*fence.LostError)) {
+			// The acquire's outcome is not known (an error, a timeout, an
+			// answer lost after the claim landed): whatever it took is
+			// given back, through the release guard, as a rollback's
+			// release.
+			s.undo.push(func() { s.releaseAcquired(context.WithoutCancel(ctx)) })
+		}
 		return s.notAcquired(ctx, err)
 	}
 	s.acquired = true
