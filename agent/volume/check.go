@@ -81,7 +81,12 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		m.markMissing(c, err)
 		return
 	}
-	defer m.checked(c.Volume)
+	resolved := true
+	defer func() {
+		if resolved {
+			m.checked(c.Volume)
+		}
+	}()
 	if err != nil {
 		if agenterr.KindOf(err) == agenterr.NotFound {
 			m.cleanupGone(c, err)
@@ -98,7 +103,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	}
 	switch {
 	case c.Phase != PhaseStaged:
-		m.reconcileInterrupted(ctx, c, dev, log)
+		resolved = m.reconcileInterrupted(ctx, c, dev, log)
 	case c.State == StateLost:
 		if err := m.host.SetReadOnly(dev, true); err != nil {
 			log.Error("keeping a fenced disk read-only", "err", err)
@@ -128,8 +133,12 @@ func (m *Manager) markMissing(c *Claim, why error) {
 // record for the retry. The fence goes through the release guard: when
 // something of the volume is still in use (an unmount that failed, a
 // mount the record does not know), the fence is kept and the claim is
-// taken back as staged, so that the checks renew and watch it.
-func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
+// taken back as staged, so that the checks renew and watch it (or find it
+// lost, and stop its I/O); when the guard cannot make its proof, the
+// record stays as it is and the claim is not resolved: a lease claim
+// stays listed as not taken back, and the check tries again. It reports
+// whether the claim was resolved.
+func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) bool {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		log.Error("unmounting an interrupted stage", "err", err)
 	}
@@ -140,19 +149,27 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 			c.Mapper = ""
 		}
 	}
-	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
-		if err := m.unmapAll(c); err != nil {
-			log.Error("detaching the data mapping of an interrupted stage", "err", err)
-		}
+	if err := m.unmapAll(c); err != nil {
+		log.Error("detaching the data mapping of an interrupted stage", "err", err)
+	}
+	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil)
+	if err != nil && c.Method != "" && c.Method != fence.MethodNone {
+		log.Error("cannot choose the fencing of an interrupted stage to release it; the check tries again", "err", err)
+		return m.unresolvedInterrupted(c, dev)
+	}
+	if err == nil && ch.Fencer != nil {
 		err := m.release(ctx, c, dev, ch.Fencer, "the start-up check of a stage or unstage cut short", nil)
 		closeChoice(ch)
-		if fenceKept(err) {
+		switch {
+		case inUse(err):
 			c.Phase, c.State, c.Detail = PhaseStaged, StateHeld, err.Error()
 			if perr := m.store.Put(c); perr != nil {
 				log.Error("recording the interrupted stage whose fence was kept", "err", perr)
 			}
 			m.reconcileFence(ctx, c, dev, log)
-			return
+			return true
+		case fenceKept(err):
+			return m.unresolvedInterrupted(c, dev)
 		}
 		if err != nil {
 			log.Warn("releasing the fence of an interrupted stage", "err", err)
@@ -169,6 +186,20 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 	} else {
 		log.Info("found a stage cut short; its retry will finish it")
 	}
+	return true
+}
+
+// unresolvedInterrupted leaves a stage cut short as it is recorded for the
+// check to try again; a lease claim stays listed as not taken back, which
+// stops the host watchdog's feeding until it is.
+func (m *Manager) unresolvedInterrupted(c *Claim, dev *Device) bool {
+	dev.Close()
+	if c.Method == MethodLease {
+		m.mu.Lock()
+		m.unchecked[c.Volume] = true
+		m.mu.Unlock()
+	}
+	return false
 }
 
 // reconcileFence takes back the fence of a held claim (resuming the lease,

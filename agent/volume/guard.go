@@ -8,6 +8,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/inuse"
 )
 
 // The release guard (docs/architecture.md, "The release guard"): a fence
@@ -90,6 +91,11 @@ func (m *Manager) unmapAll(c *Claim) error {
 	}
 	return nil
 }
+
+// inUse reports whether err is the release guard keeping a fence because
+// something of the volume is in use (not because the proof could not be
+// made).
+func inUse(err error) bool { return errors.As(err, new(*inuse.Error)) }
 
 // fenceKept reports whether err is the release guard keeping a fence.
 func fenceKept(err error) bool { return errors.As(err, new(*FenceKeptError)) }

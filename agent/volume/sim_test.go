@@ -927,6 +927,13 @@ func (r *simRun) remove(v *simVolume) {
 	d := w.disks[v.serial]
 	was := d.present
 	d.present, d.removed = false, d.removed || was
+	// What was stacked on the removed disk holds the dead device: its
+	// I/O fails, and it never reaches the disk when it comes back.
+	for l, s := range w.loops {
+		if s == v.serial {
+			w.loops[l] = "gone:" + s
+		}
+	}
 	// The kernel drops what sits on a removed disk: its data mapping
 	// and dm-crypt mapping fail their I/O, but stay until torn down; the
 	// mounts stay too (a lazily detached filesystem).
