@@ -96,7 +96,12 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		m.markMissing(c, err)
 		return
 	}
-	c.Missing = false
+	if c.Missing {
+		c.Missing, c.Detail = false, ""
+		if c.Phase != PhaseStaged {
+			_ = m.store.Put(c)
+		}
+	}
 	if c.DevNum != dev.DevNum() || c.Device != dev.Path {
 		log.Info("the claimed disk has a new device node", "now", dev.Path, "devnum", dev.DevNum())
 		c.Device, c.DevNum = dev.Path, dev.DevNum()
@@ -331,7 +336,7 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	// Scanned only if a claim has no open device to verify.
 	disks := m.newScan()
 	for _, c := range claims {
-		retake := c.Phase != PhaseStaged && m.unresolved(c.Volume)
+		retake := c.Phase != PhaseStaged && (m.unresolved(c.Volume) || c.Missing)
 		if !retake && (c.Phase != PhaseStaged || (c.State == StateLost && !c.IONotStopped)) {
 			continue
 		}
@@ -353,7 +358,7 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 	if c.Phase != PhaseStaged {
 		// A stage or unstage cut short whose disk the start-up check
 		// could not verify: looked for again.
-		if m.unresolved(c.Volume) {
+		if m.unresolved(c.Volume) || c.Missing {
 			m.reconcile(ctx, c, disks)
 		}
 		return

@@ -198,7 +198,7 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 	case c.State == StateLost:
 		return nil, m.dropLost(c)
 	case c.Phase != PhaseStaged:
-		return nil, nil
+		return nil, m.notInUseBefore(c)
 	case m.notTakenBack(c.Volume):
 		// Staged by an earlier agent process, whose lease this one has
 		// not taken back: a stage now would let go of what keeps the
@@ -206,6 +206,22 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 		return nil, agenterr.New(agenterr.Unavailable, "volume %s: the agent has not yet taken back the lease it held for this volume before it restarted (the claim check retries every %s); the stage can be retried after that", c.Volume, m.o.Config.CheckInterval)
 	}
 	return m.restaged(ctx, c, r)
+}
+
+// notInUseBefore refuses to run the first stage's path over a claim whose
+// stage was cut short while something of the volume is still in use (a
+// mount of an earlier agent process that the start-up check could not
+// take back yet): that path's rollback would take down what it did not
+// make. UNAVAILABLE: the claim check takes it back, then the retry runs.
+func (m *Manager) notInUseBefore(c *Claim) error {
+	if c.Device == "" {
+		return nil
+	}
+	err := m.host.InUse(usageOf(c, c.Device))
+	if err == nil || !inUse(err) {
+		return nil
+	}
+	return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and %v; the claim check takes it back, retry the stage after that", c.Volume, err)
 }
 
 // restaged answers a repeated stage of a staged claim. It never runs the
