@@ -1,0 +1,180 @@
+package volume
+
+// Directed reproductions over the manager simulation's modelled node
+// (sim_test.go): the same manager code, with no random faults, but with a
+// host whose calls a test can hold or fail at a chosen point, so that two
+// calls of the kubelet interleave as the test says.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
+)
+
+// hookHost is the simulation's host with hooks run before a mount or an
+// mkfs; a hook's error is the call's.
+type hookHost struct {
+	simHost
+	beforeMount func(source, target string) error
+	beforeMkfs  func(p blank.Proof) error
+}
+
+func (h hookHost) Mount(source, target, fstype string, opts []string) error {
+	if h.beforeMount != nil {
+		if err := h.beforeMount(source, target); err != nil {
+			return err
+		}
+	}
+	return h.simHost.Mount(source, target, fstype, opts)
+}
+
+func (h hookHost) MakeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool, uuid string) error {
+	if h.beforeMkfs != nil {
+		if err := h.beforeMkfs(p); err != nil {
+			return err
+		}
+	}
+	return h.simHost.MakeFS(ctx, p, fsType, onMapping, uuid)
+}
+
+// breakRun is a simulation run without random faults; vols share disks
+// as their serials say.
+func breakRun(t *testing.T, dir string, lease bool, vols ...*simVolume) *simRun {
+	w := &simWorld{t: t, disks: map[string]*simDiskState{}, loops: map[string]string{}, crypts: map[string]string{},
+		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{},
+		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet")}
+	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	r := &simRun{w: w, vols: vols}
+	for i, v := range vols {
+		v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi", simDriver, fmt.Sprintf("%064x", i), "globalmount")
+		v.targets = []string{filepath.Join(w.kubelet, "pods", fmt.Sprintf("pod-%d", i), "volumes/kubernetes.io~csi", v.id, "mount")}
+		if w.disks[v.serial] == nil {
+			w.minor++
+			w.disks[v.serial] = &simDiskState{serial: v.serial, path: fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1), minor: w.minor, present: true, lease: lease}
+		}
+	}
+	return r
+}
+
+// runBreak runs body in a bubble over a fresh breakRun, then reports what
+// the simulation's invariants found broken.
+func runBreak(t *testing.T, lease bool, vols []*simVolume, body func(r *simRun, h *hookHost)) {
+	dir, err := os.MkdirTemp(simTempRoot(), "volbreak")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	var broken, trace []string
+	synctest.Test(t, func(t *testing.T) {
+		r := breakRun(t, dir, lease, vols...)
+		defer func() {
+			if r.m != nil {
+				r.m.Close()
+			}
+		}()
+		r.start(context.Background())
+		h := &hookHost{simHost: r.m.host.(simHost)}
+		r.m.host = h
+		body(r, h)
+		broken, trace = r.w.broken, r.w.trace
+	})
+	if len(broken) > 0 {
+		t.Errorf("the volume manager's invariants broke:\n  %s\ntrace:\n%s", strings.Join(uniq(broken), "\n  "), strings.Join(trace, "\n"))
+	}
+}
+
+// logf notes a step in the run's trace.
+func (r *simRun) logBreak(format string, args ...any) {
+	r.w.mu.Lock()
+	r.w.logf(format, args...)
+	r.w.mu.Unlock()
+}
+
+// Two volumes whose locators name the same disk, staged side by side
+// (the controller's error, or a hostile request). The stage's "one disk,
+// one volume" refusal (openDisk, claimedBy) only counts claims already
+// staged: while the first stage is under way (its claim recorded
+// claiming, its fence taken, its mount not yet made), the second goes
+// through, takes the same fence (the same node's key), and when it fails
+// its rollback releases that fence through the release guard, whose proof
+// finds nothing in use yet. The first stage then mounts the volume with
+// no fence held on the disk (P1).
+func TestBreakSecondVolumeOnDiskReleasesFenceOfStageUnderWay(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	b := &simVolume{id: "pvc-b", serial: "sim0"}
+	runBreak(t, false, []*simVolume{a, b}, func(r *simRun, h *hookHost) {
+		reached, goOn := make(chan struct{}), make(chan struct{})
+		h.beforeMount = func(_, target string) error {
+			switch target {
+			case a.staging:
+				close(reached)
+				<-goOn
+			case b.staging:
+				return fmt.Errorf("mount %s: %w", target, errSimFault)
+			}
+			return nil
+		}
+		var wg sync.WaitGroup
+		var errA error
+		wg.Go(func() { _, errA = r.m.Stage(context.Background(), r.stageReq(a)) })
+		<-reached
+		_, errB := r.m.Stage(context.Background(), r.stageReq(b))
+		r.logBreak("NodeStage %s (same disk, while %s's stage mounts): %s", b.id, a.id, errText(errB))
+		close(goOn)
+		wg.Wait()
+		r.logBreak("NodeStage %s: %s", a.id, errText(errA))
+		r.check()
+		r.w.mu.Lock()
+		d := r.w.disks[a.serial]
+		if _, ok := r.w.mounts[a.staging]; ok && d.holder != "us" {
+			r.w.violate("P1: %s is mounted at its staging path and its disk's fence is held by %q, not this node", a.id, d.holder)
+		}
+		r.w.mu.Unlock()
+	})
+}
+
+// The same race for the format: both stages prove the disk blank before
+// either formats it; the second makes its filesystem and mounts it; the
+// first's mkfs then runs on its proof, now stale, over the second's
+// mounted filesystem. "Nothing is formatted without a blank proof for
+// that device": the proof was made, but the device it proved blank holds
+// a filesystem by the time of the mkfs.
+func TestBreakSecondVolumeOnDiskFormattedOverByStaleProof(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	b := &simVolume{id: "pvc-b", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a, b}, func(r *simRun, h *hookHost) {
+		reached, goOn := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		h.beforeMkfs = func(blank.Proof) error {
+			first := false
+			once.Do(func() { first = true })
+			if first {
+				close(reached)
+				<-goOn
+			}
+			return nil
+		}
+		var wg sync.WaitGroup
+		var errA error
+		wg.Go(func() { _, errA = r.m.Stage(context.Background(), r.stageReq(a)) })
+		<-reached
+		_, errB := r.m.Stage(context.Background(), r.stageReq(b))
+		r.logBreak("NodeStage %s (same disk, while %s's stage is about to format): %s", b.id, a.id, errText(errB))
+		close(goOn)
+		wg.Wait()
+		r.logBreak("NodeStage %s: %s", a.id, errText(errA))
+		if errB != nil && errors.Is(errA, errSimFault) {
+			t.Logf("neither stage got through: %v / %v", errA, errB)
+		}
+	})
+}
