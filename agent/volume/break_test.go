@@ -9,13 +9,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
+	"time"
 
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
@@ -88,6 +92,9 @@ func runBreak(t *testing.T, lease bool, vols []*simVolume, body func(r *simRun, 
 		body(r, h)
 		broken, trace = r.w.broken, r.w.trace
 	})
+	if testing.Verbose() {
+		t.Logf("trace:\n%s", strings.Join(trace, "\n"))
+	}
 	if len(broken) > 0 {
 		t.Errorf("the volume manager's invariants broke:\n  %s\ntrace:\n%s", strings.Join(uniq(broken), "\n  "), strings.Join(trace, "\n"))
 	}
@@ -176,5 +183,129 @@ func TestBreakSecondVolumeOnDiskFormattedOverByStaleProof(t *testing.T) {
 		if errB != nil && errors.Is(errA, errSimFault) {
 			t.Logf("neither stage got through: %v / %v", errA, errB)
 		}
+	})
+}
+
+// simResumeFails is a fencer factory whose lease fencers cannot be resumed
+// (the lease area's read timing out after a reboot, say).
+type simResumeFails struct{ simFencers }
+
+type noResumeFencer struct{ *simFencer }
+
+func (f noResumeFencer) Resume(context.Context) error {
+	return fmt.Errorf("resuming the lease of %s: reading the lease area: %w", f.serial, errSimFault)
+}
+
+func (s simResumeFails) Choose(ctx context.Context, dev *Device, v string, onLost func(*fence.LostError) bool) (Choice, error) {
+	ch, err := s.simFencers.Choose(ctx, dev, v, onLost)
+	if f, ok := ch.Fencer.(*simFencer); ok && f.lease {
+		ch.Fencer = noResumeFencer{f}
+	}
+	return ch, err
+}
+
+// startBooted starts an agent process as r.start does, in the boot named
+// boot, with the fencer factory fencers gives (nil: the simulation's).
+func (r *simRun) startBooted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory) {
+	w := r.w
+	w.mu.Lock()
+	gen := w.gen
+	w.mu.Unlock()
+	var ff FencerFactory = simFencers{w: w, gen: gen}
+	if fencers != nil {
+		ff = fencers(simFencers{w: w, gen: gen})
+	}
+	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
+		StateDir: w.stateDir, Fencers: ff, Crypt: simCrypt{w: w, gen: gen}, Log: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		w.t.Fatalf("starting agent process %d: %v", gen, err)
+	}
+	r.m = m
+	// The node's effects as r.start gives them.
+	r.m.host = simHost{w: w, gen: gen}
+	m.bootID = func() (string, error) { return boot, nil }
+	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
+		err = w.call(gen, "locate", func() error {
+			dev, err = w.open(gen, loc)
+			return err
+		})
+		return dev, err
+	}
+	m.scanOpen = m.locate
+	// mapData and unmapData as r.start gives them, for this process.
+	m.mapData = func(disk string, _ int64, _ bool) (p string, err error) {
+		err = w.call(gen, "map data", func() error {
+			s, _, ok := w.region(disk)
+			if !ok {
+				return fmt.Errorf("%s: no such device", disk)
+			}
+			for l, ls := range w.loops {
+				if ls == s {
+					p = l
+					return nil
+				}
+			}
+			w.nLoop++
+			p = fmt.Sprintf("/dev/loop%d", w.nLoop)
+			w.loops[p] = s
+			return nil
+		})
+		return p, err
+	}
+	m.unmapData = func(p string) error {
+		if p == "" {
+			return nil
+		}
+		return w.call(gen, "unmap data", func() error {
+			for t, d := range w.mounts {
+				if d == p {
+					return fmt.Errorf("detaching %s: device busy (mounted at %s)", p, t)
+				}
+			}
+			delete(w.loops, p)
+			return nil
+		})
+	}
+	m.ExpectRecordedLeases()
+	m.Reconcile(ctx)
+}
+
+// reboot kills the agent process and reboots the node: its mounts and
+// mappings go; the disks and what their fences say stay.
+func (r *simRun) reboot() {
+	w := r.w
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.logf("the node reboots")
+	w.crash()
+	clear(w.mounts)
+	clear(w.loops)
+	clear(w.crypts)
+}
+
+// After a reboot the kubelet stages every volume of the node's pods
+// again. The first agent process of the boot does not list a lease it
+// could not take back for the host watchdog (mayBeWriting: nothing was
+// mounted at boot), so a lease whose resume fails at start leaves the
+// claim staged with a live entry without a fencer. The repeated
+// NodeStage then takes the claim back (restaged: reconcile, whose resume
+// fails again), finds the staging path unmounted and repairs it: the
+// data mapping and the mount are made again, under no fencer at all. The
+// volume is mounted, nothing renews its lease and the host watchdog is
+// fed: another node takes the disk over once the lease expires (P1).
+func TestBreakRestageAfterRebootMountsLeaseNobodyRenews(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+			t.Fatalf("first stage: %v", err)
+		}
+		r.reboot()
+		old := r.m
+		r.startBooted(ctx, "boot-2", func(s simFencers) FencerFactory { return simResumeFails{s} })
+		old.Close()
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s after the reboot: %s", a.id, errText(err))
+		r.check()
 	})
 }
