@@ -267,20 +267,28 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 // removed.
 func (m *Manager) cleanupGone(c *Claim, why error) {
 	log := m.log.With("volume", c.Volume, "device", c.Device)
+	var failed []error
 	for _, p := range append(append([]string(nil), c.Publications...), c.StagingPath) {
 		// Reached beneath the kubelet root without following a symlink
 		// (unmountBeneath), as every unmount of the agent's.
 		if err := m.host.Detach(p); err != nil {
-			log.Error("detaching a mount of a vanished disk", "path", p, "err", err)
+			failed = append(failed, fmt.Errorf("detaching the mount at %s: %w", p, err))
 		}
 	}
 	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
 		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
-			log.Error("closing the mapping of a vanished disk", "err", err)
+			failed = append(failed, fmt.Errorf("closing the dm-crypt mapping: %w", err))
 		}
 	}
 	if err := m.unmapData(c.DataDevice); err != nil {
-		log.Error("detaching the data mapping of a vanished disk", "err", err)
+		failed = append(failed, fmt.Errorf("detaching the data mapping: %w", err))
+	}
+	if len(failed) > 0 {
+		// The record is what lets the next check find what is left.
+		err := errors.Join(failed...)
+		log.Error("cleaning up a claim whose disk is gone failed; the claim stays, and the check tries again", "err", err)
+		m.markMissing(c, fmt.Errorf("%v; cleaning up what is left failed: %v", why, err))
+		return
 	}
 	m.setLive(c.Volume, nil)
 	if err := m.store.Delete(c.Volume); err != nil {

@@ -240,7 +240,9 @@ func (m *Manager) restaged(ctx context.Context, c *Claim, r StageRequest) (*Stag
 		if err != nil {
 			return nil, err
 		}
-		if now == nil || now.Phase != PhaseStaged || now.Abnormal() || m.notTakenBack(c.Volume) {
+		l := m.getLive(c.Volume)
+		if now == nil || now.Phase != PhaseStaged || now.Abnormal() || m.notTakenBack(c.Volume) ||
+			(now.State == StateHeld && (l == nil || l.fencer == nil)) {
 			return nil, agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent could not take its disk and fence back yet (%s); the claim check retries every %s: retry the stage after that",
 				c.Volume, detailOf(now), m.o.Config.CheckInterval)
 		}
@@ -306,6 +308,9 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 // repair's rollback never releases. A publication still mounted means the
 // filesystem is in use elsewhere: refused, nothing touched.
 func (m *Manager) repair(ctx context.Context, c *Claim, r StageRequest) error {
+	if l := m.getLive(c.Volume); c.State == StateHeld && (l == nil || l.fencer == nil) {
+		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its fence back yet; the claim check retries every %s: retry the stage after that", c.Volume, m.o.Config.CheckInterval)
+	}
 	for _, p := range c.Publications {
 		if mp, err := m.host.IsMountPoint(p); err != nil || mp {
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged and published at %s, but its staging path %s is not mounted; unpublish it, then stage it again",

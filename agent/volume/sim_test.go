@@ -984,13 +984,14 @@ func (r *simRun) check() {
 		} else if d.lease && d.present && !r.renewed(v, d) {
 			w.violate("I1: %s (%s) while its lease is renewed by no live fencer and the host watchdog is fed", v.id, what)
 		}
+		// I3 looks at the volume's own paths (two volume ids may name one
+		// disk in a hostile sequence).
 		mounted := false
-		for p, dev := range w.mounts {
-			if s, _, ok := w.region(dev); ok && s == v.serial {
-				mounted = mounted || p != ""
-			}
+		for _, p := range append([]string{v.staging}, v.targets...) {
+			_, ok := w.mounts[p]
+			mounted = mounted || ok
 		}
-		if mounted && (c == nil || c.Phase != PhaseStaged) {
+		if mounted && (c == nil || c.Phase == PhaseInterrupted) {
 			w.violate("I3: %s is mounted (%s) but its claim record says %s", v.id, what, phaseOf(c))
 		}
 	}

@@ -207,11 +207,14 @@ func (m *Manager) sawDisk() {
 	}
 }
 
-// claimedBy names another volume whose staged claim is on the disk devnum.
+// claimedBy names another volume whose claim, staged or a stage under way
+// or cut short, is on the disk devnum: a second volume's stage beside one
+// under way would take the same node's fence and its rollback would
+// release it under the first.
 func (m *Manager) claimedBy(devnum, volume string) string {
 	cs, _ := m.store.List()
 	for _, o := range cs {
-		if o.Volume != volume && o.DevNum == devnum && o.Phase == PhaseStaged && !o.Missing {
+		if o.Volume != volume && o.DevNum == devnum && !o.Missing && o.State != StateLost {
 			return o.Volume
 		}
 	}

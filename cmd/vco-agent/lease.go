@@ -201,6 +201,11 @@ func (o *leaseOptions) onDevice(ctx context.Context, sub string, dev *lease.Devi
 		return o.fail(err)
 	}
 	if sub == "release" {
+		// The release guard of the command: the agent's fence of a disk
+		// this node uses is never given up by hand.
+		if err := o.notInUse(path); err != nil {
+			return o.fail(fmt.Errorf("%w; not released", err))
+		}
 		if ro, _ := readOnlyFlag(dev); ro {
 			return o.fail(fmt.Errorf("%s is read-only (%s): release writes this node's slot and does not clear the flag, which may be what stops this node's I/O to the disk; not released", dev.Name(), readOnlyWho))
 		}
@@ -317,6 +322,11 @@ func (o *leaseOptions) acquire(ctx context.Context, dev *lease.Device, path stri
 		// The holder's bound is not known before reading its slot; the
 		// longest sane one is covered with the default timing's.
 		timeout = max(o.timing.Expiry(), lease.DefaultTiming().Expiry()) + o.timing.Settle() + time.Minute
+	}
+	// The command's acquire ends in a release: on a disk this node uses
+	// it would take over the agent's own claim and give it up.
+	if err := o.notInUse(path); err != nil {
+		return o.fail(fmt.Errorf("%w; not acquired", err))
 	}
 	restore, err := o.writableForLease(dev, path)
 	if err != nil {

@@ -75,4 +75,3 @@ func readOnly(t *testing.T, dev string) bool {
 	}
 	return ro
 }
-
