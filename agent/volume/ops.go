@@ -614,7 +614,10 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	}
 	if !mp {
 		if err := m.bind(r, c, staging, target); err != nil {
-			if !recorded {
+			// Taken back only when the target is shown not mounted: a
+			// bind whose answer was lost keeps its record, for
+			// Unpublish.
+			if now, merr := m.host.IsMountPoint(target); !recorded && merr == nil && !now {
 				c.Publications = slices.DeleteFunc(c.Publications, func(p string) bool { return p == target })
 				if perr := m.store.Put(c); perr != nil {
 					m.log.Error("could not take back the record of a failed publish", "volume", r.Volume, "target", target, "err", perr)
