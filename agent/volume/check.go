@@ -105,6 +105,11 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	if c.DevNum != dev.DevNum() || c.Device != dev.Path {
 		log.Info("the claimed disk has a new device node", "now", dev.Path, "devnum", dev.DevNum())
 		c.Device, c.DevNum = dev.Path, dev.DevNum()
+		// Recorded at once: a repair's mount and the release guard name
+		// the disk by the record.
+		if err := m.store.Put(c); err != nil {
+			log.Error("recording the claim's new device node", "err", err)
+		}
 	}
 	switch {
 	case c.Phase != PhaseStaged:

@@ -44,8 +44,11 @@ type staging struct {
 	// (guard.go): something of the volume is in use, so the fence, the
 	// live entry and a staged record stay, and the claim check renews
 	// and watches them.
-	kept      bool
-	formatted bool // a filesystem or a LUKS2 header was made
+	kept bool
+	// releaseFailed: the rollback's release failed; the fence may be
+	// held, so the claim is not forgotten.
+	releaseFailed bool
+	formatted     bool // a filesystem or a LUKS2 header was made
 	// unlocked is how the LUKS2 volume was mapped; headerNote tells the
 	// DiskClaimed event of a damaged header it was opened in spite of.
 	unlocked   Mapped
@@ -142,9 +145,10 @@ func (s *staging) openDisk(ctx context.Context) error {
 	}
 	m.setLive(c.Volume, nil)
 	c.Device, c.DevNum, c.Serial, c.Missing = dev.Path, dev.DevNum(), dev.Serial, false
-	if c.Phase == "" {
-		c.Phase = PhaseClaiming
-	}
+	// A stage retried over one cut short is claiming again: a crash
+	// from here on leaves a record that says a stage was under way,
+	// never "interrupted" over what this stage mounts.
+	c.Phase = PhaseClaiming
 	m.watchMu.Lock()
 	defer m.watchMu.Unlock()
 	return m.store.Put(c)
@@ -250,7 +254,7 @@ func (s *staging) unrecord() {
 // LUKS2 header and wrote no fencing metadata.
 func (s *staging) forgotten() bool {
 	c := s.c
-	return s.isNew && !s.kept && !c.Formatted && c.Formatting == nil && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
+	return s.isNew && !s.kept && !s.releaseFailed && !c.Formatted && c.Formatting == nil && !c.LUKSFormatted && !c.LUKSFormatting && !c.FenceFormatted
 }
 
 // fence chooses how the disk is fenced and takes the fence (P1-P3,
@@ -369,7 +373,11 @@ func (s *staging) releaseAcquired(ctx context.Context) {
 			s.live = true
 		}
 	case err != nil:
-		m.log.Error("could not release the fence after a failed stage", "volume", c.Volume, "device", dev.Path, "err", err)
+		// The fence may still be held: the claim stays recorded, as
+		// held, so that the unstage or the start-up check releases it.
+		s.releaseFailed = true
+		c.Method, c.State = s.choice.Method, StateHeld
+		m.log.Error("could not release the fence after a failed stage; the claim stays recorded for its unstage", "volume", c.Volume, "device", dev.Path, "err", err)
 	}
 }
 
