@@ -92,7 +92,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 			m.cleanupGone(c, err)
 			return
 		}
-		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err)
+		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err, "fence", c.Method, "phase", c.Phase, "data", c.DataDevice)
 		m.markMissing(c, err)
 		return
 	}
@@ -172,7 +172,13 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 		closeChoice(ch)
 		switch {
 		case inUse(err):
-			c.Phase, c.State, c.Detail = PhaseStaged, StateHeld, err.Error()
+			// Recorded with its fencing as chosen now: a stage cut short
+			// before its record named the method must still be listed
+			// for the host watchdog and checked as what it is.
+			c.Phase, c.State, c.Detail, c.Method = PhaseStaged, StateHeld, err.Error(), ch.Method
+			if c.DataOffset == 0 {
+				c.DataOffset = ch.DataOffset
+			}
 			if perr := m.store.Put(c); perr != nil {
 				log.Error("recording the interrupted stage whose fence was kept", "err", perr)
 			}

@@ -765,8 +765,13 @@ func (r *simRun) start(ctx context.Context) {
 	w.mu.Lock()
 	gen := w.gen
 	w.mu.Unlock()
+	log := slog.New(slog.DiscardHandler)
+	if *volSimSeed >= 0 {
+		// A replay shows the manager's own log beside the trace.
+		log = slog.New(slog.NewTextHandler(os.Stderr, nil)).With("agent", gen)
+	}
 	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
-		StateDir: w.stateDir, Fencers: simFencers{w: w, gen: gen}, Crypt: simCrypt{w: w, gen: gen}, Log: slog.New(slog.DiscardHandler)})
+		StateDir: w.stateDir, Fencers: simFencers{w: w, gen: gen}, Crypt: simCrypt{w: w, gen: gen}, Log: log})
 	if err != nil {
 		w.t.Fatalf("seed %d: starting agent process %d: %v", r.seed, gen, err)
 	}

@@ -367,7 +367,10 @@ func (s *staging) releaseAcquired(ctx context.Context) {
 	err := m.release(ctx, c, dev, s.choice.Fencer, "the rollback of a failed stage", nil)
 	switch {
 	case fenceKept(err):
+		// Recorded as held: the claim check then renews the fence, or
+		// finds it not this node's and stops the volume's I/O.
 		s.kept = true
+		c.Method, c.State = s.choice.Method, StateHeld
 		if !s.live {
 			m.setLive(c.Volume, &live{dev: dev, fencer: s.choice.Fencer})
 			s.live = true
