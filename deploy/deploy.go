@@ -49,6 +49,13 @@ const AgentNodeLabel = "cloud.whitesky/vco-agent"
 // as, the conventional "nonroot" of distroless images.
 const ImageUID = 65532
 
+// AgentGID is the gid of the vco-agent group, whose members may call the
+// agent's socket, as the vco-agent packages create it (packaging/): the
+// node plugin's pod runs with it as a supplementary group. A node whose
+// group has another gid (the packages found 573 taken, and said so) needs
+// the add-on made with VCO_AGENT_GID (docs/csi-addon.md).
+const AgentGID = 573
+
 // KeyBackendDir is where the node plugin finds the key backend's
 // settings (ConfigMap csi-key-backend-config), its CA (ConfigMap or
 // Secret openbao-ca, keys ca.crt, ca.pem or ca-bundle.crt, under
