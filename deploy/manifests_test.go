@@ -784,6 +784,14 @@ func checkNodePodNotRoot(t *testing.T, w workload, p corev1.Container) {
 			t.Errorf("node container overrides the pod's user: %+v", c)
 		}
 	}
+	checkPluginDirsInit(t, w, p, *sc.RunAsUser, *sc.RunAsGroup)
+}
+
+// checkPluginDirsInit: the init container runs the plugin's image with
+// plugin-dirs, gives the plugin's user and group exactly the directories
+// it mounts, and those are the plugin's own mounts.
+func checkPluginDirsInit(t *testing.T, w workload, p corev1.Container, uid, gid int64) {
+	t.Helper()
 	if len(w.pod.Spec.InitContainers) != 1 || w.pod.Spec.InitContainers[0].Name != pluginDirsInit {
 		t.Fatalf("node pod's init containers %v, want %s alone", w.pod.Spec.InitContainers, pluginDirsInit)
 	}
@@ -791,8 +799,8 @@ func checkNodePodNotRoot(t *testing.T, w workload, p corev1.Container) {
 	if ic.Image != p.Image || len(ic.Command) > 0 || len(ic.Args) == 0 || ic.Args[0] != "plugin-dirs" {
 		t.Errorf("init container %s runs %s %v %v, want the plugin's image with args plugin-dirs ...", ic.Name, ic.Image, ic.Command, ic.Args)
 	}
-	if o, _ := flag(ic.Args, "owner"); o != fmt.Sprintf("%d:%d", *sc.RunAsUser, *sc.RunAsGroup) {
-		t.Errorf("init container gives the plugin's directories to %q; the plugin runs as %d:%d", o, *sc.RunAsUser, *sc.RunAsGroup)
+	if o, _ := flag(ic.Args, "owner"); o != fmt.Sprintf("%d:%d", uid, gid) {
+		t.Errorf("init container gives the plugin's directories to %q; the plugin runs as %d:%d", o, uid, gid)
 	}
 	// Each directory it is given is a volume the plugin mounts at the same
 	// place, and it mounts nothing else.

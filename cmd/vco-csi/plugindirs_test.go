@@ -22,74 +22,81 @@ func owner(t *testing.T, p string) (uid, gid uint32, mode os.FileMode) {
 	return st.Uid, st.Gid, fi.Mode().Perm()
 }
 
-// plugin-dirs, the node pod's init container, gives the plugin's own host
-// directories and what a root plugin left in them (its sockets, the
-// kube-events state) to the plugin's user; it follows nothing: a
-// symlink's target, a hard-linked file and a subdirectory keep their
-// owner, and it says so.
-func TestPluginDirsGivesTheDirectoriesToThePlugin(t *testing.T) {
-	hosttest.NeedRoot(t, "chown needs root")
+// pluginDirs makes what the kubelet and a plugin that ran as root leave:
+// the two directories, root's, holding a socket, the kube-events state,
+// a symlink to a file elsewhere, a subdirectory and a hard link.
+type pluginDirs struct{ csi, reg, secret string }
+
+func makePluginDirs(t *testing.T) pluginDirs {
+	t.Helper()
 	base := t.TempDir()
-	csiDir, reg, elsewhere := filepath.Join(base, "csi"), filepath.Join(base, "registration"), filepath.Join(base, "elsewhere")
-	for _, d := range []string{csiDir, reg, elsewhere, filepath.Join(csiDir, "sub")} {
-		if err := os.Mkdir(d, 0o755); err != nil {
+	d := pluginDirs{csi: filepath.Join(base, "csi"), reg: filepath.Join(base, "registration")}
+	elsewhere := filepath.Join(base, "elsewhere")
+	for _, dir := range []string{d.csi, d.reg, elsewhere, filepath.Join(d.csi, "sub")} {
+		if err := os.Mkdir(dir, 0o755); err != nil {
 			t.Fatal(err)
 		}
 	}
-	state := filepath.Join(csiDir, "kube-events.json")
-	secret := filepath.Join(elsewhere, "secret")
-	for _, f := range []string{state, secret} {
+	d.secret = filepath.Join(elsewhere, "secret")
+	for _, f := range []string{filepath.Join(d.csi, "kube-events.json"), d.secret} {
 		if err := os.WriteFile(f, []byte("{}"), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
-	ln, err := net.Listen("unix", filepath.Join(csiDir, "csi.sock"))
+	ln, err := net.Listen("unix", filepath.Join(d.csi, "csi.sock"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	if err := os.Symlink(secret, filepath.Join(csiDir, "link")); err != nil {
+	t.Cleanup(func() { ln.Close() })
+	if err := os.Symlink(d.secret, filepath.Join(d.csi, "link")); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Link(secret, filepath.Join(reg, "hardlink")); err != nil {
+	if err := os.Link(d.secret, filepath.Join(d.reg, "hardlink")); err != nil {
 		t.Fatal(err)
 	}
+	return d
+}
 
+// wantOwner checks the owner (and, when mode is not 0, the mode) of paths.
+func wantOwner(t *testing.T, uid, gid uint32, mode os.FileMode, paths ...string) {
+	t.Helper()
+	for _, p := range paths {
+		if u, g, m := owner(t, p); u != uid || g != gid || (mode != 0 && m != mode) {
+			t.Errorf("%s: %d:%d %o, want %d:%d %o", p, u, g, m, uid, gid, mode)
+		}
+	}
+}
+
+// plugin-dirs, the node pod's init container, gives the plugin's own host
+// directories and what a root plugin left in them (its sockets, the
+// kube-events state) to the plugin's user; it follows nothing: a
+// symlink's target, a hard-linked file and a subdirectory keep their
+// owner, and it says so. At the pod's next start it changes nothing;
+// a directory of another owner it refuses.
+func TestPluginDirsGivesTheDirectoriesToThePlugin(t *testing.T) {
+	hosttest.NeedRoot(t, "chown needs root")
+	d := makePluginDirs(t)
 	var out, errs bytes.Buffer
-	if rc := runPluginDirs([]string{"--owner=65532:573", csiDir, reg}, &out, &errs); rc != 0 {
+	if rc := runPluginDirs([]string{"--owner=65532:573", d.csi, d.reg}, &out, &errs); rc != 0 {
 		t.Fatalf("plugin-dirs: exit %d\n%s%s", rc, out.String(), errs.String())
 	}
-	for _, p := range []string{csiDir, reg} {
-		if u, g, m := owner(t, p); u != 65532 || g != 573 || m != 0o750 {
-			t.Errorf("%s: %d:%d %o, want 65532:573 750", p, u, g, m)
-		}
-	}
-	for _, p := range []string{state, filepath.Join(csiDir, "csi.sock")} {
-		if u, g, _ := owner(t, p); u != 65532 || g != 573 {
-			t.Errorf("%s: %d:%d, want 65532:573", p, u, g)
-		}
-	}
-	for _, p := range []string{secret, filepath.Join(csiDir, "link"), filepath.Join(csiDir, "sub")} {
-		if u, g, _ := owner(t, p); u != 0 || g != 0 {
-			t.Errorf("%s was given away: %d:%d", p, u, g)
-		}
-	}
+	wantOwner(t, 65532, 573, 0o750, d.csi, d.reg)
+	wantOwner(t, 65532, 573, 0, filepath.Join(d.csi, "kube-events.json"), filepath.Join(d.csi, "csi.sock"))
+	wantOwner(t, 0, 0, 0, d.secret, filepath.Join(d.csi, "link"), filepath.Join(d.csi, "sub"))
 	for _, want := range []string{"link left as it is: a symlink", "sub left as it is: a directory", "hardlink left as it is: a file of 2 links"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("plugin-dirs does not say %q:\n%s", want, out.String())
 		}
 	}
-	// The pod's next start finds the directories the plugin's already.
 	out.Reset()
-	if rc := runPluginDirs([]string{"--owner=65532:573", csiDir, reg}, &out, &errs); rc != 0 || strings.Count(out.String(), "already") != 2 {
+	if rc := runPluginDirs([]string{"--owner=65532:573", d.csi, d.reg}, &out, &errs); rc != 0 || strings.Count(out.String(), "already") != 2 {
 		t.Fatalf("plugin-dirs again: exit %d\n%s%s", rc, out.String(), errs.String())
 	}
-	// Another owner than root or the plugin is refused, and named.
-	if err := os.Chown(reg, 1000, 1000); err != nil {
+	if err := os.Chown(d.reg, 1000, 1000); err != nil {
 		t.Fatal(err)
 	}
 	errs.Reset()
-	if rc := runPluginDirs([]string{"--owner=65532:573", reg}, &out, &errs); rc != 1 || !strings.Contains(errs.String(), "belongs to 1000:1000") {
+	if rc := runPluginDirs([]string{"--owner=65532:573", d.reg}, &out, &errs); rc != 1 || !strings.Contains(errs.String(), "belongs to 1000:1000") {
 		t.Errorf("plugin-dirs over a directory of 1000:1000: exit %d, %q", rc, errs.String())
 	}
 }

@@ -140,19 +140,32 @@ func (s *story) k1NodeView(ctx context.Context, node string) (string, error) {
 	if err != nil || !strings.Contains(id, "uid=65532") || !strings.Contains(id, "573") {
 		return "", fmt.Errorf("the node plugin's container runs as %q (%v), want uid 65532 with the vco-agent gid 573", strings.TrimSpace(id), err)
 	}
-	lines := []string{"in " + plugin + ": " + strings.TrimSpace(id)}
+	lines, err := tryReads(run, files, secret)
+	if err != nil {
+		return "", err
+	}
+	ls, _ := run("ls", "/var/lib/kubelet")
+	return strings.Join(append(append([]string{"in " + plugin + ": " + strings.TrimSpace(id)}, lines...),
+		"ls /var/lib/kubelet: "+strings.TrimSpace(lab.LastLines(ls, 1))), "\n"), nil
+}
+
+// tryReads reads each file with run (busybox in the node plugin's
+// container), by its path and through /proc/1/root, and wants every read
+// refused for the file's absence or its permissions, with nothing of it
+// (the neighbour's secret, a key) in the answer.
+func tryReads(run func(...string) (string, error), files []string, secret string) ([]string, error) {
+	var lines []string
 	for _, f := range files {
 		for _, p := range []string{f, "/proc/1/root" + f} {
 			out, err := run("cat", p)
 			switch {
 			case err == nil || strings.Contains(out, secret) || strings.Contains(out, "PRIVATE KEY") || strings.Contains(out, "client-key-data"):
-				return "", fmt.Errorf("the node plugin's container read %s: %q", p, lab.LastLines(out, 3))
+				return nil, fmt.Errorf("the node plugin's container read %s: %q", p, lab.LastLines(out, 3))
 			case !refused.MatchString(out):
-				return "", fmt.Errorf("reading %s in the node plugin's container failed for another reason than its absence: %s", p, out)
+				return nil, fmt.Errorf("reading %s in the node plugin's container failed for another reason than its absence: %s", p, out)
 			}
 			lines = append(lines, p+": "+refused.FindString(out))
 		}
 	}
-	ls, _ := run("ls", "/var/lib/kubelet")
-	return strings.Join(append(lines, "ls /var/lib/kubelet: "+strings.TrimSpace(lab.LastLines(ls, 1))), "\n"), nil
+	return lines, nil
 }
