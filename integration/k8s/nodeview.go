@@ -123,14 +123,15 @@ func (s *story) k1NodeView(ctx context.Context, node string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	// The plugin's socket directory, /csi in its container.
-	bb := path.Join("/var/lib/kubelet/plugins", driver, "lab-busybox")
+	// The plugin's socket directory, /csi in its container; named busybox,
+	// as busybox takes its applet from the next argument only then.
+	bb := path.Join("/var/lib/kubelet/plugins", driver, "busybox")
 	if _, err := g.MustSh(ctx, fmt.Sprintf("cp %s %s && chmod 0755 %s", GuestBusybox, bb, bb)); err != nil {
 		return "", err
 	}
 	defer g.MustSh(context.WithoutCancel(ctx), "rm -f "+bb)
 	run := func(args ...string) (string, error) {
-		out, err := c.Kubectl(ctx, append([]string{"-n", AddonNamespace, "exec", plugin, "-c", "vco-csi", "--", "/csi/lab-busybox"}, args...)...)
+		out, err := c.Kubectl(ctx, append([]string{"-n", AddonNamespace, "exec", plugin, "-c", "vco-csi", "--", "/csi/busybox"}, args...)...)
 		if err != nil {
 			return out + err.Error(), err
 		}
