@@ -473,7 +473,8 @@ csi-yaml:
 # The add-on for one image, on stdout, so that
 #   make csi-addon VCO_CSI_IMAGE=<host>/<path>:<tag> | kubectl apply -f -
 # installs it; [VCO_CSI_DRIVER_NAME=...] overrides the driver name derived
-# from the image's registry host, VCO_CSI_SNAPSHOTS=1 adds the snapshots
+# from the image's registry host, [VCO_AGENT_GID=...] the gid of the nodes'
+# vco-agent group (573, as the packages make it), VCO_CSI_SNAPSHOTS=1 adds the snapshots
 # part (the VolumeSnapshotClass: needs the snapshot CRDs) after the core
 # (docs/csi-addon.md), VCO_CSI_ENCRYPTION=1 adds the encryption part (the
 # encrypted class and the key backend's token reviewer: only with a key
@@ -485,6 +486,7 @@ csi-yaml:
 # on stdout.
 VCO_CSI_IMAGE       ?=
 VCO_CSI_DRIVER_NAME ?=
+VCO_AGENT_GID       ?=
 VCO_CSI_SNAPSHOTS   ?=
 VCO_CSI_ENCRYPTION  ?=
 ADDON_DIR           ?= dist
@@ -499,10 +501,10 @@ csi-addon:
 	@CGO_ENABLED=0 $(GO) build -o $(BIN)/vco-addon ./cmd/vco-addon
 	@$(BIN)/vco-addon bundle -part core -o '$(ADDON_DIR)/csi.yaml'
 	@$(BIN)/vco-addon bundle -part snapshots -o '$(ADDON_DIR)/csi-snapshots.yaml'
-	@$(BIN)/vco-addon render -part core -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-addon.yaml'
-	@$(BIN)/vco-addon render -part snapshots -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-snapshots-addon.yaml'
+	@$(BIN)/vco-addon render -part core -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -agent-gid '$(VCO_AGENT_GID)' -o '$(ADDON_DIR)/csi-addon.yaml'
+	@$(BIN)/vco-addon render -part snapshots -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -agent-gid '$(VCO_AGENT_GID)' -o '$(ADDON_DIR)/csi-snapshots-addon.yaml'
 	@$(BIN)/vco-addon bundle -part encryption -o '$(ADDON_DIR)/csi-encryption.yaml'
-	@$(BIN)/vco-addon render -part encryption -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -o '$(ADDON_DIR)/csi-encryption-addon.yaml'
+	@$(BIN)/vco-addon render -part encryption -image '$(VCO_CSI_IMAGE)' -driver-name '$(VCO_CSI_DRIVER_NAME)' -agent-gid '$(VCO_AGENT_GID)' -o '$(ADDON_DIR)/csi-encryption-addon.yaml'
 	@case '$(VCO_CSI_SNAPSHOTS)' in \
 	  1|true|yes) cat '$(ADDON_DIR)/csi-addon.yaml' '$(ADDON_DIR)/csi-snapshots-addon.yaml'; \
 	    echo "make csi-addon: stdout: $(ADDON_DIR)/csi-addon.yaml and $(ADDON_DIR)/csi-snapshots-addon.yaml (the snapshots part needs the snapshot CRDs and snapshot-controller)" >&2;; \

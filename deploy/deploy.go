@@ -20,6 +20,7 @@ import (
 	"net"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
@@ -49,6 +50,22 @@ const AgentNodeLabel = "cloud.whitesky/vco-agent"
 // ImageUID is the unprivileged user (and group) the vco-csi image runs
 // as, the conventional "nonroot" of distroless images.
 const ImageUID = 65532
+
+// AgentGID is the gid of the vco-agent group, whose members may call the
+// agent's socket, as the vco-agent packages create it (packaging/): the
+// node plugin's pod runs with it as a supplementary group. A node whose
+// group has another gid (the packages found 573 taken, and said so) needs
+// the add-on made with VCO_AGENT_GID (docs/csi-addon.md).
+const AgentGID = 573
+
+// AgentGIDVar is the name make csi-addon (and vco-addon render's
+// -agent-gid) takes another gid of the vco-agent group by. It is no
+// placeholder: the bundles carry AgentGID itself, in agentGroups, so that
+// envsubst with the two names fills them in completely.
+const AgentGIDVar = "VCO_AGENT_GID"
+
+// agentGroups is the node pod's line that gives it the vco-agent group.
+var agentGroups = fmt.Sprintf("supplementalGroups: [%d]", AgentGID)
 
 // KeyBackendDir is where the node plugin finds the key backend's
 // settings (ConfigMap csi-key-backend-config), its CA (ConfigMap or
@@ -116,6 +133,12 @@ func (p Part) header() string {
 # by envsubst (or make csi-addon); no other variable appears. The Secret
 # and ConfigMaps the add-on reads are described in docs/csi-addon.md.
 `
+	if p == Core {
+		h += `# The node plugin's pod runs with gid 573, the vco-agent group's as
+# the node packages make it (supplementalGroups); for nodes whose group
+# has another gid, make csi-addon VCO_AGENT_GID=<gid> writes that one.
+`
+	}
 	if p == Snapshots {
 		h += `# This is the opt-in snapshots part: apply it after csi.yaml, and only
 # on a cluster with the snapshot CRDs and snapshot-controller of
@@ -180,6 +203,22 @@ func BundleOf(p Part) ([]byte, error) {
 type Values struct {
 	Image      string
 	DriverName string
+	// AgentGID, when not 0, replaces the node pod's vco-agent gid
+	// (AgentGID) for nodes whose group has another.
+	AgentGID int64
+}
+
+// ParseAgentGID reads a gid of the vco-agent group as make csi-addon
+// takes it: empty for AgentGID, or a number that is not root's group.
+func ParseAgentGID(s string) (int64, error) {
+	if s == "" {
+		return AgentGID, nil
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n <= 0 || n > 4294967294 {
+		return 0, fmt.Errorf("%s=%q is not a gid: give the vco-agent group's number on the nodes (getent group vco-agent), not 0", AgentGIDVar, s)
+	}
+	return n, nil
 }
 
 // Render substitutes the placeholders in a template such as Bundle's
@@ -197,8 +236,14 @@ func Render(template []byte, v Values) ([]byte, error) {
 	if refs := ForeignRefs(template); len(refs) > 0 {
 		return nil, fmt.Errorf("template refers to %s; only ${%s} and ${%s} are filled in", strings.Join(refs, ", "), ImageVar, DriverNameVar)
 	}
+	if v.AgentGID < 0 || v.AgentGID > 4294967294 {
+		return nil, fmt.Errorf("vco-agent gid %d is out of range", v.AgentGID)
+	}
 	out := bytes.ReplaceAll(template, []byte("${"+ImageVar+"}"), []byte(v.Image))
 	out = bytes.ReplaceAll(out, []byte("${"+DriverNameVar+"}"), []byte(v.DriverName))
+	if v.AgentGID != 0 {
+		out = bytes.ReplaceAll(out, []byte(agentGroups), fmt.Appendf(nil, "supplementalGroups: [%d]", v.AgentGID))
+	}
 	return out, nil
 }
 

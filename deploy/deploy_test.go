@@ -58,3 +58,48 @@ func TestRenderRefusesBadValues(t *testing.T) {
 		t.Errorf("Render of a template with foreign references: %v", err)
 	}
 }
+
+// The node pod's vco-agent gid is the packages' unless a rendering names
+// another; the core bundle names it once, the other parts not at all.
+func TestRenderAgentGID(t *testing.T) {
+	for _, p := range Parts() {
+		b, err := BundleOf(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := 0
+		if p == Core {
+			want = 1
+		}
+		if n := strings.Count(string(b), agentGroups); n != want {
+			t.Errorf("part %s holds %q %d times, want %d", p, agentGroups, n, want)
+		}
+	}
+	core, err := Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := Values{Image: "try.whitesky.cloud/vco/csi:1.0", DriverName: "cloud.whitesky.csi"}
+	def, err := Render(core, v)
+	if err != nil || !strings.Contains(string(def), "supplementalGroups: [573]") {
+		t.Fatalf("Render without a gid: %v", err)
+	}
+	v.AgentGID = 4242
+	other, err := Render(core, v)
+	if err != nil || strings.Contains(string(other), "supplementalGroups: [573]") || !strings.Contains(string(other), "supplementalGroups: [4242]") {
+		t.Errorf("Render with gid 4242: %v", err)
+	}
+	for _, c := range []struct {
+		in   string
+		want int64
+	}{{"", AgentGID}, {"573", 573}, {"1001", 1001}} {
+		if g, err := ParseAgentGID(c.in); g != c.want || err != nil {
+			t.Errorf("ParseAgentGID(%q) = %d, %v; want %d", c.in, g, err, c.want)
+		}
+	}
+	for _, bad := range []string{"0", "-1", "vco-agent", "4294967295", "5 73"} {
+		if _, err := ParseAgentGID(bad); err == nil || !strings.Contains(err.Error(), AgentGIDVar) {
+			t.Errorf("ParseAgentGID(%q): %v; want a refusal naming %s", bad, err, AgentGIDVar)
+		}
+	}
+}

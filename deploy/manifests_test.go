@@ -17,6 +17,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/selection"
 	"sigs.k8s.io/yaml"
 
 	"github.com/whitesky-cloud/vco-storage/agent/client"
@@ -726,6 +727,7 @@ func TestNodePlugin(t *testing.T) {
 		// and serves its own health (docs/csi-addon.md).
 		checkSidecars(t, a, w, nil)
 		checkNodePodUnprivileged(t, w.pod.Spec)
+		checkNodePodNotRoot(t, w, p)
 		checkNodePluginSockets(t, a, w, p)
 		checkNodePluginHostDirectories(t, w, p)
 	})
@@ -738,8 +740,14 @@ func checkNodePodUnprivileged(t *testing.T, spec corev1.PodSpec) {
 	if spec.HostNetwork || spec.HostPID || spec.HostIPC {
 		t.Error("node pod shares a host namespace")
 	}
-	for _, c := range spec.Containers {
+	for _, c := range append(slices.Clone(spec.InitContainers), spec.Containers...) {
 		sc := c.SecurityContext
+		// The init container that gives the plugin its directories may
+		// chown, and nothing else (checkNodePodNotRoot).
+		var add []corev1.Capability
+		if c.Name == pluginDirsInit {
+			add = []corev1.Capability{"CHOWN"}
+		}
 		switch {
 		case sc == nil:
 			t.Errorf("node container %s has no securityContext", c.Name)
@@ -747,10 +755,107 @@ func checkNodePodUnprivileged(t *testing.T, spec corev1.PodSpec) {
 			t.Errorf("node container %s is privileged", c.Name)
 		case sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation:
 			t.Errorf("node container %s allows privilege escalation", c.Name)
-		case sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || len(sc.Capabilities.Add) > 0:
-			t.Errorf("node container %s does not drop all capabilities: %+v", c.Name, sc.Capabilities)
+		case sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) || !slices.Equal(sc.Capabilities.Add, add):
+			t.Errorf("node container %s does not drop all capabilities (but %v): %+v", c.Name, add, sc.Capabilities)
 		}
 	}
+}
+
+// pluginDirsInit is the node pod's init container, the one that runs as
+// root (vco-csi plugin-dirs).
+const pluginDirsInit = "plugin-dirs"
+
+// checkNodePodNotRoot: the node plugin runs as the image's user, with the
+// vco-agent group for the agent's socket and fsGroup for its projected
+// volumes; only the init container runs as root, with no host directory
+// but the plugin's own two, and gives them to the plugin's user and group.
+func checkNodePodNotRoot(t *testing.T, w workload, p corev1.Container) {
+	t.Helper()
+	sc := w.pod.Spec.SecurityContext
+	if sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot || sc.RunAsUser == nil || *sc.RunAsUser != ImageUID ||
+		sc.RunAsGroup == nil || *sc.RunAsGroup != ImageUID || sc.FSGroup == nil || *sc.FSGroup != ImageUID {
+		t.Fatalf("node pod does not run as the image's user and group %d with fsGroup %d: %+v", ImageUID, ImageUID, sc)
+	}
+	if !slices.Equal(sc.SupplementalGroups, []int64{AgentGID}) {
+		t.Errorf("node pod's supplementalGroups %v, want the vco-agent group's gid [%d] only", sc.SupplementalGroups, AgentGID)
+	}
+	for _, c := range w.pod.Spec.Containers {
+		if c := c.SecurityContext; c != nil && (c.RunAsUser != nil || c.RunAsGroup != nil || c.RunAsNonRoot != nil) {
+			t.Errorf("node container overrides the pod's user: %+v", c)
+		}
+	}
+	checkPluginDirsInit(t, w, p, *sc.RunAsUser, *sc.RunAsGroup)
+}
+
+// checkPluginDirsInit: the init container runs the plugin's image with
+// plugin-dirs, gives the plugin's user and group exactly the directories
+// it mounts, and those are the plugin's own mounts.
+func checkPluginDirsInit(t *testing.T, w workload, p corev1.Container, uid, gid int64) {
+	t.Helper()
+	if len(w.pod.Spec.InitContainers) != 1 || w.pod.Spec.InitContainers[0].Name != pluginDirsInit {
+		t.Fatalf("node pod's init containers %v, want %s alone", w.pod.Spec.InitContainers, pluginDirsInit)
+	}
+	ic := w.pod.Spec.InitContainers[0]
+	if ic.Image != p.Image || len(ic.Command) > 0 || len(ic.Args) == 0 || ic.Args[0] != "plugin-dirs" {
+		t.Errorf("init container %s runs %s %v %v, want the plugin's image with args plugin-dirs ...", ic.Name, ic.Image, ic.Command, ic.Args)
+	}
+	if o, _ := flag(ic.Args, "owner"); o != fmt.Sprintf("%d:%d", uid, gid) {
+		t.Errorf("init container gives the plugin's directories to %q; the plugin runs as %d:%d", o, uid, gid)
+	}
+	// Each directory it is given is a volume the plugin mounts at the same
+	// place, and it mounts nothing else.
+	var dirs []string
+	for _, a := range ic.Args[1:] {
+		if !strings.HasPrefix(a, "--") {
+			dirs = append(dirs, a)
+		}
+	}
+	var mounted []string
+	for _, m := range ic.VolumeMounts {
+		mounted = append(mounted, m.MountPath)
+		pm, _ := mountFor(t, w, p, m.MountPath)
+		if pm.Name != m.Name || pm.MountPath != m.MountPath {
+			t.Errorf("init container mounts %s at %s; the plugin has %s there", m.Name, m.MountPath, pm.Name)
+		}
+	}
+	if !slices.Equal(dirs, mounted) {
+		t.Errorf("init container is given %v and mounts %v", dirs, mounted)
+	}
+}
+
+// covers says whether host path p, mounted, shows x: x is p or lies in it.
+func covers(p, x string) bool {
+	p = strings.TrimSuffix(path.Clean(p), "/")
+	return x == p || strings.HasPrefix(x, p+"/")
+}
+
+// The node pod sees of the host only the plugin's own socket directories
+// and the agent's socket directory: no hostPath that shows the kubelet's
+// pod directories (every pod's Secret and token volumes) or its pki/
+// (the kubelet's client key), nor one inside them. docs/security.md says
+// exactly this.
+func TestNodePodSeesNoPodDirectoryOrKubeletKey(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		d := a.daemonSets[0]
+		allowed := []string{"/var/lib/kubelet/plugins/" + a.driver, "/var/lib/kubelet/plugins_registry/" + a.driver, client.DefaultSocket[:strings.LastIndexByte(client.DefaultSocket, '/')]}
+		var seen []string
+		for _, v := range d.Spec.Template.Spec.Volumes {
+			if v.HostPath == nil {
+				continue
+			}
+			seen = append(seen, v.HostPath.Path)
+			for _, x := range []string{"/var/lib/kubelet/pods", "/var/lib/kubelet/pki"} {
+				if covers(v.HostPath.Path, x) || covers(x, v.HostPath.Path) {
+					t.Errorf("node pod volume %s mounts host %s, which shows %s", v.Name, v.HostPath.Path, x)
+				}
+			}
+		}
+		slices.Sort(seen)
+		slices.Sort(allowed)
+		if !slices.Equal(seen, allowed) {
+			t.Errorf("node pod mounts host paths %v, want exactly %v", seen, allowed)
+		}
+	})
 }
 
 // checkNodePluginSockets: the plugin's socket is where the plugin tells
@@ -771,28 +876,27 @@ func checkNodePluginSockets(t *testing.T, a *addon, w workload, p corev1.Contain
 	if rp, _ := flag(p.Args, "kubelet-registration-path"); rp != hostSock {
 		t.Errorf("the plugin tells kubelet --kubelet-registration-path=%s; it listens on host path %s", rp, hostSock)
 	}
+	// The kubelet watches plugins_registry and the directories in it; the
+	// plugin's is its own, so that it needs no write access to the
+	// kubelet's.
 	rd, _ := flag(p.Args, "registration-dir")
 	rm, rv := mountFor(t, w, p, path.Join(rd, a.driver+"-reg.sock"))
-	if rd == "" || rv.HostPath == nil || path.Join(rv.HostPath.Path, strings.TrimPrefix(rd, rm.MountPath)) != "/var/lib/kubelet/plugins_registry" {
-		t.Errorf("--registration-dir=%q is %+v mounted at %s, want host /var/lib/kubelet/plugins_registry", rd, rv.VolumeSource, rm.MountPath)
+	if want := "/var/lib/kubelet/plugins_registry/" + a.driver; rd == "" || rv.HostPath == nil || path.Join(rv.HostPath.Path, strings.TrimPrefix(rd, rm.MountPath)) != want {
+		t.Errorf("--registration-dir=%q is %+v mounted at %s, want host %s", rd, rv.VolumeSource, rm.MountPath, want)
 	}
 	if rm.ReadOnly {
 		t.Errorf("the registration directory %s is mounted read-only; the plugin makes its socket there", rm.MountPath)
 	}
 }
 
-// checkNodePluginHostDirectories: kubelet's directory, with the agent's
-// mounts propagated in, and the agent's socket, at the path the agent
-// package listens on.
+// checkNodePluginHostDirectories: the kubelet root the plugin checks
+// paths against is the host's, which it does not mount (it hands paths to
+// the agent), and the agent's socket is at the path the agent package
+// listens on.
 func checkNodePluginHostDirectories(t *testing.T, w workload, p corev1.Container) {
 	t.Helper()
-	root, _ := flag(p.Args, "kubelet-root")
-	km, kv := mountFor(t, w, p, root)
-	if km.MountPath != root || kv.HostPath == nil || kv.HostPath.Path != root {
-		t.Errorf("--kubelet-root=%s is mounted from %+v at %s", root, kv.VolumeSource, km.MountPath)
-	}
-	if km.MountPropagation == nil || *km.MountPropagation != corev1.MountPropagationHostToContainer {
-		t.Errorf("kubelet directory propagation %v, want HostToContainer", km.MountPropagation)
+	if root, _ := flag(p.Args, "kubelet-root"); root != "/var/lib/kubelet" {
+		t.Errorf("--kubelet-root=%q, want the host's /var/lib/kubelet", root)
 	}
 
 	as, _ := flag(p.Args, "agent-socket")
@@ -1279,6 +1383,66 @@ func TestNodePluginOnlyWhereTheAgentRuns(t *testing.T) {
 			t.Errorf("docs/install.md does not show %q", want)
 		}
 	}
+}
+
+// nodeTermMatches evaluates a node selector term's match expressions on
+// a node's labels.
+func nodeTermMatches(t *testing.T, term corev1.NodeSelectorTerm, node labels.Set) bool {
+	t.Helper()
+	sel := labels.NewSelector()
+	for _, e := range term.MatchExpressions {
+		op, ok := map[corev1.NodeSelectorOperator]selection.Operator{corev1.NodeSelectorOpIn: selection.In, corev1.NodeSelectorOpNotIn: selection.NotIn,
+			corev1.NodeSelectorOpExists: selection.Exists, corev1.NodeSelectorOpDoesNotExist: selection.DoesNotExist}[e.Operator]
+		if !ok {
+			t.Fatalf("node selector operator %s: this test knows In, NotIn, Exists and DoesNotExist", e.Operator)
+		}
+		r, err := labels.NewRequirement(e.Key, op, e.Values)
+		if err != nil {
+			t.Fatalf("node selector requirement %+v: %v", e, err)
+		}
+		sel = sel.Add(*r)
+	}
+	return len(term.MatchFields) == 0 && sel.Matches(node)
+}
+
+// The controller needs no agent, and its pod holds the cloud credential:
+// it prefers the nodes the node plugin's DaemonSet does not select (a
+// cluster's control plane), and is not bound to them, so that a cluster
+// whose every node runs the agent still runs it.
+func TestControllerPrefersNodesWithoutTheAgent(t *testing.T) {
+	forEachRendering(t, func(t *testing.T, a *addon) {
+		spec := a.deployments[0].Spec.Template.Spec
+		agentNode := labels.Set{"kubernetes.io/os": "linux", AgentNodeLabel: "true"}
+		for k, v := range a.daemonSets[0].Spec.Template.Spec.NodeSelector {
+			if agentNode[k] != v {
+				t.Fatalf("the node DaemonSet selects %s=%s, which this test's agent node lacks", k, v)
+			}
+		}
+		other := labels.Set{"kubernetes.io/os": "linux", "node-role.kubernetes.io/control-plane": ""}
+		if spec.Affinity == nil || spec.Affinity.NodeAffinity == nil {
+			t.Fatal("the controller has no node affinity")
+		}
+		na := spec.Affinity.NodeAffinity
+		if na.RequiredDuringSchedulingIgnoredDuringExecution != nil {
+			t.Errorf("the controller requires %+v: a cluster of agent nodes only could not run it", na.RequiredDuringSchedulingIgnoredDuringExecution)
+		}
+		prefer := map[string]int32{}
+		for _, pt := range na.PreferredDuringSchedulingIgnoredDuringExecution {
+			for name, node := range map[string]labels.Set{"agent": agentNode, "other": other} {
+				if nodeTermMatches(t, pt.Preference, node) {
+					prefer[name] += pt.Weight
+				}
+			}
+		}
+		if prefer["other"] <= prefer["agent"] {
+			t.Errorf("the controller's preferences weigh a node without the agent %d, one with it %d", prefer["other"], prefer["agent"])
+		}
+		if !slices.ContainsFunc(spec.Tolerations, func(tl corev1.Toleration) bool {
+			return tl.Key == "node-role.kubernetes.io/control-plane" && tl.Effect == corev1.TaintEffectNoSchedule
+		}) {
+			t.Error("the controller does not tolerate the control plane's taint, where it prefers to run")
+		}
+	})
 }
 
 // The opt-in monitoring file's alerts must watch series the agent and the

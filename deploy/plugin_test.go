@@ -10,7 +10,10 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -90,6 +93,67 @@ func TestPluginAcceptsTheManifestArguments(t *testing.T) {
 	// agent socket; without a required key it says so and goes on to the
 	// same point (a key-backend problem never stops it).
 	t.Run("node", func(t *testing.T) { pluginArgsNode(t, bin, a, keyBackend, dir) })
+
+	// The node pod's init container, with the identity and the one
+	// capability the manifest gives it, makes the directories the kubelet
+	// made as root the plugin's, and finds them so at the pod's next start.
+	t.Run("plugin-dirs", func(t *testing.T) { pluginDirsArgs(t, bin, a) })
+}
+
+func pluginDirsArgs(t *testing.T, bin string, a *addon) {
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil || os.Getuid() != 0 {
+		t.Skip("needs root and setpriv (util-linux) to run with the manifest's capabilities")
+	}
+	spec := a.daemonSets[0].Spec.Template.Spec
+	ic := spec.InitContainers[0]
+	base := t.TempDir()
+	args := slices.Clone(ic.Args)
+	for _, m := range ic.VolumeMounts {
+		d := filepath.Join(base, m.Name)
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(d, "left-by-root"), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		args[slices.Index(args, m.MountPath)] = d
+	}
+	groups := []string{}
+	for _, g := range append(slices.Clone(spec.SecurityContext.SupplementalGroups), *spec.SecurityContext.FSGroup) {
+		groups = append(groups, strconv.FormatInt(g, 10))
+	}
+	caps := "-all"
+	for _, c := range ic.SecurityContext.Capabilities.Add {
+		caps += ",+" + strings.ToLower(string(c))
+	}
+	run := func(caps string) (string, error) {
+		cmd := exec.Command(setpriv, append([]string{"--reuid=" + strconv.FormatInt(*ic.SecurityContext.RunAsUser, 10),
+			"--regid=" + strconv.FormatInt(*ic.SecurityContext.RunAsGroup, 10), "--groups=" + strings.Join(groups, ","),
+			"--bounding-set=" + caps, "--inh-caps=-all", "--", bin}, args...)...)
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	// Without the capability the manifest adds, it fails, saying why.
+	if out, err := run("-all"); err == nil || !strings.Contains(out, "CAP_CHOWN") {
+		t.Errorf("plugin-dirs without CAP_CHOWN: %v\n%s", err, out)
+	}
+	for _, want := range []string{"owner 65532:65532", "already"} {
+		if out, err := run(caps); err != nil || strings.Count(out, want) != len(ic.VolumeMounts) {
+			t.Fatalf("plugin-dirs %q with %s: %v\n%s\nwant %q for each directory", args, caps, err, out, want)
+		}
+	}
+	for _, m := range ic.VolumeMounts {
+		for _, p := range []string{filepath.Join(base, m.Name), filepath.Join(base, m.Name, "left-by-root")} {
+			fi, err := os.Stat(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st := fi.Sys().(*syscall.Stat_t); int64(st.Uid) != *spec.SecurityContext.RunAsUser || int64(st.Gid) != *spec.SecurityContext.RunAsGroup {
+				t.Errorf("%s is %d:%d after plugin-dirs", p, st.Uid, st.Gid)
+			}
+		}
+	}
 }
 
 func pluginArgsController(t *testing.T, bin string, a *addon, secret corev1.Secret, dir string) {

@@ -45,10 +45,11 @@ func main() {
 func usage() {
 	fmt.Fprint(os.Stderr, `usage:
   vco-addon bundle [-part P] [-o FILE]  the manifests with their placeholders
-  vco-addon render -image REF [-driver-name NAME] [-part P] [-o FILE]
+  vco-addon render -image REF [-driver-name NAME] [-agent-gid GID] [-part P] [-o FILE]
                                         the manifests for one image; the driver
                                         name defaults to one derived from the
-                                        image's registry host
+                                        image's registry host, the vco-agent
+                                        group's gid to the packages' 573
       -part core       csi.yaml, what every cluster applies (the default)
       -part snapshots  csi-snapshots.yaml, the opt-in VolumeSnapshotClass;
                        needs the snapshot CRDs (docs/csi-addon.md)
@@ -119,12 +120,17 @@ func runRender(args []string) error {
 	fs := flag.NewFlagSet("render", flag.ContinueOnError)
 	image := fs.String("image", "", "vco-csi image reference, host/path/name:tag")
 	name := fs.String("driver-name", "", "CSI driver name (default: derived from the image's registry host)")
+	gidArg := fs.String("agent-gid", "", fmt.Sprintf("gid of the vco-agent group on the nodes (default %d, the packages' gid)", deploy.AgentGID))
 	out := fs.String("o", "-", "output file (- for stdout)")
 	part := fs.String("part", string(deploy.Core), partUsage)
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	ps, err := parts(*part)
+	if err != nil {
+		return err
+	}
+	gid, err := deploy.ParseAgentGID(*gidArg)
 	if err != nil {
 		return err
 	}
@@ -142,11 +148,11 @@ func runRender(args []string) error {
 	if err != nil {
 		return err
 	}
-	r, err := deploy.Render(b, deploy.Values{Image: *image, DriverName: *name})
+	r, err := deploy.Render(b, deploy.Values{Image: *image, DriverName: *name, AgentGID: gid})
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(os.Stderr, "vco-addon: %s for image %s, driver name %s\n", *part, *image, *name)
+	fmt.Fprintf(os.Stderr, "vco-addon: %s for image %s, driver name %s, vco-agent gid %d\n", *part, *image, *name, gid)
 	return write(*out, r)
 }
 

@@ -153,6 +153,58 @@ func TestMakeCSIAddonPrintsTheAddon(t *testing.T) {
 	}
 }
 
+// TestMakeCSIAddonTakesTheAgentGID: VCO_AGENT_GID gives the node pod the
+// nodes' vco-agent gid where it is not the packages' 573, and only that
+// changes; a value that is not a gid fails, said on stderr, with nothing
+// on stdout.
+func TestMakeCSIAddonTakesTheAgentGID(t *testing.T) {
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp := t.TempDir()
+	image := "registry.try.whitesky.cloud/vco/csi:1.0"
+	vars := []string{"VCO_CSI_IMAGE=" + image, "ADDON_DIR=" + filepath.Join(tmp, "dist"), "BIN=" + filepath.Join(tmp, "bin")}
+	core, err := deploy.Bundle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := deploy.Render(core, deploy.Values{Image: image, DriverName: "cloud.whitesky.try.csi", AgentGID: 4242})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, stderr, err := runMake(t, root, append([]string{"csi-addon", "VCO_AGENT_GID=4242"}, vars...)...)
+	if err != nil || !bytes.Equal(stdout, want) || !bytes.Contains(stdout, []byte("supplementalGroups: [4242]")) {
+		t.Fatalf("make csi-addon VCO_AGENT_GID=4242: %v, stdout begins\n%s\nstderr %s", err, head(stdout), stderr)
+	}
+	def, _, _ := addonParts(t, image)
+	if d := diffLines(def, stdout); len(d) != 2 || !strings.Contains(d[0], "supplementalGroups: [573]") {
+		t.Errorf("VCO_AGENT_GID=4242 changed %q; want the node pod's supplementalGroups alone", d)
+	}
+	for _, bad := range []string{"0", "vco-agent", "-5"} {
+		stdout, stderr, err := runMake(t, root, append([]string{"csi-addon", "VCO_AGENT_GID=" + bad}, vars...)...)
+		if err == nil || len(stdout) != 0 || !bytes.Contains(stderr, []byte("VCO_AGENT_GID")) {
+			t.Errorf("make csi-addon VCO_AGENT_GID=%s: %v, stdout %q, stderr %q; want a failure naming VCO_AGENT_GID", bad, err, head(stdout), stderr)
+		}
+	}
+}
+
+// diffLines lists the lines of a and b that differ, in pairs, where both
+// have as many lines.
+func diffLines(a, b []byte) []string {
+	al, bl := strings.Split(string(a), "\n"), strings.Split(string(b), "\n")
+	if len(al) != len(bl) {
+		return []string{"line counts differ"}
+	}
+	var out []string
+	for i := range al {
+		if al[i] != bl[i] {
+			out = append(out, al[i], bl[i])
+		}
+	}
+	return out
+}
+
 // addonParts renders the add-on's parts as make csi-addon should with
 // image: the core add-on, the snapshots part, and the files it keeps in
 // ADDON_DIR (the parts as bundled and as rendered) by name.

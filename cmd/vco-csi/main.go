@@ -1,6 +1,7 @@
 // Command vco-csi is the whitesky.cloud CSI plugin. Its controller talks to
 // the whitesky.cloud API; its node side delegates every privileged operation
-// to vco-agent over a unix socket. `vco-csi sim` runs the API simulator.
+// to vco-agent over a unix socket. `vco-csi sim` runs the API simulator;
+// `vco-csi plugin-dirs` gives the node plugin its host directories.
 package main
 
 import (
@@ -19,6 +20,8 @@ func main() {
 			return
 		case "sim":
 			os.Exit(runSim(os.Args[2:]))
+		case "plugin-dirs":
+			os.Exit(runPluginDirs(os.Args[2:], os.Stdout, os.Stderr))
 		}
 	}
 	os.Exit(runPlugin(os.Args[1:]))

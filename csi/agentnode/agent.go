@@ -43,10 +43,14 @@ type Agent struct {
 	o Options
 }
 
-// Dial connects to the agent at socket; it fails when nothing serves it.
+// Dial connects to the agent at socket; it fails when nothing serves it,
+// or when this process may not reach it, saying then which group it lacks.
 func Dial(socket string, o Options) (*Agent, error) {
 	c, err := client.Dial(socket)
 	if err != nil {
+		if h := processGroupHint(socket); h != "" {
+			return nil, fmt.Errorf("%w%s", err, h)
+		}
 		return nil, err
 	}
 	return &Agent{c: c, o: o}, nil

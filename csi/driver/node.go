@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 
@@ -173,9 +172,13 @@ func (d *Driver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*c
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: loc}}}, nil
 }
 
-// underRoot checks that p lies inside the kubelet root once cleaned and
-// with every existing symlink along it resolved, so neither ".." nor a
-// planted symlink can point a mount elsewhere on the host.
+// underRoot checks, by its text alone, that p is an absolute path strictly
+// inside the kubelet root, with no ".." and no NUL byte, and returns it
+// cleaned. It reads nothing on disk: the node plugin's container has no
+// view of the kubelet's directory (docs/security.md, "The node
+// container"), so symlinks along p are not its to resolve. vco-agent,
+// which acts on the path, resolves it beneath its own kubelet root and
+// refuses a symlink anywhere on it.
 func (d *Driver) underRoot(what, p string) (string, error) {
 	if p == "" {
 		return "", failf(ErrInvalid, "%s is required", what)
@@ -191,18 +194,12 @@ func (d *Driver) underRoot(what, p string) (string, error) {
 			return "", failf(ErrInvalid, "%s %q contains '..'", what, p)
 		}
 	}
-	root, err := filepath.EvalSymlinks(d.cfg.KubeletRoot)
-	if err != nil {
-		return "", failf(ErrPrecondition, "kubelet root %s: %v", d.cfg.KubeletRoot, err)
-	}
-	resolved, err := resolveExisting(filepath.Clean(p))
-	if err != nil {
-		return "", failf(ErrInvalid, "%s %q: %v", what, p, err)
-	}
-	if resolved != root && !strings.HasPrefix(resolved, root+"/") {
+	root := filepath.Clean(d.cfg.KubeletRoot)
+	clean := filepath.Clean(p)
+	if !strings.HasPrefix(clean, strings.TrimSuffix(root, "/")+"/") {
 		return "", failf(ErrInvalid, "%s %q is outside the kubelet directory %s", what, p, d.cfg.KubeletRoot)
 	}
-	return resolved, nil
+	return clean, nil
 }
 
 // volumePath checks the path a stats or expand call names. Such a call
@@ -219,28 +216,6 @@ func (d *Driver) volumePath(volumeID, p string) (string, error) {
 		return "", failf(ErrNotFound, "volume %s is not at %q: %v", volumeID, p, err)
 	}
 	return r, err
-}
-
-// resolveExisting resolves symlinks in the longest existing prefix of p and
-// appends the part that does not exist yet.
-func resolveExisting(p string) (string, error) {
-	rest := ""
-	cur := p
-	for {
-		r, err := filepath.EvalSymlinks(cur)
-		if err == nil {
-			return filepath.Join(r, rest), nil
-		}
-		if !errors.Is(err, os.ErrNotExist) {
-			return "", err
-		}
-		parent := filepath.Dir(cur)
-		if parent == cur {
-			return "", err
-		}
-		rest = filepath.Join(filepath.Base(cur), rest)
-		cur = parent
-	}
 }
 
 func accessType(c *csi.VolumeCapability) (block bool, fs string, flags []string, err error) {

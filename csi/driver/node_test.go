@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -32,33 +33,126 @@ func TestNodePathsMustStayUnderKubeletRoot(t *testing.T) {
 	e := newTestEnv(t, envOpts{})
 	ctx := context.Background()
 	outside := t.TempDir()
-	// A symlink inside the kubelet root that points out of it.
-	link := filepath.Join(e.kubelet, "pods", "evil")
-	os.MkdirAll(filepath.Dir(link), 0o750)
-	if err := os.Symlink(outside, link); err != nil {
-		t.Fatal(err)
-	}
 	for _, p := range []string{
-		filepath.Join(e.kubelet, "..", "elsewhere"),
-		filepath.Join(link, "mount"),
+		e.kubelet + "/../elsewhere", // the ".." that Join would clean away
+		e.kubelet + "/pods/../../elsewhere",
+		e.kubelet,
+		e.kubelet + "-other/pods/x",
 		outside,
 		"relative/path",
 	} {
-		raw := p
-		if p == filepath.Join(e.kubelet, "..", "elsewhere") {
-			raw = e.kubelet + "/../elsewhere" // keep the ".." that Join would clean away
-		}
-		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-lug-1/1", StagingTargetPath: raw, VolumeCapability: rwo[0]})
+		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-lug-1/1", StagingTargetPath: p, VolumeCapability: rwo[0]})
 		wantCode(t, err, codes.InvalidArgument)
 		_, err = e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "ch-lug-1/1",
-			StagingTargetPath: filepath.Join(e.kubelet, "plugins", "s"), TargetPath: raw, VolumeCapability: rwo[0]})
+			StagingTargetPath: filepath.Join(e.kubelet, "plugins", "s"), TargetPath: p, VolumeCapability: rwo[0]})
 		wantCode(t, err, codes.InvalidArgument)
 	}
 	// A path under the root gets through to the agent (in this test one
-	// that stands in for identity only, and says so).
+	// that stands in for identity only, and says so). A symlink along a
+	// path is the agent's to refuse: the plugin has no view of the
+	// kubelet's directory (csi/agentnode's TestAgentRefusesSymlinkThePluginCannotSee).
 	_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-lug-1/1",
 		StagingTargetPath: filepath.Join(e.kubelet, "plugins", "staging", "new"), VolumeCapability: rwo[0]})
 	wantCode(t, err, codes.Unimplemented, "ch-lug-1/1")
+}
+
+// pathAgent records the paths the node service hands the agent. It stands
+// in for the agent because the test is about what the plugin does before
+// the call: the real agent's own checks are csi/agentnode's tests.
+type pathAgent struct {
+	identityAgent
+	paths []string
+}
+
+func (a *pathAgent) Stage(_ context.Context, r driver.StageRequest) error {
+	a.paths = append(a.paths, "stage "+r.StagingPath)
+	return nil
+}
+
+func (a *pathAgent) Publish(_ context.Context, r driver.PublishRequest) error {
+	a.paths = append(a.paths, "publish "+r.StagingPath+" "+r.TargetPath)
+	return nil
+}
+
+func (a *pathAgent) Unpublish(_ context.Context, _, p string) error {
+	a.paths = append(a.paths, "unpublish "+p)
+	return nil
+}
+
+func (a *pathAgent) Unstage(_ context.Context, _, p string) error {
+	a.paths = append(a.paths, "unstage "+p)
+	return nil
+}
+
+func (a *pathAgent) Stats(_ context.Context, _, p string) (driver.VolumeStats, error) {
+	a.paths = append(a.paths, "stats "+p)
+	return driver.VolumeStats{TotalBytes: 1 << 30}, nil
+}
+
+func (a *pathAgent) Expand(_ context.Context, _, p string, n int64) (int64, error) {
+	a.paths = append(a.paths, "expand "+p)
+	return n, nil
+}
+
+// The node plugin's container mounts nothing of the kubelet's directory
+// but its own sockets' (docs/security.md, "The node container"): the
+// kubelet root it is given does not exist in its view. Every node call
+// still reaches the agent, with the kubelet's paths as the kubelet gave
+// them, cleaned; the agent resolves them on the host.
+func TestNodePluginNeedsNoViewOfTheKubeletDirectory(t *testing.T) {
+	kubelet := filepath.Join(t.TempDir(), "var", "lib", "kubelet") // never made
+	a := &pathAgent{identityAgent: identityAgent{hostUUID, hostLoc}}
+	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	staging := kubelet + "/plugins/kubernetes.io/csi/cloud.whitesky.csi/0a1b/globalmount"
+	target := kubelet + "/pods/5f0e/volumes/kubernetes.io~csi/pv-1/mount"
+	pc := map[string]string{driver.PubSerial: "7"}
+	calls := []func() error{
+		func() error {
+			_, err := d.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "ch-lug-1/7", StagingTargetPath: staging + "/",
+				VolumeCapability: rwo[0], PublishContext: pc})
+			return err
+		},
+		func() error {
+			_, err := d.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "ch-lug-1/7", StagingTargetPath: staging,
+				TargetPath: target, VolumeCapability: rwo[0], PublishContext: pc})
+			return err
+		},
+		func() error {
+			_, err := d.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: "ch-lug-1/7", VolumePath: target})
+			return err
+		},
+		func() error {
+			_, err := d.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "ch-lug-1/7", VolumePublishPath: target})
+			return err
+		},
+		func() error {
+			_, err := d.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: "ch-lug-1/7", VolumePath: target,
+				CapacityRange: &csi.CapacityRange{RequiredBytes: 2 << 30}})
+			return err
+		},
+		func() error {
+			_, err := d.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "ch-lug-1/7", TargetPath: target})
+			return err
+		},
+		func() error {
+			_, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "ch-lug-1/7", StagingTargetPath: staging})
+			return err
+		},
+	}
+	for i, call := range calls {
+		if err := call(); err != nil {
+			t.Fatalf("call %d with no kubelet directory in view: %v", i, err)
+		}
+	}
+	want := []string{"stage " + staging, "publish " + staging + " " + target, "stats " + target, "stats " + target,
+		"expand " + target, "unpublish " + target, "unstage " + staging}
+	if !slices.Equal(a.paths, want) {
+		t.Errorf("the agent was given\n  %s\nwant\n  %s", strings.Join(a.paths, "\n  "), strings.Join(want, "\n  "))
+	}
 }
 
 // fencedAgent reports one volume as having lost its fence, as the agent

@@ -37,8 +37,9 @@ type Config struct {
 	// host (/var/lib/kubelet/plugins/<driver>/csi.sock), not as the
 	// plugin's container mounts it.
 	Endpoint string
-	// Dir is the kubelet's plugins_registry directory as this process
-	// sees it; the socket is <Dir>/<DriverName>-reg.sock.
+	// Dir is the kubelet's plugins_registry directory, or a directory in
+	// it (the kubelet watches those too), as this process sees it; the
+	// socket is <Dir>/<DriverName>-reg.sock.
 	Dir string
 	Log *slog.Logger
 }
@@ -74,7 +75,7 @@ func Start(cfg Config) (*Server, error) {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	if st, err := os.Stat(cfg.Dir); err != nil || !st.IsDir() {
-		return nil, fmt.Errorf("plugin registration: the kubelet's registration directory %s is not there (%v); mount the host's /var/lib/kubelet/plugins_registry there", cfg.Dir, err)
+		return nil, fmt.Errorf("plugin registration: the kubelet's registration directory %s is not there (%v); mount the host's /var/lib/kubelet/plugins_registry, or a directory of the plugin's own in it, there", cfg.Dir, err)
 	}
 	s := &Server{cfg: cfg, path: filepath.Join(cfg.Dir, cfg.DriverName+"-reg.sock"), done: make(chan struct{})}
 	if err := os.Remove(s.path); err != nil && !errors.Is(err, os.ErrNotExist) {

@@ -230,7 +230,11 @@ func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root
 	} else {
 		files["/etc/vco-agent/config.yaml"] = agentConfig(simlab.Location)
 	}
-	sb, err := l.DebianImageWith(ctx, "debian-k8s", &img, files, map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet})
+	busybox, err := hostBusybox()
+	if err != nil {
+		return err
+	}
+	sb, err := l.DebianImageWith(ctx, "debian-k8s", &img, files, map[string]string{"/usr/local/bin/kubelet": c.Bins.Kubelet, GuestBusybox: busybox})
 	if err != nil {
 		return err
 	}

@@ -381,6 +381,11 @@ spec:
 	}); err != nil {
 		return err
 	}
+	if err := s.step(sc, p.Node, "the node plugin's container reads no other pod's Secret or token and no kubelet key (docs/security.md)", func() (string, error) {
+		return s.k1NodeView(ctx, p.Node)
+	}); err != nil {
+		return err
+	}
 	return s.step(sc, "cluster", "the node's view without SSH (docs/diagnosis.md)", func() (string, error) {
 		return s.diagnose(ctx, p.Node)
 	})

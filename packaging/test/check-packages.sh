@@ -128,6 +128,8 @@ for f in /usr/bin/vco-agent /usr/lib/systemd/system/vco-agent.service /usr/lib/s
 	has "$f" || fail "after install: $f missing"
 done
 in_chroot getent group vco-agent >/dev/null || fail "after install: group vco-agent missing"
+[ "$(in_chroot getent group vco-agent | cut -d: -f3)" = 573 ] ||
+	fail "after install: group vco-agent does not have gid 573, the gid the add-on's node plugin is given (docs/csi-addon.md)"
 in_chroot dpkg-query -W -f='${Conffiles}\n' vco-agent | grep -q '/etc/vco-agent/config.yaml' ||
 	fail "after install: /etc/vco-agent/config.yaml is not a conffile"
 in_chroot vco-agent version >/dev/null || fail "after install: vco-agent does not run"
@@ -191,6 +193,8 @@ for f in /usr/bin/vco-agent /usr/lib/systemd/system/vco-agent.service /etc/vco-a
 done
 rpm --root "$rpmroot" -qc vco-agent | grep -qx /etc/vco-agent/config.yaml || fail "rpm: config.yaml is not %config"
 chroot "$rpmroot" getent group vco-agent >/dev/null || fail "rpm: group vco-agent missing after install"
+[ "$(chroot "$rpmroot" getent group vco-agent | cut -d: -f3)" = 573 ] ||
+	fail "rpm: group vco-agent does not have gid 573 after install, the gid the add-on's node plugin is given (docs/csi-addon.md)"
 mkdir -p "$rpmroot/var/lib/vco-agent/volumes"
 echo '{"volume":"vol-1","phase":"staged","state":"held"}' >"$rpmroot$claim"
 rpm --root "$rpmroot" -e --nodeps vco-agent && fail "rpm: erased with a volume staged"
