@@ -99,18 +99,20 @@ func (s *Server) admit(ctx context.Context, method string) error {
 	return nil
 }
 
-func (s *Server) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+func (s *Server) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (resp any, err error) {
 	if err := s.admit(ctx, info.FullMethod); err != nil {
 		return nil, agenterr.Status(err)
 	}
-	resp, err := h(ctx, req)
+	defer s.answerPanic(info.FullMethod, req, &err)
+	resp, err = h(ctx, req)
 	return resp, agenterr.Status(err)
 }
 
-func (s *Server) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+func (s *Server) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) (err error) {
 	if err := s.admit(ss.Context(), info.FullMethod); err != nil {
 		return agenterr.Status(err)
 	}
+	defer s.answerPanic(info.FullMethod, nil, &err)
 	return agenterr.Status(h(srv, ss))
 }
 

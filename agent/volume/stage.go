@@ -11,6 +11,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
 
 // A stage takes the steps of a volume's life on a node in their order
@@ -441,6 +442,9 @@ func (s *staging) notAcquired(ctx context.Context, err error) error {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, held)
 	case errors.As(err, &lost):
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+	case errors.Is(err, lease.ErrDamaged):
+		// A retry reads the same damage: the operator must look.
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v; the disk's lease area is damaged (docs/fencing.md): nothing was written, check the disk", c.Volume, err)
 	case ctx.Err() != nil:
 		// The caller gave up (the reclaim wait outlasted its deadline):
 		// its code says so, and its retry waits again.
