@@ -405,7 +405,7 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 	if err := m.releaseFence(ctx, c); err != nil {
 		return err
 	}
-	if err := m.store.Delete(c.Volume); err != nil {
+	if err := m.forget(c); err != nil {
 		return err
 	}
 	m.clearClaimed(filepath.Base(c.Device))
@@ -417,6 +417,20 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 		Reason: "unstaged", Message: msg})
 	m.log.Info("volume unstaged", "volume", c.Volume, "device", c.Device, "staging", c.StagingPath)
 	return nil
+}
+
+// forget removes the record of an unstaged claim -- unless it names a
+// format of this agent's that a crash cut short (an mkfs or a LUKS2
+// header begun, not finished): only the record tells those leftovers from
+// foreign data, so it stays, as interrupted with nothing held, for the
+// next stage of the volume on this node to make the format again
+// (mount.go, cutShortFormatProof).
+func (m *Manager) forget(c *Claim) error {
+	if (c.Formatting == nil || c.Formatted) && (!c.LUKSFormatting || c.LUKSFormatted) {
+		return m.store.Delete(c.Volume)
+	}
+	c.Phase, c.State, c.Publications, c.Detail = PhaseInterrupted, "", nil, "unstaged; a format of this agent's was cut short on it, which the next stage makes again"
+	return m.store.Put(c)
 }
 
 // flushLayers pushes down a held volume's writes that may still sit in the

@@ -353,7 +353,7 @@ func (h simHost) prove(name, dev, allow string) (p blank.Proof, err error) {
 			return fmt.Errorf("%s: no such device", dev)
 		}
 		switch c := h.w.content[r]; {
-		case c == "" || (allow != "" && c == allow):
+		case c == "" || (allow != "" && strings.HasPrefix(c, allow)):
 			h.w.proved[dev] = r
 			p = blank.Simulated(dev, simDisk)
 			return nil
@@ -371,8 +371,10 @@ func (h simHost) prove(name, dev, allow string) (p blank.Proof, err error) {
 func (h simHost) Prove(_ context.Context, dev string) (blank.Proof, error) {
 	return h.prove("blkid", dev, "")
 }
-func (h simHost) ProveFormatLeftovers(_ context.Context, dev, _, uuid string) (blank.Proof, error) {
-	return h.prove("blkid", dev, "partial:"+uuid)
+// ProveFormatLeftovers: what mkfs.ext4 leaves when cut short carries no
+// signature, whatever UUID it was given (blank.ProveFormatLeftovers).
+func (h simHost) ProveFormatLeftovers(_ context.Context, dev, _, _ string) (blank.Proof, error) {
+	return h.prove("blkid", dev, "partial:")
 }
 func (h simHost) ProveEncrypted(_ context.Context, dev string) (blank.Proof, error) {
 	return h.prove("blkid", dev, "")
@@ -1087,14 +1089,20 @@ func (r *simRun) settle(ctx context.Context, v *simVolume, staged bool) error {
 	return r.m.Unstage(cctx, v.id, v.staging)
 }
 
+// keepsFormat: an unstaged claim's record that stays, holding nothing,
+// because it names a format cut short (Manager.forget).
+func keepsFormat(c *Claim) bool {
+	return c.Phase == PhaseInterrupted && c.State == "" && ((c.Formatting != nil && !c.Formatted) || (c.LUKSFormatting && !c.LUKSFormatted))
+}
+
 // endState checks I4/I5 for a volume settled to staged or not.
 func (r *simRun) endState(v *simVolume, staged bool) {
 	w := r.w
 	c, _ := r.m.store.Get(v.id)
 	what := w.inUse(v.serial)
 	d := w.disks[v.serial]
-	if !staged || c == nil || c.State == StateLost {
-		if c != nil && c.State != StateLost {
+	if !staged || c == nil || c.State == StateLost || c.Phase == PhaseInterrupted {
+		if c != nil && c.State != StateLost && !keepsFormat(c) {
 			w.violate("I5: %s unstaged but its record stays: %s", v.id, phaseOf(c))
 		}
 		if what != "" && (c == nil || c.State != StateLost) {
