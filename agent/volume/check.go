@@ -71,7 +71,7 @@ func startUpOrder(claims []*Claim) {
 func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	log := m.log.With("volume", c.Volume, "device", c.Device)
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
-	if err != nil && agenterr.KindOf(err) != agenterr.NotFound && c.Method == MethodLease && m.mayBeWriting() {
+	if err != nil && agenterr.KindOf(err) != agenterr.NotFound && mayBeLease(c) && m.mayBeWriting() {
 		// Its disk cannot be told from another (a scan that failed, a
 		// serial that does not match), and a mount of the earlier
 		// process may still write to it: the lease stays listed as not
@@ -210,7 +210,7 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 // stops the host watchdog's feeding until it is.
 func (m *Manager) unresolvedInterrupted(c *Claim, dev *Device) bool {
 	dev.Close()
-	if c.Method == MethodLease {
+	if mayBeLease(c) {
 		m.mu.Lock()
 		m.unchecked[c.Volume] = true
 		m.mu.Unlock()

@@ -106,13 +106,20 @@ func (m *Manager) ExpectRecordedLeases() {
 // not shown stopped), or a lease stage or unstage cut short, which may
 // have left a mapping over the disk (or a mount the record does not say).
 func recordedLease(c *Claim) bool {
-	if c.Method != MethodLease {
+	if !mayBeLease(c) {
 		return false
 	}
 	if c.Phase != PhaseStaged {
 		return true
 	}
 	return c.State != StateLost || c.IONotStopped
+}
+
+// mayBeLease reports whether c's disk may be fenced with the lease: its
+// record says so, or it is a stage cut short before its record named the
+// method (a data mapping may already be over the disk).
+func mayBeLease(c *Claim) bool {
+	return c.Method == MethodLease || (c.Phase != PhaseStaged && c.Method == "")
 }
 
 // unresolved reports whether the start-up check has not yet taken back
