@@ -302,7 +302,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 		return
 	}
 	m.setLive(c.Volume, nil)
-	if err := m.store.Delete(c.Volume); err != nil {
+	if err := m.forget(c); err != nil {
 		log.Error("removing the claim of a vanished disk", "err", err)
 	}
 	m.clearClaimed(filepath.Base(c.Device))

@@ -1072,7 +1072,7 @@ func (r *simRun) settle(ctx context.Context, v *simVolume, staged bool) error {
 	defer cancel()
 	if staged {
 		if _, err := r.m.Stage(cctx, r.stageReq(v)); err != nil {
-			if agenterr.Code(err).String() == "FailedPrecondition" && strings.Contains(err.Error(), "lost") {
+			if c, _ := r.m.store.Get(v.id); c != nil && c.State == StateLost {
 				// Lost to the other node earlier: the controller's path is
 				// unpublish, unstage and a grant; the end state is unstaged.
 				return r.settle(ctx, v, false)
