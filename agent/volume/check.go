@@ -162,6 +162,7 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 	if err := m.unmapAll(c); err != nil {
 		log.Error("detaching the data mapping of an interrupted stage", "err", err)
 	}
+	held := false
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil)
 	if err != nil && c.Method != "" && c.Method != fence.MethodNone {
 		log.Error("cannot choose the fencing of an interrupted stage to release it; the check tries again", "err", err)
@@ -187,13 +188,19 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 		case fenceKept(err):
 			return m.unresolvedInterrupted(c, dev)
 		}
-		if err != nil {
-			log.Warn("releasing the fence of an interrupted stage", "err", err)
+		held = err != nil && !errors.As(err, new(*fence.LostError))
+		if held {
+			// Its unstage (or the retried stage) releases it.
+			log.Warn("releasing the fence of an interrupted stage failed; the claim stays recorded as held", "err", err)
+			c.Method = ch.Method
 		}
 	}
 	dev.Close()
 	unstaging := c.Phase == PhaseUnstaging
 	c.Phase, c.State = PhaseInterrupted, ""
+	if held {
+		c.State = StateHeld
+	}
 	if err := m.store.Put(c); err != nil {
 		log.Error("recording the interrupted stage", "err", err)
 	}
