@@ -480,6 +480,15 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
 			l = m.openToRelease(ctx, c)
+		} else if l.fencer == nil {
+			// Opened without its fencer (the start-up check could not
+			// choose it): chosen now, the fence is released as any.
+			ch, err := m.o.Fencers.Choose(ctx, l.dev, c.Volume, nil)
+			if err != nil || ch.Fencer == nil {
+				return agenterr.New(agenterr.Unavailable, "volume %s: the fencing of its disk %s could not be chosen to release it (%v); nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, err)
+			}
+			defer closeChoice(ch)
+			l = &live{dev: l.dev, fencer: ch.Fencer}
 		}
 		if l != nil && l.fencer != nil {
 			if err := m.releaseHeld(ctx, c, l); err != nil {

@@ -115,6 +115,10 @@ type simDiskState struct {
 	// stays held on it (nothing can release it there), which a stage
 	// elsewhere takes over with the controller's grant.
 	removed bool
+	// moved: it came back at another device number while something of
+	// it was mounted: those mounts hold the dead device, so the volume
+	// must be unstaged (and staged again), not left staged.
+	moved bool
 }
 
 // simWorld is the node and what lies beyond it, shared by the agent
@@ -960,6 +964,7 @@ func (r *simRun) readd(v *simVolume, sameNumber bool) {
 		return
 	}
 	if !sameNumber {
+		d.moved = d.moved || w.inUse(v.serial) != ""
 		w.minor++
 		d.minor = w.minor
 		d.path = fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1)
@@ -1046,7 +1051,7 @@ func (r *simRun) converge(ctx context.Context) {
 	w.mu.Unlock()
 	r.m.CheckAll(ctx)
 	for _, v := range r.vols {
-		want := w.rng.IntN(2) == 0
+		want := w.rng.IntN(2) == 0 && !w.disks[v.serial].moved
 		var err error
 		for try := 0; try < 6; try++ {
 			if err = r.settle(ctx, v, want); err == nil {
