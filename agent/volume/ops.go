@@ -214,14 +214,16 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 // take back yet): that path's rollback would take down what it did not
 // make. UNAVAILABLE: the claim check takes it back, then the retry runs.
 func (m *Manager) notInUseBefore(c *Claim) error {
+	if m.unresolved(c.Volume) {
+		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and the agent has not taken it back since it started (the claim check retries every %s); retry the stage after that", c.Volume, m.o.Config.CheckInterval)
+	}
 	if c.Device == "" {
 		return nil
 	}
-	err := m.host.InUse(usageOf(c, c.Device))
-	if err == nil || !inUse(err) {
-		return nil
+	if err := m.host.InUse(usageOf(c, c.Device)); err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and %v; the claim check takes it back, retry the stage after that", c.Volume, err)
 	}
-	return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and %v; the claim check takes it back, retry the stage after that", c.Volume, err)
+	return nil
 }
 
 // restaged answers a repeated stage of a staged claim. It never runs the
