@@ -481,7 +481,10 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 		if l == nil {
 			// Not opened since start (the device went away, or reconcile
 			// failed): open it now to release, if it is there.
-			l = m.openToRelease(ctx, c)
+			var err error
+			if l, err = m.openToRelease(ctx, c); err != nil {
+				return err
+			}
 		} else if l.fencer == nil {
 			// Opened without its fencer (the start-up check could not
 			// choose it): chosen now, the fence is released as any.
@@ -510,18 +513,27 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 	return nil
 }
 
-// openToRelease opens the claim's disk and its fencer, nil when either
-// cannot be had.
-func (m *Manager) openToRelease(ctx context.Context, c *Claim) *live {
+// openToRelease opens the claim's disk and its fencer: nil when the disk
+// is gone (nothing on this node can release its fence then, and nothing
+// of this node reaches it), an error when it cannot be told now.
+func (m *Manager) openToRelease(ctx context.Context, c *Claim) (*live, error) {
 	dev, err := m.locate(ctx, c.Locator)
+	if agenterr.KindOf(err) == agenterr.NotFound {
+		return nil, nil
+	}
 	if err != nil {
-		return nil
+		return nil, agenterr.New(agenterr.Unavailable, "volume %s: its disk could not be opened to release its fence (%v); nothing was released, the claim stays recorded: retry the unstage", c.Volume, err)
 	}
-	if ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil); err == nil && ch.Fencer != nil {
-		return &live{dev: dev, fencer: ch.Fencer}
+	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil)
+	if err != nil {
+		dev.Close()
+		return nil, agenterr.New(agenterr.Unavailable, "volume %s: the fencing of its disk %s could not be chosen to release it (%v); nothing was released, the claim stays recorded: retry the unstage", c.Volume, dev.Path, err)
 	}
-	dev.Close()
-	return nil
+	if ch.Fencer == nil {
+		dev.Close()
+		return nil, nil
+	}
+	return &live{dev: dev, fencer: ch.Fencer}, nil
 }
 
 // releaseHeld releases the fence of a held claim through the release
