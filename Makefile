@@ -299,7 +299,7 @@ bench-crypt: deps build
 
 ##@ Fuzz and soak
 
-.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-upgrade soak-k8s soak-k8s-e2e
+.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-volsim soak-upgrade soak-k8s soak-k8s-e2e
 
 # Every fuzz target in the repository, found with `go test -list`, each for
 # FUZZTIME (default 30s); test-fuzz-brief runs each for FUZZBRIEF
@@ -360,6 +360,8 @@ fuzz-smbios:
 #     (about 25 min each with warm caches);
 #   soak-faults: the lab's faults FAULTS_SOAK_ROUNDS times each (up to 4 h);
 #   soak-lease: LEASE_SOAK_SEEDS lease schedules (up to 4 h);
+#   soak-volsim: VOLSIM_SOAK_SEEDS volume manager sequences, failing on
+#     I5 (convergence) too (about 20 min);
 #   soak-upgrade: E9's package upgrade under write load UPGRADE_SOAK_ROUNDS
 #     times on one staged lease volume (about 2 min each);
 #   every fuzz target for FUZZTIME (log in $(BIN)/soak-fuzz.log);
@@ -374,7 +376,7 @@ SOAK_ROUNDS ?= 200
 STORM_SOAK_ROUNDS ?= 20
 STORM_RACE_ROUNDS ?= 5
 ## everything long: k8s and the storage suite on both kinds, fault and lease soaks, fuzzers, crash loop, races
-soak: deps-apt soak-k8s soak-k8s-e2e soak-faults soak-lease soak-upgrade
+soak: deps-apt soak-k8s soak-k8s-e2e soak-faults soak-lease soak-volsim soak-upgrade
 	@mkdir -p $(BIN)
 	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
 	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
@@ -397,6 +399,13 @@ LEASE_SOAK_SEEDS ?= 40000
 ## LEASE_SOAK_SEEDS (40000) lease schedules in the simulator
 soak-lease:
 	$(GO) test -count=1 -timeout 4h -run 'TestLeaseSchedules$$' ./fence/lease -lease.from=100000 -lease.seeds=$(LEASE_SOAK_SEEDS)
+
+# The volume manager simulation (agent/volume/sim_test.go) over many more
+# seeds than the unit tier's, failing on its convergence invariant (I5) too.
+VOLSIM_SOAK_SEEDS ?= 40000
+## VOLSIM_SOAK_SEEDS (40000) volume manager sequences, I5 included
+soak-volsim:
+	$(GO) test -count=1 -timeout 4h -run 'TestVolumeSimulation$$' ./agent/volume -volsim.from=100000 -volsim.seeds=$(VOLSIM_SOAK_SEEDS) -volsim.converge
 
 # E9 of test-e2e with its package upgrade under write load repeated on the
 # same staged lease volume: each round must resume the lease, fence nothing
