@@ -149,19 +149,7 @@ func (m *Manager) markMissing(c *Claim, why error) {
 // stays listed as not taken back, and the check tries again. It reports
 // whether the claim was resolved.
 func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) bool {
-	if err := m.unmountIfMounted(c.StagingPath); err != nil {
-		log.Error("unmounting an interrupted stage", "err", err)
-	}
-	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
-		if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
-			log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
-		} else {
-			c.Mapper = ""
-		}
-	}
-	if err := m.unmapAll(c); err != nil {
-		log.Error("detaching the data mapping of an interrupted stage", "err", err)
-	}
+	m.takeDownInterrupted(ctx, c, log)
 	held := false
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil)
 	if err != nil && c.Method != "" && c.Method != fence.MethodNone {
@@ -210,6 +198,25 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 		log.Info("found a stage cut short; its retry will finish it")
 	}
 	return true
+}
+
+// takeDownInterrupted unmounts, closes and detaches what a stage or
+// unstage cut short left of the volume; what fails is logged, and the
+// release guard then finds it in use.
+func (m *Manager) takeDownInterrupted(ctx context.Context, c *Claim, log *slog.Logger) {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		log.Error("unmounting an interrupted stage", "err", err)
+	}
+	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
+		if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+			log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
+		} else {
+			c.Mapper = ""
+		}
+	}
+	if err := m.unmapAll(c); err != nil {
+		log.Error("detaching the data mapping of an interrupted stage", "err", err)
+	}
 }
 
 // unresolvedInterrupted leaves a stage cut short as it is recorded for the

@@ -102,18 +102,15 @@ var faultNames = []string{"", "error", "lost answer", "hang", "crash before", "c
 
 // simDiskState is one modelled disk.
 type simDiskState struct {
-	serial        string
-	path          string
-	minor         uint32
-	present       bool
-	ro            bool
-	lease         bool   // fenced with the lease (else reservations)
-	leaseArea     bool   // the lease area is written
-	holder        string // "", "us", "other"
-	renewer       *simFencer
-	formattedFS   int // filesystems made on it
-	usedFS        string
-	everUsedByPod bool
+	serial    string
+	path      string
+	minor     uint32
+	present   bool
+	ro        bool
+	lease     bool   // fenced with the lease (else reservations)
+	leaseArea bool   // the lease area is written
+	holder    string // "", "us", "other"
+	renewer   *simFencer
 	// removed: the disk left the node once; a fence held when it left
 	// stays held on it (nothing can release it there), which a stage
 	// elsewhere takes over with the controller's grant.
@@ -380,6 +377,7 @@ func (h simHost) prove(name, dev, allow string) (p blank.Proof, err error) {
 func (h simHost) Prove(_ context.Context, dev string) (blank.Proof, error) {
 	return h.prove("blkid", dev, "")
 }
+
 // ProveFormatLeftovers: what mkfs.ext4 leaves when cut short carries no
 // signature, whatever UUID it was given (blank.ProveFormatLeftovers).
 func (h simHost) ProveFormatLeftovers(_ context.Context, dev, _, _ string) (blank.Proof, error) {
@@ -684,7 +682,7 @@ func (c simCrypt) Inspect(_ context.Context, dev string) (ct Content, err error)
 }
 
 func (c simCrypt) Format(_ context.Context, p blank.Proof, _ []byte, _ luks2.TransitToken) error {
-	return c.w.call(c.gen, "luks format", simHost{w: c.w, gen: c.gen}.format(p, "LUKS2 format", "luks"))
+	return c.w.call(c.gen, "luks format", simHost(c).format(p, "LUKS2 format", "luks"))
 }
 
 func (c simCrypt) Open(_ context.Context, dev, name string, _ []byte, _ bool) (mp Mapped, err error) {
