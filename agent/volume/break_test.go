@@ -9,16 +9,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"testing/synctest"
-	"time"
 
-	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
@@ -207,67 +204,7 @@ func (s simResumeFails) Choose(ctx context.Context, dev *Device, v string, onLos
 // startBooted starts an agent process as r.start does, in the boot named
 // boot, with the fencer factory fencers gives (nil: the simulation's).
 func (r *simRun) startBooted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory) {
-	w := r.w
-	w.mu.Lock()
-	gen := w.gen
-	w.mu.Unlock()
-	var ff FencerFactory = simFencers{w: w, gen: gen}
-	if fencers != nil {
-		ff = fencers(simFencers{w: w, gen: gen})
-	}
-	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
-		StateDir: w.stateDir, Fencers: ff, Crypt: simCrypt{w: w, gen: gen}, Log: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		w.t.Fatalf("starting agent process %d: %v", gen, err)
-	}
-	r.m = m
-	// The node's effects as r.start gives them.
-	r.m.host = simHost{w: w, gen: gen}
-	m.bootID = func() (string, error) { return boot, nil }
-	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
-		err = w.call(gen, "locate", func() error {
-			dev, err = w.open(gen, loc)
-			return err
-		})
-		return dev, err
-	}
-	m.scanOpen = m.locate
-	// mapData and unmapData as r.start gives them, for this process.
-	m.mapData = func(disk string, _ int64, _ bool) (p string, err error) {
-		err = w.call(gen, "map data", func() error {
-			s, _, ok := w.region(disk)
-			if !ok {
-				return fmt.Errorf("%s: no such device", disk)
-			}
-			for l, ls := range w.loops {
-				if ls == s {
-					p = l
-					return nil
-				}
-			}
-			w.nLoop++
-			p = fmt.Sprintf("/dev/loop%d", w.nLoop)
-			w.loops[p] = s
-			return nil
-		})
-		return p, err
-	}
-	m.unmapData = func(p string) error {
-		if p == "" {
-			return nil
-		}
-		return w.call(gen, "unmap data", func() error {
-			for t, d := range w.mounts {
-				if d == p {
-					return fmt.Errorf("detaching %s: device busy (mounted at %s)", p, t)
-				}
-			}
-			delete(w.loops, p)
-			return nil
-		})
-	}
-	m.ExpectRecordedLeases()
-	m.Reconcile(ctx)
+	r.startWith(ctx, boot, fencers)
 }
 
 // reboot kills the agent process and reboots the node: its mounts and

@@ -769,7 +769,11 @@ func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 
 // start starts an agent process on the node: its manager over the
 // records as they are, the start-up check.
-func (r *simRun) start(ctx context.Context) {
+func (r *simRun) start(ctx context.Context) { r.startWith(ctx, "sim-boot", nil) }
+
+// startWith starts an agent process in the boot named boot, with the
+// fencer factory fencers makes of the simulation's (nil: that one).
+func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFencers) FencerFactory) {
 	w := r.w
 	w.mu.Lock()
 	gen := w.gen
@@ -779,13 +783,17 @@ func (r *simRun) start(ctx context.Context) {
 		// A replay shows the manager's own log beside the trace.
 		log = slog.New(slog.NewTextHandler(os.Stderr, nil)).With("agent", gen)
 	}
+	var ff FencerFactory = simFencers{w: w, gen: gen}
+	if fencers != nil {
+		ff = fencers(simFencers{w: w, gen: gen})
+	}
 	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
-		StateDir: w.stateDir, Fencers: simFencers{w: w, gen: gen}, Crypt: simCrypt{w: w, gen: gen}, Log: log})
+		StateDir: w.stateDir, Fencers: ff, Crypt: simCrypt{w: w, gen: gen}, Log: log})
 	if err != nil {
 		w.t.Fatalf("seed %d: starting agent process %d: %v", r.seed, gen, err)
 	}
 	m.host = simHost{w: w, gen: gen}
-	m.bootID = func() (string, error) { return "sim-boot", nil }
+	m.bootID = func() (string, error) { return boot, nil }
 	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
 		err = w.call(gen, "locate", func() error {
 			dev, err = w.open(gen, loc)
