@@ -172,6 +172,13 @@ func (d *Driver) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest) (*c
 		AccessibleTopology: &csi.Topology{Segments: map[string]string{TopologyKey: loc}}}, nil
 }
 
+// pathMax and nameMax are Linux's PATH_MAX (with its NUL) and NAME_MAX:
+// a longer path or name can name nothing, and is refused as such.
+const (
+	pathMax = 4096
+	nameMax = 255
+)
+
 // underRoot checks, by its text alone, that p is an absolute path strictly
 // inside the kubelet root, with no ".." and no NUL byte, and returns it
 // cleaned. It reads nothing on disk: the node plugin's container has no
@@ -189,9 +196,15 @@ func (d *Driver) underRoot(what, p string) (string, error) {
 	if !filepath.IsAbs(p) {
 		return "", failf(ErrInvalid, "%s %q is not an absolute path", what, p)
 	}
+	if len(p) >= pathMax {
+		return "", failf(ErrInvalid, "%s %s is %d bytes long; a path holds fewer than %d", what, shortQuote(p), len(p), pathMax)
+	}
 	for _, part := range strings.Split(p, "/") {
 		if part == ".." {
 			return "", failf(ErrInvalid, "%s %q contains '..'", what, p)
+		}
+		if len(part) > nameMax {
+			return "", failf(ErrInvalid, "%s %s has a name of %d bytes; a name holds at most %d", what, shortQuote(p), len(part), nameMax)
 		}
 	}
 	root := filepath.Clean(d.cfg.KubeletRoot)
