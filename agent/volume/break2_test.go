@@ -7,12 +7,16 @@ package volume
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sync"
 	"testing"
 	"testing/synctest"
+	"time"
 
+	"github.com/whitesky-cloud/vco-storage/agent/config"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
 
@@ -163,5 +167,119 @@ func TestBreak2BootIDNotRecordedHidesUnresumedLease(t *testing.T) {
 		if r.m.mayBeWriting() == false {
 			r.logBreak("the agent process %d of boot-2 takes itself for the first since the boot", r.w.gen)
 		}
+	})
+}
+
+// busyUnmountHost answers EBUSY to every unmount of the paths in busy
+// (something of the node holds the filesystem open).
+type busyUnmountHost struct {
+	simHost
+	busy map[string]bool
+}
+
+func (h busyUnmountHost) Unmount(target string) error {
+	if h.busy[target] {
+		return h.do("umount", func() error { return fmt.Errorf("umount %s: target is busy", target) })
+	}
+	return h.simHost.Unmount(target)
+}
+
+// crashAfterMountHost kills the agent process right after a mount at
+// target took effect: a stage cut short between its mount and its record.
+type crashAfterMountHost struct {
+	*hookHost
+	target string
+}
+
+func (h crashAfterMountHost) Mount(source, target, fstype string, opts []string) error {
+	if err := h.hookHost.Mount(source, target, fstype, opts); err != nil || target != h.target {
+		return err
+	}
+	h.w.mu.Lock()
+	h.w.logf("    mount: crash after")
+	h.w.crash()
+	h.w.mu.Unlock()
+	return errSimDead
+}
+
+// noFencingNow is a fencer factory whose disks offer no fencing the agent
+// has any more (a PR disk whose target now reports no persistent
+// reservations, whose byte 0 holds the filesystem, not a lease area):
+// Choose answers no fencer, with its reason, and no error.
+type noFencingNow struct{ simFencers }
+
+func (s noFencingNow) Choose(_ context.Context, _ *Device, _ string, _ func(*fence.LostError) bool) (Choice, error) {
+	return Choice{Method: fence.MethodNone, Reason: "no persistent reservations (the target reports none), and no lease: the disk holds ext4, not a lease area"}, nil
+}
+
+// startHosted starts an agent process as startWith does, with the host
+// wrap makes of the simulation's, so that the start-up check itself runs
+// over it.
+func (r *simRun) startHosted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory, wrap func(simHost) host) {
+	w := r.w
+	w.mu.Lock()
+	gen := w.gen
+	w.mu.Unlock()
+	var ff FencerFactory = simFencers{w: w, gen: gen}
+	if fencers != nil {
+		ff = fencers(simFencers{w: w, gen: gen})
+	}
+	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
+		StateDir: w.stateDir, Fencers: ff, Crypt: simCrypt{w: w, gen: gen}, Log: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		w.t.Fatalf("starting agent process %d: %v", gen, err)
+	}
+	m.host = wrap(simHost{w: w, gen: gen})
+	m.bootID = func() (string, error) { return boot, nil }
+	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
+		err = w.call(gen, "locate", func() error {
+			dev, err = w.open(gen, loc)
+			return err
+		})
+		return dev, err
+	}
+	m.scanOpen = m.locate
+	m.mapData = func(string, int64, bool) (string, error) { return "", fmt.Errorf("map data: %w", errSimFault) }
+	m.unmapData = func(p string) error {
+		if p == "" {
+			return nil
+		}
+		return w.call(gen, "unmap data", func() error { delete(w.loops, p); return nil })
+	}
+	r.m = m
+	m.ExpectRecordedLeases()
+	m.Reconcile(ctx)
+}
+
+// A stage cut short between its mount and its record (the agent process
+// dies), and a restart whose start-up check cannot unmount the staging
+// path (EBUSY) and finds that the disk offers no fencing the agent has
+// now. reconcileInterrupted releases nothing then (right: there is no
+// fencer to release with), but it records the claim interrupted with
+// nothing held, as if the take-down had succeeded, while the filesystem
+// stays mounted at the staging path: the record says less than the node
+// (I3), the claim checks skip it for good (CheckAll retakes a cut-short
+// claim only when it is unresolved or missing), and every retried stage
+// answers UNAVAILABLE "the claim check takes it back", which never
+// comes. reconcileFence, for the same choice of a staged claim, records
+// the claim lost and stops its I/O.
+func TestBreak2CutShortStageWithNoFencingNowRecordedInterruptedWhileMounted(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
+		ctx := context.Background()
+		r.m.host = crashAfterMountHost{hookHost: h, target: a.staging}
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s (the agent dies right after the mount): %s", a.id, errText(err))
+		old := r.m
+		r.startHosted(ctx, "sim-boot", func(s simFencers) FencerFactory { return noFencingNow{s} },
+			func(h simHost) host { return busyUnmountHost{simHost: h, busy: map[string]bool{a.staging: true}} })
+		old.Close()
+		r.logBreak("agent process %d started", r.w.gen)
+		r.check()
+		r.m.CheckAll(ctx)
+		r.check()
+		_, err = r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s retried: %s", a.id, errText(err))
+		r.check()
 	})
 }
