@@ -214,8 +214,9 @@ func (s noFencingNow) Choose(_ context.Context, _ *Device, _ string, _ func(*fen
 
 // startHosted starts an agent process as startWith does, with the host
 // wrap makes of the simulation's, so that the start-up check itself runs
-// over it.
-func (r *simRun) startHosted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory, wrap func(simHost) host) {
+// over it; tune, when set, changes the manager before that check. Its
+// data mappings are the ones the process finds (it maps none).
+func (r *simRun) startHosted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory, wrap func(simHost) host, tune func(*Manager)) {
 	w := r.w
 	w.mu.Lock()
 	gen := w.gen
@@ -246,6 +247,9 @@ func (r *simRun) startHosted(ctx context.Context, boot string, fencers func(simF
 		}
 		return w.call(gen, "unmap data", func() error { delete(w.loops, p); return nil })
 	}
+	if tune != nil {
+		tune(m)
+	}
 	r.m = m
 	m.ExpectRecordedLeases()
 	m.Reconcile(ctx)
@@ -272,7 +276,7 @@ func TestBreak2CutShortStageWithNoFencingNowRecordedInterruptedWhileMounted(t *t
 		r.logBreak("NodeStage %s (the agent dies right after the mount): %s", a.id, errText(err))
 		old := r.m
 		r.startHosted(ctx, "sim-boot", func(s simFencers) FencerFactory { return noFencingNow{s} },
-			func(h simHost) host { return busyUnmountHost{simHost: h, busy: map[string]bool{a.staging: true}} })
+			func(h simHost) host { return busyUnmountHost{simHost: h, busy: map[string]bool{a.staging: true}} }, nil)
 		old.Close()
 		r.logBreak("agent process %d started", r.w.gen)
 		r.check()
@@ -280,6 +284,70 @@ func TestBreak2CutShortStageWithNoFencingNowRecordedInterruptedWhileMounted(t *t
 		r.check()
 		_, err = r.m.Stage(ctx, r.stageReq(a))
 		r.logBreak("NodeStage %s retried: %s", a.id, errText(err))
+		r.check()
+	})
+}
+
+// chooseFails is a fencer factory whose Choose fails (the PR probe's
+// INQUIRY times out, the lease area's read fails).
+type chooseFails struct{ simFencers }
+
+func (s chooseFails) Choose(_ context.Context, dev *Device, _ string, _ func(*fence.LostError) bool) (Choice, error) {
+	return Choice{}, fmt.Errorf("probing %s for persistent reservations: %w", dev.Path, errSimFault)
+}
+
+// A lease stage cut short right after its data mapping was attached,
+// before the record named the fencing method (the stage records Method
+// and DataDevice together, after the map step; the acquire before it has
+// landed). At the restart the start-up check cannot detach that mapping
+// (its detach fails) and cannot choose the disk's fencing (a read that
+// fails). mayBeLease counts such a claim as a lease (Method ""), and
+// ExpectRecordedLeases lists it for the host watchdog; but
+// reconcileInterrupted goes on to the unresolved path only when the
+// record names a method: with none it records the claim interrupted with
+// nothing held and takes it off the list. The data mapping stays over the
+// disk, the lease this node took is renewed by nobody, and the host
+// watchdog is fed (P1, I1); no claim check looks at the claim again.
+func TestBreak2CutShortLeaseStageWithoutMethodUnlistedWhileMapped(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		mapData := r.m.mapData
+		r.m.mapData = func(disk string, off int64, ro bool) (string, error) {
+			if _, err := mapData(disk, off, ro); err != nil {
+				return "", err
+			}
+			r.w.mu.Lock()
+			r.w.logf("    map data: crash after")
+			r.w.crash()
+			r.w.mu.Unlock()
+			return "", errSimDead
+		}
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s (the agent dies right after the data mapping is attached): %s", a.id, errText(err))
+		st, err := OpenStore(r.w.stateDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, _ := st.Get(a.id)
+		r.logBreak("the record the next process finds: %s, method %q, data device %q", phaseOf(c), c.Method, c.DataDevice)
+		old := r.m
+		r.startHosted(ctx, "sim-boot", func(s simFencers) FencerFactory { return chooseFails{s} },
+			func(h simHost) host { return h },
+			func(m *Manager) {
+				m.unmapData = func(p string) error {
+					if p == "" {
+						return nil
+					}
+					return r.w.call(r.w.gen, "unmap data", func() error { return fmt.Errorf("detaching %s: %w", p, errSimFault) })
+				}
+			})
+		old.Close()
+		c, _ = r.m.store.Get(a.id)
+		r.logBreak("agent process %d started; the record: %s; host watchdog list: %v", r.w.gen, phaseOf(c), r.m.Leases())
+		r.check()
+		r.m.CheckAll(ctx)
+		r.logBreak("claim check; host watchdog list: %v", r.m.Leases())
 		r.check()
 	})
 }
