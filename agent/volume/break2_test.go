@@ -164,7 +164,7 @@ func TestBreak2BootIDNotRecordedHidesUnresumedLease(t *testing.T) {
 		r.startBooted(ctx, "boot-2", func(s simFencers) FencerFactory { return simResumeFails{s} })
 		old.Close()
 		r.check()
-		if r.m.mayBeWriting() == false {
+		if !r.m.mayBeWriting() {
 			r.logBreak("the agent process %d of boot-2 takes itself for the first since the boot", r.w.gen)
 		}
 	})
