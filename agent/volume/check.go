@@ -152,9 +152,22 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 	m.takeDownInterrupted(ctx, c, log)
 	held := false
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil)
-	if err != nil && c.Method != "" && c.Method != fence.MethodNone {
+	if err != nil && (mayBeLease(c) || c.Method != fence.MethodNone) {
 		log.Error("cannot choose the fencing of an interrupted stage to release it; the check tries again", "err", err)
 		return m.unresolvedInterrupted(c, dev)
+	}
+	if err == nil && ch.Fencer == nil && c.Method != fence.MethodNone {
+		// The disk offers no fencing now: nothing to release, but what
+		// is still in use stays watched, as a staged claim (reconcileFence
+		// then finds the fencing gone and stops its I/O).
+		if perr := m.host.InUse(usageOf(c, dev.Path)); perr != nil {
+			c.Phase, c.State, c.Detail = PhaseStaged, StateHeld, perr.Error()
+			if serr := m.store.Put(c); serr != nil {
+				log.Error("recording the interrupted stage still in use", "err", serr)
+			}
+			m.reconcileFence(ctx, c, dev, log)
+			return true
+		}
 	}
 	if err == nil && ch.Fencer != nil {
 		err := m.release(ctx, c, dev, ch.Fencer, "the start-up check of a stage or unstage cut short", nil)

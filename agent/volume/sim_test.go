@@ -144,7 +144,9 @@ type simWorld struct {
 	mounts  map[string]string // path -> device mounted (a target: the staging's device or the block device)
 	content map[string]string // region -> "" | "ext4:UUID" | "partial:UUID" | "luks"
 	proved  map[string]string // device -> region, at its last blank proof
-	fencers []*simFencer
+	// failNext fails the next n calls of a name (a directed test's fault).
+	failNext map[string]int
+	fencers  []*simFencer
 
 	stateDir string
 	kubelet  string
@@ -225,6 +227,10 @@ func (w *simWorld) call(gen int, name string, effect func() error) error {
 		return errSimDead
 	}
 	f := w.draw(name)
+	if w.failNext[name] > 0 {
+		w.failNext[name]--
+		f = faultErr
+	}
 	if f != faultNone {
 		w.logf("    %s: %s", name, faultNames[f])
 	}
@@ -735,7 +741,7 @@ type simRun struct {
 func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x766f6c73696d))
 	w := &simWorld{t: t, rng: rng, disks: map[string]*simDiskState{}, loops: map[string]string{}, crypts: map[string]string{},
-		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{},
+		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{}, failNext: map[string]int{},
 		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet"), faultP: 0.04 + 0.16*rng.Float64()}
 	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
 		t.Fatal(err)

@@ -145,7 +145,10 @@ func (m *Manager) firstStartSinceBoot() bool {
 	path := filepath.Join(m.o.StateDir, bootIDFile)
 	prev, perr := os.ReadFile(path)
 	if err := writeSmallFile(path, []byte(cur+"\n")); err != nil {
-		m.log.Warn("cannot record the kernel's boot id", "path", path, "err", err)
+		// Unrecorded, a later process of this boot would take itself for
+		// the first too and list nothing: the careful answer, now and then.
+		m.log.Warn("cannot record the kernel's boot id; leases recorded by an earlier process are waited for as after a restart", "path", path, "err", err)
+		return false
 	}
 	if perr != nil || strings.TrimSpace(string(prev)) == cur {
 		return false

@@ -66,12 +66,25 @@ func (c credential) apiURL() (string, error) {
 	return root, nil
 }
 
+// quotable is a URL as an error may quote it: its user information's
+// password, if any, replaced (url.URL.Redacted); a value that does not
+// parse is quoted only up to its first "@".
+func quotable(raw string) string {
+	if u, err := url.Parse(raw); err == nil {
+		return u.Redacted()
+	}
+	if i := strings.Index(raw, "@"); i >= 0 {
+		return raw[:i] + "@..."
+	}
+	return raw
+}
+
 // portalAPIURL turns the portal's base URL (scheme://host[:port], a
 // trailing slash tolerated) into the API root. Plain http is refused but
 // to a loopback address or when insecure (--insecure-allow-http) is set.
 func portalAPIURL(raw string, insecure bool) (string, error) {
 	bad := func(why string) error {
-		return fmt.Errorf("%s key url (--portal-url) %q %s; want the portal's scheme and host, e.g. https://try.whitesky.cloud", credentialSecret, raw, why)
+		return fmt.Errorf("%s key url (--portal-url) %q %s; want the portal's scheme and host, e.g. https://try.whitesky.cloud", credentialSecret, quotable(raw), why)
 	}
 	if raw == "" {
 		return "", fmt.Errorf("%s key url (--portal-url) is empty; set it to the portal's scheme and host, e.g. https://try.whitesky.cloud", credentialSecret)
@@ -338,6 +351,7 @@ func (ks keySetting) check(v, from string, given []string) (string, error) {
 // (--insecure-allow-http) is set.
 func checkKeyBackendAddress(addr string, insecure bool) error {
 	u, err := url.Parse(addr)
+	addr = quotable(addr)
 	switch {
 	case err != nil || (u.Scheme != "https" && u.Scheme != "http") || u.Hostname() == "":
 		return fmt.Errorf("%s key address %q is not an http(s) URL with a host, e.g. https://openbao.example.net:8200", keyBackendConfig, addr)

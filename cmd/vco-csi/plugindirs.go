@@ -117,7 +117,9 @@ func ownEntries(d *os.File, uid, gid int, out io.Writer) (int, error) {
 			return n, fmt.Errorf("%s/%s: %w", d.Name(), name, err)
 		}
 		switch t := st.Mode & unix.S_IFMT; {
-		case t == unix.S_IFSOCK || (t == unix.S_IFREG && st.Nlink == 1):
+		case (t == unix.S_IFSOCK || t == unix.S_IFREG) && st.Nlink == 1:
+			// A second link would make the chown reach a file or socket
+			// outside the directory (the kubelet's own sockets).
 			if err := unix.Fchownat(fd, name, uid, gid, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 				return n, fmt.Errorf("giving %s/%s to %d:%d: %w (the init container needs CAP_CHOWN)", d.Name(), name, uid, gid, err)
 			}
@@ -137,6 +139,8 @@ func notOwned(st unix.Stat_t) string {
 		return "a directory"
 	case unix.S_IFREG:
 		return fmt.Sprintf("a file of %d links", st.Nlink)
+	case unix.S_IFSOCK:
+		return fmt.Sprintf("a socket of %d links", st.Nlink)
 	}
 	return fmt.Sprintf("not a socket or a file (mode %#o)", st.Mode)
 }

@@ -19,7 +19,9 @@ const Option = "--insecure-allow-http"
 // Loopback reports whether host, a URL's Hostname(), is a loopback
 // address (127.0.0.0/8, ::1) or "localhost".
 func Loopback(host string) bool {
-	if strings.EqualFold(strings.TrimSuffix(host, "."), "localhost") {
+	if host == "localhost" {
+		// Only this spelling: it is the one name Go's HTTP proxy rule
+		// (and the resolver's) keeps off any proxy.
 		return true
 	}
 	a, err := netip.ParseAddr(host)

@@ -60,6 +60,7 @@ func known(s, sec string) string {
 		return s
 	}
 	s = strings.ReplaceAll(s, sec, Mark)
+	s = wrapped(s, sec)
 	// The start before the parts: once a part is replaced, the rest of a
 	// start that ends s is no longer recognisable as one.
 	for n := min(len(sec)-1, len(s)); n >= minStart; n-- {
@@ -74,6 +75,26 @@ func known(s, sec string) string {
 		}
 	}
 	return s
+}
+
+// wrapped replaces sec where white space (a line wrapped by a proxy's
+// page) splits it.
+func wrapped(s, sec string) string {
+	if !strings.ContainsAny(s, " \t\r\n") {
+		return s
+	}
+	var b strings.Builder
+	for i, r := range sec {
+		if i > 0 {
+			b.WriteString(`\s*`)
+		}
+		b.WriteString(regexp.QuoteMeta(string(r)))
+	}
+	re, err := regexp.Compile(b.String())
+	if err != nil {
+		return s
+	}
+	return re.ReplaceAllLiteralString(s, Mark)
 }
 
 // Echo is what of an HTTP answer's body may go into an error: trimmed,
