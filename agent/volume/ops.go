@@ -17,6 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
 
 // StageRequest is StageVolume's input.
@@ -281,7 +282,14 @@ func detailOf(c *Claim) string {
 func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 	l := m.getLive(c.Volume)
 	if err := l.dev.Verify(ctx); err != nil {
-		return false, agenterr.New(agenterr.Unavailable, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again, retry the stage", c.Volume, c.Device, err)
+		// A node that is not the disk's (or is two disks') is a state to
+		// fix, said as the first stage's lookup says it; anything else
+		// may pass.
+		kind := agenterr.Unavailable
+		if errors.Is(err, discovery.ErrIdentity) {
+			kind = agenterr.FailedPrecondition
+		}
+		return false, agenterr.New(kind, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again, retry the stage", c.Volume, c.Device, err)
 	}
 	if l.fencer != nil {
 		if err := l.fencer.Check(ctx); err != nil {
