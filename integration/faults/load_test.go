@@ -182,14 +182,14 @@ func reconcileOfManyClaims(t *testing.T, ctx context.Context, g *lab.Guest, base
 	reconcile := startLoadAgent(t, ctx, g)
 	figure(t, "load_agent_start_64_claims_ms", reconcile.Milliseconds())
 	figure(t, "load_reconcile_per_claim_ms", fmt.Sprintf("%.1f", float64(reconcile.Milliseconds()-base.Milliseconds())/loadDisks))
-	if held := metric(t, ctx, g, `vco_agent_claims{state="held"}`); held != loadDisks {
-		t.Fatalf("after the restart the agent reports %v held claims, want %d", held, loadDisks)
-	}
 	// Each claim's fence was checked on its disk at start (not only its
 	// record kept), and none was cleaned up, marked missing or lost.
 	restartLog, err := g.MustSh(ctx, "tail -n +$(( "+logged+" + 1 )) /run/agent.log")
 	if err != nil {
 		t.Fatal(err)
+	}
+	if held := metric(t, ctx, g, `vco_agent_claims{state="held"}`); held != loadDisks {
+		t.Fatalf("after the restart the agent reports %v held claims, want %d; its log:\n%s", held, loadDisks, lastLines(restartLog, 30))
 	}
 	if n := strings.Count(restartLog, `msg="claim re-verified at start"`); n != loadDisks {
 		t.Fatalf("%d claims re-verified at start, want %d:\n%s", n, loadDisks, lastLines(restartLog, 30))
