@@ -75,8 +75,8 @@ test: deps build k8s-prefetch lint unit test-bench-brief test-csi-sanity test-de
       test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
 
 # internal/cyclo holds every function, tests too, to a cyclomatic complexity
-# of 20 at most, counted as gocyclo counts (issue 19; the functions still
-# over it are listed in the test).
+# of 20 at most, counted as gocyclo counts (a function over it is cut into
+# named steps; the ones still over it are listed in the test).
 ## go vet, staticcheck and the complexity bar
 lint: deps-go
 	$(GO) vet ./...

@@ -1353,7 +1353,7 @@ func checkAPICredentialsProjected(t *testing.T, w workload, p corev1.Container) 
 // The node plugin must run only where vco-agent runs: it tolerates every
 // taint (disks attach to tainted nodes too), so without a node selector on
 // the agent's label it lands on nodes with no agent and waits there forever
-// on a hostPath (issue 20, trap 3). The label must be the one install.md
+// on a hostPath. The label must be the one install.md
 // tells the node image to set, and the controller must not need it.
 func TestNodePluginOnlyWhereTheAgentRuns(t *testing.T) {
 	forEachRendering(t, func(t *testing.T, a *addon) {

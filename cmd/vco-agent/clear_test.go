@@ -15,7 +15,7 @@ import (
 // loop device: refused without --yes, while another node holds the lease,
 // and while the agent's claim records say the disk is staged here; then it
 // zeroes the lease area and leaves the volume's data at the data offset
-// untouched (issue 20, path 8: uninstalling).
+// untouched (docs/uninstall.md).
 func TestLeaseClear(t *testing.T) {
 	dev := leaseLoop(t, nil)
 	if code, out, errs := runLeaseCLI(t, nil, "format", dev, "--uuid", cliUUIDA); code != 0 {

@@ -162,7 +162,7 @@ func targetRefusesWrite(t *testing.T, ctx context.Context, g *lab.Guest, dev str
 
 // TestTargetRestart restarts the iSCSI target while node-a's agent holds
 // a disk that node-b also sees. The restart wipes every registration and
-// reservation. The contract (issue 9): the holder re-establishes its claim
+// reservation. The contract (docs/fencing.md): the holder re-establishes its claim
 // only if no other key appeared, otherwise it fences itself; the other
 // node never gains access without a grant.
 //

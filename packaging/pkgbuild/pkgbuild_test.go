@@ -222,8 +222,7 @@ func TestBuild(t *testing.T) {
 
 // checkRelativePayload: the RPM's payload names its members ./usr/...,
 // as rpmbuild does, so that `rpm2cpio x.rpm | cpio -idm` unpacks into the
-// current directory and never over this machine's root (issue 16, item
-// 12); its digests still verify, and what it unpacks is what rpm lists.
+// current directory and never over this machine's root; its digests still verify, and what it unpacks is what rpm lists.
 func checkRelativePayload(t *testing.T, rpm string, rpmList []string) {
 	t.Helper()
 	names := strings.Fields(string(run(t, "sh", "-c", "rpm2cpio "+rpm+" | cpio -t --quiet")))
@@ -299,8 +298,7 @@ func listTar(t *testing.T, tarball []byte) []string {
 
 // On RHEL-family images the RPM's %post enables the units per the
 // systemd presets, whose default is "disable *": the package must ship a
-// preset that enables both units, as the .deb enables them (issue 20,
-// trap 4). The units are unpacked from a built RPM into a root, and
+// preset that enables both units, as the .deb enables them. The units are unpacked from a built RPM into a root, and
 // systemctl applies the presets there as %post does.
 func TestRPMPresetEnablesTheUnits(t *testing.T) {
 	root := repoRoot(t)

@@ -31,7 +31,7 @@ func writeFile(t *testing.T, p, content string) {
 
 // Removing or purging the package while a volume is staged on the node
 // would leave its mount and fence with no agent, and purge deleted the
-// claim records the next agent needs (issue 20, trap 2). The removal is
+// claim records the next agent needs. The removal is
 // refused unless forced, and a purge keeps the claim records.
 func TestDebRemovalKeepsStagedVolumes(t *testing.T) {
 	root := t.TempDir()
