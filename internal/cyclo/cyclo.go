@@ -1,5 +1,5 @@
 // Package cyclo counts the cyclomatic complexity of Go functions the way
-// gocyclo does, so that a test can hold the repository to issue 19's bar
+// gocyclo does, so that a test can hold the repository to a complexity bar
 // (no product function over 20) without a tool outside the module.
 //
 // A function's complexity is 1, plus 1 for each if, for and range

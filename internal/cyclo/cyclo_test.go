@@ -8,7 +8,7 @@ import (
 	"testing"
 )
 
-// Over is issue 19's bar: no product function is more complex than this.
+// Over is the complexity bar: no product function is more complex than this.
 const Over = 20
 
 // exempt are the product functions allowed over the bar, each with why. The
@@ -69,7 +69,7 @@ func holdToTheBar(t *testing.T, funcs []Func, exempt map[string]string) {
 	}
 	sort.Strings(news)
 	for _, f := range news {
-		t.Errorf("%s: cyclomatic complexity over %d; cut it into named steps (issue 19) or, for a table-driven validator, make it a table", f, Over)
+		t.Errorf("%s: cyclomatic complexity over %d; cut it into named steps or, for a table-driven validator, make it a table", f, Over)
 	}
 	var stale []string
 	for k := range exempt {
