@@ -8,7 +8,7 @@ import (
 
 // The image of a release is tagged as its packages are versioned, so that
 // an operator upgrading the agent to 1.2.3-1 knows to deploy vco-csi:1.2.3
-// : a tag v1.2.3 gave image v1.2.3 and package 1.2.3.
+// (a tag v1.2.3 once gave image v1.2.3 and package 1.2.3).
 func TestImageTagIsThePackageVersion(t *testing.T) {
 	valid := regexp.MustCompile(`^[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}$`)
 	want := map[string]string{
