@@ -7,13 +7,10 @@ package volume
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
-	"github.com/whitesky-cloud/vco-storage/agent/config"
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
@@ -120,41 +117,20 @@ func (s noFencingNow) Choose(_ context.Context, _ *Device, _ string, _ func(*fen
 // data mappings are the ones the process finds (it maps none).
 func (r *simRun) startHosted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory, wrap func(simHost) host, tune func(*Manager)) {
 	w := r.w
-	w.mu.Lock()
-	gen := w.gen
-	w.mu.Unlock()
-	var ff FencerFactory = simFencers{w: w, gen: gen}
-	if fencers != nil {
-		ff = fencers(simFencers{w: w, gen: gen})
-	}
-	m, err := New(Options{Config: config.Volumes{KubeletRoot: w.kubelet, CheckInterval: 10 * time.Second, AttachWait: 2 * time.Second},
-		StateDir: w.stateDir, Fencers: ff, Crypt: simCrypt{w: w, gen: gen}, Log: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		w.t.Fatalf("starting agent process %d: %v", gen, err)
-	}
-	m.host = wrap(simHost{w: w, gen: gen})
-	m.bootID = func() (string, error) { return boot, nil }
-	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
-		err = w.call(gen, "locate", func() error {
-			dev, err = w.open(gen, loc)
-			return err
-		})
-		return dev, err
-	}
-	m.scanOpen = m.locate
-	m.mapData = func(string, int64, bool) (string, error) { return "", fmt.Errorf("map data: %w", errSimFault) }
-	m.unmapData = func(p string) error {
-		if p == "" {
-			return nil
+	r.startWith(ctx, boot, fencers, func(m *Manager) {
+		gen := m.host.(simHost).gen
+		m.host = wrap(m.host.(simHost))
+		m.mapData = func(string, int64, bool) (string, error) { return "", fmt.Errorf("map data: %w", errSimFault) }
+		m.unmapData = func(p string) error {
+			if p == "" {
+				return nil
+			}
+			return w.call(gen, "unmap data", func() error { delete(w.loops, p); return nil })
 		}
-		return w.call(gen, "unmap data", func() error { delete(w.loops, p); return nil })
-	}
-	if tune != nil {
-		tune(m)
-	}
-	r.m = m
-	m.ExpectRecordedLeases()
-	m.Reconcile(ctx)
+		if tune != nil {
+			tune(m)
+		}
+	})
 }
 
 // A stage cut short between its mount and its record (the agent process

@@ -204,7 +204,7 @@ func (s simResumeFails) Choose(ctx context.Context, dev *Device, v string, onLos
 // startBooted starts an agent process as r.start does, in the boot named
 // boot, with the fencer factory fencers gives (nil: the simulation's).
 func (r *simRun) startBooted(ctx context.Context, boot string, fencers func(simFencers) FencerFactory) {
-	r.startWith(ctx, boot, fencers)
+	r.startWith(ctx, boot, fencers, nil)
 }
 
 // reboot kills the agent process and reboots the node: its mounts and

@@ -775,11 +775,12 @@ func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 
 // start starts an agent process on the node: its manager over the
 // records as they are, the start-up check.
-func (r *simRun) start(ctx context.Context) { r.startWith(ctx, "sim-boot", nil) }
+func (r *simRun) start(ctx context.Context) { r.startWith(ctx, "sim-boot", nil, nil) }
 
 // startWith starts an agent process in the boot named boot, with the
-// fencer factory fencers makes of the simulation's (nil: that one).
-func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFencers) FencerFactory) {
+// fencer factory fencers makes of the simulation's (nil: that one); tune,
+// when set, changes the manager before its start-up check.
+func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFencers) FencerFactory, tune func(*Manager)) {
 	w := r.w
 	w.mu.Lock()
 	gen := w.gen
@@ -845,6 +846,9 @@ func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFen
 			delete(w.loops, p)
 			return nil
 		})
+	}
+	if tune != nil {
+		tune(m)
 	}
 	r.m = m
 	m.ExpectRecordedLeases()
