@@ -71,6 +71,11 @@ func startUpOrder(claims []*Claim) {
 func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	log := m.log.With("volume", c.Volume, "device", c.Device)
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
+	if err != nil && ctx.Err() != nil {
+		// Cut short by the agent's stop: nothing is concluded of the
+		// disk; the next process checks the claim again.
+		return
+	}
 	if err != nil && agenterr.KindOf(err) != agenterr.NotFound && mayBeLease(c) && m.mayBeWriting() {
 		// Its disk cannot be told from another (a scan that failed, a
 		// serial that does not match), and a mount of the earlier
@@ -97,9 +102,11 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		return
 	}
 	if c.Missing {
+		// Found and verified: recorded at once, or the claim would be
+		// reported missing until a periodic check found it again.
 		c.Missing, c.Detail = false, ""
-		if c.Phase != PhaseStaged {
-			_ = m.store.Put(c)
+		if err := m.store.Put(c); err != nil {
+			log.Error("recording that the claimed disk is back", "err", err)
 		}
 	}
 	if c.DevNum != dev.DevNum() || c.Device != dev.Path {
@@ -221,7 +228,7 @@ func (m *Manager) takeDownInterrupted(ctx context.Context, c *Claim, log *slog.L
 		log.Error("unmounting an interrupted stage", "err", err)
 	}
 	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
-		if err := m.o.Crypt.Close(ctx, mapperName(c.Volume)); err != nil {
+		if err := m.o.Crypt.Close(ctx, mapperOf(c)); err != nil {
 			log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
 		} else {
 			c.Mapper = ""
@@ -314,7 +321,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 		}
 	}
 	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
-		if err := m.o.Crypt.Close(context.Background(), mapperName(c.Volume)); err != nil {
+		if err := m.o.Crypt.Close(context.Background(), mapperOf(c)); err != nil {
 			failed = append(failed, fmt.Errorf("closing the dm-crypt mapping: %w", err))
 		}
 	}
@@ -382,6 +389,11 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	// Scanned only if a claim has no open device to verify.
 	disks := m.newScan()
 	for _, c := range claims {
+		if ctx.Err() != nil {
+			// The agent is stopping: the claims not reached yet are
+			// checked by the next process.
+			break
+		}
 		retake := c.Phase != PhaseStaged && (m.unresolved(c.Volume) || c.Missing)
 		if !retake && (c.Phase != PhaseStaged || (c.State == StateLost && !c.IONotStopped)) {
 			continue
@@ -429,6 +441,11 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 		return
 	}
 	if err := l.dev.Verify(ctx); err != nil {
+		if ctx.Err() != nil {
+			// A SCSI identity read cut short by the agent's stop says
+			// nothing of the disk: not marked missing.
+			return
+		}
 		if m.cameBack(ctx, c, l, disks) {
 			return
 		}

@@ -66,7 +66,9 @@ func stopLoadAgent(t *testing.T, ctx context.Context, g *lab.Guest) {
 	t.Helper()
 	if _, err := g.MustSh(ctx, `p=$(cat /run/agent.pid); kill -TERM $p
 for i in $(seq 300); do kill -0 $p 2>/dev/null || exit 0; sleep 0.1; done
-echo "the agent did not stop" >&2; exit 1`); err != nil {
+kill -QUIT $p; sleep 2
+echo "the agent did not stop within 30 s of SIGTERM; its log, ending with its goroutines (SIGQUIT):" >&2
+tail -n 400 /run/agent.log >&2; exit 1`); err != nil {
 		t.Fatal(err)
 	}
 }
