@@ -9,10 +9,106 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
+	"testing/synctest"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/blank"
 )
+
+// flushFailHost fails the release guard's flush of a disk while failFlush
+// is above zero (an I/O error of the disk's cache flush).
+type flushFailHost struct {
+	*hookHost
+	mu        sync.Mutex
+	failFlush int
+}
+
+func (h *flushFailHost) Flush(dev *Device) error {
+	h.mu.Lock()
+	fail := h.failFlush > 0
+	if fail {
+		h.failFlush--
+	}
+	h.mu.Unlock()
+	if fail {
+		return fmt.Errorf("flushing %s: %w", dev.Path, errSimFault)
+	}
+	return h.hookHost.Flush(dev)
+}
+
+// Two encrypted volumes whose ids once escaped to the same dm-crypt
+// mapping name ("pvc/x" and "pvc_2fx", when "/" became "_2f" and "_" was
+// kept). Everything that closes a volume's mapping closes it by name, so
+// a shared name let Y's unstage close the mapping X's first stage had
+// just proven blank and was about to format, Y's stage open its own LUKS2
+// volume (holding Y's filesystem) under that name, and X's mkfs, on the
+// proof made a moment before, format Y's data. Nothing is formatted
+// without a blank proof for that device (I2); each volume keeps its own
+// mapping, and both stages complete.
+func TestBreak2VolumesWhoseIdsEscapeAlikeKeepTheirOwnMappings(t *testing.T) {
+	x := &simVolume{id: "pvc/x", serial: "sim0", encrypted: true}
+	y := &simVolume{id: "pvc_2fx", serial: "sim1", encrypted: true}
+	runBreak(t, false, []*simVolume{x, y}, func(r *simRun, h *hookHost) {
+		ctx := context.Background()
+		fh := &flushFailHost{hookHost: h}
+		r.m.host = fh
+		// Y is staged (its LUKS2 header and filesystem made on sim1), then
+		// an unstage of it stops at the release guard's flush, after it
+		// closed its mapping: the claim stays staged for the retry.
+		if _, err := r.m.Stage(ctx, r.stageReq(y)); err != nil {
+			t.Fatalf("stage %s: %v", y.id, err)
+		}
+		fh.mu.Lock()
+		fh.failFlush = 1
+		fh.mu.Unlock()
+		err := r.m.Unstage(ctx, y.id, y.staging)
+		r.logBreak("NodeUnstage %s (the flush before the release fails): %s", y.id, errText(err))
+
+		// X's first stage of the blank disk sim0: LUKS2 made and opened as
+		// vco-pvc_2fx, its plaintext proven blank; it stops right before
+		// its mkfs.
+		atMkfs, goMkfs := make(chan struct{}), make(chan struct{})
+		yAtMount, goYMount := make(chan struct{}), make(chan struct{})
+		h.beforeMkfs = func(p blank.Proof) error {
+			if p.Device() == "/dev/mapper/"+mapperName(x.id) {
+				close(atMkfs)
+				<-goMkfs
+			}
+			return nil
+		}
+		h.beforeMount = func(_, target string) error {
+			if target == y.staging {
+				close(yAtMount)
+				<-goYMount
+			}
+			return nil
+		}
+		var wg sync.WaitGroup
+		var errX, errY error
+		wg.Go(func() { _, errX = r.m.Stage(ctx, r.stageReq(x)) })
+		<-atMkfs
+		// The kubelet retries Y's unstage: it closes "its" mapping by
+		// name, which is X's, and completes.
+		err = r.m.Unstage(ctx, y.id, y.staging)
+		r.logBreak("NodeUnstage %s again (while %s's stage is about to format): %s", y.id, x.id, errText(err))
+		// Y is staged again: its LUKS2 volume opened as vco-pvc_2fx; it
+		// stops right before its mount.
+		wg.Go(func() { _, errY = r.m.Stage(ctx, r.stageReq(y)) })
+		<-yAtMount
+		close(goMkfs)
+		// X's stage goes on: its mkfs runs on the proof made before.
+		synctest.Wait()
+		close(goYMount)
+		wg.Wait()
+		r.logBreak("NodeStage %s: %s", x.id, errText(errX))
+		r.logBreak("NodeStage %s: %s", y.id, errText(errY))
+		if errX != nil || errY != nil {
+			t.Errorf("stages of two volumes on their own disks: %s: %v; %s: %v", x.id, errX, y.id, errY)
+		}
+	})
+}
 
 // A failed write of the boot id makes every later agent process of the
 // same boot believe it is the first since the boot. firstStartSinceBoot

@@ -30,7 +30,7 @@ type usage struct {
 }
 
 func usageOf(c *Claim, disk string) usage {
-	return usage{Disk: disk, Mapper: mapperName(c.Volume),
+	return usage{Disk: disk, Mapper: mapperOf(c),
 		Paths: append([]string{c.StagingPath}, c.Publications...)}
 }
 

@@ -3,10 +3,8 @@ package volume
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
-	"strings"
 	"sync"
 	"time"
 
@@ -262,19 +260,3 @@ func (m *Manager) Close() {
 	wg.Wait()
 }
 
-func mapperName(volume string) string {
-	var b strings.Builder
-	b.WriteString("vco-")
-	for _, r := range volume {
-		if r < 128 && (r == '-' || r == '_' || r == '.' || (r >= '0' && r <= '9') || (r >= 'a' && r <= 'z') || (r >= 'A' && r <= 'Z')) {
-			b.WriteRune(r)
-		} else {
-			fmt.Fprintf(&b, "_%02x", r)
-		}
-	}
-	s := b.String()
-	if len(s) > 120 {
-		s = s[:120]
-	}
-	return s
-}
