@@ -259,4 +259,3 @@ func (m *Manager) Close() {
 	}
 	wg.Wait()
 }
-
