@@ -40,7 +40,7 @@ func (m *Manager) Reconcile(ctx context.Context) {
 	}
 	disks := m.newScan()
 	startUpOrder(claims)
-	slots := make(chan struct{}, reconcileWorkers)
+	slots := make(chan struct{}, max(m.workers, 1))
 	var wg sync.WaitGroup
 	for _, c := range claims {
 		release, err := m.locks.try(c.Volume, "start-up check")
@@ -228,7 +228,7 @@ func (m *Manager) takeDownInterrupted(ctx context.Context, c *Claim, log *slog.L
 		log.Error("unmounting an interrupted stage", "err", err)
 	}
 	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
-		if err := m.o.Crypt.Close(ctx, mapperOf(c)); err != nil {
+		if err := m.o.Crypt.Close(ctx, m.mapperToClose(c)); err != nil {
 			log.Error("closing the dm-crypt mapping of an interrupted stage", "err", err)
 		} else {
 			c.Mapper = ""
@@ -321,7 +321,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 		}
 	}
 	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
-		if err := m.o.Crypt.Close(context.Background(), mapperOf(c)); err != nil {
+		if err := m.o.Crypt.Close(context.Background(), m.mapperToClose(c)); err != nil {
 			failed = append(failed, fmt.Errorf("closing the dm-crypt mapping: %w", err))
 		}
 	}
@@ -446,7 +446,15 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 			// nothing of the disk: not marked missing.
 			return
 		}
-		if m.cameBack(ctx, c, l, disks) {
+		switch m.cameBack(ctx, c, l, disks) {
+		case diskMoved:
+			return
+		case diskStill:
+			// Found verified at its own device node by a fresh open:
+			// the read failed, the disk did not go (while the agent
+			// holds it open, its device number is not another disk's).
+			m.o.Metrics.checks.WithLabelValues("error").Inc()
+			m.log.Warn("the claimed disk's identity read failed, but the disk is still at its device node; retried at the next interval", "volume", c.Volume, "device", c.Device, "err", err)
 			return
 		}
 		m.o.Metrics.checks.WithLabelValues("missing").Inc()
@@ -477,21 +485,34 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 // cameBack takes back a claim whose disk is no longer at its device node
 // but is attached again at another (removed and added back): found by its
 // locator, it is re-verified as the start-up check does (reconcile), under
-// the fence the claim holds. It reports whether it was.
-func (m *Manager) cameBack(ctx context.Context, c *Claim, l *live, disks *diskScan) bool {
+// the fence the claim holds. It reports where it found the disk.
+func (m *Manager) cameBack(ctx context.Context, c *Claim, l *live, disks *diskScan) whereDisk {
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
 	if err != nil {
-		return false
+		return diskGone
 	}
 	moved := dev.DevNum() != l.dev.DevNum() || dev.Path != l.dev.Path
 	dev.Close()
 	if !moved {
-		return false
+		return diskStill
 	}
 	m.log.Info("a claimed disk is attached again at another device node; taking its claim back", "volume", c.Volume, "was", l.dev.Path)
 	m.reconcile(ctx, c, disks)
-	return true
+	return diskMoved
 }
+
+// whereDisk is what cameBack found of a claim's disk whose identity
+// check failed.
+type whereDisk int
+
+const (
+	// diskGone: not found.
+	diskGone whereDisk = iota
+	// diskStill: found at the device node the claim holds open.
+	diskStill
+	// diskMoved: found at another device node, and taken back there.
+	diskMoved
+)
 
 // Run checks every claim at the configured interval until ctx ends.
 func (m *Manager) Run(ctx context.Context) {

@@ -26,7 +26,7 @@ func (m *Manager) prepareLUKS(ctx context.Context, c *Claim, target string, r St
 	if c.Mapper != "" {
 		// A stage cut short after the mapping was made: close it, the
 		// open below makes it again.
-		if err := m.o.Crypt.Close(ctx, mapperOf(c)); err != nil {
+		if err := m.o.Crypt.Close(ctx, m.mapperToClose(c)); err != nil {
 			return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping left by an interrupted stage: %v", c.Volume, err)
 		}
 		c.Mapper = ""

@@ -92,6 +92,10 @@ type Manager struct {
 	unchecked map[string]bool
 	// bootID reads the kernel's boot id (tests give their own).
 	bootID func() (string, error)
+	// workers is how many claims the start-up check takes back side by
+	// side (reconcileWorkers; the simulation takes them one at a time,
+	// so that a seed replays the same schedule).
+	workers int
 	// afterBoot: this is the agent's first start since the host booted
 	// (ExpectRecordedLeases), so no mount of an earlier process is left.
 	afterBoot bool
@@ -143,8 +147,8 @@ func New(o Options) (*Manager, error) {
 		o: o, log: o.Log, store: st, exec: utilexec.New(),
 		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		live:   map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
-		attachPoll: attachPoll,
-		unmapData:  dropDataMapping,
+		workers: reconcileWorkers, attachPoll: attachPoll,
+		unmapData: dropDataMapping,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
 		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)

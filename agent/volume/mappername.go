@@ -40,10 +40,30 @@ func mapperName(volume string) string {
 
 // mapperOf is the name of the dm-crypt mapping c has open: the one its
 // record names (an earlier agent version named mappings otherwise), else
-// the name a stage of c opens it under.
+// the name a stage of c opens it under. The release guard's proof looks
+// for a mapping by this name.
 func mapperOf(c *Claim) string {
 	if name, ok := strings.CutPrefix(c.Mapper, "/dev/mapper/"); ok && name != "" && !strings.Contains(name, "/") {
 		return name
 	}
 	return mapperName(c.Volume)
+}
+
+// mapperToClose is the name under which c's mapping is closed or grown:
+// mapperOf, unless that is a name an earlier version recorded which is
+// now another claimed volume's own; then the volume's own name (the
+// earlier mapping, if still open, holds the disk, and the release guard
+// keeps the fence for it).
+func (m *Manager) mapperToClose(c *Claim) string {
+	name := mapperOf(c)
+	if name == mapperName(c.Volume) {
+		return name
+	}
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != c.Volume && mapperName(o.Volume) == name {
+			return mapperName(c.Volume)
+		}
+	}
+	return name
 }

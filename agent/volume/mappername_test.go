@@ -58,3 +58,24 @@ func TestMappingIsClosedByTheNameItsRecordHolds(t *testing.T) {
 		}
 	}
 }
+
+// A name an earlier version recorded for one volume that is now another
+// claimed volume's own is not closed for the first: the second's mapping
+// would go. The first's own name is closed instead (its earlier mapping,
+// if still open, holds its disk, and the release guard keeps the fence).
+func TestALegacyMappingNameThatIsAnotherVolumesIsNotClosed(t *testing.T) {
+	e := newEnv(t)
+	old := &Claim{Volume: "pvc_5fx", Mapper: "/dev/mapper/vco-pvc_5fx", Phase: PhaseStaged, State: StateHeld}
+	if err := e.m.Store().Put(old); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.m.mapperToClose(old); got != "vco-pvc_5fx" {
+		t.Fatalf("legacy name no other volume has: closed as %q, want vco-pvc_5fx", got)
+	}
+	if err := e.m.Store().Put(&Claim{Volume: "pvc_x", Phase: PhaseClaiming, State: StateHeld}); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.m.mapperToClose(old); got != "vco-pvc_5f5fx" {
+		t.Fatalf("legacy name that is now pvc_x's: closed as %q, want vco-pvc_5f5fx", got)
+	}
+}

@@ -342,7 +342,7 @@ func (m *Manager) dropLost(c *Claim) error {
 		return err
 	}
 	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
-		if err := m.o.Crypt.Close(context.Background(), mapperOf(c)); err != nil {
+		if err := m.o.Crypt.Close(context.Background(), m.mapperToClose(c)); err != nil {
 			return fmt.Errorf("volume %s: closing the dm-crypt mapping of the lost claim: %w", c.Volume, err)
 		}
 		c.Mapper = ""
@@ -474,7 +474,7 @@ func (m *Manager) closeLUKS(ctx context.Context, c *Claim) error {
 	if m.o.Crypt == nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s has the dm-crypt mapping %s open, but this agent has no LUKS2 support to close it", c.Volume, c.Mapper)
 	}
-	if err := m.o.Crypt.Close(ctx, mapperOf(c)); err != nil {
+	if err := m.o.Crypt.Close(ctx, m.mapperToClose(c)); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: closing the dm-crypt mapping: %v", c.Volume, err)
 	}
 	c.Mapper = ""
@@ -1011,7 +1011,7 @@ func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error 
 	if m.o.Crypt == nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is encrypted, but this agent has no LUKS2 support to grow its mapping", c.Volume)
 	}
-	if err := m.o.Crypt.Resize(ctx, mapperOf(c)); err != nil {
+	if err := m.o.Crypt.Resize(ctx, m.mapperToClose(c)); err != nil {
 		return agenterr.New(agenterr.Internal, "volume %s: growing the dm-crypt mapping: %v", c.Volume, err)
 	}
 	return nil

@@ -801,6 +801,7 @@ func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFen
 	}
 	m.host = simHost{w: w, gen: gen}
 	m.bootID = func() (string, error) { return boot, nil }
+	m.workers = 1
 	m.locate = func(_ context.Context, loc Locator) (dev *Device, err error) {
 		err = w.call(gen, "locate", func() error {
 			dev, err = w.open(gen, loc)
@@ -1255,8 +1256,8 @@ func TestVolumeSimulation(t *testing.T) {
 			if len(tail) > 200 {
 				tail = tail[len(tail)-200:]
 			}
-			t.Errorf("seed %d broke the volume manager's invariants:\n  %s\ntrace:\n%s\nreplay: go test ./agent/volume -run 'TestVolumeSimulation$' -volsim.seed=%d -v",
-				seed, strings.Join(uniq(broken), "\n  "), strings.Join(tail, "\n"), seed)
+			t.Errorf("seed %d broke the volume manager's invariants:\n  %s\ntrace:\n%s\nreplay: go test ./agent/volume -run 'TestVolumeSimulation$' -volsim.seed=%d%s -v",
+				seed, strings.Join(uniq(broken), "\n  "), strings.Join(tail, "\n"), seed, replayFlags())
 		}
 	}
 	t.Logf("%d sequences in %s, %d broke an invariant", len(seeds), time.Since(start).Round(time.Millisecond), failed)
@@ -1295,4 +1296,13 @@ func uniq(s []string) []string {
 func ueventOf(minor uint32) uevent.Event {
 	return uevent.Event{Action: "remove", Subsystem: "block", DevName: fmt.Sprintf("vd%c", 'b'+minor-1), DevType: "disk",
 		Major: 252, Minor: minor, HasDevnum: true}
+}
+
+// replayFlags are the flags beside -volsim.seed that a replay needs to
+// find what the run found.
+func replayFlags() string {
+	if *volSimLive {
+		return " -volsim.converge"
+	}
+	return ""
 }

@@ -140,7 +140,7 @@ func (s *staging) openDisk(ctx context.Context) error {
 	// One disk, one volume: a second volume staged from the same disk
 	// would mount it twice, and its unstage would release the fence the
 	// first one still relies on.
-	if other := m.claimedBy(dev.DevNum(), c.Volume); other != "" {
+	if other := m.claimedBy(dev, c.Volume); other != "" {
 		return agenterr.New(agenterr.FailedPrecondition,
 			"volume %s: disk %s is already staged on this node as volume %s; unstage that volume first", c.Volume, dev.Path, other)
 	}
@@ -213,13 +213,18 @@ func (m *Manager) sawDisk() {
 }
 
 // claimedBy names another volume whose claim, staged or a stage under way
-// or cut short, is on the disk devnum: a second volume's stage beside one
+// or cut short, is on the disk dev: a second volume's stage beside one
 // under way would take the same node's fence and its rollback would
-// release it under the first.
-func (m *Manager) claimedBy(devnum, volume string) string {
+// release it under the first. A claim whose disk the checks miss is on
+// dev when it names dev's serial: its device number may since be another
+// disk's, its serial is not.
+func (m *Manager) claimedBy(dev *Device, volume string) string {
 	cs, _ := m.store.List()
 	for _, o := range cs {
-		if o.Volume != volume && o.DevNum == devnum && !o.Missing && o.State != StateLost {
+		if o.Volume == volume || o.State == StateLost {
+			continue
+		}
+		if (!o.Missing && o.DevNum == dev.DevNum()) || (o.Missing && o.Serial != "" && o.Serial == dev.Serial) {
 			return o.Volume
 		}
 	}
@@ -230,6 +235,19 @@ func (m *Manager) claimedBy(devnum, volume string) string {
 // on the disk is forgotten; any other is recorded as interrupted.
 func (s *staging) unrecord() {
 	m, c := s.m, s.c
+	if !s.kept && c.State == StateUnfenced && c.Device != "" {
+		// No fence, so no release guard made the proof: an unmount or
+		// a close of the rollback that failed leaves the volume in use,
+		// and the record must say so.
+		if err := m.host.InUse(usageOf(c, c.Device)); err != nil {
+			c.Phase = PhaseStaged
+			c.Detail = fmt.Sprintf("its stage failed and something of it is left on this node: %v", err)
+			if perr := m.store.Put(c); perr != nil {
+				m.log.Error("could not record the volume left in use by its failed stage", "volume", c.Volume, "err", perr)
+			}
+			return
+		}
+	}
 	if s.kept {
 		c.Phase = PhaseStaged
 		c.Detail = "its stage failed and its fence was kept: something of the volume is still in use on this node"
