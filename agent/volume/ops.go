@@ -199,7 +199,7 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 	case c.State == StateLost:
 		return nil, m.dropLost(c)
 	case c.Phase != PhaseStaged:
-		return nil, m.notInUseBefore(c)
+		return nil, m.notInUseBefore(ctx, c)
 	case m.notTakenBack(c.Volume):
 		// Staged by an earlier agent process, whose lease this one has
 		// not taken back: a stage now would let go of what keeps the
@@ -214,14 +214,25 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 // mount of an earlier agent process that the start-up check could not
 // take back yet): that path's rollback would take down what it did not
 // make. UNAVAILABLE: the claim check takes it back, then the retry runs.
-func (m *Manager) notInUseBefore(c *Claim) error {
+func (m *Manager) notInUseBefore(ctx context.Context, c *Claim) error {
 	if m.unresolved(c.Volume) {
 		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and the agent has not taken it back since it started (the claim check retries every %s); retry the stage after that", c.Volume, m.o.Config.CheckInterval)
 	}
 	if c.Device == "" {
 		return nil
 	}
-	if err := m.host.InUse(usageOf(c, c.Device)); err != nil {
+	err := m.host.InUse(usageOf(c, c.Device))
+	if err != nil && !inUse(err) {
+		// The proof could not be made at the recorded device node: the
+		// disk may be attached again at another, where it is made.
+		if dev, lerr := m.locate(ctx, c.Locator); lerr == nil {
+			if dev.Path != c.Device {
+				err = m.host.InUse(usageOf(c, dev.Path))
+			}
+			dev.Close()
+		}
+	}
+	if err != nil {
 		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and %v; the claim check takes it back, retry the stage after that", c.Volume, err)
 	}
 	return nil
@@ -392,7 +403,32 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 	if len(c.Publications) > 0 {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is still published at %v; unpublish it first", volume, c.Publications)
 	}
+	if c, err = m.takeBackCutShort(ctx, c); err != nil || c == nil {
+		return err
+	}
 	return m.unstage(ctx, c)
+}
+
+// takeBackCutShort takes back, as the start-up check does, a stage cut
+// short whose disk that check could not verify: the fence it may have
+// taken before its record named it is released through the release guard
+// then, never forgotten with the record. It returns the claim as recorded
+// after (nil: forgotten, its disk gone), or UNAVAILABLE while the disk
+// still cannot be told.
+func (m *Manager) takeBackCutShort(ctx context.Context, c *Claim) (*Claim, error) {
+	if c.Phase == PhaseStaged || (!c.Missing && !m.unresolved(c.Volume)) {
+		return c, nil
+	}
+	m.reconcile(ctx, c, m.newScan())
+	now, err := m.store.Get(c.Volume)
+	if err != nil || now == nil {
+		return nil, err
+	}
+	if now.Phase != PhaseStaged && (now.Missing || m.unresolved(now.Volume)) {
+		return nil, agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and its disk could not be checked to release what that stage took (%s); nothing was released, the claim stays recorded: retry the unstage",
+			c.Volume, detailOf(now))
+	}
+	return now, nil
 }
 
 // unstage takes the steps of a stage back, last first: unmount, flush,

@@ -959,8 +959,9 @@ func (r *simRun) remove(v *simVolume) {
 	w.mu.Lock()
 	d := w.disks[v.serial]
 	was := d.present
-	d.present, d.removed = false, d.removed || was
+	// Looked at while the disk is there: a mount names it by its node.
 	d.mountedGone = d.mountedGone || (was && w.inUse(v.serial) != "")
+	d.present, d.removed = false, d.removed || was
 	// What was stacked on the removed disk holds the dead device: its
 	// I/O fails, and it never reaches the disk when it comes back.
 	for l, s := range w.loops {
@@ -1076,6 +1077,18 @@ func (r *simRun) converge(ctx context.Context) {
 	for _, v := range r.vols {
 		want := w.rng.IntN(2) == 0 && !w.disks[v.serial].moved
 		var err error
+		if want && w.disks[v.serial].mountedGone {
+			// Its pods' mounts hold the filesystem of the disk as it was
+			// before it left: the pods are restarted (unpublished) before
+			// it is staged and published again.
+			for _, t := range v.targets {
+				if err := r.m.Unpublish(ctx, v.id, t); err != nil {
+					w.mu.Lock()
+					w.logf("converge %s: restarting the pod at %s: %s", v.id, t, errText(err))
+					w.mu.Unlock()
+				}
+			}
+		}
 		for try := 0; try < 6; try++ {
 			if err = r.settle(ctx, v, want); err == nil {
 				break
