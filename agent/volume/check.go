@@ -163,16 +163,13 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 		log.Error("cannot choose the fencing of an interrupted stage to release it; the check tries again", "err", err)
 		return m.unresolvedInterrupted(c, dev)
 	}
-	if err == nil && ch.Fencer == nil && c.Method != fence.MethodNone {
+	if err == nil && ch.Fencer == nil {
 		// The disk offers no fencing now: nothing to release, but what
-		// is still in use stays watched, as a staged claim (reconcileFence
-		// then finds the fencing gone and stops its I/O).
+		// is still in use stays watched, as a staged claim: a fenced one
+		// (reconcileFence then finds the fencing gone and stops its I/O)
+		// or one staged without fencing by opt-in.
 		if perr := m.host.InUse(usageOf(c, dev.Path)); perr != nil {
-			c.Phase, c.State, c.Detail = PhaseStaged, StateHeld, perr.Error()
-			if serr := m.store.Put(c); serr != nil {
-				log.Error("recording the interrupted stage still in use", "err", serr)
-			}
-			m.reconcileFence(ctx, c, dev, log)
+			m.keepInterruptedInUse(ctx, c, dev, perr, log)
 			return true
 		}
 	}
@@ -220,6 +217,23 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 	return true
 }
 
+// keepInterruptedInUse records a stage cut short whose volume is still in
+// use (why) as staged, and watches it as the checks watch any.
+func (m *Manager) keepInterruptedInUse(ctx context.Context, c *Claim, dev *Device, why error, log *slog.Logger) {
+	c.Phase, c.State, c.Detail = PhaseStaged, StateHeld, why.Error()
+	if c.Method == fence.MethodNone {
+		c.State = StateUnfenced
+	}
+	if err := m.store.Put(c); err != nil {
+		log.Error("recording the interrupted stage still in use", "err", err)
+	}
+	if c.State == StateUnfenced {
+		m.setLive(c.Volume, &live{dev: dev})
+		return
+	}
+	m.reconcileFence(ctx, c, dev, log)
+}
+
 // takeDownInterrupted unmounts, closes and detaches what a stage or
 // unstage cut short left of the volume; what fails is logged, and the
 // release guard then finds it in use.
@@ -244,11 +258,12 @@ func (m *Manager) takeDownInterrupted(ctx context.Context, c *Claim, log *slog.L
 // stops the host watchdog's feeding until it is.
 func (m *Manager) unresolvedInterrupted(c *Claim, dev *Device) bool {
 	dev.Close()
+	m.mu.Lock()
 	if mayBeLease(c) {
-		m.mu.Lock()
 		m.unchecked[c.Volume] = true
-		m.mu.Unlock()
 	}
+	m.retakes[c.Volume] = true
+	m.mu.Unlock()
 	return false
 }
 
@@ -325,7 +340,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 			failed = append(failed, fmt.Errorf("closing the dm-crypt mapping: %w", err))
 		}
 	}
-	if err := m.unmapData(c.DataDevice); err != nil {
+	if err := m.unmapRecorded(c); err != nil {
 		failed = append(failed, fmt.Errorf("detaching the data mapping: %w", err))
 	}
 	if len(failed) > 0 {

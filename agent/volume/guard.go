@@ -79,7 +79,7 @@ func (m *Manager) release(ctx context.Context, c *Claim, dev *Device, f fence.Fe
 // between the attach and its record), which the release guard would
 // otherwise find in use for ever.
 func (m *Manager) unmapAll(c *Claim) error {
-	if err := m.unmapData(c.DataDevice); err != nil {
+	if err := m.unmapRecorded(c); err != nil {
 		return err
 	}
 	if c.Device == "" {
@@ -90,6 +90,20 @@ func (m *Manager) unmapAll(c *Claim) error {
 		return m.unmapData(p)
 	}
 	return nil
+}
+
+// unmapRecorded detaches the data mapping c's record names, only if it is
+// a loop device over c's disk: a damaged or hostile record never makes
+// the agent detach (or make writable) another device.
+func (m *Manager) unmapRecorded(c *Claim) error {
+	if c.DataDevice == "" {
+		return nil
+	}
+	if !m.host.MapsDisk(c.DataDevice, c.Device) {
+		m.log.Warn("the data mapping the claim's record names is not a loop device over its disk; left alone", "volume", c.Volume, "device", c.Device, "mapping", c.DataDevice)
+		return nil
+	}
+	return m.unmapData(c.DataDevice)
 }
 
 // inUse reports whether err is the release guard keeping a fence because

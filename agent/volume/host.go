@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 	mount "k8s.io/mount-utils"
@@ -54,6 +55,10 @@ type host interface {
 	// DataMapping finds a data mapping over disk (a loop device at the
 	// lease's data offset).
 	DataMapping(disk string) (string, bool)
+	// MapsDisk reports whether the device p is a loop device whose
+	// backing file is the disk node disk (removed since, or not): a
+	// record's data mapping is detached only then.
+	MapsDisk(p, disk string) bool
 	// InUse is the release guard's proof (guard.go): nil only when
 	// nothing of this node uses the volume's devices or paths.
 	InUse(u usage) error
@@ -75,6 +80,7 @@ type osHost struct {
 	mounter // beneathMounter; tests put stand-ins in its place (withMounter)
 	root    string
 	sysfs   string
+	dev     string // where device nodes are (/dev)
 	exec    utilexec.Interface
 }
 
@@ -127,6 +133,19 @@ func (osHost) MountRoot(f *os.File, _ string) (bool, error) {
 func (h osHost) DataMapping(disk string) (string, bool) {
 	p, err := lease.FindData(h.sysfs, disk)
 	return p, err == nil && p != ""
+}
+
+func (h osHost) MapsDisk(p, disk string) bool {
+	name := filepath.Base(p)
+	if disk == "" || !strings.HasPrefix(name, "loop") || filepath.Dir(p) != filepath.Clean(h.dev) {
+		return false
+	}
+	b, err := os.ReadFile(filepath.Join(h.sysfs, "block", name, "loop", "backing_file"))
+	if err != nil {
+		return false
+	}
+	back := strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)")
+	return back == disk
 }
 
 // InUse proves that nothing of this node uses the volume: none of its

@@ -90,6 +90,10 @@ type Manager struct {
 	// process that the start-up check has not looked at yet
 	// (ExpectRecordedLeases); the host watchdog is not fed while any is.
 	unchecked map[string]bool
+	// retakes are the claims of stages cut short, of any fencing, whose
+	// take-back the start-up check could not finish; the claim check
+	// tries again.
+	retakes map[string]bool
 	// bootID reads the kernel's boot id (tests give their own).
 	bootID func() (string, error)
 	// workers is how many claims the start-up check takes back side by
@@ -146,7 +150,7 @@ func New(o Options) (*Manager, error) {
 	m := &Manager{
 		o: o, log: o.Log, store: st, exec: utilexec.New(),
 		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
-		live:   map[string]*live{}, unchecked: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
+		live:   map[string]*live{}, unchecked: map[string]bool{}, retakes: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		workers: reconcileWorkers, attachPoll: attachPoll,
 		unmapData: dropDataMapping,
 	}
@@ -155,7 +159,7 @@ func New(o Options) (*Manager, error) {
 	}
 	m.mapData = m.dataMapping
 	m.host = osHost{mounter: beneathMounter{table: mount.NewWithoutSystemd(""), root: o.Config.KubeletRoot},
-		root: o.Config.KubeletRoot, sysfs: sysfsRoot(m.finder), exec: m.exec}
+		root: o.Config.KubeletRoot, sysfs: sysfsRoot(m.finder), dev: devRoot(m.finder), exec: m.exec}
 	return m, nil
 }
 
@@ -213,6 +217,7 @@ func (m *Manager) setLive(volume string, l *live) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	delete(m.unchecked, volume)
+	delete(m.retakes, volume)
 	if old := m.live[volume]; old != nil && old != l {
 		old.close()
 	}

@@ -529,6 +529,19 @@ func (h simHost) DataMapping(disk string) (p string, ok bool) {
 	return p, ok
 }
 
+// MapsDisk: p is a modelled loop device over the disk at node disk, there
+// or removed since.
+func (h simHost) MapsDisk(p, disk string) (maps bool) {
+	_ = h.do("loop backing file", func() error {
+		ls, ok := h.w.loops[p]
+		for _, d := range h.w.disks {
+			maps = maps || (ok && d.path == disk && (ls == d.serial || ls == "gone:"+d.serial))
+		}
+		return nil
+	})
+	return maps
+}
+
 // InUse is the release guard's proof, on the modelled node.
 func (h simHost) InUse(u usage) error {
 	return h.do("in use", func() error {

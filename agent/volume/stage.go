@@ -217,14 +217,17 @@ func (m *Manager) sawDisk() {
 // under way would take the same node's fence and its rollback would
 // release it under the first. A claim whose disk the checks miss is on
 // dev when it names dev's serial: its device number may since be another
-// disk's, its serial is not.
+// disk's, its serial is not; without a serial, its device number counts.
 func (m *Manager) claimedBy(dev *Device, volume string) string {
 	cs, _ := m.store.List()
 	for _, o := range cs {
 		if o.Volume == volume || o.State == StateLost {
 			continue
 		}
-		if (!o.Missing && o.DevNum == dev.DevNum()) || (o.Missing && o.Serial != "" && o.Serial == dev.Serial) {
+		if o.DevNum == dev.DevNum() && (!o.Missing || o.Serial == "") {
+			return o.Volume
+		}
+		if o.Missing && o.Serial != "" && o.Serial == dev.Serial {
 			return o.Volume
 		}
 	}

@@ -50,6 +50,10 @@ type stageHost struct {
 	mounts map[string]string
 }
 
+// MapsDisk: the fake data mapping (mapData's "data-mapping" file) maps
+// whatever disk the stage opened.
+func (h stageHost) MapsDisk(p, _ string) bool { return filepath.Base(p) == "data-mapping" }
+
 func (h stageHost) InUse(u usage) error {
 	for _, p := range u.Paths {
 		if _, ok := h.mounts[p]; ok {

@@ -123,11 +123,12 @@ func mayBeLease(c *Claim) bool {
 }
 
 // unresolved reports whether the start-up check has not yet taken back
-// volume's claim (it is still listed as not checked).
+// volume's claim (it is still listed as not checked, or its take-back is
+// retried by the claim check).
 func (m *Manager) unresolved(volume string) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.unchecked[volume]
+	return m.unchecked[volume] || m.retakes[volume]
 }
 
 // bootIDFile keeps, in the state directory, the boot id of the host's
@@ -208,4 +209,5 @@ func (m *Manager) checked(volume string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	delete(m.unchecked, volume)
+	delete(m.retakes, volume)
 }
