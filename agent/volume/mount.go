@@ -60,6 +60,12 @@ func (m *Manager) mountFS(ctx context.Context, c *Claim, device string) (bool, e
 		}
 	}
 	if err := m.host.Mount(device, c.StagingPath, c.FsType, mountOptions(c)); err != nil {
+		// The staging path was no mount point before: a mount there now
+		// is this call's, landed though its answer was an error (a
+		// timeout), and is taken down with the stage.
+		if uerr := m.unmountIfMounted(c.StagingPath); uerr != nil {
+			m.log.Error("could not unmount what a failed mount left", "volume", c.Volume, "staging", c.StagingPath, "err", uerr)
+		}
 		return formatted, agenterr.New(agenterr.Internal, "volume %s: mounting %s at %s: %v", c.Volume, device, c.StagingPath, err)
 	}
 	return formatted, nil

@@ -66,9 +66,7 @@ var (
 	volSimSeeds = flag.Int("volsim.seeds", 2000, "sequences TestVolumeSimulation runs (make soak runs more)")
 	volSimSeed  = flag.Int64("volsim.seed", -1, "run only this sequence, with its trace")
 	volSimFrom  = flag.Int64("volsim.from", 1, "first seed of TestVolumeSimulation")
-	// I5 has known failures (docs/development.md, "The volume manager
-	// simulation"): make test reports them, make soak fails on them.
-	volSimLive = flag.Bool("volsim.converge", false, "fail on I5 (convergence) too, not only on I1-I4")
+	volSimLive = flag.Bool("volsim.converge", true, "fail on I5 (convergence) too, not only on I1-I4 (=false: report I5's failures by kind)")
 )
 
 // errSimFault is an injected failure; errSimDead answers every call of an
@@ -144,9 +142,10 @@ type simWorld struct {
 	mounts  map[string]string // path -> device mounted (a target: the staging's device or the block device)
 	content map[string]string // region -> "" | "ext4:UUID" | "partial:UUID" | "luks"
 	proved  map[string]string // device -> region, at its last blank proof
-	// failNext fails the next n calls of a name (a directed test's fault).
-	failNext map[string]int
-	fencers  []*simFencer
+	// failNext fails the next n calls of a name (a directed test's fault);
+	// loseNext loses the answers of the next n calls of a name.
+	failNext, loseNext map[string]int
+	fencers            []*simFencer
 
 	stateDir string
 	kubelet  string
@@ -230,6 +229,9 @@ func (w *simWorld) call(gen int, name string, effect func() error) error {
 	if w.failNext[name] > 0 {
 		w.failNext[name]--
 		f = faultErr
+	} else if w.loseNext[name] > 0 {
+		w.loseNext[name]--
+		f = faultLost
 	}
 	if f != faultNone {
 		w.logf("    %s: %s", name, faultNames[f])
@@ -754,7 +756,7 @@ type simRun struct {
 func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x766f6c73696d))
 	w := &simWorld{t: t, rng: rng, disks: map[string]*simDiskState{}, loops: map[string]string{}, crypts: map[string]string{},
-		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{}, failNext: map[string]int{},
+		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{}, failNext: map[string]int{}, loseNext: map[string]int{},
 		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet"), faultP: 0.04 + 0.16*rng.Float64()}
 	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
 		t.Fatal(err)
@@ -1327,8 +1329,8 @@ func ueventOf(minor uint32) uevent.Event {
 // replayFlags are the flags beside -volsim.seed that a replay needs to
 // find what the run found.
 func replayFlags() string {
-	if *volSimLive {
-		return " -volsim.converge"
+	if !*volSimLive {
+		return " -volsim.converge=false"
 	}
 	return ""
 }

@@ -545,7 +545,9 @@ func (s *staging) unlock(ctx context.Context) error {
 	}
 	s.undo.push(func() {
 		if err := m.o.Crypt.Close(context.WithoutCancel(ctx), mapperName(c.Volume)); err != nil {
+			// Still open: the record keeps naming it.
 			m.log.Error("could not close the dm-crypt mapping after a failed stage", "volume", c.Volume, "err", err)
+			return
 		}
 		c.Mapper = ""
 	})
