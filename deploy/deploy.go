@@ -23,7 +23,7 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/drivername"
 	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
 )
 
@@ -328,7 +328,7 @@ func DriverNameFromImage(image string) (string, error) {
 	}
 	// The plugin's own rule, so the add-on and a plugin started without
 	// --driver-name agree.
-	name := driver.NameFromPortal(host)
+	name := drivername.FromPortal(host)
 	if name == "" {
 		return "", fmt.Errorf("image host %q is not a domain name, so no driver name follows from it; set %s", host, DriverNameVar)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/drivername"
 	"github.com/whitesky-cloud/vco-storage/csi/health"
 	"github.com/whitesky-cloud/vco-storage/csi/kubeevents"
 	"github.com/whitesky-cloud/vco-storage/csi/metrics"
@@ -203,7 +204,7 @@ func (f *pluginFlags) driverConfig(log *slog.Logger, mx *metrics.Metrics) (drive
 	}
 	if cfg.Name == "" && f.apiURL != "" {
 		if u, err := url.Parse(f.apiURL); err == nil {
-			cfg.Name = driver.NameFromPortal(u.Hostname())
+			cfg.Name = drivername.FromPortal(u.Hostname())
 		}
 	}
 	var agentAPI kubeevents.Agent
@@ -257,7 +258,7 @@ func (f *pluginFlags) controllerCloud(cfg *driver.Config, mx *metrics.Metrics, l
 	warnCleartext(log, "the cloud API", "the cloud JWT", f.apiURL)
 	cfg.Cloud = c
 	if cfg.Name == "" {
-		cfg.Name = driver.NameFromPortal(c.Host())
+		cfg.Name = drivername.FromPortal(c.Host())
 	}
 	return nil
 }

@@ -18,7 +18,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/client"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
-	"github.com/whitesky-cloud/vco-storage/csi/sim"
+	"github.com/whitesky-cloud/vco-storage/csi/loopdisk"
 )
 
 // Options are the node plugin's explicit opt-ins for hosts that are not
@@ -110,7 +110,7 @@ func (a *Agent) locator(volumeID string, pc map[string]string) (*api.DeviceLocat
 			return nil, invalid("volume %s: the publish context's %s %q is not a disk id; was the volume published by this driver's controller?",
 				volumeID, driver.PubDiskID, pc[driver.PubDiskID])
 		}
-		return &api.DeviceLocator{LoopBackingFile: (&sim.HostBackend{Dir: a.o.LoopDiskDir}).DiskFile(id)}, nil
+		return &api.DeviceLocator{LoopBackingFile: loopdisk.File(a.o.LoopDiskDir, id)}, nil
 	}
 	loc := &api.DeviceLocator{Serial: pc[driver.PubSerial]}
 	bus, slot := pc[driver.PubPCIBus], pc[driver.PubPCISlot]

@@ -506,19 +506,6 @@ func TestCodeForError(t *testing.T) {
 	}
 }
 
-func TestNameFromPortal(t *testing.T) {
-	for in, want := range map[string]string{
-		"try.whitesky.cloud":     "cloud.whitesky.csi",
-		"portal.example.com:443": "com.example.csi",
-		"cloud.acme.co.uk":       "uk.co.acme.csi",
-		"Try.WhiteSky.Cloud.":    "cloud.whitesky.csi",
-	} {
-		if got := driver.NameFromPortal(in); got != want {
-			t.Errorf("NameFromPortal(%q) = %q, want %q", in, got, want)
-		}
-	}
-}
-
 // TestFlakyAPI: with a fifth of all API requests answered 503, concurrent
 // creates and publishes still succeed through the client's retries, and
 // no name yields two disks.

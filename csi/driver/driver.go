@@ -11,8 +11,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"strings"
 	"sync"
 	"time"
 
@@ -182,32 +180,6 @@ func New(cfg Config) (*Driver, error) {
 		d.vmDisks = newVMDiskReads(cfg.Cloud)
 	}
 	return d, nil
-}
-
-// NameFromPortal derives the default driver name from the portal host:
-// reverse the domain and replace the leaf with "csi", so
-// try.whitesky.cloud becomes cloud.whitesky.csi. An IP address or a
-// single-label host has no domain to derive from: the answer is "", and the
-// name must be configured.
-func NameFromPortal(host string) string {
-	host = strings.TrimSuffix(strings.ToLower(host), ".")
-	if h, _, err := net.SplitHostPort(host); err == nil {
-		host = h
-	}
-	host = strings.Trim(host, "[]")
-	if net.ParseIP(host) != nil {
-		return ""
-	}
-	parts := strings.Split(host, ".")
-	if len(parts) < 2 {
-		return ""
-	}
-	parts = parts[1:]
-	out := make([]string, 0, len(parts)+1)
-	for i := len(parts) - 1; i >= 0; i-- {
-		out = append(out, parts[i])
-	}
-	return strings.Join(append(out, "csi"), ".")
 }
 
 func (d *Driver) controller() bool { return d.cfg.Mode != ModeNode }

@@ -27,6 +27,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/drivername"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
@@ -159,7 +160,7 @@ func newTestEnv(t testing.TB, o envOpts) *testEnv {
 		tc, _ := agentnodetest.Transit(t)
 		cfg.Transit, cfg.TransitKey = tc, crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}
 	}
-	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeAll,
+	d, err := driver.New(driver.Config{Name: drivername.FromPortal("try.whitesky.cloud"), Version: "test", Mode: driver.ModeAll,
 		Cloud: api, DefaultLocation: hostLoc, Agent: cfg.Agent, Transit: cfg.Transit, TransitKey: cfg.TransitKey, KubeletRoot: kubelet,
 		AttachPoll: 5 * time.Millisecond, AttachTimeout: o.attach})
 	if err != nil {

@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/csi/loopdisk"
 )
 
 // Backend is what a simulated disk is on this machine. The simulator calls
@@ -43,11 +45,8 @@ type HostBackend struct {
 	Dir string
 }
 
-// DiskFile is where the host backend keeps disk id. The node side finds a
-// host-mode disk's loop device by this backing file name.
-func (h *HostBackend) DiskFile(id int64) string {
-	return filepath.Join(h.Dir, fmt.Sprintf("disk-%d.img", id))
-}
+// DiskFile is where the host backend keeps disk id (package loopdisk).
+func (h *HostBackend) DiskFile(id int64) string { return loopdisk.File(h.Dir, id) }
 
 func (h *HostBackend) snapFile(id string) string {
 	return filepath.Join(h.Dir, "snap-"+id+".img")

@@ -34,6 +34,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/drivername"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
@@ -135,7 +136,7 @@ func newStormEnv(t *testing.T) *stormEnv {
 		agentnode.Options{AllowUnfenced: true, LoopDiskDir: e.backend.Dir})
 	tc, _ := agentnodetest.Transit(t)
 
-	name := driver.NameFromPortal("try.whitesky.cloud")
+	name := drivername.FromPortal("try.whitesky.cloud")
 	serve := func(mode driver.Mode, cfg driver.Config) *grpc.ClientConn {
 		cfg.Name, cfg.Version, cfg.Mode = name, "test", mode
 		d, err := driver.New(cfg)

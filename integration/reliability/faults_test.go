@@ -25,6 +25,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/cloud"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
+	"github.com/whitesky-cloud/vco-storage/csi/drivername"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 )
 
@@ -193,7 +194,7 @@ func newCSIEnvWith(t *testing.T, agent driver.NodeAgent, kubelet string) *csiEnv
 	if agent != nil {
 		mode = driver.ModeAll
 	}
-	d, err := driver.New(driver.Config{Name: driver.NameFromPortal("try.whitesky.cloud"), Version: "test", Mode: mode,
+	d, err := driver.New(driver.Config{Name: drivername.FromPortal("try.whitesky.cloud"), Version: "test", Mode: mode,
 		Cloud: api, DefaultLocation: hostLoc, AttachPoll: 5 * time.Millisecond, AttachTimeout: 3 * time.Second,
 		Agent: agent, KubeletRoot: kubelet})
 	if err != nil {
