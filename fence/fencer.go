@@ -62,6 +62,9 @@ type Method string
 const (
 	// MethodPR is SCSI-3 persistent reservations, enforced by the target.
 	MethodPR Method = "scsi-pr"
+	// MethodLease is the on-disk lease (fence/lease), kept by the node's
+	// agent and host watchdog.
+	MethodLease Method = "disk-lease"
 	// MethodNone means the disk offers no fencing of its own; the lease
 	// implementation takes over for such disks.
 	MethodNone Method = "none"

@@ -12,29 +12,13 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
-
-// Method is a way to keep a disk to one node.
-type Method int
-
-const (
-	SCSI3PR Method = iota + 1
-	DiskLease
-)
-
-func (m Method) String() string {
-	switch m {
-	case SCSI3PR:
-		return "scsi3-pr"
-	case DiskLease:
-		return "disk-lease"
-	}
-	return fmt.Sprintf("Method(%d)", int(m))
-}
 
 // Capability is one method and whether this host has what it needs.
 type Capability struct {
-	Method    Method
+	Method    fence.Method
 	Available bool
 	Detail    string
 }
@@ -42,7 +26,7 @@ type Capability struct {
 // Detect looks at the block devices under sysfsRoot.
 func Detect(sysfsRoot string) []Capability {
 	return []Capability{detectPR(sysfsRoot), {
-		Method: DiskLease, Available: true,
+		Method: fence.MethodLease, Available: true,
 		Detail: "disks without reservations are fenced by an on-disk lease on volumes the agent formats; " +
 			"it is kept by this node's agent and watchdog, not enforced by the storage",
 	}}
@@ -52,7 +36,7 @@ func Detect(sysfsRoot string) []Capability {
 // scsi_device under their device link and answer SG_IO on their block
 // node. virtio-blk disks do not.
 func detectPR(sysfsRoot string) Capability {
-	c := Capability{Method: SCSI3PR}
+	c := Capability{Method: fence.MethodPR}
 	dir := filepath.Join(sysfsRoot, "class", "block")
 	ents, err := os.ReadDir(dir)
 	if err != nil {

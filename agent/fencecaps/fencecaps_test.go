@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 func mk(t *testing.T, root string, dirs ...string) {
@@ -24,10 +26,10 @@ func TestDetectSCSIDisks(t *testing.T) {
 		t.Fatal(err)
 	}
 	caps := Detect(root)
-	if caps[0].Method != SCSI3PR || !caps[0].Available || caps[0].Detail != "SG_IO-capable SCSI disks: sda, sdb" {
+	if caps[0].Method != fence.MethodPR || !caps[0].Available || caps[0].Detail != "SG_IO-capable SCSI disks: sda, sdb" {
 		t.Fatalf("got %+v", caps[0])
 	}
-	if caps[1].Method != DiskLease || !caps[1].Available || !strings.Contains(caps[1].Detail, "not enforced by the storage") {
+	if caps[1].Method != fence.MethodLease || !caps[1].Available || !strings.Contains(caps[1].Detail, "not enforced by the storage") {
 		t.Fatalf("lease reported as %+v", caps[1])
 	}
 }

@@ -130,20 +130,10 @@ func (s *Server) GetIdentity(context.Context, *api.GetIdentityRequest) (*api.Ide
 	}
 	for _, c := range caps {
 		out.Fencing = append(out.Fencing, &api.FencingCapability{
-			Method: fencingMethod(c.Method), Available: c.Available, Detail: c.Detail,
+			Method: api.FencingOf(c.Method), Available: c.Available, Detail: c.Detail,
 		})
 	}
 	return out, nil
-}
-
-func fencingMethod(m fencecaps.Method) api.FencingMethod {
-	switch m {
-	case fencecaps.SCSI3PR:
-		return api.FencingMethod_FENCING_METHOD_SCSI3_PR
-	case fencecaps.DiskLease:
-		return api.FencingMethod_FENCING_METHOD_DISK_LEASE
-	}
-	return api.FencingMethod_FENCING_METHOD_UNSPECIFIED
 }
 
 // GetStatus implements api.AgentServer.

@@ -23,6 +23,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/agent/fencecaps"
 	"github.com/whitesky-cloud/vco-storage/agent/peercred"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
@@ -91,7 +92,7 @@ func serve(t *testing.T, policy peercred.Policy) *fixture {
 		Log: slog.New(slog.NewTextHandler(logs, nil)),
 		Identity: NodeIdentity{SystemUUID: "4c4c4544-0042-3510-8052-b4c04f4e4d32", NodeName: "node-a", Location: "ch-lug-1",
 			Source: "sysfs", Fencing: func() []fencecaps.Capability {
-				return []fencecaps.Capability{{Method: fencecaps.SCSI3PR, Available: true, Detail: "SG_IO-capable SCSI disks: sdb"}}
+				return []fencecaps.Capability{{Method: fence.MethodPR, Available: true, Detail: "SG_IO-capable SCSI disks: sdb"}}
 			}},
 		Runtime: Runtime{SocketPath: sock},
 	})

@@ -108,19 +108,7 @@ func (s *Server) StageVolume(ctx context.Context, req *api.StageVolumeRequest) (
 	if err != nil {
 		return nil, err
 	}
-	return &api.StageVolumeResponse{Device: res.Device, Fencing: methodToAPI(res.Method), Formatted: res.Formatted}, nil
-}
-
-func methodToAPI(m fence.Method) api.FencingMethod {
-	switch m {
-	case fence.MethodPR:
-		return api.FencingMethod_FENCING_METHOD_SCSI3_PR
-	case volume.MethodLease:
-		return api.FencingMethod_FENCING_METHOD_DISK_LEASE
-	case fence.MethodNone:
-		return api.FencingMethod_FENCING_METHOD_NONE
-	}
-	return api.FencingMethod_FENCING_METHOD_UNSPECIFIED
+	return &api.StageVolumeResponse{Device: res.Device, Fencing: api.FencingOf(res.Method), Formatted: res.Formatted}, nil
 }
 
 // UnstageVolume implements api.AgentServer.
@@ -207,7 +195,7 @@ func (s *Server) ListDisks(ctx context.Context, _ *api.ListDisksRequest) (*api.L
 	for _, d := range ds {
 		pd := &api.Disk{
 			Device: d.Device, Name: d.Name, Kind: d.Kind, PciAddress: d.PCI, Serial: d.Serial, Wwns: d.WWNs,
-			Fencing: methodToAPI(d.Method), State: claimStates[d.State], VolumeId: d.Volume, StagingPath: d.Staging,
+			Fencing: api.FencingOf(d.Method), State: claimStates[d.State], VolumeId: d.Volume, StagingPath: d.Staging,
 			HolderNode: d.HolderNode, Detail: d.Detail, FsType: d.FsType, Encrypted: d.Encrypted, ReadOnly: d.ReadOnly,
 		}
 		if d.HolderKey != 0 {

@@ -63,7 +63,7 @@ func (m *Manager) Reconcile(ctx context.Context) {
 // before a reservation or unfenced claim holds a worker.
 func startUpOrder(claims []*Claim) {
 	slices.SortStableFunc(claims, func(a, b *Claim) int {
-		return cmpBool(b.Method == MethodLease, a.Method == MethodLease)
+		return cmpBool(b.Method == fence.MethodLease, a.Method == fence.MethodLease)
 	})
 }
 
@@ -127,7 +127,7 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		}
 		// A lease lost before the restart whose I/O could not be
 		// stopped keeps the host watchdog unfed until a stop succeeds.
-		running := c.Method == MethodLease && !m.stopAgain(c, dev) && m.mayBeWriting()
+		running := c.Method == fence.MethodLease && !m.stopAgain(c, dev) && m.mayBeWriting()
 		m.setLive(c.Volume, &live{dev: dev, ioRunning: running})
 	case c.State == StateUnfenced:
 		m.setLive(c.Volume, &live{dev: dev})
@@ -275,7 +275,7 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 	// fed until a periodic check resumes it (or finds it lost). Not on the
 	// first start after a boot: nothing is mounted then, and a host whose
 	// lease disk cannot be read would be reset over and over.
-	unresumed := c.Method == MethodLease && m.mayBeWriting()
+	unresumed := c.Method == fence.MethodLease && m.mayBeWriting()
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		m.setLive(c.Volume, &live{dev: dev, unresumed: unresumed})

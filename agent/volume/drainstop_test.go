@@ -77,7 +77,7 @@ func TestAClaimWhoseDiskLostItsFencingIsStoppedAtStart(t *testing.T) {
 	t.Cleanup(func() { clearRO(devA) })
 	req := a.stageReq("vol-f", img, "f")
 	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
 	// The stop sets the data mapping read-only, a flag a loop device

@@ -125,7 +125,7 @@ func TestAdoptedDiskOfTheEarlierDriverStagesFenced(t *testing.T) {
 	if err != nil {
 		t.Fatalf("staging the adopted volume: %v", err)
 	}
-	if st.Method != MethodLease {
+	if st.Method != fence.MethodLease {
 		t.Fatalf("the adopted volume staged with %q, want the lease", st.Method)
 	}
 	got, err := os.ReadFile(filepath.Join(req.StagingPath, "data"))

@@ -10,8 +10,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence/scsi"
 )
 
-// MethodLease names the on-disk lease in claims and listings.
-const MethodLease fence.Method = "disk-lease"
+// fence.MethodLease names the on-disk lease in claims and listings.
 
 // Choice is the fencing a factory picked for a disk.
 type Choice struct {
@@ -51,7 +50,7 @@ type FencerFactory interface {
 const LookOnly = ""
 
 // LeaseFactory makes the on-disk lease fencer (package fence/lease) for a
-// disk without reservations: Fencer, Method (MethodLease), DataOffset and
+// disk without reservations: Fencer, Method (fence.MethodLease), DataOffset and
 // Prepare (format the lease area on a blank disk) set; or no Fencer and a
 // Reason when the disk cannot carry a lease (a foreign layout).
 type LeaseFactory func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error)

@@ -62,7 +62,7 @@ func (o LeaseOptions) choose(ctx context.Context, dev *Device, volume string, on
 		ld.Close()
 		return Choice{}, err
 	}
-	ch := Choice{Fencer: f, Method: MethodLease, DataOffset: lease.DataOffset}
+	ch := Choice{Fencer: f, Method: fence.MethodLease, DataOffset: lease.DataOffset}
 	switch {
 	case volume == LookOnly && cls.Layout == lease.LayoutBlank:
 		// Not proven: the stage that claims the disk proves it.

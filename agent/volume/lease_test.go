@@ -115,7 +115,7 @@ func TestLeaseFencesADiskWithoutReservations(t *testing.T) {
 	a.m.Close()
 	clearRO(devB)
 	reqB.Grant = &fence.Grant{Disk: "vol-l", Node: nodeB, Supersedes: []fence.Key{keyA}}
-	if res, err := b.m.Stage(ctx, reqB); err != nil || res.Method != MethodLease || res.Formatted {
+	if res, err := b.m.Stage(ctx, reqB); err != nil || res.Method != fence.MethodLease || res.Formatted {
 		t.Fatalf("B's granted takeover: %+v %v", res, err)
 	}
 	if got, _ := os.ReadFile(filepath.Join(reqB.StagingPath, "a")); string(got) != "node-a's data" {
@@ -137,7 +137,7 @@ func (e *env) firstLeaseStageFormatsPastTheLease(ctx context.Context, req StageR
 	t := e.t
 	t.Helper()
 	res, err := e.m.Stage(ctx, req)
-	if err != nil || res.Method != MethodLease || !res.Formatted || !strings.HasPrefix(res.Device, "/dev/loop") || res.Device == dev {
+	if err != nil || res.Method != fence.MethodLease || !res.Formatted || !strings.HasPrefix(res.Device, "/dev/loop") || res.Device == dev {
 		t.Fatalf("stage on a blank disk: %+v %v", res, err)
 	}
 	raw, _ := os.ReadFile(img)
@@ -162,7 +162,7 @@ func refusedAtSightByB(ctx context.Context, a, b *env, devA, devB string) {
 	t := b.t
 	t.Helper()
 	v, err := b.m.Classify(ctx, devEvent(t, devB))
-	if err != nil || !v.Refuse || v.Holder != keyA || v.HolderNode != "node-a" || v.Method != MethodLease {
+	if err != nil || !v.Refuse || v.Holder != keyA || v.HolderNode != "node-a" || v.Method != fence.MethodLease {
 		t.Fatalf("B's verdict on A's disk: %+v %v", v, err)
 	}
 	if err := uevent.SetReadOnly(devB, 0, 0, true); err != nil {
@@ -264,7 +264,7 @@ func TestTokenOfAnEncryptedVolumeOnALeaseDisk(t *testing.T) {
 	img, dev := loop(t, 64)
 	req := encReq(e, "vol-lt", img, "lt")
 	req.AllowUnfenced = false
-	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != MethodLease || !res.Formatted {
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease || !res.Formatted {
 		t.Fatalf("encrypted stage on a lease disk: %+v %v", res, err)
 	}
 	raw, _ := os.ReadFile(img)
@@ -298,7 +298,7 @@ func TestExpandOfALeaseDiskGrowsTheDataMapping(t *testing.T) {
 	req.AllowUnfenced = false
 	req.FsType = "xfs" // ext4 grows online only with CAP_SYS_RESOURCE, which containers may drop
 	res, err := e.m.Stage(ctx, req)
-	if err != nil || res.Method != MethodLease || res.Device == dev {
+	if err != nil || res.Method != fence.MethodLease || res.Device == dev {
 		t.Fatalf("stage on a lease disk: %+v %v", res, err)
 	}
 	before, _ := e.m.Stats(ctx, "vol-lx", "")
@@ -340,7 +340,7 @@ func TestLiveLeaseHolderAcknowledgesAGrantedTakeover(t *testing.T) {
 	reqA := a.stageReq("vol-ack", img, "ack")
 	reqA.AllowUnfenced = false
 	res, err := a.m.Stage(ctx, reqA)
-	if err != nil || res.Method != MethodLease {
+	if err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("A's stage: %+v %v", res, err)
 	}
 	// Writes that went below the filesystem but not yet to the disk: the
@@ -604,7 +604,7 @@ func TestALookAtABlankDiskProvesNothing(t *testing.T) {
 	runs := blkidRuns(t)
 
 	v, err := e.m.Classify(ctx, devEvent(t, dev))
-	if err != nil || v.Refuse || v.Method != MethodLease {
+	if err != nil || v.Refuse || v.Method != fence.MethodLease {
 		t.Fatalf("the watcher's verdict on a blank disk: %+v %v", v, err)
 	}
 	if got := runs(); len(got) > 0 {
@@ -724,7 +724,7 @@ func TestStageUsesALeaseAreaWrittenDuringItsProof(t *testing.T) {
 	req := e.stageReq("vol-race", img, "race")
 	req.AllowUnfenced = false
 	res, err := e.m.Stage(ctx, req)
-	if !raced || err != nil || res.Method != MethodLease {
+	if !raced || err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage raced by another node's format (raced %v): %+v %v; want the lease, on the other node's lease area", raced, res, err)
 	}
 	d, err := lease.OpenDevice(dev)

@@ -66,7 +66,7 @@ var (
 	volSimSeeds = flag.Int("volsim.seeds", 2000, "sequences TestVolumeSimulation runs (make soak runs more)")
 	volSimSeed  = flag.Int64("volsim.seed", -1, "run only this sequence, with its trace")
 	volSimFrom  = flag.Int64("volsim.from", 1, "first seed of TestVolumeSimulation")
-	volSimLive = flag.Bool("volsim.converge", true, "fail on I5 (convergence) too, not only on I1-I4 (=false: report I5's failures by kind)")
+	volSimLive  = flag.Bool("volsim.converge", true, "fail on I5 (convergence) too, not only on I1-I4 (=false: report I5's failures by kind)")
 )
 
 // errSimFault is an injected failure; errSimDead answers every call of an
@@ -585,7 +585,7 @@ func (f *simFencer) Probe(context.Context) (fence.Support, error) {
 
 func (f *simFencer) method() fence.Method {
 	if f.lease {
-		return MethodLease
+		return fence.MethodLease
 	}
 	return fence.MethodPR
 }

@@ -411,7 +411,7 @@ func (s *staging) releaseAcquired(ctx context.Context) {
 // fence is taken, a failure sets the flag again.
 func (s *staging) writableForLease(ctx context.Context) error {
 	m, c, dev := s.m, s.c, s.dev
-	if s.choice.Method != MethodLease {
+	if s.choice.Method != fence.MethodLease {
 		return nil
 	}
 	if ro, rerr := m.host.ReadOnly(dev); rerr != nil || !ro {

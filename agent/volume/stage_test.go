@@ -94,14 +94,14 @@ type fakeFencer struct {
 }
 
 func (f *fakeFencer) Probe(context.Context) (fence.Support, error) {
-	return fence.Support{Method: MethodLease}, nil
+	return fence.Support{Method: fence.MethodLease}, nil
 }
 func (f *fakeFencer) Acquire(context.Context, *fence.Grant) (fence.Claim, error) {
 	if f.held {
 		f.j.calls = append(f.j.calls, "acquire: held")
 		return fence.Claim{}, &fence.HeldError{Device: "fake0", Holder: 0x6e6f6465, HolderNode: "node-b"}
 	}
-	return fence.Claim{Method: MethodLease, Key: 0x7663}, f.j.do("acquire")
+	return fence.Claim{Method: fence.MethodLease, Key: 0x7663}, f.j.do("acquire")
 }
 func (f *fakeFencer) Release(context.Context) error { return f.j.do("release") }
 func (f *fakeFencer) Check(context.Context) error   { return nil }
@@ -109,7 +109,7 @@ func (f *fakeFencer) Close() error                  { return f.j.do("close fence
 func (f *fakeFencer) Choose(context.Context, *Device, string, func(*fence.LostError) bool) (Choice, error) {
 	// A fencing method that keeps metadata before the data, as the
 	// lease does, so that the stage maps the data region.
-	return Choice{Fencer: f, Method: MethodLease, DataOffset: 1 << 20}, nil
+	return Choice{Fencer: f, Method: fence.MethodLease, DataOffset: 1 << 20}, nil
 }
 
 // fakeCrypt maps an encrypted volume onto a filesystem image.

@@ -72,7 +72,7 @@ func TestRawBlockLeaseUnstageFlushesBeforeTheRelease(t *testing.T) {
 	ctx := context.Background()
 	req := StageRequest{Volume: "vol-rb", Locator: Locator{BackingFile: img}, StagingPath: e.blockStaging("rb"), Block: true}
 	res, err := e.m.Stage(ctx, req)
-	if err != nil || res.Method != MethodLease {
+	if err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
 	f, err := os.OpenFile(res.Device, os.O_WRONLY, 0)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 // B's record of a claim whose disk was removed (Missing) does not cover
@@ -26,7 +28,7 @@ func TestClassifyIgnoresAClaimWhoseDiskWentAway(t *testing.T) {
 	t.Cleanup(func() { a.m.Unstage(context.Background(), "vol-w", reqA.StagingPath) })
 
 	ev := devEvent(t, devB)
-	old := &Claim{Volume: "vol-gone", Device: "/dev/vdq", DevNum: fmtDevnum(ev.Major, ev.Minor), Method: MethodLease,
+	old := &Claim{Volume: "vol-gone", Device: "/dev/vdq", DevNum: fmtDevnum(ev.Major, ev.Minor), Method: fence.MethodLease,
 		Phase: PhaseStaged, State: StateHeld, Missing: true, Detail: "the disk /dev/vdq of volume vol-gone was removed from this node"}
 	if err := b.m.Store().Put(old); err != nil {
 		t.Fatal(err)

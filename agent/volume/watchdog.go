@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 // What became of a lost lease's I/O (leaseFencer.loss).
@@ -119,7 +120,7 @@ func recordedLease(c *Claim) bool {
 // record says so, or it is a stage cut short before its record named the
 // method (a data mapping may already be over the disk).
 func mayBeLease(c *Claim) bool {
-	return c.Method == MethodLease || (c.Phase != PhaseStaged && c.Method == "")
+	return c.Method == fence.MethodLease || (c.Phase != PhaseStaged && c.Method == "")
 }
 
 // unresolved reports whether the start-up check has not yet taken back

@@ -103,7 +103,7 @@ func TestHostWatchdogFollowsTheLeaseEngines(t *testing.T) {
 func (e *env) leaseStageArmsAndFeedsTheWatchdog(ctx context.Context, req StageRequest, wd *watchdog.Watchdog, dev *countingDevice) {
 	t := e.t
 	t.Helper()
-	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+	if res, err := e.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
 	ls := e.m.Leases()
@@ -226,7 +226,7 @@ func unresumedUntilTheCheck(t *testing.T, fail *resumeFailsOnce) {
 	img, devA := loop(t, 64)
 	req := a.stageReq("vol-u", img, "u")
 	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
 	time.Sleep(testTiming.Renew / 2)
@@ -292,7 +292,7 @@ func TestAResumeLossKeepsTheWatchdogUnfedUnlessItsIOStopped(t *testing.T) {
 			t.Cleanup(func() { clearRO(devA) })
 			req := a.stageReq("vol-l", img, "l")
 			req.AllowUnfenced = false
-			if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+			if res, err := a.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 				t.Fatalf("stage: %+v %v", res, err)
 			}
 			a.start() // the agent stops, and is down past the fail bound
@@ -449,7 +449,7 @@ func TestTheStartUpCheckResumesLeasesSideBySide(t *testing.T) {
 		t.Cleanup(func() { clearRO(dev) })
 		req := a.stageReq(fmt.Sprintf("vol-%d", i), img, fmt.Sprintf("%d", i))
 		req.AllowUnfenced = false
-		if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+		if res, err := a.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 			t.Fatalf("stage %d: %+v %v", i, res, err)
 		}
 		reqs = append(reqs, req)
@@ -486,7 +486,7 @@ func lossFailedBeforeRestart(t *testing.T, a *env, vol string) StageRequest {
 	t.Cleanup(func() { clearRO(devA) })
 	req := a.stageReq(vol, img, vol)
 	req.AllowUnfenced = false
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage: %+v %v", res, err)
 	}
 	a.start()
@@ -599,7 +599,7 @@ func TestAStageWaitsForTheCheckToTakeBackAnUnresumedLease(t *testing.T) {
 		t.Fatalf("leases after the refused stage: %+v", ls)
 	}
 	a.m.CheckAll(ctx)
-	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != MethodLease {
+	if res, err := a.m.Stage(ctx, req); err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage once the check resumed the lease: %+v %v", res, err)
 	}
 	if err := a.m.Unstage(ctx, "vol-s", req.StagingPath); err != nil {
@@ -614,7 +614,7 @@ func stagedLease(t *testing.T, a *env, vol, staging string) StageRequest {
 	t.Cleanup(func() { clearRO(dev) })
 	req := a.stageReq(vol, img, staging)
 	req.AllowUnfenced = false
-	if res, err := a.m.Stage(context.Background(), req); err != nil || res.Method != MethodLease {
+	if res, err := a.m.Stage(context.Background(), req); err != nil || res.Method != fence.MethodLease {
 		t.Fatalf("stage of %s: %+v %v", vol, res, err)
 	}
 	return req
@@ -625,7 +625,7 @@ func stagedLease(t *testing.T, a *env, vol, staging string) StageRequest {
 // W/2, and a reservation or unfenced claim must not hold a worker then.
 func TestStartUpOrderTakesLeasesFirst(t *testing.T) {
 	var claims []*Claim
-	for i, m := range []fence.Method{fence.MethodPR, MethodLease, fence.MethodNone, MethodLease, fence.MethodPR, MethodLease} {
+	for i, m := range []fence.Method{fence.MethodPR, fence.MethodLease, fence.MethodNone, fence.MethodLease, fence.MethodPR, fence.MethodLease} {
 		claims = append(claims, &Claim{Volume: fmt.Sprintf("vol-%d", i), Method: m})
 	}
 	startUpOrder(claims)

@@ -47,14 +47,10 @@ func dash(s string) string {
 	return strings.ReplaceAll(s, "\n", " ")
 }
 
+// fencingName is how the CLI writes a fencing method: fence's name of it.
 func fencingName(m api.FencingMethod) string {
-	switch m {
-	case api.FencingMethod_FENCING_METHOD_SCSI3_PR:
-		return "scsi-pr"
-	case api.FencingMethod_FENCING_METHOD_DISK_LEASE:
-		return "disk-lease"
-	case api.FencingMethod_FENCING_METHOD_NONE:
-		return "none"
+	if name := m.Method(); name != "" {
+		return string(name)
 	}
 	return "-"
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -86,8 +85,7 @@ func runIdentity(args []string) int {
 		if fc.Available {
 			state = "available"
 		}
-		name := strings.ToLower(strings.ReplaceAll(strings.TrimPrefix(fc.Method.String(), "FENCING_METHOD_"), "_", "-"))
-		fmt.Fprintf(tw, "%s\t%s: %s (%s)\n", colon(k), name, state, fc.Detail)
+		fmt.Fprintf(tw, "%s\t%s: %s (%s)\n", colon(k), fencingName(fc.Method), state, fc.Detail)
 	}
 	tw.Flush()
 	return 0
@@ -128,14 +126,7 @@ func localIdentity(cfgPath string, explicit bool, sysfs string) (*api.Identity, 
 		NodeName: cfg.Node.Name, Location: cfg.Node.Location, AgentVersion: version,
 	}
 	for _, c := range fencecaps.Detect(cfg.SysfsRoot) {
-		m := api.FencingMethod_FENCING_METHOD_UNSPECIFIED
-		switch c.Method {
-		case fencecaps.SCSI3PR:
-			m = api.FencingMethod_FENCING_METHOD_SCSI3_PR
-		case fencecaps.DiskLease:
-			m = api.FencingMethod_FENCING_METHOD_DISK_LEASE
-		}
-		id.Fencing = append(id.Fencing, &api.FencingCapability{Method: m, Available: c.Available, Detail: c.Detail})
+		id.Fencing = append(id.Fencing, &api.FencingCapability{Method: api.FencingOf(c.Method), Available: c.Available, Detail: c.Detail})
 	}
 	return id, nil
 }

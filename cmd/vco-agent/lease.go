@@ -449,13 +449,13 @@ func (o *leaseOptions) watch() int {
 				return uevent.Verdict{}, err
 			}
 			if s == nil {
-				return uevent.Verdict{Method: lease.Method, Reason: "lease free"}, nil
+				return uevent.Verdict{Method: fence.MethodLease, Reason: "lease free"}, nil
 			}
 			if s.Key == o.key {
-				return uevent.Verdict{Method: lease.Method, Holder: s.Key, Reason: "lease held by this node"}, nil
+				return uevent.Verdict{Method: fence.MethodLease, Holder: s.Key, Reason: "lease held by this node"}, nil
 			}
 			node := o.nodeName(s)
-			return uevent.Verdict{Refuse: true, Method: lease.Method, Holder: s.Key, HolderNode: node,
+			return uevent.Verdict{Refuse: true, Method: fence.MethodLease, Holder: s.Key, HolderNode: node,
 				Reason: fmt.Sprintf("disk lease held by key %s (node %s)", s.Key, node)}, nil
 		},
 		OnDecision: func(d uevent.Decision) {

@@ -107,7 +107,7 @@ func TestIdentityReadsLocallyWithoutAgent(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, errs)
 	}
-	for _, w := range []string{"Read locally from SMBIOS", "no socket at " + sock, uuid, "cli-node", "loc-cli", "whitesky.cloud", "scsi3-pr: not available"} {
+	for _, w := range []string{"Read locally from SMBIOS", "no socket at " + sock, uuid, "cli-node", "loc-cli", "whitesky.cloud", "scsi-pr: not available"} {
 		if !strings.Contains(out, w) {
 			t.Errorf("output lacks %q:\n%s", w, out)
 		}

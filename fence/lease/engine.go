@@ -16,9 +16,6 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
-// Method is the fence.Method of the on-disk lease.
-const Method fence.Method = "disk-lease"
-
 // Config is what an Engine needs besides the device.
 type Config struct {
 	// Key is this node's fence key (fence.KeyFromUUID of its SMBIOS UUID).
@@ -258,9 +255,9 @@ func (e *Engine) Probe(ctx context.Context) (fence.Support, error) {
 	}
 	switch c.Layout {
 	case LayoutLease:
-		return fence.Support{Method: Method}, nil
+		return fence.Support{Method: fence.MethodLease}, nil
 	case LayoutBlank:
-		return fence.Support{Method: Method, Reason: "blank disk: the lease area is written when the volume is first staged"}, nil
+		return fence.Support{Method: fence.MethodLease, Reason: "blank disk: the lease area is written when the volume is first staged"}, nil
 	}
 	return fence.Support{Method: fence.MethodNone, Reason: fmt.Sprintf("no lease area and the disk holds data (%s)", c.Signature)}, nil
 }
@@ -427,7 +424,7 @@ func (e *Engine) clearCopies(ctx context.Context) (bool, error) {
 }
 
 func (e *Engine) claim() fence.Claim {
-	return fence.Claim{Method: Method, Key: e.cfg.Key}
+	return fence.Claim{Method: fence.MethodLease, Key: e.cfg.Key}
 }
 
 // attempt is one acquisition attempt: the read its claim is based on, the

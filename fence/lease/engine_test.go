@@ -48,7 +48,7 @@ func TestProbeFormatAndRetry(t *testing.T) {
 		dev := loopDevice(t, 8<<20, sector, nil)
 		a := newNode(t, dev, uuidA, "node-a")
 		sup, err := a.e.Probe(ctx)
-		if err != nil || sup.Method != Method || !strings.Contains(sup.Reason, "blank") {
+		if err != nil || sup.Method != fence.MethodLease || !strings.Contains(sup.Reason, "blank") {
 			t.Fatalf("sector %d: probe of a blank disk: %+v %v", sector, sup, err)
 		}
 		if _, err := a.e.Acquire(ctx, nil); !errors.Is(err, fence.ErrNotSupported) {
@@ -61,14 +61,14 @@ func TestProbeFormatAndRetry(t *testing.T) {
 			}
 		}
 		sup, err = a.e.Probe(ctx)
-		if err != nil || sup.Method != Method || sup.Reason != "" {
+		if err != nil || sup.Method != fence.MethodLease || sup.Reason != "" {
 			t.Fatalf("sector %d: probe after format: %+v %v", sector, sup, err)
 		}
 		if out, err := exec.Command("blkid", "-p", dev).CombinedOutput(); err == nil {
 			t.Fatalf("blkid recognises the lease area as something: %s", out)
 		}
 		c, err := a.e.Acquire(ctx, nil)
-		if err != nil || c.Method != Method || c.Key != keyA || c.Already {
+		if err != nil || c.Method != fence.MethodLease || c.Key != keyA || c.Already {
 			t.Fatalf("sector %d: acquire: %+v %v", sector, c, err)
 		}
 		if err := a.e.Release(ctx); err != nil {

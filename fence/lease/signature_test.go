@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 func run(t *testing.T, name string, args ...string) {
@@ -88,7 +90,7 @@ func TestFormatRefusesForeignLayouts(t *testing.T) {
 			}
 			a := newNodeTiming(t, dev, uuidA, "node-a", readTiming)
 			sup, err := a.e.Probe(ctx)
-			if err != nil || sup.Method == Method || !strings.Contains(sup.Reason, c.want) {
+			if err != nil || sup.Method == fence.MethodLease || !strings.Contains(sup.Reason, c.want) {
 				t.Fatalf("probe of a foreign disk: %+v %v", sup, err)
 			}
 		})

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
 
 // The kernel cannot be made to drop uevents on demand, so these tests
@@ -129,9 +128,9 @@ func startFake(t *testing.T, rescan time.Duration, setup func(*fakeNode)) *fakeN
 			n.mu.Lock()
 			defer n.mu.Unlock()
 			if k, ok := n.held[ev.Node()]; ok {
-				return Verdict{Refuse: true, Method: lease.Method, Holder: k, Reason: "held by " + k.String()}, nil
+				return Verdict{Refuse: true, Method: fence.MethodLease, Holder: k, Reason: "held by " + k.String()}, nil
 			}
-			return Verdict{Method: lease.Method}, nil
+			return Verdict{Method: fence.MethodLease}, nil
 		},
 		OnDecision: func(d Decision) { n.decisions <- d },
 		OnRemove:   func(ev Event) { n.removals <- ev },
@@ -331,7 +330,7 @@ func TestStopDuringRescanIsNoError(t *testing.T) {
 			if classified++; classified == 2 {
 				cancel()
 			}
-			return Verdict{Method: lease.Method}, nil
+			return Verdict{Method: fence.MethodLease}, nil
 		},
 		setReadOnly: func(string, uint32, uint32, bool) error { return nil },
 		dial:        func(Group) (source, error) { return src, nil },

@@ -33,9 +33,9 @@ func leaseClassifier(mine fence.Key) Classifier {
 			return Verdict{}, err
 		}
 		if s == nil || s.Key == mine {
-			return Verdict{Method: lease.Method}, nil
+			return Verdict{Method: fence.MethodLease}, nil
 		}
-		return Verdict{Refuse: true, Method: lease.Method, Holder: s.Key, HolderNode: s.Node,
+		return Verdict{Refuse: true, Method: fence.MethodLease, Holder: s.Key, HolderNode: s.Node,
 			Reason: fmt.Sprintf("disk lease held by key %s (node %s)", s.Key, s.Node)}, nil
 	}
 }
