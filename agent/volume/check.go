@@ -163,8 +163,9 @@ func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Devic
 		log.Error("cannot choose the fencing of an interrupted stage to release it; the check tries again", "err", err)
 		return m.unresolvedInterrupted(c, dev)
 	}
-	if err == nil && ch.Fencer == nil {
-		// The disk offers no fencing now: nothing to release, but what
+	if err != nil || ch.Fencer == nil {
+		// The disk offers no fencing now (or, for a stage without
+		// fencing, its choice failed): nothing to release, but what
 		// is still in use stays watched, as a staged claim: a fenced one
 		// (reconcileFence then finds the fencing gone and stops its I/O)
 		// or one staged without fencing by opt-in.

@@ -313,13 +313,28 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 		}
 	}
 	if c.Block {
-		return true, nil
+		return m.blockIntact(c), nil
 	}
 	mp, err := m.host.IsMountPoint(c.StagingPath)
 	if err != nil {
 		return false, agenterr.New(agenterr.Unavailable, "volume %s is staged, but whether %s is mounted could not be read: %v; retry the stage", c.Volume, c.StagingPath, err)
 	}
 	return mp, nil
+}
+
+// blockIntact reports whether what a staged raw block volume's device is
+// made of is still there: its dm-crypt mapping (an unstage stopped after
+// closing it has taken it off the record) and its data mapping (a loop
+// device over its disk). Otherwise a publish would hand the pod the
+// ciphertext disk, or a loop device that maps nothing.
+func (m *Manager) blockIntact(c *Claim) bool {
+	if c.Encrypted && c.Mapper == "" {
+		return false
+	}
+	if c.DataOffset > 0 && (c.DataDevice == "" || !m.host.MapsDisk(c.DataDevice, c.Device)) {
+		return false
+	}
+	return true
 }
 
 // repair mounts a staged volume whose staging path is no longer mounted
@@ -1033,6 +1048,10 @@ func (m *Manager) grow(ctx context.Context, c *Claim, required int64) (int64, er
 // mapping (encrypted volumes) see the grown disk of disk bytes.
 func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error {
 	if c.DataDevice != "" {
+		if !m.host.MapsDisk(c.DataDevice, c.Device) {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s: its recorded data mapping %s is not a loop device over its disk %s; unstage and stage the volume again to remap it",
+				c.Volume, c.DataDevice, c.Device)
+		}
 		if err := growDataMapping(c.DataDevice); err != nil {
 			return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 		}
