@@ -55,6 +55,9 @@ type host interface {
 	// DataMapping finds a data mapping over disk (a loop device at the
 	// lease's data offset).
 	DataMapping(disk string) (string, bool)
+	// BlockTargetHolds checks that a raw block volume's target is the
+	// bind mount of c's device node (blockTargetHolds).
+	BlockTargetHolds(target string, c *Claim) error
 	// MapsDisk reports whether the device p is a loop device whose
 	// backing file is the disk node disk (removed since, or not): a
 	// record's data mapping is detached only then.
@@ -133,6 +136,10 @@ func (osHost) MountRoot(f *os.File, _ string) (bool, error) {
 func (h osHost) DataMapping(disk string) (string, bool) {
 	p, err := lease.FindData(h.sysfs, disk)
 	return p, err == nil && p != ""
+}
+
+func (h osHost) BlockTargetHolds(target string, c *Claim) error {
+	return blockTargetHolds(h.root, target, c)
 }
 
 func (h osHost) MapsDisk(p, disk string) bool {

@@ -692,6 +692,14 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err := publishable(r, c, staging, target); err != nil {
 		return err
 	}
+	if err := m.fenceHeld(ctx, c); err != nil {
+		return err
+	}
+	if c.Block && !m.blockIntact(c) {
+		// Bound as it is, the pod would get the ciphertext disk, or the
+		// disk with its lease area.
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt or data mapping is gone): stage it again first", c.Volume)
+	}
 	mp, _ := m.host.IsMountPoint(target)
 	if mp {
 		if err := m.publishedAlready(c, target); err != nil {
@@ -746,11 +754,34 @@ func publishable(r PublishRequest, c *Claim, staging, target string) error {
 	return nil
 }
 
+// fenceHeld proves, before a publish, that a fenced claim's fence is
+// still this node's: an unstage whose release answered an error may have
+// released it, and a raw block volume keeps no mount that would stop the
+// publish; a pod is never given a disk no fence keeps (P1).
+func (m *Manager) fenceHeld(ctx context.Context, c *Claim) error {
+	if c.State != StateHeld {
+		return nil
+	}
+	l := m.getLive(c.Volume)
+	if l == nil || l.fencer == nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its fence back yet; the claim check retries every %s: retry the publish after that", c.Volume, m.o.Config.CheckInterval)
+	}
+	if err := l.fencer.Check(ctx); err != nil {
+		var lost *fence.LostError
+		if errors.As(err, &lost) {
+			m.lose(c, l.dev, lost)
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, lost)
+		}
+		return agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s before publishing it: %v; retry the publish", c.Volume, l.dev.Path, err)
+	}
+	return nil
+}
+
 // publishedAlready accepts a target that already has the volume mounted
 // on it (a retried publish) and refuses one with anything else.
 func (m *Manager) publishedAlready(c *Claim, target string) error {
 	if c.Block {
-		return blockTargetHolds(m.o.Config.KubeletRoot, target, c)
+		return m.host.BlockTargetHolds(target, c)
 	}
 	if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
 		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", c.Volume, target, src)

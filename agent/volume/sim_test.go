@@ -487,12 +487,27 @@ func (h simHost) Bind(source, target string, block bool, _ []string) error {
 		if _, ok := h.w.mounts[target]; ok {
 			return fmt.Errorf("%s: already mounted", target)
 		}
-		d, err := mkdirBeneath(h.w.kubelet, target, 0o750)
+		// A raw block volume's target is a file, as the kubelet's is.
+		mk := mkdirBeneath
+		if block {
+			mk = createBeneath
+		}
+		d, err := mk(h.w.kubelet, target, 0o750)
 		if err != nil {
 			return err
 		}
 		d.Close()
 		h.w.mounts[target] = dev
+		return nil
+	})
+}
+
+// BlockTargetHolds: the target is a bind of the volume's device node.
+func (h simHost) BlockTargetHolds(target string, c *Claim) error {
+	return h.do("stat target", func() error {
+		if d, ok := h.w.mounts[target]; !ok || d != c.MountDevice() {
+			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %q bound on it, not the volume's device %s", c.Volume, target, d, c.MountDevice())
+		}
 		return nil
 	})
 }
@@ -764,11 +779,8 @@ func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 	r := &simRun{w: w, seed: seed}
 	n := 1 + rng.IntN(2)
 	for i := range n {
-		// Raw block volumes are left out: their publications are checked
-		// against real device nodes (blockTargetHolds).
-		v := &simVolume{id: fmt.Sprintf("pvc-%d", i), serial: fmt.Sprintf("sim%d", i), encrypted: rng.IntN(4) == 0}
+		v := &simVolume{id: fmt.Sprintf("pvc-%d", i), serial: fmt.Sprintf("sim%d", i), encrypted: rng.IntN(4) == 0, block: rng.IntN(4) == 0}
 		if v.block {
-			v.encrypted = false
 			v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", v.id)
 		} else {
 			v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi", simDriver, fmt.Sprintf("%064x", i), "globalmount")
@@ -1011,6 +1023,20 @@ func (r *simRun) readd(v *simVolume, sameNumber bool) {
 	d.present = true
 }
 
+// checkBlockTargets: a raw block volume's pod is never given the disk
+// itself when the volume is encrypted (the ciphertext) or lease-fenced
+// (the lease area at its start), only the mapping over it (I1).
+func (r *simRun) checkBlockTargets(v *simVolume, d *simDiskState) {
+	if !v.block || (!v.encrypted && !d.lease) {
+		return
+	}
+	for _, t := range v.targets {
+		if dev, ok := r.w.mounts[t]; ok && dev == d.path {
+			r.w.violate("I1: %s's pod at %s is given the disk %s itself, not its mapping", v.id, t, dev)
+		}
+	}
+}
+
 // check checks I1 and I3 on the node as it is between two steps.
 func (r *simRun) check() {
 	w := r.w
@@ -1018,6 +1044,7 @@ func (r *simRun) check() {
 	defer w.mu.Unlock()
 	for _, v := range r.vols {
 		d := w.disks[v.serial]
+		r.checkBlockTargets(v, d)
 		what := w.inUse(v.serial)
 		if what == "" {
 			continue
