@@ -325,13 +325,15 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 // blockIntact reports whether what a staged raw block volume's device is
 // made of is still there: its dm-crypt mapping (an unstage stopped after
 // closing it has taken it off the record) and its data mapping (a loop
-// device over its disk). Otherwise a publish would hand the pod the
+// device over its disk; the lease always keeps its area before the data,
+// also when a stage failed before recording where the data starts). Otherwise a publish would hand the pod the
 // ciphertext disk, or a loop device that maps nothing.
 func (m *Manager) blockIntact(c *Claim) bool {
 	if c.Encrypted && c.Mapper == "" {
 		return false
 	}
-	if c.DataOffset > 0 && (c.DataDevice == "" || !m.host.MapsDisk(c.DataDevice, c.Device)) {
+	needsData := c.DataOffset > 0 || c.Method == fence.MethodLease
+	if needsData && (c.DataDevice == "" || !m.host.MapsDisk(c.DataDevice, c.Device)) {
 		return false
 	}
 	return true

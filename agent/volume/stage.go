@@ -393,6 +393,10 @@ func (s *staging) releaseAcquired(ctx context.Context) {
 		// finds it not this node's and stops the volume's I/O.
 		s.kept = true
 		c.Method, c.State = s.choice.Method, StateHeld
+		if c.DataOffset == 0 {
+			// Where the data starts, for the repair that maps it.
+			c.DataOffset = s.choice.DataOffset
+		}
 		if !s.live {
 			m.setLive(c.Volume, &live{dev: dev, fencer: s.choice.Fencer})
 			s.live = true
