@@ -171,7 +171,7 @@ func (a *Agent) Stage(ctx context.Context, r driver.StageRequest) error {
 	return a.answer(err)
 }
 
-var contents = map[api.VolumeContent]string{
+var contents = map[api.VolumeContent]driver.Content{
 	api.VolumeContent_VOLUME_CONTENT_BLANK: driver.ContentBlank,
 	api.VolumeContent_VOLUME_CONTENT_LUKS2: driver.ContentLUKS2,
 	api.VolumeContent_VOLUME_CONTENT_OTHER: driver.ContentOther,

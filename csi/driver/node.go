@@ -50,17 +50,20 @@ type StageEncryption struct {
 	Token *luks2.TransitToken
 }
 
-// What a volume's device holds where its LUKS2 header goes.
+// Content is what a volume's device holds where its LUKS2 header goes.
+type Content string
+
+// The contents a device can hold there.
 const (
-	ContentBlank = "blank"
-	ContentLUKS2 = "luks2"
-	ContentOther = "other"
+	ContentBlank Content = "blank"
+	ContentLUKS2 Content = "luks2"
+	ContentOther Content = "other"
 )
 
 // VolumeToken is what the agent read where the volume's LUKS2 header goes.
 type VolumeToken struct {
 	// Content is ContentBlank, ContentLUKS2 or ContentOther.
-	Content string
+	Content Content
 	// Token is the header's wrapped passphrase; nil when it has none.
 	Token *luks2.TransitToken
 	// Detail names what the device holds when it is not blank or LUKS2.
