@@ -11,9 +11,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 
 	"google.golang.org/grpc/codes"
 

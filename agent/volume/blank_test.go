@@ -22,8 +22,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // P5 on every path: the agent formats only a device it proves blank, and a

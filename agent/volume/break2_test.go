@@ -14,7 +14,7 @@ import (
 	"testing/synctest"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // flushFailHost fails the release guard's flush of a disk while failFlush

@@ -17,7 +17,7 @@ import (
 	"testing/synctest"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // hookHost is the simulation's host with hooks run before a mount or an

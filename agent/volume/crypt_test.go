@@ -17,7 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/crypt/dmcrypt/dmcrypttest"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // hostLUKS is the real LUKS (header formatting, inspection and the

@@ -10,8 +10,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // A fencing method that keeps metadata at the start of the disk (the

@@ -8,8 +8,8 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // An encrypted volume's passphrase is made and wrapped by the node plugin

@@ -8,7 +8,7 @@ import (
 	"strings"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // Formatting (P5, docs/architecture.md). The agent formats a device only

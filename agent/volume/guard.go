@@ -8,7 +8,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/inuse"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
 )
 
 // The release guard (docs/architecture.md, "The release guard"): a fence

@@ -15,8 +15,8 @@ import (
 	utilexec "k8s.io/utils/exec"
 
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
-	"github.com/whitesky-cloud/vco-storage/internal/inuse"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
 )
 
 // host is every effect the manager has on the node besides its claim

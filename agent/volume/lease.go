@@ -9,7 +9,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // LeaseOptions configure the on-disk lease (package fence/lease) for

@@ -22,7 +22,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // Two "nodes" on this host share one disk image through two loop devices

@@ -7,7 +7,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // A disk that carries the lease area (fence/lease) keeps its volume's data

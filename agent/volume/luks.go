@@ -12,7 +12,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // ContentKind is what a volume's device holds where LUKS2 goes.

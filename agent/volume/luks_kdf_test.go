@@ -3,7 +3,7 @@ package volume
 import (
 	"context"
 	"errors"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 	"os"
 	"path/filepath"
 	"strings"

@@ -17,7 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // Encryption formats, opens and closes LUKS2 volumes (LUKS, built on

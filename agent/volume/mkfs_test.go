@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // A filesystem made on a data mapping (the loop device past the lease

@@ -11,7 +11,7 @@ import (
 	mount "k8s.io/mount-utils"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // mounter is what the manager does with mounts: mount a filesystem at a

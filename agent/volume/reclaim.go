@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // acquire claims the disk for a stage. A fencer whose storage can forget
@@ -97,7 +97,7 @@ func (m *Manager) acquireWaiting(ctx context.Context, wa fence.WaitingAcquirer, 
 }
 
 // contents says what the disk at path holds, "" when it is blank, by the
-// proof every format passes (package internal/blank): no signature, no
+// proof every format passes (package internal/safety/blank): no signature, no
 // lease or LUKS header, zeros at the start, at the lease data offset and
 // at the end. The reads bypass the page cache, which may still hold what
 // this node read before another node wrote the disk.

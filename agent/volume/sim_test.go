@@ -58,8 +58,8 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
-	"github.com/whitesky-cloud/vco-storage/internal/inuse"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
 )
 
 var (

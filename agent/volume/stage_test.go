@@ -26,10 +26,10 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
-	"github.com/whitesky-cloud/vco-storage/internal/inuse"
 	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
 )
 
 // The stage's rollback, tested without root. What needs root (opening a

@@ -15,7 +15,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/dmcrypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // luksCLI is the operator's tool for LUKS2 volumes on a device or image

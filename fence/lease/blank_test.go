@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // The blank proof knows the lease header's magic and data offset without

@@ -7,7 +7,7 @@
 // before, so the agent picks it or the reservation engine (fence/pr) by
 // probing and handles both the same way.
 //
-// Format writes the lease area only on a disk package internal/blank
+// Format writes the lease area only on a disk package internal/safety/blank
 // proves blank, never over data (docs/architecture.md P5); ReadLayout and
 // ReadStatus read a disk's area without changing it; MapData and FindData
 // give the volume's data, from DataOffset, as a loop device. Every lease

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // ReadLayout reads the first and last MiB of the device and classifies
@@ -179,7 +179,7 @@ func (o FormatOptions) reusable(d *Device) (blank.Proof, bool) {
 // is reusable, else a new one. The layout check before it only tells a
 // lease area from the rest; the header is written on nothing but a disk
 // proven blank, by the proof every format of the agent passes (package
-// internal/blank).
+// internal/safety/blank).
 func (o FormatOptions) proof(ctx context.Context, d *Device) (blank.Proof, error) {
 	if p, ok := o.reusable(d); ok {
 		// Its zero checks are read again now; only its signature

@@ -6,7 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 
-	"github.com/whitesky-cloud/vco-storage/internal/blank"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
 // Layout is what a disk holds, as far as formatting it is concerned.
@@ -113,7 +113,7 @@ func Classify(head, tail []byte) Classification {
 // signature on path, as a second opinion that knows far more formats than
 // Classify. It returns "" when blkid finds nothing (exit status 2) and
 // an error when blkid cannot run. It is the blank proof's own probe
-// (package internal/blank).
+// (package internal/safety/blank).
 func ProbeBlkid(ctx context.Context, path string) (string, error) {
 	return blank.ProbeBlkid(ctx, path)
 }
