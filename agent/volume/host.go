@@ -58,6 +58,9 @@ type host interface {
 	// BlockTargetHolds checks that a raw block volume's target is the
 	// bind mount of c's device node (blockTargetHolds).
 	BlockTargetHolds(target string, c *Claim) error
+	// MappingOpen reports whether the dm-crypt mapping at p (as a claim
+	// records it) is set up.
+	MappingOpen(p string) bool
 	// MapsDisk reports whether the device p is a loop device whose
 	// backing file is the disk node disk (removed since, or not): a
 	// record's data mapping is detached only then.
@@ -140,6 +143,24 @@ func (h osHost) DataMapping(disk string) (string, bool) {
 
 func (h osHost) BlockTargetHolds(target string, c *Claim) error {
 	return blockTargetHolds(h.root, target, c)
+}
+
+func (h osHost) MappingOpen(p string) bool {
+	name, ok := strings.CutPrefix(p, "/dev/mapper/")
+	if !ok {
+		// Not a device-mapper node: the stand-in of the tests of a host
+		// without device-mapper (a loop device), set up while it is a
+		// block device.
+		var st unix.Stat_t
+		return p != "" && unix.Stat(p, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK
+	}
+	dms, _ := filepath.Glob(filepath.Join(h.sysfs, "block", "dm-*", "dm", "name"))
+	for _, f := range dms {
+		if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == name {
+			return true
+		}
+	}
+	return false
 }
 
 func (h osHost) MapsDisk(p, disk string) bool {

@@ -329,7 +329,7 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 // also when a stage failed before recording where the data starts). Otherwise a publish would hand the pod the
 // ciphertext disk, or a loop device that maps nothing.
 func (m *Manager) blockIntact(c *Claim) bool {
-	if c.Encrypted && c.Mapper == "" {
+	if c.Encrypted && (c.Mapper == "" || !m.host.MappingOpen(c.Mapper)) {
 		return false
 	}
 	needsData := c.DataOffset > 0 || c.Method == fence.MethodLease
@@ -694,7 +694,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err := publishable(r, c, staging, target); err != nil {
 		return err
 	}
-	if err := m.fenceHeld(ctx, c); err != nil {
+	if err := m.stillOurs(ctx, c); err != nil {
 		return err
 	}
 	if c.Block && !m.blockIntact(c) {
@@ -756,17 +756,27 @@ func publishable(r PublishRequest, c *Claim, staging, target string) error {
 	return nil
 }
 
-// fenceHeld proves, before a publish, that a fenced claim's fence is
-// still this node's: an unstage whose release answered an error may have
-// released it, and a raw block volume keeps no mount that would stop the
-// publish; a pod is never given a disk no fence keeps (P1).
-func (m *Manager) fenceHeld(ctx context.Context, c *Claim) error {
+// stillOurs proves, before a publish, that the claim's disk is still at
+// the device node it was staged on (a raw block volume is bound from that
+// node, which the kernel may have given another disk since) and that a
+// fenced claim's fence is still this node's (an unstage whose release
+// answered an error may have released it, and a raw block volume keeps
+// no mount that would stop the publish): a pod is never given a disk
+// that is not its volume's, or that no fence keeps (P1).
+func (m *Manager) stillOurs(ctx context.Context, c *Claim) error {
+	l := m.getLive(c.Volume)
+	if l == nil || (c.State == StateHeld && l.fencer == nil) {
+		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its disk and fence back yet; the claim check retries every %s: retry the publish after that", c.Volume, m.o.Config.CheckInterval)
+	}
+	if err := l.dev.Verify(ctx); err != nil {
+		kind := agenterr.Unavailable
+		if errors.Is(err, discovery.ErrIdentity) {
+			kind = agenterr.FailedPrecondition
+		}
+		return agenterr.New(kind, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again", c.Volume, c.Device, err)
+	}
 	if c.State != StateHeld {
 		return nil
-	}
-	l := m.getLive(c.Volume)
-	if l == nil || l.fencer == nil {
-		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its fence back yet; the claim check retries every %s: retry the publish after that", c.Volume, m.o.Config.CheckInterval)
 	}
 	if err := l.fencer.Check(ctx); err != nil {
 		var lost *fence.LostError

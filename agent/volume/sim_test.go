@@ -502,6 +502,12 @@ func (h simHost) Bind(source, target string, block bool, _ []string) error {
 	})
 }
 
+// MappingOpen: the modelled dm-crypt mapping name is set up.
+func (h simHost) MappingOpen(p string) (open bool) {
+	_ = h.do("dm-crypt status", func() error { _, open = h.w.crypts[strings.TrimPrefix(p, "/dev/mapper/")]; return nil })
+	return open
+}
+
 // BlockTargetHolds: the target is a bind of the volume's device node.
 func (h simHost) BlockTargetHolds(target string, c *Claim) error {
 	return h.do("stat target", func() error {
