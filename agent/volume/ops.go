@@ -756,7 +756,7 @@ func publishable(r PublishRequest, c *Claim, staging, target string) error {
 	return nil
 }
 
-// stillOurs proves, before a publish, that the claim's disk is still at
+// stillOurs proves, before a publish or an expansion, that the claim's disk is still at
 // the device node it was staged on (a raw block volume is bound from that
 // node, which the kernel may have given another disk since) and that a
 // fenced claim's fence is still this node's (an unstage whose release
@@ -1046,6 +1046,11 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	}
 	if c.Abnormal() {
 		return 0, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s", volume, c.Detail)
+	}
+	// Grown through the recorded device node: only while it is still the
+	// volume's disk, under the volume's fence.
+	if err := m.stillOurs(ctx, c); err != nil {
+		return 0, err
 	}
 	return m.grow(ctx, c, required)
 }
