@@ -71,19 +71,8 @@ func startUpOrder(claims []*Claim) {
 func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 	log := m.log.With("volume", c.Volume, "device", c.Device)
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
-	if err != nil && ctx.Err() != nil {
-		// Cut short by the agent's stop: nothing is concluded of the
-		// disk; the next process checks the claim again.
-		return
-	}
-	if err != nil && agenterr.KindOf(err) != agenterr.NotFound && mayBeLease(c) && m.mayBeWriting() {
-		// Its disk cannot be told from another (a scan that failed, a
-		// serial that does not match), and a mount of the earlier
-		// process may still write to it: the lease stays listed as not
-		// resumed, and the host watchdog unfed, until a check finds the
-		// disk (or it is found gone).
-		log.Error("cannot verify a recorded lease claim's device; the volume is reported abnormal, and the host watchdog is not fed until the check finds its disk", "err", err)
-		m.markMissing(c, err)
+	if err != nil {
+		m.notLocated(ctx, c, err, log)
 		return
 	}
 	resolved := true
@@ -92,15 +81,6 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 			m.checked(c.Volume)
 		}
 	}()
-	if err != nil {
-		if agenterr.KindOf(err) == agenterr.NotFound {
-			m.cleanupGone(c, err)
-			return
-		}
-		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err, "fence", c.Method, "phase", c.Phase, "data", c.DataDevice)
-		m.markMissing(c, err)
-		return
-	}
 	if c.Missing {
 		// Found and verified: recorded at once, or the claim would be
 		// reported missing until a periodic check found it again.
@@ -134,6 +114,30 @@ func (m *Manager) reconcile(ctx context.Context, c *Claim, disks *diskScan) {
 		log.Info("unfenced claim kept (explicit opt-in)")
 	default:
 		m.reconcileFence(ctx, c, dev, log)
+	}
+}
+
+// notLocated acts on a claim whose disk the check could not locate (err).
+func (m *Manager) notLocated(ctx context.Context, c *Claim, err error, log *slog.Logger) {
+	switch {
+	case ctx.Err() != nil:
+		// Cut short by the agent's stop: nothing is concluded of the
+		// disk; the next process checks the claim again.
+	case agenterr.KindOf(err) != agenterr.NotFound && mayBeLease(c) && m.mayBeWriting():
+		// Its disk cannot be told from another (a scan that failed, a
+		// serial that does not match), and a mount of the earlier
+		// process may still write to it: the lease stays listed as not
+		// resumed, and the host watchdog unfed, until a check finds the
+		// disk (or it is found gone).
+		log.Error("cannot verify a recorded lease claim's device; the volume is reported abnormal, and the host watchdog is not fed until the check finds its disk", "err", err)
+		m.markMissing(c, err)
+	case agenterr.KindOf(err) == agenterr.NotFound:
+		defer m.checked(c.Volume)
+		m.cleanupGone(c, err)
+	default:
+		defer m.checked(c.Volume)
+		log.Error("cannot verify a recorded claim's device; the volume is reported abnormal", "err", err, "fence", c.Method, "phase", c.Phase, "data", c.DataDevice)
+		m.markMissing(c, err)
 	}
 }
 

@@ -668,18 +668,8 @@ type PublishRequest struct {
 // for a raw block volume, of the device node onto a file) at the target.
 func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	defer m.count("publish", &err)
-	if r.Volume == "" {
-		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
-	}
-	staging, err := confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath)
+	staging, target, err := m.checkPublish(r)
 	if err != nil {
-		return err
-	}
-	target, err := confineTarget(m.o.Config.KubeletRoot, r.TargetPath, r.Block)
-	if err != nil {
-		return err
-	}
-	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
 		return err
 	}
 	release, err := m.locks.try(r.Volume, "publish")
@@ -754,6 +744,24 @@ func publishable(r PublishRequest, c *Claim, staging, target string) error {
 		return agenterr.New(agenterr.InvalidArgument, "volume %s: the target path is the staging path", r.Volume)
 	}
 	return nil
+}
+
+// checkPublish refuses a request no publish could carry out, and returns
+// its staging and target paths.
+func (m *Manager) checkPublish(r PublishRequest) (staging, target string, err error) {
+	if r.Volume == "" {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if staging, err = confine(m.o.Config.KubeletRoot, "staging path", r.StagingPath); err != nil {
+		return "", "", err
+	}
+	if target, err = confineTarget(m.o.Config.KubeletRoot, r.TargetPath, r.Block); err != nil {
+		return "", "", err
+	}
+	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
+		return "", "", err
+	}
+	return staging, target, nil
 }
 
 // stillOurs proves, before a publish or an expansion, that the claim's disk is still at
