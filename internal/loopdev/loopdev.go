@@ -66,14 +66,27 @@ func Attach(backing string, offset int64, readOnly bool) (string, error) {
 	}
 }
 
-// configure binds the loop device at path as cfg says.
+// configure binds the loop device at path as cfg says. A writable one is
+// made writable: the block layer's read-only flag (BLKROSET) of a loop
+// device outlives its detach, so a free one may come with its last
+// user's.
 func configure(path string, cfg *unix.LoopConfig) error {
 	f, err := os.OpenFile(path, os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	return unix.IoctlLoopConfigure(int(f.Fd()), cfg)
+	if err := unix.IoctlLoopConfigure(int(f.Fd()), cfg); err != nil {
+		return err
+	}
+	if cfg.Info.Flags&unix.LO_FLAGS_READ_ONLY != 0 {
+		return nil
+	}
+	if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0); err != nil {
+		_ = unix.IoctlSetInt(int(f.Fd()), unix.LOOP_CLR_FD, 0)
+		return fmt.Errorf("clearing the read-only flag its last user left: %w", err)
+	}
+	return nil
 }
 
 // Detach unbinds the loop device at path from its backing file. The

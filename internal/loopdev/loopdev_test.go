@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 )
 
@@ -137,5 +139,41 @@ func TestAttachRefusals(t *testing.T) {
 	}
 	if err := Detach(img); err == nil || !strings.Contains(err.Error(), img) {
 		t.Fatalf("Detach of a regular file: %v; want an error naming it", err)
+	}
+}
+
+// A free loop device whose last user left it read-only (BLKROSET outlives
+// the detach) is attached writable when asked for writable.
+func TestAttachClearsAReadOnlyFlagItsLastUserLeft(t *testing.T) {
+	needLoop(t)
+	img := hosttest.SparseFile(t, 8<<20)
+	p, err := Attach(img, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 1); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if err := Detach(p); err != nil {
+		t.Fatal(err)
+	}
+	// Bound again, the same device: as Attach binds the free one it is
+	// handed.
+	b, err := os.OpenFile(img, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if err := configure(p, &unix.LoopConfig{Fd: uint32(b.Fd())}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(p) })
+	if got := sysfs(t, p, "ro"); got != "0" {
+		t.Fatalf("%s, read-only when its last user detached it, is read-only (%s) when bound writable", p, got)
 	}
 }
