@@ -86,18 +86,7 @@ func TestAdv4PRStageCutShortWhoseProofFailsOnceIsNeverCheckedAgain(t *testing.T)
 	a := &simVolume{id: "pvc-a", serial: "sim0"}
 	runBreak(t, false, []*simVolume{a}, func(r *simRun, _ *hookHost) {
 		ctx := context.Background()
-		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
-			t.Fatalf("first stage: %v", err)
-		}
-		c, err := r.m.store.Get(a.id)
-		if err != nil || c == nil {
-			t.Fatalf("record: %v %v", c, err)
-		}
-		// The agent died after the mount, before its record.
-		c.Phase = PhaseClaiming
-		if err := r.m.store.Put(c); err != nil {
-			t.Fatal(err)
-		}
+		r.stagedButRecordedClaiming(t, a)
 		r.w.mu.Lock()
 		r.w.crash()
 		r.w.failNext["umount"] = 1
@@ -112,7 +101,7 @@ func TestAdv4PRStageCutShortWhoseProofFailsOnceIsNeverCheckedAgain(t *testing.T)
 		r.m.CheckAll(ctx)
 		now, _ = r.m.store.Get(a.id)
 		r.logBreak("two claim checks: %s", phaseOf(now))
-		_, err = r.m.Stage(ctx, r.stageReq(a))
+		_, err := r.m.Stage(ctx, r.stageReq(a))
 		r.logBreak("NodeStage %s retried: %s", a.id, errText(err))
 		// Another node takes the disk over with the controller's grant.
 		r.w.mu.Lock()
@@ -129,10 +118,10 @@ func TestAdv4PRStageCutShortWhoseProofFailsOnceIsNeverCheckedAgain(t *testing.T)
 	})
 }
 
-// adv4I3 checks I3 alone for v: mounted at its staging path or a target
+// checkI3Of checks I3 alone for v: mounted at its staging path or a target
 // while its record says nothing or interrupted (the harness's I1 counts
 // an unfenced claim's mount as a fence not held).
-func adv4I3(r *simRun, v *simVolume, when string) {
+func checkI3Of(r *simRun, v *simVolume, when string) {
 	r.w.mu.Lock()
 	defer r.w.mu.Unlock()
 	c, _ := r.m.store.Get(v.id)
@@ -157,6 +146,15 @@ func adv4I3(r *simRun, v *simVolume, when string) {
 // takes an interrupted claim back, and every retried stage answers
 // UNAVAILABLE "the claim check takes it back", which never comes.
 func TestAdv4UnfencedStageCutShortWhoseUnmountFailsRecordedInterrupted(t *testing.T) {
+	unfencedStageCutShortAfterItsMount(t, "its unmount of the staging path busy", func(s simFencers) FencerFactory { return noFencingNow{s} })
+}
+
+// unfencedStageCutShortAfterItsMount: an unfenced stage (by opt-in) whose
+// agent dies right after the mount; the next process starts with its
+// unmount of the staging path busy and its fencing as fencers makes it.
+// The record must say staged whenever the volume is mounted (I3): after
+// the start-up check, and after a claim check and a retried stage.
+func unfencedStageCutShortAfterItsMount(t *testing.T, what string, fencers func(simFencers) FencerFactory) {
 	a := &simVolume{id: "pvc-a", serial: "sim0"}
 	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
@@ -166,22 +164,20 @@ func TestAdv4UnfencedStageCutShortWhoseUnmountFailsRecordedInterrupted(t *testin
 		req := r.stageReq(a)
 		req.AllowUnfenced = true
 		_, err := r.m.Stage(ctx, req)
-		st, _ := OpenStore(r.w.stateDir)
-		c, _ := st.Get(a.id)
-		r.logBreak("NodeStage %s (unfenced; the agent dies right after the mount): %s; the record the next process finds: %s method %q", a.id, errText(err), phaseOf(c), c.Method)
+		r.logBreak("NodeStage %s (unfenced; the agent dies right after the mount): %s", a.id, errText(err))
 		old := r.m
-		r.startHosted(ctx, "sim-boot", func(s simFencers) FencerFactory { return noFencingNow{s} },
+		r.startHosted(ctx, "sim-boot", fencers,
 			func(h simHost) host { return busyUnmountHost{simHost: h, busy: map[string]bool{a.staging: true}} },
 			func(m *Manager) { m.o.Config.AllowUnfenced = true })
 		old.Close()
-		c, _ = r.m.store.Get(a.id)
-		r.logBreak("agent process %d started, its unmount of the staging path busy: %s", r.w.gen, phaseOf(c))
-		adv4I3(r, a, "after the start-up check")
+		c, _ := r.m.store.Get(a.id)
+		r.logBreak("agent process %d started (%s): %s", r.w.gen, what, phaseOf(c))
+		checkI3Of(r, a, "after the start-up check")
 		r.m.CheckAll(ctx)
 		_, err = r.m.Stage(ctx, req)
 		c, _ = r.m.store.Get(a.id)
 		r.logBreak("claim check, then NodeStage %s retried: %s; record: %s", a.id, errText(err), phaseOf(c))
-		adv4I3(r, a, "after a claim check and a retried stage")
+		checkI3Of(r, a, "after a claim check and a retried stage")
 	})
 }
 

@@ -23,30 +23,7 @@ import (
 // takes it back (it is neither unresolved nor missing), and every retried
 // stage answers UNAVAILABLE "the claim check takes it back".
 func TestAdv5UnfencedStageCutShortWhoseChoiceFailsRecordedInterruptedWhileMounted(t *testing.T) {
-	a := &simVolume{id: "pvc-a", serial: "sim0"}
-	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
-		ctx := context.Background()
-		r.m.o.Config.AllowUnfenced = true
-		r.m.o.Fencers = noFencingNow{simFencers{w: r.w, gen: r.w.gen}}
-		r.m.host = crashAfterMountHost{hookHost: h, target: a.staging}
-		req := r.stageReq(a)
-		req.AllowUnfenced = true
-		_, err := r.m.Stage(ctx, req)
-		r.logBreak("NodeStage %s (unfenced; the agent dies right after the mount): %s", a.id, errText(err))
-		old := r.m
-		r.startHosted(ctx, "sim-boot", func(s simFencers) FencerFactory { return chooseFails{s} },
-			func(h simHost) host { return busyUnmountHost{simHost: h, busy: map[string]bool{a.staging: true}} },
-			func(m *Manager) { m.o.Config.AllowUnfenced = true })
-		old.Close()
-		c, _ := r.m.store.Get(a.id)
-		r.logBreak("agent process %d started (its unmount busy, its choice of fencing failing): %s", r.w.gen, phaseOf(c))
-		adv4I3(r, a, "after the start-up check")
-		r.m.CheckAll(ctx)
-		_, err = r.m.Stage(ctx, req)
-		c, _ = r.m.store.Get(a.id)
-		r.logBreak("claim check, then NodeStage %s retried: %s; record: %s", a.id, errText(err), phaseOf(c))
-		adv4I3(r, a, "after a claim check and a retried stage")
-	})
+	unfencedStageCutShortAfterItsMount(t, "its unmount busy, its choice of fencing failing", func(s simFencers) FencerFactory { return chooseFails{s} })
 }
 
 // An encrypted raw block volume whose unstage stops at the release

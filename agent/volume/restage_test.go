@@ -62,18 +62,7 @@ func TestInterruptedStageWhoseUnmountFailsKeepsItsFence(t *testing.T) {
 			a := &simVolume{id: "pvc-a", serial: "sim0"}
 			runBreak(t, lease, []*simVolume{a}, func(r *simRun, _ *hookHost) {
 				ctx := context.Background()
-				if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
-					t.Fatalf("first stage: %v", err)
-				}
-				c, err := r.m.store.Get(a.id)
-				if err != nil || c == nil {
-					t.Fatalf("record: %v %v", c, err)
-				}
-				// The agent died after the mount, before its record.
-				c.Phase = PhaseClaiming
-				if err := r.m.store.Put(c); err != nil {
-					t.Fatal(err)
-				}
+				r.stagedButRecordedClaiming(t, a)
 				r.w.mu.Lock()
 				r.w.crash()
 				r.w.failNext["umount"] = 1
@@ -91,5 +80,22 @@ func TestInterruptedStageWhoseUnmountFailsKeepsItsFence(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// stagedButRecordedClaiming stages v, then puts its record back to
+// claiming: the agent died after the mount, before its record.
+func (r *simRun) stagedButRecordedClaiming(t *testing.T, v *simVolume) {
+	t.Helper()
+	if _, err := r.m.Stage(context.Background(), r.stageReq(v)); err != nil {
+		t.Fatalf("first stage: %v", err)
+	}
+	c, err := r.m.store.Get(v.id)
+	if err != nil || c == nil {
+		t.Fatalf("record: %v %v", c, err)
+	}
+	c.Phase = PhaseClaiming
+	if err := r.m.store.Put(c); err != nil {
+		t.Fatal(err)
 	}
 }
