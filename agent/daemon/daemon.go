@@ -133,26 +133,7 @@ func Run(ctx context.Context, o Options) error {
 	bus := events.NewBus(cfg.Events.RingSize, cfg.Events.SubscriberBuffer, log)
 	bus.AddSink(logging.EventSink(log, toJournal))
 	rt := server.Runtime{SocketActivated: sock.activated, SocketPath: sock.path}
-	if cfg.DBus.Enabled {
-		notify("STATUS=connecting to D-Bus")
-		ds, err := dbussignal.Connect(ctx, cfg.DBus.Address)
-		if err != nil {
-			rt.DBusDetail = err.Error()
-			log.Warn("D-Bus event signals are off; the journal and the API stream still carry every event", "err", err)
-		} else {
-			defer ds.Close()
-			bus.AddSink(ds)
-			rt.DBusConnected = true
-			rt.DBusDetail = "connected to " + ds.Address
-			if !ds.OwnsName {
-				rt.DBusDetail += ", without the name " + dbussignal.BusName
-				log.Warn("the bus did not give the agent its name; signals go out from its unique name", "name", dbussignal.BusName,
-					"hint", "install the D-Bus policy cloud.whitesky.VcoAgent1.conf and check that no other agent runs")
-			}
-		}
-	} else {
-		rt.DBusDetail = "disabled in the configuration"
-	}
+	defer connectDBus(ctx, cfg, bus, log, &rt)()
 
 	notify("STATUS=re-verifying recorded volume claims")
 	gid := -1
@@ -171,24 +152,7 @@ func Run(ctx context.Context, o Options) error {
 	served := make(chan error, 1)
 	go func() { served <- g.Serve(sock.l) }()
 
-	how := "created by the agent"
-	if sock.activated {
-		how = "from systemd socket activation"
-	}
-	log.Info("vco-agent serving", "version", o.Version, "socket", sock.path, "socket_origin", how, "node", ident.NodeName,
-		"system_uuid", ident.SystemUUID, "identity_source", ident.Source, "log", logMode, "dbus", rt.DBusDetail)
-	status := fmt.Sprintf("serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID)
-	if msg, bad := LocationProblem(ident.Location); bad {
-		log.Error(msg, "location", ident.Location)
-		status += "; " + msg
-	} else {
-		log.Info(msg, "location", ident.Location)
-	}
-	if vols.metricsProblem != "" {
-		status += "; " + vols.metricsProblem
-	}
-	notify("READY=1\nSTATUS=" + oneLine(status))
-	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", o.Version, sock.path, ident.NodeName)})
+	announceReady(log, o.Version, sock, ident, rt.DBusDetail, logMode, vols.metricsProblem, bus)
 
 	wdDone := make(chan struct{})
 	wdStopped := startWatchdog(log, wdDone, func() { bus.Stats() })
@@ -222,6 +186,57 @@ func Run(ctx context.Context, o Options) error {
 	}
 	log.Info("vco-agent stopped")
 	return serveErr
+}
+
+// connectDBus adds the D-Bus signal sink to bus when the configuration
+// asks for it, says in rt how that went, and returns what closes it. A bus
+// that cannot be reached is not fatal: the journal and the API stream
+// still carry every event.
+func connectDBus(ctx context.Context, cfg config.Config, bus *events.Bus, log *slog.Logger, rt *server.Runtime) (closeIt func()) {
+	if !cfg.DBus.Enabled {
+		rt.DBusDetail = "disabled in the configuration"
+		return func() {}
+	}
+	notify("STATUS=connecting to D-Bus")
+	ds, err := dbussignal.Connect(ctx, cfg.DBus.Address)
+	if err != nil {
+		rt.DBusDetail = err.Error()
+		log.Warn("D-Bus event signals are off; the journal and the API stream still carry every event", "err", err)
+		return func() {}
+	}
+	bus.AddSink(ds)
+	rt.DBusConnected = true
+	rt.DBusDetail = "connected to " + ds.Address
+	if !ds.OwnsName {
+		rt.DBusDetail += ", without the name " + dbussignal.BusName
+		log.Warn("the bus did not give the agent its name; signals go out from its unique name", "name", dbussignal.BusName,
+			"hint", "install the D-Bus policy cloud.whitesky.VcoAgent1.conf and check that no other agent runs")
+	}
+	return func() { ds.Close() }
+}
+
+// announceReady logs that the agent serves, tells systemd it is ready
+// (with the problems an operator should see in its status line) and
+// publishes AgentStarted.
+func announceReady(log *slog.Logger, version string, sock *apiSocket, ident server.NodeIdentity, dbus, logMode, metricsProblem string, bus *events.Bus) {
+	how := "created by the agent"
+	if sock.activated {
+		how = "from systemd socket activation"
+	}
+	log.Info("vco-agent serving", "version", version, "socket", sock.path, "socket_origin", how, "node", ident.NodeName,
+		"system_uuid", ident.SystemUUID, "identity_source", ident.Source, "log", logMode, "dbus", dbus)
+	status := fmt.Sprintf("serving on %s (node %s, SMBIOS UUID %s)", sock.path, ident.NodeName, ident.SystemUUID)
+	if msg, bad := LocationProblem(ident.Location); bad {
+		log.Error(msg, "location", ident.Location)
+		status += "; " + msg
+	} else {
+		log.Info(msg, "location", ident.Location)
+	}
+	if metricsProblem != "" {
+		status += "; " + metricsProblem
+	}
+	notify("READY=1\nSTATUS=" + oneLine(status))
+	bus.Publish(events.Event{Type: events.AgentStarted, Message: fmt.Sprintf("vco-agent %s serving on %s for node %s", version, sock.path, ident.NodeName)})
 }
 
 type volumes struct {
