@@ -21,4 +21,25 @@
 // moment it appears. Encryption is reached through the Encryption
 // interface, implemented by LUKS on package crypt; without one, encrypted
 // volumes are refused.
+//
+// Which file holds which part of the Manager:
+//
+//	manager.go     the Manager, its options, live entries, Close
+//	ops.go         the API's calls: Stage's entry and restage, Unstage,
+//	               Publish, Unpublish, Expand, Stats
+//	stage.go       the stage's steps and their rollback
+//	mount.go, format.go, grow.go   the filesystem: mount, mkfs, fsck, resize
+//	encrypt.go, luks.go, mappername.go   LUKS2 and the dm-crypt mapping
+//	fencing.go, lease.go, leasedisk.go, datamap.go   choosing and taking
+//	               the fence; the lease's data area and its mapping
+//	guard.go       the release guard (the only way a fence is given up)
+//	check.go       the start-up and periodic claim checks
+//	loss.go, drain.go, reestablish.go, reclaim.go   a fence lost, the
+//	               I/O stopped, a reservation re-established, a takeover
+//	watchdog.go    the host watchdog's list of leases; the boot id
+//	watch.go, list.go   the uevent watcher's questions; ListDisks
+//	store.go       the claim records; locks.go per-volume locks
+//	host.go, bind.go, paths.go, device.go   what the Manager does to the
+//	               node (behind the host interface), kubelet paths, disks
+//	metrics.go     the Prometheus series
 package volume
