@@ -139,8 +139,9 @@ func (g *Grant) ForNode(nodeUUID, disk string) error {
 	return nil
 }
 
-// Claim describes a disk this node holds after a successful Acquire.
-type Claim struct {
+// Acquired describes what a successful Acquire holds: the disk, by this
+// node's key (the "claim" of docs/fencing.md).
+type Acquired struct {
 	Method Method          `json:"method"`
 	Key    Key             `json:"key"`
 	Type   ReservationType `json:"type"`
@@ -169,7 +170,7 @@ type Fencer interface {
 	// Acquire claims the disk for this node. A disk held by another node is
 	// refused with a *HeldError, unless grant names the holder's key, in
 	// which case the holder is preempted. grant may be nil.
-	Acquire(ctx context.Context, grant *Grant) (Claim, error)
+	Acquire(ctx context.Context, grant *Grant) (Acquired, error)
 	// Release gives the claim up. Releasing a disk this node does not hold
 	// is not an error.
 	Release(ctx context.Context) error
@@ -186,7 +187,7 @@ type Fencer interface {
 // key when there is one) and the claim stays lost. It never preempts and
 // never needs a grant. Any other error leaves the claim lost as well.
 type Reestablisher interface {
-	Reestablish(ctx context.Context) (Claim, error)
+	Reestablish(ctx context.Context) (Acquired, error)
 }
 
 // FirstClaimer is a Fencer whose claims are kept on the disk itself (the
@@ -196,7 +197,7 @@ type Reestablisher interface {
 // on it are copies from the source disk, and are set aside instead of
 // being waited out, unless they show a live holder. It needs no grant.
 type FirstClaimer interface {
-	AcquireFirst(ctx context.Context) (Claim, error)
+	AcquireFirst(ctx context.Context) (Acquired, error)
 }
 
 // ReclaimWait says how a WaitingAcquirer treats a disk whose storage shows
@@ -226,7 +227,7 @@ type ReclaimWait struct {
 // re-establishes during the wait gets the disk refused with a *HeldError
 // naming it. The wait ends with the context's error when ctx ends first.
 type WaitingAcquirer interface {
-	AcquireWaiting(ctx context.Context, grant *Grant, w ReclaimWait) (Claim, error)
+	AcquireWaiting(ctx context.Context, grant *Grant, w ReclaimWait) (Acquired, error)
 }
 
 // ErrNotSupported is wrapped when a disk does not support the fencing method

@@ -24,7 +24,7 @@ import (
 // is refused as ever. On a fencer that keeps its claims on the disk
 // (fence.FirstClaimer, the lease) it sets aside the claims copied from the
 // source of a clone or a restore, unless one shows a live holder.
-func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, dev *Device, grant *fence.Grant, neverPublished bool) (fence.Claim, error) {
+func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, dev *Device, grant *fence.Grant, neverPublished bool) (fence.Acquired, error) {
 	if fc, ok := f.(fence.FirstClaimer); ok && neverPublished && grant == nil {
 		// A clone or restore of a disk that was in use carries its
 		// source's lease slots; they are no holders of this disk.
@@ -48,7 +48,7 @@ func (m *Manager) acquire(ctx context.Context, f fence.Fencer, volume string, de
 // acquireWaiting claims the disk with the reclaim wait, going on from
 // where an earlier stage's wait of the volume stopped, and counts the
 // waits by their outcome.
-func (m *Manager) acquireWaiting(ctx context.Context, wa fence.WaitingAcquirer, volume string, dev *Device, grant *fence.Grant) (fence.Claim, error) {
+func (m *Manager) acquireWaiting(ctx context.Context, wa fence.WaitingAcquirer, volume string, dev *Device, grant *fence.Grant) (fence.Acquired, error) {
 	full := m.o.Config.ReclaimAfter()
 	wait := full
 	m.mu.Lock()

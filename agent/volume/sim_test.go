@@ -611,7 +611,7 @@ func (f *simFencer) method() fence.Method {
 	return fence.MethodPR
 }
 
-func (f *simFencer) Acquire(_ context.Context, g *fence.Grant) (cl fence.Claim, err error) {
+func (f *simFencer) Acquire(_ context.Context, g *fence.Grant) (cl fence.Acquired, err error) {
 	err = f.w.call(f.gen, "acquire", func() error {
 		d := f.disk()
 		if d.holder == "other" && g == nil {
@@ -620,7 +620,7 @@ func (f *simFencer) Acquire(_ context.Context, g *fence.Grant) (cl fence.Claim, 
 		d.holder, d.renewer = "us", f
 		return nil
 	})
-	return fence.Claim{Method: f.method(), Key: 0x7573}, err
+	return fence.Acquired{Method: f.method(), Key: 0x7573}, err
 }
 
 // Release checks I1 at the release itself.

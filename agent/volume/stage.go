@@ -356,7 +356,7 @@ func (s *staging) takeFence(ctx context.Context) error {
 	if err := s.timed("prepare", func() error { return s.prepareFence(ctx) }); err != nil {
 		return err
 	}
-	var claim fence.Claim
+	var claim fence.Acquired
 	err := s.timed("acquire", func() (err error) {
 		claim, err = m.acquire(ctx, choice.Fencer, c.Volume, dev, s.r.Grant, s.r.NeverPublished)
 		return err
@@ -480,7 +480,7 @@ func (s *staging) notAcquired(ctx context.Context, err error) error {
 
 // announceTakeover publishes TakeoverGranted for a claim that preempted
 // other holders with the controller's grant.
-func (s *staging) announceTakeover(claim fence.Claim) {
+func (s *staging) announceTakeover(claim fence.Acquired) {
 	c, dev := s.c, s.dev
 	keys := make([]string, len(claim.Preempted))
 	for i, k := range claim.Preempted {

@@ -96,12 +96,12 @@ type fakeFencer struct {
 func (f *fakeFencer) Probe(context.Context) (fence.Support, error) {
 	return fence.Support{Method: fence.MethodLease}, nil
 }
-func (f *fakeFencer) Acquire(context.Context, *fence.Grant) (fence.Claim, error) {
+func (f *fakeFencer) Acquire(context.Context, *fence.Grant) (fence.Acquired, error) {
 	if f.held {
 		f.j.calls = append(f.j.calls, "acquire: held")
-		return fence.Claim{}, &fence.HeldError{Device: "fake0", Holder: 0x6e6f6465, HolderNode: "node-b"}
+		return fence.Acquired{}, &fence.HeldError{Device: "fake0", Holder: 0x6e6f6465, HolderNode: "node-b"}
 	}
-	return fence.Claim{Method: fence.MethodLease, Key: 0x7663}, f.j.do("acquire")
+	return fence.Acquired{Method: fence.MethodLease, Key: 0x7663}, f.j.do("acquire")
 }
 func (f *fakeFencer) Release(context.Context) error { return f.j.do("release") }
 func (f *fakeFencer) Check(context.Context) error   { return nil }

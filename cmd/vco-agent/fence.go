@@ -208,7 +208,7 @@ func (f *fenceOutput) onEngine(ctx context.Context, sub string, e *pr.Engine, di
 }
 
 // claimMessage says what an acquisition of dev did.
-func claimMessage(dev string, c fence.Claim) string {
+func claimMessage(dev string, c fence.Acquired) string {
 	msg := fmt.Sprintf("%s claimed with key %s (%s)", dev, c.Key, c.Type)
 	if c.Already {
 		msg = fmt.Sprintf("%s already claimed by this node with key %s (%s)", dev, c.Key, c.Type)

@@ -32,7 +32,7 @@ var errRetry = errors.New("retry")
 
 // Acquire implements fence.Fencer; docs/fencing.md ("The on-disk lease")
 // states the algorithm and its waits.
-func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
+func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Acquired, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.acquireTries(ctx, grant, false)
@@ -40,17 +40,17 @@ func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, 
 
 // acquireTries is Acquire with e.mu held. first allows the fast first
 // claim (AcquireFirst).
-func (e *Engine) acquireTries(ctx context.Context, grant *fence.Grant, first bool) (fence.Claim, error) {
+func (e *Engine) acquireTries(ctx context.Context, grant *fence.Grant, first bool) (fence.Acquired, error) {
 	if e.lost != nil {
-		return fence.Claim{}, e.lost
+		return fence.Acquired{}, e.lost
 	}
 	if grant != nil {
 		if err := grant.ForNode(e.cfg.Node, e.cfg.Disk); err != nil {
-			return fence.Claim{}, fmt.Errorf("%s: takeover grant rejected: %w", e.dev.name, err)
+			return fence.Acquired{}, fmt.Errorf("%s: takeover grant rejected: %w", e.dev.name, err)
 		}
 	}
 	if err := e.verify(ctx); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	start := time.Now()
 	for attempt := 0; ; attempt++ {
@@ -90,7 +90,7 @@ func (e *Engine) acquireTries(ctx context.Context, grant *fence.Grant, first boo
 // its own claim after its settle wait, which our claim has landed before
 // (docs/fencing.md, "The never-published fast path"). A claim that took
 // longer settles and is checked as any other.
-func (e *Engine) AcquireFirst(ctx context.Context) (fence.Claim, error) {
+func (e *Engine) AcquireFirst(ctx context.Context) (fence.Acquired, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.lost != nil || e.held {
@@ -101,7 +101,7 @@ func (e *Engine) AcquireFirst(ctx context.Context) (fence.Claim, error) {
 		testHookFirstRead(e)
 	}
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	// Only a lease area that was blank from the start gets the fast
 	// claim: the copies cleared may have been claims of hosts that share
@@ -174,8 +174,8 @@ func (e *Engine) clearCopies(ctx context.Context) (bool, error) {
 	return true, nil
 }
 
-func (e *Engine) claim() fence.Claim {
-	return fence.Claim{Method: fence.MethodLease, Key: e.cfg.Key}
+func (e *Engine) claim() fence.Acquired {
+	return fence.Acquired{Method: fence.MethodLease, Key: e.cfg.Key}
 }
 
 // attempt is one acquisition attempt: the read its claim is based on, the
@@ -207,19 +207,19 @@ type attempt struct {
 // keep or resume our own claim, wait out the holders, write the claim,
 // and hold it at once (the fast first claim) or after the settle wait and
 // race check. errRetry starts it over.
-func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (fence.Claim, error) {
+func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (fence.Acquired, error) {
 	// A claim of ours still in flight, or a slot our late claim may have
 	// erased, is settled the usual way.
 	first = first && e.unconfirmed == nil && e.erased < 0
 	at := &attempt{grant: grant, readAt: time.Now(), victim: -1}
 	a, err := e.read(ctx)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	at.a = a
 	at.fast = first && a.blank()
 	if err := e.settleUnconfirmed(ctx, a); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if c, done, err := e.holdsAlready(ctx, a, at.readAt); done || err != nil {
 		return c, err
@@ -228,17 +228,17 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 	reclaim := e.pickSlot(a, at.victim, false) < 0
 	if len(at.watch) > 0 {
 		if at.a, at.readAt, err = e.awaitExpiry(ctx, a, at.watch, at.victim, grant); err != nil {
-			return fence.Claim{}, err
+			return fence.Acquired{}, err
 		}
 		e.erased = -1
 	}
 	if err := e.writeClaim(ctx, at, reclaim); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if at.fast {
 		held, err := e.holdFast(ctx, at)
 		if err != nil {
-			return fence.Claim{}, err
+			return fence.Acquired{}, err
 		}
 		if held {
 			return e.claim(), nil
@@ -246,10 +246,10 @@ func (e *Engine) acquire(ctx context.Context, grant *fence.Grant, first bool) (f
 	}
 	a2, err := e.raceCheck(ctx, at)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if err := e.holdAfterRacers(ctx, at, a2); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	e.clearGone(ctx, a2, at.watch, at.idx)
 	e.startRenewer()
@@ -286,18 +286,18 @@ func (e *Engine) settleUnconfirmed(ctx context.Context, a *Area) error {
 // holdsAlready answers an acquisition of a lease we hold, or whose record
 // of ours, from an earlier run of the agent on this node, can be resumed;
 // done is false when the lease is to be acquired anew.
-func (e *Engine) holdsAlready(ctx context.Context, a *Area, readAt time.Time) (c fence.Claim, done bool, err error) {
+func (e *Engine) holdsAlready(ctx context.Context, a *Area, readAt time.Time) (c fence.Acquired, done bool, err error) {
 	owner := a.Owner()
 	if e.held {
 		if lerr := e.verifyOwn(a); lerr != nil {
-			return fence.Claim{}, true, lerr
+			return fence.Acquired{}, true, lerr
 		}
 		c := e.claim()
 		c.Already = true
 		return c, true, nil
 	}
 	if owner < 0 || a.Slots[owner].Key != e.cfg.Key {
-		return fence.Claim{}, false, nil
+		return fence.Acquired{}, false, nil
 	}
 	// Our own record, from an earlier run of the agent on this node.
 	// It is resumed only while it cannot have expired in anyone's
@@ -314,7 +314,7 @@ func (e *Engine) holdsAlready(ctx context.Context, a *Area, readAt time.Time) (c
 	}
 	if age >= 0 && age < e.cfg.Timing.Fail && !others {
 		if err := e.resume(ctx, owner, a, readAt); err != nil {
-			return fence.Claim{}, true, err
+			return fence.Acquired{}, true, err
 		}
 		e.log.Info("lease resumed from an earlier run", "slot", owner, "epoch", s.Epoch, "age", age.String())
 		c := e.claim()
@@ -322,7 +322,7 @@ func (e *Engine) holdsAlready(ctx context.Context, a *Area, readAt time.Time) (c
 		return c, true, nil
 	}
 	e.log.Info("own lease record is not resumed (too old, or another host's slot is held); acquiring anew", "age", age.String(), "others_held", others)
-	return fence.Claim{}, false, nil
+	return fence.Acquired{}, false, nil
 }
 
 // findHolders sets the attempt's victim and the slots to wait out from

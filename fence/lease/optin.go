@@ -42,10 +42,10 @@ func (u *Unfenced) Probe(context.Context) (fence.Support, error) {
 }
 
 // Acquire implements fence.Fencer: it claims nothing and logs that.
-func (u *Unfenced) Acquire(context.Context, *fence.Grant) (fence.Claim, error) {
+func (u *Unfenced) Acquire(context.Context, *fence.Grant) (fence.Acquired, error) {
 	u.Logger.Warn("volume staged WITHOUT fencing by its explicit opt-in: nothing stops another node from writing this disk",
 		"device", u.Device, "volume", u.Volume, "found", u.Found)
-	return fence.Claim{Method: fence.MethodNone}, nil
+	return fence.Acquired{Method: fence.MethodNone}, nil
 }
 
 // Release implements fence.Fencer.

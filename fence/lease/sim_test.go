@@ -725,7 +725,7 @@ func (h *simHost) acquire(ctx context.Context, e *Engine, w *window, grant *fenc
 	s.mu.Unlock()
 	s.event(h.idx, "acquire", "life", life, "key", h.key.String(), "grant", grant != nil, "lone", lone, "first", first)
 	actx, cancel := context.WithTimeout(ctx, 6*simMaxExpiry())
-	var c fence.Claim
+	var c fence.Acquired
 	var err error
 	if first {
 		c, err = e.AcquireFirst(actx)

@@ -395,37 +395,37 @@ func (e *Engine) refusal(st state, grant *fence.Grant) *fence.HeldError {
 
 // Acquire implements fence.Fencer. It claims a disk that shows no claim at
 // once; a stage uses AcquireWaiting.
-func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Claim, error) {
+func (e *Engine) Acquire(ctx context.Context, grant *fence.Grant) (fence.Acquired, error) {
 	return e.AcquireWaiting(ctx, grant, fence.ReclaimWait{})
 }
 
 // AcquireWaiting implements fence.WaitingAcquirer; the package
 // documentation says when it waits and why.
-func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence.ReclaimWait) (fence.Claim, error) {
+func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence.ReclaimWait) (fence.Acquired, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.lost != nil {
-		return fence.Claim{}, e.lost
+		return fence.Acquired{}, e.lost
 	}
 	if grant != nil {
 		if err := grant.ForNode(e.cfg.Node, e.cfg.Disk); err != nil {
-			return fence.Claim{}, fmt.Errorf("%s: takeover grant rejected: %w", e.name, err)
+			return fence.Acquired{}, fmt.Errorf("%s: takeover grant rejected: %w", e.name, err)
 		}
 	}
 	sup, err := e.probePR(ctx)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	typ := sup.Preferred
 	mine := e.cfg.Key
 
 	st, err := e.read(ctx)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if grant == nil && w.Wait > 0 && st.pristine() {
 		if st, err = e.awaitHolder(ctx, st, w); err != nil {
-			return fence.Claim{}, err
+			return fence.Acquired{}, err
 		}
 	}
 	switch {
@@ -440,7 +440,7 @@ func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence
 		}
 		for _, v := range victims {
 			if !grant.Names(v) {
-				return fence.Claim{}, e.refusal(st, grant)
+				return fence.Acquired{}, e.refusal(st, grant)
 			}
 		}
 		return e.takeover(ctx, st, typ, grant)
@@ -451,23 +451,23 @@ func (e *Engine) AcquireWaiting(ctx context.Context, grant *fence.Grant, w fence
 // holdAgain is an acquisition of a disk whose reservation, as st shows,
 // our key holds already: exclusive, and moved to this I_T nexus when
 // another one holds it.
-func (e *Engine) holdAgain(ctx context.Context, st state) (fence.Claim, error) {
+func (e *Engine) holdAgain(ctx context.Context, st state) (fence.Acquired, error) {
 	t := fence.ReservationType(st.res.Type)
 	if !t.Exclusive() {
-		return fence.Claim{}, fmt.Errorf("%s: this node already holds a %s reservation, under which other registrants may write; run 'vco-agent fence release' and acquire again", e.name, t)
+		return fence.Acquired{}, fmt.Errorf("%s: this node already holds a %s reservation, under which other registrants may write; run 'vco-agent fence release' and acquire again", e.name, t)
 	}
 	here, err := e.holdsHere(ctx, t)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if !here {
 		if err := e.moveHere(ctx, t); err != nil {
-			return fence.Claim{}, err
+			return fence.Acquired{}, err
 		}
 	}
 	e.held, e.watch, e.typ = true, true, t
 	e.log.Info("disk already claimed by this node", "type", t.String())
-	return fence.Claim{Method: fence.MethodPR, Key: e.cfg.Key, Type: t, Already: true}, nil
+	return fence.Acquired{Method: fence.MethodPR, Key: e.cfg.Key, Type: t, Already: true}, nil
 }
 
 // holdsHere asks whether this I_T nexus (not merely our key) holds the
@@ -553,38 +553,38 @@ func (e *Engine) unregister(ctx context.Context) error {
 	return nil
 }
 
-func (e *Engine) claimFree(ctx context.Context, typ fence.ReservationType, grant *fence.Grant) (fence.Claim, error) {
+func (e *Engine) claimFree(ctx context.Context, typ fence.ReservationType, grant *fence.Grant) (fence.Acquired, error) {
 	mine := e.cfg.Key
 	if _, err := e.register(ctx); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	err := e.out(ctx, scsi.PROut{Action: scsi.Reserve, Type: uint8(typ), Key: uint64(mine)})
 	if err != nil && !errors.Is(err, scsi.ErrReservationConflict) {
 		e.cleanup(ctx)
-		return fence.Claim{}, fmt.Errorf("%s: reserving (%s): %w", e.name, typ, err)
+		return fence.Acquired{}, fmt.Errorf("%s: reserving (%s): %w", e.name, typ, err)
 	}
 	st, rerr := e.read(ctx)
 	if rerr != nil {
-		return fence.Claim{}, rerr
+		return fence.Acquired{}, rerr
 	}
 	if st.res.Present && (st.allRegistrants() || st.holder() != mine) {
 		// Another node reserved between our read and our RESERVE: it won.
 		e.cleanup(ctx)
 		if grant != nil && !st.allRegistrants() && grant.Names(st.holder()) {
-			return fence.Claim{}, fmt.Errorf("%s: the granted holder %s reserved the disk while we claimed it; retry the acquire", e.name, st.holder())
+			return fence.Acquired{}, fmt.Errorf("%s: the granted holder %s reserved the disk while we claimed it; retry the acquire", e.name, st.holder())
 		}
-		return fence.Claim{}, e.refusal(st, grant)
+		return fence.Acquired{}, e.refusal(st, grant)
 	}
 	if err != nil || !st.res.Present || st.holder() != mine || fence.ReservationType(st.res.Type) != typ || !st.registered(mine) {
 		e.cleanup(ctx)
 		if err != nil {
-			return fence.Claim{}, fmt.Errorf("%s: reserving (%s): %w; %s", e.name, typ, err, describeReservation(st.res))
+			return fence.Acquired{}, fmt.Errorf("%s: reserving (%s): %w; %s", e.name, typ, err, describeReservation(st.res))
 		}
-		return fence.Claim{}, e.verifyErr("RESERVE", st)
+		return fence.Acquired{}, e.verifyErr("RESERVE", st)
 	}
 	e.held, e.watch, e.typ = true, true, typ
 	e.log.Info("disk claimed", "type", typ.String())
-	return fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ}, nil
+	return fence.Acquired{Method: fence.MethodPR, Key: mine, Type: typ}, nil
 }
 
 // cleanup drops the registration of a claim that failed, so a refused node
@@ -595,7 +595,7 @@ func (e *Engine) cleanup(ctx context.Context) {
 	}
 }
 
-func (e *Engine) takeover(ctx context.Context, before state, typ fence.ReservationType, grant *fence.Grant) (fence.Claim, error) {
+func (e *Engine) takeover(ctx context.Context, before state, typ fence.ReservationType, grant *fence.Grant) (fence.Acquired, error) {
 	mine := e.cfg.Key
 	victim := before.holder()
 	if before.allRegistrants() {
@@ -603,9 +603,9 @@ func (e *Engine) takeover(ctx context.Context, before state, typ fence.Reservati
 	}
 	e.log.Warn("taking the disk over with a grant", "holder", victim.String(), "holder_node", e.resolve(victim), "disk", grant.Disk)
 	if _, err := e.register(ctx); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
-	claim := fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ, PreemptAndAbort: true}
+	claim := fence.Acquired{Method: fence.MethodPR, Key: mine, Type: typ, PreemptAndAbort: true}
 	p := scsi.PROut{Action: scsi.PreemptAndAbort, Type: uint8(typ), Key: uint64(mine), ServiceActionKey: uint64(victim)}
 	err := e.out(ctx, p)
 	if errors.Is(err, scsi.ErrIllegalRequest) {
@@ -616,18 +616,18 @@ func (e *Engine) takeover(ctx context.Context, before state, typ fence.Reservati
 	}
 	st, rerr := e.read(ctx)
 	if rerr != nil {
-		return fence.Claim{}, rerr
+		return fence.Acquired{}, rerr
 	}
 	if err != nil {
 		e.cleanup(ctx)
 		if errors.Is(err, scsi.ErrReservationConflict) && st.res.Present && st.holder() != mine {
-			return fence.Claim{}, e.refusal(st, grant)
+			return fence.Acquired{}, e.refusal(st, grant)
 		}
-		return fence.Claim{}, fmt.Errorf("%s: preempting key %s: %w", e.name, victim, err)
+		return fence.Acquired{}, fmt.Errorf("%s: preempting key %s: %w", e.name, victim, err)
 	}
 	if !st.res.Present || st.allRegistrants() || st.holder() != mine || fence.ReservationType(st.res.Type) != typ || !st.registered(mine) {
 		e.cleanup(ctx)
-		return fence.Claim{}, e.verifyErr(p.Action.String(), st)
+		return fence.Acquired{}, e.verifyErr(p.Action.String(), st)
 	}
 	claim.Preempted = before.foreign(mine)
 	if victim != 0 {
@@ -635,7 +635,7 @@ func (e *Engine) takeover(ctx context.Context, before state, typ fence.Reservati
 	}
 	claim.Preempted = e.preemptSuperseded(ctx, st, typ, grant, claim.Preempted)
 	if err := e.verifyPreempted(ctx, claim.Preempted); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	e.held, e.watch, e.typ = true, true, typ
 	e.log.Warn("disk taken over", "preempted", fmt.Sprint(claim.Preempted), "preempt_and_abort", claim.PreemptAndAbort)

@@ -57,7 +57,7 @@ func ctx(t *testing.T) context.Context {
 	return c
 }
 
-func mustAcquire(t *testing.T, n *node, g *fence.Grant) fence.Claim {
+func mustAcquire(t *testing.T, n *node, g *fence.Grant) fence.Acquired {
 	t.Helper()
 	c, err := n.e.Acquire(ctx(t), g)
 	if err != nil {

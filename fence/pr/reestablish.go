@@ -18,41 +18,41 @@ var _ fence.Reestablisher = (*Engine)(nil)
 // the result is safe. On success the engine holds the disk again
 // and Check passes; otherwise the claim stays lost and the returned
 // *fence.LostError says why, naming a foreign key when one appeared.
-func (e *Engine) Reestablish(ctx context.Context) (fence.Claim, error) {
+func (e *Engine) Reestablish(ctx context.Context) (fence.Acquired, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.lost == nil {
-		return fence.Claim{}, fmt.Errorf("%s: the claim is not lost; there is nothing to re-establish", e.name)
+		return fence.Acquired{}, fmt.Errorf("%s: the claim is not lost; there is nothing to re-establish", e.name)
 	}
 	if !e.forgotten {
-		return fence.Claim{}, e.lost
+		return fence.Acquired{}, e.lost
 	}
 	e.reestablishing = true
 	defer func() { e.reestablishing = false }()
 	mine := e.cfg.Key
 	typ, err := e.reestablishType(ctx)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	st, err := e.read(ctx)
 	if err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if reason := untouchedSinceStart(st, mine); reason != "" {
-		return fence.Claim{}, e.refuseReestablish(reason, st)
+		return fence.Acquired{}, e.refuseReestablish(reason, st)
 	}
 	base := st.gen
 	e.log.Warn("the target forgot every registration and reservation (restarted); re-establishing this node's claim", "type", typ.String())
 	if st, err = e.registerAgain(ctx, base); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	if err := e.reserveAgain(ctx, typ, base, st); err != nil {
-		return fence.Claim{}, err
+		return fence.Acquired{}, err
 	}
 	e.lost, e.forgotten = nil, false
 	e.held, e.watch, e.typ = true, true, typ
 	e.log.Warn("claim re-established after the target forgot it", "type", typ.String())
-	return fence.Claim{Method: fence.MethodPR, Key: mine, Type: typ}, nil
+	return fence.Acquired{Method: fence.MethodPR, Key: mine, Type: typ}, nil
 }
 
 // reestablishType is the reservation type to reserve again with: the
