@@ -25,9 +25,9 @@
 // Which file holds which part of the Manager:
 //
 //	manager.go     the Manager, its options, live entries, Close
-//	ops.go         the API's calls: Stage's entry and restage, Unstage,
-//	               Publish, Unpublish, Expand, Stats
-//	stage.go       the stage's steps and their rollback
+//	stage.go       NodeStage: the request, its entry, its steps and their
+//	               rollback; restage.go a repeated stage of a claim
+//	unstage.go, publish.go, expand.go, stats.go   the other calls
 //	mount.go, format.go, grow.go   the filesystem: mount, mkfs, fsck, resize
 //	encrypt.go, luks.go, mappername.go   LUKS2 and the dm-crypt mapping
 //	fencing.go, lease.go, leasedisk.go, datamap.go   choosing and taking

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -13,6 +14,170 @@ import (
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
+
+// StageRequest is StageVolume's input.
+type StageRequest struct {
+	Volume      string
+	Locator     Locator
+	StagingPath string
+	FsType      string
+	Block       bool
+	MountFlags  []string
+	ReadOnly    bool
+	Grant       *fence.Grant
+	// Encrypted volumes carry the passphrase (never stored or logged).
+	Encrypted  bool
+	Passphrase []byte
+	// FormatLUKS gives a blank device a LUKS2 header holding Token, the
+	// passphrase wrapped by the transit engine.
+	FormatLUKS    bool
+	Token         *luks2.TransitToken
+	AllowUnfenced bool
+	// NeverPublished is the controller's word that no node was given the
+	// disk before this stage's: the reclaim wait is skipped (acquire).
+	NeverPublished bool
+}
+
+// StageResult says what Stage did.
+type StageResult struct {
+	Device    string
+	Method    fence.Method
+	Formatted bool
+}
+
+// maxVolumeID is CSI's limit on a volume id; it also keeps the claim
+// record's file name (the id in base64) under the kernel's 255 bytes.
+const maxVolumeID = 128
+
+// checkVolumeID refuses an id a claim could not be recorded under, or
+// that would put control characters into log lines and journal fields.
+func checkVolumeID(v string) error {
+	if v == "" {
+		return agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if len(v) > maxVolumeID {
+		return agenterr.New(agenterr.InvalidArgument, "the volume id is %d bytes long; at most %d are accepted", len(v), maxVolumeID)
+	}
+	for _, r := range v {
+		if r < 0x20 || r == 0x7f {
+			return agenterr.New(agenterr.InvalidArgument, "volume id %q holds a control character", v)
+		}
+	}
+	return nil
+}
+
+func fsTypeOf(r StageRequest) (string, error) {
+	if r.Block {
+		if r.FsType != "" {
+			return "", agenterr.New(agenterr.InvalidArgument, "volume %s: a raw block volume has no filesystem, but fs_type %q was given", r.Volume, r.FsType)
+		}
+		if len(r.MountFlags) > 0 {
+			return "", agenterr.New(agenterr.InvalidArgument, "volume %s: a raw block volume takes no mount flags", r.Volume)
+		}
+		return "", nil
+	}
+	switch r.FsType {
+	case "":
+		return "ext4", nil
+	case "ext4", "xfs":
+		return r.FsType, nil
+	}
+	return "", agenterr.New(agenterr.InvalidArgument, "volume %s: filesystem type %q is not supported; use ext4 or xfs", r.Volume, r.FsType)
+}
+
+func checkFlags(volume string, flags []string) error {
+	for _, f := range flags {
+		if f == "" || strings.ContainsAny(f, ",\n") {
+			return agenterr.New(agenterr.InvalidArgument, "volume %s: mount flag %q is empty or holds a comma or newline; give one option per flag", volume, f)
+		}
+	}
+	return nil
+}
+
+// compatible reports how a retried stage differs from the recorded one.
+func compatible(c *Claim, r StageRequest, staging, fsType string) error {
+	var diff []string
+	if c.StagingPath != staging {
+		diff = append(diff, fmt.Sprintf("staging path %s, not %s", c.StagingPath, staging))
+	}
+	if c.Block != r.Block {
+		diff = append(diff, fmt.Sprintf("block=%v, not %v", c.Block, r.Block))
+	}
+	if c.FsType != fsType {
+		diff = append(diff, fmt.Sprintf("filesystem %q, not %q", c.FsType, fsType))
+	}
+	if c.ReadOnly != r.ReadOnly {
+		diff = append(diff, fmt.Sprintf("read_only=%v, not %v", c.ReadOnly, r.ReadOnly))
+	}
+	if c.Encrypted != r.Encrypted {
+		diff = append(diff, fmt.Sprintf("encrypted=%v, not %v", c.Encrypted, r.Encrypted))
+	}
+	if !c.Locator.Equal(r.Locator) {
+		diff = append(diff, fmt.Sprintf("device %s, not %s", c.Locator, r.Locator))
+	}
+	if !slices.Equal(c.MountFlags, r.MountFlags) {
+		diff = append(diff, fmt.Sprintf("mount flags %v, not %v", c.MountFlags, r.MountFlags))
+	}
+	if len(diff) == 0 {
+		return nil
+	}
+	return agenterr.New(agenterr.AlreadyExists, "volume %s is already staged on this node with %s; unstage it first to stage it differently",
+		c.Volume, strings.Join(diff, ", "))
+}
+
+// Stage implements StageVolume: the volume's disk is fenced, unlocked and
+// mounted at the staging path (stage.go). A retry of a stage that is
+// intact answers as the stage did.
+func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, err error) {
+	defer m.count("stage", &err)
+	staging, fsType, err := m.checkStage(r)
+	if err != nil {
+		return res, err
+	}
+	release, err := m.locks.try(r.Volume, "stage")
+	if err != nil {
+		return res, err
+	}
+	defer release()
+
+	c, err := m.store.Get(r.Volume)
+	if err != nil {
+		return res, err
+	}
+	if c == nil {
+		c = &Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: staging, FsType: fsType, Block: r.Block,
+			MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Encrypted: r.Encrypted}
+	} else if done, err := m.restage(ctx, c, r, staging, fsType); err != nil {
+		return res, err
+	} else if done != nil {
+		return *done, nil
+	}
+	return m.stage(ctx, c, r)
+}
+
+// checkStage refuses a request no stage could carry out, and returns its
+// staging path and filesystem type.
+func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error) {
+	if err := checkVolumeID(r.Volume); err != nil {
+		return "", "", err
+	}
+	if r.Locator.IsZero() {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s: the device locator names nothing (pci address, serial or wwn)", r.Volume)
+	}
+	if staging, err = confineStaging(m.o.Config.KubeletRoot, r.StagingPath, r.Block); err != nil {
+		return "", "", err
+	}
+	if fsType, err = fsTypeOf(r); err != nil {
+		return "", "", err
+	}
+	if err := checkFlags(r.Volume, r.MountFlags); err != nil {
+		return "", "", err
+	}
+	if r.Encrypted && len(r.Passphrase) == 0 {
+		return "", "", agenterr.New(agenterr.InvalidArgument, "volume %s is encrypted but the request carries no passphrase", r.Volume)
+	}
+	return staging, fsType, nil
+}
 
 // A stage takes the steps of a volume's life on a node in their order
 // (docs/architecture.md, "A volume's life"): open and verify the disk,

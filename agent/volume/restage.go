@@ -1,0 +1,211 @@
+package volume
+
+// A repeated NodeStage of a recorded claim: an intact stage answers as it
+// did, what is missing is repaired under the held fence, and the first
+// stage's path (whose rollback releases) never runs over a volume in use.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+)
+
+// restage takes up the recorded claim c for a stage request: a stage that
+// is intact is done (its result returned); a lost claim starts over only
+// with a grant and unpublished; any other goes through the stage again.
+func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging, fsType string) (done *StageResult, err error) {
+	if err := compatible(c, r, staging, fsType); err != nil {
+		return nil, err
+	}
+	switch {
+	case c.State == StateLost && r.Grant == nil:
+		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s: %s; staging it again needs a takeover grant from the controller", r.Volume, c.Detail)
+	case c.State == StateLost && len(c.Publications) > 0:
+		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
+	case c.State == StateLost:
+		return nil, m.dropLost(c)
+	case c.Phase != PhaseStaged:
+		return nil, m.notInUseBefore(ctx, c)
+	case m.notTakenBack(c.Volume):
+		// Staged by an earlier agent process, whose lease this one has
+		// not taken back: a stage now would let go of what keeps the
+		// host watchdog unfed for it before holding anything.
+		return nil, agenterr.New(agenterr.Unavailable, "volume %s: the agent has not yet taken back the lease it held for this volume before it restarted (the claim check retries every %s); the stage can be retried after that", c.Volume, m.o.Config.CheckInterval)
+	}
+	return m.restaged(ctx, c, r)
+}
+
+// notInUseBefore refuses to run the first stage's path over a claim whose
+// stage was cut short while something of the volume is still in use (a
+// mount of an earlier agent process that the start-up check could not
+// take back yet): that path's rollback would take down what it did not
+// make. UNAVAILABLE: the claim check takes it back, then the retry runs.
+func (m *Manager) notInUseBefore(ctx context.Context, c *Claim) error {
+	if m.unresolved(c.Volume) {
+		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and the agent has not taken it back since it started (the claim check retries every %s); retry the stage after that", c.Volume, m.o.Config.CheckInterval)
+	}
+	if c.Device == "" {
+		return nil
+	}
+	err := m.host.InUse(usageOf(c, c.Device))
+	if err != nil && !inUse(err) {
+		// The proof could not be made at the recorded device node: the
+		// disk may be attached again at another, where it is made.
+		if dev, lerr := m.locate(ctx, c.Locator); lerr == nil {
+			if dev.Path != c.Device {
+				err = m.host.InUse(usageOf(c, dev.Path))
+			}
+			dev.Close()
+		}
+	}
+	if err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and %v; the claim check takes it back, retry the stage after that", c.Volume, err)
+	}
+	return nil
+}
+
+// restaged answers a repeated stage of a staged claim. It never runs the
+// first stage's path over it (that path's rollback would release the
+// fence of a volume in use): an intact stage is done; a live entry or a
+// fencer missing is taken back as the claim check would (reconcile); a
+// staging path found unmounted, with nothing of the volume in use, is
+// mounted again (repair); anything it cannot tell now is UNAVAILABLE, for
+// the kubelet to retry.
+func (m *Manager) restaged(ctx context.Context, c *Claim, r StageRequest) (*StageResult, error) {
+	if l := m.getLive(c.Volume); l == nil || (c.State == StateHeld && l.fencer == nil) {
+		// Opened at start without its fencer, or not at all: taken back
+		// as the claim check does, which never releases.
+		m.reconcile(ctx, c, m.newScan())
+		now, err := m.store.Get(c.Volume)
+		if err != nil {
+			return nil, err
+		}
+		l := m.getLive(c.Volume)
+		if now == nil || now.Phase != PhaseStaged || now.Abnormal() || m.notTakenBack(c.Volume) ||
+			(now.State == StateHeld && (l == nil || l.fencer == nil)) {
+			return nil, agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent could not take its disk and fence back yet (%s); the claim check retries every %s: retry the stage after that",
+				c.Volume, detailOf(now), m.o.Config.CheckInterval)
+		}
+		c = now
+	}
+	mounted, err := m.stillStaged(ctx, c)
+	if err != nil {
+		return nil, err
+	}
+	if !mounted {
+		if err := m.repair(ctx, c, r); err != nil {
+			return nil, err
+		}
+	}
+	m.log.Info("volume already staged", "volume", c.Volume, "device", c.MountDevice(), "staging", c.StagingPath)
+	return &StageResult{Device: c.MountDevice(), Method: c.Method}, nil
+}
+
+// detailOf says why a claim (nil: gone) is not usable, for an error.
+func detailOf(c *Claim) string {
+	switch {
+	case c == nil:
+		return "its claim is gone: its disk was not found"
+	case c.Detail != "":
+		return c.Detail
+	}
+	return "its lease is not resumed yet"
+}
+
+// stillStaged checks a recorded stage with a live entry: device verified
+// and fence intact, or an error (UNAVAILABLE when a retry may find it so,
+// FAILED_PRECONDITION for a fence lost); it reports whether the staging
+// path is mounted (a raw block volume has none: true).
+func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
+	l := m.getLive(c.Volume)
+	if err := l.dev.Verify(ctx); err != nil {
+		// A node that is not the disk's (or is two disks') is a state to
+		// fix, said as the first stage's lookup says it; anything else
+		// may pass.
+		kind := agenterr.Unavailable
+		if errors.Is(err, discovery.ErrIdentity) {
+			kind = agenterr.FailedPrecondition
+		}
+		return false, agenterr.New(kind, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again, retry the stage", c.Volume, c.Device, err)
+	}
+	if l.fencer != nil {
+		if err := l.fencer.Check(ctx); err != nil {
+			var lost *fence.LostError
+			if errors.As(err, &lost) {
+				m.lose(c, l.dev, lost)
+				return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, lost)
+			}
+			return false, agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s: %v", c.Volume, l.dev.Path, err)
+		}
+	}
+	if c.Block {
+		return m.blockIntact(c), nil
+	}
+	mp, err := m.host.IsMountPoint(c.StagingPath)
+	if err != nil {
+		return false, agenterr.New(agenterr.Unavailable, "volume %s is staged, but whether %s is mounted could not be read: %v; retry the stage", c.Volume, c.StagingPath, err)
+	}
+	return mp, nil
+}
+
+// blockIntact reports whether what a staged raw block volume's device is
+// made of is still there: its dm-crypt mapping (an unstage stopped after
+// closing it has taken it off the record) and its data mapping (a loop
+// device over its disk; the lease always keeps its area before the data,
+// also when a stage failed before recording where the data starts). Otherwise a publish would hand the pod the
+// ciphertext disk, or a loop device that maps nothing.
+func (m *Manager) blockIntact(c *Claim) bool {
+	if c.Encrypted && (c.Mapper == "" || !m.host.MappingOpen(c.Mapper)) {
+		return false
+	}
+	needsData := c.DataOffset > 0 || c.Method == fence.MethodLease
+	if needsData && (c.DataDevice == "" || !m.host.MapsDisk(c.DataDevice, c.Device)) {
+		return false
+	}
+	return true
+}
+
+// repair mounts a staged volume whose staging path is no longer mounted
+// (unmounted by hand, or by an unstage that stopped after its unmount):
+// its data mapping, its dm-crypt mapping and the mount are made again by
+// the stage's own steps, under the fence the claim holds, which the
+// repair's rollback never releases. A publication still mounted means the
+// filesystem is in use elsewhere: refused, nothing touched.
+func (m *Manager) repair(ctx context.Context, c *Claim, r StageRequest) error {
+	if l := m.getLive(c.Volume); c.State == StateHeld && (l == nil || l.fencer == nil) {
+		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its fence back yet; the claim check retries every %s: retry the stage after that", c.Volume, m.o.Config.CheckInterval)
+	}
+	for _, p := range c.Publications {
+		if mp, err := m.host.IsMountPoint(p); err != nil || mp {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged and published at %s, but its staging path %s is not mounted; unpublish it, then stage it again",
+				c.Volume, p, c.StagingPath)
+		}
+	}
+	l := m.getLive(c.Volume)
+	s := &staging{m: m, c: c, r: r, dev: l.dev, live: true,
+		choice: Choice{Fencer: l.fencer, Method: c.Method, DataOffset: c.DataOffset}}
+	m.log.Warn("the staging path of a staged volume is not mounted; mounting it again", "volume", c.Volume, "staging", c.StagingPath)
+	return s.run(ctx, []step{{"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
+}
+
+// dropLost undoes what is left of a lost claim so that a granted stage can
+// start over: the read-only staging mount and the mapping go; the record
+// keeps Formatted.
+func (m *Manager) dropLost(c *Claim) error {
+	if err := m.unmountIfMounted(c.StagingPath); err != nil {
+		return err
+	}
+	if (c.Mapper != "" || c.Encrypted) && m.o.Crypt != nil {
+		if err := m.o.Crypt.Close(context.Background(), m.mapperToClose(c)); err != nil {
+			return fmt.Errorf("volume %s: closing the dm-crypt mapping of the lost claim: %w", c.Volume, err)
+		}
+		c.Mapper = ""
+	}
+	m.setLive(c.Volume, nil)
+	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""
+	return m.store.Put(c)
+}
