@@ -483,6 +483,10 @@ func (h simHost) Bind(source, target string, block bool, _ []string) error {
 				return agenterr.New(agenterr.FailedPrecondition, "the staging path %s is not mounted; stage the volume again", source)
 			}
 			dev = d
+		} else if _, _, ok := h.w.region(source); !ok {
+			// A raw block volume is bound from its device node, which
+			// must be there (a disk attached, a mapping set up).
+			return fmt.Errorf("bind %s: no such device", source)
 		}
 		if _, ok := h.w.mounts[target]; ok {
 			return fmt.Errorf("%s: already mounted", target)
