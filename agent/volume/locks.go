@@ -12,6 +12,9 @@ import (
 type locks struct {
 	mu   sync.Mutex
 	busy map[string]string
+	// after are what runs, still under the volume's lock, when its
+	// current operation releases it (whenFree).
+	after map[string][]func()
 }
 
 func (l *locks) try(volume, op string) (func(), error) {
@@ -26,7 +29,30 @@ func (l *locks) try(volume, op string) (func(), error) {
 	l.busy[volume] = op
 	return func() {
 		l.mu.Lock()
+		fns := l.after[volume]
+		delete(l.after, volume)
+		l.mu.Unlock()
+		for _, f := range fns {
+			f()
+		}
+		l.mu.Lock()
 		delete(l.busy, volume)
 		l.mu.Unlock()
 	}, nil
+}
+
+// whenFree has fn run under the volume's lock when the operation that
+// holds it now releases it, and reports whether one holds it (false: the
+// volume is free, fn is not kept).
+func (l *locks) whenFree(volume string, fn func()) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.busy[volume]; !ok {
+		return false
+	}
+	if l.after == nil {
+		l.after = map[string][]func(){}
+	}
+	l.after[volume] = append(l.after[volume], fn)
+	return true
 }

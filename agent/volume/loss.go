@@ -43,7 +43,10 @@ func (m *Manager) onLost(volume string) func(*fence.LostError) bool {
 			}
 		}
 		c, err := m.store.Get(volume)
-		if err == nil && c != nil && !c.Block && c.Phase == PhaseStaged {
+		// Whatever the phase: a stage between its mount and its record
+		// has the filesystem mounted too (stopFilesystem leaves a path
+		// that is no mount point alone).
+		if err == nil && c != nil && !c.Block && c.StagingPath != "" {
 			if err := m.host.StopFilesystem(c.StagingPath, c.MountDevice()); err != nil {
 				m.log.Error("could not stop writes to the filesystem of a fenced volume", "volume", volume, "err", err)
 				stopped = false

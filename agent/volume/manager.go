@@ -90,6 +90,11 @@ type Manager struct {
 	// process that the start-up check has not looked at yet
 	// (ExpectRecordedLeases); the host watchdog is not fed while any is.
 	unchecked map[string]bool
+	// removed are the device numbers of claimed disks removed while
+	// their volume was busy with a call, until a disk at that number is
+	// taken (back) by a claim: the watcher does not take the next disk
+	// there for the claim's.
+	removed map[string]bool
 	// retakes are the claims of stages cut short, of any fencing, whose
 	// take-back the start-up check could not finish; the claim check
 	// tries again.
@@ -150,7 +155,7 @@ func New(o Options) (*Manager, error) {
 	m := &Manager{
 		o: o, log: o.Log, store: st, exec: utilexec.New(),
 		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
-		live:   map[string]*live{}, unchecked: map[string]bool{}, retakes: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
+		live:   map[string]*live{}, unchecked: map[string]bool{}, retakes: map[string]bool{}, removed: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		workers: reconcileWorkers, attachPoll: attachPoll,
 		unmapData: dropDataMapping,
 	}
@@ -224,6 +229,9 @@ func (m *Manager) setLive(volume string, l *live) {
 	if l == nil {
 		delete(m.live, volume)
 		return
+	}
+	if l.dev != nil {
+		delete(m.removed, l.dev.DevNum())
 	}
 	m.live[volume] = l
 }

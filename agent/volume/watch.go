@@ -36,8 +36,11 @@ func (m *Manager) Classify(ctx context.Context, ev uevent.Event) (uevent.Verdict
 	node := ev.Node()
 	dn := fmtDevnum(ev.Major, ev.Minor)
 	claims, _ := m.store.List()
+	m.mu.Lock()
+	removed := m.removed[dn]
+	m.mu.Unlock()
 	for _, c := range claims {
-		if c.DevNum == dn && c.State != StateLost && !c.Missing {
+		if c.DevNum == dn && c.State != StateLost && !c.Missing && !removed {
 			return uevent.Verdict{Method: c.Method}, nil
 		}
 	}
@@ -110,7 +113,9 @@ func (m *Manager) Refused(d uevent.Decision) {
 
 // Removed drops what the agent holds of a disk that went away: a claim
 // on it is marked missing (abnormal) at once, without waiting for the
-// periodic check, and its open device is closed.
+// periodic check; one whose volume is busy with a call is marked once the
+// call ends, and until then the watcher reads any disk that appears at
+// its device number rather than take it for the claim's.
 func (m *Manager) Removed(ev uevent.Event) {
 	dn := fmtDevnum(ev.Major, ev.Minor)
 	claims, _ := m.store.List()
@@ -118,21 +123,42 @@ func (m *Manager) Removed(ev uevent.Event) {
 		if c.DevNum != dn || c.Missing {
 			continue
 		}
-		release, err := m.locks.try(c.Volume, "device removal")
-		if err != nil {
-			continue // the call in progress finds the device gone itself
-		}
-		if now, err := m.store.Get(c.Volume); err == nil && now != nil && now.DevNum == dn {
-			now.Missing, now.Detail = true, fmt.Sprintf("the disk %s of volume %s was removed from this node", now.Device, now.Volume)
-			if err := m.store.Put(now); err != nil {
-				m.log.Error("recording a removed disk", "volume", now.Volume, "err", err)
-			}
-			m.log.Error("claimed disk removed", "volume", now.Volume, "device", now.Device)
-			m.clearClaimed(ev.DevName)
-		}
-		release()
+		m.removedNow(c.Volume, dn, ev.DevName)
 	}
 	m.updateGauge()
+}
+
+// removedNow marks the claim's disk removed under the volume's lock: at
+// once, or when the call that holds it ends.
+func (m *Manager) removedNow(volume, dn, devName string) {
+	for {
+		if release, err := m.locks.try(volume, "device removal"); err == nil {
+			m.markRemoved(volume, dn, devName)
+			release()
+			return
+		}
+		m.mu.Lock()
+		m.removed[dn] = true
+		m.mu.Unlock()
+		if m.locks.whenFree(volume, func() { m.markRemoved(volume, dn, devName); m.updateGauge() }) {
+			return
+		}
+	}
+}
+
+// markRemoved records, with the volume's lock held, that the disk of the
+// claim at device number dn was removed.
+func (m *Manager) markRemoved(volume, dn, devName string) {
+	now, err := m.store.Get(volume)
+	if err != nil || now == nil || now.DevNum != dn || now.Missing {
+		return
+	}
+	now.Missing, now.Detail = true, fmt.Sprintf("the disk %s of volume %s was removed from this node", now.Device, now.Volume)
+	if err := m.store.Put(now); err != nil {
+		m.log.Error("recording a removed disk", "volume", now.Volume, "err", err)
+	}
+	m.log.Error("claimed disk removed", "volume", now.Volume, "device", now.Device)
+	m.clearClaimed(devName)
 }
 
 // serialOf reads a disk's serial for events; "" when unknown.
