@@ -145,6 +145,9 @@ func (m *Manager) Stage(ctx context.Context, r StageRequest) (res StageResult, e
 		return res, err
 	}
 	if c == nil {
+		if other := m.stagedAt(staging, r.Volume); other != "" {
+			return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s is volume %s's; refused, nothing touched", r.Volume, staging, other)
+		}
 		c = &Claim{Volume: r.Volume, Locator: r.Locator, StagingPath: staging, FsType: fsType, Block: r.Block,
 			MountFlags: r.MountFlags, ReadOnly: r.ReadOnly, Encrypted: r.Encrypted}
 	} else if done, err := m.restage(ctx, c, r, staging, fsType); err != nil {
@@ -375,6 +378,20 @@ func (m *Manager) sawDisk() {
 		close(m.seen)
 		m.seen = nil
 	}
+}
+
+// stagedAt names another volume whose claim records the staging path
+// (the kubelet gives each volume its own): a stage there would take that
+// volume's mount for its own, and its rollback or unstage would take it
+// down.
+func (m *Manager) stagedAt(staging, volume string) string {
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != volume && o.StagingPath == staging {
+			return o.Volume
+		}
+	}
+	return ""
 }
 
 // claimedBy names another volume whose claim, staged or a stage under way
