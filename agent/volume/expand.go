@@ -62,7 +62,7 @@ func (m *Manager) Expand(ctx context.Context, volume, path string, required int6
 	}
 	// Grown through the recorded device node: only while it is still the
 	// volume's disk, under the volume's fence.
-	if err := m.stillOurs(ctx, c); err != nil {
+	if err := m.stillOurs(ctx, c, "expansion"); err != nil {
 		return 0, err
 	}
 	return m.grow(ctx, c, required)

@@ -49,7 +49,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err := publishable(r, c, staging, target); err != nil {
 		return err
 	}
-	if err := m.stillOurs(ctx, c); err != nil {
+	if err := m.stillOurs(ctx, c, "publish"); err != nil {
 		return err
 	}
 	if c.Block && !m.blockIntact(c) {
@@ -136,19 +136,30 @@ func (m *Manager) checkPublish(r PublishRequest) (staging, target string, err er
 // answered an error may have released it, and a raw block volume keeps
 // no mount that would stop the publish): a pod is never given a disk
 // that is not its volume's, or that no fence keeps (P1).
-func (m *Manager) stillOurs(ctx context.Context, c *Claim) error {
+func (m *Manager) stillOurs(ctx context.Context, c *Claim, retry string) error {
 	l := m.getLive(c.Volume)
 	if l == nil || (c.State == StateHeld && l.fencer == nil) {
-		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its disk and fence back yet; the claim check retries every %s: retry the publish after that", c.Volume, m.o.Config.CheckInterval)
+		return agenterr.New(agenterr.Unavailable, "volume %s is staged, but the agent has not taken its disk and fence back yet; the claim check retries every %s: retry the %s after that", c.Volume, m.o.Config.CheckInterval, retry)
 	}
+	return m.holdsStill(ctx, c, l, retry)
+}
+
+// holdsStill proves that the live entry l of claim c still is the disk it
+// was staged on and, when fenced, still holds its fence (a loss found
+// here is acted on as the claim check would); retry names what the
+// caller retries.
+func (m *Manager) holdsStill(ctx context.Context, c *Claim, l *live, retry string) error {
 	if err := l.dev.Verify(ctx); err != nil {
+		// A node that is not the disk's (or is two disks') is a state to
+		// fix, said as the first stage's lookup says it; anything else
+		// may pass.
 		kind := agenterr.Unavailable
 		if errors.Is(err, discovery.ErrIdentity) {
 			kind = agenterr.FailedPrecondition
 		}
-		return agenterr.New(kind, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again", c.Volume, c.Device, err)
+		return agenterr.New(kind, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again, retry the %s", c.Volume, c.Device, err, retry)
 	}
-	if c.State != StateHeld {
+	if l.fencer == nil {
 		return nil
 	}
 	if err := l.fencer.Check(ctx); err != nil {
@@ -157,7 +168,7 @@ func (m *Manager) stillOurs(ctx context.Context, c *Claim) error {
 			m.lose(c, l.dev, lost)
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, lost)
 		}
-		return agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s before publishing it: %v; retry the publish", c.Volume, l.dev.Path, err)
+		return agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s: %v; retry the %s", c.Volume, l.dev.Path, err, retry)
 	}
 	return nil
 }

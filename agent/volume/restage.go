@@ -6,12 +6,10 @@ package volume
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/fence/discovery"
 )
 
 // restage takes up the recorded claim c for a stage request: a stage that
@@ -121,26 +119,8 @@ func detailOf(c *Claim) string {
 // FAILED_PRECONDITION for a fence lost); it reports whether the staging
 // path is mounted (a raw block volume has none: true).
 func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
-	l := m.getLive(c.Volume)
-	if err := l.dev.Verify(ctx); err != nil {
-		// A node that is not the disk's (or is two disks') is a state to
-		// fix, said as the first stage's lookup says it; anything else
-		// may pass.
-		kind := agenterr.Unavailable
-		if errors.Is(err, discovery.ErrIdentity) {
-			kind = agenterr.FailedPrecondition
-		}
-		return false, agenterr.New(kind, "volume %s is staged, but its disk %s could not be verified as the disk it was staged on: %v; the claim check looks again, retry the stage", c.Volume, c.Device, err)
-	}
-	if l.fencer != nil {
-		if err := l.fencer.Check(ctx); err != nil {
-			var lost *fence.LostError
-			if errors.As(err, &lost) {
-				m.lose(c, l.dev, lost)
-				return false, agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, lost)
-			}
-			return false, agenterr.New(agenterr.Unavailable, "volume %s: checking the fence of %s: %v", c.Volume, l.dev.Path, err)
-		}
+	if err := m.holdsStill(ctx, c, m.getLive(c.Volume), "stage"); err != nil {
+		return false, err
 	}
 	if c.Block {
 		return m.blockIntact(c), nil
