@@ -6,7 +6,6 @@ package volume
 
 import (
 	"context"
-	"path/filepath"
 	"testing"
 )
 
@@ -44,10 +43,6 @@ func TestAdv5EncryptedRawBlockRestagedAfterUnstageStoppedPublishesTheCiphertextD
 	a := &simVolume{id: "pvc-a", serial: "sim0", block: true, encrypted: true}
 	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		// The kubelet's raw block paths (the harness gives a filesystem
-		// volume's).
-		a.staging = filepath.Join(r.w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", a.id)
-		a.targets = []string{filepath.Join(r.w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/publish", a.id, "pod-0")}
 		fh := &flushFailHost{hookHost: h}
 		r.m.host = fh
 		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
@@ -92,8 +87,6 @@ func TestAdv5LeaseRawBlockRestagedAfterUnstageStoppedPublishesADetachedMapping(t
 	a := &simVolume{id: "pvc-a", serial: "sim0", block: true}
 	runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		a.staging = filepath.Join(r.w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", a.id)
-		a.targets = []string{filepath.Join(r.w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/publish", a.id, "pod-0")}
 		fh := &flushFailHost{hookHost: h}
 		r.m.host = fh
 		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {

@@ -5,17 +5,9 @@ package volume
 
 import (
 	"context"
-	"path/filepath"
 	"strings"
 	"testing"
 )
-
-// adv6BlockPaths gives v the kubelet's raw block paths (the harness gives
-// a filesystem volume's).
-func adv6BlockPaths(r *simRun, v *simVolume) {
-	v.staging = filepath.Join(r.w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", v.id)
-	v.targets = []string{filepath.Join(r.w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/publish", v.id, "pod-0")}
-}
 
 // adv6PublishAfterNodeReused stages the raw block volume a without
 // fencing (the request's and the agent's explicit opt-in),
@@ -28,7 +20,6 @@ func adv6PublishAfterNodeReused(t *testing.T, swap bool) {
 	a := &simVolume{id: "pvc-a", serial: "sim0", block: true}
 	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		adv6BlockPaths(r, a)
 		r.m.o.Config.AllowUnfenced = true
 		r.m.o.Fencers = noFencingNow{simFencers{w: r.w, gen: r.w.gen}}
 		req := r.stageReq(a)
@@ -89,7 +80,6 @@ func adv6EncryptedBlockCloseAnswerLost(t *testing.T, lose bool) {
 	a := &simVolume{id: "pvc-a", serial: "sim0", block: true, encrypted: true}
 	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		adv6BlockPaths(r, a)
 		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
 			t.Fatalf("stage %s: %v", a.id, err)
 		}

@@ -57,8 +57,7 @@ func breakRun(t *testing.T, dir string, lease bool, vols ...*simVolume) *simRun 
 	}
 	r := &simRun{w: w, vols: vols}
 	for i, v := range vols {
-		v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi", simDriver, fmt.Sprintf("%064x", i), "globalmount")
-		v.targets = []string{filepath.Join(w.kubelet, "pods", fmt.Sprintf("pod-%d", i), "volumes/kubernetes.io~csi", v.id, "mount")}
+		w.place(v, i, i)
 		if w.disks[v.serial] == nil {
 			w.minor++
 			w.disks[v.serial] = &simDiskState{serial: v.serial, path: fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1), minor: w.minor, present: true, lease: lease}

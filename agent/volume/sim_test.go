@@ -770,6 +770,24 @@ type simVolume struct {
 	targets    []string
 }
 
+// place gives the i-th volume v the kubelet's staging path of its kind,
+// and a target for each of the pods.
+func (w *simWorld) place(v *simVolume, i int, pods ...int) {
+	if v.block {
+		v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", v.id)
+	} else {
+		v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi", simDriver, fmt.Sprintf("%064x", i), "globalmount")
+	}
+	v.targets = nil
+	for _, k := range pods {
+		if v.block {
+			v.targets = append(v.targets, filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/publish", v.id, fmt.Sprintf("pod-%d", k)))
+		} else {
+			v.targets = append(v.targets, filepath.Join(w.kubelet, "pods", fmt.Sprintf("pod-%d", k), "volumes/kubernetes.io~csi", v.id, "mount"))
+		}
+	}
+}
+
 // simRun is one sequence.
 type simRun struct {
 	w    *simWorld
@@ -790,18 +808,7 @@ func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 	n := 1 + rng.IntN(2)
 	for i := range n {
 		v := &simVolume{id: fmt.Sprintf("pvc-%d", i), serial: fmt.Sprintf("sim%d", i), encrypted: rng.IntN(4) == 0, block: rng.IntN(4) == 0}
-		if v.block {
-			v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/staging", v.id)
-		} else {
-			v.staging = filepath.Join(w.kubelet, "plugins/kubernetes.io/csi", simDriver, fmt.Sprintf("%064x", i), "globalmount")
-		}
-		for k := range 2 {
-			if v.block {
-				v.targets = append(v.targets, filepath.Join(w.kubelet, "plugins/kubernetes.io/csi/volumeDevices/publish", v.id, fmt.Sprintf("pod-%d", k)))
-			} else {
-				v.targets = append(v.targets, filepath.Join(w.kubelet, "pods", fmt.Sprintf("pod-%d", k), "volumes/kubernetes.io~csi", v.id, "mount"))
-			}
-		}
+		w.place(v, i, 0, 1)
 		w.minor++
 		w.disks[v.serial] = &simDiskState{serial: v.serial, path: fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1), minor: w.minor, present: true,
 			lease: rng.IntN(3) != 0}
