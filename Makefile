@@ -20,7 +20,8 @@ export PATH  := $(TOOLS):$(PATH)
 DEBS := protobuf-compiler libprotobuf-dev dbus qemu-system-x86 qemu-block-extra qemu-utils tgt \
         cryptsetup-bin busybox-static sg3-utils kmod cpio e2fsprogs xfsprogs util-linux jq \
         skopeo umoci gettext-base \
-        lintian rpmlint rpm debootstrap cloud-init man-db groff-base
+        lintian rpmlint rpm debootstrap cloud-init man-db groff-base \
+        apt-utils createrepo-c dnf gpg gpg-agent curl python3
 
 # Go tools, pinned.
 STATICCHECK_VERSION     := v0.8.2
@@ -65,14 +66,14 @@ help:
 ##@ Test tiers (make test runs them in this order)
 
 .PHONY: test unit lint test-bench-brief test-csi-sanity test-deploy test-lab test-crypt-lab \
-        test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s k8s-prefetch
+        test-lease-lab test-udev-lab test-e2e test-faults test-packages test-repo test-k8s k8s-prefetch
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
 # The fuzz engine's runs (test-fuzz-brief, about 9 min) are in make fuzz
 # and make soak, not here: the fuzz targets' seed corpora run in unit.
 ## every test tier below, in order, after deps, build, the background k8s-prefetch and lint
 test: deps build k8s-prefetch lint unit test-bench-brief test-csi-sanity test-deploy \
-      test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-k8s
+      test-lab test-crypt-lab test-lease-lab test-udev-lab test-e2e test-faults test-packages test-repo test-k8s
 
 # internal/cyclo holds every function, tests too, to a cyclomatic complexity
 # of 20 at most, counted as gocyclo counts (a function over it is cut into
@@ -179,6 +180,17 @@ test-faults: deps build
 test-packages: deps packages
 	packaging/test/check-packages.sh dist
 	packaging/test/guest-boot.sh dist/vco-agent_*_amd64.deb
+
+# make repo's output as nodes use it (packaging/test/check-repo.sh, about
+# 30 s): built into a scratch directory with a throwaway key and with a
+# REPO_SIGNING_KEY, served on 127.0.0.1; apt in a root of its own trusting
+# only vco-storage.sources updates and downloads vco-agent, dnf installs it
+# into an empty --installroot with gpgcheck and repo_gpgcheck; a tampered
+# InRelease, Packages, .deb, .rpm or repomd.xml and a foreign key are each
+# refused; the nodes' files name the repository, its key and the package.
+## signed apt and yum repositories checked with apt and dnf, tampering refused
+test-repo: deps-apt packages
+	packaging/test/check-repo.sh dist
 
 # The Kubernetes tier (docs/development.md, "The Kubernetes lab"): a
 # cluster built from Kubernetes' sources (cached after the first build),
@@ -438,7 +450,7 @@ soak-k8s-e2e:
 
 ##@ Packaging
 
-.PHONY: packages image csi-yaml csi-addon
+.PHONY: packages repo image csi-yaml csi-addon
 
 # Node-image packages: dist/vco-agent_<version>_<arch>.deb and
 # dist/vco-agent-<version>.<arch>.rpm for each of PKG_ARCHES.
@@ -454,6 +466,21 @@ packages: build
 	done
 	$(GO) run ./packaging/cmd/vco-pkg -version '$(VERSION)' -arch '$(subst $(space),$(comma),$(PKG_ARCHES))' \
 	  -bin-dir '$(BIN)/linux_%s' -help-from $(BIN)/vco-agent -out dist -maintainer '$(PKG_MAINTAINER)'
+
+# Signed apt and yum repositories of dist/'s packages in dist/repo/
+# (packaging/repo/make-repo.sh; docs/install.md, "The package repository"):
+# apt (suite stable, component main, amd64 and arm64) and yum, the public
+# key as vco-storage-archive-keyring.gpg and .asc, and the nodes' files
+# vco-storage.sources, vco-storage.repo and user-data.yaml for REPO_URL,
+# the URL dist/repo/ will be served at; image-builder's variables in
+# dist/image-builder/. REPO_SIGNING_KEY: the path of the armored secret
+# release key; unset, a throwaway key kept in dist/.repo-throwaway-gnupg,
+# with a warning. Packages already in dist/repo/ stay beside the new ones.
+REPO_URL         ?=
+REPO_SIGNING_KEY ?=
+## signed apt and yum repositories of the packages in dist/repo/ (REPO_URL, REPO_SIGNING_KEY)
+repo: deps-apt packages
+	VCO_REPO_URL='$(REPO_URL)' REPO_SIGNING_KEY='$(REPO_SIGNING_KEY)' packaging/repo/make-repo.sh dist
 
 # The vco-csi container image as an OCI image layout tarball, built
 # without a container daemon: dist/vco-csi-<tag>.oci.tar, where the tag is
