@@ -77,12 +77,15 @@ func (m *Manager) release(ctx context.Context, c *Claim, dev *Device, f fence.Fe
 // unmapAll detaches the volume's data mapping: the one its record names,
 // and one over its disk the record does not name (a stage cut short
 // between the attach and its record), which the release guard would
-// otherwise find in use for ever.
+// otherwise find in use for ever. The second is looked for at the device
+// node the record names only while the claim's disk is not missing: a
+// disk removed leaves its node (and device number) to the next disk
+// attached, whose data mapping is another volume's.
 func (m *Manager) unmapAll(c *Claim) error {
 	if err := m.unmapRecorded(c); err != nil {
 		return err
 	}
-	if c.Device == "" {
+	if c.Device == "" || c.Missing {
 		return nil
 	}
 	if p, ok := m.host.DataMapping(c.Device); ok && p != c.DataDevice {
