@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -85,6 +86,89 @@ func TestAdv10UnstageAfterDiskSwapTakesAnotherVolumesDataMapping(t *testing.T) {
 				r.logBreak("NodePublish %s: %s", b.id, errText(err))
 				if err != nil {
 					t.Errorf("publishing %s after %s's unstage: %v (%s)", b.id, a.id, err, agenterr.Code(err))
+				}
+			})
+		})
+	}
+}
+
+// adv10LowestLoop makes the manager's data mappings take the lowest free
+// loop device number, as the kernel's loop-control hands them out (the
+// simulation's own counts up and never reuses one).
+func adv10LowestLoop(r *simRun) {
+	mapData := r.m.mapData
+	r.m.mapData = func(disk string, offset int64, ro bool) (string, error) {
+		r.w.mu.Lock()
+		n := 0
+		for {
+			if _, used := r.w.loops[fmt.Sprintf("/dev/loop%d", n+1)]; !used {
+				break
+			}
+			n++
+		}
+		r.w.nLoop = n
+		r.w.mu.Unlock()
+		return mapData(disk, offset, ro)
+	}
+}
+
+// Volume A (raw block, lease-fenced: its data mapped by /dev/loop1) is
+// staged on disk X at /dev/vdb. X is removed; the kubelet unstages A: the
+// unstage detaches /dev/loop1 and then stops at the release guard (X's
+// node is gone, the proof cannot be made), leaving A's record naming
+// /dev/loop1 still. Disk Y, volume B's, is attached at /dev/vdb, and B's
+// stage maps Y's data region at the lowest free loop device: /dev/loop1.
+// The kubelet retries A's unstage: the mapping A's record names is "a
+// loop device over its disk" (/dev/loop1 backed by /dev/vdb), and A's
+// unstage detaches it: volume B's. Control: B's data mapping at another
+// number (A's record names none that is bound) stays.
+func TestAdv10UnstageRetryDetachesAnotherVolumesMappingAtAReusedLoopNumber(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		lowest bool
+	}{{"control: loop numbers never reused", false}, {"loop numbers reused, lowest first", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := &simVolume{id: "pvc-a", serial: "sim0", block: true}
+			b := &simVolume{id: "pvc-b", serial: "sim1", block: true}
+			runBreak(t, true, []*simVolume{a, b}, func(r *simRun, h *hookHost) {
+				ctx := context.Background()
+				if tc.lowest {
+					adv10LowestLoop(r)
+				}
+				r.w.mu.Lock()
+				r.w.disks[b.serial].present = false
+				r.w.mu.Unlock()
+				if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+					t.Fatalf("stage %s: %v", a.id, err)
+				}
+				r.remove(a)
+				err := r.m.Unstage(ctx, a.id, a.staging)
+				r.logBreak("NodeUnstage %s with its disk removed: %s", a.id, errText(err))
+				ca, _ := r.m.store.Get(a.id)
+				if ca == nil {
+					t.Skip("the unstage of a volume whose disk is gone forgot it at once: no retry to look at")
+				}
+				r.logBreak("%s's record names the data mapping %q", a.id, ca.DataDevice)
+				adv10Swap(r, a, b)
+				if _, err := r.m.Stage(ctx, r.stageReq(b)); err != nil {
+					t.Fatalf("stage %s: %v", b.id, err)
+				}
+				cb, _ := r.m.store.Get(b.id)
+				mapping := cb.DataDevice
+				r.logBreak("%s staged on %s, its data mapped at %s", b.id, cb.Device, mapping)
+				err = r.m.Unstage(ctx, a.id, a.staging)
+				r.logBreak("NodeUnstage %s again: %s", a.id, errText(err))
+				time.Sleep(time.Minute)
+				r.w.mu.Lock()
+				_, mapped := r.w.loops[mapping]
+				r.w.mu.Unlock()
+				if !mapped {
+					t.Errorf("the retried unstage of %s detached %s, volume %s's data mapping", a.id, mapping, b.id)
+				}
+				err = r.m.Publish(ctx, PublishRequest{Volume: b.id, StagingPath: b.staging, TargetPath: b.targets[0], Block: true})
+				r.logBreak("NodePublish %s: %s", b.id, errText(err))
+				if err != nil {
+					t.Errorf("publishing %s after %s's unstage: %v", b.id, a.id, err)
 				}
 			})
 		})
