@@ -3,10 +3,13 @@ package volume
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"google.golang.org/grpc/codes"
 )
 
 // adv10Swap removes the disk of volume a (its Removed uevent delivered)
@@ -173,4 +176,37 @@ func TestAdv10UnstageRetryDetachesAnotherVolumesMappingAtAReusedLoopNumber(t *te
 			})
 		})
 	}
+}
+
+// An unstage of a lease-fenced filesystem volume stops at the release
+// (its answer an error), after it unmounted the volume and detached its
+// data mapping, which its record no longer names. NodeExpand then finds
+// the claim staged: it must refuse, and never grow the disk node itself,
+// whose start is the lease area, not the volume.
+func TestAdv10ExpandAfterUnstageStoppedGrowsNoDiskNode(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
+		ctx := context.Background()
+		var mu sync.Mutex
+		var runs []string
+		r.m.exec = adv7Exec{mu: &mu, runs: &runs}
+		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+			t.Fatalf("stage %s: %v", a.id, err)
+		}
+		r.w.failNext["release"] = 1
+		err := r.m.Unstage(ctx, a.id, a.staging)
+		r.logBreak("NodeUnstage %s, its release failing: %s", a.id, errText(err))
+		_, err = r.m.Expand(ctx, a.id, "", 0)
+		r.logBreak("NodeExpand %s: %s", a.id, errText(err))
+		mu.Lock()
+		defer mu.Unlock()
+		if agenterr.Code(err) != codes.FailedPrecondition {
+			t.Errorf("NodeExpand of %s after its unstage stopped answered %v, not FAILED_PRECONDITION", a.id, err)
+		}
+		for _, run := range runs {
+			if strings.Contains(run, "resize") {
+				t.Errorf("NodeExpand ran %q", run)
+			}
+		}
+	})
 }

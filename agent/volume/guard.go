@@ -97,7 +97,10 @@ func (m *Manager) unmapAll(c *Claim) error {
 
 // unmapRecorded detaches the data mapping c's record names, only if it is
 // a loop device over c's disk: a damaged or hostile record never makes
-// the agent detach (or make writable) another device.
+// the agent detach (or make writable) another device. Once detached, the
+// record stops naming it: the kernel gives its number to the next loop
+// device, which may be another volume's over the disk that took this
+// one's device node since, and a retry would take it for this volume's.
 func (m *Manager) unmapRecorded(c *Claim) error {
 	if c.DataDevice == "" {
 		return nil
@@ -106,7 +109,11 @@ func (m *Manager) unmapRecorded(c *Claim) error {
 		m.log.Warn("the data mapping the claim's record names is not a loop device over its disk; left alone", "volume", c.Volume, "device", c.Device, "mapping", c.DataDevice)
 		return nil
 	}
-	return m.unmapData(c.DataDevice)
+	if err := m.unmapData(c.DataDevice); err != nil {
+		return err
+	}
+	c.DataDevice = ""
+	return m.store.Put(c)
 }
 
 // inUse reports whether err is the release guard keeping a fence because
