@@ -210,3 +210,59 @@ func TestAdv10ExpandAfterUnstageStoppedGrowsNoDiskNode(t *testing.T) {
 		}
 	})
 }
+
+// Volume A is published at target T. Its unpublish unmounts T, but the
+// answer of the unmount is lost (or the agent dies before recording it):
+// A's record still lists T, which nothing is mounted on. A publish of
+// volume B at T (a hostile or mistaken request: the kubelet gives each
+// volume targets of its own) is accepted and binds B's filesystem there,
+// and the kubelet's retry of A's unpublish then takes B's publication
+// down (and removes the target): an operation of volume A unmounts volume
+// B's pod volume. Control: B published at a target of its own stays.
+func TestAdv10PublishAtATargetAnotherVolumeRecordsIsTakenDownByIt(t *testing.T) {
+	for _, hostile := range []bool{false, true} {
+		name := "control: B at its own target"
+		if hostile {
+			name = "B at A's recorded target"
+		}
+		t.Run(name, func(t *testing.T) {
+			a := &simVolume{id: "pvc-a", serial: "sim0"}
+			b := &simVolume{id: "pvc-b", serial: "sim1"}
+			runBreak(t, true, []*simVolume{a, b}, func(r *simRun, h *hookHost) {
+				ctx := context.Background()
+				for _, v := range []*simVolume{a, b} {
+					if _, err := r.m.Stage(ctx, r.stageReq(v)); err != nil {
+						t.Fatalf("stage %s: %v", v.id, err)
+					}
+				}
+				ta := a.targets[0]
+				if err := r.m.Publish(ctx, PublishRequest{Volume: a.id, StagingPath: a.staging, TargetPath: ta}); err != nil {
+					t.Fatalf("publish %s: %v", a.id, err)
+				}
+				r.w.loseNext["umount"] = 1
+				err := r.m.Unpublish(ctx, a.id, ta)
+				r.logBreak("NodeUnpublish %s at %s, the unmount's answer lost: %s", a.id, ta, errText(err))
+				tb := b.targets[0]
+				if hostile {
+					tb = ta
+				}
+				err = r.m.Publish(ctx, PublishRequest{Volume: b.id, StagingPath: b.staging, TargetPath: tb})
+				r.logBreak("NodePublish %s at %s: %s", b.id, tb, errText(err))
+				if err != nil {
+					if hostile {
+						return // refused: nothing of B's at A's target
+					}
+					t.Fatalf("publish %s: %v", b.id, err)
+				}
+				err = r.m.Unpublish(ctx, a.id, ta)
+				r.logBreak("NodeUnpublish %s at %s again: %s", a.id, ta, errText(err))
+				r.w.mu.Lock()
+				_, mounted := r.w.mounts[tb]
+				r.w.mu.Unlock()
+				if !mounted {
+					t.Errorf("volume %s's publication at %s was taken down by the unpublish of volume %s", b.id, tb, a.id)
+				}
+			})
+		})
+	}
+}
