@@ -3,6 +3,8 @@ package volume
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -261,6 +263,60 @@ func TestAdv10PublishAtATargetAnotherVolumeRecordsIsTakenDownByIt(t *testing.T) 
 				r.w.mu.Unlock()
 				if !mounted {
 					t.Errorf("volume %s's publication at %s was taken down by the unpublish of volume %s", b.id, tb, a.id)
+				}
+			})
+		})
+	}
+}
+
+// Volume A, lease-fenced, is staged (its filesystem mounted) when the
+// agent restarts; the next process finds A's claim record damaged (a
+// write torn by the disk, a hand edit), unreadable. The start-up check
+// leaves the volume "alone", and so does the host watchdog's list: the
+// lease the earlier process renewed is renewed by nobody, listed as not
+// resumed nowhere, and the watchdog is fed while A's filesystem stays
+// mounted and writable: the lease lapses under a volume in use, and
+// another node may take the disk (I1, P1). Control: the record intact,
+// the lease is resumed.
+func TestAdv10DamagedRecordAtRestartLetsAMountedVolumesLeaseLapse(t *testing.T) {
+	for _, damaged := range []bool{false, true} {
+		name := "control: record intact"
+		if damaged {
+			name = "record damaged"
+		}
+		t.Run(name, func(t *testing.T) {
+			a := &simVolume{id: "pvc-a", serial: "sim0"}
+			runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
+				ctx := context.Background()
+				if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+					t.Fatalf("stage %s: %v", a.id, err)
+				}
+				r.w.mu.Lock()
+				r.w.crash()
+				dir := r.w.stateDir
+				r.w.mu.Unlock()
+				if damaged {
+					recs, _ := filepath.Glob(filepath.Join(dir, "volumes", "*.json"))
+					if len(recs) != 1 {
+						t.Fatalf("claim records: %v", recs)
+					}
+					b, err := os.ReadFile(recs[0])
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := os.WriteFile(recs[0], b[:len(b)/2], 0o600); err != nil {
+						t.Fatal(err)
+					}
+				}
+				r.logBreak("agent restarts, %s's record damaged: %v", a.id, damaged)
+				r.m.Close()
+				r.start(ctx)
+				r.logBreak("the host watchdog's list: %+v", r.m.Leases())
+				r.w.mu.Lock()
+				defer r.w.mu.Unlock()
+				d := r.w.disks[a.serial]
+				if what := r.w.inUse(a.serial); what != "" && !r.renewed(a, d) {
+					t.Errorf("%s is %s, but its lease is renewed by no live fencer and not listed for the host watchdog as not resumed (I1)", a.id, what)
 				}
 			})
 		})
