@@ -405,7 +405,8 @@ func (m *Manager) checkFence(ctx context.Context, c *Claim, dev *Device, f fence
 // device of unfenced ones. A volume busy with an API call is skipped.
 func (m *Manager) CheckAll(ctx context.Context) {
 	start := time.Now()
-	claims, _ := m.store.List()
+	claims, errs := m.store.List()
+	m.recordsGone(claims, errs)
 	// Scanned only if a claim has no open device to verify.
 	disks := m.newScan()
 	for _, c := range claims {

@@ -108,6 +108,11 @@ func (m *Manager) grow(ctx context.Context, c *Claim, required int64) (int64, er
 // growMappings makes the data mapping (lease disks) and then the dm-crypt
 // mapping (encrypted volumes) see the grown disk of disk bytes.
 func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error {
+	if c.DataDevice == "" && c.DataOffset > 0 {
+		// Detached by an unstage that stopped after it: the disk itself
+		// starts with the lease area, never the volume.
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: its data mapping is detached (an unstage stopped after it); stage the volume again to remap it", c.Volume)
+	}
 	if c.DataDevice != "" {
 		if !m.host.MapsDisk(c.DataDevice, c.Device) {
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s: its recorded data mapping %s is not a loop device over its disk %s; unstage and stage the volume again to remap it",

@@ -93,6 +93,9 @@ func makeFS(ctx context.Context, p blank.Proof, fsType string, onMapping bool, u
 	if err := mkfsInstalled(fsType, p.Device()); err != nil {
 		return err
 	}
+	if err := p.StillNames(); err != nil {
+		return err
+	}
 	if out, err := exec.CommandContext(ctx, "mkfs."+fsType, args...).CombinedOutput(); err != nil {
 		return fmt.Errorf("mkfs.%s %s: %v: %s", fsType, p.Device(), err, strings.TrimSpace(string(out)))
 	}

@@ -77,12 +77,15 @@ func (m *Manager) release(ctx context.Context, c *Claim, dev *Device, f fence.Fe
 // unmapAll detaches the volume's data mapping: the one its record names,
 // and one over its disk the record does not name (a stage cut short
 // between the attach and its record), which the release guard would
-// otherwise find in use for ever.
+// otherwise find in use for ever. The second is looked for at the device
+// node the record names only while the claim's disk is not missing: a
+// disk removed leaves its node (and device number) to the next disk
+// attached, whose data mapping is another volume's.
 func (m *Manager) unmapAll(c *Claim) error {
 	if err := m.unmapRecorded(c); err != nil {
 		return err
 	}
-	if c.Device == "" {
+	if c.Device == "" || c.Missing {
 		return nil
 	}
 	if p, ok := m.host.DataMapping(c.Device); ok && p != c.DataDevice {
@@ -94,7 +97,10 @@ func (m *Manager) unmapAll(c *Claim) error {
 
 // unmapRecorded detaches the data mapping c's record names, only if it is
 // a loop device over c's disk: a damaged or hostile record never makes
-// the agent detach (or make writable) another device.
+// the agent detach (or make writable) another device. Once detached, the
+// record stops naming it: the kernel gives its number to the next loop
+// device, which may be another volume's over the disk that took this
+// one's device node since, and a retry would take it for this volume's.
 func (m *Manager) unmapRecorded(c *Claim) error {
 	if c.DataDevice == "" {
 		return nil
@@ -103,7 +109,11 @@ func (m *Manager) unmapRecorded(c *Claim) error {
 		m.log.Warn("the data mapping the claim's record names is not a loop device over its disk; left alone", "volume", c.Volume, "device", c.Device, "mapping", c.DataDevice)
 		return nil
 	}
-	return m.unmapData(c.DataDevice)
+	if err := m.unmapData(c.DataDevice); err != nil {
+		return err
+	}
+	c.DataDevice = ""
+	return m.store.Put(c)
 }
 
 // inUse reports whether err is the release guard keeping a fence because

@@ -187,6 +187,9 @@ func (l *LUKS) Format(_ context.Context, p blank.Proof, passphrase []byte, tok l
 	if n, err := deviceSize(p.Device()); err == nil && (n-16<<20)%4096 != 0 {
 		o.SectorSize = 512
 	}
+	if err := p.StillNames(); err != nil {
+		return err
+	}
 	v, err := luks2.Format(p.Device(), o)
 	if err != nil {
 		return err

@@ -63,6 +63,9 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 			return err
 		}
 	}
+	if other := m.publishedAt(target, r.Volume); other != "" {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: the target %s is recorded as volume %s's publication; refused, nothing touched: unpublish volume %s from it first", r.Volume, target, other, other)
+	}
 	// Recorded before the bind: a crash between the two leaves a record
 	// that says more than the node, which Unpublish undoes, never a
 	// publication the record does not know (which it would refuse).
@@ -89,6 +92,19 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	}
 	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
 	return nil
+}
+
+// publishedAt names another volume whose claim records target as one of
+// its publications: that volume's unpublish unmounts what is there, so a
+// publication of this volume there would be taken down by it.
+func (m *Manager) publishedAt(target, volume string) string {
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != volume && slices.Contains(o.Publications, target) {
+			return o.Volume
+		}
+	}
+	return ""
 }
 
 // publishable refuses a publication of the claim c (nil: none) that the

@@ -403,8 +403,10 @@ func TestUnstageTakesTheStageBackInReverse(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The encrypted volume's mapping is closed by its name again (a
-	// mapping the record does not name is closed too).
-	if want := []string{"lock", "unmap", "release", "close fencer"}; !slices.Equal(e.j.calls, want) {
+	// mapping the record does not name is closed too); the data mapping
+	// the first attempt detached is no longer recorded, so not detached
+	// again (its number may be another volume's by now).
+	if want := []string{"lock", "release", "close fencer"}; !slices.Equal(e.j.calls, want) {
 		t.Fatalf("retry: got %v, want %v", e.j.calls, want)
 	}
 	if c, err := e.m.store.Get(r.Volume); err != nil || c != nil || !e.diskClosed() {

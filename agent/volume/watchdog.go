@@ -77,7 +77,8 @@ func (m *Manager) Leases() []watchdog.Lease {
 // that a restarted agent feeds its host only for leases it has seen
 // renewed, however long the check of many volumes takes. A claim the check
 // cannot locate is let go of the list once looked at (it is reported
-// abnormal), so a node whose disk is gone is not reset over and over.
+// abnormal), so a node whose disk is gone is not reset over and over. A
+// record that cannot be read is listed until it is fixed or removed.
 //
 // The first start after the host booted lists none: a reboot took every
 // mount and mapping of the earlier process with it, so nothing writes
@@ -92,12 +93,45 @@ func (m *Manager) ExpectRecordedLeases() {
 		m.mu.Unlock()
 		return
 	}
-	claims, _ := m.store.List()
+	claims, errs := m.store.List()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, c := range claims {
 		if recordedLease(c) && m.live[c.Volume] == nil {
 			m.unchecked[c.Volume] = true
+		}
+	}
+	// A record that cannot be read may be a lease's whose volume is
+	// mounted: listed until it is fixed (the checks then take it back)
+	// or removed (recordsGone).
+	for _, err := range errs {
+		var re *RecordError
+		if errors.As(err, &re) && m.live[re.Volume] == nil {
+			m.unchecked[re.Volume] = true
+		}
+	}
+}
+
+// recordsGone takes off the host watchdog's list of leases not resumed
+// the volumes that have no record any more, readable or not (claims and
+// errs are the store's listing): nothing is known to write under them.
+func (m *Manager) recordsGone(claims []*Claim, errs []error) {
+	known := map[string]bool{}
+	for _, c := range claims {
+		known[c.Volume] = true
+	}
+	for _, err := range errs {
+		var re *RecordError
+		if !errors.As(err, &re) {
+			return // the listing failed: nothing is concluded
+		}
+		known[re.Volume] = true
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for v := range m.unchecked {
+		if !known[v] {
+			delete(m.unchecked, v)
 		}
 	}
 }

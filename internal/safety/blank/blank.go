@@ -99,6 +99,21 @@ func (p Proof) Device() string { return p.path }
 // File is what Device named when it was proven blank.
 func (p Proof) File() FileID { return p.id }
 
+// StillNames checks that the path p proved still names what it named
+// then (File): a disk removed and another attached at its device node,
+// or a link retargeted, is another device, which no format may take p
+// for. A format calls it last before it writes.
+func (p Proof) StillNames() error {
+	var st unix.Stat_t
+	if err := unix.Stat(p.path, &st); err != nil {
+		return fmt.Errorf("%s: %w", p.path, err)
+	}
+	if FileIDOf(&st) != p.id {
+		return fmt.Errorf("%s names another device than when it was proven blank; nothing is formatted, it is proven again", p.path)
+	}
+	return nil
+}
+
 // Size is the device's size when it was proven blank.
 func (p Proof) Size() int64 { return p.size }
 
