@@ -112,8 +112,11 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 	}
 	m.clearClaimed(filepath.Base(c.Device))
 	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", c.Volume, c.StagingPath, c.Device)
-	if c.State == StateLost {
+	switch {
+	case c.State == StateLost:
 		msg = fmt.Sprintf("volume %s unstaged from %s; its disk %s was lost to another holder before and stays read-only on this node", c.Volume, c.StagingPath, c.Device)
+	case c.Detail == detachedDetail:
+		msg = fmt.Sprintf("volume %s unstaged from %s; %s (%s): the node it went to takes it over with a grant", c.Volume, c.StagingPath, detachedDetail, c.Device)
 	}
 	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, HolderKey: uint64(c.Key),
 		Reason: "unstaged", Message: msg})
@@ -196,6 +199,12 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 			l = &live{dev: l.dev, fencer: ch.Fencer}
 		}
 		if l != nil && l.fencer != nil {
+			if gone, err := m.detached(ctx, c, l); err != nil || gone {
+				if gone {
+					m.dropDetached(c, l)
+				}
+				return err
+			}
 			if err := m.releaseHeld(ctx, c, l); err != nil {
 				if l != m.getLive(c.Volume) {
 					// Opened here: the claim check takes the
@@ -212,6 +221,42 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 	m.setLive(c.Volume, nil)
 	return nil
 }
+
+// detached reports whether the held claim's disk is no longer attached to
+// this node: the device the claim holds open fails its identity check and
+// a scan finds the disk nowhere (the platform detached it, as it does
+// when another node takes the volume over). A disk found at another
+// device node is taken back there, and the unstage is to be retried.
+func (m *Manager) detached(ctx context.Context, c *Claim, l *live) (bool, error) {
+	if l.dev.Verify(ctx) == nil {
+		return false, nil
+	}
+	switch m.cameBack(ctx, c, l, m.newScan()) {
+	case diskGone:
+		return true, nil
+	case diskMoved:
+		return false, agenterr.New(agenterr.Unavailable, "volume %s: its disk was attached again at another device node while it was unstaged; the claim was taken back there: retry the unstage", c.Volume)
+	}
+	return false, nil
+}
+
+// dropDetached lets go of a held claim whose disk is no longer attached:
+// its fence cannot be released from here, and nothing of this node
+// reaches the disk (its mounts and mappings were taken down before). The
+// fence stays on the disk, for the node the disk went to to take over
+// with a grant, or to lapse (a lease nobody renews).
+func (m *Manager) dropDetached(c *Claim, l *live) {
+	m.log.Warn("the volume's disk is no longer attached to this node: its fence is left on the disk, not released", "volume", c.Volume, "device", c.Device)
+	c.Detail = detachedDetail
+	if l != m.getLive(c.Volume) {
+		l.close()
+	}
+	m.setLive(c.Volume, nil)
+}
+
+// detachedDetail marks, for the unstage's event, a claim dropped because
+// its disk was detached from this node.
+const detachedDetail = "its disk was detached from this node; its fence was not released from here"
 
 // openToRelease opens the claim's disk and its fencer: nil when the disk
 // is gone (nothing on this node can release its fence then, and nothing
