@@ -195,15 +195,15 @@ test-repo: deps-apt packages
 # The Kubernetes tier (docs/development.md, "The Kubernetes lab"): a
 # cluster built from Kubernetes' sources (cached after the first build),
 # workers as Debian 12 guests with the vco-agent package, the add-on
-# applied with make csi-addon, scenarios K1, K2 and K4 judged per safety
+# applied with make csi-addon, scenarios K1, K2, K12 and K4 judged per safety
 # property. make k8s-lab is the same from the command line, with its report
 # in bin/k8s-report-*.txt and .html.
 K8S_TIMEOUT ?= 70m
-# K8S_SCENARIOS: empty for make test's (K1, K2, K4), "all", or a list
+# K8S_SCENARIOS: empty for make test's (K1, K2, K12, K4), "all", or a list
 # such as K1,K4,K6. K8S_KIND: the disk kind of k8s-lab's workers.
 K8S_SCENARIOS ?=
 K8S_KIND      ?= scsi-block
-## a Kubernetes cluster built from source with the add-on, scenarios K1, K2, K4
+## a Kubernetes cluster built from source with the add-on, scenarios K1, K2, K12, K4
 test-k8s: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	VCO_LAB=1 VCO_K8S=1 VCO_K8S_SCENARIOS=$(K8S_SCENARIOS) VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s

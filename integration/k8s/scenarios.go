@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
 	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
@@ -684,21 +683,12 @@ func (s *story) k5Back(ctx context.Context, sc string, dead, live *lab.Guest, pv
 	if data != want {
 		return "", fmt.Errorf("the volume holds %q, want %q", data, want)
 	}
-	meta, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o",
-		"jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {.status.attachmentMetadata}{\"\\n\"}{end}")
-	if err != nil {
+	if *grant, err = s.grantOf(ctx, pv, live.Name); err != nil {
 		return "", err
-	}
-	for _, l := range strings.Split(strings.TrimSpace(meta), "\n") {
-		node, js, _ := strings.Cut(l, " ")
-		var pc map[string]string
-		if node == live.Name && json.Unmarshal([]byte(js), &pc) == nil {
-			*grant = pc[driver.PubFenceGrant]
-		}
 	}
 	s.check(e2e.P3, sc, *grant != "", "K5: the VolumeAttachment to %s carries the controller's grant %q", live.Name, *grant)
 	if *grant == "" {
-		return "", fmt.Errorf("no grant in the VolumeAttachments of %s: %s", pv, meta)
+		return "", fmt.Errorf("no grant on the VolumeAttachment of %s to %s", pv, live.Name)
 	}
 	return fmt.Sprintf("%s on %s holds %q; grant %s", ps[0].Name, live.Name, data, *grant), nil
 }

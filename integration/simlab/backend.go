@@ -73,6 +73,17 @@ func (b *Backend) SetKind(id int64, k lab.DiskKind) {
 	b.kinds[id] = k
 }
 
+// SetDefaultKind chooses how disks without a kind of their own (SetKind)
+// are shown to guests from their next attach on, and returns the kind it
+// replaces.
+func (b *Backend) SetDefaultKind(k lab.DiskKind) lab.DiskKind {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	prev := b.Kind
+	b.Kind = k
+	return prev
+}
+
 func (b *Backend) kind(id int64) lab.DiskKind {
 	b.mu.Lock()
 	defer b.mu.Unlock()
