@@ -65,3 +65,64 @@ func TestAdv11StageWaitingForItsDiskTakesAStagingPathStagedMeanwhile(t *testing.
 		})
 	}
 }
+
+// Volume A (raw block, lease-fenced: its data mapped by a loop device
+// over disk X) loses its fence to another node: the claim check records
+// it lost and stops its I/O, and A stays staged (read-only) until the
+// kubelet unstages it. The other node lets X go. A stage of volume B
+// whose locator names X (the controller's error, or a hostile request)
+// is not refused: the stage's "one disk, one volume" rule (claimedBy)
+// skips lost claims. B takes the lease, and its data mapping step finds
+// A's loop device over X and makes it B's. A's unstage then detaches
+// its recorded data mapping, which is B's: volume B is left staged on a
+// device that maps nothing (one volume's operation touches another's
+// loop device). Control: B on a disk of its own.
+func TestAdv11StageOfALostClaimsDiskTakesItsDataMapping(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		serial string
+	}{{"control: B on its own disk", "sim1"}, {"B's locator names A's lost disk", "sim0"}} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := &simVolume{id: "pvc-a", serial: "sim0", block: true}
+			b := &simVolume{id: "pvc-b", serial: tc.serial, block: true}
+			runBreak(t, true, []*simVolume{a, b}, func(r *simRun, h *hookHost) {
+				ctx := context.Background()
+				if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+					t.Fatalf("stage %s: %v", a.id, err)
+				}
+				r.w.mu.Lock()
+				r.w.disks[a.serial].holder = "other"
+				r.w.mu.Unlock()
+				r.m.CheckAll(ctx)
+				ca, _ := r.m.store.Get(a.id)
+				if ca == nil || ca.State != StateLost {
+					t.Fatalf("%s's claim is not lost after another node took its disk: %+v", a.id, ca)
+				}
+				r.w.mu.Lock()
+				r.w.disks[a.serial].holder = ""
+				r.w.mu.Unlock()
+				r.logBreak("%s lost (data mapping %s); the other node let its disk go", a.id, ca.DataDevice)
+				_, err := r.m.Stage(ctx, r.stageReq(b))
+				r.logBreak("NodeStage %s on %s: %s", b.id, b.serial, errText(err))
+				if err != nil {
+					return
+				}
+				cb, _ := r.m.store.Get(b.id)
+				mapping := cb.DataDevice
+				err = r.m.Unstage(ctx, a.id, a.staging)
+				r.logBreak("NodeUnstage %s: %s", a.id, errText(err))
+				r.w.mu.Lock()
+				_, mapped := r.w.loops[mapping]
+				r.w.mu.Unlock()
+				if !mapped {
+					t.Errorf("unstaging %s detached %s, volume %s's data mapping", a.id, mapping, b.id)
+				}
+				err = r.m.Publish(ctx, PublishRequest{Volume: b.id, StagingPath: b.staging, TargetPath: b.targets[0], Block: true})
+				r.logBreak("NodePublish %s: %s", b.id, errText(err))
+				if err != nil {
+					t.Errorf("publishing %s after %s's unstage: %v", b.id, a.id, err)
+				}
+			})
+		})
+	}
+}
