@@ -404,16 +404,19 @@ func (m *Manager) stagedAt(staging, volume string) string {
 	return ""
 }
 
-// claimedBy names another volume whose claim, staged or a stage under way
-// or cut short, is on the disk dev: a second volume's stage beside one
-// under way would take the same node's fence and its rollback would
-// release it under the first. A claim whose disk the checks miss is on
-// dev when it names dev's serial: its device number may since be another
-// disk's, its serial is not; without a serial, its device number counts.
+// claimedBy names another volume whose claim, staged (lost too) or a
+// stage under way or cut short, is on the disk dev: a second volume's
+// stage beside one under way would take the same node's fence and its
+// rollback would release it under the first; a lost claim keeps its
+// mount, mappings and read-only flags until its unstage, which would take
+// down what a second volume's stage reused of them. A claim whose disk
+// the checks miss is on dev when it names dev's serial: its device number
+// may since be another disk's, its serial is not; without a serial, its
+// device number counts.
 func (m *Manager) claimedBy(dev *Device, volume string) string {
 	cs, _ := m.store.List()
 	for _, o := range cs {
-		if o.Volume == volume || o.State == StateLost {
+		if o.Volume == volume {
 			continue
 		}
 		if o.DevNum == dev.DevNum() && (!o.Missing || o.Serial == "") {
