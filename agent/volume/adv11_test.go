@@ -2,9 +2,15 @@ package volume
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"testing/synctest"
 	"time"
+
+	mount "k8s.io/mount-utils"
+
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
+	"google.golang.org/grpc/codes"
 )
 
 // A stage request for volume A names a staging path P while A's disk is
@@ -124,5 +130,78 @@ func TestAdv11StageOfALostClaimsDiskTakesItsDataMapping(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// adv11OptsHost is the simulation's host whose mount table says, as
+// /proc/mounts does, whether each publication's bind mount is read-only
+// ("ro") or not ("rw").
+type adv11OptsHost struct {
+	*hookHost
+	ro map[string]bool
+}
+
+func (h adv11OptsHost) Bind(source, target string, block bool, opts []string) error {
+	err := h.hookHost.Bind(source, target, block, opts)
+	if err == nil {
+		h.w.mu.Lock()
+		h.ro[target] = slices.Contains(opts, "ro")
+		h.w.mu.Unlock()
+	}
+	return err
+}
+
+func (h adv11OptsHost) List() ([]mount.MountPoint, error) {
+	mps, err := h.hookHost.List()
+	h.w.mu.Lock()
+	defer h.w.mu.Unlock()
+	for i := range mps {
+		if ro, ok := h.ro[mps[i].Path]; ok {
+			mps[i].Opts = []string{map[bool]string{true: "ro", false: "rw"}[ro]}
+		}
+	}
+	return mps, err
+}
+
+// Volume A is published read-write at target T. A publish of A at T that
+// asks for it read-only (a repeated call with differing args: another
+// pod's read-only use, or a hostile request) is answered OK, and the pod
+// that asked for a read-only volume is handed the read-write bind mount
+// (CSI: a publication at the target that is not compatible with the
+// request's readonly flag is ALREADY_EXISTS). Control: the same publish
+// repeated.
+func TestAdv11RepeatedPublishAsksReadOnlyGetsTheWritableMount(t *testing.T) {
+	for _, block := range []bool{false, true} {
+		for _, ro := range []bool{false, true} {
+			name := map[bool]string{false: "filesystem", true: "raw block"}[block]
+			if !ro {
+				name += ", control: repeated as it was"
+			} else {
+				name += ", repeated read-only"
+			}
+			t.Run(name, func(t *testing.T) {
+				a := &simVolume{id: "pvc-a", serial: "sim0", block: block}
+				runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
+					ctx := context.Background()
+					r.m.host = adv11OptsHost{hookHost: h, ro: map[string]bool{}}
+					if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+						t.Fatalf("stage %s: %v", a.id, err)
+					}
+					req := PublishRequest{Volume: a.id, StagingPath: a.staging, TargetPath: a.targets[0], Block: block}
+					if err := r.m.Publish(ctx, req); err != nil {
+						t.Fatalf("publish %s: %v", a.id, err)
+					}
+					req.ReadOnly = ro
+					err := r.m.Publish(ctx, req)
+					r.logBreak("NodePublish %s at %s again, read_only=%v: %s", a.id, req.TargetPath, ro, errText(err))
+					switch {
+					case !ro && err != nil:
+						t.Errorf("the repeated publish of %s failed: %v", a.id, err)
+					case ro && agenterr.Code(err) != codes.AlreadyExists:
+						t.Errorf("a read-only publish of %s at %s, bound read-write there, answered %v, not ALREADY_EXISTS", a.id, req.TargetPath, errText(err))
+					}
+				})
+			})
+		}
 	}
 }
