@@ -237,17 +237,24 @@ func hardened(flags []string) []string {
 }
 
 func (m *Manager) mountSource(p string) (string, error) {
+	mp, err := m.mountAt(p)
+	return mp.Device, err
+}
+
+// mountAt is the mount on top at p, as the mount table lists it (a zero
+// one when nothing is mounted there).
+func (m *Manager) mountAt(p string) (mount.MountPoint, error) {
 	mps, err := m.host.List()
 	if err != nil {
-		return "", fmt.Errorf("reading the mount table: %w", err)
+		return mount.MountPoint{}, fmt.Errorf("reading the mount table: %w", err)
 	}
-	src := ""
+	var top mount.MountPoint
 	for _, mp := range mps {
 		if mp.Path == p {
-			src = mp.Device // the last one is on top
+			top = mp // the last one is on top
 		}
 	}
-	return src, nil
+	return top, nil
 }
 
 func sameDevice(a, b string) bool {

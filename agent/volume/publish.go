@@ -59,7 +59,7 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	}
 	mp, _ := m.host.IsMountPoint(target)
 	if mp {
-		if err := m.publishedAlready(c, target); err != nil {
+		if err := m.publishedAlready(c, target, r.ReadOnly); err != nil {
 			return err
 		}
 	}
@@ -190,15 +190,34 @@ func (m *Manager) holdsStill(ctx context.Context, c *Claim, l *live, retry strin
 }
 
 // publishedAlready accepts a target that already has the volume mounted
-// on it (a retried publish) and refuses one with anything else.
-func (m *Manager) publishedAlready(c *Claim, target string) error {
+// on it as the publish asks, read-only or not (a retried publish), and
+// refuses one with anything else: a pod that asked for the volume
+// read-only is never handed a writable publication.
+func (m *Manager) publishedAlready(c *Claim, target string, readOnly bool) error {
 	if c.Block {
-		return m.host.BlockTargetHolds(target, c)
+		if err := m.host.BlockTargetHolds(target, c); err != nil {
+			return err
+		}
 	}
-	if src, _ := m.mountSource(target); !sameDevice(src, c.MountDevice()) {
-		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", c.Volume, target, src)
+	mp, err := m.mountAt(target)
+	if err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: target %s is a mount point, but %v; retry the publish", c.Volume, target, err)
+	}
+	if !c.Block && !sameDevice(mp.Device, c.MountDevice()) {
+		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it", c.Volume, target, mp.Device)
+	}
+	if ro := slices.Contains(mp.Opts, "ro"); ro != readOnly {
+		return agenterr.New(agenterr.AlreadyExists, "volume %s is already published at %s %s; the publish asks for it %s: unpublish it first",
+			c.Volume, target, rwName(ro), rwName(readOnly))
 	}
 	return nil
+}
+
+func rwName(ro bool) string {
+	if ro {
+		return "read-only"
+	}
+	return "read-write"
 }
 
 // blockTargetHolds checks that the mount on a raw block volume's target

@@ -305,6 +305,12 @@ func (s *staging) openDisk(ctx context.Context) error {
 		m.setLive(c.Volume, nil)
 		dev.Close()
 	})
+	// The refusals below and the record are made under watchMu, which
+	// every stage records under: a stage that waited for its disk, or
+	// ran beside another, never records a disk or a staging path
+	// another volume's claim was recorded with meanwhile.
+	m.watchMu.Lock()
+	defer m.watchMu.Unlock()
 	// One disk, one volume: a second volume staged from the same disk
 	// would mount it twice, and its unstage would release the fence the
 	// first one still relies on.
@@ -312,14 +318,18 @@ func (s *staging) openDisk(ctx context.Context) error {
 		return agenterr.New(agenterr.FailedPrecondition,
 			"volume %s: disk %s is already staged on this node as volume %s; unstage that volume first", c.Volume, dev.Path, other)
 	}
+	// One staging path, one volume (Stage refuses it before the wait
+	// for the disk too): this stage's rollback and unstage would take
+	// down the other volume's mount there.
+	if other := m.stagedAt(c.StagingPath, c.Volume); other != "" {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: the staging path %s is volume %s's; refused, nothing touched", c.Volume, c.StagingPath, other)
+	}
 	m.setLive(c.Volume, nil)
 	c.Device, c.DevNum, c.Serial, c.Missing = dev.Path, dev.DevNum(), dev.Serial, false
 	// A stage retried over one cut short is claiming again: a crash
 	// from here on leaves a record that says a stage was under way,
 	// never "interrupted" over what this stage mounts.
 	c.Phase = PhaseClaiming
-	m.watchMu.Lock()
-	defer m.watchMu.Unlock()
 	return m.store.Put(c)
 }
 
@@ -394,16 +404,19 @@ func (m *Manager) stagedAt(staging, volume string) string {
 	return ""
 }
 
-// claimedBy names another volume whose claim, staged or a stage under way
-// or cut short, is on the disk dev: a second volume's stage beside one
-// under way would take the same node's fence and its rollback would
-// release it under the first. A claim whose disk the checks miss is on
-// dev when it names dev's serial: its device number may since be another
-// disk's, its serial is not; without a serial, its device number counts.
+// claimedBy names another volume whose claim, staged (lost too) or a
+// stage under way or cut short, is on the disk dev: a second volume's
+// stage beside one under way would take the same node's fence and its
+// rollback would release it under the first; a lost claim keeps its
+// mount, mappings and read-only flags until its unstage, which would take
+// down what a second volume's stage reused of them. A claim whose disk
+// the checks miss is on dev when it names dev's serial: its device number
+// may since be another disk's, its serial is not; without a serial, its
+// device number counts.
 func (m *Manager) claimedBy(dev *Device, volume string) string {
 	cs, _ := m.store.List()
 	for _, o := range cs {
-		if o.Volume == volume || o.State == StateLost {
+		if o.Volume == volume {
 			continue
 		}
 		if o.DevNum == dev.DevNum() && (!o.Missing || o.Serial == "") {
