@@ -103,7 +103,7 @@ func parsePluginFlags(args []string) (*pluginFlags, error) {
 	fs.StringVar(&f.agentSock, "agent-socket", "/run/vco-agent/agent.sock", "vco-agent socket (node)")
 	fs.StringVar(&f.kubelet, "kubelet-root", "/var/lib/kubelet", "the host's kubelet directory, which staging and target paths must lie under; checked by their text, the plugin need not see it (node)")
 	fs.BoolVar(&f.allowUnfenced, "allow-unfenced", false, "ask the agent to stage disks that offer no fencing method, e.g. loop devices; the agent must allow it too (node; tests and the simulator only)")
-	fs.StringVar(&f.loopDir, "sim-disk-dir", "", "find volumes as loop devices of this `vco-csi sim` host backend's disk directory (<sim --dir>/disks) instead of by PCI address and serial (node; simulator only)")
+	fs.StringVar(&f.loopDir, "sim-disk-dir", "", "find volumes as loop devices in `dir`, the disk directory of the simulator's host backend (<vco-lab sim --dir>/disks), instead of by PCI address and serial (node; simulator only)")
 	fs.StringVar(&f.vaultAddr, "vault-addr", "", "Vault/OpenBao address whose transit engine wraps encrypted volumes' passphrases; empty: encrypted volumes are refused (node)")
 	fs.StringVar(&f.transitMount, "vault-transit-mount", "transit", "transit engine mount path (node)")
 	fs.StringVar(&f.transitKey, "vault-transit-key", "vco-volumes", "transit key that wraps new volumes' passphrases (node)")
