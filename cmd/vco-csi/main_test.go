@@ -17,6 +17,27 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 )
 
+// A word the plugin's flags do not take is refused before anything
+// starts: vco-csi has no sim command (the simulator is `vco-lab sim`),
+// and it takes no stray argument after the flags either.
+func TestPluginRefusesStrayArguments(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		word string
+	}{
+		{[]string{"sim", "--listen", "127.0.0.1:0", "--dir", t.TempDir()}, "sim"},
+		{[]string{"--mode=controller", "--endpoint", "unix://" + filepath.Join(t.TempDir(), "csi.sock"), "extra"}, "extra"},
+	} {
+		_, err := parsePluginFlags(tc.args)
+		if err == nil || !strings.Contains(err.Error(), `unexpected argument "`+tc.word+`"`) || !strings.Contains(err.Error(), "vco-lab sim") {
+			t.Errorf("%q: error %v, want a refusal naming %q and `vco-lab sim`", tc.args, err, tc.word)
+		}
+		if rc := runPlugin(tc.args); rc != 2 {
+			t.Errorf("%q: exit %d, want 2 (refused)", tc.args, rc)
+		}
+	}
+}
+
 // TestBinaryControllerAgainstSim builds vco-csi and vco-lab, runs
 // `vco-lab sim` and `vco-csi --mode=controller` as processes, and drives
 // the controller over its unix socket.

@@ -128,7 +128,18 @@ func parsePluginFlags(args []string) (*pluginFlags, error) {
 	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's Kubernetes name, which the Events of --kube-events are about (node; default $NODE_NAME, which the DaemonSet sets from spec.nodeName)")
 	fs.BoolVar(&f.insecureHTTP, strings.TrimPrefix(cleartext.Option, "--"), false, "let the cloud API URL (--portal-url, --api-url) and the key backend address (--vault-addr, key address of csi-key-backend-config) be plain http to any host, not only to a loopback address: the cloud JWT, the node's ServiceAccount token, the Vault token and the passphrases then travel in clear; warned about at start (the simulator's and the lab's set-ups only)")
 
-	return f, fs.Parse(args)
+	if err := fs.Parse(args); err != nil {
+		return f, err
+	}
+	// A word the flags do not take (a mistyped command, or the simulator,
+	// which is `vco-lab sim`) is refused, not ignored by a plugin that
+	// starts anyway.
+	if fs.NArg() > 0 {
+		err := fmt.Errorf("unexpected argument %q: vco-csi takes flags, or one of the commands version and plugin-dirs; the API simulator is `vco-lab sim`", fs.Arg(0))
+		fmt.Fprintf(fs.Output(), "vco-csi: %v\n", err)
+		return f, err
+	}
+	return f, nil
 }
 
 // run makes the driver of the flags' mode, opens its listeners, starts
