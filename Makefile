@@ -108,7 +108,7 @@ BENCH_PKGS = $(shell git ls-files '*_test.go' | xargs grep -l '^func Benchmark' 
 test-bench-brief: build
 	VCO_AGENT_BIN=$(BIN)/vco-agent $(GO) test -count=1 -p 1 -timeout 20m -run '^$$' -bench . -benchtime 1x $(BENCH_PKGS)
 
-# The csi-sanity binary against the built vco-agent, `vco-csi sim` (host
+# The csi-sanity binary against the built vco-agent, `vco-lab sim` (host
 # backend) and `vco-csi --mode=all`, the agent mounting real loop devices,
 # with filesystem and then raw block volumes; then the in-process suite
 # with every volume encrypted, filesystem and then raw block.

@@ -1,7 +1,7 @@
 // Command vco-csi is the whitesky.cloud CSI plugin. Its controller talks to
 // the whitesky.cloud API; its node side delegates every privileged operation
-// to vco-agent over a unix socket. `vco-csi sim` runs the API simulator;
-// `vco-csi plugin-dirs` gives the node plugin its host directories.
+// to vco-agent over a unix socket. `vco-csi plugin-dirs` gives the node
+// plugin its host directories. (The API simulator is `vco-lab sim`.)
 package main
 
 import (
@@ -18,8 +18,6 @@ func main() {
 		case "version", "--version":
 			fmt.Println(version)
 			return
-		case "sim":
-			os.Exit(runSim(os.Args[2:]))
 		case "plugin-dirs":
 			os.Exit(runPluginDirs(os.Args[2:], os.Stdout, os.Stderr))
 		}

@@ -17,41 +17,55 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 )
 
-func TestSimServesLoopbackOnly(t *testing.T) {
-	for _, addr := range []string{"0.0.0.0:0", "[::]:0", "localhost:0"} {
-		if rc := runSim([]string{"--listen", addr, "--dir", t.TempDir()}); rc != 2 {
-			t.Errorf("--listen %s: exit %d, want 2 (refused)", addr, rc)
+// A word the plugin's flags do not take is refused before anything
+// starts: vco-csi has no sim command (the simulator is `vco-lab sim`),
+// and it takes no stray argument after the flags either.
+func TestPluginRefusesStrayArguments(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		word string
+	}{
+		{[]string{"sim", "--listen", "127.0.0.1:0", "--dir", t.TempDir()}, "sim"},
+		{[]string{"--mode=controller", "--endpoint", "unix://" + filepath.Join(t.TempDir(), "csi.sock"), "extra"}, "extra"},
+	} {
+		_, err := parsePluginFlags(tc.args)
+		if err == nil || !strings.Contains(err.Error(), `unexpected argument "`+tc.word+`"`) || !strings.Contains(err.Error(), "vco-lab sim") {
+			t.Errorf("%q: error %v, want a refusal naming %q and `vco-lab sim`", tc.args, err, tc.word)
+		}
+		if rc := runPlugin(tc.args); rc != 2 {
+			t.Errorf("%q: exit %d, want 2 (refused)", tc.args, rc)
 		}
 	}
 }
 
-// TestBinaryControllerAgainstSim builds vco-csi, runs `vco-csi sim` and
-// `vco-csi --mode=controller` as processes, and drives the controller over
-// its unix socket.
+// TestBinaryControllerAgainstSim builds vco-csi and vco-lab, runs
+// `vco-lab sim` and `vco-csi --mode=controller` as processes, and drives
+// the controller over its unix socket.
 func TestBinaryControllerAgainstSim(t *testing.T) {
 	if testing.Short() {
-		t.Skip("builds the binary")
+		t.Skip("builds the binaries")
 	}
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "vco-csi")
 	goTool, err := exec.LookPath("go")
 	if err != nil {
 		goTool = "/usr/local/go/bin/go"
 	}
-	if out, err := exec.Command(goTool, "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		t.Fatalf("build: %v\n%s", err, out)
+	for _, c := range []string{"vco-csi", "vco-lab"} {
+		if out, err := exec.Command(goTool, "build", "-o", filepath.Join(dir, c), "../"+c).CombinedOutput(); err != nil {
+			t.Fatalf("build %s: %v\n%s", c, err, out)
+		}
 	}
 	addr, healthAddr := freeAddr(t), freeAddr(t)
 
-	start := func(args ...string) {
-		cmd := exec.Command(bin, args...)
+	start := func(bin string, args ...string) {
+		cmd := exec.Command(filepath.Join(dir, bin), args...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	}
-	start("sim", "--listen", addr, "--dir", filepath.Join(dir, "sim"), "--backend", "bookkeeping", "--customer", "acme",
+	start("vco-lab", "sim", "--listen", addr, "--dir", filepath.Join(dir, "sim"), "--backend", "bookkeeping", "--customer", "acme",
 		"--host-vm-uuid", "0a0b0c0d-0000-4000-8000-00000000abcd")
 	waitFor(t, func() bool {
 		r, err := http.Get("http://" + addr + "/admin/faults")
@@ -63,7 +77,7 @@ func TestBinaryControllerAgainstSim(t *testing.T) {
 	tok := filepath.Join(dir, "token")
 	os.WriteFile(tok, []byte("a.b.c"), 0o600)
 	sock := filepath.Join(dir, "csi.sock")
-	start("--mode=controller", "--endpoint", "unix://"+sock, "--api-url", "http://"+addr+"/api/1",
+	start("vco-csi", "--mode=controller", "--endpoint", "unix://"+sock, "--api-url", "http://"+addr+"/api/1",
 		"--customer", "acme", "--token-file", tok, "--driver-name", "cloud.whitesky.csi", "--http-endpoint", healthAddr)
 	waitFor(t, func() bool { _, err := os.Stat(sock); return err == nil })
 	// The liveness endpoint follows the driver's Probe: 200 while the API

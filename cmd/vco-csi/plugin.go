@@ -103,7 +103,7 @@ func parsePluginFlags(args []string) (*pluginFlags, error) {
 	fs.StringVar(&f.agentSock, "agent-socket", "/run/vco-agent/agent.sock", "vco-agent socket (node)")
 	fs.StringVar(&f.kubelet, "kubelet-root", "/var/lib/kubelet", "the host's kubelet directory, which staging and target paths must lie under; checked by their text, the plugin need not see it (node)")
 	fs.BoolVar(&f.allowUnfenced, "allow-unfenced", false, "ask the agent to stage disks that offer no fencing method, e.g. loop devices; the agent must allow it too (node; tests and the simulator only)")
-	fs.StringVar(&f.loopDir, "sim-disk-dir", "", "find volumes as loop devices of this `vco-csi sim` host backend's disk directory (<sim --dir>/disks) instead of by PCI address and serial (node; simulator only)")
+	fs.StringVar(&f.loopDir, "sim-disk-dir", "", "find volumes as loop devices in `dir`, the disk directory of the simulator's host backend (<vco-lab sim --dir>/disks), instead of by PCI address and serial (node; simulator only)")
 	fs.StringVar(&f.vaultAddr, "vault-addr", "", "Vault/OpenBao address whose transit engine wraps encrypted volumes' passphrases; empty: encrypted volumes are refused (node)")
 	fs.StringVar(&f.transitMount, "vault-transit-mount", "transit", "transit engine mount path (node)")
 	fs.StringVar(&f.transitKey, "vault-transit-key", "vco-volumes", "transit key that wraps new volumes' passphrases (node)")
@@ -128,7 +128,18 @@ func parsePluginFlags(args []string) (*pluginFlags, error) {
 	fs.StringVar(&f.nodeName, "node-name", os.Getenv("NODE_NAME"), "this node's Kubernetes name, which the Events of --kube-events are about (node; default $NODE_NAME, which the DaemonSet sets from spec.nodeName)")
 	fs.BoolVar(&f.insecureHTTP, strings.TrimPrefix(cleartext.Option, "--"), false, "let the cloud API URL (--portal-url, --api-url) and the key backend address (--vault-addr, key address of csi-key-backend-config) be plain http to any host, not only to a loopback address: the cloud JWT, the node's ServiceAccount token, the Vault token and the passphrases then travel in clear; warned about at start (the simulator's and the lab's set-ups only)")
 
-	return f, fs.Parse(args)
+	if err := fs.Parse(args); err != nil {
+		return f, err
+	}
+	// A word the flags do not take (a mistyped command, or the simulator,
+	// which is `vco-lab sim`) is refused, not ignored by a plugin that
+	// starts anyway.
+	if fs.NArg() > 0 {
+		err := fmt.Errorf("unexpected argument %q: vco-csi takes flags, or one of the commands version and plugin-dirs; the API simulator is `vco-lab sim`", fs.Arg(0))
+		fmt.Fprintf(fs.Output(), "vco-csi: %v\n", err)
+		return f, err
+	}
+	return f, nil
 }
 
 // run makes the driver of the flags' mode, opens its listeners, starts

@@ -16,9 +16,9 @@ import (
 
 // TestCSISanityBinary runs the csi-sanity binary of csi-test (the version
 // go.mod pins) against the built binaries: vco-agent doing real mounts of
-// the simulator's loop devices, `vco-csi sim`, and `vco-csi --mode=all`;
-// once with filesystem volumes and once with raw block volumes
-// (--csi.testvolumeaccesstype block), against the same stack.
+// the simulator's loop devices, the simulator (`vco-lab sim`), and
+// `vco-csi --mode=all`; once with filesystem volumes and once with raw
+// block volumes (--csi.testvolumeaccesstype block), against the same stack.
 // `make test-csi-sanity` sets VCO_CSI_SANITY and VCO_BIN.
 func TestCSISanityBinary(t *testing.T) {
 	bin := os.Getenv("VCO_CSI_SANITY")

@@ -29,8 +29,9 @@ import (
 
 // stack is the three real binaries running together on this host:
 // vco-agent (its identity from a fixture sysfs tree whose block/ is the
-// host's, volumes allowed on unfenced loop devices), `vco-csi sim` with the
-// host backend, and `vco-csi --mode=all` talking to both.
+// host's, volumes allowed on unfenced loop devices), the simulator
+// (`vco-lab sim`) with the host backend, and `vco-csi --mode=all` talking
+// to both.
 type stack struct {
 	kubelet, simDir, agentSock, csiSock string
 	// The plugin's registration directory (the kubelet's plugins_registry)
@@ -59,7 +60,7 @@ func startStack(t *testing.T, lease bool) *stack {
 		if err != nil {
 			goTool = "/usr/local/go/bin/go"
 		}
-		for _, c := range []string{"vco-csi", "vco-agent"} {
+		for _, c := range []string{"vco-csi", "vco-agent", "vco-lab"} {
 			if out, err := exec.Command(goTool, "build", "-o", filepath.Join(dir, c), "../"+c).CombinedOutput(); err != nil {
 				t.Fatalf("build %s: %v\n%s", c, err, out)
 			}
@@ -123,7 +124,7 @@ func startStack(t *testing.T, lease bool) *stack {
 	}
 	addr := ln.Addr().String()
 	ln.Close()
-	start("vco-csi", "sim", "--listen", addr, "--dir", s.simDir, "--backend", "host", "--customer", "acme",
+	start("vco-lab", "sim", "--listen", addr, "--dir", s.simDir, "--backend", "host", "--customer", "acme",
 		"--host-vm-uuid", stackUUID, "--host-vm-location", "ch-gen-1")
 	waitFor(t, func() bool {
 		r, err := http.Get("http://" + addr + "/admin/faults")

@@ -47,6 +47,9 @@ commands:
                            standing in for Vault/OpenBao unless -transit names
                            a real one on 127.0.0.1 (with -transit-token-file)
   smoke                    the reservation smoke scenario on one shared LUN
+  sim [-listen A] [-dir D] [-backend host|bookkeeping] ...
+                           the whitesky.cloud API simulator alone on 127.0.0.1
+                           (no lab, no guests), until SIGTERM; -h lists its flags
   csi-call METHOD JSON     (inside a guest) one CSI node call to the local plugin
   bench [-attach-rounds N] [-attach-only]
                            guest boot and lab set-up time, PR latency, and
@@ -91,6 +94,8 @@ func main() {
 		code = run(args)
 	case "smoke":
 		code = smoke(args)
+	case "sim":
+		code = runSim(args)
 	case "sim-serve":
 		code = simServe(args)
 	case "csi-call":

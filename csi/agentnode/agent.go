@@ -29,7 +29,8 @@ type Options struct {
 	// refuses unless its own configuration (volumes.allow_unfenced) also
 	// allows it.
 	AllowUnfenced bool
-	// LoopDiskDir is the disk directory of a `vco-csi sim` host backend.
+	// LoopDiskDir is the disk directory of the simulator's host backend
+	// (`vco-lab sim`).
 	// When set, a volume's device is named to the agent as the loop
 	// device backed by that directory's file for the publish context's
 	// disk id, instead of by PCI address and serial. The agent accepts

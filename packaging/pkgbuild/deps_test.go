@@ -9,18 +9,17 @@ import (
 const module = "github.com/whitesky-cloud/vco-storage/"
 
 // TestShippedBinariesLinkNoTestCode: the binaries the packages and the
-// image ship link none of the lab (integration/...); the agent links
-// nothing of the CSI plugin's, the cloud simulator included; the node
-// plugin's path to the agent (csi/agentnode) does not reach the
-// simulator. (vco-csi links the simulator for its `vco-csi sim`
-// command.)
+// image ship link none of the lab (integration/...) and not the
+// simulator (csi/sim, which `vco-lab sim` serves); the agent links nothing
+// of the CSI plugin's; the node plugin's path to the agent (csi/agentnode)
+// does not reach the simulator either.
 func TestShippedBinariesLinkNoTestCode(t *testing.T) {
 	for _, tc := range []struct {
 		pkg    string
 		banned []string
 	}{
 		{"cmd/vco-agent", []string{"integration/", "csi/"}},
-		{"cmd/vco-csi", []string{"integration/"}},
+		{"cmd/vco-csi", []string{"integration/", "csi/sim"}},
 		{"csi/agentnode", []string{"integration/", "csi/sim"}},
 	} {
 		out, err := exec.Command("go", "list", "-deps", "../../"+tc.pkg).Output()

@@ -19,9 +19,11 @@ import (
 	"github.com/whitesky-cloud/vco-storage/smbios"
 )
 
-// runSim serves the whitesky.cloud API simulator on a loopback address.
+// runSim is `vco-lab sim`: the whitesky.cloud API simulator served on a
+// loopback address, on its own (no lab, no guests), for the host tests and
+// for trying the CSI plugin against it.
 func runSim(args []string) int {
-	fs := flag.NewFlagSet("vco-csi sim", flag.ContinueOnError)
+	fs := flag.NewFlagSet("vco-lab sim", flag.ContinueOnError)
 	listen := fs.String("listen", "127.0.0.1:8480", "loopback address to serve on")
 	customer := fs.String("customer", "acme", "customer id the simulator answers for")
 	tokenFile := fs.String("token-file", "", "if set, only the Bearer credential in this file is accepted")
@@ -41,11 +43,11 @@ func runSim(args []string) int {
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	host, _, err := net.SplitHostPort(*listen)
 	if ip := net.ParseIP(host); err != nil || ip == nil || !ip.IsLoopback() {
-		fmt.Fprintf(os.Stderr, "vco-csi sim: --listen %s is not a loopback IP address; the simulator serves 127.0.0.1 only\n", *listen)
+		fmt.Fprintf(os.Stderr, "vco-lab sim: --listen %s is not a loopback IP address; the simulator serves 127.0.0.1 only\n", *listen)
 		return 2
 	}
 	if err := os.MkdirAll(*dir, 0o700); err != nil {
-		fmt.Fprintf(os.Stderr, "vco-csi sim: %v\n", err)
+		fmt.Fprintf(os.Stderr, "vco-lab sim: %v\n", err)
 		return 1
 	}
 	seed := sim.Seed{VMsPerLocation: *vms}
@@ -70,25 +72,25 @@ func runSim(args []string) int {
 	case "bookkeeping":
 		opts.Backend = sim.BookkeepingBackend{}
 	default:
-		fmt.Fprintf(os.Stderr, "vco-csi sim: unknown --backend %q\n", *backend)
+		fmt.Fprintf(os.Stderr, "vco-lab sim: unknown --backend %q\n", *backend)
 		return 2
 	}
 	if *tokenFile != "" {
 		b, err := os.ReadFile(*tokenFile)
 		if err != nil {
-			fmt.Fprintf(os.Stderr, "vco-csi sim: %v\n", err)
+			fmt.Fprintf(os.Stderr, "vco-lab sim: %v\n", err)
 			return 1
 		}
 		opts.Token = strings.TrimSpace(string(b))
 	}
 	s, err := sim.New(opts)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "vco-csi sim: %v\n", err)
+		fmt.Fprintf(os.Stderr, "vco-lab sim: %v\n", err)
 		return 1
 	}
 	ln, err := net.Listen("tcp", *listen)
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "vco-csi sim: %v\n", err)
+		fmt.Fprintf(os.Stderr, "vco-lab sim: %v\n", err)
 		return 1
 	}
 	srv := &http.Server{Handler: s, ReadHeaderTimeout: 10 * time.Second}
@@ -102,7 +104,7 @@ func runSim(args []string) int {
 	}()
 	log.Info("simulator serving", "api", "http://"+ln.Addr().String()+"/api/1", "admin", "http://"+ln.Addr().String()+"/admin", "customer", *customer, "state", opts.StateFile)
 	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		fmt.Fprintf(os.Stderr, "vco-csi sim: %v\n", err)
+		fmt.Fprintf(os.Stderr, "vco-lab sim: %v\n", err)
 		return 1
 	}
 	return 0
