@@ -2,6 +2,7 @@ package volume
 
 import (
 	"context"
+	"os"
 	"testing"
 )
 
@@ -60,6 +61,58 @@ func TestAdv12UnstageTakesAFailedLookupForADetachedDisk(t *testing.T) {
 				r.w.mu.Unlock()
 				if err != nil || holder != "" {
 					t.Errorf("after the retried unstage of %s (%s), its fence is held by %q, not released", a.id, errText(err), holder)
+				}
+			})
+		})
+	}
+}
+
+// Volumes A and B are staged. A's claim record is damaged so that it
+// holds B's claim (a record restored from a copy under the wrong name, a
+// hand edit): the record read for volume id A says volume B. A
+// NodeUnstage of volume id A at B's staging path (a hostile or mistaken
+// request) is checked against that record alone: it unmounts B's
+// filesystem, releases B's fence and deletes B's record, under the lock
+// of volume A, not B's (a call of B's runs beside it). One volume's
+// operation takes down another's, and a damaged record gets a write, not
+// a refusal. Control: the same unstage with A's record intact is refused
+// (A is not staged at B's staging path) and B stays staged.
+func TestAdv12RecordNamingAnotherVolumeLetsItsUnstageTakeThatVolumeDown(t *testing.T) {
+	for _, damaged := range []bool{false, true} {
+		name := map[bool]string{false: "control", true: "damaged"}[damaged]
+		t.Run(name, func(t *testing.T) {
+			a := &simVolume{id: "pvc-a", serial: "sim0"}
+			b := &simVolume{id: "pvc-b", serial: "sim1"}
+			runBreak(t, true, []*simVolume{a, b}, func(r *simRun, _ *hookHost) {
+				ctx := context.Background()
+				for _, v := range []*simVolume{a, b} {
+					if _, err := r.m.Stage(ctx, r.stageReq(v)); err != nil {
+						t.Errorf("stage %s: %v", v.id, err)
+						return
+					}
+				}
+				if damaged {
+					rec, err := os.ReadFile(r.m.store.file(b.id))
+					if err == nil {
+						err = os.WriteFile(r.m.store.file(a.id), rec, 0o600)
+					}
+					if err != nil {
+						t.Fatal(err)
+					}
+					r.logBreak("the claim record of %s damaged: it holds %s's claim", a.id, b.id)
+				}
+				err := r.m.Unstage(ctx, a.id, b.staging)
+				r.logBreak("NodeUnstage %s at %s's staging path: %s", a.id, b.id, errText(err))
+				r.w.mu.Lock()
+				_, mounted := r.w.mounts[b.staging]
+				holder := r.w.disks[b.serial].holder
+				r.w.mu.Unlock()
+				cb, _ := r.m.store.Get(b.id)
+				if err == nil {
+					t.Errorf("NodeUnstage of %s at %s's staging path answered OK", a.id, b.id)
+				}
+				if !mounted || holder != "us" || cb == nil || cb.Phase != PhaseStaged {
+					t.Errorf("an unstage of volume %s took volume %s down: staging mounted=%v, fence held by %q, record: %s", a.id, b.id, mounted, holder, phaseOf(cb))
 				}
 			})
 		})
