@@ -509,8 +509,11 @@ func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 // the fence the claim holds. It reports where it found the disk.
 func (m *Manager) cameBack(ctx context.Context, c *Claim, l *live, disks *diskScan) whereDisk {
 	dev, err := disks.locate(ctx, c.Locator, m.o.Config.AllowLoopDevices)
-	if err != nil {
+	if agenterr.KindOf(err) == agenterr.NotFound {
 		return diskGone
+	}
+	if err != nil {
+		return diskUnknown
 	}
 	moved := dev.DevNum() != l.dev.DevNum() || dev.Path != l.dev.Path
 	dev.Close()
@@ -533,6 +536,9 @@ const (
 	diskStill
 	// diskMoved: found at another device node, and taken back there.
 	diskMoved
+	// diskUnknown: the lookup failed (a read that timed out, two disks
+	// answering to the locator): it says nothing of where the disk is.
+	diskUnknown
 )
 
 // Run checks every claim at the configured interval until ctx ends.

@@ -204,7 +204,26 @@ func (s *Store) file(volume string) string {
 
 // Get returns the claim of volume, or nil when there is none.
 func (s *Store) Get(volume string) (*Claim, error) {
-	return s.read(s.file(volume))
+	p := s.file(volume)
+	c, err := s.read(p)
+	if err != nil || c == nil {
+		return c, err
+	}
+	if err := ownRecord(p, volume, c); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// ownRecord refuses a record that holds the claim of another volume than
+// the one its file is named for (a copy restored under the wrong name, a
+// hand edit): acted on, an operation of one volume would take another's
+// mounts, fence and record.
+func ownRecord(p, volume string, c *Claim) error {
+	if c.Volume == volume {
+		return nil
+	}
+	return fmt.Errorf("claim record %s is damaged (it holds the claim of volume %q, not of %q): inspect it; the volume's disk is left alone until it is fixed or removed", p, c.Volume, volume)
 }
 
 // RecordError is a claim record List could not read: the volume its name
@@ -322,7 +341,11 @@ func (s *Store) List() ([]*Claim, []error) {
 		if !strings.HasSuffix(e.Name(), ".json") {
 			continue
 		}
-		c, err := s.read(filepath.Join(s.dir, e.Name()))
+		p := filepath.Join(s.dir, e.Name())
+		c, err := s.read(p)
+		if err == nil && c != nil {
+			err = ownRecord(p, volumeOfRecord(e.Name()), c)
+		}
 		if err != nil {
 			errs = append(errs, &RecordError{Volume: volumeOfRecord(e.Name()), Err: err})
 			continue

@@ -226,9 +226,11 @@ func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
 // this node: the device the claim holds open fails its identity check and
 // a scan finds the disk nowhere (the platform detached it, as it does
 // when another node takes the volume over). A disk found at another
-// device node is taken back there, and the unstage is to be retried.
+// device node is taken back there, and the unstage is to be retried, as
+// it is when the lookup fails (it says nothing of where the disk is).
 func (m *Manager) detached(ctx context.Context, c *Claim, l *live) (bool, error) {
-	if l.dev.Verify(ctx) == nil {
+	verr := l.dev.Verify(ctx)
+	if verr == nil {
 		return false, nil
 	}
 	switch m.cameBack(ctx, c, l, m.newScan()) {
@@ -236,6 +238,11 @@ func (m *Manager) detached(ctx context.Context, c *Claim, l *live) (bool, error)
 		return true, nil
 	case diskMoved:
 		return false, agenterr.New(agenterr.Unavailable, "volume %s: its disk was attached again at another device node while it was unstaged; the claim was taken back there: retry the unstage", c.Volume)
+	case diskUnknown:
+		// Only a lookup that finds the disk nowhere tells it was
+		// detached: a fence left on a disk still here has no record
+		// left to release it.
+		return false, agenterr.New(agenterr.Unavailable, "volume %s: its disk %s failed its identity check (%v) and could not be looked up; nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, verr)
 	}
 	return false, nil
 }
