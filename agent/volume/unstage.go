@@ -179,47 +179,58 @@ func (m *Manager) closeLUKS(ctx context.Context, c *Claim) error {
 // releaseFence gives back the fence of a held claim and lets go of what
 // the manager holds open for the volume.
 func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
-	l := m.getLive(c.Volume)
 	if c.State == StateHeld {
-		if l == nil {
-			// Not opened since start (the device went away, or reconcile
-			// failed): open it now to release, if it is there.
-			var err error
-			if l, err = m.openToRelease(ctx, c); err != nil {
-				return err
-			}
-		} else if l.fencer == nil {
-			// Opened without its fencer (the start-up check could not
-			// choose it): chosen now, the fence is released as any.
-			ch, err := m.o.Fencers.Choose(ctx, l.dev, c.Volume, nil)
-			if err != nil || ch.Fencer == nil {
-				return agenterr.New(agenterr.Unavailable, "volume %s: the fencing of its disk %s could not be chosen to release it (%v); nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, err)
-			}
-			defer closeChoice(ch)
-			l = &live{dev: l.dev, fencer: ch.Fencer}
+		l, opened, done, err := m.fenceToRelease(ctx, c)
+		if err != nil {
+			return err
 		}
-		if l != nil && l.fencer != nil {
+		defer done()
+		if l != nil {
 			if gone, err := m.detached(ctx, c, l); err != nil || gone {
 				if gone {
-					m.dropDetached(c, l)
+					m.dropDetached(c, l, opened)
 				}
 				return err
 			}
 			if err := m.releaseHeld(ctx, c, l); err != nil {
-				if l != m.getLive(c.Volume) {
+				if opened {
 					// Opened here: the claim check takes the
 					// fence back and renews it (checkOne).
 					l.close()
 				}
 				return err
 			}
+			if opened {
+				l.close()
+			}
 		}
-	}
-	if l != nil && l != m.getLive(c.Volume) {
-		l.close()
 	}
 	m.setLive(c.Volume, nil)
 	return nil
+}
+
+// fenceToRelease is what releases a held claim's fence: its live entry;
+// or, when it was not opened since start (the device went away, or
+// reconcile failed), its disk opened now (opened: closed by the caller);
+// or, when it was opened without its fencer (the start-up check could not
+// choose it), its device with a fencer chosen now, which done closes (the
+// device stays the live entry's). nil when the disk is gone: nothing of
+// this node reaches it, nothing can release its fence from here.
+func (m *Manager) fenceToRelease(ctx context.Context, c *Claim) (l *live, opened bool, done func(), err error) {
+	done = func() {}
+	l = m.getLive(c.Volume)
+	switch {
+	case l == nil:
+		l, err = m.openToRelease(ctx, c)
+		return l, l != nil, done, err
+	case l.fencer == nil:
+		ch, err := m.o.Fencers.Choose(ctx, l.dev, c.Volume, nil)
+		if err != nil || ch.Fencer == nil {
+			return nil, false, done, agenterr.New(agenterr.Unavailable, "volume %s: the fencing of its disk %s could not be chosen to release it (%v); nothing was released, the claim stays recorded: retry the unstage", c.Volume, c.Device, err)
+		}
+		return &live{dev: l.dev, fencer: ch.Fencer}, false, func() { closeChoice(ch) }, nil
+	}
+	return l, false, done, nil
 }
 
 // detached reports whether the held claim's disk is no longer attached to
@@ -252,10 +263,10 @@ func (m *Manager) detached(ctx context.Context, c *Claim, l *live) (bool, error)
 // reaches the disk (its mounts and mappings were taken down before). The
 // fence stays on the disk, for the node the disk went to to take over
 // with a grant, or to lapse (a lease nobody renews).
-func (m *Manager) dropDetached(c *Claim, l *live) {
+func (m *Manager) dropDetached(c *Claim, l *live, opened bool) {
 	m.log.Warn("the volume's disk is no longer attached to this node: its fence is left on the disk, not released", "volume", c.Volume, "device", c.Device)
 	c.Detail = detachedDetail
-	if l != m.getLive(c.Volume) {
+	if opened {
 		l.close()
 	}
 	m.setLive(c.Volume, nil)
