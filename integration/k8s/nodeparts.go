@@ -127,27 +127,35 @@ func (s *story) nodeStages(ctx context.Context, node *lab.Guest) (float64, error
 	return m[`vco_csi_operations_total{code="OK",method="NodeStageVolume"}`], nil
 }
 
-// nodeErrors lists the error counts of node's plugin and agent that are
-// not zero: CSI calls not answered OK, agent operations not ok, claims
-// fenced, refused or checked other than ok, agent scrapes that failed.
-func (s *story) nodeErrors(ctx context.Context, node *lab.Guest) (string, error) {
+// nodeErrors lists the error counts of node's plugin and agent that grew
+// since base (a scrape of nodeMetrics; nil: since they started): CSI calls
+// not answered OK, agent operations not ok, claims fenced, refused or
+// checked other than ok, agent scrapes that failed.
+func (s *story) nodeErrors(ctx context.Context, node *lab.Guest, base map[string]float64) (string, error) {
 	m, err := s.nodeMetrics(ctx, node)
 	if err != nil {
 		return "", err
 	}
-	return metricErrors(m), nil
+	return metricErrors(m, base), nil
 }
 
-// metricErrors is nodeErrors' judgement of a node plugin's series.
-func metricErrors(m map[string]float64) string {
+// metricErrors is nodeErrors' judgement of a node plugin's series m
+// against base. A counter below its base was reset (its process
+// restarted): all it counts is new. Probe is left out: it asks whether
+// the agent answers, which it cannot while it restarts, and a liveness
+// probe failing then says so truly; no volume's call is counted there.
+func metricErrors(m, base map[string]float64) string {
 	var bad []string
 	for series, v := range m {
+		if b := base[series]; v >= b {
+			v -= b
+		}
 		if v == 0 {
 			continue
 		}
 		name, labels, _ := strings.Cut(series, "{")
 		switch {
-		case name == "vco_csi_operations_total" && !strings.Contains(labels, `code="OK"`),
+		case name == "vco_csi_operations_total" && !strings.Contains(labels, `code="OK"`) && !strings.Contains(labels, `method="Probe"`),
 			name == "vco_agent_volume_operations_total" && !strings.Contains(labels, `result="ok"`),
 			name == "vco_agent_claim_checks_total" && !strings.Contains(labels, `result="ok"`),
 			name == "vco_agent_fences_total", name == "vco_agent_refusals_total",

@@ -55,8 +55,9 @@ func (s *story) k10(ctx context.Context) error {
 	var moved podInfo
 	if err := s.step(sc, live.Name, "the operator taints "+old.Name+" out-of-service: the pod Running on "+live.Name+" with its data, attached with a grant", func() (string, error) {
 		var err error
-		moved, err = s.k10Taint(ctx, sc, old, live, pv)
-		return moved.Name + " Ready on " + live.Name, err
+		var took time.Duration
+		moved, took, err = s.k10Taint(ctx, sc, old, live, pv)
+		return fmt.Sprintf("%s Ready on %s %.1fs after the taint", moved.Name, live.Name, took.Seconds()), err
 	}); err != nil {
 		return err
 	}
@@ -148,27 +149,27 @@ func (s *story) k10Cut(ctx context.Context, old *lab.Guest, held podInfo) (strin
 
 // k10Taint taints old out-of-service and waits for the pod on live, its
 // data there and the controller's grant on its VolumeAttachment.
-func (s *story) k10Taint(ctx context.Context, sc string, old, live *lab.Guest, pv string) (podInfo, error) {
+func (s *story) k10Taint(ctx context.Context, sc string, old, live *lab.Guest, pv string) (podInfo, time.Duration, error) {
 	began := time.Now()
 	if _, err := s.c.Kubectl(ctx, "taint", "node", old.Name, "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute"); err != nil {
-		return podInfo{}, err
+		return podInfo{}, 0, err
 	}
 	ps, err := s.waitPods(ctx, "app=k10", 10*time.Minute, "k10 Ready on "+live.Name, func(ps []podInfo) bool {
 		return allReady(1)(ps) && ps[0].Node == live.Name
 	})
 	if err != nil {
-		return podInfo{}, err
+		return podInfo{}, 0, err
 	}
-	fmt.Fprintf(s.log, "K10: the taint to Running on %s: %.1fs\n", live.Name, time.Since(began).Seconds())
+	took := time.Since(began)
 	grant, err := s.grantOf(ctx, pv, live.Name)
 	if err != nil {
-		return podInfo{}, err
+		return podInfo{}, 0, err
 	}
 	s.check(e2e.P3, sc, grant != "", "K10: the VolumeAttachment to %s carries the controller's grant %q", live.Name, grant)
 	if grant == "" {
-		return podInfo{}, fmt.Errorf("no grant on the VolumeAttachment of %s to %s", pv, live.Name)
+		return podInfo{}, 0, fmt.Errorf("no grant on the VolumeAttachment of %s to %s", pv, live.Name)
 	}
-	return ps[0], nil
+	return ps[0], took, nil
 }
 
 // grantOf is the fence grant on pv's VolumeAttachment to node, empty if none.

@@ -45,9 +45,15 @@ func (s *story) k12(ctx context.Context) error {
 		{"systemctl restart vco-agent", s.restartAgent},
 		{"the node plugin's pod deleted", s.restartNodePlugin},
 	}
+	// What the node counted before K12 (another scenario's refusals,
+	// say) is not K12's.
+	base, err := s.nodeMetrics(ctx, node)
+	if err != nil {
+		return err
+	}
 	for _, r := range restarts {
 		if err := s.step(sc, node.Name, r.what+" while both write: no write fails, the records go on, nothing fenced, no error counted", func() (string, error) {
-			return s.k12Restart(ctx, sc, node, ws, r.do)
+			return s.k12Restart(ctx, sc, node, ws, base, r.do)
 		}); err != nil {
 			return err
 		}
@@ -143,7 +149,7 @@ func (s *story) k12Fencing(ctx context.Context, node *lab.Guest, ws []k12Writer)
 }
 
 // k12Restart does one restart on node and checks what K12 promises of it.
-func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws []k12Writer, do func(context.Context, *lab.Guest) (string, error)) (string, error) {
+func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws []k12Writer, base map[string]float64, do func(context.Context, *lab.Guest) (string, error)) (string, error) {
 	before, err := s.k12Last(ctx, node, ws)
 	if err != nil {
 		return "", err
@@ -183,7 +189,7 @@ func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws [
 	if fenced != "" {
 		return "", fmt.Errorf("%s: %s", what, fenced)
 	}
-	errs, err := s.nodeErrors(ctx, node)
+	errs, err := s.nodeErrors(ctx, node, base)
 	if err != nil {
 		return "", err
 	}

@@ -92,7 +92,8 @@ vco_csi_agent_metrics_errors_total 0
 	if m[`vco_csi_operations_total{code="OK",method="NodeStageVolume"}`] != 4 {
 		t.Fatalf("parsed %v", m)
 	}
-	if got := metricErrors(m); got != "" {
+	m[`vco_csi_operations_total{code="Canceled",method="Probe"}`] = 1
+	if got := metricErrors(m, nil); got != "" {
 		t.Fatalf("no error counted, judged %q", got)
 	}
 	for _, series := range []string{
@@ -102,8 +103,14 @@ vco_csi_agent_metrics_errors_total 0
 		"vco_agent_fences_total", "vco_agent_refusals_total", "vco_csi_agent_metrics_errors_total",
 	} {
 		m2 := map[string]float64{series: 1}
-		if got := metricErrors(m2); !strings.Contains(got, series) {
+		if got := metricErrors(m2, nil); !strings.Contains(got, series) {
 			t.Errorf("%s 1 not counted as an error: %q", series, got)
+		}
+		if got := metricErrors(map[string]float64{series: 3}, map[string]float64{series: 3}); got != "" {
+			t.Errorf("%s counted before the base judged an error: %q", series, got)
+		}
+		if got := metricErrors(map[string]float64{series: 1}, map[string]float64{series: 3}); !strings.Contains(got, series+" 1") {
+			t.Errorf("%s reset (a restart) and counting 1 since: %q", series, got)
 		}
 	}
 }

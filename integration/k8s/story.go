@@ -25,7 +25,7 @@ const Namespace = "vco-lab"
 
 // Scenarios are the ones RunStory knows, in the order they run: K6, K9,
 // K8 and K5 use K4's claim and Deployment.
-var Scenarios = []string{"K1", "K2", "K3", "K7", "K10", "K12", "K4", "K6", "K9", "K8", "K5"}
+var Scenarios = []string{"K1", "K2", "K3", "K7", "K10", "K12", "K13", "K4", "K6", "K9", "K8", "K5"}
 
 // Brief are the scenarios of `make test` (docs/development.md, "Time per
 // tier"); `make k8s-lab` and `make soak` run them all.
@@ -35,7 +35,7 @@ var Brief = []string{"K1", "K2", "K12", "K4"}
 var exercises = map[string][]e2e.Property{
 	"K1": {e2e.P5}, "K2": {e2e.P1}, "K3": {e2e.P1}, "K4": {e2e.P1, e2e.P5},
 	"K5": {e2e.P1, e2e.P3, e2e.P4, e2e.P5}, "K6": nil, "K7": {e2e.P5}, "K8": {e2e.P2}, "K9": {e2e.P5},
-	"K10": {e2e.P1, e2e.P3}, "K12": {e2e.P5},
+	"K10": {e2e.P1, e2e.P3}, "K12": {e2e.P5}, "K13": {e2e.P1, e2e.P5},
 }
 
 type story struct {
@@ -71,7 +71,7 @@ func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer
 		s.r.Err = err
 		return s.r
 	}
-	run := map[string]func(context.Context) error{"K1": s.k1, "K2": s.k2, "K3": s.k3, "K4": s.k4, "K7": s.k7, "K5": s.k5, "K6": s.k6, "K8": s.k8, "K9": s.k9, "K10": s.k10, "K12": s.k12}
+	run := map[string]func(context.Context) error{"K1": s.k1, "K2": s.k2, "K3": s.k3, "K4": s.k4, "K7": s.k7, "K5": s.k5, "K6": s.k6, "K8": s.k8, "K9": s.k9, "K10": s.k10, "K12": s.k12, "K13": s.k13}
 	for _, sc := range scenarios {
 		f := run[sc]
 		if f == nil {
