@@ -66,7 +66,8 @@ help:
 ##@ Test tiers (make test runs them in this order)
 
 .PHONY: test unit lint test-bench-brief test-csi-sanity test-deploy test-lab test-crypt-lab \
-        test-lease-lab test-udev-lab test-e2e test-faults test-packages test-repo test-k8s k8s-prefetch
+        test-lease-lab test-udev-lab test-e2e test-faults test-packages test-repo test-k8s k8s-prefetch \
+        vault-prefetch test-vault
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
 # The fuzz engine's runs (test-fuzz-brief, about 9 min) are in make fuzz
@@ -92,6 +93,14 @@ lint: deps-go
 ## starts the guest root, Kubernetes build and images in the background
 k8s-prefetch: build deps-apt
 	@nohup nice -n 10 bash -c 'packaging/test/guest-root.sh >/dev/null & $(BIN)/vco-lab k8s prefetch; wait' >$(BIN)/k8s-prefetch.log 2>&1 </dev/null &
+
+# The Vault server built from its sources (integration/vault/build, about
+# 20 minutes of CPU the first time), in the background at nice 10 like
+# k8s-prefetch, into /var/cache/vco-lab/vault/<version>-<digest>; a tier
+# that needs it waits for its lock. Its log: bin/vault-prefetch.log.
+## starts the Vault server's build in the background
+vault-prefetch: build
+	@nohup nice -n 10 $(BIN)/vco-lab vault prefetch >$(BIN)/vault-prefetch.log 2>&1 </dev/null &
 
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
@@ -207,6 +216,15 @@ K8S_KIND      ?= scsi-block
 test-k8s: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	VCO_LAB=1 VCO_K8S=1 VCO_K8S_SCENARIOS=$(K8S_SCENARIOS) VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
+
+# The Vault server built from its sources (vault-prefetch's build, waited
+# for or made here) run as an operator runs it, not in dev mode: file
+# storage, TLS from a CA of the test's own on 127.0.0.1, initialised,
+# unsealed, transit and the Kubernetes auth method (integration/vault).
+## a Vault server built from source: init, unseal, transit, Kubernetes auth
+test-vault: build
+	nice -n 10 $(BIN)/vco-lab vault prefetch
+	VCO_VAULT=1 $(GO) test -count=1 -timeout 10m ./integration/vault
 
 ##@ Lab
 

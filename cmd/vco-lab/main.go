@@ -58,6 +58,7 @@ commands:
   k8s up|status|down|run   a Kubernetes cluster built from source: control plane on
                            127.0.0.1, workers as guests with the vco-agent package,
                            the add-on applied (make k8s-lab runs the scenarios)
+  vault prefetch           build the Vault server from its sources into the cache
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
 
@@ -104,6 +105,8 @@ func main() {
 		code = bench(args)
 	case "k8s":
 		code = k8sCmd(args)
+	case "vault":
+		code = vaultCmd(args)
 	case "-h", "--help", "help":
 		usage()
 	default:
