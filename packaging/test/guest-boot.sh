@@ -138,7 +138,9 @@ mke2fs -q -t ext4 -d "$rootfs" -L vco-guest "$WORK/root.img" 3G
 rm -rf "$rootfs"
 
 step "boot (TCG), reboot, power off"
-timeout 900 qemu-system-x86_64 -accel tcg -cpu max -m 1024 -smp 1 \
+# Two boots; under a loaded host (make test runs other guests beside it)
+# one has taken 10 minutes.
+timeout 1800 qemu-system-x86_64 -accel tcg -cpu max -m 1024 -smp 1 \
 	-nodefaults -no-user-config -display none \
 	-serial "file:$WORK/serial.log" \
 	-kernel "$WORK/vmlinuz" -initrd "$WORK/initrd.img" \
@@ -292,7 +294,7 @@ step "boot both (TCG, side by side): cloud-init installs vco-agent from the repo
 t0=$(date +%s)
 pids=()
 for name in good tampered; do
-	timeout 900 qemu-system-x86_64 -accel tcg -cpu max -m 1024 -smp 1 \
+	timeout 1200 qemu-system-x86_64 -accel tcg -cpu max -m 1024 -smp 1 \
 		-nodefaults -no-user-config -display none \
 		-serial "file:$WORK/serial-$name.log" \
 		-kernel "$WORK/vmlinuz" -initrd "$WORK/initrd.img" \
