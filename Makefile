@@ -184,8 +184,11 @@ test-faults: deps build
 # upgrade, remove and purge in a debootstrap chroot and an rpm --root;
 # then a Debian guest boots with the
 # .deb and the cloud-init seed (first run: a debootstrap of about 900 MB,
-# cached in /var/cache/vco-packaging; each run: two boots under TCG).
-## lints, installs, upgrades and purges the packages; boots a guest with the .deb
+# cached in /var/cache/vco-packaging; each run: two boots under TCG), and
+# two guests from the plain root boot side by side with the repository's
+# cloud-init user-data: one installs vco-agent from the signed repository,
+# the other's InRelease is tampered and the install fails (one more boot).
+## lints, installs, upgrades and purges the packages; boots guests with the .deb and from the repository
 test-packages: deps packages
 	packaging/test/check-packages.sh dist
 	packaging/test/guest-boot.sh dist/vco-agent_*_amd64.deb

@@ -138,7 +138,10 @@ func retried(ctx context.Context, call func() error) (tries int, err error) {
 
 // e9Node is the guest E9 kills the agent in and what restarts it there.
 type e9Node struct {
-	g *lab.Guest
+	// repo, in the systemd guest, is the repository its package is
+	// upgraded from (e9Upgrade).
+	repo *upgradeRepo
+	g    *lab.Guest
 	// restarts is how many times the agent was started again after it
 	// died since E9 began.
 	restarts func(ctx context.Context) (int, error)
@@ -213,6 +216,9 @@ func (s *story) e9(ctx context.Context) (err error) {
 	} else if n, err = s.e9Systemd(ctx, sc, root); err != nil {
 		return err
 	}
+	if n.repo != nil {
+		defer n.repo.close()
+	}
 	g := n.g
 	r, err := s.e9Start(ctx, sc, &c, n)
 	if err != nil {
@@ -243,7 +249,7 @@ func (s *story) e9(ctx context.Context) (err error) {
 	}); err != nil || n.burst == nil {
 		return err
 	}
-	return s.e9Lease(ctx, sc, g)
+	return s.e9Lease(ctx, sc, g, n.repo)
 }
 
 // e9Run is E9's volume on its node and what the kills found so far.
@@ -505,7 +511,7 @@ func (c *story) createInUse(ctx context.Context, sc string, g *lab.Guest) error 
 // reservations, so the agent fences it with its on-disk lease and mounts
 // the data area past the lease through a loop device: work that the
 // unit's DeviceAllow= and syscall filter must let it do.
-func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
+func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest, repo *upgradeRepo) error {
 	c := *s
 	c.name, c.pod, c.kind = "pvc-e2e-kill-lease", "pod-lease-", simlab.FileVirtioBlk
 	if err := c.createInUse(ctx, sc, g); err != nil {
@@ -535,17 +541,18 @@ func (s *story) e9Lease(ctx context.Context, sc string, g *lab.Guest) error {
 	}); err != nil {
 		return err
 	}
+	if err := s.step(sc, g.Name, "add the repository the package is upgraded from: its source with its key, no other source", func() (string, error) {
+		return addUpgradeSource(ctx, g, repo)
+	}); err != nil {
+		return err
+	}
 	for round := 1; round <= upgradeRounds(); round++ {
-		if err := s.e9Upgrade(ctx, sc, g, stagingPath(c.name), round); err != nil {
+		if err := s.e9Upgrade(ctx, sc, g, repo, stagingPath(c.name), round); err != nil {
 			return err
 		}
 	}
 	return c.takeDown(ctx, sc, g)
 }
-
-// upgradeDeb is where the systemd guest finds the package it booted with,
-// to build a newer version of it (docs/upgrade.md).
-const upgradeDeb = "/var/lib/vco-e2e/vco-agent.deb"
 
 // upgradeRounds is how many times E9 upgrades the package under load:
 // once in make test, more with VCO_E2E_UPGRADE_ROUNDS (make soak).
@@ -557,24 +564,29 @@ func upgradeRounds() int {
 }
 
 // e9Upgrade upgrades the vco-agent package in the systemd guest to a newer
-// version while a writer keeps writing, O_DSYNC, to the lease-fenced
-// volume staged at staging: dpkg restarts the agent (postinst), which must
-// resume its lease within the bound docs/upgrade.md states, so that nothing
-// is fenced and no write fails. The newer package is the booted one
-// repacked with the version 99.0.0-1, so that dpkg runs the maintainer
-// scripts' upgrade path with the same files.
-func (s *story) e9Upgrade(ctx context.Context, sc string, g *lab.Guest, staging string, round int) error {
+// version from the repository (apt-get update, then apt-get install
+// --only-upgrade) while a writer keeps writing, O_DSYNC, to the
+// lease-fenced volume staged at staging: dpkg restarts the agent
+// (postinst), which must resume its lease within the bound
+// docs/upgrade.md states, so that nothing is fenced and no write fails.
+// The newer package, published to the repository first, is the booted one
+// repacked with the version 99.0.0-ROUND, so that dpkg runs the
+// maintainer scripts' upgrade path with the same files.
+func (s *story) e9Upgrade(ctx context.Context, sc string, g *lab.Guest, repo *upgradeRepo, staging string, round int) error {
 	what := "upgrade the vco-agent package under write load with the lease volume staged: nothing fenced, no write fails"
 	if round > 1 {
 		what = fmt.Sprintf("upgrade the vco-agent package again (round %d) under write load: nothing fenced, no write fails", round)
 	}
+	version := fmt.Sprintf("99.0.0-%d", round)
 	return s.step(sc, g.Name, what, func() (string, error) {
+		if err := repo.publish(ctx, version); err != nil {
+			return "", err
+		}
 		script := fmt.Sprintf(`set -e
 d=$(mktemp -d)
-dpkg-deb -R %[1]s $d/pkg
 old=$(dpkg-query -W -f='${Version}' vco-agent)
-sed -i 's/^Version: .*/Version: 99.0.0-1/' $d/pkg/DEBIAN/control
-dpkg-deb -Znone -b $d/pkg $d/v2.deb >/dev/null
+apt-get update >$d/update.log 2>&1 || { cat $d/update.log; exit 1; }
+cand=$(apt-cache policy vco-agent | awk '$1 == "Candidate:" {print $2}')
 pid0=$(systemctl show -p MainPID --value vco-agent.service)
 since=$(date '+%%Y-%%m-%%d %%H:%%M:%%S')
 rm -f $d/stop $d/failed
@@ -584,13 +596,14 @@ rm -f $d/stop $d/failed
 w=$!
 sleep 3
 t0=$(date +%%s%%N)
-dpkg -i $d/v2.deb >$d/dpkg.log 2>&1 || { cat $d/dpkg.log; exit 1; }
+DEBIAN_FRONTEND=noninteractive apt-get install --only-upgrade -y -o Dpkg::Options::=--force-confold vco-agent >$d/apt.log 2>&1 || { cat $d/apt.log; exit 1; }
 i=0; until [ "$(systemctl show -p MainPID --value vco-agent.service)" != "$pid0" ] && systemctl is-active --quiet vco-agent.service; do
 	i=$((i+1)); [ $i -lt 600 ] || { systemctl status --no-pager vco-agent.service; exit 1; }; sleep 0.05; done
 t1=$(date +%%s%%N)
 # Keep writing across the resumed lease's next renewals.
 sleep 15
 touch $d/stop; wait $w
+echo "candidate=$cand from=$(grep -c '^Get:.* http://%[1]s/apt stable/main amd64 vco-agent amd64 ' $d/apt.log)"
 echo "old=$old new=$(dpkg-query -W -f='${Version}' vco-agent) pid0=$pid0 pid1=$(systemctl show -p MainPID --value vco-agent.service)"
 echo "restart_ms=$(( (t1 - t0) / 1000000 )) writes=$(cat $d/writes) failed=$(cat $d/failed 2>/dev/null | wc -l)"
 echo "down_ms=$(journalctl -u vco-agent.service --since "$since" --no-pager -o short-unix | awk '/vco-agent stopping/ && !s {s=$1} /vco-agent serving/ && s {print int(($1-s)*1000); exit}')"
@@ -599,7 +612,7 @@ echo "resumed=$(journalctl -u vco-agent.service --since "$since" --no-pager -o c
 echo "age=$(journalctl -u vco-agent.service --since "$since" --no-pager -o json MESSAGE='lease resumed from an earlier run' | sed -n 's/.*"AGE":"\([^"]*\)".*/\1/p' | tail -n 1)"
 echo "fenced=$(journalctl -u vco-agent.service --since "$since" --no-pager -o cat | grep -c 'DiskFenced' || true)"
 echo "disks=$(vco-agent disks --json | tr -d '\n')"
-cat $d/dd.err | head -n 5`, upgradeDeb, staging)
+cat $d/dd.err | head -n 5`, strings.TrimSuffix(upgradeRepoAddr, ":80"), staging)
 		out, err := g.MustSh(ctx, script)
 		if err != nil {
 			return "", fmt.Errorf("%w\n%s", err, out)
@@ -614,8 +627,8 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 		}
 		disks := out[strings.Index(out, "disks=")+len("disks="):]
 		held := strings.Contains(disks, `"CLAIM_STATE_HELD"`) && !strings.Contains(disks, `"CLAIM_STATE_LOST"`)
-		ok := field("new") == "99.0.0-1" && field("pid0") != field("pid1") && field("failed") == "0" && field("fenced") == "0" && field("resumed") != "0" && held
-		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (dpkg -i %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving, %s ms to the host watchdog's takeover, within W/2) under %s O_DSYNC writes: %s failed, leases resumed %s (the record %s old, handed off by the stopping agent), DiskFenced %s, claim held after: %v",
+		ok := field("candidate") == version && field("from") == "1" && field("new") == version && field("pid0") != field("pid1") && field("failed") == "0" && field("fenced") == "0" && field("resumed") != "0" && held
+		s.check(P4, sc, ok, "upgrading vco-agent %s to %s (apt-get install --only-upgrade from the repository, %s ms) restarted the agent (pid %s to %s; %s ms from stopping to serving, %s ms to the host watchdog's takeover, within W/2) under %s O_DSYNC writes: %s failed, leases resumed %s (the record %s old, handed off by the stopping agent), DiskFenced %s, claim held after: %v",
 			field("old"), field("new"), field("restart_ms"), field("pid0"), field("pid1"), field("down_ms"), field("wd_ms"), field("writes"), field("failed"), field("resumed"), field("age"), field("fenced"), held)
 		if !ok {
 			// What the agent and the kernel said is what explains it.
@@ -625,7 +638,7 @@ cat $d/dd.err | head -n 5`, upgradeDeb, staging)
 				"echo '-- the agent on the lease, stop and start:'; journalctl -u vco-agent.service --no-pager -o short-monotonic | grep -i -e lease -e fenc -e lost -e renew -e stopping -e serving -e watchdog | tail -n 40; true")
 			return "", fmt.Errorf("the upgrade under load did not keep the volume: %s\nthe agent's journal and the kernel's log:\n%s", out, logs)
 		}
-		return fmt.Sprintf("%s -> %s (dpkg -i %s ms), agent down %s ms, host watchdog taken over %s ms after the stop, %s writes, none failed; lease resumed (record %s old), nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("wd_ms"), field("writes"), field("age")), nil
+		return fmt.Sprintf("%s -> %s (apt-get install --only-upgrade from the repository, %s ms), agent down %s ms, host watchdog taken over %s ms after the stop, %s writes, none failed; lease resumed (record %s old), nothing fenced", field("old"), field("new"), field("restart_ms"), field("down_ms"), field("wd_ms"), field("writes"), field("age")), nil
 	})
 }
 
@@ -687,18 +700,24 @@ node:
 // package installed, so systemd runs the agent under the packaged unit
 // and socket, registers it as a VM with the simulator, and starts the
 // vco-csi node plugin beside the agent (as a transient unit).
-func (s *story) e9Systemd(ctx context.Context, sc string, root *lab.DebianRoot) (*e9Node, error) {
+func (s *story) e9Systemd(ctx context.Context, sc string, root *lab.DebianRoot) (_ *e9Node, err error) {
 	var g *lab.Guest
+	var repo *upgradeRepo
+	defer func() {
+		if err != nil && repo != nil {
+			repo.close()
+		}
+	}()
 	if err := s.step(sc, SystemGuest, "boot Debian 12 with the vco-agent package (its unit, socket, sandbox and syscall filter) under systemd", func() (string, error) {
-		deb, err := os.ReadFile(root.Deb)
+		var err error
+		if repo, err = newUpgradeRepo(ctx, root.Deb); err != nil {
+			return "", err
+		}
+		sb, err := s.env.Lab.DebianImage(ctx, root, map[string]string{"/etc/vco-agent/config.yaml": systemGuestConfig})
 		if err != nil {
 			return "", err
 		}
-		sb, err := s.env.Lab.DebianImage(ctx, root, map[string]string{"/etc/vco-agent/config.yaml": systemGuestConfig, upgradeDeb: string(deb)})
-		if err != nil {
-			return "", err
-		}
-		gs, err := s.env.Lab.StartSystemGuests(ctx, sb, lab.GuestConfig{Name: SystemGuest, MemMB: 768})
+		gs, err := s.env.Lab.StartSystemGuests(ctx, sb, lab.GuestConfig{Name: SystemGuest, MemMB: 768, Forwards: []lab.Forward{repo.forward()}})
 		if err != nil {
 			return "", err
 		}
@@ -748,7 +767,7 @@ dpkg-query -W -f='${Package} ${Version}' vco-agent`, simlab.KubeletRoot, simlab.
 	if err != nil {
 		return nil, err
 	}
-	return &e9Node{g: g, how: "systemd",
+	return &e9Node{g: g, how: "systemd", repo: repo,
 		burst: func(ctx context.Context) (string, error) {
 			// Each kill waits for a new main process that systemd reports
 			// active (READY=1), so no two kills hit the same agent.

@@ -66,7 +66,7 @@ func TestNodeUserDataTurnsOnTheLocationOverride(t *testing.T) {
 	if !strings.Contains(u, "\n      node:\n        location: \"lab-location-1\"\n") {
 		t.Errorf("the seed does not set the location:\n%s", u)
 	}
-	if !strings.HasPrefix(u, "#cloud-config\n") || !strings.Contains(u, "systemctl, enable, vco-agent.socket") {
+	if !strings.HasPrefix(u, "#cloud-config\n") || !strings.Contains(u, "systemctl enable vco-agent.socket vco-agent.service") {
 		t.Errorf("not the package's seed:\n%s", u)
 	}
 }
