@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -359,7 +358,7 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 	if err := m.forget(c); err != nil {
 		log.Error("removing the claim of a vanished disk", "err", err)
 	}
-	m.clearClaimed(filepath.Base(c.Device))
+	m.clearClaimOf(c)
 	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, Reason: "device-gone",
 		Message: fmt.Sprintf("volume %s: its disk %s is gone (%v); the claim was cleaned up", c.Volume, c.Device, why)})
 	log.Warn("claimed disk is gone; claim cleaned up", "why", why)
