@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -356,13 +355,24 @@ func (m *Manager) cleanupGone(c *Claim, why error) {
 		return
 	}
 	m.setLive(c.Volume, nil)
-	if err := m.forget(c); err != nil {
+	if err := m.forgetGone(c); err != nil {
 		log.Error("removing the claim of a vanished disk", "err", err)
 	}
-	m.clearClaimed(filepath.Base(c.Device))
+	m.clearClaimOf(c)
 	m.publish(events.Event{Type: events.DiskReleased, Volume: c.Volume, Device: c.Device, Serial: c.Serial, Reason: "device-gone",
 		Message: fmt.Sprintf("volume %s: its disk %s is gone (%v); the claim was cleaned up", c.Volume, c.Device, why)})
 	log.Warn("claimed disk is gone; claim cleaned up", "why", why)
+}
+
+// forgetGone forgets the claim of a disk that is no longer attached. A
+// record kept for a format cut short (forget) no longer names the device
+// node and number the disk had: the kernel gives them to the next disk
+// attached, which the record would claim (claimedBy, Classify); the next
+// stage of the volume finds its disk by its locator.
+func (m *Manager) forgetGone(c *Claim) error {
+	kept := *c
+	kept.Device, kept.DevNum = "", ""
+	return m.forget(&kept)
 }
 
 // checkFence runs one fence check and acts on a loss.

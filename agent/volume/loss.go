@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"path/filepath"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -94,7 +93,7 @@ func (m *Manager) recordLoss(volume string, lost *fence.LostError) {
 // lose is P4: stop I/O at once, say so, and remember it.
 func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bool) {
 	stopped = m.stopIO(c, dev)
-	m.clearClaimed(filepath.Base(c.Device))
+	m.clearClaimOf(c)
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	c.IONotStopped = !stopped
 	if err := m.store.Put(c); err != nil {

@@ -110,7 +110,7 @@ func (m *Manager) unstage(ctx context.Context, c *Claim) error {
 	if err := m.forget(c); err != nil {
 		return err
 	}
-	m.clearClaimed(filepath.Base(c.Device))
+	m.clearClaimOf(c)
 	msg := fmt.Sprintf("volume %s unstaged from %s and its disk %s released", c.Volume, c.StagingPath, c.Device)
 	switch {
 	case c.State == StateLost:

@@ -178,6 +178,21 @@ func (m *Manager) markClaimed(name string) {
 	m.claimMark(name, true)
 }
 
+// clearClaimOf removes the mark of c's disk on its release or loss,
+// named by the device node c's record holds -- unless another claim
+// holds its disk at that node now: a disk removed leaves its node name to
+// the next disk attached, and the mark is that disk's then.
+func (m *Manager) clearClaimOf(c *Claim) {
+	cs, _ := m.store.List()
+	for _, o := range cs {
+		if o.Volume != c.Volume && o.Device == c.Device && !o.Missing {
+			m.log.Info("the claim mark of the device node is another volume's now; left alone", "volume", c.Volume, "device", c.Device, "holder", o.Volume)
+			return
+		}
+	}
+	m.clearClaimed(filepath.Base(c.Device))
+}
+
 // clearClaimed removes the mark on release, loss or removal.
 func (m *Manager) clearClaimed(name string) {
 	m.claimMark(name, false)
