@@ -165,11 +165,31 @@ func (m *Manager) repair(ctx context.Context, c *Claim, r StageRequest) error {
 				c.Volume, p, c.StagingPath)
 		}
 	}
+	if err := m.closeStaleMapping(ctx, c); err != nil {
+		return err
+	}
 	l := m.getLive(c.Volume)
 	s := &staging{m: m, c: c, r: r, dev: l.dev, live: true,
 		choice: Choice{Fencer: l.fencer, Method: c.Method, DataOffset: c.DataOffset}}
 	m.log.Warn("the staging path of a staged volume is not mounted; mounting it again", "volume", c.Volume, "staging", c.StagingPath)
 	return s.run(ctx, []step{{"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
+}
+
+// closeStaleMapping closes, before a repair opens it again, the dm-crypt
+// mapping of an encrypted volume whose staging path is not mounted: one
+// left over the data mapping of a disk that went away and came back (a
+// stage cut short between the open and its record leaves it unnamed), which
+// the open would find in its way. A mapping in use is not closed (the
+// close refuses), and the repair stops there.
+func (m *Manager) closeStaleMapping(ctx context.Context, c *Claim) error {
+	if (c.Mapper == "" && !c.Encrypted) || m.o.Crypt == nil {
+		return nil
+	}
+	if err := m.o.Crypt.Close(ctx, m.mapperToClose(c)); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its staging path is not mounted and its dm-crypt mapping could not be closed to open it again: %v", c.Volume, err)
+	}
+	c.Mapper = ""
+	return m.store.Put(c)
 }
 
 // dropLost undoes what is left of a lost claim so that a granted stage can

@@ -593,7 +593,7 @@ func (s *staging) releaseAcquired(ctx context.Context) {
 			c.DataOffset = s.choice.DataOffset
 		}
 		if !s.live {
-			m.setLive(c.Volume, &live{dev: dev, fencer: s.choice.Fencer})
+			m.setLive(c.Volume, s.keptLive())
 			s.live = true
 		}
 	case err != nil:
@@ -603,6 +603,22 @@ func (s *staging) releaseAcquired(ctx context.Context) {
 		c.Method, c.State = s.choice.Method, StateHeld
 		m.log.Error("could not release the fence after a failed stage; the claim stays recorded for its unstage", "volume", c.Volume, "device", dev.Path, "err", err)
 	}
+}
+
+// keptLive is the live entry of a fence the rollback's release guard
+// kept. A fencer whose acquire answered an error never took what the disk
+// may name as this node's (a lease an earlier agent process took, which
+// nobody renews now): it does not go live. The claim is taken back as at
+// start instead (reconcileFence: the lease resumed and renewed, or found
+// lost), by the claim check or by the repeated stage, which repairs
+// nothing before; until then a lease is listed as not resumed, so that
+// the host watchdog is not fed for it.
+func (s *staging) keptLive() *live {
+	if s.acquired {
+		return &live{dev: s.dev, fencer: s.choice.Fencer}
+	}
+	closeChoice(s.choice)
+	return &live{dev: s.dev, unresumed: s.c.Method == fence.MethodLease}
 }
 
 // writableForLease clears the read-only flag a refusal earlier left on the
