@@ -276,10 +276,12 @@ func (m *Manager) unresolvedInterrupted(c *Claim, dev *Device) bool {
 func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) {
 	// A lease-fenced volume whose lease cannot be taken back now stays
 	// mounted; it is listed as unresumed, so that the host watchdog is not
-	// fed until a periodic check resumes it (or finds it lost). Not on the
-	// first start after a boot: nothing is mounted then, and a host whose
-	// lease disk cannot be read would be reset over and over.
-	unresumed := c.Method == fence.MethodLease && m.mayBeWriting()
+	// fed until a periodic check resumes it (or finds it lost). In the
+	// first process after a boot, only when this process had the claim
+	// live and something of the volume is in use (ownInUse): no mount of
+	// an earlier process survived the boot, and a host whose lease disk
+	// cannot be read would be reset over and over.
+	unresumed := c.Method == fence.MethodLease && (m.mayBeWriting() || m.ownInUse(c, dev))
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
 		m.setLive(c.Volume, &live{dev: dev, unresumed: unresumed})
@@ -324,6 +326,16 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 	if c.State == StateHeld && c.Detail == "" {
 		log.Info("claim re-verified at start")
 	}
+}
+
+// ownInUse reports whether c's claim is live in this process (made live
+// by a stage, or taken back since it started) and the release guard's
+// proof does not show nothing of the volume in use on dev: what is in use
+// then may be this process's own (a fence a failed stage's rollback kept
+// over the volume's data mapping), also in the first process after a
+// boot.
+func (m *Manager) ownInUse(c *Claim, dev *Device) bool {
+	return m.getLive(c.Volume) != nil && m.host.InUse(usageOf(c, dev.Path)) != nil
 }
 
 // cleanupGone forgets a claim whose disk is no longer attached: whatever
