@@ -27,6 +27,9 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 	case c.State == StateLost:
 		return nil, m.dropLost(c)
 	case c.Phase != PhaseStaged:
+		if err := m.takenBackBefore(ctx, c); err != nil {
+			return nil, err
+		}
 		return nil, m.notInUseBefore(ctx, c)
 	case m.notTakenBack(c.Volume):
 		// Staged by an earlier agent process, whose lease this one has
@@ -35,6 +38,32 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 		return nil, agenterr.New(agenterr.Unavailable, "volume %s: the agent has not yet taken back the lease it held for this volume before it restarted (the claim check retries every %s); the stage can be retried after that", c.Volume, m.o.Config.CheckInterval)
 	}
 	return m.restaged(ctx, c, r)
+}
+
+// takenBackBefore takes back, before the first stage's path runs over it,
+// a stage cut short whose disk the start-up check could not find (its
+// record missing): the fence that stage may have taken before its record
+// named it is released through the release guard (takeBackCutShort), as
+// the unstage would. Otherwise the stage's record, its disk found again,
+// would no longer say so: a stage failing before its own acquire leaves
+// it interrupted with nothing held, and the unstage forgets it with that
+// fence still on the disk. c is updated to the claim as recorded after.
+func (m *Manager) takenBackBefore(ctx context.Context, c *Claim) error {
+	if !c.Missing {
+		return nil
+	}
+	now, err := m.takeBackCutShort(ctx, c)
+	switch {
+	case err != nil:
+		return err
+	case now == nil:
+		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and its disk was not found, so its claim was let go of; retry the stage", c.Volume)
+	case now.Phase == PhaseStaged:
+		// Still in use, taken back as staged: the retry takes it up so.
+		return agenterr.New(agenterr.Unavailable, "volume %s: its stage was cut short and something of it is still in use (%s); it is checked as staged now: retry the stage", c.Volume, now.Detail)
+	}
+	*c = *now
+	return nil
 }
 
 // notInUseBefore refuses to run the first stage's path over a claim whose
