@@ -119,18 +119,10 @@ func (s *story) k13Judge(ctx context.Context, sc string, before map[int64]bool) 
 	nodes := map[string]int{}
 	handles := map[string]string{}
 	for _, p := range ps {
-		pv, err := s.pvOf(ctx, "data-"+p.Name)
+		pv, _, err := s.ownDisk(ctx, p, handles)
 		if err != nil {
 			return "", err
 		}
-		h, err := s.handle(ctx, pv)
-		if err != nil {
-			return "", err
-		}
-		if other, dup := handles[h]; dup {
-			return "", fmt.Errorf("the claims of %s and %s are one disk %s", other, p.Name, h)
-		}
-		handles[h] = p.Name
 		data, err := s.readLog(ctx, p, pv)
 		if err != nil {
 			return "", err

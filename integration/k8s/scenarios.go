@@ -73,18 +73,10 @@ spec:
 		var got []string
 		handles := map[string]string{}
 		for _, p := range ps {
-			pv, err := s.pvOf(ctx, "data-"+p.Name)
+			pv, h, err := s.ownDisk(ctx, p, handles)
 			if err != nil {
 				return "", err
 			}
-			h, err := s.handle(ctx, pv)
-			if err != nil {
-				return "", err
-			}
-			if prev, dup := handles[h]; dup {
-				return "", fmt.Errorf("claims of %s and %s are the same disk %s", prev, p.Name, h)
-			}
-			handles[h] = p.Name
 			id, err := diskOf(h)
 			if err != nil {
 				return "", err
@@ -775,6 +767,25 @@ func (s *story) k5TornDown(ctx context.Context, dead *lab.Guest, pv string) (str
 		return "", err
 	}
 	return "nothing of " + pv + " mounted on " + dead.Name, nil
+}
+
+// ownDisk is the PV and volume handle of a StatefulSet pod p's claim
+// (data-<pod>), refused when handles (handle -> pod) has another pod's
+// claim on the same disk; p's is added to it.
+func (s *story) ownDisk(ctx context.Context, p podInfo, handles map[string]string) (string, string, error) {
+	pv, err := s.pvOf(ctx, "data-"+p.Name)
+	if err != nil {
+		return "", "", err
+	}
+	h, err := s.handle(ctx, pv)
+	if err != nil {
+		return "", "", err
+	}
+	if other, dup := handles[h]; dup {
+		return "", "", fmt.Errorf("the claims of %s and %s are one disk %s", other, p.Name, h)
+	}
+	handles[h] = p.Name
+	return pv, h, nil
 }
 
 // handle is pv's CSI volume handle.
