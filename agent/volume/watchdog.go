@@ -173,17 +173,17 @@ const bootIDFile = "boot-id"
 // firstStartSinceBoot reports whether the boot id recorded by the last
 // agent start differs from this boot's, and records this boot's.
 func (m *Manager) firstStartSinceBoot() bool {
+	path := filepath.Join(m.o.StateDir, bootIDFile)
 	cur, err := m.bootID()
 	if err != nil {
 		m.log.Warn("cannot read the kernel's boot id; leases recorded by an earlier process are waited for as after a restart", "err", err)
+		forgetBootID(path)
 		return false
 	}
-	path := filepath.Join(m.o.StateDir, bootIDFile)
 	prev, perr := os.ReadFile(path)
 	if err := writeSmallFile(path, []byte(cur+"\n")); err != nil {
-		// Unrecorded, a later process of this boot would take itself for
-		// the first too and list nothing: the careful answer, now and then.
 		m.log.Warn("cannot record the kernel's boot id; leases recorded by an earlier process are waited for as after a restart", "path", path, "err", err)
+		forgetBootID(path)
 		return false
 	}
 	if perr != nil || strings.TrimSpace(string(prev)) == cur {
@@ -192,6 +192,17 @@ func (m *Manager) firstStartSinceBoot() bool {
 	m.log.Info("first start since the host booted: no mount of the earlier process survived the boot, so its leases are checked without stopping the host watchdog's feeding")
 	return true
 }
+
+// forgetBootID removes the boot id an earlier boot's process recorded
+// when this process could not record its own: left, it would make a later
+// process of this boot, one that reads and records the id, take itself
+// for the first since the boot and list none of the leases this one may
+// have staged. Without a record a later process answers carefully too.
+//
+// When the removal fails too, the state directory refuses writes: no claim
+// can be recorded in it either, so nothing is staged under a lease
+// meanwhile.
+func forgetBootID(path string) { _ = os.Remove(path) }
 
 // writeSmallFile replaces path with data through a temporary file and a
 // rename, following no symlink. Not synced: a boot id lost to a crash
