@@ -198,10 +198,35 @@ func (m *Manager) repair(ctx context.Context, c *Claim, r StageRequest) error {
 		return err
 	}
 	l := m.getLive(c.Volume)
-	s := &staging{m: m, c: c, r: r, dev: l.dev, live: true,
-		choice: Choice{Fencer: l.fencer, Method: c.Method, DataOffset: c.DataOffset}}
+	ch, err := m.repairChoice(ctx, c, l)
+	if err != nil {
+		return err
+	}
+	s := &staging{m: m, c: c, r: r, dev: l.dev, live: true, choice: ch}
 	m.log.Warn("the staging path of a staged volume is not mounted; mounting it again", "volume", c.Volume, "staging", c.StagingPath)
 	return s.run(ctx, []step{{"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
+}
+
+// repairChoice is how a repair stages the volume again: with the fence
+// its claim holds and the data offset recorded; a lease volume whose stage
+// stopped before recording where its data starts (a raw block volume has
+// no filesystem to say it) asks its fencing again, and the lease always
+// puts the data past its area.
+func (m *Manager) repairChoice(ctx context.Context, c *Claim, l *live) (Choice, error) {
+	ch := Choice{Fencer: l.fencer, Method: c.Method, DataOffset: c.DataOffset}
+	if ch.DataOffset > 0 || c.Method != fence.MethodLease {
+		return ch, nil
+	}
+	fresh, err := m.o.Fencers.Choose(ctx, l.dev, c.Volume, nil)
+	if err != nil {
+		return ch, agenterr.New(agenterr.Unavailable, "volume %s is staged, but where its data starts could not be read to map it again: %v; retry the stage", c.Volume, err)
+	}
+	closeChoice(fresh)
+	if fresh.Method != fence.MethodLease || fresh.DataOffset == 0 {
+		return ch, agenterr.New(agenterr.FailedPrecondition, "volume %s is staged with the lease, but its disk %s no longer offers it; where its data starts is unknown, nothing was mapped", c.Volume, l.dev.Path)
+	}
+	ch.DataOffset = fresh.DataOffset
+	return ch, nil
 }
 
 // closeStaleMapping closes, before a repair opens it again, the dm-crypt
