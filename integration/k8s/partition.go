@@ -121,8 +121,8 @@ func partitionRules(op string) string {
 // k10Cut cuts old off the API server and waits until it is NotReady,
 // its pod still writing.
 func (s *story) k10Cut(ctx context.Context, old *lab.Guest, held podInfo) (string, error) {
-	w := []k12Writer{{name: "k10", pod: held}}
-	before, err := s.k12Last(ctx, old, w)
+	w := []fsyncPod{{name: "k10", pod: held}}
+	before, err := s.lastRecords(ctx, old, w)
 	if err != nil {
 		return "", err
 	}
@@ -137,7 +137,7 @@ func (s *story) k10Cut(ctx context.Context, old *lab.Guest, held podInfo) (strin
 		return "", err
 	}
 	notReady := time.Since(began)
-	after, err := s.k12Last(ctx, old, w)
+	after, err := s.lastRecords(ctx, old, w)
 	if err != nil {
 		return "", err
 	}
@@ -202,14 +202,14 @@ func grantIn(lines, node string) string {
 // that; and the disk's backing file holds no record of the old node past
 // it.
 func (s *story) k10NoneLanded(ctx context.Context, sc string, old *lab.Guest, held, moved podInfo, pv string) (string, error) {
-	w := []k12Writer{{name: "k10", pod: held}}
+	w := []fsyncPod{{name: "k10", pod: held}}
 	if err := waitFor(ctx, 3*time.Minute, "the writer on "+old.Name+" failing", func() (bool, string, error) {
-		f, err := s.k12Failed(ctx, old, w)
+		f, err := s.failedWrites(ctx, old, w)
 		return err == nil && f != "", f, nil
 	}); err != nil {
 		return "", err
 	}
-	acked, err := s.k12Last(ctx, old, w)
+	acked, err := s.lastRecords(ctx, old, w)
 	if err != nil {
 		return "", err
 	}

@@ -26,7 +26,7 @@ import (
 func (s *story) k12(ctx context.Context) error {
 	const sc = "K12"
 	node := s.c.Env.Lab.Guests[0]
-	var ws []k12Writer
+	var ws []fsyncPod
 	if err := s.step(sc, node.Name, "two writers with an fsync per record: one on the cluster's disk kind, one on a virtio-blk disk (the on-disk lease)", func() (string, error) {
 		var err error
 		ws, err = s.k12Writers(ctx, node)
@@ -63,8 +63,8 @@ func (s *story) k12(ctx context.Context) error {
 	})
 }
 
-// k12Writer is one of K12's writer pods and its claim.
-type k12Writer struct {
+// fsyncPod is a pod running fsyncWriter (K12's two, K10's) and its claim.
+type fsyncPod struct {
 	name string // the claim's, the pod's and its app label's
 	pod  podInfo
 	pv   string
@@ -86,8 +86,8 @@ spec:
 // k12Writers starts K12's two writers on node: k12-a on the cluster's
 // disk kind, then k12-b with the lab showing new disks as virtio-blk
 // while it is provisioned and attached.
-func (s *story) k12Writers(ctx context.Context, node *lab.Guest) ([]k12Writer, error) {
-	var ws []k12Writer
+func (s *story) k12Writers(ctx context.Context, node *lab.Guest) ([]fsyncPod, error) {
+	var ws []fsyncPod
 	for _, name := range []string{"k12-a", "k12-b"} {
 		if name == "k12-b" {
 			prev := s.c.Env.Backend.SetDefaultKind(lab.VirtioBlk)
@@ -100,7 +100,7 @@ func (s *story) k12Writers(ctx context.Context, node *lab.Guest) ([]k12Writer, e
 		if err != nil {
 			return nil, err
 		}
-		w := k12Writer{name: name, pod: ps[0]}
+		w := fsyncPod{name: name, pod: ps[0]}
 		if w.pv, err = s.pvOf(ctx, name); err != nil {
 			return nil, err
 		}
@@ -114,7 +114,7 @@ func (s *story) k12Writers(ctx context.Context, node *lab.Guest) ([]k12Writer, e
 
 // k12Fencing checks with `vco-agent disks` that the two volumes are held,
 // the second by the on-disk lease, and says by what.
-func (s *story) k12Fencing(ctx context.Context, node *lab.Guest, ws []k12Writer) (string, error) {
+func (s *story) k12Fencing(ctx context.Context, node *lab.Guest, ws []fsyncPod) (string, error) {
 	out, err := node.MustSh(ctx, "vco-agent disks --json")
 	if err != nil {
 		return "", err
@@ -149,8 +149,8 @@ func (s *story) k12Fencing(ctx context.Context, node *lab.Guest, ws []k12Writer)
 }
 
 // k12Restart does one restart on node and checks what K12 promises of it.
-func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws []k12Writer, base map[string]float64, do func(context.Context, *lab.Guest) (string, error)) (string, error) {
-	before, err := s.k12Last(ctx, node, ws)
+func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws []fsyncPod, base map[string]float64, do func(context.Context, *lab.Guest) (string, error)) (string, error) {
+	before, err := s.lastRecords(ctx, node, ws)
 	if err != nil {
 		return "", err
 	}
@@ -166,7 +166,7 @@ func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws [
 	// of writing at the writers' pace, longer on a slow worker).
 	var after []int
 	if err := waitFor(ctx, 3*time.Minute, "both writers 20 records on", func() (bool, string, error) {
-		after, err = s.k12Last(ctx, node, ws)
+		after, err = s.lastRecords(ctx, node, ws)
 		if err != nil {
 			return false, err.Error(), nil
 		}
@@ -174,7 +174,7 @@ func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws [
 	}); err != nil {
 		return "", err
 	}
-	failed, err := s.k12Failed(ctx, node, ws)
+	failed, err := s.failedWrites(ctx, node, ws)
 	if err != nil {
 		return "", err
 	}
@@ -207,7 +207,7 @@ func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws [
 
 // k12StagedAgain checks that the kubelet staged both volumes again after
 // its restart and that the agent answered each as already staged.
-func (s *story) k12StagedAgain(ctx context.Context, node *lab.Guest, ws []k12Writer, since int64, stagesBefore float64) (string, error) {
+func (s *story) k12StagedAgain(ctx context.Context, node *lab.Guest, ws []fsyncPod, since int64, stagesBefore float64) (string, error) {
 	var logged []int
 	err := waitFor(ctx, 2*time.Minute, "the agent's 'volume already staged' for both volumes", func() (bool, string, error) {
 		logged = logged[:0]
@@ -233,8 +233,8 @@ func (s *story) k12StagedAgain(ctx context.Context, node *lab.Guest, ws []k12Wri
 	return fmt.Sprintf("; the kubelet staged again (NodeStageVolume OK %v -> %v), the agent answered %v times 'volume already staged'", stagesBefore, stages, logged), nil
 }
 
-// k12Last is the last record number each writer wrote.
-func (s *story) k12Last(ctx context.Context, node *lab.Guest, ws []k12Writer) ([]int, error) {
+// lastRecords is the last record number each writer wrote.
+func (s *story) lastRecords(ctx context.Context, node *lab.Guest, ws []fsyncPod) ([]int, error) {
 	var l []int
 	for _, w := range ws {
 		out, err := node.MustSh(ctx, "cat "+emptyDir(w.pod.UID, "status")+"/last")
@@ -250,8 +250,8 @@ func (s *story) k12Last(ctx context.Context, node *lab.Guest, ws []k12Writer) ([
 	return l, nil
 }
 
-// k12Failed is what the writers noted of failed writes, empty if none.
-func (s *story) k12Failed(ctx context.Context, node *lab.Guest, ws []k12Writer) (string, error) {
+// failedWrites is what the writers noted of failed writes, empty if none.
+func (s *story) failedWrites(ctx context.Context, node *lab.Guest, ws []fsyncPod) (string, error) {
 	var b strings.Builder
 	for _, w := range ws {
 		dir := emptyDir(w.pod.UID, "status")
@@ -268,7 +268,7 @@ func (s *story) k12Failed(ctx context.Context, node *lab.Guest, ws []k12Writer) 
 
 // k12Records checks each volume's records (1..n, in order, none twice),
 // then deletes the writers and their claims.
-func (s *story) k12Records(ctx context.Context, sc string, node *lab.Guest, ws []k12Writer) (string, error) {
+func (s *story) k12Records(ctx context.Context, sc string, node *lab.Guest, ws []fsyncPod) (string, error) {
 	var got []string
 	for _, w := range ws {
 		out, err := node.MustSh(ctx, "cat "+volumeMount(w.pod.UID, w.pv)+"/seq")
@@ -302,7 +302,7 @@ func emptyDir(uid, name string) string {
 // fencedOn says which of the writers' volumes node's agent fenced,
 // refused or released (its DiskFenced, DiskRefused and DiskReleased
 // events), empty if none.
-func (s *story) fencedOn(ctx context.Context, node *lab.Guest, ws []k12Writer) (string, error) {
+func (s *story) fencedOn(ctx context.Context, node *lab.Guest, ws []fsyncPod) (string, error) {
 	evs, err := nodeEvents(ctx, node)
 	if err != nil {
 		return "", err
