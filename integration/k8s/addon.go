@@ -8,12 +8,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+	"github.com/whitesky-cloud/vco-storage/integration/srctree"
 	"github.com/whitesky-cloud/vco-storage/internal/cleartext"
 )
 
@@ -24,27 +24,8 @@ const (
 	NodeName       = "vco-csi-node"
 )
 
-// repoRoot is the source tree: this file's when it was compiled without
-// -trimpath (go test), else the nearest directory at or above the
-// working directory that holds integration/k8s/build (make runs vco-lab
-// from the repository's root).
-func repoRoot() string {
-	if _, file, _, ok := runtime.Caller(0); ok && filepath.IsAbs(file) {
-		return filepath.Join(filepath.Dir(file), "..", "..")
-	}
-	dir, err := os.Getwd()
-	if err != nil {
-		return "."
-	}
-	for d := dir; ; d = filepath.Dir(d) {
-		if _, err := os.Stat(filepath.Join(d, "integration", "k8s", "build", "go.mod")); err == nil {
-			return d
-		}
-		if filepath.Dir(d) == d {
-			return dir
-		}
-	}
-}
+// repoRoot is the source tree (srctree.Root).
+func repoRoot() string { return srctree.Root() }
 
 // The two ways seed 001 gives operators to apply the add-on's core bundle
 // (Options.Addon).

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/srctree"
 )
 
 // Version is the Vault release built (MPL-2.0, the 1.14 line OpenBao was
@@ -38,23 +39,8 @@ const buildPkg = "github.com/hashicorp/vault"
 // kept out of the product's go.mod.
 func BuildDir() string { return filepath.Join(repoRoot(), "integration", "vault", "build") }
 
-func repoRoot() string {
-	if _, file, _, ok := runtime.Caller(0); ok && filepath.IsAbs(file) {
-		return filepath.Join(filepath.Dir(file), "..", "..")
-	}
-	dir, err := os.Getwd()
-	if err != nil {
-		return "."
-	}
-	for d := dir; ; d = filepath.Dir(d) {
-		if _, err := os.Stat(filepath.Join(d, "integration", "vault", "build", "go.mod")); err == nil {
-			return d
-		}
-		if filepath.Dir(d) == d {
-			return dir
-		}
-	}
-}
+// repoRoot is the source tree (srctree.Root).
+func repoRoot() string { return srctree.Root() }
 
 // cacheEntry is the cache directory of the server's binary:
 // cacheDir/vault/<version>-<digest of the build module>, so a change of
