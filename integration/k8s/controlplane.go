@@ -152,7 +152,7 @@ func (cp *controlPlane) client() (*http.Client, error) {
 		return nil, err
 	}
 	pool := x509.NewCertPool()
-	pool.AddCert(cp.pki.ca)
+	pool.AddCert(cp.pki.Cert)
 	return &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
 		TLSClientConfig: &tls.Config{Certificates: []tls.Certificate{cert}, RootCAs: pool, MinVersion: tls.VersionTLS12}}}, nil
 }
