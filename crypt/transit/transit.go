@@ -162,6 +162,39 @@ func (e *Error) Error() string {
 
 func (e *Error) Unwrap() error { return e.Err }
 
+// TooOld says the server refused to decrypt a ciphertext whose key
+// version is below the key's min_decryption_version (HTTP 400, "version is
+// disallowed by policy (too old)" in Vault and OpenBao).
+func (e *Error) TooOld() bool {
+	return e.Status == http.StatusBadRequest && e.says("disallowed by policy (too old)")
+}
+
+// Sealed says the server answered that it is sealed (HTTP 503, "Vault is
+// sealed").
+func (e *Error) Sealed() bool {
+	return e.Status == http.StatusServiceUnavailable && e.says("sealed")
+}
+
+// LoginRefused says the server refused the Kubernetes login (HTTP 4xx):
+// the role unknown, or the ServiceAccount, its namespace or the token's
+// audience not the ones the role binds.
+func (e *Error) LoginRefused() bool {
+	return strings.HasPrefix(e.Op, "kubernetes login") && e.Status/100 == 4
+}
+
+// Unanswered says no response arrived: the server unreachable, the
+// connection refused or cut, or the deadline passed first.
+func (e *Error) Unanswered() bool { return e.Status == 0 && e.Err != nil }
+
+func (e *Error) says(words string) bool {
+	for _, m := range e.Errors {
+		if strings.Contains(m, words) {
+			return true
+		}
+	}
+	return false
+}
+
 // Ciphertext is a wrapped secret and the key version that wrapped it.
 type Ciphertext struct {
 	Text    string // "vault:vN:..."

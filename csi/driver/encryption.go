@@ -4,9 +4,11 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"errors"
 	"fmt"
 
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
+	"github.com/whitesky-cloud/vco-storage/crypt/transit"
 )
 
 // passphrase gets what the agent needs to open an encrypted volume. The
@@ -28,8 +30,7 @@ func (d *Driver) passphrase(ctx context.Context, volumeID string, pc map[string]
 		}
 		pass, err := d.cfg.Transit.Decrypt(ctx, tok.Token.KeyName, tok.Token.Ciphertext)
 		if err != nil {
-			return nil, failf(ErrPrecondition, "volume %s: unwrapping its passphrase with transit key %q: %v; check the node plugin's access to the transit engine",
-				volumeID, tok.Token.KeyName, err)
+			return nil, unwrapFailure(volumeID, tok.Token, err)
 		}
 		return &StageEncryption{Passphrase: pass}, nil
 	case ContentBlank:
@@ -40,8 +41,8 @@ func (d *Driver) passphrase(ctx context.Context, volumeID string, pc map[string]
 		ct, err := d.cfg.Transit.Encrypt(ctx, d.cfg.TransitKey.Name, pass)
 		if err != nil {
 			clear(pass)
-			return nil, failf(ErrPrecondition, "volume %s: wrapping a new passphrase with transit key %q: %v; nothing was written to the disk",
-				volumeID, d.cfg.TransitKey.Name, err)
+			return nil, failf(ErrPrecondition, "volume %s: wrapping a new passphrase with transit key %q: %v; nothing was written to the disk; %s",
+				volumeID, d.cfg.TransitKey.Name, err, keyBackendAdvice(err))
 		}
 		return &StageEncryption{Passphrase: pass, FormatIfBlank: true, Token: &luks2.TransitToken{
 			Mount: d.cfg.TransitKey.Mount, KeyName: d.cfg.TransitKey.Name, KeyVersion: ct.Version, Ciphertext: ct.Text}}, nil
@@ -49,6 +50,37 @@ func (d *Driver) passphrase(ctx context.Context, volumeID string, pc map[string]
 		return nil, failf(ErrPrecondition, "volume %s is encrypted, but %s holds %s instead of a LUKS2 header; it is never formatted over data",
 			volumeID, tok.Device, tok.Detail)
 	}
+}
+
+// unwrapFailure says why the passphrase of volume, wrapped as tok says,
+// could not be unwrapped, and what the operator can do.
+func unwrapFailure(volumeID string, tok *luks2.TransitToken, err error) error {
+	var te *transit.Error
+	if errors.As(err, &te) && te.TooOld() {
+		return failf(ErrPrecondition, "volume %s: its passphrase is wrapped by version %d of transit key %q (mount %s), "+
+			"which the key's min_decryption_version no longer allows; set min_decryption_version to %d or lower and the kubelet's retry opens it "+
+			"(rewrap every volume before raising it: docs/encryption.md, \"Key rotation\")",
+			volumeID, tok.KeyVersion, tok.KeyName, tok.Mount, tok.KeyVersion)
+	}
+	return failf(ErrPrecondition, "volume %s: unwrapping its passphrase (version %d of transit key %q): %v; %s",
+		volumeID, tok.KeyVersion, tok.KeyName, err, keyBackendAdvice(err))
+}
+
+// keyBackendAdvice is what the operator can do about a failed request to
+// the key backend.
+func keyBackendAdvice(err error) string {
+	var te *transit.Error
+	switch {
+	case !errors.As(err, &te):
+		return "check the node plugin's access to the transit engine"
+	case te.Sealed():
+		return "the key backend is sealed: unseal it and the kubelet's retry stages the volume"
+	case te.Unanswered():
+		return "the key backend did not answer: check csi-key-backend-config's address and the network from this node to it"
+	case te.LoginRefused():
+		return "the key backend refused the node plugin's login: check that the role binds the node plugin's ServiceAccount, its namespace and the audience vault (docs/encryption.md)"
+	}
+	return "check the node plugin's access to the transit engine"
 }
 
 // newPassphrase is 32 random bytes as base64 text, the form package crypt

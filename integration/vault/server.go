@@ -46,19 +46,30 @@ ui            = false
 log_level     = "info"
 `
 
+// Options say where a server listens: Port on 127.0.0.1 (0: a free one)
+// and the names its certificate is for besides 127.0.0.1 (the address the
+// lab's guests dial, say).
+type Options struct {
+	Port  int
+	Hosts []string
+}
+
 // Start writes a CA, the listener's certificate and the configuration
-// into dir and starts bin as a server on a free port of 127.0.0.1; it
-// returns once the listener answers. The server's log is dir/server.log.
-func Start(ctx context.Context, bin, dir string) (*Server, error) {
+// into dir and starts bin as a server on 127.0.0.1; it returns once the
+// listener answers. The server's log is dir/server.log.
+func Start(ctx context.Context, bin, dir string, o Options) (*Server, error) {
 	if err := os.MkdirAll(filepath.Join(dir, "data"), 0o700); err != nil {
 		return nil, err
 	}
-	if err := writePKI(dir, "127.0.0.1"); err != nil {
+	if err := writePKI(dir, append([]string{"127.0.0.1"}, o.Hosts...)...); err != nil {
 		return nil, fmt.Errorf("the Vault server's certificates: %w", err)
 	}
-	port, err := freePort()
-	if err != nil {
-		return nil, err
+	port := o.Port
+	if port == 0 {
+		var err error
+		if port, err = freePort(); err != nil {
+			return nil, err
+		}
 	}
 	hostPort := net.JoinHostPort("127.0.0.1", strconv.Itoa(port))
 	s := &Server{Bin: bin, Dir: dir, Addr: "https://" + hostPort, CACert: filepath.Join(dir, "ca.crt"), exited: make(chan struct{})}
@@ -68,24 +79,32 @@ func Start(ctx context.Context, bin, dir string) (*Server, error) {
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		return nil, err
 	}
-	logf, err := os.Create(filepath.Join(dir, "server.log"))
-	if err != nil {
+	if err := s.start(cfgPath); err != nil {
 		return nil, err
 	}
-	s.cmd = exec.Command(bin, "server", "-config="+cfgPath)
-	s.cmd.Env = s.env("")
-	s.cmd.Stdout, s.cmd.Stderr = logf, logf
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	if err := s.cmd.Start(); err != nil {
-		logf.Close()
-		return nil, fmt.Errorf("starting the Vault server %s: %w", bin, err)
-	}
-	go func() { s.err = s.cmd.Wait(); logf.Close(); close(s.exited) }()
 	if err := s.waitListening(ctx, 60*time.Second); err != nil {
 		s.Stop()
 		return nil, err
 	}
 	return s, nil
+}
+
+// start runs the server process with its log in Dir/server.log.
+func (s *Server) start(cfgPath string) error {
+	logf, err := os.Create(filepath.Join(s.Dir, "server.log"))
+	if err != nil {
+		return err
+	}
+	s.cmd = exec.Command(s.Bin, "server", "-config="+cfgPath)
+	s.cmd.Env = s.Env("")
+	s.cmd.Stdout, s.cmd.Stderr = logf, logf
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := s.cmd.Start(); err != nil {
+		logf.Close()
+		return fmt.Errorf("starting the Vault server %s: %w", s.Bin, err)
+	}
+	go func() { s.err = s.cmd.Wait(); logf.Close(); close(s.exited) }()
+	return nil
 }
 
 func freePort() (int, error) {
@@ -97,10 +116,10 @@ func freePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-// env is the environment of the server and of its CLI: nothing of the
+// Env is the environment of the server and of its CLI: nothing of the
 // caller's own Vault settings, the server's address and CA, and token if
 // not empty.
-func (s *Server) env(token string) []string {
+func (s *Server) Env(token string) []string {
 	env := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + s.Dir,
 		"VAULT_ADDR=" + s.Addr, "VAULT_CACERT=" + s.CACert}
 	if token != "" {
@@ -146,7 +165,7 @@ func (s *Server) waitListening(ctx context.Context, limit time.Duration) error {
 // secret of the command line.
 func (s *Server) CLI(ctx context.Context, token string, args ...string) ([]byte, error) {
 	cmd := exec.CommandContext(ctx, s.Bin, args...)
-	cmd.Env = s.env(token)
+	cmd.Env = s.Env(token)
 	out, err := cmd.Output()
 	if err != nil {
 		var ee *exec.ExitError

@@ -102,7 +102,7 @@ func TestServer(t *testing.T) {
 // that a sealed server refuses work; it returns the root token.
 func unsealed(ctx context.Context, t *testing.T, bin string) (*Server, string) {
 	t.Helper()
-	s, err := Start(ctx, bin, t.TempDir())
+	s, err := Start(ctx, bin, t.TempDir(), Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,10 +177,43 @@ func TestTransitClient(t *testing.T) {
 	}
 	_, err = c.Decrypt(ctx, key, v1.Text)
 	var te *transit.Error
-	if !errors.As(err, &te) || te.Status != 400 {
-		t.Fatalf("Decrypt of version 1 below min_decryption_version 2: %v, want the server's 400", err)
+	if !errors.As(err, &te) || !te.TooOld() {
+		t.Fatalf("Decrypt of version 1 below min_decryption_version 2: %v, want the server's 400 taken for a version too old", err)
 	}
 	if pt, err := c.Decrypt(ctx, key, v2.Text); err != nil || string(pt) != string(secret) {
 		t.Fatalf("Decrypt of version 2: %q, %v", pt, err)
+	}
+}
+
+// TestTransitClientSealedAndUnreachable: the client's errors against a
+// sealed server and a stopped one are the ones the node plugin explains
+// (csi/driver: sealed, no answer).
+func TestTransitClientSealedAndUnreachable(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	s, root := unsealed(ctx, t, cachedServer(t))
+	for _, args := range [][]string{{"secrets", "enable", "transit"}, {"write", "-f", "transit/keys/k"}} {
+		if _, err := s.CLI(ctx, root, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c, err := transit.New(transit.Config{Address: s.Addr, CACertFile: s.CACert, Mount: "transit", Token: root, Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct, err := c.Encrypt(ctx, "k", []byte("p"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.CLI(ctx, root, "operator", "seal"); err != nil {
+		t.Fatal(err)
+	}
+	var te *transit.Error
+	if _, err := c.Decrypt(ctx, "k", ct.Text); !errors.As(err, &te) || !te.Sealed() || te.Unanswered() {
+		t.Fatalf("Decrypt against the sealed server: %v, want an answer saying sealed", err)
+	}
+	s.Stop()
+	if _, err := c.Decrypt(ctx, "k", ct.Text); !errors.As(err, &te) || !te.Unanswered() || te.Sealed() {
+		t.Fatalf("Decrypt against the stopped server: %v, want no answer", err)
 	}
 }
