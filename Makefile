@@ -252,7 +252,7 @@ lab: deps build packages
 # The Kubernetes lab of test-k8s from the command line (vco-lab k8s run)
 # on K8S_KIND disks; its report in bin/k8s-report-*.txt and .html.
 ## the Kubernetes cluster and scenarios from the command line (vco-lab k8s run)
-k8s-lab: deps build packages guest-root
+k8s-lab: deps build packages guest-root vault-prefetch
 	$(MAKE) image IMAGE_ARCHS=amd64
 	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN) -kind $(K8S_KIND)
 

@@ -9,13 +9,11 @@ package k8s
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"maps"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,7 +21,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
@@ -79,16 +76,10 @@ type Cluster struct {
 	// Registry serves the cluster's images; registry.k8s.io and
 	// PortalHost are mirrored to it on the workers.
 	Registry *images.Registry
-	// Transit is the key backend K7 sets up as docs/encryption.md says:
-	// the FAKE transit engine of crypt/transit/transittest (no Vault or
-	// OpenBao can be installed here), on loopback, reached by the workers
-	// on HostInGuest:GuestTransitPort.
-	Transit *transittest.Fake
-	// TransitCA is the PEM of the CA that signed the transit engine's
-	// serving certificate (a CA of its own, not the cluster's): K7 gives
-	// it to the node plugins as the ConfigMap openbao-ca.
-	TransitCA   []byte
-	transitStop func()
+	// keyBackendPort is the host port the workers reach as
+	// HostInGuest:GuestTransitPort; K7 starts its key backend there.
+	keyBackendPort int
+	keyBackend     *keyBackend
 
 	// kubelets is how the API server reaches the workers' kubelets.
 	kubelets *kubeletProxy
@@ -132,15 +123,10 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	if err != nil {
 		return nil, err
 	}
-	transitPort, err := c.startTransit()
-	if err != nil {
+	if c.keyBackendPort, err = lab.FreePort(); err != nil {
 		return nil, err
 	}
-	defer func() {
-		if err != nil {
-			c.transitStop()
-		}
-	}()
+	transitPort := c.keyBackendPort
 	kubeletPorts := map[string]int{}
 	for _, n := range o.Workers {
 		if kubeletPorts[n], err = lab.FreePort(); err != nil {
@@ -347,8 +333,8 @@ func (c *Cluster) Close() error {
 	if c.Registry != nil {
 		c.Registry.Stop()
 	}
-	if c.transitStop != nil {
-		c.transitStop()
+	if c.keyBackend != nil {
+		c.keyBackend.srv.Stop()
 	}
 	if c.kubelets != nil {
 		c.kubelets.Stop()
@@ -441,61 +427,4 @@ func Prefetch(ctx context.Context, cacheDir string, log io.Writer) error {
 	}
 	_, err = NodeRoot(ctx, base, log)
 	return err
-}
-
-// The key backend's names in the lab, one cluster's own as
-// docs/encryption.md sets them up.
-const (
-	TransitMount = "transit-lab"
-	AuthMount    = "kubernetes-lab"
-	TransitRole  = "vco-csi-node"
-	TransitKey   = "vco-csi-volumes"
-)
-
-// startTransit serves the fake transit engine over TLS on loopback and
-// returns its port. Its certificate, for HostInGuest, is signed by a CA
-// of its own (c.TransitCA), as an OpenBao server's would be. Until K7
-// gives it a token reviewer it accepts no login.
-func (c *Cluster) startTransit() (int, error) {
-	f := transittest.New()
-	f.AuthMount, f.TransitMount, f.Role = AuthMount, TransitMount, TransitRole
-	f.Rotate(TransitKey)
-	f.Review = func(string, string) error { return errors.New("no token reviewer configured yet") }
-	cert, ca, err := transitCert()
-	if err != nil {
-		return 0, fmt.Errorf("the transit engine's certificate: %w", err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("listening for the transit engine: %w", err)
-	}
-	srv := &http.Server{Handler: f, ReadHeaderTimeout: 10 * time.Second,
-		TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}}
-	go func() { _ = srv.ServeTLS(ln, "", "") }()
-	c.Transit, c.TransitCA, c.transitStop = f, ca, func() { _ = srv.Close() }
-	return ln.Addr().(*net.TCPAddr).Port, nil
-}
-
-// transitCert makes a CA for the transit engine and a serving certificate
-// it signs for HostInGuest (and loopback), and returns the certificate
-// and the CA's PEM. The keys stay in memory.
-func transitCert() (tls.Certificate, []byte, error) {
-	dir, err := os.MkdirTemp("", "vco-lab-transit-pki-")
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	defer os.RemoveAll(dir)
-	p, err := newPKI(dir)
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	if err := p.issue("transit", "vco-lab transit engine", nil, HostInGuest, "127.0.0.1"); err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	cert, err := tls.LoadX509KeyPair(p.path("transit.crt"), p.path("transit.key"))
-	if err != nil {
-		return tls.Certificate{}, nil, err
-	}
-	ca, err := os.ReadFile(p.path("ca.crt"))
-	return cert, ca, err
 }

@@ -123,11 +123,23 @@ spec:
 `, name, size)
 }
 
-// startWriter applies claim (a claim's YAML) and a Deployment of the
-// same name of one writer pod on it (writerSpec), replaced by Recreate,
-// and waits until that pod is Ready.
+// startWriter applies claim and its writer (applyWriter) and waits until
+// the writer's pod is Ready.
 func (s *story) startWriter(ctx context.Context, name, claim string) (podInfo, error) {
-	if err := s.apply(ctx, claim+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
+	if err := s.applyWriter(ctx, name, claim); err != nil {
+		return podInfo{}, err
+	}
+	ps, err := s.waitPods(ctx, "app="+name, 10*time.Minute, name+" Ready", allReady(1))
+	if err != nil {
+		return podInfo{}, err
+	}
+	return ps[0], nil
+}
+
+// applyWriter applies claim (a claim's YAML) and a Deployment of the
+// same name of one writer pod on it (writerSpec), replaced by Recreate.
+func (s *story) applyWriter(ctx context.Context, name, claim string) error {
+	return s.apply(ctx, claim+"---\n"+fmt.Sprintf(`apiVersion: apps/v1
 kind: Deployment
 metadata:
   name: %[1]s
@@ -138,14 +150,7 @@ spec:
   template:
     metadata: {labels: {app: %[1]s}}
     spec:
-%[2]s`, name, writerSpec(name, "", "      "))); err != nil {
-		return podInfo{}, err
-	}
-	ps, err := s.waitPods(ctx, "app="+name, 10*time.Minute, name+" Ready", allReady(1))
-	if err != nil {
-		return podInfo{}, err
-	}
-	return ps[0], nil
+%[2]s`, name, writerSpec(name, "", "      ")))
 }
 
 // writerSpec is a pod spec, indented by indent: a container that appends

@@ -89,9 +89,26 @@ func Start(ctx context.Context, bin, dir string, o Options) (*Server, error) {
 	return s, nil
 }
 
-// start runs the server process with its log in Dir/server.log.
+// Restart starts a stopped server again with its configuration and its
+// data; it comes back sealed.
+func (s *Server) Restart(ctx context.Context) error {
+	if s.cmd != nil {
+		return errors.New("the Vault server is running; stop it first")
+	}
+	s.exited = make(chan struct{})
+	if err := s.start(filepath.Join(s.Dir, "server.hcl")); err != nil {
+		return err
+	}
+	if err := s.waitListening(ctx, 60*time.Second); err != nil {
+		s.Stop()
+		return err
+	}
+	return nil
+}
+
+// start runs the server process, its log appended to Dir/server.log.
 func (s *Server) start(cfgPath string) error {
-	logf, err := os.Create(filepath.Join(s.Dir, "server.log"))
+	logf, err := os.OpenFile(filepath.Join(s.Dir, "server.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return err
 	}

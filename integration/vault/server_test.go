@@ -60,7 +60,7 @@ func jsonField(ctx context.Context, t *testing.T, s *Server, token, field string
 func TestServer(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	s, root := unsealed(ctx, t, cachedServer(t))
+	s, root, _ := unsealed(ctx, t, cachedServer(t))
 	for _, args := range [][]string{{"secrets", "enable", "transit"}, {"write", "-f", "transit/keys/test"}} {
 		if _, err := s.CLI(ctx, root, args...); err != nil {
 			t.Fatal(err)
@@ -99,8 +99,9 @@ func TestServer(t *testing.T) {
 
 // unsealed starts the server in a directory of the test's own and takes
 // it from uninitialised and sealed to unsealed, checking each state and
-// that a sealed server refuses work; it returns the root token.
-func unsealed(ctx context.Context, t *testing.T, bin string) (*Server, string) {
+// that a sealed server refuses work; it returns the root token and the
+// unseal key.
+func unsealed(ctx context.Context, t *testing.T, bin string) (*Server, string, string) {
 	t.Helper()
 	s, err := Start(ctx, bin, t.TempDir(), Options{})
 	if err != nil {
@@ -133,7 +134,7 @@ func unsealed(ctx context.Context, t *testing.T, bin string) (*Server, string) {
 	if st, err := s.Status(ctx); err != nil || st.Sealed {
 		t.Fatalf("after unseal: %+v, %v; want unsealed", st, err)
 	}
-	return s, root
+	return s, root, key
 }
 
 // TestTransitClient runs the product's transit client (crypt/transit)
@@ -144,7 +145,7 @@ func unsealed(ctx context.Context, t *testing.T, bin string) (*Server, string) {
 func TestTransitClient(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	s, root := unsealed(ctx, t, cachedServer(t))
+	s, root, _ := unsealed(ctx, t, cachedServer(t))
 	const mount, key = "transit-lab", "vco-csi-volumes"
 	for _, args := range [][]string{{"secrets", "enable", "-path=" + mount, "transit"}, {"write", "-f", mount + "/keys/" + key}} {
 		if _, err := s.CLI(ctx, root, args...); err != nil {
@@ -187,11 +188,12 @@ func TestTransitClient(t *testing.T) {
 
 // TestTransitClientSealedAndUnreachable: the client's errors against a
 // sealed server and a stopped one are the ones the node plugin explains
-// (csi/driver: sealed, no answer).
+// (csi/driver: sealed, no answer); started again it is sealed until
+// unsealed, and still holds its key.
 func TestTransitClientSealedAndUnreachable(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	s, root := unsealed(ctx, t, cachedServer(t))
+	s, root, key := unsealed(ctx, t, cachedServer(t))
 	for _, args := range [][]string{{"secrets", "enable", "transit"}, {"write", "-f", "transit/keys/k"}} {
 		if _, err := s.CLI(ctx, root, args...); err != nil {
 			t.Fatal(err)
@@ -215,5 +217,18 @@ func TestTransitClientSealedAndUnreachable(t *testing.T) {
 	s.Stop()
 	if _, err := c.Decrypt(ctx, "k", ct.Text); !errors.As(err, &te) || !te.Unanswered() || te.Sealed() {
 		t.Fatalf("Decrypt against the stopped server: %v, want no answer", err)
+	}
+	// Started again, it is sealed until unsealed, and its key is kept.
+	if err := s.Restart(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := s.Status(ctx); err != nil || !st.Sealed {
+		t.Fatalf("after a restart: %+v, %v; want sealed", st, err)
+	}
+	if err := s.Unseal(ctx, key); err != nil {
+		t.Fatal(err)
+	}
+	if pt, err := c.Decrypt(ctx, "k", ct.Text); err != nil || string(pt) != "p" {
+		t.Fatalf("Decrypt after the restart: %q, %v", pt, err)
 	}
 }

@@ -1,0 +1,168 @@
+package k8s
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+)
+
+// k7Refusals: a new claim of the encrypted class meets its key backend
+// failing three ways in turn: the role no longer binding the node
+// plugin's ServiceAccount (the node plugins restarted, so they log in
+// anew), the server stopped, the server started again and sealed. Each
+// failure is named in the pod's events with what to do, and no
+// passphrase is wrapped, so nothing is written to the disk; once the
+// server is unsealed and the role restored, the kubelet's retry stages
+// the volume and the pod starts.
+func (s *story) k7Refusals(ctx context.Context, sc string) (string, error) {
+	c, kb := s.c, s.c.keyBackend
+	role, err := kb.recipeCommand("bao write auth/" + AuthMount + "/role/" + TransitRole)
+	if err != nil {
+		return "", err
+	}
+	const bound = "bound_service_account_names=" + NodeName
+	if !strings.Contains(role, bound) {
+		return "", fmt.Errorf("the recipe's role command does not say %s:\n%s", bound, role)
+	}
+	if _, err := c.operatorSh(ctx, kb, strings.Replace(role, bound, "bound_service_account_names=someone-else", 1)); err != nil {
+		return "", err
+	}
+	for _, args := range [][]string{{"rollout", "restart", "daemonset/" + NodeName}, {"rollout", "status", "daemonset/" + NodeName, "--timeout=5m"}} {
+		if _, err := c.Kubectl(ctx, append([]string{"-n", AddonNamespace}, args...)...); err != nil {
+			return "", err
+		}
+	}
+	wraps, err := kb.answered(TransitMount + "/encrypt/" + TransitKey)
+	if err != nil {
+		return "", err
+	}
+	if err := s.applyWriter(ctx, "k7f", encryptedClaim("k7f")); err != nil {
+		return "", err
+	}
+	var seen []string
+	for _, phase := range []struct {
+		what, says string
+		do         func() error
+	}{
+		{"the role binds another ServiceAccount", "refused the node plugin's login", func() error { return nil }},
+		{"the server stopped", "did not answer", func() error { kb.srv.Stop(); return nil }},
+		{"the server started again, sealed", "the key backend is sealed", func() error { return kb.srv.Restart(ctx) }},
+	} {
+		if err := phase.do(); err != nil {
+			return "", err
+		}
+		msg, err := s.waitPodEvent(ctx, "app=k7f", phase.says)
+		if err != nil {
+			return "", fmt.Errorf("%s: %w", phase.what, err)
+		}
+		seen = append(seen, phase.what+": "+msg)
+	}
+	now, err := kb.answered(TransitMount + "/encrypt/" + TransitKey)
+	if err != nil {
+		return "", err
+	}
+	s.check(e2e.P5, sc, now == wraps, "K7: no passphrase wrapped, so nothing written, while the key backend refused (%d wraps before, %d after)", wraps, now)
+	if now != wraps {
+		return "", fmt.Errorf("the key backend's audit log counts %d wraps, %d before the refusals: a passphrase was wrapped while the key backend refused", now, wraps)
+	}
+	if err := kb.srv.Unseal(ctx, kb.key); err != nil {
+		return "", err
+	}
+	if _, err := c.operatorSh(ctx, kb, role); err != nil {
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k7f", 10*time.Minute, "k7f Ready once the key backend is back", allReady(1))
+	if err != nil {
+		return "", err
+	}
+	for _, args := range [][]string{{"delete", "deployment", "k7f", "--wait=true"}, {"delete", "pvc", "k7f", "--wait=false"}} {
+		if _, err := c.Kubectl(ctx, append([]string{"-n", Namespace}, args...)...); err != nil {
+			return "", err
+		}
+	}
+	return strings.Join(seen, "\n") + fmt.Sprintf("\n%s Ready on %s once unsealed and the role restored", ps[0].Name, ps[0].Node), nil
+}
+
+// encryptedClaim is a claim of the encrypted class.
+func encryptedClaim(name string) string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: %s
+spec:
+  storageClassName: vco-csi-encrypted-vault
+  accessModes: [ReadWriteOnce]
+  resources: {requests: {storage: 1Gi}}
+`, name)
+}
+
+// waitPodEvent waits up to five minutes (the kubelet's retries back off
+// to two) for an Event of a pod of selector whose message holds says, and
+// returns that message.
+func (s *story) waitPodEvent(ctx context.Context, selector, says string) (string, error) {
+	var msg string
+	err := waitFor(ctx, 5*time.Minute, "an Event saying "+says, func() (bool, string, error) {
+		ps, err := s.pods(ctx, selector)
+		if err != nil || len(ps) == 0 {
+			return false, fmt.Sprintf("no pod of %s (%v)", selector, err), nil
+		}
+		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name="+ps[0].Name, "-o", "json")
+		if err != nil {
+			return false, err.Error(), nil
+		}
+		var list struct{ Items []eventItem }
+		if err := json.Unmarshal([]byte(out), &list); err != nil {
+			return false, err.Error(), nil
+		}
+		last := ""
+		for _, it := range list.Items {
+			if strings.Contains(it.Message, says) {
+				msg = it.Message
+				return true, "", nil
+			}
+			last = it.Message
+		}
+		return false, fmt.Sprintf("%d events of %s, the last: %s", len(list.Items), ps[0].Name, last), nil
+	})
+	return msg, err
+}
+
+// k7OtherCluster: the recipe followed for a second cluster on the same
+// server gives it its own mount and key; the node plugin's login of this
+// cluster (a token of its ServiceAccount, audience vault) wraps with this
+// cluster's key and is refused the other cluster's, as
+// docs/encryption.md promises.
+func (s *story) k7OtherCluster(ctx context.Context, sc string) (string, error) {
+	c, kb := s.c, s.c.keyBackend
+	const other = "other-1"
+	for _, prefix := range []string{"bao secrets enable -path=" + TransitMount, "bao write -f " + TransitMount + "/keys/"} {
+		cmd, err := kb.recipeCommand(prefix)
+		if err != nil {
+			return "", err
+		}
+		if _, err := c.operatorSh(ctx, kb, strings.ReplaceAll(cmd, clusterName, other)); err != nil {
+			return "", err
+		}
+	}
+	script := fmt.Sprintf(`p=$(printf 'a passphrase' | base64)
+theirs=$(bao write -field=ciphertext transit-%[1]s/encrypt/%[2]s plaintext=$p)
+jwt=$(kubectl -n %[3]s create token %[4]s --audience vault --duration 10m)
+export VAULT_TOKEN=$(bao write -field=token auth/%[5]s/login role=%[6]s jwt=$jwt)
+bao write -field=ciphertext %[7]s/encrypt/%[2]s plaintext=$p >/dev/null && echo own-wrap-ok
+bao write transit-%[1]s/decrypt/%[2]s ciphertext=$theirs 2>&1 && echo other-unwrap-ok || true
+`, other, TransitKey, AddonNamespace, NodeName, AuthMount, TransitRole, TransitMount)
+	out, err := c.operatorSh(ctx, kb, script)
+	if err != nil {
+		return "", err
+	}
+	ok := strings.Contains(out, "own-wrap-ok") && !strings.Contains(out, "other-unwrap-ok") && strings.Contains(out, "permission denied")
+	s.check(e2e.P5, sc, ok, "K7: the node plugin's login wraps with %s and is refused transit-%s's key", TransitMount, other)
+	if !ok {
+		return "", fmt.Errorf("the node plugin's login against another cluster's key:\n%s", out)
+	}
+	return fmt.Sprintf("logged in as %s: wraps with %s; transit-%s/decrypt refused (permission denied)", NodeName, TransitMount, other), nil
+}
