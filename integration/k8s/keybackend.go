@@ -36,14 +36,14 @@ const recipeHeading = "## Setting up the key backend"
 // as HostInGuest:GuestTransitPort, initialised and unsealed, set up by
 // docs/encryption.md's recipe, its requests in an audit log.
 type keyBackend struct {
-	srv   *vault.Server
-	root  string // the root token, the recipe's administrator
-	key   string // the one unseal key share
+	srv  *vault.Server
+	root string // the root token, the recipe's administrator
+	key  string // the one unseal key share
 	// recipe are the recipe's blocks as the lab read them (its
 	// placeholders replaced), once followed.
 	recipe []vault.Block
-	dir   string // the operator's working directory of the recipe
-	audit string // the file audit device's log
+	dir    string // the operator's working directory of the recipe
+	audit  string // the file audit device's log
 }
 
 // startKeyBackend builds (or takes from the cache) the Vault server,
