@@ -1366,6 +1366,79 @@ func (x *VolumeStats) GetState() ClaimState {
 	return ClaimState_CLAIM_STATE_UNSPECIFIED
 }
 
+type UpdateVolumeTokenRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	VolumeId string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
+	// passphrase is the volume's, which token wraps. The agent never logs
+	// or stores it.
+	Passphrase []byte `protobuf:"bytes,2,opt,name=passphrase,proto3" json:"passphrase,omitempty"`
+	// replaces is the token the node plugin read (GetVolumeToken) and
+	// rewrapped.
+	Replaces *TransitToken `protobuf:"bytes,3,opt,name=replaces,proto3" json:"replaces,omitempty"`
+	// token is the rewrap: the same mount and key, a newer version.
+	Token         *TransitToken `protobuf:"bytes,4,opt,name=token,proto3" json:"token,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateVolumeTokenRequest) Reset() {
+	*x = UpdateVolumeTokenRequest{}
+	mi := &file_agent_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateVolumeTokenRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateVolumeTokenRequest) ProtoMessage() {}
+
+func (x *UpdateVolumeTokenRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_agent_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateVolumeTokenRequest.ProtoReflect.Descriptor instead.
+func (*UpdateVolumeTokenRequest) Descriptor() ([]byte, []int) {
+	return file_agent_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *UpdateVolumeTokenRequest) GetVolumeId() string {
+	if x != nil {
+		return x.VolumeId
+	}
+	return ""
+}
+
+func (x *UpdateVolumeTokenRequest) GetPassphrase() []byte {
+	if x != nil {
+		return x.Passphrase
+	}
+	return nil
+}
+
+func (x *UpdateVolumeTokenRequest) GetReplaces() *TransitToken {
+	if x != nil {
+		return x.Replaces
+	}
+	return nil
+}
+
+func (x *UpdateVolumeTokenRequest) GetToken() *TransitToken {
+	if x != nil {
+		return x.Token
+	}
+	return nil
+}
+
 type GetVolumeTokenRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	VolumeId      string                 `protobuf:"bytes,1,opt,name=volume_id,json=volumeId,proto3" json:"volume_id,omitempty"`
@@ -1376,7 +1449,7 @@ type GetVolumeTokenRequest struct {
 
 func (x *GetVolumeTokenRequest) Reset() {
 	*x = GetVolumeTokenRequest{}
-	mi := &file_agent_proto_msgTypes[16]
+	mi := &file_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1388,7 +1461,7 @@ func (x *GetVolumeTokenRequest) String() string {
 func (*GetVolumeTokenRequest) ProtoMessage() {}
 
 func (x *GetVolumeTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[16]
+	mi := &file_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1401,7 +1474,7 @@ func (x *GetVolumeTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVolumeTokenRequest.ProtoReflect.Descriptor instead.
 func (*GetVolumeTokenRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{16}
+	return file_agent_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *GetVolumeTokenRequest) GetVolumeId() string {
@@ -1437,7 +1510,7 @@ type VolumeToken struct {
 
 func (x *VolumeToken) Reset() {
 	*x = VolumeToken{}
-	mi := &file_agent_proto_msgTypes[17]
+	mi := &file_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1449,7 +1522,7 @@ func (x *VolumeToken) String() string {
 func (*VolumeToken) ProtoMessage() {}
 
 func (x *VolumeToken) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[17]
+	mi := &file_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1462,7 +1535,7 @@ func (x *VolumeToken) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolumeToken.ProtoReflect.Descriptor instead.
 func (*VolumeToken) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{17}
+	return file_agent_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *VolumeToken) GetContent() VolumeContent {
@@ -1508,7 +1581,7 @@ type ListDisksRequest struct {
 
 func (x *ListDisksRequest) Reset() {
 	*x = ListDisksRequest{}
-	mi := &file_agent_proto_msgTypes[18]
+	mi := &file_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1520,7 +1593,7 @@ func (x *ListDisksRequest) String() string {
 func (*ListDisksRequest) ProtoMessage() {}
 
 func (x *ListDisksRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[18]
+	mi := &file_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1533,7 +1606,7 @@ func (x *ListDisksRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDisksRequest.ProtoReflect.Descriptor instead.
 func (*ListDisksRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{18}
+	return file_agent_proto_rawDescGZIP(), []int{19}
 }
 
 type Disk struct {
@@ -1563,7 +1636,7 @@ type Disk struct {
 
 func (x *Disk) Reset() {
 	*x = Disk{}
-	mi := &file_agent_proto_msgTypes[19]
+	mi := &file_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1575,7 +1648,7 @@ func (x *Disk) String() string {
 func (*Disk) ProtoMessage() {}
 
 func (x *Disk) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[19]
+	mi := &file_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1588,7 +1661,7 @@ func (x *Disk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disk.ProtoReflect.Descriptor instead.
 func (*Disk) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{19}
+	return file_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *Disk) GetDevice() string {
@@ -1712,7 +1785,7 @@ type ListDisksResponse struct {
 
 func (x *ListDisksResponse) Reset() {
 	*x = ListDisksResponse{}
-	mi := &file_agent_proto_msgTypes[20]
+	mi := &file_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1724,7 +1797,7 @@ func (x *ListDisksResponse) String() string {
 func (*ListDisksResponse) ProtoMessage() {}
 
 func (x *ListDisksResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[20]
+	mi := &file_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1737,7 +1810,7 @@ func (x *ListDisksResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListDisksResponse.ProtoReflect.Descriptor instead.
 func (*ListDisksResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{20}
+	return file_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ListDisksResponse) GetDisks() []*Disk {
@@ -1755,7 +1828,7 @@ type GetIdentityRequest struct {
 
 func (x *GetIdentityRequest) Reset() {
 	*x = GetIdentityRequest{}
-	mi := &file_agent_proto_msgTypes[21]
+	mi := &file_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1767,7 +1840,7 @@ func (x *GetIdentityRequest) String() string {
 func (*GetIdentityRequest) ProtoMessage() {}
 
 func (x *GetIdentityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[21]
+	mi := &file_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1780,7 +1853,7 @@ func (x *GetIdentityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetIdentityRequest.ProtoReflect.Descriptor instead.
 func (*GetIdentityRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{21}
+	return file_agent_proto_rawDescGZIP(), []int{22}
 }
 
 type FencingCapability struct {
@@ -1796,7 +1869,7 @@ type FencingCapability struct {
 
 func (x *FencingCapability) Reset() {
 	*x = FencingCapability{}
-	mi := &file_agent_proto_msgTypes[22]
+	mi := &file_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1808,7 +1881,7 @@ func (x *FencingCapability) String() string {
 func (*FencingCapability) ProtoMessage() {}
 
 func (x *FencingCapability) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[22]
+	mi := &file_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1821,7 +1894,7 @@ func (x *FencingCapability) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FencingCapability.ProtoReflect.Descriptor instead.
 func (*FencingCapability) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{22}
+	return file_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *FencingCapability) GetMethod() FencingMethod {
@@ -1865,7 +1938,7 @@ type Identity struct {
 
 func (x *Identity) Reset() {
 	*x = Identity{}
-	mi := &file_agent_proto_msgTypes[23]
+	mi := &file_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1877,7 +1950,7 @@ func (x *Identity) String() string {
 func (*Identity) ProtoMessage() {}
 
 func (x *Identity) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[23]
+	mi := &file_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1890,7 +1963,7 @@ func (x *Identity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Identity.ProtoReflect.Descriptor instead.
 func (*Identity) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{23}
+	return file_agent_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Identity) GetSystemUuid() string {
@@ -1971,7 +2044,7 @@ type GetStatusRequest struct {
 
 func (x *GetStatusRequest) Reset() {
 	*x = GetStatusRequest{}
-	mi := &file_agent_proto_msgTypes[24]
+	mi := &file_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1983,7 +2056,7 @@ func (x *GetStatusRequest) String() string {
 func (*GetStatusRequest) ProtoMessage() {}
 
 func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[24]
+	mi := &file_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1996,7 +2069,7 @@ func (x *GetStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStatusRequest.ProtoReflect.Descriptor instead.
 func (*GetStatusRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{24}
+	return file_agent_proto_rawDescGZIP(), []int{25}
 }
 
 type Status struct {
@@ -2026,7 +2099,7 @@ type Status struct {
 
 func (x *Status) Reset() {
 	*x = Status{}
-	mi := &file_agent_proto_msgTypes[25]
+	mi := &file_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2038,7 +2111,7 @@ func (x *Status) String() string {
 func (*Status) ProtoMessage() {}
 
 func (x *Status) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[25]
+	mi := &file_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2051,7 +2124,7 @@ func (x *Status) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Status.ProtoReflect.Descriptor instead.
 func (*Status) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{25}
+	return file_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Status) GetAgentVersion() string {
@@ -2180,7 +2253,7 @@ type HostWatchdog struct {
 
 func (x *HostWatchdog) Reset() {
 	*x = HostWatchdog{}
-	mi := &file_agent_proto_msgTypes[26]
+	mi := &file_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2192,7 +2265,7 @@ func (x *HostWatchdog) String() string {
 func (*HostWatchdog) ProtoMessage() {}
 
 func (x *HostWatchdog) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[26]
+	mi := &file_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2205,7 +2278,7 @@ func (x *HostWatchdog) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HostWatchdog.ProtoReflect.Descriptor instead.
 func (*HostWatchdog) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{26}
+	return file_agent_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *HostWatchdog) GetUnsafe() bool {
@@ -2288,7 +2361,7 @@ type WatchEventsRequest struct {
 
 func (x *WatchEventsRequest) Reset() {
 	*x = WatchEventsRequest{}
-	mi := &file_agent_proto_msgTypes[27]
+	mi := &file_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2300,7 +2373,7 @@ func (x *WatchEventsRequest) String() string {
 func (*WatchEventsRequest) ProtoMessage() {}
 
 func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[27]
+	mi := &file_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2313,7 +2386,7 @@ func (x *WatchEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchEventsRequest.ProtoReflect.Descriptor instead.
 func (*WatchEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{27}
+	return file_agent_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *WatchEventsRequest) GetReplayRecent() bool {
@@ -2331,7 +2404,7 @@ type ListRecentEventsRequest struct {
 
 func (x *ListRecentEventsRequest) Reset() {
 	*x = ListRecentEventsRequest{}
-	mi := &file_agent_proto_msgTypes[28]
+	mi := &file_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2343,7 +2416,7 @@ func (x *ListRecentEventsRequest) String() string {
 func (*ListRecentEventsRequest) ProtoMessage() {}
 
 func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[28]
+	mi := &file_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2356,7 +2429,7 @@ func (x *ListRecentEventsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsRequest.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsRequest) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{28}
+	return file_agent_proto_rawDescGZIP(), []int{29}
 }
 
 type ListRecentEventsResponse struct {
@@ -2368,7 +2441,7 @@ type ListRecentEventsResponse struct {
 
 func (x *ListRecentEventsResponse) Reset() {
 	*x = ListRecentEventsResponse{}
-	mi := &file_agent_proto_msgTypes[29]
+	mi := &file_agent_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2380,7 +2453,7 @@ func (x *ListRecentEventsResponse) String() string {
 func (*ListRecentEventsResponse) ProtoMessage() {}
 
 func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[29]
+	mi := &file_agent_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2393,7 +2466,7 @@ func (x *ListRecentEventsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRecentEventsResponse.ProtoReflect.Descriptor instead.
 func (*ListRecentEventsResponse) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{29}
+	return file_agent_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ListRecentEventsResponse) GetEvents() []*Event {
@@ -2428,7 +2501,7 @@ type Event struct {
 
 func (x *Event) Reset() {
 	*x = Event{}
-	mi := &file_agent_proto_msgTypes[30]
+	mi := &file_agent_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2440,7 +2513,7 @@ func (x *Event) String() string {
 func (*Event) ProtoMessage() {}
 
 func (x *Event) ProtoReflect() protoreflect.Message {
-	mi := &file_agent_proto_msgTypes[30]
+	mi := &file_agent_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2453,7 +2526,7 @@ func (x *Event) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Event.ProtoReflect.Descriptor instead.
 func (*Event) Descriptor() ([]byte, []int) {
-	return file_agent_proto_rawDescGZIP(), []int{30}
+	return file_agent_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *Event) GetType() EventType {
@@ -2639,7 +2712,14 @@ const file_agent_proto_rawDesc = "" +
 	"\babnormal\x18\b \x01(\bR\babnormal\x12\x18\n" +
 	"\amessage\x18\t \x01(\tR\amessage\x12.\n" +
 	"\x05state\x18\n" +
-	" \x01(\x0e2\x18.vco.agent.v1.ClaimStateR\x05state\"i\n" +
+	" \x01(\x0e2\x18.vco.agent.v1.ClaimStateR\x05state\"\xc1\x01\n" +
+	"\x18UpdateVolumeTokenRequest\x12\x1b\n" +
+	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x12\x1e\n" +
+	"\n" +
+	"passphrase\x18\x02 \x01(\fR\n" +
+	"passphrase\x126\n" +
+	"\breplaces\x18\x03 \x01(\v2\x1a.vco.agent.v1.TransitTokenR\breplaces\x120\n" +
+	"\x05token\x18\x04 \x01(\v2\x1a.vco.agent.v1.TransitTokenR\x05token\"i\n" +
 	"\x15GetVolumeTokenRequest\x12\x1b\n" +
 	"\tvolume_id\x18\x01 \x01(\tR\bvolumeId\x123\n" +
 	"\x06device\x18\x02 \x01(\v2\x1b.vco.agent.v1.DeviceLocatorR\x06device\"\xd2\x01\n" +
@@ -2772,7 +2852,7 @@ const file_agent_proto_rawDesc = "" +
 	"\x17EVENT_TYPE_DISK_REFUSED\x10\x04\x12\x1a\n" +
 	"\x16EVENT_TYPE_DISK_FENCED\x10\x05\x12\x1c\n" +
 	"\x18EVENT_TYPE_DISK_RELEASED\x10\x06\x12\x1f\n" +
-	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\xef\a\n" +
+	"\x1bEVENT_TYPE_TAKEOVER_GRANTED\x10\a2\xc7\b\n" +
 	"\x05Agent\x12G\n" +
 	"\vGetIdentity\x12 .vco.agent.v1.GetIdentityRequest\x1a\x16.vco.agent.v1.Identity\x12A\n" +
 	"\tGetStatus\x12\x1e.vco.agent.v1.GetStatusRequest\x1a\x14.vco.agent.v1.Status\x12F\n" +
@@ -2785,7 +2865,8 @@ const file_agent_proto_rawDesc = "" +
 	"\fExpandVolume\x12!.vco.agent.v1.ExpandVolumeRequest\x1a\".vco.agent.v1.ExpandVolumeResponse\x12P\n" +
 	"\x0eGetVolumeStats\x12#.vco.agent.v1.GetVolumeStatsRequest\x1a\x19.vco.agent.v1.VolumeStats\x12L\n" +
 	"\tListDisks\x12\x1e.vco.agent.v1.ListDisksRequest\x1a\x1f.vco.agent.v1.ListDisksResponse\x12P\n" +
-	"\x0eGetVolumeToken\x12#.vco.agent.v1.GetVolumeTokenRequest\x1a\x19.vco.agent.v1.VolumeTokenB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
+	"\x0eGetVolumeToken\x12#.vco.agent.v1.GetVolumeTokenRequest\x1a\x19.vco.agent.v1.VolumeToken\x12V\n" +
+	"\x11UpdateVolumeToken\x12&.vco.agent.v1.UpdateVolumeTokenRequest\x1a\x19.vco.agent.v1.VolumeTokenB1Z/github.com/whitesky-cloud/vco-storage/agent/apib\x06proto3"
 
 var (
 	file_agent_proto_rawDescOnce sync.Once
@@ -2800,7 +2881,7 @@ func file_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 32)
 var file_agent_proto_goTypes = []any{
 	(VolumeContent)(0),               // 0: vco.agent.v1.VolumeContent
 	(ClaimState)(0),                  // 1: vco.agent.v1.ClaimState
@@ -2822,23 +2903,24 @@ var file_agent_proto_goTypes = []any{
 	(*ExpandVolumeResponse)(nil),     // 17: vco.agent.v1.ExpandVolumeResponse
 	(*GetVolumeStatsRequest)(nil),    // 18: vco.agent.v1.GetVolumeStatsRequest
 	(*VolumeStats)(nil),              // 19: vco.agent.v1.VolumeStats
-	(*GetVolumeTokenRequest)(nil),    // 20: vco.agent.v1.GetVolumeTokenRequest
-	(*VolumeToken)(nil),              // 21: vco.agent.v1.VolumeToken
-	(*ListDisksRequest)(nil),         // 22: vco.agent.v1.ListDisksRequest
-	(*Disk)(nil),                     // 23: vco.agent.v1.Disk
-	(*ListDisksResponse)(nil),        // 24: vco.agent.v1.ListDisksResponse
-	(*GetIdentityRequest)(nil),       // 25: vco.agent.v1.GetIdentityRequest
-	(*FencingCapability)(nil),        // 26: vco.agent.v1.FencingCapability
-	(*Identity)(nil),                 // 27: vco.agent.v1.Identity
-	(*GetStatusRequest)(nil),         // 28: vco.agent.v1.GetStatusRequest
-	(*Status)(nil),                   // 29: vco.agent.v1.Status
-	(*HostWatchdog)(nil),             // 30: vco.agent.v1.HostWatchdog
-	(*WatchEventsRequest)(nil),       // 31: vco.agent.v1.WatchEventsRequest
-	(*ListRecentEventsRequest)(nil),  // 32: vco.agent.v1.ListRecentEventsRequest
-	(*ListRecentEventsResponse)(nil), // 33: vco.agent.v1.ListRecentEventsResponse
-	(*Event)(nil),                    // 34: vco.agent.v1.Event
-	(*timestamppb.Timestamp)(nil),    // 35: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),      // 36: google.protobuf.Duration
+	(*UpdateVolumeTokenRequest)(nil), // 20: vco.agent.v1.UpdateVolumeTokenRequest
+	(*GetVolumeTokenRequest)(nil),    // 21: vco.agent.v1.GetVolumeTokenRequest
+	(*VolumeToken)(nil),              // 22: vco.agent.v1.VolumeToken
+	(*ListDisksRequest)(nil),         // 23: vco.agent.v1.ListDisksRequest
+	(*Disk)(nil),                     // 24: vco.agent.v1.Disk
+	(*ListDisksResponse)(nil),        // 25: vco.agent.v1.ListDisksResponse
+	(*GetIdentityRequest)(nil),       // 26: vco.agent.v1.GetIdentityRequest
+	(*FencingCapability)(nil),        // 27: vco.agent.v1.FencingCapability
+	(*Identity)(nil),                 // 28: vco.agent.v1.Identity
+	(*GetStatusRequest)(nil),         // 29: vco.agent.v1.GetStatusRequest
+	(*Status)(nil),                   // 30: vco.agent.v1.Status
+	(*HostWatchdog)(nil),             // 31: vco.agent.v1.HostWatchdog
+	(*WatchEventsRequest)(nil),       // 32: vco.agent.v1.WatchEventsRequest
+	(*ListRecentEventsRequest)(nil),  // 33: vco.agent.v1.ListRecentEventsRequest
+	(*ListRecentEventsResponse)(nil), // 34: vco.agent.v1.ListRecentEventsResponse
+	(*Event)(nil),                    // 35: vco.agent.v1.Event
+	(*timestamppb.Timestamp)(nil),    // 36: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),      // 37: google.protobuf.Duration
 }
 var file_agent_proto_depIdxs = []int32{
 	6,  // 0: vco.agent.v1.Encryption.transit_token:type_name -> vco.agent.v1.TransitToken
@@ -2847,51 +2929,55 @@ var file_agent_proto_depIdxs = []int32{
 	7,  // 3: vco.agent.v1.StageVolumeRequest.encryption:type_name -> vco.agent.v1.Encryption
 	2,  // 4: vco.agent.v1.StageVolumeResponse.fencing:type_name -> vco.agent.v1.FencingMethod
 	1,  // 5: vco.agent.v1.VolumeStats.state:type_name -> vco.agent.v1.ClaimState
-	4,  // 6: vco.agent.v1.GetVolumeTokenRequest.device:type_name -> vco.agent.v1.DeviceLocator
-	0,  // 7: vco.agent.v1.VolumeToken.content:type_name -> vco.agent.v1.VolumeContent
-	6,  // 8: vco.agent.v1.VolumeToken.transit_token:type_name -> vco.agent.v1.TransitToken
-	2,  // 9: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
-	1,  // 10: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
-	23, // 11: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
-	2,  // 12: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
-	26, // 13: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
-	35, // 14: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
-	36, // 15: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
-	30, // 16: vco.agent.v1.Status.host_watchdog:type_name -> vco.agent.v1.HostWatchdog
-	36, // 17: vco.agent.v1.HostWatchdog.timeout:type_name -> google.protobuf.Duration
-	35, // 18: vco.agent.v1.HostWatchdog.last_feed:type_name -> google.protobuf.Timestamp
-	34, // 19: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
-	3,  // 20: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
-	35, // 21: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
-	25, // 22: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
-	28, // 23: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
-	31, // 24: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
-	32, // 25: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
-	8,  // 26: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
-	10, // 27: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
-	12, // 28: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
-	14, // 29: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
-	16, // 30: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
-	18, // 31: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
-	22, // 32: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
-	20, // 33: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
-	27, // 34: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
-	29, // 35: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
-	34, // 36: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
-	33, // 37: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
-	9,  // 38: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
-	11, // 39: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
-	13, // 40: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
-	15, // 41: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
-	17, // 42: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
-	19, // 43: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
-	24, // 44: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
-	21, // 45: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
-	34, // [34:46] is the sub-list for method output_type
-	22, // [22:34] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	6,  // 6: vco.agent.v1.UpdateVolumeTokenRequest.replaces:type_name -> vco.agent.v1.TransitToken
+	6,  // 7: vco.agent.v1.UpdateVolumeTokenRequest.token:type_name -> vco.agent.v1.TransitToken
+	4,  // 8: vco.agent.v1.GetVolumeTokenRequest.device:type_name -> vco.agent.v1.DeviceLocator
+	0,  // 9: vco.agent.v1.VolumeToken.content:type_name -> vco.agent.v1.VolumeContent
+	6,  // 10: vco.agent.v1.VolumeToken.transit_token:type_name -> vco.agent.v1.TransitToken
+	2,  // 11: vco.agent.v1.Disk.fencing:type_name -> vco.agent.v1.FencingMethod
+	1,  // 12: vco.agent.v1.Disk.state:type_name -> vco.agent.v1.ClaimState
+	24, // 13: vco.agent.v1.ListDisksResponse.disks:type_name -> vco.agent.v1.Disk
+	2,  // 14: vco.agent.v1.FencingCapability.method:type_name -> vco.agent.v1.FencingMethod
+	27, // 15: vco.agent.v1.Identity.fencing:type_name -> vco.agent.v1.FencingCapability
+	36, // 16: vco.agent.v1.Status.started_at:type_name -> google.protobuf.Timestamp
+	37, // 17: vco.agent.v1.Status.uptime:type_name -> google.protobuf.Duration
+	31, // 18: vco.agent.v1.Status.host_watchdog:type_name -> vco.agent.v1.HostWatchdog
+	37, // 19: vco.agent.v1.HostWatchdog.timeout:type_name -> google.protobuf.Duration
+	36, // 20: vco.agent.v1.HostWatchdog.last_feed:type_name -> google.protobuf.Timestamp
+	35, // 21: vco.agent.v1.ListRecentEventsResponse.events:type_name -> vco.agent.v1.Event
+	3,  // 22: vco.agent.v1.Event.type:type_name -> vco.agent.v1.EventType
+	36, // 23: vco.agent.v1.Event.time:type_name -> google.protobuf.Timestamp
+	26, // 24: vco.agent.v1.Agent.GetIdentity:input_type -> vco.agent.v1.GetIdentityRequest
+	29, // 25: vco.agent.v1.Agent.GetStatus:input_type -> vco.agent.v1.GetStatusRequest
+	32, // 26: vco.agent.v1.Agent.WatchEvents:input_type -> vco.agent.v1.WatchEventsRequest
+	33, // 27: vco.agent.v1.Agent.ListRecentEvents:input_type -> vco.agent.v1.ListRecentEventsRequest
+	8,  // 28: vco.agent.v1.Agent.StageVolume:input_type -> vco.agent.v1.StageVolumeRequest
+	10, // 29: vco.agent.v1.Agent.UnstageVolume:input_type -> vco.agent.v1.UnstageVolumeRequest
+	12, // 30: vco.agent.v1.Agent.PublishVolume:input_type -> vco.agent.v1.PublishVolumeRequest
+	14, // 31: vco.agent.v1.Agent.UnpublishVolume:input_type -> vco.agent.v1.UnpublishVolumeRequest
+	16, // 32: vco.agent.v1.Agent.ExpandVolume:input_type -> vco.agent.v1.ExpandVolumeRequest
+	18, // 33: vco.agent.v1.Agent.GetVolumeStats:input_type -> vco.agent.v1.GetVolumeStatsRequest
+	23, // 34: vco.agent.v1.Agent.ListDisks:input_type -> vco.agent.v1.ListDisksRequest
+	21, // 35: vco.agent.v1.Agent.GetVolumeToken:input_type -> vco.agent.v1.GetVolumeTokenRequest
+	20, // 36: vco.agent.v1.Agent.UpdateVolumeToken:input_type -> vco.agent.v1.UpdateVolumeTokenRequest
+	28, // 37: vco.agent.v1.Agent.GetIdentity:output_type -> vco.agent.v1.Identity
+	30, // 38: vco.agent.v1.Agent.GetStatus:output_type -> vco.agent.v1.Status
+	35, // 39: vco.agent.v1.Agent.WatchEvents:output_type -> vco.agent.v1.Event
+	34, // 40: vco.agent.v1.Agent.ListRecentEvents:output_type -> vco.agent.v1.ListRecentEventsResponse
+	9,  // 41: vco.agent.v1.Agent.StageVolume:output_type -> vco.agent.v1.StageVolumeResponse
+	11, // 42: vco.agent.v1.Agent.UnstageVolume:output_type -> vco.agent.v1.UnstageVolumeResponse
+	13, // 43: vco.agent.v1.Agent.PublishVolume:output_type -> vco.agent.v1.PublishVolumeResponse
+	15, // 44: vco.agent.v1.Agent.UnpublishVolume:output_type -> vco.agent.v1.UnpublishVolumeResponse
+	17, // 45: vco.agent.v1.Agent.ExpandVolume:output_type -> vco.agent.v1.ExpandVolumeResponse
+	19, // 46: vco.agent.v1.Agent.GetVolumeStats:output_type -> vco.agent.v1.VolumeStats
+	25, // 47: vco.agent.v1.Agent.ListDisks:output_type -> vco.agent.v1.ListDisksResponse
+	22, // 48: vco.agent.v1.Agent.GetVolumeToken:output_type -> vco.agent.v1.VolumeToken
+	22, // 49: vco.agent.v1.Agent.UpdateVolumeToken:output_type -> vco.agent.v1.VolumeToken
+	37, // [37:50] is the sub-list for method output_type
+	24, // [24:37] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_agent_proto_init() }
@@ -2905,7 +2991,7 @@ func file_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_agent_proto_rawDesc), len(file_agent_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   31,
+			NumMessages:   32,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

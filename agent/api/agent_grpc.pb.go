@@ -31,18 +31,19 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Agent_GetIdentity_FullMethodName      = "/vco.agent.v1.Agent/GetIdentity"
-	Agent_GetStatus_FullMethodName        = "/vco.agent.v1.Agent/GetStatus"
-	Agent_WatchEvents_FullMethodName      = "/vco.agent.v1.Agent/WatchEvents"
-	Agent_ListRecentEvents_FullMethodName = "/vco.agent.v1.Agent/ListRecentEvents"
-	Agent_StageVolume_FullMethodName      = "/vco.agent.v1.Agent/StageVolume"
-	Agent_UnstageVolume_FullMethodName    = "/vco.agent.v1.Agent/UnstageVolume"
-	Agent_PublishVolume_FullMethodName    = "/vco.agent.v1.Agent/PublishVolume"
-	Agent_UnpublishVolume_FullMethodName  = "/vco.agent.v1.Agent/UnpublishVolume"
-	Agent_ExpandVolume_FullMethodName     = "/vco.agent.v1.Agent/ExpandVolume"
-	Agent_GetVolumeStats_FullMethodName   = "/vco.agent.v1.Agent/GetVolumeStats"
-	Agent_ListDisks_FullMethodName        = "/vco.agent.v1.Agent/ListDisks"
-	Agent_GetVolumeToken_FullMethodName   = "/vco.agent.v1.Agent/GetVolumeToken"
+	Agent_GetIdentity_FullMethodName       = "/vco.agent.v1.Agent/GetIdentity"
+	Agent_GetStatus_FullMethodName         = "/vco.agent.v1.Agent/GetStatus"
+	Agent_WatchEvents_FullMethodName       = "/vco.agent.v1.Agent/WatchEvents"
+	Agent_ListRecentEvents_FullMethodName  = "/vco.agent.v1.Agent/ListRecentEvents"
+	Agent_StageVolume_FullMethodName       = "/vco.agent.v1.Agent/StageVolume"
+	Agent_UnstageVolume_FullMethodName     = "/vco.agent.v1.Agent/UnstageVolume"
+	Agent_PublishVolume_FullMethodName     = "/vco.agent.v1.Agent/PublishVolume"
+	Agent_UnpublishVolume_FullMethodName   = "/vco.agent.v1.Agent/UnpublishVolume"
+	Agent_ExpandVolume_FullMethodName      = "/vco.agent.v1.Agent/ExpandVolume"
+	Agent_GetVolumeStats_FullMethodName    = "/vco.agent.v1.Agent/GetVolumeStats"
+	Agent_ListDisks_FullMethodName         = "/vco.agent.v1.Agent/ListDisks"
+	Agent_GetVolumeToken_FullMethodName    = "/vco.agent.v1.Agent/GetVolumeToken"
+	Agent_UpdateVolumeToken_FullMethodName = "/vco.agent.v1.Agent/UpdateVolumeToken"
 )
 
 // AgentClient is the client API for Agent service.
@@ -88,6 +89,13 @@ type AgentClient interface {
 	// passphrase wrapped by a transit key, which the node plugin unwraps
 	// before StageVolume), or other data. It holds no secret.
 	GetVolumeToken(ctx context.Context, in *GetVolumeTokenRequest, opts ...grpc.CallOption) (*VolumeToken, error)
+	// UpdateVolumeToken stores a rewrap of a staged encrypted volume's
+	// passphrase by a newer version of its transit key in place of the
+	// LUKS2 header's token (docs/encryption.md, "Key rotation"). The agent
+	// writes only the header of a volume staged and fenced here, only while
+	// its token is still the one replaced, and only once the passphrase has
+	// opened the token's keyslot. It answers what the header holds after.
+	UpdateVolumeToken(ctx context.Context, in *UpdateVolumeTokenRequest, opts ...grpc.CallOption) (*VolumeToken, error)
 }
 
 type agentClient struct {
@@ -227,6 +235,16 @@ func (c *agentClient) GetVolumeToken(ctx context.Context, in *GetVolumeTokenRequ
 	return out, nil
 }
 
+func (c *agentClient) UpdateVolumeToken(ctx context.Context, in *UpdateVolumeTokenRequest, opts ...grpc.CallOption) (*VolumeToken, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(VolumeToken)
+	err := c.cc.Invoke(ctx, Agent_UpdateVolumeToken_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AgentServer is the server API for Agent service.
 // All implementations must embed UnimplementedAgentServer
 // for forward compatibility.
@@ -270,6 +288,13 @@ type AgentServer interface {
 	// passphrase wrapped by a transit key, which the node plugin unwraps
 	// before StageVolume), or other data. It holds no secret.
 	GetVolumeToken(context.Context, *GetVolumeTokenRequest) (*VolumeToken, error)
+	// UpdateVolumeToken stores a rewrap of a staged encrypted volume's
+	// passphrase by a newer version of its transit key in place of the
+	// LUKS2 header's token (docs/encryption.md, "Key rotation"). The agent
+	// writes only the header of a volume staged and fenced here, only while
+	// its token is still the one replaced, and only once the passphrase has
+	// opened the token's keyslot. It answers what the header holds after.
+	UpdateVolumeToken(context.Context, *UpdateVolumeTokenRequest) (*VolumeToken, error)
 	mustEmbedUnimplementedAgentServer()
 }
 
@@ -315,6 +340,9 @@ func (UnimplementedAgentServer) ListDisks(context.Context, *ListDisksRequest) (*
 }
 func (UnimplementedAgentServer) GetVolumeToken(context.Context, *GetVolumeTokenRequest) (*VolumeToken, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetVolumeToken not implemented")
+}
+func (UnimplementedAgentServer) UpdateVolumeToken(context.Context, *UpdateVolumeTokenRequest) (*VolumeToken, error) {
+	return nil, status.Error(codes.Unimplemented, "method UpdateVolumeToken not implemented")
 }
 func (UnimplementedAgentServer) mustEmbedUnimplementedAgentServer() {}
 func (UnimplementedAgentServer) testEmbeddedByValue()               {}
@@ -546,6 +574,24 @@ func _Agent_GetVolumeToken_Handler(srv interface{}, ctx context.Context, dec fun
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Agent_UpdateVolumeToken_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UpdateVolumeTokenRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AgentServer).UpdateVolumeToken(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Agent_UpdateVolumeToken_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AgentServer).UpdateVolumeToken(ctx, req.(*UpdateVolumeTokenRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Agent_ServiceDesc is the grpc.ServiceDesc for Agent service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -596,6 +642,10 @@ var Agent_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetVolumeToken",
 			Handler:    _Agent_GetVolumeToken_Handler,
+		},
+		{
+			MethodName: "UpdateVolumeToken",
+			Handler:    _Agent_UpdateVolumeToken_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

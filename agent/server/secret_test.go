@@ -140,4 +140,20 @@ func TestStageVolumeZeroesThePassphrase(t *testing.T) {
 	if _, err := s.UnstageVolume(ctx, &api.UnstageVolumeRequest{VolumeId: "vol-enc", StagingPath: staging}); err != nil {
 		t.Fatal(err)
 	}
+	updateTokenZeroesThePassphrase(ctx, t, s, secret)
+}
+
+// updateTokenZeroesThePassphrase: a token update's passphrase is zeroed
+// too, refused or not.
+func updateTokenZeroesThePassphrase(ctx context.Context, t *testing.T, s *Server, secret string) {
+	t.Helper()
+	u := &api.UpdateVolumeTokenRequest{VolumeId: "vol-enc", Passphrase: []byte(secret)}
+	if _, err := s.UpdateVolumeToken(ctx, u); agenterr.Code(err) != codes.InvalidArgument || !zeroed(u.GetPassphrase()) {
+		t.Fatalf("token update without tokens: %v, passphrase zeroed %v", err, zeroed(u.GetPassphrase()))
+	}
+	tok := &api.TransitToken{KeyName: "k", KeyVersion: 1, Ciphertext: "vault:v1:eA"}
+	u = &api.UpdateVolumeTokenRequest{VolumeId: "vol-enc", Passphrase: []byte(secret), Replaces: tok, Token: tok}
+	if _, err := s.UpdateVolumeToken(ctx, u); agenterr.Code(err) != codes.FailedPrecondition || !zeroed(u.GetPassphrase()) {
+		t.Fatalf("token update by an agent whose encryption cannot write tokens: %v, passphrase zeroed %v", err, zeroed(u.GetPassphrase()))
+	}
 }

@@ -231,9 +231,34 @@ func (s *Server) GetVolumeToken(ctx context.Context, req *api.GetVolumeTokenRequ
 	if err != nil {
 		return nil, err
 	}
+	return volumeTokenToAPI(res), nil
+}
+
+// UpdateVolumeToken implements api.AgentServer. The passphrase is the
+// decoded request's own buffer, zeroed when the call returns, as
+// StageVolume's is.
+func (s *Server) UpdateVolumeToken(ctx context.Context, req *api.UpdateVolumeTokenRequest) (*api.VolumeToken, error) {
+	defer clear(req.GetPassphrase())
+	m, err := s.volumes()
+	if err != nil {
+		return nil, err
+	}
+	replaces, with := TransitTokenFromAPI(req.GetReplaces()), TransitTokenFromAPI(req.GetToken())
+	if replaces == nil || with == nil || len(req.GetPassphrase()) == 0 {
+		return nil, agenterr.New(agenterr.InvalidArgument, "volume %s: a token update needs the passphrase, the token it replaces and the new token", req.GetVolumeId())
+	}
+	res, err := m.UpdateVolumeToken(ctx, req.GetVolumeId(), req.GetPassphrase(), *replaces, *with)
+	if err != nil {
+		return nil, err
+	}
+	return volumeTokenToAPI(res), nil
+}
+
+// volumeTokenToAPI converts what a volume's device holds.
+func volumeTokenToAPI(res volume.TokenResult) *api.VolumeToken {
 	out := &api.VolumeToken{Content: contentKinds[res.Kind], LuksUuid: res.UUID, Detail: res.Detail, Device: res.Device}
 	if t := res.Token; t != nil {
 		out.TransitToken = &api.TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: uint32(t.KeyVersion), Ciphertext: t.Ciphertext}
 	}
-	return out, nil
+	return out
 }

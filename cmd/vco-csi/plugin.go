@@ -135,7 +135,7 @@ func parsePluginFlags(args []string) (*pluginFlags, error) {
 	// which is `vco-lab sim`) is refused, not ignored by a plugin that
 	// starts anyway.
 	if fs.NArg() > 0 {
-		err := fmt.Errorf("unexpected argument %q: vco-csi takes flags, or one of the commands version and plugin-dirs; the API simulator is `vco-lab sim`", fs.Arg(0))
+		err := fmt.Errorf("unexpected argument %q: vco-csi takes flags, or one of the commands version, plugin-dirs and rewrap; the API simulator is `vco-lab sim`", fs.Arg(0))
 		fmt.Fprintf(fs.Output(), "vco-csi: %v\n", err)
 		return f, err
 	}
@@ -206,7 +206,7 @@ func (f *pluginFlags) driverConfig(log *slog.Logger, mx *metrics.Metrics) (drive
 			"and the cloud JWT, the node's ServiceAccount token, the Vault token and the passphrases then travel in clear; for the simulator's and the lab's set-ups only",
 			"mode", f.mode)
 	}
-	cfg := driver.Config{Name: f.name, Version: version, Mode: driver.Mode(f.mode), DefaultLocation: f.defLoc,
+	cfg := driver.Config{Name: f.name, Version: version, Mode: driver.Mode(f.mode), DefaultLocation: f.defLoc, Log: log,
 		AttachTimeout: f.attachWait, KubeletRoot: f.kubelet, MaxVolumesPerNode: f.maxVols, NodeLocationsDir: f.locDir}
 	if cfg.Mode != driver.ModeNode {
 		if err := f.controllerCloud(&cfg, mx, log); err != nil {

@@ -189,6 +189,11 @@ func (a *Agent) VolumeToken(ctx context.Context, volumeID string, pc map[string]
 	if err != nil {
 		return driver.VolumeToken{}, a.answer(err)
 	}
+	return volumeToken(r), nil
+}
+
+// volumeToken converts the agent's answer.
+func volumeToken(r *api.VolumeToken) driver.VolumeToken {
 	out := driver.VolumeToken{Content: contents[r.GetContent()], Detail: r.GetDetail(), Device: r.GetDevice()}
 	if out.Content == "" {
 		out.Content, out.Detail = driver.ContentOther, fmt.Sprintf("content the agent calls %s (%s)", r.GetContent(), r.GetDetail())
@@ -196,7 +201,50 @@ func (a *Agent) VolumeToken(ctx context.Context, volumeID string, pc map[string]
 	if t := r.GetTransitToken(); t != nil {
 		out.Token = &luks2.TransitToken{Mount: t.GetMount(), KeyName: t.GetKeyName(), KeyVersion: int(t.GetKeyVersion()), Ciphertext: t.GetCiphertext()}
 	}
-	return out, nil
+	return out
+}
+
+// StagedVolumeToken asks the agent what the device of a volume staged on
+// this node holds where its LUKS2 header goes; the agent finds the device
+// by its record.
+func (a *Agent) StagedVolumeToken(ctx context.Context, volumeID string) (driver.VolumeToken, error) {
+	r, err := a.c.GetVolumeToken(ctx, &api.GetVolumeTokenRequest{VolumeId: volumeID})
+	if err != nil {
+		return driver.VolumeToken{}, a.answer(err)
+	}
+	return volumeToken(r), nil
+}
+
+// UpdateVolumeToken asks the agent to store with in place of the staged
+// volume's token replaces (driver.Rewrap).
+func (a *Agent) UpdateVolumeToken(ctx context.Context, volumeID string, passphrase []byte, replaces, with luks2.TransitToken) (driver.VolumeToken, error) {
+	r, err := a.c.UpdateVolumeToken(ctx, &api.UpdateVolumeTokenRequest{VolumeId: volumeID, Passphrase: passphrase,
+		Replaces: tokenToAPI(replaces), Token: tokenToAPI(with)})
+	if err != nil {
+		return driver.VolumeToken{}, a.answer(err)
+	}
+	return volumeToken(r), nil
+}
+
+func tokenToAPI(t luks2.TransitToken) *api.TransitToken {
+	return &api.TransitToken{Mount: t.Mount, KeyName: t.KeyName, KeyVersion: uint32(t.KeyVersion), Ciphertext: t.Ciphertext}
+}
+
+// EncryptedVolumes lists the encrypted volumes staged on this node whose
+// claim the agent holds (or holds unfenced by the operator's choice).
+func (a *Agent) EncryptedVolumes(ctx context.Context) ([]string, error) {
+	r, err := a.c.ListDisks(ctx, &api.ListDisksRequest{})
+	if err != nil {
+		return nil, a.answer(err)
+	}
+	var vols []string
+	for _, d := range r.GetDisks() {
+		st := d.GetState()
+		if d.GetEncrypted() && d.GetVolumeId() != "" && (st == api.ClaimState_CLAIM_STATE_HELD || st == api.ClaimState_CLAIM_STATE_UNFENCED) {
+			vols = append(vols, d.GetVolumeId())
+		}
+	}
+	return vols, nil
 }
 
 // Unstage asks the agent to unmount, close and release the volume.

@@ -110,6 +110,7 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vol, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}
+	rotationRewrapsTheToken(ctx, t, d, a, tc, vault, stage)
 
 	// The transit engine refuses (the node's token revoked): the stage
 	// fails saying so, and names no secret.
@@ -123,6 +124,53 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	}
 
 	encryptedStageNeverFormatsOverData(ctx, t, d, kubelet, diskDir, encrypted)
+}
+
+// rotationRewrapsTheToken: after the transit key's rotation, the next
+// stage brings the volume's token to the new version (driver.Rewrap after
+// the stage); after another rotation `vco-csi rewrap`'s loop does the same
+// for the volume staged here; with min_decryption_version past the first
+// wrap the volume still opens. The passphrase never changes.
+func rotationRewrapsTheToken(ctx context.Context, t *testing.T, d *driver.Driver, a *agentnode.Agent, tc crypt.Wrapper, vault *transittest.Fake, stage *csi.NodeStageVolumeRequest) {
+	t.Helper()
+	unstage := &csi.NodeUnstageVolumeRequest{VolumeId: stage.VolumeId, StagingTargetPath: stage.StagingTargetPath}
+	vault.Rotate("vco-volumes")
+	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatalf("stage after the key's rotation: %v", err)
+	}
+	if tok, err := a.StagedVolumeToken(ctx, stage.VolumeId); err != nil || tok.Token == nil || tok.Token.KeyVersion != 2 {
+		t.Fatalf("the token after a stage following the rotation: %+v, %v; want version 2", tok.Token, err)
+	}
+	vault.Rotate("vco-volumes")
+	vols, err := a.EncryptedVolumes(ctx)
+	if err != nil || len(vols) != 1 || vols[0] != stage.VolumeId {
+		t.Fatalf("encrypted volumes staged here: %v, %v", vols, err)
+	}
+	r, err := driver.Rewrap(ctx, a, tc, stage.VolumeId)
+	if err != nil || r.From != 2 || r.To != 3 {
+		t.Fatalf("rewrap of the staged volume: %+v, %v; want 2 -> 3", r, err)
+	}
+	if r, err := driver.Rewrap(ctx, a, tc, stage.VolumeId); err != nil || r.From != 3 || r.To != 3 {
+		t.Fatalf("a second rewrap: %+v, %v; want nothing to do at version 3", r, err)
+	}
+	if _, err := d.NodeUnstageVolume(ctx, unstage); err != nil {
+		t.Fatal(err)
+	}
+	vault.Mu.Lock()
+	vault.MinDecryptionVersion["vco-volumes"] = 3
+	vault.Mu.Unlock()
+	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
+		t.Fatalf("stage with min_decryption_version 3 after the rewrap: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(stage.StagingTargetPath, "secret-data")); err != nil || string(b) != "kept" {
+		t.Fatalf("data after the rewraps: %q %v", b, err)
+	}
+	if _, err := d.NodeUnstageVolume(ctx, unstage); err != nil {
+		t.Fatal(err)
+	}
+	vault.Mu.Lock()
+	vault.MinDecryptionVersion["vco-volumes"] = 0
+	vault.Mu.Unlock()
 }
 
 // transitRequests counts the fake transit server's requests of op (encrypt

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -97,6 +98,9 @@ type Config struct {
 	// with it (FAILED_PRECONDITION) while plain volumes are served as
 	// usual. It names settings, never a secret.
 	KeyBackendProblem error
+	// Log gets what the node service does besides answering, such as the
+	// rewrap of a token after a stage; nil discards it.
+	Log *slog.Logger
 	// Users, when set, is told which claim each volume staged here was
 	// made for and which pods it is published to, so that what the agent
 	// reports about a volume is shown on them (csi/kubeevents).
