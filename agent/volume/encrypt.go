@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
@@ -153,15 +152,8 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 	if m.o.Crypt == nil {
 		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent has no LUKS2 support; install an agent built with it", volume)
 	}
-	// A read: it waits out a short internal holder (the periodic claim
-	// check) instead of failing at once.
-	var release func()
-	for i := 0; ; i++ {
-		if release, err = m.locks.try(volume, "reading the LUKS2 token"); err == nil || i == 40 {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	// A read: it waits out a short internal holder.
+	release, err := m.locks.tryAWhile(volume, "reading the LUKS2 token")
 	if err != nil {
 		return res, err
 	}

@@ -2,6 +2,7 @@ package volume
 
 import (
 	"sync"
+	"time"
 
 	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 )
@@ -39,6 +40,19 @@ func (l *locks) try(volume, op string) (func(), error) {
 		delete(l.busy, volume)
 		l.mu.Unlock()
 	}, nil
+}
+
+// tryAWhile is try for a short call that waits out a short holder (the
+// periodic claim check, a stats call) for up to two seconds instead of
+// failing at once.
+func (l *locks) tryAWhile(volume, op string) (func(), error) {
+	for i := 0; ; i++ {
+		release, err := l.try(volume, op)
+		if err == nil || i == 40 {
+			return release, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // whenFree has fn run under the volume's lock when the operation that

@@ -33,7 +33,7 @@ func (m *Manager) UpdateVolumeToken(ctx context.Context, volume string, passphra
 	if !ok {
 		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent cannot rewrite LUKS2 tokens; install an agent built with LUKS2 support", volume)
 	}
-	release, err := m.locks.try(volume, "rewriting the LUKS2 token")
+	release, err := m.locks.tryAWhile(volume, "rewriting the LUKS2 token")
 	if err != nil {
 		return res, err
 	}
