@@ -247,8 +247,11 @@ func (m *Manager) closeStaleMapping(ctx context.Context, c *Claim) error {
 }
 
 // dropLost undoes what is left of a lost claim so that a granted stage can
-// start over: the read-only staging mount and the mapping go; the record
-// keeps Formatted.
+// start over: the read-only staging mount, the dm-crypt mapping and the
+// data mapping go, before the live entry that keeps a lost lease whose
+// I/O was not shown stopped listed for the host watchdog; the record
+// keeps Formatted. A stage that then fails before its acquire leaves
+// nothing of the lost claim on a disk another node holds.
 func (m *Manager) dropLost(c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return err
@@ -259,7 +262,12 @@ func (m *Manager) dropLost(c *Claim) error {
 		}
 		c.Mapper = ""
 	}
+	if err := m.unmapAll(c); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: detaching the data mapping of the lost claim: %v; the claim stays lost: stop what still uses the mapping, then stage the volume again", c.Volume, err)
+	}
 	m.setLive(c.Volume, nil)
+	// Nothing of the claim is left on the node: no I/O of it can run.
+	c.IONotStopped = false
 	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""
 	return m.store.Put(c)
 }
