@@ -75,3 +75,62 @@ func listedRunning(m *Manager, volume string) bool {
 	}
 	return false
 }
+
+// A lease volume's stage fails after its data mapping was made (its mount
+// fails): the rollback detaches the mapping, but the record it leaves
+// (interrupted: the stage wrote the lease area and a filesystem) still
+// names the loop device. The volume's disk is then removed (the claim
+// marked missing), another disk is attached at its device node, and a
+// raw block lease volume is staged from it: the kernel gives its data
+// mapping the lowest free loop device, the one the first record names
+// (modelled here by numbering loop devices from the start again). The
+// claim check takes back the first volume's stage cut short, finds its
+// disk gone and cleans up what its record names: the second volume's data
+// mapping, which is a loop device over the disk now at that node, is
+// detached. The second volume is staged with nothing under it, and its
+// publish fails.
+func TestAdv17FailedStageRecordNamesADetachedMappingAnotherVolumeGets(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	b := &simVolume{id: "pvc-b", serial: "sim1", block: true}
+	runBreak(t, true, []*simVolume{a, b}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		r.w.mu.Lock()
+		r.w.disks[b.serial].present = false
+		r.w.failNext["mount"] = 1
+		r.w.mu.Unlock()
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s (its mount fails): %s", a.id, errText(err))
+		c, _ := r.m.store.Get(a.id)
+		if err == nil || c == nil || c.Phase != PhaseInterrupted {
+			t.Fatalf("%s's stage did not fail leaving an interrupted record: %v, %s", a.id, err, phaseOf(c))
+		}
+		r.logBreak("%s's record names the data mapping %q", a.id, c.DataDevice)
+		r.remove(a)
+		r.w.mu.Lock()
+		da, db := r.w.disks[a.serial], r.w.disks[b.serial]
+		db.path, db.minor, db.present = da.path, da.minor, true
+		r.w.nLoop = 0 // the kernel hands out the lowest free loop device
+		r.w.logf("disk %s attached at %s, the node %s had", b.serial, db.path, a.serial)
+		r.w.mu.Unlock()
+		if _, err := r.m.Stage(ctx, r.stageReq(b)); err != nil {
+			t.Fatalf("stage %s: %v", b.id, err)
+		}
+		cb, _ := r.m.store.Get(b.id)
+		r.logBreak("%s staged on %s with the data mapping %s", b.id, cb.Device, cb.DataDevice)
+		r.m.CheckAll(ctx)
+		r.logBreak("claim check")
+		r.w.mu.Lock()
+		_, mapped := r.w.loops[cb.DataDevice]
+		r.w.mu.Unlock()
+		if !mapped {
+			t.Errorf("%s's data mapping %s was detached by the claim check of %s", b.id, cb.DataDevice, a.id)
+		}
+		err = r.m.Publish(ctx, PublishRequest{Volume: b.id, StagingPath: b.staging, TargetPath: b.targets[0], Block: true})
+		r.logBreak("NodePublish %s: %s", b.id, errText(err))
+		if err != nil {
+			t.Errorf("publish %s: %v", b.id, err)
+		}
+		r.check()
+	})
+}
+
