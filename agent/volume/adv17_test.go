@@ -134,3 +134,71 @@ func TestAdv17FailedStageRecordNamesADetachedMappingAnotherVolumeGets(t *testing
 	})
 }
 
+// A lease volume's unstage detaches its data mapping and the agent dies
+// before it records that (unmapRecorded records after the detach): the
+// record, still staged, names the loop device. The next agent process
+// takes the claim back; the volume's disk is then removed (the claim
+// marked missing), another disk is attached at its device node, and a
+// raw block lease volume is staged from it, whose data mapping gets the
+// lowest free loop device: the one the first record names. The retried
+// unstage of the first volume detaches what its record names, a loop
+// device over the disk now at that node: the second volume's data
+// mapping. The second volume is staged with nothing under it.
+func TestAdv17UnstageCutShortAfterTheDetachNamesALoopDeviceAnotherVolumeGets(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	b := &simVolume{id: "pvc-b", serial: "sim1", block: true}
+	runBreak(t, true, []*simVolume{a, b}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		r.w.mu.Lock()
+		r.w.disks[b.serial].present = false
+		r.w.mu.Unlock()
+		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+			t.Fatalf("stage %s: %v", a.id, err)
+		}
+		detach := r.m.unmapData
+		r.m.unmapData = func(p string) error {
+			err := detach(p)
+			if err == nil {
+				// The agent dies right after the detach.
+				r.w.mu.Lock()
+				r.w.crash()
+				r.w.mu.Unlock()
+				return errSimDead
+			}
+			return err
+		}
+		err := r.m.Unstage(ctx, a.id, a.staging)
+		r.logBreak("NodeUnstage %s (the agent dies after the detach): %s", a.id, errText(err))
+		old := r.m
+		r.start(ctx)
+		old.Close()
+		c, _ := r.m.store.Get(a.id)
+		r.logBreak("agent restarted; %s: %s, data mapping %q", a.id, phaseOf(c), c.DataDevice)
+		r.remove(a)
+		r.w.mu.Lock()
+		da, db := r.w.disks[a.serial], r.w.disks[b.serial]
+		db.path, db.minor, db.present = da.path, da.minor, true
+		r.w.nLoop = 0 // the kernel hands out the lowest free loop device
+		r.w.logf("disk %s attached at %s, the node %s had", b.serial, db.path, a.serial)
+		r.w.mu.Unlock()
+		if _, err := r.m.Stage(ctx, r.stageReq(b)); err != nil {
+			t.Fatalf("stage %s: %v", b.id, err)
+		}
+		cb, _ := r.m.store.Get(b.id)
+		r.logBreak("%s staged on %s with the data mapping %s", b.id, cb.Device, cb.DataDevice)
+		err = r.m.Unstage(ctx, a.id, a.staging)
+		r.logBreak("NodeUnstage %s retried: %s", a.id, errText(err))
+		r.w.mu.Lock()
+		_, mapped := r.w.loops[cb.DataDevice]
+		r.w.mu.Unlock()
+		if !mapped {
+			t.Errorf("%s's data mapping %s was detached by the unstage of %s", b.id, cb.DataDevice, a.id)
+		}
+		err = r.m.Publish(ctx, PublishRequest{Volume: b.id, StagingPath: b.staging, TargetPath: b.targets[0], Block: true})
+		r.logBreak("NodePublish %s: %s", b.id, errText(err))
+		if err != nil {
+			t.Errorf("publish %s: %v", b.id, err)
+		}
+		r.check()
+	})
+}

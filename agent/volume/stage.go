@@ -723,23 +723,14 @@ func (s *staging) mapDataRegion(context.Context) error {
 // or whose fence the rollback is about to release: the release guard
 // gives a fence up only with no mapping over its disk. A stage that stays
 // recorded without having taken the fence keeps it: its retry finds it
-// again (findDataMapping) and its unstage detaches it. Once detached, the
-// record stops naming it (as unmapRecorded has it): the kernel gives its
-// number to the next loop device, which may be another volume's over the
-// disk that takes this one's device node, and the cleanup of this
-// record would detach that.
+// again (findDataMapping) and its unstage detaches it. The record stops
+// naming what is detached (unmapNamed).
 func (s *staging) unmapDataRegion() {
-	m, c := s.m, s.c
 	if !s.forgotten() && !s.acquired {
 		return
 	}
-	if err := m.unmapData(c.DataDevice); err != nil {
-		m.log.Error("could not detach the data mapping of a failed stage", "volume", c.Volume, "err", err)
-		return
-	}
-	c.DataDevice = ""
-	if err := m.store.Put(c); err != nil {
-		m.log.Error("could not record that the data mapping of a failed stage is detached", "volume", c.Volume, "err", err)
+	if err := s.m.unmapNamed(s.c); err != nil {
+		s.m.log.Error("could not detach the data mapping of a failed stage", "volume", s.c.Volume, "err", err)
 	}
 }
 
