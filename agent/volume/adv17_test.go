@@ -202,3 +202,70 @@ func TestAdv17UnstageCutShortAfterTheDetachNamesALoopDeviceAnotherVolumeGets(t *
 		r.check()
 	})
 }
+
+// A volume is staged; its disk is removed and attached again at another
+// device node while the volume is mounted (the staging mount holds the
+// device it had before, or a data mapping over it, which is gone: every
+// I/O of it fails). The claim check finds the disk at its new node and
+// takes the claim back there, healthy. The kubelet's repeated NodeStage
+// then answers that the volume is staged, and NodePublish binds the
+// staging mount into a pod: both answer OK over a filesystem on a device
+// that is gone, and the volume is not usable.
+func TestAdv17DiskBackAtAnotherNodeLeavesAStaleMountAnsweredStaged(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		lease bool
+	}{{"reservations: mounted from the disk", false}, {"lease: mounted from a data mapping over the disk", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := &simVolume{id: "pvc-a", serial: "sim0"}
+			runBreak(t, tc.lease, []*simVolume{a}, func(r *simRun, h *hookHost) {
+				ctx := context.Background()
+				attachedOver := map[string]string{}
+				r.m.host = backingHost{hookHost: h, attachedOver: attachedOver}
+				mapData := r.m.mapData
+				r.m.mapData = func(disk string, offset int64, ro bool) (string, error) {
+					p, err := mapData(disk, offset, ro)
+					if err == nil {
+						attachedOver[p] = disk
+					}
+					return p, err
+				}
+				if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+					t.Fatalf("stage %s: %v", a.id, err)
+				}
+				r.remove(a)
+				r.readd(a, false)
+				r.m.CheckAll(ctx)
+				c, _ := r.m.store.Get(a.id)
+				r.w.mu.Lock()
+				held := r.w.mounts[a.staging]
+				r.w.mu.Unlock()
+				r.logBreak("disk of %s attached again at %s; after the claim check: %s, the staging mount holds %s", a.id, c.Device, phaseOf(c), held)
+				_, err := r.m.Stage(ctx, r.stageReq(a))
+				r.logBreak("NodeStage %s again: %s", a.id, errText(err))
+				if err == nil {
+					t.Errorf("NodeStage %s answered OK while its staging mount holds %s, over a device that is gone (the disk is at %s now)", a.id, held, c.Device)
+				}
+				err = r.m.Publish(ctx, PublishRequest{Volume: a.id, StagingPath: a.staging, TargetPath: a.targets[0]})
+				r.logBreak("NodePublish %s: %s", a.id, errText(err))
+				if err == nil {
+					t.Errorf("NodePublish %s answered OK, binding a staging mount of %s, over a device that is gone", a.id, held)
+				}
+				r.check()
+			})
+		})
+	}
+}
+
+// backingHost is the simulation's host whose data mappings say, as the
+// kernel's loop backing_file does, the device node they were attached
+// over: a mapping over a disk that went away does not map the disk at its
+// new node (the simulation's MapsDisk follows the disk wherever it is).
+type backingHost struct {
+	*hookHost
+	attachedOver map[string]string
+}
+
+func (h backingHost) MapsDisk(p, disk string) bool {
+	return h.hookHost.MapsDisk(p, disk) && h.attachedOver[p] == disk
+}
