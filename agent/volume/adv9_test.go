@@ -77,7 +77,9 @@ func TestAdv9LossDuringRollbackStopsAnotherVolumesFilesystem(t *testing.T) {
 				var answer bool
 				var recorded string
 				r.m.unmapData = func(p string) error {
-					if c, _ := r.m.store.Get(a.id); !delivered && p != "" && c != nil && c.DataDevice == p {
+					// The record names the mapping no longer while it is
+					// detached (unmapNamed).
+					if c, _ := r.m.store.Get(a.id); !delivered && p != "" && c != nil && (c.DataDevice == p || c.DataDevice == "") {
 						delivered = true
 						recorded = c.MountDevice()
 						answer = r.m.onLost(a.id)(lost)

@@ -97,10 +97,8 @@ func (m *Manager) unmapAll(c *Claim) error {
 
 // unmapRecorded detaches the data mapping c's record names, only if it is
 // a loop device over c's disk: a damaged or hostile record never makes
-// the agent detach (or make writable) another device. Once detached, the
-// record stops naming it: the kernel gives its number to the next loop
-// device, which may be another volume's over the disk that took this
-// one's device node since, and a retry would take it for this volume's.
+// the agent detach (or make writable) another device. The record stops
+// naming it as it is detached (unmapNamed).
 func (m *Manager) unmapRecorded(c *Claim) error {
 	if c.DataDevice == "" {
 		return nil
@@ -109,11 +107,33 @@ func (m *Manager) unmapRecorded(c *Claim) error {
 		m.log.Warn("the data mapping the claim's record names is not a loop device over its disk; left alone", "volume", c.Volume, "device", c.Device, "mapping", c.DataDevice)
 		return nil
 	}
-	if err := m.unmapData(c.DataDevice); err != nil {
+	return m.unmapNamed(c)
+}
+
+// unmapNamed detaches the data mapping c's record names, and records
+// first that it names it no longer: the kernel gives a detached loop
+// device's number to the next one, which may be another volume's over the
+// disk that took this one's device node since, and a retry, or the next
+// agent process after a crash right after the detach, would take it for
+// this volume's. A detach that fails names it again. An agent that dies
+// between the record and the detach leaves the mapping unnamed, which
+// unmapAll finds over the claim's disk. A record that cannot be written
+// does not stop the detach (the release guard gives a fence up only with
+// no mapping over its disk); its error is returned after it.
+func (m *Manager) unmapNamed(c *Claim) error {
+	p := c.DataDevice
+	c.DataDevice = ""
+	perr := m.store.Put(c)
+	if err := m.unmapData(p); err != nil {
+		c.DataDevice = p
+		if perr == nil {
+			if perr := m.store.Put(c); perr != nil {
+				m.log.Error("could not record the data mapping a failed detach left", "volume", c.Volume, "mapping", p, "err", perr)
+			}
+		}
 		return err
 	}
-	c.DataDevice = ""
-	return m.store.Put(c)
+	return perr
 }
 
 // inUse reports whether err is the release guard keeping a fence because

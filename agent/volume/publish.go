@@ -52,10 +52,8 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 	if err := m.stillOurs(ctx, c, "publish"); err != nil {
 		return err
 	}
-	if c.Block && !m.blockIntact(c) {
-		// Bound as it is, the pod would get the ciphertext disk, or the
-		// disk with its lease area.
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt or data mapping is gone): stage it again first", c.Volume)
+	if err := m.sourceIntact(c); err != nil {
+		return err
 	}
 	mp, _ := m.host.IsMountPoint(target)
 	if mp {
@@ -91,6 +89,21 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 		}
 	}
 	m.log.Info("volume published", "volume", r.Volume, "target", target, "read_only", r.ReadOnly)
+	return nil
+}
+
+// sourceIntact refuses to publish a staged volume from what is not its
+// device as its claim names it now: a raw block volume whose dm-crypt or
+// data mapping is gone (bound as it is, the pod would get the ciphertext
+// disk, or the disk with its lease area), or a staging mount left on a
+// device that is gone (stagingHolds).
+func (m *Manager) sourceIntact(c *Claim) error {
+	if !c.Block {
+		return m.stagingHolds(c)
+	}
+	if !m.blockIntact(c) {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt or data mapping is gone): stage it again first", c.Volume)
+	}
 	return nil
 }
 

@@ -158,7 +158,37 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 	if err != nil {
 		return false, agenterr.New(agenterr.Unavailable, "volume %s is staged, but whether %s is mounted could not be read: %v; retry the stage", c.Volume, c.StagingPath, err)
 	}
+	if mp {
+		if err := m.stagingHolds(c); err != nil {
+			return false, err
+		}
+	}
 	return mp, nil
+}
+
+// stagingHolds refuses a staging mount that is not on the volume's device
+// as its claim names it now: a disk removed and attached again at another
+// device node, which the claim check takes back there, leaves the mount on
+// the device it had before (or on a data mapping over it), which is gone:
+// every I/O of it fails. A staging path with nothing mounted passes (the
+// caller says so).
+func (m *Manager) stagingHolds(c *Claim) error {
+	src, err := m.mountSource(c.StagingPath)
+	if err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s: what is mounted at its staging path %s could not be read: %v; retry", c.Volume, c.StagingPath, err)
+	}
+	if src == "" {
+		return nil
+	}
+	what := fmt.Sprintf("%s, not the volume's device %s", src, c.MountDevice())
+	if sameDevice(src, c.MountDevice()) {
+		if c.DataDevice == "" || m.host.MapsDisk(c.DataDevice, c.Device) {
+			return nil
+		}
+		what = fmt.Sprintf("%s over the data mapping %s, which no longer maps its disk %s", src, c.DataDevice, c.Device)
+	}
+	return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its staging path %s holds %s (its disk was removed and attached again at another device node); unpublish and unstage the volume, then stage it again",
+		c.Volume, c.StagingPath, what)
 }
 
 // blockIntact reports whether what a staged raw block volume's device is
@@ -247,8 +277,11 @@ func (m *Manager) closeStaleMapping(ctx context.Context, c *Claim) error {
 }
 
 // dropLost undoes what is left of a lost claim so that a granted stage can
-// start over: the read-only staging mount and the mapping go; the record
-// keeps Formatted.
+// start over: the read-only staging mount, the dm-crypt mapping and the
+// data mapping go, before the live entry that keeps a lost lease whose
+// I/O was not shown stopped listed for the host watchdog; the record
+// keeps Formatted. A stage that then fails before its acquire leaves
+// nothing of the lost claim on a disk another node holds.
 func (m *Manager) dropLost(c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return err
@@ -259,7 +292,12 @@ func (m *Manager) dropLost(c *Claim) error {
 		}
 		c.Mapper = ""
 	}
+	if err := m.unmapAll(c); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: detaching the data mapping of the lost claim: %v; the claim stays lost: stop what still uses the mapping, then stage the volume again", c.Volume, err)
+	}
 	m.setLive(c.Volume, nil)
+	// Nothing of the claim is left on the node: no I/O of it can run.
+	c.IONotStopped = false
 	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""
 	return m.store.Put(c)
 }

@@ -723,12 +723,13 @@ func (s *staging) mapDataRegion(context.Context) error {
 // or whose fence the rollback is about to release: the release guard
 // gives a fence up only with no mapping over its disk. A stage that stays
 // recorded without having taken the fence keeps it: its retry finds it
-// again (findDataMapping) and its unstage detaches it.
+// again (findDataMapping) and its unstage detaches it. The record stops
+// naming what is detached (unmapNamed).
 func (s *staging) unmapDataRegion() {
 	if !s.forgotten() && !s.acquired {
 		return
 	}
-	if err := s.m.unmapData(s.c.DataDevice); err != nil {
+	if err := s.m.unmapNamed(s.c); err != nil {
 		s.m.log.Error("could not detach the data mapping of a failed stage", "volume", s.c.Volume, "err", err)
 	}
 }
