@@ -240,13 +240,14 @@ test-vault: build
 # bin/lab-report-KIND.html, with a verdict per kind at the end. Exits
 # non-zero unless every safety property held on both kinds. E6, E7 and E9
 # do not depend on the kind and run in the scsi-block story only.
-# E6 (encrypted volume) wraps passphrases with a FAKE transit engine that
-# vco-lab starts on 127.0.0.1 (no Vault/OpenBao here); docs/development.md
-# says how to point it at a real one. E9 runs in a Debian guest with the
+# E6 (encrypted volume) wraps passphrases with the Vault server built from
+# source (vault-prefetch starts its build in the background; on a machine
+# without it cached the story waits about 25 minutes for it), which
+# vco-lab starts on 127.0.0.1 with TLS. E9 runs in a Debian guest with the
 # .deb under systemd when the Debian root is cached (make guest-root), else
 # in a busybox guest.
 ## the RWO story on scsi-block and virtio-blk disks, with reports in bin/
-lab: deps build packages
+lab: deps build packages vault-prefetch
 	$(BIN)/vco-lab run -kind scsi-block,virtio-blk -report $(BIN)
 
 # The Kubernetes lab of test-k8s from the command line (vco-lab k8s run)

@@ -120,7 +120,7 @@ func runStory(c *common, kind lab.DiskKind, skip map[string]bool, skipWhy map[st
 	eo := e2e.Options{Progress: os.Stdout, Skip: skip, SkipWhy: skipWhy}
 	if te != nil {
 		simlab.ForEncryption(&so)
-		eo.TransitPort, eo.TransitToken, eo.TransitEngine = te.port, te.token, te.description
+		eo.TransitPort, eo.TransitToken, eo.TransitEngine, eo.TransitCA = te.port, te.token, te.description, te.ca
 		fmt.Printf("vco-lab: E6 wraps passphrases with the %s\n", te.description)
 	}
 	env, err := simlab.Start(ctx, so)

@@ -35,7 +35,7 @@ commands:
   status                   show the running lab
   exec NODE -- CMD...      run a command in a guest; prints its output, exits with its code
   down                     kill everything a lab (or a crashed run) left running
-  run [-kind K[,K]] [-skip E4,E7,E8,E9] [-report DIR] [-transit fake|none|URL]
+  run [-kind K[,K]] [-skip E4,E7,E8,E9] [-report DIR] [-transit vault|fake|none|URL]
                            the RWO story (make lab): simulator in lab mode, tgtd,
                            two guests with vco-agent and vco-csi; CSI calls in
                            Kubernetes' order; report per safety property; writes
@@ -43,9 +43,11 @@ commands:
                            (default: bin/ or .). Given several kinds, the story
                            runs once per kind in a lab of its own; E6, E7 and E9
                            do not depend on the kind and run in the first only.
-                           E6 (encrypted volume) uses a FAKE transit engine
-                           standing in for Vault/OpenBao unless -transit names
-                           a real one on 127.0.0.1 (with -transit-token-file)
+                           E6 (encrypted volume) wraps with the Vault server
+                           built from source (-transit vault, the default;
+                           built first unless cached), a FAKE engine (fake),
+                           or a Vault/OpenBao on 127.0.0.1 (URL, with
+                           -transit-token-file)
   smoke                    the reservation smoke scenario on one shared LUN
   sim [-listen A] [-dir D] [-backend host|bookkeeping] ...
                            the whitesky.cloud API simulator alone on 127.0.0.1
@@ -453,7 +455,7 @@ func run(args []string) int {
 	var kind, report, transitSpec, transitTokenFile string
 	var skipList string
 	c, err := oneShotFlags("run", args, func(fs *flag.FlagSet) {
-		fs.StringVar(&transitSpec, "transit", "fake", "transit engine for E6: fake (a FAKE engine standing in for Vault/OpenBao, started on 127.0.0.1), none (leave E6 out), or http://127.0.0.1:PORT of a real Vault/OpenBao with transit key "+transitKey)
+		fs.StringVar(&transitSpec, "transit", "vault", "transit engine for E6: vault (the Vault server built from source, started on 127.0.0.1 with TLS; built first unless cached), fake (a FAKE engine standing in for Vault/OpenBao, started on 127.0.0.1), none (leave E6 out), or http://127.0.0.1:PORT of a real Vault/OpenBao with transit key "+transitKey)
 		fs.StringVar(&transitTokenFile, "transit-token-file", "", "with -transit URL: file holding a Vault/OpenBao token for that key")
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests, comma-separated for one run each: scsi-block (SCSI-3 PR), virtio-blk (the on-disk lease)")
 		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E7, E8, E9")

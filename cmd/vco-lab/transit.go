@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -13,6 +14,8 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/vault"
 )
 
 // transitKey is the key the node plugin wraps new volumes' passphrases
@@ -24,13 +27,16 @@ const transitKey = "vco-volumes"
 type transitEngine struct {
 	port        int
 	token       string
+	ca          []byte // the PEM of the engine's CA when it speaks TLS
 	description string
 	stop        func()
 }
 
-// startTransit gives the story its transit engine. "fake" (the default)
-// starts the FAKE engine of crypt/transit/transittest on 127.0.0.1, since
-// no Vault or OpenBao can be installed on the lab's machines; "none"
+// startTransit gives the story its transit engine. "vault" starts the
+// Vault server built from source (integration/vault; built first unless
+// cached) on 127.0.0.1 with TLS, set up with transit key vco-volumes and
+// a token allowed exactly that key. "fake" (the default) starts the FAKE
+// engine of crypt/transit/transittest on 127.0.0.1; "none"
 // leaves E6 out; a URL names a real Vault/OpenBao, which must listen on
 // 127.0.0.1 (the guests reach the host's loopback only; forward a remote
 // server with a tunnel) and have a transit key vco-volumes, with a token
@@ -39,6 +45,8 @@ func startTransit(spec, tokenFile string) (*transitEngine, error) {
 	switch spec {
 	case "none", "":
 		return nil, nil
+	case "vault":
+		return startVault()
 	case "fake":
 		fake := transittest.New()
 		fake.Rotate(transitKey)
@@ -84,4 +92,33 @@ func startTransit(spec, tokenFile string) (*transitEngine, error) {
 	}
 	return &transitEngine{port: port, token: tok, stop: func() {},
 		description: fmt.Sprintf("Vault/OpenBao transit engine at %s (key %s)", spec, transitKey)}, nil
+}
+
+// startVault is startTransit's "vault".
+func startVault() (*transitEngine, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Minute)
+	defer cancel()
+	bin, err := vault.Build(ctx, lab.DefaultCacheDir(), os.Stderr)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "vco-lab-vault-")
+	if err != nil {
+		return nil, err
+	}
+	t, err := vault.StartTransit(ctx, bin, dir, vault.Options{Hosts: []string{"10.0.2.100"}}, "transit", transitKey)
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	ca, err := os.ReadFile(t.CACert)
+	if err != nil {
+		t.Stop()
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	u, _ := url.Parse(t.Addr)
+	port, _ := strconv.Atoi(u.Port())
+	return &transitEngine{port: port, token: t.Token, ca: ca, description: t.Describe(),
+		stop: func() { t.Stop(); os.RemoveAll(dir) }}, nil
 }

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"github.com/whitesky-cloud/vco-storage/crypt/transit"
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
+	"github.com/whitesky-cloud/vco-storage/integration/vault"
 )
 
 // The fake engine vco-lab starts wraps and unwraps with the key the node
@@ -68,7 +70,7 @@ func TestStartTransitReal(t *testing.T) {
 		{"http://127.0.0.1", tok},                // no port
 		{"http://127.0.0.1:8200", ""},            // no token
 		{"http://127.0.0.1:8200", tok + ".none"}, // unreadable token
-		{"vault", tok},
+		{"openbao", tok}, // a word that names no engine
 	} {
 		if _, err := startTransit(bad.spec, bad.tokenFile); err == nil {
 			t.Errorf("startTransit(%q, %q) accepted", bad.spec, bad.tokenFile)
@@ -78,5 +80,38 @@ func TestStartTransitReal(t *testing.T) {
 	}
 	if te, err := startTransit("none", ""); te != nil || err != nil {
 		t.Errorf("none: %+v, %v", te, err)
+	}
+}
+
+// -transit vault starts the Vault server built from source (skipped
+// unless its build is cached: make vault-prefetch) with TLS for the
+// guests' address, and its token wraps with the node plugin's default key.
+func TestStartTransitVault(t *testing.T) {
+	if _, ok, err := vault.Cached(lab.DefaultCacheDir()); err != nil || !ok {
+		t.Skipf("no Vault build in the cache (%v): make vault-prefetch", err)
+	}
+	te, err := startTransit("vault", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer te.stop()
+	if !strings.Contains(te.description, "Vault "+vault.Version+" built from source") || len(te.ca) == 0 {
+		t.Errorf("description %q, CA of %d bytes", te.description, len(te.ca))
+	}
+	ca := filepath.Join(t.TempDir(), "ca.pem")
+	if err := os.WriteFile(ca, te.ca, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	c, err := transit.New(transit.Config{Address: fmt.Sprintf("https://127.0.0.1:%d", te.port), CACertFile: ca, Token: te.token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	ct, err := c.Encrypt(ctx, transitKey, []byte("volume passphrase"))
+	if err != nil {
+		t.Fatalf("encrypt with %s: %v", transitKey, err)
+	}
+	if pt, err := c.Decrypt(ctx, transitKey, ct.Text); err != nil || string(pt) != "volume passphrase" {
+		t.Fatalf("decrypt: %q, %v", pt, err)
 	}
 }

@@ -115,8 +115,12 @@ func (s *story) e6TransitLink(ctx context.Context, g *lab.Guest) (string, error)
 	if err := simlab.StopNodeStack(ctx, g); err != nil {
 		return "", err
 	}
-	return fmt.Sprintf("%s; the guest reaches it at %s", engine, simlab.TransitGuestAddr),
-		simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{VaultAddr: simlab.TransitGuestAddr, VaultToken: s.o.TransitToken})
+	addr := simlab.TransitGuestAddr
+	if len(s.o.TransitCA) > 0 {
+		addr = simlab.TransitGuestTLSAddr
+	}
+	return fmt.Sprintf("%s; the guest reaches it at %s", engine, addr),
+		simlab.StartNodeStackWith(ctx, g, simlab.StackOptions{VaultAddr: addr, VaultToken: s.o.TransitToken, VaultCA: s.o.TransitCA})
 }
 
 // e6Create creates c's encrypted volume.
@@ -179,7 +183,7 @@ func (s *story) cryptsetupCheck(ctx context.Context, g *lab.Guest) (string, erro
 	if err != nil {
 		return "", err
 	}
-	tc, err := transit.New(transit.Config{Address: fmt.Sprintf("http://127.0.0.1:%d", s.o.TransitPort), Mount: tok.Mount, Token: s.o.TransitToken})
+	tc, err := s.hostTransit(tok.Mount)
 	if err != nil {
 		return "", err
 	}
@@ -208,6 +212,19 @@ func (s *story) cryptsetupCheck(ctx context.Context, g *lab.Guest) (string, erro
 		return "", fmt.Errorf("cryptsetup on %s: unwrapped passphrase accepted %v (%s), another accepted %v (%s)", dev, ok, okOut, bad, badOut)
 	}
 	return fmt.Sprintf("LUKS2 header at byte %d of the disk; token key %s version %d; %s opens with the unwrapped passphrase, not with another", offset, tok.KeyName, tok.KeyVersion, dev), nil
+}
+
+// hostTransit is a transit client of the engine from the host, for mount.
+func (s *story) hostTransit(mount string) (*transit.Client, error) {
+	cfg := transit.Config{Address: fmt.Sprintf("http://127.0.0.1:%d", s.o.TransitPort), Mount: mount, Token: s.o.TransitToken}
+	if len(s.o.TransitCA) > 0 {
+		ca := filepath.Join(s.env.Lab.Dir(), "transit-ca.pem")
+		if err := os.WriteFile(ca, s.o.TransitCA, 0o644); err != nil {
+			return nil, err
+		}
+		cfg.Address, cfg.CACertFile = fmt.Sprintf("https://127.0.0.1:%d", s.o.TransitPort), ca
+	}
+	return transit.New(cfg)
 }
 
 // tokenAt reads the vco-transit token of the LUKS2 volume that starts

@@ -54,6 +54,10 @@ type Options struct {
 	// simlab.ForEncryption.
 	TransitPort  int
 	TransitToken string
+	// TransitCA, when set, is the PEM of the CA the engine's TLS
+	// certificate (for 127.0.0.1 and 10.0.2.100) chains to: the engine
+	// speaks https, as the lab's Vault server does.
+	TransitCA []byte
 	// TransitEngine says in the report what the transit engine is (a
 	// real Vault/OpenBao, or a fake standing in for one).
 	TransitEngine string

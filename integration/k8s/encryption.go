@@ -15,7 +15,9 @@ import (
 // source as the key backend, set up by following docs/encryption.md's
 // recipe: the pod's data is on dm-crypt on its node, the pod moves to the
 // other worker and reads it back, and the node plugin runs unprivileged;
-// another cluster's key on the same server is refused to this cluster's
+// the key rotated and the volume rewrapped (vco-csi rewrap), it opens
+// with min_decryption_version past its first wrap; another cluster's key
+// on the same server is refused to this cluster's
 // node plugin; the key backend's failures are named in a pod's events and
 // nothing is wrapped until it is back.
 func (s *story) k7(ctx context.Context) error {
@@ -34,8 +36,14 @@ func (s *story) k7(ctx context.Context) error {
 		return err
 	}
 	to := s.other(first.Node)
+	var moved podInfo
 	if err := s.step(sc, to, "the pod moved to "+to+" (cordon, delete) reads the data back", func() (string, error) {
-		return s.k7Moved(ctx, sc, first, pv, to)
+		return s.k7Moved(ctx, sc, first, pv, to, &moved)
+	}); err != nil {
+		return err
+	}
+	if err := s.step(sc, to, "the key rotated, vco-csi rewrap, min_decryption_version raised: the pod moved back reads its data", func() (string, error) {
+		return s.k7Rotation(ctx, sc, moved, pv, first.Node)
 	}); err != nil {
 		return err
 	}
@@ -138,7 +146,7 @@ func (s *story) k7Claim(ctx context.Context, first *podInfo, pv *string) (string
 }
 
 // k7Moved moves the pod first off its node to to and reads its data back there, unwrapped by the key backend.
-func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to string) (string, error) {
+func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to string, moved *podInfo) (string, error) {
 	c := s.c
 	if _, err := c.Kubectl(ctx, "cordon", first.Node); err != nil {
 		return "", err
@@ -160,6 +168,7 @@ func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to st
 	if unwraps == 0 {
 		return "", fmt.Errorf("the volume was staged on %s but the key backend's audit log shows no unwrap (%s)", to, c.keyBackend.describe())
 	}
+	*moved = ps[0]
 	data, err := s.readLog(ctx, ps[0], pv)
 	if err != nil {
 		return "", err

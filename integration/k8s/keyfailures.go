@@ -166,3 +166,53 @@ bao write transit-%[1]s/decrypt/%[2]s ciphertext=$theirs 2>&1 && echo other-unwr
 	}
 	return fmt.Sprintf("logged in as %s: wraps with %s; transit-%s/decrypt refused (permission denied)", NodeName, TransitMount, other), nil
 }
+
+// k7Rotation: the transit key rotated as docs/encryption.md says, `vco-csi
+// rewrap` in the node plugin pod of the volume's node brings its token to
+// the new version; with min_decryption_version raised past the old
+// version, the pod moved back to from opens the volume and reads its data.
+func (s *story) k7Rotation(ctx context.Context, sc string, moved podInfo, pv, from string) (string, error) {
+	c, kb := s.c, s.c.keyBackend
+	if _, err := c.operatorSh(ctx, kb, fmt.Sprintf("bao write -f %s/keys/%s/rotate", TransitMount, TransitKey)); err != nil {
+		return "", err
+	}
+	pod, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name="+NodeName,
+		"--field-selector", "spec.nodeName="+moved.Node, "-o", "name")
+	if err != nil || strings.TrimSpace(pod) == "" {
+		return "", fmt.Errorf("the node plugin pod on %s: %q, %v", moved.Node, pod, err)
+	}
+	out, err := c.Kubectl(ctx, "-n", AddonNamespace, "exec", strings.TrimSpace(pod), "-c", "vco-csi", "--", "vco-csi", "rewrap")
+	if err != nil {
+		agent, _ := c.Env.Lab.Guest(moved.Node).MustSh(ctx, "journalctl -u vco-agent --no-pager -n 12 2>&1 | cut -c1-400")
+		return "", fmt.Errorf("%w\nits output: %s\nvco-agent on %s:\n%s", err, out, moved.Node, agent)
+	}
+	want := fmt.Sprintf("rewrapped: transit key %s version 1 -> 2", TransitKey)
+	s.check(e2e.P5, sc, strings.Contains(out, want), "K7: vco-csi rewrap on %s after the key's rotation: %s", moved.Node, strings.TrimSpace(out))
+	if !strings.Contains(out, want) {
+		return "", fmt.Errorf("vco-csi rewrap on %s printed %q, want a line saying %q", moved.Node, out, want)
+	}
+	if _, err := c.operatorSh(ctx, kb, fmt.Sprintf("bao write %s/keys/%s/config min_decryption_version=2", TransitMount, TransitKey)); err != nil {
+		return "", err
+	}
+	if _, err := c.Kubectl(ctx, "cordon", moved.Node); err != nil {
+		return "", err
+	}
+	defer func() { _, _ = c.Kubectl(context.WithoutCancel(ctx), "uncordon", moved.Node) }()
+	if _, err := c.Kubectl(ctx, "-n", Namespace, "delete", "pod", moved.Name, "--wait=false"); err != nil {
+		return "", err
+	}
+	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready on "+from, func(ps []podInfo) bool {
+		return allReady(1)(ps) && ps[0].Node == from
+	})
+	if err != nil {
+		return "", err
+	}
+	data, err := s.readLog(ctx, ps[0], pv)
+	if err != nil {
+		return "", err
+	}
+	if lines := strings.Count(data, "written-on-"); lines != 3 {
+		return "", fmt.Errorf("after the rewrap the volume on %s holds %q, want three lines", from, data)
+	}
+	return fmt.Sprintf("%s: %s; min_decryption_version 2; %s on %s reads its three lines", moved.Node, strings.TrimSpace(out), ps[0].Name, from), nil
+}

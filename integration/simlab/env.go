@@ -261,7 +261,10 @@ type StackOptions struct {
 	// (--vault-addr, and a token file holding VaultToken) for encrypted
 	// volumes. A plain http VaultAddr to a host that is not a loopback
 	// address (TransitGuestAddr) is given with --insecure-allow-http.
+	// VaultCA, when set, is the PEM of the CA the engine's certificate
+	// chains to (--vault-ca-file).
 	VaultAddr, VaultToken string
+	VaultCA               []byte
 }
 
 // ForEncryption makes o fit for encrypted volumes: the virtio-net module
@@ -288,6 +291,10 @@ func ForEncryption(o *Options) {
 // whose only way out is the forward to the host's 127.0.0.1, so nothing
 // travels on a real network.
 const TransitGuestAddr = "http://10.0.2.100:8200"
+
+// TransitGuestTLSAddr is TransitGuestAddr for an engine that speaks TLS
+// with a certificate for 10.0.2.100 (the lab's Vault server).
+const TransitGuestTLSAddr = "https://10.0.2.100:8200"
 
 // ConnectTransit gives g one way out: a virtio-net NIC on QEMU user
 // networking with restrict=on (no route anywhere) whose only forward takes
@@ -344,6 +351,16 @@ func StartNodeStackWith(ctx context.Context, g *lab.Guest, o StackOptions) error
 			return fmt.Errorf("%s: writing the Vault token file: %w", g.Name, err)
 		}
 		csiArgs += " --vault-addr " + o.VaultAddr + " --vault-token-file /run/csi/vault-token"
+		if len(o.VaultCA) > 0 {
+			r, err := g.Exec().RunInput(ctx, 0, o.VaultCA, "/bin/sh", "-c", "cat >/run/csi/vault-ca.pem")
+			if err == nil && r.Exit != 0 {
+				err = fmt.Errorf("exit %d: %s", r.Exit, strings.TrimSpace(r.Stderr))
+			}
+			if err != nil {
+				return fmt.Errorf("%s: writing the Vault CA file: %w", g.Name, err)
+			}
+			csiArgs += " --vault-ca-file /run/csi/vault-ca.pem"
+		}
 		if u, err := url.Parse(o.VaultAddr); err == nil && cleartext.Clear(u) {
 			csiArgs += " " + cleartext.Option
 		}

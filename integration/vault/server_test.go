@@ -232,3 +232,33 @@ func TestTransitClientSealedAndUnreachable(t *testing.T) {
 		t.Fatalf("Decrypt after the restart: %q, %v", pt, err)
 	}
 }
+
+// TestStartTransit: the lab's key backend without Kubernetes: its token
+// wraps, unwraps and rewraps with its key, and nothing else.
+func TestStartTransit(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	tr, err := StartTransit(ctx, cachedServer(t), t.TempDir(), Options{Hosts: []string{"10.0.2.100"}}, "transit", "vco-volumes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Stop()
+	c, err := transit.New(transit.Config{Address: tr.Addr, CACertFile: tr.CACert, Mount: tr.Mount, Token: tr.Token})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct, err := c.Encrypt(ctx, tr.Key, []byte("p"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Rewrap(ctx, tr.Key, ct.Text); err != nil {
+		t.Fatalf("rewrap with the lab's token: %v", err)
+	}
+	if pt, err := c.Decrypt(ctx, tr.Key, ct.Text); err != nil || string(pt) != "p" {
+		t.Fatalf("decrypt: %q, %v", pt, err)
+	}
+	var te *transit.Error
+	if _, err := c.Encrypt(ctx, "another-key", []byte("p")); !errors.As(err, &te) || te.Status != 403 {
+		t.Fatalf("encrypt with a key the policy does not name: %v, want 403", err)
+	}
+}
