@@ -247,8 +247,13 @@ func (m *Manager) closeStaleMapping(ctx context.Context, c *Claim) error {
 }
 
 // dropLost undoes what is left of a lost claim so that a granted stage can
-// start over: the read-only staging mount and the mapping go; the record
-// keeps Formatted.
+// start over: the read-only staging mount, the dm-crypt mapping and the
+// data mapping go; the record keeps Formatted. The record stops saying
+// lost only once the release guard's proof shows nothing of the volume in
+// use on its disk: a granted stage that fails before its acquire (or whose
+// acquire is refused) would otherwise leave the lost claim's data mapping
+// over the disk another node holds, under no fence of this node and no
+// longer recorded as fenced.
 func (m *Manager) dropLost(c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return err
@@ -258,6 +263,12 @@ func (m *Manager) dropLost(c *Claim) error {
 			return fmt.Errorf("volume %s: closing the dm-crypt mapping of the lost claim: %w", c.Volume, err)
 		}
 		c.Mapper = ""
+	}
+	if err := m.unmapAll(c); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: detaching the data mapping of the lost claim: %v; retry the stage", c.Volume, err)
+	}
+	if err := m.host.InUse(usageOf(c, c.Device)); err != nil {
+		return agenterr.New(agenterr.Unavailable, "volume %s lost its fence, and it cannot be shown that nothing of it is still in use on this node (%v); it stays recorded as lost: retry the stage", c.Volume, err)
 	}
 	m.setLive(c.Volume, nil)
 	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""

@@ -119,7 +119,14 @@ type simDiskState struct {
 	moved bool
 	// mountedGone: it was removed while something of it was in use.
 	mountedGone bool
+	// granted: the controller gave the disk to another node with a
+	// takeover grant; it records that node as a holder, so every later
+	// publish of the volume to this node carries a grant superseding it.
+	granted bool
 }
+
+// simOtherKey is the fence key of the other node.
+const simOtherKey = fence.Key(0x6f74686572)
 
 // simWorld is the node and what lies beyond it, shared by the agent
 // processes of one sequence.
@@ -618,8 +625,8 @@ func (f *simFencer) method() fence.Method {
 func (f *simFencer) Acquire(_ context.Context, g *fence.Grant) (cl fence.Acquired, err error) {
 	err = f.w.call(f.gen, "acquire", func() error {
 		d := f.disk()
-		if d.holder == "other" && g == nil {
-			return &fence.HeldError{Device: d.path, Holder: 0x6f74686572, HolderNode: "node-b"}
+		if d.holder == "other" && !g.Names(simOtherKey) {
+			return &fence.HeldError{Device: d.path, Holder: simOtherKey, HolderNode: "node-b"}
 		}
 		d.holder, d.renewer = "us", f
 		return nil
@@ -934,6 +941,14 @@ func (r *simRun) stageReq(v *simVolume) StageRequest {
 	if v.encrypted {
 		req.Encrypted, req.FormatLUKS, req.Passphrase = true, true, []byte("sim passphrase")
 		req.Token = &luks2.TransitToken{Mount: "transit", KeyName: "sim", KeyVersion: 1, Ciphertext: "vault:v1:c2lt"}
+	}
+	r.w.mu.Lock()
+	defer r.w.mu.Unlock()
+	if d := r.w.disks[v.serial]; d != nil && d.granted {
+		// The controller recorded the other node as a holder: its
+		// publish context carries a grant superseding that node's key.
+		req.Grant = &fence.Grant{Disk: v.id, Node: "sim-node", Supersedes: []fence.Key{simOtherKey}}
+		req.NeverPublished = false
 	}
 	return req
 }
