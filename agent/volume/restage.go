@@ -25,7 +25,7 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 	case c.State == StateLost && len(c.Publications) > 0:
 		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
 	case c.State == StateLost:
-		return nil, m.dropLost(c)
+		return nil, m.dropLost(ctx, c)
 	case c.Phase != PhaseStaged:
 		if err := m.takenBackBefore(ctx, c); err != nil {
 			return nil, err
@@ -254,7 +254,7 @@ func (m *Manager) closeStaleMapping(ctx context.Context, c *Claim) error {
 // acquire is refused) would otherwise leave the lost claim's data mapping
 // over the disk another node holds, under no fence of this node and no
 // longer recorded as fenced.
-func (m *Manager) dropLost(c *Claim) error {
+func (m *Manager) dropLost(ctx context.Context, c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return err
 	}
@@ -267,8 +267,8 @@ func (m *Manager) dropLost(c *Claim) error {
 	if err := m.unmapAll(c); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: detaching the data mapping of the lost claim: %v; retry the stage", c.Volume, err)
 	}
-	if err := m.host.InUse(usageOf(c, c.Device)); err != nil {
-		return agenterr.New(agenterr.Unavailable, "volume %s lost its fence, and it cannot be shown that nothing of it is still in use on this node (%v); it stays recorded as lost: retry the stage", c.Volume, err)
+	if err := m.lostUnused(ctx, c); err != nil {
+		return agenterr.New(agenterr.KindOf(err), "volume %s lost its fence, and %v; it stays recorded as lost: retry the stage", c.Volume, err)
 	}
 	m.setLive(c.Volume, nil)
 	c.Phase, c.State, c.Detail, c.HolderKey, c.HolderNode = PhaseInterrupted, "", "", 0, ""

@@ -1444,7 +1444,9 @@ func simTempRoot() string {
 // granted stage of a lost claim dropped it, leaving its data mapping over
 // the disk the other node holds, and failed before its acquire; they are
 // in make test's range, and run with every sweep of another range too.
-var brokeBefore = []int64{49, 74, 110, 179, 713201, 714391, 817310, 1007520}
+// 1100156 (I1): the unstage of a lost claim whose data mapping lookup
+// failed forgot the claim with the mapping left over the disk.
+var brokeBefore = []int64{49, 74, 110, 179, 713201, 714391, 817310, 1007520, 1100156}
 
 func TestVolumeSimulation(t *testing.T) {
 	seeds := make([]int64, 0, *volSimSeeds)
