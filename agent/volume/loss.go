@@ -1,6 +1,7 @@
 package volume
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -8,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/agent/events"
 	"github.com/whitesky-cloud/vco-storage/fence"
 )
@@ -105,6 +107,37 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 		Message: fmt.Sprintf("volume %s: %v", c.Volume, lost)})
 	m.log.Error("claim lost; I/O to the disk stopped", "volume", c.Volume, "device", c.Device, "reason", lost.Reason)
 	return stopped
+}
+
+// lostUnused makes, for a lost claim c whose record is about to go (its
+// unstage) or stop saying lost (a granted restage, dropLost), the release
+// guard's proof that nothing of the volume is in use on its disk, which a
+// held claim's release makes: a mapping the teardown before could not
+// find or detach (a lookup that failed reads as none) would otherwise
+// stay over the disk another node holds, with no record of it. A proof
+// that cannot be made at the recorded device node is made where the disk
+// is found now; a disk found gone is reached by nothing of this node. The
+// error is FAILED_PRECONDITION for something in use, UNAVAILABLE for a
+// proof that could not be made.
+func (m *Manager) lostUnused(ctx context.Context, c *Claim) error {
+	err := m.host.InUse(usageOf(c, c.Device))
+	if err != nil && !inUse(err) {
+		dev, lerr := m.locate(ctx, c.Locator)
+		switch {
+		case agenterr.KindOf(lerr) == agenterr.NotFound:
+			return nil
+		case lerr == nil:
+			err = m.host.InUse(usageOf(c, dev.Path))
+			dev.Close()
+		}
+	}
+	switch {
+	case inUse(err):
+		return agenterr.New(agenterr.FailedPrecondition, "%v", err)
+	case err != nil:
+		return agenterr.New(agenterr.Unavailable, "it cannot be shown that nothing of it is in use on this node: %v", err)
+	}
+	return nil
 }
 
 // stopIO stops the I/O of a lost claim: the disk read-only, the

@@ -25,7 +25,7 @@ func (m *Manager) restage(ctx context.Context, c *Claim, r StageRequest, staging
 	case c.State == StateLost && len(c.Publications) > 0:
 		return nil, agenterr.New(agenterr.FailedPrecondition, "volume %s lost its fence and is still published at %v; unpublish it before staging it again", r.Volume, c.Publications)
 	case c.State == StateLost:
-		return nil, m.dropLost(c)
+		return nil, m.dropLost(ctx, c)
 	case c.Phase != PhaseStaged:
 		if err := m.takenBackBefore(ctx, c); err != nil {
 			return nil, err
@@ -280,9 +280,12 @@ func (m *Manager) closeStaleMapping(ctx context.Context, c *Claim) error {
 // start over: the read-only staging mount, the dm-crypt mapping and the
 // data mapping go, before the live entry that keeps a lost lease whose
 // I/O was not shown stopped listed for the host watchdog; the record
-// keeps Formatted. A stage that then fails before its acquire leaves
-// nothing of the lost claim on a disk another node holds.
-func (m *Manager) dropLost(c *Claim) error {
+// keeps Formatted. The record stops saying lost only once the release
+// guard's proof shows nothing of the volume in use on its disk: a granted
+// stage that fails before its acquire (or whose acquire is refused) would
+// otherwise leave the lost claim's data mapping over the disk another node
+// holds, under no fence of this node and no longer recorded as fenced.
+func (m *Manager) dropLost(ctx context.Context, c *Claim) error {
 	if err := m.unmountIfMounted(c.StagingPath); err != nil {
 		return err
 	}
@@ -294,6 +297,9 @@ func (m *Manager) dropLost(c *Claim) error {
 	}
 	if err := m.unmapAll(c); err != nil {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s: detaching the data mapping of the lost claim: %v; the claim stays lost: stop what still uses the mapping, then stage the volume again", c.Volume, err)
+	}
+	if err := m.lostUnused(ctx, c); err != nil {
+		return agenterr.New(agenterr.KindOf(err), "volume %s lost its fence, and %v; it stays recorded as lost: retry the stage", c.Volume, err)
 	}
 	m.setLive(c.Volume, nil)
 	// Nothing of the claim is left on the node: no I/O of it can run.

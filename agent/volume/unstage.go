@@ -179,6 +179,13 @@ func (m *Manager) closeLUKS(ctx context.Context, c *Claim) error {
 // releaseFence gives back the fence of a held claim and lets go of what
 // the manager holds open for the volume.
 func (m *Manager) releaseFence(ctx context.Context, c *Claim) error {
+	if c.State == StateLost {
+		// Not this node's to release; its record goes only once the
+		// release guard's proof shows nothing of the volume in use.
+		if err := m.lostUnused(ctx, c); err != nil {
+			return agenterr.New(agenterr.KindOf(err), "volume %s lost its fence, and %v; the claim stays recorded: retry the unstage", c.Volume, err)
+		}
+	}
 	if c.State == StateHeld {
 		l, opened, done, err := m.fenceToRelease(ctx, c)
 		if err != nil {
