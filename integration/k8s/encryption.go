@@ -159,7 +159,8 @@ func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to st
 		return allReady(1)(ps) && ps[0].Node == to
 	})
 	if err != nil {
-		return "", err
+		agent, _ := c.Env.Lab.Guest(first.Node).MustSh(ctx, "journalctl -u vco-agent --no-pager -n 25 2>&1 | cut -c1-300")
+		return "", c.withLogs(fmt.Errorf("%w\n--- %s: vco-agent\n%s", err, first.Node, agent))
 	}
 	unwraps, err := c.keyBackend.answered(TransitMount + "/decrypt/" + TransitKey)
 	if err != nil {
