@@ -148,19 +148,9 @@ func (s *story) k7Claim(ctx context.Context, first *podInfo, pv *string) (string
 // k7Moved moves the pod first off its node to to and reads its data back there, unwrapped by the key backend.
 func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to string, moved *podInfo) (string, error) {
 	c := s.c
-	if _, err := c.Kubectl(ctx, "cordon", first.Node); err != nil {
-		return "", err
-	}
-	defer func() { _, _ = c.Kubectl(context.WithoutCancel(ctx), "uncordon", first.Node) }()
-	if _, err := c.Kubectl(ctx, "-n", Namespace, "delete", "pod", first.Name, "--wait=false"); err != nil {
-		return "", err
-	}
-	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready on "+to, func(ps []podInfo) bool {
-		return allReady(1)(ps) && ps[0].Node == to
-	})
+	ps, err := s.k7MoveTo(ctx, first, to)
 	if err != nil {
-		agent, _ := c.Env.Lab.Guest(first.Node).MustSh(ctx, "journalctl -u vco-agent --no-pager -n 25 2>&1 | cut -c1-300")
-		return "", c.withLogs(fmt.Errorf("%w\n--- %s: vco-agent\n%s", err, first.Node, agent))
+		return "", err
 	}
 	unwraps, err := c.keyBackend.answered(TransitMount + "/decrypt/" + TransitKey)
 	if err != nil {
@@ -180,4 +170,27 @@ func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to st
 		return "", fmt.Errorf("the encrypted volume holds %q, want %q", data, want)
 	}
 	return fmt.Sprintf("%s on %s reads %q; the key backend's audit log: %d unwraps", ps[0].Name, to, data, unwraps), nil
+}
+
+// k7MoveTo moves K7's pod p to the worker to (p's node cordoned, p
+// deleted) and returns the pod once it is Ready there; when it does not
+// come up, the error carries p's node's vco-agent journal and the
+// workers' kubelet journals.
+func (s *story) k7MoveTo(ctx context.Context, p podInfo, to string) ([]podInfo, error) {
+	c := s.c
+	if _, err := c.Kubectl(ctx, "cordon", p.Node); err != nil {
+		return nil, err
+	}
+	defer func() { _, _ = c.Kubectl(context.WithoutCancel(ctx), "uncordon", p.Node) }()
+	if _, err := c.Kubectl(ctx, "-n", Namespace, "delete", "pod", p.Name, "--wait=false"); err != nil {
+		return nil, err
+	}
+	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready on "+to, func(ps []podInfo) bool {
+		return allReady(1)(ps) && ps[0].Node == to
+	})
+	if err != nil {
+		agent, _ := c.Env.Lab.Guest(p.Node).MustSh(ctx, "journalctl -u vco-agent --no-pager -n 25 2>&1 | cut -c1-300")
+		return nil, c.withLogs(fmt.Errorf("%w\n--- %s: vco-agent\n%s", err, p.Node, agent))
+	}
+	return ps, nil
 }

@@ -194,16 +194,7 @@ func (s *story) k7Rotation(ctx context.Context, sc string, moved podInfo, pv, fr
 	if _, err := c.operatorSh(ctx, kb, fmt.Sprintf("bao write %s/keys/%s/config min_decryption_version=2", TransitMount, TransitKey)); err != nil {
 		return "", err
 	}
-	if _, err := c.Kubectl(ctx, "cordon", moved.Node); err != nil {
-		return "", err
-	}
-	defer func() { _, _ = c.Kubectl(context.WithoutCancel(ctx), "uncordon", moved.Node) }()
-	if _, err := c.Kubectl(ctx, "-n", Namespace, "delete", "pod", moved.Name, "--wait=false"); err != nil {
-		return "", err
-	}
-	ps, err := s.waitPods(ctx, "app=k7", 10*time.Minute, "k7 Ready on "+from, func(ps []podInfo) bool {
-		return allReady(1)(ps) && ps[0].Node == from
-	})
+	ps, err := s.k7MoveTo(ctx, moved, from)
 	if err != nil {
 		return "", err
 	}
