@@ -1377,8 +1377,11 @@ func (r *simRun) endState(v *simVolume, staged bool) {
 		w.violate("I5: %s not staged after the retries: %s", v.id, phaseOf(c))
 	}
 	if !v.block {
-		if _, ok := w.mounts[v.staging]; !ok {
+		dev, ok := w.mounts[v.staging]
+		if !ok {
 			w.violate("I5: %s staged but its staging path is not mounted", v.id)
+		} else if s, _, _ := w.region(dev); s != v.serial {
+			w.violate("I5: %s staged but its staging path holds %s, which is not its disk as attached now (%q)", v.id, dev, s)
 		}
 	}
 	if _, ok := w.mounts[v.targets[0]]; !ok {
