@@ -269,3 +269,7 @@ type backingHost struct {
 func (h backingHost) MapsDisk(p, disk string) bool {
 	return h.hookHost.MapsDisk(p, disk) && h.attachedOver[p] == disk
 }
+
+func (h backingHost) MapsDiskNow(p, disk string) bool {
+	return h.hookHost.MapsDiskNow(p, disk) && h.attachedOver[p] == disk
+}

@@ -65,6 +65,12 @@ type host interface {
 	// backing file is the disk node disk (removed since, or not): a
 	// record's data mapping is detached only then.
 	MapsDisk(p, disk string) bool
+	// MapsDiskNow reports whether p is a loop device over the disk at
+	// node disk as it is now: one attached over a disk removed since
+	// maps nothing that is attached, even when the disk came back at the
+	// same node (a new block device, which the kernel gives the node and
+	// the device number the one that left had).
+	MapsDiskNow(p, disk string) bool
 	// InUse is the release guard's proof (guard.go): nil only when
 	// nothing of this node uses the volume's devices or paths.
 	InUse(u usage) error
@@ -164,16 +170,30 @@ func (h osHost) MappingOpen(p string) bool {
 }
 
 func (h osHost) MapsDisk(p, disk string) bool {
+	back, _, ok := h.loopBacking(p)
+	return ok && disk != "" && back == disk
+}
+
+func (h osHost) MapsDiskNow(p, disk string) bool {
+	back, deleted, ok := h.loopBacking(p)
+	return ok && !deleted && disk != "" && back == disk
+}
+
+// loopBacking reads the backing file of the loop device p (one under the
+// host's device directory), and whether the kernel says it was deleted
+// since the loop device was attached: a device node goes when its device
+// is removed, and a device added again gets a new node.
+func (h osHost) loopBacking(p string) (back string, deleted, ok bool) {
 	name := filepath.Base(p)
-	if disk == "" || !strings.HasPrefix(name, "loop") || filepath.Dir(p) != filepath.Clean(h.dev) {
-		return false
+	if !strings.HasPrefix(name, "loop") || filepath.Dir(p) != filepath.Clean(h.dev) {
+		return "", false, false
 	}
 	b, err := os.ReadFile(filepath.Join(h.sysfs, "block", name, "loop", "backing_file"))
 	if err != nil {
-		return false
+		return "", false, false
 	}
-	back := strings.TrimSuffix(strings.TrimSpace(string(b)), " (deleted)")
-	return back == disk
+	back, deleted = strings.CutSuffix(strings.TrimSpace(string(b)), " (deleted)")
+	return back, deleted, true
 }
 
 // InUse proves that nothing of this node uses the volume: none of its

@@ -170,7 +170,9 @@ func (m *Manager) stillStaged(ctx context.Context, c *Claim) (bool, error) {
 // as its claim names it now: a disk removed and attached again at another
 // device node, which the claim check takes back there, leaves the mount on
 // the device it had before (or on a data mapping over it), which is gone:
-// every I/O of it fails. A staging path with nothing mounted passes (the
+// every I/O of it fails. So does a disk attached again at its own node
+// (the same device number, a new block device): a data mapping over it
+// from before maps the device that left (MapsDiskNow). A staging path with nothing mounted passes (the
 // caller says so).
 func (m *Manager) stagingHolds(c *Claim) error {
 	src, err := m.mountSource(c.StagingPath)
@@ -182,27 +184,28 @@ func (m *Manager) stagingHolds(c *Claim) error {
 	}
 	what := fmt.Sprintf("%s, not the volume's device %s", src, c.MountDevice())
 	if sameDevice(src, c.MountDevice()) {
-		if c.DataDevice == "" || m.host.MapsDisk(c.DataDevice, c.Device) {
+		if c.DataDevice == "" || m.host.MapsDiskNow(c.DataDevice, c.Device) {
 			return nil
 		}
-		what = fmt.Sprintf("%s over the data mapping %s, which no longer maps its disk %s", src, c.DataDevice, c.Device)
+		what = fmt.Sprintf("%s over the data mapping %s, which no longer maps its disk %s as it is attached now", src, c.DataDevice, c.Device)
 	}
-	return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its staging path %s holds %s (its disk was removed and attached again at another device node); unpublish and unstage the volume, then stage it again",
+	return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its staging path %s holds %s (its disk was removed and attached again); unpublish and unstage the volume, then stage it again",
 		c.Volume, c.StagingPath, what)
 }
 
 // blockIntact reports whether what a staged raw block volume's device is
 // made of is still there: its dm-crypt mapping (an unstage stopped after
 // closing it has taken it off the record) and its data mapping (a loop
-// device over its disk; the lease always keeps its area before the data,
-// also when a stage failed before recording where the data starts). Otherwise a publish would hand the pod the
+// device over its disk as it is attached now; the lease always keeps its
+// area before the data, also when a stage failed before recording where
+// the data starts). Otherwise a publish would hand the pod the
 // ciphertext disk, or a loop device that maps nothing.
 func (m *Manager) blockIntact(c *Claim) bool {
 	if c.Encrypted && (c.Mapper == "" || !m.host.MappingOpen(c.Mapper)) {
 		return false
 	}
 	needsData := c.DataOffset > 0 || c.Method == fence.MethodLease
-	if needsData && (c.DataDevice == "" || !m.host.MapsDisk(c.DataDevice, c.Device)) {
+	if needsData && (c.DataDevice == "" || !m.host.MapsDiskNow(c.DataDevice, c.Device)) {
 		return false
 	}
 	return true

@@ -21,8 +21,10 @@ type TokenWriter interface {
 // UpdateVolumeToken stores a rewrap of a staged encrypted volume's
 // passphrase by a newer version of its transit key in the volume's LUKS2
 // header, in place of the token replaces, which the node plugin read and
-// rewrapped. Only a volume staged and fenced here is written: its fence
-// keeps every other node off the header while it is rewritten. The
+// rewrapped. Only a volume staged and fenced here is written, and only
+// once its disk is proven still at the device node its record names and
+// its fence proven still held (stillOurs): its fence keeps every other
+// node off the header while it is rewritten. The
 // passphrase is checked against the header first and never kept.
 func (m *Manager) UpdateVolumeToken(ctx context.Context, volume string, passphrase []byte, replaces, with luks2.TransitToken) (TokenResult, error) {
 	var res TokenResult
@@ -43,6 +45,11 @@ func (m *Manager) UpdateVolumeToken(ctx context.Context, volume string, passphra
 		return res, err
 	}
 	if err := tokenWritable(volume, c); err != nil {
+		return res, err
+	}
+	// Written through the recorded device node: only while it is still
+	// the volume's disk, under the volume's fence.
+	if err := m.stillOurs(ctx, c, "token rewrite"); err != nil {
 		return res, err
 	}
 	res.Device = c.BaseDevice()

@@ -119,9 +119,10 @@ type simDiskState struct {
 	// stays held on it (nothing can release it there), which a stage
 	// elsewhere takes over with the controller's grant.
 	removed bool
-	// moved: it came back at another device number while something of
-	// it was mounted: those mounts hold the dead device, so the volume
-	// must be unstaged (and staged again), not left staged.
+	// moved: it came back at another device number, or (lease-fenced,
+	// mounted over its data mapping) at its own, while something of it
+	// was mounted: those mounts hold the dead device, so the volume must
+	// be unstaged (and staged again), not left staged.
 	moved bool
 	// mountedGone: it was removed while something of it was in use.
 	mountedGone bool
@@ -583,6 +584,19 @@ func (h simHost) MapsDisk(p, disk string) (maps bool) {
 		ls, ok := h.w.loops[p]
 		for _, d := range h.w.disks {
 			maps = maps || (ok && d.path == disk && (ls == d.serial || ls == "gone:"+d.serial))
+		}
+		return nil
+	})
+	return maps
+}
+
+// MapsDiskNow: p is a modelled loop device over the disk at node disk,
+// attached while that disk was there (not one over a disk that left).
+func (h simHost) MapsDiskNow(p, disk string) (maps bool) {
+	_ = h.do("loop backing file", func() error {
+		ls, ok := h.w.loops[p]
+		for _, d := range h.w.disks {
+			maps = maps || (ok && d.present && d.path == disk && ls == d.serial)
 		}
 		return nil
 	})
@@ -1078,8 +1092,11 @@ func (r *simRun) readd(v *simVolume, sameNumber bool) {
 	if d.present {
 		return
 	}
+	// Mounts made before it left hold the device that left: at another
+	// number, or over a data mapping (the lease's) of the one that left,
+	// at its own number too; the volume is unstaged, then staged again.
+	d.moved = d.moved || (d.mountedGone && (!sameNumber || d.lease))
 	if !sameNumber {
-		d.moved = d.moved || d.mountedGone
 		w.minor++
 		d.minor = w.minor
 		d.path = fmt.Sprintf("/dev/vd%c", 'b'+w.minor-1)
@@ -1265,6 +1282,10 @@ func (r *simRun) converge(ctx context.Context) {
 	// The other node lets go of what it took, so that every volume can
 	// be staged again (a node drained).
 	for _, d := range w.disks {
+		if !d.present {
+			// Attached again at its own device node (readd).
+			d.moved = d.moved || (d.mountedGone && d.lease)
+		}
 		d.present = true
 		if d.holder == "other" {
 			d.holder = ""
@@ -1356,8 +1377,11 @@ func (r *simRun) endState(v *simVolume, staged bool) {
 		w.violate("I5: %s not staged after the retries: %s", v.id, phaseOf(c))
 	}
 	if !v.block {
-		if _, ok := w.mounts[v.staging]; !ok {
+		dev, ok := w.mounts[v.staging]
+		if !ok {
 			w.violate("I5: %s staged but its staging path is not mounted", v.id)
+		} else if s, _, _ := w.region(dev); s != v.serial {
+			w.violate("I5: %s staged but its staging path holds %s, which is not its disk as attached now (%q)", v.id, dev, s)
 		}
 	}
 	if _, ok := w.mounts[v.targets[0]]; !ok {

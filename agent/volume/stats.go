@@ -42,6 +42,10 @@ func (m *Manager) Stats(ctx context.Context, volume, path string) (Stats, error)
 	st.Block, st.State = c.Block, c.ListState()
 	if c.Abnormal() {
 		st.Abnormal, st.Message = true, c.Detail
+	} else if err := m.sourceIntact(c); agenterr.KindOf(err) == agenterr.FailedPrecondition {
+		// Its disk is back, but what the volume is mounted or mapped
+		// from is the device that left (stagingHolds, blockIntact).
+		st.Abnormal, st.Message = true, err.Error()
 	}
 	if c.Block {
 		n, err := m.host.Size(c.MountDevice())
