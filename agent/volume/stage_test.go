@@ -52,7 +52,7 @@ type stageHost struct {
 
 // MapsDisk: the fake data mapping (mapData's "data-mapping" file) maps
 // whatever disk the stage opened.
-func (h stageHost) MapsDisk(p, _ string) bool { return filepath.Base(p) == "data-mapping" }
+func (h stageHost) MapsDisk(p, _ string) bool    { return filepath.Base(p) == "data-mapping" }
 func (h stageHost) MapsDiskNow(p, _ string) bool { return filepath.Base(p) == "data-mapping" }
 
 func (h stageHost) InUse(u usage) error {

@@ -70,7 +70,7 @@ func TestStartTransitReal(t *testing.T) {
 		{"http://127.0.0.1", tok},                // no port
 		{"http://127.0.0.1:8200", ""},            // no token
 		{"http://127.0.0.1:8200", tok + ".none"}, // unreadable token
-		{"openbao", tok}, // a word that names no engine
+		{"openbao", tok},                         // a word that names no engine
 	} {
 		if _, err := startTransit(bad.spec, bad.tokenFile); err == nil {
 			t.Errorf("startTransit(%q, %q) accepted", bad.spec, bad.tokenFile)
