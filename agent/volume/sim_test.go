@@ -1,8 +1,8 @@
 package volume
 
 // The volume manager simulation: the manager's real code (Stage, Unstage,
-// Publish, Unpublish, Expand, the start-up and periodic checks, the
-// removal of a disk) inside a testing/synctest bubble, over a modelled node
+// Publish, Unpublish, Expand, the LUKS2 token rewrite, the start-up and
+// periodic checks, the removal of a disk) inside a testing/synctest bubble, over a modelled node
 // (simWorld): its disks and their fences, the data mappings, the dm-crypt
 // mappings, the mounts, what each device holds. Seeded sequences of the
 // kubelet's calls (repeated, retried, abandoned), agent crashes and
@@ -26,7 +26,9 @@ package volume
 //	   a grant is refused this node's I/O by the target until the claim
 //	   check finds the loss.
 //	I2 nothing is formatted (mkfs, LUKS2) but on the device a blank proof
-//	   was made for, holding what the proof allowed.
+//	   was made for, holding what the proof allowed; a LUKS2 token is
+//	   rewritten only in the header of the volume's own disk, under its
+//	   fence.
 //	I3 a claim's record never says less than the node: a volume with
 //	   anything mounted is recorded staged.
 //	I4 no panic; nothing left mounted or mapped once the volume is
@@ -171,6 +173,9 @@ type simWorld struct {
 	// boots counts the node's reboots of a sequence: the boot id the
 	// next agent process reads.
 	boots int
+	// rewriting is the disk of the volume whose LUKS2 token the running
+	// step rewrites (UpdateVolumeToken); the only header it may write.
+	rewriting string
 }
 
 func (w *simWorld) logf(format string, args ...any) {
@@ -739,6 +744,13 @@ func (s simFencers) Choose(_ context.Context, dev *Device, _ string, onLost func
 	return ch, err
 }
 
+// simToken and simRewrap are a volume's transit token and its rewrap,
+// which the modelled header does not keep.
+var (
+	simToken  = luks2.TransitToken{Mount: "transit", KeyName: "sim", KeyVersion: 1, Ciphertext: "vault:v1:c2lt"}
+	simRewrap = luks2.TransitToken{Mount: "transit", KeyName: "sim", KeyVersion: 2, Ciphertext: "vault:v2:c2lt"}
+)
+
 // simCrypt is dm-crypt and LUKS2 on the modelled node.
 type simCrypt struct {
 	w   *simWorld
@@ -796,6 +808,29 @@ func (c simCrypt) Close(_ context.Context, name string) error {
 
 func (c simCrypt) Resize(context.Context, string) error {
 	return c.w.call(c.gen, "dm-crypt resize", func() error { return nil })
+}
+
+// ReplaceToken is the LUKS2 token rewrite, a header write: a violation
+// of I2 unless it writes the header of the disk of the volume whose token
+// the step rewrites (w.rewriting), a disk this node holds the fence of.
+func (c simCrypt) ReplaceToken(_ context.Context, dev string, _ []byte, _, _ luks2.TransitToken) error {
+	return c.w.call(c.gen, "luks2 token rewrite", func() error {
+		s, r, ok := c.w.region(dev)
+		if !ok {
+			return fmt.Errorf("%s: no such device", dev)
+		}
+		if c.w.content[r] != "luks" {
+			return fmt.Errorf("%s holds no LUKS2 header", dev)
+		}
+		switch d := c.w.disks[s]; {
+		case s != c.w.rewriting:
+			c.w.violate("I2: the LUKS2 token rewrite of the volume on disk %s wrote the header on %s, which is disk %s", c.w.rewriting, dev, s)
+		case d.holder != "us":
+			c.w.violate("I2: the LUKS2 token rewrite wrote the header of disk %s, whose fence this node does not hold (holder %q)", s, d.holder)
+		}
+		c.w.logf("LUKS2 token rewritten on %s (disk %s)", dev, s)
+		return nil
+	})
 }
 
 // simVolume is one volume of a sequence and what the kubelet knows of it.
@@ -1017,6 +1052,12 @@ func (r *simRun) step(ctx context.Context, i int) {
 	case n < 66:
 		what = fmt.Sprintf("NodeUnpublish %s at target %d", v.id, k)
 		err = r.m.Unpublish(cctx, v.id, v.targets[k])
+	case n < 70 && v.encrypted && w.rng.IntN(3) == 0:
+		what = "token rewrite " + v.id
+		w.mu.Lock()
+		w.rewriting = v.serial
+		w.mu.Unlock()
+		_, err = r.m.UpdateVolumeToken(cctx, v.id, []byte("sim"), simToken, simRewrap)
 	case n < 70:
 		what = "NodeExpand " + v.id
 		_, err = r.m.Expand(cctx, v.id, "", 0)
