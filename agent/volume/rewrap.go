@@ -24,8 +24,8 @@ type TokenWriter interface {
 // rewrapped. Only a volume staged and fenced here is written, and only
 // once its disk is proven still at the device node its record names and
 // its fence proven still held (stillOurs): its fence keeps every other
-// node off the header while it is rewritten. The
-// passphrase is checked against the header first and never kept.
+// node off the header while it is rewritten. The passphrase is checked
+// against the header first and never kept.
 func (m *Manager) UpdateVolumeToken(ctx context.Context, volume string, passphrase []byte, replaces, with luks2.TransitToken) (TokenResult, error) {
 	var res TokenResult
 	if volume == "" {
@@ -69,8 +69,8 @@ func (m *Manager) UpdateVolumeToken(ctx context.Context, volume string, passphra
 }
 
 // tokenWritable refuses a token rewrite unless the volume is an
-// encrypted volume staged here under a fence this node holds (or, by the
-// operator's choice, unfenced).
+// encrypted volume staged here, not read-only, under a fence this node
+// holds (or, by the operator's choice, unfenced).
 func tokenWritable(volume string, c *Claim) error {
 	switch {
 	case c == nil || c.Phase != PhaseStaged:
@@ -79,6 +79,8 @@ func tokenWritable(volume string, c *Claim) error {
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is not encrypted: it has no LUKS2 token", volume)
 	case c.State != StateHeld && c.State != StateUnfenced, c.Missing:
 		return agenterr.New(agenterr.FailedPrecondition, "volume %s is %s on this node: its header is not written until it is staged again", volume, c.ListState())
+	case c.ReadOnly:
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged read-only here: its header is not written; its token is rewritten at a stage that is not read-only", volume)
 	}
 	return nil
 }

@@ -62,3 +62,29 @@ func TestUpdateVolumeTokenRewritesTheTokenOfAStagedVolumeOnly(t *testing.T) {
 		t.Fatalf("staged again with the same passphrase after the rewrite: %v", err)
 	}
 }
+
+// A token rewrite is refused, before any device is opened, for a volume
+// that is not an encrypted one staged here, not read-only, under a fence
+// this node holds.
+func TestTokenWritableOnlyForAWritableFencedEncryptedStage(t *testing.T) {
+	ok := Claim{Volume: "v", Phase: PhaseStaged, Encrypted: true, State: StateHeld}
+	if err := tokenWritable("v", &ok); err != nil {
+		t.Fatalf("an encrypted volume staged and held here: %v", err)
+	}
+	for name, mod := range map[string]func(*Claim){
+		"interrupted":  func(c *Claim) { c.Phase = PhaseInterrupted },
+		"plain":        func(c *Claim) { c.Encrypted = false },
+		"lost":         func(c *Claim) { c.State = StateLost },
+		"missing disk": func(c *Claim) { c.Missing = true },
+		"read-only":    func(c *Claim) { c.ReadOnly = true },
+	} {
+		c := ok
+		mod(&c)
+		if err := tokenWritable("v", &c); err == nil {
+			t.Errorf("%s: a token rewrite was allowed", name)
+		}
+	}
+	if err := tokenWritable("v", nil); err == nil {
+		t.Error("a volume without a record: a token rewrite was allowed")
+	}
+}

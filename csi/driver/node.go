@@ -305,7 +305,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err := d.cfg.Agent.Stage(ctx, sr); err != nil {
 		return nil, fmt.Errorf("staging volume %s at %s: %w", req.GetVolumeId(), staging, err)
 	}
-	if encrypted && !sr.Encryption.FormatIfBlank {
+	if encrypted && !sr.Encryption.FormatIfBlank && !sr.ReadOnly {
 		d.rewrapAfterStage(ctx, req.GetVolumeId())
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
