@@ -69,18 +69,27 @@ func unwrapFailure(volumeID string, tok *luks2.TransitToken, err error) error {
 // keyBackendAdvice is what the operator can do about a failed request to
 // the key backend.
 func keyBackendAdvice(err error) string {
+	if a, ok := specificAdvice(err); ok {
+		return a
+	}
+	return "check the node plugin's access to the transit engine"
+}
+
+// specificAdvice is what to do about a key backend's answer that says
+// its cause (sealed, no answer, a login refused); false for any other.
+func specificAdvice(err error) (string, bool) {
 	var te *transit.Error
 	switch {
 	case !errors.As(err, &te):
-		return "check the node plugin's access to the transit engine"
+		return "", false
 	case te.Sealed():
-		return "the key backend is sealed: unseal it and the kubelet's retry stages the volume"
+		return "the key backend is sealed: unseal it and the kubelet's retry stages the volume", true
 	case te.Unanswered():
-		return "the key backend did not answer: check csi-key-backend-config's address and the network from this node to it"
+		return "the key backend did not answer: check csi-key-backend-config's address and the network from this node to it", true
 	case te.LoginRefused():
-		return "the key backend refused the node plugin's login: check that the role binds the node plugin's ServiceAccount, its namespace and the audience vault (docs/encryption.md)"
+		return "the key backend refused the node plugin's login: check that the role binds the node plugin's ServiceAccount, its namespace and the audience vault (docs/encryption.md)", true
 	}
-	return "check the node plugin's access to the transit engine"
+	return "", false
 }
 
 // newPassphrase is 32 random bytes as base64 text, the form package crypt

@@ -113,7 +113,7 @@ func samePassphrase(ctx context.Context, w crypt.Wrapper, volumeID string, old l
 // rewrapAdvice adds to keyBackendAdvice what a refused rewrap most often
 // means: a policy made before rewrap was in it.
 func rewrapAdvice(err error) string {
-	if a := keyBackendAdvice(err); a != keyBackendAdvice(nil) {
+	if a, ok := specificAdvice(err); ok {
 		return a
 	}
 	return "the node plugin's policy must allow update on <transitMount>/rewrap/<transitKey> (docs/encryption.md)"
