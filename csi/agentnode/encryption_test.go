@@ -135,6 +135,7 @@ func rotationRewrapsTheToken(ctx context.Context, t *testing.T, d *driver.Driver
 	t.Helper()
 	unstage := &csi.NodeUnstageVolumeRequest{VolumeId: stage.VolumeId, StagingTargetPath: stage.StagingTargetPath}
 	vault.Rotate("vco-volumes")
+	readOnlyStageLeavesTheToken(ctx, t, d, a, vault, stage)
 	if _, err := d.NodeStageVolume(ctx, stage); err != nil {
 		t.Fatalf("stage after the key's rotation: %v", err)
 	}
@@ -173,8 +174,30 @@ func rotationRewrapsTheToken(ctx context.Context, t *testing.T, d *driver.Driver
 	vault.Mu.Unlock()
 }
 
-// transitRequests counts the fake transit server's requests of op (encrypt
-// or decrypt) with the key vco-volumes.
+// readOnlyStageLeavesTheToken: a read-only stage after the key's rotation
+// writes no header: the token keeps its version and the plugin asks the
+// transit engine for no rewrap.
+func readOnlyStageLeavesTheToken(ctx context.Context, t *testing.T, d *driver.Driver, a *agentnode.Agent, vault *transittest.Fake, stage *csi.NodeStageVolumeRequest) {
+	t.Helper()
+	ro := *stage
+	ro.VolumeCapability = &csi.VolumeCapability{AccessType: stage.VolumeCapability.AccessType,
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY}}
+	rewraps := transitRequests(vault, "rewrap")
+	if _, err := d.NodeStageVolume(ctx, &ro); err != nil {
+		t.Fatalf("read-only stage after the key's rotation: %v", err)
+	}
+	tok, err := a.StagedVolumeToken(ctx, stage.VolumeId)
+	if err != nil || tok.Token == nil || tok.Token.KeyVersion != 1 || transitRequests(vault, "rewrap") != rewraps {
+		t.Fatalf("the token after a read-only stage following the rotation: %+v, %v, %d rewrap requests; want version 1 and none",
+			tok.Token, err, transitRequests(vault, "rewrap")-rewraps)
+	}
+	if _, err := d.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: stage.VolumeId, StagingTargetPath: stage.StagingTargetPath}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// transitRequests counts the fake transit server's requests of op
+// (encrypt, decrypt or rewrap) with the key vco-volumes.
 func transitRequests(vault *transittest.Fake, op string) int {
 	vault.Mu.Lock()
 	defer vault.Mu.Unlock()
