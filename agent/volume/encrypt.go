@@ -146,21 +146,13 @@ type TokenResult struct {
 // without changing the device: the node plugin unwraps the passphrase
 // from the token before it stages an encrypted volume.
 func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (res TokenResult, err error) {
-	if volume == "" {
-		return res, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
-	}
-	if m.o.Crypt == nil {
-		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent has no LUKS2 support; install an agent built with it", volume)
-	}
-	// A read: it waits out a short internal holder.
-	release, err := m.locks.tryAWhile(volume, "reading the LUKS2 token")
+	c, release, err := m.tokenClaim(volume, "reading the LUKS2 token")
 	if err != nil {
 		return res, err
 	}
 	defer release()
-	c, err := m.store.Get(volume)
-	if err != nil {
-		return res, err
+	if m.o.Crypt == nil {
+		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent has no LUKS2 support; install an agent built with it", volume)
 	}
 	if c != nil && c.Phase == PhaseStaged {
 		res.Device = c.BaseDevice()
@@ -176,6 +168,23 @@ func (m *Manager) VolumeToken(ctx context.Context, volume string, loc Locator) (
 		return res, agenterr.New(agenterr.Unavailable, "volume %s: %v", volume, err)
 	}
 	return res, nil
+}
+
+// tokenClaim takes the lock of volume for op, a short call on its LUKS2
+// token that waits out a short internal holder, and reads its claim
+// record (nil when none). release must be called once err is nil.
+func (m *Manager) tokenClaim(volume, op string) (c *Claim, release func(), err error) {
+	if volume == "" {
+		return nil, nil, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
+	}
+	if release, err = m.locks.tryAWhile(volume, op); err != nil {
+		return nil, nil, err
+	}
+	if c, err = m.store.Get(volume); err != nil {
+		release()
+		return nil, nil, err
+	}
+	return c, release, nil
 }
 
 // unstagedDataArea is where a volume that is not staged here keeps its

@@ -28,21 +28,14 @@ type TokenWriter interface {
 // against the header first and never kept.
 func (m *Manager) UpdateVolumeToken(ctx context.Context, volume string, passphrase []byte, replaces, with luks2.TransitToken) (TokenResult, error) {
 	var res TokenResult
-	if volume == "" {
-		return res, agenterr.New(agenterr.InvalidArgument, "a volume id is required")
-	}
-	tw, ok := m.o.Crypt.(TokenWriter)
-	if !ok {
-		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent cannot rewrite LUKS2 tokens; install an agent built with LUKS2 support", volume)
-	}
-	release, err := m.locks.tryAWhile(volume, "rewriting the LUKS2 token")
+	c, release, err := m.tokenClaim(volume, "rewriting the LUKS2 token")
 	if err != nil {
 		return res, err
 	}
 	defer release()
-	c, err := m.store.Get(volume)
-	if err != nil {
-		return res, err
+	tw, ok := m.o.Crypt.(TokenWriter)
+	if !ok {
+		return res, agenterr.New(agenterr.FailedPrecondition, "volume %s: this agent cannot rewrite LUKS2 tokens; install an agent built with LUKS2 support", volume)
 	}
 	if err := tokenWritable(volume, c); err != nil {
 		return res, err
