@@ -380,6 +380,19 @@ func (f *fenceOutput) show(d discovery.Disk, st pr.Status) int {
 		return f.writeJSON(map[string]any{"ok": true, "disk": d, "status": st}, 0)
 	}
 	w := f.stdout
+	fmt.Fprintf(w, "device:       %s (%s)\n", d.DevPath, diskNames(d))
+	fmt.Fprintf(w, "this node:    key %s\n", st.OwnKey)
+	if !showSupport(w, st) {
+		return 0
+	}
+	fmt.Fprintf(w, "generation:   %d\n", st.Generation)
+	showKeys(w, st.Keys)
+	showReservation(w, st.Reservation)
+	return 0
+}
+
+// diskNames is the disk's kind and the names it is found by.
+func diskNames(d discovery.Disk) string {
 	id := string(d.Kind)
 	if d.PCI != nil {
 		id += ", pci " + d.PCI.String()
@@ -390,12 +403,16 @@ func (f *fenceOutput) show(d discovery.Disk, st pr.Status) int {
 	if len(d.WWNs) > 0 {
 		id += ", wwn " + d.WWNs[0]
 	}
-	fmt.Fprintf(w, "device:       %s (%s)\n", d.DevPath, id)
-	fmt.Fprintf(w, "this node:    key %s\n", st.OwnKey)
+	return id
+}
+
+// showSupport prints whether the disk supports reservations and the
+// types it reports; false when there is nothing more to show.
+func showSupport(w io.Writer, st pr.Status) bool {
 	if st.Support.Method != fence.MethodPR {
 		fmt.Fprintf(w, "reservations: not supported: %s\n", st.Support.Reason)
 		if len(st.Support.Types) == 0 {
-			return 0
+			return false
 		}
 	} else {
 		fmt.Fprintf(w, "reservations: supported; acquire uses %s\n", st.Support.Preferred)
@@ -411,11 +428,15 @@ func (f *fenceOutput) show(d discovery.Disk, st pr.Status) int {
 		}
 		fmt.Fprintf(w, "capabilities: types: %s; persist through power loss: %v\n", types, st.Capabilities.PTPLCapable)
 	}
-	fmt.Fprintf(w, "generation:   %d\n", st.Generation)
-	if len(st.Keys) == 0 {
+	return true
+}
+
+// showKeys prints the registered keys, a line each.
+func showKeys(w io.Writer, keys []pr.KeyInfo) {
+	if len(keys) == 0 {
 		fmt.Fprintln(w, "keys:         none registered")
 	}
-	for i, k := range st.Keys {
+	for i, k := range keys {
 		label := "keys:        "
 		if i > 0 {
 			label = "             "
@@ -434,19 +455,22 @@ func (f *fenceOutput) show(d discovery.Disk, st pr.Status) int {
 		}
 		fmt.Fprintln(w, line)
 	}
-	if r := st.Reservation; r != nil {
-		holder := "all registrants"
-		if r.Key != 0 {
-			holder = "key " + r.Key.String()
-			if r.Node != "" {
-				holder += " (node " + r.Node + ")"
-			} else {
-				holder += " (node unknown)"
-			}
-		}
-		fmt.Fprintf(w, "reservation:  %s, held by %s\n", r.Type, holder)
-	} else {
+}
+
+// showReservation prints the reservation and its holder.
+func showReservation(w io.Writer, r *pr.ReservationInfo) {
+	if r == nil {
 		fmt.Fprintln(w, "reservation:  none")
+		return
 	}
-	return 0
+	holder := "all registrants"
+	if r.Key != 0 {
+		holder = "key " + r.Key.String()
+		if r.Node != "" {
+			holder += " (node " + r.Node + ")"
+		} else {
+			holder += " (node unknown)"
+		}
+	}
+	fmt.Fprintf(w, "reservation:  %s, held by %s\n", r.Type, holder)
 }
