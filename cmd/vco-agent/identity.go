@@ -24,42 +24,58 @@ func runIdentity(args []string) int {
 	if code := f.parse(args); code >= 0 {
 		return code
 	}
-	var (
-		id      *api.Identity
-		source  string
-		whyHere string
-	)
-	c, err := client.Dial(f.socket)
-	if err == nil {
-		defer c.Close()
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		id, err = c.GetIdentity(ctx, &api.GetIdentityRequest{})
-		if err != nil {
-			return fail("identity", apiError(f.socket, err))
-		}
-		source = "agent"
-	} else {
-		whyHere = err.Error()
-		id, err = localIdentity(*cfgPath, flagGiven(f, "config"), *sysfs)
-		if err != nil {
-			return fail("identity", fmt.Errorf("%s; reading it locally failed too: %w", whyHere, err))
-		}
-		source = "local"
+	a, err := askIdentity(f, *cfgPath, *sysfs)
+	if err != nil {
+		return fail("identity", err)
 	}
 	if f.json {
-		out := map[string]any{"answered_by": source, "socket": f.socket, "identity": protoJSON(id)}
-		if whyHere != "" {
-			out["agent_unreachable"] = whyHere
+		out := map[string]any{"answered_by": a.source, "socket": f.socket, "identity": protoJSON(a.id)}
+		if a.whyHere != "" {
+			out["agent_unreachable"] = a.whyHere
 		}
 		printJSON(out)
 		return 0
 	}
-	if source == "agent" {
+	if a.source == "agent" {
 		fmt.Fprintf(stdout, "Answered by the running agent at %s.\n\n", f.socket)
 	} else {
-		fmt.Fprintf(stdout, "Read locally from SMBIOS and the configuration: the agent could not be asked (%s).\n\n", whyHere)
+		fmt.Fprintf(stdout, "Read locally from SMBIOS and the configuration: the agent could not be asked (%s).\n\n", a.whyHere)
 	}
+	showIdentity(a.id)
+	return 0
+}
+
+// identityAnswer is the node's identity and who gave it: the running
+// agent, or this command reading it locally because the agent could not
+// be asked (whyHere says why).
+type identityAnswer struct {
+	id              *api.Identity
+	source, whyHere string
+}
+
+// askIdentity asks the running agent for the node's identity, and reads
+// it locally when the agent cannot be reached.
+func askIdentity(f *clientFlags, cfgPath, sysfs string) (identityAnswer, error) {
+	c, err := client.Dial(f.socket)
+	if err != nil {
+		a := identityAnswer{source: "local", whyHere: err.Error()}
+		if a.id, err = localIdentity(cfgPath, flagGiven(f, "config"), sysfs); err != nil {
+			return a, fmt.Errorf("%s; reading it locally failed too: %w", a.whyHere, err)
+		}
+		return a, nil
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	id, err := c.GetIdentity(ctx, &api.GetIdentityRequest{})
+	if err != nil {
+		return identityAnswer{}, apiError(f.socket, err)
+	}
+	return identityAnswer{id: id, source: "agent"}, nil
+}
+
+// showIdentity prints the identity as a table.
+func showIdentity(id *api.Identity) {
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
 	row := func(k, v string) {
 		if v == "" {
@@ -88,7 +104,6 @@ func runIdentity(args []string) int {
 		fmt.Fprintf(tw, "%s\t%s: %s (%s)\n", colon(k), fencingName(fc.Method), state, fc.Detail)
 	}
 	tw.Flush()
-	return 0
 }
 
 func colon(k string) string {
