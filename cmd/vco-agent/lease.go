@@ -437,43 +437,12 @@ func (o *leaseOptions) watch() int {
 		return o.fail(fmt.Errorf("--rescan %s must be positive", o.rescan))
 	}
 	w := &uevent.Watcher{
-		Groups: uevent.GroupKernel,
-		Match:  o.match,
-		Rescan: o.rescan,
-		Classify: func(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
-			s, err := lease.Inspect(ctx, ev.Node(), o.timing.IOTimeout)
-			if errors.Is(err, lease.ErrNoLease) {
-				return uevent.Verdict{Reason: "no lease area"}, nil
-			}
-			if err != nil {
-				return uevent.Verdict{}, err
-			}
-			if s == nil {
-				return uevent.Verdict{Method: fence.MethodLease, Reason: "lease free"}, nil
-			}
-			if s.Key == o.key {
-				return uevent.Verdict{Method: fence.MethodLease, Holder: s.Key, Reason: "lease held by this node"}, nil
-			}
-			node := o.nodeName(s)
-			return uevent.Verdict{Refuse: true, Method: fence.MethodLease, Holder: s.Key, HolderNode: node,
-				Reason: fmt.Sprintf("disk lease held by key %s (node %s)", s.Key, node)}, nil
-		},
-		OnDecision: func(d uevent.Decision) {
-			lat := d.Done.Sub(d.Received).Round(10 * time.Microsecond)
-			switch {
-			case d.Err != nil:
-				fmt.Fprintf(o.stdout, "error %s: %v\n", d.Event.Node(), d.Err)
-			case d.Verdict.Refuse && d.Cause == uevent.CauseEvent:
-				fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set %s after the kernel's %s event\n",
-					d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, lat, d.Event.Action)
-			case d.Verdict.Refuse:
-				fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set by the %s\n",
-					d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, d.Cause)
-			default:
-				fmt.Fprintf(o.stdout, "accepted %s (%d:%d): %s\n", d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason)
-			}
-		},
-		OnRemove: func(ev uevent.Event) { fmt.Fprintf(o.stdout, "removed %s (%d:%d)\n", ev.Node(), ev.Major, ev.Minor) },
+		Groups:     uevent.GroupKernel,
+		Match:      o.match,
+		Rescan:     o.rescan,
+		Classify:   o.classify,
+		OnDecision: o.showDecision,
+		OnRemove:   func(ev uevent.Event) { fmt.Fprintf(o.stdout, "removed %s (%d:%d)\n", ev.Node(), ev.Major, ev.Minor) },
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- w.Run(ctx) }()
@@ -501,4 +470,42 @@ func (o *leaseOptions) watch() int {
 		return o.fail(err)
 	}
 	return 0
+}
+
+// classify is watch's verdict on a disk the kernel announced: refused
+// when another node holds its lease.
+func (o *leaseOptions) classify(ctx context.Context, ev uevent.Event) (uevent.Verdict, error) {
+	s, err := lease.Inspect(ctx, ev.Node(), o.timing.IOTimeout)
+	if errors.Is(err, lease.ErrNoLease) {
+		return uevent.Verdict{Reason: "no lease area"}, nil
+	}
+	if err != nil {
+		return uevent.Verdict{}, err
+	}
+	if s == nil {
+		return uevent.Verdict{Method: fence.MethodLease, Reason: "lease free"}, nil
+	}
+	if s.Key == o.key {
+		return uevent.Verdict{Method: fence.MethodLease, Holder: s.Key, Reason: "lease held by this node"}, nil
+	}
+	node := o.nodeName(s)
+	return uevent.Verdict{Refuse: true, Method: fence.MethodLease, Holder: s.Key, HolderNode: node,
+		Reason: fmt.Sprintf("disk lease held by key %s (node %s)", s.Key, node)}, nil
+}
+
+// showDecision prints a line for each of watch's decisions.
+func (o *leaseOptions) showDecision(d uevent.Decision) {
+	lat := d.Done.Sub(d.Received).Round(10 * time.Microsecond)
+	switch {
+	case d.Err != nil:
+		fmt.Fprintf(o.stdout, "error %s: %v\n", d.Event.Node(), d.Err)
+	case d.Verdict.Refuse && d.Cause == uevent.CauseEvent:
+		fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set %s after the kernel's %s event\n",
+			d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, lat, d.Event.Action)
+	case d.Verdict.Refuse:
+		fmt.Fprintf(o.stdout, "refused %s (%d:%d): %s; read-only set by the %s\n",
+			d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason, d.Cause)
+	default:
+		fmt.Fprintf(o.stdout, "accepted %s (%d:%d): %s\n", d.Event.Node(), d.Event.Major, d.Event.Minor, d.Verdict.Reason)
+	}
 }
