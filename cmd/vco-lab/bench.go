@@ -7,6 +7,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
 // prRounds is how many acquire/release sequences one timing runs; the
@@ -108,7 +110,6 @@ func labRows(ctx context.Context, c *common) ([]benchRow, error) {
 		}
 	}()
 	setup2 := l2.SetupTime()
-	ratio := func(d, ref time.Duration) string { return fmt.Sprintf("%.2fx", d.Seconds()/ref.Seconds()) }
 	rows := []benchRow{
 		{"guest boot, alone (reference)", secs(alone), "1.00x"},
 		{"lab set-up, 1 guest", secs(setup1), ratio(setup1, alone)},
@@ -123,39 +124,48 @@ func labRows(ctx context.Context, c *common) ([]benchRow, error) {
 	if err != nil {
 		return nil, err
 	}
-	start := time.Now()
-	r, err := g.Exec().Run(ctx, 0, "/bin/sh", "-c", sgPersistSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
+	pr, err := prRows(ctx, g, "/dev/"+d.Name)
+	return append(rows, pr...), err
+}
+
+// prRows times a reservation's acquire and release on dev in g, with
+// sg_persist (the reference) and with the guest's vco-agent fence when it
+// has that command.
+func prRows(ctx context.Context, g *lab.Guest, dev string) ([]benchRow, error) {
+	sg, err := timeSequence(ctx, g, sgPersistSequence, dev, "sg_persist")
 	if err != nil {
 		return nil, err
 	}
-	if r.Exit != 0 {
-		return nil, fmt.Errorf("sg_persist sequence failed in %s: %s", g.Name, r)
-	}
-	sg := time.Since(start) / prRounds
-	rows = append(rows, benchRow{"PR acquire+release, sg_persist (reference)", ms(sg), "1.00x"})
-
-	// The engine's row, when the guest's vco-agent has it.
+	rows := []benchRow{{"PR acquire+release, sg_persist (reference)", ms(sg), "1.00x"}}
 	probe, err := g.Sh(ctx, "/bin/vco-agent fence --help 2>&1")
 	if err != nil {
 		return nil, err
 	}
-	if strings.Contains(probe.Stdout, "usage: vco-agent fence") {
-		start = time.Now()
-		r, err = g.Exec().Run(ctx, 0, "/bin/sh", "-c", agentSequence, "bench", "/dev/"+d.Name, fmt.Sprint(prRounds))
-		if err != nil {
-			return nil, err
-		}
-		if r.Exit != 0 {
-			return nil, fmt.Errorf("vco-agent fence sequence failed in %s: %s", g.Name, r)
-		}
-		engine := time.Since(start) / prRounds
-		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", ms(engine), ratio(engine, sg)})
-	} else {
-		rows = append(rows, benchRow{"PR acquire+release, vco-agent fence", "n/a", "(no fence command in this vco-agent)"})
+	if !strings.Contains(probe.Stdout, "usage: vco-agent fence") {
+		return append(rows, benchRow{"PR acquire+release, vco-agent fence", "n/a", "(no fence command in this vco-agent)"}), nil
 	}
-
-	return rows, nil
+	engine, err := timeSequence(ctx, g, agentSequence, dev, "vco-agent fence")
+	if err != nil {
+		return nil, err
+	}
+	return append(rows, benchRow{"PR acquire+release, vco-agent fence", ms(engine), ratio(engine, sg)}), nil
 }
+
+// timeSequence runs the shell script seq on dev prRounds times in g and
+// returns the time of one round.
+func timeSequence(ctx context.Context, g *lab.Guest, seq, dev, what string) (time.Duration, error) {
+	start := time.Now()
+	r, err := g.Exec().Run(ctx, 0, "/bin/sh", "-c", seq, "bench", dev, fmt.Sprint(prRounds))
+	if err != nil {
+		return 0, err
+	}
+	if r.Exit != 0 {
+		return 0, fmt.Errorf("%s sequence failed in %s: %s", what, g.Name, r)
+	}
+	return time.Since(start) / prRounds, nil
+}
+
+func ratio(d, ref time.Duration) string { return fmt.Sprintf("%.2fx", d.Seconds()/ref.Seconds()) }
 
 func secs(d time.Duration) string { return fmt.Sprintf("%.2fs", d.Seconds()) }
 func ms(d time.Duration) string   { return fmt.Sprintf("%.1fms", float64(d.Microseconds())/1000) }
