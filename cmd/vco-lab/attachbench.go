@@ -47,12 +47,15 @@ done
 while [ ! -b "$dev" ]; do sleep 0.1; done
 mkfs.ext4 -q -F -m0 "$dev" && mkdir -p "$dir" && mount -t ext4 "$dev" "$dir"`
 
-// attachKinds are the lab's disk kinds with the fencing the agent uses
-// on each.
-var attachKinds = []struct {
+// attachKind is one of the lab's disk kinds with the fencing the agent
+// uses on it.
+type attachKind struct {
 	kind    lab.DiskKind
 	fencing string
-}{
+}
+
+// attachKinds are the kinds attach-to-staged runs on.
+var attachKinds = []attachKind{
 	{lab.SCSIBlock, "PR"},
 	{lab.VirtioBlk, "lease"},
 }
@@ -91,6 +94,24 @@ func attachBench(ctx context.Context, c *common, rounds int) ([]benchRow, error)
 	if err := simlab.StartCaller(ctx, g); err != nil {
 		return nil, err
 	}
+	if err := roundTrips(ctx, g); err != nil {
+		return nil, err
+	}
+	var rows []benchRow
+	for _, k := range attachKinds {
+		r, err := b.kindRows(ctx, k, rounds)
+		if err != nil {
+			return nil, err
+		}
+		rows = append(rows, r...)
+	}
+	return rows, nil
+}
+
+// roundTrips prints the median of three round trips into g by each way
+// a call can get there, for a reader to weigh the rounds' times.
+func roundTrips(ctx context.Context, g *lab.Guest) error {
+	var info csi.NodeGetInfoResponse
 	for _, c := range []struct {
 		how  string
 		call func() error
@@ -105,45 +126,47 @@ func attachBench(ctx context.Context, c *common, rounds int) ([]benchRow, error)
 		for i := 0; i < 3; i++ {
 			start := time.Now()
 			if err := c.call(); err != nil {
-				return nil, err
+				return err
 			}
 			calls = append(calls, time.Since(start))
 		}
 		fmt.Printf("a round trip into the guest through %s: %s median\n", c.how, secs(median(calls)))
 	}
-	var rows []benchRow
-	for _, k := range attachKinds {
-		var agent, byHand []time.Duration
-		for i := 0; i < rounds; i++ {
-			sides := []bool{true, false}
-			if i%2 == 1 {
-				sides = []bool{false, true}
+	return nil
+}
+
+// kindRows runs rounds of attach-to-staged on disks of kind k, through
+// the agent and by hand in alternating order, and gives the medians' rows.
+func (b *attachRun) kindRows(ctx context.Context, k attachKind, rounds int) ([]benchRow, error) {
+	var agent, byHand []time.Duration
+	for i := 0; i < rounds; i++ {
+		sides := []bool{true, false}
+		if i%2 == 1 {
+			sides = []bool{false, true}
+		}
+		for _, viaAgent := range sides {
+			d, err := b.round(ctx, k.kind, viaAgent, fmt.Sprintf("%s-%d", k.kind, i))
+			if err != nil {
+				return nil, err
 			}
-			for _, viaAgent := range sides {
-				d, err := b.round(ctx, k.kind, viaAgent, fmt.Sprintf("%s-%d", k.kind, i))
-				if err != nil {
-					return nil, err
-				}
-				who := "by hand"
-				if viaAgent {
-					agent = append(agent, d)
-					who = "agent"
-				} else {
-					byHand = append(byHand, d)
-				}
-				fmt.Printf("attach-to-staged %s round %d, %s: %s\n", k.kind, i+1, who, secs(d))
-				if viaAgent {
-					fmt.Printf("  agent: %s\n", b.stagedSteps(ctx))
-				}
+			who := "by hand"
+			if viaAgent {
+				agent = append(agent, d)
+				who = "agent"
+			} else {
+				byHand = append(byHand, d)
+			}
+			fmt.Printf("attach-to-staged %s round %d, %s: %s\n", k.kind, i+1, who, secs(d))
+			if viaAgent {
+				fmt.Printf("  agent: %s\n", b.stagedSteps(ctx))
 			}
 		}
-		ref, got := median(byHand), median(agent)
-		rows = append(rows,
-			benchRow{fmt.Sprintf("attach-to-staged %s, hot-plug then device wait, mkfs.ext4, mount by hand (reference)", k.kind), secs(ref), "1.00x"},
-			benchRow{fmt.Sprintf("attach-to-staged %s, ControllerPublish to NodeStage done (agent, %s)", k.kind, k.fencing), secs(got),
-				fmt.Sprintf("%.2fx", got.Seconds()/ref.Seconds())})
 	}
-	return rows, nil
+	ref, got := median(byHand), median(agent)
+	return []benchRow{
+		{fmt.Sprintf("attach-to-staged %s, hot-plug then device wait, mkfs.ext4, mount by hand (reference)", k.kind), secs(ref), "1.00x"},
+		{fmt.Sprintf("attach-to-staged %s, ControllerPublish to NodeStage done (agent, %s)", k.kind, k.fencing), secs(got), ratio(got, ref)},
+	}, nil
 }
 
 type attachRun struct {
