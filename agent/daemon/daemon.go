@@ -31,6 +31,7 @@ import (
 	"github.com/coreos/go-systemd/v22/activation"
 	sddaemon "github.com/coreos/go-systemd/v22/daemon"
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
 	"github.com/whitesky-cloud/vco-storage/agent/config"
@@ -170,11 +171,20 @@ func Run(ctx context.Context, o Options) error {
 	log.Info("vco-agent stopping")
 	close(wdDone)
 	<-wdStopped
-	// The claim checks stop before the bus closes, so that no loss found
-	// during shutdown goes unannounced.
+	stopServing(log, g, bus, vols, ident.NodeName)
+	log.Info("vco-agent stopped")
+	return serveErr
+}
+
+// stopServing ends the agent's work in the order that loses nothing: the
+// claim checks stop before the bus closes, so that no loss found during
+// shutdown goes unannounced; the bus closes, which ends the WatchEvents
+// streams so that the API server's graceful stop can finish; calls still
+// open after stopTimeout are closed.
+func stopServing(log *slog.Logger, g *grpc.Server, bus *events.Bus, vols *volumes, node string) {
 	vols.stopChecks()
-	bus.Publish(events.Event{Type: events.AgentStopping, Message: "vco-agent stopping on node " + ident.NodeName})
-	bus.Close() // ends WatchEvents streams so GracefulStop can finish
+	bus.Publish(events.Event{Type: events.AgentStopping, Message: "vco-agent stopping on node " + node})
+	bus.Close()
 	stopped := make(chan struct{})
 	go func() { g.GracefulStop(); close(stopped) }()
 	select {
@@ -184,8 +194,6 @@ func Run(ctx context.Context, o Options) error {
 		g.Stop()
 		<-stopped
 	}
-	log.Info("vco-agent stopped")
-	return serveErr
 }
 
 // connectDBus adds the D-Bus signal sink to bus when the configuration
