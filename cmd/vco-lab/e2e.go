@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
@@ -59,10 +61,31 @@ func simLabConfig(c *common, detached bool) (lab.Config, error) {
 	return cfg, nil
 }
 
-// kindFree are the scenarios whose disks do not follow -kind (E6 and E7
-// show theirs as virtio-blk, E9 as an iSCSI disk with reservations): in a
-// run over several kinds they would only repeat themselves.
-var kindFree = []string{"E6", "E7", "E9"}
+// optionalScenarios lists the scenarios -skip may name, with their names.
+func optionalScenarios() string {
+	var l []string
+	for _, id := range e2e.Optional {
+		sc, _ := e2e.Lookup(e2e.Story, id)
+		l = append(l, sc.String())
+	}
+	return strings.Join(l, "; ")
+}
+
+// skipSet is -skip's list as a set, refusing a scenario that is not one
+// of the story's optional ones.
+func skipSet(list string) (map[string]bool, error) {
+	skip := map[string]bool{}
+	for _, sc := range strings.Split(list, ",") {
+		if sc = strings.ToUpper(strings.TrimSpace(sc)); sc == "" {
+			continue
+		}
+		if !slices.Contains(e2e.Optional, sc) {
+			return nil, fmt.Errorf("%s is not a scenario that can be left out (those are %s)", sc, strings.Join(e2e.Optional, ", "))
+		}
+		skip[sc] = true
+	}
+	return skip, nil
+}
 
 // runStories is `vco-lab run` (make lab): the story once per disk kind,
 // each in a lab of its own, one verdict per kind at the end. It fails
@@ -77,7 +100,9 @@ func runStories(c *common, kinds []lab.DiskKind, skip map[string]bool, reportDir
 			for sc := range skip {
 				sk[sc] = true
 			}
-			for _, sc := range kindFree {
+			// The scenarios whose disks do not follow -kind would only
+			// repeat themselves.
+			for _, sc := range e2e.KindFree {
 				if !skip[sc] {
 					sk[sc], why[sc] = true, "because it does not depend on the disk kind; it ran in the "+string(kinds[0])+" report"
 				}

@@ -458,7 +458,7 @@ func run(args []string) int {
 		fs.StringVar(&transitSpec, "transit", "vault", "transit engine for E6: vault (the Vault server built from source, started on 127.0.0.1 with TLS; built first unless cached), fake (a FAKE engine standing in for Vault/OpenBao, started on 127.0.0.1), none (leave E6 out), or http://127.0.0.1:PORT of a real Vault/OpenBao with transit key "+transitKey)
 		fs.StringVar(&transitTokenFile, "transit-token-file", "", "with -transit URL: file holding a Vault/OpenBao token for that key")
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "how disks are shown to the guests, comma-separated for one run each: scsi-block (SCSI-3 PR), virtio-blk (the on-disk lease)")
-		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out: E4, E5, E7, E8, E9")
+		fs.StringVar(&skipList, "skip", "", "comma-separated scenarios to leave out, of: "+optionalScenarios())
 		fs.StringVar(&report, "report", "", "directory for lab-report-KIND.txt and lab-report-KIND.html (default: the -bin directory)")
 	})
 	if err != nil {
@@ -467,11 +467,9 @@ func run(args []string) int {
 	if report == "" {
 		report = c.bin
 	}
-	skip := map[string]bool{}
-	for _, sc := range strings.Split(skipList, ",") {
-		if sc = strings.ToUpper(strings.TrimSpace(sc)); sc != "" {
-			skip[sc] = true
-		}
+	skip, err := skipSet(skipList)
+	if err != nil {
+		return c.finish(fail("-skip: %v", err))
 	}
 	var kinds []lab.DiskKind
 	for _, k := range strings.Split(kind, ",") {

@@ -61,11 +61,13 @@ type Report struct {
 	Kind     string
 	// Setup is the lab's set-up time (tgtd, initramfs, guests booted with
 	// their node stacks), Boot each guest's boot time.
-	Setup  time.Duration
-	Boot   map[string]time.Duration
-	Steps  []Step
-	Checks []Check
-	Events []simlab.Event
+	Setup time.Duration
+	Boot  map[string]time.Duration
+	// Scenarios are the scenarios that ran (or began), in order.
+	Scenarios []Scenario
+	Steps     []Step
+	Checks    []Check
+	Events    []simlab.Event
 	// NotRun lists scenarios or checks that did not run, with the reason.
 	NotRun []string
 	// Err is the error that ended the story early, if any.
@@ -136,6 +138,13 @@ func (r *Report) WriteText(w io.Writer) {
 			fmt.Fprintf(w, " %s booted in %.1fs", n, r.Boot[n].Seconds())
 		}
 		fmt.Fprintln(w)
+		fmt.Fprintln(w)
+	}
+	if len(r.Scenarios) > 0 {
+		fmt.Fprintln(w, "scenarios:")
+		for _, sc := range r.Scenarios {
+			fmt.Fprintf(w, "  %-4s %s [%s]\n", sc.ID, sc.Name, PropsText(sc.Props))
+		}
 		fmt.Fprintln(w)
 	}
 	fmt.Fprintf(w, "%-4s %-10s %-11s %-58s %9s\n", "", "scenario", "where", "step", "duration")

@@ -38,7 +38,7 @@ type Options struct {
 	Env *simlab.Env
 	// Progress receives a line per step as it finishes (may be nil).
 	Progress io.Writer
-	// Skip names scenarios to leave out: E4, E5, E6, E7, E8, E9 (E1-E3 are
+	// Skip names scenarios to leave out, of Optional (the others are
 	// the story's spine and always run).
 	Skip map[string]bool
 	// SkipWhy says, for the report, why a skipped scenario was left out
@@ -209,62 +209,116 @@ func (s *story) nodeInfo(ctx context.Context) error {
 	return nil
 }
 
+// storyScenario is one scenario of the lab story and how it runs.
+type storyScenario struct {
+	Scenario
+	// spine: it always runs; the others start from the volume it leaves.
+	spine bool
+	// alone: it can run by itself on a volume of its own (Options.Only).
+	alone bool
+	// kindFree: its disks do not follow the run's disk kind.
+	kindFree bool
+	// cannot, when set, says why the options do not let it run.
+	cannot func(o Options) string
+	run    func(s *story, ctx context.Context, sumA string) error
+}
+
+// storyScenarios are the lab story's scenarios in the order they run on
+// the volume created and first used (its data.bin with sha256 sumA).
+var storyScenarios = []storyScenario{
+	{Scenario: Scenario{"E1", "a second ControllerPublish is refused, naming the VM that has the disk", []Property{P1}}, spine: true,
+		run: func(s *story, ctx context.Context, _ string) error { return s.e1(ctx) }},
+	{Scenario: Scenario{"E2", "the platform attaches the disk to a second VM anyway: that node's stack refuses it", []Property{P1, P2, P3}}, spine: true,
+		run: (*story).e2},
+	{Scenario: Scenario{"E3", "a graceful move from node-a to node-b keeps the data", []Property{P5}}, spine: true,
+		run: (*story).e3},
+	{Scenario: Scenario{"E5", "topology: a volume asked for in another location lands there, and no node here can have it", nil},
+		run: func(s *story, ctx context.Context, _ string) error { return s.e5(ctx) }},
+	{Scenario: Scenario{"E8", "a volume made from a snapshot holds the data and is not formatted by its stage", []Property{P5}},
+		run: (*story).e8},
+	{Scenario: Scenario{"E6", "an encrypted volume: LUKS2 on first use with a passphrase the transit engine wraps, opened on the other node", []Property{P5}},
+		alone: true, kindFree: true, cannot: noTransit,
+		run: func(s *story, ctx context.Context, _ string) error { return s.e6(ctx) }},
+	{Scenario: Scenario{"E7", "online expansion of a mounted volume in use", []Property{P5}}, alone: true, kindFree: true,
+		run: func(s *story, ctx context.Context, _ string) error { return s.e7(ctx) }},
+	{Scenario: Scenario{"E9", "the agent killed at each step of stage and unstage, restarted by systemd", []Property{P4, P5}}, alone: true, kindFree: true,
+		run: func(s *story, ctx context.Context, _ string) error { return s.e9(ctx) }},
+	{Scenario: Scenario{"E4", "node death: the disk taken over by the other node, the dead node fenced and its late writes refused", []Property{P1, P3, P4, P5}},
+		run: (*story).e4},
+}
+
+// noTransit: E6 needs a transit engine.
+func noTransit(o Options) string {
+	if o.TransitPort == 0 {
+		return "no transit engine given (vco-lab run starts one unless run with -transit none)"
+	}
+	return ""
+}
+
+// Story are the lab story's scenarios, in the order they run.
+var Story = func() []Scenario {
+	scs := make([]Scenario, len(storyScenarios))
+	for i, sc := range storyScenarios {
+		scs[i] = sc.Scenario
+	}
+	return scs
+}()
+
+// KindFree are the ids of the scenarios whose disks do not follow the
+// run's disk kind: in a run over several kinds they would only repeat
+// themselves.
+var KindFree = func() []string {
+	var ids []string
+	for _, sc := range storyScenarios {
+		if sc.kindFree {
+			ids = append(ids, sc.ID)
+		}
+	}
+	return ids
+}()
+
+// Optional are the ids of the scenarios a run may leave out
+// (Options.Skip); the others are the story's spine.
+var Optional = func() []string {
+	var ids []string
+	for _, sc := range storyScenarios {
+		if !sc.spine {
+			ids = append(ids, sc.ID)
+		}
+	}
+	return ids
+}()
+
 // runOnly runs the one scenario the options ask for, on its own.
 func (s *story) runOnly(ctx context.Context) error {
-	switch s.o.Only {
-	case "E7":
-		return s.e7(ctx)
-	case "E9":
-		return s.e9(ctx)
-	case "E6":
-		return s.e6(ctx)
+	for _, sc := range storyScenarios {
+		if sc.ID == s.o.Only && sc.alone {
+			s.r.Scenarios = append(s.r.Scenarios, sc.Scenario)
+			return sc.run(s, ctx, "")
+		}
 	}
 	return fmt.Errorf("scenario %s cannot run on its own", s.o.Only)
 }
 
-// scenarios runs E1 to E9 on the volume created and first used (its
-// data.bin with sha256 sumA), each unless left out, and cleans up.
+// scenarios runs the story's scenarios on the volume created and first
+// used (its data.bin with sha256 sumA), each unless left out, and cleans
+// up.
 func (s *story) scenarios(ctx context.Context, sumA string) error {
-	if err := s.e1(ctx); err != nil {
-		return err
-	}
-	if err := s.e2(ctx, sumA); err != nil {
-		return err
-	}
-	if err := s.e3(ctx, sumA); err != nil {
-		return err
-	}
-	if s.o.Skip["E5"] {
-		s.leftOut("E5", "E5 topology")
-	} else if err := s.e5(ctx); err != nil {
-		return err
-	}
-	if s.o.Skip["E8"] {
-		s.leftOut("E8", "E8 volume from a snapshot")
-	} else if err := s.e8(ctx, sumA); err != nil {
-		return err
-	}
-	if s.o.Skip["E6"] {
-		s.leftOut("E6", "E6 encrypted volume")
-	} else if s.o.TransitPort == 0 {
-		s.r.NotRun = append(s.r.NotRun, "E6 encrypted volume: no transit engine given (vco-lab run starts a fake one unless run with -transit none)")
-	} else if err := s.e6(ctx); err != nil {
-		return err
-	}
-	if s.o.Skip["E7"] {
-		s.leftOut("E7", "E7 online expansion")
-	} else if err := s.e7(ctx); err != nil {
-		return err
-	}
-	if s.o.Skip["E9"] {
-		s.leftOut("E9", "E9 agent killed during stage and unstage")
-	} else if err := s.e9(ctx); err != nil {
-		return err
-	}
-	if s.o.Skip["E4"] {
-		s.leftOut("E4", "E4 node death")
-	} else if err := s.e4(ctx, sumA); err != nil {
-		return err
+	for _, sc := range storyScenarios {
+		if !sc.spine && s.o.Skip[sc.ID] {
+			s.leftOut(sc.ID, sc.String())
+			continue
+		}
+		if sc.cannot != nil {
+			if why := sc.cannot(s.o); why != "" {
+				s.r.NotRun = append(s.r.NotRun, sc.String()+": "+why)
+				continue
+			}
+		}
+		s.r.Scenarios = append(s.r.Scenarios, sc.Scenario)
+		if err := sc.run(s, ctx, sumA); err != nil {
+			return err
+		}
 	}
 	return s.cleanup(ctx)
 }
