@@ -14,6 +14,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
 )
 
 // `vco-agent lease release`, `acquire` and `clear` refuse a disk this node
@@ -31,7 +33,7 @@ func TestAdv19LeaseCommandsMissAHolderStackedOnAPartitionOfTheDisk(t *testing.T)
 		t.Skipf("cannot make a block device node (needs root): %v", err)
 	}
 	for _, dn := range []string{"242:16", "242:17"} {
-		if at, err := mountedDevice(dn); err != nil || at != "" {
+		if at, err := inuse.Mounted(dn); err != nil || at != "" {
 			t.Skipf("device %s is mounted on this host (%q, %v)", dn, at, err)
 		}
 	}

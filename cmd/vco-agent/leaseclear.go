@@ -1,20 +1,19 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
 )
 
 // clear is `vco-agent lease clear DEVICE --yes`: it takes the disk's
@@ -99,64 +98,48 @@ func zeroLeaseArea(path string) error {
 // data mapping or another stacked device, or recorded as staged by the
 // agent. Clearing such a disk's fence would leave a live volume unfenced.
 func (o *leaseOptions) notInUse(path string) error {
+	if err := inuse.Disk(o.sysfsRoot, path); err != nil {
+		var ie *inuse.Error
+		if errors.As(err, &ie) {
+			return fmt.Errorf("%w; unstage the volume (drain the node) first", err)
+		}
+		return fmt.Errorf("proving that nothing of this node uses %s: %w; nothing was changed", path, err)
+	}
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
 		return err
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
-		return fmt.Errorf("%s is not a block device", path)
-	}
-	devnum := fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
-	name := filepath.Base(path)
-	if real, err := filepath.EvalSymlinks(path); err == nil {
-		name = filepath.Base(real)
-	}
-	if data, err := lease.FindData(o.sysfsRoot, path); err == nil && data != "" {
-		return fmt.Errorf("%s is in use: its data area is mapped at %s; unstage the volume (drain the node) first", path, data)
-	}
-	if holders, _ := os.ReadDir(filepath.Join(o.sysfsRoot, "class", "block", name, "holders")); len(holders) > 0 {
-		return fmt.Errorf("%s is in use: %s is stacked on it; unstage the volume (drain the node) first", path, holders[0].Name())
-	}
-	if m, err := mountedDevice(devnum); err != nil {
+	return o.noClaimRecord(path, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+}
+
+// noClaimRecord refuses a disk that a claim record of this node's agent
+// names (by device node or number): the agent stages it, or will take it
+// back at its start. A record that cannot be read or decoded could be
+// the disk's, and is refused too, by name.
+func (o *leaseOptions) noClaimRecord(path, devnum string) error {
+	claims, err := filepath.Glob(filepath.Join(o.stateDir, "volumes", "*.json"))
+	if err != nil {
 		return err
-	} else if m != "" {
-		return fmt.Errorf("%s is mounted at %s; unmount it (drain the node) first", path, m)
 	}
-	claims, _ := filepath.Glob(filepath.Join(o.stateDir, "volumes", "*.json"))
 	for _, f := range claims {
 		b, err := os.ReadFile(f)
-		if err != nil {
-			continue
+		if errors.Is(err, os.ErrNotExist) {
+			continue // removed since the listing
 		}
 		var c struct {
 			Volume string `json:"volume"`
 			Device string `json:"device"`
 			DevNum string `json:"devnum"`
 		}
-		if json.Unmarshal(b, &c) == nil && (c.DevNum == devnum || c.Device == path) {
+		if err == nil {
+			err = json.Unmarshal(b, &c)
+		}
+		if err != nil {
+			return fmt.Errorf("the claim record %s cannot be read (%v), and it may be %s's; move it away once you know which volume it was, then try again", f, err, path)
+		}
+		if c.DevNum == devnum || c.Device == path {
 			return fmt.Errorf("%s is staged as volume %s (claim record %s); unstage it (drain the node) first", path, c.Volume, f)
 		}
 	}
 	return nil
-}
-
-// mountedDevice returns a mount point of the device devnum (major:minor),
-// or "".
-func mountedDevice(devnum string) (string, error) {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && fields[2] == devnum {
-			return fields[4], nil
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return "", errors.Join(errors.New("reading /proc/self/mountinfo"), err)
-	}
-	return "", nil
 }

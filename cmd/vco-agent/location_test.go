@@ -34,7 +34,7 @@ func TestPlaceholderLocationIsNotReady(t *testing.T) {
 		if code != 0 || !strings.Contains(out, "Location:") || !strings.Contains(out, tc.status) {
 			t.Errorf("node.location %q: status exit %d, want %q on its Location line:\n%s%s", tc.loc, code, tc.status, out, errs)
 		}
-		if !strings.Contains(agentErr.String(), tc.journal) {
+		if !agentErr.waitFor(tc.journal) {
 			t.Errorf("node.location %q: the agent's log lacks %q:\n%s", tc.loc, tc.journal, agentErr.String())
 		}
 	}

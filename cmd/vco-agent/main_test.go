@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -135,15 +136,15 @@ func TestIdentityReadsLocallyWithoutAgent(t *testing.T) {
 
 // startAgent runs `vco-agent serve` on sock until the test ends and
 // waits for it to answer.
-func startAgent(t *testing.T, sock string) (*exec.Cmd, chan error, *bytes.Buffer) {
+func startAgent(t *testing.T, sock string) (*exec.Cmd, chan error, *agentLog) {
 	t.Helper()
 	return startAgentWith(t, sock, emptyConfig(t))
 }
 
-func startAgentWith(t *testing.T, sock, cfg string) (*exec.Cmd, chan error, *bytes.Buffer) {
+func startAgentWith(t *testing.T, sock, cfg string) (*exec.Cmd, chan error, *agentLog) {
 	t.Helper()
 	agent := vcoAgent("serve", "--config", cfg, "--socket", sock, "--sysfs-root", sysfs(t), "--dbus=false")
-	agentErr := &bytes.Buffer{}
+	agentErr := &agentLog{}
 	agent.Stderr = agentErr
 	if err := agent.Start(); err != nil {
 		t.Fatal(err)
@@ -167,6 +168,38 @@ func startAgentWith(t *testing.T, sock, cfg string) (*exec.Cmd, chan error, *byt
 			t.Fatalf("agent not up: %v\n%s", err, agentErr.String())
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// agentLog is an agent process's stderr, written by exec's copying
+// goroutine while a test reads it.
+type agentLog struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *agentLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *agentLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// waitFor waits up to 20 s for the log to hold s: the agent logs what it
+// found at start once it serves, maybe after a caller's first answer.
+func (l *agentLog) waitFor(s string) bool {
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if strings.Contains(l.String(), s) {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
 	}
 }
 

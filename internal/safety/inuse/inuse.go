@@ -1,6 +1,6 @@
-// Package inuse proves that nothing of this host uses a disk: no data
-// mapping over it, nothing stacked on it (dm-crypt, md, another mapping)
-// and no mount of it. The agent's release guard (agent/volume) and
+// Package inuse proves that nothing of this host uses a disk or a
+// partition of it: no loop device over it, nothing stacked on it
+// (dm-crypt, md, another mapping) and no mount of it. The agent's release guard (agent/volume) and
 // `vco-agent lease clear` give a disk's fence up only after this proof
 // (docs/architecture.md, "The release guard"). It reads sysfs and
 // /proc/self/mountinfo; nothing here writes.
@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -29,11 +30,14 @@ type Error struct {
 
 func (e *Error) Error() string { return fmt.Sprintf("%s is in use: %s", e.Device, e.What) }
 
-// Disk proves that nothing of this host uses the block device at path:
-// no loop device maps its data area, nothing is stacked on it (its sysfs
-// holders), and it is mounted nowhere in this mount namespace. A proof
-// that cannot be made (sysfs or the mount table unreadable) is an error
-// too: the caller keeps the fence.
+// Disk proves that nothing of this host uses the block device at path
+// or any partition of it: no loop device maps it (at any offset: the
+// lease's data mapping, the kubelet's loop over a raw block volume's
+// device, an operator's), nothing is stacked on it (its sysfs holders,
+// and each partition's: a holder of a partition is not listed under the
+// disk), and it is mounted nowhere in this mount namespace. A proof that
+// cannot be made (sysfs or the mount table unreadable) is an error too:
+// the caller keeps the fence.
 func Disk(sysfsRoot, path string) error {
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
@@ -46,25 +50,122 @@ func Disk(sysfsRoot, path string) error {
 	if real, err := filepath.EvalSymlinks(path); err == nil {
 		name = filepath.Base(real)
 	}
-	if data, err := lease.FindData(sysfsRoot, path); err != nil {
-		return fmt.Errorf("%s: looking for a mapping of its data area: %w", path, err)
-	} else if data != "" {
-		return &Error{Device: path, What: "its data area is mapped at " + data}
-	}
-	if h, err := Holders(sysfsRoot, name); err != nil {
-		return err
-	} else if len(h) > 0 {
-		return &Error{Device: path, What: h[0] + " is stacked on it"}
-	}
-	devnum := fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
-	at, err := Mounted(devnum)
+	devs, err := withPartitions(sysfsRoot, name, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
 	if err != nil {
 		return err
 	}
-	if at != "" {
-		return &Error{Device: path, What: "it is mounted at " + at}
+	loops, err := boundLoops(sysfsRoot)
+	if err != nil {
+		return err
+	}
+	for _, d := range devs {
+		if what, err := d.used(sysfsRoot, loops); err != nil {
+			return fmt.Errorf("%s: %w", path, err)
+		} else if what != "" {
+			return &Error{Device: path, What: what}
+		}
 	}
 	return nil
+}
+
+// blockDev is a disk or one of its partitions, by its sysfs name and its
+// device number (major:minor).
+type blockDev struct {
+	name, devnum string
+	partition    bool
+}
+
+// used says what of this host uses d, or "".
+func (d blockDev) used(sysfsRoot string, loops []loop) (string, error) {
+	of := ""
+	if d.partition {
+		of = " its partition " + d.name + ":"
+	}
+	for _, l := range loops {
+		if l.backing == d.devnum {
+			if !d.partition && l.offset == strconv.Itoa(lease.DataOffset) {
+				return "its data area is mapped at /dev/" + l.name, nil
+			}
+			return strings.TrimSpace(fmt.Sprintf("%s /dev/%s maps it at offset %s", of, l.name, l.offset)), nil
+		}
+	}
+	if h, err := Holders(sysfsRoot, d.name); err != nil {
+		return "", err
+	} else if len(h) > 0 {
+		return strings.TrimSpace(of + " " + h[0] + " is stacked on it"), nil
+	}
+	at, err := Mounted(d.devnum)
+	if err != nil {
+		return "", err
+	}
+	if at != "" {
+		return strings.TrimSpace(of + " it is mounted at " + at), nil
+	}
+	return "", nil
+}
+
+// withPartitions is the disk name (device number devnum) and each of its
+// partitions, as sysfs lists them: a subdirectory of the disk's that has
+// a "partition" file, its device number in "dev".
+func withPartitions(sysfsRoot, name, devnum string) ([]blockDev, error) {
+	devs := []blockDev{{name: name, devnum: devnum}}
+	ents, err := os.ReadDir(filepath.Join(sysfsRoot, "class", "block", name))
+	if errors.Is(err, os.ErrNotExist) {
+		return devs, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("listing the partitions of %s: %w", name, err)
+	}
+	for _, e := range ents {
+		dir := filepath.Join(sysfsRoot, "class", "block", name, e.Name())
+		if _, err := os.Stat(filepath.Join(dir, "partition")); err != nil {
+			continue
+		}
+		dev, err := os.ReadFile(filepath.Join(dir, "dev"))
+		if err != nil {
+			return nil, fmt.Errorf("reading the device number of %s, a partition of %s: %w", e.Name(), name, err)
+		}
+		devs = append(devs, blockDev{name: e.Name(), devnum: strings.TrimSpace(string(dev)), partition: true})
+	}
+	return devs, nil
+}
+
+// loop is a bound loop device: its name, the device number its backing
+// file names (a block device node's), and its offset.
+type loop struct {
+	name, backing, offset string
+}
+
+// boundLoops lists the bound loop devices whose backing file is a block
+// device node. A loop device whose backing node no longer exists (sysfs
+// shows it "(deleted)") maps a device that left: no write of it reaches
+// a disk attached now, so it is not counted.
+func boundLoops(sysfsRoot string) ([]loop, error) {
+	dirs, err := filepath.Glob(filepath.Join(sysfsRoot, "block", "loop*"))
+	if err != nil {
+		return nil, err
+	}
+	var out []loop
+	for _, dir := range dirs {
+		back, err := os.ReadFile(filepath.Join(dir, "loop", "backing_file"))
+		if errors.Is(err, os.ErrNotExist) {
+			continue // not bound
+		}
+		if err != nil {
+			return nil, fmt.Errorf("reading the backing file of %s: %w", filepath.Base(dir), err)
+		}
+		var bst unix.Stat_t
+		if unix.Stat(strings.TrimSpace(string(back)), &bst) != nil || bst.Mode&unix.S_IFMT != unix.S_IFBLK {
+			continue
+		}
+		off, err := os.ReadFile(filepath.Join(dir, "loop", "offset"))
+		if err != nil {
+			return nil, fmt.Errorf("reading the offset of %s: %w", filepath.Base(dir), err)
+		}
+		out = append(out, loop{name: filepath.Base(dir), offset: strings.TrimSpace(string(off)),
+			backing: fmt.Sprintf("%d:%d", unix.Major(bst.Rdev), unix.Minor(bst.Rdev))})
+	}
+	return out, nil
 }
 
 // Holders lists what is stacked on the block device name (sysfs
