@@ -63,10 +63,19 @@ func simLabConfig(c *common, detached bool) (lab.Config, error) {
 
 // optionalScenarios lists the scenarios -skip may name, with their names.
 func optionalScenarios() string {
-	var l []string
+	var scs []e2e.Scenario
 	for _, id := range e2e.Optional {
 		sc, _ := e2e.Lookup(e2e.Story, id)
-		l = append(l, sc.String())
+		scs = append(scs, sc)
+	}
+	return scenarioList(scs)
+}
+
+// scenarioList is scs for a flag's help: each id with its name.
+func scenarioList(scs []e2e.Scenario) string {
+	l := make([]string, len(scs))
+	for i, sc := range scs {
+		l[i] = sc.String()
 	}
 	return strings.Join(l, "; ")
 }

@@ -63,7 +63,7 @@ func k8sCmd(args []string) int {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
 		fs.StringVar(&k8sAddon, "addon", k8s.AddonRelease, "how the add-on's core bundle is applied: release (deploy/csi.yaml through envsubst) or make (make csi-addon | kubectl apply -f -)")
-		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "scenarios to run")
+		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "comma-separated scenarios to run, of: "+scenarioList(k8s.Story))
 		fs.StringVar(&report, "report", "", "report directory (default: -bin)")
 		fs.StringVar(&focus, "focus", "", "e2e: Ginkgo focus within External.Storage (a regular expression)")
 		fs.StringVar(&skip, "skip", "", "e2e: Ginkgo skip expression")

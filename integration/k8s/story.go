@@ -23,20 +23,46 @@ const WorkloadImage = images.WorkloadRef
 // Namespace holds the scenarios' objects.
 const Namespace = "vco-lab"
 
-// Scenarios are the ones RunStory knows, in the order they run: K6, K9,
-// K8 and K5 use K4's claim and Deployment.
-var Scenarios = []string{"K1", "K2", "K3", "K7", "K10", "K12", "K13", "K4", "K6", "K9", "K8", "K5"}
+// scenario is one scenario of the Kubernetes story and how it runs.
+type scenario struct {
+	e2e.Scenario
+	// usesK4: it works on K4's claim and Deployment, so it runs after K4.
+	usesK4 bool
+	run    func(*story, context.Context) error
+}
+
+// storyScenarios are the scenarios RunStory knows, in the order they run
+// (docs/development.md, "The Kubernetes lab", lists them from here).
+var storyScenarios = []scenario{
+	{Scenario: e2e.Scenario{ID: "K1", Name: "a claim and its pod: the PV's topology, and the node plugin refused the node's secrets", Props: []e2e.Property{e2e.P5}}, run: (*story).k1},
+	{Scenario: e2e.Scenario{ID: "K2", Name: "two replicas share one RWO claim: the second is held with a Multi-Attach error", Props: []e2e.Property{e2e.P1}}, run: (*story).k2},
+	{Scenario: e2e.Scenario{ID: "K3", Name: "a StatefulSet's PHYSICAL disks, each mounted on its own node only", Props: []e2e.Property{e2e.P1}}, run: (*story).k3},
+	{Scenario: e2e.Scenario{ID: "K7", Name: "an encrypted claim with a Vault server: moved, rotated, rewrapped, refused", Props: []e2e.Property{e2e.P5}}, run: (*story).k7},
+	{Scenario: e2e.Scenario{ID: "K10", Name: "a partitioned holder: the pod moves with its data and the old node's writes never land", Props: []e2e.Property{e2e.P1, e2e.P3}}, run: (*story).k10},
+	{Scenario: e2e.Scenario{ID: "K12", Name: "the kubelet, the agent and the node plugin restarted under write load", Props: []e2e.Property{e2e.P5}}, run: (*story).k12},
+	{Scenario: e2e.Scenario{ID: "K13", Name: "the controller restarted during 20 provisions and during a move", Props: []e2e.Property{e2e.P1, e2e.P5}}, run: (*story).k13},
+	{Scenario: e2e.Scenario{ID: "K4", Name: "a drain moves the pod with its data", Props: []e2e.Property{e2e.P1, e2e.P5}}, run: (*story).k4},
+	{Scenario: e2e.Scenario{ID: "K6", Name: "online expansion of K4's claim", Props: nil}, usesK4: true, run: (*story).k6},
+	{Scenario: e2e.Scenario{ID: "K9", Name: "snapshots installed after the add-on: a restore of K4's claim holds its data", Props: []e2e.Property{e2e.P5}}, usesK4: true, run: (*story).k9},
+	{Scenario: e2e.Scenario{ID: "K8", Name: "the platform attaches K4's disk to the other worker too: refused there", Props: []e2e.Property{e2e.P2}}, usesK4: true, run: (*story).k8},
+	{Scenario: e2e.Scenario{ID: "K5", Name: "a powered-off node: K4's disk taken over, the node fenced", Props: []e2e.Property{e2e.P1, e2e.P3, e2e.P4, e2e.P5}}, usesK4: true, run: (*story).k5},
+}
+
+// Story are the Kubernetes story's scenarios, in the order they run.
+var Story = func() []e2e.Scenario {
+	scs := make([]e2e.Scenario, len(storyScenarios))
+	for i, sc := range storyScenarios {
+		scs[i] = sc.Scenario
+	}
+	return scs
+}()
+
+// Scenarios are the ids of Story, in order.
+var Scenarios = e2e.IDs(Story)
 
 // Brief are the scenarios of `make test` (docs/development.md, "Time per
 // tier"); `make k8s-lab` and `make soak` run them all.
 var Brief = []string{"K1", "K2", "K12", "K4"}
-
-// exercises are the safety properties each scenario gives evidence for.
-var exercises = map[string][]e2e.Property{
-	"K1": {e2e.P5}, "K2": {e2e.P1}, "K3": {e2e.P1}, "K4": {e2e.P1, e2e.P5},
-	"K5": {e2e.P1, e2e.P3, e2e.P4, e2e.P5}, "K6": nil, "K7": {e2e.P5}, "K8": {e2e.P2}, "K9": {e2e.P5},
-	"K10": {e2e.P1, e2e.P3}, "K12": {e2e.P5}, "K13": {e2e.P1, e2e.P5},
-}
 
 type story struct {
 	c   *Cluster
@@ -71,23 +97,38 @@ func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer
 		s.r.Err = err
 		return s.r
 	}
-	run := map[string]func(context.Context) error{"K1": s.k1, "K2": s.k2, "K3": s.k3, "K4": s.k4, "K7": s.k7, "K5": s.k5, "K6": s.k6, "K8": s.k8, "K9": s.k9, "K10": s.k10, "K12": s.k12, "K13": s.k13}
-	for _, sc := range scenarios {
-		f := run[sc]
-		if f == nil {
-			s.r.Err = fmt.Errorf("no scenario %s (known: %v)", sc, Scenarios)
-			return s.r
-		}
-		if needsK4(sc) && !slices.Contains(scenarios, "K4") {
-			s.r.Err = fmt.Errorf("scenario %s uses K4's claim: run K4 before it", sc)
-			return s.r
-		}
-		if err := f(ctx); err != nil {
-			s.r.Err = fmt.Errorf("%s: %w", sc, err)
+	todo, err := chosen(scenarios)
+	if err != nil {
+		s.r.Err = err
+		return s.r
+	}
+	for _, sc := range todo {
+		s.r.Scenarios = append(s.r.Scenarios, sc.Scenario)
+		if err := sc.run(s, ctx); err != nil {
+			s.r.Err = fmt.Errorf("%s: %w", sc.ID, err)
 			return s.r
 		}
 	}
 	return s.r
+}
+
+// chosen are the scenarios ids name, in the order given, refusing an
+// unknown id and one that uses K4's claim without K4 before it.
+func chosen(ids []string) ([]scenario, error) {
+	var out []scenario
+	for i, id := range ids {
+		j := slices.IndexFunc(storyScenarios, func(sc scenario) bool { return sc.ID == id })
+		if j < 0 {
+			_, err := e2e.Lookup(Story, id)
+			return nil, err
+		}
+		sc := storyScenarios[j]
+		if sc.usesK4 && !slices.Contains(ids[:i], "K4") {
+			return nil, fmt.Errorf("scenario %s uses K4's claim: run K4 before it", id)
+		}
+		out = append(out, sc)
+	}
+	return out, nil
 }
 
 func (s *story) step(scenario, node, name string, f func() (string, error)) error {
@@ -596,21 +637,8 @@ func WriteReport(r *e2e.Report, dir string) error {
 	return f.Close()
 }
 
-func needsK4(sc string) bool { return sc == "K5" || sc == "K6" || sc == "K8" || sc == "K9" }
-
 // Exercised are the safety properties scenarios give evidence for.
-func Exercised(scenarios []string) []e2e.Property {
-	var ps []e2e.Property
-	for _, p := range e2e.Properties {
-		for _, sc := range scenarios {
-			if slices.Contains(exercises[sc], p) {
-				ps = append(ps, p)
-				break
-			}
-		}
-	}
-	return ps
-}
+func Exercised(scenarios []string) []e2e.Property { return e2e.Exercised(Story, scenarios) }
 
 // Judge returns nil when the story ran to its end, no check failed and
 // each property that the scenarios it ran exercise was checked.
