@@ -7,46 +7,18 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/whitesky-cloud/vco-storage/agent/config"
-	"github.com/whitesky-cloud/vco-storage/agent/server"
-	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit/transittest"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
-	"github.com/whitesky-cloud/vco-storage/csi/sim"
-	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
-	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
-
-// loopDisk makes the simulator host backend's file for disk id in dir and
-// a loop device on it.
-func loopDisk(t *testing.T, dir string, id int64) (img, dev string) {
-	t.Helper()
-	img = (&sim.HostBackend{Dir: dir}).DiskFile(id)
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 64<<20); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
-	if err != nil {
-		t.Fatalf("losetup: %v: %s", err, out)
-	}
-	dev = strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
-	return img, dev
-}
 
 // TestEncryptedVolumeThroughTheNodeService stages an encrypted volume
 // through the node service and the real agent: on a blank disk the plugin
@@ -55,34 +27,11 @@ func loopDisk(t *testing.T, dir string, id int64) (img, dev string) {
 // staged again, the plugin unwraps the header's token and the data is
 // still there. A disk holding other data is never formatted.
 func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
-	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
-	dir := t.TempDir()
-	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
-	kubelet, diskDir := filepath.Join(dir, "kubelet"), filepath.Join(dir, "disks")
-	os.MkdirAll(kubelet, 0o750)
-	os.MkdirAll(diskDir, 0o700)
-	_, dev := loopDisk(t, diskDir, 8)
-
 	tc, vault := agentnodetest.Transit(t)
+	n := agentnodetest.NewNode(t, nodeA, tc, crypt.TransitKey{Mount: "transit", Name: "vco-volumes"})
+	d, a, kubelet, diskDir := n.Driver, n.Agent, n.Kubelet, n.DiskDir
+	_, dev := agentnodetest.LoopDisk(t, diskDir, 8)
 
-	key, _ := fence.KeyFromUUID(nodeA)
-	m, err := volume.New(volume.Options{
-		Config:   config.Volumes{KubeletRoot: kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowUnfenced: true, AllowLoopDevices: true},
-		Crypt:    agentnodetest.NewLoopLUKS(t),
-		StateDir: filepath.Join(dir, "state"), SysfsRoot: "/sys", Fencers: &volume.Fencing{Key: key, Node: nodeA},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(m.Close)
-	a := agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
-		server.NodeIdentity{SystemUUID: nodeA, Location: "ch-gen-1"}, nil,
-		agentnode.Options{AllowUnfenced: true, LoopDiskDir: diskDir})
-	d, err := driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: kubelet,
-		Transit: tc, TransitKey: crypt.TransitKey{Mount: "transit", Name: "vco-volumes"}})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := context.Background()
 	const vol = "ch-gen-1/8"
 	encrypted := map[string]string{"cloud.whitesky/encrypted": "true"}
@@ -117,7 +66,7 @@ func TestEncryptedVolumeThroughTheNodeService(t *testing.T) {
 	vault.Mu.Lock()
 	delete(vault.Tokens, "node-token")
 	vault.Mu.Unlock()
-	_, err = d.NodeStageVolume(ctx, stage)
+	_, err := d.NodeStageVolume(ctx, stage)
 	if driver.CodeForError(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "unwrapping its passphrase") ||
 		strings.Contains(err.Error(), "node-token") || strings.Contains(err.Error(), tok.Token.Ciphertext) {
 		t.Fatalf("stage with the transit engine refusing: %v", err)
@@ -179,11 +128,12 @@ func rotationRewrapsTheToken(ctx context.Context, t *testing.T, d *driver.Driver
 // transit engine for no rewrap.
 func readOnlyStageLeavesTheToken(ctx context.Context, t *testing.T, d *driver.Driver, a *agentnode.Agent, vault *transittest.Fake, stage *csi.NodeStageVolumeRequest) {
 	t.Helper()
-	ro := *stage
-	ro.VolumeCapability = &csi.VolumeCapability{AccessType: stage.VolumeCapability.AccessType,
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY}}
+	ro := &csi.NodeStageVolumeRequest{VolumeId: stage.VolumeId, StagingTargetPath: stage.StagingTargetPath,
+		PublishContext: stage.PublishContext, VolumeContext: stage.VolumeContext,
+		VolumeCapability: &csi.VolumeCapability{AccessType: stage.VolumeCapability.AccessType,
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY}}}
 	rewraps := transitRequests(vault, "rewrap")
-	if _, err := d.NodeStageVolume(ctx, &ro); err != nil {
+	if _, err := d.NodeStageVolume(ctx, ro); err != nil {
 		t.Fatalf("read-only stage after the key's rotation: %v", err)
 	}
 	tok, err := a.StagedVolumeToken(ctx, stage.VolumeId)
@@ -254,7 +204,7 @@ func publishWriteUnpublishUnstage(ctx context.Context, t *testing.T, d *driver.D
 // never formatted as LUKS2.
 func encryptedStageNeverFormatsOverData(ctx context.Context, t *testing.T, d *driver.Driver, kubelet, diskDir string, encrypted map[string]string) {
 	t.Helper()
-	_, plain := loopDisk(t, diskDir, 9)
+	_, plain := agentnodetest.LoopDisk(t, diskDir, 9)
 	if out, err := exec.Command("mkfs.ext4", "-q", plain).CombinedOutput(); err != nil {
 		t.Fatalf("mkfs.ext4: %v %s", err, out)
 	}

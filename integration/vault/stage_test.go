@@ -3,7 +3,6 @@ package vault
 import (
 	"context"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -13,84 +12,31 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
-	agentconfig "github.com/whitesky-cloud/vco-storage/agent/config"
-	"github.com/whitesky-cloud/vco-storage/agent/server"
-	"github.com/whitesky-cloud/vco-storage/agent/volume"
 	"github.com/whitesky-cloud/vco-storage/crypt"
 	"github.com/whitesky-cloud/vco-storage/crypt/transit"
-	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
-	"github.com/whitesky-cloud/vco-storage/csi/sim"
-	"github.com/whitesky-cloud/vco-storage/fence"
-	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
 	"github.com/whitesky-cloud/vco-storage/internal/kubeletpath"
-	"github.com/whitesky-cloud/vco-storage/internal/mounttest"
 )
 
 const stageNode = "4c4c4544-0042-3510-8052-b4c04f4a4d33"
 
-// stageRig is a node plugin and the real agent on this host, on loop
-// devices of the simulator's host backend, unwrapping with the real
-// server's transit engine. The agent's LUKS2 is its own; the dm-crypt
-// mapping is a FAKE (agentnodetest.LoopLUKS): this host has no
-// device-mapper.
+// stageRig is a node plugin and the real agent on this host
+// (agentnodetest.NewNode), unwrapping with the real server's transit
+// engine.
 type stageRig struct {
-	d                *driver.Driver
-	kubelet, diskDir string
+	*agentnodetest.Node
+	d *driver.Driver
 }
 
 func newStageRig(t *testing.T, c *transit.Client, mount, key string) *stageRig {
 	t.Helper()
-	dir := t.TempDir()
-	t.Cleanup(func() { mounttest.UnmountUnder(dir) })
-	r := &stageRig{kubelet: filepath.Join(dir, "kubelet"), diskDir: filepath.Join(dir, "disks")}
-	for _, p := range []string{r.kubelet, r.diskDir} {
-		if err := os.MkdirAll(p, 0o750); err != nil {
-			t.Fatal(err)
-		}
-	}
-	fk, err := fence.KeyFromUUID(stageNode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := volume.New(volume.Options{
-		Config:   agentconfig.Volumes{KubeletRoot: r.kubelet, DevRoot: "/dev", CheckInterval: time.Hour, AllowUnfenced: true, AllowLoopDevices: true},
-		Crypt:    agentnodetest.NewLoopLUKS(t),
-		StateDir: filepath.Join(dir, "state"), SysfsRoot: "/sys", Fencers: &volume.Fencing{Key: fk, Node: stageNode},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(m.Close)
-	a := agentnodetest.ServeAgent(t, filepath.Join(dir, "agent.sock"), m,
-		server.NodeIdentity{SystemUUID: stageNode, Location: "ch-gen-1"}, nil,
-		agentnode.Options{AllowUnfenced: true, LoopDiskDir: r.diskDir})
-	r.d, err = driver.New(driver.Config{Name: "cloud.whitesky.csi", Mode: driver.ModeNode, Agent: a, KubeletRoot: r.kubelet,
-		Transit: c, TransitKey: crypt.TransitKey{Mount: mount, Name: key}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return r
+	n := agentnodetest.NewNode(t, stageNode, c, crypt.TransitKey{Mount: mount, Name: key})
+	return &stageRig{Node: n, d: n.Driver}
 }
 
 // disk makes disk id: a file of the host backend with a loop device on it.
-func (r *stageRig) disk(t *testing.T, id int64) {
-	t.Helper()
-	img := (&sim.HostBackend{Dir: r.diskDir}).DiskFile(id)
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 64<<20); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
-	if err != nil {
-		t.Fatalf("losetup: %v: %s", err, out)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
-}
+func (r *stageRig) disk(t *testing.T, id int64) { agentnodetest.LoopDisk(t, r.DiskDir, id) }
 
 var fsCap = &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
 	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
@@ -101,7 +47,7 @@ func (r *stageRig) stageRequest(id int64, encrypted bool) *csi.NodeStageVolumeRe
 	if encrypted {
 		vc["cloud.whitesky/encrypted"] = "true"
 	}
-	return &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: kubeletpath.Staging(r.kubelet, "cloud.whitesky.csi", vol),
+	return &csi.NodeStageVolumeRequest{VolumeId: vol, StagingTargetPath: kubeletpath.Staging(r.Kubelet, "cloud.whitesky.csi", vol),
 		VolumeCapability: fsCap, PublishContext: map[string]string{driver.PubDiskID: strconv.FormatInt(id, 10)}, VolumeContext: vc}
 }
 
@@ -136,7 +82,6 @@ func mounted(t *testing.T, path string) bool {
 // With min_decryption_version back at 1 the kubelet's retry opens the
 // volume with its data, and its stage rewraps the token to version 2.
 func TestStageBelowMinDecryptionVersion(t *testing.T) {
-	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	s, root, _ := unsealed(ctx, t, cachedServer(t))
