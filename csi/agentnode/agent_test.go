@@ -25,7 +25,6 @@ import (
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode"
 	"github.com/whitesky-cloud/vco-storage/csi/agentnode/agentnodetest"
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
-	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi/scsitest"
@@ -160,19 +159,7 @@ func newFencedNode(t *testing.T, tgt *scsitest.Target, reclaimWait time.Duration
 	diskDir := filepath.Join(dir, "disks")
 	os.MkdirAll(kubelet, 0o750)
 	os.MkdirAll(diskDir, 0o700)
-	img := (&sim.HostBackend{Dir: diskDir}).DiskFile(7)
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 64<<20); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", img).CombinedOutput()
-	if err != nil {
-		t.Fatalf("losetup: %v: %s", err, out)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "-d", dev).Run() })
+	img, dev := agentnodetest.LoopDisk(t, diskDir, 7)
 	t.Cleanup(func() { clearRO(dev) })
 
 	m, err := volume.New(volume.Options{
