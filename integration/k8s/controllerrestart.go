@@ -54,26 +54,9 @@ func (s *story) simDisks() map[int64]bool {
 // k13Burst applies the StatefulSet, deletes the controller's pod once the
 // first claim is bound, and waits for every pod to be Ready.
 func (s *story) k13Burst(ctx context.Context) (string, error) {
-	if err := s.apply(ctx, fmt.Sprintf(`apiVersion: apps/v1
-kind: StatefulSet
-metadata:
-  name: k13
-spec:
-  serviceName: k13
-  replicas: %d
-  podManagementPolicy: Parallel
-  selector: {matchLabels: {app: k13}}
-  template:
-    metadata: {labels: {app: k13}}
-    spec:
-%s  volumeClaimTemplates:
-    - metadata: {name: data}
-      spec:
-        accessModes: [ReadWriteOnce]
-        resources: {requests: {storage: 1Gi}}
-`, k13Replicas, writerSpec("", `topologySpreadConstraints:
+	if err := s.apply(ctx, statefulSet("k13", k13Replicas, "", `topologySpreadConstraints:
   - {maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: ScheduleAnyway, labelSelector: {matchLabels: {app: k13}}}
-`, "      "))); err != nil {
+`)); err != nil {
 		return "", err
 	}
 	began := time.Now()

@@ -21,25 +21,7 @@ func (s *story) k3(ctx context.Context) error {
         topologyKey: kubernetes.io/hostname
 `
 	if err := s.step(sc, "cluster", "StatefulSet of 2 replicas with volumeClaimTemplates of the seed's class vco-csi-physical (diskType: PHYSICAL), one per worker", func() (string, error) {
-		if err := s.apply(ctx, fmt.Sprintf(`apiVersion: apps/v1
-kind: StatefulSet
-metadata:
-  name: k3
-spec:
-  serviceName: k3
-  replicas: 2
-  podManagementPolicy: Parallel
-  selector: {matchLabels: {app: k3}}
-  template:
-    metadata: {labels: {app: k3}}
-    spec:
-%s  volumeClaimTemplates:
-    - metadata: {name: data}
-      spec:
-        storageClassName: vco-csi-physical
-        accessModes: [ReadWriteOnce]
-        resources: {requests: {storage: 1Gi}}
-`, writerSpec("", aff, "      "))); err != nil {
+		if err := s.apply(ctx, statefulSet("k3", 2, "vco-csi-physical", aff)); err != nil {
 			return "", err
 		}
 		var err error

@@ -150,6 +150,34 @@ func (s *story) apply(ctx context.Context, yaml string) error {
 	return err
 }
 
+// statefulSet is a StatefulSet name of replicas writers (writerSpec with
+// the pod spec's extra lines placement), started in parallel, each with a
+// 1 GiB claim "data" of class (the default class when "").
+func statefulSet(name string, replicas int, class, placement string) string {
+	sc := ""
+	if class != "" {
+		sc = "        storageClassName: " + class + "\n"
+	}
+	return fmt.Sprintf(`apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: %[1]s
+spec:
+  serviceName: %[1]s
+  replicas: %[2]d
+  podManagementPolicy: Parallel
+  selector: {matchLabels: {app: %[1]s}}
+  template:
+    metadata: {labels: {app: %[1]s}}
+    spec:
+%[3]s  volumeClaimTemplates:
+    - metadata: {name: data}
+      spec:
+%[4]s        accessModes: [ReadWriteOnce]
+        resources: {requests: {storage: 1Gi}}
+`, name, replicas, writerSpec("", placement, "      "), sc)
+}
+
 // pvc is a claim of the default class (no storageClassName).
 func pvc(name, size string) string {
 	return fmt.Sprintf(`apiVersion: v1
