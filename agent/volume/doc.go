@@ -29,7 +29,8 @@
 //	               rollback; restage.go a repeated stage of a claim
 //	unstage.go, publish.go, expand.go, stats.go   the other calls
 //	mount.go, format.go, grow.go   the filesystem: mount, mkfs, fsck, resize
-//	encrypt.go, luks.go, mappername.go   LUKS2 and the dm-crypt mapping
+//	encrypt.go, luks.go, mappername.go   LUKS2 and the dm-crypt mapping;
+//	               rewrap.go a LUKS2 token rewritten in place
 //	fencing.go, lease.go, leasedisk.go, datamap.go   choosing and taking
 //	               the fence; the lease's data area and its mapping
 //	guard.go       the release guard (the only way a fence is given up)
@@ -40,6 +41,7 @@
 //	watch.go, list.go   the uevent watcher's questions; ListDisks
 //	store.go       the claim records; locks.go per-volume locks
 //	host.go, bind.go, paths.go, device.go   what the Manager does to the
-//	               node (behind the host interface), kubelet paths, disks
+//	               node (behind the host interface), kubelet paths, disks;
+//	               ioctl_linux.go a block device's size (BLKGETSIZE64)
 //	metrics.go     the Prometheus series
 package volume
