@@ -35,7 +35,7 @@ var Brief = []string{"K1", "K2", "K12", "K4"}
 var exercises = map[string][]e2e.Property{
 	"K1": {e2e.P5}, "K2": {e2e.P1}, "K3": {e2e.P1}, "K4": {e2e.P1, e2e.P5},
 	"K5": {e2e.P1, e2e.P3, e2e.P4, e2e.P5}, "K6": nil, "K7": {e2e.P5}, "K8": {e2e.P2}, "K9": {e2e.P5},
-	"K10": {e2e.P1, e2e.P3}, "K12": {e2e.P5}, "K13": {e2e.P1, e2e.P5},
+	"K10": {e2e.P1, e2e.P3}, "K12": {e2e.P5}, "K13": {e2e.P1, e2e.P5}, "K14": nil,
 }
 
 type story struct {
@@ -61,6 +61,10 @@ func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer
 			s.r.NotRun = append(s.r.NotRun, fmt.Sprintf("%s in Kubernetes: none of the scenarios run (%s) exercises it; the full story (make k8s-lab) and the lab story (make lab) do", p, strings.Join(scenarios, ",")))
 		}
 	}
+	if err := checkAlone(scenarios); err != nil {
+		s.r.Err = err
+		return s.r
+	}
 	if err := s.step("setup", "cluster", "apply the add-on as seed 001 says (Secret, make csi-addon | kubectl apply -f -)", func() (string, error) {
 		return c.InstallAddon(ctx)
 	}); err != nil {
@@ -71,11 +75,11 @@ func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer
 		s.r.Err = err
 		return s.r
 	}
-	run := map[string]func(context.Context) error{"K1": s.k1, "K2": s.k2, "K3": s.k3, "K4": s.k4, "K7": s.k7, "K5": s.k5, "K6": s.k6, "K8": s.k8, "K9": s.k9, "K10": s.k10, "K12": s.k12, "K13": s.k13}
+	run := map[string]func(context.Context) error{"K1": s.k1, "K2": s.k2, "K3": s.k3, "K4": s.k4, "K7": s.k7, "K5": s.k5, "K6": s.k6, "K8": s.k8, "K9": s.k9, "K10": s.k10, "K12": s.k12, "K13": s.k13, "K14": s.k14}
 	for _, sc := range scenarios {
 		f := run[sc]
 		if f == nil {
-			s.r.Err = fmt.Errorf("no scenario %s (known: %v)", sc, Scenarios)
+			s.r.Err = fmt.Errorf("no scenario %s (known: %v, and alone: %v)", sc, Scenarios, Alone)
 			return s.r
 		}
 		if needsK4(sc) && !slices.Contains(scenarios, "K4") {
@@ -594,6 +598,16 @@ func WriteReport(r *e2e.Report, dir string) error {
 		return err
 	}
 	return f.Close()
+}
+
+// checkAlone refuses a list that has a scenario of Alone with others.
+func checkAlone(scenarios []string) error {
+	for _, sc := range Alone {
+		if slices.Contains(scenarios, sc) && len(scenarios) > 1 {
+			return fmt.Errorf("scenario %s runs alone (it deletes the add-on and delivers it again): run -scenarios %s by itself (make soak-k8s-crs)", sc, sc)
+		}
+	}
+	return nil
 }
 
 func needsK4(sc string) bool { return sc == "K5" || sc == "K6" || sc == "K8" || sc == "K9" }
