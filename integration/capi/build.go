@@ -117,7 +117,7 @@ func Build(ctx context.Context, cacheDir string, log io.Writer) (Manager, error)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return Manager{}, err
 	}
-	fmt.Fprintf(log, "capi: building Cluster API %s's core manager into %s; the first build takes about 15 minutes on 2 cores\n", Version, dir)
+	fmt.Fprintf(log, "capi: building Cluster API %s's core manager into %s; the first build takes about 5 minutes on 2 cores\n", Version, dir)
 	start := time.Now()
 	src, err := moduleDir(ctx)
 	if err != nil {
