@@ -476,7 +476,7 @@ soak-k8s:
 soak-k8s-crs: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
 	nice -n 10 $(BIN)/vco-lab capi prefetch
-	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN)/k8s-crs -kind scsi-block -scenarios K14
+	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN)/k8s-crs -kind scsi-block -cloud-init=false -scenarios K14
 
 # Kubernetes' storage suite, every pattern deploy/testdriver.yaml selects
 # (313 specs), on both disk kinds: hours each on TCG workers, so not in
