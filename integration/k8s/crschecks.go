@@ -26,18 +26,18 @@ func (c *Cluster) k14Limit(ctx context.Context) (string, error) {
 	if _, err := c.Kubectl(ctx, "-n", MgmtNamespace, "delete", "configmap", "k14-limit"); err != nil {
 		return "", err
 	}
-	_, err := c.KubectlInput(ctx, strings.NewReader(cm("k14-over", ConfigMapLimit+1)), "create", "-f", "-")
-	if err == nil {
+	_, refused := c.KubectlInput(ctx, strings.NewReader(cm("k14-over", ConfigMapLimit+1)), "create", "-f", "-")
+	if refused == nil {
 		return "", fmt.Errorf("the API server took a ConfigMap of %d bytes", ConfigMapLimit+1)
 	}
-	if !strings.Contains(err.Error(), "Too long") {
-		return "", fmt.Errorf("a ConfigMap of %d bytes refused for another reason: %w", ConfigMapLimit+1, err)
+	if !strings.Contains(refused.Error(), "Too long") {
+		return "", fmt.Errorf("a ConfigMap of %d bytes refused for another reason: %w", ConfigMapLimit+1, refused)
 	}
 	bundle, err := crsBundle()
 	if err != nil {
 		return "", err
 	}
-	msg := err.Error()
+	msg := refused.Error()
 	if i := strings.Index(msg, "is invalid: "); i >= 0 {
 		msg = msg[i+len("is invalid: "):]
 	}
