@@ -401,7 +401,7 @@ fuzz-smbios:
 #   soak-k8s: the Kubernetes lab's every scenario on both disk kinds
 #     (about 25 min each with warm caches);
 #   soak-k8s-crs: K14, the add-on through a ClusterResourceSet, on a
-#     cluster of its own (CRS_MINUTES);
+#     cluster of its own (about 8 min with warm caches);
 #   soak-faults: the lab's faults FAULTS_SOAK_ROUNDS times each (up to 4 h);
 #   soak-lease: LEASE_SOAK_SEEDS lease schedules (up to 4 h);
 #   soak-volsim: VOLSIM_SOAK_SEEDS volume manager sequences from another
