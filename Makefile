@@ -67,7 +67,7 @@ help:
 
 .PHONY: test unit lint test-bench-brief test-csi-sanity test-deploy test-lab test-crypt-lab \
         test-lease-lab test-udev-lab test-e2e test-faults test-packages test-repo test-k8s k8s-prefetch \
-        vault-prefetch test-vault
+        vault-prefetch test-vault capi-prefetch
 
 # Everything: lint, unit and host tests, then the later tiers as they land.
 # The fuzz engine's runs (test-fuzz-brief, about 9 min) are in make fuzz
@@ -101,6 +101,14 @@ k8s-prefetch: build deps-apt
 ## starts the Vault server's build in the background
 vault-prefetch: build
 	@nohup nice -n 10 $(BIN)/vco-lab vault prefetch >$(BIN)/vault-prefetch.log 2>&1 </dev/null &
+
+# Cluster API's core manager built from its sources (integration/capi/build)
+# with the release's CRDs, for K14 (soak-k8s-crs), in the background at
+# nice 10 like vault-prefetch, into /var/cache/vco-lab/capi/<version>-<digest>;
+# soak-k8s-crs waits for its lock. Its log: bin/capi-prefetch.log.
+## starts Cluster API's core manager's build in the background
+capi-prefetch: build
+	@nohup nice -n 10 $(BIN)/vco-lab capi prefetch >$(BIN)/capi-prefetch.log 2>&1 </dev/null &
 
 # Host tests run one package at a time: many attach loop devices and
 # watch the kernel's block uevents, which are machine-wide.
@@ -333,7 +341,7 @@ bench-crypt: deps build
 
 ##@ Fuzz and soak
 
-.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-volsim soak-upgrade soak-k8s soak-k8s-e2e
+.PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-volsim soak-upgrade soak-k8s soak-k8s-crs soak-k8s-e2e
 
 # Every fuzz target in the repository, found with `go test -list`, each for
 # FUZZTIME (default 30s); test-fuzz-brief runs each for FUZZBRIEF
@@ -392,6 +400,8 @@ fuzz-smbios:
 #   deps-apt;
 #   soak-k8s: the Kubernetes lab's every scenario on both disk kinds
 #     (about 25 min each with warm caches);
+#   soak-k8s-crs: K14, the add-on through a ClusterResourceSet, on a
+#     cluster of its own (about 8 min with warm caches);
 #   soak-faults: the lab's faults FAULTS_SOAK_ROUNDS times each (up to 4 h);
 #   soak-lease: LEASE_SOAK_SEEDS lease schedules (up to 4 h);
 #   soak-volsim: VOLSIM_SOAK_SEEDS volume manager sequences from another
@@ -410,7 +420,7 @@ SOAK_ROUNDS ?= 200
 STORM_SOAK_ROUNDS ?= 20
 STORM_RACE_ROUNDS ?= 5
 ## everything long: k8s and the storage suite on both kinds, fault and lease soaks, fuzzers, crash loop, races
-soak: deps-apt soak-k8s soak-k8s-e2e soak-faults soak-lease soak-volsim soak-upgrade
+soak: deps-apt soak-k8s soak-k8s-crs soak-k8s-e2e soak-faults soak-lease soak-volsim soak-upgrade
 	@mkdir -p $(BIN)
 	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
 	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability
@@ -457,6 +467,16 @@ soak-upgrade: deps build packages guest-root
 soak-k8s:
 	$(MAKE) --no-print-directory k8s-lab K8S_KIND=scsi-block
 	$(MAKE) --no-print-directory k8s-lab K8S_KIND=virtio-blk-file
+
+# K14 (docs/csi-addon.md, "Delivery through a ClusterResourceSet") on a
+# scsi-block cluster of its own: Cluster API's core manager (built first
+# unless cached: capi-prefetch) on the lab's control plane delivers the
+# add-on to the lab cluster itself; report in bin/k8s-crs/.
+## K14: the add-on delivered by a ClusterResourceSet, in a cluster of its own
+soak-k8s-crs: deps build packages guest-root
+	$(MAKE) image IMAGE_ARCHS=amd64
+	nice -n 10 $(BIN)/vco-lab capi prefetch
+	$(BIN)/vco-lab k8s run -bin $(BIN) -report $(BIN)/k8s-crs -kind scsi-block -cloud-init=false -scenarios K14
 
 # Kubernetes' storage suite, every pattern deploy/testdriver.yaml selects
 # (313 specs), on both disk kinds: hours each on TCG workers, so not in

@@ -9,10 +9,12 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/integration/capi"
 	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
@@ -30,7 +32,9 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run|e2e|prefetch> [flags]
           background at its beginning; the tier waits for its locks
   run [-scenarios K1,K2,K4] [-report DIR]
           a cluster of its own, the scenarios, a report per safety
-          property (DIR/k8s-report.txt and .html); nothing is left running
+          property (DIR/k8s-report.txt and .html); nothing is left running.
+          K14 (the add-on through a ClusterResourceSet) runs alone:
+          -scenarios K14 (make soak-k8s-crs)
   e2e [-focus REGEXP] [-skip REGEXP] [-class NAME] [-suite-timeout 6h] [-report DIR]
           Kubernetes' external storage suite (e2e.test, External.Storage)
           against deploy/testdriver.yaml on a cluster of its own with the
@@ -129,6 +133,12 @@ var k8sAddon = k8s.AddonRelease
 func k8sRun(c *common, kind string, scenarios []string, report string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if slices.Contains(scenarios, "K14") {
+		// Cluster API's manager, built (or cached) before anything boots.
+		if _, err := capi.Build(ctx, lab.DefaultCacheDir(), os.Stderr); err != nil {
+			return fail("%v", err)
+		}
+	}
 	o, err := k8sOptions(c, kind, false)
 	if err != nil {
 		return fail("%v", err)

@@ -61,6 +61,8 @@ commands:
                            127.0.0.1, workers as guests with the vco-agent package,
                            the add-on applied (make k8s-lab runs the scenarios)
   vault prefetch           build the Vault server from its sources into the cache
+  capi prefetch            build Cluster API's core manager from its sources into
+                           the cache (K14, the ClusterResourceSet scenario)
   guest-exec               (inside a guest) serve the exec channel
   version                  print the version
 
@@ -109,6 +111,8 @@ func main() {
 		code = k8sCmd(args)
 	case "vault":
 		code = vaultCmd(args)
+	case "capi":
+		code = capiCmd(args)
 	case "-h", "--help", "help":
 		usage()
 	default:

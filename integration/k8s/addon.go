@@ -44,23 +44,7 @@ const (
 // and waits until the controller is available, the node plugin runs on
 // every worker and each worker's CSINode lists the driver.
 func (c *Cluster) InstallAddon(ctx context.Context) (string, error) {
-	secret := fmt.Sprintf(`apiVersion: v1
-kind: Namespace
-metadata:
-  name: %[1]s
----
-apiVersion: v1
-kind: Secret
-metadata:
-  name: csi-driver-secret
-  namespace: %[1]s
-type: Opaque
-stringData:
-  url: http://%[2]s:%[3]d
-  customer: %[4]s
-  cloudspace: cs-%[5]s
-  jwt: %[6]s
-`, AddonNamespace, HostInGuest, GuestCloudPort, simlab.Customer, simlab.Location, simlab.Token)
+	secret := fmt.Sprintf("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n---\n", AddonNamespace) + credentialManifest()
 	if _, err := c.KubectlInput(ctx, strings.NewReader(secret), "apply", "-f", "-"); err != nil {
 		return "", err
 	}

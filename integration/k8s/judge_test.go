@@ -102,3 +102,21 @@ func TestNodeUserDataTurnsOnTheLocationOverride(t *testing.T) {
 		t.Errorf("not the package's seed:\n%s", u)
 	}
 }
+
+// TestK14RunsAlone: K14 deletes the add-on and delivers it again, so a
+// list with it and another scenario is refused, K14 by itself is not,
+// and the full list leaves it out.
+func TestK14RunsAlone(t *testing.T) {
+	if err := checkAlone([]string{"K1", "K14"}); err == nil {
+		t.Error("K1 with K14 was accepted")
+	}
+	if err := checkAlone([]string{"K14"}); err != nil {
+		t.Errorf("K14 alone: %v", err)
+	}
+	if err := checkAlone(Scenarios); err != nil {
+		t.Errorf("the full list: %v", err)
+	}
+	if slices.Contains(Scenarios, "K14") || !slices.Contains(e2e.IDs(Story), "K14") {
+		t.Errorf("K14 in the default list %v, or not in the registry", Scenarios)
+	}
+}

@@ -28,7 +28,10 @@ type scenario struct {
 	e2e.Scenario
 	// usesK4: it works on K4's claim and Deployment, so it runs after K4.
 	usesK4 bool
-	run    func(*story, context.Context) error
+	// alone: it runs only by itself, on a cluster of its own, and not
+	// among the default scenarios (Scenarios).
+	alone bool
+	run   func(*story, context.Context) error
 }
 
 // storyScenarios are the scenarios RunStory knows, in the order they run
@@ -46,6 +49,7 @@ var storyScenarios = []scenario{
 	{Scenario: e2e.Scenario{ID: "K9", Name: "snapshots installed after the add-on: a restore of K4's claim holds its data", Props: []e2e.Property{e2e.P5}}, usesK4: true, run: (*story).k9},
 	{Scenario: e2e.Scenario{ID: "K8", Name: "the platform attaches K4's disk to the other worker too: refused there", Props: []e2e.Property{e2e.P2}}, usesK4: true, run: (*story).k8},
 	{Scenario: e2e.Scenario{ID: "K5", Name: "a powered-off node: K4's disk taken over, the node fenced", Props: []e2e.Property{e2e.P1, e2e.P3, e2e.P4, e2e.P5}}, usesK4: true, run: (*story).k5},
+	{Scenario: e2e.Scenario{ID: "K14", Name: "the add-on delivered by a ClusterResourceSet: its size limit, Reconcile against a hand edit, an upgrade", Props: nil}, alone: true, run: (*story).k14},
 }
 
 // Story are the Kubernetes story's scenarios, in the order they run.
@@ -57,8 +61,30 @@ var Story = func() []e2e.Scenario {
 	return scs
 }()
 
-// Scenarios are the ids of Story, in order.
-var Scenarios = e2e.IDs(Story)
+// Scenarios are the ids of the scenarios a run takes by default (all
+// but those that run alone), in order.
+var Scenarios = func() []string {
+	var ids []string
+	for _, sc := range storyScenarios {
+		if !sc.alone {
+			ids = append(ids, sc.ID)
+		}
+	}
+	return ids
+}()
+
+// Alone are the ids of the scenarios that run only by themselves: K14
+// deletes the add-on the setup applied and delivers it again, so nothing
+// else may hold a volume of the driver meanwhile (make soak-k8s-crs).
+var Alone = func() []string {
+	var ids []string
+	for _, sc := range storyScenarios {
+		if sc.alone {
+			ids = append(ids, sc.ID)
+		}
+	}
+	return ids
+}()
 
 // Brief are the scenarios of `make test` (docs/development.md, "Time per
 // tier"); `make k8s-lab` and `make soak` run them all.
@@ -86,6 +112,10 @@ func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer
 		if !slices.Contains(Exercised(scenarios), p) {
 			s.r.NotRun = append(s.r.NotRun, fmt.Sprintf("%s in Kubernetes: none of the scenarios run (%s) exercises it; the full story (make k8s-lab) and the lab story (make lab) do", p, strings.Join(scenarios, ",")))
 		}
+	}
+	if err := checkAlone(scenarios); err != nil {
+		s.r.Err = err
+		return s.r
 	}
 	if err := s.step("setup", "cluster", "apply the add-on as seed 001 says (Secret, make csi-addon | kubectl apply -f -)", func() (string, error) {
 		return c.InstallAddon(ctx)
@@ -663,6 +693,16 @@ func WriteReport(r *e2e.Report, dir string) error {
 		return err
 	}
 	return f.Close()
+}
+
+// checkAlone refuses a list that has a scenario of Alone with others.
+func checkAlone(scenarios []string) error {
+	for _, sc := range Alone {
+		if slices.Contains(scenarios, sc) && len(scenarios) > 1 {
+			return fmt.Errorf("scenario %s runs alone (it deletes the add-on and delivers it again): run -scenarios %s by itself (make soak-k8s-crs)", sc, sc)
+		}
+	}
+	return nil
 }
 
 // Exercised are the safety properties scenarios give evidence for.

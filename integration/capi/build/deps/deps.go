@@ -1,0 +1,57 @@
+//go:build capideps
+
+// Package deps is never built: its imports (those of the core manager's
+// main.go outside its internal packages) keep the manager's packages in
+// go.mod and go.sum, so that `go build sigs.k8s.io/cluster-api` (the
+// manager's main package, at the module's root) builds with -mod=readonly.
+package deps
+
+import (
+	_ "github.com/pkg/errors"
+	_ "github.com/spf13/pflag"
+	_ "k8s.io/api/core/v1"
+	_ "k8s.io/api/storage/v1"
+	_ "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	_ "k8s.io/apimachinery/pkg/apis/meta/v1"
+	_ "k8s.io/apimachinery/pkg/runtime"
+	_ "k8s.io/apimachinery/pkg/runtime/schema"
+	_ "k8s.io/apimachinery/pkg/util/errors"
+	_ "k8s.io/apimachinery/pkg/util/sets"
+	_ "k8s.io/client-go/kubernetes/scheme"
+	_ "k8s.io/client-go/tools/leaderelection/resourcelock"
+	_ "k8s.io/component-base/cli/flag"
+	_ "k8s.io/component-base/logs"
+	_ "k8s.io/component-base/logs/api/v1"
+	_ "k8s.io/component-base/logs/json/register"
+	_ "k8s.io/klog/v2"
+	_ "k8s.io/utils/ptr"
+	_ "sigs.k8s.io/cluster-api/api/addons/v1beta1"
+	_ "sigs.k8s.io/cluster-api/api/addons/v1beta2"
+	_ "sigs.k8s.io/cluster-api/api/core/v1beta1"
+	_ "sigs.k8s.io/cluster-api/api/core/v1beta2"
+	_ "sigs.k8s.io/cluster-api/api/core/v1beta2/index"
+	_ "sigs.k8s.io/cluster-api/api/ipam/v1alpha1"
+	_ "sigs.k8s.io/cluster-api/api/ipam/v1beta1"
+	_ "sigs.k8s.io/cluster-api/api/ipam/v1beta2"
+	_ "sigs.k8s.io/cluster-api/api/runtime/hooks/v1alpha1"
+	_ "sigs.k8s.io/cluster-api/api/runtime/v1alpha1"
+	_ "sigs.k8s.io/cluster-api/api/runtime/v1beta2"
+	_ "sigs.k8s.io/cluster-api/controllers"
+	_ "sigs.k8s.io/cluster-api/controllers/clustercache"
+	_ "sigs.k8s.io/cluster-api/controllers/crdmigrator"
+	_ "sigs.k8s.io/cluster-api/controllers/remote"
+	_ "sigs.k8s.io/cluster-api/exp/runtime/catalog"
+	_ "sigs.k8s.io/cluster-api/exp/runtime/client"
+	_ "sigs.k8s.io/cluster-api/feature"
+	_ "sigs.k8s.io/cluster-api/util/apiwarnings"
+	_ "sigs.k8s.io/cluster-api/util/flags"
+	_ "sigs.k8s.io/cluster-api/version"
+	_ "sigs.k8s.io/cluster-api/webhooks"
+	_ "sigs.k8s.io/controller-runtime"
+	_ "sigs.k8s.io/controller-runtime/pkg/cache"
+	_ "sigs.k8s.io/controller-runtime/pkg/certwatcher"
+	_ "sigs.k8s.io/controller-runtime/pkg/client"
+	_ "sigs.k8s.io/controller-runtime/pkg/config"
+	_ "sigs.k8s.io/controller-runtime/pkg/controller"
+	_ "sigs.k8s.io/controller-runtime/pkg/webhook"
+)
