@@ -226,7 +226,7 @@ K8S_KIND      ?= scsi-block
 ## a Kubernetes cluster built from source with the add-on, scenarios K1, K2, K12, K4
 test-k8s: deps build packages guest-root
 	$(MAKE) image IMAGE_ARCHS=amd64
-	VCO_LAB=1 VCO_K8S=1 VCO_K8S_SCENARIOS=$(K8S_SCENARIOS) VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s
+	VCO_LAB=1 VCO_K8S=1 VCO_K8S_SCENARIOS=$(K8S_SCENARIOS) VCO_LAB_BIN=$(BIN) $(GO) test -count=1 -timeout $(K8S_TIMEOUT) -run '^TestStory$$' ./integration/k8s/story
 
 # The Vault server built from its sources (vault-prefetch's build, waited
 # for or made here) run as an operator runs it, not in dev mode: file

@@ -16,6 +16,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/integration/capi"
 	"github.com/whitesky-cloud/vco-storage/integration/k8s"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s/story"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -67,7 +68,7 @@ func k8sCmd(args []string) int {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
 		fs.StringVar(&k8sAddon, "addon", k8s.AddonRelease, "how the add-on's core bundle is applied: release (deploy/csi.yaml through envsubst) or make (make csi-addon | kubectl apply -f -)")
-		fs.StringVar(&scenarios, "scenarios", strings.Join(k8s.Scenarios, ","), "comma-separated scenarios to run, of: "+scenarioList(k8s.Story))
+		fs.StringVar(&scenarios, "scenarios", strings.Join(story.Scenarios, ","), "comma-separated scenarios to run, of: "+scenarioList(story.All))
 		fs.StringVar(&report, "report", "", "report directory (default: -bin)")
 		fs.StringVar(&focus, "focus", "", "e2e: Ginkgo focus within External.Storage (a regular expression)")
 		fs.StringVar(&skip, "skip", "", "e2e: Ginkgo skip expression")
@@ -148,12 +149,12 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 		return fail("%v", err)
 	}
 	defer cl.Close()
-	r := k8s.RunStory(ctx, cl, scenarios, os.Stderr)
-	if err := k8s.WriteReport(r, report); err != nil {
+	r := story.Run(ctx, cl, scenarios, os.Stderr)
+	if err := story.WriteReport(r, report); err != nil {
 		return fail("%v", err)
 	}
 	r.WriteText(os.Stdout)
-	if err := k8s.Judge(r); err != nil {
+	if err := story.Judge(r); err != nil {
 		return fail("%v", err)
 	}
 	return 0

@@ -40,19 +40,19 @@ const (
 // InstallAddon does what seed 001 tells an operator: the Secret
 // csi-driver-secret (here pointing at the simulator the workers reach on
 // HostInGuest), then the core bundle, applied the way Options.Addon
-// names, with the controller given --insecure-allow-http (insecureController);
+// names, with the controller given --insecure-allow-http (InsecureController);
 // and waits until the controller is available, the node plugin runs on
 // every worker and each worker's CSINode lists the driver.
 func (c *Cluster) InstallAddon(ctx context.Context) (string, error) {
-	secret := fmt.Sprintf("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n---\n", AddonNamespace) + credentialManifest()
+	secret := fmt.Sprintf("apiVersion: v1\nkind: Namespace\nmetadata:\n  name: %s\n---\n", AddonNamespace) + CredentialManifest()
 	if _, err := c.KubectlInput(ctx, strings.NewReader(secret), "apply", "-f", "-"); err != nil {
 		return "", err
 	}
-	bundle, how, err := c.coreBundle(ctx)
+	bundle, how, err := c.CoreBundle(ctx)
 	if err != nil {
 		return "", err
 	}
-	if bundle, err = insecureController(bundle); err != nil {
+	if bundle, err = InsecureController(bundle); err != nil {
 		return "", err
 	}
 	out, err := c.KubectlInput(ctx, bytes.NewReader(bundle), "apply", "-f", "-")
@@ -62,7 +62,7 @@ func (c *Cluster) InstallAddon(ctx context.Context) (string, error) {
 	applied := strings.Count(out, "\n")
 	for _, r := range []string{"deployment/" + ControllerName, "daemonset/" + NodeName} {
 		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "status", r, "--timeout=10m"); err != nil {
-			return out, c.podsState(ctx, err)
+			return out, c.PodsState(ctx, err)
 		}
 	}
 	nodes, err := c.Nodes(ctx)
@@ -70,11 +70,11 @@ func (c *Cluster) InstallAddon(ctx context.Context) (string, error) {
 		return out, err
 	}
 	for _, n := range nodes {
-		if err := waitFor(ctx, 3*time.Minute, "CSINode "+n+" lists "+simlab.DriverName, func() (bool, string, error) {
+		if err := WaitFor(ctx, 3*time.Minute, "CSINode "+n+" lists "+simlab.DriverName, func() (bool, string, error) {
 			got, err := c.Kubectl(ctx, "get", "csinode", n, "-o", "jsonpath={.spec.drivers[*].name}")
 			return err == nil && strings.Contains(" "+got+" ", " "+simlab.DriverName+" "), got, nil
 		}); err != nil {
-			return out, c.podsState(ctx, err)
+			return out, c.PodsState(ctx, err)
 		}
 	}
 	return fmt.Sprintf("%d objects applied from %s; controller available, node plugin on %d workers, CSINodes list %s",
@@ -91,16 +91,16 @@ var controllerMode = regexp.MustCompile(`(?m)^([ \t]*- )--mode=controller\n`)
 // simulator serves no TLS, and HostInGuest is QEMU's user network, whose
 // forward ends at the host's 127.0.0.1, so the JWT does not travel on a
 // real network.
-func insecureController(bundle []byte) ([]byte, error) {
+func InsecureController(bundle []byte) ([]byte, error) {
 	if n := len(controllerMode.FindAll(bundle, -1)); n != 1 {
 		return nil, fmt.Errorf("the core bundle has %d controller arguments --mode=controller, want 1, to add %s after", n, cleartext.Option)
 	}
 	return controllerMode.ReplaceAll(bundle, []byte("${0}${1}"+cleartext.Option+"\n")), nil
 }
 
-// coreBundle renders the add-on's core bundle the way c.Opts.Addon names,
+// CoreBundle renders the add-on's core bundle the way c.Opts.Addon names,
 // and says how.
-func (c *Cluster) coreBundle(ctx context.Context) (bundle []byte, how string, err error) {
+func (c *Cluster) CoreBundle(ctx context.Context) (bundle []byte, how string, err error) {
 	var cmd *exec.Cmd
 	switch c.Opts.Addon {
 	case "", AddonMake:
@@ -134,9 +134,44 @@ func (c *Cluster) Nodes(ctx context.Context) ([]string, error) {
 	return strings.Fields(out), err
 }
 
-// podsState adds the add-on's pods and their recent events to err.
-func (c *Cluster) podsState(ctx context.Context, err error) error {
+// PodsState adds the add-on's pods and their recent events to err.
+func (c *Cluster) PodsState(ctx context.Context, err error) error {
 	pods, _ := c.Kubectl(ctx, "-n", AddonNamespace, "get", "pods", "-o", "wide")
 	ev, _ := c.Kubectl(ctx, "-n", AddonNamespace, "get", "events", "--sort-by=.lastTimestamp")
 	return fmt.Errorf("%w\npods:\n%s\nevents:\n%s", err, pods, lab.LastLines(ev, 25))
+}
+
+// CredentialManifest is the Secret csi-driver-secret that InstallAddon
+// applies, as a manifest for a ClusterResourceSet's Secret.
+func CredentialManifest() string {
+	return fmt.Sprintf(`apiVersion: v1
+kind: Secret
+metadata:
+  name: csi-driver-secret
+  namespace: %s
+type: Opaque
+stringData:
+  url: http://%s:%d
+  customer: %s
+  cloudspace: cs-%s
+  jwt: %s
+`, AddonNamespace, HostInGuest, GuestCloudPort, simlab.Customer, simlab.Location, simlab.Token)
+}
+
+// Envsubst renders a release file of the repository as the release
+// instructions do: envsubst '$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME'.
+func Envsubst(ctx context.Context, file string) (string, error) {
+	f, err := os.Open(repoRoot() + "/" + file)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	cmd := exec.CommandContext(ctx, "envsubst", "$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME")
+	cmd.Stdin = f
+	cmd.Env = append(os.Environ(), "VCO_CSI_IMAGE="+Image, "VCO_CSI_DRIVER_NAME="+simlab.DriverName)
+	out, err := cmd.Output()
+	if err != nil {
+		return "", fmt.Errorf("envsubst < %s: %w", file, err)
+	}
+	return string(out), nil
 }

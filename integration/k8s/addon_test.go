@@ -19,7 +19,7 @@ func TestInsecureControllerAddsTheOptionToTheControllerOnly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := insecureController(in)
+	out, err := InsecureController(in)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +48,7 @@ func TestInsecureControllerAddsTheOptionToTheControllerOnly(t *testing.T) {
 	if got := bytes.ReplaceAll(out, []byte("            - --insecure-allow-http\n"), nil); !bytes.Equal(got, in) {
 		t.Error("the edit changed more than the one argument")
 	}
-	if _, err := insecureController(bytes.ReplaceAll(in, []byte("--mode=controller"), []byte("--mode=all"))); err == nil {
+	if _, err := InsecureController(bytes.ReplaceAll(in, []byte("--mode=controller"), []byte("--mode=all"))); err == nil {
 		t.Error("a bundle without the controller's --mode=controller was edited")
 	}
 }

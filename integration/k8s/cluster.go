@@ -4,6 +4,10 @@
 // of the lab's Debian 12 root with the vco-agent package, containerd,
 // runc, the CNI plugins and a kubelet. The simulator of the whitesky.cloud
 // API hot-plugs the disks into the workers, as in the rest of the lab.
+// It also installs the add-on the release way, runs Kubernetes' storage
+// suite against the cluster (RunStorageSuite), and keeps the parts the
+// scenarios ask of a cluster (the Vault key backend, Cluster API's
+// manager); the scenarios themselves are package story.
 // docs/development.md ("The Kubernetes lab") says what it takes and costs.
 package k8s
 
@@ -78,8 +82,8 @@ type Cluster struct {
 	Registry *images.Registry
 	// keyBackendPort is the host port the workers reach as
 	// HostInGuest:GuestTransitPort; K7 starts its key backend there.
-	keyBackendPort int
-	keyBackend     *keyBackend
+	KeyBackendPort int
+	KeyBackend     *KeyBackend
 
 	// kubelets is how the API server reaches the workers' kubelets.
 	kubelets *kubeletProxy
@@ -123,10 +127,10 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if c.keyBackendPort, err = lab.FreePort(); err != nil {
+	if c.KeyBackendPort, err = lab.FreePort(); err != nil {
 		return nil, err
 	}
-	transitPort := c.keyBackendPort
+	transitPort := c.KeyBackendPort
 	kubeletPorts := map[string]int{}
 	for _, n := range o.Workers {
 		if kubeletPorts[n], err = lab.FreePort(); err != nil {
@@ -152,11 +156,11 @@ func Up(ctx context.Context, o Options) (_ *Cluster, err error) {
 	}()
 	fmt.Fprintf(o.Log, "k8s: waiting for the workers to be Ready\n")
 	if err := c.waitWorkersReady(ctx); err != nil {
-		return nil, c.withLogs(err)
+		return nil, c.WithLogs(err)
 	}
 	if o.ExternalAddresses {
 		if err := c.setNodeAddresses(ctx); err != nil {
-			return nil, c.withLogs(err)
+			return nil, c.WithLogs(err)
 		}
 	}
 	c.SetupTime = time.Since(start)
@@ -281,7 +285,7 @@ func (c *Cluster) setNodeAddresses(ctx context.Context) error {
 
 // waitWorkersReady waits until every worker is a Ready node.
 func (c *Cluster) waitWorkersReady(ctx context.Context) error {
-	return waitFor(ctx, 5*time.Minute, "workers Ready", func() (bool, string, error) {
+	return WaitFor(ctx, 5*time.Minute, "workers Ready", func() (bool, string, error) {
 		out, err := c.Kubectl(ctx, "get", "nodes", "-o", `jsonpath={range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Ready")].status}{" "}{end}`)
 		if err != nil {
 			return false, err.Error(), nil
@@ -315,8 +319,8 @@ func (c *Cluster) KubectlInput(ctx context.Context, stdin io.Reader, args ...str
 	return string(out), nil
 }
 
-// withLogs adds the end of each worker's kubelet journal to err.
-func (c *Cluster) withLogs(err error) error {
+// WithLogs adds the end of each worker's kubelet journal to err.
+func (c *Cluster) WithLogs(err error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	msg := err.Error()
@@ -333,8 +337,8 @@ func (c *Cluster) Close() error {
 	if c.Registry != nil {
 		c.Registry.Stop()
 	}
-	if c.keyBackend != nil {
-		c.keyBackend.srv.Stop()
+	if c.KeyBackend != nil {
+		c.KeyBackend.Srv.Stop()
 	}
 	if c.kubelets != nil {
 		c.kubelets.Stop()

@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/capi"
@@ -22,10 +21,10 @@ import (
 // whose kubeconfig Secret points back at the same API server, so the lab
 // cluster is its own workload cluster.
 
-// startCAPI installs the release's CRDs and starts the core manager with
+// StartCAPI installs the release's CRDs and starts the core manager with
 // a client certificate of its own and its webhook server on a
 // certificate of the lab's CA; it returns once the manager is ready.
-func (c *Cluster) startCAPI(ctx context.Context, m capi.Manager) (string, error) {
+func (c *Cluster) StartCAPI(ctx context.Context, m capi.Manager) (string, error) {
 	crds, err := m.CRDs()
 	if err != nil {
 		return "", err
@@ -66,7 +65,7 @@ func (c *Cluster) startCAPI(ctx context.Context, m capi.Manager) (string, error)
 		return "", err
 	}
 	logPath := filepath.Join(dir, "manager.log")
-	if err := waitFor(ctx, 2*time.Minute, "Cluster API's manager ready on "+health, func() (bool, string, error) {
+	if err := WaitFor(ctx, 2*time.Minute, "Cluster API's manager ready on "+health, func() (bool, string, error) {
 		return managerReady(ctx, health)
 	}); err != nil {
 		b, _ := os.ReadFile(logPath)
@@ -121,11 +120,12 @@ func managerReady(ctx context.Context, addr string) (bool, string, error) {
 // apiServer is the API server's URL on the host.
 func (c *Cluster) apiServer() string { return "https://127.0.0.1:" + strconv.Itoa(c.cp.apiPort) }
 
-// workloadKubeconfigSecret is the Secret <cluster>-kubeconfig Cluster API
+// WorkloadKubeconfigSecret is the Secret <name>-kubeconfig in namespace
+// that Cluster API
 // reads a workload cluster's kubeconfig from (key value, type
 // cluster.x-k8s.io/secret), here a client certificate of its own for the
 // lab's API server.
-func (c *Cluster) workloadKubeconfigSecret() (string, error) {
+func (c *Cluster) WorkloadKubeconfigSecret(name, namespace string) (string, error) {
 	const user = "capi-workload-lab"
 	if err := c.cp.pki.issue(user, user, []string{"system:masters"}); err != nil {
 		return "", err
@@ -143,87 +143,5 @@ metadata:
 type: cluster.x-k8s.io/secret
 data:
   value: %[3]s
-`, CRSClusterName, MgmtNamespace, base64.StdEncoding.EncodeToString([]byte(kc))), nil
-}
-
-// crsObjects are K14's Cluster, its ClusterResourceSets and their
-// resources (besides the add-on's ConfigMap, created from its file). The
-// Cluster has no infrastructure or control plane reference: Cluster API's
-// Cluster controller then marks its infrastructure provisioned itself,
-// which is all the ClusterCache waits for before it connects. Its spec
-// must hold something (the CRD asks for one property at least): the
-// services' range, which is the lab cluster's.
-func crsObjects(onceRev string) string {
-	return fmt.Sprintf(`apiVersion: v1
-kind: Secret
-metadata:
-  name: %[3]s
-  namespace: %[1]s
-type: %[4]s
-stringData:
-  %[5]s: |
-%[6]s---
-apiVersion: addons.cluster.x-k8s.io/v1beta2
-kind: ClusterResourceSet
-metadata:
-  name: %[7]s
-  namespace: %[1]s
-spec:
-  strategy: Reconcile
-  clusterSelector:
-    matchLabels: {%[2]s: vco}
-  resources:
-    - {kind: ConfigMap, name: %[8]s}
-    - {kind: Secret, name: %[3]s}
----
-%[9]s---
-apiVersion: addons.cluster.x-k8s.io/v1beta2
-kind: ClusterResourceSet
-metadata:
-  name: %[10]s
-  namespace: %[1]s
-spec:
-  strategy: ApplyOnce
-  clusterSelector:
-    matchLabels: {%[2]s: vco}
-  resources:
-    - {kind: ConfigMap, name: %[10]s}
----
-apiVersion: cluster.x-k8s.io/v1beta2
-kind: Cluster
-metadata:
-  name: %[11]s
-  namespace: %[1]s
-  labels: {%[2]s: vco}
-spec:
-  clusterNetwork:
-    services: {cidrBlocks: [%[12]q]}
-`, MgmtNamespace, CSILabel, CredentialSecret, ResourceSetSecretType, CredentialKey,
-		indent(credentialManifest(), "    "), AddonCRS, AddonConfigMap, onceSource(onceRev), OnceCRS, CRSClusterName, ServiceCIDR)
-}
-
-// onceSource is the ConfigMap OnceCRS applies: it holds OnceObject with
-// data revision rev.
-func onceSource(rev string) string {
-	inner := fmt.Sprintf("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: %s, namespace: default}\ndata: {revision: %q}\n", OnceObject, rev)
-	return fmt.Sprintf(`apiVersion: v1
-kind: ConfigMap
-metadata:
-  name: %s
-  namespace: %s
-data:
-  once.yaml: |
-%s`, OnceCRS, MgmtNamespace, indent(inner, "    "))
-}
-
-// indent prefixes every non-empty line of s.
-func indent(s, prefix string) string {
-	lines := strings.SplitAfter(s, "\n")
-	var b strings.Builder
-	for _, l := range lines {
-		if strings.TrimSpace(l) != "" {
-			b.WriteString(prefix + l)
-		}
-	}
-	return b.String()
+`, name, namespace, base64.StdEncoding.EncodeToString([]byte(kc))), nil
 }

@@ -21,9 +21,9 @@ import (
 // The key backend's names in the lab: docs/encryption.md's recipe for a
 // cluster called lab (its prod-1 read as lab).
 const (
-	clusterName  = "lab"
-	TransitMount = "transit-" + clusterName
-	AuthMount    = "kubernetes-" + clusterName
+	ClusterName  = "lab"
+	TransitMount = "transit-" + ClusterName
+	AuthMount    = "kubernetes-" + ClusterName
 	TransitRole  = "vco-csi-node"
 	TransitKey   = "vco-csi-volumes"
 )
@@ -35,10 +35,10 @@ const recipeHeading = "## Setting up the key backend"
 // build of integration/vault started on the host port the workers reach
 // as HostInGuest:GuestTransitPort, initialised and unsealed, set up by
 // docs/encryption.md's recipe, its requests in an audit log.
-type keyBackend struct {
-	srv  *vault.Server
+type KeyBackend struct {
+	Srv  *vault.Server
 	root string // the root token, the recipe's administrator
-	key  string // the one unseal key share
+	Key  string // the one unseal key share
 	// recipe are the recipe's blocks as the lab read them (its
 	// placeholders replaced), once followed.
 	recipe []vault.Block
@@ -46,10 +46,10 @@ type keyBackend struct {
 	audit  string // the file audit device's log
 }
 
-// startKeyBackend builds (or takes from the cache) the Vault server,
+// StartKeyBackend builds (or takes from the cache) the Vault server,
 // starts it on port with a certificate for HostInGuest, initialises and
 // unseals it and turns its audit log on.
-func (c *Cluster) startKeyBackend(ctx context.Context, port int, log io.Writer) (*keyBackend, error) {
+func (c *Cluster) StartKeyBackend(ctx context.Context, port int, log io.Writer) (*KeyBackend, error) {
 	bin, err := vault.Build(ctx, lab.DefaultCacheDir(), log)
 	if err != nil {
 		return nil, err
@@ -59,7 +59,7 @@ func (c *Cluster) startKeyBackend(ctx context.Context, port int, log io.Writer) 
 	if err != nil {
 		return nil, err
 	}
-	kb := &keyBackend{srv: srv, dir: filepath.Join(dir, "operator"), audit: filepath.Join(dir, "audit.log")}
+	kb := &KeyBackend{Srv: srv, dir: filepath.Join(dir, "operator"), audit: filepath.Join(dir, "audit.log")}
 	if err := kb.unseal(ctx); err != nil {
 		srv.Stop()
 		return nil, err
@@ -72,32 +72,32 @@ func (c *Cluster) startKeyBackend(ctx context.Context, port int, log io.Writer) 
 }
 
 // unseal initialises the server with one key share and unseals it.
-func (kb *keyBackend) unseal(ctx context.Context) error {
-	key, root, err := kb.srv.Init(ctx)
+func (kb *KeyBackend) unseal(ctx context.Context) error {
+	key, root, err := kb.Srv.Init(ctx)
 	if err != nil {
 		return err
 	}
-	kb.root, kb.key = root, key
-	return kb.srv.Unseal(ctx, key)
+	kb.root, kb.Key = root, key
+	return kb.Srv.Unseal(ctx, key)
 }
 
 // describe names the server for the report.
-func (kb *keyBackend) describe() string {
-	return fmt.Sprintf("Vault %s built from source at %s (file storage, TLS)", vault.Version, kb.srv.Addr)
+func (kb *KeyBackend) Describe() string {
+	return fmt.Sprintf("Vault %s built from source at %s (file storage, TLS)", vault.Version, kb.Srv.Addr)
 }
 
 // recipeSubst are the recipe's placeholders read for the lab, in order.
 func (c *Cluster) recipeSubst() [][2]string {
 	return [][2]string{
 		{"<prod-1 api server>:6443", "127.0.0.1:" + strconv.Itoa(c.cp.apiPort)},
-		{"prod-1", clusterName},
+		{"prod-1", ClusterName},
 		{"https://openbao.example.net:8200", fmt.Sprintf("https://%s:%d", HostInGuest, GuestTransitPort)},
 		{"make csi-addon VCO_CSI_IMAGE=try.whitesky.cloud/vco/csi:1.0",
 			fmt.Sprintf("make -s -C %s csi-addon VCO_CSI_IMAGE=%s ADDON_DIR=%s", repoRoot(), Image, filepath.Join(c.Env.Lab.Dir(), "addon"))},
 	}
 }
 
-// followRecipe runs docs/encryption.md's key backend recipe block by
+// FollowRecipe runs docs/encryption.md's key backend recipe block by
 // block, as an operator would, in kb.dir: shell blocks with bash (bao is
 // the server's own CLI, logged in as the administrator; kubectl the
 // cluster's, with the administrator's kubeconfig), a block the prose
@@ -105,7 +105,7 @@ func (c *Cluster) recipeSubst() [][2]string {
 // is in kb.dir as openbao-ca.pem, where the recipe reads it. Before a
 // block reads the token reviewer's Secret, it waits until the cluster
 // has filled it.
-func (c *Cluster) followRecipe(ctx context.Context, kb *keyBackend) (int, error) {
+func (c *Cluster) FollowRecipe(ctx context.Context, kb *KeyBackend) (int, error) {
 	doc, err := os.ReadFile(filepath.Join(repoRoot(), "docs", "encryption.md"))
 	if err != nil {
 		return 0, err
@@ -133,18 +133,18 @@ func (c *Cluster) followRecipe(ctx context.Context, kb *keyBackend) (int, error)
 
 // operatorTools puts the operator's tools in kb.dir/bin (bao: the
 // server's CLI; kubectl) and the server's CA in kb.dir.
-func (c *Cluster) operatorTools(kb *keyBackend) error {
+func (c *Cluster) operatorTools(kb *KeyBackend) error {
 	bin := filepath.Join(kb.dir, "bin")
 	if err := os.MkdirAll(bin, 0o755); err != nil {
 		return err
 	}
-	for name, target := range map[string]string{"bao": kb.srv.Bin, "kubectl": c.Bins.Kubectl} {
+	for name, target := range map[string]string{"bao": kb.Srv.Bin, "kubectl": c.Bins.Kubectl} {
 		_ = os.Remove(filepath.Join(bin, name))
 		if err := os.Symlink(target, filepath.Join(bin, name)); err != nil {
 			return err
 		}
 	}
-	ca, err := os.ReadFile(kb.srv.CACert)
+	ca, err := os.ReadFile(kb.Srv.CACert)
 	if err != nil {
 		return err
 	}
@@ -152,7 +152,7 @@ func (c *Cluster) operatorTools(kb *keyBackend) error {
 }
 
 // recipeBlock runs, saves or applies one block of the recipe.
-func (c *Cluster) recipeBlock(ctx context.Context, kb *keyBackend, b vault.Block) error {
+func (c *Cluster) recipeBlock(ctx context.Context, kb *KeyBackend, b vault.Block) error {
 	switch {
 	case b.File != "":
 		return os.WriteFile(filepath.Join(kb.dir, b.File), []byte(b.Text), 0o600)
@@ -167,16 +167,16 @@ func (c *Cluster) recipeBlock(ctx context.Context, kb *keyBackend, b vault.Block
 			return err
 		}
 	}
-	_, err := c.operatorSh(ctx, kb, b.Text)
+	_, err := c.OperatorSh(ctx, kb, b.Text)
 	return err
 }
 
-// operatorSh runs script with bash as the recipe's operator: in kb.dir,
+// OperatorSh runs script with bash as the recipe's operator: in kb.dir,
 // bao logged in as the administrator, kubectl the cluster's.
-func (c *Cluster) operatorSh(ctx context.Context, kb *keyBackend, script string) (string, error) {
+func (c *Cluster) OperatorSh(ctx context.Context, kb *KeyBackend, script string) (string, error) {
 	cmd := exec.CommandContext(ctx, "bash", "-euo", "pipefail", "-c", script)
 	cmd.Dir = kb.dir
-	cmd.Env = append(kb.srv.Env(kb.root), "PATH="+filepath.Join(kb.dir, "bin")+":"+os.Getenv("PATH"), "KUBECONFIG="+c.Kubeconfig)
+	cmd.Env = append(kb.Srv.Env(kb.root), "PATH="+filepath.Join(kb.dir, "bin")+":"+os.Getenv("PATH"), "KUBECONFIG="+c.Kubeconfig)
 	var out, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &stderr
 	if err := cmd.Run(); err != nil {
@@ -187,7 +187,7 @@ func (c *Cluster) operatorSh(ctx context.Context, kb *keyBackend, script string)
 
 // recipeCommand is the recipe's shell command (with its continuation
 // lines) that starts with prefix.
-func (kb *keyBackend) recipeCommand(prefix string) (string, error) {
+func (kb *KeyBackend) RecipeCommand(prefix string) (string, error) {
 	for _, b := range kb.recipe {
 		if b.Lang != "sh" {
 			continue
@@ -210,7 +210,7 @@ func (kb *keyBackend) recipeCommand(prefix string) (string, error) {
 // waitReviewerToken waits until the cluster has filled the token
 // reviewer's Secret, which the encryption part creates empty.
 func (c *Cluster) waitReviewerToken(ctx context.Context) error {
-	return waitFor(ctx, 2*time.Minute, "the token reviewer's Secret filled", func() (bool, string, error) {
+	return WaitFor(ctx, 2*time.Minute, "the token reviewer's Secret filled", func() (bool, string, error) {
 		out, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "secret", "vco-csi-token-reviewer", "-o", "jsonpath={.data.token}")
 		return err == nil && strings.TrimSpace(out) != "", fmt.Sprint(err), nil
 	})
@@ -218,14 +218,14 @@ func (c *Cluster) waitReviewerToken(ctx context.Context) error {
 
 // enableAudit turns on a file audit device, so the lab sees in the
 // server's own log which requests it answered.
-func (kb *keyBackend) enableAudit(ctx context.Context) error {
-	_, err := kb.srv.CLI(ctx, kb.root, "audit", "enable", "file", "file_path="+kb.audit)
+func (kb *KeyBackend) enableAudit(ctx context.Context) error {
+	_, err := kb.Srv.CLI(ctx, kb.root, "audit", "enable", "file", "file_path="+kb.audit)
 	return err
 }
 
 // answered counts the requests to path the server answered without an
 // error, by its audit log.
-func (kb *keyBackend) answered(path string) (int, error) {
+func (kb *KeyBackend) Answered(path string) (int, error) {
 	f, err := os.Open(kb.audit)
 	if err != nil {
 		return 0, err

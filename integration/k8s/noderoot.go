@@ -105,3 +105,13 @@ umount %[1]s/proc`, root, strings.Join(NodePackages, " "))
 	fmt.Fprintf(log, "k8s: worker root %s made in %s\n", out, time.Since(start).Round(time.Second))
 	return &lab.DebianRoot{Tar: out, Deb: base.Deb}, nil
 }
+
+// GuestBusybox is where the workers' image carries the host's static
+// busybox: the node plugin's image has no shell, so the check of what
+// its container can read copies this into the plugin's own directory
+// and runs it there with kubectl exec, as code that took over the plugin
+// could.
+const GuestBusybox = "/usr/local/lib/vco-lab/busybox"
+
+// hostBusybox is the static busybox the lab's initramfs is made from.
+func hostBusybox() (string, error) { return exec.LookPath("busybox") }

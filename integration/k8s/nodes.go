@@ -192,8 +192,8 @@ systemctl start kubelet`, NodeIP, KubernetesSvc, HostInGuest, GuestAPIPort)
 	return nil
 }
 
-// waitFor polls f until it returns true, an error, or limit passes.
-func waitFor(ctx context.Context, limit time.Duration, what string, f func() (bool, string, error)) error {
+// WaitFor polls f until it returns true, an error, or limit passes.
+func WaitFor(ctx context.Context, limit time.Duration, what string, f func() (bool, string, error)) error {
 	deadline := time.Now().Add(limit)
 	var last string
 	for {

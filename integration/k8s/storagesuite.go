@@ -191,7 +191,7 @@ func classOr(c string) string {
 // (the driver name as the add-on's) into dir, with class instead of the
 // file's StorageClass when given.
 func renderTestDriver(ctx context.Context, dir, class string) (string, error) {
-	out, err := envsubst(ctx, "deploy/testdriver.yaml")
+	out, err := Envsubst(ctx, "deploy/testdriver.yaml")
 	if err != nil {
 		return "", err
 	}

@@ -1,28 +1,18 @@
-package k8s
+package story
 
 import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"os/exec"
 	"path"
 	"regexp"
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
-
-// GuestBusybox is where the workers' image carries the host's static
-// busybox: the node plugin's image has no shell, so the check of what
-// its container can read copies this into the plugin's own directory
-// and runs it there with kubectl exec, as code that took over the plugin
-// could.
-const GuestBusybox = "/usr/local/lib/vco-lab/busybox"
-
-// hostBusybox is the static busybox the lab's initramfs is made from.
-func hostBusybox() (string, error) { return exec.LookPath("busybox") }
 
 // neighbour is a pod on the node plugin's node with a Secret volume and
 // the ServiceAccount token Kubernetes projects into every pod.
@@ -114,7 +104,7 @@ func (s *story) k1NodeView(ctx context.Context, node string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	plugin, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name="+NodeName,
+	plugin, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name="+k8s.NodeName,
 		"--field-selector", "spec.nodeName="+node, "-o", "jsonpath={.items[0].metadata.name}")
 	if err != nil || plugin == "" {
 		return "", fmt.Errorf("no node plugin pod on %s: %v", node, err)
@@ -126,12 +116,12 @@ func (s *story) k1NodeView(ctx context.Context, node string) (string, error) {
 	// The plugin's socket directory, /csi in its container; named busybox,
 	// as busybox takes its applet from the next argument only then.
 	bb := path.Join("/var/lib/kubelet/plugins", driver, "busybox")
-	if _, err := g.MustSh(ctx, fmt.Sprintf("cp %s %s && chmod 0755 %s", GuestBusybox, bb, bb)); err != nil {
+	if _, err := g.MustSh(ctx, fmt.Sprintf("cp %s %s && chmod 0755 %s", k8s.GuestBusybox, bb, bb)); err != nil {
 		return "", err
 	}
 	defer g.MustSh(context.WithoutCancel(ctx), "rm -f "+bb)
 	run := func(args ...string) (string, error) {
-		out, err := c.Kubectl(ctx, append([]string{"-n", AddonNamespace, "exec", plugin, "-c", "vco-csi", "--", "/csi/busybox"}, args...)...)
+		out, err := c.Kubectl(ctx, append([]string{"-n", k8s.AddonNamespace, "exec", plugin, "-c", "vco-csi", "--", "/csi/busybox"}, args...)...)
 		if err != nil {
 			return out + err.Error(), err
 		}

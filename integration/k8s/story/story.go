@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
@@ -34,7 +35,7 @@ type scenario struct {
 	run   func(*story, context.Context) error
 }
 
-// storyScenarios are the scenarios RunStory knows, in the order they run
+// storyScenarios are the scenarios Run knows, in the order they run
 // (docs/development.md, "The Kubernetes lab", lists them from here).
 var storyScenarios = []scenario{
 	{Scenario: e2e.Scenario{ID: "K1", Name: "a claim and its pod: the PV's topology, and the node plugin refused the node's secrets", Props: []e2e.Property{e2e.P5}}, run: (*story).k1},
@@ -52,8 +53,8 @@ var storyScenarios = []scenario{
 	{Scenario: e2e.Scenario{ID: "K14", Name: "the add-on delivered by a ClusterResourceSet: its size limit, Reconcile against a hand edit, an upgrade", Props: nil}, alone: true, run: (*story).k14},
 }
 
-// Story are the Kubernetes story's scenarios, in the order they run.
-var Story = func() []e2e.Scenario {
+// All are the Kubernetes story's scenarios, in the order they run.
+var All = func() []e2e.Scenario {
 	scs := make([]e2e.Scenario, len(storyScenarios))
 	for i, sc := range storyScenarios {
 		scs[i] = sc.Scenario
@@ -90,16 +91,19 @@ var Alone = func() []string {
 // tier"); `make k8s-lab` and `make soak` run them all.
 var Brief = []string{"K1", "K2", "K12", "K4"}
 
+// cluster is the lab's cluster with what the scenarios add to it.
+type cluster struct{ *k8s.Cluster }
+
 type story struct {
-	c   *Cluster
+	c   cluster
 	r   *e2e.Report
 	log io.Writer
 }
 
-// RunStory installs the add-on and runs the scenarios on the cluster,
+// Run installs the add-on and runs the scenarios on the cluster,
 // recording each step and each piece of evidence for P1-P5.
-func RunStory(ctx context.Context, c *Cluster, scenarios []string, log io.Writer) *e2e.Report {
-	s := &story{c: c, log: log, r: &e2e.Report{Started: time.Now(), Kind: string(c.Env.Backend.Kind),
+func Run(ctx context.Context, c *k8s.Cluster, scenarios []string, log io.Writer) *e2e.Report {
+	s := &story{c: cluster{c}, log: log, r: &e2e.Report{Started: time.Now(), Kind: string(c.Env.Backend.Kind),
 		Setup: c.SetupTime, Boot: map[string]time.Duration{}}}
 	if s.r.Kind == "" {
 		s.r.Kind = string(lab.SCSIBlock)
@@ -149,7 +153,7 @@ func chosen(ids []string) ([]scenario, error) {
 	for i, id := range ids {
 		j := slices.IndexFunc(storyScenarios, func(sc scenario) bool { return sc.ID == id })
 		if j < 0 {
-			_, err := e2e.Lookup(Story, id)
+			_, err := e2e.Lookup(All, id)
 			return nil, err
 		}
 		sc := storyScenarios[j]
@@ -330,7 +334,7 @@ func (s *story) pods(ctx context.Context, selector string) ([]podInfo, error) {
 // waitPods waits until the selector's pods number n and want(pods) holds.
 func (s *story) waitPods(ctx context.Context, selector string, limit time.Duration, what string, want func([]podInfo) bool) ([]podInfo, error) {
 	var ps []podInfo
-	err := waitFor(ctx, limit, what, func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, limit, what, func() (bool, string, error) {
 		var err error
 		ps, err = s.pods(ctx, selector)
 		if err != nil {
@@ -565,7 +569,7 @@ spec:
 // k2Held checks that second is held with the Multi-Attach error and never mounts pv, and that first keeps its data.
 func (s *story) k2Held(ctx context.Context, sc string, first, second podInfo, pv string) (string, error) {
 	var msg string
-	if err := waitFor(ctx, 3*time.Minute, "a Multi-Attach error event for "+second.Name, func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 3*time.Minute, "a Multi-Attach error event for "+second.Name, func() (bool, string, error) {
 		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "events", "--field-selector", "involvedObject.name="+second.Name,
 			"-o", "jsonpath={range .items[*]}{.reason}: {.message}{\"\\n\"}{end}")
 		if err != nil {
@@ -706,7 +710,7 @@ func checkAlone(scenarios []string) error {
 }
 
 // Exercised are the safety properties scenarios give evidence for.
-func Exercised(scenarios []string) []e2e.Property { return e2e.Exercised(Story, scenarios) }
+func Exercised(scenarios []string) []e2e.Property { return e2e.Exercised(All, scenarios) }
 
 // Judge returns nil when the story ran to its end, no check failed and
 // each property that the scenarios it ran exercise was checked.

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -68,7 +69,7 @@ func (s *story) k6Patch(ctx context.Context) error {
 func (s *story) k6Grown(ctx context.Context, pv, what string) (podInfo, int64, error) {
 	var after int64
 	var now podInfo
-	err := waitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 5*time.Minute, what, func() (bool, string, error) {
 		ps, err := s.pods(ctx, "app=k4")
 		if err != nil || len(ps) != 1 || !ps[0].Ready {
 			return false, fmt.Sprintf("pods %+v %v", ps, err), nil
@@ -94,7 +95,7 @@ func (s *story) k6Offline(ctx context.Context, pv string, before int64) (string,
 	if _, err := s.c.Kubectl(ctx, "-n", Namespace, "scale", "deployment", "k4", "--replicas=0"); err != nil {
 		return "", err
 	}
-	if err := waitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 5*time.Minute, "claim k4 detached", func() (bool, string, error) {
 		va, err := s.c.Kubectl(ctx, "get", "volumeattachment", "-o", "jsonpath={range .items[?(@.spec.source.persistentVolumeName==\""+pv+"\")]}{.spec.nodeName} {end}")
 		return err == nil && strings.TrimSpace(va) == "", va, nil
 	}); err != nil {
@@ -103,7 +104,7 @@ func (s *story) k6Offline(ctx context.Context, pv string, before int64) (string,
 	if err := s.k6Patch(ctx); err != nil {
 		return "", err
 	}
-	if err := waitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 5*time.Minute, "the disk grown by the controller", func() (bool, string, error) {
 		st, err := s.c.Kubectl(ctx, "get", "pv", pv, "-o", "jsonpath={.spec.capacity.storage}")
 		return err == nil && strings.TrimSpace(st) == "2Gi", st, nil
 	}); err != nil {

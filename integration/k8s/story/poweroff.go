@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -96,7 +97,7 @@ func (s *story) k5PowerOff(ctx context.Context, dead *lab.Guest, diskID int64, d
 
 // k5OutOfService waits for dead to be NotReady and taints it out of service.
 func (s *story) k5OutOfService(ctx context.Context, dead *lab.Guest) (string, error) {
-	if err := waitFor(ctx, 5*time.Minute, dead.Name+" not Ready", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 5*time.Minute, dead.Name+" not Ready", func() (bool, string, error) {
 		st, err := s.c.Kubectl(ctx, "get", "node", dead.Name, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
 		return err == nil && strings.TrimSpace(st) != "True", st, nil
 	}); err != nil {
@@ -158,7 +159,7 @@ func (s *story) k5LateWrites(ctx context.Context, sc string, dead *lab.Guest, ol
 // k5Fenced waits for dead's DiskFenced event about volume h or device dev.
 func (s *story) k5Fenced(ctx context.Context, sc string, dead *lab.Guest, h, dev string) (string, error) {
 	var msg string
-	err := waitFor(ctx, time.Minute, "DiskFenced on "+dead.Name, func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, time.Minute, "DiskFenced on "+dead.Name, func() (bool, string, error) {
 		evs, err := nodeEvents(ctx, dead)
 		if err != nil {
 			return false, err.Error(), nil
@@ -200,7 +201,7 @@ func (s *story) k5NoneLanded(ctx context.Context, sc string, dead, live *lab.Gue
 // k5TornDown waits until nothing of pv is mounted on dead and lifts the taint.
 func (s *story) k5TornDown(ctx context.Context, dead *lab.Guest, pv string) (string, error) {
 	var left []string
-	err := waitFor(ctx, 4*time.Minute, "no mount of "+pv+" left on "+dead.Name, func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 4*time.Minute, "no mount of "+pv+" left on "+dead.Name, func() (bool, string, error) {
 		var err error
 		if left, err = s.mountsOf(ctx, dead, pv); err != nil {
 			return false, err.Error(), nil

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -165,7 +166,7 @@ func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws [
 	// The records must go on past the restart: 20 more each (about 4 s
 	// of writing at the writers' pace, longer on a slow worker).
 	var after []int
-	if err := waitFor(ctx, 3*time.Minute, "both writers 20 records on", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 3*time.Minute, "both writers 20 records on", func() (bool, string, error) {
 		after, err = s.lastRecords(ctx, node, ws)
 		if err != nil {
 			return false, err.Error(), nil
@@ -209,7 +210,7 @@ func (s *story) k12Restart(ctx context.Context, sc string, node *lab.Guest, ws [
 // its restart and that the agent answered each as already staged.
 func (s *story) k12StagedAgain(ctx context.Context, node *lab.Guest, ws []fsyncPod, since int64, stagesBefore float64) (string, error) {
 	var logged []int
-	err := waitFor(ctx, 2*time.Minute, "the agent's 'volume already staged' for both volumes", func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 2*time.Minute, "the agent's 'volume already staged' for both volumes", func() (bool, string, error) {
 		logged = logged[:0]
 		for _, w := range ws {
 			// The agent logs to the journal natively: the volume is

@@ -1,13 +1,15 @@
-package k8s
+package story
 
 import (
 	"errors"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/srctree"
 )
 
 func TestExercisedFollowsTheScenariosRun(t *testing.T) {
@@ -43,7 +45,7 @@ func TestJudgeAsksForEveryPropertyOfTheScenariosThatRan(t *testing.T) {
 	}
 }
 
-func TestRunStoryRefusesAScenarioWithoutK4(t *testing.T) {
+func TestRunRefusesAScenarioWithoutK4(t *testing.T) {
 	for _, sc := range []string{"K5", "K6", "K8", "K9"} {
 		if _, err := chosen([]string{sc, "K4"}); err == nil || !strings.Contains(err.Error(), "uses K4's claim") {
 			t.Errorf("%s before K4: %v, want a refusal", sc, err)
@@ -61,10 +63,10 @@ func TestRunStoryRefusesAScenarioWithoutK4(t *testing.T) {
 }
 
 // TestDocsTableFollowsTheRegistry: docs/development.md's table of the
-// Kubernetes scenarios lists Story's ids in its order, each with its
+// Kubernetes scenarios lists All's ids in its order, each with its
 // properties.
 func TestDocsTableFollowsTheRegistry(t *testing.T) {
-	b, err := os.ReadFile("../../docs/development.md")
+	b, err := os.ReadFile(filepath.Join(srctree.Root(), "docs", "development.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,26 +82,13 @@ func TestDocsTableFollowsTheRegistry(t *testing.T) {
 		}
 		rows = append(rows, e2e.Scenario{ID: strings.TrimSpace(f[1]), Name: props})
 	}
-	if len(rows) != len(Story) {
-		t.Fatalf("the docs' table has %d scenarios, the registry %d", len(rows), len(Story))
+	if len(rows) != len(All) {
+		t.Fatalf("the docs' table has %d scenarios, the registry %d", len(rows), len(All))
 	}
-	for i, sc := range Story {
+	for i, sc := range All {
 		if rows[i].ID != sc.ID || rows[i].Name != e2e.PropsText(sc.Props) {
 			t.Errorf("row %d of the docs' table: %s with %s; the registry: %s with %s", i+1, rows[i].ID, rows[i].Name, sc.ID, e2e.PropsText(sc.Props))
 		}
-	}
-}
-
-func TestNodeUserDataTurnsOnTheLocationOverride(t *testing.T) {
-	u, err := nodeUserData("lab-location-1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(u, "\n      node:\n        location: \"lab-location-1\"\n") {
-		t.Errorf("the seed does not set the location:\n%s", u)
-	}
-	if !strings.HasPrefix(u, "#cloud-config\n") || !strings.Contains(u, "systemctl enable vco-agent.socket vco-agent.service") {
-		t.Errorf("not the package's seed:\n%s", u)
 	}
 }
 
@@ -116,7 +105,7 @@ func TestK14RunsAlone(t *testing.T) {
 	if err := checkAlone(Scenarios); err != nil {
 		t.Errorf("the full list: %v", err)
 	}
-	if slices.Contains(Scenarios, "K14") || !slices.Contains(e2e.IDs(Story), "K14") {
+	if slices.Contains(Scenarios, "K14") || !slices.Contains(e2e.IDs(All), "K14") {
 		t.Errorf("K14 in the default list %v, or not in the registry", Scenarios)
 	}
 }

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"bytes"
@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/capi"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -27,7 +28,7 @@ func (s *story) k14(ctx context.Context) error {
 		name string
 		f    func(context.Context) (string, error)
 	}{
-		{"delete the add-on the setup applied (its objects, the namespace " + AddonNamespace + " with csi-driver-secret): no driver in the cluster", s.c.removeAddon},
+		{"delete the add-on the setup applied (its objects, the namespace " + k8s.AddonNamespace + " with csi-driver-secret): no driver in the cluster", s.c.removeAddon},
 		{"management cluster on the lab's control plane: Cluster API's CRDs applied with kubectl, its core manager built from source started on the host", s.c.k14Manager},
 		{"the add-on as CAPVCO wraps it: ConfigMap " + AddonConfigMap + " of csi.yaml rendered, Secret " + CredentialSecret + " of type " + ResourceSetSecretType + ", ClusterResourceSets " + AddonCRS + " (Reconcile) and " + OnceCRS + " (ApplyOnce), Cluster " + CRSClusterName + " labelled " + CSILabel + ": vco with its kubeconfig Secret", s.c.k14Wrap},
 		{"the ClusterResourceSet alone brings the driver up: controller available, node plugin on every worker, CSINodes list the driver, no kubectl among the objects' managers", s.c.k14Delivered},
@@ -49,20 +50,20 @@ func (s *story) k14(ctx context.Context) error {
 // namespace, the CSIDriver and the add-on's pods are gone. It records,
 // without judging, what the CSINodes still list: the kubelet drops a
 // driver when its registration socket goes.
-func (c *Cluster) removeAddon(ctx context.Context) (string, error) {
-	bundle, _, err := c.coreBundle(ctx)
+func (c cluster) removeAddon(ctx context.Context) (string, error) {
+	bundle, _, err := c.CoreBundle(ctx)
 	if err != nil {
 		return "", err
 	}
-	if bundle, err = insecureController(bundle); err != nil {
+	if bundle, err = k8s.InsecureController(bundle); err != nil {
 		return "", err
 	}
 	out, err := c.KubectlInput(ctx, bytes.NewReader(bundle), "delete", "--ignore-not-found", "--wait=true", "--timeout=5m", "-f", "-")
 	if err != nil {
 		return out, err
 	}
-	if err := waitFor(ctx, 5*time.Minute, "namespace "+AddonNamespace+" and CSIDriver "+simlab.DriverName+" gone", func() (bool, string, error) {
-		got, err := c.Kubectl(ctx, "get", "namespace/"+AddonNamespace, "csidriver/"+simlab.DriverName, "--ignore-not-found", "-o", "name")
+	if err := k8s.WaitFor(ctx, 5*time.Minute, "namespace "+k8s.AddonNamespace+" and CSIDriver "+simlab.DriverName+" gone", func() (bool, string, error) {
+		got, err := c.Kubectl(ctx, "get", "namespace/"+k8s.AddonNamespace, "csidriver/"+simlab.DriverName, "--ignore-not-found", "-o", "name")
 		return err == nil && strings.TrimSpace(got) == "", got, nil
 	}); err != nil {
 		return "", err
@@ -73,15 +74,15 @@ func (c *Cluster) removeAddon(ctx context.Context) (string, error) {
 }
 
 // k14Manager builds (or takes from the cache) Cluster API's core manager
-// and starts it (startCAPI).
-func (c *Cluster) k14Manager(ctx context.Context) (string, error) {
+// and starts it (StartCAPI).
+func (c cluster) k14Manager(ctx context.Context) (string, error) {
 	start := time.Now()
-	m, err := capi.Build(ctx, lab.DefaultCacheDir(), c.log)
+	m, err := capi.Build(ctx, lab.DefaultCacheDir(), c.Opts.Log)
 	if err != nil {
 		return "", err
 	}
 	built := time.Since(start).Round(time.Second)
-	got, err := c.startCAPI(ctx, m)
+	got, err := c.StartCAPI(ctx, m)
 	return fmt.Sprintf("%s (build or cache: %s)", got, built), err
 }
 
@@ -89,7 +90,7 @@ func (c *Cluster) k14Manager(ctx context.Context) (string, error) {
 // ConfigMap with kubectl create from the rendered file (not a
 // client-side apply, which would store a second copy in an annotation),
 // the workload cluster's kubeconfig Secret, then crsObjects.
-func (c *Cluster) k14Wrap(ctx context.Context) (string, error) {
+func (c cluster) k14Wrap(ctx context.Context) (string, error) {
 	bundle, err := crsBundle()
 	if err != nil {
 		return "", err
@@ -100,7 +101,7 @@ func (c *Cluster) k14Wrap(ctx context.Context) (string, error) {
 	if err := c.putAddonConfigMap(ctx, bundle, "create"); err != nil {
 		return "", err
 	}
-	kc, err := c.workloadKubeconfigSecret()
+	kc, err := c.WorkloadKubeconfigSecret(CRSClusterName, MgmtNamespace)
 	if err != nil {
 		return "", err
 	}
@@ -117,7 +118,7 @@ func (c *Cluster) k14Wrap(ctx context.Context) (string, error) {
 
 // putAddonConfigMap writes bundle as the add-on's ConfigMap with kubectl
 // verb (create, or replace for an upgrade).
-func (c *Cluster) putAddonConfigMap(ctx context.Context, bundle []byte, verb string) error {
+func (c cluster) putAddonConfigMap(ctx context.Context, bundle []byte, verb string) error {
 	f := filepath.Join(c.Env.Lab.Dir(), "capi", AddonKey)
 	if err := os.WriteFile(f, bundle, 0o644); err != nil {
 		return err
@@ -133,9 +134,9 @@ func (c *Cluster) putAddonConfigMap(ctx context.Context, bundle []byte, verb str
 // k14Delivered waits for the Cluster's infrastructure to count as
 // provisioned, for the binding to record both of the set's resources
 // applied, and for the driver to run, and names who wrote the objects.
-func (c *Cluster) k14Delivered(ctx context.Context) (string, error) {
+func (c cluster) k14Delivered(ctx context.Context) (string, error) {
 	start := time.Now()
-	if err := waitFor(ctx, 3*time.Minute, "Cluster "+CRSClusterName+"'s infrastructure provisioned", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 3*time.Minute, "Cluster "+CRSClusterName+"'s infrastructure provisioned", func() (bool, string, error) {
 		got, err := c.Kubectl(ctx, "-n", MgmtNamespace, "get", "cluster", CRSClusterName, "-o", "jsonpath={.status.initialization.infrastructureProvisioned}")
 		return err == nil && got == "true", got, nil
 	}); err != nil {
@@ -145,9 +146,9 @@ func (c *Cluster) k14Delivered(ctx context.Context) (string, error) {
 		return "", err
 	}
 	applied := time.Since(start).Round(time.Second)
-	for _, r := range []string{"deployment/" + ControllerName, "daemonset/" + NodeName} {
-		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "status", r, "--timeout=10m"); err != nil {
-			return "", c.podsState(ctx, err)
+	for _, r := range []string{"deployment/" + k8s.ControllerName, "daemonset/" + k8s.NodeName} {
+		if _, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "rollout", "status", r, "--timeout=10m"); err != nil {
+			return "", c.PodsState(ctx, err)
 		}
 	}
 	if err := c.waitCSINodes(ctx); err != nil {
@@ -162,9 +163,9 @@ func (c *Cluster) k14Delivered(ctx context.Context) (string, error) {
 
 // waitApplied waits until the Cluster's ClusterResourceSetBinding records
 // n resources of the set crs applied.
-func (c *Cluster) waitApplied(ctx context.Context, crs string, n int) error {
+func (c cluster) waitApplied(ctx context.Context, crs string, n int) error {
 	path := fmt.Sprintf(`jsonpath={.spec.bindings[?(@.clusterResourceSetName=="%s")].resources[*].applied}`, crs)
-	err := waitFor(ctx, 5*time.Minute, fmt.Sprintf("%d resources of %s applied to %s", n, crs, CRSClusterName), func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 5*time.Minute, fmt.Sprintf("%d resources of %s applied to %s", n, crs, CRSClusterName), func() (bool, string, error) {
 		got, err := c.Kubectl(ctx, "-n", MgmtNamespace, "get", "clusterresourcesetbinding", CRSClusterName, "--ignore-not-found", "-o", path)
 		return err == nil && strings.Count(got, "true") == n, got, nil
 	})
@@ -172,17 +173,17 @@ func (c *Cluster) waitApplied(ctx context.Context, crs string, n int) error {
 }
 
 // waitCSINodes waits until every worker's CSINode lists the driver.
-func (c *Cluster) waitCSINodes(ctx context.Context) error {
+func (c cluster) waitCSINodes(ctx context.Context) error {
 	nodes, err := c.Nodes(ctx)
 	if err != nil {
 		return err
 	}
 	for _, n := range nodes {
-		if err := waitFor(ctx, 3*time.Minute, "CSINode "+n+" lists "+simlab.DriverName, func() (bool, string, error) {
+		if err := k8s.WaitFor(ctx, 3*time.Minute, "CSINode "+n+" lists "+simlab.DriverName, func() (bool, string, error) {
 			got, err := c.Kubectl(ctx, "get", "csinode", n, "-o", "jsonpath={.spec.drivers[*].name}")
 			return err == nil && strings.Contains(" "+got+" ", " "+simlab.DriverName+" "), got, nil
 		}); err != nil {
-			return c.podsState(ctx, err)
+			return c.PodsState(ctx, err)
 		}
 	}
 	return nil
@@ -190,11 +191,11 @@ func (c *Cluster) waitCSINodes(ctx context.Context) error {
 
 // managersOf lists the field managers of the add-on's workloads and
 // Secret, and fails if kubectl is one of them.
-func (c *Cluster) managersOf(ctx context.Context) (string, error) {
+func (c cluster) managersOf(ctx context.Context) (string, error) {
 	seen := map[string]bool{}
 	var names []string
-	for _, o := range []string{"deployment/" + ControllerName, "daemonset/" + NodeName, "secret/csi-driver-secret"} {
-		got, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", o, "-o", "jsonpath={.metadata.managedFields[*].manager}")
+	for _, o := range []string{"deployment/" + k8s.ControllerName, "daemonset/" + k8s.NodeName, "secret/csi-driver-secret"} {
+		got, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", o, "-o", "jsonpath={.metadata.managedFields[*].manager}")
 		if err != nil {
 			return "", err
 		}
@@ -212,7 +213,7 @@ func (c *Cluster) managersOf(ctx context.Context) (string, error) {
 }
 
 // withManagerLog adds the end of the manager's log to err.
-func (c *Cluster) withManagerLog(err error) error {
+func (c cluster) withManagerLog(err error) error {
 	if err == nil {
 		return nil
 	}

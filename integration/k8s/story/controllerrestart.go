@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 )
 
 // k13Replicas is how many claims K13 provisions and attaches at once.
@@ -61,7 +62,7 @@ func (s *story) k13Burst(ctx context.Context) (string, error) {
 	}
 	began := time.Now()
 	bound := 0
-	if err := waitFor(ctx, 10*time.Minute, "a first k13 claim Bound", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 10*time.Minute, "a first k13 claim Bound", func() (bool, string, error) {
 		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "pvc", "-l", "app=k13", "-o", "jsonpath={range .items[*]}{.status.phase}{\" \"}{end}")
 		if err != nil {
 			return false, err.Error(), nil
@@ -84,12 +85,12 @@ func (s *story) k13Burst(ctx context.Context) (string, error) {
 // deleteController deletes the controller's pod (not waiting) and returns
 // its name.
 func (s *story) deleteController(ctx context.Context) (string, error) {
-	name, err := s.c.Kubectl(ctx, "-n", AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name=vco-csi-controller", "-o", "jsonpath={.items[0].metadata.name}")
+	name, err := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name=vco-csi-controller", "-o", "jsonpath={.items[0].metadata.name}")
 	if err != nil {
 		return "", err
 	}
 	name = strings.TrimSpace(name)
-	_, err = s.c.Kubectl(ctx, "-n", AddonNamespace, "delete", "pod", name, "--wait=false")
+	_, err = s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "delete", "pod", name, "--wait=false")
 	return name, err
 }
 
@@ -239,7 +240,7 @@ func (s *story) k13Cleanup(ctx context.Context, before map[int64]bool) (string, 
 		return "", err
 	}
 	var left []int64
-	err := waitFor(ctx, 10*time.Minute, "the platform without K13's disks", func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 10*time.Minute, "the platform without K13's disks", func() (bool, string, error) {
 		left = left[:0]
 		for id := range s.c.Env.Sim.Snapshot().Disks {
 			if !before[id] {

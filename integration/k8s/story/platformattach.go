@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/sim"
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -89,7 +90,7 @@ func (s *story) k8Refused(ctx context.Context, sc string, intruder *lab.Guest, h
 	}
 	*dev = "/dev/" + d.Name
 	var refused *simlab.Event
-	if err := waitFor(ctx, 2*time.Minute, "DiskRefused for "+*dev+" on "+intruder.Name, func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 2*time.Minute, "DiskRefused for "+*dev+" on "+intruder.Name, func() (bool, string, error) {
 		evs, err := nodeEvents(ctx, intruder)
 		if err != nil {
 			return false, err.Error(), nil

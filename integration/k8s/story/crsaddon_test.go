@@ -1,9 +1,10 @@
-package k8s
+package story
 
 import (
 	"bytes"
 	"testing"
 
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	appsv1 "k8s.io/api/apps/v1"
 	"sigs.k8s.io/yaml"
 )
@@ -79,8 +80,8 @@ func TestWithRevisionAnnotatesTheWorkloadsOnly(t *testing.T) {
 			}
 		}
 	}
-	if !seen[ControllerName] || !seen[NodeName] || len(seen) != 2 {
-		t.Errorf("annotated %v, want %s and %s", seen, ControllerName, NodeName)
+	if !seen[k8s.ControllerName] || !seen[k8s.NodeName] || len(seen) != 2 {
+		t.Errorf("annotated %v, want %s and %s", seen, k8s.ControllerName, k8s.NodeName)
 	}
 	if !bytes.HasSuffix(out, []byte("\n")) {
 		t.Error("the upgraded add-on lost its final newline")

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -20,7 +21,7 @@ func (s *story) restartKubelet(ctx context.Context, node *lab.Guest) (string, er
 	if _, err := node.MustSh(ctx, "systemctl restart kubelet"); err != nil {
 		return "", err
 	}
-	err := waitFor(ctx, 3*time.Minute, "the kubelet on "+node.Name+" healthy", func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 3*time.Minute, "the kubelet on "+node.Name+" healthy", func() (bool, string, error) {
 		out, err := httpGet(ctx, node, "127.0.0.1", 10248, "/healthz")
 		return err == nil && strings.HasSuffix(strings.TrimSpace(out), "ok"), lab.LastLines(out, 1), nil
 	})
@@ -32,7 +33,7 @@ func (s *story) restartAgent(ctx context.Context, node *lab.Guest) (string, erro
 	if _, err := node.MustSh(ctx, "systemctl restart vco-agent"); err != nil {
 		return "", err
 	}
-	err := waitFor(ctx, 3*time.Minute, "vco-agent on "+node.Name+" answering", func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 3*time.Minute, "vco-agent on "+node.Name+" answering", func() (bool, string, error) {
 		r, err := node.Sh(ctx, "vco-agent status")
 		if err != nil {
 			return false, err.Error(), nil
@@ -49,11 +50,11 @@ func (s *story) restartNodePlugin(ctx context.Context, node *lab.Guest) (string,
 	if err != nil {
 		return "", err
 	}
-	if _, err := s.c.Kubectl(ctx, "-n", AddonNamespace, "delete", "pod", old, "--wait=false"); err != nil {
+	if _, err := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "delete", "pod", old, "--wait=false"); err != nil {
 		return "", err
 	}
 	var now string
-	err = waitFor(ctx, 5*time.Minute, "a new node plugin Ready on "+node.Name, func() (bool, string, error) {
+	err = k8s.WaitFor(ctx, 5*time.Minute, "a new node plugin Ready on "+node.Name, func() (bool, string, error) {
 		name, ready, err := s.nodePlugin(ctx, node)
 		if err != nil {
 			return false, err.Error(), nil
@@ -67,7 +68,7 @@ func (s *story) restartNodePlugin(ctx context.Context, node *lab.Guest) (string,
 // nodePlugin is the node plugin's pod on node (not one being deleted) and
 // whether it is Ready.
 func (s *story) nodePlugin(ctx context.Context, node *lab.Guest) (string, bool, error) {
-	out, err := s.c.Kubectl(ctx, "-n", AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name=vco-csi-node",
+	out, err := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "pods", "-l", "app.kubernetes.io/name=vco-csi-node",
 		"--field-selector", "spec.nodeName="+node.Name, "-o",
 		`jsonpath={range .items[*]}{.metadata.name}|{.metadata.deletionTimestamp}|{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}`)
 	if err != nil {
@@ -88,7 +89,7 @@ func (s *story) nodeMetrics(ctx context.Context, node *lab.Guest) (map[string]fl
 	if err != nil {
 		return nil, err
 	}
-	ip, err := s.c.Kubectl(ctx, "-n", AddonNamespace, "get", "pod", name, "-o", "jsonpath={.status.podIP}")
+	ip, err := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "pod", name, "-o", "jsonpath={.status.podIP}")
 	if err != nil {
 		return nil, err
 	}

@@ -1,61 +1,14 @@
-package k8s
+package story
 
 import (
 	"context"
 	"fmt"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
-	"github.com/whitesky-cloud/vco-storage/integration/k8s/images"
-	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 )
-
-// InstallSnapshots installs external-snapshotter's CRDs and
-// snapshot-controller as docs/csi-addon.md tells operators, and applies
-// the add-on's snapshots part the release way (envsubst over
-// deploy/csi-snapshots.yaml).
-func (c *Cluster) InstallSnapshots(ctx context.Context) (string, error) {
-	f, err := images.Snapshotter(ctx, filepath.Join(c.Opts.Lab.CacheDir, "k8s-images"))
-	if err != nil {
-		return "", err
-	}
-	for _, crd := range f.CRDs {
-		if _, err := c.Kubectl(ctx, "apply", "-f", crd); err != nil {
-			return "", err
-		}
-	}
-	for _, crd := range []string{"volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"} {
-		if _, err := c.Kubectl(ctx, "wait", "--for=condition=Established", "--timeout=60s", "crd/"+crd+".snapshot.storage.k8s.io"); err != nil {
-			return "", err
-		}
-	}
-	for _, m := range f.Controller {
-		if _, err := c.Kubectl(ctx, "apply", "-f", m); err != nil {
-			return "", err
-		}
-	}
-	// The upstream Deployment names the release's image; the lab
-	// serves the one it built from the same release under that name.
-	if _, err := c.Kubectl(ctx, "-n", "kube-system", "set", "image", "deployment/snapshot-controller", "snapshot-controller="+f.Image); err != nil {
-		return "", err
-	}
-	if _, err := c.Kubectl(ctx, "-n", "kube-system", "rollout", "status", "deployment/snapshot-controller", "--timeout=5m"); err != nil {
-		return "", c.podsState(ctx, err)
-	}
-	rendered, err := envsubst(ctx, "deploy/csi-snapshots.yaml")
-	if err != nil {
-		return "", err
-	}
-	out, err := c.KubectlInput(ctx, strings.NewReader(rendered), "apply", "-f", "-")
-	if err != nil {
-		return "", err
-	}
-	return fmt.Sprintf("%d CRDs, snapshot-controller %s; %s", len(f.CRDs), f.Image, strings.TrimSpace(out)), nil
-}
 
 // k9: the bundle went in on a cluster without the snapshot CRDs (the
 // story's setup); the CRDs and snapshot-controller of external-snapshotter
@@ -115,7 +68,7 @@ spec:
 		return "", err
 	}
 	var state string
-	err = waitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
+	err = k8s.WaitFor(ctx, 5*time.Minute, "VolumeSnapshot k9 ready to use", func() (bool, string, error) {
 		out, err := s.c.Kubectl(ctx, "-n", Namespace, "get", "volumesnapshot", "k9", "-o", "jsonpath={.status.readyToUse} {.status.restoreSize} {.status.error.message}")
 		state = strings.TrimSpace(out)
 		return err == nil && strings.HasPrefix(state, "true"), state, nil
@@ -167,22 +120,4 @@ spec:
 		return "", err
 	}
 	return fmt.Sprintf("restored claim on %s holds %q", ps[0].Node, data), nil
-}
-
-// envsubst renders a release file of the repository as the release
-// instructions do: envsubst '$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME'.
-func envsubst(ctx context.Context, file string) (string, error) {
-	f, err := os.Open(repoRoot() + "/" + file)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	cmd := exec.CommandContext(ctx, "envsubst", "$VCO_CSI_IMAGE $VCO_CSI_DRIVER_NAME")
-	cmd.Stdin = f
-	cmd.Env = append(os.Environ(), "VCO_CSI_IMAGE="+Image, "VCO_CSI_DRIVER_NAME="+simlab.DriverName)
-	out, err := cmd.Output()
-	if err != nil {
-		return "", fmt.Errorf("envsubst < %s: %w", file, err)
-	}
-	return string(out), nil
 }

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"bytes"
@@ -9,7 +9,9 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/whitesky-cloud/vco-storage/deploy"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
+	"github.com/whitesky-cloud/vco-storage/integration/srctree"
 )
 
 // The add-on as CAPVCO wraps it for a ClusterResourceSet (K14), on the
@@ -51,32 +53,15 @@ const (
 // what envsubst restricted to the two placeholders does) with the lab's
 // one edit (insecureController).
 func crsBundle() ([]byte, error) {
-	tmpl, err := os.ReadFile(filepath.Join(repoRoot(), "deploy", "csi.yaml"))
+	tmpl, err := os.ReadFile(filepath.Join(srctree.Root(), "deploy", "csi.yaml"))
 	if err != nil {
 		return nil, err
 	}
-	out, err := deploy.Render(tmpl, deploy.Values{Image: Image, DriverName: simlab.DriverName})
+	out, err := deploy.Render(tmpl, deploy.Values{Image: k8s.Image, DriverName: simlab.DriverName})
 	if err != nil {
 		return nil, err
 	}
-	return insecureController(out)
-}
-
-// credentialManifest is the Secret csi-driver-secret that InstallAddon
-// applies, as a manifest for a ClusterResourceSet's Secret.
-func credentialManifest() string {
-	return fmt.Sprintf(`apiVersion: v1
-kind: Secret
-metadata:
-  name: csi-driver-secret
-  namespace: %s
-type: Opaque
-stringData:
-  url: http://%s:%d
-  customer: %s
-  cloudspace: cs-%s
-  jwt: %s
-`, AddonNamespace, HostInGuest, GuestCloudPort, simlab.Customer, simlab.Location, simlab.Token)
+	return k8s.InsecureController(out)
 }
 
 // withRevision sets RevisionAnnotation to rev on the pod template of every

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 )
 
 // K14's checks of what an operator must know about a ClusterResourceSet:
@@ -16,7 +18,7 @@ import (
 // k14Limit shows the API server's limit on a ConfigMap's values, on the
 // management cluster: exactly ConfigMapLimit bytes are taken, one more
 // refused.
-func (c *Cluster) k14Limit(ctx context.Context) (string, error) {
+func (c cluster) k14Limit(ctx context.Context) (string, error) {
 	cm := func(name string, n int) string {
 		return fmt.Sprintf("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: %s, namespace: %s}\ndata:\n  k: %s\n", name, MgmtNamespace, strings.Repeat("a", n))
 	}
@@ -53,16 +55,16 @@ const credentialRevision = "vco.whitesky.cloud/credential-revision"
 // changes the credential's manifest in its resource-set Secret, and waits
 // until the set has applied the Secret again: in that same pass the
 // add-on's ConfigMap, unchanged, is not applied, and the hand edit stays.
-func (c *Cluster) k14HandEdit(ctx context.Context) (string, error) {
-	ctl := "deployment/" + ControllerName
-	if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "scale", ctl, "--replicas=0"); err != nil {
+func (c cluster) k14HandEdit(ctx context.Context) (string, error) {
+	ctl := "deployment/" + k8s.ControllerName
+	if _, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "scale", ctl, "--replicas=0"); err != nil {
 		return "", err
 	}
-	if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "label", ctl, "hand-edited=k14"); err != nil {
+	if _, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "label", ctl, "hand-edited=k14"); err != nil {
 		return "", err
 	}
-	ns := "  namespace: " + AddonNamespace + "\n"
-	manifest := credentialManifest()
+	ns := "  namespace: " + k8s.AddonNamespace + "\n"
+	manifest := k8s.CredentialManifest()
 	if strings.Count(manifest, ns) != 1 {
 		return "", fmt.Errorf("csi-driver-secret's manifest has no single %q line", strings.TrimSpace(ns))
 	}
@@ -71,8 +73,8 @@ func (c *Cluster) k14HandEdit(ctx context.Context) (string, error) {
 		return "", err
 	}
 	start := time.Now()
-	if err := waitFor(ctx, 3*time.Minute, "csi-driver-secret applied again with "+credentialRevision+"=2", func() (bool, string, error) {
-		got, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "secret", "csi-driver-secret", "-o", "jsonpath={.metadata.labels}")
+	if err := k8s.WaitFor(ctx, 3*time.Minute, "csi-driver-secret applied again with "+credentialRevision+"=2", func() (bool, string, error) {
+		got, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "secret", "csi-driver-secret", "-o", "jsonpath={.metadata.labels}")
 		return err == nil && strings.Contains(got, `"`+credentialRevision+`":"2"`), got, nil
 	}); err != nil {
 		return "", c.withManagerLog(err)
@@ -83,21 +85,21 @@ func (c *Cluster) k14HandEdit(ctx context.Context) (string, error) {
 		return "", err
 	}
 	if replicas != "0" || label != "k14" {
-		return "", fmt.Errorf("after the set applied csi-driver-secret again, %s has replicas %s and label hand-edited=%q: the hand edit was undone", ControllerName, replicas, label)
+		return "", fmt.Errorf("after the set applied csi-driver-secret again, %s has replicas %s and label hand-edited=%q: the hand edit was undone", k8s.ControllerName, replicas, label)
 	}
-	return fmt.Sprintf("csi-driver-secret applied again %s after its manifest changed; %s still has replicas 0 and hand-edited=k14: Reconcile applies a resource again only when its content changes, and does not watch the workload cluster", took, ControllerName), nil
+	return fmt.Sprintf("csi-driver-secret applied again %s after its manifest changed; %s still has replicas 0 and hand-edited=k14: Reconcile applies a resource again only when its content changes, and does not watch the workload cluster", took, k8s.ControllerName), nil
 }
 
 // controllerEdit reads the controller Deployment's replicas and its
 // hand-edited label.
-func (c *Cluster) controllerEdit(ctx context.Context) (replicas, label string, err error) {
-	got, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "deployment", ControllerName, "-o", `jsonpath={.spec.replicas} {.metadata.labels.hand-edited}`)
+func (c cluster) controllerEdit(ctx context.Context) (replicas, label string, err error) {
+	got, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "deployment", k8s.ControllerName, "-o", `jsonpath={.spec.replicas} {.metadata.labels.hand-edited}`)
 	if err != nil {
 		return "", "", err
 	}
 	f := strings.Fields(got)
 	if len(f) == 0 {
-		return "", "", fmt.Errorf("%s: no replicas in %q", ControllerName, got)
+		return "", "", fmt.Errorf("%s: no replicas in %q", k8s.ControllerName, got)
 	}
 	if len(f) > 1 {
 		label = f[1]
@@ -107,7 +109,7 @@ func (c *Cluster) controllerEdit(ctx context.Context) (replicas, label string, e
 
 // replaceFromFile replaces a management cluster object made by kubectl
 // create (args: what to create and its name) from content under key.
-func (c *Cluster) replaceFromFile(ctx context.Context, args []string, key, content string) error {
+func (c cluster) replaceFromFile(ctx context.Context, args []string, key, content string) error {
 	f := filepath.Join(c.Env.Lab.Dir(), "capi", key)
 	if err := os.WriteFile(f, []byte(content), 0o600); err != nil {
 		return err
@@ -124,7 +126,7 @@ func (c *Cluster) replaceFromFile(ctx context.Context, args []string, key, conte
 // k14Upgrade replaces the add-on's ConfigMap with the bundle at revision
 // 2 (withRevision) and ApplyOnce's source with revision 2 of its object,
 // and waits until the workloads have rolled.
-func (c *Cluster) k14Upgrade(ctx context.Context) (string, error) {
+func (c cluster) k14Upgrade(ctx context.Context) (string, error) {
 	bundle, err := crsBundle()
 	if err != nil {
 		return "", err
@@ -139,18 +141,18 @@ func (c *Cluster) k14Upgrade(ctx context.Context) (string, error) {
 	if _, err := c.KubectlInput(ctx, strings.NewReader(onceSource("2")), "apply", "-f", "-"); err != nil {
 		return "", err
 	}
-	for _, r := range []string{"deployment/" + ControllerName, "daemonset/" + NodeName} {
-		if err := waitFor(ctx, 3*time.Minute, r+" at revision 2", func() (bool, string, error) {
-			got, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", r, "-o", `jsonpath={.spec.template.metadata.annotations}`)
+	for _, r := range []string{"deployment/" + k8s.ControllerName, "daemonset/" + k8s.NodeName} {
+		if err := k8s.WaitFor(ctx, 3*time.Minute, r+" at revision 2", func() (bool, string, error) {
+			got, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", r, "-o", `jsonpath={.spec.template.metadata.annotations}`)
 			return err == nil && strings.Contains(got, `"`+RevisionAnnotation+`":"2"`), got, nil
 		}); err != nil {
 			return "", c.withManagerLog(err)
 		}
 	}
 	applied := time.Since(start).Round(time.Second)
-	for _, r := range []string{"deployment/" + ControllerName, "daemonset/" + NodeName} {
-		if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "status", r, "--timeout=10m"); err != nil {
-			return "", c.podsState(ctx, err)
+	for _, r := range []string{"deployment/" + k8s.ControllerName, "daemonset/" + k8s.NodeName} {
+		if _, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "rollout", "status", r, "--timeout=10m"); err != nil {
+			return "", c.PodsState(ctx, err)
 		}
 	}
 	if err := c.waitCSINodes(ctx); err != nil {
@@ -162,13 +164,13 @@ func (c *Cluster) k14Upgrade(ctx context.Context) (string, error) {
 
 // k14AfterUpgrade checks what the upgrade did to the hand edit and to
 // ApplyOnce's object.
-func (c *Cluster) k14AfterUpgrade(ctx context.Context, applied, rolled time.Duration) (string, error) {
+func (c cluster) k14AfterUpgrade(ctx context.Context, applied, rolled time.Duration) (string, error) {
 	replicas, label, err := c.controllerEdit(ctx)
 	if err != nil {
 		return "", err
 	}
 	if replicas != "1" || label != "" {
-		return "", fmt.Errorf("after the upgrade %s has replicas %s and hand-edited=%q, want the add-on's 1 and no such label", ControllerName, replicas, label)
+		return "", fmt.Errorf("after the upgrade %s has replicas %s and hand-edited=%q, want the add-on's 1 and no such label", k8s.ControllerName, replicas, label)
 	}
 	once, err := c.Kubectl(ctx, "-n", "default", "get", "configmap", OnceObject, "-o", "jsonpath={.data.revision}")
 	if err != nil {
@@ -178,7 +180,7 @@ func (c *Cluster) k14AfterUpgrade(ctx context.Context, applied, rolled time.Dura
 		return "", fmt.Errorf("ApplyOnce's %s is at revision %q after its source changed, want 1", OnceObject, once)
 	}
 	return fmt.Sprintf("applied %s after the ConfigMap changed, workloads rolled and registered after %s; %s back to replicas 1 without the hand label (the set's patch makes each object what the add-on says); ApplyOnce's %s still at revision 1",
-		applied, rolled, ControllerName, OnceObject), nil
+		applied, rolled, k8s.ControllerName, OnceObject), nil
 }
 
 // k14Volume provisions a claim on the delivered, upgraded driver and

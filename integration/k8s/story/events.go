@@ -1,10 +1,12 @@
-package k8s
+package story
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 )
 
 // waitEvent waits up to two minutes for an Event in scope (kubectl's -A
@@ -12,7 +14,7 @@ import (
 // returns its type and message.
 func (s *story) waitEvent(ctx context.Context, scope []string, sel string, match func(eventItem) bool) (string, error) {
 	var msg string
-	err := waitFor(ctx, 2*time.Minute, "an Event with "+sel, func() (bool, string, error) {
+	err := k8s.WaitFor(ctx, 2*time.Minute, "an Event with "+sel, func() (bool, string, error) {
 		out, err := s.c.Kubectl(ctx, append(append([]string{"get", "events"}, scope...), "--field-selector", sel, "-o", "json")...)
 		if err != nil {
 			return false, err.Error(), nil

@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -8,6 +8,9 @@ import (
 	"regexp"
 	"strings"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
+	"github.com/whitesky-cloud/vco-storage/integration/srctree"
 )
 
 // diagnosisCommand is docs/diagnosis.md's first command, the agent's list
@@ -21,7 +24,7 @@ var diagnosisCommand = regexp.MustCompile(`(?m)^kubectl debug node/<node> -n csi
 // agent's list names the volume of every claim staged there. The debug
 // pod is deleted, as the page says to.
 func (s *story) diagnose(ctx context.Context, node string) (string, error) {
-	page, err := os.ReadFile(filepath.Join(repoRoot(), "docs", "diagnosis.md"))
+	page, err := os.ReadFile(filepath.Join(srctree.Root(), "docs", "diagnosis.md"))
 	if err != nil {
 		return "", err
 	}
@@ -29,7 +32,7 @@ func (s *story) diagnose(ctx context.Context, node string) (string, error) {
 	if m == nil {
 		return "", fmt.Errorf("docs/diagnosis.md no longer has %q", diagnosisCommand)
 	}
-	out, err := s.c.Kubectl(ctx, "debug", "node/"+node, "-n", AddonNamespace, "--image="+WorkloadImage, "--", "chroot", "/host", "vco-agent", "disks")
+	out, err := s.c.Kubectl(ctx, "debug", "node/"+node, "-n", k8s.AddonNamespace, "--image="+WorkloadImage, "--", "chroot", "/host", "vco-agent", "disks")
 	if err != nil {
 		return "", err
 	}
@@ -37,18 +40,18 @@ func (s *story) diagnose(ctx context.Context, node string) (string, error) {
 	if pod == "" {
 		return "", fmt.Errorf("kubectl debug named no debug pod: %q", out)
 	}
-	defer s.c.Kubectl(context.WithoutCancel(ctx), "-n", AddonNamespace, "delete", "pod", pod, "--wait=false")
-	if err := waitFor(ctx, 3*time.Minute, "debug pod "+pod+" Succeeded", func() (bool, string, error) {
-		phase, err := s.c.Kubectl(ctx, "-n", AddonNamespace, "get", "pod", pod, "-o", "jsonpath={.status.phase}")
+	defer s.c.Kubectl(context.WithoutCancel(ctx), "-n", k8s.AddonNamespace, "delete", "pod", pod, "--wait=false")
+	if err := k8s.WaitFor(ctx, 3*time.Minute, "debug pod "+pod+" Succeeded", func() (bool, string, error) {
+		phase, err := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "pod", pod, "-o", "jsonpath={.status.phase}")
 		if phase == "Failed" {
-			logs, _ := s.c.Kubectl(ctx, "-n", AddonNamespace, "logs", pod)
+			logs, _ := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "logs", pod)
 			return false, phase, fmt.Errorf("debug pod %s failed: %s", pod, logs)
 		}
 		return err == nil && phase == "Succeeded", phase, nil
 	}); err != nil {
 		return "", err
 	}
-	list, err := s.c.Kubectl(ctx, "-n", AddonNamespace, "logs", pod)
+	list, err := s.c.Kubectl(ctx, "-n", k8s.AddonNamespace, "logs", pod)
 	if err != nil {
 		return "", err
 	}

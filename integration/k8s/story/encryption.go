@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -48,7 +49,7 @@ func (s *story) k7(ctx context.Context) error {
 		return err
 	}
 	if err := s.step(sc, "cluster", "the node plugin's container is unprivileged", func() (string, error) {
-		out, err := c.Kubectl(ctx, "-n", AddonNamespace, "get", "daemonset", NodeName, "-o", "jsonpath={range .spec.template.spec.containers[*]}{.name} {.securityContext}{\"\\n\"}{end}")
+		out, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "get", "daemonset", k8s.NodeName, "-o", "jsonpath={range .spec.template.spec.containers[*]}{.name} {.securityContext}{\"\\n\"}{end}")
 		if err != nil {
 			return "", err
 		}
@@ -62,7 +63,7 @@ func (s *story) k7(ctx context.Context) error {
 				return "", fmt.Errorf("container %s: securityContext %q: %w", name, js, err)
 			}
 			if sc.Privileged == nil || *sc.Privileged || len(sc.Capabilities.Add) > 0 {
-				return "", fmt.Errorf("container %s of %s is not plainly unprivileged: %s", name, NodeName, js)
+				return "", fmt.Errorf("container %s of %s is not plainly unprivileged: %s", name, k8s.NodeName, js)
 			}
 		}
 		// Free the encrypted disk for the scenarios after this one.
@@ -93,23 +94,23 @@ func (s *story) k7(ctx context.Context) error {
 // node plugins restarted), then waits for the node plugins.
 func (s *story) k7KeyBackend(ctx context.Context) (string, error) {
 	c := s.c
-	if c.keyBackend == nil {
-		kb, err := c.startKeyBackend(ctx, c.keyBackendPort, s.log)
+	if c.KeyBackend == nil {
+		kb, err := c.StartKeyBackend(ctx, c.KeyBackendPort, s.log)
 		if err != nil {
 			return "", err
 		}
-		c.keyBackend = kb
+		c.KeyBackend = kb
 	}
-	kb := c.keyBackend
-	n, err := c.followRecipe(ctx, kb)
+	kb := c.KeyBackend
+	n, err := c.FollowRecipe(ctx, kb)
 	if err != nil {
 		return "", err
 	}
-	if _, err := c.Kubectl(ctx, "-n", AddonNamespace, "rollout", "status", "daemonset/"+NodeName, "--timeout=5m"); err != nil {
-		return "", c.podsState(ctx, err)
+	if _, err := c.Kubectl(ctx, "-n", k8s.AddonNamespace, "rollout", "status", "daemonset/"+k8s.NodeName, "--timeout=5m"); err != nil {
+		return "", c.PodsState(ctx, err)
 	}
 	return fmt.Sprintf("%s: the %d blocks of docs/encryption.md's recipe followed (mount %s, auth %s, role %s); node plugins restarted and ready",
-		kb.describe(), n, TransitMount, AuthMount, TransitRole), nil
+		kb.Describe(), n, k8s.TransitMount, k8s.AuthMount, k8s.TransitRole), nil
 }
 
 // k7Claim creates a claim of the encrypted class with a pod writing to it, sets first to the pod and pv to its volume, and checks the volume is on dm-crypt with its passphrase wrapped by the key backend.
@@ -131,16 +132,16 @@ func (s *story) k7Claim(ctx context.Context, first *podInfo, pv *string) (string
 	if f := strings.Fields(out); len(f) != 2 || f[1] != "crypt" {
 		return "", fmt.Errorf("the pod's volume is mounted from %q, not a dm-crypt mapping", strings.TrimSpace(out))
 	}
-	logins, err := c.keyBackend.answered("auth/" + AuthMount + "/login")
+	logins, err := c.KeyBackend.Answered("auth/" + k8s.AuthMount + "/login")
 	if err != nil {
 		return "", err
 	}
-	wraps, err := c.keyBackend.answered(TransitMount + "/encrypt/" + TransitKey)
+	wraps, err := c.KeyBackend.Answered(k8s.TransitMount + "/encrypt/" + k8s.TransitKey)
 	if err != nil {
 		return "", err
 	}
 	if logins == 0 || wraps == 0 {
-		return "", fmt.Errorf("the volume was staged but the key backend's audit log shows %d logins and %d wraps (%s)", logins, wraps, c.keyBackend.describe())
+		return "", fmt.Errorf("the volume was staged but the key backend's audit log shows %d logins and %d wraps (%s)", logins, wraps, c.KeyBackend.Describe())
 	}
 	return fmt.Sprintf("%s Ready on %s; mounted from %s; the key backend's audit log: %d logins, %d wraps", first.Name, first.Node, strings.TrimSpace(out), logins, wraps), nil
 }
@@ -152,12 +153,12 @@ func (s *story) k7Moved(ctx context.Context, sc string, first podInfo, pv, to st
 	if err != nil {
 		return "", err
 	}
-	unwraps, err := c.keyBackend.answered(TransitMount + "/decrypt/" + TransitKey)
+	unwraps, err := c.KeyBackend.Answered(k8s.TransitMount + "/decrypt/" + k8s.TransitKey)
 	if err != nil {
 		return "", err
 	}
 	if unwraps == 0 {
-		return "", fmt.Errorf("the volume was staged on %s but the key backend's audit log shows no unwrap (%s)", to, c.keyBackend.describe())
+		return "", fmt.Errorf("the volume was staged on %s but the key backend's audit log shows no unwrap (%s)", to, c.KeyBackend.Describe())
 	}
 	*moved = ps[0]
 	data, err := s.readLog(ctx, ps[0], pv)
@@ -190,7 +191,7 @@ func (s *story) k7MoveTo(ctx context.Context, p podInfo, to string) ([]podInfo, 
 	})
 	if err != nil {
 		agent, _ := c.Env.Lab.Guest(p.Node).MustSh(ctx, "journalctl -u vco-agent --no-pager -n 25 2>&1 | cut -c1-300")
-		return nil, c.withLogs(fmt.Errorf("%w\n--- %s: vco-agent\n%s", err, p.Node, agent))
+		return nil, c.WithLogs(fmt.Errorf("%w\n--- %s: vco-agent\n%s", err, p.Node, agent))
 	}
 	return ps, nil
 }

@@ -1,4 +1,4 @@
-package k8s_test
+package story_test
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/k8s"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s/story"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 	"github.com/whitesky-cloud/vco-storage/integration/simlab"
 )
@@ -52,7 +53,7 @@ func upCluster(t *testing.T, o k8s.Options) *k8s.Cluster {
 }
 
 // TestStory is the Kubernetes tier: a cluster of two workers, the add-on
-// applied as seed 001 says, and the scenarios (k8s.Brief, or
+// applied as seed 001 says, and the scenarios (story.Brief, or
 // $VCO_K8S_SCENARIOS: "all" or a list such as K1,K4,K6), each safety
 // property judged from what they saw. The report goes to $VCO_LAB_BIN
 // (make's bin/).
@@ -60,29 +61,29 @@ func TestStory(t *testing.T) {
 	// make test's brief story boots the workers with the package's own
 	// enablement of the agent; the full story (all scenarios, as make
 	// k8s-lab runs them) with its cloud-init seed.
-	scenarios, cloudInit := k8s.Brief, false
+	scenarios, cloudInit := story.Brief, false
 	switch v := os.Getenv("VCO_K8S_SCENARIOS"); v {
 	case "":
 	case "all":
-		scenarios, cloudInit = k8s.Scenarios, true
+		scenarios, cloudInit = story.Scenarios, true
 	default:
 		scenarios = strings.Split(v, ",")
 	}
 	c := upCluster(t, k8s.Options{CloudInit: cloudInit})
 	ctx, cancel := context.WithTimeout(context.Background(), 40*time.Minute)
 	defer cancel()
-	r := k8s.RunStory(ctx, c, scenarios, testWriter{t})
+	r := story.Run(ctx, c, scenarios, testWriter{t})
 	dir := os.Getenv("VCO_LAB_BIN")
 	if dir == "" {
 		dir = t.TempDir()
 	}
-	if err := k8s.WriteReport(r, dir); err != nil {
+	if err := story.WriteReport(r, dir); err != nil {
 		t.Error(err)
 	}
 	var txt strings.Builder
 	r.WriteText(&txt)
 	t.Log(txt.String())
-	if err := k8s.Judge(r); err != nil {
+	if err := story.Judge(r); err != nil {
 		t.Fatal(err)
 	}
 }

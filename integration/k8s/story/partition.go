@@ -1,4 +1,4 @@
-package k8s
+package story
 
 import (
 	"bufio"
@@ -14,6 +14,7 @@ import (
 
 	"github.com/whitesky-cloud/vco-storage/csi/driver"
 	"github.com/whitesky-cloud/vco-storage/integration/e2e"
+	"github.com/whitesky-cloud/vco-storage/integration/k8s"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
@@ -113,7 +114,7 @@ spec:
 func partitionRules(op string) string {
 	var b strings.Builder
 	for _, chain := range []string{"OUTPUT", "FORWARD"} {
-		fmt.Fprintf(&b, "iptables %s %s -d %s/32 -p tcp --dport %d -j DROP; ", op, chain, HostInGuest, GuestAPIPort)
+		fmt.Fprintf(&b, "iptables %s %s -d %s/32 -p tcp --dport %d -j DROP; ", op, chain, k8s.HostInGuest, k8s.GuestAPIPort)
 	}
 	return b.String() + "true"
 }
@@ -130,7 +131,7 @@ func (s *story) k10Cut(ctx context.Context, old *lab.Guest, held podInfo) (strin
 	if _, err := old.MustSh(ctx, partitionRules("-I")); err != nil {
 		return "", err
 	}
-	if err := waitFor(ctx, 5*time.Minute, old.Name+" NotReady", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 5*time.Minute, old.Name+" NotReady", func() (bool, string, error) {
 		st, err := s.c.Kubectl(ctx, "get", "node", old.Name, "-o", `jsonpath={.status.conditions[?(@.type=="Ready")].status}`)
 		return err == nil && strings.TrimSpace(st) != "True", st, nil
 	}); err != nil {
@@ -203,7 +204,7 @@ func grantIn(lines, node string) string {
 // it.
 func (s *story) k10NoneLanded(ctx context.Context, sc string, old *lab.Guest, held, moved podInfo, pv string) (string, error) {
 	w := []fsyncPod{{name: "k10", pod: held}}
-	if err := waitFor(ctx, 3*time.Minute, "the writer on "+old.Name+" failing", func() (bool, string, error) {
+	if err := k8s.WaitFor(ctx, 3*time.Minute, "the writer on "+old.Name+" failing", func() (bool, string, error) {
 		f, err := s.failedWrites(ctx, old, w)
 		return err == nil && f != "", f, nil
 	}); err != nil {
@@ -260,7 +261,7 @@ func (s *story) k10Heal(ctx context.Context, old, live *lab.Guest, pv string) (s
 	if _, err := old.MustSh(ctx, partitionRules("-D")); err != nil {
 		return "", err
 	}
-	err = waitFor(ctx, 5*time.Minute, "nothing of "+pv+" left on "+old.Name, func() (bool, string, error) {
+	err = k8s.WaitFor(ctx, 5*time.Minute, "nothing of "+pv+" left on "+old.Name, func() (bool, string, error) {
 		left, err := s.leftOn(ctx, old, pv, h)
 		if err != nil {
 			return false, err.Error(), nil
