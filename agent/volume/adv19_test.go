@@ -11,7 +11,9 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -43,6 +45,47 @@ func withoutSysAdmin(t *testing.T, f func() error) error {
 		done <- f()
 	}()
 	return <-done
+}
+
+// deviceHead reads the first 32 bytes of the block device at p, past the
+// page cache.
+func deviceHead(t *testing.T, p string) []byte {
+	t.Helper()
+	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(b)
+	if _, err := unix.Pread(int(f.Fd()), b, 0); err != nil {
+		t.Fatal(err)
+	}
+	return bytes.Clone(b[:32])
+}
+
+// remapToByteZero is what a pod can do with the raw block device at p it
+// was given: open it for writing and set its loop offset to 0. It first
+// shows that the caller lacks CAP_SYS_ADMIN (BLKROSET, which asks for it,
+// is refused).
+func remapToByteZero(t *testing.T, p string) error {
+	f, err := os.OpenFile(p, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0); !errors.Is(err, unix.EACCES) && !errors.Is(err, unix.EPERM) {
+		t.Errorf("control: BLKROSET without CAP_SYS_ADMIN answered %v, want EACCES: the capability was not dropped", err)
+	}
+	st, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return err
+	}
+	st.Offset = 0
+	return unix.IoctlLoopSetStatus64(int(f.Fd()), st)
 }
 
 // A raw block volume on a lease-fenced disk is published to its pod as
@@ -79,55 +122,25 @@ func TestAdv19RawBlockPodRemapsItsDeviceOverTheLeaseArea(t *testing.T) {
 		if err := e.m.Unstage(ctx, "vol-rb", req.StagingPath); err != nil {
 			t.Logf("unstage: %v", err)
 		}
-		if loopBound(mapping) {
+		// A mapping the unstage left (its offset changed under it) is
+		// detached, only while it is still a loop device over this
+		// test's disk.
+		b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(mapping), "loop", "backing_file"))
+		if err == nil && strings.TrimSpace(string(b)) == dev {
 			_ = loopdev.Detach(mapping)
 		}
 	})
-	head := func() []byte {
-		t.Helper()
-		f, err := os.OpenFile(target, os.O_RDONLY|unix.O_DIRECT, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		b, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer unix.Munmap(b)
-		if _, err := unix.Pread(int(f.Fd()), b, 0); err != nil {
-			t.Fatal(err)
-		}
-		return bytes.Clone(b[:32])
-	}
-	if got := head(); bytes.HasPrefix(got, []byte(blank.LeaseMagic)) {
+	if got := deviceHead(t, target); bytes.HasPrefix(got, []byte(blank.LeaseMagic)) {
 		t.Fatalf("control: the pod's device %s begins with the lease area already: %q", target, got)
 	}
 
 	// The pod: its device opened for writing, as the kubelet gives it, and
 	// no CAP_SYS_ADMIN.
-	err = withoutSysAdmin(t, func() error {
-		f, err := os.OpenFile(target, os.O_RDWR, 0)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		// The capability is gone: the block layer's read-only flag,
-		// which asks for it, is refused.
-		if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, 0); !errors.Is(err, unix.EACCES) && !errors.Is(err, unix.EPERM) {
-			t.Errorf("control: BLKROSET without CAP_SYS_ADMIN answered %v, want EACCES: the capability was not dropped", err)
-		}
-		st, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
-		if err != nil {
-			return err
-		}
-		st.Offset = 0
-		return unix.IoctlLoopSetStatus64(int(f.Fd()), st)
-	})
+	err = withoutSysAdmin(t, func() error { return remapToByteZero(t, target) })
 	if err != nil && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.ENOTTY) && !errors.Is(err, unix.EACCES) && !errors.Is(err, unix.EINVAL) {
 		t.Fatalf("the pod's remap failed for another reason than a refusal: %v", err)
 	}
-	if got := head(); bytes.HasPrefix(got, []byte(blank.LeaseMagic)) {
+	if got := deviceHead(t, target); bytes.HasPrefix(got, []byte(blank.LeaseMagic)) {
 		t.Fatalf("a pod without CAP_SYS_ADMIN remapped its raw block device %s (the data mapping %s) to byte 0 of the disk (remap err %v): it now begins with %q, the lease area, which the pod can read and write", target, mapping, err, got)
 	}
 }
