@@ -100,6 +100,9 @@ func (m *Manager) unmapAll(c *Claim) error {
 // the agent detach (or make writable) another device. The record stops
 // naming it as it is detached (unmapNamed).
 func (m *Manager) unmapRecorded(c *Claim) error {
+	if err := m.unmapPodRecorded(c); err != nil {
+		return err
+	}
 	if c.DataDevice == "" {
 		return nil
 	}
@@ -121,6 +124,10 @@ func (m *Manager) unmapRecorded(c *Claim) error {
 // does not stop the detach (the release guard gives a fence up only with
 // no mapping over its disk); its error is returned after it.
 func (m *Manager) unmapNamed(c *Claim) error {
+	// The pod device, over the data mapping, goes first.
+	if err := m.unmapPodRecorded(c); err != nil {
+		return err
+	}
 	p := c.DataDevice
 	c.DataDevice = ""
 	perr := m.store.Put(c)

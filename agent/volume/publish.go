@@ -250,8 +250,8 @@ func blockTargetHolds(root, target string, c *Claim) error {
 	if err := unix.Fstat(int(f.Fd()), &got); err != nil {
 		return fmt.Errorf("volume %s: stat of the target %s: %w", c.Volume, target, err)
 	}
-	if err := unix.Stat(c.MountDevice(), &want); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s: its device %s: %v", c.Volume, c.MountDevice(), err)
+	if err := unix.Stat(c.PublishDevice(), &want); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: its device %s: %v", c.Volume, c.PublishDevice(), err)
 	}
 	if got.Mode&unix.S_IFMT != unix.S_IFBLK || got.Rdev != want.Rdev {
 		what := "something that is not a block device"
@@ -259,7 +259,7 @@ func blockTargetHolds(root, target string, c *Claim) error {
 			what = fmt.Sprintf("block device %d:%d", unix.Major(got.Rdev), unix.Minor(got.Rdev))
 		}
 		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it, not the volume's device %s (%d:%d); unpublish what is there first",
-			c.Volume, target, what, c.MountDevice(), unix.Major(want.Rdev), unix.Minor(want.Rdev))
+			c.Volume, target, what, c.PublishDevice(), unix.Major(want.Rdev), unix.Minor(want.Rdev))
 	}
 	return nil
 }
@@ -281,7 +281,7 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 	}
 	source := staging
 	if c.Block {
-		source = c.MountDevice()
+		source = c.PublishDevice()
 	} else {
 		opts = append(opts, hardened(r.MountFlags)...)
 	}
