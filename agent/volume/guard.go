@@ -100,11 +100,10 @@ func (m *Manager) unmapAll(c *Claim) error {
 // the agent detach (or make writable) another device. The record stops
 // naming it as it is detached (unmapNamed).
 func (m *Manager) unmapRecorded(c *Claim) error {
-	if err := m.unmapPodRecorded(c); err != nil {
-		return err
-	}
 	if c.DataDevice == "" {
-		return nil
+		// A pod device named without one is over nothing of the
+		// record's: it stops naming it.
+		return m.unmapPodRecorded(c)
 	}
 	if !m.host.MapsDisk(c.DataDevice, c.Device) {
 		m.log.Warn("the data mapping the claim's record names is not a loop device over its disk; left alone", "volume", c.Volume, "device", c.Device, "mapping", c.DataDevice)

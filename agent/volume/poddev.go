@@ -116,37 +116,38 @@ func (s *staging) mapPodDevice(context.Context) error {
 }
 
 // unmapPodRecorded detaches the pod device c's record names, only while it
-// is a loop device over the data mapping the record names: a damaged or
-// hostile record, or a number the kernel gave to another loop device
-// since, never makes the agent detach another device. The record stops
-// naming it first (the kernel gives a detached loop device's number to the
-// next one); a detach that fails names it again. One that could not be
-// looked at stays named, and the caller stops.
+// is a loop device over the data mapping the record names, itself over
+// the claim's disk: a damaged or hostile record, or a number the kernel
+// gave to another loop device since, never makes the agent detach another
+// device. Unlike the data mapping's, the record stops naming it only once
+// it is detached (or found not over the data mapping): nothing may look
+// for an unnamed one (the kubelet's loop device over a published raw
+// block device looks the same), and one left unnamed by a crash would
+// hold the data mapping, and so the fence, for good; a name left by a
+// crash right after the detach is dropped by the retry, which finds it
+// not over the data mapping. A device that could not be looked at stays
+// named, and the caller stops.
 func (m *Manager) unmapPodRecorded(c *Claim) error {
 	p := c.PodDevice
 	if p == "" {
 		return nil
 	}
-	ours, err := m.host.PodDeviceOver(p, c.DataDevice)
+	over, err := m.host.PodDeviceOver(p, c.DataDevice)
 	if err != nil {
 		return fmt.Errorf("whether the pod device %s is still over the data mapping %s could not be read: %w", p, c.DataDevice, err)
 	}
-	c.PodDevice = ""
-	perr := m.store.Put(c)
-	if !ours {
-		m.log.Warn("the pod device the claim's record names is not a loop device over its data mapping; left alone", "volume", c.Volume, "pod_device", p, "mapping", c.DataDevice)
-		return perr
+	if over && !m.host.MapsDisk(c.DataDevice, c.Device) {
+		return fmt.Errorf("the pod device %s is over %s, which the record names as the data mapping, but that is not a loop device over the disk %s; left alone: detach them by hand if they are not another volume's", p, c.DataDevice, c.Device)
 	}
-	if err := m.unmapPod(p); err != nil {
-		c.PodDevice = p
-		if perr == nil {
-			if perr := m.store.Put(c); perr != nil {
-				m.log.Error("could not record the pod device a failed detach left", "volume", c.Volume, "pod_device", p, "err", perr)
-			}
+	if over {
+		if err := m.unmapPod(p); err != nil {
+			return err
 		}
-		return err
+	} else {
+		m.log.Warn("the pod device the claim's record names is not a loop device over its data mapping; left alone", "volume", c.Volume, "pod_device", p, "mapping", c.DataDevice)
 	}
-	return perr
+	c.PodDevice = ""
+	return m.store.Put(c)
 }
 
 // podDeviceIntact reports whether a raw block volume on the data mapping
