@@ -3,8 +3,9 @@ package volume
 // The volume manager simulation: the manager's real code (Stage, Unstage,
 // Publish, Unpublish, Expand, the LUKS2 token rewrite, the start-up and
 // periodic checks, the removal of a disk) inside a testing/synctest bubble, over a modelled node
-// (simWorld): its disks and their fences, the data mappings, the dm-crypt
-// mappings, the mounts, what each device holds. Seeded sequences of the
+// (simWorld): its disks and their fences, the data mappings and the pod
+// devices over them, the dm-crypt mappings, the mounts, what each device
+// holds. Seeded sequences of the
 // kubelet's calls (repeated, retried, abandoned), agent crashes and
 // restarts with their records, reboots of the node, disks removed and
 // added back (at the same or another device number), another node taking
@@ -1292,20 +1293,23 @@ func (r *simRun) hostReset() {
 
 // checkBlockTargets: a raw block volume's pod is never given the disk
 // itself when the volume is encrypted (the ciphertext) or lease-fenced
-// (the lease area at its start), only the mapping over it (I1).
+// (the lease area at its start), only the mapping over it; nor a data
+// mapping itself, a loop device it holds open for writing and may move
+// over the lease area: only the pod device over it, from its byte 0, or
+// the dm-crypt mapping (I1).
 func (r *simRun) checkBlockTargets(v *simVolume, d *simDiskState) {
-	if !v.block || (!v.encrypted && !d.lease) {
+	if !v.block {
 		return
 	}
 	for _, t := range v.targets {
 		dev, ok := r.w.mounts[t]
-		if ok && dev == d.path {
+		if !ok {
+			continue
+		}
+		if dev == d.path && (v.encrypted || d.lease) {
 			r.w.violate("I1: %s's pod at %s is given the disk %s itself, not its mapping", v.id, t, dev)
 		}
-		// A loop device it holds open for writing, which it may move
-		// over the lease area: only the pod device, over the data
-		// mapping from its byte 0, is the pod's.
-		if _, mapping := r.w.loops[dev]; ok && mapping && !v.encrypted {
+		if _, mapping := r.w.loops[dev]; mapping && !v.encrypted {
 			r.w.violate("I1: %s's pod at %s is given the data mapping %s itself, not its pod device", v.id, t, dev)
 		}
 	}

@@ -184,7 +184,8 @@ func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error)
 
 // A stage takes the steps of a volume's life on a node in their order
 // (docs/architecture.md, "A volume's life"): open and verify the disk,
-// fence it, map its data region, unlock it, mount it, record it. A step
+// fence it, map its data region, unlock it, make a raw block volume's pod
+// device (poddev.go), mount it, record it. A step
 // that changes something pushes its undo onto the stage's rollback; when a
 // step fails, the undos run last first. So whatever fails leaves nothing
 // mounted, no dm-crypt mapping and no fence held, and the disk closed --
