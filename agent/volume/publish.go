@@ -93,16 +93,17 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 }
 
 // sourceIntact refuses to publish a staged volume from what is not its
-// device as its claim names it now: a raw block volume whose dm-crypt or
-// data mapping is gone (bound as it is, the pod would get the ciphertext
-// disk, or the disk with its lease area), or a staging mount left on a
+// device as its claim names it now: a raw block volume whose dm-crypt
+// mapping, data mapping or pod device is gone (bound as it is, the pod
+// would get the ciphertext disk, the disk with its lease area, or a data
+// mapping it could move over the lease area), or a staging mount left on a
 // device that is gone (stagingHolds).
 func (m *Manager) sourceIntact(c *Claim) error {
 	if !c.Block {
 		return m.stagingHolds(c)
 	}
 	if !m.blockIntact(c) {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt or data mapping is gone): stage it again first", c.Volume)
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt mapping, data mapping or pod device is gone): stage it again first", c.Volume)
 	}
 	return nil
 }
