@@ -24,11 +24,11 @@ import (
 // below only with CAP_SYS_RAWIO.
 //
 // The stage makes it after the data mapping and the claim's record names
-// it before it is bound (PodDevice); the record stops naming it before it
-// is detached, which comes before the data mapping's detach. It is found
-// only through the record: the kubelet's own loop device over a published
-// raw block device looks the same in sysfs, so none is ever taken for a
-// pod device by a search.
+// it before it is bound (PodDevice); it is detached before the data
+// mapping, and the record stops naming it once it is (unmapPodRecorded).
+// It is found only through the record: the kubelet's own loop device over
+// a published raw block device looks the same in sysfs, so none is ever
+// taken for a pod device by a search.
 
 // needsPodDevice reports whether c's pod is given a pod device: a raw
 // block volume on the data mapping, not encrypted.
@@ -52,6 +52,9 @@ func dropPodDevice(p string) error {
 	if _, err := os.Stat(p); err != nil || !loopBound(p) {
 		return nil
 	}
+	// Not left behind for the loop device's next user (drainData set it
+	// when the claim was lost).
+	_ = clearReadOnly(p)
 	if err := loopdev.Detach(p); err != nil {
 		return fmt.Errorf("the pod device: %w", err)
 	}
@@ -156,8 +159,11 @@ func (m *Manager) podDeviceIntact(c *Claim) bool {
 	if !needsPodDevice(c) {
 		return true
 	}
+	if c.PodDevice == "" {
+		return false
+	}
 	ok, err := m.host.PodDeviceOver(c.PodDevice, c.DataDevice)
-	return c.PodDevice != "" && err == nil && ok
+	return err == nil && ok
 }
 
 // growPodDevice makes the pod device see the grown data mapping (after

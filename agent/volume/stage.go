@@ -262,7 +262,7 @@ type step struct {
 // stage takes the steps of a stage of the claim c, recorded or new.
 func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageResult, error) {
 	s := &staging{m: m, c: c, r: r, isNew: c.Phase == ""}
-	err := s.run(ctx, []step{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"pod device", s.mapPodDevice}, {"mount", s.mount}, {"record", s.record}})
+	err := s.run(ctx, []step{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"pod", s.mapPodDevice}, {"mount", s.mount}, {"record", s.record}})
 	if err != nil {
 		return StageResult{Formatted: s.formatted}, err
 	}
