@@ -102,7 +102,7 @@ func TestAdv5LeaseRawBlockRestagedAfterUnstageStoppedPublishesADetachedMapping(t
 		err = r.m.Publish(ctx, PublishRequest{Volume: a.id, StagingPath: a.staging, TargetPath: a.targets[0], Block: true})
 		r.logBreak("NodePublish %s (raw block): %s", a.id, errText(err))
 		r.w.mu.Lock()
-		if src, ok := r.w.mounts[a.targets[0]]; ok && r.w.loops[src] != a.serial {
+		if src, ok := r.w.mounts[a.targets[0]]; ok && r.w.loops[r.w.pods[src]] != a.serial {
 			r.w.violate("the lease raw block volume %s is published from %s, which maps nothing (attached mappings: %v)", a.id, src, r.w.loops)
 		}
 		r.w.mu.Unlock()

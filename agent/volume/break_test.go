@@ -49,7 +49,7 @@ func (h hookHost) MakeFS(ctx context.Context, p blank.Proof, fsType string, onMa
 // breakRun is a simulation run without random faults; vols share disks
 // as their serials say.
 func breakRun(t *testing.T, dir string, lease bool, vols ...*simVolume) *simRun {
-	w := &simWorld{t: t, disks: map[string]*simDiskState{}, loops: map[string]string{}, crypts: map[string]string{},
+	w := &simWorld{t: t, disks: map[string]*simDiskState{}, loops: map[string]string{}, pods: map[string]string{}, autoclear: map[string]bool{}, crypts: map[string]string{},
 		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{}, failNext: map[string]int{}, loseNext: map[string]int{},
 		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet")}
 	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
@@ -216,6 +216,8 @@ func (r *simRun) reboot() {
 	w.crash()
 	clear(w.mounts)
 	clear(w.loops)
+	clear(w.pods)
+	clear(w.autoclear)
 	clear(w.crypts)
 }
 

@@ -19,7 +19,8 @@ import (
 // agent puts on the volume (LUKS2, filesystem, raw block) then lives on a
 // loop device over the disk from that offset, so nothing ever writes the
 // metadata area. Loop devices are present on every Linux host, unlike
-// device-mapper.
+// device-mapper. A raw block volume's pod is given the pod device over the
+// data mapping, never the data mapping itself (poddev.go).
 
 // dataMapping returns the loop device over disk at offset, attaching one
 // when there is none. A mapping found from before may have been set

@@ -32,6 +32,9 @@ func drainData(sysfs string, c *Claim, disk *os.File) error {
 	if c.Mapper != "" {
 		layers = append(layers, c.Mapper)
 	}
+	if c.PodDevice != "" {
+		layers = append(layers, c.PodDevice)
+	}
 	if c.DataDevice != "" {
 		layers = append(layers, c.DataDevice)
 	}

@@ -125,6 +125,9 @@ func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error 
 			return agenterr.New(agenterr.Internal, "volume %s: the data mapping %s holds %d bytes after growing, not the disk's %d less the %d-byte lease area (%v); unstage and stage the volume again to remap it",
 				c.Volume, c.DataDevice, n, disk, c.DataOffset, err)
 		}
+		if err := m.growPodDevice(c); err != nil {
+			return agenterr.New(agenterr.FailedPrecondition, "volume %s: %v", c.Volume, err)
+		}
 	}
 	if c.Mapper == "" {
 		return nil

@@ -101,7 +101,9 @@ func (m *Manager) unmapAll(c *Claim) error {
 // naming it as it is detached (unmapNamed).
 func (m *Manager) unmapRecorded(c *Claim) error {
 	if c.DataDevice == "" {
-		return nil
+		// A pod device named without one is over nothing of the
+		// record's: it stops naming it.
+		return m.unmapPodRecorded(c)
 	}
 	if !m.host.MapsDisk(c.DataDevice, c.Device) {
 		m.log.Warn("the data mapping the claim's record names is not a loop device over its disk; left alone", "volume", c.Volume, "device", c.Device, "mapping", c.DataDevice)
@@ -121,6 +123,10 @@ func (m *Manager) unmapRecorded(c *Claim) error {
 // does not stop the detach (the release guard gives a fence up only with
 // no mapping over its disk); its error is returned after it.
 func (m *Manager) unmapNamed(c *Claim) error {
+	// The pod device, over the data mapping, goes first.
+	if err := m.unmapPodRecorded(c); err != nil {
+		return err
+	}
 	p := c.DataDevice
 	c.DataDevice = ""
 	perr := m.store.Put(c)

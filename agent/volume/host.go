@@ -71,6 +71,10 @@ type host interface {
 	// same node (a new block device, which the kernel gives the node and
 	// the device number the one that left had).
 	MapsDiskNow(p, disk string) bool
+	// PodDeviceOver reports whether the device p is a loop device bound
+	// to the data mapping at node mapping (poddev.go); an error when that
+	// could not be read.
+	PodDeviceOver(p, mapping string) (bool, error)
 	// InUse is the release guard's proof (guard.go): nil only when
 	// nothing of this node uses the volume's devices or paths.
 	InUse(u usage) error

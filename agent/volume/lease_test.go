@@ -417,9 +417,10 @@ func sha256File(t *testing.T, p string) [32]byte {
 }
 
 // A raw block volume is grown on the node like a filesystem one, less the
-// filesystem: the pod's device node is the data mapping past the lease
-// area (a lease disk), the dm-crypt mapping (encrypted; a loop device
-// stands in for dm-crypt, which this host lacks) or the disk itself.
+// filesystem: the pod's device node is the pod device over the data
+// mapping past the lease area (a lease disk), the dm-crypt mapping
+// (encrypted; a loop device stands in for dm-crypt, which this host
+// lacks) or the disk itself.
 // After the disk has grown, expansion grows every mapping in between and
 // the device the pod sees has the new size; with no mapping in between it
 // changes nothing and reports the disk's size.

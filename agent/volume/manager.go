@@ -17,6 +17,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 )
 
@@ -78,6 +79,11 @@ type Manager struct {
 	scanOpen  func(ctx context.Context, loc Locator) (*Device, error)
 	mapData   func(disk string, offset int64, readOnly bool) (string, error)
 	unmapData func(p string) error
+	// mapPod, unmapPod and resizeLoop attach, detach and grow a raw block
+	// volume's pod device (podDevice, dropPodDevice, loopdev.Resize).
+	mapPod     func(mapping string, readOnly bool, name func(p string) error) (string, error)
+	unmapPod   func(p string) error
+	resizeLoop func(p string) error
 
 	// watchMu is held by the uevent watcher around a classification and
 	// its refusal (WatchLock), and by a stage while it records the disk it
@@ -157,7 +163,7 @@ func New(o Options) (*Manager, error) {
 		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		live:   map[string]*live{}, unchecked: map[string]bool{}, retakes: map[string]bool{}, removed: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		workers: reconcileWorkers, attachPoll: attachPoll,
-		unmapData: dropDataMapping,
+		unmapData: dropDataMapping, mapPod: podDevice, unmapPod: dropPodDevice, resizeLoop: loopdev.Resize,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
 		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)

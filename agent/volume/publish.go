@@ -93,16 +93,17 @@ func (m *Manager) Publish(ctx context.Context, r PublishRequest) (err error) {
 }
 
 // sourceIntact refuses to publish a staged volume from what is not its
-// device as its claim names it now: a raw block volume whose dm-crypt or
-// data mapping is gone (bound as it is, the pod would get the ciphertext
-// disk, or the disk with its lease area), or a staging mount left on a
+// device as its claim names it now: a raw block volume whose dm-crypt
+// mapping, data mapping or pod device is gone (bound as it is, the pod
+// would get the ciphertext disk, the disk with its lease area, or a data
+// mapping it could move over the lease area), or a staging mount left on a
 // device that is gone (stagingHolds).
 func (m *Manager) sourceIntact(c *Claim) error {
 	if !c.Block {
 		return m.stagingHolds(c)
 	}
 	if !m.blockIntact(c) {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt or data mapping is gone): stage it again first", c.Volume)
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s is staged, but its device is not whole (its dm-crypt mapping, data mapping or pod device is gone): stage it again first", c.Volume)
 	}
 	return nil
 }
@@ -250,8 +251,8 @@ func blockTargetHolds(root, target string, c *Claim) error {
 	if err := unix.Fstat(int(f.Fd()), &got); err != nil {
 		return fmt.Errorf("volume %s: stat of the target %s: %w", c.Volume, target, err)
 	}
-	if err := unix.Stat(c.MountDevice(), &want); err != nil {
-		return agenterr.New(agenterr.FailedPrecondition, "volume %s: its device %s: %v", c.Volume, c.MountDevice(), err)
+	if err := unix.Stat(c.PublishDevice(), &want); err != nil {
+		return agenterr.New(agenterr.FailedPrecondition, "volume %s: its device %s: %v", c.Volume, c.PublishDevice(), err)
 	}
 	if got.Mode&unix.S_IFMT != unix.S_IFBLK || got.Rdev != want.Rdev {
 		what := "something that is not a block device"
@@ -259,7 +260,7 @@ func blockTargetHolds(root, target string, c *Claim) error {
 			what = fmt.Sprintf("block device %d:%d", unix.Major(got.Rdev), unix.Minor(got.Rdev))
 		}
 		return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %s mounted on it, not the volume's device %s (%d:%d); unpublish what is there first",
-			c.Volume, target, what, c.MountDevice(), unix.Major(want.Rdev), unix.Minor(want.Rdev))
+			c.Volume, target, what, c.PublishDevice(), unix.Major(want.Rdev), unix.Minor(want.Rdev))
 	}
 	return nil
 }
@@ -281,7 +282,7 @@ func (m *Manager) bind(r PublishRequest, c *Claim, staging, target string) error
 	}
 	source := staging
 	if c.Block {
-		source = c.MountDevice()
+		source = c.PublishDevice()
 	} else {
 		opts = append(opts, hardened(r.MountFlags)...)
 	}

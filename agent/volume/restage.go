@@ -208,7 +208,7 @@ func (m *Manager) blockIntact(c *Claim) bool {
 	if needsData && (c.DataDevice == "" || !m.host.MapsDiskNow(c.DataDevice, c.Device)) {
 		return false
 	}
-	return true
+	return m.podDeviceIntact(c)
 }
 
 // repair mounts a staged volume whose staging path is no longer mounted
@@ -237,7 +237,7 @@ func (m *Manager) repair(ctx context.Context, c *Claim, r StageRequest) error {
 	}
 	s := &staging{m: m, c: c, r: r, dev: l.dev, live: true, choice: ch}
 	m.log.Warn("the staging path of a staged volume is not mounted; mounting it again", "volume", c.Volume, "staging", c.StagingPath)
-	return s.run(ctx, []step{{"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
+	return s.run(ctx, []step{{"map", s.mapDataRegion}, {"unlock", s.unlock}, {"pod", s.mapPodDevice}, {"mount", s.mount}, {"record", s.record}})
 }
 
 // repairChoice is how a repair stages the volume again: with the fence

@@ -3,8 +3,9 @@ package volume
 // The volume manager simulation: the manager's real code (Stage, Unstage,
 // Publish, Unpublish, Expand, the LUKS2 token rewrite, the start-up and
 // periodic checks, the removal of a disk) inside a testing/synctest bubble, over a modelled node
-// (simWorld): its disks and their fences, the data mappings, the dm-crypt
-// mappings, the mounts, what each device holds. Seeded sequences of the
+// (simWorld): its disks and their fences, the data mappings and the pod
+// devices over them, the dm-crypt mappings, the mounts, what each device
+// holds. Seeded sequences of the
 // kubelet's calls (repeated, retried, abandoned), agent crashes and
 // restarts with their records, reboots of the node, disks removed and
 // added back (at the same or another device number), another node taking
@@ -154,14 +155,19 @@ type simWorld struct {
 	trace    []string
 	broken   []string
 
-	disks   map[string]*simDiskState // by serial
-	minor   uint32
-	loops   map[string]string // loop device -> serial
-	nLoop   int
-	crypts  map[string]string // mapper name -> base device
-	mounts  map[string]string // path -> device mounted (a target: the staging's device or the block device)
-	content map[string]string // region -> "" | "ext4:UUID" | "partial:UUID" | "luks"
-	proved  map[string]string // device -> region, at its last blank proof
+	disks map[string]*simDiskState // by serial
+	minor uint32
+	loops map[string]string // loop device -> serial
+	// pods are the pod devices: loop device -> the data mapping it is
+	// over. autoclear are the data mappings detached while a pod device
+	// held them open: the kernel unbinds them when the pod device goes.
+	pods      map[string]string
+	autoclear map[string]bool
+	nLoop     int
+	crypts    map[string]string // mapper name -> base device
+	mounts    map[string]string // path -> device mounted (a target: the staging's device or the block device)
+	content   map[string]string // region -> "" | "ext4:UUID" | "partial:UUID" | "luks"
+	proved    map[string]string // device -> region, at its last blank proof
 	// failNext fails the next n calls of a name (a directed test's fault);
 	// loseNext loses the answers of the next n calls of a name.
 	failNext, loseNext map[string]int
@@ -202,6 +208,11 @@ func (w *simWorld) region(dev string) (serial, region string, ok bool) {
 	if s, ok := w.loops[dev]; ok {
 		return s, s + "@1M", true
 	}
+	if mapping, ok := w.pods[dev]; ok {
+		// From byte 0 of the data mapping: what the pod makes of its
+		// offset stays inside it.
+		return w.region(mapping)
+	}
 	for _, d := range w.disks {
 		if d.present && d.path == dev {
 			return d.serial, d.serial + "@0", true
@@ -226,6 +237,11 @@ func (w *simWorld) inUse(serial string) string {
 	for l, s := range w.loops {
 		if s == serial {
 			return "data mapping " + l
+		}
+	}
+	for p, mapping := range w.pods {
+		if s, _, ok := w.region(mapping); ok && s == serial {
+			return "pod device " + p
 		}
 	}
 	return ""
@@ -541,8 +557,8 @@ func (h simHost) MappingOpen(p string) (open bool) {
 // BlockTargetHolds: the target is a bind of the volume's device node.
 func (h simHost) BlockTargetHolds(target string, c *Claim) error {
 	return h.do("stat target", func() error {
-		if d, ok := h.w.mounts[target]; !ok || d != c.MountDevice() {
-			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %q bound on it, not the volume's device %s", c.Volume, target, d, c.MountDevice())
+		if d, ok := h.w.mounts[target]; !ok || d != c.PublishDevice() {
+			return agenterr.New(agenterr.AlreadyExists, "volume %s: target %s already has %q bound on it, not the volume's device %s", c.Volume, target, d, c.PublishDevice())
 		}
 		return nil
 	})
@@ -606,6 +622,13 @@ func (h simHost) MapsDiskNow(p, disk string) (maps bool) {
 		return nil
 	})
 	return maps
+}
+
+// PodDeviceOver: p is a modelled pod device over the data mapping at
+// node mapping.
+func (h simHost) PodDeviceOver(p, mapping string) (over bool, err error) {
+	err = h.do("loop backing file", func() error { over = mapping != "" && h.w.pods[p] == mapping; return nil })
+	return over, err
 }
 
 // InUse is the release guard's proof, on the modelled node.
@@ -870,7 +893,7 @@ type simRun struct {
 
 func newSimRun(t *testing.T, seed int64, dir string) *simRun {
 	rng := rand.New(rand.NewPCG(uint64(seed), 0x766f6c73696d))
-	w := &simWorld{t: t, rng: rng, disks: map[string]*simDiskState{}, loops: map[string]string{}, crypts: map[string]string{},
+	w := &simWorld{t: t, rng: rng, disks: map[string]*simDiskState{}, loops: map[string]string{}, pods: map[string]string{}, autoclear: map[string]bool{}, crypts: map[string]string{},
 		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{}, failNext: map[string]int{}, loseNext: map[string]int{},
 		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet"), faultP: 0.04 + 0.16*rng.Float64()}
 	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
@@ -971,16 +994,79 @@ func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFen
 					return fmt.Errorf("detaching %s: device busy (dm-crypt %s)", p, n)
 				}
 			}
-			delete(w.loops, p)
+			w.detachLoop(p)
 			return nil
 		})
 	}
+	w.modelPodDevices(m, gen)
 	if tune != nil {
 		tune(m)
 	}
 	r.m = m
 	m.ExpectRecordedLeases()
 	m.Reconcile(ctx)
+}
+
+// detachLoop detaches the modelled data mapping p; one a pod device holds
+// open is unbound when that goes (the kernel's autoclear), and stays
+// until then.
+func (w *simWorld) detachLoop(p string) {
+	for _, mapping := range w.pods {
+		if mapping == p {
+			w.autoclear[p] = true
+			return
+		}
+	}
+	delete(w.loops, p)
+}
+
+// modelPodDevices gives the manager m of agent process gen the modelled
+// pod devices: the record names one before it is bound (the next loop
+// device's number), and a data mapping detached under it goes with it.
+func (w *simWorld) modelPodDevices(m *Manager, gen int) {
+	m.mapPod = func(mapping string, _ bool, name func(string) error) (p string, err error) {
+		w.mu.Lock()
+		next := fmt.Sprintf("/dev/loop%d", w.nLoop+1)
+		w.mu.Unlock()
+		if err := name(next); err != nil {
+			return "", err
+		}
+		err = w.call(gen, "map pod device", func() error {
+			if _, ok := w.loops[mapping]; !ok || w.autoclear[mapping] {
+				return fmt.Errorf("%s: no such device", mapping)
+			}
+			w.nLoop++
+			p = fmt.Sprintf("/dev/loop%d", w.nLoop)
+			if p != next {
+				return fmt.Errorf("%s: taken by another program", next)
+			}
+			w.pods[p] = mapping
+			return nil
+		})
+		return p, err
+	}
+	m.unmapPod = func(p string) error {
+		return w.call(gen, "unmap pod device", func() error {
+			mapping, ok := w.pods[p]
+			if !ok {
+				return nil
+			}
+			delete(w.pods, p)
+			if w.autoclear[mapping] {
+				delete(w.autoclear, mapping)
+				w.detachLoop(mapping)
+			}
+			return nil
+		})
+	}
+	m.resizeLoop = func(p string) error {
+		return w.call(gen, "resize pod device", func() error {
+			if _, ok := w.pods[p]; !ok {
+				return fmt.Errorf("resizing %s: no such device", p)
+			}
+			return nil
+		})
+	}
 }
 
 // open is the modelled disk lookup: a present disk with the locator's
@@ -1207,14 +1293,24 @@ func (r *simRun) hostReset() {
 
 // checkBlockTargets: a raw block volume's pod is never given the disk
 // itself when the volume is encrypted (the ciphertext) or lease-fenced
-// (the lease area at its start), only the mapping over it (I1).
+// (the lease area at its start), only the mapping over it; nor a data
+// mapping itself, a loop device it holds open for writing and may move
+// over the lease area: only the pod device over it, from its byte 0, or
+// the dm-crypt mapping (I1).
 func (r *simRun) checkBlockTargets(v *simVolume, d *simDiskState) {
-	if !v.block || (!v.encrypted && !d.lease) {
+	if !v.block {
 		return
 	}
 	for _, t := range v.targets {
-		if dev, ok := r.w.mounts[t]; ok && dev == d.path {
+		dev, ok := r.w.mounts[t]
+		if !ok {
+			continue
+		}
+		if dev == d.path && (v.encrypted || d.lease) {
 			r.w.violate("I1: %s's pod at %s is given the disk %s itself, not its mapping", v.id, t, dev)
+		}
+		if _, mapping := r.w.loops[dev]; mapping && !v.encrypted {
+			r.w.violate("I1: %s's pod at %s is given the data mapping %s itself, not its pod device", v.id, t, dev)
 		}
 	}
 }

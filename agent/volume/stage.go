@@ -184,7 +184,8 @@ func (m *Manager) checkStage(r StageRequest) (staging, fsType string, err error)
 
 // A stage takes the steps of a volume's life on a node in their order
 // (docs/architecture.md, "A volume's life"): open and verify the disk,
-// fence it, map its data region, unlock it, mount it, record it. A step
+// fence it, map its data region, unlock it, make a raw block volume's pod
+// device (poddev.go), mount it, record it. A step
 // that changes something pushes its undo onto the stage's rollback; when a
 // step fails, the undos run last first. So whatever fails leaves nothing
 // mounted, no dm-crypt mapping and no fence held, and the disk closed --
@@ -261,7 +262,7 @@ type step struct {
 // stage takes the steps of a stage of the claim c, recorded or new.
 func (m *Manager) stage(ctx context.Context, c *Claim, r StageRequest) (StageResult, error) {
 	s := &staging{m: m, c: c, r: r, isNew: c.Phase == ""}
-	err := s.run(ctx, []step{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"mount", s.mount}, {"record", s.record}})
+	err := s.run(ctx, []step{{"open", s.openDisk}, {"fence", s.fence}, {"map", s.mapDataRegion}, {"unlock", s.unlock}, {"pod", s.mapPodDevice}, {"mount", s.mount}, {"record", s.record}})
 	if err != nil {
 		return StageResult{Formatted: s.formatted}, err
 	}
@@ -707,6 +708,11 @@ func (s *staging) announceTakeover(claim fence.Acquired) {
 // the data offset (datamap.go).
 func (s *staging) mapDataRegion(context.Context) error {
 	m, c := s.m, s.c
+	// A pod device the record names from before (a stage cut short, a
+	// repair) is over the data mapping the record names: it goes first.
+	if err := m.unmapPodRecorded(c); err != nil {
+		return fmt.Errorf("volume %s: %w", c.Volume, err)
+	}
 	c.DataOffset, c.DataDevice = s.choice.DataOffset, ""
 	if c.DataOffset > 0 {
 		p, err := m.mapData(s.dev.Path, c.DataOffset, s.r.ReadOnly)

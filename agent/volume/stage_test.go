@@ -472,7 +472,7 @@ func TestStagedLogSaysWhereTheTimeWent(t *testing.T) {
 		}
 	}
 	// The fence step's parts follow its total.
-	names := regexp.MustCompile(`^open \S+, fence \S+ \(choose \S+, prepare \S+, acquire \S+\), map \S+, unlock \S+, mount \S+$`)
+	names := regexp.MustCompile(`^open \S+, fence \S+ \(choose \S+, prepare \S+, acquire \S+\), map \S+, unlock \S+, pod \S+, mount \S+$`)
 	if !names.MatchString(steps) {
 		t.Fatalf("the volume staged line's steps are %q; want each step with its duration, in order", steps)
 	}

@@ -89,13 +89,18 @@ type Claim struct {
 	// DataOffset and DataDevice: the fencing keeps metadata before
 	// DataOffset, and the volume lives on DataDevice, a mapping of the
 	// disk from there.
-	DataOffset int64        `json:"data_offset,omitempty"`
-	DataDevice string       `json:"data_device,omitempty"`
-	Method     fence.Method `json:"fence_method"`
-	Key        fence.Key    `json:"key,omitempty"`
-	Phase      Phase        `json:"phase"`
-	State      State        `json:"state"`
-	Detail     string       `json:"detail,omitempty"`
+	DataOffset int64  `json:"data_offset,omitempty"`
+	DataDevice string `json:"data_device,omitempty"`
+	// PodDevice is what the pod of a raw block volume on DataDevice (not
+	// encrypted) is given: a loop device over DataDevice from its byte 0
+	// (poddev.go). Recorded before it is bound, no longer named before
+	// it is detached.
+	PodDevice string       `json:"pod_device,omitempty"`
+	Method    fence.Method `json:"fence_method"`
+	Key       fence.Key    `json:"key,omitempty"`
+	Phase     Phase        `json:"phase"`
+	State     State        `json:"state"`
+	Detail    string       `json:"detail,omitempty"`
 	// Missing is set while the claimed device cannot be found or is no
 	// longer the disk it was staged on; the volume is then abnormal.
 	Missing    bool      `json:"missing,omitempty"`
@@ -153,6 +158,15 @@ func (c *Claim) MountDevice() string {
 		return c.Mapper
 	}
 	return c.BaseDevice()
+}
+
+// PublishDevice is the device node a raw block volume's pod is given: its
+// pod device when it has one, else MountDevice.
+func (c *Claim) PublishDevice() string {
+	if c.PodDevice != "" {
+		return c.PodDevice
+	}
+	return c.MountDevice()
 }
 
 // BaseDevice is what LUKS2 or the filesystem is put on: the data mapping

@@ -150,7 +150,7 @@ func (m *Manager) flushLayers(c *Claim) error {
 	if c.State != StateHeld {
 		return nil
 	}
-	for _, p := range []string{c.Mapper, c.DataDevice} {
+	for _, p := range []string{c.Mapper, c.PodDevice, c.DataDevice} {
 		if err := m.host.FlushPath(p); err != nil {
 			return agenterr.New(agenterr.Unavailable, "volume %s: %v; nothing was released, the claim stays recorded: retry the unstage", c.Volume, err)
 		}

@@ -154,12 +154,21 @@ func attach(t *testing.T, img string) string {
 	dev := strings.TrimSpace(string(out))
 	t.Cleanup(func() {
 		// Mappings the agent made over the disk (a lease disk's data area)
-		// go first, also when a test failed before unstaging.
+		// go first, also when a test failed before unstaging, and before
+		// each the pod device over it (at offset 0), which keeps it bound.
 		all, _ := exec.Command("losetup", "-a").Output()
-		for _, line := range strings.Split(string(all), "\n") {
-			if m, _, ok := strings.Cut(line, ":"); ok && strings.Contains(line, "("+dev+"), offset") {
-				exec.Command("losetup", "-d", m).Run()
+		lines := strings.Split(string(all), "\n")
+		for _, line := range lines {
+			m, _, ok := strings.Cut(line, ":")
+			if !ok || !strings.Contains(line, "("+dev+"), offset") {
+				continue
 			}
+			for _, over := range lines {
+				if p, _, ok := strings.Cut(over, ":"); ok && strings.HasSuffix(over, "("+m+")") {
+					exec.Command("losetup", "-d", p).Run()
+				}
+			}
+			exec.Command("losetup", "-d", m).Run()
 		}
 		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
 			t.Logf("losetup -d %s: %v: %s", dev, err, out)

@@ -26,11 +26,32 @@ const attachTries = 16
 // read-only. The mapping stays until Detach; nothing clears it when the
 // caller exits.
 func Attach(backing string, offset int64, readOnly bool) (string, error) {
+	return AttachWith(backing, offset, Options{ReadOnly: readOnly})
+}
+
+// Options are what AttachWith does beyond Attach's binding.
+type Options struct {
+	// ReadOnly makes the loop device read-only: a flag its openers cannot
+	// clear (LOOP_SET_STATUS64 leaves it as it is).
+	ReadOnly bool
+	// DirectIO asks the kernel to read and write the backing file with
+	// direct I/O, past its page cache; a kernel that cannot for this
+	// backing file binds it buffered (DirectIO reports which).
+	DirectIO bool
+	// Naming, when set, is told the path of the free loop device before
+	// it is bound, so that the caller records it first; an error stops the
+	// attach with nothing bound. It is told again of another device when
+	// another program takes the first.
+	Naming func(path string) error
+}
+
+// AttachWith is Attach with the options o.
+func AttachWith(backing string, offset int64, o Options) (string, error) {
 	if offset < 0 {
 		return "", fmt.Errorf("loop device over %s: offset %d is negative", backing, offset)
 	}
 	mode := os.O_RDWR
-	if readOnly {
+	if o.ReadOnly {
 		mode = os.O_RDONLY
 	}
 	b, err := os.OpenFile(backing, mode|unix.O_CLOEXEC, 0)
@@ -45,8 +66,11 @@ func Attach(backing string, offset int64, readOnly bool) (string, error) {
 	defer ctl.Close()
 	cfg := unix.LoopConfig{Fd: uint32(b.Fd())}
 	cfg.Info.Offset = uint64(offset)
-	if readOnly {
-		cfg.Info.Flags = unix.LO_FLAGS_READ_ONLY
+	if o.ReadOnly {
+		cfg.Info.Flags |= unix.LO_FLAGS_READ_ONLY
+	}
+	if o.DirectIO {
+		cfg.Info.Flags |= unix.LO_FLAGS_DIRECT_IO
 	}
 	copy(cfg.Info.File_name[:len(cfg.Info.File_name)-1], backing)
 	for try := 0; ; try++ {
@@ -55,6 +79,11 @@ func Attach(backing string, offset int64, readOnly bool) (string, error) {
 			return "", fmt.Errorf("loop device over %s: no free loop device: %w", backing, err)
 		}
 		path := fmt.Sprintf("/dev/loop%d", n)
+		if o.Naming != nil {
+			if err := o.Naming(path); err != nil {
+				return "", fmt.Errorf("loop device over %s: %w", backing, err)
+			}
+		}
 		err = configure(path, &cfg)
 		if err == nil {
 			return path, nil
@@ -64,6 +93,21 @@ func Attach(backing string, offset int64, readOnly bool) (string, error) {
 		}
 		// Taken by another program since the kernel named it free.
 	}
+}
+
+// DirectIO reports whether the loop device at path reads and writes its
+// backing file with direct I/O.
+func DirectIO(path string) (bool, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	st, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return false, fmt.Errorf("the status of the loop device %s: %w", path, err)
+	}
+	return st.Flags&unix.LO_FLAGS_DIRECT_IO != 0, nil
 }
 
 // configure binds the loop device at path as cfg says. A writable one is

@@ -1,6 +1,7 @@
 package loopdev
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -175,5 +176,78 @@ func TestAttachClearsAReadOnlyFlagItsLastUserLeft(t *testing.T) {
 	t.Cleanup(func() { _ = Detach(p) })
 	if got := sysfs(t, p, "ro"); got != "0" {
 		t.Fatalf("%s, read-only when its last user detached it, is read-only (%s) when bound writable", p, got)
+	}
+}
+
+// A loop device over another one from its byte 0, with direct I/O, is
+// named to the caller before it is bound (the name it returns), reads and
+// writes through the one below, and a Naming that fails leaves nothing
+// bound.
+func TestAttachWithOverALoopDeviceNamedFirst(t *testing.T) {
+	needLoop(t)
+	img := hosttest.SparseFile(t, 8<<20)
+	const off = 1 << 20
+	base, err := Attach(img, off, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(base) })
+	var named []string
+	top, err := AttachWith(base, 0, Options{DirectIO: true, Naming: func(p string) error {
+		if _, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(p), "loop/backing_file")); err == nil {
+			t.Errorf("Naming was told of %s while it is bound already", p)
+		}
+		named = append(named, p)
+		return nil
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = Detach(top) })
+	if len(named) == 0 || named[len(named)-1] != top {
+		t.Fatalf("Naming was told %q; the attach bound %s", named, top)
+	}
+	if got := sysfs(t, top, "loop/backing_file"); got != base {
+		t.Fatalf("%s backs %s; want %s", top, got, base)
+	}
+	dio, err := DirectIO(top)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := sysfs(t, top, "loop/dio"); got != map[bool]string{true: "1", false: "0"}[dio] {
+		t.Fatalf("DirectIO(%s) = %v, sysfs says dio=%s", top, dio, got)
+	}
+	t.Logf("direct I/O over a loop device: %v", dio)
+	f, err := os.OpenFile(top, os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(buf)
+	copy(buf, "through two loop devices")
+	if _, err := unix.Pwrite(int(f.Fd()), buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	got := make([]byte, len("through two loop devices"))
+	im, err := os.Open(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	if _, err := im.ReadAt(got, off); err != nil || string(got) != "through two loop devices" {
+		t.Fatalf("the file at byte %d holds %q (%v); want what was written at byte 0 of %s", off, got, err, top)
+	}
+
+	refused := errors.New("refused")
+	var told string
+	if p, err := AttachWith(base, 0, Options{Naming: func(p string) error { told = p; return refused }}); !errors.Is(err, refused) {
+		t.Fatalf("an attach whose Naming failed: %s, %v; want the Naming's error", p, err)
+	}
+	if _, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(told), "loop/backing_file")); err == nil {
+		t.Fatalf("%s is bound after its Naming failed", told)
 	}
 }
