@@ -78,6 +78,7 @@ type Manager struct {
 	scanOpen  func(ctx context.Context, loc Locator) (*Device, error)
 	mapData   func(disk string, offset int64, readOnly bool) (string, error)
 	unmapData func(p string) error
+	growData  func(p string) error
 
 	// watchMu is held by the uevent watcher around a classification and
 	// its refusal (WatchLock), and by a stage while it records the disk it
@@ -157,7 +158,7 @@ func New(o Options) (*Manager, error) {
 		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		live:   map[string]*live{}, unchecked: map[string]bool{}, retakes: map[string]bool{}, removed: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		workers: reconcileWorkers, attachPoll: attachPoll,
-		unmapData: dropDataMapping,
+		unmapData: dropDataMapping, growData: growDataMapping,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
 		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)

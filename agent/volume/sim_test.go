@@ -1082,6 +1082,17 @@ func (r *simRun) startWith(ctx context.Context, boot string, fencers func(simFen
 			return nil
 		})
 	}
+	// The modelled loop device sees its disk grown; the system's call
+	// would reach the loop device of that name on the machine the test
+	// runs on.
+	m.growData = func(p string) error {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if _, ok := w.loops[p]; !ok {
+			return fmt.Errorf("resizing the loop device %s: no such device or address", p)
+		}
+		return nil
+	}
 	if tune != nil {
 		tune(m)
 	}
