@@ -1,0 +1,67 @@
+package volume
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+)
+
+// Directed reproductions, nineteenth adversarial round (the claim store
+// and the sequences that fault it), over the manager simulation's
+// modelled node (sim_test.go, break_test.go).
+
+// A lease volume is staged; the controller grants its disk to another
+// node, and the lease engine's loss handler records the claim lost. The
+// agent restarts in the same boot, and its start-up check cannot locate
+// the disk (a scan that failed): the lost claim is recorded missing. A
+// data mapping over the disk that the record does not name is there too
+// (a stage whose attach answer was lost leaves one). The claim check
+// skipped a lost claim whose I/O was stopped, so the disk was never looked
+// for again: the claim stayed missing for ever, and its unstage, which
+// looks for an unnamed mapping only over a disk not missing, failed for
+// ever on that mapping (volume sequence 1190).
+func TestAdv19StoreLostClaimMissingAtStartIsLookedForAgain(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+			t.Fatalf("stage %s: %v", a.id, err)
+		}
+		r.logBreak("takeover of %s: %s", a.id, r.takeOver(a))
+		r.w.mu.Lock()
+		r.w.crash()
+		r.w.failNext["locate"] = 1
+		r.w.nLoop++
+		stray := fmt.Sprintf("/dev/loop%d", r.w.nLoop)
+		r.w.loops[stray] = a.serial
+		r.w.logf("a data mapping %s over disk %s that the record does not name", stray, a.serial)
+		r.w.mu.Unlock()
+		r.start(ctx)
+		c, err := r.m.store.Get(a.id)
+		if err != nil || c == nil || c.State != StateLost || !c.Missing {
+			t.Fatalf("after the restart whose lookup failed, the claim of %s is %+v (%v), want lost and missing", a.id, c, err)
+		}
+		var uerr error
+		for try := range 3 {
+			r.m.CheckAll(ctx)
+			uerr = r.m.Unstage(ctx, a.id, a.staging)
+			r.logBreak("check, then NodeUnstage %s (try %d): %s", a.id, try, errText(uerr))
+			if uerr == nil {
+				break
+			}
+			time.Sleep(10 * time.Second)
+		}
+		if uerr != nil {
+			t.Errorf("the unstage of lost %s never succeeded: %v", a.id, uerr)
+		}
+		if r.m.unresolved(a.id) {
+			t.Errorf("the lease of lost %s is still listed as not taken back: the host watchdog stays unfed", a.id)
+		}
+		r.w.mu.Lock()
+		defer r.w.mu.Unlock()
+		if what := r.w.inUse(a.serial); what != "" {
+			t.Errorf("%s unstaged, but %s", a.id, what)
+		}
+	})
+}
