@@ -65,3 +65,31 @@ func TestAdv19StoreLostClaimMissingAtStartIsLookedForAgain(t *testing.T) {
 		}
 	})
 }
+
+// A lease volume is staged; the controller grants its disk to another
+// node, and the lease engine's loss handler stops the volume's I/O and
+// records the claim lost -- but the fsync of the record's temporary file
+// fails once (the store's disk). The record stayed "held" until the next
+// claim check's fence check found the loss again: meanwhile the API
+// calls, the release guard and an agent restarted act on a claim the
+// record says is held, its disk another node's (I1; volume sequences
+// 2064, 4828, 4928 and 23 more of 1-20000).
+func TestAdv19StoreLossRecordFailingOnceIsWrittenAgain(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
+		if _, err := r.m.Stage(ctx, r.stageReq(a)); err != nil {
+			t.Fatalf("stage %s: %v", a.id, err)
+		}
+		r.w.mu.Lock()
+		r.w.failNext["fsync claim record"] = 1
+		r.w.mu.Unlock()
+		r.logBreak("takeover of %s, the next record's fsync failing: %s", a.id, r.takeOver(a))
+		r.check()
+		c, err := r.m.store.Get(a.id)
+		if err != nil || c == nil || c.State != StateLost {
+			t.Errorf("after the loss handler ran, the claim of %s is recorded %s (%v), want lost", a.id, phaseOf(c), err)
+		}
+	})
+}
