@@ -93,3 +93,34 @@ func TestAdv19StoreLossRecordFailingOnceIsWrittenAgain(t *testing.T) {
 		}
 	})
 }
+
+// The stage of a lease volume records it claiming, takes the fence, and
+// fails to attach its data mapping; its rollback's release fails (the
+// fence stays held), and the record that would say so (interrupted,
+// held) cannot be written: the record still says claiming, with no
+// fence. The unstage then forgot the record without releasing the fence,
+// which stayed held by this node for ever (I5; volume sequence 4489).
+func TestAdv19StoreStageRecordFailingAfterItsReleaseFailedLeavesNoFence(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0"}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, _ *hookHost) {
+		ctx := context.Background()
+		r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
+		r.m.mapData = func(string, int64, bool) (string, error) {
+			r.w.mu.Lock()
+			defer r.w.mu.Unlock()
+			r.w.failNext["release"] = 1
+			r.w.failNext["fsync claim record"] = 1
+			return "", fmt.Errorf("map data: %w", errSimFault)
+		}
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s, its data mapping, its release and its last record failing: %s", a.id, errText(err))
+		err = r.m.Unstage(ctx, a.id, a.staging)
+		r.logBreak("NodeUnstage %s: %s", a.id, errText(err))
+		c, gerr := r.m.store.Get(a.id)
+		r.w.mu.Lock()
+		defer r.w.mu.Unlock()
+		if holder := r.w.disks[a.serial].holder; err == nil && holder == "us" {
+			t.Errorf("the unstage of %s answered ok, its record %s (%v), and this node still holds the fence of its disk", a.id, phaseOf(c), gerr)
+		}
+	})
+}

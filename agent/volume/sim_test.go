@@ -1643,7 +1643,10 @@ func simTempRoot() string {
 // 2064, 4828 and 4928 (I1, with the claim store faulted): the record of a
 // lost claim that the loss handler could not write was not written again
 // until a claim check found the loss anew; it said held meanwhile.
-var brokeBefore = []int64{49, 74, 110, 179, 1190, 2064, 4828, 4928, 713201, 714391, 817310, 1007520, 1100156}
+// 4489 (I5, with the claim store faulted): a failed stage whose release
+// failed, and whose record saying so failed too, was left recorded
+// claiming, which its unstage forgot with the fence still held.
+var brokeBefore = []int64{49, 74, 110, 179, 1190, 2064, 4489, 4828, 4928, 713201, 714391, 817310, 1007520, 1100156}
 
 // storeUnfaulted are the seeds of brokeBefore that broke before the claim
 // store was faulted and that its stream would fault: they run as they
