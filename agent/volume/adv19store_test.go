@@ -124,3 +124,41 @@ func TestAdv19StoreStageRecordFailingAfterItsReleaseFailedLeavesNoFence(t *testi
 		}
 	})
 }
+
+// The stage of an encrypted volume fails at its mount; its rollback
+// cannot close the dm-crypt mapping, so the release guard keeps the
+// fence, and the record that would say so (staged, its fence kept) cannot
+// be written: the record still says claiming. The retried stage found the
+// stage cut short with its mapping open, and said the claim check would
+// take it back, which the check did only for a claim the start-up check
+// could not resolve: the volume never staged again (I5; volume sequence
+// 17821).
+func TestAdv19StoreStageRecordFailingAfterItsFenceWasKeptIsTakenBack(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0", encrypted: true}
+	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
+		ctx := context.Background()
+		r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
+		h.beforeMount = func(string, string) error {
+			h.beforeMount = nil
+			r.w.mu.Lock()
+			defer r.w.mu.Unlock()
+			r.w.failNext["dm-crypt close"] = 1
+			r.w.failNext["fsync claim record"] = 1
+			return fmt.Errorf("mount: %w", errSimFault)
+		}
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s, its mount, its dm-crypt close and its last record failing: %s", a.id, errText(err))
+		for try := range 3 {
+			r.m.CheckAll(ctx)
+			_, err = r.m.Stage(ctx, r.stageReq(a))
+			r.logBreak("check, then NodeStage %s (try %d): %s", a.id, try, errText(err))
+			if err == nil {
+				break
+			}
+			time.Sleep(10 * time.Second)
+		}
+		if err != nil {
+			t.Errorf("the stage of %s never succeeded again: %v", a.id, err)
+		}
+	})
+}

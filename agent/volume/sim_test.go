@@ -1646,7 +1646,11 @@ func simTempRoot() string {
 // 4489 (I5, with the claim store faulted): a failed stage whose release
 // failed, and whose record saying so failed too, was left recorded
 // claiming, which its unstage forgot with the fence still held.
-var brokeBefore = []int64{49, 74, 110, 179, 1190, 2064, 4489, 4828, 4928, 713201, 714391, 817310, 1007520, 1100156}
+// 17821 (I5, with the claim store faulted): a failed stage whose fence
+// the release guard kept, and whose record saying so failed, stayed
+// recorded claiming with its dm-crypt mapping open; the claim check never
+// took it back.
+var brokeBefore = []int64{49, 74, 110, 179, 1190, 2064, 4489, 4828, 4928, 17821, 713201, 714391, 817310, 1007520, 1100156}
 
 // storeUnfaulted are the seeds of brokeBefore that broke before the claim
 // store was faulted and that its stream would fault: they run as they
