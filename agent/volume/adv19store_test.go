@@ -162,3 +162,42 @@ func TestAdv19StoreStageRecordFailingAfterItsFenceWasKeptIsTakenBack(t *testing.
 		}
 	})
 }
+
+// The stage of an encrypted volume fenced with reservations is cut short
+// by the agent's death after its dm-crypt mapping was opened: its record
+// says claiming. The next agent process cannot locate the disk (a scan
+// that failed) and records the claim missing -- a record that cannot be
+// written. The claim check took a claim not staged back only when its
+// record said missing or the start-up check had left it unresolved, so
+// nothing took this one back: the retried stage found the stage cut
+// short with its mapping open for ever (I5; volume sequence 1101973).
+func TestAdv19StoreStageCutShortWhoseMissingRecordFailedIsTakenBack(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0", encrypted: true}
+	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
+		ctx := context.Background()
+		h.beforeMount = func(string, string) error {
+			h.beforeMount = nil
+			r.w.mu.Lock()
+			defer r.w.mu.Unlock()
+			r.w.crash()
+			r.w.failNext["locate"] = 1
+			r.w.failNext["fsync claim record"] = 1
+			return errSimDead
+		}
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s, the agent dying before its mount: %s", a.id, errText(err))
+		r.startWith(ctx, r.w.bootID(), nil, func(m *Manager) { m.store.sys = simStore{w: r.w, gen: r.w.gen} })
+		for try := range 3 {
+			r.m.CheckAll(ctx)
+			_, err = r.m.Stage(ctx, r.stageReq(a))
+			r.logBreak("check, then NodeStage %s (try %d): %s", a.id, try, errText(err))
+			if err == nil {
+				break
+			}
+			time.Sleep(10 * time.Second)
+		}
+		if err != nil {
+			t.Errorf("the stage of %s never succeeded again: %v", a.id, err)
+		}
+	})
+}

@@ -457,11 +457,12 @@ func (m *Manager) CheckAll(ctx context.Context) {
 // checkDue reports whether the claim check looks at c: a staged claim
 // not lost; a lost one whose I/O was not shown stopped, or whose disk
 // was not found at start (checkLost); a stage or unstage cut short whose
-// disk the start-up check could not verify.
+// disk the start-up check could not verify, or a stage whose record still
+// says claiming (cutShort).
 func (m *Manager) checkDue(c *Claim) bool {
 	switch {
 	case c.Phase != PhaseStaged:
-		return m.unresolved(c.Volume) || c.Missing
+		return m.cutShort(c)
 	case c.State == StateLost:
 		return c.IONotStopped || c.Missing
 	}
@@ -482,11 +483,18 @@ func (m *Manager) checkLost(ctx context.Context, c *Claim, disks *diskScan) {
 	}
 }
 
+// cutShort reports whether the claim c, not staged, is a stage or unstage
+// cut short that is to be taken back as the start-up check takes one
+// back: one whose disk that check could not verify, or a stage whose
+// record still says claiming while no stage runs (its last record, which
+// would have said what it left, could not be written).
+func (m *Manager) cutShort(c *Claim) bool {
+	return c.Phase == PhaseClaiming || c.Missing || m.unresolved(c.Volume)
+}
+
 func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 	if c.Phase != PhaseStaged {
-		// A stage or unstage cut short whose disk the start-up check
-		// could not verify: looked for again.
-		if m.unresolved(c.Volume) || c.Missing {
+		if m.cutShort(c) {
 			m.reconcile(ctx, c, disks)
 		}
 		return

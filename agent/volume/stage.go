@@ -441,7 +441,7 @@ func (s *staging) unrecord() {
 			c.Phase = PhaseStaged
 			c.Detail = fmt.Sprintf("its stage failed and something of it is left on this node: %v", err)
 			if perr := m.store.Put(c); perr != nil {
-				s.unrecorded("could not record the volume left in use by its failed stage", perr)
+				m.log.Error("could not record the volume left in use by its failed stage", "volume", c.Volume, "err", perr)
 			}
 			return
 		}
@@ -450,33 +450,20 @@ func (s *staging) unrecord() {
 		c.Phase = PhaseStaged
 		c.Detail = "its stage failed and its fence was kept: something of the volume is still in use on this node"
 		if err := m.store.Put(c); err != nil {
-			s.unrecorded("could not record the volume whose fence was kept", err)
+			m.log.Error("could not record the volume whose fence was kept", "volume", c.Volume, "err", err)
 		}
 		return
 	}
 	if s.forgotten() {
 		if err := m.store.Delete(c.Volume); err != nil {
-			s.unrecorded("could not remove the claim record of a failed stage", err)
+			m.log.Error("could not remove the claim record of a failed stage", "volume", c.Volume, "err", err)
 		}
 		return
 	}
 	c.Phase = PhaseInterrupted
 	if err := m.store.Put(c); err != nil {
-		s.unrecorded("could not record the interrupted stage", err)
+		m.log.Error("could not record the interrupted stage", "volume", c.Volume, "err", err)
 	}
-}
-
-// unrecorded says that the failed stage's last record could not be
-// written (what, err): the record may still say claiming, and the claim
-// check takes the claim back as the start-up check takes back a stage cut
-// short (retakes), releasing the fence it may hold or watching what is
-// left in use.
-func (s *staging) unrecorded(what string, err error) {
-	m := s.m
-	m.log.Error(what+"; the claim check takes the claim back", "volume", s.c.Volume, "err", err)
-	m.mu.Lock()
-	m.retakes[s.c.Volume] = true
-	m.mu.Unlock()
 }
 
 // forgotten reports whether a failed stage leaves no record: it is the

@@ -74,7 +74,7 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 // forgotten, its disk gone), or UNAVAILABLE while the disk still cannot
 // be told.
 func (m *Manager) takeBackCutShort(ctx context.Context, c *Claim) (*Claim, error) {
-	if c.Phase == PhaseStaged || (c.Phase != PhaseClaiming && !c.Missing && !m.unresolved(c.Volume)) {
+	if c.Phase == PhaseStaged || !m.cutShort(c) {
 		return c, nil
 	}
 	m.reconcile(ctx, c, m.newScan())
