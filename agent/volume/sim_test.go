@@ -1650,7 +1650,10 @@ func simTempRoot() string {
 // the release guard kept, and whose record saying so failed, stayed
 // recorded claiming with its dm-crypt mapping open; the claim check never
 // took it back.
-var brokeBefore = []int64{49, 74, 110, 179, 1190, 2064, 4489, 4828, 4928, 17821, 713201, 714391, 817310, 1007520, 1100156}
+// 1101973 (I5, with the claim store faulted): a stage cut short whose
+// record of its disk as missing failed at the next start was never taken
+// back by the claim check, its dm-crypt mapping left open.
+var brokeBefore = []int64{49, 74, 110, 179, 1190, 2064, 4489, 4828, 4928, 17821, 713201, 714391, 817310, 1007520, 1100156, 1101973}
 
 // storeUnfaulted are the seeds of brokeBefore that broke before the claim
 // store was faulted and that its stream would fault: they run as they
