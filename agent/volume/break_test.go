@@ -51,7 +51,7 @@ func (h hookHost) MakeFS(ctx context.Context, p blank.Proof, fsType string, onMa
 func breakRun(t *testing.T, dir string, lease bool, vols ...*simVolume) *simRun {
 	w := &simWorld{t: t, disks: map[string]*simDiskState{}, loops: map[string]string{}, pods: map[string]string{}, autoclear: map[string]bool{}, crypts: map[string]string{},
 		mounts: map[string]string{}, content: map[string]string{}, proved: map[string]string{}, failNext: map[string]int{}, loseNext: map[string]int{},
-		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet")}
+		stateDir: filepath.Join(dir, "state"), kubelet: filepath.Join(dir, "kubelet"), unsynced: map[string][]byte{}}
 	if err := os.MkdirAll(w.kubelet, 0o755); err != nil {
 		t.Fatal(err)
 	}

@@ -437,8 +437,7 @@ func (m *Manager) CheckAll(ctx context.Context) {
 			// checked by the next process.
 			break
 		}
-		retake := c.Phase != PhaseStaged && (m.unresolved(c.Volume) || c.Missing)
-		if !retake && (c.Phase != PhaseStaged || (c.State == StateLost && !c.IONotStopped)) {
+		if !m.checkDue(c) {
 			continue
 		}
 		release, err := m.locks.try(c.Volume, "claim check")
@@ -455,27 +454,53 @@ func (m *Manager) CheckAll(ctx context.Context) {
 	m.updateGauge()
 }
 
+// checkDue reports whether the claim check looks at c: a staged claim
+// not lost; a lost one whose I/O was not shown stopped, or whose disk
+// was not found at start (checkLost); a stage or unstage cut short whose
+// disk the start-up check could not verify, or a stage whose record still
+// says claiming (cutShort).
+func (m *Manager) checkDue(c *Claim) bool {
+	switch {
+	case c.Phase != PhaseStaged:
+		return m.cutShort(c)
+	case c.State == StateLost:
+		return c.IONotStopped || c.Missing
+	}
+	return true
+}
+
+// checkLost looks again for the disk of a lost claim that was not found
+// at start: until it is found, its record says missing, and its unstage
+// leaves a data mapping over it that the record does not name (unmapAll).
+// It stops again the I/O of one whose stop failed.
+func (m *Manager) checkLost(ctx context.Context, c *Claim, disks *diskScan) {
+	l := m.getLive(c.Volume)
+	switch {
+	case l == nil && (c.IONotStopped || c.Missing):
+		m.reconcile(ctx, c, disks)
+	case l != nil && c.IONotStopped && m.stopAgain(c, l.dev):
+		m.setRunning(c.Volume, false)
+	}
+}
+
+// cutShort reports whether the claim c, not staged, is a stage or unstage
+// cut short that is to be taken back as the start-up check takes one
+// back: one whose disk that check could not verify, or a stage whose
+// record still says claiming while no stage runs (its last record, which
+// would have said what it left, could not be written).
+func (m *Manager) cutShort(c *Claim) bool {
+	return c.Phase == PhaseClaiming || c.Missing || m.unresolved(c.Volume)
+}
+
 func (m *Manager) checkOne(ctx context.Context, c *Claim, disks *diskScan) {
 	if c.Phase != PhaseStaged {
-		// A stage or unstage cut short whose disk the start-up check
-		// could not verify: looked for again.
-		if m.unresolved(c.Volume) || c.Missing {
+		if m.cutShort(c) {
 			m.reconcile(ctx, c, disks)
 		}
 		return
 	}
-	if c.Phase == PhaseStaged && c.State == StateLost && c.IONotStopped {
-		l := m.getLive(c.Volume)
-		switch {
-		case l == nil:
-			// Its disk was not found at start: looked for again.
-			m.reconcile(ctx, c, disks)
-		case m.stopAgain(c, l.dev):
-			m.setRunning(c.Volume, false)
-		}
-		return
-	}
-	if c.Phase != PhaseStaged || c.State == StateLost {
+	if c.State == StateLost {
+		m.checkLost(ctx, c, disks)
 		return
 	}
 	l := m.getLive(c.Volume)

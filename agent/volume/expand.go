@@ -118,7 +118,7 @@ func (m *Manager) growMappings(ctx context.Context, c *Claim, disk int64) error 
 			return agenterr.New(agenterr.FailedPrecondition, "volume %s: its recorded data mapping %s is not a loop device over its disk %s; unstage and stage the volume again to remap it",
 				c.Volume, c.DataDevice, c.Device)
 		}
-		if err := growDataMapping(c.DataDevice); err != nil {
+		if err := m.growData(c.DataDevice); err != nil {
 			return agenterr.New(agenterr.Internal, "volume %s: %v", c.Volume, err)
 		}
 		if n, err := m.host.Size(c.DataDevice); err != nil || n != disk-c.DataOffset {

@@ -98,15 +98,37 @@ func (m *Manager) lose(c *Claim, dev *Device, lost *fence.LostError) (stopped bo
 	m.clearClaimOf(c)
 	c.State, c.Detail, c.HolderKey, c.HolderNode = StateLost, lost.Error(), lost.Holder, lost.HolderNode
 	c.IONotStopped = !stopped
-	if err := m.store.Put(c); err != nil {
-		m.log.Error("could not record a lost claim", "volume", c.Volume, "err", err)
-	}
+	m.recordLost(c)
 	m.o.Metrics.fences.Inc()
 	m.publish(events.Event{Type: events.DiskFenced, Volume: c.Volume, Device: c.Device, Serial: c.Serial,
 		HolderKey: uint64(lost.Holder), HolderNode: lost.HolderNode, Reason: "claim-lost",
 		Message: fmt.Sprintf("volume %s: %v", c.Volume, lost)})
 	m.log.Error("claim lost; I/O to the disk stopped", "volume", c.Volume, "device", c.Device, "reason", lost.Reason)
 	return stopped
+}
+
+// lostRecordTries is how many times a lost claim's record is written
+// before the agent gives up, a second apart.
+const lostRecordTries = 5
+
+// recordLost writes the record of the lost claim c. Until it is written
+// the record says the claim is held, which the API calls, the release
+// guard and the next agent process act on: a write that fails is retried
+// (the claim check writes it again too, as its fence check finds the loss
+// again).
+func (m *Manager) recordLost(c *Claim) {
+	for i := 1; ; i++ {
+		err := m.store.Put(c)
+		if err == nil {
+			return
+		}
+		if i == lostRecordTries {
+			m.log.Error("could not record a lost claim; the claim check records it again", "volume", c.Volume, "err", err)
+			return
+		}
+		m.log.Warn("could not record a lost claim; retrying", "volume", c.Volume, "err", err)
+		time.Sleep(time.Second)
+	}
 }
 
 // lostUnused makes, for a lost claim c whose record is about to go (its

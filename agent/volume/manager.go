@@ -84,6 +84,7 @@ type Manager struct {
 	mapPod     func(mapping string, readOnly bool, name func(p string) error) (string, error)
 	unmapPod   func(p string) error
 	resizeLoop func(p string) error
+	growData   func(p string) error
 
 	// watchMu is held by the uevent watcher around a classification and
 	// its refusal (WatchLock), and by a stage while it records the disk it
@@ -163,7 +164,7 @@ func New(o Options) (*Manager, error) {
 		finder: discovery.Finder{SysfsRoot: o.SysfsRoot, DevRoot: o.Config.DevRoot},
 		live:   map[string]*live{}, unchecked: map[string]bool{}, retakes: map[string]bool{}, removed: map[string]bool{}, reclaims: map[string]time.Time{}, bootID: kernelBootID,
 		workers: reconcileWorkers, attachPoll: attachPoll,
-		unmapData: dropDataMapping, mapPod: podDevice, unmapPod: dropPodDevice, resizeLoop: loopdev.Resize,
+		unmapData: dropDataMapping, growData: growDataMapping, mapPod: podDevice, unmapPod: dropPodDevice, resizeLoop: loopdev.Resize,
 	}
 	m.locate = func(ctx context.Context, loc Locator) (*Device, error) {
 		return locate(ctx, m.finder, loc, m.o.Config.AllowLoopDevices)

@@ -184,7 +184,27 @@ func (c *Claim) BaseDevice() string {
 // symlinks, so nothing else on the host can redirect the agent's writes.
 type Store struct {
 	dir string
+	// sys makes the calls of a write or a removal that can fail between
+	// a record's old and new state: the system's (fileCalls), but in the
+	// volume simulation, which injects its faults there.
+	sys storeCalls
 }
+
+// storeCalls are the file system calls of Put and Delete that a fault on
+// the node can hit: the fsync of a temporary file or of the directory,
+// the rename of a written record, the removal of one.
+type storeCalls interface {
+	Sync(f *os.File) error
+	Rename(from, to string) error
+	Remove(p string) error
+}
+
+// fileCalls are the system's calls.
+type fileCalls struct{}
+
+func (fileCalls) Sync(f *os.File) error        { return f.Sync() }
+func (fileCalls) Rename(from, to string) error { return os.Rename(from, to) }
+func (fileCalls) Remove(p string) error        { return os.Remove(p) }
 
 // OpenStore makes (or checks) the claims directory under stateDir.
 func OpenStore(stateDir string) (*Store, error) {
@@ -206,7 +226,7 @@ func OpenStore(stateDir string) (*Store, error) {
 			return nil, fmt.Errorf("state directory %s is not a directory", d)
 		}
 	}
-	return &Store{dir: filepath.Join(stateDir, "volumes")}, nil
+	return &Store{dir: filepath.Join(stateDir, "volumes"), sys: fileCalls{}}, nil
 }
 
 // Dir is where claims are kept.
@@ -305,7 +325,7 @@ func (s *Store) Put(c *Claim) error {
 		os.Remove(tmp)
 		return fmt.Errorf("writing claim of volume %s: %w", c.Volume, err)
 	}
-	if err := f.Sync(); err != nil {
+	if err := s.sys.Sync(f); err != nil {
 		f.Close()
 		os.Remove(tmp)
 		return fmt.Errorf("syncing claim of volume %s: %w", c.Volume, err)
@@ -318,7 +338,7 @@ func (s *Store) Put(c *Claim) error {
 		os.Remove(tmp)
 		return fmt.Errorf("claim record %s is a symlink; the agent refuses to replace it: remove it", final)
 	}
-	if err := os.Rename(tmp, final); err != nil {
+	if err := s.sys.Rename(tmp, final); err != nil {
 		os.Remove(tmp)
 		return fmt.Errorf("saving claim of volume %s: %w", c.Volume, err)
 	}
@@ -331,12 +351,12 @@ func (s *Store) syncDir() error {
 		return err
 	}
 	defer d.Close()
-	return d.Sync()
+	return s.sys.Sync(d)
 }
 
 // Delete removes the claim of volume; a missing one is fine.
 func (s *Store) Delete(volume string) error {
-	if err := os.Remove(s.file(volume)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err := s.sys.Remove(s.file(volume)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("removing claim of volume %s: %w", volume, err)
 	}
 	return s.syncDir()

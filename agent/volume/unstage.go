@@ -66,13 +66,15 @@ func (m *Manager) Unstage(ctx context.Context, volume, stagingPath string) (err 
 }
 
 // takeBackCutShort takes back, as the start-up check does, a stage cut
-// short whose disk that check could not verify: the fence it may have
-// taken before its record named it is released through the release guard
-// then, never forgotten with the record. It returns the claim as recorded
-// after (nil: forgotten, its disk gone), or UNAVAILABLE while the disk
-// still cannot be told.
+// short whose disk that check could not verify, or a stage whose record
+// still says claiming (its last record, which would have named the fence
+// it could not release, failed): the fence it may have taken before its
+// record named it is released through the release guard then, never
+// forgotten with the record. It returns the claim as recorded after (nil:
+// forgotten, its disk gone), or UNAVAILABLE while the disk still cannot
+// be told.
 func (m *Manager) takeBackCutShort(ctx context.Context, c *Claim) (*Claim, error) {
-	if c.Phase == PhaseStaged || (!c.Missing && !m.unresolved(c.Volume)) {
+	if c.Phase == PhaseStaged || !m.cutShort(c) {
 		return c, nil
 	}
 	m.reconcile(ctx, c, m.newScan())
