@@ -6,10 +6,17 @@ package inuse
 // laid out as the kernel's, device numbers in the experimental range.
 
 import (
+	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
+	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 )
 
 // A disk whose device node is not named as its sysfs directory: the
@@ -53,5 +60,85 @@ func TestAdv20ReleaseGuardMissesAHolderOfADiskWhoseNodeIsNotItsSysfsName(t *test
 	if err := Disk(sys, node); !errors.As(err, new(*Error)) {
 		t.Fatalf("dm-3 is stacked on the disk 242:48, and Disk(%s) proved it unused (err %v): it looked for class/block/%s, not the disk's sysfs directory %s; the release guard gives the fence up under a live mapping",
 			node, err, filepath.Base(node), kname)
+	}
+}
+
+// A loop device that maps the disk through a device node that was
+// removed since: the kubelet's loop device over a raw block volume is
+// attached over a file in its plugin directory that the device node is
+// bind-mounted on (not /dev/NAME), and when its detach fails at the
+// unpublish while the file goes, it stays bound; an operator's loop over
+// a node made with mknod, removed after, is the same. sysfs shows its
+// backing file as "PATH (deleted)", and Disk skips every loop device whose
+// backing path no longer stats to a block device, taking it for a loop
+// over a disk that left. Only a devtmpfs node goes with its disk: this
+// loop device still holds the disk open and still writes it (shown
+// below), yet the proof says nothing of the volume is in use and the
+// release guard (and lease release/clear) gives the fence up under a
+// writable mapping of this node (P1). The kernel says which device a loop
+// device is over (LOOP_GET_STATUS64's lo_rdevice), whatever its path.
+// Control: with the node still there, the same loop device is found.
+func TestAdv20ReleaseGuardMissesALoopOverTheDiskWhoseBackingNodeWasRemoved(t *testing.T) {
+	hosttest.NeedRoot(t, "needs root for loop devices")
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk.img")
+	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := loopdev.Attach(img, 0, false)
+	if err != nil {
+		t.Skipf("cannot attach a loop device: %v", err)
+	}
+	t.Cleanup(func() { _ = loopdev.Detach(disk) })
+	var st unix.Stat_t
+	if err := unix.Stat(disk, &st); err != nil {
+		t.Fatal(err)
+	}
+	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	if err := Disk("/sys", disk); err != nil {
+		t.Fatalf("control: nothing uses %s: %v", disk, err)
+	}
+	// Another name of the disk, as the kubelet's plugin directory has it.
+	node := filepath.Join(dir, "pod-uid")
+	if err := unix.Mknod(node, unix.S_IFBLK|0o600, int(st.Rdev)); err != nil {
+		t.Skipf("mknod: %v", err)
+	}
+	over, err := loopdev.Attach(node, 0, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = loopdev.Detach(over) })
+	if err := Disk("/sys", disk); !errors.As(err, new(*Error)) {
+		t.Fatalf("control: %s over %s (the disk %s): Disk = %v, want an in-use error", over, node, disk, err)
+	}
+	if err := os.Remove(node); err != nil {
+		t.Fatal(err)
+	}
+	// Still the disk's: a write through it lands on the disk.
+	mark := []byte("written through the loop device after its node went")
+	f, err := os.OpenFile(over, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(append(mark, make([]byte, 4096-len(mark))...), 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	got := make([]byte, len(mark))
+	d, err := os.OpenFile(img, os.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = d.ReadAt(got, 1<<20)
+	d.Close()
+	if err != nil || !bytes.Equal(got, mark) {
+		t.Fatalf("control: the write through %s did not reach the disk's image (%v)", over, err)
+	}
+	if err := Disk("/sys", disk); !errors.As(err, new(*Error)) {
+		t.Fatalf("%s still maps the disk %s (the write above landed on it), its backing node %s removed; Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a writable mapping of this node",
+			over, disk, node, err)
 	}
 }
