@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 
@@ -140,5 +141,84 @@ func TestAdv20ReleaseGuardMissesALoopOverTheDiskWhoseBackingNodeWasRemoved(t *te
 	if err := Disk("/sys", disk); !errors.As(err, new(*Error)) {
 		t.Fatalf("%s still maps the disk %s (the write above landed on it), its backing node %s removed; Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a writable mapping of this node",
 			over, disk, node, err)
+	}
+}
+
+// The volume's filesystem is still mounted in another mount namespace of
+// this host: a pod or node daemon whose hostPath of the kubelet directory
+// has no mount propagation (Kubernetes' default, None) took a copy of the
+// staging mount when it started, and the agent's unmount in its own
+// namespace does not reach that copy; systemd services with a private
+// mount namespace started while the volume was staged are the same. The
+// filesystem stays live over the disk (its superblock holds the disk
+// exclusively; its dirty pages are written back to it, its journal
+// committed), yet Disk reads only /proc/self/mountinfo: on a disk with no
+// mapping below the filesystem (a volume fenced by a SCSI-3 reservation,
+// not encrypted) the proof says nothing of the volume is in use and the
+// release guard gives the reservation up, so the node that takes the disk
+// next mounts it while this node still writes it (P1). The kernel tells
+// it: the disk cannot be opened O_EXCL while anything, in any
+// namespace, has it mounted. Control: the same mount in Disk's own
+// namespace is found, and the disk cannot be opened O_EXCL.
+func TestAdv20ReleaseGuardMissesAMountOfTheDiskInAnotherMountNamespace(t *testing.T) {
+	hosttest.NeedRoot(t, "needs root for loop devices, mkfs and mounts", "unshare", "mount", "mkfs.ext4")
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk.img")
+	if err := os.WriteFile(img, make([]byte, 32<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := loopdev.Attach(img, 0, false)
+	if err != nil {
+		t.Skipf("cannot attach a loop device: %v", err)
+	}
+	t.Cleanup(func() { _ = loopdev.Detach(disk) })
+	if out, err := exec.Command("mkfs.ext4", "-q", "-F", disk).CombinedOutput(); err != nil {
+		t.Fatalf("mkfs.ext4: %v: %s", err, out)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// Control: mounted in this namespace, it is found.
+	if err := unix.Mount(disk, mnt, "ext4", 0, ""); err != nil {
+		t.Fatal(err)
+	}
+	cerr := Disk("/sys", disk)
+	if err := unix.Unmount(mnt, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !errors.As(cerr, new(*Error)) {
+		t.Fatalf("control: %s mounted at %s: Disk = %v, want an in-use error", disk, mnt, cerr)
+	}
+	if err := Disk("/sys", disk); err != nil {
+		t.Fatalf("control: nothing uses %s: %v", disk, err)
+	}
+
+	// Mounted in another mount namespace, held by a process there.
+	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "sh", "-c",
+		`mount -t ext4 "$1" "$2" && echo mounted && exec sleep 120`, "sh", disk, mnt)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	line := make([]byte, 8)
+	if n, err := out.Read(line); err != nil || string(line[:n]) != "mounted\n" {
+		t.Skipf("could not mount %s in another mount namespace: %q %v", disk, line[:n], err)
+	}
+	// The filesystem holds the disk: no O_EXCL open of it succeeds.
+	if fd, err := unix.Open(disk, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0); err == nil {
+		unix.Close(fd)
+		t.Fatalf("control: %s opened O_EXCL while its filesystem is mounted in another namespace", disk)
+	}
+	if err := Disk("/sys", disk); !errors.As(err, new(*Error)) {
+		t.Fatalf("%s has its ext4 filesystem mounted in another mount namespace of this host (the disk cannot be opened O_EXCL), and Disk = %v: the proof says nothing uses it, and the release guard gives its reservation up under a live filesystem of this node",
+			disk, err)
 	}
 }
