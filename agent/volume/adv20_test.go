@@ -7,6 +7,7 @@ package volume
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -106,4 +107,63 @@ func readOnlyAt(p string) (bool, error) {
 	}
 	defer f.Close()
 	return readOnly(f)
+}
+
+// The stage of an encrypted lease volume fails at its mount; its
+// rollback cannot close the dm-crypt mapping, so the release guard keeps
+// the fence and the claim goes live with the stage's lease fencer (its
+// engine renews the lease), and the records that would say so cannot be
+// written: the record still says claiming. The claim check takes back a
+// claim recorded claiming while no stage runs (cutShort, then
+// reconcileInterrupted): it closes the mapping, proves nothing in use,
+// releases the fence through a fencer it chooses anew, and records the
+// stage interrupted with no fence -- and leaves the live entry the stage
+// made, with the stage's fencer, in place. That engine goes on renewing:
+// its next renewal finds its slot released by the other engine
+// (verifyOwn), calls it a loss, and its loss handler sets the disk
+// read-only, stops the staging path's filesystem and records the claim
+// lost; the kubelet's retried stage is then refused until the controller
+// grants a takeover of a disk nobody else holds. Until then the manager
+// holds a live fence for a claim recorded interrupted with none (a claim
+// record never says less than what is on the node). Reached with two
+// writes of the claim store failing (the sim's fsync fault), after the
+// reservation variant of adv19store_test.go.
+func TestAdv20StoreKeptStageTakenBackByTheCheckLeavesItsLiveFencer(t *testing.T) {
+	a := &simVolume{id: "pvc-a", serial: "sim0", encrypted: true}
+	runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
+		ctx := context.Background()
+		r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
+		h.beforeMount = func(string, string) error {
+			h.beforeMount = nil
+			r.w.mu.Lock()
+			defer r.w.mu.Unlock()
+			r.w.failNext["dm-crypt close"] = 1
+			r.w.failNext["fsync claim record"] = 2
+			return fmt.Errorf("mount: %w", errSimFault)
+		}
+		_, err := r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("NodeStage %s, its mount, its dm-crypt close and its last record failing: %s", a.id, errText(err))
+		c, _ := r.m.store.Get(a.id)
+		l := r.m.getLive(a.id)
+		if c == nil || c.Phase != PhaseClaiming || l == nil || l.fencer == nil {
+			t.Skipf("the failed stage did not leave a claiming record with a live fencer (record %s, live %v): the case is not reached", phaseOf(c), l != nil)
+		}
+		r.m.CheckAll(ctx)
+		c, gerr := r.m.store.Get(a.id)
+		r.logBreak("claim check: the record of %s is %s (%v)", a.id, phaseOf(c), gerr)
+		r.w.mu.Lock()
+		holder := r.w.disks[a.serial].holder
+		r.w.mu.Unlock()
+		l = r.m.getLive(a.id)
+		if c != nil && c.Phase != PhaseStaged && c.State != StateHeld && holder != "us" && l != nil && l.fencer != nil {
+			t.Errorf("the claim check took %s back (record %s, state %q, its fence released: holder %q), and its live entry still holds the failed stage's fencer: a lease engine renewing a fence no record names",
+				a.id, c.Phase, c.State, holder)
+		}
+		uerr := r.m.Unstage(ctx, a.id, a.staging)
+		c, _ = r.m.store.Get(a.id)
+		r.logBreak("NodeUnstage %s: %s; its record %s", a.id, errText(uerr), phaseOf(c))
+		if l := r.m.getLive(a.id); uerr == nil && (c == nil || c.State != StateHeld) && l != nil && l.fencer != nil {
+			t.Errorf("%s unstaged (its record %s), and the manager still holds the failed stage's live fencer for it", a.id, phaseOf(c))
+		}
+	})
 }
