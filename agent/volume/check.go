@@ -159,6 +159,14 @@ func (m *Manager) markMissing(c *Claim, why error) {
 // stays listed as not taken back, and the check tries again. It reports
 // whether the claim was resolved.
 func (m *Manager) reconcileInterrupted(ctx context.Context, c *Claim, dev *Device, log *slog.Logger) bool {
+	if m.getLive(c.Volume) != nil {
+		// Taken back in this process (the claim check, the unstage) as
+		// the start-up check takes back a stage a process's death cut
+		// short: its stage's live entry and fencer go first, so that no
+		// engine of that stage renews what this releases, nor finds it
+		// lost once released.
+		m.setLive(c.Volume, nil)
+	}
 	m.takeDownInterrupted(ctx, c, log)
 	held := false
 	ch, err := m.o.Fencers.Choose(ctx, dev, c.Volume, nil)

@@ -133,7 +133,9 @@ func (h osHost) Resize(device, mountPath string) error {
 	return err
 }
 func (h osHost) StopFilesystem(p, device string) error { return stopFilesystem(h.root, p, device) }
-func (h osHost) Drain(c *Claim, disk *Device) error    { return drainData(h.sysfs, c, disk.File) }
+func (h osHost) Drain(c *Claim, disk *Device) error {
+	return drainData(h.sysfs, h.verifiedLayers(c), disk.File)
+}
 func (h osHost) Bind(source, target string, block bool, opts []string) error {
 	return bindBeneath(h.root, source, target, block, opts)
 }
@@ -228,4 +230,22 @@ func (h osHost) InUse(u usage) error {
 		}
 	}
 	return inuse.Disk(h.sysfs, u.Disk)
+}
+
+// verifiedLayers is c with only the loop devices it names that are still
+// what it says: the data mapping over its disk, the pod device over that
+// data mapping. A name the kernel gave to another loop device since (a
+// pod detached its own pod device, a reboot) is left alone: setting it
+// read-only would stop another volume, and it is no way to this disk.
+func (h osHost) verifiedLayers(c *Claim) *Claim {
+	v := *c
+	if v.DataDevice != "" && !h.MapsDisk(v.DataDevice, v.Device) {
+		v.DataDevice = ""
+	}
+	if v.PodDevice != "" {
+		if ok, err := h.PodDeviceOver(v.PodDevice, v.DataDevice); v.DataDevice == "" || err != nil || !ok {
+			v.PodDevice = ""
+		}
+	}
+	return &v
 }

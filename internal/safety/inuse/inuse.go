@@ -33,11 +33,14 @@ func (e *Error) Error() string { return fmt.Sprintf("%s is in use: %s", e.Device
 // Disk proves that nothing of this host uses the block device at path
 // or any partition of it: no loop device maps it (at any offset: the
 // lease's data mapping, the kubelet's loop over a raw block volume's
-// device, an operator's), nothing is stacked on it (its sysfs holders,
-// and each partition's: a holder of a partition is not listed under the
-// disk), and it is mounted nowhere in this mount namespace. A proof that
-// cannot be made (sysfs or the mount table unreadable) is an error too:
-// the caller keeps the fence.
+// device, an operator's; also one whose backing node was removed while
+// the device stays), nothing is stacked on it (its sysfs holders, and
+// each partition's: a holder of a partition is not listed under the
+// disk), it is mounted nowhere in this mount namespace, and the kernel
+// lets it be opened exclusively (which it refuses while the disk or a
+// partition of it is mounted in any mount namespace or claimed by a
+// driver). A proof that cannot be made (sysfs or the mount table
+// unreadable) is an error too: the caller keeps the fence.
 func Disk(sysfsRoot, path string) error {
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
@@ -46,11 +49,8 @@ func Disk(sysfsRoot, path string) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
 		return fmt.Errorf("%s is not a block device", path)
 	}
-	name := filepath.Base(path)
-	if real, err := filepath.EvalSymlinks(path); err == nil {
-		name = filepath.Base(real)
-	}
-	devs, err := withPartitions(sysfsRoot, name, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	devnum := fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
+	devs, err := withPartitions(sysfsRoot, sysfsName(sysfsRoot, path, devnum), devnum)
 	if err != nil {
 		return err
 	}
@@ -65,7 +65,46 @@ func Disk(sysfsRoot, path string) error {
 			return &Error{Device: path, What: what}
 		}
 	}
-	return nil
+	return exclusive(path)
+}
+
+// sysfsName is the kernel's name of the block device devnum (sysfs
+// dev/block/MAJ:MIN), which is not always its node's base name (a
+// DEVNAME with a directory, such as etherd/e0.0, is etherd!e0.0 there),
+// found by its link there or by the dev file of class/block's entries;
+// the node's name where sysfs does not say.
+func sysfsName(sysfsRoot, path, devnum string) string {
+	if real, err := filepath.EvalSymlinks(filepath.Join(sysfsRoot, "dev", "block", devnum)); err == nil {
+		return filepath.Base(real)
+	}
+	ents, _ := os.ReadDir(filepath.Join(sysfsRoot, "class", "block"))
+	for _, e := range ents {
+		if b, err := os.ReadFile(filepath.Join(sysfsRoot, "class", "block", e.Name(), "dev")); err == nil && strings.TrimSpace(string(b)) == devnum {
+			return e.Name()
+		}
+	}
+	if real, err := filepath.EvalSymlinks(path); err == nil {
+		return filepath.Base(real)
+	}
+	return filepath.Base(path)
+}
+
+// exclusive proves that nothing holds the disk at path as its own: the
+// kernel refuses an exclusive open (EBUSY) while the disk or a partition
+// of it is mounted in any mount namespace (a pod's or a service's copy of
+// a mount the agent took down in its own) or claimed by a driver. A
+// device that is gone (ENXIO, ENODEV) holds nothing.
+func exclusive(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	switch {
+	case err == nil:
+		return unix.Close(fd)
+	case errors.Is(err, unix.EBUSY):
+		return &Error{Device: path, What: "the kernel refuses to open it exclusively: it or a partition of it is mounted in another mount namespace, or claimed by a driver"}
+	case errors.Is(err, unix.ENXIO), errors.Is(err, unix.ENODEV):
+		return nil
+	}
+	return fmt.Errorf("opening %s exclusively: %w", path, err)
 }
 
 // blockDev is a disk or one of its partitions, by its sysfs name and its
@@ -137,9 +176,10 @@ type loop struct {
 }
 
 // boundLoops lists the bound loop devices whose backing file is a block
-// device node. A loop device whose backing node no longer exists (sysfs
-// shows it "(deleted)") maps a device that left: no write of it reaches
-// a disk attached now, so it is not counted.
+// device node. A loop device whose backing node is gone (sysfs shows
+// "(deleted)") is asked the device number it maps (loopBacking); it is
+// counted unless it no longer reaches a device (its read fails), as one
+// over a disk that left does not.
 func boundLoops(sysfsRoot string) ([]loop, error) {
 	dirs, err := filepath.Glob(filepath.Join(sysfsRoot, "block", "loop*"))
 	if err != nil {
@@ -147,25 +187,58 @@ func boundLoops(sysfsRoot string) ([]loop, error) {
 	}
 	var out []loop
 	for _, dir := range dirs {
+		name := filepath.Base(dir)
 		back, err := os.ReadFile(filepath.Join(dir, "loop", "backing_file"))
 		if errors.Is(err, os.ErrNotExist) {
 			continue // not bound
 		}
 		if err != nil {
-			return nil, fmt.Errorf("reading the backing file of %s: %w", filepath.Base(dir), err)
+			return nil, fmt.Errorf("reading the backing file of %s: %w", name, err)
 		}
+		l := loop{name: name}
 		var bst unix.Stat_t
-		if unix.Stat(strings.TrimSpace(string(back)), &bst) != nil || bst.Mode&unix.S_IFMT != unix.S_IFBLK {
-			continue
+		if unix.Stat(strings.TrimSpace(string(back)), &bst) == nil {
+			if bst.Mode&unix.S_IFMT != unix.S_IFBLK {
+				continue // a regular file's
+			}
+			l.backing = fmt.Sprintf("%d:%d", unix.Major(bst.Rdev), unix.Minor(bst.Rdev))
+		} else {
+			rdev, live, err := loopBacking(name)
+			if err != nil {
+				return nil, fmt.Errorf("%s maps %s, whose node is gone, and what it maps cannot be told: %w", name, strings.TrimSpace(string(back)), err)
+			}
+			if !live {
+				continue
+			}
+			l.backing = fmt.Sprintf("%d:%d", unix.Major(rdev), unix.Minor(rdev))
 		}
 		off, err := os.ReadFile(filepath.Join(dir, "loop", "offset"))
 		if err != nil {
-			return nil, fmt.Errorf("reading the offset of %s: %w", filepath.Base(dir), err)
+			return nil, fmt.Errorf("reading the offset of %s: %w", name, err)
 		}
-		out = append(out, loop{name: filepath.Base(dir), offset: strings.TrimSpace(string(off)),
-			backing: fmt.Sprintf("%d:%d", unix.Major(bst.Rdev), unix.Minor(bst.Rdev))})
+		l.offset = strings.TrimSpace(string(off))
+		out = append(out, l)
 	}
 	return out, nil
+}
+
+// loopBacking asks the loop device name (under /dev) the device number
+// of its backing file (LOOP_GET_STATUS64's lo_rdevice) and whether it
+// still reaches a device: a read of its first block fails once the
+// device it maps has left. A variable so that tests over a fake sysfs
+// answer for devices this host does not have.
+var loopBacking = func(name string) (rdev uint64, live bool, err error) {
+	f, err := os.Open(filepath.Join("/dev", name))
+	if err != nil {
+		return 0, false, err
+	}
+	defer f.Close()
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return 0, false, err
+	}
+	_, rerr := f.ReadAt(make([]byte, 512), 0)
+	return info.Rdevice, rerr == nil, nil
 }
 
 // Holders lists what is stacked on the block device name (sysfs

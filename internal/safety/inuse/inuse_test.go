@@ -4,7 +4,10 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestDiskNamesWhatUsesAPartition: a partition of the disk mounted, and a
@@ -46,11 +49,29 @@ func TestDiskNamesWhatUsesAPartition(t *testing.T) {
 	if !errors.As(err, &ie) || ie.What != "its partition vdd1: /dev/loop7 maps it at offset 0" {
 		t.Fatalf("loop7 over vdd1: %v", err)
 	}
-	// A loop device whose backing node is gone maps a device that left.
+	// A loop device whose backing node is gone is asked what it maps: a
+	// device that left (its read fails) does not count, a live one does,
+	// and one that cannot be asked leaves the proof unmade.
 	if err := os.WriteFile(filepath.Join(loop, "loop", "backing_file"), []byte(part+" (deleted)\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	defer func(f func(string) (uint64, bool, error)) { loopBacking = f }(loopBacking)
+	live := false
+	loopBacking = func(name string) (uint64, bool, error) {
+		if name != "loop7" {
+			return 0, false, errors.New("not this test's")
+		}
+		return unix.Mkdev(243, 49), live, nil
+	}
 	if err := Disk(sys, disk); err != nil {
-		t.Fatalf("a loop device over a node that is gone: %v, want nothing in use", err)
+		t.Fatalf("a loop device over a device that left: %v, want nothing in use", err)
+	}
+	live = true
+	if err := Disk(sys, disk); !errors.As(err, &ie) || ie.What != "its partition vdd1: /dev/loop7 maps it at offset 0" {
+		t.Fatalf("a loop device over vdd1 through a removed node: %v", err)
+	}
+	loopBacking = func(string) (uint64, bool, error) { return 0, false, errors.New("no such device") }
+	if err := Disk(sys, disk); err == nil || errors.As(err, &ie) || !strings.Contains(err.Error(), "cannot be told") {
+		t.Fatalf("a loop device that cannot be asked: %v, want the proof unmade", err)
 	}
 }
