@@ -41,6 +41,9 @@ func TestAdv20LossDrainSetsAnotherLoopDeviceReadOnlyThroughAStalePodDevice(t *te
 	img, dev := loop(t, 64)
 	_, target := e.stageAndPublishRawBlock(ctx, rawBlockCase{name: "lease", lease: true}, img, dev)
 	pod, mapping := stagedPodDevice(t, e, dev, target)
+	// The loss sets the disk and the data mapping read-only, a flag a
+	// loop device keeps past its detach: not left to the next test.
+	t.Cleanup(func() { clearRO(dev); clearRO(mapping) })
 	if err := e.m.Unpublish(ctx, "vol-rb", target); err != nil {
 		t.Fatal(err)
 	}

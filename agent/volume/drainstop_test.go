@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 )
 
 // TestAStopCountsOnlyOnceDrained: a lost claim's I/O counts as stopped,
@@ -22,7 +23,13 @@ import (
 func TestAStopCountsOnlyOnceDrained(t *testing.T) {
 	e := newEnv(t)
 	_, disk := loop(t, 16)
-	_, mapping := loop(t, 16)
+	// The data mapping: a loop device over the disk past the lease area
+	// (the drain leaves alone a recorded name that maps something else).
+	mapping, err := loopdev.Attach(disk, 1<<20, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { clearRO(mapping); _ = loopdev.Detach(mapping) })
 	f, err := os.Open(disk)
 	if err != nil {
 		t.Fatal(err)

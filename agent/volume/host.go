@@ -134,7 +134,11 @@ func (h osHost) Resize(device, mountPath string) error {
 }
 func (h osHost) StopFilesystem(p, device string) error { return stopFilesystem(h.root, p, device) }
 func (h osHost) Drain(c *Claim, disk *Device) error {
-	return drainData(h.sysfs, h.verifiedLayers(c), disk.File)
+	v, err := h.verifiedLayers(c)
+	if err != nil {
+		return err
+	}
+	return drainData(h.sysfs, v, disk.File)
 }
 func (h osHost) Bind(source, target string, block bool, opts []string) error {
 	return bindBeneath(h.root, source, target, block, opts)
@@ -232,20 +236,36 @@ func (h osHost) InUse(u usage) error {
 	return inuse.Disk(h.sysfs, u.Disk)
 }
 
-// verifiedLayers is c with only the loop devices it names that are still
-// what it says: the data mapping over its disk, the pod device over that
-// data mapping. A name the kernel gave to another loop device since (a
-// pod detached its own pod device, a reboot) is left alone: setting it
-// read-only would stop another volume, and it is no way to this disk.
-func (h osHost) verifiedLayers(c *Claim) *Claim {
+// verifiedLayers is c with the loop devices it names checked before a
+// drain touches them: a name the kernel gave to another device since (a
+// pod detached its own pod device, a reboot) is no way to this disk, and
+// setting it read-only would stop another volume. A data mapping name
+// that is another device's now is replaced by the mapping over the disk,
+// if any; a pod device that is not over the data mapping is left out. A
+// name that is gone stays, so that the drain fails on it and the stop is
+// not counted done: what maps the disk then is not known.
+func (h osHost) verifiedLayers(c *Claim) (*Claim, error) {
 	v := *c
-	if v.DataDevice != "" && !h.MapsDisk(v.DataDevice, v.Device) {
-		v.DataDevice = ""
+	if v.DataDevice != "" && exists(v.DataDevice) && !h.MapsDisk(v.DataDevice, v.Device) {
+		d, err := lease.FindData(h.sysfs, v.Device)
+		if err != nil {
+			return nil, fmt.Errorf("the recorded data mapping %s is another device's now, and the mapping over %s cannot be found: %w", v.DataDevice, v.Device, err)
+		}
+		v.DataDevice, v.PodDevice = d, ""
 	}
-	if v.PodDevice != "" {
-		if ok, err := h.PodDeviceOver(v.PodDevice, v.DataDevice); v.DataDevice == "" || err != nil || !ok {
+	if v.PodDevice != "" && v.DataDevice != "" && exists(v.PodDevice) {
+		ok, err := h.PodDeviceOver(v.PodDevice, v.DataDevice)
+		if err != nil {
+			return nil, fmt.Errorf("telling whether the recorded pod device %s is over the data mapping %s: %w", v.PodDevice, v.DataDevice, err)
+		}
+		if !ok {
 			v.PodDevice = ""
 		}
 	}
-	return &v
+	return &v, nil
+}
+
+func exists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
 }
