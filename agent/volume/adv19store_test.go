@@ -137,27 +137,10 @@ func TestAdv19StoreStageRecordFailingAfterItsFenceWasKeptIsTakenBack(t *testing.
 	a := &simVolume{id: "pvc-a", serial: "sim0", encrypted: true}
 	runBreak(t, false, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
-		h.beforeMount = func(string, string) error {
-			h.beforeMount = nil
-			r.w.mu.Lock()
-			defer r.w.mu.Unlock()
-			r.w.failNext["dm-crypt close"] = 1
-			r.w.failNext["fsync claim record"] = 1
-			return fmt.Errorf("mount: %w", errSimFault)
-		}
+		mountFailsArming(r, h, map[string]int{"dm-crypt close": 1, "fsync claim record": 1})
 		_, err := r.m.Stage(ctx, r.stageReq(a))
 		r.logBreak("NodeStage %s, its mount, its dm-crypt close and its last record failing: %s", a.id, errText(err))
-		for try := range 3 {
-			r.m.CheckAll(ctx)
-			_, err = r.m.Stage(ctx, r.stageReq(a))
-			r.logBreak("check, then NodeStage %s (try %d): %s", a.id, try, errText(err))
-			if err == nil {
-				break
-			}
-			time.Sleep(10 * time.Second)
-		}
-		if err != nil {
+		if err := checkThenStage(ctx, r, a); err != nil {
 			t.Errorf("the stage of %s never succeeded again: %v", a.id, err)
 		}
 	})
@@ -187,17 +170,39 @@ func TestAdv19StoreStageCutShortWhoseMissingRecordFailedIsTakenBack(t *testing.T
 		_, err := r.m.Stage(ctx, r.stageReq(a))
 		r.logBreak("NodeStage %s, the agent dying before its mount: %s", a.id, errText(err))
 		r.startWith(ctx, r.w.bootID(), nil, func(m *Manager) { m.store.sys = simStore{w: r.w, gen: r.w.gen} })
-		for try := range 3 {
-			r.m.CheckAll(ctx)
-			_, err = r.m.Stage(ctx, r.stageReq(a))
-			r.logBreak("check, then NodeStage %s (try %d): %s", a.id, try, errText(err))
-			if err == nil {
-				break
-			}
-			time.Sleep(10 * time.Second)
-		}
-		if err != nil {
+		if err := checkThenStage(ctx, r, a); err != nil {
 			t.Errorf("the stage of %s never succeeded again: %v", a.id, err)
 		}
 	})
+}
+
+// mountFailsArming has the claim store faulted (simStore) and the next
+// mount fail, arming faults (call name: how many) as it does.
+func mountFailsArming(r *simRun, h *hookHost, faults map[string]int) {
+	r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
+	h.beforeMount = func(string, string) error {
+		h.beforeMount = nil
+		r.w.mu.Lock()
+		defer r.w.mu.Unlock()
+		for call, n := range faults {
+			r.w.failNext[call] = n
+		}
+		return fmt.Errorf("mount: %w", errSimFault)
+	}
+}
+
+// checkThenStage runs a claim check and the kubelet's retried stage of a,
+// up to three times ten seconds apart, and returns the last stage's error.
+func checkThenStage(ctx context.Context, r *simRun, a *simVolume) error {
+	var err error
+	for try := range 3 {
+		r.m.CheckAll(ctx)
+		_, err = r.m.Stage(ctx, r.stageReq(a))
+		r.logBreak("check, then NodeStage %s (try %d): %s", a.id, try, errText(err))
+		if err == nil {
+			return nil
+		}
+		time.Sleep(10 * time.Second)
+	}
+	return err
 }

@@ -7,7 +7,6 @@ package volume
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -135,15 +134,7 @@ func TestAdv20StoreKeptStageTakenBackByTheCheckLeavesItsLiveFencer(t *testing.T)
 	a := &simVolume{id: "pvc-a", serial: "sim0", encrypted: true}
 	runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		r.m.store.sys = simStore{w: r.w, gen: r.w.gen}
-		h.beforeMount = func(string, string) error {
-			h.beforeMount = nil
-			r.w.mu.Lock()
-			defer r.w.mu.Unlock()
-			r.w.failNext["dm-crypt close"] = 1
-			r.w.failNext["fsync claim record"] = 2
-			return fmt.Errorf("mount: %w", errSimFault)
-		}
+		mountFailsArming(r, h, map[string]int{"dm-crypt close": 1, "fsync claim record": 2})
 		_, err := r.m.Stage(ctx, r.stageReq(a))
 		r.logBreak("NodeStage %s, its mount, its dm-crypt close and its last record failing: %s", a.id, errText(err))
 		c, _ := r.m.store.Get(a.id)
