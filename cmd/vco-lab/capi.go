@@ -2,11 +2,7 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
-	"os/signal"
-	"syscall"
-	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/capi"
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
@@ -23,18 +19,8 @@ const capiUsage = `usage: vco-lab capi prefetch
 `
 
 func capiCmd(args []string) int {
-	if len(args) != 1 || args[0] != "prefetch" {
-		fmt.Fprint(os.Stderr, capiUsage)
-		return 2
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	start := time.Now()
-	m, err := capi.Build(ctx, lab.DefaultCacheDir(), os.Stderr)
-	if err != nil {
-		return fail("capi prefetch: %v", err)
-	}
-	fmt.Fprintf(os.Stderr, "vco-lab: Cluster API's core manager is ready (%s)\n", time.Since(start).Round(time.Second))
-	fmt.Println(m.Bin)
-	return 0
+	return prefetchCmd(args, capiUsage, "capi", "Cluster API's core manager", func(ctx context.Context) (string, error) {
+		m, err := capi.Build(ctx, lab.DefaultCacheDir(), os.Stderr)
+		return m.Bin, err
+	})
 }

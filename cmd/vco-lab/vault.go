@@ -22,18 +22,26 @@ const vaultUsage = `usage: vco-lab vault prefetch
 `
 
 func vaultCmd(args []string) int {
+	return prefetchCmd(args, vaultUsage, "vault", "the Vault server", func(ctx context.Context) (string, error) {
+		return vault.Build(ctx, lab.DefaultCacheDir(), os.Stderr)
+	})
+}
+
+// prefetchCmd is `vco-lab NAME prefetch`: build, cached, what build makes
+// (what names it) and print the binary's path; usage for anything else.
+func prefetchCmd(args []string, usage, name, what string, build func(context.Context) (string, error)) int {
 	if len(args) != 1 || args[0] != "prefetch" {
-		fmt.Fprint(os.Stderr, vaultUsage)
+		fmt.Fprint(os.Stderr, usage)
 		return 2
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	start := time.Now()
-	bin, err := vault.Build(ctx, lab.DefaultCacheDir(), os.Stderr)
+	bin, err := build(ctx)
 	if err != nil {
-		return fail("vault prefetch: %v", err)
+		return fail("%s prefetch: %v", name, err)
 	}
-	fmt.Fprintf(os.Stderr, "vco-lab: the Vault server is ready (%s)\n", time.Since(start).Round(time.Second))
+	fmt.Fprintf(os.Stderr, "vco-lab: %s is ready (%s)\n", what, time.Since(start).Round(time.Second))
 	fmt.Println(bin)
 	return 0
 }
