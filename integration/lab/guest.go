@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/whitesky-cloud/vco-storage/integration/guestexec"
@@ -60,6 +61,10 @@ type GuestConfig struct {
 	// (QEMU hostfwd), on the same NIC as Forwards: 127.0.0.1:HostPort
 	// is the guest's GuestPort.
 	Inbound []Inbound
+	// Reboots lets the guest reboot (a reset starts it again, its
+	// hot-plugged disks and its root overlay kept) instead of QEMU
+	// exiting when it resets (reboot.go).
+	Reboots bool
 }
 
 // Inbound takes the host's connections to 127.0.0.1:HostPort to the
@@ -103,8 +108,11 @@ type Guest struct {
 	// BootTime is from starting QEMU until the guest's exec server answered.
 	BootTime time.Duration
 
-	qmp  *QMP
-	exec *guestexec.Client
+	qmp *QMP
+
+	mu     sync.Mutex // guards exec, which a reboot replaces
+	exec   *guestexec.Client
+	bootID string // the boot the exec channel was dialed in (reboot.go)
 }
 
 // qemuArgs is the guest's command line. The machine starts paused (-S) so
@@ -124,7 +132,7 @@ func qemuArgs(cfg GuestConfig, k *Kernel, initrd, dir string) []string {
 		"-machine", "pc", "-accel", "tcg", "-cpu", "max",
 		"-m", strconv.Itoa(cfg.MemMB), "-smp", strconv.Itoa(cfg.CPUs),
 		"-nodefaults", "-no-user-config", "-display", "none", "-vga", "none",
-		"-no-reboot", "-S",
+		"-S",
 		"-kernel", kernel, "-initrd", initrd,
 		"-append", appendArgs,
 		"-chardev", "file,id=con,path=" + filepath.Join(dir, "console.log"),
@@ -135,7 +143,7 @@ func qemuArgs(cfg GuestConfig, k *Kernel, initrd, dir string) []string {
 		"-device", "virtserialport,bus=vser.0,chardev=exec,name=" + guestexec.PortName,
 		"-device", "virtio-scsi-pci,id=scsi0",
 		"-smbios", "type=1,uuid=" + cfg.UUID,
-	}, append(netArgs(cfg), root...)...)
+	}, append(append(netArgs(cfg), root...), rebootArgs(cfg)...)...)
 }
 
 // startGuest starts QEMU paused, attaches the disks, resumes it and waits
@@ -187,10 +195,6 @@ func startGuest(ctx context.Context, cfg GuestConfig, k *Kernel, initrd, dir, pi
 	}
 	bctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
-	type dialed struct {
-		c   *guestexec.Client
-		err error
-	}
 	ch := make(chan dialed, 1)
 	go func() {
 		c, err := guestexec.Dial(bctx, g.ExecSocket)
@@ -201,7 +205,10 @@ func startGuest(ctx context.Context, cfg GuestConfig, k *Kernel, initrd, dir, pi
 		if d.err != nil {
 			return nil, fmt.Errorf("%w: %w", errNoAnswer, d.err)
 		}
-		g.exec = d.c
+		g.setExec(d.c)
+		if g.Reboots {
+			g.bootID, _ = readBootID(ctx, d.c)
+		}
 	case <-g.Proc.Exited():
 		cancel()
 		return nil, fmt.Errorf("QEMU exited during boot: %v", g.Proc.exitErr)
@@ -337,22 +344,37 @@ func (g *Guest) Resume(ctx context.Context) error {
 func (g *Guest) QMP() *QMP { return g.qmp }
 
 // Exec is the guest's command channel.
-func (g *Guest) Exec() *guestexec.Client { return g.exec }
+func (g *Guest) Exec() *guestexec.Client {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.exec
+}
+
+// setExec puts c as the guest's command channel and closes the one before.
+func (g *Guest) setExec(c *guestexec.Client) {
+	g.mu.Lock()
+	old := g.exec
+	g.exec = c
+	g.mu.Unlock()
+	if old != nil {
+		old.Close()
+	}
+}
 
 // Run runs argv in the guest (see guestexec.Client.Run).
 func (g *Guest) Run(ctx context.Context, argv ...string) (*guestexec.Result, error) {
-	return g.exec.Run(ctx, 0, argv...)
+	return g.Exec().Run(ctx, 0, argv...)
 }
 
 // Sh runs a shell command line in the guest.
 func (g *Guest) Sh(ctx context.Context, script string) (*guestexec.Result, error) {
-	return g.exec.Sh(ctx, script)
+	return g.Exec().Sh(ctx, script)
 }
 
 // MustSh runs a shell command line and fails unless it exits 0; the error
 // carries the command's output.
 func (g *Guest) MustSh(ctx context.Context, script string) (string, error) {
-	r, err := g.exec.Sh(ctx, script)
+	r, err := g.Exec().Sh(ctx, script)
 	if err != nil {
 		return "", fmt.Errorf("%s: %w", g.Name, err)
 	}
@@ -379,8 +401,8 @@ func LastLines(s string, n int) string {
 
 // Stop kills QEMU and closes the channels.
 func (g *Guest) Stop() error {
-	if g.exec != nil {
-		g.exec.Close()
+	if c := g.Exec(); c != nil {
+		c.Close()
 	}
 	if g.qmp != nil {
 		g.qmp.Close()

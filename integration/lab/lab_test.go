@@ -70,7 +70,7 @@ func TestLab(t *testing.T) {
 			{ID: "shared0", Kind: SCSIBlock, LUN: shared},
 			{ID: "hd0", Kind: SCSIHD, LUN: hdLUN, Serial: "hd0"},
 			{ID: "vblk0", Kind: VirtioBlk, File: plain, Serial: "vblk0"},
-		}},
+		}, Reboots: true},
 		GuestConfig{Name: "node-b", Disks: []Disk{{ID: "shared0", Kind: SCSIBlock, LUN: shared}}},
 	)
 	if err != nil {
@@ -94,6 +94,8 @@ func TestLab(t *testing.T) {
 	t.Run("hot-plug and unplug", func(t *testing.T) { labHotPlugAndUnplug(t, ctx, l, b, shared) })
 
 	t.Run("pause and resume", func(t *testing.T) { labPauseAndResume(t, ctx, b) })
+
+	t.Run("a guest that reboots comes back with its disks", func(t *testing.T) { labRebootKeepsDisks(t, ctx, a, b) })
 
 	t.Run("teardown leaves nothing running", func(t *testing.T) { labTeardownLeavesNothingRunning(t, l, guests) })
 }
@@ -304,6 +306,48 @@ func labPauseAndResume(t *testing.T, ctx context.Context, b *Guest) {
 		}
 	case <-time.After(time.Minute):
 		t.Fatal("the guest did not answer within a minute of resuming")
+	}
+}
+
+// labRebootKeepsDisks resets a (a hard reset from the host, then a reboot
+// from inside): each time it comes back on a new exec channel, what it
+// kept in memory is gone and its hot-plugged disk is still there; b, which
+// does not reboot, refuses a reset.
+func labRebootKeepsDisks(t *testing.T, ctx context.Context, a, b *Guest) {
+	if err := b.Reset(ctx); err == nil {
+		t.Fatalf("%s, which does not reboot, was reset", b.Name)
+	}
+	for _, c := range []struct {
+		how    string
+		reset  func(context.Context) error
+		reason string
+	}{
+		{"reset from the host", a.Reset, "host-qmp-system-reset"},
+		{"reboot from inside", a.Reboot, "guest-reset"},
+	} {
+		if _, err := a.MustSh(ctx, "echo before >/run/vco-lab-reboot-marker"); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.reset(ctx); err != nil {
+			t.Fatalf("%s: %v", c.how, err)
+		}
+		wctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+		reason, err := a.WaitReset(wctx)
+		cancel()
+		if err != nil || reason != c.reason {
+			t.Fatalf("%s: reset reason %q (%v), want %q", c.how, reason, err, c.reason)
+		}
+		took, err := a.WaitBack(ctx, 5*time.Minute)
+		if err != nil {
+			t.Fatalf("%s: %v", c.how, err)
+		}
+		t.Logf("%s: back in %s", c.how, took.Round(time.Millisecond))
+		if out, err := a.MustSh(ctx, "cat /run/vco-lab-reboot-marker 2>/dev/null || echo gone"); err != nil || strings.TrimSpace(out) != "gone" {
+			t.Fatalf("%s: the marker of the boot before: %q %v", c.how, out, err)
+		}
+		if _, err := a.DiskBySerial(ctx, "vblk0"); err != nil {
+			t.Fatalf("%s: the hot-plugged disk after the reset: %v", c.how, err)
+		}
 	}
 }
 

@@ -175,5 +175,18 @@ func (q *QMP) WaitEvent(ctx context.Context, name string, match func(json.RawMes
 	}
 }
 
+// DropEvents forgets the events named name received so far.
+func (q *QMP) DropEvents(name string) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	kept := q.events[:0]
+	for _, ev := range q.events {
+		if ev.Event != name {
+			kept = append(kept, ev)
+		}
+	}
+	q.events = kept
+}
+
 // Close drops the connection.
 func (q *QMP) Close() error { return q.conn.Close() }
