@@ -7,7 +7,9 @@ package inuse
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -126,5 +128,81 @@ func TestAdv21ReleaseGuardMissesALoopOverTheDiskWhoseBackingPathNamesSomethingEl
 					over, disk, strings.TrimSpace(string(back)), err)
 			}
 		})
+	}
+}
+
+// A process of this host holds the disk open for writing: an operator's
+// dd or backup tool, a host daemon that opened the raw block volume's
+// node, a container's process that outlived its pod's unpublish. Nothing
+// of it shows in sysfs (no loop device, no holder) or in mountinfo, and
+// an open without O_EXCL does not stop the kernel's exclusive open, so
+// Disk says nothing of the volume is in use: on a disk with no mapping
+// below (a volume fenced by a SCSI-3 reservation, whose pod is given the
+// disk's own node) the release guard gives the reservation up, and
+// `lease clear` the lease area, while that process can still write the
+// disk (P1: shown below, its write lands after the proof). The kernel
+// names every open file of every process (/proc/PID/fd). Control: the
+// disk with no opener is proven unused; one open only for reading writes
+// nothing, and is not the question here.
+func TestAdv21ReleaseGuardMissesAProcessThatHoldsTheDiskOpenForWriting(t *testing.T) {
+	hosttest.NeedRoot(t, "needs root for loop devices", "sh")
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk.img")
+	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := loopdev.Attach(img, 0, false)
+	if err != nil {
+		t.Skipf("cannot attach a loop device: %v", err)
+	}
+	t.Cleanup(func() { _ = loopdev.Detach(disk) })
+	var st unix.Stat_t
+	if err := unix.Stat(disk, &st); err != nil {
+		t.Fatal(err)
+	}
+	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	if err := Disk("/sys", disk); err != nil {
+		t.Fatalf("control: nothing uses %s: %v", disk, err)
+	}
+	const mark = "written by a process that held the disk open"
+	cmd := exec.Command("sh", "-c", `exec 3<>"$1"; echo held; read x; printf '%s' "$2" >&3; echo written`, "sh", disk, mark)
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	line := make([]byte, 5)
+	if n, err := io.ReadFull(out, line); err != nil || string(line[:n]) != "held\n" {
+		t.Fatalf("the opener did not start: %q %v", line[:n], err)
+	}
+	proof := Disk("/sys", disk)
+	// The opener writes after the proof.
+	if _, err := in.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := io.ReadFull(out, make([]byte, 8)); err != nil {
+		t.Fatalf("the opener did not write: %d %v", n, err)
+	}
+	got := make([]byte, len(mark))
+	if d, err := os.Open(disk); err == nil {
+		_, _ = d.ReadAt(got, 0)
+		d.Close()
+	}
+	if string(got) != mark {
+		t.Fatalf("control: the opener's write did not reach the disk: %q", got)
+	}
+	if !errors.As(proof, new(*Error)) {
+		t.Fatalf("process %d held %s open for writing (its write landed after the proof), and Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a live writer of this node",
+			cmd.Process.Pid, disk, proof)
 	}
 }
