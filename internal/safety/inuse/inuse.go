@@ -1,9 +1,11 @@
 // Package inuse proves that nothing of this host uses a disk or a
 // partition of it: no loop device over it, nothing stacked on it
-// (dm-crypt, md, another mapping) and no mount of it. The agent's release guard (agent/volume) and
+// (dm-crypt, md, another mapping), no mount of it and no other process
+// holding it open for writing. The agent's release guard (agent/volume) and
 // `vco-agent lease clear` give a disk's fence up only after this proof
-// (docs/architecture.md, "The release guard"). It reads sysfs and
-// /proc/self/mountinfo; nothing here writes.
+// (docs/architecture.md, "The release guard"). It reads sysfs,
+// /proc/self/mountinfo and the open files of this host's processes
+// (/proc/PID/fd); nothing here writes.
 package inuse
 
 import (
@@ -37,7 +39,8 @@ func (e *Error) Error() string { return fmt.Sprintf("%s is in use: %s", e.Device
 // another thing in this mount namespace, which is asked what it maps:
 // boundLoops), nothing is stacked on it (its sysfs holders, and
 // each partition's: a holder of a partition is not listed under the
-// disk), it is mounted nowhere in this mount namespace, and the kernel
+// disk), it is mounted nowhere in this mount namespace, no other process
+// of this host holds it open for writing (writer), and the kernel
 // lets it be opened exclusively (which it refuses while the disk or a
 // partition of it is mounted in any mount namespace or claimed by a
 // driver). A proof that cannot be made (sysfs or the mount table
@@ -65,6 +68,11 @@ func Disk(sysfsRoot, path string) error {
 		} else if what != "" {
 			return &Error{Device: path, What: what}
 		}
+	}
+	if what, err := writer(devs); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	} else if what != "" {
+		return &Error{Device: path, What: what}
 	}
 	return exclusive(path)
 }
