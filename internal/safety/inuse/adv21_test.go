@@ -5,6 +5,7 @@ package inuse
 // else skipped).
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"io"
@@ -203,6 +204,111 @@ func TestAdv21ReleaseGuardMissesAProcessThatHoldsTheDiskOpenForWriting(t *testin
 	}
 	if !errors.As(proof, new(*Error)) {
 		t.Fatalf("process %d held %s open for writing (its write landed after the proof), and Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a live writer of this node",
+			cmd.Process.Pid, disk, proof)
+	}
+}
+
+// adv21Mapper, set in the environment, makes this test binary the
+// process of TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared:
+// it maps the first page of the disk it names shared and writable,
+// closes its descriptor, says so, and writes the page when told.
+const adv21Mapper = "INUSE_ADV21_MAPPER"
+
+func TestAdv21MapperProcess(t *testing.T) {
+	disk := os.Getenv(adv21Mapper)
+	if disk == "" {
+		t.Skip("the helper process of TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared")
+	}
+	fd, err := unix.Open(disk, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, err := unix.Mmap(fd, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Close(fd); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Println("mapped")
+	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	copy(page, "written through a shared mapping of the disk")
+	if err := unix.Msync(page, unix.MS_SYNC); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Println("written")
+}
+
+// A process of this host maps the disk shared and writable and closed
+// its descriptor after (a database or a tool that maps a raw block
+// device): no descriptor names the disk in /proc/PID/fd, nothing shows
+// in sysfs or mountinfo, and the exclusive open succeeds, so Disk says
+// nothing of the volume is in use while the process can still write the
+// disk through its mapping (P1: shown below, its write lands after the
+// proof). The kernel lists a process's mapped files (/proc/PID/maps,
+// /proc/PID/map_files). Control: the disk with no mapper is proven
+// unused.
+func TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared(t *testing.T) {
+	hosttest.NeedRoot(t, "needs root for loop devices")
+	dir := t.TempDir()
+	img := filepath.Join(dir, "disk.img")
+	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := loopdev.Attach(img, 0, false)
+	if err != nil {
+		t.Skipf("cannot attach a loop device: %v", err)
+	}
+	t.Cleanup(func() { _ = loopdev.Detach(disk) })
+	var st unix.Stat_t
+	if err := unix.Stat(disk, &st); err != nil {
+		t.Fatal(err)
+	}
+	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	if err := Disk("/sys", disk); err != nil {
+		t.Fatalf("control: nothing uses %s: %v", disk, err)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run", "^TestAdv21MapperProcess$")
+	cmd.Env = append(os.Environ(), adv21Mapper+"="+disk)
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	line := make([]byte, 8)
+	if n, err := io.ReadFull(out, line[:7]); err != nil || string(line[:n]) != "mapped\n" {
+		t.Fatalf("the mapper did not start: %q %v", line[:n], err)
+	}
+	proof := Disk("/sys", disk)
+	if _, err := in.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := io.ReadFull(out, line[:8]); err != nil || string(line[:n]) != "written\n" {
+		t.Fatalf("the mapper did not write: %q %v", line[:n], err)
+	}
+	const mark = "written through a shared mapping of the disk"
+	got := make([]byte, len(mark))
+	if d, err := os.Open(disk); err == nil {
+		_, _ = d.ReadAt(got, 0)
+		d.Close()
+	}
+	if string(got) != mark {
+		t.Fatalf("control: the mapper's write did not reach the disk: %q", got)
+	}
+	if !errors.As(proof, new(*Error)) {
+		t.Fatalf("process %d mapped %s shared and writable (its write landed after the proof), and Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a live writer of this node",
 			cmd.Process.Pid, disk, proof)
 	}
 }
