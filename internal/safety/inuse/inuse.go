@@ -1,11 +1,11 @@
 // Package inuse proves that nothing of this host uses a disk or a
 // partition of it: no loop device over it, nothing stacked on it
 // (dm-crypt, md, another mapping), no mount of it and no other process
-// holding it open for writing. The agent's release guard (agent/volume) and
+// holding it open for writing or mapping it shared and writable. The agent's release guard (agent/volume) and
 // `vco-agent lease clear` give a disk's fence up only after this proof
 // (docs/architecture.md, "The release guard"). It reads sysfs,
-// /proc/self/mountinfo and the open files of this host's processes
-// (/proc/PID/fd); nothing here writes.
+// /proc/self/mountinfo and the open and mapped files of this host's
+// processes (/proc/PID/fd, /proc/PID/maps); nothing here writes.
 package inuse
 
 import (
@@ -40,7 +40,8 @@ func (e *Error) Error() string { return fmt.Sprintf("%s is in use: %s", e.Device
 // boundLoops), nothing is stacked on it (its sysfs holders, and
 // each partition's: a holder of a partition is not listed under the
 // disk), it is mounted nowhere in this mount namespace, no other process
-// of this host holds it open for writing (writer), and the kernel
+// of this host holds it open for writing or maps it shared and writable
+// (writer), and the kernel
 // lets it be opened exclusively (which it refuses while the disk or a
 // partition of it is mounted in any mount namespace or claimed by a
 // driver). A proof that cannot be made (sysfs or the mount table

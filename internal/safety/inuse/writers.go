@@ -17,9 +17,13 @@ const procRoot = "/proc"
 
 // writer says which process of this host, other than this one, holds
 // one of devs open for writing (a file descriptor of the device, as
-// /proc/PID/fd lists them), as a sentence's object; "" when none. A
-// process that ends while it is looked at holds nothing; a process whose
-// files cannot be listed leaves the proof unmade. The agent's own
+// /proc/PID/fd lists them) or maps it shared and writable (a mapping that
+// outlives its descriptor, as /proc/PID/maps and /proc/PID/map_files list
+// them), as a sentence's object; "" when none. A process that ends while
+// it is looked at holds nothing; one the kernel does not let this process
+// look at (its ptrace access check: root of the host's namespaces, as the
+// agent runs, passes it) is not looked at; any other failure to list a
+// process's files leaves the proof unmade. The agent's own
 // descriptors (its fencer's, the disk it checks) are its own to close.
 // Attributes are taken from what the kernel has (AT_STATX_DONT_SYNC): a
 // descriptor of a network filesystem's file does not make the proof wait
@@ -55,8 +59,8 @@ func writer(devs []blockDev) (string, error) {
 func processWriter(pid int, want map[uint64]blockDev) (string, error) {
 	dir := filepath.Join(procRoot, strconv.Itoa(pid), "fd")
 	fds, err := os.ReadDir(dir)
-	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH) {
-		return "", nil // ended
+	if gone(err) {
+		return "", nil
 	}
 	if err != nil {
 		return "", fmt.Errorf("listing the open files of process %d: %w", pid, err)
@@ -68,16 +72,53 @@ func processWriter(pid int, want map[uint64]blockDev) (string, error) {
 			continue
 		}
 		d, ok := want[unix.Mkdev(stx.Rdev_major, stx.Rdev_minor)]
-		if !ok || !openForWriting(pid, fd.Name()) {
+		if ok && openForWriting(pid, fd.Name()) {
+			return of(d, fmt.Sprintf("process %d%s holds it open for writing", pid, command(pid))), nil
+		}
+	}
+	return processMapper(pid, want)
+}
+
+// processMapper says whether the process pid maps one of want shared and
+// writable: a line of /proc/PID/maps whose permissions are "rw?s", its
+// file stated through /proc/PID/map_files.
+func processMapper(pid int, want map[uint64]blockDev) (string, error) {
+	b, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "maps"))
+	if gone(err) {
+		return "", nil
+	}
+	if err != nil {
+		return "", fmt.Errorf("listing the mappings of process %d: %w", pid, err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 6 || len(f[1]) != 4 || f[1][1] != 'w' || f[1][3] != 's' {
 			continue
 		}
-		what := fmt.Sprintf("process %d%s holds it open for writing", pid, command(pid))
-		if d.partition {
-			what = "its partition " + d.name + ": " + what
+		var stx unix.Statx_t
+		if unix.Statx(unix.AT_FDCWD, filepath.Join(procRoot, strconv.Itoa(pid), "map_files", f[0]), unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx) != nil ||
+			uint32(stx.Mode)&unix.S_IFMT != unix.S_IFBLK {
+			continue
 		}
-		return what, nil
+		if d, ok := want[unix.Mkdev(stx.Rdev_major, stx.Rdev_minor)]; ok {
+			return of(d, fmt.Sprintf("process %d%s maps it shared and writable", pid, command(pid))), nil
+		}
 	}
 	return "", nil
+}
+
+// gone reports whether err is of a process that ended, or that the
+// kernel does not let this one look at.
+func gone(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH) || errors.Is(err, fs.ErrPermission)
+}
+
+// of says what, of d: of its partition when d is one.
+func of(d blockDev, what string) string {
+	if d.partition {
+		return "its partition " + d.name + ": " + what
+	}
+	return what
 }
 
 // openForWriting reads the flags of the descriptor fd of process pid
