@@ -1,9 +1,11 @@
 // Package inuse proves that nothing of this host uses a disk or a
 // partition of it: no loop device over it, nothing stacked on it
-// (dm-crypt, md, another mapping) and no mount of it. The agent's release guard (agent/volume) and
+// (dm-crypt, md, another mapping), no mount of it and no other process
+// holding it open for writing or mapping it shared and writable. The agent's release guard (agent/volume) and
 // `vco-agent lease clear` give a disk's fence up only after this proof
-// (docs/architecture.md, "The release guard"). It reads sysfs and
-// /proc/self/mountinfo; nothing here writes.
+// (docs/architecture.md, "The release guard"). It reads sysfs,
+// /proc/self/mountinfo and the open and mapped files of this host's
+// processes (/proc/PID/fd, /proc/PID/maps); nothing here writes.
 package inuse
 
 import (
@@ -33,10 +35,13 @@ func (e *Error) Error() string { return fmt.Sprintf("%s is in use: %s", e.Device
 // Disk proves that nothing of this host uses the block device at path
 // or any partition of it: no loop device maps it (at any offset: the
 // lease's data mapping, the kubelet's loop over a raw block volume's
-// device, an operator's; also one whose backing node was removed while
-// the device stays), nothing is stacked on it (its sysfs holders, and
+// device, an operator's; also one whose backing path names nothing or
+// another thing in this mount namespace, which is asked what it maps:
+// boundLoops), nothing is stacked on it (its sysfs holders, and
 // each partition's: a holder of a partition is not listed under the
-// disk), it is mounted nowhere in this mount namespace, and the kernel
+// disk), it is mounted nowhere in this mount namespace, no other process
+// of this host holds it open for writing or maps it shared and writable
+// (writer), and the kernel
 // lets it be opened exclusively (which it refuses while the disk or a
 // partition of it is mounted in any mount namespace or claimed by a
 // driver). A proof that cannot be made (sysfs or the mount table
@@ -49,8 +54,8 @@ func Disk(sysfsRoot, path string) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
 		return fmt.Errorf("%s is not a block device", path)
 	}
-	devnum := fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
-	devs, err := withPartitions(sysfsRoot, sysfsName(sysfsRoot, path, devnum), devnum)
+	dn := devnum(st.Rdev)
+	devs, err := withPartitions(sysfsRoot, sysfsName(sysfsRoot, path, dn), dn)
 	if err != nil {
 		return err
 	}
@@ -64,6 +69,11 @@ func Disk(sysfsRoot, path string) error {
 		} else if what != "" {
 			return &Error{Device: path, What: what}
 		}
+	}
+	if what, err := writer(devs); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	} else if what != "" {
+		return &Error{Device: path, What: what}
 	}
 	return exclusive(path)
 }
@@ -121,7 +131,7 @@ func (d blockDev) used(sysfsRoot string, loops []loop) (string, error) {
 		of = " its partition " + d.name + ":"
 	}
 	for _, l := range loops {
-		if l.backing == d.devnum {
+		if l.over(d.devnum) {
 			if !d.partition && l.offset == strconv.Itoa(lease.DataOffset) {
 				return "its data area is mapped at /dev/" + l.name, nil
 			}
@@ -169,17 +179,34 @@ func withPartitions(sysfsRoot, name, devnum string) ([]blockDev, error) {
 	return devs, nil
 }
 
-// loop is a bound loop device: its name, the device number its backing
-// file names (a block device node's), and its offset.
+// loop is a bound loop device: its name, the device numbers of what it
+// may map (its backing file's, as its path and as the kernel tell it),
+// and its offset.
 type loop struct {
-	name, backing, offset string
+	name, offset string
+	backing      []string
 }
 
-// boundLoops lists the bound loop devices whose backing file is a block
-// device node. A loop device whose backing node is gone (sysfs shows
-// "(deleted)") is asked the device number it maps (loopBacking); it is
-// counted unless it no longer reaches a device (its read fails), as one
-// over a disk that left does not.
+// over reports whether l may map the device devnum.
+func (l loop) over(devnum string) bool {
+	for _, b := range l.backing {
+		if b == devnum {
+			return true
+		}
+	}
+	return false
+}
+
+// boundLoops lists the bound loop devices over a block device. sysfs
+// shows a loop device's backing file by its path, which is no proof of
+// what it maps: the path of a node removed since ("(deleted)"), of a bind
+// mount detached lazily ("/", the detached mount's root), of a mount in
+// another mount namespace, or of a node another mount hides, names no
+// device or another one in this mount namespace. So each loop device is
+// also asked what it maps (loopDevice, the kernel's word): it counts for
+// the device its path names, and for the device the kernel names unless
+// it no longer reaches one (loopLive), as one over a disk that left does
+// not (its device number may be a new disk's now).
 func boundLoops(sysfsRoot string) ([]loop, error) {
 	dirs, err := filepath.Glob(filepath.Join(sysfsRoot, "block", "loop*"))
 	if err != nil {
@@ -196,21 +223,12 @@ func boundLoops(sysfsRoot string) ([]loop, error) {
 			return nil, fmt.Errorf("reading the backing file of %s: %w", name, err)
 		}
 		l := loop{name: name}
-		var bst unix.Stat_t
-		if unix.Stat(strings.TrimSpace(string(back)), &bst) == nil {
-			if bst.Mode&unix.S_IFMT != unix.S_IFBLK {
-				continue // a regular file's
-			}
-			l.backing = fmt.Sprintf("%d:%d", unix.Major(bst.Rdev), unix.Minor(bst.Rdev))
-		} else {
-			rdev, live, err := loopBacking(name)
-			if err != nil {
-				return nil, fmt.Errorf("%s maps %s, whose node is gone, and what it maps cannot be told: %w", name, strings.TrimSpace(string(back)), err)
-			}
-			if !live {
-				continue
-			}
-			l.backing = fmt.Sprintf("%d:%d", unix.Major(rdev), unix.Minor(rdev))
+		path := strings.TrimSpace(string(back))
+		if l.backing, err = loopBackings(name, path); err != nil {
+			return nil, err
+		}
+		if len(l.backing) == 0 {
+			continue // a regular file's, or detached since
 		}
 		off, err := os.ReadFile(filepath.Join(dir, "loop", "offset"))
 		if err != nil {
@@ -222,24 +240,70 @@ func boundLoops(sysfsRoot string) ([]loop, error) {
 	return out, nil
 }
 
-// loopBacking asks the loop device name (under /dev) the device number
-// of its backing file (LOOP_GET_STATUS64's lo_rdevice) and whether it
-// still reaches a device: a read of its first block fails once the
-// device it maps has left. A variable so that tests over a fake sysfs
-// answer for devices this host does not have.
-var loopBacking = func(name string) (rdev uint64, live bool, err error) {
-	f, err := os.Open(filepath.Join("/dev", name))
-	if err != nil {
-		return 0, false, err
+// loopBackings is the device numbers the loop device name, whose backing
+// file sysfs names path, may map: the block device path names, and the
+// one the kernel names while the loop device still reaches it. A kernel
+// that cannot be asked leaves the path's word, or, when the path names no
+// block device, the proof unmade (unless the loop device was detached
+// since: ENXIO).
+func loopBackings(name, path string) ([]string, error) {
+	var out []string
+	var pdev uint64
+	var st unix.Stat_t
+	if unix.Stat(path, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		pdev = st.Rdev
+		out = append(out, devnum(pdev))
 	}
-	defer f.Close()
-	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
-	if err != nil {
-		return 0, false, err
+	rdev, err := loopDevice(name)
+	switch {
+	case err != nil && (pdev != 0 || errors.Is(err, unix.ENXIO)):
+		return out, nil
+	case err != nil:
+		return nil, fmt.Errorf("%s maps %s, which names no block device here, and what it maps cannot be told: %w", name, path, err)
+	case rdev == 0 || rdev == pdev:
+		// A regular file's (the kernel's rdev of one is 0), or the
+		// device the path names.
+		return out, nil
 	}
-	_, rerr := f.ReadAt(make([]byte, 512), 0)
-	return info.Rdevice, rerr == nil, nil
+	if loopLive(name) {
+		out = append(out, devnum(rdev))
+	}
+	return out, nil
 }
+
+func devnum(rdev uint64) string {
+	return fmt.Sprintf("%d:%d", unix.Major(rdev), unix.Minor(rdev))
+}
+
+// loopDevice asks the loop device name (under /dev) the device number
+// of its backing file (LOOP_GET_STATUS64's lo_rdevice: 0 for a regular
+// file). loopLive reports whether it still reaches a device: a read of
+// its first block fails once the device it maps has left. Variables so
+// that tests over a fake sysfs answer for devices this host does not
+// have.
+var (
+	loopDevice = func(name string) (uint64, error) {
+		f, err := os.Open(filepath.Join("/dev", name))
+		if err != nil {
+			return 0, err
+		}
+		defer f.Close()
+		info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+		if err != nil {
+			return 0, err
+		}
+		return info.Rdevice, nil
+	}
+	loopLive = func(name string) bool {
+		f, err := os.Open(filepath.Join("/dev", name))
+		if err != nil {
+			return false
+		}
+		defer f.Close()
+		_, err = f.ReadAt(make([]byte, 512), 0)
+		return err == nil
+	}
+)
 
 // Holders lists what is stacked on the block device name (sysfs
 // class/block/NAME/holders); a device sysfs does not know has none.

@@ -55,14 +55,15 @@ func TestDiskNamesWhatUsesAPartition(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(loop, "loop", "backing_file"), []byte(part+" (deleted)\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	defer func(f func(string) (uint64, bool, error)) { loopBacking = f }(loopBacking)
+	defer func(d func(string) (uint64, error), l func(string) bool) { loopDevice, loopLive = d, l }(loopDevice, loopLive)
 	live := false
-	loopBacking = func(name string) (uint64, bool, error) {
+	loopDevice = func(name string) (uint64, error) {
 		if name != "loop7" {
-			return 0, false, errors.New("not this test's")
+			return 0, errors.New("not this test's")
 		}
-		return unix.Mkdev(243, 49), live, nil
+		return unix.Mkdev(243, 49), nil
 	}
+	loopLive = func(name string) bool { return name == "loop7" && live }
 	if err := Disk(sys, disk); err != nil {
 		t.Fatalf("a loop device over a device that left: %v, want nothing in use", err)
 	}
@@ -70,7 +71,7 @@ func TestDiskNamesWhatUsesAPartition(t *testing.T) {
 	if err := Disk(sys, disk); !errors.As(err, &ie) || ie.What != "its partition vdd1: /dev/loop7 maps it at offset 0" {
 		t.Fatalf("a loop device over vdd1 through a removed node: %v", err)
 	}
-	loopBacking = func(string) (uint64, bool, error) { return 0, false, errors.New("no such device") }
+	loopDevice = func(string) (uint64, error) { return 0, errors.New("no such device") }
 	if err := Disk(sys, disk); err == nil || errors.As(err, &ie) || !strings.Contains(err.Error(), "cannot be told") {
 		t.Fatalf("a loop device that cannot be asked: %v, want the proof unmade", err)
 	}
