@@ -307,6 +307,10 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 		if err := r.Resume(ctx); err != nil {
 			var lost *fence.LostError
 			if errors.As(err, &lost) {
+				if m.retakenUnused(ctx, c, dev, ch, lost) {
+					m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
+					return
+				}
 				lf, _ := ch.Fencer.(*leaseFencer)
 				if lf != nil {
 					// Listed as a loss being stopped (the feeding

@@ -7,7 +7,10 @@ package volume
 // devices over them, the dm-crypt mappings, the mounts, what each device
 // holds. Seeded sequences of the
 // kubelet's calls (repeated, retried, abandoned), agent crashes and
-// restarts with their records, reboots of the node, disks removed and
+// restarts with their records, reboots of the node (every other one
+// lasting past the lease's fail bound: this node's lease record is then
+// too old to resume, taken back when nothing uses the volume, and
+// expired for another node), disks removed and
 // added back (at the same or another device number), another node taking
 // a free disk, and the controller's takeover grant of a disk to another
 // node (whoever holds it; this node learns of it as the real one does:
@@ -71,6 +74,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/crypt/luks2"
 	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/discovery"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/uevent"
 	"github.com/whitesky-cloud/vco-storage/internal/safety/blank"
 	"github.com/whitesky-cloud/vco-storage/internal/safety/inuse"
@@ -142,6 +146,10 @@ type simDiskState struct {
 	// grant; the target refuses this node's I/O until it claims the disk
 	// again.
 	preempted bool
+	// stale: the node was down longer than the lease's fail bound (every
+	// other reboot) since it last renewed the lease it holds: its record
+	// is too old to resume, and another node may take it as expired.
+	stale bool
 }
 
 // simOtherKey is the fence key of the other node.
@@ -792,7 +800,21 @@ func (f *simFencer) Acquire(_ context.Context, g *fence.Grant) (cl fence.Acquire
 		if d.holder == "other" && !g.Names(simOtherKey) {
 			return &fence.HeldError{Device: d.path, Holder: simOtherKey, HolderNode: "node-b"}
 		}
-		d.holder, d.renewer, d.preempted = "us", f, false
+		d.holder, d.renewer, d.preempted, d.stale = "us", f, false, false
+		return nil
+	})
+	return fence.Acquired{Method: f.method(), Key: 0x7573}, err
+}
+
+// Retake acquires anew a lease of ours too old to resume (stale), as
+// lease.Engine.Retake does when no other host holds it.
+func (f *simFencer) Retake(context.Context) (cl fence.Acquired, err error) {
+	err = f.w.call(f.gen, "retake", func() error {
+		d := f.disk()
+		if !f.lease || d.holder != "us" || !d.stale {
+			return fmt.Errorf("%s: %w", d.path, lease.ErrNotRetakable)
+		}
+		d.renewer, d.stale = f, false
 		return nil
 	})
 	return fence.Acquired{Method: f.method(), Key: 0x7573}, err
@@ -832,6 +854,9 @@ func (f *simFencer) Resume(context.Context) error {
 		d := f.disk()
 		if d.holder != "us" {
 			return &fence.LostError{Device: d.path, Reason: "the lease is held by another node", Holder: 0x6f74686572}
+		}
+		if d.stale {
+			return &fence.LostError{Device: d.path, Reason: "this node's lease was last renewed beyond the fail bound"}
 		}
 		d.renewer = f
 		return nil
@@ -1287,10 +1312,10 @@ func (r *simRun) step(ctx context.Context, i int) {
 		what = "disk of " + v.id + " attached again"
 		r.readd(v, w.rng.IntN(2) == 0)
 	case n < 97:
-		what = "another node takes the disk of " + v.id + " if it is free"
+		what = "another node takes the disk of " + v.id + " if it is free or its lease expired"
 		w.mu.Lock()
-		if d := w.disks[v.serial]; d.holder == "" {
-			d.holder = "other"
+		if d := w.disks[v.serial]; d.holder == "" || d.stale && d.renewer == nil {
+			d.holder, d.stale = "other", false
 		}
 		w.mu.Unlock()
 	default:
@@ -1411,6 +1436,8 @@ func (r *simRun) hostReset() {
 		d.ro, d.renewer = false, nil
 		// No mount of the disk as it was before it left survived.
 		d.mountedGone, d.moved = false, false
+		// Every other reboot lasts past the lease's fail bound.
+		d.stale = d.lease && d.holder == "us" && w.boots%2 == 1
 	}
 }
 
@@ -1628,7 +1655,9 @@ func (r *simRun) endState(v *simVolume, staged bool) {
 		if what != "" && (c == nil || c.State != StateLost) {
 			w.violate("I4: %s unstaged but %s", v.id, what)
 		}
-		if d.holder == "us" && c == nil && !d.removed {
+		// A record of ours too old to resume (stale) holds nothing:
+		// nobody renews it, and another node takes it as expired.
+		if d.holder == "us" && !d.stale && c == nil && !d.removed {
 			w.violate("I5: %s unstaged but its fence is still held", v.id)
 		}
 		return

@@ -61,7 +61,7 @@ func ToReport(started time.Time, e *api.Event) (Report, bool) {
 	case api.EventType_EVENT_TYPE_DISK_REFUSED, api.EventType_EVENT_TYPE_DISK_FENCED, api.EventType_EVENT_TYPE_TAKEOVER_GRANTED:
 		r.Type = corev1.EventTypeWarning
 	case api.EventType_EVENT_TYPE_DISK_CLAIMED:
-		if e.GetReason() != "reservation-reestablished" {
+		if why := e.GetReason(); why != "reservation-reestablished" && why != "lease-retaken" {
 			return r, false
 		}
 		r.Type = corev1.EventTypeNormal

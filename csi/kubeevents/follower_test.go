@@ -144,17 +144,19 @@ func TestFollowerHandsOnWhatOperatorsMustSee(t *testing.T) {
 	a.bus.Publish(events.Event{Type: events.DiskReleased, Volume: "pvc-1", Reason: "unstaged", Message: "volume pvc-1: released"})
 	back := a.bus.Publish(events.Event{Type: events.DiskClaimed, Volume: "pvc-5", Device: "/dev/sde", Reason: "reservation-reestablished",
 		Message: "volume pvc-5: the storage target forgot every reservation on /dev/sde"})
+	retaken := a.bus.Publish(events.Event{Type: events.DiskClaimed, Volume: "pvc-6", Device: "/dev/vdb", Reason: "lease-retaken",
+		Message: "volume pvc-6: the host was down longer than the lease's fail bound"})
 	a.bus.Publish(events.Event{Type: events.AgentStopping, Message: "stopping"})
-	eventually(t, "four reports", func() bool { return len(fl.got.all()) == 4 })
+	eventually(t, "five reports", func() bool { return len(fl.got.all()) == 5 })
 	time.Sleep(50 * time.Millisecond)
 	got := fl.got.all()
-	if len(got) != 4 {
+	if len(got) != 5 {
 		t.Fatalf("reports %+v", got)
 	}
 	want := []struct {
 		e           events.Event
 		reason, typ string
-	}{{refused, "DiskRefused", "Warning"}, {fenced, "DiskFenced", "Warning"}, {taken, "TakeoverGranted", "Warning"}, {back, "DiskClaimed", "Normal"}}
+	}{{refused, "DiskRefused", "Warning"}, {fenced, "DiskFenced", "Warning"}, {taken, "TakeoverGranted", "Warning"}, {back, "DiskClaimed", "Normal"}, {retaken, "DiskClaimed", "Normal"}}
 	for i, w := range want {
 		r := got[i]
 		if r.Seq != w.e.Seq || r.Reason != w.reason || r.Type != w.typ || r.Volume != w.e.Volume || r.Device != w.e.Device ||

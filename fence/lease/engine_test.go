@@ -746,3 +746,59 @@ func newNodeWith(t *testing.T, dev, uuid, name, serial string, log *bytes.Buffer
 	}
 	return n
 }
+
+// After a reboot longer than the fail bound the holder's record is too
+// old to resume; Retake acquires it anew when every held slot is ours,
+// and leaves a lease with another host's held slot as it is.
+func TestRetakeAcquiresOwnStaleRecordAnew(t *testing.T) {
+	ctx := context.Background()
+	tm := Timing{IOTimeout: 100 * time.Millisecond, Renew: 200 * time.Millisecond, Fail: 800 * time.Millisecond}
+	dev := formattedLoop(t, 4096)
+	a := newNodeTiming(t, dev, uuidA, "node-a", tm)
+	if _, err := a.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	a.stopRenewing()
+	time.Sleep(tm.Fail + tm.Renew)
+	a2 := newNodeTiming(t, dev, uuidA, "node-a", tm)
+	var lost *fence.LostError
+	if err := a2.e.Resume(ctx); !errors.As(err, &lost) || !strings.Contains(lost.Reason, "beyond the fail bound") {
+		t.Fatalf("resuming a record older than the fail bound: %v, want a loss past the fail bound", err)
+	}
+	before := status(t, dev).Owner.Written
+	c, err := a2.e.Retake(ctx)
+	if err != nil || c.Already {
+		t.Fatalf("retaking our own stale record: %+v %v, want a new claim", c, err)
+	}
+	if st := status(t, dev); st.Owner == nil || st.Owner.Key != keyA || st.Owner.Written <= before {
+		t.Fatalf("after the retake: %+v, want our key owning a record written after %d", st.Owner, before)
+	}
+	if err := a2.e.Check(ctx); err != nil {
+		t.Fatalf("the retaken lease's check: %v", err)
+	}
+	b := newNodeTiming(t, dev, uuidB, "node-b", tm)
+	_, err = b.e.Acquire(ctx, nil)
+	heldBy(t, err, keyA, "node-a")
+
+	// Another host's slot is held (a takeover in progress, a holder
+	// our record superseded): not retaken, nothing written.
+	dev2 := formattedLoop(t, 4096)
+	h := newNodeTiming(t, dev2, uuidA, "node-a", tm)
+	if _, err := h.e.Acquire(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	h.stopRenewing()
+	o := newNodeTiming(t, dev2, uuidB, "node-b", tm)
+	if _, err := o.e.Acquire(ctx, &fence.Grant{Disk: "disk-1", Node: uuidB, Supersedes: []fence.Key{keyA}}); err != nil {
+		t.Fatal(err)
+	}
+	o.stopRenewing()
+	raw := status(t, dev2)
+	h2 := newNodeTiming(t, dev2, uuidA, "node-a", tm)
+	if _, err := h2.e.Retake(ctx); !errors.Is(err, ErrNotRetakable) {
+		t.Fatalf("retaking a lease another host owns: %v, want ErrNotRetakable", err)
+	}
+	if st := status(t, dev2); st.Owner == nil || st.Owner.Key != keyB || st.Owner.Written != raw.Owner.Written {
+		t.Fatalf("a refused retake changed the lease: %+v, was %+v", st.Owner, raw.Owner)
+	}
+}

@@ -91,6 +91,48 @@ func (e *Engine) resumeOnce(ctx context.Context) error {
 	return nil
 }
 
+// ErrNotRetakable is Retake's answer for a lease it leaves as it is.
+var ErrNotRetakable = errors.New("the lease is not this node's alone to take back")
+
+// Retake acquires anew the lease whose record of ours still owns it but
+// was renewed too long ago to be resumed (Resume's loss past the fail
+// bound F), for a caller that knows nothing of the volume is in use on
+// this host (it rebooted since, and proved it). Past F other nodes may
+// count their expiry bound from our last renewal; what makes this safe is
+// that nothing of ours writes, and that the retake is an acquisition as
+// any other (the claim written above every slot, the settle wait, the
+// race check), which a taker's claim landing meanwhile wins or refuses.
+// Only a lease whose every held slot is ours, none torn, is retaken, so
+// nothing is waited for: another host's held or torn slot answers
+// ErrNotRetakable, as does an engine that holds or lost its claim.
+func (e *Engine) Retake(ctx context.Context) (fence.Acquired, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.held || e.lost != nil {
+		return fence.Acquired{}, fmt.Errorf("%s: %w (the engine already holds or lost its claim)", e.dev.name, ErrNotRetakable)
+	}
+	if err := e.verify(ctx); err != nil {
+		return fence.Acquired{}, err
+	}
+	a, err := e.read(ctx)
+	if err != nil {
+		return fence.Acquired{}, err
+	}
+	owner := a.Owner()
+	switch {
+	case owner < 0 || a.Slots[owner].Key != e.cfg.Key:
+		return fence.Acquired{}, fmt.Errorf("%s: %w (no held record of ours owns it)", e.dev.name, ErrNotRetakable)
+	case a.ownerExcept(e.cfg.Key) >= 0:
+		return fence.Acquired{}, fmt.Errorf("%s: %w (another host's slot is held)", e.dev.name, ErrNotRetakable)
+	}
+	for i := range a.Corrupt {
+		if a.Corrupt[i] {
+			return fence.Acquired{}, fmt.Errorf("%s: %w (slot %d does not decode: a torn write is waited for as a holder)", e.dev.name, ErrNotRetakable, i)
+		}
+	}
+	return e.acquireTries(ctx, nil, false)
+}
+
 // Handoff stops the renewals and renews the held lease one last time,
 // leaving it held on the disk: a process that stops while its host keeps
 // the volume in use (an agent restart, an upgrade) hands its record to the
