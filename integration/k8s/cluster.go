@@ -232,7 +232,8 @@ func (c *Cluster) bootWorkers(ctx context.Context, l *lab.Lab, apiPort int, root
 	for _, n := range c.Opts.Workers {
 		cfgs = append(cfgs, lab.GuestConfig{Name: n, MemMB: c.Opts.MemMB, CPUs: c.Opts.CPUs,
 			Forwards: workerForwards(c.cp.apiPort, regPort, apiPort, transitPort),
-			Inbound:  []lab.Inbound{{HostPort: kubeletPorts[n], GuestPort: KubeletPort}}})
+			Inbound:  []lab.Inbound{{HostPort: kubeletPorts[n], GuestPort: KubeletPort}},
+			Reboots:  true})
 	}
 	fmt.Fprintf(c.Opts.Log, "k8s: booting %s\n", strings.Join(c.Opts.Workers, ", "))
 	gs, err := l.StartSystemGuests(ctx, sb, cfgs...)

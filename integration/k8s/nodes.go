@@ -25,6 +25,28 @@ var GuestRegistry = fmt.Sprintf("%s:%d", HostInGuest, GuestRegistryPort)
 // Image is the vco-csi image reference the add-on is rendered with.
 const Image = PortalHost + "/csi-driver:latest"
 
+// nodeNetScript configures a worker's network at each boot: its NIC,
+// the kubernetes service address sent to the API server's forward in
+// place of kube-proxy, and the partition a scenario left in
+// PartitionFile (a partition outlives the node's reboots).
+var nodeNetScript = fmt.Sprintf(`set -e
+dev=$(ip -o link | awk -F': ' '/link\/ether 52:54:00:12:34:56/ {print $2; exit}')
+[ -n "$dev" ] || { ip -o link; echo "no NIC with the lab's MAC address"; exit 1; }
+ip link set "$dev" up
+ip addr replace %[1]s/24 dev "$dev"
+ip route replace default via 10.0.2.2
+sysctl -qw net.ipv4.ip_forward=1
+for chain in OUTPUT PREROUTING; do
+	rule="-d %[2]s/32 -p tcp --dport 443 -j DNAT --to-destination %[3]s:%[4]d"
+	iptables -t nat -C $chain $rule 2>/dev/null || iptables -t nat -A $chain $rule
+done
+if [ -f %[5]s ]; then sh %[5]s; fi
+`, NodeIP, KubernetesSvc, HostInGuest, GuestAPIPort, PartitionFile)
+
+// PartitionFile, when a worker has it, holds the commands that cut the
+// worker off; its network applies them at each boot.
+const PartitionFile = "/etc/vco-lab/partition.sh"
+
 // The worker's files that are the same on every node. Per-node ones (its
 // kubelet's credentials, its pod network) are written at boot (joinNode).
 func workerFiles() map[string]string {
@@ -70,10 +92,23 @@ serializeImagePulls: false
 evictionHard: {memory.available: "50Mi", nodefs.available: "1%", imagefs.available: "1%"}
 nodeStatusUpdateFrequency: 5s
 `,
+		"/usr/local/lib/vco-lab/node-net.sh": nodeNetScript,
+		"/etc/systemd/system/vco-lab-node-net.service": `[Unit]
+Description=vco-lab worker network (its NIC, the kubernetes service address)
+Before=kubelet.service
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/sh /usr/local/lib/vco-lab/node-net.sh
+
+[Install]
+WantedBy=multi-user.target
+`,
 		"/etc/systemd/system/kubelet.service": `[Unit]
 Description=kubelet (vco-lab worker)
-After=containerd.service vco-agent.socket
-Wants=containerd.service
+After=containerd.service vco-agent.socket vco-lab-node-net.service
+Wants=containerd.service vco-lab-node-net.service
 ConditionPathExists=/etc/kubernetes/kubelet.kubeconfig
 
 [Service]
@@ -133,10 +168,9 @@ func workerForwards(apiPort, registryPort, cloudPort, transitPort int) []lab.For
 	return f
 }
 
-// joinNode gives a booted worker its network (eth0, the kubernetes
-// service address sent to the API server's forward in place of
-// kube-proxy, a bridge pod network of its own), its kubelet's
-// credentials, and starts the kubelet.
+// joinNode gives a booted worker its pod network (a bridge of its own)
+// and its kubelet's credentials, and enables and starts its network
+// (nodeNetScript) and its kubelet, so that a reboot starts both again.
 func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int, external bool) error {
 	kc, err := cp.pki.kubeconfig("node-"+g.Name, fmt.Sprintf("https://%s:%d", HostInGuest, GuestAPIPort))
 	if err != nil {
@@ -175,18 +209,7 @@ func joinNode(ctx context.Context, g *lab.Guest, cp *controlPlane, index int, ex
 			return fmt.Errorf("%s: writing %s: %w", g.Name, path, err)
 		}
 	}
-	script := fmt.Sprintf(`set -e
-dev=$(ip -o link | awk -F': ' '/link\/ether 52:54:00:12:34:56/ {print $2; exit}')
-[ -n "$dev" ] || { ip -o link; echo "no NIC with the lab's MAC address"; exit 1; }
-ip link set "$dev" up
-ip addr add %[1]s/24 dev "$dev"
-ip route add default via 10.0.2.2
-sysctl -qw net.ipv4.ip_forward=1
-for chain in OUTPUT PREROUTING; do
-	iptables -t nat -A $chain -d %[2]s/32 -p tcp --dport 443 -j DNAT --to-destination %[3]s:%[4]d
-done
-systemctl start kubelet`, NodeIP, KubernetesSvc, HostInGuest, GuestAPIPort)
-	if _, err := g.MustSh(ctx, script); err != nil {
+	if _, err := g.MustSh(ctx, "systemctl enable --now vco-lab-node-net.service && systemctl enable --now kubelet.service"); err != nil {
 		return fmt.Errorf("%s: joining the cluster: %w", g.Name, err)
 	}
 	return nil

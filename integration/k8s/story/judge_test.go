@@ -57,7 +57,7 @@ func TestRunRefusesAScenarioWithoutK4(t *testing.T) {
 	if scs, err := chosen([]string{"K3", "K1"}); err != nil || len(scs) != 2 || scs[0].ID != "K3" {
 		t.Errorf("K3 and K1, which have claims of their own: %v, %v", scs, err)
 	}
-	if _, err := chosen([]string{"K11"}); err == nil || !strings.Contains(err.Error(), `no scenario "K11"`) {
+	if _, err := chosen([]string{"K15"}); err == nil || !strings.Contains(err.Error(), `no scenario "K15"`) {
 		t.Errorf("an unknown scenario: %v", err)
 	}
 }

@@ -44,7 +44,7 @@ func (s *story) k10(ctx context.Context) error {
 	defer func() {
 		bg := context.WithoutCancel(ctx)
 		if !healed {
-			_, _ = old.Sh(bg, partitionRules("-D"))
+			_, _ = old.Sh(bg, healScript())
 		}
 		_, _ = s.c.Kubectl(bg, "taint", "node", old.Name, "node.kubernetes.io/out-of-service-")
 	}()
@@ -119,6 +119,17 @@ func partitionRules(op string) string {
 	return b.String() + "true"
 }
 
+// cutScript cuts a worker off the API server and keeps it cut across its
+// reboots: its network applies k8s.PartitionFile at each boot.
+func cutScript() string {
+	return fmt.Sprintf("mkdir -p $(dirname %[1]s) && echo '%[2]s' >%[1]s && sync && sh %[1]s", k8s.PartitionFile, partitionRules("-I"))
+}
+
+// healScript heals cutScript's partition.
+func healScript() string {
+	return fmt.Sprintf("rm -f %s && sync; %s", k8s.PartitionFile, partitionRules("-D"))
+}
+
 // k10Cut cuts old off the API server and waits until it is NotReady,
 // its pod still writing.
 func (s *story) k10Cut(ctx context.Context, old *lab.Guest, held podInfo) (string, error) {
@@ -128,7 +139,7 @@ func (s *story) k10Cut(ctx context.Context, old *lab.Guest, held podInfo) (strin
 		return "", err
 	}
 	began := time.Now()
-	if _, err := old.MustSh(ctx, partitionRules("-I")); err != nil {
+	if _, err := old.MustSh(ctx, cutScript()); err != nil {
 		return "", err
 	}
 	if err := k8s.WaitFor(ctx, 5*time.Minute, old.Name+" NotReady", func() (bool, string, error) {
@@ -196,21 +207,14 @@ func grantIn(lines, node string) string {
 	return ""
 }
 
-// k10NoneLanded waits until the old node's writer sees its writes fail,
-// then checks that none it made after the takeover landed: the records
-// the new pod reads are the old node's up to where the new pod began,
-// then the new node's; the old node's last acknowledged record is before
-// that; and the disk's backing file holds no record of the old node past
-// it.
+// k10NoneLanded waits until the old node's writer sees its writes fail
+// (or the old node resets, k10Stopped), then checks that none it made
+// after the takeover landed: the records the new pod reads are the old
+// node's up to where the new pod began, then the new node's; the old
+// node's last acknowledged record is before that; and the disk's backing
+// file holds no record of the old node past it.
 func (s *story) k10NoneLanded(ctx context.Context, sc string, old *lab.Guest, held, moved podInfo, pv string) (string, error) {
-	w := []fsyncPod{{name: "k10", pod: held}}
-	if err := k8s.WaitFor(ctx, 3*time.Minute, "the writer on "+old.Name+" failing", func() (bool, string, error) {
-		f, err := s.failedWrites(ctx, old, w)
-		return err == nil && f != "", f, nil
-	}); err != nil {
-		return "", err
-	}
-	acked, err := s.lastRecords(ctx, old, w)
+	acked, how, err := s.k10Stopped(ctx, old, held)
 	if err != nil {
 		return "", err
 	}
@@ -237,7 +241,7 @@ func (s *story) k10NoneLanded(ctx context.Context, sc string, old *lab.Guest, he
 	if len(late) > 0 {
 		return "", fmt.Errorf("records of %s written after the takeover are on the disk: %v", old.Name, late)
 	}
-	return fmt.Sprintf("%s's writes fail; its last acknowledged record %d, %s's first %d; none of %s's later records on the disk", old.Name, acked[0], moved.Node, first, old.Name), nil
+	return fmt.Sprintf("%s %s; its last acknowledged record %d, %s's first %d; none of %s's later records on the disk", old.Name, how, acked[0], moved.Node, first, old.Name), nil
 }
 
 // diskOfPV is the disk id of pv.
@@ -258,7 +262,7 @@ func (s *story) k10Heal(ctx context.Context, old, live *lab.Guest, pv string) (s
 		return "", err
 	}
 	began := time.Now()
-	if _, err := old.MustSh(ctx, partitionRules("-D")); err != nil {
+	if _, err := old.MustSh(ctx, healScript()); err != nil {
 		return "", err
 	}
 	err = k8s.WaitFor(ctx, 5*time.Minute, "nothing of "+pv+" left on "+old.Name, func() (bool, string, error) {
@@ -384,4 +388,61 @@ func lateRecords(file, node string, from int) ([]string, error) {
 			return late, err
 		}
 	}
+}
+
+// k10Stopped waits until the old node's writer sees its writes fail, or
+// the old node resets. On the lease (virtio-blk) the reset must come: the
+// platform's unplugging of the disk fails the holder's renewals, a lease
+// lost whose I/O cannot be shown stopped keeps the host watchdog unfed,
+// and the host resets (docs/fencing.md, "Host watchdog"); the node is
+// then waited for until it answers again, still cut off. It returns the
+// writer's last acknowledged record (after a reset, the last one read
+// before it) and what stopped it.
+func (s *story) k10Stopped(ctx context.Context, old *lab.Guest, held podInfo) ([]int, string, error) {
+	w := []fsyncPod{{name: "k10", pod: held}}
+	acked, err := s.lastRecords(ctx, old, w)
+	if err != nil {
+		return nil, "", err
+	}
+	began, reason, failed := time.Now(), "", ""
+	err = k8s.WaitFor(ctx, 3*time.Minute, "the writer on "+old.Name+" failing, or "+old.Name+" reset", func() (bool, string, error) {
+		if reason = resetSeen(ctx, old); reason != "" {
+			return true, "", nil
+		}
+		if l, err := s.lastRecords(ctx, old, w); err == nil {
+			acked = l
+		}
+		f, err := s.failedWrites(ctx, old, w)
+		failed = f
+		return err == nil && f != "", f, nil
+	})
+	if err != nil {
+		return nil, "", err
+	}
+	if reason == "" && s.r.Kind != string(lab.VirtioBlk) {
+		return acked, "sees its writes fail", nil
+	}
+	if reason == "" {
+		err = k8s.WaitFor(ctx, 2*time.Minute, old.Name+" reset by its host watchdog", func() (bool, string, error) {
+			reason = resetSeen(ctx, old)
+			return reason != "", failed, nil
+		})
+		if err != nil {
+			return nil, "", err
+		}
+	}
+	took := time.Since(began)
+	back, err := old.WaitBack(ctx, 5*time.Minute)
+	if err != nil {
+		return nil, "", err
+	}
+	return acked, fmt.Sprintf("reset (%s) %.0fs after the pod ran on the other worker, answering again %.0fs later, still cut off", reason, took.Seconds(), back.Seconds()), nil
+}
+
+// resetSeen is why g reset since it last came back, empty if it did not.
+func resetSeen(ctx context.Context, g *lab.Guest) string {
+	rctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	reason, _ := g.WaitReset(rctx)
+	return reason
 }

@@ -84,17 +84,23 @@ spec:
 %[2]s`, name, fsyncWriter(name, "nodeSelector: {kubernetes.io/hostname: "+node+"}\n", "  "))
 }
 
-// k12Writers starts K12's two writers on node: k12-a on the cluster's
-// disk kind, then k12-b with the lab showing new disks as virtio-blk
-// while it is provisioned and attached.
+// k12Writers starts K12's two writers on node (fsyncWriters, bare pods).
 func (s *story) k12Writers(ctx context.Context, node *lab.Guest) ([]fsyncPod, error) {
+	return s.fsyncWriters(ctx, node, "k12", k12Pod)
+}
+
+// fsyncWriters starts two writers on node, each with its claim, made by
+// spec (name, node): prefix-a on the cluster's disk kind, then prefix-b
+// with the lab showing new disks as virtio-blk while it is provisioned
+// and attached.
+func (s *story) fsyncWriters(ctx context.Context, node *lab.Guest, prefix string, spec func(name, node string) string) ([]fsyncPod, error) {
 	var ws []fsyncPod
-	for _, name := range []string{"k12-a", "k12-b"} {
-		if name == "k12-b" {
+	for _, name := range []string{prefix + "-a", prefix + "-b"} {
+		if name == prefix+"-b" {
 			prev := s.c.Env.Backend.SetDefaultKind(lab.VirtioBlk)
 			defer s.c.Env.Backend.SetDefaultKind(prev)
 		}
-		if err := s.apply(ctx, k12Pod(name, node.Name)); err != nil {
+		if err := s.apply(ctx, spec(name, node.Name)); err != nil {
 			return nil, err
 		}
 		ps, err := s.waitPods(ctx, "app="+name, 10*time.Minute, name+" Ready on "+node.Name, allReady(1))

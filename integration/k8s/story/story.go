@@ -43,6 +43,7 @@ var storyScenarios = []scenario{
 	{Scenario: e2e.Scenario{ID: "K3", Name: "a StatefulSet's PHYSICAL disks, each mounted on its own node only", Props: []e2e.Property{e2e.P1}}, run: (*story).k3},
 	{Scenario: e2e.Scenario{ID: "K7", Name: "an encrypted claim with a Vault server: moved, rotated, rewrapped, refused", Props: []e2e.Property{e2e.P5}}, run: (*story).k7},
 	{Scenario: e2e.Scenario{ID: "K10", Name: "a partitioned holder: the pod moves with its data and the old node's writes never land", Props: []e2e.Property{e2e.P1, e2e.P3}}, run: (*story).k10},
+	{Scenario: e2e.Scenario{ID: "K11", Name: "a worker with staged volumes rebooted, reset, and stopped past the lease's fail bound", Props: []e2e.Property{e2e.P5}}, run: (*story).k11},
 	{Scenario: e2e.Scenario{ID: "K12", Name: "the kubelet, the agent and the node plugin restarted under write load", Props: []e2e.Property{e2e.P5}}, run: (*story).k12},
 	{Scenario: e2e.Scenario{ID: "K13", Name: "the controller restarted during 20 provisions and during a move", Props: []e2e.Property{e2e.P1, e2e.P5}}, run: (*story).k13},
 	{Scenario: e2e.Scenario{ID: "K4", Name: "a drain moves the pod with its data", Props: []e2e.Property{e2e.P1, e2e.P5}}, run: (*story).k4},
@@ -291,6 +292,9 @@ func writerSpec(claim, extra, indent string) string {
 type podInfo struct {
 	Name, Node, Phase, UID string
 	Ready                  bool
+	// Started is when its latest running container started (zero when
+	// none runs).
+	Started time.Time
 }
 
 func (s *story) pods(ctx context.Context, selector string) ([]podInfo, error) {
@@ -307,8 +311,13 @@ func (s *story) pods(ctx context.Context, selector string) ([]podInfo, error) {
 			}
 			Spec   struct{ NodeName string }
 			Status struct {
-				Phase      string
-				Conditions []struct{ Type, Status string }
+				Phase             string
+				Conditions        []struct{ Type, Status string }
+				ContainerStatuses []struct {
+					State struct {
+						Running *struct{ StartedAt time.Time }
+					}
+				}
 			}
 		}
 	}
@@ -324,6 +333,11 @@ func (s *story) pods(ctx context.Context, selector string) ([]podInfo, error) {
 		for _, c := range it.Status.Conditions {
 			if c.Type == "Ready" && c.Status == "True" {
 				p.Ready = true
+			}
+		}
+		for _, c := range it.Status.ContainerStatuses {
+			if r := c.State.Running; r != nil && r.StartedAt.After(p.Started) {
+				p.Started = r.StartedAt
 			}
 		}
 		ps = append(ps, p)
