@@ -104,7 +104,11 @@ var ErrNotRetakable = errors.New("the lease is not this node's alone to take bac
 // race check), which a taker's claim landing meanwhile wins or refuses.
 // Only a lease whose every held slot is ours, none torn, is retaken, so
 // nothing is waited for: another host's held or torn slot answers
-// ErrNotRetakable, as does an engine that holds or lost its claim.
+// ErrNotRetakable, as does an engine that holds or lost its claim. So
+// does another host's claim above our record, released or fenced since:
+// that host claimed the lease after us (a granted takeover leaves the
+// victim's record held below its claim), so the volume moved, and only
+// the controller's grant gives it back.
 func (e *Engine) Retake(ctx context.Context) (fence.Acquired, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -124,6 +128,10 @@ func (e *Engine) Retake(ctx context.Context) (fence.Acquired, error) {
 		return fence.Acquired{}, fmt.Errorf("%s: %w (no held record of ours owns it)", e.dev.name, ErrNotRetakable)
 	case a.ownerExcept(e.cfg.Key) >= 0:
 		return fence.Acquired{}, fmt.Errorf("%s: %w (another host's slot is held)", e.dev.name, ErrNotRetakable)
+	}
+	if i := a.claimedAbove(owner); i >= 0 {
+		return fence.Acquired{}, fmt.Errorf("%s: %w (key %s claimed the lease after our record, slot %d, now %s: the volume moved)",
+			e.dev.name, ErrNotRetakable, a.Slots[i].Key, i, a.Slots[i].State)
 	}
 	for i := range a.Corrupt {
 		if a.Corrupt[i] {
@@ -210,4 +218,16 @@ func (e *Engine) writeReleased(ctx context.Context, i int, blk []byte) error {
 		err = e.dev.writeSlot(ctx, i, blk, e.cfg.Timing.IOTimeout)
 	}
 	return err
+}
+
+// claimedAbove is a slot of another key whose claim has a higher epoch
+// than slot own's, whatever its state now (held, released, fenced), or -1:
+// a host that claimed the lease after own's claim.
+func (a *Area) claimedAbove(own int) int {
+	for i, s := range a.Slots {
+		if i != own && !a.Corrupt[i] && s.State != StateEmpty && s.Key != a.Slots[own].Key && s.Epoch > a.Slots[own].Epoch {
+			return i
+		}
+	}
+	return -1
 }

@@ -5,7 +5,7 @@
 // `vco-agent lease clear` give a disk's fence up only after this proof
 // (docs/architecture.md, "The release guard"). It reads sysfs,
 // /proc/self/mountinfo and the open and mapped files of this host's
-// processes (/proc/PID/fd, /proc/PID/maps); nothing here writes.
+// processes (/proc/PID/task/TID/fd, /proc/PID/maps, smaps); nothing here writes.
 package inuse
 
 import (
