@@ -127,7 +127,8 @@ func (s *story) k11Reboot(ctx context.Context, sc string, node *lab.Guest, ws []
 			return allReady(1)(ps) && ps[0].Node == node.Name && ps[0].Started.After(w.pod.Started)
 		})
 		if err != nil {
-			return "", err
+			out, _ := node.MustSh(ctx, "journalctl -u kubelet -u containerd --no-pager -n 60 2>&1 | grep -v -e MissingClusterDNS | cut -c1-400")
+			return "", fmt.Errorf("%w\nkubelet and containerd on %s:\n%s", err, node.Name, out)
 		}
 		ws[i].pod = p[0]
 	}
