@@ -25,11 +25,16 @@ var GuestRegistry = fmt.Sprintf("%s:%d", HostInGuest, GuestRegistryPort)
 // Image is the vco-csi image reference the add-on is rendered with.
 const Image = PortalHost + "/csi-driver:latest"
 
-// nodeNetScript configures a worker's network at each boot: its NIC,
-// the kubernetes service address sent to the API server's forward in
-// place of kube-proxy, and the partition a scenario left in
+// nodeNetScript configures a worker's network at each boot, before
+// containerd starts: the pod network state of the boot before goes (no
+// network namespace outlives a boot, and a hard reset can leave the CNI
+// plugins' cached results empty, on which every teardown of the boot's
+// old sandboxes fails, and the kubelet never starts their pods again),
+// then its NIC, the kubernetes service address sent to the API server's
+// forward in place of kube-proxy, and the partition a scenario left in
 // PartitionFile (a partition outlives the node's reboots).
 var nodeNetScript = fmt.Sprintf(`set -e
+rm -rf /var/lib/cni/results /var/lib/cni/networks
 dev=$(ip -o link | awk -F': ' '/link\/ether 52:54:00:12:34:56/ {print $2; exit}')
 [ -n "$dev" ] || { ip -o link; echo "no NIC with the lab's MAC address"; exit 1; }
 ip link set "$dev" up
@@ -95,7 +100,7 @@ nodeStatusUpdateFrequency: 5s
 		"/usr/local/lib/vco-lab/node-net.sh": nodeNetScript,
 		"/etc/systemd/system/vco-lab-node-net.service": `[Unit]
 Description=vco-lab worker network (its NIC, the kubernetes service address)
-Before=kubelet.service
+Before=containerd.service kubelet.service
 
 [Service]
 Type=oneshot
