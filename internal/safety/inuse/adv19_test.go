@@ -9,6 +9,7 @@ package inuse
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -17,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
+	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 )
 
 // blockNode makes a block device node dir/name of major:minor, or skips
@@ -167,4 +169,30 @@ func TestAdv19ReleaseGuardMissesALoopDeviceOverTheDiskAtAnotherOffset(t *testing
 	if err := Disk(sys, disk); !errors.As(err, new(*Error)) {
 		t.Fatalf("loop9 maps the whole volume's disk (offset 0) and Disk proved the disk unused (err %v): the release guard gives its fence up under a writable mapping of this node", err)
 	}
+}
+
+// unusedLoopDisk attaches an 8 MiB loop device over a file (detached when
+// the test ends) that nothing mounts, and proves it unused first (the
+// adversarial tests' control); it returns the device, its backing file
+// and the device's stat.
+func unusedLoopDisk(t *testing.T) (string, string, unix.Stat_t) {
+	t.Helper()
+	img := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := loopdev.Attach(img, 0, false)
+	if err != nil {
+		t.Skipf("cannot attach a loop device: %v", err)
+	}
+	t.Cleanup(func() { _ = loopdev.Detach(disk) })
+	var st unix.Stat_t
+	if err := unix.Stat(disk, &st); err != nil {
+		t.Fatal(err)
+	}
+	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	if err := Disk("/sys", disk); err != nil {
+		t.Fatalf("control: nothing uses %s: %v", disk, err)
+	}
+	return disk, img, st
 }

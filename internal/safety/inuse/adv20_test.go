@@ -8,7 +8,6 @@ package inuse
 import (
 	"bytes"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -82,23 +81,7 @@ func TestAdv20ReleaseGuardMissesAHolderOfADiskWhoseNodeIsNotItsSysfsName(t *test
 func TestAdv20ReleaseGuardMissesALoopOverTheDiskWhoseBackingNodeWasRemoved(t *testing.T) {
 	hosttest.NeedRoot(t, "needs root for loop devices")
 	dir := t.TempDir()
-	img := filepath.Join(dir, "disk.img")
-	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	disk, err := loopdev.Attach(img, 0, false)
-	if err != nil {
-		t.Skipf("cannot attach a loop device: %v", err)
-	}
-	t.Cleanup(func() { _ = loopdev.Detach(disk) })
-	var st unix.Stat_t
-	if err := unix.Stat(disk, &st); err != nil {
-		t.Fatal(err)
-	}
-	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
-	if err := Disk("/sys", disk); err != nil {
-		t.Fatalf("control: nothing uses %s: %v", disk, err)
-	}
+	disk, img, st := unusedLoopDisk(t)
 	// Another name of the disk, as the kubelet's plugin directory has it.
 	node := filepath.Join(dir, "pod-uid")
 	if err := unix.Mknod(node, unix.S_IFBLK|0o600, int(st.Rdev)); err != nil {

@@ -42,23 +42,7 @@ import (
 func TestAdv21ReleaseGuardMissesALoopOverTheDiskWhoseBackingPathNamesSomethingElse(t *testing.T) {
 	hosttest.NeedRoot(t, "needs root for loop devices and mounts")
 	dir := t.TempDir()
-	img := filepath.Join(dir, "disk.img")
-	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	disk, err := loopdev.Attach(img, 0, false)
-	if err != nil {
-		t.Skipf("cannot attach a loop device: %v", err)
-	}
-	t.Cleanup(func() { _ = loopdev.Detach(disk) })
-	var st unix.Stat_t
-	if err := unix.Stat(disk, &st); err != nil {
-		t.Fatal(err)
-	}
-	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
-	if err := Disk("/sys", disk); err != nil {
-		t.Fatalf("control: nothing uses %s: %v", disk, err)
-	}
+	disk, img, _ := unusedLoopDisk(t)
 
 	for _, c := range []struct {
 		name string
@@ -147,24 +131,7 @@ func TestAdv21ReleaseGuardMissesALoopOverTheDiskWhoseBackingPathNamesSomethingEl
 // nothing, and is not the question here.
 func TestAdv21ReleaseGuardMissesAProcessThatHoldsTheDiskOpenForWriting(t *testing.T) {
 	hosttest.NeedRoot(t, "needs root for loop devices", "sh")
-	dir := t.TempDir()
-	img := filepath.Join(dir, "disk.img")
-	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	disk, err := loopdev.Attach(img, 0, false)
-	if err != nil {
-		t.Skipf("cannot attach a loop device: %v", err)
-	}
-	t.Cleanup(func() { _ = loopdev.Detach(disk) })
-	var st unix.Stat_t
-	if err := unix.Stat(disk, &st); err != nil {
-		t.Fatal(err)
-	}
-	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
-	if err := Disk("/sys", disk); err != nil {
-		t.Fatalf("control: nothing uses %s: %v", disk, err)
-	}
+	disk, _, _ := unusedLoopDisk(t)
 	const mark = "written by a process that held the disk open"
 	cmd := exec.Command("sh", "-c", `exec 3<>"$1"; echo held; read x; printf '%s' "$2" >&3; echo written`, "sh", disk, mark)
 	in, err := cmd.StdinPipe()
@@ -252,24 +219,7 @@ func TestAdv21MapperProcess(t *testing.T) {
 // unused.
 func TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared(t *testing.T) {
 	hosttest.NeedRoot(t, "needs root for loop devices")
-	dir := t.TempDir()
-	img := filepath.Join(dir, "disk.img")
-	if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	disk, err := loopdev.Attach(img, 0, false)
-	if err != nil {
-		t.Skipf("cannot attach a loop device: %v", err)
-	}
-	t.Cleanup(func() { _ = loopdev.Detach(disk) })
-	var st unix.Stat_t
-	if err := unix.Stat(disk, &st); err != nil {
-		t.Fatal(err)
-	}
-	unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
-	if err := Disk("/sys", disk); err != nil {
-		t.Fatalf("control: nothing uses %s: %v", disk, err)
-	}
+	disk, _, _ := unusedLoopDisk(t)
 	cmd := exec.Command(os.Args[0], "-test.run", "^TestAdv21MapperProcess$")
 	cmd.Env = append(os.Environ(), adv21Mapper+"="+disk)
 	in, err := cmd.StdinPipe()

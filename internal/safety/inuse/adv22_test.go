@@ -11,14 +11,12 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"runtime"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/whitesky-cloud/vco-storage/internal/hosttest"
-	"github.com/whitesky-cloud/vco-storage/internal/loopdev"
 )
 
 // adv22Helper, set in the environment to "KIND DISK", makes this test
@@ -113,23 +111,7 @@ func TestAdv22ReleaseGuardMissesAWriter(t *testing.T) {
 	hosttest.NeedRoot(t, "needs root for loop devices")
 	for _, kind := range []string{"thread", "mprotect"} {
 		t.Run(kind, func(t *testing.T) {
-			img := filepath.Join(t.TempDir(), "disk.img")
-			if err := os.WriteFile(img, make([]byte, 8<<20), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			disk, err := loopdev.Attach(img, 0, false)
-			if err != nil {
-				t.Skipf("cannot attach a loop device: %v", err)
-			}
-			t.Cleanup(func() { _ = loopdev.Detach(disk) })
-			var st unix.Stat_t
-			if err := unix.Stat(disk, &st); err != nil {
-				t.Fatal(err)
-			}
-			unmounted(t, fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
-			if err := Disk("/sys", disk); err != nil {
-				t.Fatalf("control: nothing uses %s: %v", disk, err)
-			}
+			disk, _, _ := unusedLoopDisk(t)
 			cmd := exec.Command(os.Args[0], "-test.run", "^TestAdv22WriterProcess$")
 			cmd.Env = append(os.Environ(), adv22Helper+"="+kind+" "+disk)
 			in, err := cmd.StdinPipe()
