@@ -113,6 +113,8 @@ type Guest struct {
 	mu     sync.Mutex // guards exec, which a reboot replaces
 	exec   *guestexec.Client
 	bootID string // the boot the exec channel was dialed in (reboot.go)
+	// lastReset is when the reset WaitReset last returned happened.
+	lastReset time.Time
 }
 
 // qemuArgs is the guest's command line. The machine starts paused (-S) so

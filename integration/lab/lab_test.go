@@ -328,6 +328,7 @@ func labRebootKeepsDisks(t *testing.T, ctx context.Context, a, b *Guest) {
 		if _, err := a.MustSh(ctx, "echo before >/run/vco-lab-reboot-marker"); err != nil {
 			t.Fatal(err)
 		}
+		asked := time.Now()
 		if err := c.reset(ctx); err != nil {
 			t.Fatalf("%s: %v", c.how, err)
 		}
@@ -336,6 +337,9 @@ func labRebootKeepsDisks(t *testing.T, ctx context.Context, a, b *Guest) {
 		cancel()
 		if err != nil || reason != c.reason {
 			t.Fatalf("%s: reset reason %q (%v), want %q", c.how, reason, err, c.reason)
+		}
+		if at := a.LastReset(); at.Before(asked.Add(-time.Second)) || at.After(time.Now()) {
+			t.Fatalf("%s: the reset is dated %s, asked for at %s", c.how, at, asked)
 		}
 		took, err := a.WaitBack(ctx, 5*time.Minute)
 		if err != nil {

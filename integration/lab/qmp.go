@@ -33,6 +33,8 @@ type QMP struct {
 type QMPEvent struct {
 	Event string          `json:"event"`
 	Data  json.RawMessage `json:"data"`
+	// At is when QEMU says it happened.
+	At time.Time `json:"-"`
 }
 
 type qmpReply struct {
@@ -85,14 +87,19 @@ func (q *QMP) read(r *bufio.Reader) {
 			ID    string `json:"id"`
 			Event string `json:"event"`
 			qmpReply
-			Data json.RawMessage `json:"data"`
+			Data      json.RawMessage `json:"data"`
+			Timestamp struct {
+				Seconds      int64 `json:"seconds"`
+				Microseconds int64 `json:"microseconds"`
+			} `json:"timestamp"`
 		}
 		if json.Unmarshal(line, &msg) != nil {
 			continue
 		}
 		q.mu.Lock()
 		if msg.Event != "" {
-			q.events = append(q.events, QMPEvent{Event: msg.Event, Data: msg.Data})
+			at := time.Unix(msg.Timestamp.Seconds, msg.Timestamp.Microseconds*1000)
+			q.events = append(q.events, QMPEvent{Event: msg.Event, Data: msg.Data, At: at})
 			close(q.evCond)
 			q.evCond = make(chan struct{})
 		} else if ch := q.wait[msg.ID]; ch != nil {

@@ -55,7 +55,18 @@ func (g *Guest) WaitReset(ctx context.Context) (string, error) {
 		Reason string `json:"reason"`
 	}
 	_ = json.Unmarshal(ev.Data, &d)
+	g.mu.Lock()
+	g.lastReset = ev.At
+	g.mu.Unlock()
 	return d.Reason, nil
+}
+
+// LastReset is when the reset WaitReset last returned happened, as QEMU
+// says.
+func (g *Guest) LastReset() time.Time {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.lastReset
 }
 
 // WaitBack waits, after a reset, until the guest's exec server answers on

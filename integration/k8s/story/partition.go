@@ -431,12 +431,12 @@ func (s *story) k10Stopped(ctx context.Context, old *lab.Guest, held podInfo) ([
 			return nil, "", err
 		}
 	}
-	took := time.Since(began)
-	back, err := old.WaitBack(ctx, 5*time.Minute)
-	if err != nil {
+	if _, err := old.WaitBack(ctx, 5*time.Minute); err != nil {
 		return nil, "", err
 	}
-	return acked, fmt.Sprintf("reset (%s) %.0fs after the pod ran on the other worker, answering again %.0fs later, still cut off", reason, took.Seconds(), back.Seconds()), nil
+	at := old.LastReset()
+	return acked, fmt.Sprintf("reset (%s) %.0fs after the pod ran on the other worker (a negative figure: before), answering again %.0fs after the reset, still cut off",
+		reason, at.Sub(began).Seconds(), time.Since(at).Seconds()), nil
 }
 
 // resetSeen is why g reset since it last came back, empty if it did not.
