@@ -10,7 +10,9 @@ package inuse
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -195,4 +197,36 @@ func unusedLoopDisk(t *testing.T) (string, string, unix.Stat_t) {
 		t.Fatalf("control: nothing uses %s: %v", disk, err)
 	}
 	return disk, img, st
+}
+
+// startHelper starts cmd with its stdin and stdout piped to the test, and
+// kills it when the test ends.
+func startHelper(t *testing.T, cmd *exec.Cmd) (io.WriteCloser, io.ReadCloser) {
+	t.Helper()
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return in, out
+}
+
+// diskHead is the first n bytes of disk, zeros where it cannot be read.
+func diskHead(disk string, n int) []byte {
+	got := make([]byte, n)
+	if d, err := os.Open(disk); err == nil {
+		_, _ = d.ReadAt(got, 0)
+		d.Close()
+	}
+	return got
 }

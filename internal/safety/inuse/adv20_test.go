@@ -180,17 +180,7 @@ func TestAdv20ReleaseGuardMissesAMountOfTheDiskInAnotherMountNamespace(t *testin
 	// Mounted in another mount namespace, held by a process there.
 	cmd := exec.Command("unshare", "--mount", "--propagation", "private", "sh", "-c",
 		`mount -t ext4 "$1" "$2" && echo mounted && exec sleep 120`, "sh", disk, mnt)
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
+	_, out := startHelper(t, cmd)
 	line := make([]byte, 8)
 	if n, err := out.Read(line); err != nil || string(line[:n]) != "mounted\n" {
 		t.Skipf("could not mount %s in another mount namespace: %q %v", disk, line[:n], err)

@@ -134,21 +134,7 @@ func TestAdv21ReleaseGuardMissesAProcessThatHoldsTheDiskOpenForWriting(t *testin
 	disk, _, _ := unusedLoopDisk(t)
 	const mark = "written by a process that held the disk open"
 	cmd := exec.Command("sh", "-c", `exec 3<>"$1"; echo held; read x; printf '%s' "$2" >&3; echo written`, "sh", disk, mark)
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
+	in, out := startHelper(t, cmd)
 	line := make([]byte, 5)
 	if n, err := io.ReadFull(out, line); err != nil || string(line[:n]) != "held\n" {
 		t.Fatalf("the opener did not start: %q %v", line[:n], err)
@@ -161,11 +147,7 @@ func TestAdv21ReleaseGuardMissesAProcessThatHoldsTheDiskOpenForWriting(t *testin
 	if n, err := io.ReadFull(out, make([]byte, 8)); err != nil {
 		t.Fatalf("the opener did not write: %d %v", n, err)
 	}
-	got := make([]byte, len(mark))
-	if d, err := os.Open(disk); err == nil {
-		_, _ = d.ReadAt(got, 0)
-		d.Close()
-	}
+	got := diskHead(disk, len(mark))
 	if string(got) != mark {
 		t.Fatalf("control: the opener's write did not reach the disk: %q", got)
 	}
@@ -222,21 +204,7 @@ func TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared(t *testing.T) {
 	disk, _, _ := unusedLoopDisk(t)
 	cmd := exec.Command(os.Args[0], "-test.run", "^TestAdv21MapperProcess$")
 	cmd.Env = append(os.Environ(), adv21Mapper+"="+disk)
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-	})
+	in, out := startHelper(t, cmd)
 	line := make([]byte, 8)
 	if n, err := io.ReadFull(out, line[:7]); err != nil || string(line[:n]) != "mapped\n" {
 		t.Fatalf("the mapper did not start: %q %v", line[:n], err)
@@ -249,11 +217,7 @@ func TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared(t *testing.T) {
 		t.Fatalf("the mapper did not write: %q %v", line[:n], err)
 	}
 	const mark = "written through a shared mapping of the disk"
-	got := make([]byte, len(mark))
-	if d, err := os.Open(disk); err == nil {
-		_, _ = d.ReadAt(got, 0)
-		d.Close()
-	}
+	got := diskHead(disk, len(mark))
 	if string(got) != mark {
 		t.Fatalf("control: the mapper's write did not reach the disk: %q", got)
 	}

@@ -114,22 +114,8 @@ func TestAdv22ReleaseGuardMissesAWriter(t *testing.T) {
 			disk, _, _ := unusedLoopDisk(t)
 			cmd := exec.Command(os.Args[0], "-test.run", "^TestAdv22WriterProcess$")
 			cmd.Env = append(os.Environ(), adv22Helper+"="+kind+" "+disk)
-			in, err := cmd.StdinPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
-			out, err := cmd.StdoutPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
 			cmd.Stderr = os.Stderr
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				_ = cmd.Process.Kill()
-				_ = cmd.Wait()
-			})
+			in, out := startHelper(t, cmd)
 			lines := bufio.NewReader(out)
 			if l, err := lines.ReadString('\n'); err != nil || l != "ready\n" {
 				t.Fatalf("the writer did not start: %q %v", l, err)
@@ -141,11 +127,7 @@ func TestAdv22ReleaseGuardMissesAWriter(t *testing.T) {
 			if l, err := lines.ReadString('\n'); err != nil || l != "written\n" {
 				t.Fatalf("the writer did not write: %q %v", l, err)
 			}
-			got := make([]byte, len(adv22Mark))
-			if d, err := os.Open(disk); err == nil {
-				_, _ = d.ReadAt(got, 0)
-				d.Close()
-			}
+			got := diskHead(disk, len(adv22Mark))
 			if string(got) != adv22Mark {
 				t.Fatalf("control: the writer's write did not reach the disk: %q", got)
 			}
