@@ -32,6 +32,9 @@ package lease
 // is down for up to F + 2W, the host watchdog resets a host whose agent
 // stays down W past the last feed, and the new engine resumes the claim
 // (Engine.Resume), or the host's I/O stops when it finds the claim lost.
+// A life that ended without a release (a death, a reset, a loss) is
+// followed by one that first takes its record back with Engine.Retake, as
+// the agent does once nothing of the volume is in use.
 // W past the last feed is the latest reset the agent allows, and the one
 // modelled: its device counts W/2, and the one ping the kernel gives a
 // device when the dying agent's descriptor closes comes within W/2 of the
@@ -540,6 +543,12 @@ type simHost struct {
 	// restarts, while the volume stays mounted).
 	restarts *rand.Rand
 	restartP float64
+	// retakeNext: the last life ended without a release (the host died,
+	// its watchdog reset it, or its agent found the claim lost and
+	// stopped its I/O); the next one takes its record back with Retake,
+	// as the agent does when nothing of the volume is in use, and
+	// acquires as usual when Retake leaves the lease alone.
+	retakeNext bool
 	// rate is the host's clock rate (0 or 1: true time); timing is then
 	// its configuration, and its engine and watchdog run on its clock.
 	rate float64
@@ -651,6 +660,7 @@ func (h *simHost) life(ctx context.Context, life int) {
 	}
 	// Hold, then release, pause, restart the agent or die.
 	if h.holdClaim(ctx, &e, dev, w, life) {
+		h.retakeNext = true
 		return // the host died, its watchdog reset it, or its I/O stopped
 	}
 	h.endLife(e, w, life)
@@ -727,9 +737,17 @@ func (h *simHost) acquire(ctx context.Context, e *Engine, w *window, grant *fenc
 	actx, cancel := context.WithTimeout(ctx, 6*simMaxExpiry())
 	var c fence.Acquired
 	var err error
-	if first {
+	switch {
+	case first:
 		c, err = e.AcquireFirst(actx)
-	} else {
+	case h.retakeNext:
+		h.retakeNext = false
+		c, err = e.Retake(actx)
+		s.event(h.idx, "retake", "life", life, "error", fmt.Sprint(err))
+		if errors.Is(err, ErrNotRetakable) {
+			c, err = e.Acquire(actx, grant)
+		}
+	default:
 		c, err = e.Acquire(actx, grant)
 	}
 	cancel()
