@@ -195,25 +195,8 @@ func startGuest(ctx context.Context, cfg GuestConfig, k *Kernel, initrd, dir, pi
 	if _, err := g.qmp.Execute(ctx, "cont", nil); err != nil {
 		return nil, err
 	}
-	bctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-	defer cancel()
-	ch := make(chan dialed, 1)
-	go func() {
-		c, err := guestexec.Dial(bctx, g.ExecSocket)
-		ch <- dialed{c, err}
-	}()
-	select {
-	case d := <-ch:
-		if d.err != nil {
-			return nil, fmt.Errorf("%w: %w", errNoAnswer, d.err)
-		}
-		g.setExec(d.c)
-		if g.Reboots {
-			g.bootID, _ = readBootID(ctx, d.c)
-		}
-	case <-g.Proc.Exited():
-		cancel()
-		return nil, fmt.Errorf("QEMU exited during boot: %v", g.Proc.exitErr)
+	if err := g.redial(ctx, 5*time.Minute); err != nil {
+		return nil, err
 	}
 	g.BootTime = time.Since(started)
 	return g, nil

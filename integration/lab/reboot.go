@@ -109,8 +109,8 @@ func readBootID(ctx context.Context, c *guestexec.Client) (string, error) {
 }
 
 // redial drops the exec channel (QEMU's socket takes one client at a
-// time) and dials a new one, until limit, until it reaches a server of
-// another boot than the guest's last.
+// time) and dials a new one, until limit: the first boot's server, or, for
+// a guest that reboots, one of another boot than the guest's last.
 func (g *Guest) redial(ctx context.Context, limit time.Duration) error {
 	if old := g.Exec(); old != nil {
 		old.Close()
@@ -125,7 +125,9 @@ func (g *Guest) redial(ctx context.Context, limit time.Duration) error {
 			return fmt.Errorf("%w: %w", errNoAnswer, d.err)
 		}
 		g.setExec(d.c)
-		g.bootID, _ = readBootID(ctx, d.c)
+		if g.Reboots {
+			g.bootID, _ = readBootID(ctx, d.c)
+		}
 		return nil
 	case <-g.Proc.Exited():
 		cancel()
@@ -135,12 +137,13 @@ func (g *Guest) redial(ctx context.Context, limit time.Duration) error {
 
 // dialNewBoot dials the guest's exec server until one answers whose boot
 // is not before's: until the guest has reset, the server of the boot
-// before may still answer.
+// before may still answer. With no boot before (the first boot), the
+// first server that answers is the one.
 func dialNewBoot(ctx context.Context, socket, before string) dialed {
 	for {
 		c, err := guestexec.Dial(ctx, socket)
-		if err != nil {
-			return dialed{nil, err}
+		if err != nil || before == "" {
+			return dialed{c, err}
 		}
 		id, err := readBootID(ctx, c)
 		if err == nil && id != before {
