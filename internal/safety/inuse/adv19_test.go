@@ -8,6 +8,7 @@ package inuse
 // no mount of this host has.
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"io"
@@ -229,4 +230,28 @@ func diskHead(disk string, n int) []byte {
 		d.Close()
 	}
 	return got
+}
+
+// proofBeforeWrite waits for a helper process to say ready (its line
+// "ready"), makes the proof for disk, then lets the helper write mark at
+// the disk's byte 0 (it says "written") and checks, as the tests'
+// control, that the write landed: what the proof said of a writer whose
+// write came after it. It returns the proof.
+func proofBeforeWrite(t *testing.T, disk string, in io.Writer, out io.Reader, ready, mark string) error {
+	t.Helper()
+	lines := bufio.NewReader(out)
+	if l, err := lines.ReadString('\n'); err != nil || l != ready+"\n" {
+		t.Fatalf("the helper did not say %q: %q %v", ready, l, err)
+	}
+	proof := Disk("/sys", disk)
+	if _, err := io.WriteString(in, "go\n"); err != nil {
+		t.Fatal(err)
+	}
+	if l, err := lines.ReadString('\n'); err != nil || l != "written\n" {
+		t.Fatalf("the helper did not write: %q %v", l, err)
+	}
+	if got := diskHead(disk, len(mark)); string(got) != mark {
+		t.Fatalf("control: the helper's write did not reach the disk: %q", got)
+	}
+	return proof
 }

@@ -8,7 +8,6 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -135,22 +134,7 @@ func TestAdv21ReleaseGuardMissesAProcessThatHoldsTheDiskOpenForWriting(t *testin
 	const mark = "written by a process that held the disk open"
 	cmd := exec.Command("sh", "-c", `exec 3<>"$1"; echo held; read x; printf '%s' "$2" >&3; echo written`, "sh", disk, mark)
 	in, out := startHelper(t, cmd)
-	line := make([]byte, 5)
-	if n, err := io.ReadFull(out, line); err != nil || string(line[:n]) != "held\n" {
-		t.Fatalf("the opener did not start: %q %v", line[:n], err)
-	}
-	proof := Disk("/sys", disk)
-	// The opener writes after the proof.
-	if _, err := in.Write([]byte("go\n")); err != nil {
-		t.Fatal(err)
-	}
-	if n, err := io.ReadFull(out, make([]byte, 8)); err != nil {
-		t.Fatalf("the opener did not write: %d %v", n, err)
-	}
-	got := diskHead(disk, len(mark))
-	if string(got) != mark {
-		t.Fatalf("control: the opener's write did not reach the disk: %q", got)
-	}
+	proof := proofBeforeWrite(t, disk, in, out, "held", mark)
 	if !errors.As(proof, new(*Error)) {
 		t.Fatalf("process %d held %s open for writing (its write landed after the proof), and Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a live writer of this node",
 			cmd.Process.Pid, disk, proof)
@@ -205,22 +189,7 @@ func TestAdv21ReleaseGuardMissesAProcessThatMapsTheDiskShared(t *testing.T) {
 	cmd := exec.Command(os.Args[0], "-test.run", "^TestAdv21MapperProcess$")
 	cmd.Env = append(os.Environ(), adv21Mapper+"="+disk)
 	in, out := startHelper(t, cmd)
-	line := make([]byte, 8)
-	if n, err := io.ReadFull(out, line[:7]); err != nil || string(line[:n]) != "mapped\n" {
-		t.Fatalf("the mapper did not start: %q %v", line[:n], err)
-	}
-	proof := Disk("/sys", disk)
-	if _, err := in.Write([]byte("go\n")); err != nil {
-		t.Fatal(err)
-	}
-	if n, err := io.ReadFull(out, line[:8]); err != nil || string(line[:n]) != "written\n" {
-		t.Fatalf("the mapper did not write: %q %v", line[:n], err)
-	}
-	const mark = "written through a shared mapping of the disk"
-	got := diskHead(disk, len(mark))
-	if string(got) != mark {
-		t.Fatalf("control: the mapper's write did not reach the disk: %q", got)
-	}
+	proof := proofBeforeWrite(t, disk, in, out, "mapped", "written through a shared mapping of the disk")
 	if !errors.As(proof, new(*Error)) {
 		t.Fatalf("process %d mapped %s shared and writable (its write landed after the proof), and Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a live writer of this node",
 			cmd.Process.Pid, disk, proof)

@@ -8,7 +8,6 @@ import (
 	"bufio"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"runtime"
@@ -116,21 +115,7 @@ func TestAdv22ReleaseGuardMissesAWriter(t *testing.T) {
 			cmd.Env = append(os.Environ(), adv22Helper+"="+kind+" "+disk)
 			cmd.Stderr = os.Stderr
 			in, out := startHelper(t, cmd)
-			lines := bufio.NewReader(out)
-			if l, err := lines.ReadString('\n'); err != nil || l != "ready\n" {
-				t.Fatalf("the writer did not start: %q %v", l, err)
-			}
-			proof := Disk("/sys", disk)
-			if _, err := io.WriteString(in, "go\n"); err != nil {
-				t.Fatal(err)
-			}
-			if l, err := lines.ReadString('\n'); err != nil || l != "written\n" {
-				t.Fatalf("the writer did not write: %q %v", l, err)
-			}
-			got := diskHead(disk, len(adv22Mark))
-			if string(got) != adv22Mark {
-				t.Fatalf("control: the writer's write did not reach the disk: %q", got)
-			}
+			proof := proofBeforeWrite(t, disk, in, out, "ready", adv22Mark)
 			if !errors.As(proof, new(*Error)) {
 				t.Fatalf("process %d (%s) could write %s (its write landed after the proof), and Disk = %v: the proof says nothing uses the disk, and the release guard gives its fence up under a live writer of this node",
 					cmd.Process.Pid, kind, disk, proof)
