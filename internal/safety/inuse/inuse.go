@@ -1,11 +1,13 @@
 // Package inuse proves that nothing of this host uses a disk or a
 // partition of it: no loop device over it, nothing stacked on it
 // (dm-crypt, md, another mapping), no mount of it and no other process
-// holding it open for writing or mapping it shared and writable. The agent's release guard (agent/volume) and
+// holding it open for writing, mapping it shared and writable or having
+// it registered with an io_uring. The agent's release guard (agent/volume) and
 // `vco-agent lease clear` give a disk's fence up only after this proof
 // (docs/architecture.md, "The release guard"). It reads sysfs,
 // /proc/self/mountinfo and the open and mapped files of this host's
-// processes (/proc/PID/task/TID/fd, /proc/PID/maps, smaps); nothing here writes.
+// processes (/proc/PID/task/TID/fd and fdinfo, /proc/PID/maps, smaps);
+// nothing here writes. Written here, as no library reads these.
 package inuse
 
 import (
@@ -70,7 +72,11 @@ func Disk(sysfsRoot, path string) error {
 			return &Error{Device: path, What: what}
 		}
 	}
-	if what, err := writer(devs); err != nil {
+	generic, err := genericNodes(sysfsRoot, devs[0].name)
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if what, err := writer(append(devs, generic...)); err != nil {
 		return fmt.Errorf("%s: %w", path, err)
 	} else if what != "" {
 		return &Error{Device: path, What: what}
@@ -118,10 +124,12 @@ func exclusive(path string) error {
 }
 
 // blockDev is a disk or one of its partitions, by its sysfs name and its
-// device number (major:minor).
+// device number (major:minor); or, char set, a character device that
+// reaches the disk (its SCSI generic node: genericNodes).
 type blockDev struct {
 	name, devnum string
 	partition    bool
+	char         bool
 }
 
 // used says what of this host uses d, or "".

@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 
@@ -31,12 +30,9 @@ const procRoot = "/proc"
 // descriptor of a network filesystem's file does not make the proof wait
 // on its server.
 func writer(devs []blockDev) (string, error) {
-	want := make(map[uint64]blockDev, len(devs))
+	want := make(nodes, len(devs))
 	for _, d := range devs {
-		var maj, min uint32
-		if _, err := fmt.Sscanf(d.devnum, "%d:%d", &maj, &min); err == nil {
-			want[unix.Mkdev(maj, min)] = d
-		}
+		want.add(d)
 	}
 	procs, err := os.ReadDir(procRoot)
 	if err != nil {
@@ -63,7 +59,7 @@ func writer(devs []blockDev) (string, error) {
 // other threads run lists none. So every thread's table is read
 // (/proc/PID/task/TID/fd), but one the kernel says is a table already
 // read (kcmp KCMP_FILES), as most threads share their leader's.
-func processWriter(pid int, want map[uint64]blockDev) (string, error) {
+func processWriter(pid int, want nodes) (string, error) {
 	dir := filepath.Join(procRoot, strconv.Itoa(pid), "task")
 	tasks, err := os.ReadDir(dir)
 	if gone(err) {
@@ -106,7 +102,7 @@ const kcmpFiles = 2
 
 // taskWriter says whether the thread whose /proc directory is task (of
 // process pid) holds one of want open for writing.
-func taskWriter(pid int, task string, want map[uint64]blockDev) (string, error) {
+func taskWriter(pid int, task string, want nodes) (string, error) {
 	fds, err := os.ReadDir(filepath.Join(task, "fd"))
 	if gone(err) {
 		return "", nil
@@ -116,76 +112,20 @@ func taskWriter(pid int, task string, want map[uint64]blockDev) (string, error) 
 	}
 	for _, fd := range fds {
 		var stx unix.Statx_t
-		if unix.Statx(unix.AT_FDCWD, filepath.Join(task, "fd", fd.Name()), unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx) != nil ||
-			uint32(stx.Mode)&unix.S_IFMT != unix.S_IFBLK {
+		if unix.Statx(unix.AT_FDCWD, filepath.Join(task, "fd", fd.Name()), unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx) != nil {
 			continue
 		}
-		d, ok := want[unix.Mkdev(stx.Rdev_major, stx.Rdev_minor)]
-		if ok && openForWriting(task, fd.Name()) {
+		if d, ok := want.of(&stx); ok && openForWriting(task, fd.Name()) {
 			return of(d, fmt.Sprintf("process %d%s holds it open for writing", pid, command(pid))), nil
 		}
-	}
-	return "", nil
-}
-
-// processMapper says whether the process pid maps one of want shared and
-// writable: a line of /proc/PID/maps whose permissions are "rw?s", its
-// file stated through /proc/PID/map_files, or a shared one the process
-// may make writable at any time (mprotect: "mw" among its VmFlags in
-// /proc/PID/smaps, a mapping of a descriptor that was open for writing).
-func processMapper(pid int, want map[uint64]blockDev) (string, error) {
-	b, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "maps"))
-	if gone(err) {
-		return "", nil
-	}
-	if err != nil {
-		return "", fmt.Errorf("listing the mappings of process %d: %w", pid, err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 6 || len(f[1]) != 4 || f[1][3] != 's' {
-			continue
+		if t := uint32(stx.Mode) & unix.S_IFMT; t != 0 && t != unix.S_IFREG {
+			continue // an io_uring's descriptor is an anonymous inode: no type, or a regular file's
 		}
-		var stx unix.Statx_t
-		if unix.Statx(unix.AT_FDCWD, filepath.Join(procRoot, strconv.Itoa(pid), "map_files", f[0]), unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx) != nil ||
-			uint32(stx.Mode)&unix.S_IFMT != unix.S_IFBLK {
-			continue
-		}
-		d, ok := want[unix.Mkdev(stx.Rdev_major, stx.Rdev_minor)]
-		switch {
-		case !ok:
-		case f[1][1] == 'w':
-			return of(d, fmt.Sprintf("process %d%s maps it shared and writable", pid, command(pid))), nil
-		case mayWrite(pid, f[0]):
-			return of(d, fmt.Sprintf("process %d%s maps it shared, and may make the mapping writable (it was mapped from a descriptor open for writing)", pid, command(pid))), nil
+		if what, err := ringFiles(pid, task, fd.Name(), want); err != nil || what != "" {
+			return what, err
 		}
 	}
 	return "", nil
-}
-
-// mayWrite reports whether the process pid may make its mapping at rng
-// (as /proc/PID/maps spells its range) writable: "mw" among the mapping's
-// VmFlags in /proc/PID/smaps. A mapping smaps does not show, or that
-// cannot be read, may.
-func mayWrite(pid int, rng string) bool {
-	b, err := os.ReadFile(filepath.Join(procRoot, strconv.Itoa(pid), "smaps"))
-	if gone(err) {
-		return false
-	}
-	if err != nil {
-		return true
-	}
-	in := false
-	for _, line := range strings.Split(string(b), "\n") {
-		if f := strings.Fields(line); len(f) > 0 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":") {
-			in = f[0] == rng
-			continue
-		}
-		if v, ok := strings.CutPrefix(line, "VmFlags:"); ok && in {
-			return slices.Contains(strings.Fields(v), "mw")
-		}
-	}
-	return true
 }
 
 // gone reports whether err is of a process that ended, or that the
@@ -194,10 +134,14 @@ func gone(err error) bool {
 	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH) || errors.Is(err, fs.ErrPermission)
 }
 
-// of says what, of d: of its partition when d is one.
+// of says what, of d: of its partition or its SCSI generic node when d
+// is one.
 func of(d blockDev, what string) string {
-	if d.partition {
+	switch {
+	case d.partition:
 		return "its partition " + d.name + ": " + what
+	case d.char:
+		return "its SCSI generic node " + d.name + ": " + what
 	}
 	return what
 }
