@@ -19,6 +19,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -26,6 +27,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/whitesky-cloud/vco-storage/agent/watchdog"
+	"github.com/whitesky-cloud/vco-storage/fence"
 	"github.com/whitesky-cloud/vco-storage/fence/lease"
 )
 
@@ -71,6 +73,13 @@ type Volumes struct {
 	// AllowUnfenced lets a stage request that asks for it use a disk that
 	// offers no fencing method. Without it such a disk is refused.
 	AllowUnfenced bool `yaml:"allow_unfenced"`
+	// FenceMethods are the fencing methods this agent claims disks with,
+	// of scsi-pr and disk-lease (both by default); or none: every disk is
+	// then one that offers no fencing, staged only by the unfenced opt-in
+	// (AllowUnfenced), e.g. the reference of the cluster benchmarks.
+	// Another node's claim is read and refused by every method
+	// regardless.
+	FenceMethods []fence.Method `yaml:"fence_methods"`
 	// AllowLoopDevices lets a locator name a loop device by its backing
 	// file: for the simulator's host mode and host tests, never on a node.
 	AllowLoopDevices bool `yaml:"allow_loop_devices"`
@@ -92,6 +101,31 @@ type Volumes struct {
 	// WatchRescan is how often the watcher classifies every attached disk
 	// again, catching a disk another node took since (no uevent says so).
 	WatchRescan time.Duration `yaml:"watch_rescan"`
+}
+
+// Uses reports whether the agent claims disks with method m.
+func (v Volumes) Uses(m fence.Method) bool { return slices.Contains(v.FenceMethods, m) }
+
+// validateFenceMethods checks fence_methods: scsi-pr and disk-lease, each
+// once, or none alone.
+func (v Volumes) validateFenceMethods() []error {
+	ms := v.FenceMethods
+	if len(ms) == 1 && ms[0] == fence.MethodNone {
+		return nil
+	}
+	if len(ms) == 0 {
+		return []error{errors.New("volumes.fence_methods is empty: name scsi-pr, disk-lease or both, or none to stage only by the unfenced opt-in")}
+	}
+	var errs []error
+	for i, m := range ms {
+		switch {
+		case m != fence.MethodPR && m != fence.MethodLease:
+			errs = append(errs, fmt.Errorf("volumes.fence_methods: %q is not a fencing method: scsi-pr, disk-lease, or none alone", m))
+		case slices.Contains(ms[:i], m):
+			errs = append(errs, fmt.Errorf("volumes.fence_methods names %s twice", m))
+		}
+	}
+	return errs
 }
 
 // ReclaimAfter is the effective ReclaimWait.
@@ -202,7 +236,7 @@ func Default() Config {
 		Log:       Log{Level: "info"},
 		DBus:      DBus{Enabled: true},
 		Events:    Events{RingSize: 256, SubscriberBuffer: 128},
-		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, AttachWait: 10 * time.Second, WatchDisks: true, WatchRescan: 30 * time.Second, ClaimedDir: "/run/vco-agent/claimed",
+		Volumes: Volumes{KubeletRoot: "/var/lib/kubelet", DevRoot: "/dev", CheckInterval: 10 * time.Second, FenceMethods: []fence.Method{fence.MethodPR, fence.MethodLease}, AttachWait: 10 * time.Second, WatchDisks: true, WatchRescan: 30 * time.Second, ClaimedDir: "/run/vco-agent/claimed",
 			Lease: LeaseTiming{IOTimeout: lt.IOTimeout, Renew: lt.Renew, Fail: lt.Fail, Watchdog: lt.Watchdog, WatchdogDevice: watchdog.Auto}},
 	}
 }
@@ -340,7 +374,7 @@ func (c *Config) validateVolumes() []error {
 	if w := c.Volumes.ReclaimWait; w != 0 && (w <= c.Volumes.CheckInterval || w > time.Hour) {
 		errs = append(errs, fmt.Errorf("volumes.reclaim_wait %s must be longer than volumes.check_interval (%s), at most 1h, or 0 for three check intervals", w, c.Volumes.CheckInterval))
 	}
-	return errs
+	return append(errs, c.Volumes.validateFenceMethods()...)
 }
 
 // validateLeaseTiming checks volumes.lease's times.

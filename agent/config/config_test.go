@@ -4,9 +4,13 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/whitesky-cloud/vco-storage/fence"
 )
 
 func write(t *testing.T, body string) string {
@@ -171,7 +175,7 @@ func TestExampleFileIsTheDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the shipped example does not load: %v", err)
 	}
-	if cfg != Default() {
+	if !reflect.DeepEqual(cfg, Default()) {
 		t.Fatalf("example.yaml drifted from the defaults:\n%+v\n%+v", cfg, Default())
 	}
 }
@@ -204,5 +208,37 @@ func TestLeaseWithoutAWatchdogNeedsTheUnsafeSetting(t *testing.T) {
 	}
 	if cfg, err := Load(write(t, "volumes:\n  lease:\n    watchdog_device: /dev/watchdog1\n"), true); err != nil || cfg.Volumes.Lease.WatchdogDevice != "/dev/watchdog1" {
 		t.Fatalf("a device path: %+v %v", cfg.Volumes.Lease, err)
+	}
+}
+
+// fence_methods: a subset of scsi-pr and disk-lease, or none alone;
+// anything else is refused naming the field.
+func TestFenceMethods(t *testing.T) {
+	for _, c := range []struct {
+		yaml string
+		want []fence.Method
+		err  string
+	}{
+		{"", []fence.Method{fence.MethodPR, fence.MethodLease}, ""},
+		{"volumes:\n  fence_methods: [disk-lease]\n", []fence.Method{fence.MethodLease}, ""},
+		{"volumes:\n  fence_methods: [none]\n", []fence.Method{fence.MethodNone}, ""},
+		{"volumes:\n  fence_methods: []\n", nil, "volumes.fence_methods is empty"},
+		{"volumes:\n  fence_methods: [none, scsi-pr]\n", nil, `"none" is not a fencing method`},
+		{"volumes:\n  fence_methods: [scsi-pr, scsi-pr]\n", nil, "names scsi-pr twice"},
+		{"volumes:\n  fence_methods: [pr]\n", nil, `"pr" is not a fencing method`},
+	} {
+		p := filepath.Join(t.TempDir(), "c.yaml")
+		if err := os.WriteFile(p, []byte(c.yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := Load(p, true)
+		switch {
+		case c.err == "" && err != nil:
+			t.Errorf("%q: %v", c.yaml, err)
+		case c.err != "" && (err == nil || !strings.Contains(err.Error(), c.err)):
+			t.Errorf("%q: error %v, want one saying %q", c.yaml, err, c.err)
+		case c.err == "" && !slices.Equal(cfg.Volumes.FenceMethods, c.want):
+			t.Errorf("%q: fence_methods %v, want %v", c.yaml, cfg.Volumes.FenceMethods, c.want)
+		}
 	}
 }

@@ -317,7 +317,7 @@ func startVolumes(ctx context.Context, cfg config.Config, ident server.NodeIdent
 	wd := hostWatchdog(cfg, func() []watchdog.Lease { return m.Leases() }, log)
 	m, err = volume.New(volume.Options{
 		Config: cfg.Volumes, StateDir: cfg.StateDir, SysfsRoot: cfg.SysfsRoot, Bus: bus, Log: log.With("part", "volumes"),
-		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence"),
+		Fencers: &volume.Fencing{Key: key, Node: ident.SystemUUID, Log: log.With("part", "fence"), Use: cfg.Volumes.Uses,
 			Lease: leaseFor(cfg.Volumes, guarded(wd, volume.NewLease(volume.LeaseOptions{Key: key, Node: ident.SystemUUID, NodeName: ident.NodeName,
 				Timing: cfg.Volumes.Lease.Timing(), Log: log.With("part", "lease")})))},
 		Crypt: &volume.LUKS{},

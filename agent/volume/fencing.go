@@ -56,13 +56,19 @@ const LookOnly = ""
 type LeaseFactory func(ctx context.Context, dev *Device, volume string, onLost func(*fence.LostError) bool) (Choice, error)
 
 // Fencing is the agent's FencerFactory: SCSI-3 PR when the disk's target
-// supports it, else the lease when one is plugged in, else nothing.
+// supports it, else the lease when one is plugged in, else nothing; of
+// these, only the methods Use allows claim a disk for a stage.
 type Fencing struct {
 	Key      fence.Key
 	Node     string
 	Resolver fence.Resolver
 	Lease    LeaseFactory
 	Log      *slog.Logger
+	// Use says whether this agent claims disks with a method
+	// (volumes.fence_methods); nil uses every method. A look (LookOnly)
+	// reads every method regardless: another node's claim is seen and
+	// refused whichever methods this one uses.
+	Use func(fence.Method) bool
 }
 
 // Choose implements FencerFactory.
@@ -82,21 +88,33 @@ func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string, onLost
 	if err != nil {
 		return Choice{}, fmt.Errorf("probing %s for persistent reservations: %w", dev.Path, err)
 	}
+	pr := "no persistent reservations (" + sup.Reason + ")"
 	if sup.Method == fence.MethodPR {
-		return Choice{Fencer: e, Method: fence.MethodPR}, nil
+		if f.uses(volume, fence.MethodPR) {
+			return Choice{Fencer: e, Method: fence.MethodPR}, nil
+		}
+		pr = "persistent reservations, which this agent does not use (volumes.fence_methods)"
 	}
 	var reason string
-	if f.Lease != nil {
+	switch {
+	case f.Lease == nil:
+		reason = pr + ", and this agent has no on-disk lease"
+	case !f.uses(volume, fence.MethodLease):
+		reason = pr + ", and this agent does not use the on-disk lease (volumes.fence_methods)"
+	default:
 		ch, err := f.Lease(ctx, dev, volume, onLost)
 		if err != nil {
-			return Choice{}, fmt.Errorf("no persistent reservations (%s), and the lease could not be set up: %w", sup.Reason, err)
+			return Choice{}, fmt.Errorf("%s, and the lease could not be set up: %w", pr, err)
 		}
 		if ch.Fencer != nil {
 			return ch, nil
 		}
-		reason = fmt.Sprintf("no persistent reservations (%s), and no lease: %s", sup.Reason, ch.Reason)
-	} else {
-		reason = fmt.Sprintf("no persistent reservations (%s), and this agent has no on-disk lease", sup.Reason)
+		reason = pr + ", and no lease: " + ch.Reason
 	}
 	return Choice{Method: fence.MethodNone, Reason: reason}, nil
+}
+
+// uses reports whether a choice for volume may claim with method m.
+func (f *Fencing) uses(volume string, m fence.Method) bool {
+	return volume == LookOnly || f.Use == nil || f.Use(m)
 }

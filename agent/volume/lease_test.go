@@ -744,3 +744,43 @@ func TestStageUsesALeaseAreaWrittenDuringItsProof(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// An agent that does not claim disks with the lease (volumes.fence_methods
+// without disk-lease) stages a blank disk without reservations only by the
+// unfenced opt-in, writing no lease area; a look at a disk another node
+// holds by its lease still sees that holder.
+func TestAgentWithoutTheLeaseStagesOnlyByTheOptIn(t *testing.T) {
+	needRoot(t)
+	f := leaseFencing(nodeA, "node-a")
+	f.Use = func(m fence.Method) bool { return m == fence.MethodPR }
+	e := newEnvWith(t, f)
+	ctx := context.Background()
+	img, dev := loop(t, 64)
+	req := e.stageReq("vol-n", img, "n")
+	req.AllowUnfenced = false
+	_, err := e.m.Stage(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition, "offers no fencing", "does not use the on-disk lease (volumes.fence_methods)", "opt-in")
+	req.AllowUnfenced = true
+	res, err := e.m.Stage(ctx, req)
+	if err != nil || res.Method != fence.MethodNone || !res.Formatted {
+		t.Fatalf("opted-in stage of a blank disk: %+v %v", res, err)
+	}
+	if raw, _ := os.ReadFile(img); bytes.HasPrefix(raw, []byte("VCOLEASE")) || blkid(t, dev, "TYPE") != "ext4" {
+		t.Fatal("the disk got a lease area, or no filesystem, from an agent that does not use the lease")
+	}
+	if err := e.m.Unstage(ctx, "vol-n", req.StagingPath); err != nil {
+		t.Fatal(err)
+	}
+
+	// Node B, which uses the lease, holds another disk; A, given the
+	// same disk, refuses it naming B.
+	b := fencedLeaseEnv(t, nodeB, "node-b")
+	imgB, _ := loop(t, 64)
+	if _, err := b.m.Stage(ctx, b.stageReq("vol-b", imgB, "b")); err != nil {
+		t.Fatal(err)
+	}
+	_, devA := shared(t, imgB)
+	if v, err := e.m.Classify(ctx, devEvent(t, devA)); err != nil || !v.Refuse || v.Holder != keyB || v.Method != fence.MethodLease {
+		t.Fatalf("the verdict of an agent without the lease on a disk B holds by its lease: %+v %v", v, err)
+	}
+}
