@@ -339,6 +339,26 @@ bench-fence: deps
 bench-crypt: deps build
 	@$(GO) test -count=1 -run '^$$' -bench . -benchtime 5x ./crypt/luks2/ > $(BIN)/bench-crypt.txt; $(GO) run ./cmd/vco-bench $(BIN)/bench-crypt.txt
 
+# What the fence costs a user of the cluster: a claim to its first pod
+# Running, a pod moved, a drain and K10's partition failover, fenced
+# against the same cluster with the fence off (every agent's
+# volumes.fence_methods [none] and the unfenced opt-in), the modes
+# alternating on one cluster of its own (vco-lab k8s bench); about
+# 25 min a round on TCG workers, so in make soak, on both disk kinds.
+BENCH_K8S_ROUNDS ?= 1
+.PHONY: bench-k8s soak-bench-k8s
+## the cluster-level cost of the fence against the fence off (K8S_KIND)
+bench-k8s: deps build packages guest-root
+	$(MAKE) image IMAGE_ARCHS=amd64
+	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab k8s bench -bin $(BIN) -kind $(K8S_KIND) -rounds $(BENCH_K8S_ROUNDS) | tee $(BIN)/bench-k8s-$(K8S_KIND).txt && \
+	  $(GO) run ./cmd/vco-bench $(BIN)/bench-k8s-$(K8S_KIND).txt
+
+soak-bench-k8s:
+	@rc=0; \
+	$(MAKE) --no-print-directory bench-k8s K8S_KIND=virtio-blk || rc=1; \
+	$(MAKE) --no-print-directory bench-k8s K8S_KIND=scsi-block || rc=1; \
+	exit $$rc
+
 ##@ Fuzz and soak
 
 .PHONY: fuzz test-fuzz-brief fuzz-all fuzz-fence fuzz-crypt fuzz-smbios soak soak-faults soak-lease soak-volsim soak-upgrade soak-k8s soak-k8s-crs soak-k8s-e2e
@@ -420,7 +440,7 @@ SOAK_ROUNDS ?= 200
 STORM_SOAK_ROUNDS ?= 20
 STORM_RACE_ROUNDS ?= 5
 ## everything long: k8s and the storage suite on both kinds, fault and lease soaks, fuzzers, crash loop, races
-soak: deps-apt soak-k8s soak-k8s-crs soak-k8s-e2e soak-faults soak-lease soak-volsim soak-upgrade
+soak: deps-apt soak-k8s soak-k8s-crs soak-k8s-e2e soak-bench-k8s soak-faults soak-lease soak-volsim soak-upgrade
 	@mkdir -p $(BIN)
 	$(MAKE) --no-print-directory fuzz-all FUZZ_FOR=$(FUZZTIME) FUZZ_MIN=5s 2>&1 | tee $(BIN)/soak-fuzz.log
 	VCO_STORM_ROUNDS=$(STORM_RACE_ROUNDS) $(GO) test -race -count=1 -run TestConcurrentCSICalls ./integration/reliability

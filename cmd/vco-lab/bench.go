@@ -72,7 +72,13 @@ func bench(args []string) int {
 	if err != nil {
 		return c.finish(fail("%v", err))
 	}
-	// cmd/vco-bench reads this table: names, then two or more spaces.
+	printRows(rows)
+	return c.finish(0)
+}
+
+// printRows prints rows as the table cmd/vco-bench reads: names, then two
+// or more spaces.
+func printRows(rows []benchRow) {
 	w := len("benchmark")
 	for _, r := range rows {
 		w = max(w, len(r.name))
@@ -81,7 +87,6 @@ func bench(args []string) int {
 	for _, r := range rows {
 		fmt.Printf("%-*s  %10s %8s\n", w, r.name, r.value, r.ratio)
 	}
-	return c.finish(0)
 }
 
 // labRows times guest boots, lab set-up and reservation commands.

@@ -20,7 +20,7 @@ import (
 	"github.com/whitesky-cloud/vco-storage/integration/lab"
 )
 
-const k8sUsage = `usage: vco-lab k8s <up|status|down|run|e2e|prefetch> [flags]
+const k8sUsage = `usage: vco-lab k8s <up|status|down|run|bench|e2e|prefetch> [flags]
 
   up      build what is not cached, start a cluster (control plane on
           127.0.0.1, workers as QEMU guests) with the add-on applied, and
@@ -36,6 +36,12 @@ const k8sUsage = `usage: vco-lab k8s <up|status|down|run|e2e|prefetch> [flags]
           property (DIR/k8s-report.txt and .html); nothing is left running.
           K14 (the add-on through a ClusterResourceSet) runs alone:
           -scenarios K14 (make soak-k8s-crs)
+  bench [-rounds 1]
+          the times a user sees (a claim to its first pod Running, a pod
+          moved, a drain, K10's partition failover) on a cluster of its
+          own, fenced and with the fence off (the agents' fence_methods
+          [none] and the unfenced opt-in: the reference), side by side;
+          a table of ratios on stdout
   e2e [-focus REGEXP] [-skip REGEXP] [-class NAME] [-suite-timeout 6h] [-report DIR]
           Kubernetes' external storage suite (e2e.test, External.Storage)
           against deploy/testdriver.yaml on a cluster of its own with the
@@ -64,6 +70,7 @@ func k8sCmd(args []string) int {
 	}
 	var kind, scenarios, report, focus, skip, class string
 	var suiteTimeout time.Duration
+	var rounds int
 	extra := func(fs *flag.FlagSet) {
 		fs.StringVar(&kind, "kind", string(lab.SCSIBlock), "disk kind: scsi-block, virtio-blk (over iSCSI) or virtio-blk-file (over a file: grows online)")
 		fs.BoolVar(&k8sCloudInit, "cloud-init", true, "enable the workers' vco-agent with the package's cloud-init seed (false: the package's own enablement; boots faster)")
@@ -74,6 +81,7 @@ func k8sCmd(args []string) int {
 		fs.StringVar(&skip, "skip", "", "e2e: Ginkgo skip expression")
 		fs.StringVar(&class, "class", "", "e2e: the StorageClass the suite provisions from (default: the driver file's, vco-csi)")
 		fs.DurationVar(&suiteTimeout, "suite-timeout", 6*time.Hour, "e2e: Ginkgo's timeout for the suite; it then reports what ran")
+		fs.IntVar(&rounds, "rounds", 1, "bench: rounds of every measure in each mode")
 	}
 	switch args[0] {
 	case "up":
@@ -99,6 +107,12 @@ func k8sCmd(args []string) int {
 			report = c.bin
 		}
 		return c.finish(k8sRun(c, kind, strings.Split(scenarios, ","), report))
+	case "bench":
+		c, err := oneShotFlags("k8s-bench", args[1:], extra)
+		if err != nil {
+			return fail("%v", err)
+		}
+		return c.finish(k8sBench(c, kind, rounds))
 	case "e2e":
 		c, err := oneShotFlags("k8s-e2e", args[1:], extra)
 		if err != nil {
@@ -158,6 +172,53 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 		return fail("%v", err)
 	}
 	return 0
+}
+
+// k8sBench is `make bench-k8s`: a cluster, story.Bench, and its figures
+// as the table cmd/vco-bench reads, each fenced figure against the same
+// measure unfenced.
+func k8sBench(c *common, kind string, rounds int) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if rounds < 1 {
+		return fail("-rounds %d: at least 1", rounds)
+	}
+	o, err := k8sOptions(c, kind, false)
+	if err != nil {
+		return fail("%v", err)
+	}
+	cl, err := k8s.Up(ctx, o)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer cl.Close()
+	figs, err := story.Bench(ctx, cl, rounds, os.Stderr)
+	if err != nil {
+		return fail("%v", cl.WithLogs(err))
+	}
+	printRows(benchK8sRows(figs, kind))
+	return 0
+}
+
+// benchK8sRows are figs as rows: each measure unfenced (the reference),
+// then fenced with its ratio.
+func benchK8sRows(figs []story.BenchFigure, kind string) []benchRow {
+	var rows []benchRow
+	for _, m := range story.BenchMeasures {
+		var ref, fenced story.BenchFigure
+		for _, f := range figs {
+			switch {
+			case f.Measure == m && f.Unfenced:
+				ref = f
+			case f.Measure == m:
+				fenced = f
+			}
+		}
+		name := fmt.Sprintf("k8s %s, %s, %d round(s)", m, kind, len(fenced.Times))
+		rows = append(rows, benchRow{name + ", fence off (reference)", secs(ref.Mean()), "1.00x"},
+			benchRow{name + ", fenced", secs(fenced.Mean()), ratio(fenced.Mean(), ref.Mean())})
+	}
+	return rows
 }
 
 // k8sE2E is `make k8s-e2e`: e2e.test and the suite's images built (or
