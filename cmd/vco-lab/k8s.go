@@ -154,11 +154,7 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 			return fail("%v", err)
 		}
 	}
-	o, err := k8sOptions(c, kind, false)
-	if err != nil {
-		return fail("%v", err)
-	}
-	cl, err := k8s.Up(ctx, o)
+	cl, err := upCluster(ctx, c, kind)
 	if err != nil {
 		return fail("%v", err)
 	}
@@ -174,6 +170,16 @@ func k8sRun(c *common, kind string, scenarios []string, report string) int {
 	return 0
 }
 
+// upCluster starts a cluster of its own on kind disks for a one-shot
+// command.
+func upCluster(ctx context.Context, c *common, kind string) (*k8s.Cluster, error) {
+	o, err := k8sOptions(c, kind, false)
+	if err != nil {
+		return nil, err
+	}
+	return k8s.Up(ctx, o)
+}
+
 // k8sBench is `make bench-k8s`: a cluster, story.Bench, and its figures
 // as the table cmd/vco-bench reads, each fenced figure against the same
 // measure unfenced.
@@ -183,11 +189,7 @@ func k8sBench(c *common, kind string, rounds int) int {
 	if rounds < 1 {
 		return fail("-rounds %d: at least 1", rounds)
 	}
-	o, err := k8sOptions(c, kind, false)
-	if err != nil {
-		return fail("%v", err)
-	}
-	cl, err := k8s.Up(ctx, o)
+	cl, err := upCluster(ctx, c, kind)
 	if err != nil {
 		return fail("%v", err)
 	}

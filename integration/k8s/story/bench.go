@@ -243,13 +243,7 @@ func (s *story) benchDrain(ctx context.Context, name string, p podInfo, _ string
 func (s *story) benchPartition(ctx context.Context, name string, p podInfo, pv string, unfenced bool) (podInfo, time.Duration, error) {
 	old, to := s.c.Env.Lab.Guest(p.Node), s.other(p.Node)
 	healed := false
-	defer func() {
-		bg := context.WithoutCancel(ctx)
-		if !healed {
-			_, _ = old.Sh(bg, healScript())
-		}
-		_, _ = s.c.Kubectl(bg, "taint", "node", old.Name, "node.kubernetes.io/out-of-service-")
-	}()
+	defer s.undoPartition(ctx, old, &healed)
 	if _, err := old.MustSh(ctx, cutScript()); err != nil {
 		return p, 0, err
 	}

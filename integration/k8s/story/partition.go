@@ -41,13 +41,7 @@ func (s *story) k10(ctx context.Context) error {
 	old := s.c.Env.Lab.Guest(held.Node)
 	live := s.c.Env.Lab.Guest(s.other(held.Node))
 	healed := false
-	defer func() {
-		bg := context.WithoutCancel(ctx)
-		if !healed {
-			_, _ = old.Sh(bg, healScript())
-		}
-		_, _ = s.c.Kubectl(bg, "taint", "node", old.Name, "node.kubernetes.io/out-of-service-")
-	}()
+	defer s.undoPartition(ctx, old, &healed)
 	if err := s.step(sc, old.Name, "partition: its traffic to the API server dropped; NotReady while its pod writes on", func() (string, error) {
 		return s.k10Cut(ctx, old, held)
 	}); err != nil {
@@ -80,6 +74,17 @@ func (s *story) k10(ctx context.Context) error {
 		_, err := s.c.Kubectl(ctx, "-n", Namespace, "delete", "pvc", "k10", "--wait=false")
 		return "deleted", err
 	})
+}
+
+// undoPartition heals old's partition unless healed says it was, and
+// lifts its out-of-service taint: what a scenario that cut old leaves
+// done however it ends.
+func (s *story) undoPartition(ctx context.Context, old *lab.Guest, healed *bool) {
+	bg := context.WithoutCancel(ctx)
+	if !*healed {
+		_, _ = old.Sh(bg, healScript())
+	}
+	_, _ = s.c.Kubectl(bg, "taint", "node", old.Name, "node.kubernetes.io/out-of-service-")
 }
 
 // k10Start starts K10's writer Deployment and returns its pod and PV.
