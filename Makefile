@@ -398,7 +398,7 @@ FENCE_FUZZ := fence:FuzzParseGrant fence:FuzzParseKey \
   fence/scsi:FuzzParseSense fence/scsi:FuzzParseReadKeys fence/scsi:FuzzParseReadReservation \
   fence/scsi:FuzzParseReportCapabilities fence/scsi:FuzzParseReadFullStatus fence/scsi:FuzzParseInquiry \
   fence/scsi:FuzzParseUnitSerial fence/scsi:FuzzParseDeviceID \
-  fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/lease:FuzzLeaseEngine fence/uevent:FuzzParse
+  fence/lease:FuzzDecodeArea fence/lease:FuzzClassify fence/lease:FuzzLeaseEngine fence/lease:FuzzLeaseRetake fence/uevent:FuzzParse
 ## the fence parsers' and the lease engine's fuzz targets for FUZZTIME
 fuzz-fence:
 	@for t in $(FENCE_FUZZ); do pkg=$${t%%:*}; fn=$${t##*:}; echo "== $$pkg $$fn"; \

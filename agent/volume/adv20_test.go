@@ -134,7 +134,7 @@ func TestAdv20StoreKeptStageTakenBackByTheCheckLeavesItsLiveFencer(t *testing.T)
 	a := &simVolume{id: "pvc-a", serial: "sim0", encrypted: true}
 	runBreak(t, true, []*simVolume{a}, func(r *simRun, h *hookHost) {
 		ctx := context.Background()
-		mountFailsArming(r, h, map[string]int{"dm-crypt close": 1, "fsync claim record": 2})
+		mountFailsArming(r, h, map[string]int{"dm-crypt close": 1, "fsync claim record": 3})
 		_, err := r.m.Stage(ctx, r.stageReq(a))
 		r.logBreak("NodeStage %s, its mount, its dm-crypt close and its last record failing: %s", a.id, errText(err))
 		c, _ := r.m.store.Get(a.id)

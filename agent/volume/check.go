@@ -306,11 +306,15 @@ func (m *Manager) reconcileFence(ctx context.Context, c *Claim, dev *Device, log
 	if r, ok := ch.Fencer.(resumer); ok {
 		if err := r.Resume(ctx); err != nil {
 			var lost *fence.LostError
+			retake := retakeNone
 			if errors.As(err, &lost) {
-				if m.retakenUnused(ctx, c, dev, ch, lost) {
-					m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
-					return
-				}
+				retake = m.retakenUnused(ctx, c, dev, ch, lost)
+			}
+			switch {
+			case retake == retakeDone:
+				m.setLive(c.Volume, &live{dev: dev, fencer: ch.Fencer})
+				return
+			case lost != nil && retake == retakeNone:
 				lf, _ := ch.Fencer.(*leaseFencer)
 				if lf != nil {
 					// Listed as a loss being stopped (the feeding

@@ -131,11 +131,11 @@ func (m *Manager) unmapNamed(c *Claim) error {
 	c.DataDevice = ""
 	perr := m.store.Put(c)
 	if err := m.unmapData(p); err != nil {
+		// Named again on disk too, whatever the first write answered:
+		// one whose answer was lost may have landed.
 		c.DataDevice = p
-		if perr == nil {
-			if perr := m.store.Put(c); perr != nil {
-				m.log.Error("could not record the data mapping a failed detach left", "volume", c.Volume, "mapping", p, "err", perr)
-			}
+		if perr := m.store.Put(c); perr != nil {
+			m.log.Error("could not record the data mapping a failed detach left", "volume", c.Volume, "mapping", p, "err", perr)
 		}
 		return err
 	}
