@@ -77,8 +77,9 @@ type Volumes struct {
 	// of scsi-pr and disk-lease (both by default); or none: every disk is
 	// then one that offers no fencing, staged only by the unfenced opt-in
 	// (AllowUnfenced), e.g. the reference of the cluster benchmarks.
-	// Another node's claim is read and refused by every method
-	// regardless.
+	// The watcher reads another node's claim by every method
+	// regardless; a stage without the lease refuses a disk that
+	// carries a lease area.
 	FenceMethods []fence.Method `yaml:"fence_methods"`
 	// AllowLoopDevices lets a locator name a loop device by its backing
 	// file: for the simulator's host mode and host tests, never on a node.

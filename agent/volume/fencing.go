@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"log/slog"
 
+	"github.com/whitesky-cloud/vco-storage/agent/agenterr"
 	"github.com/whitesky-cloud/vco-storage/fence"
+	"github.com/whitesky-cloud/vco-storage/fence/lease"
 	"github.com/whitesky-cloud/vco-storage/fence/pr"
 	"github.com/whitesky-cloud/vco-storage/fence/scsi"
 )
@@ -100,6 +102,9 @@ func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string, onLost
 	case f.Lease == nil:
 		reason = pr + ", and this agent has no on-disk lease"
 	case !f.uses(volume, fence.MethodLease):
+		if err := refuseLeaseArea(ctx, dev); err != nil {
+			return Choice{}, err
+		}
 		reason = pr + ", and this agent does not use the on-disk lease (volumes.fence_methods)"
 	default:
 		ch, err := f.Lease(ctx, dev, volume, onLost)
@@ -117,4 +122,25 @@ func (f *Fencing) Choose(ctx context.Context, dev *Device, volume string, onLost
 // uses reports whether a choice for volume may claim with method m.
 func (f *Fencing) uses(volume string, m fence.Method) bool {
 	return volume == LookOnly || f.Use == nil || f.Use(m)
+}
+
+// refuseLeaseArea refuses, for an agent that does not claim disks with
+// the lease, a disk that carries a lease area: a node that uses the lease
+// may hold it, and only the lease can tell (P2). Its data is never staged
+// unfenced.
+func refuseLeaseArea(ctx context.Context, dev *Device) error {
+	ld, err := lease.OpenDeviceReadOnly(dev.Path)
+	if err != nil {
+		return err
+	}
+	defer ld.Close()
+	cls, err := lease.ReadLayout(ctx, ld, lease.DefaultTiming().IOTimeout)
+	if err != nil {
+		return fmt.Errorf("reading whether %s carries a lease area: %w", dev.Path, err)
+	}
+	if cls.Layout == lease.LayoutLease {
+		return agenterr.New(agenterr.FailedPrecondition,
+			"disk %s carries a lease area: a node that fences with the on-disk lease may hold it, and this agent does not use the lease (volumes.fence_methods), so it neither reads who holds it nor stages it; add disk-lease to volumes.fence_methods, or clear the lease on the node that held it (vco-agent lease clear)", dev.Path)
+	}
+	return nil
 }

@@ -509,7 +509,13 @@ func (s *staging) chooseFence(ctx context.Context) error {
 	m, c, dev := s.m, s.c, s.dev
 	choice, err := m.o.Fencers.Choose(ctx, dev, c.Volume, m.onLost(c.Volume))
 	if err != nil {
-		return agenterr.New(agenterr.Unavailable, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
+		// A refusal the factory classified keeps its kind; anything
+		// else is for the kubelet to retry.
+		kind := agenterr.Unavailable
+		if e := new(agenterr.Error); errors.As(err, &e) {
+			kind = e.Kind
+		}
+		return agenterr.New(kind, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
 	}
 	if err := m.leaseDataRule(ctx, dev, c.Volume, &choice); err != nil {
 		closeChoice(choice)
