@@ -94,8 +94,8 @@ func threadMaps(pid int) (string, []byte, error) {
 
 // mappedFile states the file of the maps line (of the thread whose /proc
 // directory is task, of process pid) into stx, found by the line's path
-// in the thread's root or in this host's and taken only when its inode is
-// the line's. A line that names no file (an anonymous shared mapping) has
+// in the thread's root or in this host's and taken only when its device
+// and inode are the line's. A line that names no file (an anonymous shared mapping) has
 // none: false. A file found in neither is an error: it may be the disk.
 func mappedFile(pid int, task, line string, stx *unix.Statx_t) (bool, error) {
 	f := strings.Fields(line)
@@ -103,9 +103,13 @@ func mappedFile(pid int, task, line string, stx *unix.Statx_t) (bool, error) {
 	if err != nil || ino == 0 {
 		return false, nil
 	}
+	var maj, min uint32
+	if _, err := fmt.Sscanf(f[3], "%x:%x", &maj, &min); err != nil {
+		return false, fmt.Errorf("process %d%s: a line of its maps with device %q: %w", pid, command(pid), f[3], err)
+	}
 	path := unescapePath(afterFields(line, 5))
 	for _, root := range []string{filepath.Join(task, "root"), "/"} {
-		if lookupIn(root, path, stx) && stx.Ino == ino {
+		if lookupIn(root, path, stx) == nil && stx.Ino == ino && stx.Dev_major == maj && stx.Dev_minor == min {
 			return true, nil
 		}
 	}

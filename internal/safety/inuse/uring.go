@@ -58,10 +58,17 @@ func ringFiles(pid int, task, fd string, want nodes) (string, error) {
 // of process pid) is among want.
 func ringHolds(pid int, paths []string, want nodes) (string, error) {
 	for _, p := range paths {
+		if strings.HasSuffix(p, deleted) {
+			// Its name is gone, and what has that name now (a file
+			// made since) says nothing of it.
+			return "", fmt.Errorf("process %d%s has a file registered with an io_uring whose name was removed, %q: it may be the disk", pid, command(pid), p)
+		}
 		found := false
+		var lerr error
 		for _, root := range []string{filepath.Join(procRoot, strconv.Itoa(pid), "root"), "/"} {
 			var stx unix.Statx_t
-			if !lookupIn(root, p, &stx) {
+			if err := lookupIn(root, p, &stx); err != nil {
+				lerr = err
 				continue
 			}
 			found = true
@@ -70,26 +77,37 @@ func ringHolds(pid int, paths []string, want nodes) (string, error) {
 			}
 		}
 		if !found {
-			return "", fmt.Errorf("process %d%s has a file registered with an io_uring, %q, that is found neither in its root nor in this host's: it may be the disk", pid, command(pid), p)
+			return "", fmt.Errorf("process %d%s has a file registered with an io_uring, %q, that is found neither in its root nor in this host's (%v): it may be the disk", pid, command(pid), p, lerr)
 		}
 	}
 	return "", nil
 }
 
+// resolveCached is openat2's RESOLVE_CACHED (Linux 5.12), which
+// golang.org/x/sys does not name.
+const resolveCached = 0x20
+
+// deleted is what the kernel adds to the path of a file whose name was
+// removed.
+const deleted = " (deleted)"
+
 // lookupIn states path as seen from the directory root (its symbolic
-// links resolved within root), into stx; false when it is not found.
-func lookupIn(root, path string, stx *unix.Statx_t) bool {
-	dir, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+// links resolved within root), into stx. Only what the kernel has cached
+// is walked (RESOLVE_CACHED): a lookup that would ask a filesystem (a
+// FUSE server, which may be the very process looked at and never answer;
+// a network filesystem) fails with EAGAIN instead of waiting.
+func lookupIn(root, path string, stx *unix.Statx_t) error {
+	dir, err := unix.Openat2(unix.AT_FDCWD, root, &unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: resolveCached})
 	if err != nil {
-		return false
+		return err
 	}
 	defer unix.Close(dir)
-	fd, err := unix.Openat2(dir, strings.TrimPrefix(path, "/"), &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT})
+	fd, err := unix.Openat2(dir, strings.TrimPrefix(path, "/"), &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT | resolveCached})
 	if err != nil {
-		return false
+		return err
 	}
 	defer unix.Close(fd)
-	return unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, stx) == nil
+	return unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE|unix.STATX_INO, stx)
 }
 
 // registered reads a ring's fdinfo: the paths of its registered files,
