@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 	"unsafe"
 
@@ -20,11 +21,14 @@ import (
 type Device struct {
 	name string
 	f    blockFile
-	// sem serialises I/O, so at most one request per device is in flight;
-	// a request that timed out keeps its buffer and the device until it
-	// completes. It is a channel rather than a mutex so that waiting for
-	// it is a blocking receive the simulator's fake clock can see through
-	// (testing/synctest).
+	// sem serialises I/O, so at most one request per disk is in flight
+	// in this process; a request that timed out keeps its buffer and the
+	// disk until it completes. Every Device of one disk in a process
+	// shares it (ioLock): a new engine of a volume staged again must not
+	// read or claim while its predecessor's release write is still in
+	// flight, which would land over the new claim. It is a channel rather
+	// than a mutex so that waiting for it is a blocking receive the
+	// simulator's fake clock can see through (testing/synctest).
 	sem  chan struct{}
 	size int64
 	// id is what name named when it was opened (a blank proof of name
@@ -34,6 +38,32 @@ type Device struct {
 	// enters and leaves a lease I/O: a paused host blocks there. Nil in
 	// production.
 	gate func()
+}
+
+// ioLocks are the I/O locks of the disks this process opened for lease
+// I/O, by disk: a block device by its device number (whichever node
+// names it), a file by its inode. They are kept for the process's life:
+// a disk is one small entry.
+var ioLocks = struct {
+	sync.Mutex
+	m map[[3]uint64]chan struct{}
+}{m: map[[3]uint64]chan struct{}{}}
+
+// ioLock is the I/O lock of the disk st describes, shared by every Device
+// of it in this process.
+func ioLock(st *unix.Stat_t) chan struct{} {
+	k := [3]uint64{0, st.Dev, st.Ino}
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		k = [3]uint64{1, st.Rdev, 0}
+	}
+	ioLocks.Lock()
+	defer ioLocks.Unlock()
+	l, ok := ioLocks.m[k]
+	if !ok {
+		l = make(chan struct{}, 1)
+		ioLocks.m[k] = l
+	}
+	return l
 }
 
 // blockFile is what a Device does its I/O on: the opened disk, or the
@@ -62,13 +92,14 @@ func openDevice(path string, mode int) (*Device, error) {
 		return nil, fmt.Errorf("opening %s for lease I/O (O_DIRECT): %w", path, err)
 	}
 	f := os.NewFile(uintptr(fd), path)
-	d := &Device{name: path, f: f, sem: make(chan struct{}, 1)}
+	d := &Device{name: path, f: f}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	d.id = blank.FileIDOf(&st)
+	d.sem = ioLock(&st)
 	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
 		ssz, err := unix.IoctlGetInt(fd, unix.BLKSSZGET)
 		if err != nil {

@@ -527,6 +527,10 @@ type simHost struct {
 	prof   ioProfile
 	// lives bounds how many lives the host runs (0: until the end).
 	lives int
+	// sem is the disk's I/O lock in this host's agent, which every
+	// life's Device shares, as the agent's Devices of one disk do
+	// (ioLock): a life's request still in flight holds it.
+	sem chan struct{}
 	// grantP is the chance that an acquisition carries a grant naming
 	// the current holder; pauseP, dieP and releaseP what ends a hold.
 	grantP, pauseP, dieP float64
@@ -686,7 +690,7 @@ func (h *simHost) lifeDevice(life int) (*window, *simDevice) {
 // then closes the window once the last writes have drained.
 func (h *simHost) newEngine(life int, w *window, dev *simDevice) (*Engine, error) {
 	s := h.s
-	d := &Device{name: fmt.Sprintf("sim%d.%d", h.idx, life), f: dev, sem: make(chan struct{}, 1), size: 1 << 30, gate: dev.gate}
+	d := &Device{name: fmt.Sprintf("sim%d.%d", h.idx, life), f: dev, sem: h.sem, size: 1 << 30, gate: dev.gate}
 	var lostOnce sync.Once
 	return New(d, Config{Key: h.key, Node: h.uuid, NodeName: fmt.Sprintf("host-%d", h.idx), Timing: h.clock(), Serial: s.serial,
 		Logger: s.log.With("host", h.idx, "life", life),
@@ -1128,6 +1132,7 @@ type simHosts struct {
 // add numbers h and gives it a stream of its own from the seed.
 func (hs *simHosts) add(h *simHost) {
 	h.s, h.idx = hs.s, len(hs.hosts)
+	h.sem = make(chan struct{}, 1)
 	h.rng = rand.New(rand.NewPCG(uint64(hs.s.seed), uint64(len(hs.hosts))+1))
 	hs.hosts = append(hs.hosts, h)
 }
