@@ -353,6 +353,7 @@ bench-k8s: deps build packages guest-root
 	@set -o pipefail 2>/dev/null; $(BIN)/vco-lab k8s bench -bin $(BIN) -kind $(K8S_KIND) -rounds $(BENCH_K8S_ROUNDS) | tee $(BIN)/bench-k8s-$(K8S_KIND).txt && \
 	  $(GO) run ./cmd/vco-bench $(BIN)/bench-k8s-$(K8S_KIND).txt
 
+## the cluster bench on virtio-blk and scsi-block disks
 soak-bench-k8s:
 	@rc=0; \
 	$(MAKE) --no-print-directory bench-k8s K8S_KIND=virtio-blk || rc=1; \
