@@ -512,8 +512,9 @@ func (s *staging) chooseFence(ctx context.Context) error {
 		// A refusal the factory classified keeps its kind; anything
 		// else is for the kubelet to retry.
 		kind := agenterr.Unavailable
-		if e := new(agenterr.Error); errors.As(err, &e) {
-			kind = e.Kind
+		var classified *agenterr.Error
+		if errors.As(err, &classified) {
+			kind = classified.Kind
 		}
 		return agenterr.New(kind, "volume %s: choosing how to fence %s: %v", c.Volume, dev.Path, err)
 	}

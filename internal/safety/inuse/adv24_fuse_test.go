@@ -157,7 +157,7 @@ func adv24RegisterFile(path string) error {
 	if err != nil {
 		return err
 	}
-	if _, err := adv24NewRing(fd); err != nil {
+	if _, err := newTestRing(fd); err != nil {
 		return err
 	}
 	if err := unix.Close(fd); err != nil {

@@ -16,7 +16,6 @@ import (
 	"runtime"
 	"strings"
 	"testing"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -53,57 +52,6 @@ func TestAdv24RingWriterProcess(t *testing.T) {
 	}
 }
 
-// adv24Ring is a ring of one entry with fd registered as its file 0, the
-// submission ring and entries mapped.
-type adv24Ring struct {
-	fd       uintptr
-	params   ringParams
-	sq, sqes []byte
-}
-
-// adv24NewRing sets the ring up.
-func adv24NewRing(fd int) (*adv24Ring, error) {
-	r := &adv24Ring{}
-	ring, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, 1, uintptr(unsafe.Pointer(&r.params)), 0)
-	if errno != 0 {
-		return nil, fmt.Errorf("io_uring_setup: %w", errno)
-	}
-	r.fd = ring
-	files := []int32{int32(fd)}
-	if _, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, ring, 2 /* IORING_REGISTER_FILES */, uintptr(unsafe.Pointer(&files[0])), 1, 0, 0); errno != 0 {
-		return nil, fmt.Errorf("io_uring_register files: %w", errno)
-	}
-	var err error
-	if r.sq, err = unix.Mmap(int(ring), 0, int(r.params.sqOff[6]+r.params.sqEntries*4), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
-		return nil, err
-	}
-	if r.sqes, err = unix.Mmap(int(ring), 0x10000000 /* IORING_OFF_SQES */, int(r.params.sqEntries*64), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
-		return nil, err
-	}
-	return r, nil
-}
-
-// write writes hiddenMark at byte 0 of the ring's file 0, entering the
-// ring through enterFD with enterFlags.
-func (r *adv24Ring) write(enterFD uintptr, enterFlags uintptr) error {
-	buf := []byte(hiddenMark)
-	sqe := r.sqes[:64]
-	clear(sqe)
-	sqe[0] = 23 // IORING_OP_WRITE
-	sqe[1] = 1  // IOSQE_FIXED_FILE
-	*(*uint64)(unsafe.Pointer(&sqe[16])) = uint64(uintptr(unsafe.Pointer(&buf[0])))
-	*(*uint32)(unsafe.Pointer(&sqe[24])) = uint32(len(buf))
-	*(*uint32)(unsafe.Pointer(&r.sq[r.params.sqOff[6]])) = 0
-	tail := (*uint32)(unsafe.Pointer(&r.sq[r.params.sqOff[1]]))
-	*tail++
-	_, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, enterFD, 1, 1, 1|enterFlags /* IORING_ENTER_GETEVENTS */, 0, 0)
-	runtime.KeepAlive(buf)
-	if errno != 0 {
-		return fmt.Errorf("io_uring_enter: %w", errno)
-	}
-	return nil
-}
-
 // adv24DeletedNode opens the disk through a node of its own in dir,
 // registers it with a ring, removes the node and puts a regular file
 // where the kernel's fdinfo now names the ring's file ("NODE (deleted)").
@@ -120,7 +68,7 @@ func adv24DeletedNode(disk, dir string) error {
 	if err != nil {
 		return err
 	}
-	r, err := adv24NewRing(fd)
+	r, err := newTestRing(fd)
 	if err != nil {
 		return err
 	}
@@ -133,7 +81,7 @@ func adv24DeletedNode(disk, dir string) error {
 	if err := os.WriteFile(node+" (deleted)", nil, 0o600); err != nil {
 		return err
 	}
-	return afterReady(func() error { return r.write(r.fd, 0) })
+	return afterReady(r.write)
 }
 
 // A process writes the disk through an io_uring whose registered file

@@ -108,51 +108,71 @@ func TestHiddenWriterProcess(t *testing.T) {
 }
 
 // ringWriter registers disk with an io_uring, closes its own descriptor
-// of it, and writes through the ring (IORING_OP_WRITE on the fixed file)
-// when told.
+// of it, and writes through the ring when told.
 func ringWriter(disk string) error {
-	var params ringParams
-	ring, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, 1, uintptr(unsafe.Pointer(&params)), 0)
-	if errno != 0 {
-		return fmt.Errorf("io_uring_setup: %w", errno)
-	}
 	fd, err := unix.Open(disk, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
-	files := []int32{int32(fd)}
-	if _, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, ring, 2 /* IORING_REGISTER_FILES */, uintptr(unsafe.Pointer(&files[0])), 1, 0, 0); errno != 0 {
-		return fmt.Errorf("io_uring_register: %w", errno)
+	r, err := newTestRing(fd)
+	if err != nil {
+		return err
 	}
 	if err := unix.Close(fd); err != nil {
 		return err
 	}
-	sq, err := unix.Mmap(int(ring), 0, int(params.sqOff[6]+params.sqEntries*4), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
-	if err != nil {
-		return err
+	return afterReady(r.write)
+}
+
+// testRing is a ring of one entry with fd registered as its file 0, the
+// submission ring and entries mapped.
+type testRing struct {
+	fd       uintptr
+	params   ringParams
+	sq, sqes []byte
+}
+
+// newTestRing sets the ring up.
+func newTestRing(fd int) (*testRing, error) {
+	r := &testRing{}
+	ring, _, errno := unix.Syscall(unix.SYS_IO_URING_SETUP, 1, uintptr(unsafe.Pointer(&r.params)), 0)
+	if errno != 0 {
+		return nil, fmt.Errorf("io_uring_setup: %w", errno)
 	}
-	sqes, err := unix.Mmap(int(ring), 0x10000000 /* IORING_OFF_SQES */, int(params.sqEntries*64), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
-	if err != nil {
-		return err
+	r.fd = ring
+	files := []int32{int32(fd)}
+	if _, _, errno := unix.Syscall6(unix.SYS_IO_URING_REGISTER, ring, 2 /* IORING_REGISTER_FILES */, uintptr(unsafe.Pointer(&files[0])), 1, 0, 0); errno != 0 {
+		return nil, fmt.Errorf("io_uring_register files: %w", errno)
 	}
+	var err error
+	if r.sq, err = unix.Mmap(int(ring), 0, int(r.params.sqOff[6]+r.params.sqEntries*4), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
+		return nil, err
+	}
+	if r.sqes, err = unix.Mmap(int(ring), 0x10000000 /* IORING_OFF_SQES */, int(r.params.sqEntries*64), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// write writes hiddenMark at byte 0 of the ring's file 0
+// (IORING_OP_WRITE on the fixed file).
+func (r *testRing) write() error {
 	buf := []byte(hiddenMark)
-	return afterReady(func() error {
-		sqe := sqes[:64]
-		clear(sqe)
-		sqe[0] = 23 // IORING_OP_WRITE
-		sqe[1] = 1  // IOSQE_FIXED_FILE: fd is the index among the registered files
-		*(*uint64)(unsafe.Pointer(&sqe[16])) = uint64(uintptr(unsafe.Pointer(&buf[0])))
-		*(*uint32)(unsafe.Pointer(&sqe[24])) = uint32(len(buf))
-		*(*uint32)(unsafe.Pointer(&sq[params.sqOff[6]])) = 0 // array[0] = sqe 0
-		tail := (*uint32)(unsafe.Pointer(&sq[params.sqOff[1]]))
-		*tail++
-		_, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, ring, 1, 1, 1 /* IORING_ENTER_GETEVENTS */, 0, 0)
-		runtime.KeepAlive(buf)
-		if errno != 0 {
-			return fmt.Errorf("io_uring_enter: %w", errno)
-		}
-		return nil
-	})
+	sqe := r.sqes[:64]
+	clear(sqe)
+	sqe[0] = 23 // IORING_OP_WRITE
+	sqe[1] = 1  // IOSQE_FIXED_FILE
+	*(*uint64)(unsafe.Pointer(&sqe[16])) = uint64(uintptr(unsafe.Pointer(&buf[0])))
+	*(*uint32)(unsafe.Pointer(&sqe[24])) = uint32(len(buf))
+	*(*uint32)(unsafe.Pointer(&r.sq[r.params.sqOff[6]])) = 0
+	tail := (*uint32)(unsafe.Pointer(&r.sq[r.params.sqOff[1]]))
+	*tail++
+	_, _, errno := unix.Syscall6(unix.SYS_IO_URING_ENTER, r.fd, 1, 1, 1 /* IORING_ENTER_GETEVENTS */, 0, 0)
+	runtime.KeepAlive(buf)
+	if errno != 0 {
+		return fmt.Errorf("io_uring_enter: %w", errno)
+	}
+	return nil
 }
 
 // ringParams is the kernel's struct io_uring_params: sqOff holds struct
