@@ -140,18 +140,3 @@ func mayWrite(dir, rng string) bool {
 	}
 	return true
 }
-
-// afterFields is what of line follows its first n fields (separated by
-// spaces, as maps pads its columns): a maps line's path, which may hold
-// spaces of its own.
-func afterFields(line string, n int) string {
-	for range n {
-		line = strings.TrimLeft(line, " ")
-		if i := strings.IndexByte(line, ' '); i >= 0 {
-			line = line[i:]
-		} else {
-			return ""
-		}
-	}
-	return strings.TrimLeft(line, " ")
-}
